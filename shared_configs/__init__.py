@@ -1,0 +1,30 @@
+"""Framework-free core: the U-Net spec, its YAML loader and presets, and checkpoint plans.
+
+Nothing here imports torch or jax.
+"""
+
+from shared_configs.loader import load_spec, preset_names, spec_from_dict
+from shared_configs.plan import (
+    NAMED_POLICIES,
+    CheckpointPlan,
+    all_names,
+    block_names,
+    layer_names,
+    resolve_plan,
+)
+from shared_configs.spec import SpecError, TimeEmbeddingSpec, UNetSpec
+
+__all__ = [
+    "NAMED_POLICIES",
+    "CheckpointPlan",
+    "SpecError",
+    "TimeEmbeddingSpec",
+    "UNetSpec",
+    "all_names",
+    "block_names",
+    "layer_names",
+    "load_spec",
+    "preset_names",
+    "resolve_plan",
+    "spec_from_dict",
+]

@@ -1,0 +1,73 @@
+"""YAML at the edge: load a preset or a file into a validated `UNetSpec`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from shared_configs.spec import SpecError, UNetSpec
+
+PRESET_DIR = Path(__file__).resolve().parent
+
+
+def preset_names() -> list[str]:
+    """Names of the bundled presets (``shared_configs/<name>.yaml``)."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_spec(name_or_path: str | Path) -> UNetSpec:
+    """Load a spec from a preset name (``"tiny"``) or a YAML file path."""
+    path = _resolve(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise SpecError(f"{path.name}: malformed YAML{where}: {getattr(err, 'problem', err)}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path.name}: expected a mapping of spec fields, got {type(data).__name__}")
+    data.setdefault("name", path.stem)
+    return spec_from_dict(data)
+
+
+def spec_from_dict(data: dict[str, Any]) -> UNetSpec:
+    """Validate a plain dict; any problem becomes a one-line `SpecError` naming the field."""
+    try:
+        return UNetSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_one_line(err)) from None
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    msg = first["msg"].removeprefix("Value error, ")
+    loc = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        allowed = ", ".join(sorted(_model_at(first["loc"][:-1]).model_fields))
+        return f"{loc}: unknown field (allowed: {allowed})"
+    return f"{loc}: {msg}" if loc else msg
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
+    """The (nested) model class that owns the fields at ``loc``."""
+    model: type[BaseModel] = UNetSpec
+    for part in loc:
+        annotation = model.model_fields[str(part)].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+    return model
+
+
+def _resolve(name_or_path: str | Path) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in {".yaml", ".yml"} or path.exists():
+        if not path.is_file():
+            raise SpecError(f"config: file not found: {path}")
+        return path
+    preset = PRESET_DIR / f"{name_or_path}.yaml"
+    if not preset.is_file():
+        raise SpecError(f"config: unknown preset {str(name_or_path)!r} (allowed: {', '.join(preset_names())})")
+    return preset

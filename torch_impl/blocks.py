@@ -1,0 +1,79 @@
+"""Down, middle and up blocks in PyTorch: the units a checkpoint plan names.
+
+Blocks receive factories for their layers from the U-Net assembly, so they know nothing of the
+spec. Mirrored in `jax_impl/blocks.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from torch_impl.layers import Downsample, Upsample
+
+ResnetFactory = Callable[[int, int], nn.Module]  # (in_ch, out_ch) -> ResnetBlock
+AttentionFactory = Callable[[int], nn.Module]  # ch -> SelfAttention | Transformer2D
+Context = torch.Tensor | None
+
+
+class DownBlock(nn.Module):
+    """``layers`` ResNets (each followed by attention if any), then an optional downsample."""
+
+    def __init__(self, in_ch: int, out_ch: int, layers: int, make_resnet: ResnetFactory,
+                 make_attention: AttentionFactory | None, downsample_padding: int | None) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(make_resnet(in_ch if j == 0 else out_ch, out_ch) for j in range(layers))
+        self.attentions = nn.ModuleList(make_attention(out_ch) for _ in range(layers)) if make_attention else None
+        self.downsample = Downsample(out_ch, downsample_padding) if downsample_padding is not None else None
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, context: Context) -> tuple[torch.Tensor, ...]:
+        """Returns the skips of this level; the last one is the block's output."""
+        skips = []
+        for j, resnet in enumerate(self.resnets):
+            x = resnet(x, temb)
+            if self.attentions is not None:
+                x = self.attentions[j](x, context)
+            skips.append(x)
+        if self.downsample is not None:
+            skips.append(self.downsample(x))
+        return tuple(skips)
+
+
+class MidBlock(nn.Module):
+    """ResNet, attention (optional), ResNet at the lowest resolution."""
+
+    def __init__(self, ch: int, make_resnet: ResnetFactory, make_attention: AttentionFactory | None) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList([make_resnet(ch, ch), make_resnet(ch, ch)])
+        self.attentions = nn.ModuleList([make_attention(ch)]) if make_attention else None
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, context: Context) -> torch.Tensor:
+        x = self.resnets[0](x, temb)
+        if self.attentions is not None:
+            x = self.attentions[0](x, context)
+        return self.resnets[1](x, temb)
+
+
+class UpBlock(nn.Module):
+    """One ResNet per skip it consumes (input concatenated with the skip), then upsample."""
+
+    def __init__(self, in_ch: int, out_ch: int, skip_channels: Sequence[int], make_resnet: ResnetFactory,
+                 make_attention: AttentionFactory | None, upsample: bool) -> None:
+        super().__init__()
+        ins = [in_ch] + [out_ch] * (len(skip_channels) - 1)
+        self.resnets = nn.ModuleList(make_resnet(i + s, out_ch) for i, s in zip(ins, skip_channels, strict=True))
+        self.attentions = (
+            nn.ModuleList(make_attention(out_ch) for _ in skip_channels) if make_attention else None
+        )
+        self.upsample = Upsample(out_ch) if upsample else None
+
+    def forward(self, x: torch.Tensor, skips: Sequence[torch.Tensor], temb: torch.Tensor,
+                context: Context) -> torch.Tensor:
+        """``skips`` in the order they were produced; consumed last first."""
+        for j, resnet in enumerate(self.resnets):
+            x = resnet(torch.cat([x, skips[-1 - j]], dim=1), temb)
+            if self.attentions is not None:
+                x = self.attentions[j](x, context)
+        return self.upsample(x) if self.upsample is not None else x

@@ -1,0 +1,210 @@
+"""U-Net layers in PyTorch (NCHW). Mirrored name for name in `jax_impl/layers.py`.
+
+Each layer takes only the numbers it needs; the U-Net assembly (`unet.py`) reads the spec.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+
+def timestep_embedding(
+    t: torch.Tensor, dim: int, flip_sin_to_cos: bool, freq_shift: float, max_period: float
+) -> torch.Tensor:
+    """Sinusoidal timestep features, (B,) -> (B, dim), as diffusers' `get_timestep_embedding`."""
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device)
+    freqs = torch.exp(exponent / (half - freq_shift))
+    args = t.float()[:, None] * freqs[None]
+    sin, cos = torch.sin(args), torch.cos(args)
+    emb = torch.cat([cos, sin] if flip_sin_to_cos else [sin, cos], dim=-1)
+    return F.pad(emb, (0, dim % 2))
+
+
+class TimestepEmbedding(nn.Module):
+    """Two-layer MLP on the sinusoidal features."""
+
+    def __init__(self, in_dim: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class ResnetBlock(nn.Module):
+    """GroupNorm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip."""
+
+    def __init__(
+        self,
+        in_ch: int,
+        out_ch: int,
+        temb_dim: int,
+        groups: int,
+        eps: float,
+        dropout: float,
+        scale_shift: bool = False,
+        output_scale: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.scale_shift, self.output_scale = scale_shift, output_scale
+        self.norm1 = nn.GroupNorm(groups, in_ch, eps=eps)
+        self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
+        self.time_emb_proj = nn.Linear(temb_dim, out_ch * (2 if scale_shift else 1))
+        self.norm2 = nn.GroupNorm(groups, out_ch, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+        self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
+        self.conv_shortcut = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else None
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        t = self.time_emb_proj(F.silu(temb))[:, :, None, None]
+        if self.scale_shift:
+            scale, shift = t.chunk(2, dim=1)
+            h = self.norm2(h) * (1 + scale) + shift
+        else:
+            h = self.norm2(h + t)
+        h = self.conv2(self.dropout(F.silu(h)))
+        skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
+        return (skip + h) / self.output_scale
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+    """Multi-head attention on (B, T, heads*D) tensors."""
+    q, k, v = (rearrange(a, "b t (n d) -> b n t d", n=heads) for a in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    return rearrange(out, "b n t d -> b t (n d)")
+
+
+class SelfAttention(nn.Module):
+    """DDPM's spatial self-attention block: GroupNorm, q/k/v, attention, out, residual."""
+
+    def __init__(self, ch: int, heads: int, groups: int, eps: float, scale: float | None,
+                 output_scale: float = 1.0) -> None:
+        super().__init__()
+        self.heads, self.output_scale = heads, output_scale
+        self.scale = scale or (ch // heads) ** -0.5
+        self.group_norm = nn.GroupNorm(groups, ch, eps=eps)
+        self.to_q, self.to_k, self.to_v = (nn.Linear(ch, ch) for _ in range(3))
+        self.to_out = nn.Linear(ch, ch)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        del context  # same call signature as Transformer2D; plain self-attention ignores it
+        height = x.shape[2]
+        h = rearrange(self.group_norm(x), "b c h w -> b (h w) c")
+        h = attention(self.to_q(h), self.to_k(h), self.to_v(h), self.heads, self.scale)
+        h = rearrange(self.to_out(h), "b (h w) c -> b c h w", h=height)
+        return (h + x) / self.output_scale
+
+
+class CrossAttention(nn.Module):
+    """Attention of a sequence over itself or over ``context`` (SD's attn1 / attn2)."""
+
+    def __init__(self, dim: int, heads: int, scale: float | None, context_dim: int | None = None) -> None:
+        super().__init__()
+        self.heads = heads
+        self.scale = scale or (dim // heads) ** -0.5
+        kv_dim = context_dim or dim
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_k = nn.Linear(kv_dim, dim, bias=False)
+        self.to_v = nn.Linear(kv_dim, dim, bias=False)
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        ctx = x if context is None else context
+        return self.to_out(attention(self.to_q(x), self.to_k(ctx), self.to_v(ctx), self.heads, self.scale))
+
+
+class FeedForward(nn.Module):
+    """GEGLU feed-forward: proj to 2x inner, value * gelu(gate), project back."""
+
+    def __init__(self, dim: int, mult: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim * mult * 2)
+        self.out = nn.Linear(dim * mult, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        value, gate = self.proj(x).chunk(2, dim=-1)
+        return self.out(value * F.gelu(gate))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm self-attention, optional cross-attention, GEGLU feed-forward."""
+
+    def __init__(self, dim: int, heads: int, eps: float, scale: float | None, context_dim: int | None) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.attn1 = CrossAttention(dim, heads, scale)
+        self.norm2 = nn.LayerNorm(dim, eps=eps) if context_dim else None
+        self.attn2 = CrossAttention(dim, heads, scale, context_dim) if context_dim else None
+        self.norm3 = nn.LayerNorm(dim, eps=eps)
+        self.ff = FeedForward(dim)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+        x = self.attn1(self.norm1(x)) + x
+        if self.attn2 is not None:
+            x = self.attn2(self.norm2(x), context) + x
+        return self.ff(self.norm3(x)) + x
+
+
+class Transformer2D(nn.Module):
+    """SD's spatial transformer: GroupNorm, project in, transformer blocks, project out, residual."""
+
+    def __init__(self, ch: int, heads: int, depth: int, groups: int, norm_eps: float, ln_eps: float,
+                 scale: float | None, context_dim: int | None, linear_projection: bool) -> None:
+        super().__init__()
+        self.linear_projection = linear_projection
+        self.norm = nn.GroupNorm(groups, ch, eps=norm_eps)
+        self.proj_in = nn.Linear(ch, ch) if linear_projection else nn.Conv2d(ch, ch, 1)
+        self.transformer_blocks = nn.ModuleList(
+            TransformerBlock(ch, heads, ln_eps, scale, context_dim) for _ in range(depth)
+        )
+        self.proj_out = nn.Linear(ch, ch) if linear_projection else nn.Conv2d(ch, ch, 1)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+        height = x.shape[2]
+        h = self.norm(x)
+        if not self.linear_projection:
+            h = self.proj_in(h)
+        h = rearrange(h, "b c h w -> b (h w) c")
+        if self.linear_projection:
+            h = self.proj_in(h)
+        for block in self.transformer_blocks:
+            h = block(h, context)
+        if self.linear_projection:
+            h = self.proj_out(h)
+        h = rearrange(h, "b (h w) c -> b c h w", h=height)
+        if not self.linear_projection:
+            h = self.proj_out(h)
+        return h + x
+
+
+class Downsample(nn.Module):
+    """Strided 3x3 conv; ``padding=0`` pads right/bottom only, as the original DDPM."""
+
+    def __init__(self, ch: int, padding: int) -> None:
+        super().__init__()
+        self.padding = padding
+        self.conv = nn.Conv2d(ch, ch, 3, stride=2, padding=padding)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.padding == 0:
+            x = F.pad(x, (0, 1, 0, 1))
+        return self.conv(x)
+
+
+class Upsample(nn.Module):
+    """Nearest-neighbour 2x, then a 3x3 conv."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
