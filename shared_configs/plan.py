@@ -99,8 +99,9 @@ def resolve_plan(spec: UNetSpec, policy: Policy | CheckpointPlan = None) -> Chec
             return CheckpointPlan(key, tuple(block_names(spec)[:: _every_n(key)]))
         if "," in key or "." in key or key == "mid":
             return _explicit(spec, [n.strip() for n in key.split(",") if n.strip()])
-        raise SpecError(f"policy: unknown policy {policy!r} (allowed: {', '.join(NAMED_POLICIES)}, "
-                        "or a list of block names)")
+        raise SpecError(
+            f"policy: unknown policy {policy!r} (allowed: {', '.join(NAMED_POLICIES)}, or a list of block names)"
+        )
     return _explicit(spec, list(policy))
 
 

@@ -54,9 +54,7 @@ class UNetSpec(_Frozen):
     # the middle block uses the deepest level's value.
     attention_head_dim: int | tuple[int, ...] | None = None
     num_attention_heads: int | tuple[int, ...] | None = None
-    attention_scale: float | None = Field(
-        default=None, gt=0, description="softmax scale; None means 1/sqrt(head_dim)"
-    )
+    attention_scale: float | None = Field(default=None, gt=0, description="softmax scale; None means 1/sqrt(head_dim)")
     cross_attention_dim: int | None = Field(default=None, gt=0)
     transformer_layers_per_block: int = Field(default=1, gt=0)
     use_linear_projection: bool = False
@@ -131,8 +129,7 @@ class UNetSpec(_Frozen):
                 _require(
                     heads > 0 and ch % heads == 0,
                     "attention_head_dim",
-                    f"block_out_channels[{level}]={ch} does not split into heads "
-                    f"(got {heads} heads)",
+                    f"block_out_channels[{level}]={ch} does not split into heads (got {heads} heads)",
                 )
         return self
 

@@ -21,8 +21,15 @@ Context = torch.Tensor | None
 class DownBlock(nn.Module):
     """``layers`` ResNets (each followed by attention if any), then an optional downsample."""
 
-    def __init__(self, in_ch: int, out_ch: int, layers: int, make_resnet: ResnetFactory,
-                 make_attention: AttentionFactory | None, downsample_padding: int | None) -> None:
+    def __init__(
+        self,
+        in_ch: int,
+        out_ch: int,
+        layers: int,
+        make_resnet: ResnetFactory,
+        make_attention: AttentionFactory | None,
+        downsample_padding: int | None,
+    ) -> None:
         super().__init__()
         self.resnets = nn.ModuleList(make_resnet(in_ch if j == 0 else out_ch, out_ch) for j in range(layers))
         self.attentions = nn.ModuleList(make_attention(out_ch) for _ in range(layers)) if make_attention else None
@@ -59,18 +66,24 @@ class MidBlock(nn.Module):
 class UpBlock(nn.Module):
     """One ResNet per skip it consumes (input concatenated with the skip), then upsample."""
 
-    def __init__(self, in_ch: int, out_ch: int, skip_channels: Sequence[int], make_resnet: ResnetFactory,
-                 make_attention: AttentionFactory | None, upsample: bool) -> None:
+    def __init__(
+        self,
+        in_ch: int,
+        out_ch: int,
+        skip_channels: Sequence[int],
+        make_resnet: ResnetFactory,
+        make_attention: AttentionFactory | None,
+        upsample: bool,
+    ) -> None:
         super().__init__()
         ins = [in_ch] + [out_ch] * (len(skip_channels) - 1)
         self.resnets = nn.ModuleList(make_resnet(i + s, out_ch) for i, s in zip(ins, skip_channels, strict=True))
-        self.attentions = (
-            nn.ModuleList(make_attention(out_ch) for _ in skip_channels) if make_attention else None
-        )
+        self.attentions = nn.ModuleList(make_attention(out_ch) for _ in skip_channels) if make_attention else None
         self.upsample = Upsample(out_ch) if upsample else None
 
-    def forward(self, x: torch.Tensor, skips: Sequence[torch.Tensor], temb: torch.Tensor,
-                context: Context) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, skips: Sequence[torch.Tensor], temb: torch.Tensor, context: Context
+    ) -> torch.Tensor:
         """``skips`` in the order they were produced; consumed last first."""
         for j, resnet in enumerate(self.resnets):
             x = resnet(torch.cat([x, skips[-1 - j]], dim=1), temb)

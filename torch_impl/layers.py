@@ -85,8 +85,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, sca
 class SelfAttention(nn.Module):
     """DDPM's spatial self-attention block: GroupNorm, q/k/v, attention, out, residual."""
 
-    def __init__(self, ch: int, heads: int, groups: int, eps: float, scale: float | None,
-                 output_scale: float = 1.0) -> None:
+    def __init__(
+        self, ch: int, heads: int, groups: int, eps: float, scale: float | None, output_scale: float = 1.0
+    ) -> None:
         super().__init__()
         self.heads, self.output_scale = heads, output_scale
         self.scale = scale or (ch // heads) ** -0.5
@@ -156,8 +157,18 @@ class TransformerBlock(nn.Module):
 class Transformer2D(nn.Module):
     """SD's spatial transformer: GroupNorm, project in, transformer blocks, project out, residual."""
 
-    def __init__(self, ch: int, heads: int, depth: int, groups: int, norm_eps: float, ln_eps: float,
-                 scale: float | None, context_dim: int | None, linear_projection: bool) -> None:
+    def __init__(
+        self,
+        ch: int,
+        heads: int,
+        depth: int,
+        groups: int,
+        norm_eps: float,
+        ln_eps: float,
+        scale: float | None,
+        context_dim: int | None,
+        linear_projection: bool,
+    ) -> None:
         super().__init__()
         self.linear_projection = linear_projection
         self.norm = nn.GroupNorm(groups, ch, eps=norm_eps)

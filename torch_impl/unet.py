@@ -31,23 +31,39 @@ class UNet(nn.Module):
         for i, attn in enumerate(spec.down_attention):
             in_ch = chans[max(i - 1, 0)]
             last = i == n - 1
-            down.append(DownBlock(in_ch, chans[i], spec.layers_per_block, self._resnet_factory(1.0),
-                                  self._attention_factory(attn, i, 1.0),
-                                  None if last else spec.downsample_padding))
+            down.append(
+                DownBlock(
+                    in_ch,
+                    chans[i],
+                    spec.layers_per_block,
+                    self._resnet_factory(1.0),
+                    self._attention_factory(attn, i, 1.0),
+                    None if last else spec.downsample_padding,
+                )
+            )
             skips += [chans[i]] * (spec.layers_per_block + (0 if last else 1))
         self.down = nn.ModuleList(down)
 
         scale = spec.mid_block_scale_factor
-        self.mid = MidBlock(chans[-1], self._resnet_factory(scale),
-                            self._attention_factory(spec.mid_attention, -1, scale))
+        self.mid = MidBlock(
+            chans[-1], self._resnet_factory(scale), self._attention_factory(spec.mid_attention, -1, scale)
+        )
 
         up, prev = [], chans[-1]
         for i, attn in enumerate(spec.up_attention_resolved):
             level = n - 1 - i
             count = spec.layers_per_block + 1
             mine, skips = skips[-count:], skips[:-count]
-            up.append(UpBlock(prev, chans[level], list(reversed(mine)), self._resnet_factory(1.0),
-                              self._attention_factory(attn, level, 1.0), upsample=level > 0))
+            up.append(
+                UpBlock(
+                    prev,
+                    chans[level],
+                    list(reversed(mine)),
+                    self._resnet_factory(1.0),
+                    self._attention_factory(attn, level, 1.0),
+                    upsample=level > 0,
+                )
+            )
             prev = chans[level]
         self.up = nn.ModuleList(up)
 
@@ -56,32 +72,52 @@ class UNet(nn.Module):
 
     def _resnet_factory(self, output_scale: float) -> functools.partial:
         s = self.spec
-        return functools.partial(_resnet, temb_dim=s.time_embed_dim, groups=s.norm_num_groups, eps=s.norm_eps,
-                                 dropout=s.dropout, scale_shift=s.resnet_time_scale_shift == "scale_shift",
-                                 output_scale=output_scale)
+        return functools.partial(
+            _resnet,
+            temb_dim=s.time_embed_dim,
+            groups=s.norm_num_groups,
+            eps=s.norm_eps,
+            dropout=s.dropout,
+            scale_shift=s.resnet_time_scale_shift == "scale_shift",
+            output_scale=output_scale,
+        )
 
     def _attention_factory(self, kind: str, level: int, output_scale: float) -> AttentionFactory | None:
         s, heads = self.spec, self.spec.heads(level)
         if kind == "self":
-            return functools.partial(SelfAttention, heads=heads, groups=s.norm_num_groups, eps=s.norm_eps,
-                                     scale=s.attention_scale, output_scale=output_scale)
+            return functools.partial(
+                SelfAttention,
+                heads=heads,
+                groups=s.norm_num_groups,
+                eps=s.norm_eps,
+                scale=s.attention_scale,
+                output_scale=output_scale,
+            )
         if kind == "transformer":
-            return functools.partial(Transformer2D, heads=heads, depth=s.transformer_layers_per_block,
-                                     groups=s.norm_num_groups, norm_eps=s.transformer_norm_eps,
-                                     ln_eps=s.layer_norm_eps, scale=s.attention_scale,
-                                     context_dim=s.cross_attention_dim,
-                                     linear_projection=s.use_linear_projection)
+            return functools.partial(
+                Transformer2D,
+                heads=heads,
+                depth=s.transformer_layers_per_block,
+                groups=s.norm_num_groups,
+                norm_eps=s.transformer_norm_eps,
+                ln_eps=s.layer_norm_eps,
+                scale=s.attention_scale,
+                context_dim=s.cross_attention_dim,
+                linear_projection=s.use_linear_projection,
+            )
         return None
 
     def forward(self, x: torch.Tensor, t: torch.Tensor | float, context: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
         if s.cross_attention_dim is not None and context is None:
-            raise ValueError(f"context: spec {s.name!r} has cross-attention; pass context of shape "
-                             f"(B, L, {s.cross_attention_dim})")
+            raise ValueError(
+                f"context: spec {s.name!r} has cross-attention; pass context of shape (B, L, {s.cross_attention_dim})"
+            )
         t = torch.as_tensor(t, device=x.device).expand(x.shape[0])
         te = s.time_embedding
-        temb = self.time_embedding(timestep_embedding(t, s.block_out_channels[0], te.flip_sin_to_cos,
-                                                      te.freq_shift, te.max_period))
+        temb = self.time_embedding(
+            timestep_embedding(t, s.block_out_channels[0], te.flip_sin_to_cos, te.freq_shift, te.max_period)
+        )
         h = self.conv_in(x)
         skips = [h]
         for block in self.down:
@@ -98,8 +134,9 @@ class UNet(nn.Module):
         """Names a checkpoint plan can use: blocks, or with ``layers=True`` ResNets/attentions."""
         return layer_names(self.spec) if layers else block_names(self.spec)
 
-    def enable_gradient_checkpointing(self, policy: Policy | CheckpointPlan = "full",
-                                      preserve_rng_state: bool = True) -> CheckpointPlan:
+    def enable_gradient_checkpointing(
+        self, policy: Policy | CheckpointPlan = "full", preserve_rng_state: bool = True
+    ) -> CheckpointPlan:
         """Recompute the blocks the policy names in the backward pass; returns the plan."""
         self.plan = resolve_plan(self.spec, policy)
         apply_plan(self, self.plan, preserve_rng_state)
