@@ -125,13 +125,15 @@ class UNetSpec(_Frozen):
                 f"block_out_channels[{level}]={ch} is not divisible by {self.norm_num_groups} groups",
             )
             if level in attention_levels:
-                heads = self.heads(level)
-                _require(
-                    heads > 0 and ch % heads == 0,
-                    "attention_head_dim",
-                    f"block_out_channels[{level}]={ch} does not split into heads (got {heads} heads)",
-                )
+                self._check_heads(level, ch)
         return self
+
+    def _check_heads(self, level: int, ch: int) -> None:
+        if self.attention_head_dim is not None:
+            field, size = "attention_head_dim", _per_level(self.attention_head_dim, level, self.num_levels)
+        else:
+            field, size = "num_attention_heads", self.heads(level)
+        _require(ch % size == 0, field, f"block_out_channels[{level}]={ch} does not split into heads of {field}={size}")
 
     def _attention_levels(self) -> set[int]:
         levels = {i for i, a in enumerate(self.down_attention) if a != "none"}

@@ -1,0 +1,114 @@
+"""The framework-free spec and plans: presets, clear one-line errors, policy resolution."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared_configs import SpecError, block_names, layer_names, load_spec, preset_names, resolve_plan, spec_from_dict
+
+TINY = yaml.safe_load((Path(__file__).parents[1] / "shared_configs" / "tiny.yaml").read_text())
+
+
+def test_presets_load() -> None:
+    assert {"tiny", "small", "ddpm_cifar10", "sd15"} <= set(preset_names())
+    for name in preset_names():
+        assert load_spec(name).name == name
+
+
+def test_shared_configs_imports_no_framework() -> None:
+    code = "import sys, shared_configs; shared_configs.load_spec('sd15'); print('torch' in sys.modules, 'jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+# (override of the tiny spec, text that must appear in the one-line error)
+BAD_SPECS = [
+    ({"colour": "red"}, "colour: unknown field (allowed:"),
+    ({"block_out_channels": "wide"}, "block_out_channels"),
+    ({"layers_per_block": 0}, "layers_per_block: Input should be greater than 0"),
+    ({"dropout": 1.5}, "dropout: Input should be less than 1"),
+    ({"down_attention": ["self", "cross"]}, "down_attention.1: Input should be 'none', 'self' or 'transformer'"),
+    ({"down_attention": ["self"]}, "down_attention: needs 2 entries"),
+    ({"norm_num_groups": 5}, "norm_num_groups: block_out_channels[0]=16 is not divisible by 5 groups"),
+    ({"attention_head_dim": 7}, "attention_head_dim: block_out_channels[0]=16 does not split into heads"),
+    ({"num_attention_heads": 3, "attention_head_dim": None}, "num_attention_heads: block_out_channels[0]=16 does"),
+    ({"num_attention_heads": 2}, "set attention_head_dim or num_attention_heads, not both"),
+    ({"sample_size": 9}, "sample_size: 9 is not divisible by the downsampling factor 2"),
+    ({"time_embedding": {"flip": True}}, "time_embedding.flip: unknown field (allowed: dim, flip_sin_to_cos"),
+    ({"resnet_time_scale_shift": "film"}, "resnet_time_scale_shift: Input should be 'default' or 'scale_shift'"),
+    ({"in_channels": "four"}, "in_channels: Input should be a valid integer"),
+    ({"up_attention": ["none"]}, "up_attention: needs 2 entries"),
+    ({"downsample_padding": 2}, "downsample_padding: Input should be less than or equal to 1"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD_SPECS)
+def test_bad_spec_gives_one_clear_line(override: dict, message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        spec_from_dict({**TINY, **override})
+    text = str(info.value)
+    assert message in text
+    assert "\n" not in text
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [("in_channels: [4\n", "malformed YAML at line"), ("- 1\n- 2\n", "expected a mapping"), ("", "expected a mapping")],
+)
+def test_bad_yaml_file(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    with pytest.raises(SpecError, match=message):
+        load_spec(path)
+
+
+def test_unknown_preset_lists_the_allowed_ones() -> None:
+    with pytest.raises(SpecError, match=r"unknown preset 'tinyy' \(allowed: .*tiny"):
+        load_spec("tinyy")
+
+
+BAD_POLICIES = [
+    ("fast", "policy: unknown policy 'fast' (allowed: none, full, balanced, layers, every:N"),
+    (["down.7"], "policy: unknown block name 'down.7' (valid: down.0, down.1, mid"),
+    ("down.0,middle", "unknown block name 'middle'"),
+    ("every:0", "policy: 'every:0' needs a positive integer"),
+    (["down.1", "down.1.resnets.0"], "'down.1.resnets.0' lies inside 'down.1'"),
+    (["mid", "mid.attentions.0"], "'mid.attentions.0' lies inside 'mid'"),
+]
+
+
+@pytest.mark.parametrize(("policy", "message"), BAD_POLICIES)
+def test_bad_policy_gives_one_clear_line(policy: object, message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        resolve_plan(spec_from_dict(TINY), policy)
+    assert message in str(info.value)
+
+
+def test_named_policies() -> None:
+    spec = load_spec("ddpm_cifar10")
+    blocks = block_names(spec)
+    assert blocks == ["down.0", "down.1", "down.2", "down.3", "mid", "up.0", "up.1", "up.2", "up.3"]
+    assert resolve_plan(spec, "none").recompute == ()
+    assert resolve_plan(spec, "full").recompute == tuple(blocks)
+    assert resolve_plan(spec, "balanced").recompute == tuple(b for b in blocks if b not in ("down.0", "up.3"))
+    assert resolve_plan(spec, "every:3").recompute == ("down.0", "down.3", "up.1")
+    layers = resolve_plan(spec, "layers").recompute
+    # 4 levels x 2 resnets down, 1 attention level (x2) down, mid 2 resnets + 1 attention, 4 x 3 resnets up,
+    # 1 attention level (x3) up.
+    assert len(layers) == 8 + 2 + 3 + 12 + 3 == len(layer_names(spec))
+    assert "down.1.attentions.1" in layers and "down.0.attentions.0" not in layers
+    assert resolve_plan(spec, ["mid", "down.1"]).recompute == ("down.1", "mid")  # forward order
+    assert resolve_plan(spec, "down.1, up.0.resnets.2").recompute == ("down.1", "up.0.resnets.2")
+
+
+def test_policy_from_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "with_policy.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "checkpoint": ["mid", "up.1.resnets.0"]}))
+    spec = load_spec(path)
+    assert resolve_plan(spec).recompute == ("mid", "up.1.resnets.0")
+    assert resolve_plan(load_spec("tiny")).recompute == ()
