@@ -1,0 +1,52 @@
+"""Shared test helpers: tiny spec variants, deterministic weights, relative errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from shared_configs import UNetSpec, spec_from_dict
+
+TINY: dict[str, Any] = yaml.safe_load((Path(__file__).parents[1] / "shared_configs" / "tiny.yaml").read_text())
+
+# Random variants of `tiny` that together exercise every architectural option.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "ddpm_style": {  # UNet2DModel-like: self-attention only, no context, DDPM padding/time options
+        "down_attention": ["none", "self"], "mid_attention": "self", "cross_attention_dim": None,
+        "resnet_time_scale_shift": "scale_shift", "downsample_padding": 0, "mid_block_scale_factor": 1.4142,
+        "time_embedding": {"flip_sin_to_cos": False, "freq_shift": 1},
+    },
+    "sd_linear_proj": {  # SD2-like: linear projections, two transformer layers, explicit head count
+        "down_attention": ["transformer", "transformer"], "use_linear_projection": True,
+        "transformer_layers_per_block": 2, "attention_head_dim": None, "num_attention_heads": [2, 4],
+        "layers_per_block": 2,
+    },
+    "transformer_no_cross": {  # transformer blocks without cross-attention, asymmetric up path
+        "block_out_channels": [8, 16, 24], "norm_num_groups": 8, "cross_attention_dim": None,
+        "down_attention": ["none", "transformer", "transformer"], "up_attention": ["transformer", "self", "none"],
+        "mid_attention": "none", "attention_scale": 0.3, "sample_size": 8, "dropout": 0.0,
+    },
+}
+
+
+def variant(name: str, **overrides: Any) -> UNetSpec:
+    return spec_from_dict({**TINY, "name": name, **VARIANTS[name], **overrides})
+
+
+def rel_err(a: Any, b: Any) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def randomize_(model: Any, seed: int = 0, scale: float = 0.2) -> None:
+    """Perturb every torch parameter (norm scales and biases too) so no layout mistake hides."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
