@@ -1,0 +1,5 @@
+"""Flax (linen) U-Net built from a shared spec, with per-block rematerialisation (`nn.remat`)."""
+
+from jax_impl.unet import UNet
+
+__all__ = ["UNet"]

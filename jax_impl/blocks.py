@@ -1,0 +1,111 @@
+"""Down, middle and up blocks in Flax linen: the units a checkpoint plan names.
+
+Blocks receive factories for their layers from the U-Net assembly, so they know nothing of the
+spec. Mirrors `torch_impl/blocks.py`. ``recompute`` names the block's own layers that a
+layer-level plan recomputes (``("resnets.0", "attentions.1")``); `checkpointing.build` applies it.
+
+Call arguments are positional with ``train`` last, so that `nn.remat` can mark it static.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from jax_impl.checkpointing import build
+from jax_impl.layers import Downsample, Upsample
+
+ResnetFactory = Callable[[int, int], nn.Module]  # (in_ch, out_ch) -> ResnetBlock
+AttentionFactory = Callable[[int], nn.Module]  # ch -> SelfAttention | Transformer2D
+Array = jax.Array
+Context = Array | None
+
+
+def _attentions(factory: AttentionFactory | None, ch: int, count: int, recompute: Sequence[str]) -> list | None:
+    if factory is None:
+        return None
+    return [build(factory, f"attentions.{j}", recompute, ch) for j in range(count)]
+
+
+class DownBlock(nn.Module):
+    """``layers`` ResNets (each followed by attention if any), then an optional downsample."""
+
+    in_ch: int
+    out_ch: int
+    layers: int
+    make_resnet: ResnetFactory
+    make_attention: AttentionFactory | None
+    downsample_padding: int | None
+    recompute: tuple[str, ...] = ()
+
+    def setup(self) -> None:
+        self.resnets = [
+            build(self.make_resnet, f"resnets.{j}", self.recompute, self.in_ch if j == 0 else self.out_ch, self.out_ch)
+            for j in range(self.layers)
+        ]
+        self.attentions = _attentions(self.make_attention, self.out_ch, self.layers, self.recompute)
+        pad = self.downsample_padding
+        self.downsample = Downsample(self.out_ch, pad) if pad is not None else None
+
+    def __call__(self, x: Array, temb: Array, context: Context, train: bool = False) -> tuple[Array, ...]:
+        """Returns the skips of this level; the last one is the block's output."""
+        skips = []
+        for j, resnet in enumerate(self.resnets):
+            x = resnet(x, temb, train)
+            if self.attentions is not None:
+                x = self.attentions[j](x, context)
+            skips.append(x)
+        if self.downsample is not None:
+            skips.append(self.downsample(x))
+        return tuple(skips)
+
+
+class MidBlock(nn.Module):
+    """ResNet, attention (optional), ResNet at the lowest resolution."""
+
+    ch: int
+    make_resnet: ResnetFactory
+    make_attention: AttentionFactory | None
+    recompute: tuple[str, ...] = ()
+
+    def setup(self) -> None:
+        self.resnets = [build(self.make_resnet, f"resnets.{j}", self.recompute, self.ch, self.ch) for j in range(2)]
+        self.attentions = _attentions(self.make_attention, self.ch, 1, self.recompute)
+
+    def __call__(self, x: Array, temb: Array, context: Context, train: bool = False) -> Array:
+        x = self.resnets[0](x, temb, train)
+        if self.attentions is not None:
+            x = self.attentions[0](x, context)
+        return self.resnets[1](x, temb, train)
+
+
+class UpBlock(nn.Module):
+    """One ResNet per skip it consumes (input concatenated with the skip), then upsample."""
+
+    in_ch: int
+    out_ch: int
+    skip_channels: tuple[int, ...]
+    make_resnet: ResnetFactory
+    make_attention: AttentionFactory | None
+    add_upsample: bool  # torch's `upsample` argument; here that name is the submodule's
+    recompute: tuple[str, ...] = ()
+
+    def setup(self) -> None:
+        ins = [self.in_ch] + [self.out_ch] * (len(self.skip_channels) - 1)
+        self.resnets = [
+            build(self.make_resnet, f"resnets.{j}", self.recompute, i + s, self.out_ch)
+            for j, (i, s) in enumerate(zip(ins, self.skip_channels, strict=True))
+        ]
+        self.attentions = _attentions(self.make_attention, self.out_ch, len(self.skip_channels), self.recompute)
+        self.upsample = Upsample(self.out_ch) if self.add_upsample else None
+
+    def __call__(self, x: Array, skips: Sequence[Array], temb: Array, context: Context, train: bool = False) -> Array:
+        """``skips`` in the order they were produced; consumed last first."""
+        for j, resnet in enumerate(self.resnets):
+            x = resnet(jnp.concatenate([x, skips[-1 - j]], axis=-1), temb, train)
+            if self.attentions is not None:
+                x = self.attentions[j](x, context)
+        return self.upsample(x) if self.upsample is not None else x

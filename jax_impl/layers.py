@@ -1,0 +1,257 @@
+"""U-Net layers in Flax linen (NHWC). Mirrors `torch_impl/layers.py` class for class, name for name.
+
+Every submodule is assigned in ``setup()`` under the torch attribute name, so the parameter tree
+reads like the torch ``state_dict``: ``resnets.0.conv1.weight`` <-> ``resnets_0/conv1/kernel``.
+Each layer takes only the numbers it needs; the U-Net assembly (`unet.py`) reads the spec.
+Norm epsilons and attention scales always come from the caller, never from Flax defaults.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+Array = jax.Array
+
+# Torch pads 3x3 convs by 1 on each side; Flax's "SAME" would agree at stride 1 but not at
+# stride 2 (it pads bottom/right only), so padding is always spelled out.
+PAD_1 = ((1, 1), (1, 1))
+PAD_0 = ((0, 0), (0, 0))
+
+
+def timestep_embedding(t: Array, dim: int, flip_sin_to_cos: bool, freq_shift: float, max_period: float) -> Array:
+    """Sinusoidal timestep features, (B,) -> (B, dim), as diffusers' `get_timestep_embedding`."""
+    half = dim // 2
+    exponent = -math.log(max_period) * jnp.arange(half, dtype=jnp.float32)
+    freqs = jnp.exp(exponent / (half - freq_shift))
+    args = t.astype(jnp.float32)[:, None] * freqs[None]
+    sin, cos = jnp.sin(args), jnp.cos(args)
+    emb = jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)
+    return jnp.pad(emb, ((0, 0), (0, dim % 2)))
+
+
+def group_norm(groups: int, eps: float) -> nn.GroupNorm:
+    # use_fast_variance=False: E[(x - mean)^2] as torch, not E[x^2] - mean^2 (cancels badly).
+    return nn.GroupNorm(num_groups=groups, epsilon=eps, use_fast_variance=False)
+
+
+def layer_norm(eps: float) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=eps, use_fast_variance=False)
+
+
+def conv3x3(features: int) -> nn.Conv:
+    return nn.Conv(features, (3, 3), padding=PAD_1)
+
+
+def conv1x1(features: int) -> nn.Conv:
+    return nn.Conv(features, (1, 1), padding=PAD_0)
+
+
+class TimestepEmbedding(nn.Module):
+    """Two-layer MLP on the sinusoidal features."""
+
+    in_dim: int
+    dim: int
+
+    def setup(self) -> None:
+        self.linear_1 = nn.Dense(self.dim)
+        self.linear_2 = nn.Dense(self.dim)
+
+    def __call__(self, x: Array) -> Array:
+        return self.linear_2(nn.silu(self.linear_1(x)))
+
+
+class ResnetBlock(nn.Module):
+    """GroupNorm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip.
+
+    ``train`` is positional so that `nn.remat` can mark it static (see `checkpointing.py`).
+    """
+
+    in_ch: int
+    out_ch: int
+    temb_dim: int
+    groups: int
+    eps: float
+    dropout_rate: float  # torch's `dropout` argument; here that name is the submodule's
+    scale_shift: bool = False
+    output_scale: float = 1.0
+
+    def setup(self) -> None:
+        self.norm1 = group_norm(self.groups, self.eps)
+        self.conv1 = conv3x3(self.out_ch)
+        self.time_emb_proj = nn.Dense(self.out_ch * (2 if self.scale_shift else 1))
+        self.norm2 = group_norm(self.groups, self.eps)
+        self.dropout = nn.Dropout(self.dropout_rate, rng_collection="dropout")
+        self.conv2 = conv3x3(self.out_ch)
+        self.conv_shortcut = conv1x1(self.out_ch) if self.in_ch != self.out_ch else None
+
+    def __call__(self, x: Array, temb: Array, train: bool = False) -> Array:
+        h = self.conv1(nn.silu(self.norm1(x)))
+        t = self.time_emb_proj(nn.silu(temb))[:, None, None, :]  # (B, 1, 1, C): broadcast over H, W
+        if self.scale_shift:
+            scale, shift = jnp.split(t, 2, axis=-1)
+            h = self.norm2(h) * (1 + scale) + shift
+        else:
+            h = self.norm2(h + t)
+        h = self.conv2(self.dropout(nn.silu(h), deterministic=not train))
+        skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
+        return (skip + h) / self.output_scale
+
+
+def attention(q: Array, k: Array, v: Array, heads: int, scale: float) -> Array:
+    """Multi-head attention on (B, T, heads*D) tensors."""
+    q, k, v = (a.reshape(*a.shape[:2], heads, -1) for a in (q, k, v))  # (B, T, N, D)
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale)
+    return out.reshape(*out.shape[:2], -1)  # (B, T, N*D)
+
+
+def _tokens(x: Array) -> Array:
+    # NHWC -> (B, H*W, C): row-major over (h, w), the same token order as torch's "b c h w -> b (h w) c".
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+class SelfAttention(nn.Module):
+    """DDPM's spatial self-attention block: GroupNorm, q/k/v, attention, out, residual."""
+
+    ch: int
+    heads: int
+    groups: int
+    eps: float
+    scale: float | None
+    output_scale: float = 1.0
+
+    def setup(self) -> None:
+        self.group_norm = group_norm(self.groups, self.eps)
+        self.to_q, self.to_k, self.to_v = (nn.Dense(self.ch) for _ in range(3))
+        self.to_out = nn.Dense(self.ch)
+
+    def __call__(self, x: Array, context: Array | None = None) -> Array:
+        del context  # same call signature as Transformer2D; plain self-attention ignores it
+        scale = self.scale or (self.ch // self.heads) ** -0.5
+        h = _tokens(self.group_norm(x))
+        h = attention(self.to_q(h), self.to_k(h), self.to_v(h), self.heads, scale)
+        h = self.to_out(h).reshape(x.shape)
+        return (h + x) / self.output_scale
+
+
+class CrossAttention(nn.Module):
+    """Attention of a sequence over itself or over ``context`` (SD's attn1 / attn2)."""
+
+    dim: int
+    heads: int
+    scale: float | None
+
+    def setup(self) -> None:
+        # No bias on q/k/v, as torch; the key/value input width is inferred from ``context``.
+        self.to_q = nn.Dense(self.dim, use_bias=False)
+        self.to_k = nn.Dense(self.dim, use_bias=False)
+        self.to_v = nn.Dense(self.dim, use_bias=False)
+        self.to_out = nn.Dense(self.dim)
+
+    def __call__(self, x: Array, context: Array | None = None) -> Array:
+        ctx = x if context is None else context
+        scale = self.scale or (self.dim // self.heads) ** -0.5
+        return self.to_out(attention(self.to_q(x), self.to_k(ctx), self.to_v(ctx), self.heads, scale))
+
+
+class FeedForward(nn.Module):
+    """GEGLU feed-forward: proj to 2x inner, value * gelu(gate), project back."""
+
+    dim: int
+    mult: int = 4
+
+    def setup(self) -> None:
+        self.proj = nn.Dense(self.dim * self.mult * 2)
+        self.out = nn.Dense(self.dim)
+
+    def __call__(self, x: Array) -> Array:
+        value, gate = jnp.split(self.proj(x), 2, axis=-1)
+        # approximate=False: torch's F.gelu default is the exact erf form; jax's is tanh.
+        return self.out(value * jax.nn.gelu(gate, approximate=False))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm self-attention, optional cross-attention, GEGLU feed-forward."""
+
+    dim: int
+    heads: int
+    eps: float
+    scale: float | None
+    context_dim: int | None
+
+    def setup(self) -> None:
+        self.norm1 = layer_norm(self.eps)
+        self.attn1 = CrossAttention(self.dim, self.heads, self.scale)
+        self.norm2 = layer_norm(self.eps) if self.context_dim else None
+        self.attn2 = CrossAttention(self.dim, self.heads, self.scale) if self.context_dim else None
+        self.norm3 = layer_norm(self.eps)
+        self.ff = FeedForward(self.dim)
+
+    def __call__(self, x: Array, context: Array | None) -> Array:
+        x = self.attn1(self.norm1(x)) + x
+        if self.attn2 is not None:
+            x = self.attn2(self.norm2(x), context) + x
+        return self.ff(self.norm3(x)) + x
+
+
+class Transformer2D(nn.Module):
+    """SD's spatial transformer: GroupNorm, project in, transformer blocks, project out, residual."""
+
+    ch: int
+    heads: int
+    depth: int
+    groups: int
+    norm_eps: float
+    ln_eps: float
+    scale: float | None
+    context_dim: int | None
+    linear_projection: bool
+
+    def setup(self) -> None:
+        # A 1x1 conv and a Dense compute the same map in NHWC, but torch keeps 4-D conv weights
+        # when linear_projection is off, and the parameter tree must mirror torch's.
+        project = nn.Dense if self.linear_projection else conv1x1
+        self.norm = group_norm(self.groups, self.norm_eps)
+        self.proj_in = project(self.ch)
+        self.transformer_blocks = [
+            TransformerBlock(self.ch, self.heads, self.ln_eps, self.scale, self.context_dim) for _ in range(self.depth)
+        ]
+        self.proj_out = project(self.ch)
+
+    def __call__(self, x: Array, context: Array | None) -> Array:
+        # In NHWC the projections commute with flattening, so one order serves both variants.
+        h = _tokens(self.proj_in(self.norm(x)))  # (B, H*W, C)
+        for block in self.transformer_blocks:
+            h = block(h, context)
+        return self.proj_out(h.reshape(x.shape)) + x
+
+
+class Downsample(nn.Module):
+    """Strided 3x3 conv; ``padding=0`` pads right/bottom only, as the original DDPM."""
+
+    ch: int
+    padding: int
+
+    def setup(self) -> None:
+        self.conv = nn.Conv(self.ch, (3, 3), strides=(2, 2), padding=PAD_1 if self.padding == 1 else "VALID")
+
+    def __call__(self, x: Array) -> Array:
+        if self.padding == 0:
+            x = jnp.pad(x, ((0, 0), (0, 1), (0, 1), (0, 0)))
+        return self.conv(x)
+
+
+class Upsample(nn.Module):
+    """Nearest-neighbour 2x, then a 3x3 conv."""
+
+    ch: int
+
+    def setup(self) -> None:
+        self.conv = conv3x3(self.ch)
+
+    def __call__(self, x: Array) -> Array:
+        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)  # (B, 2H, 2W, C)
+        return self.conv(x)

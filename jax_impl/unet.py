@@ -1,0 +1,192 @@
+"""The Flax U-Net, assembled from a `UNetSpec`: the one place that reads the spec.
+
+Mirrors `torch_impl/unet.py`. Checkpointing is chosen here too, once, in ``setup()``: each block
+is built from `checkpointing.block_class` (``nn.remat(Block)`` or ``Block``) and told which of its
+layers a layer-level plan recomputes. Names come from the ``setup()`` attributes, so the parameter
+tree is identical for every plan and mirrors the torch ``state_dict`` (``down.1`` <-> ``down_1``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from shared_configs import CheckpointPlan, UNetSpec, block_names, layer_names, load_spec, resolve_plan
+from jax_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
+from jax_impl.checkpointing import block_class, layers_of
+from jax_impl.layers import (
+    ResnetBlock,
+    SelfAttention,
+    TimestepEmbedding,
+    Transformer2D,
+    conv3x3,
+    group_norm,
+    timestep_embedding,
+)
+
+Array = jax.Array
+PolicyArg = str | tuple[str, ...] | CheckpointPlan | None
+
+
+@functools.cache
+def _as_spec(spec: UNetSpec | str) -> UNetSpec:
+    # Cached: an unbound module's `block_names()` and `setup()` would otherwise re-read the YAML.
+    return load_spec(spec) if isinstance(spec, str) else spec
+
+
+class UNet(nn.Module):
+    """Diffusion U-Net on NHWC input: ``apply(variables, x, t, context=None, train=False)``.
+
+    Attributes:
+        spec: the architecture, a `UNetSpec` or a preset name (``"tiny"``).
+        policy: which blocks/layers to recompute in the backward pass: a policy name (``"full"``,
+            ``"balanced"``, ``"layers"``, ``"every:2"``), a tuple of block names, or a
+            `CheckpointPlan`; ``None`` takes the spec's own ``checkpoint`` field (default none).
+    """
+
+    spec: UNetSpec | str
+    policy: PolicyArg = None
+
+    @property
+    def resolved_spec(self) -> UNetSpec:
+        """``spec`` as a `UNetSpec` (a preset name loaded); works on an unbound module."""
+        return _as_spec(self.spec)
+
+    @property
+    def plan(self) -> CheckpointPlan:
+        """The resolved checkpoint plan, as torch's ``UNet.plan``; works on an unbound module."""
+        return resolve_plan(self.resolved_spec, self.policy)
+
+    def setup(self) -> None:
+        spec, plan = self.resolved_spec, self.plan
+        chans, n, temb = spec.block_out_channels, spec.num_levels, spec.time_embed_dim
+        self.conv_in = conv3x3(chans[0])
+        self.time_embedding = TimestepEmbedding(chans[0], temb)
+
+        skips = [chans[0]]  # channels of the skip stack, pushed by the down path
+        down = []
+        for i, attn in enumerate(spec.down_attention):
+            in_ch = chans[max(i - 1, 0)]
+            last = i == n - 1
+            block = block_class(DownBlock, f"down.{i}", plan)
+            down.append(
+                block(
+                    in_ch,
+                    chans[i],
+                    spec.layers_per_block,
+                    self._resnet_factory(1.0),
+                    self._attention_factory(attn, i, 1.0),
+                    None if last else spec.downsample_padding,
+                    recompute=layers_of(f"down.{i}", plan),
+                )
+            )
+            skips += [chans[i]] * (spec.layers_per_block + (0 if last else 1))
+        self.down = down
+
+        scale = spec.mid_block_scale_factor
+        self.mid = block_class(MidBlock, "mid", plan)(
+            chans[-1],
+            self._resnet_factory(scale),
+            self._attention_factory(spec.mid_attention, -1, scale),
+            recompute=layers_of("mid", plan),
+        )
+
+        up, prev = [], chans[-1]
+        for i, attn in enumerate(spec.up_attention_resolved):
+            level = n - 1 - i
+            count = spec.layers_per_block + 1
+            mine, skips = skips[-count:], skips[:-count]
+            block = block_class(UpBlock, f"up.{i}", plan)
+            up.append(
+                block(
+                    prev,
+                    chans[level],
+                    tuple(reversed(mine)),
+                    self._resnet_factory(1.0),
+                    self._attention_factory(attn, level, 1.0),
+                    add_upsample=level > 0,
+                    recompute=layers_of(f"up.{i}", plan),
+                )
+            )
+            prev = chans[level]
+        self.up = up
+
+        self.conv_norm_out = group_norm(spec.norm_num_groups, spec.norm_eps)
+        self.conv_out = conv3x3(spec.out_channels)
+
+    @nn.nowrap
+    def _resnet_factory(self, output_scale: float) -> functools.partial:
+        s = self.resolved_spec
+        return functools.partial(
+            ResnetBlock,
+            temb_dim=s.time_embed_dim,
+            groups=s.norm_num_groups,
+            eps=s.norm_eps,
+            dropout_rate=s.dropout,
+            scale_shift=s.resnet_time_scale_shift == "scale_shift",
+            output_scale=output_scale,
+        )
+
+    @nn.nowrap
+    def _attention_factory(self, kind: str, level: int, output_scale: float) -> AttentionFactory | None:
+        s = self.resolved_spec
+        heads = s.heads(level)
+        if kind == "self":
+            return functools.partial(
+                SelfAttention,
+                heads=heads,
+                groups=s.norm_num_groups,
+                eps=s.norm_eps,
+                scale=s.attention_scale,
+                output_scale=output_scale,
+            )
+        if kind == "transformer":
+            return functools.partial(
+                Transformer2D,
+                heads=heads,
+                depth=s.transformer_layers_per_block,
+                groups=s.norm_num_groups,
+                norm_eps=s.transformer_norm_eps,
+                ln_eps=s.layer_norm_eps,
+                scale=s.attention_scale,
+                context_dim=s.cross_attention_dim,
+                linear_projection=s.use_linear_projection,
+            )
+        return None
+
+    def __call__(self, x: Array, t: Array | float, context: Array | None = None, train: bool = False) -> Array:
+        """Predict the noise (or whatever the spec was trained on) for NHWC ``x`` at timestep ``t``.
+
+        ``t`` is a scalar or has shape (B,); ``context`` (B, L, cross_attention_dim) is required
+        when the spec has cross-attention. ``train=True`` turns dropout on (rng ``"dropout"``).
+        """
+        s = self.resolved_spec
+        if s.cross_attention_dim is not None and context is None:
+            raise ValueError(
+                f"context: spec {s.name!r} has cross-attention; pass context of shape (B, L, {s.cross_attention_dim})"
+            )
+        t = jnp.broadcast_to(jnp.asarray(t), (x.shape[0],))
+        te = s.time_embedding
+        temb = self.time_embedding(
+            timestep_embedding(t, s.block_out_channels[0], te.flip_sin_to_cos, te.freq_shift, te.max_period)
+        )
+        h = self.conv_in(x)
+        skips = [h]
+        for block in self.down:
+            skips += block(h, temb, context, train)  # positional: `train` is static under remat
+            h = skips[-1]
+        h = self.mid(h, temb, context, train)
+        for block in self.up:
+            count = len(block.skip_channels)
+            h = block(h, tuple(skips[-count:]), temb, context, train)
+            del skips[-count:]
+        return self.conv_out(nn.silu(self.conv_norm_out(h)))
+
+    @nn.nowrap
+    def block_names(self, layers: bool = False) -> list[str]:
+        """Names a checkpoint plan can use: blocks, or with ``layers=True`` ResNets/attentions."""
+        spec = self.resolved_spec
+        return layer_names(spec) if layers else block_names(spec)
