@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from shared_configs import CheckpointPlan, UNetSpec, block_names, layer_names, load_spec, resolve_plan
 from jax_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
 from jax_impl.checkpointing import block_class, layers_of
 from jax_impl.layers import (
@@ -26,6 +25,7 @@ from jax_impl.layers import (
     group_norm,
     timestep_embedding,
 )
+from shared_configs import CheckpointPlan, UNetSpec, block_names, layer_names, load_spec, resolve_plan
 
 Array = jax.Array
 PolicyArg = str | tuple[str, ...] | CheckpointPlan | None
