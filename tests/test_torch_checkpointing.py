@@ -10,6 +10,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from shared_configs import resolve_plan
 from tests.utils import rel_err, variant
 from torch_impl import UNet
+from torch_impl.flops import register_cpu_attention_flops
+
+register_cpu_attention_flops()
 
 POLICIES = ["full", "balanced", "layers", "every:2", ["down.1.attentions.0", "mid", "up.0.resnets.1"]]
 
@@ -108,3 +111,13 @@ def test_missing_context_is_a_clear_error(model: UNet) -> None:
     x, t, _ = _inputs(model)
     with pytest.raises(ValueError, match=r"context: spec 'tiny' has cross-attention"):
         model(x, t)
+
+
+def test_cpu_attention_flops_are_counted(model: UNet) -> None:
+    model.eval()
+    _, per_module = _flops(model, backward=False)
+    model.train()
+    b, t, c = 2, model.spec.sample_size**2, model.spec.block_out_channels[0]  # down.0: self-attention
+    linears = 4 * 2 * b * t * c * c  # q, k, v, out projections
+    scores_and_mix = 2 * 2 * b * t * t * c  # q @ k^T and softmax @ v, summed over heads
+    assert per_module["down.0.attentions.0"] == linears + scores_and_mix
