@@ -81,8 +81,14 @@ def test_gradients_match(name: str) -> None:
     want = traverse_util.flatten_dict(torch_grads)
     got = traverse_util.flatten_dict(flax_grads)
     assert want.keys() == got.keys()
+    scale = np.sqrt(sum(np.sum(np.square(g)) for g in want.values()))
     for key, g in want.items():
-        assert rel_err(got[key], g) <= 1e-4, "/".join(key)
+        if key[-2:] == ("to_k", "bias"):
+            # softmax is invariant to a bias added to every key: this gradient is 0 in exact
+            # arithmetic, so both frameworks hold rounding noise; check that it is noise.
+            assert max(np.linalg.norm(g), np.linalg.norm(got[key])) <= 1e-6 * scale
+        else:
+            assert rel_err(got[key], g) <= 1e-4, "/".join(key)
 
 
 def test_conversion_rejects_mismatched_weights() -> None:
