@@ -3,6 +3,7 @@
 Nothing here imports torch or jax.
 """
 
+from shared_configs.diffusers import from_diffusers_config
 from shared_configs.loader import load_spec, preset_names, spec_from_dict
 from shared_configs.plan import (
     NAMED_POLICIES,
@@ -22,6 +23,7 @@ __all__ = [
     "UNetSpec",
     "all_names",
     "block_names",
+    "from_diffusers_config",
     "layer_names",
     "load_spec",
     "preset_names",

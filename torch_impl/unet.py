@@ -130,6 +130,19 @@ class UNet(nn.Module):
             del skips[-count:]
         return self.conv_out(F.silu(self.conv_norm_out(h)))
 
+    @classmethod
+    def from_diffusers(cls, path_or_model: object, variant: str | None = None) -> UNet:
+        """Build from a local diffusers model folder or a live diffusers U-Net (see `torch_impl.diffusers_io`)."""
+        from torch_impl.diffusers_io import from_diffusers
+
+        return from_diffusers(path_or_model, variant)
+
+    def to_diffusers_state_dict(self) -> dict[str, torch.Tensor]:
+        """This model's state_dict in diffusers' key names (``UNet2D(Condition)Model``)."""
+        from torch_impl.diffusers_io import to_diffusers_state_dict
+
+        return to_diffusers_state_dict(self)
+
     def block_names(self, layers: bool = False) -> list[str]:
         """Names a checkpoint plan can use: blocks, or with ``layers=True`` ResNets/attentions."""
         return layer_names(self.spec) if layers else block_names(self.spec)

@@ -1,0 +1,69 @@
+"""Load diffusers U-Net weights into our PyTorch U-Net, and export ours in diffusers' names.
+
+A source is a local model folder (``config.json`` + ``diffusion_pytorch_model.safetensors`` or
+``.bin``; sharded or ``variant`` files too; a pipeline folder's ``unet/`` is found) or a live
+diffusers module. diffusers itself is never imported: a live module is read through its
+``config`` and ``state_dict()``. Mirrored in `jax_impl/diffusers_io.py`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from shared_configs import UNetSpec
+from shared_configs.diffusers import diffusers_to_ours, find_folder, from_diffusers_config, is_path, live_config
+from shared_configs.diffusers import ours_to_diffusers as _ours_to_diffusers
+from torch_impl.unet import UNet
+
+Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model
+
+
+def read_diffusers(source: Source, variant: str | None = None) -> tuple[UNetSpec, dict[str, torch.Tensor]]:
+    """The spec and the state_dict (in our names, as stored: dtype unchanged) of a diffusers U-Net."""
+    if is_path(source):
+        folder = find_folder(source, variant)
+        spec = from_diffusers_config(folder.config, name=folder.root.name)
+        state: dict[str, torch.Tensor] = {}
+        for file in folder.weight_files:
+            state.update(_read_file(file))
+    else:
+        spec = from_diffusers_config(live_config(source))
+        state = dict(source.state_dict())
+    return spec, diffusers_to_ours(state)
+
+
+def from_diffusers(source: Source, variant: str | None = None) -> UNet:
+    """Our `UNet` (float32, eval mode) with a diffusers U-Net's weights."""
+    spec, state = read_diffusers(source, variant)
+    model = UNet(spec)
+    _check_keys(state, model.state_dict(), spec)
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def to_diffusers_state_dict(model: UNet) -> dict[str, torch.Tensor]:
+    """Our state_dict in diffusers' names: ``load_state_dict(strict=True)`` into the diffusers model."""
+    return _ours_to_diffusers(model.state_dict())
+
+
+def _read_file(file: os.PathLike[str]) -> dict[str, torch.Tensor]:
+    if str(file).endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(file)
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _check_keys(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], spec: UNetSpec) -> None:
+    """One clear line, in diffusers' names, instead of torch's list of every mismatch."""
+    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    if missing or extra:
+        key = missing[0] if missing else extra[0]
+        what = f"{'missing' if missing else 'unexpected'} {next(iter(_ours_to_diffusers({key: 0})))}"
+        raise ValueError(
+            f"diffusers weights do not match spec {spec.name!r}: {what} "
+            f"({len(missing)} missing, {len(extra)} unexpected)"
+        )
