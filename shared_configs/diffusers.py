@@ -145,6 +145,10 @@ def from_diffusers_config(config: Mapping[str, Any], *, name: str | None = None)
         raise SpecError(f"_class_name: unsupported diffusers model {cls!r} (supported: {', '.join(CLASS_DEFAULTS)})")
     cfg = _with_defaults(config, cls)
     _refuse_fixed(cfg)
+    if cfg["resnet_time_scale_shift"] not in ("default", "scale_shift"):
+        raise SpecError(
+            f"resnet_time_scale_shift: {cfg['resnet_time_scale_shift']!r} unsupported (supported: default, scale_shift)"
+        )
     if cfg["norm_num_groups"] is None:
         raise SpecError("norm_num_groups: None (diffusers then drops or resizes norms) is not supported")
     if cfg.get("upcast_attention"):
