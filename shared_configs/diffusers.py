@@ -144,26 +144,22 @@ def from_diffusers_config(config: Mapping[str, Any], *, name: str | None = None)
     if cls not in CLASS_DEFAULTS:
         raise SpecError(f"_class_name: unsupported diffusers model {cls!r} (supported: {', '.join(CLASS_DEFAULTS)})")
     cfg = _with_defaults(config, cls)
-    _refuse_fixed(cfg)
-    if cfg["resnet_time_scale_shift"] not in ("default", "scale_shift"):
-        raise SpecError(
-            f"resnet_time_scale_shift: {cfg['resnet_time_scale_shift']!r} unsupported (supported: default, scale_shift)"
-        )
-    if cfg["norm_num_groups"] is None:
-        raise SpecError("norm_num_groups: None (diffusers then drops or resizes norms) is not supported")
-    if cfg.get("upcast_attention"):
-        warnings.warn(
-            "upcast_attention=True accepted: it only changes reduced-precision attention (a no-op in "
-            "float32); our models compute attention in the dtype they are run in",
-            stacklevel=2,
-        )
+    _refuse_unsupported(cfg)
+    data = {"name": name or Path(str(config.get("_name_or_path") or f"diffusers_{cls}")).name, **_fields(cfg, cls)}
+    try:
+        return spec_from_dict(data)
+    except SpecError as err:
+        raise SpecError(f"diffusers {cls} config: {err}") from None
+
+
+def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
+    """The spec fields, as a plain dict for `spec_from_dict` to validate."""
     n = len(cfg["block_out_channels"])
     down, up = _kinds(cfg, "down_block_types", DOWN_BLOCKS, n), _kinds(cfg, "up_block_types", UP_BLOCKS, n)
     mid = _mid_kind(cfg, cls)
     if cls == "UNet2DModel" and "transformer" in (*down, *up):
         raise SpecError("down_block_types/up_block_types: CrossAttn*Block2D needs a UNet2DConditionModel")
     data: dict[str, Any] = {
-        "name": name or Path(str(config.get("_name_or_path") or f"diffusers_{cls}")).name,
         "in_channels": cfg["in_channels"],
         "out_channels": cfg["out_channels"],
         "sample_size": _sample_size(cfg["sample_size"], n),
@@ -189,10 +185,7 @@ def from_diffusers_config(config: Mapping[str, Any], *, name: str | None = None)
         data["cross_attention_dim"] = _uniform(cfg, "cross_attention_dim", n)
         data["transformer_layers_per_block"] = _uniform(cfg, "transformer_layers_per_block", n)
         data["use_linear_projection"] = cfg["use_linear_projection"]
-    try:
-        return spec_from_dict(data)
-    except SpecError as err:
-        raise SpecError(f"diffusers {cls} config: {err}") from None
+    return data
 
 
 def _with_defaults(config: Mapping[str, Any], cls: str) -> dict[str, Any]:
@@ -205,17 +198,28 @@ def _with_defaults(config: Mapping[str, Any], cls: str) -> dict[str, Any]:
     return {**defaults, **{k: v for k, v in config.items() if not k.startswith("_")}}
 
 
-def _refuse_fixed(cfg: Mapping[str, Any]) -> None:
+def _refuse_unsupported(cfg: Mapping[str, Any]) -> None:
+    """Refuse, naming them, the options the spec cannot express; warn about upcast_attention."""
     bad = []
     for key, allowed in FIXED.items():
-        if key not in cfg:
-            continue
-        value = cfg[key]
+        value = cfg.get(key, allowed[0])
         values = value if isinstance(value, list | tuple) else (value,)
         if not all(v in allowed for v in values):
             bad.append(f"{key}={value!r} (supported: {' or '.join(repr(a) for a in allowed)})")
     if bad:
         raise SpecError(f"unsupported diffusers option{'s' if len(bad) > 1 else ''}: {'; '.join(bad)}")
+    if cfg["resnet_time_scale_shift"] not in ("default", "scale_shift"):
+        raise SpecError(
+            f"resnet_time_scale_shift: {cfg['resnet_time_scale_shift']!r} unsupported (supported: default, scale_shift)"
+        )
+    if cfg["norm_num_groups"] is None:
+        raise SpecError("norm_num_groups: None (diffusers then drops or resizes norms) is not supported")
+    if cfg.get("upcast_attention"):
+        warnings.warn(
+            "upcast_attention=True accepted: it only changes reduced-precision attention (a no-op in "
+            "float32); our models compute attention in the dtype they are run in",
+            stacklevel=3,
+        )
 
 
 def _kinds(cfg: Mapping[str, Any], key: str, table: dict[str, str], n: int) -> list[str]:
