@@ -1,0 +1,234 @@
+"""The Flax U-Net: parameter tree mirrors torch, checkpoint plans change memory, never results.
+
+Torch <-> Flax output parity after weight conversion lives in `test_parity.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import traverse_util
+
+from jax_impl import UNet
+from shared_configs import CheckpointPlan, UNetSpec, layer_names, load_spec, resolve_plan
+from torch_impl import UNet as TorchUNet
+
+POLICIES = ("full", "balanced", "layers", "every:2")
+# XLA:CPU spends seconds optimising each gradient program; these tests check values, not speed,
+# so compile with backend optimisation off (about 4x faster; the computation is unchanged).
+FAST_COMPILE = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_cpu_use_fusion_emitters": False,
+}
+
+
+def _abstract_inputs(spec: UNetSpec, size: int | None = None) -> tuple:
+    """Shape structs for ``init``; the parameter tree does not depend on the spatial size."""
+    size = size or 2 ** (spec.num_levels - 1)
+    f32 = jnp.float32
+    x = jax.ShapeDtypeStruct((1, size, size, spec.in_channels), f32)
+    ctx = jax.ShapeDtypeStruct((1, 3, spec.cross_attention_dim), f32) if spec.cross_attention_dim else None
+    return x, jax.ShapeDtypeStruct((1,), f32), ctx
+
+
+def _param_shapes(spec: UNetSpec, policy: object = "none") -> dict[str, tuple[int, ...]]:
+    """``{"down_1/resnets_0/conv1/kernel": shape}`` without allocating (sd15 is 3.4 GB)."""
+    tree = jax.eval_shape(UNet(spec=spec, policy=policy).init, jax.random.key(0), *_abstract_inputs(spec))
+    return {"/".join(k): v.shape for k, v in traverse_util.flatten_dict(tree["params"]).items()}
+
+
+def _torch_shapes(spec: UNetSpec) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):  # shapes only, no memory
+        return {k: tuple(v.shape) for k, v in TorchUNet(spec).state_dict().items()}
+
+
+# --- parameter tree ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("preset", "count"), [("tiny", None), ("small", None), ("ddpm_cifar10", 35_746_307), ("sd15", 859_520_964)]
+)
+def test_parameter_count_matches_torch(preset: str, count: int | None) -> None:
+    spec = load_spec(preset)
+    flax_count = sum(int(np.prod(s)) for s in _param_shapes(spec).values())
+    assert flax_count == sum(int(np.prod(s)) for s in _torch_shapes(spec).values())
+    if count is not None:
+        assert flax_count == count
+
+
+@pytest.mark.parametrize("preset", ["tiny", "ddpm_cifar10", "sd15"])
+def test_parameter_paths_mirror_torch_state_dict(preset: str) -> None:
+    """``down.1.resnets.0.conv1.weight`` <-> ``down_1/resnets_0/conv1/kernel``, same element count."""
+    spec = load_spec(preset)
+    flax, mirrored = _param_shapes(spec), {}
+    for key, shape in _torch_shapes(spec).items():
+        *path, leaf = key.split(".")
+        name = _flax_path(path)
+        leaf = "bias" if leaf == "bias" else ("scale" if len(shape) == 1 else "kernel")
+        mirrored[f"{name}/{leaf}"] = int(np.prod(shape))
+    assert {k: int(np.prod(s)) for k, s in flax.items()} == mirrored
+
+
+def _flax_path(parts: list[str]) -> str:
+    out: list[str] = []
+    for part in parts:
+        if part.isdigit():  # ModuleList index -> suffix of the list attribute, as linen names it
+            out[-1] += f"_{part}"
+        else:
+            out.append(part)
+    return "/".join(out)
+
+
+def test_parameter_tree_is_the_same_for_every_policy() -> None:
+    spec = load_spec("tiny")
+    plain = _param_shapes(spec)
+    for policy in POLICIES:
+        assert _param_shapes(spec, policy) == plain, policy
+
+
+# --- checkpointing: applied, and numerically invisible -----------------------------------------
+
+
+# The primitive behind jax.checkpoint ("remat2" in jax 0.10), looked up rather than spelled out.
+REMAT = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive
+
+
+def _count_remat(jaxpr: jax.extend.core.Jaxpr) -> int:
+    """Remat equations, including ones nested inside other equations' sub-jaxprs."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive is REMAT
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += _count_remat(sub)
+    return count
+
+
+@pytest.mark.parametrize(
+    "policy", [*POLICIES, ("down.1", "mid.attentions.0", "up.1.resnets.1"), CheckpointPlan("mine", ("mid",))]
+)
+def test_one_remat_per_planned_block(policy: object, tiny: dict) -> None:
+    model = UNet(spec=tiny["spec"], policy=policy)
+    jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tiny["x"], tiny["t"], tiny["ctx"]))(tiny["params"])
+    assert _count_remat(jaxpr.jaxpr) == len(resolve_plan(tiny["spec"], policy).recompute) > 0
+
+
+def _residual_bytes(loss: Callable, params: dict) -> int:
+    """Bytes the forward pass keeps for backward: the leaves of the VJP closure (shapes only)."""
+    residuals = jax.eval_shape(lambda p: jax.vjp(loss, p)[1], params)
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(residuals))
+
+
+def test_remat_shrinks_saved_residuals(tiny: dict) -> None:
+    saved = {
+        p: _residual_bytes(_loss_fn(tiny, p, jax.random.key(0)), tiny["params"]) for p in ("none", "full", "layers")
+    }
+    assert saved["full"] < 0.5 * saved["none"], saved
+    assert saved["layers"] < saved["none"], saved
+
+
+def _loss_fn(tiny: dict, policy: str, dropout_key: jax.Array) -> Callable[[dict], jax.Array]:
+    model = UNet(spec=tiny["spec"], policy=policy)
+
+    def loss(params: dict) -> jax.Array:
+        out = model.apply({"params": params}, tiny["x"], tiny["t"], tiny["ctx"], True, rngs={"dropout": dropout_key})
+        return jnp.mean((out - tiny["target"]) ** 2)
+
+    return loss
+
+
+def _value_and_grad(tiny: dict, policy: str, seeds: tuple[int, ...]) -> list[tuple[float, dict]]:
+    """``(loss, flat grads)`` per dropout seed, with dropout on, in float64.
+
+    float64 because float32 rounding alone moves a few ill-conditioned leaves (attention q/k
+    kernels, whose gradient is a small difference of softmax terms) by ~2e-6 relative, even
+    between two compilations of the same plain model; in float64 a wrong dropout mask or a
+    broken recompute still shows up at O(1), and rounding at ~1e-13.
+    """
+    with jax.enable_x64(True):
+        tiny = {
+            k: jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), v) if k != "spec" else v for k, v in tiny.items()
+        }
+
+        def step(params: dict, key: jax.Array) -> tuple:
+            return jax.value_and_grad(_loss_fn(tiny, policy, key))(params)
+
+        compiled = jax.jit(step).lower(tiny["params"], jax.random.key(0)).compile(FAST_COMPILE)
+        results = [compiled(tiny["params"], jax.random.key(seed)) for seed in seeds]
+        return [(float(loss), traverse_util.flatten_dict(jax.tree.map(np.asarray, g))) for loss, g in results]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: dict) -> dict:
+    (loss, grads), (other_mask, _) = _value_and_grad(tiny, "none", seeds=(5, 6))
+    # Dropout is live: another key gives another loss, so equal losses below mean equal masks.
+    assert abs(other_mask - loss) > 1e-4 * abs(loss)
+    return {"loss": loss, "grads": grads}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_checkpointed_gradients_equal_plain(policy: str, tiny: dict, reference: dict) -> None:
+    [(loss, grads)] = _value_and_grad(tiny, policy, seeds=(5,))
+    assert abs(loss - reference["loss"]) <= 1e-6 * abs(reference["loss"])
+    assert grads.keys() == reference["grads"].keys()
+    # A few gradients are zero in exact arithmetic (to_k's bias: softmax ignores a shift shared
+    # by all keys), i.e. pure rounding noise; those are measured against the whole gradient.
+    floor = 1e-6 * max(np.linalg.norm(g) for g in reference["grads"].values())
+    for key, want in reference["grads"].items():
+        err = np.linalg.norm(grads[key] - want)
+        assert err <= 1e-6 * max(np.linalg.norm(want), floor), "/".join(key)
+
+
+# --- API -----------------------------------------------------------------------------------------
+
+
+def test_missing_context_is_an_error() -> None:
+    x, t, _ = _abstract_inputs(load_spec("tiny"))
+    with pytest.raises(
+        ValueError, match=r"context: spec 'tiny' has cross-attention; pass context of shape \(B, L, 12\)"
+    ):
+        jax.eval_shape(UNet(spec="tiny").init, jax.random.key(0), x, t)
+
+
+def test_unbound_module_lists_names_and_accepts_a_preset_name() -> None:
+    spec = load_spec("tiny")
+    assert UNet(spec="tiny").block_names() == ["down.0", "down.1", "mid", "up.0", "up.1"]
+    assert UNet(spec=spec).block_names(layers=True) == layer_names(spec)
+    assert UNet(spec="tiny", policy="balanced").plan.recompute == ("down.1", "mid", "up.0")
+
+
+def test_scalar_and_batched_timesteps_agree(tiny: dict) -> None:
+    model = UNet(spec=tiny["spec"])
+
+    def out(t: jax.Array) -> jax.Array:
+        return model.apply({"params": tiny["params"]}, tiny["x"], t, tiny["ctx"])
+
+    # One compiled program: the model given a scalar t, and given it as a (B,) vector.
+    both = jax.jit(lambda t: (out(t), out(jnp.full((2,), t))))
+    scalar, batched = both.lower(7.0).compile(FAST_COMPILE)(7.0)
+    np.testing.assert_array_equal(scalar, batched)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> dict:
+    """The tiny preset (dropout 0.1) with random weights, inputs and a regression target."""
+    spec = load_spec("tiny")
+    rng = np.random.default_rng(0)
+    shapes = jax.eval_shape(UNet(spec=spec).init, jax.random.key(0), *_abstract_inputs(spec, spec.sample_size))
+    params = jax.tree.map(lambda s: jnp.asarray(0.2 * rng.standard_normal(s.shape, dtype=np.float32)), shapes)
+    x = rng.standard_normal((2, spec.sample_size, spec.sample_size, spec.in_channels), dtype=np.float32)
+    return {
+        "spec": spec,
+        "params": params["params"],
+        "x": jnp.asarray(x),
+        "t": jnp.asarray([11.0, 860.0]),
+        "ctx": jnp.asarray(rng.standard_normal((2, 3, spec.cross_attention_dim), dtype=np.float32)),
+        "target": jnp.asarray(
+            rng.standard_normal((2, spec.sample_size, spec.sample_size, spec.out_channels), dtype=np.float32)
+        ),
+    }
