@@ -62,19 +62,33 @@ class UNet(nn.Module):
 
     def setup(self) -> None:
         spec, plan = self.resolved_spec, self.plan
-        chans, n, temb = spec.block_out_channels, spec.num_levels, spec.time_embed_dim
+        chans = spec.block_out_channels
         self.conv_in = conv3x3(chans[0])
-        self.time_embedding = TimestepEmbedding(chans[0], temb)
+        self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim)
+        self.down, skips = self._down_path(plan)
+        scale = spec.mid_block_scale_factor
+        self.mid = block_class(MidBlock, "mid", plan)(
+            chans[-1],
+            self._resnet_factory(scale),
+            self._attention_factory(spec.mid_attention, -1, scale),
+            recompute=layers_of("mid", plan),
+        )
+        self.up = self._up_path(plan, skips)
+        self.conv_norm_out = group_norm(spec.norm_num_groups, spec.norm_eps)
+        self.conv_out = conv3x3(spec.out_channels)
 
-        skips = [chans[0]]  # channels of the skip stack, pushed by the down path
-        down = []
+    @nn.nowrap
+    def _down_path(self, plan: CheckpointPlan) -> tuple[list[DownBlock], list[int]]:
+        """The down blocks, and the channels of the skip stack they push (``conv_in``'s first)."""
+        spec = self.resolved_spec
+        chans, n = spec.block_out_channels, spec.num_levels
+        skips, down = [chans[0]], []
         for i, attn in enumerate(spec.down_attention):
-            in_ch = chans[max(i - 1, 0)]
             last = i == n - 1
             block = block_class(DownBlock, f"down.{i}", plan)
             down.append(
                 block(
-                    in_ch,
+                    chans[max(i - 1, 0)],
                     chans[i],
                     spec.layers_per_block,
                     self._resnet_factory(1.0),
@@ -84,27 +98,23 @@ class UNet(nn.Module):
                 )
             )
             skips += [chans[i]] * (spec.layers_per_block + (0 if last else 1))
-        self.down = down
+        return down, skips
 
-        scale = spec.mid_block_scale_factor
-        self.mid = block_class(MidBlock, "mid", plan)(
-            chans[-1],
-            self._resnet_factory(scale),
-            self._attention_factory(spec.mid_attention, -1, scale),
-            recompute=layers_of("mid", plan),
-        )
-
+    @nn.nowrap
+    def _up_path(self, plan: CheckpointPlan, skips: list[int]) -> list[UpBlock]:
+        """The up blocks, deepest first; each pops ``layers_per_block + 1`` skips off the stack."""
+        spec = self.resolved_spec
+        chans, n, count = spec.block_out_channels, spec.num_levels, spec.layers_per_block + 1
         up, prev = [], chans[-1]
         for i, attn in enumerate(spec.up_attention_resolved):
             level = n - 1 - i
-            count = spec.layers_per_block + 1
             mine, skips = skips[-count:], skips[:-count]
             block = block_class(UpBlock, f"up.{i}", plan)
             up.append(
                 block(
                     prev,
                     chans[level],
-                    tuple(reversed(mine)),
+                    tuple(reversed(mine)),  # in the order they are consumed: last pushed first
                     self._resnet_factory(1.0),
                     self._attention_factory(attn, level, 1.0),
                     add_upsample=level > 0,
@@ -112,10 +122,7 @@ class UNet(nn.Module):
                 )
             )
             prev = chans[level]
-        self.up = up
-
-        self.conv_norm_out = group_norm(spec.norm_num_groups, spec.norm_eps)
-        self.conv_out = conv3x3(spec.out_channels)
+        return up
 
     @nn.nowrap
     def _resnet_factory(self, output_scale: float) -> functools.partial:
