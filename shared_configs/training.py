@@ -211,7 +211,8 @@ class TrainConfig:
 
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse prints usage + message; we want one line
-        raise SystemExit(f"error: {message}")
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def _positive(kind: type) -> Callable[[str], int | float]:

@@ -1,0 +1,189 @@
+"""DDPM noise-prediction training of the U-Net in JAX/Flax + optax: ``python -m jax_impl.train``.
+
+A thin loop over an importable, jitted step. To put this U-Net in your own loop::
+
+    model = UNet(spec=spec, policy="full")            # nn.remat applied inside, per the plan
+    tx = make_optimizer(lr=1e-3, weight_decay=0.0)    # optax.adamw, hyperparameters explicit
+    params, opt_state = init_state(model, tx, seed=0)
+    params, opt_state, loss = train_step(params, opt_state, arrays(batch), key, model=model, tx=tx)
+
+Batches, timesteps, noise and class contexts come from `shared_configs.training` (numpy, NCHW;
+`arrays` transposes images to NHWC), so `torch_impl.train` sees the very same ones for a seed.
+The dropout key of step ``s`` is derived from (seed, s), so a resumed run replays the same masks.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_impl.unet import UNet
+from shared_configs import load_spec
+from shared_configs.training import (
+    Batch,
+    Dataset,
+    Schedule,
+    TrainConfig,
+    atomic_write,
+    cli_main,
+    load_dataset,
+    make_schedule,
+    progress_bar,
+    sample,
+    save_plots,
+    step_seed,
+)
+
+CHECKPOINT = "checkpoint.msgpack"
+Arrays = tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]
+
+
+@functools.cache  # one object per hyperparameters, so the jitted step (tx is static) compiles once
+def make_optimizer(lr: float, weight_decay: float) -> optax.GradientTransformation:
+    """``optax.adamw`` matching torch's AdamW (set weight_decay explicitly: optax defaults to 1e-4)."""
+    return optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+
+
+def arrays(batch: Batch) -> Arrays:
+    """(noisy, t, noise, context) as jax arrays, images NCHW -> NHWC."""
+    context = None if batch.context is None else jnp.asarray(batch.context)
+    nhwc = (0, 2, 3, 1)
+    return (
+        jnp.asarray(batch.noisy.transpose(nhwc)),
+        jnp.asarray(batch.t),
+        jnp.asarray(batch.noise.transpose(nhwc)),
+        context,
+    )
+
+
+def init_state(model: UNet, tx: optax.GradientTransformation, seed: int) -> tuple[Any, Any]:
+    """Fresh parameters (from ``seed``) and their optimizer state."""
+    spec = model.resolved_spec
+    x = jnp.zeros((1, spec.sample_size, spec.sample_size, spec.in_channels), jnp.float32)
+    context = None if spec.cross_attention_dim is None else jnp.zeros((1, 1, spec.cross_attention_dim))
+    rngs = {"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1)}
+    params = jax.jit(model.init)(rngs, x, jnp.zeros((1,)), context)["params"]
+    return params, tx.init(params)
+
+
+def loss_fn(params: Any, model: UNet, batch: Arrays, dropout_key: jax.Array) -> jax.Array:
+    """MSE between the predicted and the true noise (dropout on)."""
+    noisy, t, noise, context = batch
+    pred = model.apply({"params": params}, noisy, t, context, train=True, rngs={"dropout": dropout_key})
+    return jnp.mean((pred.astype(jnp.float32) - noise) ** 2)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "tx"))
+def train_step(
+    params: Any, opt_state: Any, batch: Arrays, dropout_key: jax.Array, *, model: UNet, tx: optax.GradientTransformation
+) -> tuple[Any, Any, jax.Array]:
+    """One DDPM step: loss and gradients (through the remat plan the model carries), optax update.
+
+    ``model`` and ``tx`` are static: keep one object of each (see `make_optimizer`) to compile once.
+    Returns (new params, new optimizer state, loss).
+    """
+    loss, grads = jax.value_and_grad(loss_fn)(params, model, batch, dropout_key)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def generate(model: UNet, params: Any, schedule: Schedule, dataset: Dataset, cfg: TrainConfig) -> np.ndarray:
+    """A grid of samples (NCHW) from the short ancestral sampler (dropout off)."""
+    spec = model.resolved_spec
+    shape = (cfg.num_samples, spec.in_channels, spec.sample_size, spec.sample_size)
+    apply = jax.jit(lambda x, t, c: model.apply({"params": params}, x, t, c))
+
+    def eps_fn(x: np.ndarray, t: np.ndarray, context: np.ndarray | None) -> np.ndarray:
+        out = apply(jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(t), context)
+        return np.asarray(out).transpose(0, 3, 1, 2)
+
+    return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)
+
+
+def save_checkpoint(path: Path, params: Any, opt_state: Any, step: int, losses: list[float], spec: dict) -> None:
+    """Params, optimizer state, step and loss history as flax msgpack bytes, written atomically."""
+    state = {"params": params, "opt_state": opt_state, "step": step, "losses": np.asarray(losses, np.float64)}
+    blob = flax.serialization.to_state_dict(state) | {"spec": flax.serialization.msgpack_serialize(spec)}
+    atomic_write(path, flax.serialization.msgpack_serialize(blob))
+
+
+def load_checkpoint(path: Path, params: Any, opt_state: Any, spec: dict) -> tuple[Any, Any, int, list[float]]:
+    """Restore into the structure of (params, opt_state); returns them with step and losses."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint at {path}")
+    blob = flax.serialization.msgpack_restore(path.read_bytes())
+    saved_spec = flax.serialization.msgpack_restore(blob.pop("spec"))
+    if saved_spec != spec:
+        raise ValueError(f"--resume: {path} was trained with spec {saved_spec.get('name')!r}, not this --config")
+    target = {"params": params, "opt_state": opt_state, "step": 0, "losses": np.zeros(0)}
+    state = flax.serialization.from_state_dict(target, blob)
+    return state["params"], state["opt_state"], int(state["step"]), [float(x) for x in state["losses"]]
+
+
+def run_steps(
+    params: Any,
+    opt_state: Any,
+    losses: list[float],
+    dataset: Dataset,
+    schedule: Schedule,
+    cfg: TrainConfig,
+    stop: int,
+    model: UNet,
+    tx: optax.GradientTransformation,
+    on_step: Callable[[float], None] | None = None,
+) -> tuple[Any, Any]:
+    """Steps ``len(losses) .. stop - 1``, appending each loss; returns (params, opt_state)."""
+    for step in range(len(losses), stop):
+        batch = arrays(dataset.batch(step, cfg.batch_size, schedule, cfg.seed))
+        key = jax.random.key(step_seed(cfg.seed, step))  # dropout masks depend on (seed, step) only
+        params, opt_state, loss = train_step(params, opt_state, batch, key, model=model, tx=tx)
+        losses.append(float(loss))
+        if on_step is not None:
+            on_step(losses[-1])
+    return params, opt_state
+
+
+def train(cfg: TrainConfig) -> list[float]:
+    """Run (or resume) training as ``cfg`` says; returns the loss of every step from step 0."""
+    if cfg.dtype != "float32":
+        raise NotImplementedError(
+            f"--dtype {cfg.dtype}: jax_impl.train supports float32 only (the Flax U-Net has no "
+            "compute-dtype option yet); torch_impl.train supports bfloat16 autocast"
+        )
+    spec = load_spec(cfg.config)
+    model, tx = UNet(spec=spec, policy=cfg.policy), make_optimizer(cfg.lr, cfg.weight_decay)
+    _ = model.plan  # resolve the policy now: a bad one is a one-line error, not a trace
+    ckpt, spec_dict = Path(cfg.out) / CHECKPOINT, spec.model_dump(mode="json")
+    if cfg.resume and not ckpt.is_file():  # before the (slow) init
+        raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
+    dataset = load_dataset(cfg.data, spec, cfg.seed)
+    schedule = make_schedule(cfg.schedule, cfg.timesteps)
+    params, opt_state = init_state(model, tx, cfg.seed)
+    start, losses = 0, []
+    if cfg.resume:
+        params, opt_state, start, losses = load_checkpoint(ckpt, params, opt_state, spec_dict)
+    with progress_bar(cfg.steps, start, f"jax {spec.name} {cfg.policy}") as update:
+        while len(losses) < cfg.steps:  # run to the next checkpoint boundary, save, repeat
+            stop = min(cfg.steps, (len(losses) // cfg.checkpoint_every + 1) * cfg.checkpoint_every)
+            params, opt_state = run_steps(params, opt_state, losses, dataset, schedule, cfg, stop, model, tx, update)
+            save_checkpoint(ckpt, params, opt_state, stop, losses, spec_dict)
+    samples = generate(model, params, schedule, dataset, cfg) if cfg.sample_steps > 0 else None
+    save_plots(cfg.out, losses, samples, f"jax_impl {spec.name}, policy {cfg.policy}")
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli_main(train, argv, "jax_impl")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

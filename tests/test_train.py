@@ -1,0 +1,130 @@
+"""Training loops: checkpointing leaves the loss curve unchanged, torch == JAX, learning, resume, CLI.
+
+Kept fast: the tiny spec, batch 4, one thread for torch, and the JAX parameters converted from a
+seeded torch model (a jitted Flax init costs as much as compiling the step). The JAX tests share
+one compiled step per (model, optimizer) pair: `make_optimizer` is cached, models compare equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from jax_impl import train as jtrain
+from jax_impl.convert import torch_to_flax
+from jax_impl.unet import UNet as FlaxUNet
+from shared_configs import UNetSpec, load_spec, spec_from_dict
+from shared_configs.training import TrainConfig, load_dataset, make_schedule, step_seed
+from tests.utils import TINY
+from torch_impl import train as ttrain
+from torch_impl.unet import UNet as TorchUNet
+
+SCHEDULE = make_schedule("linear", 1000)
+CFG = TrainConfig(batch_size=4, lr=1e-3, weight_decay=0.01, seed=0, sample_steps=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops on a shared 2-core box: threads only contend
+    yield
+    torch.set_num_threads(threads)
+
+
+def torch_model(spec: UNetSpec, policy: str = "none", seed: int = 0) -> TorchUNet:
+    torch.manual_seed(seed)
+    model = TorchUNet(spec)
+    model.enable_gradient_checkpointing(policy)
+    return model
+
+
+def torch_curve(spec: UNetSpec, policy: str, steps: int) -> list[float]:
+    model = torch_model(spec, policy)
+    optimizer = ttrain.make_optimizer(model, CFG.lr, CFG.weight_decay)
+    dataset, losses = load_dataset("digits", spec), []
+    for step in range(steps):
+        torch.manual_seed(step_seed(CFG.seed, step))
+        losses.append(ttrain.train_step(model, optimizer, dataset.batch(step, CFG.batch_size, SCHEDULE, CFG.seed)))
+    return losses
+
+
+def jax_setup(spec: UNetSpec, policy: str) -> tuple[FlaxUNet, object, object, object]:
+    """The Flax model, optimizer, and params/opt_state converted from the seeded torch model."""
+    model, tx = FlaxUNet(spec=spec, policy=policy), jtrain.make_optimizer(CFG.lr, CFG.weight_decay)
+    params = jax.tree_util.tree_map(jax.numpy.asarray, torch_to_flax(torch_model(spec).state_dict(), spec))
+    return model, tx, params, tx.init(params)
+
+
+def jax_curve(spec: UNetSpec, policy: str, steps: int) -> list[float]:
+    model, tx, params, opt_state = jax_setup(spec, policy)
+    losses: list[float] = []
+    jtrain.run_steps(params, opt_state, losses, load_dataset("digits", spec), SCHEDULE, CFG, steps, model, tx)
+    return losses
+
+
+@pytest.mark.parametrize("curve", [torch_curve, jax_curve], ids=["torch", "jax"])
+def test_checkpointing_keeps_the_loss_curve(curve) -> None:
+    spec = load_spec("tiny")
+    assert spec.dropout > 0  # dropout is on: the masks must be replayed on recompute
+    plain, full = curve(spec, "none", 20), curve(spec, "full", 20)
+    np.testing.assert_allclose(full, plain, rtol=1e-6)
+
+
+def test_torch_and_jax_loss_curves_agree() -> None:
+    spec = spec_from_dict({**TINY, "name": "tiny_nodrop", "dropout": 0.0})
+    np.testing.assert_allclose(jax_curve(spec, "none", 10), torch_curve(spec, "none", 10), rtol=1e-4)
+
+
+def test_loss_halves_on_digits(tmp_path: Path) -> None:
+    cfg = TrainConfig(batch_size=16, steps=80, lr=2e-3, out=str(tmp_path), sample_steps=2, num_samples=2)
+    losses = ttrain.train(cfg)
+    assert np.mean(losses[-10:]) <= 0.5 * np.mean(losses[:5]), (losses[:5], losses[-10:])
+    assert {p.name for p in tmp_path.iterdir()} == {"checkpoint.pt", "loss.png", "samples.png"}
+
+
+def test_torch_resume_continues_the_curve(tmp_path: Path) -> None:
+    whole = ttrain.train(TrainConfig(**{**vars(CFG), "steps": 6, "out": str(tmp_path / "a")}))
+    part = TrainConfig(**{**vars(CFG), "steps": 3, "out": str(tmp_path / "b")})
+    assert ttrain.train(part) == whole[:3]
+    assert ttrain.train(TrainConfig(**{**vars(part), "steps": 6, "resume": True})) == whole
+
+
+def test_jax_resume_continues_the_curve(tmp_path: Path) -> None:
+    spec = load_spec("tiny")  # the same model and optimizer as above: the compiled step is reused
+    model, tx, params, opt_state = jax_setup(spec, "none")
+    dataset, whole = load_dataset("digits", spec), []
+    jtrain.run_steps(params, opt_state, whole, dataset, SCHEDULE, CFG, 6, model, tx)
+    losses: list[float] = []
+    p, o = jtrain.run_steps(params, opt_state, losses, dataset, SCHEDULE, CFG, 3, model, tx)
+    spec_dict, path = spec.model_dump(mode="json"), tmp_path / jtrain.CHECKPOINT
+    jtrain.save_checkpoint(path, p, o, 3, losses, spec_dict)
+    _, fresh_opt = jax_setup(spec, "none")[2:]  # restore into a fresh structure
+    p, o, step, losses = jtrain.load_checkpoint(path, params, fresh_opt, spec_dict)
+    assert step == 3
+    jtrain.run_steps(p, o, losses, dataset, SCHEDULE, CFG, 6, model, tx)
+    assert losses == whole
+
+
+@pytest.mark.parametrize("main", [ttrain.main, jtrain.main], ids=["torch", "jax"])
+@pytest.mark.parametrize(
+    "argv",
+    [["--steps", "0"], ["--lr", "x"], ["--config", "nope"], ["--policy", "bogus"], ["--data", "mnist"], ["--resume"]],
+)
+def test_bad_input_is_one_line(main, argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main([*argv, "--out", str(tmp_path / "none")])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+
+
+def test_jax_refuses_bfloat16(capsys: pytest.CaptureFixture[str]) -> None:
+    assert jtrain.main(["--dtype", "bfloat16"]) == 2
+    assert "float32 only" in capsys.readouterr().err
