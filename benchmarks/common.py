@@ -1,0 +1,160 @@
+"""Framework-free pieces shared by the parent CLI and the framework workers.
+
+Nothing here imports torch or jax: the parent process stays free of both runtimes, and each
+worker imports exactly one of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared_configs import UNetSpec, load_spec, spec_from_dict
+
+FRAMEWORKS: tuple[str, ...] = ("torch", "jax")
+EVENT_PREFIX = "@@bench "  # worker stdout lines carrying an event start with this
+XLA_CPU_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
+OOM_SIM_ENV = "BENCHMARKS_SIMULATE_OOM"  # "torch:full:2,jax:none:1": raise the framework's OOM there
+KILL_SIM_ENV = "BENCHMARKS_SIMULATE_KILL"  # same syntax: SIGKILL the worker there (a host OOM kill)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a worker measures: every (policy, batch size) pair of one framework."""
+
+    framework: str
+    config: str
+    sample_size: int | None
+    policies: tuple[str, ...]
+    batch_sizes: tuple[int, ...]
+    steps: int
+    dtype: str
+    device: str
+    context_length: int
+    xla_cpu_flag: bool = True  # jax on CPU: disable cse_barrier_expander (see DESIGN.md)
+    xla_default: bool = True  # jax on CPU: also compile with XLA's default passes, for comparison
+    done: tuple[tuple[str, int], ...] = field(default=())  # rows already reported, skipped
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [(p, b) for b in self.batch_sizes for p in self.policies if (p, b) not in self.done]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Job:
+        data = json.loads(text)
+        for key in ("policies", "batch_sizes"):
+            data[key] = tuple(data[key])
+        data["done"] = tuple((p, b) for p, b in data["done"])
+        return cls(**data)
+
+
+def load_benchmark_spec(config: str, sample_size: int | None) -> UNetSpec:
+    """The preset/file spec, with ``sample_size`` overridden (and re-validated) when given."""
+    spec = load_spec(config)
+    if sample_size is None or sample_size == spec.sample_size:
+        return spec
+    return spec_from_dict({**spec.model_dump(), "sample_size": sample_size})
+
+
+def policy_arg(policy: str) -> str:
+    """CLI policies are comma-separated, so a block list inside one is joined with '+'."""
+    return policy.replace("+", ",")
+
+
+def parse_sim(env_value: str | None) -> set[tuple[str, str, int]]:
+    """Parse a simulation spec ``framework:policy:batch,...`` (testing hooks)."""
+    out: set[tuple[str, str, int]] = set()
+    for item in (env_value or "").split(","):
+        if item.strip():
+            fw, policy, batch = item.strip().rsplit(":", 2)
+            out.add((fw, policy, int(batch)))
+    return out
+
+
+def timing_stats(samples: list[float]) -> dict[str, float]:
+    """Median and spread (min, max) of per-step wall times, in seconds."""
+    return {
+        "step_time_s": statistics.median(samples),
+        "step_time_min_s": min(samples),
+        "step_time_max_s": max(samples),
+    }
+
+
+def is_oom_message(message: str) -> bool:
+    text = message.lower()
+    return any(
+        s in text for s in ("out of memory", "resource_exhausted", "can't allocate memory", "cannot allocate memory")
+    )
+
+
+def one_line(err: BaseException) -> str:
+    """A one-line description of an exception (first line of its message)."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".strip()
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def emit(event: str, **payload: Any) -> None:
+    """Write one event line for the parent (workers only)."""
+    sys.stdout.write(EVENT_PREFIX + json.dumps({"event": event, **payload}, default=_json_default) + "\n")
+    sys.stdout.flush()
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def worker_env(job: Job) -> dict[str, str]:
+    """Environment for a worker process: set before the framework is imported."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if job.framework == "jax":
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # allocator peak = what the step needs
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if f != XLA_CPU_FLAG]
+        if job.xla_cpu_flag and job.device != "gpu":
+            flags.append(XLA_CPU_FLAG)
+        env["XLA_FLAGS"] = " ".join(flags)
+        if job.device == "cpu":
+            env["JAX_PLATFORMS"] = "cpu"
+        elif job.device == "gpu":
+            env["JAX_PLATFORMS"] = "cuda"
+    return env

@@ -1,0 +1,200 @@
+"""Benchmark one full training step per framework x checkpoint policy x batch size.
+
+    python -m benchmarks.compare --framework both --config small --policies none,full,balanced,layers
+
+Each framework runs in its own subprocess (`benchmarks.worker`); this process imports neither.
+Prints a table, and writes ``<out>/<run>.json``, ``.csv`` and ``.png`` (memory reduction against
+time overhead, with the Pareto front). See `benchmarks.torch_bench` and `benchmarks.jax_bench`
+for how each figure is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, NoReturn
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from benchmarks import plot, report
+from benchmarks.common import FRAMEWORKS, Job, git_sha, load_benchmark_spec, policy_arg
+from benchmarks.runner import BenchmarkError, Event, run_job
+from shared_configs import NAMED_POLICIES, SpecError, resolve_plan
+
+DEFAULT_POLICIES = "none,full,balanced,layers"
+DEFAULT_CONFIG = "small"
+DEFAULT_SAMPLE_SIZE = 16  # small's 32 x 32 takes minutes per policy on a 2-core CPU
+DEFAULT_BATCH_SIZES = (8,)
+DEFAULT_STEPS = 3
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, no usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m benchmarks.compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--framework", choices=[*FRAMEWORKS, "both"], default="both", help="which framework(s) to run")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="preset name or spec YAML path (default: %(default)s)")
+    p.add_argument(
+        "--sample-size",
+        type=_positive,
+        default=None,
+        help=f"override spec.sample_size (default: {DEFAULT_SAMPLE_SIZE} for the default config, else the spec's)",
+    )
+    p.add_argument(
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=f"comma-separated policies: {', '.join(NAMED_POLICIES)}, or block names joined with '+' "
+        "(e.g. down.1+mid); 'none' is always measured, as the baseline (default: %(default)s)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_positive,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help=f"one or more batch sizes (default: {DEFAULT_BATCH_SIZES[0]} for the default config, else 1)",
+    )
+    p.add_argument("--steps", type=_positive, default=DEFAULT_STEPS, help="timed steps after warm-up (%(default)s)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter/activation dtype")
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "gpu"], default="auto", help="auto: GPU if the framework has one"
+    )
+    p.add_argument("--context-length", type=_positive, default=77, help="cross-attention tokens (%(default)s)")
+    p.add_argument("--out", type=Path, default=Path("results"), help="folder for JSON/CSV/PNG (%(default)s)")
+    p.add_argument(
+        "--no-xla-default",
+        action="store_true",
+        help="jax on CPU: skip the second compile with XLA's default passes (the 'XLA:CPU default' column)",
+    )
+    p.add_argument("--verbose", action="store_true", help="show the workers' stderr")
+    return p
+
+
+def make_jobs(args: argparse.Namespace) -> list[Job]:
+    """Validate the arguments (SpecError on bad input) and turn them into worker jobs."""
+    default_config = args.config == DEFAULT_CONFIG
+    sample_size = args.sample_size or (DEFAULT_SAMPLE_SIZE if default_config else None)
+    batch_sizes = tuple(dict.fromkeys(args.batch_size or (DEFAULT_BATCH_SIZES if default_config else (1,))))
+    spec = load_benchmark_spec(args.config, sample_size)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise SpecError("policies: none given")
+    for policy in policies:
+        resolve_plan(spec, policy_arg(policy))
+    policies = list(dict.fromkeys(["none", *policies]))
+    frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
+    common = {
+        "config": args.config,
+        "sample_size": spec.sample_size,
+        "policies": tuple(policies),
+        "batch_sizes": batch_sizes,
+        "steps": args.steps,
+        "dtype": args.dtype,
+        "device": args.device,
+        "context_length": args.context_length,
+    }
+    return [Job(framework=fw, xla_default=not args.no_xla_default, **common) for fw in frameworks]
+
+
+def run_all(jobs: list[Job], console: Console, verbose: bool) -> list[list[Event]]:
+    """Run the jobs one after another (never side by side: they would share the cores)."""
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
+    results: list[list[Event]] = []
+    with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
+        tasks = [progress.add_task(job.framework, total=len(job.rows())) for job in jobs]
+        for job, task in zip(jobs, tasks, strict=True):
+
+            def on_event(event: Event, task: Any = task, job: Job = job) -> None:
+                if event["event"] == "start":
+                    progress.update(
+                        task, description=f"{job.framework}: {event['policy']} @ batch {event['batch_size']}"
+                    )
+                elif event["event"] == "row":
+                    progress.update(task, advance=1, description=f"{job.framework}: last {event['status']}")
+
+            results.append(run_job(job, on_event, verbose))
+            progress.update(task, description=job.framework)
+    return results
+
+
+def build_document(args: argparse.Namespace, jobs: list[Job], results: list[list[Event]], seconds: float) -> dict:
+    """The JSON document: top-level config, device, versions and rows."""
+    events = [e for evs in results for e in evs]
+    rows = report.complete(e for e in events if e["event"] == "row")
+    envs = {e["framework"]: e for e in events if e["event"] == "env"}
+    spec = load_benchmark_spec(jobs[0].config, jobs[0].sample_size)
+    return {
+        "config": {"name": spec.name, "source": args.config, "spec": spec.model_dump(mode="json")},
+        "device": {"requested": args.device, **{fw: env["device"] for fw, env in envs.items()}},
+        "versions": {
+            "python": platform.python_version(),
+            **{k: v for e in envs.values() for k, v in e["versions"].items()},
+        },
+        "git_sha": git_sha(),
+        "dtype": args.dtype,
+        "settings": {k: v for k, v in asdict(jobs[0]).items() if k not in ("framework", "done")},
+        "xla_flags": envs["jax"]["xla_flags"] if "jax" in envs else None,
+        "methods": report.methods(rows),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_s": round(seconds, 1),
+        "rows": rows,
+    }
+
+
+def write_outputs(document: dict[str, Any], out: Path) -> list[Path]:
+    stem = f"compare-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
+    paths = [out / f"{stem}.json", out / f"{stem}.csv"]
+    report.write_json(paths[0], document)
+    report.write_csv(paths[1], document["rows"])
+    title = f"{document['config']['name']}, {document['dtype']}, git {document['git_sha'] or '?'}"
+    if plot.plot(document["rows"], out / f"{stem}.png", title):
+        paths.append(out / f"{stem}.png")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # A table this wide wraps unreadably at 80 columns: when not on a terminal, print it wide.
+    console = Console() if sys.stdout.isatty() else Console(width=180)
+    try:
+        jobs = make_jobs(args)
+        start = time.perf_counter()
+        results = run_all(jobs, console, args.verbose)
+    except (SpecError, BenchmarkError) as err:
+        print(f"compare: error: {err}", file=sys.stderr)
+        return 2 if isinstance(err, SpecError) else 1
+    document = build_document(args, jobs, results, time.perf_counter() - start)
+    console.print(report.table(document["rows"], f"{document['config']['name']} ({document['dtype']})"))
+    for fw, m in document["methods"].items():
+        console.print(
+            f"[bold]{fw}[/bold] peak: {m['peak_method']}; saved: {m['saved_method']}; FLOPs: {m['flops_method']}"
+        )
+    for path in write_outputs(document, args.out):
+        console.print(f"wrote {path}")
+    errors = [r for r in document["rows"] if r["status"] == "error"]
+    if errors:
+        print(f"compare: error: {len(errors)} row(s) failed, first: {errors[0]['error']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

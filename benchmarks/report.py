@@ -1,0 +1,187 @@
+"""Rows into results: derived columns, the JSON/CSV files (written atomically), the rich table."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+Row = dict[str, Any]
+
+# Every row has every column (None where it does not apply); CSV columns follow this order.
+COLUMNS: tuple[str, ...] = (
+    "framework",
+    "policy",
+    "batch_size",
+    "status",
+    "peak_bytes",
+    "static_bytes",
+    "activation_bytes",
+    "input_bytes",
+    "saved_bytes",
+    "peak_reduction",
+    "static_reduction",
+    "activation_reduction",
+    "saved_reduction",
+    "step_time_s",
+    "step_time_min_s",
+    "step_time_max_s",
+    "time_overhead",
+    "compile_s",
+    "first_step_s",
+    "flops",
+    "recompute_flops",
+    "flops_ratio",
+    "compiled_peak_bytes",
+    "xla_default_peak_bytes",
+    "xla_default_activation_bytes",
+    "xla_default_peak_reduction",
+    "param_count",
+    "peak_method",
+    "saved_method",
+    "flops_method",
+    "error",
+)
+# (column, column it is compared with, kind): reductions are 1 - x / x_none, ratios x / x_none.
+RELATIVE: tuple[tuple[str, str, str], ...] = (
+    ("peak_reduction", "peak_bytes", "reduction"),
+    ("static_reduction", "static_bytes", "reduction"),
+    ("activation_reduction", "activation_bytes", "reduction"),
+    ("saved_reduction", "saved_bytes", "reduction"),
+    ("xla_default_peak_reduction", "xla_default_peak_bytes", "reduction"),
+    ("time_overhead", "step_time_s", "ratio"),
+    ("flops_ratio", "flops", "ratio"),
+    ("recompute_flops", "flops", "difference"),
+)
+
+
+def complete(rows: Iterable[Row]) -> list[Row]:
+    """Rows with every column, and the columns measured against policy ``none`` filled in."""
+    out = [{col: row.get(col) for col in COLUMNS} for row in rows]
+    baselines = {(r["framework"], r["batch_size"]): r for r in out if r["policy"] == "none" and r["status"] == "ok"}
+    for row in out:
+        base = baselines.get((row["framework"], row["batch_size"]))
+        for col, source, kind in RELATIVE:
+            row[col] = _relative(row.get(source), base.get(source) if base else None, kind)
+    return out
+
+
+def _relative(value: float | None, base: float | None, kind: str) -> float | None:
+    if value is None or base is None:
+        return None
+    if kind == "difference":
+        return value - base
+    if base == 0:
+        return None
+    return 1.0 - value / base if kind == "reduction" else value / base
+
+
+def atomic_write(path: Path, write: Callable[[io.IOBase], None], binary: bool = False) -> None:
+    """Write through a temporary file in the same folder, then ``os.replace`` it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"newline": ""})) as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, document: dict[str, Any]) -> None:
+    atomic_write(path, lambda f: json.dump(document, f, indent=2, allow_nan=False))
+
+
+def write_csv(path: Path, rows: list[Row]) -> None:
+    def write(f: Any) -> None:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+    atomic_write(path, write)
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:,.1f}"
+
+
+def _pct(value: float | None) -> str:
+    return "" if value is None else f" ({-value:+.0%})"
+
+
+def _cell_bytes(row: Row, col: str, rel: str | None = None) -> str:
+    return _mib(row[col]) + (_pct(row[rel]) if rel and row["policy"] != "none" else "")
+
+
+def _cell_time(row: Row) -> str:
+    if row["step_time_s"] is None:
+        return "-"
+    return f"{row['step_time_s']:.3f} [{row['step_time_min_s']:.3f}-{row['step_time_max_s']:.3f}]"
+
+
+def _cell_flops(row: Row) -> str:
+    if row["flops"] is None:
+        return "-"
+    extra = f" (+{row['recompute_flops'] / 1e9:.1f})" if row["recompute_flops"] and row["policy"] != "none" else ""
+    return f"{row['flops'] / 1e9:.1f}{extra}"
+
+
+def table(rows: list[Row], title: str) -> Table:
+    """The terminal table: memory in MiB (change against ``none``), times in seconds."""
+    t = Table(title=title, title_justify="left", header_style="bold")
+    for name, justify in [
+        ("framework", "left"),
+        ("policy", "left"),
+        ("batch", "right"),
+        ("peak MiB", "right"),
+        ("static MiB", "right"),
+        ("dynamic MiB", "right"),
+        ("saved MiB", "right"),
+        ("step s: median [min-max]", "right"),
+        ("overhead", "right"),
+        ("compile s", "right"),
+        ("GFLOP (+recompute)", "right"),
+        ("XLA:CPU default peak MiB", "right"),
+    ]:
+        t.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in rows:
+        if row["status"] != "ok":
+            status = "[red]OOM[/red]" if row["status"] == "oom" else "[red]error[/red]"
+            t.add_row(
+                row["framework"], row["policy"], str(row["batch_size"]), status, row["error"] or "", end_section=False
+            )
+            continue
+        t.add_row(
+            row["framework"],
+            row["policy"],
+            str(row["batch_size"]),
+            _cell_bytes(row, "peak_bytes", "peak_reduction"),
+            _cell_bytes(row, "static_bytes", "static_reduction"),
+            _cell_bytes(row, "activation_bytes", "activation_reduction"),
+            _cell_bytes(row, "saved_bytes", "saved_reduction"),
+            _cell_time(row),
+            "-" if row["time_overhead"] is None else f"{row['time_overhead']:.2f}x",
+            "-" if row["compile_s"] is None else f"{row['compile_s']:.1f}",
+            _cell_flops(row),
+            _cell_bytes(row, "xla_default_peak_bytes", "xla_default_peak_reduction")
+            if row["xla_default_peak_bytes"] is not None
+            else "-",
+        )
+    return t
+
+
+def methods(rows: list[Row]) -> dict[str, dict[str, str]]:
+    """Which method produced each framework's figures (the first successful row's)."""
+    out: dict[str, dict[str, str]] = {}
+    for row in rows:
+        if row["status"] == "ok" and row["framework"] not in out:
+            out[row["framework"]] = {k: row[k] for k in ("peak_method", "saved_method", "flops_method")}
+    return out

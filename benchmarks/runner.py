@@ -1,0 +1,96 @@
+"""Run framework workers as subprocesses and collect their rows (the parent side).
+
+Each framework runs in its own process (two runtimes in one process skew each other). A worker
+that dies mid-row (the kernel's OOM killer, a segfault) costs only that row: it is reported as
+``oom`` (killed) or ``error`` and a fresh worker carries on with the rows left.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from benchmarks.common import EVENT_PREFIX, REPO_ROOT, Job, worker_env
+
+Event = dict[str, Any]
+KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
+
+
+class BenchmarkError(RuntimeError):
+    """A whole framework could not be measured (one line, shown to the user)."""
+
+
+def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbose: bool = False) -> list[Event]:
+    """All events of ``job``: one ``env`` and one ``row`` per (policy, batch size)."""
+    events: list[Event] = []
+    done: list[tuple[str, int]] = []
+    while True:
+        todo = replace(job, done=tuple(done))
+        if not todo.rows():
+            return events
+        started, finished, rc, stderr_tail = _run_worker(todo, events, on_event, verbose)
+        done += finished
+        if started is not None:  # the worker died inside a row: report it, go on
+            row = _crash_row(job, started, rc, stderr_tail)
+            events.append(row)
+            on_event(row)
+            done.append(started)
+        elif rc != 0:
+            raise BenchmarkError(f"{job.framework} worker failed (exit {rc}): {stderr_tail or 'no output'}")
+        elif not finished:
+            raise BenchmarkError(f"{job.framework} worker exited without measuring anything")
+
+
+def _run_worker(
+    job: Job, events: list[Event], on_event: Callable[[Event], None], verbose: bool
+) -> tuple[tuple[str, int] | None, list[tuple[str, int]], int, str]:
+    """One worker process; returns (row it died in, rows it finished, exit code, stderr tail)."""
+    cmd = [sys.executable, "-m", "benchmarks.worker", job.to_json()]
+    started: tuple[str, int] | None = None
+    finished: list[tuple[str, int]] = []
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=worker_env(job), stdout=subprocess.PIPE, stderr=None if verbose else err, text=True
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if not line.startswith(EVENT_PREFIX):
+                continue
+            event = json.loads(line[len(EVENT_PREFIX) :])
+            kind = event["event"]
+            if kind == "fatal":
+                proc.wait()
+                raise BenchmarkError(event["message"])
+            if kind == "start":
+                started = (event["policy"], event["batch_size"])
+            elif kind == "row":
+                finished.append((event["policy"], event["batch_size"]))
+                started = None
+            events.append(event)
+            on_event(event)
+        rc = proc.wait()
+        err.seek(0)
+        lines = [ln.strip() for ln in err.read().splitlines() if ln.strip()]
+    return started, finished, rc, lines[-1] if lines else ""
+
+
+def _crash_row(job: Job, key: tuple[str, int], rc: int, stderr_tail: str) -> Event:
+    policy, batch_size = key
+    if rc in KILLED:
+        status, error = "oom", "worker killed (SIGKILL), most likely by the out-of-memory killer"
+    else:
+        status, error = "error", f"worker died (exit {rc}): {stderr_tail or 'no output'}"
+    return {
+        "event": "row",
+        "framework": job.framework,
+        "policy": policy,
+        "batch_size": batch_size,
+        "status": status,
+        "error": error,
+    }
