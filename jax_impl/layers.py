@@ -255,3 +255,7 @@ class Upsample(nn.Module):
     def __call__(self, x: Array) -> Array:
         x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)  # (B, 2H, 2W, C)
         return self.conv(x)
+
+
+# Attention kinds of the spec -> layer class; the same keys as in `torch_impl/layers.py`.
+ATTENTION: dict[str, type[nn.Module]] = {"self": SelfAttention, "transformer": Transformer2D}

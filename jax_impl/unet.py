@@ -16,16 +16,9 @@ from flax import linen as nn
 
 from jax_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
 from jax_impl.checkpointing import block_class, layers_of
-from jax_impl.layers import (
-    ResnetBlock,
-    SelfAttention,
-    TimestepEmbedding,
-    Transformer2D,
-    conv3x3,
-    group_norm,
-    timestep_embedding,
-)
+from jax_impl.layers import ATTENTION, ResnetBlock, TimestepEmbedding, conv3x3, group_norm, timestep_embedding
 from shared_configs import CheckpointPlan, UNetSpec, block_names, layer_names, load_spec, resolve_plan
+from shared_configs.arch import attention_kwargs, down_blocks, resnet_kwargs, up_blocks
 
 Array = jax.Array
 PolicyArg = str | tuple[str, ...] | CheckpointPlan | None
@@ -65,7 +58,7 @@ class UNet(nn.Module):
         chans = spec.block_out_channels
         self.conv_in = conv3x3(chans[0])
         self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim)
-        self.down, skips = self._down_path(plan)
+        self.down = self._down_path(plan)
         scale = spec.mid_block_scale_factor
         self.mid = block_class(MidBlock, "mid", plan)(
             chans[-1],
@@ -73,96 +66,50 @@ class UNet(nn.Module):
             self._attention_factory(spec.mid_attention, -1, scale),
             recompute=layers_of("mid", plan),
         )
-        self.up = self._up_path(plan, skips)
+        self.up = self._up_path(plan)
         self.conv_norm_out = group_norm(spec.norm_num_groups, spec.norm_eps)
         self.conv_out = conv3x3(spec.out_channels)
 
     @nn.nowrap
-    def _down_path(self, plan: CheckpointPlan) -> tuple[list[DownBlock], list[int]]:
-        """The down blocks, and the channels of the skip stack they push (``conv_in``'s first)."""
+    def _down_path(self, plan: CheckpointPlan) -> list[DownBlock]:
         spec = self.resolved_spec
-        chans, n = spec.block_out_channels, spec.num_levels
-        skips, down = [chans[0]], []
-        for i, attn in enumerate(spec.down_attention):
-            last = i == n - 1
-            block = block_class(DownBlock, f"down.{i}", plan)
-            down.append(
-                block(
-                    chans[max(i - 1, 0)],
-                    chans[i],
-                    spec.layers_per_block,
-                    self._resnet_factory(1.0),
-                    self._attention_factory(attn, i, 1.0),
-                    None if last else spec.downsample_padding,
-                    recompute=layers_of(f"down.{i}", plan),
-                )
+        return [
+            block_class(DownBlock, b.name, plan)(
+                b.in_ch,
+                b.out_ch,
+                spec.layers_per_block,
+                self._resnet_factory(1.0),
+                self._attention_factory(b.attention, b.level),
+                b.downsample_padding,
+                recompute=layers_of(b.name, plan),
             )
-            skips += [chans[i]] * (spec.layers_per_block + (0 if last else 1))
-        return down, skips
+            for b in down_blocks(spec)
+        ]
 
     @nn.nowrap
-    def _up_path(self, plan: CheckpointPlan, skips: list[int]) -> list[UpBlock]:
-        """The up blocks, deepest first; each pops ``layers_per_block + 1`` skips off the stack."""
-        spec = self.resolved_spec
-        chans, n, count = spec.block_out_channels, spec.num_levels, spec.layers_per_block + 1
-        up, prev = [], chans[-1]
-        for i, attn in enumerate(spec.up_attention_resolved):
-            level = n - 1 - i
-            mine, skips = skips[-count:], skips[:-count]
-            block = block_class(UpBlock, f"up.{i}", plan)
-            up.append(
-                block(
-                    prev,
-                    chans[level],
-                    tuple(reversed(mine)),  # in the order they are consumed: last pushed first
-                    self._resnet_factory(1.0),
-                    self._attention_factory(attn, level, 1.0),
-                    add_upsample=level > 0,
-                    recompute=layers_of(f"up.{i}", plan),
-                )
+    def _up_path(self, plan: CheckpointPlan) -> list[UpBlock]:
+        return [
+            block_class(UpBlock, b.name, plan)(
+                b.in_ch,
+                b.out_ch,
+                b.skip_channels,
+                self._resnet_factory(1.0),
+                self._attention_factory(b.attention, b.level),
+                add_upsample=b.upsample,
+                recompute=layers_of(b.name, plan),
             )
-            prev = chans[level]
-        return up
+            for b in up_blocks(self.resolved_spec)
+        ]
 
     @nn.nowrap
     def _resnet_factory(self, output_scale: float) -> functools.partial:
-        s = self.resolved_spec
-        return functools.partial(
-            ResnetBlock,
-            temb_dim=s.time_embed_dim,
-            groups=s.norm_num_groups,
-            eps=s.norm_eps,
-            dropout_rate=s.dropout,
-            scale_shift=s.resnet_time_scale_shift == "scale_shift",
-            output_scale=output_scale,
-        )
+        return functools.partial(ResnetBlock, **resnet_kwargs(self.resolved_spec, output_scale))
 
     @nn.nowrap
-    def _attention_factory(self, kind: str, level: int, output_scale: float) -> AttentionFactory | None:
-        s = self.resolved_spec
-        heads = s.heads(level)
-        if kind == "self":
-            return functools.partial(
-                SelfAttention,
-                heads=heads,
-                groups=s.norm_num_groups,
-                eps=s.norm_eps,
-                scale=s.attention_scale,
-                output_scale=output_scale,
-            )
-        if kind == "transformer":
-            return functools.partial(
-                Transformer2D,
-                heads=heads,
-                depth=s.transformer_layers_per_block,
-                groups=s.norm_num_groups,
-                norm_eps=s.transformer_norm_eps,
-                ln_eps=s.layer_norm_eps,
-                scale=s.attention_scale,
-                context_dim=s.cross_attention_dim,
-                linear_projection=s.use_linear_projection,
-            )
-        return None
+    def _attention_factory(self, kind: str, level: int, output_scale: float = 1.0) -> AttentionFactory | None:
+        if kind == "none":
+            return None
+        return functools.partial(ATTENTION[kind], **attention_kwargs(self.resolved_spec, kind, level, output_scale))
 
     def __call__(self, x: Array, t: Array | float, context: Array | None = None, train: bool = False) -> Array:
         """Predict the noise (or whatever the spec was trained on) for NHWC ``x`` at timestep ``t``.

@@ -27,7 +27,11 @@ def _inputs(spec, batch: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray | 
     rng = np.random.default_rng(7)
     x = rng.standard_normal((batch, spec.in_channels, spec.sample_size, spec.sample_size), dtype=np.float32)
     t = np.array([11.0, 860.0], dtype=np.float32)[:batch]
-    ctx = rng.standard_normal((batch, 3, spec.cross_attention_dim), dtype=np.float32) if spec.cross_attention_dim else None
+    ctx = (
+        rng.standard_normal((batch, 3, spec.cross_attention_dim), dtype=np.float32)
+        if spec.cross_attention_dim
+        else None
+    )
     return x, t, ctx
 
 
@@ -36,8 +40,12 @@ def _torch_out(model: TorchUNet, x: np.ndarray, t: np.ndarray, ctx: np.ndarray |
 
 
 def _flax_out(model: FlaxUNet, params: dict, x: np.ndarray, t: np.ndarray, ctx: np.ndarray | None) -> jax.Array:
-    out = model.apply({"params": params}, jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(t),
-                      None if ctx is None else jnp.asarray(ctx))
+    out = model.apply(
+        {"params": params},
+        jnp.asarray(x.transpose(0, 2, 3, 1)),
+        jnp.asarray(t),
+        None if ctx is None else jnp.asarray(ctx),
+    )
     return out.transpose(0, 3, 1, 2)  # NHWC -> NCHW
 
 
@@ -66,7 +74,7 @@ def test_round_trip_is_exact(name: str) -> None:
 def test_gradients_match(name: str) -> None:
     tmodel, fmodel, params = _pair(name)
     x, t, ctx = _inputs(tmodel.spec)
-    target = np.random.default_rng(3).standard_normal(x.shape[:1] + (tmodel.spec.out_channels,) + x.shape[2:])
+    target = np.random.default_rng(3).standard_normal((*x.shape[:1], tmodel.spec.out_channels, *x.shape[2:]))
     target = target.astype(np.float32)
 
     loss = ((_torch_out(tmodel, x, t, ctx) - torch.from_numpy(target)) ** 2).mean()

@@ -21,7 +21,10 @@ def test_presets_load() -> None:
 
 
 def test_shared_configs_imports_no_framework() -> None:
-    code = "import sys, shared_configs; shared_configs.load_spec('sd15'); print('torch' in sys.modules, 'jax' in sys.modules)"
+    code = (
+        "import sys, shared_configs; shared_configs.load_spec('sd15'); "
+        "print('torch' in sys.modules, 'jax' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 

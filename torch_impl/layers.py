@@ -48,7 +48,7 @@ class ResnetBlock(nn.Module):
         temb_dim: int,
         groups: int,
         eps: float,
-        dropout: float,
+        dropout_rate: float,
         scale_shift: bool = False,
         output_scale: float = 1.0,
     ) -> None:
@@ -58,7 +58,7 @@ class ResnetBlock(nn.Module):
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
         self.time_emb_proj = nn.Linear(temb_dim, out_ch * (2 if scale_shift else 1))
         self.norm2 = nn.GroupNorm(groups, out_ch, eps=eps)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(dropout_rate)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
         self.conv_shortcut = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else None
 
@@ -219,3 +219,7 @@ class Upsample(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+# Attention kinds of the spec -> layer class; the same keys as in `jax_impl/layers.py`.
+ATTENTION: dict[str, type[nn.Module]] = {"self": SelfAttention, "transformer": Transformer2D}

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared_configs import CheckpointPlan, UNetSpec, block_names, layer_names, load_spec, resolve_plan
+from shared_configs.arch import attention_kwargs, down_blocks, resnet_kwargs, up_blocks
 from shared_configs.plan import Policy
 from torch_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
 from torch_impl.checkpointing import apply_plan, remove_plan
-from torch_impl.layers import ResnetBlock, SelfAttention, TimestepEmbedding, Transformer2D, timestep_embedding
+from torch_impl.layers import ATTENTION, ResnetBlock, TimestepEmbedding, timestep_embedding
 
 
 class UNet(nn.Module):
@@ -22,90 +23,41 @@ class UNet(nn.Module):
         super().__init__()
         self.spec = spec = load_spec(spec) if isinstance(spec, str) else spec
         self.plan = resolve_plan(spec, "none")
-        chans, n, temb = spec.block_out_channels, spec.num_levels, spec.time_embed_dim
+        chans = spec.block_out_channels
         self.conv_in = nn.Conv2d(spec.in_channels, chans[0], 3, padding=1)
-        self.time_embedding = TimestepEmbedding(chans[0], temb)
-
-        skips = [chans[0]]  # channels of the skip stack, pushed by the down path
-        down = []
-        for i, attn in enumerate(spec.down_attention):
-            in_ch = chans[max(i - 1, 0)]
-            last = i == n - 1
-            down.append(
-                DownBlock(
-                    in_ch,
-                    chans[i],
-                    spec.layers_per_block,
-                    self._resnet_factory(1.0),
-                    self._attention_factory(attn, i, 1.0),
-                    None if last else spec.downsample_padding,
-                )
+        self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim)
+        resnet = self._resnet_factory(1.0)
+        self.down = nn.ModuleList(
+            DownBlock(
+                b.in_ch,
+                b.out_ch,
+                spec.layers_per_block,
+                resnet,
+                self._attention_factory(b.attention, b.level),
+                b.downsample_padding,
             )
-            skips += [chans[i]] * (spec.layers_per_block + (0 if last else 1))
-        self.down = nn.ModuleList(down)
-
+            for b in down_blocks(spec)
+        )
         scale = spec.mid_block_scale_factor
         self.mid = MidBlock(
             chans[-1], self._resnet_factory(scale), self._attention_factory(spec.mid_attention, -1, scale)
         )
-
-        up, prev = [], chans[-1]
-        for i, attn in enumerate(spec.up_attention_resolved):
-            level = n - 1 - i
-            count = spec.layers_per_block + 1
-            mine, skips = skips[-count:], skips[:-count]
-            up.append(
-                UpBlock(
-                    prev,
-                    chans[level],
-                    list(reversed(mine)),
-                    self._resnet_factory(1.0),
-                    self._attention_factory(attn, level, 1.0),
-                    upsample=level > 0,
-                )
+        self.up = nn.ModuleList(
+            UpBlock(
+                b.in_ch, b.out_ch, b.skip_channels, resnet, self._attention_factory(b.attention, b.level), b.upsample
             )
-            prev = chans[level]
-        self.up = nn.ModuleList(up)
-
+            for b in up_blocks(spec)
+        )
         self.conv_norm_out = nn.GroupNorm(spec.norm_num_groups, chans[0], eps=spec.norm_eps)
         self.conv_out = nn.Conv2d(chans[0], spec.out_channels, 3, padding=1)
 
     def _resnet_factory(self, output_scale: float) -> functools.partial:
-        s = self.spec
-        return functools.partial(
-            _resnet,
-            temb_dim=s.time_embed_dim,
-            groups=s.norm_num_groups,
-            eps=s.norm_eps,
-            dropout=s.dropout,
-            scale_shift=s.resnet_time_scale_shift == "scale_shift",
-            output_scale=output_scale,
-        )
+        return functools.partial(ResnetBlock, **resnet_kwargs(self.spec, output_scale))
 
-    def _attention_factory(self, kind: str, level: int, output_scale: float) -> AttentionFactory | None:
-        s, heads = self.spec, self.spec.heads(level)
-        if kind == "self":
-            return functools.partial(
-                SelfAttention,
-                heads=heads,
-                groups=s.norm_num_groups,
-                eps=s.norm_eps,
-                scale=s.attention_scale,
-                output_scale=output_scale,
-            )
-        if kind == "transformer":
-            return functools.partial(
-                Transformer2D,
-                heads=heads,
-                depth=s.transformer_layers_per_block,
-                groups=s.norm_num_groups,
-                norm_eps=s.transformer_norm_eps,
-                ln_eps=s.layer_norm_eps,
-                scale=s.attention_scale,
-                context_dim=s.cross_attention_dim,
-                linear_projection=s.use_linear_projection,
-            )
-        return None
+    def _attention_factory(self, kind: str, level: int, output_scale: float = 1.0) -> AttentionFactory | None:
+        if kind == "none":
+            return None
+        return functools.partial(ATTENTION[kind], **attention_kwargs(self.spec, kind, level, output_scale))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor | float, context: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
@@ -158,7 +110,3 @@ class UNet(nn.Module):
     def disable_gradient_checkpointing(self) -> None:
         remove_plan(self)
         self.plan = resolve_plan(self.spec, "none")
-
-
-def _resnet(in_ch: int, out_ch: int, **kwargs: object) -> ResnetBlock:
-    return ResnetBlock(in_ch, out_ch, **kwargs)

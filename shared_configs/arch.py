@@ -1,0 +1,102 @@
+"""What each block and layer is built with, derived once from the spec for both frameworks.
+
+Both U-Net assemblies (`torch_impl/unet.py`, `jax_impl/unet.py`) loop over `down_blocks` /
+`up_blocks` and build layers from `resnet_kwargs` / `attention_kwargs`, so the channel
+book-keeping of the skip stack lives here, in one place, framework-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shared_configs.spec import UNetSpec
+
+
+@dataclass(frozen=True)
+class BlockArgs:
+    """One down or up block: its plan name, channels, attention kind and resampling."""
+
+    name: str  # the plan's name: "down.1", "up.0", ...
+    in_ch: int
+    out_ch: int
+    attention: str  # "none" | "self" | "transformer"
+    level: int  # resolution level (0 = full); selects the number of heads
+    skip_channels: tuple[int, ...] = ()  # up blocks: skips in the order they are consumed
+    downsample_padding: int | None = None  # down blocks: None on the deepest level
+    upsample: bool = False
+
+
+def down_blocks(spec: UNetSpec) -> list[BlockArgs]:
+    chans, n = spec.block_out_channels, spec.num_levels
+    return [
+        BlockArgs(
+            f"down.{i}",
+            chans[max(i - 1, 0)],
+            chans[i],
+            attn,
+            i,
+            downsample_padding=None if i == n - 1 else spec.downsample_padding,
+        )
+        for i, attn in enumerate(spec.down_attention)
+    ]
+
+
+def up_blocks(spec: UNetSpec) -> list[BlockArgs]:
+    """Up blocks, deepest first; each consumes ``layers_per_block + 1`` skips off the stack."""
+    chans, n, count = spec.block_out_channels, spec.num_levels, spec.layers_per_block + 1
+    skips = _skip_stack(spec)
+    blocks, prev = [], chans[-1]
+    for i, attn in enumerate(spec.up_attention_resolved):
+        level = n - 1 - i
+        mine, skips = skips[-count:], skips[:-count]
+        blocks.append(
+            BlockArgs(
+                f"up.{i}", prev, chans[level], attn, level, skip_channels=tuple(reversed(mine)), upsample=level > 0
+            )
+        )
+        prev = chans[level]
+    return blocks
+
+
+def _skip_stack(spec: UNetSpec) -> list[int]:
+    """Channels of the skips the down path pushes: conv_in's, each ResNet's, each downsample's."""
+    skips = [spec.block_out_channels[0]]
+    for block in down_blocks(spec):
+        skips += [block.out_ch] * (spec.layers_per_block + (block.downsample_padding is not None))
+    return skips
+
+
+def resnet_kwargs(spec: UNetSpec, output_scale: float = 1.0) -> dict[str, Any]:
+    """Keyword arguments of ``ResnetBlock`` (after in/out channels) in both frameworks."""
+    return {
+        "temb_dim": spec.time_embed_dim,
+        "groups": spec.norm_num_groups,
+        "eps": spec.norm_eps,
+        "dropout_rate": spec.dropout,
+        "scale_shift": spec.resnet_time_scale_shift == "scale_shift",
+        "output_scale": output_scale,
+    }
+
+
+def attention_kwargs(spec: UNetSpec, kind: str, level: int, output_scale: float = 1.0) -> dict[str, Any]:
+    """Keyword arguments (after channels) of the attention layer ``kind`` at ``level``."""
+    heads = spec.heads(level)
+    if kind == "self":
+        return {
+            "heads": heads,
+            "groups": spec.norm_num_groups,
+            "eps": spec.norm_eps,
+            "scale": spec.attention_scale,
+            "output_scale": output_scale,
+        }
+    return {
+        "heads": heads,
+        "depth": spec.transformer_layers_per_block,
+        "groups": spec.norm_num_groups,
+        "norm_eps": spec.transformer_norm_eps,
+        "ln_eps": spec.layer_norm_eps,
+        "scale": spec.attention_scale,
+        "context_dim": spec.cross_attention_dim,
+        "linear_projection": spec.use_linear_projection,
+    }
