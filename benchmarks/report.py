@@ -39,6 +39,7 @@ COLUMNS: tuple[str, ...] = (
     "flops",
     "recompute_flops",
     "flops_ratio",
+    "allocator_peak_bytes",
     "compiled_peak_bytes",
     "xla_default_peak_bytes",
     "xla_default_activation_bytes",

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.common import Job, cpu_name, load_benchmark_spec, policy_arg, timing_stats
-from benchmarks.torch_memory import LiveBytesTracker, SavedBytesCounter, storage_bytes
+from benchmarks.torch_memory import AllocatorPeak, LiveBytesTracker, SavedBytesCounter, storage_bytes
 from torch_impl import UNet
 
 try:  # FlopCounterMode has no formula for the CPU attention kernel; torch_impl teaches it one
@@ -50,7 +50,9 @@ def versions() -> dict[str, str]:
 def memory_method(device: torch.device) -> str:
     if device.type == "cuda":
         return "torch.cuda.max_memory_allocated (after reset_peak_memory_stats)"
-    return "live tensor-storage bytes (TorchDispatchMode tracker)"
+    return (
+        "live tensor-storage bytes (TorchDispatchMode tracker); allocator_peak_bytes from torch.profiler memory events"
+    )
 
 
 def make_batch(spec: Any, batch_size: int, context_length: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -115,20 +117,21 @@ def counted_step(step: Callable[[], None], device: torch.device) -> tuple[float,
 
 
 def memory_step(model: UNet, step: Callable[[], None], device: torch.device, existing: list) -> dict[str, int]:
-    """Peak bytes and saved-for-backward bytes of one step."""
+    """Peak bytes (tensor-level and, on CPU, allocator-level) and saved-for-backward bytes of one step."""
     saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
-    if device.type == "cuda":
+    if device.type == "cuda":  # the allocator's own peak: nothing lower-level to compare it with
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         with saved:
             step()
         _sync(device)
-        peak = torch.cuda.max_memory_allocated(device)
+        peak = allocator_peak = torch.cuda.max_memory_allocated(device)
     else:
-        with LiveBytesTracker(existing) as tracker, saved:
+        with AllocatorPeak() as allocator, LiveBytesTracker(existing) as tracker, saved:
             step()
         peak = tracker.peak
-    return {"peak_bytes": peak, "saved_bytes": saved.bytes}
+        allocator_peak = tracker.baseline + allocator.peak
+    return {"peak_bytes": peak, "allocator_peak_bytes": allocator_peak, "saved_bytes": saved.bytes}
 
 
 def timed_steps(step: Callable[[], None], device: torch.device, steps: int) -> list[float]:

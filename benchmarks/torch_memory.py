@@ -5,12 +5,15 @@
   it) and uncounted by a weakref callback when the last tensor using it dies. Storages that
   exist before (parameters, optimizer state, the batch) are registered up front, so the peak
   is that of the whole process's tensors, as ``torch.cuda.max_memory_allocated`` is on GPU.
+* `AllocatorPeak`: an independent count one level lower, from the CPU allocator's own events
+  (``torch.profiler`` with ``profile_memory=True``): it also sees kernels' private scratch space
+  (im2col buffers of convolutions, attention workspaces), which no tensor-level view can.
 * `SavedBytesCounter`: the bytes autograd keeps for backward, seen through
   ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters excluded).
   Inside a non-reentrant checkpoint region the checkpoint's own hooks take over, so what is
   counted there is what the checkpoint keeps: its inputs.
 
-Neither sees a kernel's private scratch space, nor allocator rounding: they count tensors.
+The tracker and the counter see tensors only: neither kernel scratch space nor allocator rounding.
 """
 
 from __future__ import annotations
@@ -68,6 +71,26 @@ class LiveBytesTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         tree_map_only(torch.Tensor, self._track, out)
         return out
+
+
+class AllocatorPeak:
+    """Peak of the bytes the CPU allocator hands out while active, above its level at entry."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+
+    def __enter__(self) -> AllocatorPeak:
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._prof.__exit__(*exc)
+        events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        current = 0
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            current += event.nbytes()
+            self.peak = max(self.peak, current)
 
 
 class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
