@@ -9,6 +9,7 @@ Norm epsilons and attention scales always come from the caller, never from Flax 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,37 @@ def group_norm(groups: int, eps: float) -> nn.GroupNorm:
     return nn.GroupNorm(num_groups=groups, epsilon=eps, use_fast_variance=False)
 
 
+def batch_norm(eps: float, momentum: float) -> nn.BatchNorm:
+    # ``momentum`` is torch's (weight of the new batch); Flax's is the weight of the old average.
+    # Running statistics live in the "batch_stats" collection; train mode is chosen per call.
+    return nn.BatchNorm(momentum=1.0 - momentum, epsilon=eps, use_fast_variance=False)
+
+
+# Norm kinds of the spec -> constructor (groups, eps, momentum); the same keys as in torch.
+NORM: dict[str, Callable[[int, float, float], nn.Module]] = {
+    "group": lambda groups, eps, momentum: group_norm(groups, eps),
+    "batch": lambda groups, eps, momentum: batch_norm(eps, momentum),
+}
+
+
+def norm_layer(ch: int, norm: str, groups: int, eps: float, momentum: float) -> nn.Module:
+    """The ResNet / output norm of kind ``norm`` (``shared_configs.arch.norm_kwargs``).
+
+    ``ch`` is inferred by Flax from the input; it stays in the signature to mirror torch.
+    """
+    del ch
+    return NORM[norm](groups, eps, momentum)
+
+
+def apply_norm(norm: nn.Module, x: Array, train: bool) -> Array:
+    """Call a `norm_layer`: a BatchNorm normalises with batch statistics (and updates its
+    running ones) in train mode, with the running statistics otherwise; a GroupNorm ignores
+    ``train``."""
+    if isinstance(norm, nn.BatchNorm):
+        return norm(x, use_running_average=not train)
+    return norm(x)
+
+
 def layer_norm(eps: float) -> nn.LayerNorm:
     return nn.LayerNorm(epsilon=eps, use_fast_variance=False)
 
@@ -65,7 +97,7 @@ class TimestepEmbedding(nn.Module):
 
 
 class ResnetBlock(nn.Module):
-    """GroupNorm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip.
+    """Norm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip.
 
     ``train`` is positional so that `nn.remat` can mark it static (see `checkpointing.py`).
     """
@@ -78,24 +110,26 @@ class ResnetBlock(nn.Module):
     dropout_rate: float  # torch's `dropout` argument; here that name is the submodule's
     scale_shift: bool = False
     output_scale: float = 1.0
+    norm: str = "group"
+    momentum: float = 0.1
 
     def setup(self) -> None:
-        self.norm1 = group_norm(self.groups, self.eps)
+        self.norm1 = norm_layer(self.in_ch, self.norm, self.groups, self.eps, self.momentum)
         self.conv1 = conv3x3(self.out_ch)
         self.time_emb_proj = nn.Dense(self.out_ch * (2 if self.scale_shift else 1))
-        self.norm2 = group_norm(self.groups, self.eps)
+        self.norm2 = norm_layer(self.out_ch, self.norm, self.groups, self.eps, self.momentum)
         self.dropout = nn.Dropout(self.dropout_rate, rng_collection="dropout")
         self.conv2 = conv3x3(self.out_ch)
         self.conv_shortcut = conv1x1(self.out_ch) if self.in_ch != self.out_ch else None
 
     def __call__(self, x: Array, temb: Array, train: bool = False) -> Array:
-        h = self.conv1(nn.silu(self.norm1(x)))
+        h = self.conv1(nn.silu(apply_norm(self.norm1, x, train)))
         t = self.time_emb_proj(nn.silu(temb))[:, None, None, :]  # (B, 1, 1, C): broadcast over H, W
         if self.scale_shift:
             scale, shift = jnp.split(t, 2, axis=-1)
-            h = self.norm2(h) * (1 + scale) + shift
+            h = apply_norm(self.norm2, h, train) * (1 + scale) + shift
         else:
-            h = self.norm2(h + t)
+            h = apply_norm(self.norm2, h + t, train)
         h = self.conv2(self.dropout(nn.silu(h), deterministic=not train))
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
         return (skip + h) / self.output_scale

@@ -16,9 +16,17 @@ from flax import linen as nn
 
 from jax_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
 from jax_impl.checkpointing import block_class, layers_of
-from jax_impl.layers import ATTENTION, ResnetBlock, TimestepEmbedding, conv3x3, group_norm, timestep_embedding
+from jax_impl.layers import (
+    ATTENTION,
+    ResnetBlock,
+    TimestepEmbedding,
+    apply_norm,
+    conv3x3,
+    norm_layer,
+    timestep_embedding,
+)
 from shared_configs import CheckpointPlan, UNetSpec, block_names, layer_names, load_spec, resolve_plan
-from shared_configs.arch import attention_kwargs, down_blocks, resnet_kwargs, up_blocks
+from shared_configs.arch import attention_kwargs, down_blocks, norm_kwargs, resnet_kwargs, up_blocks
 
 Array = jax.Array
 PolicyArg = str | tuple[str, ...] | CheckpointPlan | None
@@ -67,7 +75,7 @@ class UNet(nn.Module):
             recompute=layers_of("mid", plan),
         )
         self.up = self._up_path(plan)
-        self.conv_norm_out = group_norm(spec.norm_num_groups, spec.norm_eps)
+        self.conv_norm_out = norm_layer(chans[0], **norm_kwargs(spec))
         self.conv_out = conv3x3(spec.out_channels)
 
     @nn.nowrap
@@ -115,7 +123,9 @@ class UNet(nn.Module):
         """Predict the noise (or whatever the spec was trained on) for NHWC ``x`` at timestep ``t``.
 
         ``t`` is a scalar or has shape (B,); ``context`` (B, L, cross_attention_dim) is required
-        when the spec has cross-attention. ``train=True`` turns dropout on (rng ``"dropout"``).
+        when the spec has cross-attention. ``train=True`` turns dropout on (rng ``"dropout"``) and,
+        with ``norm_kind: batch``, normalises with batch statistics and updates ``"batch_stats"``
+        (pass ``mutable=["batch_stats"]``).
         """
         s = self.resolved_spec
         if s.cross_attention_dim is not None and context is None:
@@ -137,7 +147,7 @@ class UNet(nn.Module):
             count = len(block.skip_channels)
             h = block(h, tuple(skips[-count:]), temb, context, train)
             del skips[-count:]
-        return self.conv_out(nn.silu(self.conv_norm_out(h)))
+        return self.conv_out(nn.silu(apply_norm(self.conv_norm_out, h, train)))
 
     @nn.nowrap
     def block_names(self, layers: bool = False) -> list[str]:

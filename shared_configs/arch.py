@@ -67,12 +67,21 @@ def _skip_stack(spec: UNetSpec) -> list[int]:
     return skips
 
 
+def norm_kwargs(spec: UNetSpec) -> dict[str, Any]:
+    """Keyword arguments (after channels) of ``norm_layer``: the ResNet norms and the output norm."""
+    return {
+        "norm": spec.norm_kind,
+        "groups": spec.norm_num_groups,
+        "eps": spec.norm_eps,
+        "momentum": spec.norm_momentum,
+    }
+
+
 def resnet_kwargs(spec: UNetSpec, output_scale: float = 1.0) -> dict[str, Any]:
     """Keyword arguments of ``ResnetBlock`` (after in/out channels) in both frameworks."""
     return {
         "temb_dim": spec.time_embed_dim,
-        "groups": spec.norm_num_groups,
-        "eps": spec.norm_eps,
+        **norm_kwargs(spec),
         "dropout_rate": spec.dropout,
         "scale_shift": spec.resnet_time_scale_shift == "scale_shift",
         "output_scale": output_scale,

@@ -11,6 +11,16 @@ One `UNetSpec` describes both families people train:
 
 Every default that differs between PyTorch and Flax (norm eps, attention scale) is a field
 here, so neither framework's default ever leaks into the model.
+
+Norms (``norm_kind``): ``group`` (the default, as diffusers) or ``batch`` for the ResNet norms
+and the output norm; attention/transformer GroupNorms stay GroupNorms. BatchNorm keeps running
+statistics, updated in train mode with weight ``norm_momentum`` on the new batch (torch's
+``momentum``; Flax's ``momentum`` is ``1 - norm_momentum``). One honest difference remains:
+torch's ``running_var`` takes the *unbiased* batch variance (times n/(n-1), n = B*H*W), Flax's
+``batch_stats["var"]`` the *biased* one; Flax's own BatchNorm offers no switch. Outputs in train
+mode (batch statistics, biased in both) and in eval mode from the same running statistics agree;
+only the running variance each framework accumulates differs, by that factor on the batch term
+(tested in ``tests/test_caveats.py``). Checkpointing BatchNorm: see ``torch_impl/batchnorm.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 AttentionKind = Literal["none", "self", "transformer"]
 ATTENTION_KINDS: tuple[str, ...] = ("none", "self", "transformer")
+NormKind = Literal["group", "batch"]
+NORM_KINDS: tuple[str, ...] = ("group", "batch")
 
 
 class _Frozen(BaseModel):
@@ -58,7 +70,10 @@ class UNetSpec(_Frozen):
     cross_attention_dim: int | None = Field(default=None, gt=0)
     transformer_layers_per_block: int = Field(default=1, gt=0)
     use_linear_projection: bool = False
-    norm_kind: Literal["group"] = "group"
+    norm_kind: NormKind = Field(default="group", description="ResNet and output norms (see NORM_KINDS)")
+    norm_momentum: float = Field(
+        default=0.1, gt=0.0, lt=1.0, description="BatchNorm running-stat weight of the new batch (torch convention)"
+    )
     norm_num_groups: int = Field(default=32, gt=0)
     norm_eps: float = Field(default=1e-5, gt=0, description="ResNet, self-attention, output norms")
     transformer_norm_eps: float = Field(default=1e-6, gt=0, description="Transformer2D GroupNorm")

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shared_configs.plan import CheckpointPlan
+from torch_impl.batchnorm import with_frozen_running_stats
 
 
 def apply_plan(root: nn.Module, plan: CheckpointPlan, preserve_rng_state: bool = True) -> None:
@@ -24,7 +25,12 @@ def apply_plan(root: nn.Module, plan: CheckpointPlan, preserve_rng_state: bool =
         # use_reentrant=False: the reentrant variant gives parameters no gradient when no
         # *input* requires grad, and cannot handle keyword arguments or nested outputs.
         module.forward = functools.partial(
-            checkpoint, plain, use_reentrant=False, preserve_rng_state=preserve_rng_state
+            checkpoint,
+            plain,
+            use_reentrant=False,
+            preserve_rng_state=preserve_rng_state,
+            # BatchNorm: the recompute must not update running statistics twice (torch_impl.batchnorm).
+            context_fn=with_frozen_running_stats(module),
         )
 
 

@@ -6,6 +6,7 @@ Each layer takes only the numbers it needs; the U-Net assembly (`unet.py`) reads
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,25 @@ def timestep_embedding(
     return F.pad(emb, (0, dim % 2))
 
 
+def group_norm(ch: int, groups: int, eps: float, momentum: float) -> nn.GroupNorm:
+    del momentum  # no running statistics
+    return nn.GroupNorm(groups, ch, eps=eps)
+
+
+def batch_norm(ch: int, groups: int, eps: float, momentum: float) -> nn.BatchNorm2d:
+    del groups
+    return nn.BatchNorm2d(ch, eps=eps, momentum=momentum)
+
+
+# Norm kinds of the spec -> constructor (ch, groups, eps, momentum); the same keys as in Flax.
+NORM: dict[str, Callable[[int, int, float, float], nn.Module]] = {"group": group_norm, "batch": batch_norm}
+
+
+def norm_layer(ch: int, norm: str, groups: int, eps: float, momentum: float) -> nn.Module:
+    """The ResNet / output norm of kind ``norm`` (``shared_configs.arch.norm_kwargs``)."""
+    return NORM[norm](ch, groups, eps, momentum)
+
+
 class TimestepEmbedding(nn.Module):
     """Two-layer MLP on the sinusoidal features."""
 
@@ -39,7 +59,10 @@ class TimestepEmbedding(nn.Module):
 
 
 class ResnetBlock(nn.Module):
-    """GroupNorm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip."""
+    """Norm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip.
+
+    The norm is a GroupNorm (``norm="group"``) or a BatchNorm (``norm="batch"``, see `NORM`).
+    """
 
     def __init__(
         self,
@@ -51,13 +74,15 @@ class ResnetBlock(nn.Module):
         dropout_rate: float,
         scale_shift: bool = False,
         output_scale: float = 1.0,
+        norm: str = "group",
+        momentum: float = 0.1,
     ) -> None:
         super().__init__()
         self.scale_shift, self.output_scale = scale_shift, output_scale
-        self.norm1 = nn.GroupNorm(groups, in_ch, eps=eps)
+        self.norm1 = norm_layer(in_ch, norm, groups, eps, momentum)
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
         self.time_emb_proj = nn.Linear(temb_dim, out_ch * (2 if scale_shift else 1))
-        self.norm2 = nn.GroupNorm(groups, out_ch, eps=eps)
+        self.norm2 = norm_layer(out_ch, norm, groups, eps, momentum)
         self.dropout = nn.Dropout(dropout_rate)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
         self.conv_shortcut = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else None

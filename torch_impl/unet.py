@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared_configs import CheckpointPlan, UNetSpec, block_names, layer_names, load_spec, resolve_plan
-from shared_configs.arch import attention_kwargs, down_blocks, resnet_kwargs, up_blocks
+from shared_configs.arch import attention_kwargs, down_blocks, norm_kwargs, resnet_kwargs, up_blocks
 from shared_configs.plan import Policy
 from torch_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
 from torch_impl.checkpointing import apply_plan, remove_plan
-from torch_impl.layers import ATTENTION, ResnetBlock, TimestepEmbedding, timestep_embedding
+from torch_impl.layers import ATTENTION, ResnetBlock, TimestepEmbedding, norm_layer, timestep_embedding
 
 
 class UNet(nn.Module):
@@ -48,7 +48,7 @@ class UNet(nn.Module):
             )
             for b in up_blocks(spec)
         )
-        self.conv_norm_out = nn.GroupNorm(spec.norm_num_groups, chans[0], eps=spec.norm_eps)
+        self.conv_norm_out = norm_layer(chans[0], **norm_kwargs(spec))
         self.conv_out = nn.Conv2d(chans[0], spec.out_channels, 3, padding=1)
 
     def _resnet_factory(self, output_scale: float) -> functools.partial:
