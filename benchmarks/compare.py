@@ -11,6 +11,7 @@ for how each figure is measured.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -155,6 +156,7 @@ def build_document(args: argparse.Namespace, jobs: list[Job], results: list[list
         "methods": report.methods(rows),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "wall_s": round(seconds, 1),
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],  # other work on a noisy machine
         "rows": rows,
     }
 
@@ -181,12 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, BenchmarkError) as err:
         print(f"compare: error: {err}", file=sys.stderr)
         return 2 if isinstance(err, SpecError) else 1
+    except KeyboardInterrupt:
+        print("compare: interrupted", file=sys.stderr)
+        return 130
     document = build_document(args, jobs, results, time.perf_counter() - start)
-    console.print(report.table(document["rows"], f"{document['config']['name']} ({document['dtype']})"))
-    for fw, m in document["methods"].items():
-        console.print(
-            f"[bold]{fw}[/bold] peak: {m['peak_method']}; saved: {m['saved_method']}; FLOPs: {m['flops_method']}"
-        )
+    console.print(report.table(document["rows"], report.title(document)))
+    for line in report.notes(document):
+        console.print(line, highlight=False)
     for path in write_outputs(document, args.out):
         console.print(f"wrote {path}")
     errors = [r for r in document["rows"] if r["status"] == "error"]

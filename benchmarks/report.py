@@ -48,6 +48,7 @@ COLUMNS: tuple[str, ...] = (
     "peak_method",
     "saved_method",
     "flops_method",
+    "xla_default_method",
     "error",
 )
 # (column, column it is compared with, kind): reductions are 1 - x / x_none, ratios x / x_none.
@@ -184,5 +185,35 @@ def methods(rows: list[Row]) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     for row in rows:
         if row["status"] == "ok" and row["framework"] not in out:
-            out[row["framework"]] = {k: row[k] for k in ("peak_method", "saved_method", "flops_method")}
+            keys = ("peak_method", "saved_method", "flops_method", "xla_default_method")
+            out[row["framework"]] = {k: row[k] for k in keys if row[k] is not None}
     return out
+
+
+def title(document: dict[str, Any]) -> str:
+    s = document["settings"]
+    return (
+        f"{document['config']['name']} @ {s['sample_size']}x{s['sample_size']}, {document['dtype']}, "
+        f"{s['steps']} timed steps after warm-up, git {(document['git_sha'] or '?')[:12]}"
+    )
+
+
+def notes(document: dict[str, Any]) -> list[str]:
+    """Lines under the table: devices, versions, and which method produced each figure."""
+    devices = ", ".join(f"{fw}: {d['kind']} ({d['name']})" for fw, d in document["device"].items() if fw != "requested")
+    versions = ", ".join(f"{k} {v}" for k, v in document["versions"].items())
+    lines = [f"devices: {devices}", f"versions: {versions}"]
+    labels = {
+        "peak_method": "peak",
+        "saved_method": "saved",
+        "flops_method": "FLOPs",
+        "xla_default_method": "XLA:CPU default",
+    }
+    for fw, found in document["methods"].items():
+        lines += [f"{fw} {labels[k]}: {v}" for k, v in found.items()]
+    lines.append(
+        "static = params + grads + optimizer state; dynamic = peak - static - inputs (XLA frees each gradient once "
+        "its update is applied, so jax's dynamic can undercount, even below zero for tiny models); "
+        "(+/-%) = change against policy none, same framework and run"
+    )
+    return lines

@@ -248,6 +248,14 @@ def test_bad_input_is_one_line_and_no_traceback(tmp_path: Path, args: list[str],
     assert not list(tmp_path.iterdir())
 
 
+def test_missing_gpu_is_a_one_line_error(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc, doc = _compare(["--framework", "torch", "--device", "gpu", "--config", "tiny"], tmp_path)
+    assert proc.returncode == 1 and doc is None
+    assert proc.stderr.strip() == "compare: error: device: gpu requested but torch sees no CUDA device"
+
+
 def test_help_documents_every_option() -> None:
     parser = build_parser()
     text = parser.format_help()
