@@ -79,6 +79,15 @@ class Batch:
     context: np.ndarray | None
     labels: np.ndarray
 
+    def shard(self, rank: int, world: int) -> Batch:
+        """This rank's contiguous slice of the global batch (data parallelism)."""
+        n = len(self.t)
+        if n % world:
+            raise ValueError(f"batch-size: {n} does not split evenly over {world} processes")
+        part = slice(rank * n // world, (rank + 1) * n // world)
+        context = None if self.context is None else self.context[part]
+        return Batch(self.noisy[part], self.t[part], self.noise[part], context, self.labels[part])
+
 
 @dataclass(frozen=True)
 class Dataset:

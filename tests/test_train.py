@@ -84,7 +84,7 @@ def test_loss_halves_on_digits(tmp_path: Path) -> None:
     cfg = TrainConfig(batch_size=16, steps=80, lr=2e-3, out=str(tmp_path), sample_steps=2, num_samples=2)
     losses = ttrain.train(cfg)
     assert np.mean(losses[-10:]) <= 0.5 * np.mean(losses[:5]), (losses[:5], losses[-10:])
-    assert {p.name for p in tmp_path.iterdir()} == {"checkpoint.pt", "loss.png", "samples.png"}
+    assert {p.name for p in tmp_path.iterdir()} == {"checkpoint.pt", "loss.png", "samples.png", "losses.json"}
 
 
 def test_torch_resume_continues_the_curve(tmp_path: Path) -> None:

@@ -14,13 +14,17 @@ reseeded per step from (seed, step) so that a resumed run replays the same masks
 from __future__ import annotations
 
 import io
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from shared_configs import load_spec
 from shared_configs.training import (
@@ -122,11 +126,30 @@ def build(cfg: TrainConfig) -> tuple[UNet, torch.optim.Optimizer]:
     return model, make_optimizer(model, cfg.lr, cfg.weight_decay)
 
 
+def _distributed(model: UNet) -> tuple[torch.nn.Module, int, int]:
+    """DDP over gloo (CPU) when launched by torchrun; every rank holds the same seeded init."""
+    if "RANK" not in os.environ:
+        raise ValueError("--distributed: launch with torchrun, e.g. torchrun --nproc-per-node 2 -m torch_impl.train")
+    dist.init_process_group("gloo")
+    return DistributedDataParallel(model), dist.get_rank(), dist.get_world_size()
+
+
+def distributed_step(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: TrainConfig) -> float:
+    """`train_step` on this rank's shard of the global batch; returns the global mean loss.
+
+    DDP averages gradients over ranks, so with equal shards the update equals a single process's
+    on the whole batch (dropout masks differ, being drawn per shard).
+    """
+    loss = train_step(ddp, optimizer, batch.shard(dist.get_rank(), dist.get_world_size()), DTYPES[cfg.dtype])
+    total = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
 def train(cfg: TrainConfig) -> list[float]:
     """Run (or resume) training as ``cfg`` says; returns the loss of every step from step 0."""
-    if cfg.distributed:
-        raise NotImplementedError("--distributed: not implemented yet")
     model, optimizer = build(cfg)
+    ddp, rank = (_distributed(model)[:2]) if cfg.distributed else (model, 0)
     dataset = load_dataset(cfg.data, model.spec, cfg.seed)
     schedule = make_schedule(cfg.schedule, cfg.timesteps)
     ckpt = Path(cfg.out) / CHECKPOINT
@@ -135,12 +158,20 @@ def train(cfg: TrainConfig) -> list[float]:
         for step in range(start, cfg.steps):
             batch = dataset.batch(step, cfg.batch_size, schedule, cfg.seed)
             torch.manual_seed(step_seed(cfg.seed, step))  # dropout masks depend on (seed, step) only
-            losses.append(train_step(model, optimizer, batch, DTYPES[cfg.dtype]))
+            if cfg.distributed:
+                losses.append(distributed_step(ddp, optimizer, batch, cfg))
+            else:
+                losses.append(train_step(model, optimizer, batch, DTYPES[cfg.dtype]))
             update(losses[-1])
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            if rank == 0 and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
                 save_checkpoint(ckpt, model, optimizer, step + 1, losses)
+    if cfg.distributed:
+        dist.destroy_process_group()
+    if rank != 0:
+        return losses
     samples = generate(model, schedule, dataset, cfg) if cfg.sample_steps > 0 else None
     save_plots(cfg.out, losses, samples, f"torch_impl {model.spec.name}, policy {cfg.policy}")
+    atomic_write(Path(cfg.out) / "losses.json", json.dumps(losses).encode())
     return losses
 
 
