@@ -6,12 +6,19 @@ The two module trees are mirrored name for name, so conversion is mechanical:
 * ``weight`` of a conv (OIHW) is a Flax ``kernel`` (HWIO), of a linear (out, in) a ``kernel``
   (in, out), of a norm (1-D) a ``scale``; ``bias`` stays ``bias``.
 
-Both functions check the result against the parameter tree the spec implies, so a mismatch is a
+BatchNorm (``norm_kind: batch``): its ``weight``/``bias`` are Flax ``scale``/``bias`` params as for
+GroupNorm; the buffers ``running_mean``/``running_var`` are the Flax ``batch_stats`` ``mean``/``var``.
+`torch_to_flax` returns params only; `torch_to_flax_variables` returns both collections.
+``num_batches_tracked`` has no Flax twin: it is dropped going to Flax and set from an argument
+(default 0) coming back. Note the variance convention differs (see `shared_configs.spec`).
+
+Both directions check the result against the variable tree the spec implies, so a mismatch is a
 clear error naming the parameter instead of a silent wrong model.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -27,19 +34,49 @@ LIST_ATTRS = ("down", "up", "resnets", "attentions", "transformer_blocks")
 _LIST_RE = re.compile(rf"^({'|'.join(LIST_ATTRS)})_(\d+)$")
 
 
+# torch BatchNorm buffer -> Flax batch_stats leaf; the step counter has no Flax twin.
+STATS_LEAVES = {"running_mean": "mean", "running_var": "var"}
+COUNTER = "num_batches_tracked"
+
+
 def torch_to_flax(state_dict: Mapping[str, Any], spec: UNetSpec) -> dict:
-    """A torch `state_dict` (tensors or arrays) -> Flax ``params`` for ``jax_impl.UNet(spec)``."""
-    flat = {}
-    for key, value in state_dict.items():
-        *path, leaf = _torch_path(key)
-        array = _to_numpy(value)
-        flat[(*path, _flax_leaf(leaf, array.ndim))] = _to_flax_layout(array)
-    _check_tree(flat, spec)
-    return traverse_util.unflatten_dict(flat)
+    """A torch `state_dict` (tensors or arrays) -> Flax ``params`` for ``jax_impl.UNet(spec)``.
+
+    BatchNorm buffers are not parameters and are left out (`torch_to_flax_variables` keeps them);
+    a parameter-only mapping (e.g. gradients by ``named_parameters``) converts too.
+    """
+    params, stats = _split(state_dict)
+    _check_tree(params, spec)
+    if stats:
+        _check_tree(stats, spec, "batch_stats")
+    return traverse_util.unflatten_dict(params)
 
 
-def flax_to_torch(params: Mapping[str, Any], spec: UNetSpec) -> dict[str, Any]:
-    """Flax ``params`` -> a torch `state_dict`, loadable with ``load_state_dict(strict=True)``."""
+def torch_to_flax_variables(state_dict: Mapping[str, Any], spec: UNetSpec) -> dict:
+    """A torch `state_dict` -> Flax variables ``{"params": ..., "batch_stats": ...}``.
+
+    ``batch_stats`` is present when the spec has BatchNorms (``norm_kind: batch``).
+    """
+    params, stats = _split(state_dict)
+    _check_tree(params, spec)
+    _check_tree(stats, spec, "batch_stats")
+    variables = {"params": traverse_util.unflatten_dict(params)}
+    if stats:
+        variables["batch_stats"] = traverse_util.unflatten_dict(stats)
+    return variables
+
+
+def flax_to_torch(
+    params: Mapping[str, Any],
+    spec: UNetSpec,
+    batch_stats: Mapping[str, Any] | None = None,
+    num_batches_tracked: int = 0,
+) -> dict[str, Any]:
+    """Flax ``params`` -> a torch `state_dict`, loadable with ``load_state_dict(strict=True)``.
+
+    With BatchNorms, ``batch_stats`` gives their running statistics; without it they are torch's
+    initial ones (mean 0, var 1). ``num_batches_tracked`` (no Flax twin) is set to the given count.
+    """
     import torch  # only this direction needs torch
 
     flat = traverse_util.flatten_dict(dict(params))
@@ -48,9 +85,43 @@ def flax_to_torch(params: Mapping[str, Any], spec: UNetSpec) -> dict[str, Any]:
     for path, value in flat.items():
         *modules, leaf = path
         array = np.asarray(value)
-        name = ".".join(_LIST_RE.sub(r"\1.\2", m) for m in modules)
-        out[f"{name}.{'bias' if leaf == 'bias' else 'weight'}"] = torch.from_numpy(_to_torch_layout(array).copy())
+        out[f"{_torch_name(modules)}.{'bias' if leaf == 'bias' else 'weight'}"] = torch.from_numpy(
+            _to_torch_layout(array).copy()
+        )
+    expected = traverse_util.flatten_dict(_variable_shapes(spec).get("batch_stats", {}))
+    if not expected:
+        return out
+    if batch_stats is None:
+        stats = {k: np.full(v.shape, 0.0 if k[-1] == "mean" else 1.0, np.float32) for k, v in expected.items()}
+    else:
+        stats = traverse_util.flatten_dict(dict(batch_stats))
+    _check_tree(stats, spec, "batch_stats")
+    torch_leaf = {v: k for k, v in STATS_LEAVES.items()}
+    for (*modules, leaf), value in stats.items():
+        name = _torch_name(modules)
+        out[f"{name}.{torch_leaf[leaf]}"] = torch.from_numpy(np.array(value, dtype=np.float32))
+        out[f"{name}.{COUNTER}"] = torch.tensor(num_batches_tracked, dtype=torch.long)
     return out
+
+
+def _split(state_dict: Mapping[str, Any]) -> tuple[dict, dict]:
+    """Flat Flax ``params`` and ``batch_stats`` from a torch state_dict; the counter is dropped."""
+    params, stats = {}, {}
+    for key, value in state_dict.items():
+        *path, leaf = _torch_path(key)
+        if leaf == COUNTER:
+            continue
+        array = _to_numpy(value)
+        if leaf in STATS_LEAVES:
+            stats[(*path, STATS_LEAVES[leaf])] = array
+        else:
+            params[(*path, _flax_leaf(leaf, array.ndim))] = _to_flax_layout(array)
+    return params, stats
+
+
+def _torch_name(modules: list[str]) -> str:
+    """``[down_1, resnets_0, conv1]`` -> ``down.1.resnets.0.conv1``."""
+    return ".".join(_LIST_RE.sub(r"\1.\2", m) for m in modules)
 
 
 def _torch_path(key: str) -> list[str]:
@@ -73,7 +144,9 @@ def _flax_leaf(leaf: str, ndim: int) -> str:
 def _to_numpy(value: Any) -> np.ndarray:
     if hasattr(value, "detach"):  # a torch tensor; avoid importing torch for numpy input
         value = value.detach().cpu().float().numpy() if value.dtype.is_floating_point else value.numpy()
-    return np.asarray(value)
+    # A copy: `Tensor.numpy()` shares memory, and torch updates running statistics (and an
+    # optimiser the weights) in place, which would silently change the converted tree.
+    return np.array(value, copy=True)
 
 
 def _to_flax_layout(array: np.ndarray) -> np.ndarray:
@@ -92,23 +165,38 @@ def _to_torch_layout(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _check_tree(flat: Mapping[tuple[str, ...], Any], spec: UNetSpec) -> None:
+def _check_tree(flat: Mapping[tuple[str, ...], Any], spec: UNetSpec, collection: str = "params") -> None:
     """Raise a one-line error unless ``flat`` has exactly the paths and shapes the spec implies."""
-    expected = {k: tuple(v.shape) for k, v in traverse_util.flatten_dict(param_shapes(spec)).items()}
+    expected = {
+        k: tuple(v.shape) for k, v in traverse_util.flatten_dict(_variable_shapes(spec).get(collection, {})).items()
+    }
     got = {k: tuple(np.shape(v)) for k, v in flat.items()}
     missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    where = "" if collection == "params" else f"{collection} "
     if missing or extra:
-        what = f"missing {'/'.join(missing[0])}" if missing else f"unexpected {'/'.join(extra[0])}"
-        raise ValueError(f"weights do not match spec {spec.name!r}: {what} "
-                         f"({len(missing)} missing, {len(extra)} unexpected)")
+        what = f"missing {where}{'/'.join(missing[0])}" if missing else f"unexpected {where}{'/'.join(extra[0])}"
+        raise ValueError(
+            f"weights do not match spec {spec.name!r}: {what} ({len(missing)} missing, {len(extra)} unexpected)"
+        )
     for key, shape in expected.items():
         if got[key] != shape:
-            raise ValueError(f"weights do not match spec {spec.name!r}: {'/'.join(key)} has shape "
-                             f"{got[key]}, expected {shape}")
+            raise ValueError(
+                f"weights do not match spec {spec.name!r}: {where}{'/'.join(key)} has shape "
+                f"{got[key]}, expected {shape}"
+            )
 
 
 def param_shapes(spec: UNetSpec) -> dict:
     """The Flax parameter tree of ``spec`` as shape structs, without allocating weights."""
+    return _variable_shapes(spec)["params"]
+
+
+@functools.lru_cache(maxsize=16)
+def _variable_shapes(spec: UNetSpec) -> dict:
+    """All Flax variable collections of ``spec`` (params, batch_stats) as shape structs.
+
+    Cached per (frozen, hashable) spec: each conversion checks against it, once or twice.
+    """
     from jax_impl.unet import UNet
 
     f32 = jax.numpy.float32
@@ -117,4 +205,4 @@ def param_shapes(spec: UNetSpec) -> dict:
     context = jax.ShapeDtypeStruct((1, 1, spec.cross_attention_dim), f32) if spec.cross_attention_dim else None
     model = UNet(spec=spec)
     rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-    return jax.eval_shape(model.init, rngs, x, t, context)["params"]
+    return jax.eval_shape(model.init, rngs, x, t, context)
