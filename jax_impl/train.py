@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_impl.unet import UNet
 from shared_configs import load_spec
@@ -63,6 +65,25 @@ def arrays(batch: Batch) -> Arrays:
         jnp.asarray(batch.noise.transpose(nhwc)),
         context,
     )
+
+
+def data_parallel_mesh(batch_size: int) -> Mesh:
+    """A 1-D mesh over every device: the batch is split along ``data``, parameters replicated.
+
+    On CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` gives N devices. jit's sharding
+    propagation inserts the gradient all-reduce: no hand-written communication.
+    """
+    devices = jax.devices()
+    if batch_size % len(devices):
+        raise ValueError(f"--batch-size: {batch_size} does not split over {len(devices)} devices")
+    return Mesh(np.array(devices), ("data",))
+
+
+def shard(mesh: Mesh, params: Any, opt_state: Any, batch: Arrays) -> tuple[Any, Any, Arrays]:
+    """Place params and optimizer state replicated, the batch split along its first axis."""
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    params, opt_state = jax.device_put((params, opt_state), replicated)
+    return params, opt_state, tuple(None if a is None else jax.device_put(a, split) for a in batch)
 
 
 def init_state(model: UNet, tx: optax.GradientTransformation, seed: int) -> tuple[Any, Any]:
@@ -140,10 +161,16 @@ def run_steps(
     model: UNet,
     tx: optax.GradientTransformation,
     on_step: Callable[[float], None] | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[Any, Any]:
-    """Steps ``len(losses) .. stop - 1``, appending each loss; returns (params, opt_state)."""
+    """Steps ``len(losses) .. stop - 1``, appending each loss; returns (params, opt_state).
+
+    With a ``mesh`` (see `data_parallel_mesh`) each step runs data-parallel over its devices.
+    """
     for step in range(len(losses), stop):
         batch = arrays(dataset.batch(step, cfg.batch_size, schedule, cfg.seed))
+        if mesh is not None:
+            params, opt_state, batch = shard(mesh, params, opt_state, batch)
         key = jax.random.key(step_seed(cfg.seed, step))  # dropout masks depend on (seed, step) only
         params, opt_state, loss = train_step(params, opt_state, batch, key, model=model, tx=tx)
         losses.append(float(loss))
@@ -162,6 +189,7 @@ def train(cfg: TrainConfig) -> list[float]:
     spec = load_spec(cfg.config)
     model, tx = UNet(spec=spec, policy=cfg.policy), make_optimizer(cfg.lr, cfg.weight_decay)
     _ = model.plan  # resolve the policy now: a bad one is a one-line error, not a trace
+    mesh = data_parallel_mesh(cfg.batch_size) if cfg.distributed else None
     ckpt, spec_dict = Path(cfg.out) / CHECKPOINT, spec.model_dump(mode="json")
     if cfg.resume and not ckpt.is_file():  # before the (slow) init
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
@@ -174,7 +202,9 @@ def train(cfg: TrainConfig) -> list[float]:
     with progress_bar(cfg.steps, start, f"jax {spec.name} {cfg.policy}") as update:
         while len(losses) < cfg.steps:  # run to the next checkpoint boundary, save, repeat
             stop = min(cfg.steps, (len(losses) // cfg.checkpoint_every + 1) * cfg.checkpoint_every)
-            params, opt_state = run_steps(params, opt_state, losses, dataset, schedule, cfg, stop, model, tx, update)
+            params, opt_state = run_steps(
+                params, opt_state, losses, dataset, schedule, cfg, stop, model, tx, update, mesh
+            )
             save_checkpoint(ckpt, params, opt_state, stop, losses, spec_dict)
     samples = generate(model, params, schedule, dataset, cfg) if cfg.sample_steps > 0 else None
     save_plots(cfg.out, losses, samples, f"jax_impl {spec.name}, policy {cfg.policy}")

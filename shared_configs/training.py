@@ -258,7 +258,11 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
     p.add_argument("--num-samples", type=_positive(int), default=d.num_samples)
     p.add_argument("--checkpoint-every", type=_positive(int), default=d.checkpoint_every)
     if framework == "torch_impl":
-        p.add_argument("--distributed", action="store_true", help="DDP over gloo; launch with torchrun")
+        p.add_argument(
+            "--distributed",
+            action="store_true",
+            help="data parallel: torch DDP over gloo (launch with torchrun); JAX over all devices (jax.sharding)",
+        )
     return TrainConfig(**vars(p.parse_args(argv)))
 
 

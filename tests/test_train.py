@@ -128,3 +128,40 @@ def test_bad_input_is_one_line(main, argv: list[str], tmp_path: Path, capsys: py
 def test_jax_refuses_bfloat16(capsys: pytest.CaptureFixture[str]) -> None:
     assert jtrain.main(["--dtype", "bfloat16"]) == 2
     assert "float32 only" in capsys.readouterr().err
+
+
+JAX_DATA_PARALLEL = """
+import json, jax, numpy as np
+from jax_impl import train as jtrain
+from jax_impl.unet import UNet
+from shared_configs import load_spec
+from shared_configs.training import TrainConfig, load_dataset, make_schedule
+cfg = TrainConfig(batch_size=4, lr=1e-3, weight_decay=0.01, seed=0, sample_steps=0)
+spec = load_spec("tiny")
+model, tx = UNet(spec=spec, policy="balanced"), jtrain.make_optimizer(cfg.lr, cfg.weight_decay)
+params, opt_state = jtrain.init_state(model, tx, seed=0)
+data, schedule = load_dataset("digits", spec, 0), make_schedule("linear", 1000)
+curves = {}
+for name, mesh in (("single", None), ("sharded", jtrain.data_parallel_mesh(cfg.batch_size))):
+    losses = []
+    jtrain.run_steps(params, opt_state, losses, data, schedule, cfg, 2, model, tx, mesh=mesh)
+    curves[name] = losses
+print(json.dumps({"devices": len(jax.devices()), **curves}))
+"""
+
+
+def test_jax_data_parallel_matches_one_device() -> None:
+    """2 CPU devices, batch split, params replicated: the same loss curve as one device (dropout on)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    # LLVM at -O0 halves XLA:CPU compile times; the computation is unchanged.
+    flags = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+    env = {**os.environ, "XLA_FLAGS": flags}
+    out = subprocess.run([sys.executable, "-c", JAX_DATA_PARALLEL], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 2
+    np.testing.assert_allclose(result["sharded"], result["single"], rtol=1e-5)
