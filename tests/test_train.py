@@ -165,3 +165,28 @@ def test_jax_data_parallel_matches_one_device() -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["devices"] == 2
     np.testing.assert_allclose(result["sharded"], result["single"], rtol=1e-5)
+
+
+def test_torch_ddp_matches_one_process(tmp_path: Path) -> None:
+    """torchrun, 2 processes, gloo: each rank trains on half the global batch, DDP averages the
+    gradients, so the loss curve equals one process on the whole batch (dropout off: masks are
+    drawn per shard)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = tmp_path / "tiny_no_dropout.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "dropout": 0.0}))
+    single = ttrain.train(TrainConfig(**{**vars(CFG), "config": str(config), "steps": 3, "out": str(tmp_path / "one")}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "torch_impl.train", "--distributed", "--config", str(config), "--steps", "3",
+           "--batch-size", "4", "--lr", "1e-3", "--weight-decay", "0.01", "--sample-steps", "0",
+           "--out", str(tmp_path / "ddp")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ddp = json.loads((tmp_path / "ddp" / "losses.json").read_text())
+    np.testing.assert_allclose(ddp, single, rtol=1e-5)
