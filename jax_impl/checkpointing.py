@@ -8,15 +8,24 @@ to, so the parameter tree is the same for every plan.
 Two places use this module, and only these: the U-Net assembly picks each block's class with
 `block_class`, and a block builds its ResNets/attentions with `build`, given the (hashable) tuple
 of its own layer names that the plan recomputes.
+
+Op-level plans (``plan.save``) become the remat ``policy``: the layers tag their outputs with
+``checkpoint_name`` (``"conv"``, ``"matmul"``, ``"attention"``, ``"norm"``, see `layers.py`) and
+`remat_policy` keeps exactly the named ones: `jax.checkpoint_policies.save_only_these_names`, or
+with ``offload`` `save_and_offload_only_these_names` (device -> pinned host). A layer-level plan
+reaches the blocks through their ``recompute`` tuple: `layers_of` appends one marker entry,
+``"/save=conv,matmul[/offload]"`` (names never contain ``/``), which `build` reads back.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
+import jax
 from flax import linen as nn
 
 from shared_configs.plan import CheckpointPlan
@@ -26,30 +35,75 @@ M = TypeVar("M", bound=type[nn.Module])
 # Call arguments that select Python control flow rather than carry arrays. They must be passed
 # positionally: jax.checkpoint traces keyword arguments, and `not tracer` fails.
 STATIC_ARGS: tuple[str, ...] = ("train",)
+OFFLOAD_ON_CPU = (
+    "offload: on CPU the pinned host is the device's own memory; saving the named outputs in place "
+    "instead (the plan runs as save without offload)"
+)
+_MARKER = "/"
+
+
+def remat_policy(save: tuple[str, ...] = (), offload: bool = False) -> Callable[..., Any] | None:
+    """The ``jax.checkpoint`` policy for a plan's ``save``/``offload``; None saves nothing inside.
+
+    Callers pass ``offload`` through `_offload_here` first (CPU degrades, with a warning).
+    """
+    if not save:
+        return None
+    if not offload:
+        return jax.checkpoint_policies.save_only_these_names(*save)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(),
+        names_which_can_be_offloaded=save,
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+
+def _offload_here(offload: bool) -> bool:
+    """Offload on a CPU backend warns and degrades to plain saving: XLA:CPU would copy the saved
+    tensors to "pinned_host", i.e. into the same RAM, for nothing."""
+    if offload and jax.default_backend() == "cpu":
+        warnings.warn(OFFLOAD_ON_CPU, UserWarning, stacklevel=3)
+        return False
+    return offload
 
 
 @functools.cache
-def remat(cls: M) -> M:
+def remat(cls: M, save: tuple[str, ...] = (), offload: bool = False) -> M:
     """``nn.remat(cls)``: recompute the module's forward in the backward pass.
 
     ``static_argnums`` is read off ``cls.__call__``'s signature (``self`` counts as 0), so a layer
-    without a ``train`` flag needs none. ``policy=None`` saves nothing inside: every intermediate is
-    recomputed from the block's inputs. Cached, so each class is transformed once.
+    without a ``train`` flag needs none. With ``save=()`` (policy None) nothing inside is saved:
+    every intermediate is recomputed from the block's inputs; otherwise the outputs tagged with
+    those names are kept (`remat_policy`). Cached per (class, save, offload).
     """
     params = list(inspect.signature(cls.__call__).parameters)
     static = tuple(i for i, p in enumerate(params) if p in STATIC_ARGS)
-    return nn.remat(cls, static_argnums=static, prevent_cse=True, policy=None)
+    return nn.remat(cls, static_argnums=static, prevent_cse=True, policy=remat_policy(save, offload))
 
 
 def block_class(cls: M, name: str, plan: CheckpointPlan) -> M:
     """The class to instantiate for block ``name`` (``down.1``, ``mid``, ...) under ``plan``."""
-    return remat(cls) if name in plan else cls
+    return remat(cls, plan.save, _offload_here(plan.offload)) if name in plan else cls
 
 
 def layers_of(block: str, plan: CheckpointPlan) -> tuple[str, ...]:
-    """The plan's recomputed layers inside ``block``, relative to it: ``("resnets.0", ...)``."""
+    """The plan's recomputed layers inside ``block``, relative to it: ``("resnets.0", ...)``,
+    followed by the ``"/save=..."`` marker when the plan saves ops and recomputes any of them."""
     prefix = f"{block}."
-    return tuple(name.removeprefix(prefix) for name in plan.recompute if name.startswith(prefix))
+    names = tuple(name.removeprefix(prefix) for name in plan.recompute if name.startswith(prefix))
+    if names and plan.save:
+        names += (_MARKER + "save=" + ",".join(plan.save) + ("/offload" if plan.offload else ""),)
+    return names
+
+
+def _ops_of(recompute: Collection[str]) -> tuple[tuple[str, ...], bool]:
+    """(save, offload) from the marker entry of a block's ``recompute`` tuple."""
+    for entry in recompute:
+        if entry.startswith(_MARKER):
+            mods = entry.removeprefix(_MARKER).split("/")
+            return tuple(mods[0].removeprefix("save=").split(",")), "offload" in mods[1:]
+    return (), False
 
 
 def build(factory: Callable[..., nn.Module], name: str, recompute: Collection[str], *args: Any) -> nn.Module:
@@ -59,6 +113,8 @@ def build(factory: Callable[..., nn.Module], name: str, recompute: Collection[st
     """
     if name not in recompute:
         return factory(*args)
+    save, offload = _ops_of(recompute)
+    offload = _offload_here(offload)
     if isinstance(factory, functools.partial):
-        return functools.partial(remat(factory.func), *factory.args, **factory.keywords)(*args)
-    return remat(factory)(*args)
+        return functools.partial(remat(factory.func, save, offload), *factory.args, **factory.keywords)(*args)
+    return remat(factory, save, offload)(*args)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
 
@@ -34,9 +35,41 @@ def timestep_embedding(t: Array, dim: int, flip_sin_to_cos: bool, freq_shift: fl
     return jnp.pad(emb, ((0, 0), (0, dim % 2)))
 
 
+# Remat tags: each op class of `shared_configs.plan.OP_CLASSES` names its outputs, so that a plan's
+# ``save`` becomes `jax.checkpoint_policies.save_only_these_names(*save)` (see checkpointing.py).
+# The tagged points are the outputs torch's selective policy saves (aten convolution, mm/addmm,
+# SDPA, native_group/layer_norm), bias included as in torch's fused ops.
+class Conv(nn.Conv):
+    """`nn.Conv` with its output tagged ``"conv"``."""
+
+    def __call__(self, inputs: Array) -> Array:
+        return checkpoint_name(super().__call__(inputs), "conv")
+
+
+class Dense(nn.Dense):
+    """`nn.Dense` with its output tagged ``"matmul"``."""
+
+    def __call__(self, inputs: Array) -> Array:
+        return checkpoint_name(super().__call__(inputs), "matmul")
+
+
+class GroupNorm(nn.GroupNorm):
+    """`nn.GroupNorm` with its output tagged ``"norm"``."""
+
+    def __call__(self, x: Array, *args: object, **kwargs: object) -> Array:
+        return checkpoint_name(super().__call__(x, *args, **kwargs), "norm")
+
+
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` with its output tagged ``"norm"``."""
+
+    def __call__(self, x: Array, *args: object, **kwargs: object) -> Array:
+        return checkpoint_name(super().__call__(x, *args, **kwargs), "norm")
+
+
 def group_norm(groups: int, eps: float) -> nn.GroupNorm:
     # use_fast_variance=False: E[(x - mean)^2] as torch, not E[x^2] - mean^2 (cancels badly).
-    return nn.GroupNorm(num_groups=groups, epsilon=eps, use_fast_variance=False)
+    return GroupNorm(num_groups=groups, epsilon=eps, use_fast_variance=False)
 
 
 def batch_norm(eps: float, momentum: float) -> nn.BatchNorm:
@@ -71,15 +104,15 @@ def apply_norm(norm: nn.Module, x: Array, train: bool) -> Array:
 
 
 def layer_norm(eps: float) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=eps, use_fast_variance=False)
+    return LayerNorm(epsilon=eps, use_fast_variance=False)
 
 
 def conv3x3(features: int) -> nn.Conv:
-    return nn.Conv(features, (3, 3), padding=PAD_1)
+    return Conv(features, (3, 3), padding=PAD_1)
 
 
 def conv1x1(features: int) -> nn.Conv:
-    return nn.Conv(features, (1, 1), padding=PAD_0)
+    return Conv(features, (1, 1), padding=PAD_0)
 
 
 class TimestepEmbedding(nn.Module):
@@ -89,8 +122,8 @@ class TimestepEmbedding(nn.Module):
     dim: int
 
     def setup(self) -> None:
-        self.linear_1 = nn.Dense(self.dim)
-        self.linear_2 = nn.Dense(self.dim)
+        self.linear_1 = Dense(self.dim)
+        self.linear_2 = Dense(self.dim)
 
     def __call__(self, x: Array) -> Array:
         return self.linear_2(nn.silu(self.linear_1(x)))
@@ -116,7 +149,7 @@ class ResnetBlock(nn.Module):
     def setup(self) -> None:
         self.norm1 = norm_layer(self.in_ch, self.norm, self.groups, self.eps, self.momentum)
         self.conv1 = conv3x3(self.out_ch)
-        self.time_emb_proj = nn.Dense(self.out_ch * (2 if self.scale_shift else 1))
+        self.time_emb_proj = Dense(self.out_ch * (2 if self.scale_shift else 1))
         self.norm2 = norm_layer(self.out_ch, self.norm, self.groups, self.eps, self.momentum)
         self.dropout = nn.Dropout(self.dropout_rate, rng_collection="dropout")
         self.conv2 = conv3x3(self.out_ch)
@@ -138,7 +171,7 @@ class ResnetBlock(nn.Module):
 def attention(q: Array, k: Array, v: Array, heads: int, scale: float) -> Array:
     """Multi-head attention on (B, T, heads*D) tensors."""
     q, k, v = (a.reshape(*a.shape[:2], heads, -1) for a in (q, k, v))  # (B, T, N, D)
-    out = jax.nn.dot_product_attention(q, k, v, scale=scale)
+    out = checkpoint_name(jax.nn.dot_product_attention(q, k, v, scale=scale), "attention")
     return out.reshape(*out.shape[:2], -1)  # (B, T, N*D)
 
 
@@ -159,8 +192,8 @@ class SelfAttention(nn.Module):
 
     def setup(self) -> None:
         self.group_norm = group_norm(self.groups, self.eps)
-        self.to_q, self.to_k, self.to_v = (nn.Dense(self.ch) for _ in range(3))
-        self.to_out = nn.Dense(self.ch)
+        self.to_q, self.to_k, self.to_v = (Dense(self.ch) for _ in range(3))
+        self.to_out = Dense(self.ch)
 
     def __call__(self, x: Array, context: Array | None = None) -> Array:
         del context  # same call signature as Transformer2D; plain self-attention ignores it
@@ -180,10 +213,10 @@ class CrossAttention(nn.Module):
 
     def setup(self) -> None:
         # No bias on q/k/v, as torch; the key/value input width is inferred from ``context``.
-        self.to_q = nn.Dense(self.dim, use_bias=False)
-        self.to_k = nn.Dense(self.dim, use_bias=False)
-        self.to_v = nn.Dense(self.dim, use_bias=False)
-        self.to_out = nn.Dense(self.dim)
+        self.to_q = Dense(self.dim, use_bias=False)
+        self.to_k = Dense(self.dim, use_bias=False)
+        self.to_v = Dense(self.dim, use_bias=False)
+        self.to_out = Dense(self.dim)
 
     def __call__(self, x: Array, context: Array | None = None) -> Array:
         ctx = x if context is None else context
@@ -198,8 +231,8 @@ class FeedForward(nn.Module):
     mult: int = 4
 
     def setup(self) -> None:
-        self.proj = nn.Dense(self.dim * self.mult * 2)
-        self.out = nn.Dense(self.dim)
+        self.proj = Dense(self.dim * self.mult * 2)
+        self.out = Dense(self.dim)
 
     def __call__(self, x: Array) -> Array:
         value, gate = jnp.split(self.proj(x), 2, axis=-1)
@@ -247,7 +280,7 @@ class Transformer2D(nn.Module):
     def setup(self) -> None:
         # A 1x1 conv and a Dense compute the same map in NHWC, but torch keeps 4-D conv weights
         # when linear_projection is off, and the parameter tree must mirror torch's.
-        project = nn.Dense if self.linear_projection else conv1x1
+        project = Dense if self.linear_projection else conv1x1
         self.norm = group_norm(self.groups, self.norm_eps)
         self.proj_in = project(self.ch)
         self.transformer_blocks = [
@@ -270,7 +303,7 @@ class Downsample(nn.Module):
     padding: int
 
     def setup(self) -> None:
-        self.conv = nn.Conv(self.ch, (3, 3), strides=(2, 2), padding=PAD_1 if self.padding == 1 else "VALID")
+        self.conv = Conv(self.ch, (3, 3), strides=(2, 2), padding=PAD_1 if self.padding == 1 else "VALID")
 
     def __call__(self, x: Array) -> Array:
         if self.padding == 0:

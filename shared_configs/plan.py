@@ -9,25 +9,53 @@ Block names are the plan's vocabulary and are identical in PyTorch, Flax and YAM
 A policy is a name (``none``, ``full``, ``balanced``, ``layers``, ``every:N``), a list of block
 or layer names, or a comma-separated string of names. `resolve_plan` turns it into a
 `CheckpointPlan`, which each framework applies with its own mechanism.
+
+Op-level (selective) policies say which operation outputs a recomputed block still *saves*; the
+rest of the block is recomputed. The op vocabulary, `OP_CLASSES`, is the same in both frameworks
+(torch maps it onto aten ops, JAX onto ``checkpoint_name`` tags)::
+
+    full/save=conv,matmul          recompute every block, but keep conv and matmul outputs
+    balanced/save=conv+matmul      '+' and ',' both separate ops ('+' survives the CLI's comma split)
+    full/save=conv,matmul/offload  ... and keep those outputs in host memory instead of the device
+    save_convs                     a preset: full/save=conv,matmul
+    offload_convs                  a preset: full/save=conv,matmul/offload
+
+From code: ``resolve_plan(spec, "full", save=("conv",), offload=False)``; in YAML the spec's
+``checkpoint`` field takes the same strings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 
 from shared_configs.spec import SpecError, UNetSpec
 
-NAMED_POLICIES: tuple[str, ...] = ("none", "full", "balanced", "layers", "every:N")
+# Operation classes a selective plan can save, one vocabulary for torch and JAX. Everything not
+# named is recomputed (activations, softmax, elementwise ops, and norms unless "norm" is saved).
+OP_CLASSES: tuple[str, ...] = ("conv", "matmul", "attention", "norm")
+# Named op-level presets: (base policy, saved ops, offload).
+PRESETS: dict[str, tuple[str, tuple[str, ...], bool]] = {
+    "save_convs": ("full", ("conv", "matmul"), False),
+    "offload_convs": ("full", ("conv", "matmul"), True),
+}
+NAMED_POLICIES: tuple[str, ...] = ("none", "full", "balanced", "layers", "every:N", *PRESETS)
 Policy = str | Sequence[str] | None
 
 
 @dataclass(frozen=True)
 class CheckpointPlan:
-    """The resolved plan: the names of the recomputed blocks/layers, in forward order."""
+    """The resolved plan: the names of the recomputed blocks/layers, in forward order.
+
+    ``save``: op classes (from `OP_CLASSES`) whose outputs the recomputed blocks still keep;
+    ``()`` keeps nothing inside them. ``offload``: keep those outputs in host memory instead.
+    Frozen and hashable: Flax modules carry it as an attribute.
+    """
 
     policy: str
     recompute: tuple[str, ...]
+    save: tuple[str, ...] = ()
+    offload: bool = False
 
     def __contains__(self, name: object) -> bool:
         return name in self.recompute
@@ -85,24 +113,92 @@ _NAMED: dict[str, Callable[[UNetSpec], list[str]]] = {
 }
 
 
-def resolve_plan(spec: UNetSpec, policy: Policy | CheckpointPlan = None) -> CheckpointPlan:
-    """Resolve a policy for ``spec``; ``None`` takes the spec's own ``checkpoint`` field."""
+def resolve_plan(
+    spec: UNetSpec,
+    policy: Policy | CheckpointPlan = None,
+    save: Iterable[str] | None = None,
+    offload: bool | None = None,
+) -> CheckpointPlan:
+    """Resolve a policy for ``spec``; ``None`` takes the spec's own ``checkpoint`` field.
+
+    ``save``/``offload``, when given, override what the policy string says (see the module doc).
+    """
     if isinstance(policy, CheckpointPlan):
-        return resolve_plan(spec, list(policy.recompute)) if policy.recompute else policy
+        plan = policy
+        if plan.recompute:
+            plan = replace(plan, recompute=_explicit(spec, list(plan.recompute)).recompute)
+    else:
+        plan = _resolve_base(spec, policy)
+    if save is None and offload is None:
+        return _check_ops(plan)
+    new_save = plan.save if save is None else _ops(save)
+    new_offload = plan.offload if offload is None else bool(offload)
+    name = plan.policy.split("/")[0] + _suffix(new_save, new_offload)
+    return _check_ops(replace(plan, policy=name, save=new_save, offload=new_offload))
+
+
+def _resolve_base(spec: UNetSpec, policy: Policy) -> CheckpointPlan:
     if policy is None:
         policy = spec.checkpoint if spec.checkpoint is not None else "none"
-    if isinstance(policy, str):
-        key = policy.strip()
-        if key in _NAMED:
-            return CheckpointPlan(key, tuple(_NAMED[key](spec)))
-        if key.startswith("every:"):
-            return CheckpointPlan(key, tuple(block_names(spec)[:: _every_n(key)]))
-        if "," in key or "." in key or key == "mid":
-            return _explicit(spec, [n.strip() for n in key.split(",") if n.strip()])
+    if not isinstance(policy, str):
+        return _explicit(spec, list(policy))
+    key = policy.strip()
+    if key in PRESETS:
+        base, ops, offload = PRESETS[key]
+        return CheckpointPlan(key, tuple(_NAMED[base](spec)), ops, offload)
+    if "/" in key:
+        return _with_modifiers(spec, key)
+    if key in _NAMED:
+        return CheckpointPlan(key, tuple(_NAMED[key](spec)))
+    if key.startswith("every:"):
+        return CheckpointPlan(key, tuple(block_names(spec)[:: _every_n(key)]))
+    if "," in key or "." in key or key == "mid":
+        return _explicit(spec, [n.strip() for n in key.split(",") if n.strip()])
+    raise SpecError(
+        f"policy: unknown policy {policy!r} (allowed: {', '.join(NAMED_POLICIES)}, or a list of block names)"
+    )
+
+
+def _with_modifiers(spec: UNetSpec, key: str) -> CheckpointPlan:
+    """``BASE/save=op,op/offload``: a base policy and its op-level modifiers."""
+    base, *mods = (part.strip() for part in key.split("/"))
+    save: tuple[str, ...] = ()
+    offload = False
+    for mod in mods:
+        if mod.startswith("save="):
+            save = _ops(mod.removeprefix("save=").replace("+", ",").split(","))
+        elif mod == "offload":
+            offload = True
+        else:
+            raise SpecError(f"policy: unknown modifier {mod!r} in {key!r} (allowed: save=OP,OP..., offload)")
+    plan = _resolve_base(spec, base)
+    return replace(plan, policy=f"{plan.policy}{_suffix(save, offload)}", save=save, offload=offload)
+
+
+def _ops(names: Iterable[str]) -> tuple[str, ...]:
+    """Validated op classes in `OP_CLASSES` order, duplicates dropped."""
+    if isinstance(names, str):
+        names = names.replace("+", ",").split(",")
+    chosen = {n.strip() for n in names if n.strip()}
+    for name in chosen:
+        if name not in OP_CLASSES:
+            raise SpecError(f"save: unknown op {name!r} (allowed: {', '.join(OP_CLASSES)})")
+    return tuple(op for op in OP_CLASSES if op in chosen)
+
+
+def _suffix(save: tuple[str, ...], offload: bool) -> str:
+    return (f"/save={','.join(save)}" if save else "") + ("/offload" if offload else "")
+
+
+def _check_ops(plan: CheckpointPlan) -> CheckpointPlan:
+    _ops(plan.save)
+    if plan.save and not plan.recompute:
+        raise SpecError(f"save: policy {plan.policy!r} recomputes no block, so there is nothing to save inside")
+    if plan.offload and not plan.save:
         raise SpecError(
-            f"policy: unknown policy {policy!r} (allowed: {', '.join(NAMED_POLICIES)}, or a list of block names)"
+            f"offload: policy {plan.policy!r} saves no op to offload; add save=OP, e.g. full/save=conv/offload"
         )
-    return _explicit(spec, list(policy))
+    return plan
 
 
 def _every_n(key: str) -> int:

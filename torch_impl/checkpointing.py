@@ -3,17 +3,127 @@
 A recomputed block keeps its place (and its `state_dict` keys): only its instance ``forward``
 is shadowed by one that runs the class's forward under `torch.utils.checkpoint.checkpoint`
 (non-reentrant, RNG state stashed and replayed so dropout masks match on recompute).
+
+Op-level plans (``plan.save``) use selective activation checkpointing: the checkpoint's
+``context_fn`` is `create_selective_checkpoint_contexts` with a policy over aten ops
+(`ATEN_OPS`, the same op classes as `shared_configs.plan.OP_CLASSES` and the JAX tags).
+`context_fn` is built in one place, `make_context_fn`, so further contexts (BatchNorm's) compose in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils._pytree import tree_map_only
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
-from shared_configs.plan import CheckpointPlan
+from shared_configs.plan import OP_CLASSES, CheckpointPlan
 from torch_impl.batchnorm import with_frozen_running_stats
+
+aten = torch.ops.aten
+# Op class -> the aten ops that produce it. On CPU nn.Linear decomposes to addmm (with bias) or
+# mm (without), 3-D inputs folded to 2-D; F.scaled_dot_product_attention to the *_for_cpu kernel.
+ATEN_OPS: dict[str, tuple[Any, ...]] = {
+    "conv": (aten.convolution,),
+    "matmul": (aten.mm, aten.addmm, aten.bmm, aten.baddbmm),
+    "attention": (
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_cudnn_attention,
+    ),
+    "norm": (aten.native_group_norm, aten.native_layer_norm),
+}
+assert set(ATEN_OPS) == set(OP_CLASSES)
+_OP_CLASS = {packet: name for name, packets in ATEN_OPS.items() for packet in packets}
+OFFLOAD_ON_CPU = (
+    "offload: tensors on CPU already live in host memory; saving them in place instead "
+    "(the plan runs as save without offload)"
+)
+
+
+@dataclass
+class SavedRecord:
+    """One output a selective policy chose to save: the block, its op class and aten op, the tensors."""
+
+    block: str
+    op_class: str
+    op: str
+    recompute: bool
+    outputs: list[torch.Tensor] = field(default_factory=list)  # meta tensors: shape and dtype only
+
+
+_RECORDERS: list[list[SavedRecord]] = []
+
+
+def _meta_outputs(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The op's outputs as meta tensors (shapes and dtypes, no data, no compute)."""
+    meta = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
+    out = op(*meta[0], **meta[1])
+    return [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def record_saved() -> Iterator[list[SavedRecord]]:
+    """Collect every save decision of selective policies while active (forward and recompute)."""
+    records: list[SavedRecord] = []
+    _RECORDERS.append(records)
+    try:
+        yield records
+    finally:
+        _RECORDERS.remove(records)
+
+
+def op_class(op: Any) -> str | None:
+    """The `OP_CLASSES` name of an aten op (overload or packet), or None."""
+    return _OP_CLASS.get(getattr(op, "overloadpacket", op))
+
+
+def _tensor_device(args: tuple) -> torch.device | None:
+    return next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+
+
+def _policy_fn(block: str, plan: CheckpointPlan, warned: list[bool], ctx: Any, op: Any, *args: Any, **kw: Any) -> Any:
+    cls = op_class(op)
+    if cls is None or cls not in plan.save:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    decision = CheckpointPolicy.MUST_SAVE
+    if plan.offload:
+        device = _tensor_device(args)
+        if device is not None and device.type == "cpu":
+            if not warned[0]:
+                warnings.warn(OFFLOAD_ON_CPU, UserWarning, stacklevel=2)
+                warned[0] = True
+        else:
+            decision = CheckpointPolicy.MUST_CPU_OFFLOAD
+    if _RECORDERS:
+        outputs = _meta_outputs(op, args, kw)
+        for records in _RECORDERS:
+            records.append(SavedRecord(block, cls, str(op), ctx.is_recompute, outputs))
+    return decision
+
+
+def make_context_fn(block: str, plan: CheckpointPlan) -> Callable[[], tuple[Any, Any]] | None:
+    """The checkpoint ``context_fn`` for ``block`` under ``plan``; None keeps torch's default.
+
+    The one place checkpoint contexts are made: a second context (e.g. BatchNorm's) composes here.
+    """
+    if not plan.save:
+        return None
+    policy = functools.partial(_policy_fn, block, plan, [False])
+    return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
 def apply_plan(root: nn.Module, plan: CheckpointPlan, preserve_rng_state: bool = True) -> None:
@@ -22,15 +132,15 @@ def apply_plan(root: nn.Module, plan: CheckpointPlan, preserve_rng_state: bool =
     for name in plan.recompute:
         module = root.get_submodule(name)
         plain = type(module).forward.__get__(module)
+        extra: dict[str, Any] = {}
+        # BatchNorm: the recompute must not update running statistics twice (torch_impl.batchnorm).
+        context_fn = with_frozen_running_stats(module, make_context_fn(name, plan) or noop_context_fn)
+        if context_fn is not None:
+            extra["context_fn"] = context_fn
         # use_reentrant=False: the reentrant variant gives parameters no gradient when no
         # *input* requires grad, and cannot handle keyword arguments or nested outputs.
         module.forward = functools.partial(
-            checkpoint,
-            plain,
-            use_reentrant=False,
-            preserve_rng_state=preserve_rng_state,
-            # BatchNorm: the recompute must not update running statistics twice (torch_impl.batchnorm).
-            context_fn=with_frozen_running_stats(module),
+            checkpoint, plain, use_reentrant=False, preserve_rng_state=preserve_rng_state, **extra
         )
 
 

@@ -1,0 +1,232 @@
+"""What each framework saves for backward under a checkpoint policy, block by block.
+
+    python -m benchmarks.inspect --config tiny --policy save_convs
+    python -m benchmarks.inspect --config tiny --policy full --framework jax --json
+
+torch: the tensors autograd saves outside recomputed blocks (``saved_tensors_hooks``, attributed
+to the block running and the last aten op dispatched), the inputs kept for each recomputed
+block's recompute, and the outputs a selective policy keeps (``MUST_SAVE``). JAX: the residuals
+of ``vjp`` of the loss (what ``jax.ad_checkpoint.saved_residuals`` lists), attributed to blocks
+by the Flax module path in each equation's name stack. Parameters and model inputs are left out
+in both. Tensors are attributed to the block that *produced* them (a skip saved for an up block
+counts for the down block that made it). Not a memory measurement: both run in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, NoReturn
+
+from shared_configs import SpecError, block_names, load_spec, resolve_plan
+
+OUTSIDE = "(top)"  # conv_in, time embedding, conv_out: not in any block
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor kept for backward."""
+
+    block: str
+    op: str  # op class tag ("conv", "matmul", ...) when saved by a selective policy, else the op
+    kind: str  # "saved" (autograd), "policy" (kept by the op-level policy), "input" (recompute input)
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+
+
+def summarize(rows: list[Saved], blocks: list[str]) -> dict[str, Any]:
+    """Per-block counts and bytes (blocks in forward order, then outside) and totals."""
+    per = {b: {"count": 0, "bytes": 0} for b in [*blocks, OUTSIDE]}
+    for r in rows:
+        per.setdefault(r.block, {"count": 0, "bytes": 0})
+        per[r.block]["count"] += 1
+        per[r.block]["bytes"] += r.bytes
+    return {
+        "rows": [asdict(r) for r in rows],
+        "blocks": per,
+        "total_count": len(rows),
+        "total_bytes": sum(r.bytes for r in rows),
+    }
+
+
+# --- torch ---------------------------------------------------------------------------------
+
+
+def torch_saved(config: str, policy: str, batch_size: int) -> list[Saved]:
+    """Run one forward + backward of the torch U-Net under ``policy``; what was kept for backward."""
+    import torch
+
+    from benchmarks.inspect_torch import collect
+
+    spec = load_spec(config)
+    torch.manual_seed(0)
+    return [Saved(*row) for row in collect(spec, policy, batch_size)]
+
+
+# --- jax -----------------------------------------------------------------------------------
+
+_MODULE = re.compile(r"^(down|up)_(\d+)$")
+
+
+def _block_of(name_stack: str) -> str:
+    """``jvp(UNet)/down_1/resnets_0/conv1`` -> ``down.1``; anything else -> OUTSIDE."""
+    parts = [p for p in name_stack.split("/") if p and "(" not in p]
+    if not parts:
+        return OUTSIDE
+    match = _MODULE.match(parts[0])
+    if match:
+        return f"{match[1]}.{match[2]}"
+    return "mid" if parts[0] == "mid" else OUTSIDE
+
+
+def jax_saved(config: str, policy: str, batch_size: int) -> list[Saved]:
+    """The residuals of the Flax U-Net's loss under ``policy`` (arguments left out)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax._src.ad_checkpoint import name_p
+    from jax.extend.core import Literal
+
+    from jax_impl import UNet
+
+    spec = load_spec(config)
+    model = UNet(spec=spec, policy=policy)
+    x, t, ctx = _jax_inputs(spec, batch_size)
+    params = jax.eval_shape(model.init, jax.random.key(0), x, t, ctx)
+
+    def loss(p: Any, x: Any, t: Any, ctx: Any) -> Any:
+        return jnp.mean(model.apply(p, x, t, ctx) ** 2)
+
+    leaves, tree = jax.tree.flatten((params, x, t, ctx))
+    closed, shapes = jax.make_jaxpr(
+        lambda *a: jax.vjp(lambda *b: loss(*jax.tree.unflatten(tree, b)), *a), return_shape=True
+    )(*leaves)
+    jaxpr = closed.jaxpr
+    n_res = jax.tree.structure(shapes[1]).num_leaves
+    residuals = {v for v in jaxpr.outvars[len(jaxpr.outvars) - n_res :] if not isinstance(v, Literal)}
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    rows = []
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            if v not in residuals:
+                continue
+            src = eqn
+            while src.primitive.name == "reduce_precision" and src.invars[0] in producer:
+                src = producer[src.invars[0]]  # look through it, as saved_residuals does
+            named = src.primitive is name_p
+            op = src.params["name"] if named else src.params.get("name", src.primitive.name)
+            aval = v.aval
+            nbytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+            block = _block_of(str(eqn.source_info.name_stack))
+            rows.append(Saved(block, op, "policy" if named else "saved", tuple(aval.shape), str(aval.dtype), nbytes))
+    return rows
+
+
+def _jax_inputs(spec: Any, batch_size: int) -> tuple[Any, Any, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    f32, s = jnp.float32, spec.sample_size
+    x = jax.ShapeDtypeStruct((batch_size, s, s, spec.in_channels), f32)
+    t = jax.ShapeDtypeStruct((batch_size,), f32)
+    ctx = None
+    if spec.cross_attention_dim:
+        ctx = jax.ShapeDtypeStruct((batch_size, 5, spec.cross_attention_dim), f32)
+    return x, t, ctx
+
+
+# --- report --------------------------------------------------------------------------------
+
+COLLECTORS: dict[str, Callable[[str, str, int], list[Saved]]] = {"torch": torch_saved, "jax": jax_saved}
+
+
+def inspect_policy(config: str, policy: str, frameworks: list[str], batch_size: int, block: str | None) -> dict:
+    """The JSON document: per framework the rows, per-block summary and totals; blocks that differ."""
+    spec = load_spec(config)
+    plan = resolve_plan(spec, policy)
+    blocks = block_names(spec)
+    if block is not None and block not in [*blocks, OUTSIDE]:
+        raise SpecError(f"block: unknown block {block!r} (valid: {', '.join([*blocks, OUTSIDE])})")
+    doc: dict[str, Any] = {"config": spec.name, "policy": plan.policy, "batch_size": batch_size, "frameworks": {}}
+    for fw in frameworks:
+        rows = COLLECTORS[fw](config, policy, batch_size)
+        doc["frameworks"][fw] = summarize([r for r in rows if block is None or r.block == block], blocks)
+    doc["differ"] = _differ(doc["frameworks"])
+    return doc
+
+
+def _differ(per_fw: dict[str, Any]) -> list[str]:
+    if len(per_fw) < 2:
+        return []
+    a, b = per_fw["torch"]["blocks"], per_fw["jax"]["blocks"]
+    return [k for k in a if a[k] != b.get(k)]
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f} KiB"
+
+
+def render(doc: dict) -> str:
+    """Plain-text report: per block, each framework's tensors; a '!' where counts/bytes differ."""
+    fws = list(doc["frameworks"])
+    lines = [f"{doc['config']} policy={doc['policy']} batch={doc['batch_size']} (params and inputs excluded)"]
+    first = doc["frameworks"][fws[0]]["blocks"]
+    for blk in first:
+        stats = [doc["frameworks"][fw]["blocks"][blk] for fw in fws]
+        cells = [f"{fw}: {s['count']:3d} tensors {_kib(s['bytes']):>12}" for fw, s in zip(fws, stats, strict=True)]
+        mark = " !" if blk in doc["differ"] else ""
+        lines.append(f"{blk:8} | " + " | ".join(cells) + mark)
+        for fw in fws:
+            for r in doc["frameworks"][fw]["rows"]:
+                if r["block"] == blk:
+                    shape = "x".join(map(str, r["shape"]))
+                    lines.append(
+                        f"    {fw:5} {r['kind']:6} {r['op']:38.38} {shape:>14} {r['dtype']:8} {r['bytes']:>10}"
+                    )
+    totals = " | ".join(
+        f"{fw}: {doc['frameworks'][fw]['total_count']} tensors, {_kib(doc['frameworks'][fw]['total_bytes'])}"
+        for fw in fws
+    )
+    lines.append(f"{'total':8} | {totals}")
+    if doc["differ"]:
+        lines.append(f"differ (count or bytes): {', '.join(doc['differ'])}")
+    return "\n".join(lines)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, no usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m benchmarks.inspect", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="tiny", help="preset name or spec YAML path (%(default)s)")
+    p.add_argument("--policy", default="save_convs", help="a checkpoint policy, e.g. full/save=conv,matmul")
+    p.add_argument("--framework", choices=["both", "torch", "jax"], default="both")
+    p.add_argument("--block", default=None, help="only this block (down.0, mid, ...)")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--json", action="store_true", help="print the JSON document instead of text")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    frameworks = ["torch", "jax"] if args.framework == "both" else [args.framework]
+    try:
+        if args.batch_size < 1:
+            raise SpecError(f"batch-size: expected a positive integer, got {args.batch_size}")
+        doc = inspect_policy(args.config, args.policy, frameworks, args.batch_size, args.block)
+    except (SpecError, FileNotFoundError, ValueError) as err:
+        print(f"inspect: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return 2
+    print(json.dumps(doc, indent=1) if args.json else render(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

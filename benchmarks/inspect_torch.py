@@ -1,0 +1,135 @@
+"""The torch half of `benchmarks.inspect`: what autograd keeps for backward, block by block.
+
+Three sources, distinct storages counted once, parameters and model inputs left out:
+
+* ``saved``: tensors packed by ``saved_tensors_hooks`` outside recomputed blocks (inside them the
+  checkpoint's own hooks take over), with the last aten op dispatched before the pack;
+* ``input``: the tensor inputs of each recomputed block, which checkpoint keeps for the recompute;
+* ``policy``: outputs a selective policy keeps (``MUST_SAVE``), from `record_saved`.
+
+Each tensor is attributed to the block whose forward produced it (a `TorchDispatchMode` notes the
+producing block of every op output).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shared_configs import UNetSpec, block_names
+from torch_impl import UNet
+from torch_impl.checkpointing import record_saved
+
+OUTSIDE = "(top)"
+Row = tuple[str, str, str, tuple[int, ...], str, int]
+
+
+class _Producers(TorchDispatchMode):
+    """Notes, per output storage, the block running when it was made, and the last op name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = [OUTSIDE]
+        self.block: dict[int, str] = {}
+        self.last_op = ""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.last_op = str(func).removeprefix("aten.").removesuffix(".default")
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self.block.setdefault(_ptr(t), self.stack[-1])
+        return out
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _block_of(name: str) -> str:
+    parts = name.split(".")
+    return "mid" if parts[0] == "mid" else ".".join(parts[:2])
+
+
+def _inputs(spec: UNetSpec, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(0)
+    s = spec.sample_size
+    x = torch.randn(batch_size, spec.in_channels, s, s, generator=gen)
+    t = torch.linspace(1.0, 900.0, batch_size)
+    ctx = None
+    if spec.cross_attention_dim:
+        ctx = torch.randn(batch_size, 5, spec.cross_attention_dim, generator=gen)
+    return x, t, ctx
+
+
+def _hook_blocks(model: UNet, prod: _Producers, inputs: dict[int, Row]) -> list[Any]:
+    """Block pre/post hooks keep ``prod.stack``; recomputed modules' tensor inputs go to ``inputs``."""
+    handles = []
+    for name in block_names(model.spec):
+        module = model.get_submodule(name)
+        # Hooks must return None: a forward hook's return value replaces the module's output.
+        handles.append(module.register_forward_pre_hook(lambda m, a, n=name: prod.stack.append(n) and None))
+        handles.append(module.register_forward_hook(lambda m, a, o: prod.stack.pop() and None))
+    for name in model.plan.recompute:
+
+        def keep(m: Any, args: tuple, n: str = name) -> None:
+            for t in _flat_tensors(args):
+                blk = prod.block.get(_ptr(t), OUTSIDE)
+                inputs[_ptr(t)] = (blk, f"input of {n}", "input", tuple(t.shape), _dtype(t), _nbytes(t))
+
+        handles.append(model.get_submodule(name).register_forward_pre_hook(keep))
+    return handles
+
+
+def _flat_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for v in value for t in _flat_tensors(v)]
+    return []
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def collect(spec: UNetSpec, policy: str, batch_size: int) -> list[Row]:
+    """One forward and backward (dropout off, as the JAX side); every tensor kept for backward."""
+    model = UNet(spec)
+    model.eval()
+    model.enable_gradient_checkpointing(policy)
+    x, t, ctx = _inputs(spec, batch_size)
+    skip = {_ptr(p) for p in model.parameters()} | {_ptr(v) for v in (x, t, ctx) if v is not None}
+    prod = _Producers()
+    saved: dict[int, Row] = {}
+    inputs: dict[int, Row] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        ptr = _ptr(tensor)
+        if ptr not in skip and ptr not in saved:
+            blk = prod.block.get(ptr, prod.stack[-1])
+            saved[ptr] = (blk, prod.last_op, "saved", tuple(tensor.shape), _dtype(tensor), _nbytes(tensor))
+        return tensor
+
+    handles = _hook_blocks(model, prod, inputs)
+    try:
+        with record_saved() as records, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), prod:
+            out = model(x, t, ctx)
+        out.square().mean().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    policy_rows = [
+        (_block_of(r.block), r.op_class, "policy", tuple(o.shape), _dtype(o), o.numel() * o.element_size())
+        for r in records
+        if not r.recompute
+        for o in r.outputs
+    ]
+    extra = [row for ptr, row in inputs.items() if ptr not in saved and ptr not in skip]
+    return list(saved.values()) + extra + policy_rows

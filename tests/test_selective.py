@@ -1,0 +1,173 @@
+"""Op-level (selective) plans: one vocabulary, the same saved tensors in torch and JAX, same results."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import inspect as insp
+from shared_configs import SpecError, load_spec, resolve_plan
+from shared_configs.plan import OP_CLASSES
+from tests.utils import rel_err, variant
+
+
+@pytest.fixture(scope="module")
+def docs() -> dict[str, dict]:
+    """The inspector's documents for none, full and save_convs on tiny (both frameworks)."""
+    return {p: insp.inspect_policy("tiny", p, ["torch", "jax"], 2, None) for p in ("none", "full", "save_convs")}
+
+
+def test_policy_syntax_and_presets() -> None:
+    spec = load_spec("tiny")
+    full = resolve_plan(spec, "full")
+    preset = resolve_plan(spec, "save_convs")
+    assert preset.recompute == full.recompute and preset.save == ("conv", "matmul") and not preset.offload
+    assert resolve_plan(spec, "full/save=matmul+conv").save == preset.save
+    assert resolve_plan(spec, "full", save=("conv", "matmul")).save == preset.save
+    assert resolve_plan(spec, preset) == preset and hash(preset) == hash(resolve_plan(spec, "save_convs"))
+    assert resolve_plan(spec, "offload_convs").offload
+    assert set(OP_CLASSES) == {"conv", "matmul", "attention", "norm"}
+
+
+@pytest.mark.parametrize(
+    ("policy", "match"),
+    [
+        ("full/save=conv,relu", r"save: unknown op 'relu' \(allowed: conv, matmul, attention, norm\)"),
+        ("none/save=conv", r"save: policy 'none/save=conv' recomputes no block"),
+        ("full/offload", r"offload: .* saves no op to offload"),
+        ("full/keep=conv", r"policy: unknown modifier 'keep=conv'"),
+    ],
+)
+def test_bad_policies_are_one_line_errors(policy: str, match: str) -> None:
+    with pytest.raises(SpecError, match=match) as err:
+        resolve_plan(load_spec("tiny"), policy)
+    assert "\n" not in str(err.value)
+
+
+def _torch_grads(policy: str) -> tuple[float, list[torch.Tensor]]:
+    from torch_impl import UNet
+
+    torch.manual_seed(0)
+    model = UNet(variant("tiny", dropout=0.3))
+    model.train()
+    model.enable_gradient_checkpointing(policy)
+    gen = torch.Generator().manual_seed(1)
+    x, ctx = torch.randn(2, 4, 8, 8, generator=gen), torch.randn(2, 5, 12, generator=gen)
+    torch.manual_seed(5)  # same dropout masks for every policy
+    loss = model(x, torch.tensor([3.0, 700.0]), ctx).square().mean()
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("policy", ["save_convs", "balanced/save=attention,norm", "layers/save=conv"])
+def test_torch_selective_equals_plain(policy: str) -> None:
+    ref_loss, ref = _torch_grads("none")
+    loss, grads = _torch_grads(policy)
+    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
+    assert all(rel_err(g, r) <= 1e-6 for g, r in zip(grads, ref, strict=True))
+
+
+def test_torch_offload_on_cpu_warns_and_saves_in_place() -> None:
+    ref_loss, ref = _torch_grads("save_convs")
+    with pytest.warns(UserWarning, match="offload: tensors on CPU already live in host memory"):
+        loss, grads = _torch_grads("offload_convs")
+    assert loss == ref_loss and all(torch.equal(g, r) for g, r in zip(grads, ref, strict=True))
+
+
+def _jax_loss_and_grads(policy: str) -> tuple[float, list[np.ndarray]]:
+    from jax_impl import UNet
+
+    spec = variant("tiny", dropout=0.0)
+    rng = np.random.RandomState(0)
+    x, ctx = jnp.asarray(rng.randn(2, 8, 8, 4), jnp.float32), jnp.asarray(rng.randn(2, 5, 12), jnp.float32)
+    t = jnp.array([3.0, 700.0])
+    params = UNet(spec=spec, policy="none").init(jax.random.key(0), x, t, ctx)
+    model = UNet(spec=spec, policy=policy)
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x, t, ctx) ** 2))(params)
+    return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+def test_jax_selective_equals_plain() -> None:
+    """float32, tolerance 1e-5 relative (float32 round-off), or 1e-6 absolute for gradients that are
+    zero in exact arithmetic (the key bias: softmax ignores a constant added to every key)."""
+    ref_loss, ref = _jax_loss_and_grads("none")
+    for policy in ("save_convs", "balanced/save=attention,norm"):
+        loss, grads = _jax_loss_and_grads(policy)
+        assert math.isclose(loss, ref_loss, rel_tol=1e-6)
+        for g, r in zip(grads, ref, strict=True):
+            assert rel_err(g, r) <= 1e-5 or float(np.abs(g - r).max()) <= 1e-6
+
+
+def test_jax_offload_on_cpu_warns_and_saves_in_place() -> None:
+    ref_loss, _ = _jax_loss_and_grads("save_convs")
+    with pytest.warns(UserWarning, match="offload: on CPU the pinned host is the device's own memory"):
+        loss, _ = _jax_loss_and_grads("offload_convs")
+    assert math.isclose(loss, ref_loss, rel_tol=1e-7)
+
+
+def _policy_rows(doc: dict, fw: str, block: str) -> Counter:
+    """Layout-free identity of the outputs kept by the op-level policy: (op class, element count)."""
+    rows = doc["frameworks"][fw]["rows"]
+    return Counter((r["op"], math.prod(r["shape"])) for r in rows if r["kind"] == "policy" and r["block"] == block)
+
+
+def test_save_convs_saves_the_same_tensors_in_both(docs: dict[str, dict]) -> None:
+    """Per recomputed block, the outputs kept by the op-level policy match, modulo layout.
+
+    Shapes differ only by layout: torch convs are NCHW, JAX's NHWC; torch's linear folds (B, T, C)
+    into (B*T, C) before addmm, Flax's Dense keeps (B, T, C); element counts match one for one.
+    One honest difference: torch SAC caches *every* MUST_SAVE output in the forward, while JAX keeps
+    only the named values its backward needs. A block whose last op is a conv/matmul whose output
+    only leaves the block (down.1's proj_out, up.1's to_out, ...) has that one output extra in torch.
+    """
+    doc = docs["save_convs"]
+    extras = 0
+    for block in resolve_plan(load_spec("tiny"), "save_convs").recompute:
+        torch_rows, jax_rows = _policy_rows(doc, "torch", block), _policy_rows(doc, "jax", block)
+        assert jax_rows and not jax_rows - torch_rows, block
+        extra = torch_rows - jax_rows
+        assert sum(extra.values()) <= 1, (block, extra)
+        extras += sum(extra.values())
+    assert extras < sum(doc["frameworks"]["jax"]["blocks"][b]["count"] for b in ("down.0", "mid"))
+
+
+def test_saved_bytes_between_full_and_none(docs: dict[str, dict]) -> None:
+    for fw in ("torch", "jax"):
+        total = {p: d["frameworks"][fw]["total_bytes"] for p, d in docs.items()}
+        assert total["full"] < total["save_convs"] < total["none"], (fw, total)
+
+
+def test_inspector_json_schema_and_totals(capsys: pytest.CaptureFixture[str]) -> None:
+    assert insp.main(["--config", "tiny", "--policy", "full", "--framework", "jax", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) == {"config", "policy", "batch_size", "frameworks", "differ"}
+    jax_doc = doc["frameworks"]["jax"]
+    assert set(jax_doc) == {"rows", "blocks", "total_count", "total_bytes"}
+    assert (
+        jax_doc["total_bytes"]
+        == sum(r["bytes"] for r in jax_doc["rows"])
+        == sum(b["bytes"] for b in jax_doc["blocks"].values())
+    )
+    assert jax_doc["total_count"] == len(jax_doc["rows"])
+    assert set(jax_doc["rows"][0]) == {"block", "op", "kind", "shape", "dtype", "bytes"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--policy", "full/save=relu"], "save: unknown op 'relu'"),
+        (["--config", "nope"], "inspect: error:"),
+        (["--block", "down.9", "--framework", "jax"], "block: unknown block 'down.9'"),
+    ],
+)
+def test_inspector_bad_input_is_one_line(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert insp.main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1
