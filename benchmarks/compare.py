@@ -30,7 +30,7 @@ from shared_configs import NAMED_POLICIES, SpecError, resolve_plan
 DEFAULT_POLICIES = "none,full,balanced,layers"
 DEFAULT_CONFIG = "small"
 DEFAULT_SAMPLE_SIZE = 16  # small's 32 x 32 takes minutes per policy on a 2-core CPU
-DEFAULT_BATCH_SIZES = (8,)
+DEFAULT_BATCH_SIZES = (4,)
 DEFAULT_STEPS = 3
 
 

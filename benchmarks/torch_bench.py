@@ -79,11 +79,17 @@ def build(spec: Any, policy: str, dtype: torch.dtype, device: torch.device) -> t
 
 
 def make_step(model: UNet, opt: torch.optim.Optimizer, batch: dict) -> Callable[[], None]:
+    dtype = next(model.parameters()).dtype
+    # bfloat16 parameters still meet float32 timestep features (as in Flax, where dtypes
+    # promote); autocast does that cast. A no-op in float32.
+    autocast = torch.autocast(batch["x"].device.type, dtype=dtype, enabled=dtype != torch.float32)
+
     def step() -> None:
         # Gradients stay allocated between steps (set_to_none=False), so they are static memory,
         # as the split into static and dynamic bytes assumes.
         opt.zero_grad(set_to_none=False)
-        out = model(batch["x"], batch["t"], batch["context"])
+        with autocast:
+            out = model(batch["x"], batch["t"], batch["context"])
         F.mse_loss(out.float(), batch["target"].float()).backward()
         opt.step()
 
