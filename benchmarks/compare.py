@@ -136,7 +136,13 @@ def run_all(jobs: list[Job], console: Console, verbose: bool) -> list[list[Event
     return results
 
 
-def build_document(args: argparse.Namespace, jobs: list[Job], results: list[list[Event]], seconds: float) -> dict:
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def build_document(
+    args: argparse.Namespace, jobs: list[Job], results: list[list[Event]], seconds: float, load_start: list[float]
+) -> dict:
     """The JSON document: top-level config, device, versions and rows."""
     events = [e for evs in results for e in evs]
     rows = report.complete(e for e in events if e["event"] == "row")
@@ -156,7 +162,7 @@ def build_document(args: argparse.Namespace, jobs: list[Job], results: list[list
         "methods": report.methods(rows),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "wall_s": round(seconds, 1),
-        "load_average_end": [round(x, 2) for x in os.getloadavg()],  # other work on a noisy machine
+        "load_average": {"start": load_start, "end": _load()},  # other work skews a shared machine
         "rows": rows,
     }
 
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=180)
     try:
         jobs = make_jobs(args)
-        start = time.perf_counter()
+        start, load_start = time.perf_counter(), _load()
         results = run_all(jobs, console, args.verbose)
     except (SpecError, BenchmarkError) as err:
         print(f"compare: error: {err}", file=sys.stderr)
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("compare: interrupted", file=sys.stderr)
         return 130
-    document = build_document(args, jobs, results, time.perf_counter() - start)
+    document = build_document(args, jobs, results, time.perf_counter() - start, load_start)
     console.print(report.table(document["rows"], report.title(document)))
     for line in report.notes(document):
         console.print(line, highlight=False)

@@ -80,7 +80,7 @@ def _relative(value: float | None, base: float | None, kind: str) -> float | Non
         return None
     if kind == "difference":
         return value - base
-    if base == 0:
+    if base <= 0 or value < 0:  # a share of a negative amount means nothing (see `notes`)
         return None
     return 1.0 - value / base if kind == "reduction" else value / base
 

@@ -283,6 +283,9 @@ def test_reductions_and_ratios_are_against_none_of_the_same_framework_and_batch(
     assert torch_full["peak_reduction"] == pytest.approx(0.4) and torch_full["time_overhead"] == pytest.approx(1.5)
     assert jax_full["peak_reduction"] == pytest.approx(0.75) and jax_full["recompute_flops"] == pytest.approx(-1500)
     assert orphan["peak_reduction"] is None  # no baseline at batch 4
+    negative = report.complete([{**row("jax", "none", 100, 1.0), "activation_bytes": 50}])
+    negative += report.complete([{**row("jax", "layers", 90, 1.0), "activation_bytes": -5}])
+    assert report.complete(negative)[1]["activation_reduction"] is None  # no share of a negative amount
 
 
 def test_pareto_front() -> None:
