@@ -27,7 +27,7 @@ from benchmarks.common import FRAMEWORKS, Job, git_sha, load_benchmark_spec, pol
 from benchmarks.runner import BenchmarkError, Event, run_job
 from shared_configs import NAMED_POLICIES, SpecError, resolve_plan
 
-DEFAULT_POLICIES = "none,full,balanced,layers"
+DEFAULT_POLICIES = "none,full,balanced,layers,save_convs"
 DEFAULT_CONFIG = "small"
 DEFAULT_SAMPLE_SIZE = 16  # small's 32 x 32 takes minutes per policy on a 2-core CPU
 DEFAULT_BATCH_SIZES = (4,)
@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         default=DEFAULT_POLICIES,
         help=f"comma-separated policies: {', '.join(NAMED_POLICIES)}, or block names joined with '+' "
-        "(e.g. down.1+mid); 'none' is always measured, as the baseline (default: %(default)s)",
+        "(e.g. down.1+mid), op-level forms with '+' between ops (full/save=conv+matmul, "
+        "offload_convs); 'none' is always measured, as the baseline (default: %(default)s)",
     )
     p.add_argument(
         "--batch-size",

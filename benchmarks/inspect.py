@@ -96,6 +96,7 @@ def jax_saved(config: str, policy: str, batch_size: int) -> list[Saved]:
 
     spec = load_spec(config)
     model = UNet(spec=spec, policy=policy)
+    recomputed = {name if name == "mid" else ".".join(name.split(".")[:2]) for name in model.plan.recompute}
     x, t, ctx = _jax_inputs(spec, batch_size)
     params = jax.eval_shape(model.init, jax.random.key(0), x, t, ctx)
 
@@ -119,11 +120,13 @@ def jax_saved(config: str, policy: str, batch_size: int) -> list[Saved]:
             while src.primitive.name == "reduce_precision" and src.invars[0] in producer:
                 src = producer[src.invars[0]]  # look through it, as saved_residuals does
             named = src.primitive is name_p
+            block = _block_of(str(eqn.source_info.name_stack))
             op = src.params["name"] if named else src.params.get("name", src.primitive.name)
             aval = v.aval
             nbytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-            block = _block_of(str(eqn.source_info.name_stack))
-            rows.append(Saved(block, op, "policy" if named else "saved", tuple(aval.shape), str(aval.dtype), nbytes))
+            # A tag outside a recomputed block is only a label: the value is saved as any other.
+            kind = "policy" if named and block in recomputed else "saved"
+            rows.append(Saved(block, op, kind, tuple(aval.shape), str(aval.dtype), nbytes))
     return rows
 
 

@@ -40,7 +40,7 @@ class _Producers(TorchDispatchMode):
         self.last_op = str(func).removeprefix("aten.").removesuffix(".default")
         for t in out if isinstance(out, tuple | list) else (out,):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self.block.setdefault(_ptr(t), self.stack[-1])
+                self.block[_ptr(t)] = self.stack[-1]  # storages are reused: latest producer wins
         return out
 
 

@@ -9,7 +9,8 @@
   (``torch.profiler`` with ``profile_memory=True``): it also sees kernels' private scratch space
   (im2col buffers of convolutions, attention workspaces), which no tensor-level view can.
 * `SavedBytesCounter`: the bytes autograd keeps for backward, seen through
-  ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters excluded).
+  ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters excluded), plus the
+  outputs a selective (op-level) plan keeps (``MUST_SAVE``, which the checkpoint's own hooks hide).
   Inside a non-reentrant checkpoint region the checkpoint's own hooks take over, so what is
   counted there is what the checkpoint keeps: its inputs.
 
@@ -25,6 +26,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
+
+from torch_impl.checkpointing import record_saved
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -99,6 +102,8 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
         self._saved: dict[int, int] = {}
+        self._policy_bytes = 0  # outputs kept by selective plans (largest of the entered steps)
+        self._recording: Any = None
         super().__init__(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -110,8 +115,16 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
 
     @property
     def bytes(self) -> int:
-        return sum(self._saved.values())
+        return sum(self._saved.values()) + self._policy_bytes
 
     def __enter__(self) -> SavedBytesCounter:
         super().__enter__()
+        self._recording = record_saved()
+        self._records = self._recording.__enter__()
         return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._recording.__exit__(*exc)
+        kept = sum(o.numel() * o.element_size() for r in self._records if not r.recompute for o in r.outputs)
+        self._policy_bytes = max(self._policy_bytes, kept)
+        super().__exit__(*exc)
