@@ -7,6 +7,8 @@ from shared_configs.diffusers import from_diffusers_config
 from shared_configs.loader import load_spec, preset_names, spec_from_dict
 from shared_configs.plan import (
     NAMED_POLICIES,
+    OP_CLASSES,
+    PRESETS,
     CheckpointPlan,
     all_names,
     block_names,
@@ -17,6 +19,8 @@ from shared_configs.spec import SpecError, TimeEmbeddingSpec, UNetSpec
 
 __all__ = [
     "NAMED_POLICIES",
+    "OP_CLASSES",
+    "PRESETS",
     "CheckpointPlan",
     "SpecError",
     "TimeEmbeddingSpec",

@@ -33,6 +33,10 @@ def test_policy_syntax_and_presets() -> None:
     assert resolve_plan(spec, "full", save=("conv", "matmul")).save == preset.save
     assert resolve_plan(spec, preset) == preset and hash(preset) == hash(resolve_plan(spec, "save_convs"))
     assert resolve_plan(spec, "offload_convs").offload
+    yaml_spec = variant("tiny", checkpoint="balanced/save=conv+norm")  # the spec's YAML field
+    assert (
+        resolve_plan(yaml_spec).save == ("conv", "norm") and resolve_plan(yaml_spec).policy == "balanced/save=conv,norm"
+    )
     assert set(OP_CLASSES) == {"conv", "matmul", "attention", "norm"}
 
 
@@ -72,6 +76,22 @@ def test_torch_selective_equals_plain(policy: str) -> None:
     loss, grads = _torch_grads(policy)
     assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
     assert all(rel_err(g, r) <= 1e-6 for g, r in zip(grads, ref, strict=True))
+
+
+def test_benchmark_saved_bytes_count_policy_outputs() -> None:
+    """`SavedBytesCounter` (the benchmark's torch saved column) sees what SAC keeps."""
+    from benchmarks.torch_memory import SavedBytesCounter
+    from torch_impl import UNet
+
+    model = UNet(variant("tiny", dropout=0.0))
+    x, ctx = torch.randn(1, 4, 8, 8), torch.randn(1, 5, 12)
+    saved = {}
+    for policy in ("none", "full", "save_convs"):
+        model.enable_gradient_checkpointing(policy)
+        with SavedBytesCounter(exclude=list(model.parameters())) as counter:
+            model(x, torch.tensor([3.0]), ctx).sum().backward()
+        saved[policy] = counter.bytes
+    assert saved["full"] < saved["save_convs"] < saved["none"], saved
 
 
 def test_torch_offload_on_cpu_warns_and_saves_in_place() -> None:
