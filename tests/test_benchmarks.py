@@ -84,7 +84,8 @@ def _check_schema(proc: subprocess.CompletedProcess, doc: dict[str, Any], out: P
         assert len(list(reader)) == 4
     assert len(list(out.glob("*.png"))) == 1
     assert not list(out.glob(".*.tmp")), "temporary files left behind"
-    assert "OOM" not in proc.stdout and "tiny (float32)" in proc.stdout
+    assert "OOM" not in proc.stdout
+    assert "tiny @ 8x8, float32" in proc.stdout
 
 
 def test_oom_is_a_row_and_the_run_goes_on(tmp_path: Path) -> None:
