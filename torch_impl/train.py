@@ -166,6 +166,11 @@ def train(cfg: TrainConfig) -> list[float]:
             if rank == 0 and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
                 save_checkpoint(ckpt, model, optimizer, step + 1, losses)
     if cfg.distributed:
+        dist.barrier()
+        # Drop DDP (and its reducer) while the process group lives: otherwise the group is
+        # destroyed from the reducer's destructor, which joins gloo's worker thread while holding
+        # the GIL that thread needs to free its tensors: a deadlock at exit.
+        del ddp
         dist.destroy_process_group()
     if rank != 0:
         return losses
