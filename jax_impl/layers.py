@@ -8,13 +8,14 @@ Norm epsilons and attention scales always come from the caller, never from Flax 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
+
+from shared_configs.arch import timestep_frequencies
 
 Array = jax.Array
 
@@ -26,9 +27,7 @@ PAD_0 = ((0, 0), (0, 0))
 
 def timestep_embedding(t: Array, dim: int, flip_sin_to_cos: bool, freq_shift: float, max_period: float) -> Array:
     """Sinusoidal timestep features, (B,) -> (B, dim), as diffusers' `get_timestep_embedding`."""
-    half = dim // 2
-    exponent = -math.log(max_period) * jnp.arange(half, dtype=jnp.float32)
-    freqs = jnp.exp(exponent / (half - freq_shift))
+    freqs = jnp.asarray(timestep_frequencies(dim, freq_shift, max_period))
     args = t.astype(jnp.float32)[:, None] * freqs[None]
     sin, cos = jnp.sin(args), jnp.cos(args)
     emb = jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)

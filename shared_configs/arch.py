@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from shared_configs.spec import UNetSpec
 
 
@@ -109,3 +111,14 @@ def attention_kwargs(spec: UNetSpec, kind: str, level: int, output_scale: float 
         "context_dim": spec.cross_attention_dim,
         "linear_projection": spec.use_linear_projection,
     }
+
+
+def timestep_frequencies(dim: int, freq_shift: float, max_period: float) -> np.ndarray:
+    """The sinusoidal embedding's frequencies, (dim // 2,) float32, as diffusers defines them.
+
+    Computed once in float64 numpy and rounded, so both frameworks multiply by bit-identical
+    constants: with each library's own float32 ``exp``, a 1-ulp difference in a frequency times a
+    timestep near 1000 moves the sinusoid's argument by ~5e-5, which the network amplifies.
+    """
+    half = dim // 2
+    return np.exp(-np.log(max_period) * np.arange(half) / (half - freq_shift)).astype(np.float32)

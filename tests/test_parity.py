@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ def _pair(name: str) -> tuple[TorchUNet, FlaxUNet, dict]:
     spec = variant(name, dropout=0.0)
     torch.manual_seed(0)
     tmodel = TorchUNet(spec).eval()
-    randomize_(tmodel, seed=hash(name) % 1000)
+    randomize_(tmodel, seed=zlib.crc32(name.encode()) % 1000)  # stable across processes
     return tmodel, FlaxUNet(spec=spec), torch_to_flax(tmodel.state_dict(), spec)
 
 

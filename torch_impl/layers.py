@@ -5,7 +5,6 @@ Each layer takes only the numbers it needs; the U-Net assembly (`unet.py`) reads
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -13,14 +12,14 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from shared_configs.arch import timestep_frequencies
+
 
 def timestep_embedding(
     t: torch.Tensor, dim: int, flip_sin_to_cos: bool, freq_shift: float, max_period: float
 ) -> torch.Tensor:
     """Sinusoidal timestep features, (B,) -> (B, dim), as diffusers' `get_timestep_embedding`."""
-    half = dim // 2
-    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device)
-    freqs = torch.exp(exponent / (half - freq_shift))
+    freqs = torch.from_numpy(timestep_frequencies(dim, freq_shift, max_period)).to(t.device)
     args = t.float()[:, None] * freqs[None]
     sin, cos = torch.sin(args), torch.cos(args)
     emb = torch.cat([cos, sin] if flip_sin_to_cos else [sin, cos], dim=-1)

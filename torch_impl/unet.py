@@ -67,9 +67,8 @@ class UNet(nn.Module):
             )
         t = torch.as_tensor(t, device=x.device).expand(x.shape[0])
         te = s.time_embedding
-        temb = self.time_embedding(
-            timestep_embedding(t, s.block_out_channels[0], te.flip_sin_to_cos, te.freq_shift, te.max_period)
-        )
+        features = timestep_embedding(t, s.block_out_channels[0], te.flip_sin_to_cos, te.freq_shift, te.max_period)
+        temb = self.time_embedding(features.to(x.dtype))  # sinusoids in float32, then the model's dtype
         h = self.conv_in(x)
         skips = [h]
         for block in self.down:
