@@ -132,7 +132,10 @@ def run_all(jobs: list[Job], console: Console, verbose: bool) -> list[list[Event
                 elif event["event"] == "row":
                     progress.update(task, advance=1, description=f"{job.framework}: last {event['status']}")
 
-            results.append(run_job(job, on_event, verbose))
+            start = time.perf_counter()
+            events = run_job(job, on_event, verbose)
+            events.append({"event": "wall", "framework": job.framework, "seconds": time.perf_counter() - start})
+            results.append(events)
             progress.update(task, description=job.framework)
     return results
 
@@ -162,7 +165,10 @@ def build_document(
         "xla_flags": envs["jax"]["xla_flags"] if "jax" in envs else None,
         "methods": report.methods(rows),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "wall_s": round(seconds, 1),
+        "wall_s": {
+            "total": round(seconds, 1),
+            **{e["framework"]: round(e["seconds"], 1) for e in events if e["event"] == "wall"},
+        },
         "load_average": {"start": load_start, "end": _load()},  # other work skews a shared machine
         "rows": rows,
     }

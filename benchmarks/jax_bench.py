@@ -64,6 +64,8 @@ def versions() -> dict[str, str]:
 
 def memory_method(device: jax.Device) -> str:
     if _on_gpu(device):
+        # The counter cannot be reset, hence one process per row; it also sees the compiler's
+        # autotuning scratch, so compiled_peak_bytes (memory_analysis) is reported beside it.
         return "jax device memory_stats() peak_bytes_in_use (one process per row, preallocation off)"
     flags = os.environ.get("XLA_FLAGS", "")
     barrier = "cse_barrier_expander disabled" if XLA_CPU_FLAG in flags.split() else "XLA:CPU default passes"

@@ -202,7 +202,8 @@ def notes(document: dict[str, Any]) -> list[str]:
     """Lines under the table: devices, versions, and which method produced each figure."""
     devices = ", ".join(f"{fw}: {d['kind']} ({d['name']})" for fw, d in document["device"].items() if fw != "requested")
     versions = ", ".join(f"{k} {v}" for k, v in document["versions"].items())
-    lines = [f"devices: {devices}", f"versions: {versions}"]
+    wall = ", ".join(f"{k} {v:.0f} s" for k, v in document["wall_s"].items())
+    lines = [f"devices: {devices}", f"versions: {versions}", f"wall time: {wall}"]
     labels = {
         "peak_method": "peak",
         "saved_method": "saved",
