@@ -49,9 +49,29 @@ def _positive(text: str) -> int:
     return value
 
 
+EPILOG = """\
+one training step = forward, MSE loss, backward, AdamW (torch) / optax.adamw (jax).
+memory: GPU - the allocator's peak (torch.cuda.max_memory_allocated; jax memory_stats()).
+  CPU - torch: peak of live tensor bytes (dispatch-mode tracker; the allocator's own peak beside
+  it in the files); jax: the compiled step's memory_analysis() with XLA_FLAGS=
+  --xla_disable_hlo_passes=cse_barrier_expander, since XLA:CPU otherwise strips the barriers
+  remat relies on (the un-flagged figure is the 'XLA:CPU default' column).
+static = params + grads + optimizer state; dynamic = peak - static - inputs.
+time: median [min-max] of --steps steps after a warm-up step; compile time apart; overhead and
+  reductions against policy none, same framework and run. Each framework in its own process.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m benchmarks.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--framework", choices=[*FRAMEWORKS, "both"], default="both", help="which framework(s) to run")
+    p = _Parser(
+        prog="python -m benchmarks.compare",
+        description=__doc__.split("\n\n")[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--framework", choices=[*FRAMEWORKS, "both"], default="both", help="framework(s) to run (default: both)"
+    )
     p.add_argument("--config", default=DEFAULT_CONFIG, help="preset name or spec YAML path (default: %(default)s)")
     p.add_argument(
         "--sample-size",
@@ -75,9 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"one or more batch sizes (default: {DEFAULT_BATCH_SIZES[0]} for the default config, else 1)",
     )
     p.add_argument("--steps", type=_positive, default=DEFAULT_STEPS, help="timed steps after warm-up (%(default)s)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter/activation dtype")
     p.add_argument(
-        "--device", choices=["auto", "cpu", "gpu"], default="auto", help="auto: GPU if the framework has one"
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="parameter and input dtype (default: float32)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "gpu"],
+        default="auto",
+        help="auto (default): each framework's GPU if it has one, else CPU",
     )
     p.add_argument("--context-length", type=_positive, default=77, help="cross-attention tokens (%(default)s)")
     p.add_argument("--out", type=Path, default=Path("results"), help="folder for JSON/CSV/PNG (%(default)s)")
