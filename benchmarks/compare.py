@@ -207,7 +207,8 @@ def write_outputs(document: dict[str, Any], out: Path) -> list[Path]:
     paths = [out / f"{stem}.json", out / f"{stem}.csv"]
     report.write_json(paths[0], document)
     report.write_csv(paths[1], document["rows"])
-    title = f"{document['config']['name']}, {document['dtype']}, git {document['git_sha'] or '?'}"
+    device = next((d["name"] for fw, d in document["device"].items() if fw != "requested"), "?")
+    title = f"{report.title(document)}\n{device}"
     if plot.plot(document["rows"], out / f"{stem}.png", title):
         paths.append(out / f"{stem}.png")
     return paths

@@ -56,7 +56,7 @@ def _panel(ax: Any, rows: list[Row], batch_size: int) -> None:
     ax.set_ylabel("peak-memory reduction vs none (%)")
     ax.set_title(f"batch {batch_size}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="best")
 
 
 def plot(rows: list[Row], path: Path, title: str) -> bool:
