@@ -53,7 +53,7 @@ def _rows(doc: dict[str, Any], framework: str) -> dict[str, dict[str, Any]]:
 
 def test_both_frameworks_schema_and_full_lowers_the_peak(tmp_path: Path) -> None:
     """One run of both frameworks (one test, so that pytest-xdist compiles the jax step once)."""
-    proc, doc = _compare(["--framework", "both", "--policies", "full", "--no-xla-default", *FAST], tmp_path)
+    proc, doc = _compare(["--framework", "both", "--policies", "full", *FAST], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert doc is not None
     _check_schema(proc, doc, tmp_path)
