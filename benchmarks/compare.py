@@ -55,7 +55,7 @@ memory: GPU - the allocator's peak (torch.cuda.max_memory_allocated; jax memory_
   CPU - torch: peak of live tensor bytes (dispatch-mode tracker; the allocator's own peak beside
   it in the files); jax: the compiled step's memory_analysis() with XLA_FLAGS=
   --xla_disable_hlo_passes=cse_barrier_expander, since XLA:CPU otherwise strips the barriers
-  remat relies on (the un-flagged figure is the 'XLA:CPU default' column).
+  remat relies on (--xla-default adds the un-flagged figure as the 'XLA:CPU default' column).
 static = params + grads + optimizer state; dynamic = peak - static - inputs.
 time: median [min-max] of --steps steps after a warm-up step; compile time apart; overhead and
   reductions against policy none, same framework and run. Each framework in its own process.
