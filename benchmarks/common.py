@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,28 @@ def git_sha() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def cpu_snapshot() -> tuple[float, float | None, float]:
+    """(wall clock, CPU seconds the whole machine spent busy, CPU seconds of this process and its
+    finished children). Two snapshots give the share of the cores that *other* work used."""
+    own = sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))  # fmt: skip
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        busy: float | None = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+    except (OSError, ValueError, IndexError):
+        busy = None
+    return time.perf_counter(), busy, own
+
+
+def other_cpu_share(start: tuple[float, float | None, float], end: tuple[float, float | None, float]) -> float | None:
+    """Fraction of all cores' time used by processes other than this run between two snapshots."""
+    if start[1] is None or end[1] is None or end[0] <= start[0]:
+        return None
+    others = (end[1] - start[1]) - (end[2] - start[2])
+    return max(0.0, others / ((end[0] - start[0]) * (os.cpu_count() or 1)))
 
 
 def emit(event: str, **payload: Any) -> None:

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from benchmarks import plot, report
-from benchmarks.common import FRAMEWORKS, Job, git_sha, load_benchmark_spec, policy_arg
+from benchmarks.common import FRAMEWORKS, Job, cpu_snapshot, git_sha, load_benchmark_spec, other_cpu_share, policy_arg
 from benchmarks.runner import BenchmarkError, Event, run_job
 from shared_configs import NAMED_POLICIES, SpecError, resolve_plan
 
@@ -169,12 +169,8 @@ def run_all(jobs: list[Job], console: Console, verbose: bool) -> list[list[Event
     return results
 
 
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 def build_document(
-    args: argparse.Namespace, jobs: list[Job], results: list[list[Event]], seconds: float, load_start: list[float]
+    args: argparse.Namespace, jobs: list[Job], results: list[list[Event]], clock: tuple[float, float | None, float]
 ) -> dict:
     """The JSON document: top-level config, device, versions and rows."""
     events = [e for evs in results for e in evs]
@@ -195,10 +191,12 @@ def build_document(
         "methods": report.methods(rows),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "wall_s": {
-            "total": round(seconds, 1),
+            "total": round(time.perf_counter() - clock[0], 1),
             **{e["framework"]: round(e["seconds"], 1) for e in events if e["event"] == "wall"},
         },
-        "load_average": {"start": load_start, "end": _load()},  # other work skews a shared machine
+        # Other work on a shared machine skews times: the share of the cores it took during the run.
+        "other_cpu_share": other_cpu_share(clock, cpu_snapshot()),
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "rows": rows,
     }
 
@@ -221,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=180)
     try:
         jobs = make_jobs(args)
-        start, load_start = time.perf_counter(), _load()
+        clock = cpu_snapshot()
         results = run_all(jobs, console, args.verbose)
     except (SpecError, BenchmarkError) as err:
         print(f"compare: error: {err}", file=sys.stderr)
@@ -229,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("compare: interrupted", file=sys.stderr)
         return 130
-    document = build_document(args, jobs, results, time.perf_counter() - start, load_start)
+    document = build_document(args, jobs, results, clock)
     console.print(report.table(document["rows"], report.title(document)))
     for line in report.notes(document):
         console.print(line, highlight=False)

@@ -204,13 +204,10 @@ def notes(document: dict[str, Any]) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in document["versions"].items())
     wall = ", ".join(f"{k} {v:.0f} s" for k, v in document["wall_s"].items())
     lines = [f"devices: {devices}", f"versions: {versions}", f"wall time: {wall}"]
-    start, end, cores = document["load_average"]["start"][0], document["load_average"]["end"][0], os.cpu_count() or 1
-    # Before the run the load is other work; at its end the workers themselves add about one per core.
-    if start > cores / 2 or end > cores + 1:
-        lines.append(
-            f"[bold red]warning: other work on this machine (load {start:.1f} before, {end:.1f} after, "
-            f"{cores} cores): step times and ratios are unreliable[/]"
-        )
+    share = document.get("other_cpu_share")
+    if share is not None and share > 0.1:  # noise: times and ratios are not trustworthy
+        lines.append(f"[bold red]warning: other processes used {share:.0%} of the cores during the run: "
+                     "step times and ratios are unreliable[/]")  # fmt: skip
     labels = {
         "peak_method": "peak",
         "saved_method": "saved",

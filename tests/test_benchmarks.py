@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import plot, report
-from benchmarks.common import KILL_SIM_ENV, OOM_SIM_ENV, REPO_ROOT, Job
+from benchmarks.common import KILL_SIM_ENV, OOM_SIM_ENV, REPO_ROOT, Job, cpu_snapshot, other_cpu_share
 from benchmarks.compare import build_parser
 from benchmarks.torch_memory import AllocatorPeak, LiveBytesTracker, SavedBytesCounter
 from benchmarks.worker import run_row
@@ -287,6 +287,15 @@ def test_reductions_and_ratios_are_against_none_of_the_same_framework_and_batch(
     negative = report.complete([{**row("jax", "none", 100, 1.0), "activation_bytes": 50}])
     negative += report.complete([{**row("jax", "layers", 90, 1.0), "activation_bytes": -5}])
     assert report.complete(negative)[1]["activation_reduction"] is None  # no share of a negative amount
+
+
+def test_other_cpu_share_is_what_this_run_did_not_use() -> None:
+    cores = os.cpu_count() or 1
+    start, end = (0.0, 100.0, 5.0), (10.0, 100.0 + 10.0 * cores, 5.0 + 5.0 * cores)
+    assert other_cpu_share(start, end) == pytest.approx(0.5)  # busy all along, half of it ours
+    assert other_cpu_share((0.0, None, 0.0), end) is None
+    now = cpu_snapshot()
+    assert now[2] > 0 and (now[1] is None or now[1] > 0)
 
 
 def test_pareto_front() -> None:
