@@ -136,47 +136,36 @@ def _cell_flops(row: Row) -> str:
     return f"{row['flops'] / 1e9:.1f}{extra}"
 
 
+COLUMNS_SHOWN: tuple[tuple[str, Callable[[Row], str]], ...] = (
+    ("framework", lambda r: r["framework"]),
+    ("policy", lambda r: r["policy"]),
+    ("batch", lambda r: str(r["batch_size"])),
+    ("peak MiB", lambda r: _cell_bytes(r, "peak_bytes", "peak_reduction")),
+    ("static MiB", lambda r: _cell_bytes(r, "static_bytes", "static_reduction")),
+    ("dynamic MiB", lambda r: _cell_bytes(r, "activation_bytes", "activation_reduction")),
+    ("saved MiB", lambda r: _cell_bytes(r, "saved_bytes", "saved_reduction")),
+    ("step s: median [min-max]", _cell_time),
+    ("overhead", lambda r: "-" if r["time_overhead"] is None else f"{r['time_overhead']:.2f}x"),
+    ("compile s", lambda r: "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"),
+    ("GFLOP (+recompute)", _cell_flops),
+    ("XLA:CPU default peak MiB", lambda r: _cell_bytes(r, "xla_default_peak_bytes", "xla_default_peak_reduction")),
+)
+
+
 def table(rows: list[Row], title: str) -> Table:
     """The terminal table: memory in MiB (change against ``none``), times in seconds."""
+    shown = [c for c in COLUMNS_SHOWN if c[0] != "XLA:CPU default peak MiB"]
+    if any(r["xla_default_peak_bytes"] is not None for r in rows):  # only with --xla-default
+        shown = list(COLUMNS_SHOWN)
     t = Table(title=title, title_justify="left", header_style="bold")
-    for name, justify in [
-        ("framework", "left"),
-        ("policy", "left"),
-        ("batch", "right"),
-        ("peak MiB", "right"),
-        ("static MiB", "right"),
-        ("dynamic MiB", "right"),
-        ("saved MiB", "right"),
-        ("step s: median [min-max]", "right"),
-        ("overhead", "right"),
-        ("compile s", "right"),
-        ("GFLOP (+recompute)", "right"),
-        ("XLA:CPU default peak MiB", "right"),
-    ]:
-        t.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for i, (name, _) in enumerate(shown):
+        t.add_column(name, justify="left" if i < 2 else "right")
     for row in rows:
-        if row["status"] != "ok":
+        if row["status"] == "ok":
+            t.add_row(*(cell(row) for _, cell in shown))
+        else:
             status = "[red]OOM[/red]" if row["status"] == "oom" else "[red]error[/red]"
-            t.add_row(
-                row["framework"], row["policy"], str(row["batch_size"]), status, row["error"] or "", end_section=False
-            )
-            continue
-        t.add_row(
-            row["framework"],
-            row["policy"],
-            str(row["batch_size"]),
-            _cell_bytes(row, "peak_bytes", "peak_reduction"),
-            _cell_bytes(row, "static_bytes", "static_reduction"),
-            _cell_bytes(row, "activation_bytes", "activation_reduction"),
-            _cell_bytes(row, "saved_bytes", "saved_reduction"),
-            _cell_time(row),
-            "-" if row["time_overhead"] is None else f"{row['time_overhead']:.2f}x",
-            "-" if row["compile_s"] is None else f"{row['compile_s']:.1f}",
-            _cell_flops(row),
-            _cell_bytes(row, "xla_default_peak_bytes", "xla_default_peak_reduction")
-            if row["xla_default_peak_bytes"] is not None
-            else "-",
-        )
+            t.add_row(row["framework"], row["policy"], str(row["batch_size"]), status, row["error"] or "")
     return t
 
 
