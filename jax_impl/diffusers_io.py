@@ -18,24 +18,15 @@ import numpy as np
 from jax_impl.convert import flax_to_torch, torch_to_flax
 from jax_impl.unet import PolicyArg, UNet
 from shared_configs import UNetSpec
-from shared_configs.diffusers import diffusers_to_ours, find_folder, from_diffusers_config, is_path, live_config
 from shared_configs.diffusers import ours_to_diffusers as _ours_to_diffusers
+from shared_configs.diffusers import read_source
 
 Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model
 
 
 def read_diffusers(source: Source, variant: str | None = None) -> tuple[UNetSpec, dict[str, Any]]:
     """The spec and the state_dict (in our torch names; arrays or tensors) of a diffusers U-Net."""
-    if is_path(source):
-        folder = find_folder(source, variant)
-        spec = from_diffusers_config(folder.config, name=folder.root.name)
-        state: dict[str, Any] = {}
-        for file in folder.weight_files:
-            state.update(_read_file(file))
-    else:
-        spec = from_diffusers_config(live_config(source))
-        state = dict(source.state_dict())
-    return spec, diffusers_to_ours(state)
+    return read_source(source, variant, _read_file)
 
 
 def from_diffusers(source: Source, policy: PolicyArg = None, variant: str | None = None) -> tuple[UNet, dict]:

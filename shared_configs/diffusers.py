@@ -22,7 +22,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -361,3 +361,23 @@ def find_folder(path: str | os.PathLike[str], variant: str | None = None) -> Dif
 def live_config(model: Any) -> dict[str, Any]:
     """A live diffusers model's config as config.json would hold it (with ``_class_name``)."""
     return {**dict(model.config), "_class_name": type(model).__name__}
+
+
+def read_source(
+    source: Any, variant: str | None, read_file: Callable[[Path], Mapping[str, V]]
+) -> tuple[UNetSpec, dict[str, V]]:
+    """The spec and state_dict (in our names) of a diffusers folder or live module.
+
+    ``read_file`` reads one weight file in the caller's framework (torch tensors or arrays);
+    a live module's own ``state_dict()`` is taken as it is.
+    """
+    if is_path(source):
+        folder = find_folder(source, variant)
+        spec = from_diffusers_config(folder.config, name=folder.root.name)
+        state: dict[str, V] = {}
+        for file in folder.weight_files:
+            state.update(read_file(file))
+    else:
+        spec = from_diffusers_config(live_config(source))
+        state = dict(source.state_dict())
+    return spec, diffusers_to_ours(state)

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from shared_configs import UNetSpec
-from shared_configs.diffusers import diffusers_to_ours, find_folder, from_diffusers_config, is_path, live_config
 from shared_configs.diffusers import ours_to_diffusers as _ours_to_diffusers
+from shared_configs.diffusers import read_source
 from torch_impl.unet import UNet
 
 Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model
@@ -23,16 +23,7 @@ Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet
 
 def read_diffusers(source: Source, variant: str | None = None) -> tuple[UNetSpec, dict[str, torch.Tensor]]:
     """The spec and the state_dict (in our names, as stored: dtype unchanged) of a diffusers U-Net."""
-    if is_path(source):
-        folder = find_folder(source, variant)
-        spec = from_diffusers_config(folder.config, name=folder.root.name)
-        state: dict[str, torch.Tensor] = {}
-        for file in folder.weight_files:
-            state.update(_read_file(file))
-    else:
-        spec = from_diffusers_config(live_config(source))
-        state = dict(source.state_dict())
-    return spec, diffusers_to_ours(state)
+    return read_source(source, variant, _read_file)
 
 
 def from_diffusers(source: Source, variant: str | None = None) -> UNet:
