@@ -4,6 +4,7 @@ Nothing here imports torch or jax.
 """
 
 from shared_configs.diffusers import from_diffusers_config
+from shared_configs.diffusers_export import to_diffusers_config
 from shared_configs.loader import load_spec, preset_names, spec_from_dict
 from shared_configs.plan import (
     NAMED_POLICIES,
@@ -33,4 +34,5 @@ __all__ = [
     "preset_names",
     "resolve_plan",
     "spec_from_dict",
+    "to_diffusers_config",
 ]

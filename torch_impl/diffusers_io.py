@@ -8,7 +8,9 @@ diffusers module. diffusers itself is never imported: a live module is read thro
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +18,8 @@ import torch
 from shared_configs import UNetSpec
 from shared_configs.diffusers import ours_to_diffusers as _ours_to_diffusers
 from shared_configs.diffusers import read_source
+from shared_configs.diffusers_export import to_diffusers_config
+from shared_configs.training import atomic_write
 from torch_impl.unet import UNet
 
 Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model
@@ -38,6 +42,23 @@ def from_diffusers(source: Source, variant: str | None = None) -> UNet:
 def to_diffusers_state_dict(model: UNet) -> dict[str, torch.Tensor]:
     """Our state_dict in diffusers' names: ``load_state_dict(strict=True)`` into the diffusers model."""
     return _ours_to_diffusers(model.state_dict())
+
+
+def save_diffusers(model: UNet, folder: str | os.PathLike[str]) -> Path:
+    """Write a diffusers model folder (``config.json`` + ``diffusion_pytorch_model.safetensors``).
+
+    diffusers loads it with ``UNet2D(Condition)Model.from_pretrained(folder)``; so do our
+    `from_diffusers` readers. Each file is written atomically. Raises `SpecError` when the spec
+    has no diffusers equivalent (see `shared_configs.diffusers_export`).
+    """
+    from safetensors.torch import save
+
+    config = to_diffusers_config(model.spec)
+    state = {k: v.detach().contiguous() for k, v in to_diffusers_state_dict(model).items()}
+    root = Path(folder)
+    atomic_write(root / "diffusion_pytorch_model.safetensors", save(state, metadata={"format": "pt"}))
+    atomic_write(root / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    return root
 
 
 def _read_file(file: os.PathLike[str]) -> dict[str, torch.Tensor]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,12 @@ class UNet(nn.Module):
         from torch_impl.diffusers_io import to_diffusers_state_dict
 
         return to_diffusers_state_dict(self)
+
+    def save_diffusers(self, folder: str | os.PathLike[str]) -> Path:
+        """Write this model as a local diffusers model folder (see `torch_impl.diffusers_io.save_diffusers`)."""
+        from torch_impl.diffusers_io import save_diffusers
+
+        return save_diffusers(self, folder)
 
     def block_names(self, layers: bool = False) -> list[str]:
         """Names a checkpoint plan can use: blocks, or with ``layers=True`` ResNets/attentions."""

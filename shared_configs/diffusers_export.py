@@ -1,0 +1,121 @@
+"""Our spec -> a diffusers ``config.json`` (the inverse of `from_diffusers_config`).
+
+`to_diffusers_config` writes the config of the diffusers class that builds the same network:
+``UNet2DModel`` when no level uses Transformer2D blocks, else ``UNet2DConditionModel``. Some
+specs have no diffusers twin (BatchNorm, a custom attention scale or norm eps diffusers fixes,
+a middle block diffusers' class lacks): rather than write a config that builds a different
+network, the candidate is converted back with `from_diffusers_config` and every field that does
+not survive the round trip is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared_configs.diffusers import from_diffusers_config
+from shared_configs.spec import SpecError, UNetSpec
+
+DOWN_TYPES = {"none": "DownBlock2D", "self": "AttnDownBlock2D", "transformer": "CrossAttnDownBlock2D"}
+UP_TYPES = {"none": "UpBlock2D", "self": "AttnUpBlock2D", "transformer": "CrossAttnUpBlock2D"}
+DIFFUSERS_VERSION = "0.42.1"  # the diffusers whose signatures `shared_configs.diffusers` mirrors
+
+
+def to_diffusers_config(spec: UNetSpec) -> dict[str, Any]:
+    """The ``config.json`` (with ``_class_name``) of the diffusers U-Net equal to ``spec``.
+
+    Raises `SpecError` naming the first spec field diffusers cannot express.
+    """
+    conditional = "transformer" in (*spec.down_attention, *spec.up_attention_resolved, spec.mid_attention)
+    config = _conditional(spec) if conditional else _pixel(spec)
+    _check_round_trip(spec, config)
+    return config
+
+
+def _common(spec: UNetSpec, cls: str) -> dict[str, Any]:
+    return {
+        "_class_name": cls,
+        "_diffusers_version": DIFFUSERS_VERSION,
+        "in_channels": spec.in_channels,
+        "out_channels": spec.out_channels,
+        "sample_size": spec.sample_size,
+        "block_out_channels": list(spec.block_out_channels),
+        "layers_per_block": spec.layers_per_block,
+        "down_block_types": [DOWN_TYPES[k] for k in spec.down_attention],
+        "up_block_types": [UP_TYPES[k] for k in spec.up_attention_resolved],
+        "norm_num_groups": spec.norm_num_groups,
+        "norm_eps": spec.norm_eps,
+        "dropout": spec.dropout,
+        "resnet_time_scale_shift": spec.resnet_time_scale_shift,
+        "downsample_padding": spec.downsample_padding,
+        "mid_block_scale_factor": spec.mid_block_scale_factor,
+        "flip_sin_to_cos": spec.time_embedding.flip_sin_to_cos,
+        "freq_shift": spec.time_embedding.freq_shift,
+        "time_embedding_dim": spec.time_embedding.dim,
+    }
+
+
+def _attention_levels(spec: UNetSpec) -> list[int]:
+    n = spec.num_levels
+    levels = {i for i, k in enumerate(spec.down_attention) if k != "none"}
+    levels |= {n - 1 - i for i, k in enumerate(spec.up_attention_resolved) if k != "none"}
+    return sorted(levels | ({n - 1} if spec.mid_attention != "none" else set()))
+
+
+def _pixel(spec: UNetSpec) -> dict[str, Any]:
+    """UNet2DModel: one ``attention_head_dim`` (channels per head) for every attention."""
+    head_dims = {spec.block_out_channels[lv] // spec.heads(lv) for lv in _attention_levels(spec)}
+    one_head = all(spec.heads(lv) == 1 for lv in _attention_levels(spec))
+    return _common(spec, "UNet2DModel") | {
+        "mid_block_type": "UNetMidBlock2D",
+        "add_attention": spec.mid_attention != "none",
+        # diffusers' default (None) means norm_num_groups, except under scale_shift, where it
+        # drops the middle attention's GroupNorm: then it must be spelled out.
+        "attn_norm_num_groups": None if spec.resnet_time_scale_shift == "default" else spec.norm_num_groups,
+        "attention_head_dim": None if one_head or not head_dims else min(head_dims),
+    }
+
+
+def _conditional(spec: UNetSpec) -> dict[str, Any]:
+    """UNet2DConditionModel: per-level heads for transformers; channels per head for Attn*Block2D."""
+    if spec.mid_attention != "transformer":
+        raise SpecError(
+            f"mid_attention: {spec.mid_attention!r} beside Transformer2D levels has no diffusers equivalent "
+            "(UNet2DConditionModel's middle block is UNetMidBlock2DCrossAttn: mid_attention 'transformer')"
+        )
+    self_levels = {i for i, k in enumerate(spec.down_attention) if k == "self"}
+    heads = [
+        spec.block_out_channels[lv] // spec.heads(lv) if lv in self_levels else spec.heads(lv)
+        for lv in range(spec.num_levels)
+    ]
+    return _common(spec, "UNet2DConditionModel") | {
+        "mid_block_type": "UNetMidBlock2DCrossAttn",
+        "attention_head_dim": heads[0] if len(set(heads)) == 1 else heads,
+        "cross_attention_dim": spec.cross_attention_dim,
+        "transformer_layers_per_block": spec.transformer_layers_per_block,
+        "use_linear_projection": spec.use_linear_projection,
+    }
+
+
+def _normalised(spec: UNetSpec) -> dict[str, Any]:
+    """The fields that decide the network, in one spelling (heads per attention level, resolved defaults)."""
+    data = spec.model_dump(exclude={"name", "checkpoint", "attention_head_dim", "num_attention_heads", "up_attention"})
+    data["up_attention"] = spec.up_attention_resolved
+    data["heads"] = {lv: spec.heads(lv) for lv in _attention_levels(spec)}
+    data["time_embedding"]["dim"] = spec.time_embed_dim
+    if spec.norm_kind == "group":
+        data.pop("norm_momentum")  # only BatchNorm reads it
+    return data
+
+
+def _check_round_trip(spec: UNetSpec, config: dict[str, Any]) -> None:
+    try:
+        back = from_diffusers_config(config)
+    except SpecError as err:
+        raise SpecError(f"spec {spec.name!r} has no diffusers equivalent: {err}") from None
+    want, got = _normalised(spec), _normalised(back)
+    for field, value in want.items():
+        if got.get(field) != value:
+            raise SpecError(
+                f"{field}: {value!r} has no diffusers {config['_class_name']} equivalent "
+                f"(the nearest config gives {got.get(field)!r})"
+            )
