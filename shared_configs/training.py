@@ -215,7 +215,12 @@ class TrainConfig:
     sample_steps: int = 20
     num_samples: int = 20
     checkpoint_every: int = 100
-    distributed: bool = False
+    distributed: str | None = None  # None: one process; else a key of DISTRIBUTED[framework]
+
+
+# --distributed modes per framework. ddp: the batch split over processes (torch DDP) or devices
+# (JAX), parameters replicated; fsdp: torch FSDP2, parameters, gradients and optimizer state sharded.
+DISTRIBUTED: dict[str, tuple[str, ...]] = {"torch_impl": ("ddp", "fsdp"), "jax_impl": ("ddp",)}
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -257,13 +262,20 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
     p.add_argument("--sample-steps", type=int, default=d.sample_steps, help="sampler steps; 0 skips sampling")
     p.add_argument("--num-samples", type=_positive(int), default=d.num_samples)
     p.add_argument("--checkpoint-every", type=_positive(int), default=d.checkpoint_every)
-    if framework == "torch_impl":
-        p.add_argument(
-            "--distributed",
-            action="store_true",
-            help="data parallel: torch DDP over gloo (launch with torchrun); JAX over all devices (jax.sharding)",
-        )
-    return TrainConfig(**vars(p.parse_args(argv)))
+    p.add_argument(
+        "--distributed",
+        nargs="?",
+        const="ddp",
+        default=d.distributed,
+        choices=DISTRIBUTED["torch_impl"],  # every mode; the check below narrows it per framework
+        help="ddp (what --distributed alone means): torch DDP over gloo (launch with torchrun), or JAX over all "
+        "devices; fsdp: torch FSDP2, one shard unit per U-Net block (torch_impl only; launch with torchrun)",
+    )
+    args = p.parse_args(argv)
+    modes = DISTRIBUTED[framework]
+    if args.distributed is not None and args.distributed not in modes:
+        p.error(f"--distributed {args.distributed}: {framework}.train supports {', '.join(modes)} only")
+    return TrainConfig(**vars(args))
 
 
 def cli_main(train: Callable[[TrainConfig], list[float]], argv: list[str] | None, framework: str) -> int:

@@ -1,7 +1,13 @@
-"""Shared test helpers: tiny spec variants, deterministic weights, relative errors."""
+"""Shared test helpers: tiny spec variants, deterministic weights, relative errors, torchrun."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +15,7 @@ import numpy as np
 import yaml
 
 from shared_configs import UNetSpec, spec_from_dict
+from shared_configs.training import TrainConfig
 
 TINY: dict[str, Any] = yaml.safe_load((Path(__file__).parents[1] / "shared_configs" / "tiny.yaml").read_text())
 
@@ -63,3 +70,34 @@ def randomize_(model: Any, seed: int = 0, scale: float = 0.2) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(scale * torch.randn(p.shape, generator=gen))
+
+
+def train_argv(cfg: TrainConfig) -> list[str]:
+    """The ``torch_impl.train`` flags that reproduce ``cfg`` (each field is a flag of the same name)."""
+    argv: list[str] = []
+    for f in fields(cfg):
+        value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:
+            argv += [flag, str(value)]
+    return argv
+
+
+def torchrun_train(cfg: TrainConfig, nproc: int = 2, timeout: float = 300) -> list[float]:
+    """``torchrun -m torch_impl.train`` on ``nproc`` CPU processes, one thread each; the losses it wrote.
+
+    The launcher runs in its own session, killed as a group on timeout: no rank outlives the test.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "torch_impl.train", *train_argv(cfg)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:  # fmt: skip
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except BaseException:  # the timeout, or the test run interrupted
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert proc.returncode == 0, err[-2000:]
+    return json.loads((Path(cfg.out) / "losses.json").read_text())
