@@ -18,9 +18,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared_configs import UNetSpec, load_spec, spec_from_dict
+from shared_configs import SpecError, UNetSpec, from_diffusers_config, load_spec, spec_from_dict
+from shared_configs.diffusers import find_folder
 
-FRAMEWORKS: tuple[str, ...] = ("torch", "jax")
+FRAMEWORKS: tuple[str, ...] = ("torch", "jax")  # what --framework both runs
+# diffusers' own U-Net (torch), with its enable_gradient_checkpointing(): the baseline ours replace
+DIFFUSERS = "diffusers"
+DIFFUSERS_POLICIES: tuple[str, ...] = ("none", "enable_gradient_checkpointing")
 EVENT_PREFIX = "@@bench "  # worker stdout lines carrying an event start with this
 XLA_CPU_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
 OOM_SIM_ENV = "BENCHMARKS_SIMULATE_OOM"  # "torch:full:2,jax:none:1": raise the framework's OOM there
@@ -33,7 +37,7 @@ class Job:
     """What a worker measures: every (policy, batch size) pair of one framework."""
 
     framework: str
-    config: str
+    config: str  # a preset name or spec YAML path; with source "diffusers", a diffusers model folder
     sample_size: int | None
     policies: tuple[str, ...]
     batch_sizes: tuple[int, ...]
@@ -41,6 +45,7 @@ class Job:
     dtype: str
     device: str
     context_length: int
+    source: str = "spec"  # "spec" or "diffusers"
     xla_cpu_flag: bool = True  # jax on CPU: disable cse_barrier_expander (see DESIGN.md)
     xla_default: bool = True  # jax on CPU: also compile with XLA's default passes, for comparison
     done: tuple[tuple[str, int], ...] = field(default=())  # rows already reported, skipped
@@ -60,12 +65,26 @@ class Job:
         return cls(**data)
 
 
-def load_benchmark_spec(config: str, sample_size: int | None) -> UNetSpec:
-    """The preset/file spec, with ``sample_size`` overridden (and re-validated) when given."""
-    spec = load_spec(config)
+def load_benchmark_spec(config: str, sample_size: int | None, source: str = "spec") -> UNetSpec:
+    """The preset/file spec (or a diffusers folder's, for ``source="diffusers"``), with
+    ``sample_size`` overridden (and re-validated) when given."""
+    spec = load_spec(config) if source == "spec" else diffusers_spec(config)
     if sample_size is None or sample_size == spec.sample_size:
         return spec
     return spec_from_dict({**spec.model_dump(), "sample_size": sample_size})
+
+
+def diffusers_spec(folder: str) -> UNetSpec:
+    """The spec of a local diffusers model folder (or pipeline folder with ``unet/``)."""
+    try:
+        found = find_folder(folder)
+    except FileNotFoundError as err:
+        raise SpecError(f"--diffusers: {err}") from None
+    return from_diffusers_config(found.config, name=found.root.name)
+
+
+def job_spec(job: Job) -> UNetSpec:
+    return load_benchmark_spec(job.config, job.sample_size, job.source)
 
 
 def policy_arg(policy: str) -> str:

@@ -1,6 +1,8 @@
 """Benchmark one full training step per framework x checkpoint policy x batch size.
 
     python -m benchmarks.compare --framework both --config small --policies none,full,balanced,layers
+    python -m benchmarks.compare --framework torch,diffusers --policies full,layers   # vs diffusers' own
+    python -m benchmarks.compare --diffusers path/to/unet_folder                      # a local diffusers model
 
 Each framework runs in its own subprocess (`benchmarks.worker`); this process imports neither.
 Prints a table, and writes ``<out>/<run>.json``, ``.csv`` and ``.png`` (memory reduction against
@@ -11,6 +13,7 @@ for how each figure is measured.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import sys
@@ -23,9 +26,20 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from benchmarks import plot, report
-from benchmarks.common import FRAMEWORKS, Job, cpu_snapshot, git_sha, load_benchmark_spec, other_cpu_share, policy_arg
+from benchmarks.common import (
+    DIFFUSERS,
+    DIFFUSERS_POLICIES,
+    FRAMEWORKS,
+    Job,
+    cpu_snapshot,
+    git_sha,
+    job_spec,
+    load_benchmark_spec,
+    other_cpu_share,
+    policy_arg,
+)
 from benchmarks.runner import BenchmarkError, Event, run_job
-from shared_configs import NAMED_POLICIES, SpecError, resolve_plan
+from shared_configs import NAMED_POLICIES, SpecError, resolve_plan, to_diffusers_config
 
 DEFAULT_POLICIES = "none,full,balanced,layers,save_convs"
 DEFAULT_CONFIG = "small"
@@ -49,6 +63,20 @@ def _positive(text: str) -> int:
     return value
 
 
+def _frameworks(text: str) -> tuple[str, ...]:
+    """'both' (torch and jax) or a comma-separated list of torch, jax, diffusers."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    allowed = (*FRAMEWORKS, DIFFUSERS)
+    if names == ["both"]:
+        return FRAMEWORKS
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown framework {bad[0] if bad else text!r} (allowed: both, or a comma list of {', '.join(allowed)})"
+        )
+    return tuple(dict.fromkeys(names))
+
+
 EPILOG = """\
 one training step = forward, MSE loss, backward, AdamW (torch) / optax.adamw (jax).
 memory: GPU - the allocator's peak (torch.cuda.max_memory_allocated; jax memory_stats()).
@@ -59,6 +87,8 @@ memory: GPU - the allocator's peak (torch.cuda.max_memory_allocated; jax memory_
 static = params + grads + optimizer state; dynamic = peak - static - inputs.
 time: median [min-max] of --steps steps after a warm-up step; compile time apart; overhead and
   reductions against policy none, same framework and run. Each framework in its own process.
+diffusers: diffusers' own UNet2D(Condition)Model (the spec's diffusers config, or the --diffusers
+  folder's), same weights, measured like torch; its rows are none and enable_gradient_checkpointing.
 """
 
 
@@ -70,9 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--framework", choices=[*FRAMEWORKS, "both"], default="both", help="framework(s) to run (default: both)"
+        "--framework",
+        type=_frameworks,
+        default=FRAMEWORKS,
+        help="both (default: torch and jax), or a comma list of torch, jax, diffusers (diffusers' own U-Net "
+        "and its enable_gradient_checkpointing(), on the same weights)",
     )
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="preset name or spec YAML path (default: %(default)s)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--config", default=DEFAULT_CONFIG, help="preset name or spec YAML path (default: %(default)s)")
+    source.add_argument(
+        "--diffusers",
+        type=Path,
+        metavar="PATH",
+        help="a local diffusers UNet2D(Condition)Model folder (or a pipeline folder with unet/): its config "
+        "and weights, in every framework",
+    )
     p.add_argument(
         "--sample-size",
         type=_positive,
@@ -121,28 +163,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_jobs(args: argparse.Namespace) -> list[Job]:
     """Validate the arguments (SpecError on bad input) and turn them into worker jobs."""
-    default_config = args.config == DEFAULT_CONFIG
+    source, config = ("diffusers", str(args.diffusers)) if args.diffusers else ("spec", args.config)
+    default_config = source == "spec" and config == DEFAULT_CONFIG
     sample_size = args.sample_size or (DEFAULT_SAMPLE_SIZE if default_config else None)
     batch_sizes = tuple(dict.fromkeys(args.batch_size or (DEFAULT_BATCH_SIZES if default_config else (1,))))
-    spec = load_benchmark_spec(args.config, sample_size)
+    spec = load_benchmark_spec(config, sample_size, source)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise SpecError("policies: none given")
     for policy in policies:
         resolve_plan(spec, policy_arg(policy))
     policies = list(dict.fromkeys(["none", *policies]))
-    frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
+    if DIFFUSERS in args.framework and importlib.util.find_spec("diffusers") is None:
+        raise SpecError("--framework diffusers: the diffusers package is not installed (pip install diffusers)")
+    if DIFFUSERS in args.framework and source == "spec":
+        to_diffusers_config(spec)  # SpecError naming the field diffusers cannot build
     common = {
-        "config": args.config,
+        "config": config,
+        "source": source,
         "sample_size": spec.sample_size,
-        "policies": tuple(policies),
         "batch_sizes": batch_sizes,
         "steps": args.steps,
         "dtype": args.dtype,
         "device": args.device,
         "context_length": args.context_length,
     }
-    return [Job(framework=fw, xla_default=args.xla_default, **common) for fw in frameworks]
+    return [
+        Job(
+            framework=fw,
+            policies=DIFFUSERS_POLICIES if fw == DIFFUSERS else tuple(policies),
+            xla_default=args.xla_default,
+            **common,
+        )
+        for fw in args.framework
+    ]
 
 
 def run_all(jobs: list[Job], console: Console, verbose: bool) -> list[list[Event]]:
@@ -176,9 +230,9 @@ def build_document(
     events = [e for evs in results for e in evs]
     rows = report.complete(e for e in events if e["event"] == "row")
     envs = {e["framework"]: e for e in events if e["event"] == "env"}
-    spec = load_benchmark_spec(jobs[0].config, jobs[0].sample_size)
+    spec = job_spec(jobs[0])
     return {
-        "config": {"name": spec.name, "source": args.config, "spec": spec.model_dump(mode="json")},
+        "config": {"name": spec.name, "source": jobs[0].config, "spec": spec.model_dump(mode="json")},
         "device": {"requested": args.device, **{fw: env["device"] for fw, env in envs.items()}},
         "versions": {
             "python": platform.python_version(),
@@ -186,7 +240,8 @@ def build_document(
         },
         "git_sha": git_sha(),
         "dtype": args.dtype,
-        "settings": {k: v for k, v in asdict(jobs[0]).items() if k not in ("framework", "done")},
+        "settings": {k: v for k, v in asdict(jobs[0]).items() if k not in ("framework", "done", "policies")}
+        | {"policies": {job.framework: list(job.policies) for job in jobs}},
         "xla_flags": envs["jax"]["xla_flags"] if "jax" in envs else None,
         "methods": report.methods(rows),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
 
-from benchmarks.common import XLA_CPU_FLAG, Job, cpu_name, load_benchmark_spec, policy_arg, timing_stats
+from benchmarks.common import XLA_CPU_FLAG, Job, cpu_name, job_spec, load_benchmark_spec, policy_arg, timing_stats
 from jax_impl import UNet
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -172,9 +172,16 @@ def init_params(shapes: Any, dtype: Any, seed: int = 0) -> Any:
 
 
 @functools.cache
-def _host_params(config: str, sample_size: int | None, dtype_name: str) -> Any:
+def _host_params(config: str, sample_size: int | None, dtype_name: str, source: str) -> Any:
     """Host copies of the parameters: the tree is the same for every policy (by design), and
-    each row needs fresh device copies, since the step donates them."""
+    each row needs fresh device copies, since the step donates them. A diffusers folder's own
+    weights when ``source`` is "diffusers"."""
+    if source == "diffusers":
+        from jax_impl.convert import torch_to_flax
+        from jax_impl.diffusers_io import read_diffusers
+
+        spec, state = read_diffusers(config)
+        return jax.tree.map(lambda a: np.asarray(a).astype(DTYPES[dtype_name]), torch_to_flax(state, spec))
     spec = load_benchmark_spec(config, sample_size)
     model = UNet(spec=spec, policy="none")
     x = jnp.zeros((1, spec.sample_size, spec.sample_size, spec.in_channels))
@@ -185,11 +192,11 @@ def _host_params(config: str, sample_size: int | None, dtype_name: str) -> Any:
 
 
 def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[str, Any]:
-    spec = load_benchmark_spec(job.config, job.sample_size)
+    spec = job_spec(job)
     dtype = DTYPES[job.dtype]
     model = UNet(spec=spec, policy=policy_arg(policy))
     batch = make_batch(spec, batch_size, job.context_length, dtype, device)
-    params = jax.device_put(_host_params(job.config, job.sample_size, job.dtype), device)
+    params = jax.device_put(_host_params(job.config, job.sample_size, job.dtype, job.source), device)
     tx = optax.adamw(1e-4)
     loss_fn, step = make_step(model, tx)
     return {

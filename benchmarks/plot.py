@@ -13,8 +13,8 @@ import matplotlib.pyplot as plt
 
 from benchmarks.report import Row, atomic_write
 
-COLORS = {"torch": "tab:red", "jax": "tab:blue"}
-MARKERS = {"torch": "o", "jax": "s"}
+COLORS = {"torch": "tab:red", "jax": "tab:blue", "diffusers": "tab:green"}
+MARKERS = {"torch": "o", "jax": "s", "diffusers": "D"}
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.common import Job, cpu_name, load_benchmark_spec, policy_arg, timing_stats
+from benchmarks.common import Job, cpu_name, job_spec, policy_arg, timing_stats
 from benchmarks.torch_memory import AllocatorPeak, LiveBytesTracker, SavedBytesCounter, storage_bytes
 from torch_impl import UNet
 
@@ -70,15 +70,25 @@ def make_batch(spec: Any, batch_size: int, context_length: int, dtype: torch.dty
     return {k: None if v is None else v.to(device, dtype if k != "t" else torch.float32) for k, v in batch.items()}
 
 
-def build(spec: Any, policy: str, dtype: torch.dtype, device: torch.device) -> tuple[UNet, torch.optim.Optimizer]:
+def our_unet(job: Job, spec: Any) -> UNet:
+    """Our U-Net with the weights every row starts from: seed 0, or the diffusers folder's."""
+    if job.source == "diffusers":
+        return UNet.from_diffusers(job.config)
     torch.manual_seed(0)
-    model = UNet(spec).to(device=device, dtype=dtype)
+    return UNet(spec)
+
+
+def build(job: Job, spec: Any, policy: str) -> torch.nn.Module:
+    """The model a row trains, called as ``model(x, t, context)``, with ``policy`` applied."""
+    model = our_unet(job, spec)
     model.enable_gradient_checkpointing(policy_arg(policy))
-    model.train()
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model
 
 
-def make_step(model: UNet, opt: torch.optim.Optimizer, batch: dict) -> Callable[[], None]:
+Builder = Callable[[Job, Any, str], torch.nn.Module]
+
+
+def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict) -> Callable[[], None]:
     dtype = next(model.parameters()).dtype
     # bfloat16 parameters still meet float32 timestep features (as in Flax, where dtypes
     # promote); autocast does that cast. A no-op in float32.
@@ -101,7 +111,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def static_tensors(model: UNet, opt: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+def static_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
     params = list(model.parameters())
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {
@@ -122,7 +132,9 @@ def counted_step(step: Callable[[], None], device: torch.device) -> tuple[float,
     return seconds, flops.get_total_flops()
 
 
-def memory_step(model: UNet, step: Callable[[], None], device: torch.device, existing: list) -> dict[str, int]:
+def memory_step(
+    model: torch.nn.Module, step: Callable[[], None], device: torch.device, existing: list
+) -> dict[str, int]:
     """Peak bytes (tensor-level and, on CPU, allocator-level) and saved-for-backward bytes of one step."""
     saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
     if device.type == "cuda":  # the allocator's own peak: nothing lower-level to compare it with
@@ -151,11 +163,12 @@ def timed_steps(step: Callable[[], None], device: torch.device, steps: int) -> l
     return samples
 
 
-def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dict[str, Any]:
-    """Every measured figure of one (policy, batch size) row."""
-    spec = load_benchmark_spec(job.config, job.sample_size)
+def measure(job: Job, policy: str, batch_size: int, device: torch.device, build: Builder = build) -> dict[str, Any]:
+    """Every measured figure of one (policy, batch size) row of the model ``build`` makes."""
+    spec = job_spec(job)
     dtype = DTYPES[job.dtype]
-    model, opt = build(spec, policy, dtype, device)
+    model = build(job, spec, policy).to(device=device, dtype=dtype).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = make_batch(spec, batch_size, job.context_length, dtype, device)
     step = make_step(model, opt, batch)
     first, flops = counted_step(step, device)  # warm-up: creates grads and optimizer state

@@ -233,6 +233,11 @@ def test_xla_cpu_strips_remat_barriers_unless_the_pass_is_disabled() -> None:
         (["--batch-size", "two"], "expected a positive integer"),
         (["--policies", "down.9"], "unknown block name 'down.9'"),
         (["--sample-size", "10", "--config", "small"], "sample_size: 10 is not divisible"),
+        (["--framework", "torch,mxnet"], "unknown framework 'mxnet' (allowed: both, or a comma list of torch"),
+        (["--diffusers", "/nonexistent/unet"], "--diffusers: /nonexistent/unet: no config.json"),
+        (["--diffusers", "/x", "--config", "tiny"], "argument --config: not allowed with argument --diffusers"),
+        # tiny's level-0 self-attention has no diffusers twin (see tests/test_diffusers_export.py)
+        (["--framework", "diffusers", "--config", "tiny"], "spec 'tiny' has no diffusers equivalent"),
     ],
 )
 def test_bad_input_is_one_line_and_no_traceback(tmp_path: Path, args: list[str], message: str) -> None:

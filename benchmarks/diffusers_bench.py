@@ -1,0 +1,56 @@
+"""diffusers' own U-Net, with and without its ``enable_gradient_checkpointing()``, measured exactly
+as `benchmarks.torch_bench` measures ours (same step, instruments, inputs and weights).
+
+The baseline a diffusers user has: ``UNet2D(Condition)Model.enable_gradient_checkpointing()``
+recomputes each ResNet and each transformer layer inside the down/mid/up blocks (close to our
+``layers`` policy) and nothing else. The model is built from the spec's diffusers config (or a
+diffusers folder's own) and loaded with our U-Net's starting weights, so every row of the run
+trains the same network from the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import diffusers
+import torch
+
+from benchmarks import torch_bench
+from benchmarks.common import DIFFUSERS_POLICIES, Job
+from benchmarks.torch_bench import device_info, oom_types, release, resolve_device, simulated_oom
+from shared_configs import to_diffusers_config
+from shared_configs.diffusers import find_folder
+
+__all__ = ["device_info", "measure", "oom_types", "release", "resolve_device", "simulated_oom", "versions"]
+
+
+class DiffusersForward(torch.nn.Module):
+    """Calls a diffusers U-Net as ``model(x, t, context)``, like ours (parameters unchanged)."""
+
+    def __init__(self, unet: torch.nn.Module) -> None:
+        super().__init__()
+        self.unet = unet
+        self.conditional = "cross_attention_dim" in unet.config
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+        kwargs = {"encoder_hidden_states": context} if self.conditional else {}
+        return self.unet(x, t, return_dict=False, **kwargs)[0]
+
+
+def build(job: Job, spec: Any, policy: str) -> torch.nn.Module:
+    if policy not in DIFFUSERS_POLICIES:
+        raise ValueError(f"policy: diffusers rows are {', '.join(DIFFUSERS_POLICIES)}, not {policy!r}")
+    config = find_folder(job.config).config if job.source == "diffusers" else to_diffusers_config(spec)
+    unet = getattr(diffusers, config["_class_name"]).from_config(config)
+    unet.load_state_dict(torch_bench.our_unet(job, spec).to_diffusers_state_dict(), strict=True)
+    if policy == "enable_gradient_checkpointing":
+        unet.enable_gradient_checkpointing()
+    return DiffusersForward(unet)
+
+
+def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dict[str, Any]:
+    return torch_bench.measure(job, policy, batch_size, device, build=build)
+
+
+def versions() -> dict[str, str]:
+    return {**torch_bench.versions(), "diffusers": diffusers.__version__}
