@@ -104,7 +104,7 @@ def attention_kwargs(spec: UNetSpec, kind: str, level: int, output_scale: float 
         }
     return {
         "heads": heads,
-        "depth": spec.transformer_layers_per_block,
+        "depth": spec.transformer_depth(level),
         "groups": spec.norm_num_groups,
         "norm_eps": spec.transformer_norm_eps,
         "ln_eps": spec.layer_norm_eps,

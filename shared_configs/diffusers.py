@@ -183,7 +183,7 @@ def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
     }
     if cls == "UNet2DConditionModel":
         data["cross_attention_dim"] = _uniform(cfg, "cross_attention_dim", n)
-        data["transformer_layers_per_block"] = _uniform(cfg, "transformer_layers_per_block", n)
+        data["transformer_layers_per_block"] = _per_level_ints(cfg, "transformer_layers_per_block", n)
         data["use_linear_projection"] = cfg["use_linear_projection"]
     return data
 
@@ -261,6 +261,16 @@ def _uniform(cfg: Mapping[str, Any], key: str, n: int) -> int:
     if len(value) != n or len(set(value)) != 1:
         raise SpecError(f"{key}: per-level values {list(value)} are not supported, only one value for all levels")
     return value[0]
+
+
+def _per_level_ints(cfg: Mapping[str, Any], key: str, n: int) -> int | tuple[int, ...]:
+    """An int, or one int per level (diffusers' up path reads the same list reversed)."""
+    value = cfg[key]
+    if not isinstance(value, list | tuple):
+        return value
+    if len(value) != n or not all(isinstance(v, int) for v in value):
+        raise SpecError(f"{key}: {list(value)} needs {n} integers, one per level")
+    return value[0] if len(set(value)) == 1 else tuple(value)
 
 
 def _heads(cfg: Mapping[str, Any], cls: str, down: list[str], up: list[str], mid: str) -> int | tuple[int, ...] | None:

@@ -89,11 +89,18 @@ def _conditional(spec: UNetSpec) -> dict[str, Any]:
     ]
     return _common(spec, "UNet2DConditionModel") | {
         "mid_block_type": "UNetMidBlock2DCrossAttn",
-        "attention_head_dim": heads[0] if len(set(heads)) == 1 else heads,
+        "attention_head_dim": _plain(tuple(heads)),
         "cross_attention_dim": spec.cross_attention_dim,
-        "transformer_layers_per_block": spec.transformer_layers_per_block,
+        "transformer_layers_per_block": _plain(spec.transformer_layers_per_block),
         "use_linear_projection": spec.use_linear_projection,
     }
+
+
+def _plain(value: int | tuple[int, ...]) -> int | list[int]:
+    """One value when every level has the same, else the per-level list (as config.json holds it)."""
+    if isinstance(value, int):
+        return value
+    return value[0] if len(set(value)) == 1 else list(value)
 
 
 def _normalised(spec: UNetSpec) -> dict[str, Any]:
@@ -101,6 +108,7 @@ def _normalised(spec: UNetSpec) -> dict[str, Any]:
     data = spec.model_dump(exclude={"name", "checkpoint", "attention_head_dim", "num_attention_heads", "up_attention"})
     data["up_attention"] = spec.up_attention_resolved
     data["heads"] = {lv: spec.heads(lv) for lv in _attention_levels(spec)}
+    data["transformer_layers_per_block"] = [spec.transformer_depth(lv) for lv in range(spec.num_levels)]
     data["time_embedding"]["dim"] = spec.time_embed_dim
     if spec.norm_kind == "group":
         data.pop("norm_momentum")  # only BatchNorm reads it

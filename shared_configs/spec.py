@@ -68,7 +68,9 @@ class UNetSpec(_Frozen):
     num_attention_heads: int | tuple[int, ...] | None = None
     attention_scale: float | None = Field(default=None, gt=0, description="softmax scale; None means 1/sqrt(head_dim)")
     cross_attention_dim: int | None = Field(default=None, gt=0)
-    transformer_layers_per_block: int = Field(default=1, gt=0)
+    transformer_layers_per_block: int | tuple[int, ...] = Field(
+        default=1, description="transformer layers per Transformer2D block: one for all levels, or one per level"
+    )
     use_linear_projection: bool = False
     norm_kind: NormKind = Field(default="group", description="ResNet and output norms (see NORM_KINDS)")
     norm_momentum: float = Field(
@@ -99,6 +101,10 @@ class UNetSpec(_Frozen):
     def up_attention_resolved(self) -> tuple[str, ...]:
         return self.up_attention or tuple(reversed(self.down_attention))
 
+    def transformer_depth(self, level: int) -> int:
+        """Transformer layers of a Transformer2D block at a level (``-1``: the middle block's)."""
+        return _per_level(self.transformer_layers_per_block, level, self.num_levels)
+
     def heads(self, level: int) -> int:
         """Number of attention heads at a down level (``-1`` is the deepest / the middle)."""
         channels = self.block_out_channels[level]
@@ -119,11 +125,11 @@ class UNetSpec(_Frozen):
             "attention_head_dim",
             "set attention_head_dim or num_attention_heads, not both",
         )
-        for field in ("attention_head_dim", "num_attention_heads"):
+        for field in ("attention_head_dim", "num_attention_heads", "transformer_layers_per_block"):
             value = getattr(self, field)
             if isinstance(value, tuple):
                 _require(len(value) == n, field, f"needs {n} entries, one per level")
-            for v in value if isinstance(value, tuple) else ((value,) if value else ()):
+            for v in value if isinstance(value, tuple) else ((value,) if value is not None else ()):
                 _require(v > 0, field, "must be positive")
         factor = 2 ** (n - 1)
         _require(

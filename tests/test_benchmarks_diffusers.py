@@ -22,7 +22,7 @@ def test_diffusers_folder_in_every_framework(tmp_path: Path) -> None:
     args = ["--diffusers", str(tmp_path / "model"), "--framework", "torch,diffusers", "--policies", "layers"]
     proc, doc = _compare([*args, "--batch-size", "1", "--steps", "1", "--device", "cpu"], tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
-    assert doc is not None and doc["config"]["spec"]["transformer_layers_per_block"] == 2
+    assert doc is not None and doc["config"]["spec"]["transformer_layers_per_block"] == [1, 2]
     ours, theirs = _rows(doc, "torch"), _rows(doc, "diffusers")
     assert set(theirs) == {"none", "enable_gradient_checkpointing"}
     assert doc["settings"]["policies"] == {"torch": ["none", "layers"], "diffusers": list(theirs)}

@@ -60,6 +60,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "cross_attention_dim": 16, "upcast_attention": True, "layers_per_block": 1,
         "resnet_out_scale_factor": 2.0, "resnet_skip_time_act": True,  # inert for these blocks
     }),
+    "sdxl_depths": ("UNet2DConditionModel", {  # SDXL-style per-level transformer depth, no attention at level 0
+        "block_out_channels": (32, 64, 64), "down_block_types": ("DownBlock2D",) + ("CrossAttnDownBlock2D",) * 2,
+        "up_block_types": ("CrossAttnUpBlock2D",) * 2 + ("UpBlock2D",), "transformer_layers_per_block": (1, 1, 3),
+        "attention_head_dim": (2, 4, 8), "use_linear_projection": True, "cross_attention_dim": 16, "sample_size": 8,
+    }),
     "mixed_attention": ("UNet2DConditionModel", {  # DDPM attention inside a conditional U-Net
         "down_block_types": ("AttnDownBlock2D", "CrossAttnDownBlock2D"),
         "up_block_types": ("CrossAttnUpBlock2D", "AttnUpBlock2D"), "attention_head_dim": 4,
@@ -256,7 +261,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({**COND, "attention_type": "gated"}, "attention_type"),
     ({**COND, "norm_num_groups": None}, "norm_num_groups"),
     ({**U2D, "downsample_type": "resnet"}, "downsample_type"),
-    ({**COND, "transformer_layers_per_block": [1, 2, 2, 2]}, "transformer_layers_per_block"),
+    ({**COND, "transformer_layers_per_block": [1, 2]}, "transformer_layers_per_block: [1, 2] needs 4 integers"),
     ({**COND, "reverse_transformer_layers_per_block": [[1], [2]]}, "reverse_transformer_layers_per_block"),
     ({**COND, "layers_per_block": [1, 2, 2, 2]}, "layers_per_block"),
     ({**COND, "mid_block_type": None}, "mid_block_type"),

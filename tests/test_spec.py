@@ -47,6 +47,8 @@ BAD_SPECS = [
     ({"in_channels": "four"}, "in_channels: Input should be a valid integer"),
     ({"up_attention": ["none"]}, "up_attention: needs 2 entries"),
     ({"downsample_padding": 2}, "downsample_padding: Input should be less than or equal to 1"),
+    ({"transformer_layers_per_block": [1, 2, 3]}, "transformer_layers_per_block: needs 2 entries"),
+    ({"transformer_layers_per_block": 0}, "transformer_layers_per_block: must be positive"),
 ]
 
 

@@ -31,10 +31,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "mid_block_scale_factor": 1.4142,
         "time_embedding": {"flip_sin_to_cos": False, "freq_shift": 1},
     },
-    "sd_linear_proj": {  # SD2-like: linear projections, two transformer layers, explicit head count
+    "sd_linear_proj": {  # SD2-like: linear projections, per-level transformer depth (as SDXL), explicit heads
         "down_attention": ["transformer", "transformer"],
         "use_linear_projection": True,
-        "transformer_layers_per_block": 2,
+        "transformer_layers_per_block": [1, 2],
         "attention_head_dim": None,
         "num_attention_heads": [2, 4],
         "layers_per_block": 2,
