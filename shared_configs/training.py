@@ -23,6 +23,7 @@ import io
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -312,7 +313,10 @@ def atomic_write(path: str | Path, data: bytes) -> None:
 
 @contextmanager
 def progress_bar(total: int, start: int, title: str) -> Iterator[Callable[[float], None]]:
-    """A rich progress bar; the yielded ``update(loss)`` advances it and shows the running loss."""
+    """A rich progress bar; the yielded ``update(loss)`` advances it and shows the running loss.
+
+    On exit it prints the training speed (`speed_line`) to stderr.
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -320,12 +324,25 @@ def progress_bar(total: int, start: int, title: str) -> Iterator[Callable[[float
     with Progress(*columns, transient=False, disable=not sys.stderr.isatty()) as bar:
         task = bar.add_task(title, total=total, completed=start, loss="-")
         running: list[float] = []
+        stamps = [time.perf_counter()]
 
         def update(loss: float) -> None:
+            stamps.append(time.perf_counter())
             running.append(loss)
             bar.update(task, advance=1, loss=f"{np.mean(running[-20:]):.4f}")
 
         yield update
+    if len(stamps) > 1:
+        print(speed_line(title, np.diff(stamps)), file=sys.stderr)
+
+
+def speed_line(title: str, seconds: np.ndarray) -> str:
+    """Steps per second, leaving out the first step (it compiles in JAX and warms caches in torch)."""
+    first = f"{len(seconds)} step(s); first {seconds[0]:.2f} s (compile/warm-up)"
+    if len(seconds) < 2:
+        return f"{title}: {first}"
+    median = float(np.median(seconds[1:]))
+    return f"{title}: {first}; then median {median:.3f} s/step = {1 / median:.2f} steps/s over {len(seconds) - 1}"
 
 
 def save_plots(out: str | Path, losses: list[float], samples: np.ndarray | None, title: str) -> None:

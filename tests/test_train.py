@@ -19,7 +19,7 @@ from jax_impl import train as jtrain
 from jax_impl.convert import torch_to_flax
 from jax_impl.unet import UNet as FlaxUNet
 from shared_configs import UNetSpec, load_spec, spec_from_dict
-from shared_configs.training import TrainConfig, load_dataset, make_schedule, step_seed
+from shared_configs.training import TrainConfig, load_dataset, make_schedule, speed_line, step_seed
 from tests.utils import TINY
 from torch_impl import train as ttrain
 from torch_impl.unet import UNet as TorchUNet
@@ -190,3 +190,11 @@ def test_torch_ddp_matches_one_process(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     ddp = json.loads((tmp_path / "ddp" / "losses.json").read_text())
     np.testing.assert_allclose(ddp, single, rtol=1e-5)
+
+
+def test_speed_line_leaves_out_the_first_step() -> None:
+    line = speed_line("jax tiny full", np.array([30.0, 1.0, 4.0, 2.0]))
+    assert line == (
+        "jax tiny full: 4 step(s); first 30.00 s (compile/warm-up); then median 2.000 s/step = 0.50 steps/s over 3"
+    )
+    assert speed_line("t", np.array([3.0])) == "t: 1 step(s); first 3.00 s (compile/warm-up)"
