@@ -6,6 +6,8 @@ A thin loop over an importable, jitted step. To put this U-Net in your own loop:
     tx = make_optimizer(lr=1e-3, weight_decay=0.0)    # optax.adamw, hyperparameters explicit
     params, opt_state = init_state(model, tx, seed=0)
     params, opt_state, loss = train_step(params, opt_state, arrays(batch), key, model=model, tx=tx)
+    # bf16 mixed precision: float32 params and optimizer state, bf16 forward, float32 loss
+    params, opt_state, loss = train_step(..., model=model, tx=tx, compute_dtype=jnp.bfloat16)
 
 Batches, timesteps, noise and class contexts come from `shared_configs.training` (numpy, NCHW;
 `arrays` transposes images to NHWC), so `torch_impl.train` sees the very same ones for a seed.
@@ -27,6 +29,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
 from jax_impl.unet import UNet
 from shared_configs import load_spec
@@ -47,6 +50,8 @@ from shared_configs.training import (
 
 CHECKPOINT = "checkpoint.msgpack"
 Arrays = tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]
+# --dtype -> the forward's compute dtype; None computes in the params' own float32 (no casts at all).
+DTYPES: dict[str, DTypeLike | None] = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
 @functools.cache  # one object per hyperparameters, so the jitted step (tx is static) compiles once
@@ -96,23 +101,48 @@ def init_state(model: UNet, tx: optax.GradientTransformation, seed: int) -> tupl
     return params, tx.init(params)
 
 
-def loss_fn(params: Any, model: UNet, batch: Arrays, dropout_key: jax.Array) -> jax.Array:
-    """MSE between the predicted and the true noise (dropout on)."""
+def cast_floating(tree: Any, dtype: DTypeLike) -> Any:
+    """Every floating leaf of ``tree`` cast to ``dtype``; integer leaves and None stay as they are."""
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def loss_fn(
+    params: Any, model: UNet, batch: Arrays, dropout_key: jax.Array, compute_dtype: DTypeLike | None = None
+) -> jax.Array:
+    """MSE between the predicted and the true noise (dropout on), in float32.
+
+    With ``compute_dtype`` (``jnp.bfloat16``) the params, image and context are cast to it, so every
+    conv and matmul of the forward (and, by transposition, of the backward) runs in that dtype;
+    the gradients flow back through the casts as float32. The timesteps stay float32: bf16 keeps
+    8 significant bits, so t in [512, 1024) would round to multiples of 4; the U-Net casts its
+    sinusoidal features (bounded by 1) to the image dtype instead.
+    """
     noisy, t, noise, context = batch
+    if compute_dtype is not None:
+        params, noisy, context = cast_floating((params, noisy, context), compute_dtype)
     pred = model.apply({"params": params}, noisy, t, context, train=True, rngs={"dropout": dropout_key})
     return jnp.mean((pred.astype(jnp.float32) - noise) ** 2)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "tx"))
+@functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype"))
 def train_step(
-    params: Any, opt_state: Any, batch: Arrays, dropout_key: jax.Array, *, model: UNet, tx: optax.GradientTransformation
+    params: Any,
+    opt_state: Any,
+    batch: Arrays,
+    dropout_key: jax.Array,
+    *,
+    model: UNet,
+    tx: optax.GradientTransformation,
+    compute_dtype: DTypeLike | None = None,
 ) -> tuple[Any, Any, jax.Array]:
     """One DDPM step: loss and gradients (through the remat plan the model carries), optax update.
 
-    ``model`` and ``tx`` are static: keep one object of each (see `make_optimizer`) to compile once.
-    Returns (new params, new optimizer state, loss).
+    ``model``, ``tx`` and ``compute_dtype`` are static: keep one object of each (see
+    `make_optimizer`) to compile once. ``compute_dtype=jnp.bfloat16`` is mixed precision (see
+    `loss_fn`): params, gradients, optimizer state and loss stay float32. Returns (new params,
+    new optimizer state, loss).
     """
-    loss, grads = jax.value_and_grad(loss_fn)(params, model, batch, dropout_key)
+    loss, grads = jax.value_and_grad(loss_fn)(params, model, batch, dropout_key, compute_dtype)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -165,14 +195,16 @@ def run_steps(
 ) -> tuple[Any, Any]:
     """Steps ``len(losses) .. stop - 1``, appending each loss; returns (params, opt_state).
 
-    With a ``mesh`` (see `data_parallel_mesh`) each step runs data-parallel over its devices.
+    With a ``mesh`` (see `data_parallel_mesh`) each step runs data-parallel over its devices;
+    ``cfg.dtype`` picks the forward's compute dtype (`DTYPES`).
     """
+    step_fn = functools.partial(train_step, model=model, tx=tx, compute_dtype=DTYPES[cfg.dtype])
     for step in range(len(losses), stop):
         batch = arrays(dataset.batch(step, cfg.batch_size, schedule, cfg.seed))
         if mesh is not None:
             params, opt_state, batch = shard(mesh, params, opt_state, batch)
         key = jax.random.key(step_seed(cfg.seed, step))  # dropout masks depend on (seed, step) only
-        params, opt_state, loss = train_step(params, opt_state, batch, key, model=model, tx=tx)
+        params, opt_state, loss = step_fn(params, opt_state, batch, key)
         losses.append(float(loss))
         if on_step is not None:
             on_step(losses[-1])
@@ -181,11 +213,6 @@ def run_steps(
 
 def train(cfg: TrainConfig) -> list[float]:
     """Run (or resume) training as ``cfg`` says; returns the loss of every step from step 0."""
-    if cfg.dtype != "float32":
-        raise NotImplementedError(
-            f"--dtype {cfg.dtype}: jax_impl.train supports float32 only (the Flax U-Net has no "
-            "compute-dtype option yet); torch_impl.train supports bfloat16 autocast"
-        )
     spec = load_spec(cfg.config)
     model, tx = UNet(spec=spec, policy=cfg.policy), make_optimizer(cfg.lr, cfg.weight_decay)
     _ = model.plan  # resolve the policy now: a bad one is a one-line error, not a trace

@@ -134,9 +134,10 @@ class UNet(nn.Module):
             )
         t = jnp.broadcast_to(jnp.asarray(t), (x.shape[0],))
         te = s.time_embedding
-        temb = self.time_embedding(
-            timestep_embedding(t, s.block_out_channels[0], te.flip_sin_to_cos, te.freq_shift, te.max_period)
-        )
+        # The sinusoids are float32 whatever ``t`` is; in x's dtype (a no-op for float32), so that a
+        # bf16 forward stays bf16: float32 temb added to bf16 activations would promote the rest.
+        features = timestep_embedding(t, s.block_out_channels[0], te.flip_sin_to_cos, te.freq_shift, te.max_period)
+        temb = self.time_embedding(features.astype(x.dtype))
         h = self.conv_in(x)
         skips = [h]
         for block in self.down:

@@ -1,0 +1,130 @@
+"""bf16 mixed precision in `jax_impl.train`: the heavy ops run in bf16, the curve tracks float32.
+
+Cheap by construction: the dtype check traces the step (no compile), and the training curves come
+from one subprocess that compiles the bf16 step once, with backend optimisation off, on two CPU
+devices (the ``--distributed`` mesh) under the ``full`` remat policy: the three paths at once.
+Its float32 reference is torch's float32 curve from the same converted weights and batches, which
+`test_train.test_torch_and_jax_loss_curves_agree` pins to JAX's float32 curve within 1e-4 (one
+JAX compile fewer). The bf16 tolerance is far looser than that, so the stand-in costs nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax import lax
+
+from jax_impl import train as jtrain
+from shared_configs import load_spec, spec_from_dict
+from shared_configs.training import load_dataset
+from tests.test_jax_unet import FAST_COMPILE
+from tests.test_train import CFG, SCHEDULE, _one_thread, jax_setup, torch_curve  # noqa: F401 (fixture)
+from tests.utils import TINY
+from torch_impl import train as ttrain
+
+STEPS = 10
+# bf16 keeps 8 significant bits (unit roundoff 2^-9 = 0.2%), but the loss averages 1024 squared
+# errors, so its rounding mostly cancels; what remains is the slow drift of two trajectories.
+# Measured over these 10 steps: JAX bf16 vs float32 <= 0.13% per step, vs torch autocast <= 0.11%
+# (torch's own bf16 vs float32: 0.08%; 0.17-0.26% over 30 steps). 1% leaves ~7x room for other
+# CPUs and library versions, yet float32 falls 21% over these steps: a bf16 step that did not
+# train like float32 would fall outside it.
+BF16_RTOL = 1e-2
+NO_DROPOUT = {**TINY, "name": "tiny_nodrop", "dropout": 0.0}  # torch and JAX draw different masks
+
+BF16_RUN = """
+import dataclasses, json, jax
+from jax_impl import train as jtrain
+from shared_configs import spec_from_dict
+from shared_configs.training import load_dataset
+from tests.test_train import CFG, SCHEDULE, jax_setup
+from tests.test_train_bf16 import NO_DROPOUT, STEPS, float_dtypes
+spec = spec_from_dict(NO_DROPOUT)
+model, tx, params, opt_state = jax_setup(spec, "full")
+cfg, losses, data = dataclasses.replace(CFG, dtype="bfloat16"), [], load_dataset("digits", spec)
+mesh = jtrain.data_parallel_mesh(cfg.batch_size)
+state = jtrain.run_steps(params, opt_state, losses, data, SCHEDULE, cfg, STEPS, model, tx, mesh=mesh)
+print(json.dumps({"devices": len(jax.devices()), "losses": losses, "state_dtypes": float_dtypes(state)}))
+"""
+
+
+def float_dtypes(tree: object) -> list[str]:
+    """The dtypes of the floating leaves of ``tree`` (optax's integer step count left out)."""
+    return sorted({str(a.dtype) for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)})
+
+
+def _compute_dtype(eqn: jax.extend.core.JaxprEqn) -> str:
+    # jax.nn.dot_product_attention's backward multiplies the float32 softmax cotangent by bf16 q/k
+    # with the BF16_BF16_F32 algorithm: operands rounded to bf16, float32 accumulation. bf16 compute.
+    precision = eqn.params.get("precision")
+    if isinstance(precision, lax.DotAlgorithmPreset) and precision.name.startswith("BF16_BF16"):
+        return "bfloat16"
+    return "+".join(sorted({str(v.aval.dtype) for v in eqn.invars}))
+
+
+def _heavy_ops(jaxpr: jax.extend.core.Jaxpr) -> Counter[tuple[str, str]]:
+    """(primitive, compute dtype) of every conv and dot_general, sub-jaxprs (jit, remat) included."""
+    counts: Counter[tuple[str, str]] = Counter()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("conv_general_dilated", "dot_general"):
+            counts[eqn.primitive.name, _compute_dtype(eqn)] += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            counts += _heavy_ops(sub)
+    return counts
+
+
+def test_bf16_step_runs_every_conv_and_matmul_in_bf16() -> None:
+    """Trace (not compile) the whole bf16 train step, forward, remat recompute and backward.
+
+    Tiny has cross-attention, dropout, and a float32 timestep embedding to mix in: any float32
+    leaking into the activations would promote the ops after it back to float32.
+    """
+    spec = load_spec("tiny")
+    model, tx, params, opt_state = jax_setup(spec, "full")
+    batch = jtrain.arrays(load_dataset("digits", spec).batch(0, CFG.batch_size, SCHEDULE, CFG.seed))
+    step = functools.partial(jtrain.train_step, model=model, tx=tx, compute_dtype=jnp.bfloat16)
+    closed, out = jax.make_jaxpr(step, return_shape=True)(params, opt_state, batch, jax.random.key(0))
+    counts = _heavy_ops(closed.jaxpr)
+    assert {dtype for _, dtype in counts} == {"bfloat16"}, counts
+    assert counts["conv_general_dilated", "bfloat16"] > 50 and counts["dot_general", "bfloat16"] > 100, counts
+    assert float_dtypes(out) == ["float32"]  # new params, optimizer state and loss
+
+
+@pytest.fixture(scope="module")
+def bf16_run() -> dict:
+    """The JAX bf16 curve: 2 CPU devices, batch split, policy ``full``, via `jtrain.run_steps`."""
+    flags = [f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items()]  # values unchanged, ~4x faster
+    env = {**os.environ, "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=2", *flags])}
+    root = Path(__file__).parents[1]
+    out = subprocess.run([sys.executable, "-c", BF16_RUN], env=env, cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 2
+    return result
+
+
+def test_bf16_curve_tracks_float32_and_state_stays_float32(bf16_run: dict) -> None:
+    assert bf16_run["state_dtypes"] == ["float32"]  # master params and AdamW moments
+    float32 = torch_curve(spec_from_dict(NO_DROPOUT), "none", STEPS)
+    np.testing.assert_allclose(bf16_run["losses"], float32, rtol=BF16_RTOL)
+    assert bf16_run["losses"] != float32  # bf16 really ran: rounding leaves a trace
+
+
+def test_bf16_curve_matches_torch_autocast(bf16_run: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same converted weights and batches; torch casts per op (autocast), JAX casts the inputs."""
+    autocast = functools.partial(ttrain.train_step, autocast_dtype=torch.bfloat16)
+    monkeypatch.setattr(ttrain, "train_step", autocast)  # what `torch_curve` calls
+    autocast_curve = torch_curve(spec_from_dict(NO_DROPOUT), "none", STEPS)
+    np.testing.assert_allclose(bf16_run["losses"], autocast_curve, rtol=BF16_RTOL)
