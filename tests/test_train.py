@@ -125,11 +125,6 @@ def test_bad_input_is_one_line(main, argv: list[str], tmp_path: Path, capsys: py
     assert err.startswith("error: ") and "\n" not in err, err
 
 
-def test_jax_refuses_bfloat16(capsys: pytest.CaptureFixture[str]) -> None:
-    assert jtrain.main(["--dtype", "bfloat16"]) == 2
-    assert "float32 only" in capsys.readouterr().err
-
-
 JAX_DATA_PARALLEL = """
 import json, jax, numpy as np
 from jax_impl import train as jtrain
