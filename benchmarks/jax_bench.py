@@ -256,9 +256,11 @@ def measure(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[
     """Every measured figure of one (policy, batch size) row."""
     s = _setup(job, policy, batch_size, device)
     row = _analysis(s, device, job.xla_default)
-    row["saved_bytes"] = _saved_bytes(s["loss_fn"], s["params"], s["batch"], s["key"])
-    first, samples = _run_steps(s, row.pop("compiled"), job.steps)
-    row.update(timing_stats(samples), first_step_s=first)
+    compiled = row.pop("compiled")
+    if not (job.peak_only and not _on_gpu(device)):  # on CPU the peak is the compiled step's: no run needed
+        row["saved_bytes"] = _saved_bytes(s["loss_fn"], s["params"], s["batch"], s["key"])
+        first, samples = _run_steps(s, compiled, 0 if job.peak_only else job.steps)
+        row.update(timing_stats(samples) if samples else {}, first_step_s=first)
     if _on_gpu(device):
         row["peak_bytes"] = device.memory_stats()["peak_bytes_in_use"]
     else:

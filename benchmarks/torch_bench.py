@@ -171,7 +171,8 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = make_batch(spec, batch_size, job.context_length, dtype, device)
     step = make_step(model, opt, batch)
-    first, flops = counted_step(step, device)  # warm-up: creates grads and optimizer state
+    # warm-up: creates grads and optimizer state
+    first, flops = (timed_steps(step, device, 1)[0], None) if job.peak_only else counted_step(step, device)
     groups = static_tensors(model, opt)
     inputs = [v for v in batch.values() if v is not None]
     static = sum(storage_bytes(groups[k]) for k in ("params", "grads", "opt", "buffers"))
@@ -179,7 +180,8 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
         "flops": flops,
         **memory_step(model, step, device, [t for g in groups.values() for t in g] + inputs),
     }
-    row.update(timing_stats(timed_steps(step, device, job.steps)))
+    if not job.peak_only:
+        row.update(timing_stats(timed_steps(step, device, job.steps)))
     input_bytes = storage_bytes(inputs)
     row.update(
         static_bytes=static,

@@ -1,0 +1,69 @@
+"""`benchmarks.max_batch`: the search against brute force, and one end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from benchmarks.common import REPO_ROOT
+from benchmarks.max_batch import DEFAULT_PROBES, ROUNDS, answer, next_batches
+
+MIB = 2**20
+
+
+def _row(batch: int, peak: float) -> dict:
+    return {"framework": "jax", "policy": "full", "batch_size": batch, "status": "ok", "peak_bytes": peak}
+
+
+def _search(peak: Callable[[int], float], budget: float) -> dict:
+    """The rounds `main` runs, with ``peak`` standing in for a worker."""
+    rows = [_row(b, peak(b)) for b in DEFAULT_PROBES]
+    for _ in range(ROUNDS):
+        todo = next_batches(rows, budget)
+        if not todo:
+            break
+        rows += [_row(b, peak(b)) for b in todo]
+    return answer(rows, budget)[0] | {"measured": len(rows)}
+
+
+PEAKS = {
+    "affine": lambda b: (100 + 7 * b) * MIB,
+    # XLA-like: mostly affine, with buffer-assignment jumps of a few MiB every 16 samples
+    "jumps": lambda b: (100 + 7 * b + 5 * ((b // 16) % 2)) * MIB,
+    # small batches cost more per sample than large ones (kernel workspace), so the probe line overshoots
+    "concave": lambda b: (100 + 7 * b + 40 * min(b, 4)) * MIB,
+}
+
+
+@pytest.mark.parametrize("shape", PEAKS)
+@pytest.mark.parametrize("budget_mib", [450, 1000, 2500])
+def test_search_finds_the_brute_force_answer(shape: str, budget_mib: int) -> None:
+    peak, budget = PEAKS[shape], budget_mib * MIB
+    truth = max(b for b in range(1, 2000) if peak(b) <= budget and peak(b + 1) > budget)
+    found = _search(peak, budget)
+    assert found["largest_batch"] == truth and found["bracketed"]
+    assert found["peak_bytes"] == peak(truth)
+    assert found["measured"] <= 2 + 2 * ROUNDS
+
+
+def test_budget_below_the_fixed_memory_has_no_answer() -> None:
+    found = _search(PEAKS["affine"], 50 * MIB)
+    assert found["largest_batch"] is None and not found["bracketed"]
+
+
+def test_end_to_end_torch(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "benchmarks.max_batch", "--framework", "torch", "--config", "tiny"]
+    cmd += ["--policies", "full", "--budget-mib", "12", "--device", "cpu", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(next(tmp_path.glob("max_batch-*.json")).read_text())
+    results = {r["policy"]: r for r in doc["largest_batch"]}
+    for policy, result in results.items():  # the answer fits, the batch above it does not
+        peaks = {r["batch_size"]: r["peak_bytes"] for r in doc["rows"] if r["policy"] == policy}
+        assert peaks[result["largest_batch"]] <= 12 * MIB < peaks[result["largest_batch"] + 1]
+    assert results["full"]["largest_batch"] > results["none"]["largest_batch"]
