@@ -88,6 +88,12 @@ def build(job: Job, spec: Any, policy: str) -> torch.nn.Module:
 Builder = Callable[[Job, Any, str], torch.nn.Module]
 
 
+def trainable(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Any]:
+    """``model`` on ``device`` in ``dtype``, in train mode, and its AdamW."""
+    model = model.to(device=device, dtype=dtype).train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
 def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict) -> Callable[[], None]:
     dtype = next(model.parameters()).dtype
     # bfloat16 parameters still meet float32 timestep features (as in Flax, where dtypes
@@ -167,8 +173,7 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
     """Every measured figure of one (policy, batch size) row of the model ``build`` makes."""
     spec = job_spec(job)
     dtype = DTYPES[job.dtype]
-    model = build(job, spec, policy).to(device=device, dtype=dtype).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = trainable(build(job, spec, policy), dtype, device)
     batch = make_batch(spec, batch_size, job.context_length, dtype, device)
     step = make_step(model, opt, batch)
     # warm-up: creates grads and optimizer state

@@ -188,8 +188,9 @@ def test_cpu_tracker_against_the_allocator_on_the_unet() -> None:
     from shared_configs import load_spec
 
     spec, device = load_spec("tiny"), torch.device("cpu")
-    for policy in ("none", "full"):
-        model, opt = tb.build(spec, policy, torch.float32, device)
+    job = Job("torch", "tiny", None, ("none", "full"), (2,), steps=1, dtype="float32", device="cpu", context_length=4)
+    for policy in job.policies:
+        model, opt = tb.trainable(tb.build(job, spec, policy), torch.float32, device)
         batch = tb.make_batch(spec, 2, 4, torch.float32, device)
         step = tb.make_step(model, opt, batch)
         step()
