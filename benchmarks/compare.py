@@ -176,6 +176,9 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
     policies = list(dict.fromkeys(["none", *policies]))
     if DIFFUSERS in args.framework and importlib.util.find_spec("diffusers") is None:
         raise SpecError("--framework diffusers: the diffusers package is not installed (pip install diffusers)")
+    if "jax" in args.framework and spec.norm_kind == "batch":
+        raise SpecError("norm_kind: 'batch' is not benchmarked in jax yet (the step does not carry batch_stats); "
+                        "use --framework torch")  # fmt: skip
     if DIFFUSERS in args.framework and source == "spec":
         to_diffusers_config(spec)  # SpecError naming the field diffusers cannot build
     common = {

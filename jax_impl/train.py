@@ -214,6 +214,11 @@ def run_steps(
 def train(cfg: TrainConfig) -> list[float]:
     """Run (or resume) training as ``cfg`` says; returns the loss of every step from step 0."""
     spec = load_spec(cfg.config)
+    if spec.norm_kind == "batch":  # the loop carries params and optimizer state only
+        raise NotImplementedError(
+            "norm_kind: 'batch' is not trainable by jax_impl.train yet (its step does not carry batch_stats); "
+            "torch_impl.train trains it, and the Flax U-Net itself supports it (apply with mutable=['batch_stats'])"
+        )
     model, tx = UNet(spec=spec, policy=cfg.policy), make_optimizer(cfg.lr, cfg.weight_decay)
     _ = model.plan  # resolve the policy now: a bad one is a one-line error, not a trace
     mesh = data_parallel_mesh(cfg.batch_size) if cfg.distributed else None

@@ -18,12 +18,14 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from benchmarks import plot, report
 from benchmarks.common import KILL_SIM_ENV, OOM_SIM_ENV, REPO_ROOT, Job, cpu_snapshot, other_cpu_share
 from benchmarks.compare import build_parser
 from benchmarks.torch_memory import AllocatorPeak, LiveBytesTracker, SavedBytesCounter
 from benchmarks.worker import run_row
+from tests.utils import TINY
 
 ROW_KEYS = {
     "framework",
@@ -253,6 +255,14 @@ def test_bad_input_is_one_line_and_no_traceback(tmp_path: Path, args: list[str],
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_jax_refuses_a_batch_norm_spec_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "bn.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "norm_kind": "batch"}))
+    proc, doc = _compare(["--config", str(path)], tmp_path / "out")
+    assert proc.returncode == 2 and doc is None
+    assert proc.stderr.strip().startswith("compare: error: norm_kind: 'batch' is not benchmarked in jax yet")
 
 
 def test_missing_gpu_is_a_one_line_error(tmp_path: Path) -> None:

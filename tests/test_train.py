@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from jax_impl import train as jtrain
 from jax_impl.convert import torch_to_flax
@@ -193,3 +194,12 @@ def test_speed_line_leaves_out_the_first_step() -> None:
         "jax tiny full: 4 step(s); first 30.00 s (compile/warm-up); then median 2.000 s/step = 0.50 steps/s over 3"
     )
     assert speed_line("t", np.array([3.0])) == "t: 1 step(s); first 3.00 s (compile/warm-up)"
+
+
+def test_jax_refuses_batch_norm_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bn.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "norm_kind": "batch"}))
+    assert jtrain.main(["--config", str(path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: norm_kind: 'batch' is not trainable by jax_impl.train") and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
