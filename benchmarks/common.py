@@ -48,6 +48,7 @@ class Job:
     source: str = "spec"  # "spec" or "diffusers"
     xla_cpu_flag: bool = True  # jax on CPU: disable cse_barrier_expander (see DESIGN.md)
     xla_default: bool = True  # jax on CPU: also compile with XLA's default passes, for comparison
+    attention_chunk: int | None = None  # jax: UNet(attention_chunk=...), queries per attention chunk
     peak_only: bool = False  # benchmarks.max_batch: the peak alone (no FLOPs, no timing; jax on CPU: no run)
     done: tuple[tuple[str, int], ...] = field(default=())  # rows already reported, skipped
 

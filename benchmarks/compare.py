@@ -157,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="jax on CPU: also compile each step with XLA's default passes, which strip remat's barriers "
         "(the 'XLA:CPU default' column; off by default to keep the default run under 3 minutes)",
     )
+    p.add_argument(
+        "--jax-attention-chunk",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="jax: compute attention N queries at a time, each chunk rematerialised (UNet(attention_chunk=N)); "
+        "XLA:CPU's attention is unfused, torch's CPU SDPA is not (default: off)",
+    )
     p.add_argument("--verbose", action="store_true", help="show the workers' stderr")
     return p
 
@@ -196,6 +204,7 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
             framework=fw,
             policies=DIFFUSERS_POLICIES if fw == DIFFUSERS else tuple(policies),
             xla_default=args.xla_default,
+            attention_chunk=args.jax_attention_chunk if fw == "jax" else None,
             **common,
         )
         for fw in args.framework
@@ -244,7 +253,10 @@ def build_document(
         "git_sha": git_sha(),
         "dtype": args.dtype,
         "settings": {k: v for k, v in asdict(jobs[0]).items() if k not in ("framework", "done", "policies")}
-        | {"policies": {job.framework: list(job.policies) for job in jobs}},
+        | {
+            "policies": {job.framework: list(job.policies) for job in jobs},
+            "attention_chunk": args.jax_attention_chunk,
+        },
         "xla_flags": envs["jax"]["xla_flags"] if "jax" in envs else None,
         "methods": report.methods(rows),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

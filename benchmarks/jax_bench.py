@@ -194,7 +194,7 @@ def _host_params(config: str, sample_size: int | None, dtype_name: str, source: 
 def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[str, Any]:
     spec = job_spec(job)
     dtype = DTYPES[job.dtype]
-    model = UNet(spec=spec, policy=policy_arg(policy))
+    model = UNet(spec=spec, policy=policy_arg(policy), attention_chunk=job.attention_chunk)
     batch = make_batch(spec, batch_size, job.context_length, dtype, device)
     params = jax.device_put(_host_params(job.config, job.sample_size, job.dtype, job.source), device)
     tx = optax.adamw(1e-4)

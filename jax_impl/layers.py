@@ -8,6 +8,7 @@ Norm epsilons and attention scales always come from the caller, never from Flax 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -167,11 +168,25 @@ class ResnetBlock(nn.Module):
         return (skip + h) / self.output_scale
 
 
-def attention(q: Array, k: Array, v: Array, heads: int, scale: float) -> Array:
-    """Multi-head attention on (B, T, heads*D) tensors."""
+def attention(q: Array, k: Array, v: Array, heads: int, scale: float, query_chunk: int | None = None) -> Array:
+    """Multi-head attention on (B, T, heads*D) tensors.
+
+    ``query_chunk``: compute the queries ``query_chunk`` at a time, each chunk under
+    `jax.checkpoint`, so that neither forward nor backward ever holds more than a
+    (chunk x keys) slice of the scores (Rabe & Staats 2021, "Self-attention does not need O(n^2)
+    memory"). XLA:CPU runs `jax.nn.dot_product_attention` unfused, materialising all
+    (T x keys) scores per head; torch's CPU SDPA kernel is fused and never does. Same result up
+    to float rounding; used only when it divides T (else the plain call).
+    """
     q, k, v = (a.reshape(*a.shape[:2], heads, -1) for a in (q, k, v))  # (B, T, N, D)
-    out = checkpoint_name(jax.nn.dot_product_attention(q, k, v, scale=scale), "attention")
-    return out.reshape(*out.shape[:2], -1)  # (B, T, N*D)
+    batch, tokens = q.shape[:2]
+    if query_chunk is None or tokens <= query_chunk or tokens % query_chunk:
+        out = jax.nn.dot_product_attention(q, k, v, scale=scale)
+    else:
+        chunks = q.reshape(batch, tokens // query_chunk, query_chunk, *q.shape[2:]).swapaxes(0, 1)
+        one = jax.checkpoint(lambda qc: jax.nn.dot_product_attention(qc, k, v, scale=scale))
+        out = jax.lax.map(one, chunks).swapaxes(0, 1).reshape(q.shape[:3] + v.shape[3:])
+    return checkpoint_name(out, "attention").reshape(batch, tokens, -1)  # (B, T, N*D)
 
 
 def _tokens(x: Array) -> Array:
@@ -188,6 +203,7 @@ class SelfAttention(nn.Module):
     eps: float
     scale: float | None
     output_scale: float = 1.0
+    query_chunk: int | None = None  # see `attention`
 
     def setup(self) -> None:
         self.group_norm = group_norm(self.groups, self.eps)
@@ -198,7 +214,7 @@ class SelfAttention(nn.Module):
         del context  # same call signature as Transformer2D; plain self-attention ignores it
         scale = self.scale or (self.ch // self.heads) ** -0.5
         h = _tokens(self.group_norm(x))
-        h = attention(self.to_q(h), self.to_k(h), self.to_v(h), self.heads, scale)
+        h = attention(self.to_q(h), self.to_k(h), self.to_v(h), self.heads, scale, self.query_chunk)
         h = self.to_out(h).reshape(x.shape)
         return (h + x) / self.output_scale
 
@@ -209,6 +225,7 @@ class CrossAttention(nn.Module):
     dim: int
     heads: int
     scale: float | None
+    query_chunk: int | None = None  # see `attention`
 
     def setup(self) -> None:
         # No bias on q/k/v, as torch; the key/value input width is inferred from ``context``.
@@ -220,7 +237,8 @@ class CrossAttention(nn.Module):
     def __call__(self, x: Array, context: Array | None = None) -> Array:
         ctx = x if context is None else context
         scale = self.scale or (self.dim // self.heads) ** -0.5
-        return self.to_out(attention(self.to_q(x), self.to_k(ctx), self.to_v(ctx), self.heads, scale))
+        q, k, v = self.to_q(x), self.to_k(ctx), self.to_v(ctx)
+        return self.to_out(attention(q, k, v, self.heads, scale, self.query_chunk))
 
 
 class FeedForward(nn.Module):
@@ -247,12 +265,14 @@ class TransformerBlock(nn.Module):
     eps: float
     scale: float | None
     context_dim: int | None
+    query_chunk: int | None = None  # see `attention`
 
     def setup(self) -> None:
+        attn = functools.partial(CrossAttention, self.dim, self.heads, self.scale, self.query_chunk)
         self.norm1 = layer_norm(self.eps)
-        self.attn1 = CrossAttention(self.dim, self.heads, self.scale)
+        self.attn1 = attn()
         self.norm2 = layer_norm(self.eps) if self.context_dim else None
-        self.attn2 = CrossAttention(self.dim, self.heads, self.scale) if self.context_dim else None
+        self.attn2 = attn() if self.context_dim else None
         self.norm3 = layer_norm(self.eps)
         self.ff = FeedForward(self.dim)
 
@@ -275,6 +295,7 @@ class Transformer2D(nn.Module):
     scale: float | None
     context_dim: int | None
     linear_projection: bool
+    query_chunk: int | None = None  # see `attention`
 
     def setup(self) -> None:
         # A 1x1 conv and a Dense compute the same map in NHWC, but torch keeps 4-D conv weights
@@ -283,7 +304,8 @@ class Transformer2D(nn.Module):
         self.norm = group_norm(self.groups, self.norm_eps)
         self.proj_in = project(self.ch)
         self.transformer_blocks = [
-            TransformerBlock(self.ch, self.heads, self.ln_eps, self.scale, self.context_dim) for _ in range(self.depth)
+            TransformerBlock(self.ch, self.heads, self.ln_eps, self.scale, self.context_dim, self.query_chunk)
+            for _ in range(self.depth)
         ]
         self.proj_out = project(self.ch)
 

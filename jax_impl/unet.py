@@ -46,10 +46,14 @@ class UNet(nn.Module):
         policy: which blocks/layers to recompute in the backward pass: a policy name (``"full"``,
             ``"balanced"``, ``"layers"``, ``"every:2"``), a tuple of block names, or a
             `CheckpointPlan`; ``None`` takes the spec's own ``checkpoint`` field (default none).
+        attention_chunk: compute attention this many queries at a time, each chunk rematerialised
+            (`jax_impl.layers.attention`): on XLA:CPU, whose attention is unfused, it keeps the
+            (tokens x tokens) scores out of memory. Same parameters and outputs; ``None`` is off.
     """
 
     spec: UNetSpec | str
     policy: PolicyArg = None
+    attention_chunk: int | None = None
 
     @property
     def resolved_spec(self) -> UNetSpec:
@@ -117,7 +121,8 @@ class UNet(nn.Module):
     def _attention_factory(self, kind: str, level: int, output_scale: float = 1.0) -> AttentionFactory | None:
         if kind == "none":
             return None
-        return functools.partial(ATTENTION[kind], **attention_kwargs(self.resolved_spec, kind, level, output_scale))
+        kwargs = attention_kwargs(self.resolved_spec, kind, level, output_scale)
+        return functools.partial(ATTENTION[kind], **kwargs, query_chunk=self.attention_chunk)
 
     def __call__(self, x: Array, t: Array | float, context: Array | None = None, train: bool = False) -> Array:
         """Predict the noise (or whatever the spec was trained on) for NHWC ``x`` at timestep ``t``.
