@@ -219,7 +219,8 @@ def train(cfg: TrainConfig) -> list[float]:
             "norm_kind: 'batch' is not trainable by jax_impl.train yet (its step does not carry batch_stats); "
             "torch_impl.train trains it, and the Flax U-Net itself supports it (apply with mutable=['batch_stats'])"
         )
-    model, tx = UNet(spec=spec, policy=cfg.policy), make_optimizer(cfg.lr, cfg.weight_decay)
+    model = UNet(spec=spec, policy=cfg.policy, attention_chunk=cfg.attention_chunk)
+    tx = make_optimizer(cfg.lr, cfg.weight_decay)
     _ = model.plan  # resolve the policy now: a bad one is a one-line error, not a trace
     mesh = data_parallel_mesh(cfg.batch_size) if cfg.distributed else None
     ckpt, spec_dict = Path(cfg.out) / CHECKPOINT, spec.model_dump(mode="json")

@@ -217,6 +217,7 @@ class TrainConfig:
     num_samples: int = 20
     checkpoint_every: int = 100
     distributed: str | None = None  # None: one process; else a key of DISTRIBUTED[framework]
+    attention_chunk: int | None = None  # jax_impl only: UNet(attention_chunk=...)
 
 
 # --distributed modes per framework. ddp: the batch split over processes (torch DDP) or devices
@@ -272,6 +273,13 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
         help="ddp (what --distributed alone means): torch DDP over gloo (launch with torchrun), or JAX over all "
         "devices; fsdp: torch FSDP2, one shard unit per U-Net block (torch_impl only; launch with torchrun)",
     )
+    if framework == "jax_impl":  # torch's CPU attention kernel is fused already: no twin
+        p.add_argument(
+            "--attention-chunk",
+            type=_positive(int),
+            default=d.attention_chunk,
+            help="compute attention this many queries at a time, each chunk rematerialised (default: off)",
+        )
     args = p.parse_args(argv)
     modes = DISTRIBUTED[framework]
     if args.distributed is not None and args.distributed not in modes:

@@ -16,6 +16,7 @@ from flax import traverse_util
 
 from jax_impl import UNet
 from shared_configs import spec_from_dict
+from shared_configs.training import parse_args
 from tests.test_jax_unet import FAST_COMPILE
 from tests.test_parity import _flax_out, _inputs, _pair, _torch_out
 from tests.utils import TINY, rel_err
@@ -71,3 +72,11 @@ def test_chunks_keep_the_scores_out_of_memory() -> None:
     plain, chunked = temp_bytes(None), temp_bytes(128)
     assert chunked < plain / 3, (plain, chunked)
     assert plain - chunked > 2 * 2 * 8 * 2**20  # at least the two saved score tensors of one attention
+
+
+def test_attention_chunk_is_a_jax_train_flag_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_args(["--attention-chunk", "256"], "jax_impl").attention_chunk == 256
+    assert parse_args([], "jax_impl").attention_chunk is None
+    with pytest.raises(SystemExit):
+        parse_args(["--attention-chunk", "256"], "torch_impl")  # torch's CPU attention is fused already
+    assert "unrecognized arguments: --attention-chunk" in capsys.readouterr().err
