@@ -39,7 +39,7 @@ from benchmarks.common import (
     policy_arg,
 )
 from benchmarks.runner import BenchmarkError, Event, run_job
-from shared_configs import NAMED_POLICIES, SpecError, resolve_plan, to_diffusers_config
+from shared_configs import NAMED_POLICIES, SpecError, UNetSpec, resolve_plan, to_diffusers_config
 
 DEFAULT_POLICIES = "none,full,balanced,layers,save_convs"
 DEFAULT_CONFIG = "small"
@@ -182,13 +182,7 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
     for policy in policies:
         resolve_plan(spec, policy_arg(policy))
     policies = list(dict.fromkeys(["none", *policies]))
-    if DIFFUSERS in args.framework and importlib.util.find_spec("diffusers") is None:
-        raise SpecError("--framework diffusers: the diffusers package is not installed (pip install diffusers)")
-    if "jax" in args.framework and spec.norm_kind == "batch":
-        raise SpecError("norm_kind: 'batch' is not benchmarked in jax yet (the step does not carry batch_stats); "
-                        "use --framework torch")  # fmt: skip
-    if DIFFUSERS in args.framework and source == "spec":
-        to_diffusers_config(spec)  # SpecError naming the field diffusers cannot build
+    _check_frameworks(args.framework, spec, source)
     common = {
         "config": config,
         "source": source,
@@ -209,6 +203,18 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
         )
         for fw in args.framework
     ]
+
+
+def _check_frameworks(frameworks: tuple[str, ...], spec: UNetSpec, source: str) -> None:
+    """Refuse in one line (SpecError) what a chosen framework cannot run."""
+    if DIFFUSERS in frameworks:
+        if importlib.util.find_spec("diffusers") is None:
+            raise SpecError("--framework diffusers: the diffusers package is not installed (pip install diffusers)")
+        if source == "spec":
+            to_diffusers_config(spec)  # names the field diffusers cannot build
+    if "jax" in frameworks and spec.norm_kind == "batch":
+        raise SpecError("norm_kind: 'batch' is not benchmarked in jax yet (the step does not carry batch_stats); "
+                        "use --framework torch")  # fmt: skip
 
 
 def run_all(jobs: list[Job], console: Console, verbose: bool) -> list[list[Event]]:
