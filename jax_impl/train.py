@@ -4,14 +4,16 @@ A thin loop over an importable, jitted step. To put this U-Net in your own loop:
 
     model = UNet(spec=spec, policy="full")            # nn.remat applied inside, per the plan
     tx = make_optimizer(lr=1e-3, weight_decay=0.0)    # optax.adamw, hyperparameters explicit
-    params, opt_state = init_state(model, tx, seed=0)
-    params, opt_state, loss = train_step(params, opt_state, arrays(batch), key, model=model, tx=tx)
+    state = init_state(model, tx, seed=0)              # TrainState: params, opt_state, batch_stats
+    state, loss = train_step(state, arrays(batch), key, model=model, tx=tx)
     # bf16 mixed precision: float32 params and optimizer state, bf16 forward, float32 loss
-    params, opt_state, loss = train_step(..., model=model, tx=tx, compute_dtype=jnp.bfloat16)
+    state, loss = train_step(..., model=model, tx=tx, compute_dtype=jnp.bfloat16)
 
 Batches, timesteps, noise and class contexts come from `shared_configs.training` (numpy, NCHW;
 `arrays` transposes images to NHWC), so `torch_impl.train` sees the very same ones for a seed.
 The dropout key of step ``s`` is derived from (seed, s), so a resumed run replays the same masks.
+A ``norm_kind: batch`` spec carries its BatchNorm running statistics in ``state.batch_stats``
+(updated once per step, remat or not); a GroupNorm spec's ``batch_stats`` is an empty dict.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import flax.serialization
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +55,29 @@ CHECKPOINT = "checkpoint.msgpack"
 Arrays = tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]
 # --dtype -> the forward's compute dtype; None computes in the params' own float32 (no casts at all).
 DTYPES: dict[str, DTypeLike | None] = {"float32": None, "bfloat16": jnp.bfloat16}
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a step updates, as one pytree: the step's signature is the same for every norm."""
+
+    params: Any
+    opt_state: Any
+    batch_stats: Any  # BatchNorm running statistics; {} for a GroupNorm spec
+
+    @classmethod
+    def create(cls, variables: Any, tx: optax.GradientTransformation) -> TrainState:
+        """From Flax ``variables`` (``model.init``'s, or `jax_impl.convert.torch_to_flax_variables`'s)."""
+        params = variables["params"]
+        return cls(params=params, opt_state=tx.init(params), batch_stats=variables.get("batch_stats", {}))
+
+    def variables(self) -> dict[str, Any]:
+        return flax_variables(self.params, self.batch_stats)
+
+
+def flax_variables(params: Any, batch_stats: Any) -> dict[str, Any]:
+    """What ``model.apply`` takes; no empty ``batch_stats`` collection for a GroupNorm spec."""
+    return {"params": params} | ({"batch_stats": batch_stats} if batch_stats else {})
 
 
 @functools.cache  # one object per hyperparameters, so the jitted step (tx is static) compiles once
@@ -84,21 +110,20 @@ def data_parallel_mesh(batch_size: int) -> Mesh:
     return Mesh(np.array(devices), ("data",))
 
 
-def shard(mesh: Mesh, params: Any, opt_state: Any, batch: Arrays) -> tuple[Any, Any, Arrays]:
-    """Place params and optimizer state replicated, the batch split along its first axis."""
+def shard(mesh: Mesh, state: TrainState, batch: Arrays) -> tuple[TrainState, Arrays]:
+    """Place the state (params, optimizer state, batch_stats) replicated, the batch split along its
+    first axis. BatchNorm then normalises with global-batch statistics: jit inserts the reductions."""
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    params, opt_state = jax.device_put((params, opt_state), replicated)
-    return params, opt_state, tuple(None if a is None else jax.device_put(a, split) for a in batch)
+    return jax.device_put(state, replicated), tuple(None if a is None else jax.device_put(a, split) for a in batch)
 
 
-def init_state(model: UNet, tx: optax.GradientTransformation, seed: int) -> tuple[Any, Any]:
-    """Fresh parameters (from ``seed``) and their optimizer state."""
+def init_state(model: UNet, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    """Fresh parameters (from ``seed``), their optimizer state, and initial BatchNorm statistics."""
     spec = model.resolved_spec
     x = jnp.zeros((1, spec.sample_size, spec.sample_size, spec.in_channels), jnp.float32)
     context = None if spec.cross_attention_dim is None else jnp.zeros((1, 1, spec.cross_attention_dim))
     rngs = {"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1)}
-    params = jax.jit(model.init)(rngs, x, jnp.zeros((1,)), context)["params"]
-    return params, tx.init(params)
+    return TrainState.create(jax.jit(model.init)(rngs, x, jnp.zeros((1,)), context), tx)
 
 
 def cast_floating(tree: Any, dtype: DTypeLike) -> Any:
@@ -107,9 +132,18 @@ def cast_floating(tree: Any, dtype: DTypeLike) -> Any:
 
 
 def loss_fn(
-    params: Any, model: UNet, batch: Arrays, dropout_key: jax.Array, compute_dtype: DTypeLike | None = None
-) -> jax.Array:
-    """MSE between the predicted and the true noise (dropout on), in float32.
+    params: Any,
+    batch_stats: Any,
+    model: UNet,
+    batch: Arrays,
+    dropout_key: jax.Array,
+    compute_dtype: DTypeLike | None = None,
+) -> tuple[jax.Array, Any]:
+    """MSE between the predicted and the true noise (dropout on, batch statistics), in float32.
+
+    Returns (loss, updated batch_stats): under remat the collection is an output of the forward,
+    so the running statistics move once per step (torch needs `torch_impl.batchnorm` for that).
+    The batch_stats are never cast: Flax computes and keeps BatchNorm statistics in float32.
 
     With ``compute_dtype`` (``jnp.bfloat16``) the params, image and context are cast to it, so every
     conv and matmul of the forward (and, by transposition, of the backward) runs in that dtype;
@@ -120,38 +154,39 @@ def loss_fn(
     noisy, t, noise, context = batch
     if compute_dtype is not None:
         params, noisy, context = cast_floating((params, noisy, context), compute_dtype)
-    pred = model.apply({"params": params}, noisy, t, context, train=True, rngs={"dropout": dropout_key})
-    return jnp.mean((pred.astype(jnp.float32) - noise) ** 2)
+    variables, rngs = flax_variables(params, batch_stats), {"dropout": dropout_key}
+    pred, updates = model.apply(variables, noisy, t, context, train=True, rngs=rngs, mutable=["batch_stats"])
+    return jnp.mean((pred.astype(jnp.float32) - noise) ** 2), updates.get("batch_stats", batch_stats)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype"))
 def train_step(
-    params: Any,
-    opt_state: Any,
+    state: TrainState,
     batch: Arrays,
     dropout_key: jax.Array,
     *,
     model: UNet,
     tx: optax.GradientTransformation,
     compute_dtype: DTypeLike | None = None,
-) -> tuple[Any, Any, jax.Array]:
+) -> tuple[TrainState, jax.Array]:
     """One DDPM step: loss and gradients (through the remat plan the model carries), optax update.
 
     ``model``, ``tx`` and ``compute_dtype`` are static: keep one object of each (see
     `make_optimizer`) to compile once. ``compute_dtype=jnp.bfloat16`` is mixed precision (see
-    `loss_fn`): params, gradients, optimizer state and loss stay float32. Returns (new params,
-    new optimizer state, loss).
+    `loss_fn`): params, gradients, optimizer state and loss stay float32. Returns (new state, loss).
     """
-    loss, grads = jax.value_and_grad(loss_fn)(params, model, batch, dropout_key, compute_dtype)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, batch_stats), grads = grad_fn(state.params, state.batch_stats, model, batch, dropout_key, compute_dtype)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    return TrainState(optax.apply_updates(state.params, updates), opt_state, batch_stats), loss
 
 
-def generate(model: UNet, params: Any, schedule: Schedule, dataset: Dataset, cfg: TrainConfig) -> np.ndarray:
-    """A grid of samples (NCHW) from the short ancestral sampler (dropout off)."""
+def generate(model: UNet, state: TrainState, schedule: Schedule, dataset: Dataset, cfg: TrainConfig) -> np.ndarray:
+    """A grid of samples (NCHW) from the short ancestral sampler (eval mode: dropout off, BatchNorm
+    with its running statistics)."""
     spec = model.resolved_spec
     shape = (cfg.num_samples, spec.in_channels, spec.sample_size, spec.sample_size)
-    apply = jax.jit(lambda x, t, c: model.apply({"params": params}, x, t, c))
+    apply = jax.jit(lambda x, t, c: model.apply(state.variables(), x, t, c))
 
     def eps_fn(x: np.ndarray, t: np.ndarray, context: np.ndarray | None) -> np.ndarray:
         out = apply(jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(t), context)
@@ -160,29 +195,36 @@ def generate(model: UNet, params: Any, schedule: Schedule, dataset: Dataset, cfg
     return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)
 
 
-def save_checkpoint(path: Path, params: Any, opt_state: Any, step: int, losses: list[float], spec: dict) -> None:
-    """Params, optimizer state, step and loss history as flax msgpack bytes, written atomically."""
-    state = {"params": params, "opt_state": opt_state, "step": step, "losses": np.asarray(losses, np.float64)}
-    blob = flax.serialization.to_state_dict(state) | {"spec": flax.serialization.msgpack_serialize(spec)}
-    atomic_write(path, flax.serialization.msgpack_serialize(blob))
+def save_checkpoint(path: Path, state: TrainState, step: int, losses: list[float], spec: dict) -> None:
+    """Params, optimizer state, batch_stats, step and loss history as flax msgpack bytes, atomically.
+
+    One flat map: the keys of a checkpoint from before ``batch_stats`` existed, plus that one.
+    """
+    ser = flax.serialization
+    record = {"step": step, "losses": np.asarray(losses, np.float64), "spec": ser.msgpack_serialize(spec)}
+    atomic_write(path, ser.msgpack_serialize(ser.to_state_dict(state) | record))
 
 
-def load_checkpoint(path: Path, params: Any, opt_state: Any, spec: dict) -> tuple[Any, Any, int, list[float]]:
-    """Restore into the structure of (params, opt_state); returns them with step and losses."""
+def load_checkpoint(path: Path, state: TrainState, spec: dict) -> tuple[TrainState, int, list[float]]:
+    """Restore into the structure of ``state``; returns it with step and losses.
+
+    A checkpoint without ``batch_stats`` (written before the loop carried them; GroupNorm specs
+    only, since BatchNorm ones were refused) restores with the empty ``batch_stats`` of its spec.
+    """
     if not path.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {path}")
     blob = flax.serialization.msgpack_restore(path.read_bytes())
     saved_spec = flax.serialization.msgpack_restore(blob.pop("spec"))
     if saved_spec != spec:
         raise ValueError(f"--resume: {path} was trained with spec {saved_spec.get('name')!r}, not this --config")
-    target = {"params": params, "opt_state": opt_state, "step": 0, "losses": np.zeros(0)}
-    state = flax.serialization.from_state_dict(target, blob)
-    return state["params"], state["opt_state"], int(state["step"]), [float(x) for x in state["losses"]]
+    blob.setdefault("batch_stats", {})
+    record = flax.serialization.from_state_dict({"step": 0, "losses": np.zeros(0)}, blob)
+    state = flax.serialization.from_state_dict(state, {k: blob[k] for k in ("params", "opt_state", "batch_stats")})
+    return state, int(record["step"]), [float(x) for x in record["losses"]]
 
 
 def run_steps(
-    params: Any,
-    opt_state: Any,
+    state: TrainState,
     losses: list[float],
     dataset: Dataset,
     schedule: Schedule,
@@ -192,8 +234,8 @@ def run_steps(
     tx: optax.GradientTransformation,
     on_step: Callable[[float], None] | None = None,
     mesh: Mesh | None = None,
-) -> tuple[Any, Any]:
-    """Steps ``len(losses) .. stop - 1``, appending each loss; returns (params, opt_state).
+) -> TrainState:
+    """Steps ``len(losses) .. stop - 1``, appending each loss; returns the new state.
 
     With a ``mesh`` (see `data_parallel_mesh`) each step runs data-parallel over its devices;
     ``cfg.dtype`` picks the forward's compute dtype (`DTYPES`).
@@ -202,23 +244,18 @@ def run_steps(
     for step in range(len(losses), stop):
         batch = arrays(dataset.batch(step, cfg.batch_size, schedule, cfg.seed))
         if mesh is not None:
-            params, opt_state, batch = shard(mesh, params, opt_state, batch)
+            state, batch = shard(mesh, state, batch)
         key = jax.random.key(step_seed(cfg.seed, step))  # dropout masks depend on (seed, step) only
-        params, opt_state, loss = step_fn(params, opt_state, batch, key)
+        state, loss = step_fn(state, batch, key)
         losses.append(float(loss))
         if on_step is not None:
             on_step(losses[-1])
-    return params, opt_state
+    return state
 
 
 def train(cfg: TrainConfig) -> list[float]:
     """Run (or resume) training as ``cfg`` says; returns the loss of every step from step 0."""
     spec = load_spec(cfg.config)
-    if spec.norm_kind == "batch":  # the loop carries params and optimizer state only
-        raise NotImplementedError(
-            "norm_kind: 'batch' is not trainable by jax_impl.train yet (its step does not carry batch_stats); "
-            "torch_impl.train trains it, and the Flax U-Net itself supports it (apply with mutable=['batch_stats'])"
-        )
     model = UNet(spec=spec, policy=cfg.policy, attention_chunk=cfg.attention_chunk)
     tx = make_optimizer(cfg.lr, cfg.weight_decay)
     _ = model.plan  # resolve the policy now: a bad one is a one-line error, not a trace
@@ -228,18 +265,16 @@ def train(cfg: TrainConfig) -> list[float]:
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
     dataset = load_dataset(cfg.data, spec, cfg.seed)
     schedule = make_schedule(cfg.schedule, cfg.timesteps)
-    params, opt_state = init_state(model, tx, cfg.seed)
+    state = init_state(model, tx, cfg.seed)
     start, losses = 0, []
     if cfg.resume:
-        params, opt_state, start, losses = load_checkpoint(ckpt, params, opt_state, spec_dict)
+        state, start, losses = load_checkpoint(ckpt, state, spec_dict)
     with progress_bar(cfg.steps, start, f"jax {spec.name} {cfg.policy}") as update:
         while len(losses) < cfg.steps:  # run to the next checkpoint boundary, save, repeat
             stop = min(cfg.steps, (len(losses) // cfg.checkpoint_every + 1) * cfg.checkpoint_every)
-            params, opt_state = run_steps(
-                params, opt_state, losses, dataset, schedule, cfg, stop, model, tx, update, mesh
-            )
-            save_checkpoint(ckpt, params, opt_state, stop, losses, spec_dict)
-    samples = generate(model, params, schedule, dataset, cfg) if cfg.sample_steps > 0 else None
+            state = run_steps(state, losses, dataset, schedule, cfg, stop, model, tx, update, mesh)
+            save_checkpoint(ckpt, state, stop, losses, spec_dict)
+    samples = generate(model, state, schedule, dataset, cfg) if cfg.sample_steps > 0 else None
     save_plots(cfg.out, losses, samples, f"jax_impl {spec.name}, policy {cfg.policy}")
     return losses
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import flax.serialization
 import jax
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from jax_impl import train as jtrain
-from jax_impl.convert import torch_to_flax
+from jax_impl.convert import torch_to_flax_variables
 from jax_impl.unet import UNet as FlaxUNet
 from shared_configs import UNetSpec, load_spec, spec_from_dict
 from shared_configs.training import TrainConfig, load_dataset, make_schedule, speed_line, step_seed
@@ -44,28 +44,38 @@ def torch_model(spec: UNetSpec, policy: str = "none", seed: int = 0) -> TorchUNe
     return model
 
 
-def torch_curve(spec: UNetSpec, policy: str, steps: int) -> list[float]:
+def torch_train(spec: UNetSpec, policy: str, steps: int) -> tuple[TorchUNet, list[float]]:
+    """The seeded torch model after ``steps`` steps (running statistics included), and its losses."""
     model = torch_model(spec, policy)
     optimizer = ttrain.make_optimizer(model, CFG.lr, CFG.weight_decay)
     dataset, losses = load_dataset("digits", spec), []
     for step in range(steps):
         torch.manual_seed(step_seed(CFG.seed, step))
         losses.append(ttrain.train_step(model, optimizer, dataset.batch(step, CFG.batch_size, SCHEDULE, CFG.seed)))
-    return losses
+    return model, losses
 
 
-def jax_setup(spec: UNetSpec, policy: str) -> tuple[FlaxUNet, object, object, object]:
-    """The Flax model, optimizer, and params/opt_state converted from the seeded torch model."""
+def torch_curve(spec: UNetSpec, policy: str, steps: int) -> list[float]:
+    return torch_train(spec, policy, steps)[1]
+
+
+def jax_setup(spec: UNetSpec, policy: str) -> tuple[FlaxUNet, object, jtrain.TrainState]:
+    """The Flax model, optimizer, and train state (params, opt_state, batch_stats) converted from
+    the seeded torch model."""
     model, tx = FlaxUNet(spec=spec, policy=policy), jtrain.make_optimizer(CFG.lr, CFG.weight_decay)
-    params = jax.tree_util.tree_map(jax.numpy.asarray, torch_to_flax(torch_model(spec).state_dict(), spec))
-    return model, tx, params, tx.init(params)
+    variables = torch_to_flax_variables(torch_model(spec).state_dict(), spec)
+    return model, tx, jtrain.TrainState.create(jax.tree.map(jax.numpy.asarray, variables), tx)
+
+
+def jax_train(spec: UNetSpec, policy: str, steps: int) -> tuple[jtrain.TrainState, list[float]]:
+    model, tx, state = jax_setup(spec, policy)
+    losses: list[float] = []
+    state = jtrain.run_steps(state, losses, load_dataset("digits", spec), SCHEDULE, CFG, steps, model, tx)
+    return state, losses
 
 
 def jax_curve(spec: UNetSpec, policy: str, steps: int) -> list[float]:
-    model, tx, params, opt_state = jax_setup(spec, policy)
-    losses: list[float] = []
-    jtrain.run_steps(params, opt_state, losses, load_dataset("digits", spec), SCHEDULE, CFG, steps, model, tx)
-    return losses
+    return jax_train(spec, policy, steps)[1]
 
 
 @pytest.mark.parametrize("curve", [torch_curve, jax_curve], ids=["torch", "jax"])
@@ -97,18 +107,30 @@ def test_torch_resume_continues_the_curve(tmp_path: Path) -> None:
 
 def test_jax_resume_continues_the_curve(tmp_path: Path) -> None:
     spec = load_spec("tiny")  # the same model and optimizer as above: the compiled step is reused
-    model, tx, params, opt_state = jax_setup(spec, "none")
+    model, tx, state = jax_setup(spec, "none")
     dataset, whole = load_dataset("digits", spec), []
-    jtrain.run_steps(params, opt_state, whole, dataset, SCHEDULE, CFG, 6, model, tx)
+    jtrain.run_steps(state, whole, dataset, SCHEDULE, CFG, 6, model, tx)
     losses: list[float] = []
-    p, o = jtrain.run_steps(params, opt_state, losses, dataset, SCHEDULE, CFG, 3, model, tx)
+    half = jtrain.run_steps(state, losses, dataset, SCHEDULE, CFG, 3, model, tx)
     spec_dict, path = spec.model_dump(mode="json"), tmp_path / jtrain.CHECKPOINT
-    jtrain.save_checkpoint(path, p, o, 3, losses, spec_dict)
-    _, fresh_opt = jax_setup(spec, "none")[2:]  # restore into a fresh structure
-    p, o, step, losses = jtrain.load_checkpoint(path, params, fresh_opt, spec_dict)
-    assert step == 3
-    jtrain.run_steps(p, o, losses, dataset, SCHEDULE, CFG, 6, model, tx)
+    jtrain.save_checkpoint(path, half, 3, losses, spec_dict)
+    restored, step, losses = jtrain.load_checkpoint(path, jax_setup(spec, "none")[2], spec_dict)  # a fresh structure
+    assert step == 3 and restored.batch_stats == {}
+    jtrain.run_steps(restored, losses, dataset, SCHEDULE, CFG, 6, model, tx)
     assert losses == whole
+
+
+def test_jax_checkpoint_without_batch_stats_loads(tmp_path: Path) -> None:
+    """A GroupNorm checkpoint from before the loop carried ``batch_stats`` restores as before."""
+    spec = load_spec("tiny")
+    state, spec_dict, path = jax_setup(spec, "none")[2], spec.model_dump(mode="json"), tmp_path / jtrain.CHECKPOINT
+    jtrain.save_checkpoint(path, state, 2, [1.0, 0.5], spec_dict)
+    blob = flax.serialization.msgpack_restore(path.read_bytes())
+    del blob["batch_stats"]  # the old format: params, opt_state, step, losses, spec
+    path.write_bytes(flax.serialization.msgpack_serialize(blob))
+    restored, step, losses = jtrain.load_checkpoint(path, state, spec_dict)
+    assert (step, losses, restored.batch_stats) == (2, [1.0, 0.5], {})
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, restored.params, state.params)))
 
 
 @pytest.mark.parametrize("main", [ttrain.main, jtrain.main], ids=["torch", "jax"])
@@ -135,12 +157,12 @@ from shared_configs.training import TrainConfig, load_dataset, make_schedule
 cfg = TrainConfig(batch_size=4, lr=1e-3, weight_decay=0.01, seed=0, sample_steps=0)
 spec = load_spec("tiny")
 model, tx = UNet(spec=spec, policy="balanced"), jtrain.make_optimizer(cfg.lr, cfg.weight_decay)
-params, opt_state = jtrain.init_state(model, tx, seed=0)
+state = jtrain.init_state(model, tx, seed=0)
 data, schedule = load_dataset("digits", spec, 0), make_schedule("linear", 1000)
 curves = {}
 for name, mesh in (("single", None), ("sharded", jtrain.data_parallel_mesh(cfg.batch_size))):
     losses = []
-    jtrain.run_steps(params, opt_state, losses, data, schedule, cfg, 2, model, tx, mesh=mesh)
+    jtrain.run_steps(state, losses, data, schedule, cfg, 2, model, tx, mesh=mesh)
     curves[name] = losses
 print(json.dumps({"devices": len(jax.devices()), **curves}))
 """
@@ -194,12 +216,3 @@ def test_speed_line_leaves_out_the_first_step() -> None:
         "jax tiny full: 4 step(s); first 30.00 s (compile/warm-up); then median 2.000 s/step = 0.50 steps/s over 3"
     )
     assert speed_line("t", np.array([3.0])) == "t: 1 step(s); first 3.00 s (compile/warm-up)"
-
-
-def test_jax_refuses_batch_norm_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = tmp_path / "bn.yaml"
-    path.write_text(yaml.safe_dump({**TINY, "norm_kind": "batch"}))
-    assert jtrain.main(["--config", str(path), "--out", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: norm_kind: 'batch' is not trainable by jax_impl.train") and err.count("\n") == 1
-    assert not (tmp_path / "run").exists()

@@ -52,10 +52,10 @@ from shared_configs.training import load_dataset
 from tests.test_train import CFG, SCHEDULE, jax_setup
 from tests.test_train_bf16 import NO_DROPOUT, STEPS, float_dtypes
 spec = spec_from_dict(NO_DROPOUT)
-model, tx, params, opt_state = jax_setup(spec, "full")
+model, tx, state = jax_setup(spec, "full")
 cfg, losses, data = dataclasses.replace(CFG, dtype="bfloat16"), [], load_dataset("digits", spec)
 mesh = jtrain.data_parallel_mesh(cfg.batch_size)
-state = jtrain.run_steps(params, opt_state, losses, data, SCHEDULE, cfg, STEPS, model, tx, mesh=mesh)
+state = jtrain.run_steps(state, losses, data, SCHEDULE, cfg, STEPS, model, tx, mesh=mesh)
 print(json.dumps({"devices": len(jax.devices()), "losses": losses, "state_dtypes": float_dtypes(state)}))
 """
 
@@ -92,10 +92,10 @@ def test_bf16_step_runs_every_conv_and_matmul_in_bf16() -> None:
     leaking into the activations would promote the ops after it back to float32.
     """
     spec = load_spec("tiny")
-    model, tx, params, opt_state = jax_setup(spec, "full")
+    model, tx, state = jax_setup(spec, "full")
     batch = jtrain.arrays(load_dataset("digits", spec).batch(0, CFG.batch_size, SCHEDULE, CFG.seed))
     step = functools.partial(jtrain.train_step, model=model, tx=tx, compute_dtype=jnp.bfloat16)
-    closed, out = jax.make_jaxpr(step, return_shape=True)(params, opt_state, batch, jax.random.key(0))
+    closed, out = jax.make_jaxpr(step, return_shape=True)(state, batch, jax.random.key(0))
     counts = _heavy_ops(closed.jaxpr)
     assert {dtype for _, dtype in counts} == {"bfloat16"}, counts
     assert counts["conv_general_dilated", "bfloat16"] > 50 and counts["dot_general", "bfloat16"] > 100, counts
