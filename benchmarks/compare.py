@@ -38,7 +38,7 @@ from benchmarks.common import (
     other_cpu_share,
     policy_arg,
 )
-from benchmarks.runner import BenchmarkError, Event, run_job
+from benchmarks.runner import Event, cli_errors, run_job
 from shared_configs import NAMED_POLICIES, SpecError, UNetSpec, resolve_plan, to_diffusers_config
 
 DEFAULT_POLICIES = "none,full,balanced,layers,save_convs"
@@ -293,16 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # A table this wide wraps unreadably at 80 columns: when not on a terminal, print it wide.
     console = Console() if sys.stdout.isatty() else Console(width=180)
-    try:
+    with cli_errors("compare"):
         jobs = make_jobs(args)
         clock = cpu_snapshot()
         results = run_all(jobs, console, args.verbose)
-    except (SpecError, BenchmarkError) as err:
-        print(f"compare: error: {err}", file=sys.stderr)
-        return 2 if isinstance(err, SpecError) else 1
-    except KeyboardInterrupt:
-        print("compare: interrupted", file=sys.stderr)
-        return 130
     document = build_document(args, jobs, results, clock)
     console.print(report.table(document["rows"], report.title(document)))
     for line in report.notes(document):

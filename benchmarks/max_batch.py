@@ -26,8 +26,7 @@ from rich.table import Table
 from benchmarks import report
 from benchmarks.common import Job, cpu_snapshot
 from benchmarks.compare import build_document, build_parser, make_jobs, run_all
-from benchmarks.runner import BenchmarkError
-from shared_configs import SpecError
+from benchmarks.runner import cli_errors
 
 MIB = 2**20
 DEFAULT_PROBES = (2, 4)
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batch_size = args.batch_size or list(DEFAULT_PROBES)
     budget = args.budget_mib * MIB
     console = Console() if sys.stdout.isatty() else Console(width=160)
-    try:
+    with cli_errors("max_batch"):
         jobs = [replace(j, peak_only=True, steps=1) for j in make_jobs(args)]
         clock, events = cpu_snapshot(), []
         rows = measure(jobs, console, args.verbose, events)
@@ -150,12 +149,6 @@ def main(argv: list[str] | None = None) -> int:
             if not todo:
                 break
             rows = measure(todo, console, args.verbose, events)
-    except (SpecError, BenchmarkError) as err:
-        print(f"max_batch: error: {err}", file=sys.stderr)
-        return 2 if isinstance(err, SpecError) else 1
-    except KeyboardInterrupt:
-        print("max_batch: interrupted", file=sys.stderr)
-        return 130
     results = answer(rows, budget)
     console.print(table(results, budget))
     document = build_document(args, jobs, events, clock)

@@ -12,11 +12,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
 from benchmarks.common import EVENT_PREFIX, REPO_ROOT, Job, worker_env
+from shared_configs import SpecError
 
 Event = dict[str, Any]
 KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
@@ -24,6 +26,20 @@ KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
 
 class BenchmarkError(RuntimeError):
     """A whole framework could not be measured (one line, shown to the user)."""
+
+
+@contextmanager
+def cli_errors(prog: str) -> Iterator[None]:
+    """For the CLIs: bad input (SpecError) exits 2, a framework that cannot be measured 1,
+    Ctrl-C 130, each with one line on stderr and no traceback."""
+    try:
+        yield
+    except (SpecError, BenchmarkError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        raise SystemExit(2 if isinstance(err, SpecError) else 1) from None
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbose: bool = False) -> list[Event]:
