@@ -177,11 +177,9 @@ def _host_params(config: str, sample_size: int | None, dtype_name: str, source: 
     each row needs fresh device copies, since the step donates them. A diffusers folder's own
     weights when ``source`` is "diffusers"."""
     if source == "diffusers":
-        from jax_impl.convert import torch_to_flax
-        from jax_impl.diffusers_io import read_diffusers
+        from jax_impl.diffusers_io import from_diffusers
 
-        spec, state = read_diffusers(config)
-        return jax.tree.map(lambda a: np.asarray(a).astype(DTYPES[dtype_name]), torch_to_flax(state, spec))
+        return jax.tree.map(lambda a: np.asarray(a).astype(DTYPES[dtype_name]), from_diffusers(config)[1])
     spec = load_benchmark_spec(config, sample_size)
     model = UNet(spec=spec, policy="none")
     x = jnp.zeros((1, spec.sample_size, spec.sample_size, spec.in_channels))
