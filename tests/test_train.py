@@ -8,6 +8,7 @@ one compiled step per (model, optimizer) pair: `make_optimizer` is cached, model
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import flax.serialization
@@ -15,13 +16,14 @@ import jax
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from jax_impl import train as jtrain
 from jax_impl.convert import torch_to_flax_variables
 from jax_impl.unet import UNet as FlaxUNet
 from shared_configs import UNetSpec, load_spec, spec_from_dict
 from shared_configs.training import TrainConfig, load_dataset, make_schedule, speed_line, step_seed
-from tests.utils import TINY
+from tests.utils import TINY, torchrun_train
 from torch_impl import train as ttrain
 from torch_impl.unet import UNet as TorchUNet
 
@@ -189,24 +191,11 @@ def test_torch_ddp_matches_one_process(tmp_path: Path) -> None:
     """torchrun, 2 processes, gloo: each rank trains on half the global batch, DDP averages the
     gradients, so the loss curve equals one process on the whole batch (dropout off: masks are
     drawn per shard)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    import yaml
-
     config = tmp_path / "tiny_no_dropout.yaml"
     config.write_text(yaml.safe_dump({**TINY, "dropout": 0.0}))
-    single = ttrain.train(TrainConfig(**{**vars(CFG), "config": str(config), "steps": 3, "out": str(tmp_path / "one")}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "torch_impl.train", "--distributed", "--config", str(config), "--steps", "3",
-           "--batch-size", "4", "--lr", "1e-3", "--weight-decay", "0.01", "--sample-steps", "0",
-           "--out", str(tmp_path / "ddp")]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    ddp = json.loads((tmp_path / "ddp" / "losses.json").read_text())
+    one = replace(CFG, config=str(config), steps=3, out=str(tmp_path / "one"))
+    single = ttrain.train(one)
+    ddp = torchrun_train(replace(one, distributed="ddp", out=str(tmp_path / "ddp")))
     np.testing.assert_allclose(ddp, single, rtol=1e-5)
 
 
