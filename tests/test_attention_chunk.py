@@ -17,9 +17,8 @@ from flax import traverse_util
 from jax_impl import UNet
 from shared_configs import spec_from_dict
 from shared_configs.training import parse_args
-from tests.test_jax_unet import FAST_COMPILE
 from tests.test_parity import _flax_out, _inputs, _pair, _torch_out
-from tests.utils import TINY, rel_err
+from tests.utils import FAST_COMPILE, TINY, rel_err
 
 
 @pytest.mark.parametrize("name", ["tiny", "ddpm_style", "sd_linear_proj"])

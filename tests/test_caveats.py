@@ -23,8 +23,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from jax_impl import UNet as FlaxUNet
 from jax_impl.convert import flax_to_torch, torch_to_flax, torch_to_flax_variables
-from tests.test_jax_unet import FAST_COMPILE
-from tests.utils import randomize_, rel_err, variant
+from tests.utils import FAST_COMPILE, randomize_, rel_err, variant
 from torch_impl import UNet as TorchUNet
 from torch_impl.batchnorm import RUNNING_BUFFERS, with_frozen_running_stats
 

@@ -17,16 +17,10 @@ from flax import traverse_util
 
 from jax_impl import UNet
 from shared_configs import CheckpointPlan, UNetSpec, layer_names, load_spec, resolve_plan
+from tests.utils import FAST_COMPILE
 from torch_impl import UNet as TorchUNet
 
 POLICIES = ("full", "balanced", "layers", "every:2")
-# XLA:CPU spends seconds optimising each gradient program; these tests check values, not speed,
-# so compile with backend optimisation off (about 4x faster; the computation is unchanged).
-FAST_COMPILE = {
-    "xla_backend_optimization_level": 0,
-    "xla_llvm_disable_expensive_passes": True,
-    "xla_cpu_use_fusion_emitters": False,
-}
 
 
 def _abstract_inputs(spec: UNetSpec, size: int | None = None) -> tuple:

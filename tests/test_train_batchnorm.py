@@ -22,9 +22,8 @@ from jax_impl import train as jtrain
 from jax_impl.convert import flax_to_torch
 from shared_configs import spec_from_dict
 from shared_configs.training import load_dataset
-from tests.test_jax_unet import FAST_COMPILE
 from tests.test_train import CFG, SCHEDULE, _one_thread, jax_setup, jax_train, torch_train  # noqa: F401 (fixture)
-from tests.utils import TINY, rel_err
+from tests.utils import FAST_COMPILE, TINY, rel_err
 from torch_impl import train as ttrain
 from torch_impl.unet import UNet as TorchUNet
 

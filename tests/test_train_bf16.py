@@ -29,9 +29,8 @@ from jax import lax
 from jax_impl import train as jtrain
 from shared_configs import load_spec, spec_from_dict
 from shared_configs.training import load_dataset
-from tests.test_jax_unet import FAST_COMPILE
 from tests.test_train import CFG, SCHEDULE, _one_thread, jax_setup, torch_curve  # noqa: F401 (fixture)
-from tests.utils import TINY
+from tests.utils import FAST_COMPILE, TINY
 from torch_impl import train as ttrain
 
 STEPS = 10
