@@ -1,83 +1,32 @@
 """Training loops: checkpointing leaves the loss curve unchanged, torch == JAX, learning, resume, CLI.
 
-Kept fast: the tiny spec, batch 4, one thread for torch, and the JAX parameters converted from a
-seeded torch model (a jitted Flax init costs as much as compiling the step). The JAX tests share
-one compiled step per (model, optimizer) pair: `make_optimizer` is cached, models compare equal.
+Kept fast: the tiny spec, batch 4, one thread for torch, JAX parameters converted from a seeded
+torch model (see `tests.train_utils`). Run folders, checkpoints and their faults: test_train_runs.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
-import flax.serialization
-import jax
 import numpy as np
 import pytest
-import torch
 import yaml
 
 from jax_impl import train as jtrain
-from jax_impl.convert import torch_to_flax_variables
-from jax_impl.unet import UNet as FlaxUNet
-from shared_configs import UNetSpec, load_spec, spec_from_dict
-from shared_configs.training import TrainConfig, load_dataset, make_schedule, speed_line, step_seed
-from tests.utils import TINY, torchrun_train
+from shared_configs import load_spec, spec_from_dict
+from shared_configs.ddpm import make_schedule
+from shared_configs.outputs import speed_line
+from shared_configs.training import TrainConfig
+from tests.train_utils import CFG, jax_curve, one_thread, torch_curve
+from tests.utils import FAST_COMPILE, TINY, torchrun_train
 from torch_impl import train as ttrain
-from torch_impl.unet import UNet as TorchUNet
 
-SCHEDULE = make_schedule("linear", 1000)
-CFG = TrainConfig(batch_size=4, lr=1e-3, weight_decay=0.01, seed=0, sample_steps=0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small ops on a shared 2-core box: threads only contend
-    yield
-    torch.set_num_threads(threads)
-
-
-def torch_model(spec: UNetSpec, policy: str = "none", seed: int = 0) -> TorchUNet:
-    torch.manual_seed(seed)
-    model = TorchUNet(spec)
-    model.enable_gradient_checkpointing(policy)
-    return model
-
-
-def torch_train(spec: UNetSpec, policy: str, steps: int) -> tuple[TorchUNet, list[float]]:
-    """The seeded torch model after ``steps`` steps (running statistics included), and its losses."""
-    model = torch_model(spec, policy)
-    optimizer = ttrain.make_optimizer(model, CFG.lr, CFG.weight_decay)
-    dataset, losses = load_dataset("digits", spec), []
-    for step in range(steps):
-        torch.manual_seed(step_seed(CFG.seed, step))
-        losses.append(ttrain.train_step(model, optimizer, dataset.batch(step, CFG.batch_size, SCHEDULE, CFG.seed)))
-    return model, losses
-
-
-def torch_curve(spec: UNetSpec, policy: str, steps: int) -> list[float]:
-    return torch_train(spec, policy, steps)[1]
-
-
-def jax_setup(spec: UNetSpec, policy: str) -> tuple[FlaxUNet, object, jtrain.TrainState]:
-    """The Flax model, optimizer, and train state (params, opt_state, batch_stats) converted from
-    the seeded torch model."""
-    model, tx = FlaxUNet(spec=spec, policy=policy), jtrain.make_optimizer(CFG.lr, CFG.weight_decay)
-    variables = torch_to_flax_variables(torch_model(spec).state_dict(), spec)
-    return model, tx, jtrain.TrainState.create(jax.tree.map(jax.numpy.asarray, variables), tx)
-
-
-def jax_train(spec: UNetSpec, policy: str, steps: int) -> tuple[jtrain.TrainState, list[float]]:
-    model, tx, state = jax_setup(spec, policy)
-    losses: list[float] = []
-    state = jtrain.run_steps(state, losses, load_dataset("digits", spec), SCHEDULE, CFG, steps, model, tx)
-    return state, losses
-
-
-def jax_curve(spec: UNetSpec, policy: str, steps: int) -> list[float]:
-    return jax_train(spec, policy, steps)[1]
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 @pytest.mark.parametrize("curve", [torch_curve, jax_curve], ids=["torch", "jax"])
@@ -97,96 +46,111 @@ def test_loss_halves_on_digits(tmp_path: Path) -> None:
     cfg = TrainConfig(batch_size=16, steps=80, lr=2e-3, out=str(tmp_path), sample_steps=2, num_samples=2)
     losses = ttrain.train(cfg)
     assert np.mean(losses[-10:]) <= 0.5 * np.mean(losses[:5]), (losses[:5], losses[-10:])
-    assert {p.name for p in tmp_path.iterdir()} == {"checkpoint.pt", "loss.png", "samples.png", "losses.json"}
+    names = {p.name for p in tmp_path.iterdir()}
+    assert names == {".lock", "checkpoint-00000080", "loss.png", "samples.png", "losses.json"}
 
 
-def test_torch_resume_continues_the_curve(tmp_path: Path) -> None:
-    whole = ttrain.train(TrainConfig(**{**vars(CFG), "steps": 6, "out": str(tmp_path / "a")}))
-    part = TrainConfig(**{**vars(CFG), "steps": 3, "out": str(tmp_path / "b")})
-    assert ttrain.train(part) == whole[:3]
-    assert ttrain.train(TrainConfig(**{**vars(part), "steps": 6, "resume": True})) == whole
-
-
-def test_jax_resume_continues_the_curve(tmp_path: Path) -> None:
-    spec = load_spec("tiny")  # the same model and optimizer as above: the compiled step is reused
-    model, tx, state = jax_setup(spec, "none")
-    dataset, whole = load_dataset("digits", spec), []
-    jtrain.run_steps(state, whole, dataset, SCHEDULE, CFG, 6, model, tx)
-    losses: list[float] = []
-    half = jtrain.run_steps(state, losses, dataset, SCHEDULE, CFG, 3, model, tx)
-    spec_dict, path = spec.model_dump(mode="json"), tmp_path / jtrain.CHECKPOINT
-    jtrain.save_checkpoint(path, half, 3, losses, spec_dict)
-    restored, step, losses = jtrain.load_checkpoint(path, jax_setup(spec, "none")[2], spec_dict)  # a fresh structure
-    assert step == 3 and restored.batch_stats == {}
-    jtrain.run_steps(restored, losses, dataset, SCHEDULE, CFG, 6, model, tx)
-    assert losses == whole
-
-
-def test_jax_checkpoint_without_batch_stats_loads(tmp_path: Path) -> None:
-    """A GroupNorm checkpoint from before the loop carried ``batch_stats`` restores as before."""
-    spec = load_spec("tiny")
-    state, spec_dict, path = jax_setup(spec, "none")[2], spec.model_dump(mode="json"), tmp_path / jtrain.CHECKPOINT
-    jtrain.save_checkpoint(path, state, 2, [1.0, 0.5], spec_dict)
-    blob = flax.serialization.msgpack_restore(path.read_bytes())
-    del blob["batch_stats"]  # the old format: params, opt_state, step, losses, spec
-    path.write_bytes(flax.serialization.msgpack_serialize(blob))
-    restored, step, losses = jtrain.load_checkpoint(path, state, spec_dict)
-    assert (step, losses, restored.batch_stats) == (2, [1.0, 0.5], {})
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, restored.params, state.params)))
+@pytest.mark.parametrize("framework", [ttrain, jtrain], ids=["torch", "jax"])
+def test_resume_continues_the_curve(framework, tmp_path: Path) -> None:
+    """Through the whole loop: a checkpoint (DCP / orbax) at step 2, resumed to 4, equals 4 straight."""
+    cfg = replace(CFG, steps=4, checkpoint_every=2)
+    whole = framework.train(replace(cfg, out=str(tmp_path / "whole")))
+    part = replace(cfg, steps=2, out=str(tmp_path / "part"))
+    assert framework.train(part) == whole[:2]
+    assert framework.train(replace(part, steps=4, resume=True)) == whole
+    assert json.loads((tmp_path / "part" / "losses.json").read_text()) == whole  # JAX writes it too
 
 
 @pytest.mark.parametrize("main", [ttrain.main, jtrain.main], ids=["torch", "jax"])
 @pytest.mark.parametrize(
-    "argv",
-    [["--steps", "0"], ["--lr", "x"], ["--config", "nope"], ["--policy", "bogus"], ["--data", "mnist"], ["--resume"]],
+    "argv, flag",
+    [
+        (["--steps", "0"], "--steps"),
+        (["--lr", "x"], "--lr"),
+        (["--lr", "inf"], "--lr"),
+        (["--lr", "nan"], "--lr"),
+        (["--weight-decay", "-1"], "--weight-decay"),
+        (["--seed", "-1"], "--seed"),
+        (["--timesteps", "10"], "--timesteps 10"),
+        (["--resume", "--overwrite"], "--overwrite"),
+        (["--config", "nope"], "nope"),
+        (["--policy", "bogus"], "bogus"),
+        (["--data", "mnist"], "--data"),
+        (["--resume"], "--resume"),
+    ],
 )
-def test_bad_input_is_one_line(main, argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_one_line(main, argv: list[str], flag: str, tmp_path: Path, capsys) -> None:
     try:
         code = main([*argv, "--out", str(tmp_path / "none")])
     except SystemExit as exit_:
         code = exit_.code
     assert code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
+    assert err.startswith("error: ") and "\n" not in err and flag in err, err
 
 
-JAX_DATA_PARALLEL = """
-import json, jax, numpy as np
+def test_short_linear_schedule_names_the_smallest_valid_timesteps(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        ttrain.main(["--timesteps", "20"])
+    assert exit_.value.code == 2 and "the smallest valid value is 21" in capsys.readouterr().err
+    make_schedule("linear", 21)  # betas up to 0.952: accepted
+    make_schedule("cosine", 2)  # clipped to 0.999: any length is valid
+
+
+JAX_MESHES = """
+import json, sys, jax
+from dataclasses import replace
 from jax_impl import train as jtrain
+from jax_impl.parallel import data_parallel_mesh, device_bytes
 from jax_impl.unet import UNet
 from shared_configs import load_spec
-from shared_configs.training import TrainConfig, load_dataset, make_schedule
-cfg = TrainConfig(batch_size=4, lr=1e-3, weight_decay=0.01, seed=0, sample_steps=0)
-spec = load_spec("tiny")
-model, tx = UNet(spec=spec, policy="balanced"), jtrain.make_optimizer(cfg.lr, cfg.weight_decay)
-state = jtrain.init_state(model, tx, seed=0)
-data, schedule = load_dataset("digits", spec, 0), make_schedule("linear", 1000)
-curves = {}
-for name, mesh in (("single", None), ("sharded", jtrain.data_parallel_mesh(cfg.batch_size))):
-    losses = []
-    jtrain.run_steps(state, losses, data, schedule, cfg, 2, model, tx, mesh=mesh)
-    curves[name] = losses
-print(json.dumps({"devices": len(jax.devices()), **curves}))
+from shared_configs.data import load_dataset
+from tests.train_utils import CFG, SCHEDULE
+policy, modes = sys.argv[1], sys.argv[2].split(",")
+spec, mesh = load_spec("tiny"), data_parallel_mesh(CFG.batch_size)
+model, tx = UNet(spec=spec, policy=policy), jtrain.make_optimizer(CFG.lr, CFG.weight_decay)
+state, data = jtrain.init_state(model, tx, seed=0), load_dataset("digits", spec)
+result = {"devices": len(jax.devices())}
+for mode in modes:
+    losses, cfg = [], replace(CFG, distributed=None if mode == "single" else mode)
+    end = jtrain.run_steps(state, losses, data, SCHEDULE, cfg, 2, model, tx, mesh=None if mode == "single" else mesh)
+    parts = {"params": end.params, "opt_state": end.opt_state}
+    bytes_ = {k: [device_bytes(v, d) for d in jax.devices()] for k, v in parts.items()}
+    total = {k: sum(a.nbytes for a in jax.tree.leaves(v)) for k, v in parts.items()}
+    result[mode] = {"losses": losses, "device_bytes": bytes_, "total_bytes": total}
+print(json.dumps(result))
 """
 
 
-def test_jax_data_parallel_matches_one_device() -> None:
-    """2 CPU devices, batch split, params replicated: the same loss curve as one device (dropout on)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    # LLVM at -O0 halves XLA:CPU compile times; the computation is unchanged.
-    flags = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
-    env = {**os.environ, "XLA_FLAGS": flags}
-    out = subprocess.run([sys.executable, "-c", JAX_DATA_PARALLEL], env=env, capture_output=True, text=True)
+def jax_on_two_devices(script: str, *args: str) -> dict:
+    """Run ``script`` on 2 forced CPU devices (backend optimisation off); its last stdout line, as JSON."""
+    flags = [f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items()]  # values unchanged, ~4x faster
+    env = {**os.environ, "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=2", *flags])}
+    cmd, root = [sys.executable, "-c", script, *args], Path(__file__).parents[1]
+    out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["devices"] == 2
-    np.testing.assert_allclose(result["sharded"], result["single"], rtol=1e-5)
+    return result
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, modes", [("balanced", "single,ddp,fsdp"), ("full", "single,fsdp")])
+def test_jax_data_parallel_and_fsdp_match_one_device(policy: str, modes: str) -> None:
+    """2 CPU devices, batch split: replicated (ddp) or sharded (fsdp) state gives one device's loss
+    curve (dropout on), and under fsdp each device holds about half of the params and AdamW state."""
+    result = jax_on_two_devices(JAX_MESHES, policy, modes)
+    for mode in modes.split(",")[1:]:
+        np.testing.assert_allclose(result[mode]["losses"], result["single"]["losses"], rtol=1e-5, err_msg=mode)
+    fsdp = result["fsdp"]
+    for part, total in fsdp["total_bytes"].items():  # replicated leaves: biases and norms, < 2% of tiny's bytes
+        assert max(fsdp["device_bytes"][part]) <= 0.52 * total, (part, fsdp["device_bytes"][part], total)
+        assert sum(fsdp["device_bytes"][part]) >= total  # every byte somewhere
+    if "ddp" in result:  # the control: replicated state, every device holds all of it
+        assert result["ddp"]["device_bytes"]["params"] == [result["ddp"]["total_bytes"]["params"]] * 2
+
+
+@pytest.mark.slow
 def test_torch_ddp_matches_one_process(tmp_path: Path) -> None:
     """torchrun, 2 processes, gloo: each rank trains on half the global batch, DDP averages the
     gradients, so the loss curve equals one process on the whole batch (dropout off: masks are
