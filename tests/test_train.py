@@ -22,8 +22,8 @@ from shared_configs import load_spec, spec_from_dict
 from shared_configs.ddpm import make_schedule
 from shared_configs.outputs import speed_line
 from shared_configs.training import TrainConfig
-from tests.train_utils import CFG, jax_curve, one_thread, torch_curve
-from tests.utils import FAST_COMPILE, TINY, torchrun_train
+from tests.train_utils import CFG, TINY_NO_DROPOUT, jax_curve, one_thread, torch_curve
+from tests.utils import FAST_COMPILE, torchrun_train
 from torch_impl import train as ttrain
 
 _one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
@@ -38,7 +38,7 @@ def test_checkpointing_keeps_the_loss_curve(curve) -> None:
 
 
 def test_torch_and_jax_loss_curves_agree() -> None:
-    spec = spec_from_dict({**TINY, "name": "tiny_nodrop", "dropout": 0.0})
+    spec = spec_from_dict(TINY_NO_DROPOUT)
     np.testing.assert_allclose(jax_curve(spec, "none", 10), torch_curve(spec, "none", 10), rtol=1e-4)
 
 
@@ -156,7 +156,7 @@ def test_torch_ddp_matches_one_process(tmp_path: Path) -> None:
     gradients, so the loss curve equals one process on the whole batch (dropout off: masks are
     drawn per shard)."""
     config = tmp_path / "tiny_no_dropout.yaml"
-    config.write_text(yaml.safe_dump({**TINY, "dropout": 0.0}))
+    config.write_text(yaml.safe_dump(TINY_NO_DROPOUT))
     one = replace(CFG, config=str(config), steps=3, out=str(tmp_path / "one"))
     single = ttrain.train(one)
     ddp = torchrun_train(replace(one, distributed="ddp", out=str(tmp_path / "ddp")))

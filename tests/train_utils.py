@@ -13,18 +13,22 @@ import jax
 import torch
 
 from jax_impl import train as jtrain
+from jax_impl.checkpoint_io import abstract_target
 from jax_impl.convert import torch_to_flax_variables
 from jax_impl.unet import UNet as FlaxUNet
 from shared_configs import UNetSpec
 from shared_configs.data import load_dataset, step_seed
 from shared_configs.ddpm import make_schedule
 from shared_configs.training import TrainConfig
-from tests.utils import count_flops
+from tests.utils import TINY, count_flops
 from torch_impl import train as ttrain
 from torch_impl.unet import UNet as TorchUNet
 
 SCHEDULE = make_schedule("linear", 1000)
 CFG = TrainConfig(batch_size=4, lr=1e-3, weight_decay=0.01, seed=0, sample_steps=0)
+# Dropout off where torch and JAX (or processes, or devices) must draw the same masks: they do not.
+TINY_NO_DROPOUT = {**TINY, "name": "tiny_nodrop", "dropout": 0.0}
+TINY_BN = {**TINY, "name": "tiny_bn", "norm_kind": "batch", "dropout": 0.0}
 
 
 def one_thread() -> Iterator[None]:
@@ -80,3 +84,13 @@ def step_flops(model: TorchUNet, backward: bool) -> tuple[int, dict[str, int]]:
     """`tests.utils.count_flops` on a training batch of 2."""
     noisy, t, _, context = ttrain.as_tensors(load_dataset("digits", model.spec).batch(0, 2, SCHEDULE, 0))
     return count_flops(model, (noisy, t, context), backward)
+
+
+def float_dtypes(tree: object) -> list[str]:
+    """The dtypes of the floating leaves of ``tree`` (optax's integer step count left out)."""
+    return sorted({str(a.dtype) for a in jax.tree.leaves(tree) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating)})
+
+
+def jax_restore_target(state: object) -> object:
+    """``state`` as the target of `jax_impl.checkpoint_io.load_checkpoint`: its shapes, dtypes, shardings."""
+    return abstract_target(state, jax.tree.map(lambda a: a.sharding, state))
