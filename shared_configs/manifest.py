@@ -76,7 +76,7 @@ def read_manifest(root: Path) -> Manifest:
     """The manifest of the checkpoint folder ``root``; `CheckpointError` naming what is wrong."""
     path = root / MANIFEST
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing: {root} is not a complete checkpoint")
+        raise CheckpointError(f"{path}: missing, so {root} is not a complete checkpoint")
     try:
         document = json.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError) as err:

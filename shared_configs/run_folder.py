@@ -224,7 +224,7 @@ def save(out: Path, manifest: Manifest, write_state: Callable[[Path], None], com
     tmp = out / f".{checkpoint_name(manifest.step)}{TEMP_SUFFIX}"
     if comm.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        tmp.mkdir(parents=True)
     comm.barrier()
     write_state(tmp / STATE)
     comm.barrier()
