@@ -8,10 +8,6 @@ Dropout is off: torch and JAX draw different masks.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +20,18 @@ from jax_impl.convert import flax_to_torch
 from shared_configs import spec_from_dict
 from shared_configs.data import load_dataset
 from shared_configs.loop import manifest_for
-from tests.train_utils import CFG, SCHEDULE, TINY_BN, jax_restore_target, jax_setup, jax_train, one_thread, torch_train
-from tests.utils import FAST_COMPILE, rel_err
+from tests.train_utils import (
+    CFG,
+    SCHEDULE,
+    TINY_BN,
+    jax_on_two_devices,
+    jax_restore_target,
+    jax_setup,
+    jax_train,
+    one_thread,
+    torch_train,
+)
+from tests.utils import rel_err
 from torch_impl import train as ttrain
 from torch_impl.unet import UNet as TorchUNet
 
@@ -134,13 +140,7 @@ def test_jax_batchnorm_resume_continues_the_curve(jax_run: tuple, tmp_path: Path
 def test_jax_batchnorm_data_parallel_matches_one_device() -> None:
     """2 CPU devices, batch split: BatchNorm normalises with global-batch statistics (jit inserts
     the reductions), so the loss curve and the running statistics equal one device's."""
-    flags = [f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items()]  # values unchanged, ~4x faster
-    env = {**os.environ, "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=2", *flags])}
-    cmd, root = [sys.executable, "-c", DATA_PARALLEL, str(STEPS)], Path(__file__).parents[1]
-    out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 2
+    result = jax_on_two_devices(DATA_PARALLEL, str(STEPS))
     single, sharded = result["single"], result["sharded"]
     np.testing.assert_allclose(sharded["losses"], single["losses"], rtol=1e-5)
     assert sharded["end"].keys() == single["end"].keys() and len(single["end"]) > 10

@@ -11,12 +11,7 @@ JAX compile fewer). The bf16 tolerance is far looser than that, so the stand-in 
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import jax
 import jax.extend.core
@@ -29,8 +24,16 @@ from jax import lax
 from jax_impl import train as jtrain
 from shared_configs import load_spec, spec_from_dict
 from shared_configs.data import load_dataset
-from tests.train_utils import CFG, SCHEDULE, TINY_NO_DROPOUT, float_dtypes, jax_setup, one_thread, torch_curve
-from tests.utils import FAST_COMPILE
+from tests.train_utils import (
+    CFG,
+    SCHEDULE,
+    TINY_NO_DROPOUT,
+    float_dtypes,
+    jax_on_two_devices,
+    jax_setup,
+    one_thread,
+    torch_curve,
+)
 from torch_impl import train as ttrain
 
 STEPS = 10
@@ -99,15 +102,7 @@ def test_bf16_step_runs_every_conv_and_matmul_in_bf16() -> None:
 @pytest.fixture(scope="module")
 def bf16_run() -> dict:  # a subprocess: the tests using it are marked slow
     """The JAX bf16 curve: 2 CPU devices, batch split, policy ``full``, via `jtrain.run_steps`."""
-    flags = [f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items()]  # values unchanged, ~4x faster
-    env = {**os.environ, "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=2", *flags])}
-    root = Path(__file__).parents[1]
-    cmd = [sys.executable, "-c", BF16_RUN, str(STEPS)]
-    out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 2
-    return result
+    return jax_on_two_devices(BF16_RUN, str(STEPS))
 
 
 @pytest.mark.slow

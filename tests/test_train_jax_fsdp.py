@@ -7,16 +7,12 @@ Each test is one subprocess on 2 forced CPU devices, compiled with backend optim
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.utils import FAST_COMPILE
+from tests.train_utils import jax_on_two_devices
 
 JAX_MESHES = """
 import json, sys, jax
@@ -42,18 +38,6 @@ for mode in modes:
     result[mode] = {"losses": losses, "device_bytes": bytes_, "total_bytes": total, "replicated_bytes": whole}
 print(json.dumps(result))
 """
-
-
-def jax_on_two_devices(script: str, *args: str) -> dict:
-    """Run ``script`` on 2 forced CPU devices (backend optimisation off); its last stdout line, as JSON."""
-    flags = [f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items()]  # values unchanged, ~4x faster
-    env = {**os.environ, "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=2", *flags])}
-    cmd, root = [sys.executable, "-c", script, *args], Path(__file__).parents[1]
-    out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 2
-    return result
 
 
 @pytest.mark.slow
