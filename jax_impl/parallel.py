@@ -26,7 +26,7 @@ AXIS = "data"
 MIN_SHARDED = 1024  # elements: smaller leaves (biases, norm scales, the step count) stay replicated
 
 
-def data_parallel_mesh(batch_size: int) -> Mesh:
+def make_mesh(batch_size: int) -> Mesh:
     """A 1-D mesh over every device, axis ``data``; the batch must split evenly over it."""
     devices = jax.devices()
     if batch_size % len(devices):

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jax.typing import DTypeLike
 
 from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, abstract_target, load_checkpoint, save_checkpoint
-from jax_impl.parallel import data_parallel_mesh, shard, state_shardings
+from jax_impl.parallel import make_mesh, shard, state_shardings
 from jax_impl.unet import UNet
 from shared_configs import load_spec
 from shared_configs.data import Batch, Dataset, load_dataset, step_seed
@@ -179,7 +179,7 @@ def make_step(
 ) -> Callable[[TrainState, int], tuple[TrainState, float]]:
     """``step(state, s) -> (state, loss)``: training step ``s`` on its batch (a function of (seed, s)).
 
-    With a ``mesh`` (`jax_impl.parallel.data_parallel_mesh`) the state is placed as
+    With a ``mesh`` (`jax_impl.parallel.make_mesh`) the state is placed as
     ``cfg.distributed`` says (replicated, or FSDP-sharded) and the batch split over the devices;
     ``cfg.dtype`` picks the forward's compute dtype (`DTYPES`).
     """
@@ -246,7 +246,7 @@ def train(cfg: TrainConfig) -> list[float]:
     check_objective(spec)
     model = UNet(spec=spec, policy=cfg.policy, attention_chunk=cfg.attention_chunk)
     policy = model.plan.policy  # resolve the policy now (None: the spec's own): a bad one is one line
-    mesh = data_parallel_mesh(cfg.batch_size) if cfg.distributed else None
+    mesh = make_mesh(cfg.batch_size) if cfg.distributed else None
     with open_run(cfg, spec, FRAMEWORK, LAYOUT) as run:
         tx = make_optimizer(cfg.lr, cfg.weight_decay)
         state = start_state(model, tx, cfg, run, mesh)

@@ -44,7 +44,7 @@ import json, sys, numpy as np
 from flax import traverse_util
 import jax
 from jax_impl import train as jtrain
-from jax_impl.parallel import data_parallel_mesh
+from jax_impl.parallel import make_mesh
 from shared_configs import spec_from_dict
 from shared_configs.data import load_dataset
 from tests.train_utils import CFG, SCHEDULE, TINY_BN, jax_setup
@@ -52,7 +52,7 @@ SPEC, STEPS = spec_from_dict(TINY_BN), int(sys.argv[1])
 model, tx, state = jax_setup(SPEC, "none")
 result, data = {"devices": len(jax.devices())}, load_dataset("digits", SPEC)
 flat = lambda s: {"/".join(k): np.asarray(v).tolist() for k, v in traverse_util.flatten_dict(s.batch_stats).items()}
-for name, mesh in (("single", None), ("sharded", data_parallel_mesh(CFG.batch_size))):
+for name, mesh in (("single", None), ("sharded", make_mesh(CFG.batch_size))):
     losses = []
     first = jtrain.run_steps(state, losses, data, SCHEDULE, CFG, 1, model, tx, mesh=mesh)
     end = jtrain.run_steps(first, losses, data, SCHEDULE, CFG, STEPS, model, tx, mesh=mesh)

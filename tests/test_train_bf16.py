@@ -49,14 +49,14 @@ _one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 BF16_RUN = """
 import dataclasses, json, sys, jax
 from jax_impl import train as jtrain
-from jax_impl.parallel import data_parallel_mesh
+from jax_impl.parallel import make_mesh
 from shared_configs import spec_from_dict
 from shared_configs.data import load_dataset
 from tests.train_utils import CFG, SCHEDULE, TINY_NO_DROPOUT, float_dtypes, jax_setup
 spec, STEPS = spec_from_dict(TINY_NO_DROPOUT), int(sys.argv[1])
 model, tx, state = jax_setup(spec, "full")
 cfg, losses, data = dataclasses.replace(CFG, dtype="bfloat16"), [], load_dataset("digits", spec)
-mesh = data_parallel_mesh(cfg.batch_size)
+mesh = make_mesh(cfg.batch_size)
 state = jtrain.run_steps(state, losses, data, SCHEDULE, cfg, STEPS, model, tx, mesh=mesh)
 print(json.dumps({"devices": len(jax.devices()), "losses": losses, "state_dtypes": float_dtypes(state)}))
 """
