@@ -109,3 +109,20 @@ def torchrun_train(cfg: TrainConfig, nproc: int = 2, timeout: float = 300) -> li
             raise
     assert proc.returncode == 0, err[-2000:]
     return json.loads((Path(cfg.out) / "losses.json").read_text())
+
+
+def count_flops(model: Any, inputs: tuple, backward: bool) -> tuple[int, dict[str, int]]:
+    """FLOPs of ``model(*inputs)`` (and of ``.sum().backward()``), total and per module (``down.0``, ...).
+
+    CPU attention counted too (`torch_impl.flops`)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from torch_impl.flops import register_cpu_attention_flops
+
+    register_cpu_attention_flops()
+    with FlopCounterMode(display=False) as counter:
+        out = model(*inputs)
+        if backward:
+            out.sum().backward()
+    per_module = {k.removeprefix("UNet."): sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    return counter.get_total_flops(), per_module

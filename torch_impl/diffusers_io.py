@@ -19,7 +19,7 @@ from shared_configs import UNetSpec
 from shared_configs.diffusers import ours_to_diffusers as _ours_to_diffusers
 from shared_configs.diffusers import read_source
 from shared_configs.diffusers_export import to_diffusers_config
-from shared_configs.training import atomic_write
+from shared_configs.files import atomic_write
 from torch_impl.unet import UNet
 
 Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model
