@@ -186,7 +186,9 @@ def _check_optional(spec: UNetSpec, name: str, want: InputSpec | None, value: An
     if value is None:
         raise ValueError(f"{name}: spec {spec.name!r} has {field}; pass {name} of shape {shape}")
     got = tuple(value.shape)
-    fits = len(got) == len(want.shape) and all(g == w or i in free for i, (g, w) in enumerate(zip(got, want.shape)))
+    fits = len(got) == len(want.shape) and all(
+        g == w or i in free for i, (g, w) in enumerate(zip(got, want.shape, strict=True))
+    )
     if not fits:
         raise ValueError(f"{name}: expected shape {shape} with B={want.shape[0]}, got {got}")
     if want.dtype == "int32" and "int" not in str(value.dtype):

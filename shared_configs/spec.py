@@ -110,7 +110,8 @@ class AdditionEmbeddingSpec(_Frozen):
         _require(
             self.text_embeds_dim > 0,
             "num_time_ids",
-            f"{self.num_time_ids} time ids x {self.time_id_dim} leave no text_embeds width in input_dim={self.input_dim}",
+            f"{self.num_time_ids} time ids x {self.time_id_dim} leave no text_embeds width "
+            f"in input_dim={self.input_dim}",
         )
         return self
 
