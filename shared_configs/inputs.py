@@ -131,6 +131,10 @@ def check_inputs(spec: UNetSpec, layout: str, x: Any, t: Any, **conditioning: An
     Shapes only (cheap, and static under ``jit``): arrays of either framework, or Python numbers
     for ``t``. ``conditioning``: context, class_labels, text_embeds, time_ids (None when absent).
     """
+    for name, value in {"x": x, **conditioning}.items():
+        if value is not None and not hasattr(value, "shape"):
+            hint = "; pass train by keyword (apply(..., train=True))" if isinstance(value, bool) else ""
+            raise ValueError(f"{name}: expected an array, got {type(value).__name__} {value!r}{hint}")
     batch = _check_x(spec, layout, tuple(x.shape))
     t_shape = tuple(getattr(t, "shape", ()))
     if t_shape not in ((), (batch,), (1,)):

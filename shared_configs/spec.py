@@ -264,6 +264,12 @@ class UNetSpec(_Frozen):
                 "mid_attention_norm_groups",
                 f"block_out_channels[-1]={self.block_out_channels[-1]} is not divisible by {groups} groups",
             )
+        if self.class_embedding is not None and self.addition_embedding is not None:
+            _require(
+                not self.class_embedding.concat,
+                "class_embedding.concat",
+                "cannot be combined with addition_embedding (its MLP output has the unconcatenated width)",
+            )
         widths = {"time_embedding.freq_shift": self.block_out_channels[0]}
         if self.addition_embedding is not None:
             widths["addition_embedding.time_id_dim"] = self.addition_embedding.time_id_dim
