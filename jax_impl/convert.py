@@ -196,6 +196,23 @@ def _check_tree(flat: Mapping[tuple[str, ...], Any], spec: UNetSpec, collection:
             )
 
 
+def torch_shapes(spec: UNetSpec) -> dict[str, tuple[int, ...]]:
+    """The torch ``state_dict`` names and shapes of ``spec``, from the Flax tree (shapes only)."""
+    variables = _variable_shapes(spec)
+    out = {}
+    for (*modules, leaf), value in traverse_util.flatten_dict(variables["params"]).items():
+        shape = tuple(value.shape)
+        perm = None if leaf == EMBEDDING else {4: (3, 2, 0, 1), 2: (1, 0)}.get(len(shape))  # HWIO->OIHW, (in, out)
+        out[f"{_torch_name(modules)}.{'bias' if leaf == 'bias' else 'weight'}"] = (
+            shape if perm is None else tuple(shape[i] for i in perm)
+        )
+    for (*modules, leaf), value in traverse_util.flatten_dict(variables.get("batch_stats", {})).items():
+        name = _torch_name(modules)
+        out[f"{name}.{'running_mean' if leaf == 'mean' else 'running_var'}"] = tuple(value.shape)
+        out[f"{name}.{COUNTER}"] = ()
+    return out
+
+
 def param_shapes(spec: UNetSpec) -> dict:
     """The Flax parameter tree of ``spec`` as shape structs, without allocating weights."""
     return _variable_shapes(spec)["params"]

@@ -3,7 +3,7 @@
 Nothing here imports torch or jax.
 """
 
-from shared_configs.diffusers import from_diffusers_config
+from shared_configs.diffusers_config import from_diffusers_config
 from shared_configs.diffusers_export import to_diffusers_config
 from shared_configs.loader import load_spec, preset_names, spec_from_dict
 from shared_configs.plan import (
@@ -16,13 +16,15 @@ from shared_configs.plan import (
     layer_names,
     resolve_plan,
 )
-from shared_configs.spec import SpecError, TimeEmbeddingSpec, UNetSpec
+from shared_configs.spec import AdditionEmbeddingSpec, ClassEmbeddingSpec, SpecError, TimeEmbeddingSpec, UNetSpec
 
 __all__ = [
     "NAMED_POLICIES",
     "OP_CLASSES",
     "PRESETS",
+    "AdditionEmbeddingSpec",
     "CheckpointPlan",
+    "ClassEmbeddingSpec",
     "SpecError",
     "TimeEmbeddingSpec",
     "UNetSpec",

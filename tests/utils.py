@@ -58,6 +58,33 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "sample_size": 8,
         "dropout": 0.0,
     },
+    "sdxl_style": {  # SDXL-like: text_time conditioning, no attention at level 0, per-level depth, linear proj
+        "down_attention": ["none", "transformer"],
+        "use_linear_projection": True,
+        "transformer_layers_per_block": [1, 2],
+        "attention_head_dim": None,
+        "num_attention_heads": [2, 4],
+        "addition_embedding": {"time_id_dim": 4, "input_dim": 30, "num_time_ids": 3},
+    },
+    "sd21_style": {  # SD 2.x-like, learned variance (out = 2 x in), heads x head_dim != channels (as diffusers rounds)
+        "down_attention": ["transformer", "transformer"],
+        "use_linear_projection": True,
+        "attention_head_dim": [5, 10],
+        "num_attention_heads": [3, 3],
+        "out_channels": 8,
+    },
+    "class_cond": {  # class-conditional DDPM-style: a class table, inpainting-like 9 -> 4 channels, mid norm groups
+        "in_channels": 9,
+        "down_attention": ["self", "none"],
+        "mid_attention": "self",
+        "mid_attention_norm_groups": 8,
+        "cross_attention_dim": None,
+        "class_embedding": {"kind": "embedding", "num_classes": 10},
+    },
+    "class_timestep_concat": {  # class ids through sinusoids, concatenated with the time embedding
+        "class_embedding": {"kind": "timestep", "concat": True},
+        "resnet_time_scale_shift": "scale_shift",
+    },
 }
 
 
@@ -68,6 +95,22 @@ def variant(name: str, **overrides: Any) -> UNetSpec:
 def rel_err(a: Any, b: Any) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def as_torch(inputs: dict[str, Any]) -> dict[str, Any]:
+    """`shared_configs.inputs.example_inputs` (NCHW numpy) -> torch tensors, by name (None kept)."""
+    import torch
+
+    return {k: None if v is None else torch.from_numpy(v) for k, v in inputs.items()}
+
+
+def as_flax(inputs: dict[str, Any]) -> dict[str, Any]:
+    """`shared_configs.inputs.example_inputs` (NCHW numpy) -> jax arrays with x in NHWC, by name (None kept)."""
+    import jax.numpy as jnp
+
+    out = {k: None if v is None else jnp.asarray(v) for k, v in inputs.items()}
+    out["x"] = jnp.asarray(inputs["x"].transpose(0, 2, 3, 1))
+    return out
 
 
 def randomize_(model: Any, seed: int = 0, scale: float = 0.2) -> None:

@@ -150,11 +150,20 @@ class UNet(nn.Module):
         return temb
 
     @classmethod
-    def from_diffusers(cls, path_or_model: object, variant: str | None = None) -> UNet:
-        """Build from a local diffusers model folder or a live diffusers U-Net (see `torch_impl.diffusers_io`)."""
+    def from_diffusers(
+        cls,
+        source: object,
+        variant: str | None = None,
+        *,
+        subfolder: str | None = None,
+        dtype: torch.dtype | None = None,
+        revision: str | None = None,
+    ) -> UNet:
+        """Build from a diffusers folder, a repo id in the local Hugging Face cache, or a live
+        diffusers U-Net (see `torch_impl.diffusers_io.from_diffusers`)."""
         from torch_impl.diffusers_io import from_diffusers
 
-        return from_diffusers(path_or_model, variant)
+        return from_diffusers(source, variant, subfolder=subfolder, dtype=dtype, revision=revision)
 
     def to_diffusers_state_dict(self) -> dict[str, torch.Tensor]:
         """This model's state_dict in diffusers' key names (``UNet2D(Condition)Model``)."""
