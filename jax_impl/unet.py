@@ -106,7 +106,7 @@ class UNet(nn.Module):
         self.mid = block_class(MidBlock, "mid", plan)(
             chans[-1],
             self._resnet_factory(scale),
-            self._attention_factory(spec.mid_attention, -1, scale),
+            self._attention_factory(spec.mid_attention, -1, "mid", scale),
             recompute=layers_of("mid", plan),
         )
         self.up = self._up_path(plan)
@@ -122,7 +122,7 @@ class UNet(nn.Module):
                 b.out_ch,
                 spec.layers_per_block,
                 self._resnet_factory(1.0),
-                self._attention_factory(b.attention, b.level),
+                self._attention_factory(b.attention, b.level, b.name),
                 b.downsample_padding,
                 recompute=layers_of(b.name, plan),
             )
@@ -137,7 +137,7 @@ class UNet(nn.Module):
                 b.out_ch,
                 b.skip_channels,
                 self._resnet_factory(1.0),
-                self._attention_factory(b.attention, b.level),
+                self._attention_factory(b.attention, b.level, b.name),
                 add_upsample=b.upsample,
                 recompute=layers_of(b.name, plan),
             )
@@ -149,10 +149,12 @@ class UNet(nn.Module):
         return functools.partial(ResnetBlock, **kwargs(resnet_args(self.resolved_spec, output_scale)))
 
     @nn.nowrap
-    def _attention_factory(self, kind: str, level: int, output_scale: float = 1.0) -> AttentionFactory | None:
+    def _attention_factory(
+        self, kind: str, level: int, block: str, output_scale: float = 1.0
+    ) -> AttentionFactory | None:
         if kind == "none":
             return None
-        args = attention_args(self.resolved_spec, kind, level, output_scale)
+        args = attention_args(self.resolved_spec, kind, level, block, output_scale)
         return functools.partial(ATTENTION[kind], **kwargs(args), query_chunk=self.attention_chunk)
 
     def __call__(

@@ -160,10 +160,10 @@ def resnet_args(spec: UNetSpec, output_scale: float = 1.0) -> ResnetArgs:
 
 
 def attention_args(
-    spec: UNetSpec, kind: str, level: int, output_scale: float = 1.0
+    spec: UNetSpec, kind: str, level: int, block: str, output_scale: float = 1.0
 ) -> SelfAttentionArgs | TransformerArgs:
-    """The attention layer ``kind`` at ``level`` (``-1``: the middle block's)."""
-    heads, head_dim = spec.heads(level), spec.head_dim(level)
+    """The attention layer ``kind`` of ``block`` (``"down.1"``, ``"mid"``, ...) at ``level`` (``-1``: the middle)."""
+    heads, head_dim = spec.attention_shape(block, level)
     if kind == "self":
         groups = spec.norm_num_groups
         if level == -1 and spec.mid_attention_norm_groups is not None:

@@ -281,34 +281,30 @@ def _per_level_ints(cfg: Mapping[str, Any], key: str, n: int) -> int | tuple[int
 
 
 def _heads(cfg: Mapping[str, Any], cls: str, down: list[str], up: list[str], mid: str) -> dict[str, Any]:
-    """The spec's head fields, from every attention that sits at a level (they must agree per level).
+    """The spec's head fields: per level, the first attention's there (down, mid, up); `block_heads`
+    for blocks diffusers gives other heads at the same level (its Attn*Block2D beside transformers).
 
     ``num_attention_heads`` alone when heads x head size fill the channels everywhere, else both
     fields, one entry per level (diffusers rounds down when they do not divide).
     """
     chans, n = cfg["block_out_channels"], len(cfg["block_out_channels"])
-    uses = [(i, kind, f"down_block_types[{i}]", i) for i, kind in enumerate(down)]
-    uses += [(n - 1 - i, kind, f"up_block_types[{i}]", i) for i, kind in enumerate(up)]
-    uses.append((n - 1, mid, "mid_block_type", n - 1))
-    found: dict[int, tuple[tuple[int, int], str]] = {}
-    for level, kind, where, index in uses:
-        if kind == "none":
-            continue
-        heads = _head_shape(cfg, cls, kind, chans[level], level, index)
-        if level in found and found[level][0] != heads:
-            (h0, d0), (h1, d1) = found[level][0], heads
-            raise SpecError(
-                f"attention_head_dim: {found[level][1]} has {h0} heads of {d0} but {where} has {h1} of {d1} "
-                f"at the same level; our spec has one head count per level"
-            )
-        found.setdefault(level, (heads, where))
-    if not found:
+    uses = [(f"down.{i}", i, kind, i) for i, kind in enumerate(down)]
+    uses.append(("mid", n - 1, mid, n - 1))
+    uses += [(f"up.{i}", n - 1 - i, kind, i) for i, kind in enumerate(up)]
+    shapes = {b: (lv, _head_shape(cfg, cls, kind, chans[lv], lv, i)) for b, lv, kind, i in uses if kind != "none"}
+    if not shapes:
         return {}
-    full = [found[lv][0] if lv in found else _unused_level(cfg, cls, chans[lv], lv) for lv in range(n)]
+    per_level: dict[int, tuple[int, int]] = {}
+    for level, shape in shapes.values():
+        per_level.setdefault(level, shape)
+    full = [per_level.get(lv) or _unused_level(cfg, cls, chans[lv], lv) for lv in range(n)]
     if all(h * d == ch for (h, d), ch in zip(full, chans, strict=True)):
         counts = [h for h, _ in full]
-        return {"num_attention_heads": counts[0] if len(set(counts)) == 1 else counts}
-    return {"num_attention_heads": [h for h, _ in full], "attention_head_dim": [d for _, d in full]}
+        fields: dict[str, Any] = {"num_attention_heads": counts[0] if len(set(counts)) == 1 else counts}
+    else:
+        fields = {"num_attention_heads": [h for h, _ in full], "attention_head_dim": [d for _, d in full]}
+    overrides = [(b, *shape) for b, (lv, shape) in shapes.items() if shape != per_level[lv]]
+    return fields | ({"block_heads": overrides} if overrides else {})
 
 
 def _unused_level(cfg: Mapping[str, Any], cls: str, ch: int, level: int) -> tuple[int, int]:

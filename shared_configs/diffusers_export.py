@@ -105,15 +105,33 @@ def _conditional(spec: UNetSpec) -> dict[str, Any]:
             f"mid_attention: {spec.mid_attention!r} beside Transformer2D levels has no diffusers equivalent "
             "(UNet2DConditionModel's middle block is UNetMidBlock2DCrossAttn: mid_attention 'transformer')"
         )
-    self_levels = {i for i, k in enumerate(spec.down_attention) if k == "self"}
-    heads = [spec.head_dim(lv) if lv in self_levels else spec.heads(lv) for lv in range(spec.num_levels)]
     return _common(spec, "UNet2DConditionModel") | {
         "mid_block_type": "UNetMidBlock2DCrossAttn",
-        "attention_head_dim": _plain(tuple(heads)),
+        "attention_head_dim": _plain(_conditional_heads(spec)),
         "cross_attention_dim": spec.cross_attention_dim,
         "transformer_layers_per_block": _plain(spec.transformer_layers_per_block),
         "use_linear_projection": spec.use_linear_projection,
     }
+
+
+def _attention_blocks(spec: UNetSpec) -> list[tuple[str, int, int, str]]:
+    """(block, level, index in its path, attention kind) of every block with attention, in forward order."""
+    n, up = spec.num_levels, spec.up_attention_resolved
+    blocks = [(f"down.{i}", i, i, k) for i, k in enumerate(spec.down_attention)] + [
+        ("mid", n - 1, n - 1, spec.mid_attention)
+    ]
+    blocks += [(f"up.{i}", n - 1 - i, i, k) for i, k in enumerate(up)]
+    return [b for b in blocks if b[3] != "none"]
+
+
+def _conditional_heads(spec: UNetSpec) -> tuple[int, ...]:
+    """UNet2DConditionModel's attention_head_dim list: heads of transformers at their level, head size of
+    Attn*Block2D at their index (un-reversed on the way up); the round trip refuses what conflicts."""
+    values: dict[int, int] = {}
+    for block, level, index, kind in _attention_blocks(spec):
+        heads, head_dim = spec.attention_shape(block, level)
+        values.setdefault(level if kind == "transformer" else index, heads if kind == "transformer" else head_dim)
+    return tuple(values.get(lv, spec.heads(lv)) for lv in range(spec.num_levels))
 
 
 def _plain(value: int | tuple[int, ...]) -> int | list[int]:
@@ -125,10 +143,10 @@ def _plain(value: int | tuple[int, ...]) -> int | list[int]:
 
 def _normalised(spec: UNetSpec) -> dict[str, Any]:
     """The fields that decide the network, in one spelling (heads per attention level, resolved defaults)."""
-    exclude = {"name", "checkpoint", "attention_head_dim", "num_attention_heads", "up_attention", "addition_embedding"}
-    data = spec.model_dump(exclude=exclude)
+    exclude = {"name", "checkpoint", "attention_head_dim", "num_attention_heads", "block_heads", "up_attention"}
+    data = spec.model_dump(exclude=exclude | {"addition_embedding"})
     data["up_attention"] = spec.up_attention_resolved
-    data["heads"] = {lv: (spec.heads(lv), spec.head_dim(lv)) for lv in spec.attention_levels}
+    data["heads"] = {b: spec.attention_shape(b, level) for b, level, _, _ in _attention_blocks(spec)}
     if (add := spec.addition_embedding) is not None:  # how example inputs split its width is not the network
         data["addition_embedding"] = add.model_dump(exclude={"num_time_ids"})
     data["transformer_layers_per_block"] = [spec.transformer_depth(lv) for lv in range(spec.num_levels)]

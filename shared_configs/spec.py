@@ -136,6 +136,11 @@ class UNetSpec(_Frozen):
     # as diffusers builds when they do not divide).
     attention_head_dim: Int | tuple[Int, ...] | None = None
     num_attention_heads: Int | tuple[Int, ...] | None = None
+    block_heads: tuple[tuple[str, Int, Int], ...] = Field(
+        default=(),
+        description="(block, heads, head_dim) for a block whose attention differs from its level's heads "
+        "(diffusers derives such for Attn*Block2D in a UNet2DConditionModel); blocks: down.i, mid, up.i",
+    )
     attention_scale: Float | None = Field(default=None, gt=0, description="softmax scale; None: 1/sqrt(head_dim)")
     cross_attention_dim: Int | None = Field(default=None, gt=0)
     transformer_layers_per_block: Int | tuple[Int, ...] = Field(
@@ -209,6 +214,14 @@ class UNetSpec(_Frozen):
             return channels // _per_level(self.attention_head_dim, level, self.num_levels)
         return 1
 
+    def attention_shape(self, block: str, level: int) -> tuple[int, int]:
+        """(heads, head_dim) of the attention in ``block`` (``"up.1"``), at ``level``: its `block_heads` entry,
+        else the level's."""
+        for name, heads, head_dim in self.block_heads:
+            if name == block:
+                return heads, head_dim
+        return self.heads(level), self.head_dim(level)
+
     def head_dim(self, level: int) -> int:
         """Channels per attention head at a level; ``heads * head_dim`` is the attention's width."""
         if self.attention_head_dim is not None:
@@ -233,6 +246,7 @@ class UNetSpec(_Frozen):
             "sample_size",
             f"{self.sample_size} is not divisible by the downsampling factor {factor}",
         )
+        self._check_block_heads()
         for level, ch in enumerate(self.block_out_channels):
             _require(ch > 0, "block_out_channels", "must be positive")
             _require(
@@ -244,6 +258,14 @@ class UNetSpec(_Frozen):
                 self._check_heads(level, ch)
         self._check_conditioning()
         return self
+
+    def _check_block_heads(self) -> None:
+        n, names = self.num_levels, [name for name, _, _ in self.block_heads]
+        blocks = [f"down.{i}" for i in range(n)] + ["mid"] + [f"up.{i}" for i in range(n)]
+        for name, heads, head_dim in self.block_heads:
+            _require(name in blocks, "block_heads", f"unknown block {name!r} (valid: {', '.join(blocks)})")
+            _require(names.count(name) == 1, "block_heads", f"{name!r} is listed twice")
+            _require(heads > 0 and head_dim > 0, "block_heads", f"{name!r}: heads and head_dim must be positive")
 
     def _check_heads(self, level: int, ch: int) -> None:
         if self.attention_head_dim is not None and self.num_attention_heads is not None:

@@ -85,7 +85,7 @@ def test_save_diffusers_folder_loads_in_diffusers_and_back(tmp_path: Path) -> No
         (variant("sd_linear_proj", layer_norm_eps=1e-6), "layer_norm_eps"),
         (variant("transformer_no_cross"), "mid_attention: 'none'"),
         # Attn*Block2D reads attention_head_dim un-reversed on the way up (see test_diffusers)
-        (variant("tiny"), "down_block_types[0] has 2 heads but up_block_types[1] has 4"),
+        (variant("tiny"), "heads: {"),
     ],
     ids=["batch_norm", "attention_scale", "layer_norm_eps", "mid_none", "heads_quirk"],
 )

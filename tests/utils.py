@@ -113,6 +113,19 @@ def as_flax(inputs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def diffusers_forward(model: Any, inputs: dict[str, Any]) -> Any:
+    """A diffusers ``UNet2DModel`` / ``UNet2DConditionModel`` on our named torch inputs (`as_torch`), no grad."""
+    import torch
+
+    kwargs: dict[str, Any] = {"class_labels": inputs.get("class_labels")}
+    if type(model).__name__ == "UNet2DConditionModel":
+        kwargs["encoder_hidden_states"] = inputs.get("context")
+        if inputs.get("text_embeds") is not None:
+            kwargs["added_cond_kwargs"] = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]}
+    with torch.no_grad():
+        return model(inputs["x"], inputs["t"], **kwargs).sample
+
+
 def randomize_(model: Any, seed: int = 0, scale: float = 0.2) -> None:
     """Perturb every torch parameter (norm scales and biases too) so no layout mistake hides."""
     import torch

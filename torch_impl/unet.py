@@ -59,18 +59,23 @@ class UNet(nn.Module):
                 b.out_ch,
                 spec.layers_per_block,
                 resnet,
-                self._attention_factory(b.attention, b.level),
+                self._attention_factory(b.attention, b.level, b.name),
                 b.downsample_padding,
             )
             for b in down_blocks(spec)
         )
         scale = spec.mid_block_scale_factor
         self.mid = MidBlock(
-            chans[-1], self._resnet_factory(scale), self._attention_factory(spec.mid_attention, -1, scale)
+            chans[-1], self._resnet_factory(scale), self._attention_factory(spec.mid_attention, -1, "mid", scale)
         )
         self.up = nn.ModuleList(
             UpBlock(
-                b.in_ch, b.out_ch, b.skip_channels, resnet, self._attention_factory(b.attention, b.level), b.upsample
+                b.in_ch,
+                b.out_ch,
+                b.skip_channels,
+                resnet,
+                self._attention_factory(b.attention, b.level, b.name),
+                b.upsample,
             )
             for b in up_blocks(spec)
         )
@@ -89,10 +94,12 @@ class UNet(nn.Module):
     def _resnet_factory(self, output_scale: float) -> functools.partial:
         return functools.partial(ResnetBlock, **kwargs(resnet_args(self.spec, output_scale)))
 
-    def _attention_factory(self, kind: str, level: int, output_scale: float = 1.0) -> AttentionFactory | None:
+    def _attention_factory(
+        self, kind: str, level: int, block: str, output_scale: float = 1.0
+    ) -> AttentionFactory | None:
         if kind == "none":
             return None
-        return functools.partial(ATTENTION[kind], **kwargs(attention_args(self.spec, kind, level, output_scale)))
+        return functools.partial(ATTENTION[kind], **kwargs(attention_args(self.spec, kind, level, block, output_scale)))
 
     def forward(
         self,
