@@ -26,7 +26,7 @@ from shared_configs import SpecError, from_diffusers_config, load_spec
 from shared_configs.diffusers import live_config, ours_to_diffusers
 from shared_configs.diffusers_config import CLASS_DEFAULTS
 from shared_configs.inputs import example_inputs
-from tests.utils import as_flax, as_torch, diffusers_forward, randomize_, rel_err
+from tests.utils import HUB_CONFIGS, as_flax, as_torch, diffusers_forward, public_options, randomize_, rel_err
 from torch_impl import UNet
 
 TOL = 1e-5
@@ -221,49 +221,11 @@ def test_legacy_attention_names_bin_and_pipeline_folder(tmp_path: Path) -> None:
     assert rel_err(_flax_out(module, params, {"inputs": inputs}), ref) <= TOL
 
 
-# The hub configs (config.json as stored), which the presets must equal.
-DDPM_CIFAR10 = {
-    "_class_name": "UNet2DModel", "_diffusers_version": "0.0.4", "act_fn": "silu", "attention_head_dim": None,
-    "block_out_channels": [128, 256, 256, 256], "center_input_sample": False,
-    "down_block_types": ["DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"], "downsample_padding": 0,
-    "flip_sin_to_cos": False, "freq_shift": 1, "in_channels": 3, "layers_per_block": 2, "mid_block_scale_factor": 1,
-    "norm_eps": 1e-06, "norm_num_groups": 32, "out_channels": 3, "sample_size": 32, "time_embedding_type": "positional",
-    "up_block_types": ["UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"],
-}  # fmt: skip
-SD15 = {
-    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.6.0", "act_fn": "silu", "attention_head_dim": 8,
-    "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False, "cross_attention_dim": 768,
-    "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
-    "downsample_padding": 1, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4, "layers_per_block": 2,
-    "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4, "sample_size": 64,
-    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
-}  # fmt: skip
-
-
-SDXL = {  # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json (the options that differ from defaults)
-    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.19.0.dev0", "addition_embed_type": "text_time",
-    "addition_time_embed_dim": 256, "attention_head_dim": [5, 10, 20], "block_out_channels": [320, 640, 1280],
-    "cross_attention_dim": 2048, "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-    "projection_class_embeddings_input_dim": 2816, "sample_size": 128, "transformer_layers_per_block": [1, 2, 10],
-    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"], "upcast_attention": None,
-    "use_linear_projection": True, "addition_embed_type_num_heads": 64, "class_embed_type": None,
-    "class_embeddings_concat": False, "mid_block_type": "UNetMidBlock2DCrossAttn", "time_embedding_type": "positional",
-}  # fmt: skip
-SD21 = {  # stabilityai/stable-diffusion-2-1 unet/config.json
-    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.10.0.dev0", "act_fn": "silu",
-    "attention_head_dim": [5, 10, 20, 20], "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False,
-    "cross_attention_dim": 1024, "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
-    "downsample_padding": 1, "dual_cross_attention": False, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4,
-    "layers_per_block": 2, "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32,
-    "num_class_embeds": None, "only_cross_attention": False, "out_channels": 4, "sample_size": 96,
-    "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3, "upcast_attention": True,
-    "use_linear_projection": True,
-}  # fmt: skip
 PRESETS = [
-    ("ddpm_cifar10", DDPM_CIFAR10, 35_746_307),
-    ("sd15", SD15, 859_520_964),
-    ("sd21", SD21, 865_910_724),
-    ("sdxl", SDXL, 2_567_463_684),
+    ("ddpm_cifar10", HUB_CONFIGS["ddpm_cifar10"], 35_746_307),
+    ("sd15", HUB_CONFIGS["sd15"], 859_520_964),
+    ("sd21", HUB_CONFIGS["sd21"], 865_910_724),
+    ("sdxl", HUB_CONFIGS["sdxl"], 2_567_463_684),
 ]
 
 
@@ -276,13 +238,10 @@ def test_presets_are_the_hub_configs(preset: str, config: dict[str, Any], count:
     assert spec.model_dump() == load_spec(preset).model_dump()
     with torch.device("meta"):  # full size, no memory: same names, shapes and count as diffusers
         ours = ours_to_diffusers({k: tuple(v.shape) for k, v in UNet(spec).state_dict().items()})
-        theirs = {k: tuple(v.shape) for k, v in CLASSES[config["_class_name"]](**_public(config)).state_dict().items()}
+        theirs_model = CLASSES[config["_class_name"]](**public_options(config))
+        theirs = {k: tuple(v.shape) for k, v in theirs_model.state_dict().items()}
     assert ours == theirs
     assert sum(int(np.prod(s)) for s in ours.values()) == count
-
-
-def _public(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
 def test_defaults_table_matches_installed_diffusers() -> None:

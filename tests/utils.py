@@ -88,6 +88,52 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+# Hub configs (unet/config.json as stored), which the presets of the same name must equal.
+_DDPM_CIFAR10 = {
+    "_class_name": "UNet2DModel", "_diffusers_version": "0.0.4", "act_fn": "silu", "attention_head_dim": None,
+    "block_out_channels": [128, 256, 256, 256], "center_input_sample": False,
+    "down_block_types": ["DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"], "downsample_padding": 0,
+    "flip_sin_to_cos": False, "freq_shift": 1, "in_channels": 3, "layers_per_block": 2, "mid_block_scale_factor": 1,
+    "norm_eps": 1e-06, "norm_num_groups": 32, "out_channels": 3, "sample_size": 32, "time_embedding_type": "positional",
+    "up_block_types": ["UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"],
+}  # fmt: skip
+_SD15 = {
+    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.6.0", "act_fn": "silu", "attention_head_dim": 8,
+    "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False, "cross_attention_dim": 768,
+    "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    "downsample_padding": 1, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4, "layers_per_block": 2,
+    "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4, "sample_size": 64,
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+}  # fmt: skip
+
+
+_SDXL = {  # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json (the options that differ from defaults)
+    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.19.0.dev0", "addition_embed_type": "text_time",
+    "addition_time_embed_dim": 256, "attention_head_dim": [5, 10, 20], "block_out_channels": [320, 640, 1280],
+    "cross_attention_dim": 2048, "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "projection_class_embeddings_input_dim": 2816, "sample_size": 128, "transformer_layers_per_block": [1, 2, 10],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"], "upcast_attention": None,
+    "use_linear_projection": True, "addition_embed_type_num_heads": 64, "class_embed_type": None,
+    "class_embeddings_concat": False, "mid_block_type": "UNetMidBlock2DCrossAttn", "time_embedding_type": "positional",
+}  # fmt: skip
+_SD21 = {  # stabilityai/stable-diffusion-2-1 unet/config.json
+    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.10.0.dev0", "act_fn": "silu",
+    "attention_head_dim": [5, 10, 20, 20], "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False,
+    "cross_attention_dim": 1024, "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+    "downsample_padding": 1, "dual_cross_attention": False, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4,
+    "layers_per_block": 2, "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32,
+    "num_class_embeds": None, "only_cross_attention": False, "out_channels": 4, "sample_size": 96,
+    "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3, "upcast_attention": True,
+    "use_linear_projection": True,
+}  # fmt: skip
+HUB_CONFIGS: dict[str, dict[str, Any]] = {"ddpm_cifar10": _DDPM_CIFAR10, "sd15": _SD15, "sd21": _SD21, "sdxl": _SDXL}
+
+
+def public_options(config: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's constructor options (without ``_class_name`` and the like)."""
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
 def variant(name: str, **overrides: Any) -> UNetSpec:
     return spec_from_dict({**TINY, "name": name, **VARIANTS[name], **overrides})
 
