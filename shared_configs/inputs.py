@@ -82,12 +82,15 @@ def example_inputs(
     """Random numpy inputs for ``spec`` (see `input_specs`), in `INPUT_NAMES` order.
 
     Normal floats for x, context and the vectors; timesteps uniform in [0, 1000); class ids in
-    range; time ids as SDXL's (sizes and crops: whole numbers below 1024). Call as
+    range; time ids as SDXL's (sizes and crops: whole numbers below 1024). A seed gives the same
+    sample in either layout (NHWC is NCHW's draw transposed). Call as
     ``model(**{k: torch.from_numpy(v) ...})`` or ``module.apply(variables, **inputs)``.
     """
     arrays: dict[str, np.ndarray | None] = {}
-    for name, want in input_specs(spec, batch, sample_size, context_len, layout).items():
+    for name, want in input_specs(spec, batch, sample_size, context_len, "NCHW").items():
         arrays[name] = None if want is None else _draw(name, want, spec, rng)
+    if layout == "NHWC":  # the same draws in either layout: one seed, one sample
+        arrays["x"] = np.ascontiguousarray(arrays["x"].transpose(0, 2, 3, 1))
     return arrays
 
 
@@ -132,9 +135,10 @@ def check_inputs(spec: UNetSpec, layout: str, x: Any, t: Any, **conditioning: An
     for ``t``. ``conditioning``: context, class_labels, text_embeds, time_ids (None when absent).
     """
     for name, value in {"x": x, **conditioning}.items():
+        if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "bool":  # `train` given positionally?
+            raise ValueError(f"{name}: got a bool; pass train by keyword: apply(variables, x, t, ..., train=True)")
         if value is not None and not hasattr(value, "shape"):
-            hint = "; pass train by keyword (apply(..., train=True))" if isinstance(value, bool) else ""
-            raise ValueError(f"{name}: expected an array, got {type(value).__name__} {value!r}{hint}")
+            raise ValueError(f"{name}: expected an array, got {type(value).__name__} {value!r}")
     batch = _check_x(spec, layout, tuple(x.shape))
     t_shape = tuple(getattr(t, "shape", ()))
     if t_shape not in ((), (batch,), (1,)):
@@ -195,8 +199,9 @@ def _check_optional(spec: UNetSpec, name: str, want: InputSpec | None, value: An
     )
     if not fits:
         raise ValueError(f"{name}: expected shape {shape} with B={want.shape[0]}, got {got}")
-    if want.dtype == "int32" and "int" not in str(value.dtype):
-        raise ValueError(f"{name}: expected integer class ids of shape {shape}, got dtype {value.dtype}")
+    dtype = str(value.dtype).removeprefix("torch.")  # torch.int64 / numpy and jax int64 alike
+    if want.dtype == "int32" and "int" not in dtype:
+        raise ValueError(f"{name}: expected integer class ids of shape {shape}, got dtype {dtype}")
 
 
 def _check_text_time(spec: UNetSpec, text: tuple[int, ...], ids: tuple[int, ...]) -> None:

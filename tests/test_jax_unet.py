@@ -39,7 +39,15 @@ def _torch_shapes(spec: UNetSpec) -> dict[str, tuple[int, ...]]:
 
 
 @pytest.mark.parametrize(
-    ("preset", "count"), [("tiny", None), ("small", None), ("ddpm_cifar10", 35_746_307), ("sd15", 859_520_964)]
+    ("preset", "count"),
+    [
+        ("tiny", None),
+        ("small", None),
+        ("ddpm_cifar10", 35_746_307),
+        ("sd15", 859_520_964),
+        ("sd21", 865_910_724),
+        ("sdxl", 2_567_463_684),
+    ],
 )
 def test_parameter_count_matches_torch(preset: str, count: int | None) -> None:
     spec = load_spec(preset)
@@ -49,7 +57,7 @@ def test_parameter_count_matches_torch(preset: str, count: int | None) -> None:
         assert flax_count == count
 
 
-@pytest.mark.parametrize("preset", ["tiny", "ddpm_cifar10", "sd15"])
+@pytest.mark.parametrize("preset", ["tiny", "ddpm_cifar10", "sd15", "sdxl"])
 def test_parameter_paths_mirror_torch_state_dict(preset: str) -> None:
     """``down.1.resnets.0.conv1.weight`` (OIHW) <-> ``down_1/resnets_0/conv1/kernel`` (HWIO), and so on."""
     spec = load_spec(preset)
