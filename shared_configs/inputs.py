@@ -170,12 +170,12 @@ def _check_x(spec: UNetSpec, layout: str, shape: tuple[int, ...]) -> int:
     return shape[0]
 
 
-# Which spec field makes each conditioning input needed.
+# Which spec field makes each conditioning input needed, and what it gives the model.
 _NEEDS = {
-    "context": "cross_attention_dim",
-    "class_labels": "class_embedding",
-    "text_embeds": "addition_embedding",
-    "time_ids": "addition_embedding",
+    "context": ("cross_attention_dim", "cross-attention"),
+    "class_labels": ("class_embedding", "a class embedding"),
+    "text_embeds": ("addition_embedding", "text_time conditioning"),
+    "time_ids": ("addition_embedding", "text_time conditioning"),
 }
 # Dimensions an input may size freely (named as in the messages): the context's token count, and
 # text_embeds / time_ids widths, which are checked together (`_check_text_time`).
@@ -183,7 +183,7 @@ _FREE: dict[str, dict[int, str]] = {"context": {1: "L"}, "text_embeds": {1: "D"}
 
 
 def _check_optional(spec: UNetSpec, name: str, want: InputSpec | None, value: Any) -> None:
-    field = _NEEDS[name]
+    field, what = _NEEDS[name]
     if want is None and value is not None:
         raise ValueError(f"{name}: spec {spec.name!r} takes none ({field} is not set); pass {name}=None")
     if want is None:
@@ -192,7 +192,7 @@ def _check_optional(spec: UNetSpec, name: str, want: InputSpec | None, value: An
     shape = "(" + ", ".join(["B", *(free.get(i, str(s)) for i, s in enumerate(want.shape) if i)]) + ")"
     shape = shape.replace("B)", "B,)")
     if value is None:
-        raise ValueError(f"{name}: spec {spec.name!r} has {field}; pass {name} of shape {shape}")
+        raise ValueError(f"{name}: spec {spec.name!r} has {what}; pass {name} of shape {shape}")
     got = tuple(value.shape)
     fits = len(got) == len(want.shape) and all(
         g == w or i in free for i, (g, w) in enumerate(zip(got, want.shape, strict=True))

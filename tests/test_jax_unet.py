@@ -188,7 +188,7 @@ def test_checkpointed_gradients_equal_plain(policy: str, tiny: dict, reference: 
 def test_missing_context_is_an_error() -> None:
     inputs = abstract_inputs(load_spec("tiny"))
     with pytest.raises(
-        ValueError, match=r"context: spec 'tiny' has cross_attention_dim; pass context of shape \(B, L, 12\)"
+        ValueError, match=r"context: spec 'tiny' has cross-attention; pass context of shape \(B, L, 12\)"
     ):
         jax.eval_shape(UNet(spec="tiny").init, jax.random.key(0), inputs["x"], inputs["t"])
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import zlib
 
 import jax
@@ -14,6 +16,7 @@ from flax import traverse_util
 from jax_impl import UNet as FlaxUNet
 from jax_impl.convert import flax_to_torch, torch_to_flax
 from shared_configs import UNetSpec
+from shared_configs.arch import NormArgs, ResnetArgs, SelfAttentionArgs, TransformerArgs
 from shared_configs.inputs import example_inputs
 from tests.utils import VARIANTS, as_flax, as_torch, randomize_, rel_err, variant
 from torch_impl import UNet as TorchUNet
@@ -103,3 +106,19 @@ def test_conversion_rejects_mismatched_weights() -> None:
     state["conv_in.weight"] = state["conv_in.weight"][:, :2]
     with pytest.raises(ValueError, match=r"conv_in/kernel has shape"):
         torch_to_flax(state, tmodel.spec)
+
+
+def test_layer_arguments_are_both_constructors_parameters() -> None:
+    """`shared_configs.arch`'s typed arguments name exactly what each framework's layer takes after its channels."""
+    from jax_impl import layers as flax_layers
+    from torch_impl import layers as torch_layers
+
+    channels = {"ch", "in_ch", "out_ch"}
+    flax_only = {"query_chunk", "parent", "name"}  # Flax: the chunked attention switch, linen's own fields
+    pairs = [(NormArgs, "norm_layer"), (ResnetArgs, "ResnetBlock"), (SelfAttentionArgs, "SelfAttention")]
+    for args, layer in [*pairs, (TransformerArgs, "Transformer2D")]:
+        names = {f.name for f in dataclasses.fields(args)}
+        torch_params = set(inspect.signature(getattr(torch_layers, layer)).parameters) - channels
+        flax_layer = getattr(flax_layers, layer)
+        flax_params = set(inspect.signature(flax_layer).parameters) - channels - flax_only
+        assert names == torch_params == flax_params, layer

@@ -143,3 +143,19 @@ def test_policy_from_yaml(tmp_path: Path) -> None:
     spec = load_spec(path)
     assert resolve_plan(spec).recompute == ("mid", "up.1.resnets.0")
     assert resolve_plan(load_spec("tiny")).recompute == ()
+
+
+def test_yaml_exponent_floats_are_floats(tmp_path: Path) -> None:
+    """YAML 1.1 reads `1e-6` (no dot) as a string, which the strict spec refuses: the loader reads it as YAML 1.2."""
+    path = tmp_path / "eps.yaml"
+    path.write_text(yaml.safe_dump({**TINY}) + "norm_eps: 1e-6\nlayer_norm_eps: 2E-5\n")
+    spec = load_spec(path)
+    assert (spec.norm_eps, spec.layer_norm_eps) == (1e-6, 2e-5)
+    assert yaml.safe_load("a: 1e-6")["a"] == "1e-6"  # what plain PyYAML would have given
+
+
+def test_new_presets_and_their_conditioning() -> None:
+    sdxl = load_spec("sdxl")
+    assert sdxl.addition_embedding is not None and sdxl.addition_embedding.text_embeds_dim == 1280
+    assert [sdxl.heads(level) * 64 for level in range(3)] == list(sdxl.block_out_channels)  # 64-wide heads
+    assert load_spec("sd21").cross_attention_dim == 1024
