@@ -114,7 +114,7 @@ def find_folder(
     elif not (root / "config.json").is_file() and (root / "unet" / "config.json").is_file():
         root = root / "unet"
     if not root.exists():
-        raise FileNotFoundError(f"{root}: no such folder")
+        raise FileNotFoundError(f"{root}: no config.json (no such folder)")
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{root}: no config.json (expected a local diffusers U-Net folder)")
     return DiffusersFolder(root, read_config(root / "config.json"), _weight_files(root, variant))

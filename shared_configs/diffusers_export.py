@@ -167,6 +167,6 @@ def _check_round_trip(spec: UNetSpec, config: dict[str, Any]) -> None:
     for field, value in want.items():
         if got.get(field) != value:
             raise SpecError(
-                f"{field}: {value!r} has no diffusers {config['_class_name']} equivalent "
-                f"(the nearest config gives {got.get(field)!r})"
+                f"spec {spec.name!r} has no diffusers equivalent: {field}={value!r} "
+                f"(the nearest {config['_class_name']} config gives {got.get(field)!r})"
             )

@@ -306,7 +306,7 @@ def test_refused_before_reading_weights(tmp_path: Path) -> None:
     (tmp_path / "diffusion_pytorch_model.safetensors").write_bytes(b"not read")
     with pytest.raises(SpecError, match="act_fn='mish'"):
         UNet.from_diffusers(tmp_path)
-    with pytest.raises(FileNotFoundError, match=r"missing: no such folder"):
+    with pytest.raises(FileNotFoundError, match=r"missing: no config\.json \(no such folder\)"):
         UNet.from_diffusers(tmp_path / "missing")
 
 

@@ -80,12 +80,12 @@ def test_save_diffusers_folder_loads_in_diffusers_and_back(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        (variant("ddpm_style", norm_kind="batch"), "norm_kind: 'batch' has no diffusers"),
-        (variant("ddpm_style", attention_scale=0.5), "attention_scale: 0.5"),
-        (variant("sd_linear_proj", layer_norm_eps=1e-6), "layer_norm_eps"),
+        (variant("ddpm_style", norm_kind="batch"), "spec 'ddpm_style' has no diffusers equivalent: norm_kind='batch'"),
+        (variant("ddpm_style", attention_scale=0.5), "attention_scale=0.5"),
+        (variant("sd_linear_proj", layer_norm_eps=1e-6), "layer_norm_eps=1e-06"),
         (variant("transformer_no_cross"), "mid_attention: 'none'"),
         # Attn*Block2D reads attention_head_dim un-reversed on the way up (see test_diffusers)
-        (variant("tiny"), "heads: {"),
+        (variant("tiny"), "spec 'tiny' has no diffusers equivalent: heads={"),
     ],
     ids=["batch_norm", "attention_scale", "layer_norm_eps", "mid_none", "heads_quirk"],
 )
