@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,16 @@ from shared_configs import SpecError, from_diffusers_config, load_spec
 from shared_configs.diffusers import live_config, ours_to_diffusers
 from shared_configs.diffusers_config import CLASS_DEFAULTS
 from shared_configs.inputs import example_inputs
-from tests.utils import HUB_CONFIGS, as_flax, as_torch, diffusers_forward, public_options, randomize_, rel_err
+from tests.utils import (
+    HUB_CONFIGS,
+    as_flax,
+    as_torch,
+    diffusers_forward,
+    public_options,
+    randomize_,
+    rel_err,
+    torch_threads,
+)
 from torch_impl import UNet
 
 TOL = 1e-5
@@ -95,13 +105,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Any:
-    """These tensors are tiny: one thread is faster, and on a busy machine spinning OpenMP
-    threads make each op up to 100x slower. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_torch_thread() -> Iterator[None]:
+    with torch_threads(1):
+        yield
 
 
 def _build(name: str) -> torch.nn.Module:

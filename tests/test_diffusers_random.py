@@ -11,6 +11,7 @@ and text_time conditioning it builds.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from jax_impl import diffusers_io as jax_io
 from shared_configs import from_diffusers_config
 from shared_configs.diffusers import live_config
 from shared_configs.inputs import example_inputs
-from tests.utils import FAST_COMPILE, as_flax, as_torch, diffusers_forward, randomize_, rel_err
+from tests.utils import FAST_COMPILE, as_flax, as_torch, diffusers_forward, randomize_, rel_err, torch_threads
 from torch_impl import UNet
 
 TOL = 1e-5
@@ -106,12 +107,9 @@ CLASSES = {"UNet2DModel": (UNet2DModel, _pixel), "UNet2DConditionModel": (UNet2D
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Any:
-    """Tiny tensors: one thread is faster, and on a busy machine spinning threads are much slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_torch_thread() -> Iterator[None]:
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{c}-{s}" for c, s in CASES])

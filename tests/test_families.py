@@ -8,6 +8,7 @@ these variants after weight conversion is in `test_parity.py` (they are in `test
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -21,7 +22,7 @@ from jax_impl import UNet as FlaxUNet
 from jax_impl.unet import abstract_inputs
 from shared_configs import resolve_plan
 from shared_configs.inputs import example_inputs
-from tests.utils import FAST_COMPILE, as_flax, as_torch, rel_err, variant
+from tests.utils import FAST_COMPILE, as_flax, as_torch, rel_err, torch_threads, variant
 from torch_impl import UNet as TorchUNet
 
 FAMILIES = ("sdxl_style", "sd21_style", "class_cond", "class_timestep_concat")
@@ -32,12 +33,9 @@ FLAX_CASES = ("sdxl_style", "class_timestep_concat")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Any:
-    """Tiny tensors: one thread is faster, and on a busy machine spinning threads are much slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_torch_thread() -> Iterator[None]:
+    with torch_threads(1):
+        yield
 
 
 def _torch_loss_and_grads(model: TorchUNet, inputs: dict[str, Any]) -> tuple[float, dict[str, torch.Tensor]]:
