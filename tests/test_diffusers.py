@@ -28,6 +28,7 @@ from shared_configs.diffusers import live_config, ours_to_diffusers
 from shared_configs.diffusers_config import CLASS_DEFAULTS
 from shared_configs.inputs import example_inputs
 from tests.utils import (
+    FAST_COMPILE,
     HUB_CONFIGS,
     as_flax,
     as_torch,
@@ -153,7 +154,8 @@ def _torch_out(ours: UNet, case: dict[str, Any]) -> np.ndarray:
 
 def _flax_out(module: Any, params: dict, case: dict[str, Any]) -> np.ndarray:
     inputs = as_flax({k: None if v is None else v.numpy() for k, v in case["inputs"].items()})
-    out = jax.jit(module.apply)({"params": params}, **inputs)  # faster than eager
+    variables = {"params": params}
+    out = jax.jit(module.apply).lower(variables, **inputs).compile(FAST_COMPILE)(variables, **inputs)
     return np.asarray(out).transpose(0, 3, 1, 2)  # NHWC -> NCHW
 
 
@@ -316,6 +318,7 @@ def test_refused_before_reading_weights(tmp_path: Path) -> None:
         UNet.from_diffusers(tmp_path / "missing")
 
 
+@pytest.mark.slow
 def test_loading_a_folder_does_not_import_diffusers(tmp_path: Path) -> None:
     _build("sd").save_pretrained(tmp_path)
     code = (
