@@ -7,7 +7,11 @@ One `UNetSpec` describes both families people train:
 * Stable-Diffusion-style latent U-Nets (diffusers ``UNet2DConditionModel``): the same with
   Transformer2D blocks (``attention: transformer``): GroupNorm, projection in/out,
   self-attention, cross-attention over ``context`` when ``cross_attention_dim`` is set,
-  GEGLU feed-forward.
+  GEGLU feed-forward; SD 1.x, 2.x and SDXL.
+
+Conditioning beside the timestep (class ids or vectors, SDXL's ``text_time``) changes only the
+embedding every ResNet receives, computed in the U-Net assembly (`ClassEmbeddingSpec`,
+`AdditionEmbeddingSpec`); `shared_configs.inputs` says which inputs a spec takes.
 
 Every default that differs between PyTorch and Flax (norm eps, attention scale) is a field
 here, so neither framework's default ever leaks into the model.
