@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import zlib
 
 import jax
@@ -13,7 +15,10 @@ from flax import traverse_util
 
 from jax_impl import UNet as FlaxUNet
 from jax_impl.convert import flax_to_torch, torch_to_flax
-from tests.utils import VARIANTS, randomize_, rel_err, variant
+from shared_configs import UNetSpec
+from shared_configs.arch import NormArgs, ResnetArgs, SelfAttentionArgs, TransformerArgs
+from shared_configs.inputs import example_inputs
+from tests.utils import VARIANTS, as_flax, as_torch, randomize_, rel_err, variant
 from torch_impl import UNet as TorchUNet
 
 
@@ -25,39 +30,28 @@ def _pair(name: str) -> tuple[TorchUNet, FlaxUNet, dict]:
     return tmodel, FlaxUNet(spec=spec), torch_to_flax(tmodel.state_dict(), spec)
 
 
-def _inputs(spec, batch: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((batch, spec.in_channels, spec.sample_size, spec.sample_size), dtype=np.float32)
-    t = np.array([11.0, 860.0], dtype=np.float32)[:batch]
-    ctx = (
-        rng.standard_normal((batch, 3, spec.cross_attention_dim), dtype=np.float32)
-        if spec.cross_attention_dim
-        else None
-    )
-    return x, t, ctx
+def _inputs(spec: UNetSpec, batch: int = 2) -> dict[str, np.ndarray | None]:
+    inputs = example_inputs(spec, np.random.default_rng(7), batch, context_len=3)
+    inputs["t"] = np.array([11.0, 860.0], dtype=np.float32)[:batch]  # one early, one late timestep
+    return inputs
 
 
-def _torch_out(model: TorchUNet, x: np.ndarray, t: np.ndarray, ctx: np.ndarray | None) -> torch.Tensor:
-    return model(torch.from_numpy(x), torch.from_numpy(t), None if ctx is None else torch.from_numpy(ctx))
+def _torch_out(model: TorchUNet, inputs: dict[str, np.ndarray | None]) -> torch.Tensor:
+    return model(**as_torch(inputs))
 
 
-def _flax_out(model: FlaxUNet, params: dict, x: np.ndarray, t: np.ndarray, ctx: np.ndarray | None) -> jax.Array:
-    out = model.apply(
-        {"params": params},
-        jnp.asarray(x.transpose(0, 2, 3, 1)),
-        jnp.asarray(t),
-        None if ctx is None else jnp.asarray(ctx),
-    )
+def _flax_out(model: FlaxUNet, params: dict, inputs: dict[str, np.ndarray | None]) -> jax.Array:
+    out = model.apply({"params": params}, **as_flax(inputs))
     return out.transpose(0, 3, 1, 2)  # NHWC -> NCHW
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_outputs_match(name: str) -> None:
     tmodel, fmodel, params = _pair(name)
-    x, t, ctx = _inputs(tmodel.spec)
+    inputs = _inputs(tmodel.spec)
     with torch.no_grad():
-        ref = _torch_out(tmodel, x, t, ctx).numpy()
-    out = np.asarray(_flax_out(fmodel, params, x, t, ctx))
+        ref = _torch_out(tmodel, inputs).numpy()
+    out = np.asarray(_flax_out(fmodel, params, inputs))
     assert np.abs(ref).mean() > 1e-2  # a live signal, not a degenerate zero output
     assert rel_err(out, ref) <= 1e-5
 
@@ -72,19 +66,20 @@ def test_round_trip_is_exact(name: str) -> None:
         assert torch.equal(back[key], value), key
 
 
-@pytest.mark.parametrize("name", ["tiny", "ddpm_style", "sd_linear_proj"])
+@pytest.mark.parametrize("name", ["tiny", "ddpm_style", "sd_linear_proj", "sdxl_style", "class_cond"])
 def test_gradients_match(name: str) -> None:
     tmodel, fmodel, params = _pair(name)
-    x, t, ctx = _inputs(tmodel.spec)
+    inputs = _inputs(tmodel.spec)
+    x = inputs["x"]
     target = np.random.default_rng(3).standard_normal((*x.shape[:1], tmodel.spec.out_channels, *x.shape[2:]))
     target = target.astype(np.float32)
 
-    loss = ((_torch_out(tmodel, x, t, ctx) - torch.from_numpy(target)) ** 2).mean()
+    loss = ((_torch_out(tmodel, inputs) - torch.from_numpy(target)) ** 2).mean()
     loss.backward()
     torch_grads = torch_to_flax({n: p.grad for n, p in tmodel.named_parameters()}, tmodel.spec)
 
     def flax_loss(p: dict) -> jax.Array:
-        return jnp.mean((_flax_out(fmodel, p, x, t, ctx) - target) ** 2)
+        return jnp.mean((_flax_out(fmodel, p, inputs) - target) ** 2)
 
     flax_value, flax_grads = jax.value_and_grad(flax_loss)(params)
     assert rel_err(flax_value, loss.item()) <= 1e-5
@@ -111,3 +106,19 @@ def test_conversion_rejects_mismatched_weights() -> None:
     state["conv_in.weight"] = state["conv_in.weight"][:, :2]
     with pytest.raises(ValueError, match=r"conv_in/kernel has shape"):
         torch_to_flax(state, tmodel.spec)
+
+
+def test_layer_arguments_are_both_constructors_parameters() -> None:
+    """`shared_configs.arch`'s typed arguments name exactly what each framework's layer takes after its channels."""
+    from jax_impl import layers as flax_layers
+    from torch_impl import layers as torch_layers
+
+    channels = {"ch", "in_ch", "out_ch"}
+    flax_only = {"query_chunk", "parent", "name"}  # Flax: the chunked attention switch, linen's own fields
+    pairs = [(NormArgs, "norm_layer"), (ResnetArgs, "ResnetBlock"), (SelfAttentionArgs, "SelfAttention")]
+    for args, layer in [*pairs, (TransformerArgs, "Transformer2D")]:
+        names = {f.name for f in dataclasses.fields(args)}
+        torch_params = set(inspect.signature(getattr(torch_layers, layer)).parameters) - channels
+        flax_layer = getattr(flax_layers, layer)
+        flax_params = set(inspect.signature(flax_layer).parameters) - channels - flax_only
+        assert names == torch_params == flax_params, layer

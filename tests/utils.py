@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -58,7 +60,80 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "sample_size": 8,
         "dropout": 0.0,
     },
+    "sdxl_style": {  # SDXL-like: text_time conditioning, no attention at level 0, per-level depth, linear proj
+        "down_attention": ["none", "transformer"],
+        "use_linear_projection": True,
+        "transformer_layers_per_block": [1, 2],
+        "attention_head_dim": None,
+        "num_attention_heads": [2, 4],
+        "addition_embedding": {"time_id_dim": 4, "input_dim": 30, "num_time_ids": 3},
+    },
+    "sd21_style": {  # SD 2.x-like, learned variance (out = 2 x in), heads x head_dim != channels (as diffusers rounds)
+        "down_attention": ["transformer", "transformer"],
+        "use_linear_projection": True,
+        "attention_head_dim": [5, 10],
+        "num_attention_heads": [3, 3],
+        "out_channels": 8,
+    },
+    "class_cond": {  # class-conditional DDPM-style: a class table, inpainting-like 9 -> 4 channels, mid norm groups
+        "in_channels": 9,
+        "down_attention": ["self", "none"],
+        "mid_attention": "self",
+        "mid_attention_norm_groups": 8,
+        "cross_attention_dim": None,
+        "class_embedding": {"kind": "embedding", "num_classes": 10},
+    },
+    "class_timestep_concat": {  # class ids through sinusoids, concatenated with the time embedding
+        "class_embedding": {"kind": "timestep", "concat": True},
+        "resnet_time_scale_shift": "scale_shift",
+    },
 }
+
+
+# Hub configs (unet/config.json as stored), which the presets of the same name must equal.
+_DDPM_CIFAR10 = {
+    "_class_name": "UNet2DModel", "_diffusers_version": "0.0.4", "act_fn": "silu", "attention_head_dim": None,
+    "block_out_channels": [128, 256, 256, 256], "center_input_sample": False,
+    "down_block_types": ["DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"], "downsample_padding": 0,
+    "flip_sin_to_cos": False, "freq_shift": 1, "in_channels": 3, "layers_per_block": 2, "mid_block_scale_factor": 1,
+    "norm_eps": 1e-06, "norm_num_groups": 32, "out_channels": 3, "sample_size": 32, "time_embedding_type": "positional",
+    "up_block_types": ["UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"],
+}  # fmt: skip
+_SD15 = {
+    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.6.0", "act_fn": "silu", "attention_head_dim": 8,
+    "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False, "cross_attention_dim": 768,
+    "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    "downsample_padding": 1, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4, "layers_per_block": 2,
+    "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4, "sample_size": 64,
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+}  # fmt: skip
+
+
+_SDXL = {  # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json (the options that differ from defaults)
+    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.19.0.dev0", "addition_embed_type": "text_time",
+    "addition_time_embed_dim": 256, "attention_head_dim": [5, 10, 20], "block_out_channels": [320, 640, 1280],
+    "cross_attention_dim": 2048, "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "projection_class_embeddings_input_dim": 2816, "sample_size": 128, "transformer_layers_per_block": [1, 2, 10],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"], "upcast_attention": None,
+    "use_linear_projection": True, "addition_embed_type_num_heads": 64, "class_embed_type": None,
+    "class_embeddings_concat": False, "mid_block_type": "UNetMidBlock2DCrossAttn", "time_embedding_type": "positional",
+}  # fmt: skip
+_SD21 = {  # stabilityai/stable-diffusion-2-1 unet/config.json
+    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.10.0.dev0", "act_fn": "silu",
+    "attention_head_dim": [5, 10, 20, 20], "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False,
+    "cross_attention_dim": 1024, "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+    "downsample_padding": 1, "dual_cross_attention": False, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4,
+    "layers_per_block": 2, "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32,
+    "num_class_embeds": None, "only_cross_attention": False, "out_channels": 4, "sample_size": 96,
+    "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3, "upcast_attention": True,
+    "use_linear_projection": True,
+}  # fmt: skip
+HUB_CONFIGS: dict[str, dict[str, Any]] = {"ddpm_cifar10": _DDPM_CIFAR10, "sd15": _SD15, "sd21": _SD21, "sdxl": _SDXL}
+
+
+def public_options(config: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's constructor options (without ``_class_name`` and the like)."""
+    return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
 def variant(name: str, **overrides: Any) -> UNetSpec:
@@ -68,6 +143,49 @@ def variant(name: str, **overrides: Any) -> UNetSpec:
 def rel_err(a: Any, b: Any) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run with ``count`` torch threads, restored after. Tiny tensors run faster on one thread, and on a
+    busy machine spinning OpenMP threads make each op many times slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def as_torch(inputs: dict[str, Any]) -> dict[str, Any]:
+    """`shared_configs.inputs.example_inputs` (NCHW numpy) -> torch tensors, by name (None kept)."""
+    import torch
+
+    return {k: None if v is None else torch.from_numpy(v) for k, v in inputs.items()}
+
+
+def as_flax(inputs: dict[str, Any]) -> dict[str, Any]:
+    """`shared_configs.inputs.example_inputs` (NCHW numpy) -> jax arrays with x in NHWC, by name (None kept)."""
+    import jax.numpy as jnp
+
+    out = {k: None if v is None else jnp.asarray(v) for k, v in inputs.items()}
+    out["x"] = jnp.asarray(inputs["x"].transpose(0, 2, 3, 1))
+    return out
+
+
+def diffusers_forward(model: Any, inputs: dict[str, Any]) -> Any:
+    """A diffusers ``UNet2DModel`` / ``UNet2DConditionModel`` on our named torch inputs (`as_torch`), no grad."""
+    import torch
+
+    kwargs: dict[str, Any] = {"class_labels": inputs.get("class_labels")}
+    if type(model).__name__ == "UNet2DConditionModel":
+        kwargs["encoder_hidden_states"] = inputs.get("context")
+        if inputs.get("text_embeds") is not None:
+            kwargs["added_cond_kwargs"] = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]}
+    with torch.no_grad():
+        return model(inputs["x"], inputs["t"], **kwargs).sample
 
 
 def randomize_(model: Any, seed: int = 0, scale: float = 0.2) -> None:
