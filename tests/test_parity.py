@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -13,52 +12,27 @@ import pytest
 import torch
 from flax import traverse_util
 
-from jax_impl import UNet as FlaxUNet
 from jax_impl.convert import flax_to_torch, torch_to_flax
-from shared_configs import UNetSpec
 from shared_configs.arch import NormArgs, ResnetArgs, SelfAttentionArgs, TransformerArgs
-from shared_configs.inputs import example_inputs
-from tests.utils import VARIANTS, as_flax, as_torch, randomize_, rel_err, variant
+from tests.parity_utils import flax_out, parity_inputs, parity_pair, torch_out
+from tests.utils import VARIANTS, rel_err
 from torch_impl import UNet as TorchUNet
-
-
-def _pair(name: str) -> tuple[TorchUNet, FlaxUNet, dict]:
-    spec = variant(name, dropout=0.0)
-    torch.manual_seed(0)
-    tmodel = TorchUNet(spec).eval()
-    randomize_(tmodel, seed=zlib.crc32(name.encode()) % 1000)  # stable across processes
-    return tmodel, FlaxUNet(spec=spec), torch_to_flax(tmodel.state_dict(), spec)
-
-
-def _inputs(spec: UNetSpec, batch: int = 2) -> dict[str, np.ndarray | None]:
-    inputs = example_inputs(spec, np.random.default_rng(7), batch, context_len=3)
-    inputs["t"] = np.array([11.0, 860.0], dtype=np.float32)[:batch]  # one early, one late timestep
-    return inputs
-
-
-def _torch_out(model: TorchUNet, inputs: dict[str, np.ndarray | None]) -> torch.Tensor:
-    return model(**as_torch(inputs))
-
-
-def _flax_out(model: FlaxUNet, params: dict, inputs: dict[str, np.ndarray | None]) -> jax.Array:
-    out = model.apply({"params": params}, **as_flax(inputs))
-    return out.transpose(0, 3, 1, 2)  # NHWC -> NCHW
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_outputs_match(name: str) -> None:
-    tmodel, fmodel, params = _pair(name)
-    inputs = _inputs(tmodel.spec)
+    tmodel, fmodel, params = parity_pair(name)
+    inputs = parity_inputs(tmodel.spec)
     with torch.no_grad():
-        ref = _torch_out(tmodel, inputs).numpy()
-    out = np.asarray(_flax_out(fmodel, params, inputs))
+        ref = torch_out(tmodel, inputs).numpy()
+    out = np.asarray(flax_out(fmodel, params, inputs))
     assert np.abs(ref).mean() > 1e-2  # a live signal, not a degenerate zero output
     assert rel_err(out, ref) <= 1e-5
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_round_trip_is_exact(name: str) -> None:
-    tmodel, _, params = _pair(name)
+    tmodel, _, params = parity_pair(name)
     back = flax_to_torch(params, tmodel.spec)
     fresh = TorchUNet(tmodel.spec)
     fresh.load_state_dict(back, strict=True)
@@ -68,18 +42,18 @@ def test_round_trip_is_exact(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["tiny", "ddpm_style", "sd_linear_proj", "sdxl_style", "class_cond"])
 def test_gradients_match(name: str) -> None:
-    tmodel, fmodel, params = _pair(name)
-    inputs = _inputs(tmodel.spec)
+    tmodel, fmodel, params = parity_pair(name)
+    inputs = parity_inputs(tmodel.spec)
     x = inputs["x"]
     target = np.random.default_rng(3).standard_normal((*x.shape[:1], tmodel.spec.out_channels, *x.shape[2:]))
     target = target.astype(np.float32)
 
-    loss = ((_torch_out(tmodel, inputs) - torch.from_numpy(target)) ** 2).mean()
+    loss = ((torch_out(tmodel, inputs) - torch.from_numpy(target)) ** 2).mean()
     loss.backward()
     torch_grads = torch_to_flax({n: p.grad for n, p in tmodel.named_parameters()}, tmodel.spec)
 
     def flax_loss(p: dict) -> jax.Array:
-        return jnp.mean((_flax_out(fmodel, p, inputs) - target) ** 2)
+        return jnp.mean((flax_out(fmodel, p, inputs) - target) ** 2)
 
     flax_value, flax_grads = jax.value_and_grad(flax_loss)(params)
     assert rel_err(flax_value, loss.item()) <= 1e-5
@@ -97,7 +71,7 @@ def test_gradients_match(name: str) -> None:
 
 
 def test_conversion_rejects_mismatched_weights() -> None:
-    tmodel, _, _ = _pair("tiny")
+    tmodel, _, _ = parity_pair("tiny")
     state = dict(tmodel.state_dict())
     state.pop("conv_out.bias")
     with pytest.raises(ValueError, match="missing conv_out/bias"):
