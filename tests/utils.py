@@ -80,6 +80,22 @@ def randomize_(model: Any, seed: int = 0, scale: float = 0.2) -> None:
             p.add_(scale * torch.randn(p.shape, generator=gen))
 
 
+def run_compare(args: list[str], out: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict[str, Any] | None]:
+    """``python -m benchmarks.compare ARGS --out OUT`` (LLVM at -O0: compile time halves, buffer
+    assignment comes before code generation, so memory figures do not change; no JAX compilation
+    cache); the process and the JSON document it wrote, if any."""
+    environ = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", **env}
+    cmd = [sys.executable, "-m", "benchmarks.compare", *args, "--out", str(out), "--jax-cache", "none"]
+    proc = subprocess.run(cmd, cwd=Path(__file__).parents[1], env=environ, capture_output=True, text=True, timeout=600)
+    files = sorted(out.glob("*.json"))
+    return proc, json.loads(files[-1].read_text()) if files else None
+
+
+def rows_of(doc: dict[str, Any], framework: str) -> dict[str, dict[str, Any]]:
+    """A compare document's rows of one framework, by policy."""
+    return {r["policy"]: r for r in doc["rows"] if r["framework"] == framework}
+
+
 def train_argv(cfg: TrainConfig) -> list[str]:
     """The ``torch_impl.train`` flags that reproduce ``cfg`` (each field is a flag of the same name)."""
     argv: list[str] = []
