@@ -43,7 +43,8 @@ METHOD = (
     "optimizer reads them, else temporaries); temp-heap fragmentation counted as temporaries"
 )
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*):$")
-_VALUE = re.compile(r"^ value: <\d+ ([^ {>]+)(\{[\d,]*\})? @[^>]*> \(size=(\d+),offset=(\d+)\)")
+# " value: <31837 while.177{1} (phi) @0> (size=4096,offset=1016832): f32[...]"
+_VALUE = re.compile(r"^ value: <\d+ ([^ {>]+)(\{[\d,]*\})?(?: \([^)]*\))? @[^>]*> \(size=(\d+),offset=(\d+)\)")
 _RANGE = re.compile(r"^    ([^ {]+)(\{[\d,]*\}):(\d+)-(\d+)$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -73,7 +74,7 @@ def test_torch_rows_add_up_and_agree_with_memtracker() -> None:
     """train_step on tiny: parts add up, none negative, within 5% of MemTracker's peak (the issue's
     bar; in practice equal), never above the allocator's count; block starts in forward order."""
     spec = load_spec("tiny")
-    job = Job("torch", "tiny", None, ("none", "full", "layers"), (2,), 1, "float32", "cpu", 4, timeline=("none",))
+    job = Job("torch", "tiny", None, ("none", "full"), (2,), 1, "float32", "cpu", 4, timeline=("none",))
     rows = {p: tb.measure(job, p, 2, torch.device("cpu")) for p in job.policies}
     for policy, row in rows.items():
         parts = [row[f"{kind}_bytes"] for kind in CATEGORIES]
@@ -82,8 +83,7 @@ def test_torch_rows_add_up_and_agree_with_memtracker() -> None:
         assert row["tracker_peak_bytes"] <= row["allocator_peak_bytes"], policy
         assert row["static_bytes"] == row["params_bytes"] + row["optimizer_bytes"]
     assert rows["none"]["tracker_peak_bytes"] >= 0.95 * rows["none"]["allocator_peak_bytes"]
-    for policy in ("full", "layers"):
-        assert rows[policy]["activation_bytes"] < rows["none"]["activation_bytes"], policy
+    assert rows["full"]["activation_bytes"] < rows["none"]["activation_bytes"]
     timeline = rows["none"]["timeline"]
     forward = [b for pos, b in timeline["marks"] if pos < timeline["phases"]["backward"]]
     backward = [b for pos, b in timeline["marks"] if pos >= timeline["phases"]["backward"]]
@@ -104,11 +104,10 @@ def _compile(lowered: Any, cache: Path | None) -> tuple[Any, jax_memory.MemoryPl
     return compiled, plan
 
 
-def test_xla_plan_adds_up_to_memory_analysis_and_matches_xla_own_peak(tmp_path: Path) -> None:
+def test_xla_plan_adds_up_to_memory_analysis_and_matches_xla_own_peak() -> None:
     """The plan read back from XLA's dump: parts add up to memory_analysis()'s total, none
     negative; the live bytes rebuilt from the buffer assignment match the peak XLA states in its
-    live-range dump; remat (full) lowers the activations; a step loaded from JAX's persistent
-    cache (no dump) gets the same plan."""
+    live-range dump; remat (full) lowers the activations."""
     plans = {}
     for policy in ("none", "full"):
         compiled, plan = _compile(_lowered(policy), None)
@@ -123,23 +122,28 @@ def test_xla_plan_adds_up_to_memory_analysis_and_matches_xla_own_peak(tmp_path: 
         assert {b for _, b in plan.timeline["marks"]} == set(block_names(load_spec("tiny"))) - {OUTSIDE}
         plans[policy] = plan
     assert plans["full"].parts["activation"] < 0.8 * plans["none"].parts["activation"]
-    _persistent_cache_gives_the_same_plan(tmp_path, plans["none"])
 
 
-def _persistent_cache_gives_the_same_plan(cache: Path, expected: jax_memory.MemoryPlan) -> None:
+@pytest.mark.slow  # two compiles
+def test_a_step_loaded_from_the_persistent_cache_gets_the_same_plan(tmp_path: Path) -> None:
+    """A step JAX loads from its compilation cache is not compiled, so XLA dumps nothing: the plan
+    comes from the benchmark's own record, or, without one, from a compile past the cache."""
     from jax.experimental.compilation_cache import compilation_cache
 
+    cache = tmp_path
     jax.config.update("jax_compilation_cache_dir", str(cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     compilation_cache.reset_cache()
     try:
         first = _compile(_lowered("none"), cache)[1]  # compiled, stored in both caches
-        for record in (cache / "xla-memory").glob("*.json"):
-            record.unlink()  # only the executable is left: its load dumps nothing
+        records = list((cache / "xla-memory").glob("*.json"))
+        assert len(records) == 1 and any(p.name != "xla-memory" for p in cache.iterdir())
+        records[0].unlink()  # only the executable is left: its load dumps nothing
         jax.clear_caches()
         again = _compile(_lowered("none"), cache)[1]
+        assert records[0].is_file()  # rebuilt by a compile past the cache
     finally:
         jax.config.update("jax_compilation_cache_dir", None)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         compilation_cache.reset_cache()
-    assert first.parts == again.parts == expected.parts
+    assert first.parts == again.parts and first.timeline == again.timeline

@@ -111,7 +111,7 @@ def test_jax_resume_continues_the_curve(tmp_path: Path) -> None:
     spec = load_spec("tiny")  # the same model and optimizer as above: the compiled step is reused
     model, tx, state = jax_setup(spec, "none")
     dataset, whole = load_dataset("digits", spec), []
-    jtrain.run_steps(state, whole, dataset, SCHEDULE, CFG, 6, model, tx)
+    jtrain.run_steps(jax.tree.map(jax.numpy.copy, state), whole, dataset, SCHEDULE, CFG, 6, model, tx)  # donated
     losses: list[float] = []
     half = jtrain.run_steps(state, losses, dataset, SCHEDULE, CFG, 3, model, tx)
     spec_dict, path = spec.model_dump(mode="json"), tmp_path / jtrain.CHECKPOINT
@@ -164,7 +164,7 @@ data, schedule = load_dataset("digits", spec, 0), make_schedule("linear", 1000)
 curves = {}
 for name, mesh in (("single", None), ("sharded", jtrain.data_parallel_mesh(cfg.batch_size))):
     losses = []
-    jtrain.run_steps(state, losses, data, schedule, cfg, 2, model, tx, mesh=mesh)
+    jtrain.run_steps(jax.tree.map(jax.numpy.copy, state), losses, data, schedule, cfg, 2, model, tx, mesh=mesh)
     curves[name] = losses
 print(json.dumps({"devices": len(jax.devices()), **curves}))
 """
