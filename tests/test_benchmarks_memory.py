@@ -3,6 +3,7 @@ own MemTracker, the CPU allocator, and XLA's own statement of its live-range pea
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import jax_bench, jax_memory
+from benchmarks import compare, jax_bench, jax_memory
 from benchmarks import torch_bench as tb
 from benchmarks.common import CATEGORIES, OUTSIDE, Job
 from benchmarks.torch_memory import AllocatorPeak, SavedBytesCounter, StepTracker, memtracker_peak
@@ -147,3 +148,19 @@ def test_a_step_loaded_from_the_persistent_cache_gets_the_same_plan(tmp_path: Pa
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         compilation_cache.reset_cache()
     assert first.parts == again.parts and first.timeline == again.timeline
+
+
+@pytest.mark.slow  # a batch-8 sd_narrow step in torch, a compile in JAX
+def test_the_default_workload_is_activation_dominated_in_both_frameworks() -> None:
+    """compare's default (sd_narrow, batch 8, policy none): activations + temporaries at least twice
+    the static memory (parameters + optimizer state) in both frameworks; the same parameters."""
+    assert (compare.DEFAULT_CONFIG, compare.DEFAULT_BATCH_SIZES) == ("sd_narrow", (8,))
+    job = Job("torch", "sd_narrow", None, ("none",), (8,), 1, "float32", "cpu", 77, peak_only=True)
+    rows = {"torch": tb.measure(job, "none", 8, torch.device("cpu"))}
+    job = replace(job, framework="jax", attention_chunk="auto")
+    rows["jax"] = jax_bench.measure(job, "none", 8, jax.devices("cpu")[0])  # on CPU: compiled, not run
+    for framework, row in rows.items():
+        assert row["activation_bytes"] + row["temporary_bytes"] >= 2 * row["static_bytes"], framework
+    assert rows["torch"]["param_count"] == rows["jax"]["param_count"] == 3_092_580
+    # the same, but for torch AdamW's step counter per parameter against optax's one count
+    assert 0 <= rows["torch"]["static_bytes"] - rows["jax"]["static_bytes"] <= 4 * 300
