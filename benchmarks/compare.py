@@ -209,12 +209,13 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
         "dtype": args.dtype,
         "device": args.device,
         "context_length": args.context_length,
-        "timeline": timeline_policies(args.timeline, policies),
     }
+    timeline = timeline_policies(args.timeline, policies)
     return [
         Job(
             framework=fw,
             policies=DIFFUSERS_POLICIES if fw == DIFFUSERS else tuple(policies),
+            timeline=() if fw == DIFFUSERS else timeline,
             xla_default=args.xla_default,
             attention_chunk=args.jax_attention_chunk if fw == "jax" else None,
             jax_cache=args.jax_cache if fw == "jax" else None,

@@ -21,7 +21,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.common import OPTIMIZER, Job, batch_bytes, cpu_name, job_spec, make_batch, policy_arg, timing_stats
-from benchmarks.torch_memory import TRACKER_METHOD, AllocatorPeak, SavedBytesCounter, StepTracker, memtracker_peak
+from benchmarks.torch_memory import TRACKER_METHOD, AllocatorPeak, SavedBytesCounter, StepTracker, memtracker
 from torch_impl import UNet
 from torch_impl.flops import register_cpu_attention_flops
 from torch_impl.train import DTYPES, make_optimizer, train_step
@@ -118,24 +118,26 @@ def counted_step(step: Callable[[], Any], device: torch.device) -> tuple[float, 
 
 
 def memory_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], Any], device: torch.device, inputs: int
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], Any], device: torch.device, batch: Any
 ) -> dict[str, Any]:
-    """One step under the memory instruments: the peak, its parts, timeline, allocator peak, saved bytes.
+    """One step under the memory instruments: the peak, its parts and timeline; on CPU also the
+    allocator's peak and PyTorch's MemTracker (the check), all watching the same step.
 
-    ``inputs``: bytes of the numpy batch, host memory the step reads: part of the peak on CPU; on a
-    GPU the step's copies of it are device memory made in the forward (counted as activations).
+    The numpy batch is host memory the step reads: part of the peak on CPU; on a GPU the step's
+    copies of it are device memory made in the forward (counted as activations).
     """
     saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
-    tracker = StepTracker(model, optimizer, inputs if device.type == "cpu" else 0)
+    tracker = StepTracker(model, optimizer, batch_bytes(batch) if device.type == "cpu" else 0)
     if device.type == "cuda":
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         with tracker, saved:
             step()
         _sync(device)
-        allocator_peak = torch.cuda.max_memory_allocated(device)
+        allocator_peak, check = torch.cuda.max_memory_allocated(device), {}
     else:
-        with AllocatorPeak() as allocator, tracker, saved:
+        stand_ins = [torch.from_numpy(a) for a in (batch.noisy, batch.t, batch.noise, batch.context) if a is not None]
+        with AllocatorPeak() as allocator, memtracker(model, optimizer, stand_ins) as check, tracker, saved:
             step()
         # The allocator's events show the blocks the step allocates, not the frees of older ones:
         # its peak sits on what persists (parameters, optimizer state, the batch).
@@ -151,6 +153,7 @@ def memory_step(
         "peak_bytes": peak,
         "tracker_peak_bytes": result.peak,
         "allocator_peak_bytes": allocator_peak,
+        "memtracker_peak_bytes": check.get("peak"),
         "saved_bytes": saved.bytes,
         "timeline": result.timeline,
         **{f"{kind}_bytes": value for kind, value in breakdown.items()},
@@ -166,13 +169,9 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
     step = functools.partial(train_step, model, optimizer, batch, DTYPES[job.dtype])
     # warm-up: makes the optimizer state (and the gradients the next step's zero_grad frees)
     first, flops = (timed_steps(step, device, 1)[0], None) if job.peak_only else counted_step(step, device)
-    inputs = batch_bytes(batch)
-    row: dict[str, Any] = {"flops": flops, **memory_step(model, optimizer, step, device, inputs)}
+    row: dict[str, Any] = {"flops": flops, **memory_step(model, optimizer, step, device, batch)}
     if policy not in job.timeline:
         row.pop("timeline")
-    if device.type == "cpu" and not job.peak_only:
-        stand_ins = [torch.from_numpy(a) for a in (batch.noisy, batch.t, batch.noise, batch.context) if a is not None]
-        row["memtracker_peak_bytes"], row["memtracker_parts"] = memtracker_peak(step, model, optimizer, stand_ins)
     if not job.peak_only:
         row.update(timing_stats(timed_steps(step, device, job.steps)))
     row.update(
@@ -183,7 +182,7 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
         peak_method=memory_method(device),
         flops_method="torch.utils.flop_counter.FlopCounterMode (matmul, conv, attention)",
         saved_method="torch.autograd.graph.saved_tensors_hooks (distinct storages, params excluded)",
-        check_method="torch.distributed._tools.mem_tracker.MemTracker on the same step (CPU)",
+        check_method="PyTorch's own MemTracker (torch.distributed._tools.mem_tracker) watching the same step (CPU)",
     )
     return row
 

@@ -8,8 +8,9 @@
   forward, or while a checkpointed block is recomputed in the backward, is an activation; one
   made in the backward or the optimizer is a temporary, unless it ends the step as a parameter's
   ``.grad`` (gradient) or in the optimizer's state. The same kinds as PyTorch's ``MemTracker``.
-* `memtracker_peak`: the same step measured by ``torch.distributed._tools.mem_tracker.MemTracker``,
-  an independent implementation: the check on `StepTracker`'s figures.
+* `memtracker`: the same step measured at the same time by PyTorch's own
+  ``torch.distributed._tools.mem_tracker.MemTracker``, an independent implementation: the check on
+  `StepTracker`'s figures.
 * `AllocatorPeak`: one level lower, the CPU allocator's own events (``torch.profiler``): it also
   sees kernels' private scratch space (im2col buffers, attention workspaces) that no tensor-level
   view can.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,21 +222,24 @@ class StepTracker(TorchDispatchMode):
         )
 
 
-def memtracker_peak(
-    step: Callable[[], Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: Iterable[torch.Tensor]
-) -> tuple[int, dict[str, int]]:
-    """One ``step`` under PyTorch's own ``MemTracker``: (peak bytes, its parts by MemTracker's kinds).
+@contextlib.contextmanager
+def memtracker(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: Iterable[torch.Tensor] = ()
+) -> Iterator[dict[str, Any]]:
+    """The block under PyTorch's own ``MemTracker``; the dict it yields gets, at exit, ``peak`` (bytes)
+    and ``parts`` (its kinds at the peak).
 
     ``inputs``: tensors standing for memory the step reads but torch does not allocate (tracked as
     MemTracker's "Other"), so that the peak is comparable with `StepTracker`'s.
     """
     tracker = MemTracker()
     tracker.track_external(model, optimizer, *inputs)
+    found: dict[str, Any] = {}
     with tracker:
-        step()
+        yield found
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     parts = {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
-    return parts.pop("Total", 0), parts
+    found.update(peak=parts.pop("Total", 0), parts=parts)
 
 
 @dataclass

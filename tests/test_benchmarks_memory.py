@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from benchmarks import compare, jax_bench, jax_memory
 from benchmarks import torch_bench as tb
 from benchmarks.common import CATEGORIES, OUTSIDE, Job
-from benchmarks.torch_memory import AllocatorPeak, SavedBytesCounter, StepTracker, memtracker_peak
+from benchmarks.torch_memory import AllocatorPeak, SavedBytesCounter, StepTracker, memtracker
 from jax_impl import train as jt
 from shared_configs import block_names, load_spec
 from tests.utils import FAST_COMPILE
@@ -44,7 +44,7 @@ def test_step_tracker_against_an_analytic_count_memtracker_and_the_allocator() -
     layers, batch, width = 32, 512, 256
     model, opt, step, x = _linear_step(layers, batch, width)
     unit, weight = batch * width * 4, width * width * 4
-    with StepTracker(model, opt) as tracker:
+    with memtracker(model, opt) as reference, StepTracker(model, opt) as tracker:  # both watch one step
         step()
     result = tracker.result
     assert result is not None
@@ -55,8 +55,8 @@ def test_step_tracker_against_an_analytic_count_memtracker_and_the_allocator() -
     # the first input gradient in flight (temporaries) and one weight gradient formed.
     assert abs(parts["activation"] - layers * unit) <= unit, parts
     assert abs(parts["temporary"] - 2 * unit) <= unit and parts["grads"] == weight, parts
-    reference, kinds = memtracker_peak(step, model, opt, [])
-    assert result.peak == reference, (result.peak, reference)
+    kinds = reference["parts"]
+    assert result.peak == reference["peak"], (result.peak, reference)
     assert kinds["Activation"] == parts["activation"]
     # A gradient is a temporary to MemTracker until it is accumulated into .grad; here by its fate.
     assert kinds["Gradient"] + kinds["Temp"] == parts["grads"] + parts["temporary"]
