@@ -268,7 +268,7 @@ def measure(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[
         peak_method=memory_method(device, attention_chunk(job, device)),
         flops_method="XLA cost_analysis() of the compiled step (all ops, optimizer included; a loop body once)",
         saved_method="jax saved_residuals of the loss (params excluded)",
-        check_method="XLA's own live-range peak (HloLiveRange, in the same dump) against the live bytes rebuilt here",
+        check_method="live bytes rebuilt from XLA's dump against XLA's own count (HloLiveRange) at its peak",
     )
     return row
 

@@ -50,6 +50,7 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _STATED_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
+_STATED_AT = re.compile(r"Live ranges at (\d+) \(peak\)")
 _OPCODE = re.compile(r"^([\w-]+)\(")
 
 
@@ -60,8 +61,10 @@ class MemoryPlan:
     peak: int
     parts: dict[str, int]
     fragmentation: int  # temp-allocation bytes never live at the peak position (inside ``temporary``)
-    live_peak: int  # the most bytes of live values at any position, rebuilt here from the dump
-    xla_live_peak: int  # the same, as XLA's live-range dump states it: the check on the rebuilding
+    # The check: the bytes of live values at the position XLA's live-range dump names as its peak,
+    # rebuilt here from the dump's values, sizes and ranges, and as XLA states them.
+    live_peak: int
+    xla_live_peak: int
     timeline: dict[str, Any] = field(repr=False)
 
 
@@ -153,13 +156,18 @@ def _parse(folder: Path, analysis: Any) -> MemoryPlan:
     names = [hlo.op_names.get(sequence[i], "") for i in ops]
     picture = {c: series[c][ops] for c in CATEGORIES}
     record = timeline(picture, [block_of(n) for n in names], _phases(names), METHOD)
-    return MemoryPlan(total, parts, fragmentation, int(live.max()), _stated_peak(live_range), record)
+    at, stated = _stated_peak(live_range)
+    return MemoryPlan(total, parts, fragmentation, int(live[at]), stated, record)
 
 
-def _stated_peak(text: str) -> int:
-    """XLA's own figure for the most bytes live at once (the live-range dump's last section)."""
-    match = _STATED_PEAK.search(text)
-    return int(match[1].replace(" ", "")) if match else 0
+def _stated_peak(text: str) -> tuple[int, int]:
+    """(position, bytes): XLA's own peak of live values, from the live-range dump's last sections.
+    Its count and the one rebuilt here can differ where one value's last use meets another's
+    definition (here both count: the operation reads one while writing the other), so the check
+    compares them at XLA's position, not at their own maxima."""
+    position = _STATED_AT.search(text)
+    size = _STATED_PEAK.search(text)
+    return (int(position[1]) if position else 0), (int(size[1].replace(" ", "")) if size else 0)
 
 
 def _dump_stem(folder: Path) -> str:

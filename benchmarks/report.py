@@ -203,7 +203,7 @@ def checks(rows: list[Row]) -> list[str]:
     against PyTorch's MemTracker; the live bytes rebuilt from XLA's dump against XLA's own peak."""
     pairs = {
         "tracker peak vs MemTracker's": ("tracker_peak_bytes", "memtracker_peak_bytes"),
-        "live bytes rebuilt from XLA's dump vs XLA's own live-range peak": ("live_peak_bytes", "xla_live_peak_bytes"),
+        "live bytes rebuilt from XLA's dump vs XLA's own count at its peak": ("live_peak_bytes", "xla_live_peak_bytes"),
     }
     out = []
     for label, (mine, theirs) in pairs.items():

@@ -107,8 +107,8 @@ def _compile(lowered: Any, cache: Path | None) -> tuple[Any, jax_memory.MemoryPl
 
 def test_xla_plan_adds_up_to_memory_analysis_and_matches_xla_own_peak() -> None:
     """The plan read back from XLA's dump: parts add up to memory_analysis()'s total, none
-    negative; the live bytes rebuilt from the buffer assignment match the peak XLA states in its
-    live-range dump; remat (full) lowers the activations."""
+    negative; the live bytes rebuilt from the buffer assignment match XLA's own count where its
+    live-range dump places its peak; remat (full) lowers the activations."""
     plans = {}
     for policy in ("none", "full"):
         compiled, plan = _compile(_lowered(policy), None)
