@@ -148,9 +148,15 @@ def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[s
     model = UNet(spec=spec, policy=policy_arg(policy), attention_chunk=attention_chunk(job, device))
     tx = jt.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay)
     batch = jax.device_put(jt.arrays(make_batch(spec, batch_size, job.context_length)), device)
-    state = jax.eval_shape(lambda: jt.init_state(UNet(spec=spec, policy="none"), tx, SEED))
+    state = _abstract_state(spec, tx)
     dtype = jt.DTYPES[job.dtype]
     return {"model": model, "tx": tx, "state": state, "batch": batch, "key": jax.random.key(2), "dtype": dtype}
+
+
+@functools.cache
+def _abstract_state(spec: Any, tx: Any) -> Any:
+    """The TrainState's shapes and dtypes (traced once: the same for every policy and batch)."""
+    return jax.eval_shape(lambda: jt.init_state(UNet(spec=spec, policy="none"), tx, SEED))
 
 
 def _compile(job: Job, policy: str, batch_size: int, device: jax.Device) -> tuple[dict[str, Any], Any, Any, Any]:

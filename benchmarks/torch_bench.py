@@ -140,9 +140,11 @@ def memory_step(
         with AllocatorPeak() as allocator, memtracker(model, optimizer, stand_ins) as check, tracker, saved:
             step()
         # The allocator's events show the blocks the step allocates, not the frees of older ones:
-        # its peak sits on what persists (parameters, optimizer state, the batch).
+        # its peak sits on what persists (parameters, optimizer state, the batch), unless the step's
+        # start (the previous gradients still alive) is higher.
         held = tracker.result.breakdown
-        allocator_peak = held["params"] + held["optimizer"] + held["input"] + allocator.peak
+        persistent = held["params"] + held["optimizer"] + held["input"]
+        allocator_peak = max(tracker.result.baseline, persistent + allocator.peak)
     result = tracker.result
     breakdown = dict(result.breakdown)
     peak = result.peak

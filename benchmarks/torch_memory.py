@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._C._profiler import _EventType
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -273,7 +274,11 @@ def record_saved() -> Iterator[list[SavedRecord]]:
 
 
 class AllocatorPeak:
-    """Peak of the bytes the CPU allocator hands out while active, above its level at entry."""
+    """Peak of the bytes the CPU allocator hands out while active, above its level at entry.
+
+    Frees count only for blocks allocated while active (paired by address): a block from before is
+    freed with a size the profiler may take from a stale record of an earlier session, which would
+    pull the count down."""
 
     def __init__(self) -> None:
         self.peak = 0
@@ -285,11 +290,23 @@ class AllocatorPeak:
 
     def __exit__(self, *exc: object) -> None:
         self._prof.__exit__(*exc)
-        events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        live: dict[int, int] = {}  # address -> bytes, of the blocks allocated while active
         current = 0
-        for event in sorted(events, key=lambda e: e.start_ns()):
-            current += event.nbytes()
+        for _, ptr, size in sorted(_allocation_events(self._prof.profiler.kineto_results.experimental_event_tree())):
+            if size > 0:
+                live[ptr] = size
+                current += size
+            elif ptr in live:
+                current -= live.pop(ptr)
             self.peak = max(self.peak, current)
+
+
+def _allocation_events(events: Iterable[Any]) -> Iterator[tuple[int, int, int]]:
+    """(time, address, signed bytes) of every allocator event in a profiler event tree."""
+    for event in events:
+        if event.tag == _EventType.Allocation:
+            yield event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size
+        yield from _allocation_events(event.children)
 
 
 class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):

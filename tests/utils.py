@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -80,11 +82,25 @@ def randomize_(model: Any, seed: int = 0, scale: float = 0.2) -> None:
             p.add_(scale * torch.randn(p.shape, generator=gen))
 
 
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread while active: on a shared 2-core box a second OpenMP thread mostly waits
+    for a core (a tiny step takes 30x longer); tests check values, not speed."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_compare(args: list[str], out: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict[str, Any] | None]:
     """``python -m benchmarks.compare ARGS --out OUT`` (LLVM at -O0: compile time halves, buffer
-    assignment comes before code generation, so memory figures do not change; no JAX compilation
-    cache); the process and the JSON document it wrote, if any."""
-    environ = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", **env}
+    assignment comes before code generation, so memory figures do not change; torch on one thread,
+    see `one_torch_thread`; no JAX compilation cache); the process and the JSON document it wrote."""
+    environ = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "OMP_NUM_THREADS": "1", **env}
     cmd = [sys.executable, "-m", "benchmarks.compare", *args, "--out", str(out), "--jax-cache", "none"]
     proc = subprocess.run(cmd, cwd=Path(__file__).parents[1], env=environ, capture_output=True, text=True, timeout=600)
     files = sorted(out.glob("*.json"))
