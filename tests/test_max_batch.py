@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -87,7 +88,8 @@ def test_a_budget_below_the_floor_is_refused_naming_it(tmp_path: Path, capsys: p
 def test_end_to_end_torch(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "benchmarks.max_batch", "--framework", "torch", "--config", "tiny"]
     cmd += ["--policies", "full", "--budget-mib", "12", "--device", "cpu", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see tests.utils.one_torch_thread
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(next(tmp_path.glob("max_batch-*.json")).read_text())
     results = {r["policy"]: r for r in doc["largest_batch"]}
