@@ -133,7 +133,9 @@ def loss_fn(
     return jnp.mean((pred.astype(jnp.float32) - noise) ** 2), updates.get("batch_stats", batch_stats)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype"))
+# The state is donated: the new params and optimizer state reuse its buffers (a step holds one copy
+# of each, not two). Do not use a state after passing it in; keep the one returned.
+@functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype"), donate_argnames=("state",))
 def train_step(
     state: TrainState,
     batch: Arrays,

@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,6 @@ from tests.utils import (
     public_options,
     randomize_,
     rel_err,
-    torch_threads,
 )
 from torch_impl import UNet
 
@@ -103,12 +101,6 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "layers_per_block": 1,
     }),
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    with torch_threads(1):
-        yield
 
 
 def _build(name: str) -> torch.nn.Module:

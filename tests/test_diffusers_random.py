@@ -11,7 +11,6 @@ and text_time conditioning it builds.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from jax_impl import diffusers_io as jax_io
 from shared_configs import from_diffusers_config
 from shared_configs.diffusers import live_config
 from shared_configs.inputs import example_inputs
-from tests.utils import FAST_COMPILE, as_flax, as_torch, diffusers_forward, randomize_, rel_err, torch_threads
+from tests.utils import FAST_COMPILE, as_flax, as_torch, diffusers_forward, randomize_, rel_err
 from torch_impl import UNet
 
 TOL = 1e-5
@@ -104,12 +103,6 @@ def _conditional(rng: np.random.Generator) -> dict[str, Any]:
 
 
 CLASSES = {"UNet2DModel": (UNet2DModel, _pixel), "UNet2DConditionModel": (UNet2DConditionModel, _conditional)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{c}-{s}" for c, s in CASES])

@@ -8,7 +8,6 @@ these variants after weight conversion is in `test_parity.py` (they are in `test
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -22,7 +21,7 @@ from jax_impl import UNet as FlaxUNet
 from jax_impl.unet import abstract_inputs
 from shared_configs import resolve_plan
 from shared_configs.inputs import example_inputs
-from tests.utils import FAST_COMPILE, as_flax, as_torch, rel_err, torch_threads, variant
+from tests.utils import FAST_COMPILE, as_flax, as_torch, rel_err, variant
 from torch_impl import UNet as TorchUNet
 
 FAMILIES = ("sdxl_style", "sd21_style", "class_cond", "class_timestep_concat")
@@ -31,11 +30,6 @@ TORCH_POLICIES = ("full", "balanced", "layers", "every:2", "save_convs")
 # the conditioning happens outside the blocks, and every policy is checked on `tiny` in test_jax_unet.
 FLAX_CASES = ("sdxl_style", "class_timestep_concat")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    with torch_threads(1):
-        yield
 
 
 def _torch_loss_and_grads(model: TorchUNet, inputs: dict[str, Any]) -> tuple[float, dict[str, torch.Tensor]]:

@@ -20,11 +20,9 @@ from shared_configs import load_spec, spec_from_dict
 from shared_configs.ddpm import make_schedule
 from shared_configs.outputs import speed_line
 from shared_configs.training import TrainConfig, parse_args
-from tests.train_utils import CFG, TINY_NO_DROPOUT, jax_curve, one_thread, torch_curve
+from tests.train_utils import CFG, TINY_NO_DROPOUT, jax_curve, torch_curve
 from tests.utils import torchrun_train
 from torch_impl import train as ttrain
-
-_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 @pytest.mark.parametrize("curve", [torch_curve, jax_curve], ids=["torch", "jax"])

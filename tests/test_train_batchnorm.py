@@ -28,7 +28,6 @@ from tests.train_utils import (
     jax_restore_target,
     jax_setup,
     jax_train,
-    one_thread,
     torch_train,
 )
 from tests.utils import rel_err
@@ -37,7 +36,6 @@ from torch_impl.unet import UNet as TorchUNet
 
 STEPS = 5
 SPEC = spec_from_dict(TINY_BN)
-_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 DATA_PARALLEL = """
 import json, sys, numpy as np

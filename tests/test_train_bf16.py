@@ -31,7 +31,6 @@ from tests.train_utils import (
     float_dtypes,
     jax_on_two_devices,
     jax_setup,
-    one_thread,
     torch_curve,
 )
 from torch_impl import train as ttrain
@@ -44,7 +43,6 @@ STEPS = 10
 # CPUs and library versions, yet float32 falls 21% over these steps: a bf16 step that did not
 # train like float32 would fall outside it.
 BF16_RTOL = 1e-2
-_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 BF16_RUN = """
 import dataclasses, json, sys, jax

@@ -25,14 +25,12 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from shared_configs import load_spec
 from shared_configs.run_folder import checkpoints
 from shared_configs.training import TrainConfig, parse_args
-from tests.train_utils import CFG, TINY_NO_DROPOUT, one_thread, step_flops, torch_model
+from tests.train_utils import CFG, TINY_NO_DROPOUT, step_flops, torch_model
 from tests.utils import rel_err, torchrun_train
 from torch_impl import train as ttrain
 from torch_impl.checkpoint_io import load_checkpoint
 from torch_impl.checkpointing import checkpointed_names
 from torch_impl.parallel import shard_blocks
-
-_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,10 @@ from shared_configs.loop import manifest_for
 from shared_configs.manifest import MANIFEST
 from shared_configs.run_folder import LOCK, checkpoints, owned
 from shared_configs.training import TrainConfig
-from tests.train_utils import CFG, jax_setup, one_thread
+from tests.train_utils import CFG, jax_setup
 from tests.utils import TINY
 from torch_impl import checkpoint_io as tio
 from torch_impl import train as ttrain
-
-_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 MAINS = {"torch": ttrain.main, "jax": jtrain.main}
 RUN = replace(CFG, steps=4, checkpoint_every=1)  # the flags of every run below, as a command line

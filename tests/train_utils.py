@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -34,14 +33,6 @@ CFG = TrainConfig(batch_size=4, lr=1e-3, weight_decay=0.01, seed=0, sample_steps
 # Dropout off where torch and JAX (or processes, or devices) must draw the same masks: they do not.
 TINY_NO_DROPOUT = {**TINY, "name": "tiny_nodrop", "dropout": 0.0}
 TINY_BN = {**TINY, "name": "tiny_bn", "norm_kind": "batch", "dropout": 0.0}
-
-
-def one_thread() -> Iterator[None]:
-    """For a module-scoped autouse fixture: small ops on a shared 2-core box, threads only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def torch_model(spec: UNetSpec, policy: str = "none", seed: int = 0) -> TorchUNet:

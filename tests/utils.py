@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -145,20 +143,6 @@ def rel_err(a: Any, b: Any) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-@contextlib.contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """Run with ``count`` torch threads, restored after. Tiny tensors run faster on one thread, and on a
-    busy machine spinning OpenMP threads make each op many times slower."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def as_torch(inputs: dict[str, Any]) -> dict[str, Any]:
     """`shared_configs.inputs.example_inputs` (NCHW numpy) -> torch tensors, by name (None kept)."""
     import torch
@@ -196,6 +180,22 @@ def randomize_(model: Any, seed: int = 0, scale: float = 0.2) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(scale * torch.randn(p.shape, generator=gen))
+
+
+def run_compare(args: list[str], out: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict[str, Any] | None]:
+    """``python -m benchmarks.compare ARGS --out OUT`` (LLVM at -O0: compile time halves, buffer
+    assignment comes before code generation, so memory figures do not change; torch on one thread,
+    as tests/conftest.py sets in-process; no JAX compilation cache); the process and the JSON document it wrote."""
+    environ = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "OMP_NUM_THREADS": "1", **env}
+    cmd = [sys.executable, "-m", "benchmarks.compare", *args, "--out", str(out), "--jax-cache", "none"]
+    proc = subprocess.run(cmd, cwd=Path(__file__).parents[1], env=environ, capture_output=True, text=True, timeout=600)
+    files = sorted(out.glob("*.json"))
+    return proc, json.loads(files[-1].read_text()) if files else None
+
+
+def rows_of(doc: dict[str, Any], framework: str) -> dict[str, dict[str, Any]]:
+    """A compare document's rows of one framework, by policy."""
+    return {r["policy"]: r for r in doc["rows"] if r["framework"] == framework}
 
 
 def train_argv(cfg: TrainConfig) -> list[str]:

@@ -59,11 +59,14 @@ def train_step(
     optimizer stay float32). Returns the loss as a Python float.
     """
     model.train()
-    noisy, t, noise, context = as_tensors(batch)
-    with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+    # First, as PyTorch's examples do: the previous step's gradients are freed (set_to_none, the
+    # default) before this forward, so they never sit beside its activations.
+    optimizer.zero_grad(set_to_none=True)
+    device = next(model.parameters()).device
+    noisy, t, noise, context = (None if a is None else a.to(device) for a in as_tensors(batch))
+    with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         pred = model(noisy, t, context)
     loss = F.mse_loss(pred.float(), noise)
-    optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
     return loss.item()
