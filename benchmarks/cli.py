@@ -4,50 +4,22 @@ Framework-free."""
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn
 
-from shared_configs import SpecError
+from shared_configs import SpecError, cli
 
 
 class BenchmarkError(RuntimeError):
     """A whole framework could not be measured (one line, shown to the user)."""
 
 
-class Parser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one line, without the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def positive(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def positive_mib(text: str) -> float:
-    """An argparse type: a finite number of MiB above zero."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of MiB, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive, finite number of MiB, got {text!r}")
-    return value
+positive = cli.positive(int)  # an argparse type: an integer >= 1
+positive_mib = cli.positive(float, " of MiB")  # an argparse type: a finite number of MiB above zero
 
 
 def check_out_dir(path: Path, flag: str = "--out") -> None:

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from benchmarks import plot, report
-from benchmarks.cli import Parser, cache_dir, check_out_dir, cli_errors, positive
+from benchmarks.cli import cache_dir, check_out_dir, cli_errors, positive
 from benchmarks.common import (
     DIFFUSERS,
     DIFFUSERS_POLICIES,
@@ -41,6 +41,7 @@ from benchmarks.common import (
 )
 from benchmarks.runner import Event, run_job
 from shared_configs import NAMED_POLICIES, SpecError, UNetSpec, resolve_plan, to_diffusers_config
+from shared_configs.cli import OneLineParser
 
 DEFAULT_CONFIG = "sd_narrow"  # activation-dominated, as diffusion training is (docs/benchmark.md)
 DEFAULT_POLICIES = "none,full,layers"
@@ -100,7 +101,7 @@ diffusers: diffusers' own UNet2D(Condition)Model (the spec's diffusers config, o
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
+    p = OneLineParser(
         prog="python -m benchmarks.compare",
         description=__doc__.split("\n\n")[0],
         epilog=EPILOG,

@@ -13,7 +13,8 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
 from benchmarks.common import CATEGORIES
-from benchmarks.report import Row, atomic_write
+from benchmarks.report import Row
+from shared_configs.files import atomic_write
 
 COLORS = {"torch": "tab:red", "jax": "tab:blue", "diffusers": "tab:green"}
 MARKERS = {"torch": "o", "jax": "s", "diffusers": "D"}
@@ -142,7 +143,7 @@ def _save(fig: Any, path: Path) -> bool:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
-    atomic_write(path, lambda f: f.write(buf.getvalue()), binary=True)
+    atomic_write(path, buf.getvalue())
     return True
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -14,6 +12,7 @@ from typing import Any
 from rich.table import Table
 
 from benchmarks.common import CATEGORIES
+from shared_configs.files import atomic_write
 
 Row = dict[str, Any]
 
@@ -96,30 +95,16 @@ def _relative(value: float | None, base: float | None, kind: str) -> float | Non
     return 1.0 - value / base if kind == "reduction" else value / base
 
 
-def atomic_write(path: Path, write: Callable[[io.IOBase], None], binary: bool = False) -> None:
-    """Write through a temporary file in the same folder, then ``os.replace`` it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"newline": ""})) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_json(path: Path, document: dict[str, Any]) -> None:
-    atomic_write(path, lambda f: json.dump(document, f, indent=2, allow_nan=False))
+    atomic_write(path, json.dumps(document, indent=2, allow_nan=False).encode())
 
 
 def write_csv(path: Path, rows: list[Row]) -> None:
-    def write(f: Any) -> None:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-
-    atomic_write(path, write)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(path, text.getvalue().encode())
 
 
 def _mib(value: int | None) -> str:

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.cli import Parser, positive
+from benchmarks.cli import positive
 from benchmarks.common import OUTSIDE, block_of
 from shared_configs import SpecError, block_names, load_spec, resolve_plan
+from shared_configs.cli import OneLineParser
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ def render(doc: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m benchmarks.saved", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m benchmarks.saved", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny", help="preset name or spec YAML path (%(default)s)")
     p.add_argument("--policy", default="save_convs", help="a checkpoint policy, e.g. full/save=conv,matmul")
     p.add_argument("--framework", choices=["both", "torch", "jax"], default="both", help="(%(default)s)")

@@ -67,7 +67,7 @@ class NonFiniteLoss(RuntimeError):
 def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
     """Parse the shared CLI of ``python -m {torch_impl,jax_impl}.train``."""
     d = TrainConfig()
-    p = OneLineParser(prog=f"python -m {framework}.train", description="DDPM noise-prediction training.")
+    p = OneLineParser(prog=_prog(framework), description="DDPM noise-prediction training.")
     p.add_argument("--config", default=d.config, help="preset name or YAML path (default: tiny)")
     p.add_argument(
         "--policy",
@@ -157,19 +157,23 @@ def cli_main(train: Callable[[TrainConfig], list[float]], argv: list[str] | None
     and the same non-finite global loss, so only rank 0 prints those; any rank prints its OS errors.
     """
     cfg = parse_args(argv, framework)
-    rank = int(os.environ.get("RANK", "0"))
+    rank, prog = int(os.environ.get("RANK", "0")), _prog(framework)
     try:
         train(cfg)
     except (SpecError, ValueError, FileNotFoundError, NotImplementedError) as err:
-        return _report(err, 2, rank == 0)
+        return _report(prog, err, 2, rank == 0)
     except NonFiniteLoss as err:
-        return _report(err, 1, rank == 0)
+        return _report(prog, err, 1, rank == 0)
     except OSError as err:
-        return _report(err, 1, True, f"rank {rank}: " if rank else "")
+        return _report(prog, err, 1, True, f"rank {rank}: " if rank else "")
     return 0
 
 
-def _report(err: Exception, code: int, show: bool, prefix: str = "") -> int:
-    if show:
-        print(f"error: {prefix}{err}", file=sys.stderr)
+def _prog(framework: str) -> str:
+    return f"python -m {framework}.train"
+
+
+def _report(prog: str, err: Exception, code: int, show: bool, prefix: str = "") -> int:
+    if show:  # the parser's own format (`OneLineParser`): one line, ``<prog>: error: ...``
+        print(f"{prog}: error: {prefix}{err}", file=sys.stderr)
     return code

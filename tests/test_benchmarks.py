@@ -8,6 +8,7 @@ tests/test_benchmarks_memory.py.
 from __future__ import annotations
 
 import csv
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -265,14 +266,18 @@ def test_timeline_keeps_the_peak_and_marks_block_starts(tmp_path: Path) -> None:
     assert plot.plot_timelines([record], tmp_path / "t.png", "title") and (tmp_path / "t.png").stat().st_size > 0
 
 
-def test_atomic_write_leaves_nothing_on_failure(tmp_path: Path) -> None:
+def test_atomic_write_leaves_nothing_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails half-way (here: fsync) keeps the old file and leaves no temp file behind."""
     target = tmp_path / "rows.json"
     target.write_text("old")
 
-    def broken(f: Any) -> None:
-        f.write("partial")
-        raise RuntimeError("disk full")
+    def broken(fd: int) -> None:
+        raise OSError(28, "No space left on device")
 
-    with pytest.raises(RuntimeError):
-        report.atomic_write(target, broken)
+    monkeypatch.setattr(os, "fsync", broken)
+    with pytest.raises(OSError, match="No space"):
+        report.write_json(target, {"rows": [1, 2, 3]})
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["rows.json"]
+    monkeypatch.undo()
+    report.write_json(target, {"rows": [1, 2, 3]})
+    assert json.loads(target.read_text()) == {"rows": [1, 2, 3]}

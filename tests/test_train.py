@@ -83,7 +83,7 @@ def test_bad_input_is_one_line(main, argv: list[str], flag: str, tmp_path: Path,
         code = exit_.code
     assert code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and flag in err, err
+    assert err.startswith("python -m ") and ".train: error: " in err and "\n" not in err and flag in err, err
 
 
 def test_short_linear_schedule_names_the_smallest_valid_timesteps(capsys) -> None:

@@ -82,7 +82,7 @@ def snapshot(out: Path) -> dict[str, bytes]:
 
 def assert_one_line(code: int, err: str, status: int, *parts: str) -> None:
     assert code == status, err
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("python -m ") and ".train: error: " in err and "\n" not in err and "Traceback" not in err, err
     for part in parts:
         assert part in err, (part, err)
 
