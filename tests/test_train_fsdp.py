@@ -133,4 +133,5 @@ def test_distributed_flag(framework: str, argv: list[str], mode: str | None) -> 
 def test_fsdp_outside_torchrun_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert ttrain.main(["--distributed", "fsdp", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("python -m torch_impl.train: error: --distributed fsdp: launch with torchrun") and "\n" not in err, err
+    assert err.startswith("python -m torch_impl.train: error: --distributed fsdp: launch with torchrun"), err
+    assert "\n" not in err
