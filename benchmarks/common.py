@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from shared_configs import SpecError, UNetSpec, from_diffusers_config, load_spec, spec_from_dict
-from shared_configs.data import Batch
+from shared_configs.data import NUM_CLASSES, Batch, Conditioner
 from shared_configs.diffusers import find_folder
 from shared_configs.training import TrainConfig
 
@@ -120,7 +120,9 @@ def block_of(path: str) -> str:
 def make_batch(spec: UNetSpec, batch_size: int, context_length: int) -> Batch:
     """The inputs every row trains on, the same numbers in both frameworks: a training loop's
     `Batch` (numpy, NCHW; jax_impl.train.arrays makes it NHWC). Noise-like images and targets,
-    integer timesteps, a context when the spec cross-attends. The one place inputs are made."""
+    integer timesteps, a ``context_length``-token context when the spec cross-attends, and the
+    other conditioning the spec takes (class labels, text embeddings, time ids) as the training data
+    makes it (`shared_configs.data.Conditioner`), for random classes. The one place inputs are made."""
     rng = np.random.default_rng(0)
     size = spec.sample_size
     noisy = rng.standard_normal((batch_size, spec.in_channels, size, size), dtype=np.float32)
@@ -129,12 +131,20 @@ def make_batch(spec: UNetSpec, batch_size: int, context_length: int) -> Batch:
     context = None
     if spec.cross_attention_dim is not None:
         context = rng.standard_normal((batch_size, context_length, spec.cross_attention_dim), dtype=np.float32)
-    return Batch(noisy=noisy, t=t, noise=noise, context=context, labels=np.zeros(batch_size, np.int64))
+    labels = rng.integers(0, NUM_CLASSES, batch_size)  # drawn after the others: their values stay as they were
+    conditioning = {**Conditioner.for_spec(spec)(labels, rng), "context": context}
+    return Batch(noisy=noisy, t=t, noise=noise, labels=labels, **conditioning)
+
+
+def step_arrays(batch: Batch) -> list[np.ndarray]:
+    """The arrays a training step reads: images, timesteps, targets and the conditioning (labels are
+    not given to the model)."""
+    return [batch.noisy, batch.t, batch.noise, *(a for a in batch.conditioning().values() if a is not None)]
 
 
 def batch_bytes(batch: Batch) -> int:
-    """Bytes of the arrays a training step reads (labels are not given to the model)."""
-    return sum(a.nbytes for a in (batch.noisy, batch.t, batch.noise, batch.context) if a is not None)
+    """Bytes of the arrays a training step reads."""
+    return sum(a.nbytes for a in step_arrays(batch))
 
 
 def policy_arg(policy: str) -> str:

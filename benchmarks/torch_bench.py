@@ -20,7 +20,17 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.common import OPTIMIZER, Job, batch_bytes, cpu_name, job_spec, make_batch, policy_arg, timing_stats
+from benchmarks.common import (
+    OPTIMIZER,
+    Job,
+    batch_bytes,
+    cpu_name,
+    job_spec,
+    make_batch,
+    policy_arg,
+    step_arrays,
+    timing_stats,
+)
 from benchmarks.torch_memory import TRACKER_METHOD, AllocatorPeak, SavedBytesCounter, StepTracker, memtracker
 from torch_impl import UNet
 from torch_impl.flops import register_cpu_attention_flops
@@ -86,7 +96,7 @@ def our_unet(job: Job, spec: Any) -> UNet:
 
 
 def build(job: Job, spec: Any, policy: str) -> torch.nn.Module:
-    """The model a row trains, called as ``model(x, t, context)``, with ``policy`` applied."""
+    """The model a row trains, called as ``model(x, t, **conditioning)``, with ``policy`` applied."""
     model = our_unet(job, spec)
     model.enable_gradient_checkpointing(policy_arg(policy))
     return model
@@ -136,7 +146,7 @@ def memory_step(
         _sync(device)
         allocator_peak, check = torch.cuda.max_memory_allocated(device), {}
     else:
-        stand_ins = [torch.from_numpy(a) for a in (batch.noisy, batch.t, batch.noise, batch.context) if a is not None]
+        stand_ins = [torch.from_numpy(a) for a in step_arrays(batch)]
         with AllocatorPeak() as allocator, memtracker(model, optimizer, stand_ins) as check, tracker, saved:
             step()
         # The allocator's events show the blocks the step allocates, not the frees of older ones:
