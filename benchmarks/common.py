@@ -57,6 +57,7 @@ class Job:
     peak_only: bool = False  # benchmarks.max_batch: the peak alone (no FLOPs, no timing; jax on CPU: no run)
     timeline: tuple[str, ...] = ()  # the policies whose memory-over-the-step record is kept
     jax_cache: str | None = None  # jax: the persistent compilation cache folder (None: off)
+    world_size: int = 1  # ranks: torch FSDP2 processes / jax devices, each with a batch of batch_size
     done: tuple[tuple[str, int], ...] = field(default=())  # rows already reported, skipped
 
     def rows(self) -> list[tuple[str, int]]:
@@ -226,7 +227,9 @@ def other_cpu_share(start: tuple[float, float | None, float], end: tuple[float, 
 
 
 def emit(event: str, **payload: Any) -> None:
-    """Write one event line for the parent (workers only)."""
+    """Write one event line for the parent (workers only; under torchrun, rank 0 only)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     sys.stdout.write(EVENT_PREFIX + json.dumps({"event": event, **payload}, default=_json_default) + "\n")
     sys.stdout.flush()
 
@@ -257,6 +260,9 @@ def worker_env(job: Job) -> dict[str, str]:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if f != XLA_CPU_FLAG]
         if job.xla_cpu_flag and job.device != "gpu":
             flags.append(XLA_CPU_FLAG)
+        if job.world_size > 1:  # the ranks: forced host devices (CPU only, refused with --device gpu)
+            flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count=")]
+            flags.append(f"--xla_force_host_platform_device_count={job.world_size}")
         env["XLA_FLAGS"] = " ".join(flags)
         if job.device == "cpu":
             env["JAX_PLATFORMS"] = "cpu"
