@@ -211,8 +211,8 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
     for policy in policies:
         resolve_plan(spec, policy_arg(policy))
     policies = list(dict.fromkeys(["none", *policies]))
-    _check_frameworks(args.framework, spec, source)
     device = _check_world(args.world_size, args.framework, args.device)
+    _check_frameworks(args.framework, spec, source)
     common = {
         "config": config,
         "source": source,
