@@ -163,8 +163,17 @@ def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[s
         whole = jt.arrays(make_batch(spec, job.world_size * batch_size, job.context_length))
         batch = shard(mesh, {}, whole, "fsdp")[1]
     dtype = jt.DTYPES[job.dtype]
-    return {"model": model, "tx": tx, "state": state, "batch": batch, "key": jax.random.key(2), "dtype": dtype,
-            "mesh": mesh, "rank_batch": rank_batch}  # fmt: skip
+    key = jax.random.key(2)
+    return {
+        "model": model,
+        "tx": tx,
+        "state": state,
+        "batch": batch,
+        "key": key,
+        "dtype": dtype,
+        "mesh": mesh,
+        "rank_batch": rank_batch,
+    }
 
 
 @functools.cache
