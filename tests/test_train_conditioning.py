@@ -110,7 +110,8 @@ def test_the_benchmark_runs_a_conditioned_spec(family: str, tmp_path: Path) -> N
     for framework in ("torch", "jax"):
         rows = rows_of(doc, framework)
         assert {r["status"] for r in rows.values()} == {"ok"}, rows
-        assert rows["full"]["activation_bytes"] < rows["none"]["activation_bytes"], framework
+        # At batch 2 the peak can be the static memory; what autodiff keeps shows the plan at work.
+        assert rows["full"]["saved_bytes"] < rows["none"]["saved_bytes"], framework
 
 
 def test_the_cli_trains_a_class_conditional_spec(tmp_path: Path) -> None:
