@@ -253,7 +253,9 @@ def cpu_name() -> str:
 
 def worker_env(job: Job) -> dict[str, str]:
     """Environment for a worker process: set before the framework is imported."""
-    env = dict(os.environ)
+    # Rank variables from an outer launcher would silence a worker (only rank 0 reports); torchrun
+    # sets its own for --world-size.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env["PYTHONUNBUFFERED"] = "1"
     if job.framework == "jax":
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # allocator peak = what the step needs
