@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from shared_configs import SpecError, UNetSpec, from_diffusers_config, load_spec, spec_from_dict
-from shared_configs.data import Batch
+from shared_configs.data import NUM_CLASSES, Batch, Conditioner
 from shared_configs.diffusers import find_folder
 from shared_configs.training import TrainConfig
 
@@ -57,6 +57,7 @@ class Job:
     peak_only: bool = False  # benchmarks.max_batch: the peak alone (no FLOPs, no timing; jax on CPU: no run)
     timeline: tuple[str, ...] = ()  # the policies whose memory-over-the-step record is kept
     jax_cache: str | None = None  # jax: the persistent compilation cache folder (None: off)
+    world_size: int = 1  # ranks: torch FSDP2 processes / jax devices, each with a batch of batch_size
     done: tuple[tuple[str, int], ...] = field(default=())  # rows already reported, skipped
 
     def rows(self) -> list[tuple[str, int]]:
@@ -120,7 +121,9 @@ def block_of(path: str) -> str:
 def make_batch(spec: UNetSpec, batch_size: int, context_length: int) -> Batch:
     """The inputs every row trains on, the same numbers in both frameworks: a training loop's
     `Batch` (numpy, NCHW; jax_impl.train.arrays makes it NHWC). Noise-like images and targets,
-    integer timesteps, a context when the spec cross-attends. The one place inputs are made."""
+    integer timesteps, a ``context_length``-token context when the spec cross-attends, and the
+    other conditioning the spec takes (class labels, text embeddings, time ids) as the training data
+    makes it (`shared_configs.data.Conditioner`), for random classes. The one place inputs are made."""
     rng = np.random.default_rng(0)
     size = spec.sample_size
     noisy = rng.standard_normal((batch_size, spec.in_channels, size, size), dtype=np.float32)
@@ -129,12 +132,20 @@ def make_batch(spec: UNetSpec, batch_size: int, context_length: int) -> Batch:
     context = None
     if spec.cross_attention_dim is not None:
         context = rng.standard_normal((batch_size, context_length, spec.cross_attention_dim), dtype=np.float32)
-    return Batch(noisy=noisy, t=t, noise=noise, context=context, labels=np.zeros(batch_size, np.int64))
+    labels = rng.integers(0, NUM_CLASSES, batch_size)  # drawn after the others: their values stay as they were
+    conditioning = {**Conditioner.for_spec(spec)(labels, rng), "context": context}
+    return Batch(noisy=noisy, t=t, noise=noise, labels=labels, **conditioning)
+
+
+def step_arrays(batch: Batch) -> list[np.ndarray]:
+    """The arrays a training step reads: images, timesteps, targets and the conditioning (labels are
+    not given to the model)."""
+    return [batch.noisy, batch.t, batch.noise, *(a for a in batch.conditioning().values() if a is not None)]
 
 
 def batch_bytes(batch: Batch) -> int:
-    """Bytes of the arrays a training step reads (labels are not given to the model)."""
-    return sum(a.nbytes for a in (batch.noisy, batch.t, batch.noise, batch.context) if a is not None)
+    """Bytes of the arrays a training step reads."""
+    return sum(a.nbytes for a in step_arrays(batch))
 
 
 def policy_arg(policy: str) -> str:
@@ -216,7 +227,9 @@ def other_cpu_share(start: tuple[float, float | None, float], end: tuple[float, 
 
 
 def emit(event: str, **payload: Any) -> None:
-    """Write one event line for the parent (workers only)."""
+    """Write one event line for the parent (workers only; under torchrun, rank 0 only)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     sys.stdout.write(EVENT_PREFIX + json.dumps({"event": event, **payload}, default=_json_default) + "\n")
     sys.stdout.flush()
 
@@ -240,13 +253,18 @@ def cpu_name() -> str:
 
 def worker_env(job: Job) -> dict[str, str]:
     """Environment for a worker process: set before the framework is imported."""
-    env = dict(os.environ)
+    # Rank variables from an outer launcher would silence a worker (only rank 0 reports); torchrun
+    # sets its own for --world-size.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env["PYTHONUNBUFFERED"] = "1"
     if job.framework == "jax":
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # allocator peak = what the step needs
         flags = [f for f in env.get("XLA_FLAGS", "").split() if f != XLA_CPU_FLAG]
         if job.xla_cpu_flag and job.device != "gpu":
             flags.append(XLA_CPU_FLAG)
+        if job.world_size > 1:  # the ranks: forced host devices (CPU only, refused with --device gpu)
+            flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count=")]
+            flags.append(f"--xla_force_host_platform_device_count={job.world_size}")
         env["XLA_FLAGS"] = " ".join(flags)
         if job.device == "cpu":
             env["JAX_PLATFORMS"] = "cpu"

@@ -3,6 +3,7 @@
     python -m benchmarks.compare --framework both                                      # the default run
     python -m benchmarks.compare --framework torch,diffusers --policies full,layers   # vs diffusers' own
     python -m benchmarks.compare --diffusers path/to/unet_folder                      # a local diffusers model
+    python -m benchmarks.compare --world-size 2 --batch-size 4                         # per rank, under FSDP
 
 Each framework runs in its own subprocess (`benchmarks.worker`); this process imports neither.
 Prints a table, and writes ``<out>/<run>.json``, ``.csv``, ``.png`` (memory reduction against
@@ -144,7 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="N",
-        help=f"one or more batch sizes (default: {DEFAULT_BATCH_SIZES[0]} for the default config, else 1)",
+        help=f"one or more batch sizes, per rank with --world-size (global batch = N x it) "
+        f"(default: {DEFAULT_BATCH_SIZES[0]} for the default config, else 1)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="measure each rank of an FSDP run over N ranks: torch FSDP2 in N processes (torchrun, gloo), jax's "
+        "FSDP-sharded step over N forced host devices; CPU only. --batch-size is then per rank: each rank keeps "
+        "its own activations while its static memory (params, grads, optimizer state) shrinks by N. Reports "
+        "rank 0's peak and parts, and the largest peak over the ranks (default: 1, no sharding)",
     )
     p.add_argument("--steps", type=positive, default=DEFAULT_STEPS, help="timed steps after warm-up (%(default)s)")
     p.add_argument(
@@ -200,6 +212,7 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
     for policy in policies:
         resolve_plan(spec, policy_arg(policy))
     policies = list(dict.fromkeys(["none", *policies]))
+    device = _check_world(args.world_size, args.framework, args.device)
     _check_frameworks(args.framework, spec, source)
     common = {
         "config": config,
@@ -208,8 +221,9 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
         "batch_sizes": batch_sizes,
         "steps": args.steps,
         "dtype": args.dtype,
-        "device": args.device,
+        "device": device,
         "context_length": args.context_length,
+        "world_size": args.world_size,
     }
     timeline = timeline_policies(args.timeline, policies)
     return [
@@ -245,6 +259,17 @@ def _check_frameworks(frameworks: tuple[str, ...], spec: UNetSpec, source: str) 
             raise SpecError("--framework diffusers: the diffusers package is not installed (pip install diffusers)")
         if source == "spec":
             to_diffusers_config(spec)  # names the field diffusers cannot build
+
+
+def _check_world(world_size: int, frameworks: tuple[str, ...], device: str) -> str:
+    """The device the jobs run on; SpecError for what --world-size cannot measure."""
+    if world_size == 1:
+        return device
+    if DIFFUSERS in frameworks:
+        raise SpecError("--world-size: diffusers' U-Net is measured in one process only (use torch or jax)")
+    if device == "gpu":
+        raise SpecError("--world-size: ranks are CPU processes (gloo) and forced host devices; use --device cpu")
+    return "cpu"  # auto: the ranks are on the CPU
 
 
 def run_all(jobs: list[Job], console: Console, verbose: bool) -> list[list[Event]]:

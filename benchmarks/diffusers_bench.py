@@ -43,15 +43,28 @@ __all__ = [
 
 
 class DiffusersForward(torch.nn.Module):
-    """Calls a diffusers U-Net as ``model(x, t, context)``, like ours (parameters unchanged)."""
+    """Calls a diffusers U-Net as ``model(x, t, context, class_labels, text_embeds, time_ids)``, like
+    ours (parameters unchanged)."""
 
     def __init__(self, unet: torch.nn.Module) -> None:
         super().__init__()
         self.unet = unet
         self.conditional = "cross_attention_dim" in unet.config
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
-        kwargs = {"encoder_hidden_states": context} if self.conditional else {}
+    def forward(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        context: torch.Tensor | None = None,
+        class_labels: torch.Tensor | None = None,
+        text_embeds: torch.Tensor | None = None,
+        time_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"class_labels": class_labels}
+        if self.conditional:
+            kwargs["encoder_hidden_states"] = context
+        if text_embeds is not None:  # SDXL's text_time conditioning
+            kwargs["added_cond_kwargs"] = {"text_embeds": text_embeds, "time_ids": time_ids}
         return self.unet(x, t, return_dict=False, **kwargs)[0]
 
 

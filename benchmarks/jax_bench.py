@@ -37,6 +37,7 @@ from benchmarks.common import (
 from benchmarks.jax_memory import compile_with_plan
 from jax_impl import UNet
 from jax_impl import train as jt
+from jax_impl.parallel import make_mesh, shard, state_shardings
 
 SEED = 0
 # init_state compiled: the forward pass is dead code (only variables are returned); what is left is a
@@ -143,14 +144,36 @@ def _initial_state(config: str, sample_size: int | None, source: str) -> Any:
 
 
 def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[str, Any]:
-    """What a row's step takes; the state abstract (shapes: enough to compile, no init needed)."""
+    """What a row's step takes; the state abstract (shapes: enough to compile, no init needed).
+
+    With ``world_size`` N > 1: a mesh over the N (forced host) devices, the state FSDP-sharded over
+    it (`jax_impl.parallel.state_shardings`, as ``--distributed fsdp`` trains) and a global batch of
+    N x ``batch_size`` split along it; ``rank_batch`` is one device's part, unplaced."""
     spec = job_spec(job)
     model = UNet(spec=spec, policy=policy_arg(policy), attention_chunk=attention_chunk(job, device))
     tx = jt.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay)
-    batch = jax.device_put(jt.arrays(make_batch(spec, batch_size, job.context_length)), device)
-    state = _abstract_state(spec, tx)
+    state, mesh = _abstract_state(spec, tx), None
+    rank_batch = jt.arrays(make_batch(spec, batch_size, job.context_length))
+    if job.world_size == 1:
+        batch = jax.device_put(rank_batch, device)
+    else:
+        mesh = make_mesh(job.world_size * batch_size)
+        placement = state_shardings(mesh, state, "fsdp")
+        state = jax.tree.map(lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p), state, placement)
+        whole = jt.arrays(make_batch(spec, job.world_size * batch_size, job.context_length))
+        batch = shard(mesh, {}, whole, "fsdp")[1]
     dtype = jt.DTYPES[job.dtype]
-    return {"model": model, "tx": tx, "state": state, "batch": batch, "key": jax.random.key(2), "dtype": dtype}
+    key = jax.random.key(2)
+    return {
+        "model": model,
+        "tx": tx,
+        "state": state,
+        "batch": batch,
+        "key": key,
+        "dtype": dtype,
+        "mesh": mesh,
+        "rank_batch": rank_batch,
+    }
 
 
 @functools.cache
@@ -171,7 +194,14 @@ def _compile(job: Job, policy: str, batch_size: int, device: jax.Device) -> tupl
 
 
 def _nbytes(tree: Any) -> int:
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    """Bytes of ``tree``'s arrays on one device: a sharded leaf's shard, any other leaf whole."""
+
+    def one(x: Any) -> int:
+        sharding = getattr(x, "sharding", None)
+        shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
+        return int(np.prod(shape)) * x.dtype.itemsize
+
+    return sum(one(x) for x in jax.tree.leaves(tree))
 
 
 def _flops(compiled: Any) -> float | None:
@@ -233,6 +263,8 @@ def _run_steps(s: dict[str, Any], compiled: Any, steps: int) -> tuple[float, lis
     """One warm-up run, then ``steps`` timed runs; each donates the state it is given."""
     state, times = s["state"], []
     for _ in range(steps + 1):
+        if s["mesh"] is not None:  # jit picks the new state's shardings: placed back, as the training loop does
+            state = shard(s["mesh"], state, (), "fsdp")[0]
         t0 = time.perf_counter()
         state, loss = compiled(state, s["batch"], s["key"])
         jax.block_until_ready((state, loss))
@@ -263,13 +295,17 @@ def measure(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[
     if job.xla_default and not _on_gpu(device):
         row.update(_xla_default(lowered, row))
     if not (job.peak_only and not _on_gpu(device)):  # on CPU the peak is the compiled step's: no run needed
-        s["state"] = jax.device_put(_initial_state(job.config, job.sample_size, job.source), device)
-        row["saved_bytes"] = _saved_bytes(s)
+        initial = _initial_state(job.config, job.sample_size, job.source)
+        s["state"] = jax.device_put(initial, device) if s["mesh"] is None else shard(s["mesh"], initial, (), "fsdp")[0]
+        row["saved_bytes"] = _saved_bytes({**s, "batch": s["rank_batch"]})  # one rank's residuals
         first, samples = _run_steps(s, compiled, 0 if job.peak_only else job.steps)
         row.update(timing_stats(samples) if samples else {}, first_step_s=first)
     if _on_gpu(device):  # the device's own peak; what XLA's plan does not explain is scratch
         row["peak_bytes"] = max(plan.peak, device.memory_stats()["peak_bytes_in_use"])
         row["temporary_bytes"] += row["peak_bytes"] - plan.peak
+    # SPMD: one program for every device, each holding the same shapes (its shards), so rank 0's
+    # figures are every rank's; memory_analysis() and XLA's plan are per device.
+    row.update(world_size=job.world_size, max_rank_peak_bytes=row["peak_bytes"])
     row.update(
         peak_method=memory_method(device, attention_chunk(job, device)),
         flops_method="XLA cost_analysis() of the compiled step (all ops, optimizer included; a loop body once)",

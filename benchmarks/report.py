@@ -22,8 +22,10 @@ COLUMNS: tuple[str, ...] = (
     "framework",
     "policy",
     "batch_size",
+    "world_size",
     "status",
     "peak_bytes",
+    "max_rank_peak_bytes",
     "params_bytes",
     "optimizer_bytes",
     "grads_bytes",
@@ -156,6 +158,9 @@ def table(rows: list[Row], title: str) -> Table:
     shown = [c for c in COLUMNS_SHOWN if c[0] != "XLA:CPU default peak MiB"]
     if any(r["xla_default_peak_bytes"] is not None for r in rows):  # only with --xla-default
         shown = list(COLUMNS_SHOWN)
+    if any((r["world_size"] or 1) > 1 for r in rows):  # --world-size: per-rank figures, rank 0's parts
+        shown[3:4] = [("ranks", lambda r: str(r["world_size"])), ("rank 0 peak MiB", shown[3][1]),
+                      ("max over ranks MiB", lambda r: _mib(r["max_rank_peak_bytes"]))]  # fmt: skip
     t = Table(title=title, title_justify="left", header_style="bold")
     for i, (name, _) in enumerate(shown):
         t.add_column(name, justify="left" if i < 2 else "right")
@@ -212,8 +217,10 @@ def methods(rows: list[Row]) -> dict[str, dict[str, str]]:
 
 def title(document: dict[str, Any]) -> str:
     s = document["settings"]
+    ranks = s.get("world_size", 1)
+    per_rank = f", per rank of {ranks} (FSDP; batch per rank)" if ranks > 1 else ""
     return (
-        f"{document['config']['name']} @ {s['sample_size']}x{s['sample_size']}, {document['dtype']}, "
+        f"{document['config']['name']} @ {s['sample_size']}x{s['sample_size']}, {document['dtype']}{per_rank}, "
         f"{s['steps']} timed steps after warm-up, git {(document['git_sha'] or '?')[:12]}"
     )
 

@@ -61,6 +61,8 @@ def _run_worker(
 ) -> tuple[tuple[str, int] | None, list[tuple[str, int]], int, str]:
     """One worker process; returns (row it died in, rows it finished, exit code, stderr tail)."""
     cmd = [sys.executable, "-m", "benchmarks.worker", job.to_json()]
+    if job.framework != "jax" and job.world_size > 1:  # torch's ranks are processes; jax's, devices of one
+        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(job.world_size)]
     started: tuple[str, int] | None = None
     finished: list[tuple[str, int]] = []
     with tempfile.TemporaryFile("w+") as err:

@@ -20,8 +20,25 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.common import OPTIMIZER, Job, batch_bytes, cpu_name, job_spec, make_batch, policy_arg, timing_stats
-from benchmarks.torch_memory import TRACKER_METHOD, AllocatorPeak, SavedBytesCounter, StepTracker, memtracker
+from benchmarks import torch_ranks
+from benchmarks.common import (
+    OPTIMIZER,
+    Job,
+    batch_bytes,
+    cpu_name,
+    job_spec,
+    policy_arg,
+    step_arrays,
+    timing_stats,
+)
+from benchmarks.torch_memory import (
+    FSDP_METHOD,
+    TRACKER_METHOD,
+    AllocatorPeak,
+    SavedBytesCounter,
+    StepTracker,
+    memtracker,
+)
 from torch_impl import UNet
 from torch_impl.flops import register_cpu_attention_flops
 from torch_impl.train import DTYPES, make_optimizer, train_step
@@ -51,19 +68,22 @@ def one_row_per_process(device: torch.device) -> bool:
 
 
 def prepare(job: Job, device: torch.device) -> None:
-    """A diffusers folder's weights are loaded once first: if they do not fit, no row can run."""
+    """Join the ranks' process group (``--world-size``); a diffusers folder's weights are loaded
+    once first: if they do not fit, no row can run."""
+    torch_ranks.init(job)
     if job.source == "diffusers":
         our_unet(job, job_spec(job))
 
 
-def memory_method(device: torch.device) -> str:
+def memory_method(device: torch.device, world_size: int = 1) -> str:
     attention = "attention: F.scaled_dot_product_attention (fused kernel)"
     if device.type == "cuda":
         return (
             f"torch.cuda.max_memory_allocated (after reset_peak_memory_stats); parts from the tensor-level tracker, "
             f"allocator overhead counted as temporaries; {attention}"
         )
-    return f"{attention}; peak and parts: {TRACKER_METHOD}"
+    fsdp = FSDP_METHOD if world_size > 1 else ""
+    return f"{attention}; peak and parts: {TRACKER_METHOD}{fsdp}"
 
 
 def static_floor(job: Job) -> dict[str, int]:
@@ -86,7 +106,7 @@ def our_unet(job: Job, spec: Any) -> UNet:
 
 
 def build(job: Job, spec: Any, policy: str) -> torch.nn.Module:
-    """The model a row trains, called as ``model(x, t, context)``, with ``policy`` applied."""
+    """The model a row trains, called as ``model(x, t, **conditioning)``, with ``policy`` applied."""
     model = our_unet(job, spec)
     model.enable_gradient_checkpointing(policy_arg(policy))
     return model
@@ -136,7 +156,7 @@ def memory_step(
         _sync(device)
         allocator_peak, check = torch.cuda.max_memory_allocated(device), {}
     else:
-        stand_ins = [torch.from_numpy(a) for a in (batch.noisy, batch.t, batch.noise, batch.context) if a is not None]
+        stand_ins = [torch.from_numpy(a) for a in step_arrays(batch)]
         with AllocatorPeak() as allocator, memtracker(model, optimizer, stand_ins) as check, tracker, saved:
             step()
         # The allocator's events show the blocks the step allocates, not the frees of older ones:
@@ -165,9 +185,10 @@ def memory_step(
 def measure(job: Job, policy: str, batch_size: int, device: torch.device, build: Builder = build) -> dict[str, Any]:
     """Every measured figure of one (policy, batch size) row of the model ``build`` makes."""
     spec = job_spec(job)
-    model = build(job, spec, policy).to(device)
-    optimizer = make_optimizer(model, OPTIMIZER.lr, OPTIMIZER.weight_decay)
-    batch = make_batch(spec, batch_size, job.context_length)
+    # The plan first, then FSDP2 (--world-size), as the training loop orders them.
+    model = torch_ranks.shard(job, build(job, spec, policy).to(device))
+    optimizer = make_optimizer(model, OPTIMIZER.lr, OPTIMIZER.weight_decay)  # after sharding: over the shards
+    batch = torch_ranks.rank_batch(spec, batch_size, job)
     step = functools.partial(train_step, model, optimizer, batch, DTYPES[job.dtype])
     # warm-up: makes the optimizer state (and the gradients the next step's zero_grad frees)
     first, flops = (timed_steps(step, device, 1)[0], None) if job.peak_only else counted_step(step, device)
@@ -177,16 +198,16 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
     if not job.peak_only:
         row.update(timing_stats(timed_steps(step, device, job.steps)))
     row.update(
-        static_bytes=row["params_bytes"] + row["optimizer_bytes"],
-        param_count=sum(p.numel() for p in model.parameters()),
+        static_bytes=torch_ranks.static_bytes(model, optimizer),
+        param_count=sum(p.numel() for p in model.parameters()),  # a DTensor's numel is the whole parameter's
         first_step_s=first,  # under FlopCounterMode, so slower than a plain step
         compile_s=None,
-        peak_method=memory_method(device),
+        peak_method=memory_method(device, job.world_size),
         flops_method="torch.utils.flop_counter.FlopCounterMode (matmul, conv, attention)",
         saved_method="torch.autograd.graph.saved_tensors_hooks (distinct storages, params excluded)",
         check_method="PyTorch's own MemTracker (torch.distributed._tools.mem_tracker) watching the same step (CPU)",
     )
-    return row
+    return torch_ranks.gather(job, row)
 
 
 def release(device: torch.device) -> None:

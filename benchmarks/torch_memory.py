@@ -8,6 +8,12 @@
   forward, or while a checkpointed block is recomputed in the backward, is an activation; one
   made in the backward or the optimizer is a temporary, unless it ends the step as a parameter's
   ``.grad`` (gradient) or in the optimizer's state. The same kinds as PyTorch's ``MemTracker``.
+  Under FSDP2 it counts this rank's memory only: parameters, gradients and optimizer state are
+  DTensors, counted by their local shards (DTensor ops are let through to their local ops, which
+  the mode then sees); the full parameters a block all-gathers for its forward and backward are
+  this rank's memory too, counted as ``params`` while gathered (FSDP2 allocates and frees them by
+  resizing storages, which no dispatch mode sees: ``UntypedStorage.resize_`` is watched, as
+  PyTorch's ``MemTracker`` does); the flat all-gather and reduce-scatter buffers are temporaries.
 * `memtracker`: the same step measured at the same time by PyTorch's own
   ``torch.distributed._tools.mem_tracker.MemTracker``, an independent implementation: the check on
   `StepTracker`'s figures.
@@ -33,6 +39,7 @@ import torch
 from torch._C._profiler import _EventType
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
@@ -45,19 +52,30 @@ TRACKER_METHOD = (
     "live tensor storages over the step (TorchDispatchMode), kinds as MemTracker's: made in the forward or a "
     "recompute = activations, in the backward/optimizer = temporaries unless left as .grad or optimizer state"
 )
+FSDP_METHOD = (
+    "; under FSDP2 this rank's only: DTensors by their local shards, all-gathered parameters as params while "
+    "gathered (storage resizes watched), collective buffers as temporaries"
+)
+# Ops whose outputs are communication buffers (FSDP2's all-gather copy-in, c10d collectives).
+_COMM_NAMESPACES = ("fsdp", "c10d", "_c10d_functional")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen: dict[int, int] = {}
     for t in tensors:
-        st = t.untyped_storage()
+        st = local(t).untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return [local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
 @dataclass
@@ -98,14 +116,18 @@ class StepTracker(TorchDispatchMode):
         self._recompute_depth = 0
         self._phases: dict[str, int] = {}
         self._hooks: list[Any] = []
+        self._resize: Any = torch.UntypedStorage.resize_
         self.result: StepMemory | None = None
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _add(self, t: torch.Tensor, kind: str, at_entry: bool = False) -> None:
+        t = local(t)
         if t.device.type == "meta":
             return
-        st = t.untyped_storage()
+        self._add_storage(t.untyped_storage(), kind, at_entry)
+
+    def _add_storage(self, st: torch.UntypedStorage, kind: str, at_entry: bool = False) -> None:
         key = id(st)
         if key in self._live and self._refs[key]() is st:
             return
@@ -118,6 +140,18 @@ class StepTracker(TorchDispatchMode):
             self._baseline[kind] += st.nbytes()
         else:
             self._events.append((index, 1, self._block()))
+
+    def _resized(self, st: torch.UntypedStorage, size: int) -> None:
+        """FSDP2 gathers a parameter into a storage it grows, and frees it by shrinking it to 0:
+        the old size is freed, the new one made (as ``params``: a gathered parameter)."""
+        key = id(st)
+        if key in self._live and self._refs[key]() is st:
+            index = self._live.pop(key)
+            del self._refs[key]  # its free callback goes with it: this is the free
+            self._events.append((index, -1, self._block()))
+        self._resize(st, size)
+        if size > 0:
+            self._add_storage(st, "params")
 
     def _freed(self, key: int, index: int, _ref: Any) -> None:
         if self._live.get(key) == index:
@@ -141,10 +175,14 @@ class StepTracker(TorchDispatchMode):
         return name
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if DTensor in types:  # let DTensor run its local ops, which this mode sees (FSDP2's shards)
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         phase = self._phase()
         recomputing = phase == "backward" and self._recompute_depth > 0
         kind = "activation" if phase == "forward" or recomputing else "temporary"
+        if func.namespace in _COMM_NAMESPACES:
+            kind = "temporary"
         tree_map_only(torch.Tensor, lambda t: self._add(t, kind), out)
         return out
 
@@ -164,6 +202,12 @@ class StepTracker(TorchDispatchMode):
             register_optimizer_step_post_hook(lambda *a: setattr(self, "_in_optimizer", False)),
         ]
         self._mods.__enter__()
+        self._resize = torch.UntypedStorage.resize_
+
+        def resize_(st: torch.UntypedStorage, size: int) -> None:  # a function: bound to the storage
+            self._resized(st, size)
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         return super().__enter__()
 
     def _pre_forward(self, module: Any, args: Any) -> None:
@@ -190,6 +234,7 @@ class StepTracker(TorchDispatchMode):
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
         self._mods.__exit__(*exc)
         self._mods.clear_user_hooks()
         for hook in self._hooks:
@@ -198,7 +243,7 @@ class StepTracker(TorchDispatchMode):
         for kind, tensors in (("grads", [p.grad for p in self._model.parameters()]),
                               ("optimizer", _state_tensors(self._optimizer))):  # fmt: skip
             for t in tensors:
-                index = None if t is None else self._live.get(id(t.untyped_storage()))
+                index = None if t is None else self._live.get(id(local(t).untyped_storage()))
                 if index is not None:
                     self._kinds[index] = kind
         self.result = self._summary()
@@ -313,7 +358,7 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
     """Distinct storage bytes saved for backward while active, ``exclude`` (parameters) left out."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._excluded = {local(t).untyped_storage().data_ptr() for t in exclude}
         self._saved: dict[int, int] = {}
         self._policy_bytes = 0  # outputs kept by selective plans (largest of the entered steps)
         self._recording: Any = None
@@ -322,7 +367,9 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if ptr not in self._excluded and t.device.type != "meta":
+        # A parameter FSDP2 gathered for the block (or a view of one) is a parameter, not a residual.
+        gathered = isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+        if ptr not in self._excluded and not gathered and t.device.type != "meta":
             self._saved[ptr] = max(self._saved.get(ptr, 0), st.nbytes())
         return t
 

@@ -9,8 +9,9 @@ A thin loop over an importable, jitted step. To put this U-Net in your own loop:
     # bf16 mixed precision: float32 params and optimizer state, bf16 forward, float32 loss
     state, loss = train_step(..., model=model, tx=tx, compute_dtype=jnp.bfloat16)
 
-Batches, timesteps, noise and class contexts come from `shared_configs.data` (numpy, NCHW;
-`arrays` transposes images to NHWC), so `torch_impl.train` sees the very same ones for a seed.
+Batches, timesteps, noise and the conditioning inputs (whichever the spec takes) come from
+`shared_configs.data` (numpy, NCHW; `arrays` transposes images to NHWC), so `torch_impl.train`
+sees the very same ones for a seed.
 The dropout key of step ``s`` is derived from (seed, s), so a resumed run replays the same masks.
 A ``norm_kind: batch`` spec carries its BatchNorm running statistics in ``state.batch_stats``
 (updated once per step, remat or not); a GroupNorm spec's ``batch_stats`` is an empty dict.
@@ -39,13 +40,16 @@ from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, abstract_target, load_chec
 from jax_impl.parallel import make_mesh, shard, state_shardings
 from jax_impl.unet import UNet
 from shared_configs import load_spec
-from shared_configs.data import Batch, Dataset, load_dataset, step_seed
+from shared_configs.data import CONDITIONING, Batch, Dataset, check_conditioning, load_dataset, step_seed
 from shared_configs.ddpm import Schedule, check_objective, make_schedule, sample
+from shared_configs.inputs import input_specs
 from shared_configs.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.outputs import write_outputs
 from shared_configs.training import TrainConfig, cli_main
 
-Arrays = tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]
+# (noisy, t, noise, context, class_labels, text_embeds, time_ids): the conditioning in the forward's
+# order (`shared_configs.data.CONDITIONING`), None where the spec takes none of it.
+Arrays = tuple[jax.Array | None, ...]
 # --dtype -> the forward's compute dtype; None computes in the params' own float32 (no casts at all).
 DTYPES: dict[str, DTypeLike | None] = {"float32": None, "bfloat16": jnp.bfloat16}
 
@@ -80,24 +84,23 @@ def make_optimizer(lr: float, weight_decay: float) -> optax.GradientTransformati
 
 
 def arrays(batch: Batch) -> Arrays:
-    """(noisy, t, noise, context) as jax arrays, images NCHW -> NHWC."""
-    context = None if batch.context is None else jnp.asarray(batch.context)
+    """(noisy, t, noise, context, class_labels, text_embeds, time_ids) as jax arrays (None kept),
+    images NCHW -> NHWC."""
     nhwc = (0, 2, 3, 1)
-    return (
-        jnp.asarray(batch.noisy.transpose(nhwc)),
-        jnp.asarray(batch.t),
-        jnp.asarray(batch.noise.transpose(nhwc)),
-        context,
-    )
+    conditioning = (None if a is None else jnp.asarray(a) for a in batch.conditioning().values())
+    return (jnp.asarray(batch.noisy.transpose(nhwc)), jnp.asarray(batch.t), jnp.asarray(batch.noise.transpose(nhwc)),
+            *conditioning)  # fmt: skip
 
 
 def init_state(model: UNet, tx: optax.GradientTransformation, seed: int) -> TrainState:
     """Fresh parameters (from ``seed``), their optimizer state, and initial BatchNorm statistics."""
     spec = model.resolved_spec
-    x = jnp.zeros((1, spec.sample_size, spec.sample_size, spec.in_channels), jnp.float32)
-    context = None if spec.cross_attention_dim is None else jnp.zeros((1, 1, spec.cross_attention_dim))
+    # Zeros of every input the spec takes (batch 1, one context token): the parameter shapes do not
+    # depend on the sizes; the spec's own sample size, as before, keeps the traced init unchanged.
+    wanted = input_specs(spec, 1, context_len=1, layout="NHWC")
+    inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in wanted.items()}
     rngs = {"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1)}
-    return TrainState.create(jax.jit(model.init)(rngs, x, jnp.zeros((1,)), context), tx)
+    return TrainState.create(jax.jit(model.init)(rngs, **inputs), tx)
 
 
 def cast_floating(tree: Any, dtype: DTypeLike) -> Any:
@@ -125,11 +128,16 @@ def loss_fn(
     8 significant bits, so t in [512, 1024) would round to multiples of 4; the U-Net casts its
     sinusoidal features (bounded by 1) to the image dtype instead.
     """
-    noisy, t, noise, context = batch
-    if compute_dtype is not None:
-        params, noisy, context = cast_floating((params, noisy, context), compute_dtype)
+    noisy, t, noise, *conditioning = batch
+    check_conditioning(model.resolved_spec, dict(zip(CONDITIONING, conditioning, strict=True)))  # at trace time
+    context, class_labels, text_embeds, time_ids = conditioning
+    if compute_dtype is not None:  # time_ids stay float32, as t does (pixel sizes up to 2048 and more)
+        params, noisy, context, class_labels, text_embeds = cast_floating(
+            (params, noisy, context, class_labels, text_embeds), compute_dtype
+        )
     variables, rngs = flax_variables(params, batch_stats), {"dropout": dropout_key}
-    pred, updates = model.apply(variables, noisy, t, context, train=True, rngs=rngs, mutable=["batch_stats"])
+    inputs = (context, class_labels, text_embeds, time_ids)
+    pred, updates = model.apply(variables, noisy, t, *inputs, train=True, rngs=rngs, mutable=["batch_stats"])
     return jnp.mean((pred.astype(jnp.float32) - noise) ** 2), updates.get("batch_stats", batch_stats)
 
 
@@ -162,10 +170,10 @@ def generate(model: UNet, state: TrainState, schedule: Schedule, dataset: Datase
     with its running statistics)."""
     spec = model.resolved_spec
     shape = (cfg.num_samples, spec.in_channels, spec.sample_size, spec.sample_size)
-    apply = jax.jit(lambda x, t, c: model.apply(state.variables(), x, t, c))
+    apply = jax.jit(lambda x, t, c: model.apply(state.variables(), x, t, **c))
 
-    def eps_fn(x: np.ndarray, t: np.ndarray, context: np.ndarray | None) -> np.ndarray:
-        out = apply(jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(t), context)
+    def eps_fn(x: np.ndarray, t: np.ndarray, conditioning: dict[str, np.ndarray | None]) -> np.ndarray:
+        out = apply(jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(t), conditioning)
         return np.asarray(out).transpose(0, 3, 1, 2)
 
     return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)

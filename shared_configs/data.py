@@ -3,8 +3,10 @@
 * `load_dataset`: scikit-learn's 8x8 digits (bundled, no download) or a synthetic set, resized or
   padded to the spec's ``sample_size``, tiled to ``in_channels``, scaled to [-1, 1] (NCHW; the JAX
   loop transposes to NHWC);
-* the class context for cross-attention: a fixed random embedding table (seeded, not learned),
-  one token per image, shape (B, 1, cross_attention_dim); ``None`` for specs without it;
+* the conditioning each spec's forward takes (`Conditioner`), from the image's class: a
+  cross-attention context (one token per image, a fixed seeded table), class labels (the digit
+  itself for class ids), text embeddings (a seeded table) and SDXL's time ids; ``None`` for the
+  inputs a spec takes none of;
 * `Dataset.batch`: batch ``step`` depends only on (seed, step), so a resumed run sees the batches
   it would have seen, and the forward process ``x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps``
   is computed in float64, handed over as float32;
@@ -15,11 +17,13 @@ No torch or jax import.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shared_configs.inputs import INPUT_NAMES, class_label_width, input_specs
 from shared_configs.spec import UNetSpec
 
 if TYPE_CHECKING:
@@ -27,18 +31,32 @@ if TYPE_CHECKING:
 
 NUM_CLASSES = 10
 CONTEXT_TABLE_SEED = 1234  # the class-embedding table is the same for every run
+TEXT_TABLE_SEED = 1235  # so are the class-vector and text_embeds tables
 DATASETS = ("digits", "synthetic")
+CONDITIONING: tuple[str, ...] = INPUT_NAMES[2:]  # context, class_labels, text_embeds, time_ids
+LATENT_SCALE = 8  # SDXL's time_ids are in pixels: a latent of size s is an image of size 8 s
 
 
 @dataclass(frozen=True)
 class Batch:
-    """One training batch, NCHW float32: the model sees (noisy, t, context) and must predict noise."""
+    """One training batch, NCHW float32: the model sees (noisy, t, conditioning) and must predict noise.
+
+    The conditioning inputs are named as the forwards' (`CONDITIONING`); each is None where the spec
+    takes none of it (`shared_configs.inputs.input_specs`).
+    """
 
     noisy: np.ndarray
     t: np.ndarray
     noise: np.ndarray
     context: np.ndarray | None
     labels: np.ndarray
+    class_labels: np.ndarray | None = None
+    text_embeds: np.ndarray | None = None
+    time_ids: np.ndarray | None = None
+
+    def conditioning(self) -> dict[str, np.ndarray | None]:
+        """The forward's inputs after (x, t), by name, in `CONDITIONING` order."""
+        return {name: getattr(self, name) for name in CONDITIONING}
 
     def shard(self, rank: int, world: int) -> Batch:
         """This rank's contiguous slice of the global batch (data parallelism)."""
@@ -46,21 +64,104 @@ class Batch:
         if n % world:
             raise ValueError(f"batch-size: {n} does not split evenly over {world} processes")
         part = slice(rank * n // world, (rank + 1) * n // world)
-        context = None if self.context is None else self.context[part]
-        return Batch(self.noisy[part], self.t[part], self.noise[part], context, self.labels[part])
+        arrays = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Batch(**{name: None if a is None else a[part] for name, a in arrays.items()})
+
+
+def check_conditioning(spec: UNetSpec, given: Mapping[str, Any]) -> None:
+    """Refuse (one-line `ValueError`) a batch whose conditioning inputs are not exactly ``spec``'s.
+
+    ``given``: name -> array or None (`Batch.conditioning`, or a framework's arrays by the same
+    names). The forwards check shapes; this names the batch as the culprit, before any compute.
+    """
+    wanted = input_specs(spec, 1, context_len=1)
+    for name in CONDITIONING:
+        if wanted[name] is not None and given.get(name) is None:
+            raise ValueError(
+                f"batch: spec {spec.name!r} takes {name} but the batch has none; make batches for the spec "
+                "(shared_configs.data.load_dataset(kind, spec), or benchmarks.common.make_batch)"
+            )
+        if wanted[name] is None and given.get(name) is not None:
+            raise ValueError(f"batch: spec {spec.name!r} takes no {name} but the batch has one; set it to None")
+
+
+@dataclass(frozen=True)
+class Conditioner:
+    """The conditioning inputs a spec takes, made from class labels (fixed seeded tables, not learned).
+
+    * ``context``: one token per image, the class's row of a (10, cross_attention_dim) table;
+    * ``class_labels``: ids for ``embedding`` / ``timestep`` class embeddings (the digit, modulo
+      ``num_classes`` when set), else the class's row of a vector table of the right width;
+    * ``text_embeds``: the class's row of a (10, D) table (what a pooled text encoder would give);
+    * ``time_ids``: SDXL's micro-conditioning, (original h, w, crop top, left, target h, w) in
+      pixels, as floats: drawn per sample in training, (S, S, 0, 0, S, S) when sampling (S = the
+      image size). A spec with N != 6 time ids takes the first N of these, cycled.
+    """
+
+    context_table: np.ndarray | None = None
+    class_ids: int | None = None  # modulus for class ids (0: ids as they are); None: no ids
+    class_table: np.ndarray | None = None
+    text_table: np.ndarray | None = None
+    num_time_ids: int = 0  # 0: no time_ids
+    image_size: int = 0
+
+    @classmethod
+    def for_spec(cls, spec: UNetSpec) -> Conditioner:
+        """The tables ``spec``'s forward needs (the same for every run of that spec)."""
+        rng = np.random.default_rng(TEXT_TABLE_SEED)
+        ctx = None
+        if spec.cross_attention_dim is not None:  # its own seed: the context of older runs is unchanged
+            ctx = np.random.default_rng(CONTEXT_TABLE_SEED).standard_normal((NUM_CLASSES, spec.cross_attention_dim))
+        kwargs: dict[str, Any] = {"context_table": None if ctx is None else ctx.astype(np.float32)}
+        if spec.class_embedding is not None:
+            width = class_label_width(spec)
+            if width is None:
+                kwargs["class_ids"] = spec.class_embedding.num_classes or 0
+            else:
+                kwargs["class_table"] = rng.standard_normal((NUM_CLASSES, width)).astype(np.float32)
+        if (add := spec.addition_embedding) is not None:
+            kwargs["text_table"] = rng.standard_normal((NUM_CLASSES, add.text_embeds_dim)).astype(np.float32)
+            kwargs.update(num_time_ids=add.num_time_ids, image_size=LATENT_SCALE * spec.sample_size)
+        return cls(**kwargs)
+
+    def __call__(self, labels: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, np.ndarray | None]:
+        """(B,) labels -> every conditioning input by name (None where the spec takes none).
+        ``rng``: draws the time ids (training); None: the fixed ones (sampling)."""
+        out: dict[str, np.ndarray | None] = dict.fromkeys(CONDITIONING)
+        if self.context_table is not None:
+            out["context"] = self.context_table[labels][:, None, :]  # (B, 1, D)
+        if self.class_ids is not None:
+            ids = labels % self.class_ids if self.class_ids else labels
+            out["class_labels"] = ids.astype(np.int32)  # input_specs' dtype
+        elif self.class_table is not None:
+            out["class_labels"] = self.class_table[labels]
+        if self.text_table is not None:
+            out["text_embeds"] = self.text_table[labels]
+            out["time_ids"] = self._time_ids(len(labels), rng)
+        return out
+
+    def _time_ids(self, n: int, rng: np.random.Generator | None) -> np.ndarray:
+        s = self.image_size
+        target = np.full((n, 2), s)
+        if rng is None:
+            original, crop = target, np.zeros((n, 2), np.int64)
+        else:  # images of any size from half to twice the target, cropped by up to a quarter of it
+            original, crop = rng.integers(s // 2, 2 * s + 1, (n, 2)), rng.integers(0, s // 4 + 1, (n, 2))
+        six = np.concatenate([original, crop, target], axis=1)  # (B, 6)
+        return six[:, np.arange(self.num_time_ids) % 6].astype(np.float32)
 
 
 @dataclass(frozen=True)
 class Dataset:
-    """Images (N, C, H, W) in [-1, 1] with class labels, and the class-context table."""
+    """Images (N, C, H, W) in [-1, 1] with class labels, and the conditioning they come with."""
 
     images: np.ndarray
     labels: np.ndarray
-    context_table: np.ndarray | None
+    conditioner: Conditioner = Conditioner()
 
-    def context(self, labels: np.ndarray) -> np.ndarray | None:
-        """(B,) labels -> (B, 1, cross_attention_dim) fixed embeddings, or None."""
-        return None if self.context_table is None else self.context_table[labels][:, None, :]
+    def conditioning(self, labels: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, Any]:
+        """(B,) labels -> the spec's conditioning inputs by name (see `Conditioner`)."""
+        return self.conditioner(labels, rng)
 
     def batch(self, step: int, batch_size: int, schedule: Schedule, seed: int) -> Batch:
         """The batch for ``step``: a function of (seed, step) only."""
@@ -72,9 +173,10 @@ class Dataset:
         abar = schedule.alphas_cumprod[t][:, None, None, None]
         noisy = np.sqrt(abar) * x0 + np.sqrt(1.0 - abar) * noise
         labels = self.labels[idx]
-        return Batch(
-            noisy.astype(np.float32), t.astype(np.float32), noise.astype(np.float32), self.context(labels), labels
-        )
+        # A stream of its own: the images, timesteps and noise of a seed stay what they were.
+        conditioning = self.conditioning(labels, np.random.default_rng([seed, step, 2]))
+        f32 = np.float32
+        return Batch(noisy.astype(f32), t.astype(f32), noise.astype(f32), labels=labels, **conditioning)
 
 
 def load_dataset(kind: str, spec: UNetSpec, seed: int = 0) -> Dataset:
@@ -94,11 +196,7 @@ def load_dataset(kind: str, spec: UNetSpec, seed: int = 0) -> Dataset:
         raise ValueError(f"data: unknown {kind!r} (allowed: {', '.join(DATASETS)})")
     images = _fit(images, spec.sample_size)
     images = np.repeat(images[:, None], spec.in_channels, axis=1).astype(np.float32)
-    table = None
-    if spec.cross_attention_dim is not None:
-        rng = np.random.default_rng(CONTEXT_TABLE_SEED)
-        table = rng.standard_normal((NUM_CLASSES, spec.cross_attention_dim)).astype(np.float32)
-    return Dataset(images, labels, table)
+    return Dataset(images, labels, Conditioner.for_spec(spec))
 
 
 def _fit(images: np.ndarray, size: int) -> np.ndarray:

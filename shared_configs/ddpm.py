@@ -83,7 +83,7 @@ def check_objective(spec: UNetSpec) -> None:
 
 
 def sample(
-    eps_fn: Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray],
+    eps_fn: Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray | None]], np.ndarray],
     schedule: Schedule,
     dataset: Dataset,
     shape: tuple[int, int, int, int],
@@ -92,12 +92,13 @@ def sample(
 ) -> np.ndarray:
     """Ancestral DDPM sampling over ``num_steps`` evenly respaced timesteps; NCHW in [-1, 1].
 
-    ``eps_fn(x_nchw, t, context)`` returns the model's noise prediction as numpy. Sample ``i`` is
-    conditioned on class ``i % 10``.
+    ``eps_fn(x_nchw, t, conditioning)`` returns the model's noise prediction as numpy;
+    ``conditioning`` is every input after (x, t), by name (`shared_configs.data.CONDITIONING`).
+    Sample ``i`` is conditioned on class ``i % 10`` (and, SDXL-style, on an uncropped full-size image).
     """
     rng = np.random.default_rng([seed, 2**31])
     labels = np.arange(shape[0]) % NUM_CLASSES
-    context = dataset.context(labels)
+    conditioning = dataset.conditioning(labels)
     timesteps = np.unique(np.linspace(0, schedule.num_timesteps - 1, num_steps).round().astype(np.int64))[::-1]
     abar = schedule.alphas_cumprod
     x = rng.standard_normal(shape)
@@ -105,7 +106,7 @@ def sample(
         ab_t = abar[t]
         ab_prev = abar[timesteps[i + 1]] if i + 1 < len(timesteps) else 1.0
         beta = 1.0 - ab_t / ab_prev  # the respaced step's beta
-        eps = eps_fn(x.astype(np.float32), np.full(shape[0], t, np.float32), context).astype(np.float64)
+        eps = eps_fn(x.astype(np.float32), np.full(shape[0], t, np.float32), conditioning).astype(np.float64)
         x = (x - beta / np.sqrt(1.0 - ab_t) * eps) / np.sqrt(1.0 - beta)
         if i + 1 < len(timesteps):
             x += np.sqrt(beta * (1.0 - ab_prev) / (1.0 - ab_t)) * rng.standard_normal(shape)

@@ -78,8 +78,8 @@ def jax_curve(spec: UNetSpec, policy: str, steps: int) -> list[float]:
 
 def step_flops(model: TorchUNet, backward: bool) -> tuple[int, dict[str, int]]:
     """`tests.utils.count_flops` on a training batch of 2."""
-    noisy, t, _, context = ttrain.as_tensors(load_dataset("digits", model.spec).batch(0, 2, SCHEDULE, 0))
-    return count_flops(model, (noisy, t, context), backward)
+    noisy, t, _, conditioning = ttrain.as_tensors(load_dataset("digits", model.spec).batch(0, 2, SCHEDULE, 0))
+    return count_flops(model, (noisy, t, *conditioning.values()), backward)
 
 
 def float_dtypes(tree: object) -> list[str]:

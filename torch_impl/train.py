@@ -6,7 +6,8 @@ A thin loop over an importable step. To put this U-Net in your own loop::
     optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0)
     loss = train_step(model, optimizer, batch)   # batch: shared_configs.data.Batch (numpy)
 
-Batches, timesteps, noise and class contexts come from `shared_configs.data` (numpy), so
+Batches, timesteps, noise and the conditioning inputs (context, class labels, text embeddings,
+time ids: whichever the spec takes) come from `shared_configs.data` (numpy), so
 `jax_impl.train` sees the very same ones for the same seed. Dropout draws from torch's global RNG,
 reseeded per step from (seed, step) so that a resumed run replays the same masks.
 
@@ -25,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shared_configs import load_spec, resolve_plan
-from shared_configs.data import Batch, Dataset, load_dataset, step_seed
+from shared_configs import UNetSpec, load_spec, resolve_plan
+from shared_configs.data import Batch, Dataset, check_conditioning, load_dataset, step_seed
 from shared_configs.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.outputs import write_outputs
@@ -43,10 +44,15 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
 
 
-def as_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(noisy, t, noise, context) as torch tensors (NCHW, shared memory with the numpy batch)."""
-    context = None if batch.context is None else torch.from_numpy(batch.context)
-    return torch.from_numpy(batch.noisy), torch.from_numpy(batch.t), torch.from_numpy(batch.noise), context
+def as_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor | None]]:
+    """(noisy, t, noise, conditioning by name) as torch tensors (NCHW, sharing the numpy batch's memory)."""
+    conditioning = {k: None if v is None else torch.from_numpy(v) for k, v in batch.conditioning().items()}
+    return torch.from_numpy(batch.noisy), torch.from_numpy(batch.t), torch.from_numpy(batch.noise), conditioning
+
+
+def model_spec(model: torch.nn.Module) -> UNetSpec | None:
+    """The spec of a `UNet`, of one wrapped in DDP (``.module``), or of a module that says (``.spec``)."""
+    return getattr(model, "spec", None) or getattr(getattr(model, "module", None), "spec", None)
 
 
 def train_step(
@@ -55,17 +61,23 @@ def train_step(
     """One DDPM step: predict the noise in ``batch.noisy`` at ``batch.t``, MSE, backward, update.
 
     ``model`` is a `UNet` (optionally with gradient checkpointing enabled, or wrapped in DDP);
+    every conditioning input the batch carries (context, class_labels, text_embeds, time_ids) is
+    passed by name, and a batch without one the spec takes is refused in one line.
     ``autocast_dtype=torch.bfloat16`` runs the forward in bf16 mixed precision (weights, loss and
     optimizer stay float32). Returns the loss as a Python float.
     """
+    if (spec := model_spec(model)) is not None:
+        check_conditioning(spec, batch.conditioning())
     model.train()
     # First, as PyTorch's examples do: the previous step's gradients are freed (set_to_none, the
     # default) before this forward, so they never sit beside its activations.
     optimizer.zero_grad(set_to_none=True)
     device = next(model.parameters()).device
-    noisy, t, noise, context = (None if a is None else a.to(device) for a in as_tensors(batch))
+    noisy, t, noise, conditioning = as_tensors(batch)
+    noisy, t, noise = noisy.to(device), t.to(device), noise.to(device)
+    conditioning = {k: None if v is None else v.to(device) for k, v in conditioning.items()}
     with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-        pred = model(noisy, t, context)
+        pred = model(noisy, t, **conditioning)
     loss = F.mse_loss(pred.float(), noise)
     loss.backward()
     optimizer.step()
@@ -79,9 +91,9 @@ def generate(model: UNet, schedule: Schedule, dataset: Dataset, cfg: TrainConfig
     spec = model.spec
     shape = (cfg.num_samples, spec.in_channels, spec.sample_size, spec.sample_size)
 
-    def eps_fn(x: np.ndarray, t: np.ndarray, context: np.ndarray | None) -> np.ndarray:
-        ctx = None if context is None else torch.from_numpy(context)
-        return model(torch.from_numpy(x), torch.from_numpy(t), ctx).numpy()
+    def eps_fn(x: np.ndarray, t: np.ndarray, conditioning: dict[str, np.ndarray | None]) -> np.ndarray:
+        inputs = {k: None if v is None else torch.from_numpy(v) for k, v in conditioning.items()}
+        return model(torch.from_numpy(x), torch.from_numpy(t), **inputs).numpy()
 
     return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)
 

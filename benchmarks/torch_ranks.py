@@ -1,0 +1,60 @@
+"""The torch rows under FSDP2 (``--world-size N``): N processes under torchrun, gloo on CPU.
+
+Each rank builds the same seeded model, applies the plan, then shards it as the training loop's
+``--distributed fsdp`` does (`torch_impl.parallel.shard_blocks`: one FSDP2 unit per U-Net block,
+then the root) and steps on its slice of a global batch of N x the per-rank batch size. Every rank
+measures its own step (`benchmarks.torch_memory.StepTracker` counts this rank's tensors only);
+`gather` hands rank 0 the other ranks' peaks. Only rank 0 reports (`benchmarks.common.emit`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import Job, make_batch
+from benchmarks.torch_memory import local, storage_bytes
+from shared_configs import UNetSpec
+from shared_configs.data import Batch
+from torch_impl.parallel import shard_blocks
+
+
+def init(job: Job) -> None:
+    """Join the process group (once per worker), after checking torchrun started ``job.world_size``."""
+    if job.world_size == 1 or dist.is_initialized():
+        return
+    started = int(os.environ.get("WORLD_SIZE", "1"))
+    if started != job.world_size:
+        raise RuntimeError(f"world-size: the job asks for {job.world_size} processes, torchrun started {started}")
+    dist.init_process_group("gloo")
+
+
+def shard(job: Job, model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 over the ranks (``world_size`` > 1); the model as it is otherwise."""
+    return shard_blocks(model) if job.world_size > 1 else model
+
+
+def rank_batch(spec: UNetSpec, batch_size: int, job: Job) -> Batch:
+    """This rank's ``batch_size`` samples: its slice of the global batch (``world_size`` x ``batch_size``)."""
+    if job.world_size == 1:
+        return make_batch(spec, batch_size, job.context_length)
+    whole = make_batch(spec, job.world_size * batch_size, job.context_length)
+    return whole.shard(dist.get_rank(), job.world_size)
+
+
+def static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """This rank's parameters (its shards under FSDP2) and optimizer state, between steps."""
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return storage_bytes([local(p) for p in model.parameters()]) + storage_bytes(state)
+
+
+def gather(job: Job, row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with ``world_size`` and the largest per-rank peak (every rank's own step, gathered)."""
+    if job.world_size == 1:
+        return {**row, "world_size": 1, "max_rank_peak_bytes": row["peak_bytes"]}
+    peaks: list[Any] = [None] * job.world_size
+    dist.all_gather_object(peaks, row["peak_bytes"])
+    return {**row, "world_size": job.world_size, "max_rank_peak_bytes": max(peaks)}
