@@ -1,0 +1,268 @@
+"""The JAX per-unit profile for `shared_configs.budget`, and the plain measurement of a plan.
+
+Every figure comes from the training loop's own step, the jitted `jax_impl.train.train_step` with
+its `TrainState` donated, compiled with XLA's ``cse_barrier_expander`` disabled (without it remat
+saves nothing on XLA:CPU, see docs/remat_vs_checkpoint.md):
+
+* bytes: one compile per uniform plan (as in `benchmarks.profile_torch`), dumped; XLA's own
+  schedule and buffer live ranges (`benchmarks.xla_dump`) give the live bytes at each step of the
+  schedule, filed by the unit each instruction's ``op_name`` names. ``Profile.scale`` carries the
+  ratio of the compiled ``memory_analysis()`` peak (what the benchmark reports: buffers as packed
+  into allocations) to that live-byte peak;
+* seconds: the compiled step run under ``jax.profiler``; each unit's recompute is the wall time
+  covered by its ``rematted_computation`` instructions; step time is the median of untraced runs;
+* FLOPs: `shared_configs.unit_flops` (the same network as torch's; counted from the spec).
+
+With ``run=False`` (shapes only) the step is lowered and compiled but never run: no parameter is
+allocated, and time is left to FLOPs. `measure` is the verification: the compiled step's
+``memory_analysis()`` (the benchmark's figure) and the median step time.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import xla_dump
+from benchmarks.jax_bench import init_params
+from jax_impl import train as jt
+from jax_impl.unet import UNet
+from shared_configs import UNetSpec
+from shared_configs.budget import (
+    FULL,
+    PLAIN,
+    SELECTIVE,
+    SELECTIVE_OPS,
+    Cost,
+    block_layers,
+    example_batch,
+    leaf_units,
+    policy_string,
+    uniform,
+)
+from shared_configs.unit_flops import recompute_flops, unit_flops
+
+PROFILE_RUNS = (("plain", "layers"), ("full", "blocks"), ("save=conv,matmul", "blocks"))
+PROFILE_RUNS += (("full", "layers"), ("save=conv,matmul", "layers"))
+BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}  # remat's barriers survive on XLA:CPU
+# Buffer assignment precedes code generation: the memory figures are the same at -O0, and faster.
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+DENSE_NAMES = frozenset({"to_q", "to_k", "to_v", "to_out", "proj", "out", "proj_in", "proj_out", "time_emb_proj",
+                         "linear_1", "linear_2"})  # fmt: skip
+
+
+def setup(spec: UNetSpec, batch_size: int, context_length: int, chunk: int | None, run: bool) -> dict[str, Any]:
+    """The step's arguments: real arrays (``run``) or shapes only, and the optimizer."""
+    tx = jt.make_optimizer(1e-4, 0.0)
+    model = UNet(spec=spec, policy="none", attention_chunk=chunk)
+    shapes = jax.eval_shape(lambda: jt.init_state(model, tx, 0))
+    args: tuple = (shapes, *_batch_and_key(spec, batch_size, context_length, run))
+    if run:
+        params = jax.tree.map(jnp.asarray, init_params(shapes.params, np.float32))
+        args = (jt.TrainState.create({"params": params}, tx), *args[1:])
+    return {"spec": spec, "tx": tx, "args": args, "chunk": chunk, "run": run}
+
+
+def _batch_and_key(spec: UNetSpec, batch_size: int, context_length: int, run: bool) -> tuple[Any, Any]:
+    batch = jt.arrays(example_batch(spec, batch_size, context_length))
+    key = jax.random.key(2)
+    if run:
+        return batch, key
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (batch, key))
+
+
+def compiled_step(s: dict[str, Any], policy: str, dump: str | None = None, fast: bool = True) -> Any:
+    """The donated, jitted train step under ``policy``, compiled (and dumped into ``dump``).
+
+    ``fast``: LLVM at -O0, for compiles that are only read (memory), never timed.
+    """
+    model = UNet(spec=s["spec"], policy=policy, attention_chunk=s["chunk"])
+    step = jax.jit(functools.partial(jt.train_step, model=model, tx=s["tx"]), donate_argnums=(0,))
+    options: dict[str, Any] = {**BARRIERS, **FAST} if fast else dict(BARRIERS)
+    if dump is not None:
+        options |= {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "train_step"}
+    return step.lower(*s["args"]).compile(compiler_options=options)
+
+
+def compiled_peak(compiled: Any) -> int:
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, Cost], int, int]:
+    """One compile under ``assignment``: per-unit bytes, the live-byte peak, the compiled peak."""
+    leaves = [u for u, _ in leaf_units(s["spec"], assignment)]
+    with tempfile.TemporaryDirectory(prefix="plan-xla-") as dump:
+        compiled = compiled_step(s, policy_string(assignment), dump)
+        plan = xla_dump.read(dump)
+    levels, where = plan.levels(), xla_dump.segments(plan, set(leaves))
+    split = next((i for i, (_, phase) in enumerate(where) if phase == "bwd"), len(where))
+    highest: dict[tuple[str, str], int] = {}
+    for level, seg in zip(levels, where, strict=False):
+        highest[seg] = max(highest.get(seg, 0), level)
+    kept: dict[str, int] = defaultdict(int)
+    for b in plan.buffers:
+        unit, phase = where[min(b.start, len(where) - 1)]
+        if phase == "fwd" and b.end >= split and b.name not in plan.parameters:
+            kept[unit] += b.size
+    costs, before = {}, 0
+    for unit in leaves:
+        fwd, bwd = highest.get((unit, "fwd"), 0), highest.get((unit, "bwd"), 0)
+        costs[unit] = Cost(keep=kept[unit], fwd_peak=fwd - before, bwd_peak=bwd - before)
+        before += kept[unit]
+    return costs, max(levels), compiled_peak(compiled)
+
+
+def timing_run(s: dict[str, Any], spec: UNetSpec, repeats: int) -> tuple[dict[str, dict[str, float]], float]:
+    """The plain step, compiled for speed and traced: per unit (layers and blocks) the forward seconds
+    of each choice's recompute (all its forward ops; those outside conv/matmul), and the step time."""
+    compiled = compiled_step(s, "none", fast=False)
+    op_names = {m[0]: m[1] for m in xla_dump.OP_NAME.findall(compiled.as_text())}
+    state, rest = s["args"][0], s["args"][1:]
+    times = []
+    for _ in range(repeats + 1):  # the first run is a warm-up
+        t0 = time.perf_counter()
+        state, loss = compiled(state, *rest)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory(prefix="plan-trace-") as folder:
+        with jax.profiler.trace(folder):
+            state, loss = compiled(state, *rest)
+            jax.block_until_ready(loss)
+        spans = _op_spans(jax.profiler.ProfileData.from_file(str(next(Path(folder).rglob("*.xplane.pb")))))
+    s["args"] = (state, *rest)  # the donated state lives on in the returned one
+    layers = set(uniform(spec, PLAIN, "layers")) | {n for ls in block_layers(spec).values() for n in ls}
+    intervals: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+    for op, span in spans:
+        name = op_names.get(op, "")
+        if xla_dump.phase_of(name) != "fwd":
+            continue
+        kept = _op_class(name) in SELECTIVE_OPS
+        for units in (layers, set(block_layers(spec))):
+            unit = xla_dump.unit_of(name, units)
+            if unit is not None:
+                intervals[(unit, FULL)].append(span)
+                if not kept:
+                    intervals[(unit, SELECTIVE)].append(span)
+    per_unit = {u: {c: _covered(intervals[(u, c)]) for c in (FULL, SELECTIVE)} for u, _ in intervals}
+    return per_unit, statistics.median(times[1:])
+
+
+def _op_class(op_name: str) -> str:
+    """conv / matmul for the ops a ``save=conv,matmul`` recompute does not redo (Conv, Dense), else other."""
+    parts = op_name.split("/")
+    if parts[-1].startswith("conv_general_dilated"):
+        return "conv"
+    if parts[-1].startswith("dot_general") and len(parts) > 1 and parts[-2] in DENSE_NAMES:
+        return "matmul"
+    return "other"
+
+
+def _op_spans(data: Any) -> list[tuple[str, tuple[int, int]]]:
+    """(HLO instruction, (start ns, end ns)) of every XLA op event of the trace."""
+    out = []
+    for plane in data.planes:
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if "hlo_op" in stats:
+                    start = int(event.start_ns)
+                    out.append((str(stats["hlo_op"]), (start, start + int(event.duration_ns))))
+    return out
+
+
+def _covered(intervals: list[tuple[int, int]]) -> float:
+    """Seconds of wall time covered by at least one interval (ops run on several threads)."""
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total / 1e9
+
+
+def profile(
+    spec: UNetSpec,
+    batch_size: int,
+    context_length: int = 77,
+    shapes: bool = False,
+    repeats: int = 2,
+    attention_chunk: int | None = None,
+) -> dict:
+    """The `shared_configs.budget.Profile` fields (JSON-ready) of ``spec`` at ``batch_size``."""
+    s = setup(spec, batch_size, context_length, attention_chunk, run=not shapes)
+    flops = unit_flops(spec, batch_size, context_length)
+    timed, step_time = ({}, 0.0) if shapes else timing_run(s, spec, repeats)
+    units: dict[str, dict[str, Cost]] = {}
+    runs: dict[str, Any] = {}
+    scales = []
+    for choice, level in PROFILE_RUNS:
+        assignment = {} if choice == PLAIN else uniform(spec, choice, level)
+        costs, live_peak, peak = memory_run(s, assignment)
+        runs[policy_string(assignment)] = {"peak_bytes": peak, "live_peak_bytes": live_peak}
+        scales.append(peak / live_peak)
+        for unit, cost in costs.items():
+            mine = assignment.get(unit, PLAIN)
+            if mine == choice:
+                seconds = timed.get(unit, {}).get(mine, 0.0) if mine != PLAIN else 0.0
+                fwd_s = timed.get(unit, {}).get(FULL, 0.0)
+                flop = recompute_flops(flops[unit], mine)
+                units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, seconds, flop, fwd_s)
+    return {
+        "framework": "jax",
+        "units": units,
+        "opt_peak": 0,  # optax's updates are scheduled inside the backward: filed under its units
+        "step_time_s": step_time,
+        "scale": float(np.mean(scales)),
+        "mode": "shapes" if shapes else "measured",
+        "attention_chunk": attention_chunk,
+        "meta": {
+            "runs": runs,
+            "method": "XLA's buffer live ranges over its schedule (xla_dump_to), filed by the op_name's Flax module; "
+            "compiled with cse_barrier_expander disabled (LLVM -O0: same buffers); recompute seconds: wall time "
+            "covered by the unit's forward ops (all, or those outside conv/matmul) in a jax.profiler trace of the "
+            "plain step",
+            "versions": {"jax": jax.__version__},
+        },
+    }
+
+
+def measure(
+    spec: UNetSpec,
+    batch_size: int,
+    policies: list[str],
+    context_length: int = 77,
+    steps: int = 3,
+    attention_chunk: int | None = None,
+) -> dict:
+    """Per policy: the compiled step's ``memory_analysis()`` peak and its median step time."""
+    s = setup(spec, batch_size, context_length, attention_chunk, run=True)
+    rows = {}
+    for policy in policies:
+        compiled = compiled_step(s, policy, fast=False)
+        state, rest = s["args"][0], s["args"][1:]
+        times = []
+        for _ in range(steps + 1):  # the first run is a warm-up
+            t0 = time.perf_counter()
+            state, loss = compiled(state, *rest)
+            jax.block_until_ready(loss)
+            times.append(time.perf_counter() - t0)
+        s["args"] = (state, *rest)
+        rows[policy] = {"peak_bytes": compiled_peak(compiled), "step_time_s": statistics.median(times[1:])}
+    return {
+        "framework": "jax",
+        "rows": rows,
+        "method": "compiled memory_analysis() (arguments + outputs - aliased + temporaries), cse_barrier_expander off",
+    }

@@ -1,0 +1,334 @@
+"""The PyTorch per-unit profile for `shared_configs.budget`, and the plain measurement of a plan.
+
+Every figure comes from the training loop's own step, `torch_impl.train.train_step` (PyTorch's
+default ``zero_grad(set_to_none=True)``, which runs between forward and backward: last step's
+gradients are alive during the forward and gone in the backward), after one warm-up step has made
+the gradients and AdamW's state:
+
+* bytes: one step per uniform plan (``none``, ``full``, ``full/save=conv,matmul``, ``layers``,
+  ``layers/save=conv,matmul``) under `Timeline`, a live-tensor tracker like the benchmark's
+  `LiveBytesTracker` that also files every allocation under the unit running when it happened
+  (module hooks: forward pre-hooks, full backward pre-hooks, the optimizer's step pre-hook);
+* seconds: the same steps without the tracker, timing each unit's recompute (the span of its
+  sub-modules' forwards inside its backward) and each unit's forward, median over ``repeats``;
+* FLOPs: `shared_configs.unit_flops` (counted from the spec, as `FlopCounterMode` counts).
+
+With ``shapes=True`` nothing is allocated: the same steps run on fake tensors (`FakeTensorMode`,
+which picks the same CPU kernels as real tensors; `example_step` mirrors ``train_step`` without
+reading the loss), and time is left to FLOPs (`Profile.mode` "shapes").
+`measure` is the verification: `benchmarks.torch_memory.LiveBytesTracker` (the benchmark's own
+instrument) around one ``train_step``, and the median step time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import statistics
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+from benchmarks.torch_memory import LiveBytesTracker
+from shared_configs import UNetSpec
+from shared_configs.budget import (
+    FULL,
+    HEAD,
+    PLAIN,
+    SELECTIVE,
+    STEM,
+    Cost,
+    example_batch,
+    leaf_units,
+    policy_string,
+    uniform,
+)
+from shared_configs.training import Batch
+from shared_configs.unit_flops import recompute_flops, unit_flops
+from torch_impl.train import as_tensors, make_optimizer, train_step
+from torch_impl.unet import UNet
+
+Segment = tuple[str, str]  # (unit, "fwd" | "bwd" | "opt")
+OPTIMIZER = "optimizer"
+# The uniform plans a profile measures: (choice, level) -> what it yields.
+PROFILE_RUNS: tuple[tuple[str, str], ...] = (
+    (PLAIN, "layers"),
+    (FULL, "blocks"),
+    (SELECTIVE, "blocks"),
+    (FULL, "layers"),
+    (SELECTIVE, "layers"),
+)
+
+
+class Timeline(TorchDispatchMode):
+    """Live tensor bytes, filed by segment: the highest level seen in each, and what each unit's
+    forward allocated that is still alive when the backward starts (`split`)."""
+
+    def __init__(self, existing: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.level = 0
+        self.segment: Segment = (STEM, "fwd")
+        self.highest: dict[Segment, int] = {}
+        self.kept: dict[str, int] | None = None
+        self._live: dict[int, tuple[int, Segment]] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        for t in existing:
+            self._track(t, ("static", "-"))
+        self.enter(self.segment)
+
+    def enter(self, segment: Segment) -> None:
+        self.segment = segment
+        self.highest[segment] = max(self.highest.get(segment, 0), self.level)
+
+    def split(self) -> None:
+        """The backward starts: file the live forward allocations as kept, by unit (once)."""
+        if self.kept is None:
+            self.kept = defaultdict(int)
+            for size, (unit, phase) in self._live.values():
+                if phase == "fwd":
+                    self.kept[unit] += size
+
+    def _track(self, t: torch.Tensor, segment: Segment | None = None) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._live and self._refs[key]() is st:
+            return
+        size = st.nbytes()
+        self._live[key] = (size, segment or self.segment)
+        self._refs[key] = weakref.ref(st, lambda _ref, key=key: self._release(key))
+        self.level += size
+        seg = segment or self.segment
+        self.highest[seg] = max(self.highest.get(seg, 0), self.level)
+
+    def _release(self, key: int) -> None:
+        size, _ = self._live.pop(key, (0, None))
+        self.level -= size
+        self._refs.pop(key, None)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._track, out)
+        return out
+
+
+def _modules(model: UNet, unit: str, phase: str) -> list[torch.nn.Module]:
+    """The modules whose hooks mark ``unit``'s segment in ``phase``."""
+    if unit == STEM:
+        return [model.time_embedding, model.conv_in]
+    if unit == HEAD:
+        return [model.conv_norm_out] if phase == "fwd" else [model.conv_out]
+    return [model.get_submodule(unit)]
+
+
+@contextmanager
+def hooks(model: UNet, opt: torch.optim.Optimizer, units: list[str], on: Callable[[str, str], None]) -> Iterator[None]:
+    """Call ``on(unit, phase)`` when ``unit``'s forward or backward starts, and on the optimizer step."""
+    handles = [opt.register_step_pre_hook(lambda *_: on(OPTIMIZER, "opt"))]
+    for unit in units:
+        for m in _modules(model, unit, "fwd"):
+            handles.append(m.register_forward_pre_hook(lambda *_, u=unit: on(u, "fwd")))
+        for m in _modules(model, unit, "bwd"):
+            handles.append(m.register_full_backward_pre_hook(lambda *_, u=unit: on(u, "bwd")))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def example_step(model: UNet, opt: torch.optim.Optimizer, batch: Batch) -> None:
+    """`train_step`'s operations without reading the loss (fake tensors have no value)."""
+    noisy, t, noise, context = as_tensors(batch)
+    model.train()
+    pred = model(noisy, t, context)
+    loss = F.mse_loss(pred.float(), noise)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def setup(spec: UNetSpec, batch_size: int, context_length: int, shapes: bool = False) -> dict[str, Any]:
+    """Model, AdamW, inputs and a step function, after a warm-up step (gradients and state exist).
+
+    ``shapes``: everything is a fake tensor; run steps inside ``s["mode"]`` (outermost).
+    """
+    mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if shapes else contextlib.nullcontext()
+    torch.manual_seed(0)
+    with mode:
+        model = UNet(spec)
+        opt = make_optimizer(model, lr=1e-4, weight_decay=0.0)
+        batch = example_batch(spec, batch_size, context_length)
+        if shapes:
+            step: Callable[[], Any] = lambda: example_step(model, opt, batch)  # noqa: E731
+        else:
+            step = lambda: train_step(model, opt, batch)  # noqa: E731
+        step()
+    return {"model": model, "opt": opt, "batch": batch, "step": step, "mode": mode, "shapes": shapes}
+
+
+def existing(s: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensors alive before a step: parameters, last step's gradients, AdamW state, the inputs."""
+    model, opt = s["model"], s["opt"]
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    inputs = [a for a in as_tensors(s["batch"]) if a is not None]
+    return [*model.parameters(), *model.buffers(), *grads, *state, *inputs]
+
+
+def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, Cost], int, int]:
+    """One step under ``assignment``: per-unit bytes, the optimizer's peak, the step's peak."""
+    spec = s["model"].spec
+    s["model"].enable_gradient_checkpointing(policy_string(assignment))
+    units = [u for u, _ in leaf_units(spec, assignment)]
+    inputs = existing(s)
+    timeline = Timeline(inputs)
+
+    def on(unit: str, phase: str) -> None:
+        if phase != "fwd":
+            timeline.split()
+        timeline.enter((unit, phase))
+
+    with s["mode"], hooks(s["model"], s["opt"], units, on), timeline:
+        s["step"]()
+    del inputs
+    costs, kept = {}, 0
+    for unit, _ in leaf_units(spec, assignment):
+        keep = timeline.kept.get(unit, 0) if timeline.kept else 0
+        fwd, bwd = timeline.highest.get((unit, "fwd"), 0), timeline.highest.get((unit, "bwd"), 0)
+        costs[unit] = Cost(keep=keep, fwd_peak=fwd - kept, bwd_peak=bwd - kept)
+        kept += keep
+    return costs, timeline.highest.get((OPTIMIZER, "opt"), 0), max(timeline.highest.values())
+
+
+def timing_run(s: dict[str, Any], assignment: dict[str, str], repeats: int) -> tuple[dict[str, list[float]], float]:
+    """Median over ``repeats`` steps: per unit, its forward time and its recompute time; the step time."""
+    model, spec = s["model"], s["model"].spec
+    model.enable_gradient_checkpointing(policy_string(assignment))
+    leaves = list(leaf_units(spec, assignment))
+    samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    steps = []
+    for _ in range(repeats):
+        marks: list[tuple[float, str, str]] = []
+        spans: dict[str, list[float]] = {}
+        phase = ["fwd"]
+
+        def on(unit: str, ph: str, marks: list = marks, phase: list = phase) -> None:
+            phase[0] = ph
+            marks.append((time.perf_counter(), unit, ph))
+
+        with hooks(model, s["opt"], [u for u, _ in leaves], on), _recompute_spans(model, leaves, phase, spans):
+            t0 = time.perf_counter()
+            s["step"]()
+            steps.append(time.perf_counter() - t0)
+        forward = _forward_times(marks)
+        for unit, _ in leaves:
+            span = spans.get(unit)
+            samples[unit].append((forward.get(unit, 0.0), span[1] - span[0] if span else 0.0))
+    per_unit = {u: [statistics.median(x[i] for x in v) for i in (0, 1)] for u, v in samples.items()}
+    return per_unit, statistics.median(steps)
+
+
+def _forward_times(marks: list[tuple[float, str, str]]) -> dict[str, float]:
+    """Each unit's forward: from its forward hook to the next mark."""
+    out: dict[str, float] = {}
+    for (t0, unit, phase), (t1, _, _) in itertools.pairwise(marks):
+        if phase == "fwd":
+            out[unit] = out.get(unit, 0.0) + t1 - t0
+    return out
+
+
+@contextmanager
+def _recompute_spans(
+    model: UNet, leaves: list[tuple[str, str]], phase: list[str], spans: dict[str, list[float]]
+) -> Iterator[None]:
+    """Record, per recomputed unit, the span of its sub-modules' forwards during the backward."""
+
+    def mark(unit: str) -> None:
+        if phase[0] == "bwd":
+            now = time.perf_counter()
+            span = spans.setdefault(unit, [now, now])
+            span[1] = now
+
+    handles = []
+    for unit, choice in leaves:
+        if choice == PLAIN:
+            continue
+        for sub in model.get_submodule(unit).modules():
+            handles.append(sub.register_forward_pre_hook(lambda *_, u=unit: mark(u)))
+            handles.append(sub.register_forward_hook(lambda *_, u=unit: mark(u)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: bool = False, repeats: int = 2) -> dict:
+    """The `shared_configs.budget.Profile` fields (JSON-ready) of ``spec`` at ``batch_size``."""
+    s = setup(spec, batch_size, context_length, shapes)
+    flops = unit_flops(spec, batch_size, context_length)
+    units: dict[str, dict[str, Cost]] = {}
+    runs: dict[str, Any] = {}
+    opt_peak, step_time = 0, 0.0
+    for choice, level in PROFILE_RUNS:
+        assignment = {} if choice == PLAIN else uniform(spec, choice, level)
+        costs, run_opt, peak = memory_run(s, assignment)
+        timed, seconds = ({}, 0.0) if shapes else timing_run(s, assignment, repeats)
+        runs[policy_string(assignment)] = {"peak_bytes": peak, "step_time_s": seconds}
+        if choice == PLAIN:
+            opt_peak, step_time = run_opt, seconds
+        for unit, cost in costs.items():
+            mine = assignment.get(unit, PLAIN)
+            if mine != choice:
+                continue
+            fwd_s, recompute_s = timed.get(unit, (0.0, 0.0))
+            units.setdefault(unit, {})[mine] = Cost(
+                keep=cost.keep,
+                fwd_peak=cost.fwd_peak,
+                bwd_peak=cost.bwd_peak,
+                time_s=recompute_s,
+                flops=recompute_flops(flops[unit], mine),
+                fwd_time_s=fwd_s,
+            )
+    return {
+        "framework": "torch",
+        "units": units,
+        "opt_peak": opt_peak,
+        "step_time_s": step_time,
+        "mode": "shapes" if shapes else "measured",
+        "meta": {
+            "runs": runs,
+            "method": "live tensor-storage bytes filed by unit (module hooks) in torch_impl.train.train_step; "
+            "recompute seconds: span of each recomputed unit's sub-module forwards in its backward",
+            "versions": {"torch": torch.__version__},
+        },
+    }
+
+
+def measure(spec: UNetSpec, batch_size: int, policies: list[str], context_length: int = 77, steps: int = 3) -> dict:
+    """Per policy: the step's peak (the benchmark's `LiveBytesTracker`) and median step time."""
+    s = setup(spec, batch_size, context_length)
+    rows = {}
+    for policy in policies:
+        s["model"].enable_gradient_checkpointing(policy)
+        s["step"]()  # warm-up under this plan
+        inputs = existing(s)
+        with LiveBytesTracker(inputs) as tracker:
+            s["step"]()
+        del inputs
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            s["step"]()
+            times.append(time.perf_counter() - t0)
+        rows[policy] = {"peak_bytes": tracker.peak, "step_time_s": statistics.median(times)}
+    return {"framework": "torch", "rows": rows, "method": "benchmarks.torch_memory.LiveBytesTracker around train_step"}
