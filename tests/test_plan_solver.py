@@ -87,6 +87,21 @@ def test_solver_matches_brute_force(seed: int) -> None:
     assert err.value.smallest == floor and "\n" not in str(err.value)
 
 
+def test_joint_solver_fits_both_profiles_as_brute_force() -> None:
+    """Two profiles (torch and JAX): the plan must fit in each; cost = sum of relative recompute times."""
+    spec = _small_spec()
+    profiles = [_random_profile(spec, 3), _random_profile(spec, 4)]
+    plans = [([predict(p, spec, a) for p in profiles], a) for a in _every_plan(spec)]
+    peaks = [max(x.peak_bytes for x in preds) for preds, _ in plans]
+    floor = min(peaks)
+    assert max(p.peak_bytes for p in smallest_peak(profiles, spec).predictions) == floor
+    for budget in np.linspace(floor, max(peaks), 5).astype(int):
+        best = min(sum(x.time_s for x in preds) for (preds, _), pk in zip(plans, peaks, strict=True) if pk <= budget)
+        got = solve(profiles, spec, int(budget))
+        assert all(x.peak_bytes <= budget for x in got.predictions)
+        assert sum(x.time_s for x in got.predictions) == pytest.approx(best, abs=1e-9)
+
+
 def test_policy_strings_round_trip_through_resolve_plan() -> None:
     spec = load_spec("small")
     rng = np.random.default_rng(0)
