@@ -1,0 +1,186 @@
+"""Plan to a memory budget, from training code or the CLI: profile once (cached), solve, verify.
+
+    from benchmarks.planner import plan_for_budget
+    policy = plan_for_budget("small", batch_size=8, sample_size=32, budget_bytes=3 << 30, framework="torch")
+    model.enable_gradient_checkpointing(policy)         # torch
+    UNet(spec=spec, policy=policy)                       # JAX
+
+The profile of a (spec, batch, sample size, framework) is measured in a subprocess that imports
+only that framework (`benchmarks.plan_worker`; this module imports neither), and cached as JSON
+under ``$UNET_REMAT_PLAN_CACHE`` (default ``~/.cache/unet-remat/plan``) keyed by everything it
+depends on. ``shapes=True`` profiles without allocating (fake tensors; XLA compiled, never run):
+time is then FLOPs at ``flops_per_s``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import REPO_ROOT, XLA_CPU_FLAG
+from benchmarks.runner import BenchmarkError
+from shared_configs import UNetSpec, load_spec, spec_from_dict
+from shared_configs.budget import SCHEMA, Profile, leaf_units
+from shared_configs.solver import Solution, solve
+from shared_configs.unit_flops import unit_flops
+
+CACHE_ENV = "UNET_REMAT_PLAN_CACHE"
+FRAMEWORKS = ("torch", "jax")
+DEFAULT_FLOPS_PER_S = 100e12  # shapes-only time: a stated throughput (a GPU's order), not a measurement
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is profiled: the spec at a sample size, the batch, the inputs, the JAX attention chunking."""
+
+    spec: UNetSpec
+    batch_size: int
+    context_length: int = 77
+    attention_chunk: int | None = None  # JAX only: queries per attention chunk
+    shapes: bool = False  # profile from shapes only (nothing allocated, nothing run)
+    flops_per_s: float = DEFAULT_FLOPS_PER_S  # shapes only: the throughput time is counted at
+
+    @classmethod
+    def of(cls, spec: UNetSpec | str, sample_size: int | None = None, **kwargs: Any) -> Workload:
+        spec = load_spec(spec) if isinstance(spec, str) else spec
+        if sample_size is not None and sample_size != spec.sample_size:
+            spec = spec_from_dict({**spec.model_dump(), "sample_size": sample_size})
+        return cls(spec=spec, **kwargs)
+
+    def request(self, framework: str, kind: str, **extra: Any) -> dict[str, Any]:
+        """The worker's instructions (JSON)."""
+        data = {k: v for k, v in asdict(self).items() if k not in ("spec", "flops_per_s")}
+        return {"kind": kind, "framework": framework, "spec": self.spec.model_dump(mode="json"), **data, **extra}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "unet-remat" / "plan")
+
+
+def _versions(framework: str) -> dict[str, str]:
+    names = {"torch": ["torch"], "jax": ["jax", "jaxlib", "flax", "optax"]}[framework]
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "?"
+    return out
+
+
+def worker_env(framework: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if framework == "jax":  # the options are also passed to each compile; set here for any other
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if f != XLA_CPU_FLAG]
+        env["XLA_FLAGS"] = " ".join([*flags, XLA_CPU_FLAG])
+    return env
+
+
+def run_worker(request: dict[str, Any]) -> dict[str, Any]:
+    """Run ``request`` in ``python -m benchmarks.plan_worker`` (one framework per process)."""
+    with tempfile.TemporaryDirectory(prefix="plan-worker-") as folder:
+        out = Path(folder) / "result.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.plan_worker", json.dumps(request), str(out)],
+            cwd=REPO_ROOT,
+            env=worker_env(request["framework"]),
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0 or not out.is_file():
+            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+            why = lines[-1] if lines else f"exit {proc.returncode}"
+            raise BenchmarkError(f"{request['framework']} planner worker failed: {why}")
+        return json.loads(out.read_text())
+
+
+def get_profile(framework: str, workload: Workload, repeats: int = 2, cache: bool = True) -> Profile:
+    """The profile of ``workload`` in ``framework``: from the cache, or measured (and cached)."""
+    request = workload.request(framework, "profile", repeats=repeats)
+    key = hashlib.sha256(json.dumps([SCHEMA, request, _versions(framework)], sort_keys=True).encode()).hexdigest()
+    path = cache_dir() / f"{workload.spec.name}-{framework}-{key[:16]}.json"
+    if cache and path.is_file():
+        return Profile.load(path)
+    load, start = _loadavg(), time.perf_counter()
+    fields = run_worker(request)
+    fields["meta"] |= {"seconds": round(time.perf_counter() - start, 1), "loadavg": [load, _loadavg()]}
+    profile = Profile.from_json(
+        {
+            "schema": SCHEMA,
+            "config": workload.spec.name,
+            "sample_size": workload.spec.sample_size,
+            "batch_size": workload.batch_size,
+            "context_length": workload.context_length,
+            **fields,
+        }
+    )
+    if workload.shapes:
+        profile = with_flop_time(profile, workload)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(path)
+    return profile
+
+
+def with_flop_time(profile: Profile, workload: Workload) -> Profile:
+    """A shapes-only profile with every time counted from FLOPs at ``workload.flops_per_s``: each
+    recompute's FLOPs, and the plain step as three forwards (the backward costs about two)."""
+    rate = workload.flops_per_s
+    units = {u: {c: replace(v, time_s=v.flops / rate) for c, v in per.items()} for u, per in profile.units.items()}
+    flops = unit_flops(workload.spec, workload.batch_size, workload.context_length)
+    forward = sum(sum(flops[u].values()) for u, _ in leaf_units(workload.spec, {}))
+    return replace(profile, units=units, flops_per_s=rate, step_time_s=3 * forward / rate)
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+def measure(framework: str, workload: Workload, policies: list[str], steps: int = 3) -> dict[str, Any]:
+    """Each policy's measured peak and step time, with the benchmark's instruments (one process)."""
+    return run_worker(workload.request(framework, "measure", policies=policies, steps=steps))
+
+
+def plan_for_budget(
+    spec: UNetSpec | str,
+    batch_size: int,
+    sample_size: int | None,
+    budget_bytes: int,
+    framework: str = "torch",
+    **workload: Any,
+) -> str:
+    """The policy string of the cheapest plan predicted to fit ``budget_bytes`` (see the module doc).
+
+    ``framework`` is "torch", "jax" or "both" (one plan that fits in each). Further keywords go to
+    `Workload` (``context_length``, ``attention_chunk``, ``shapes``, ``flops_per_s``). Raises
+    `shared_configs.solver.Infeasible` (a `SpecError`) naming the smallest feasible budget.
+    """
+    return solve_for_budget(spec, batch_size, sample_size, budget_bytes, framework, **workload)[0].policy
+
+
+def solve_for_budget(
+    spec: UNetSpec | str,
+    batch_size: int,
+    sample_size: int | None,
+    budget_bytes: int,
+    framework: str = "torch",
+    **workload: Any,
+) -> tuple[Solution, list[Profile]]:
+    """`plan_for_budget`, with the solution (predictions) and the profiles it came from."""
+    work = Workload.of(spec, sample_size, batch_size=batch_size, **workload)
+    profiles = [get_profile(fw, work) for fw in (FRAMEWORKS if framework == "both" else (framework,))]
+    return solve(profiles, work.spec, budget_bytes), profiles
