@@ -106,15 +106,23 @@ def run_worker(request: dict[str, Any]) -> dict[str, Any]:
         return json.loads(out.read_text())
 
 
-def get_profile(framework: str, workload: Workload, repeats: int = 2, cache: bool = True) -> Profile:
-    """The profile of ``workload`` in ``framework``: from the cache, or measured (and cached)."""
+def profile_path(framework: str, workload: Workload, repeats: int = 2) -> Path:
+    """Where the profile of ``workload`` is cached: keyed by the request, the schema and the versions."""
     request = workload.request(framework, "profile", repeats=repeats)
     key = hashlib.sha256(json.dumps([SCHEMA, request, _versions(framework)], sort_keys=True).encode()).hexdigest()
-    path = cache_dir() / f"{workload.spec.name}-{framework}-{key[:16]}.json"
-    if cache and path.is_file():
-        return Profile.load(path)
+    return cache_dir() / f"{workload.spec.name}-{framework}-{key[:16]}.json"
+
+
+def get_profile(framework: str, workload: Workload, repeats: int = 2, cache: bool = True) -> Profile:
+    """The profile of ``workload`` in ``framework``: from the cache, or measured (and cached)."""
+    path = profile_path(framework, workload, repeats)
+    profile = Profile.load(path) if cache and path.is_file() else _measure_profile(framework, workload, repeats, path)
+    return with_flop_time(profile, workload) if workload.shapes else profile
+
+
+def _measure_profile(framework: str, workload: Workload, repeats: int, path: Path) -> Profile:
     load, start = _loadavg(), time.perf_counter()
-    fields = run_worker(request)
+    fields = run_worker(workload.request(framework, "profile", repeats=repeats))
     fields["meta"] |= {"seconds": round(time.perf_counter() - start, 1), "loadavg": [load, _loadavg()]}
     profile = Profile.from_json(
         {
@@ -126,8 +134,6 @@ def get_profile(framework: str, workload: Workload, repeats: int = 2, cache: boo
             **fields,
         }
     )
-    if workload.shapes:
-        profile = with_flop_time(profile, workload)
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.save(path)
     return profile

@@ -49,6 +49,7 @@ from shared_configs.budget import (
     policy_string,
     uniform,
 )
+from shared_configs.timeline import Timeline, unit_costs
 from shared_configs.unit_flops import recompute_flops, unit_flops
 
 PROFILE_RUNS = (("plain", "layers"), ("full", "blocks"), ("save=conv,matmul", "blocks"))
@@ -98,28 +99,28 @@ def compiled_peak(compiled: Any) -> int:
     return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
+def timeline_of(plan: xla_dump.MemoryPlan, leaves: list[str]) -> Timeline:
+    """XLA's schedule as a `Timeline`: positions are instructions, buffers its live ranges."""
+    where = xla_dump.segments(plan, set(leaves))
+    b = plan.buffers
+    return Timeline(
+        units=[u for u, _ in where],
+        phases=[p for _, p in where],
+        starts=np.array([x.start for x in b], np.int64),
+        ends=np.array([x.end for x in b], np.int64),
+        sizes=np.array([x.size for x in b], np.int64),
+        static=np.array([x.name in plan.parameters for x in b], bool),
+    )
+
+
 def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, Cost], int, int]:
     """One compile under ``assignment``: per-unit bytes, the live-byte peak, the compiled peak."""
     leaves = [u for u, _ in leaf_units(s["spec"], assignment)]
     with tempfile.TemporaryDirectory(prefix="plan-xla-") as dump:
         compiled = compiled_step(s, policy_string(assignment), dump)
         plan = xla_dump.read(dump)
-    levels, where = plan.levels(), xla_dump.segments(plan, set(leaves))
-    split = next((i for i, (_, phase) in enumerate(where) if phase == "bwd"), len(where))
-    highest: dict[tuple[str, str], int] = {}
-    for level, seg in zip(levels, where, strict=False):
-        highest[seg] = max(highest.get(seg, 0), level)
-    kept: dict[str, int] = defaultdict(int)
-    for b in plan.buffers:
-        unit, phase = where[min(b.start, len(where) - 1)]
-        if phase == "fwd" and b.end >= split and b.name not in plan.parameters:
-            kept[unit] += b.size
-    costs, before = {}, 0
-    for unit in leaves:
-        fwd, bwd = highest.get((unit, "fwd"), 0), highest.get((unit, "bwd"), 0)
-        costs[unit] = Cost(keep=kept[unit], fwd_peak=fwd - before, bwd_peak=bwd - before)
-        before += kept[unit]
-    return costs, max(levels), compiled_peak(compiled)
+    costs, _, live_peak = unit_costs(timeline_of(plan, leaves), leaves)
+    return costs, live_peak, compiled_peak(compiled)
 
 
 def timing_run(s: dict[str, Any], spec: UNetSpec, repeats: int) -> tuple[dict[str, dict[str, float]], float]:
@@ -204,7 +205,7 @@ def profile(
     """The `shared_configs.budget.Profile` fields (JSON-ready) of ``spec`` at ``batch_size``."""
     s = setup(spec, batch_size, context_length, attention_chunk, run=not shapes)
     flops = unit_flops(spec, batch_size, context_length)
-    timed, step_time = ({}, 0.0) if shapes else timing_run(s, spec, repeats)
+    timed, step_time = ({}, 0.0) if shapes or not repeats else timing_run(s, spec, repeats)
     units: dict[str, dict[str, Cost]] = {}
     runs: dict[str, Any] = {}
     scales = []
@@ -226,7 +227,7 @@ def profile(
         "opt_peak": 0,  # optax's updates are scheduled inside the backward: filed under its units
         "step_time_s": step_time,
         "scale": float(np.mean(scales)),
-        "mode": "shapes" if shapes else "measured",
+        "mode": "shapes" if shapes or not repeats else "measured",
         "attention_chunk": attention_chunk,
         "meta": {
             "runs": runs,

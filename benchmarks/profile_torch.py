@@ -6,9 +6,10 @@ gradients are alive during the forward and gone in the backward), after one warm
 the gradients and AdamW's state:
 
 * bytes: one step per uniform plan (``none``, ``full``, ``full/save=conv,matmul``, ``layers``,
-  ``layers/save=conv,matmul``) under `Timeline`, a live-tensor tracker like the benchmark's
-  `LiveBytesTracker` that also files every allocation under the unit running when it happened
-  (module hooks: forward pre-hooks, full backward pre-hooks, the optimizer's step pre-hook);
+  ``layers/save=conv,matmul``) under `Recorder`, a live-tensor tracker like the benchmark's
+  `LiveBytesTracker` that also notes which unit is running at each allocation (module hooks:
+  forward pre-hooks, full backward pre-hooks, the optimizer's step pre-hook): a
+  `shared_configs.timeline.Timeline`, turned into per-unit figures there;
 * seconds: the same steps without the tracker, timing each unit's recompute (the span of its
   sub-modules' forwards inside its backward) and each unit's forward, median over ``repeats``;
 * FLOPs: `shared_configs.unit_flops` (counted from the spec, as `FlopCounterMode` counts).
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -52,6 +54,7 @@ from shared_configs.budget import (
     policy_string,
     uniform,
 )
+from shared_configs.timeline import FWD, Timeline, unit_costs
 from shared_configs.training import Batch
 from shared_configs.unit_flops import recompute_flops, unit_flops
 from torch_impl.train import as_tensors, make_optimizer, train_step
@@ -69,55 +72,59 @@ PROFILE_RUNS: tuple[tuple[str, str], ...] = (
 )
 
 
-class Timeline(TorchDispatchMode):
-    """Live tensor bytes, filed by segment: the highest level seen in each, and what each unit's
-    forward allocated that is still alive when the backward starts (`split`)."""
+class Recorder(TorchDispatchMode):
+    """Live tensor storages as a `Timeline`: a position per allocation and per unit boundary, each
+    storage alive from the position that allocated it to the last one before it was freed."""
 
     def __init__(self, existing: list[torch.Tensor]) -> None:
         super().__init__()
-        self.level = 0
-        self.segment: Segment = (STEM, "fwd")
-        self.highest: dict[Segment, int] = {}
-        self.kept: dict[str, int] | None = None
-        self._live: dict[int, tuple[int, Segment]] = {}
+        self.units: list[str] = []
+        self.phases: list[str] = []
+        self.starts: list[int] = []
+        self.ends: list[int] = []  # -1 while alive
+        self.sizes: list[int] = []
+        self.static: list[bool] = []
+        self._index: dict[int, int] = {}  # id(storage) -> buffer
         self._refs: dict[int, weakref.ref] = {}
+        self.enter((STEM, FWD))
         for t in existing:
-            self._track(t, ("static", "-"))
-        self.enter(self.segment)
+            self._track(t, static=True)
 
-    def enter(self, segment: Segment) -> None:
+    def enter(self, segment: tuple[str, str]) -> None:
         self.segment = segment
-        self.highest[segment] = max(self.highest.get(segment, 0), self.level)
+        self.units.append(segment[0])
+        self.phases.append(segment[1])
 
-    def split(self) -> None:
-        """The backward starts: file the live forward allocations as kept, by unit (once)."""
-        if self.kept is None:
-            self.kept = defaultdict(int)
-            for size, (unit, phase) in self._live.values():
-                if phase == "fwd":
-                    self.kept[unit] += size
-
-    def _track(self, t: torch.Tensor, segment: Segment | None = None) -> None:
+    def _track(self, t: torch.Tensor, static: bool = False) -> None:
         st = t.untyped_storage()
         key = id(st)
-        if key in self._live and self._refs[key]() is st:
+        if key in self._index and self._refs[key]() is st:
             return
-        size = st.nbytes()
-        self._live[key] = (size, segment or self.segment)
+        if not static:
+            self.enter(self.segment)  # a new position: the level after this allocation
+        self._index[key] = len(self.sizes)
         self._refs[key] = weakref.ref(st, lambda _ref, key=key: self._release(key))
-        self.level += size
-        seg = segment or self.segment
-        self.highest[seg] = max(self.highest.get(seg, 0), self.level)
+        self.starts.append(len(self.units) - 1)
+        self.ends.append(-1)
+        self.sizes.append(st.nbytes())
+        self.static.append(static)
 
     def _release(self, key: int) -> None:
-        size, _ = self._live.pop(key, (0, None))
-        self.level -= size
+        index = self._index.pop(key, None)
         self._refs.pop(key, None)
+        if index is not None:
+            self.ends[index] = len(self.units) - 1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         tree_map_only(torch.Tensor, self._track, out)
         return out
+
+    def timeline(self) -> Timeline:
+        last = len(self.units) - 1
+        ends = np.array([last if e < 0 else e for e in self.ends], np.int64)
+        return Timeline(self.units, self.phases, np.array(self.starts, np.int64), ends,
+                        np.array(self.sizes, np.int64), np.array(self.static, bool))  # fmt: skip
 
 
 def _modules(model: UNet, unit: str, phase: str) -> list[torch.nn.Module]:
@@ -190,23 +197,11 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str,
     s["model"].enable_gradient_checkpointing(policy_string(assignment))
     units = [u for u, _ in leaf_units(spec, assignment)]
     inputs = existing(s)
-    timeline = Timeline(inputs)
-
-    def on(unit: str, phase: str) -> None:
-        if phase != "fwd":
-            timeline.split()
-        timeline.enter((unit, phase))
-
-    with s["mode"], hooks(s["model"], s["opt"], units, on), timeline:
+    recorder = Recorder(inputs)
+    with s["mode"], hooks(s["model"], s["opt"], units, lambda unit, phase: recorder.enter((unit, phase))), recorder:
         s["step"]()
     del inputs
-    costs, kept = {}, 0
-    for unit, _ in leaf_units(spec, assignment):
-        keep = timeline.kept.get(unit, 0) if timeline.kept else 0
-        fwd, bwd = timeline.highest.get((unit, "fwd"), 0), timeline.highest.get((unit, "bwd"), 0)
-        costs[unit] = Cost(keep=keep, fwd_peak=fwd - kept, bwd_peak=bwd - kept)
-        kept += keep
-    return costs, timeline.highest.get((OPTIMIZER, "opt"), 0), max(timeline.highest.values())
+    return unit_costs(recorder.timeline(), units)
 
 
 def timing_run(s: dict[str, Any], assignment: dict[str, str], repeats: int) -> tuple[dict[str, list[float]], float]:
@@ -273,7 +268,7 @@ def _recompute_spans(
 
 
 def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: bool = False, repeats: int = 2) -> dict:
-    """The `shared_configs.budget.Profile` fields (JSON-ready) of ``spec`` at ``batch_size``."""
+    """The `shared_configs.budget.Profile` fields of ``spec`` at ``batch_size`` (``repeats=0``: bytes only)."""
     s = setup(spec, batch_size, context_length, shapes)
     flops = unit_flops(spec, batch_size, context_length)
     units: dict[str, dict[str, Cost]] = {}
@@ -282,7 +277,7 @@ def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: b
     for choice, level in PROFILE_RUNS:
         assignment = {} if choice == PLAIN else uniform(spec, choice, level)
         costs, run_opt, peak = memory_run(s, assignment)
-        timed, seconds = ({}, 0.0) if shapes else timing_run(s, assignment, repeats)
+        timed, seconds = ({}, 0.0) if shapes or not repeats else timing_run(s, assignment, repeats)
         runs[policy_string(assignment)] = {"peak_bytes": peak, "step_time_s": seconds}
         if choice == PLAIN:
             opt_peak, step_time = run_opt, seconds
@@ -304,7 +299,7 @@ def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: b
         "units": units,
         "opt_peak": opt_peak,
         "step_time_s": step_time,
-        "mode": "shapes" if shapes else "measured",
+        "mode": "shapes" if shapes or not repeats else "measured",
         "meta": {
             "runs": runs,
             "method": "live tensor-storage bytes filed by unit (module hooks) in torch_impl.train.train_step; "

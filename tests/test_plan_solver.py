@@ -18,8 +18,6 @@ from shared_configs import load_spec, resolve_plan
 from shared_configs.budget import (
     CHOICES,
     PLAIN,
-    Cost,
-    Profile,
     assignment_of,
     block_layers,
     is_pseudo,
@@ -30,7 +28,7 @@ from shared_configs.budget import (
 )
 from shared_configs.solver import Infeasible, smallest_peak, solve
 from shared_configs.unit_flops import recompute_flops, unit_flops
-from tests.utils import variant
+from tests.utils import random_profile, variant
 
 MIB = 2**20
 
@@ -38,21 +36,6 @@ MIB = 2**20
 def _small_spec():
     """Five blocks, 33,275 plans: few enough to enumerate."""
     return variant("tiny", down_attention=["none", "none"], mid_attention="none", up_attention=["none", "none"])
-
-
-def _random_profile(spec, seed: int) -> Profile:
-    rng = np.random.default_rng(seed)
-    units: dict[str, dict[str, Cost]] = {}
-    names = ["stem", "head"] + [n for b, layers in block_layers(spec).items() for n in (b, *layers)]
-    for name in names:
-        block = name in block_layers(spec)
-        choices = (PLAIN,) if is_pseudo(name) else CHOICES[1:] if block else CHOICES
-        units[name] = {}
-        for c in choices:
-            keep = int(rng.integers(1, 40)) * MIB // (4 if c != PLAIN else 1)
-            peak = keep + int(rng.integers(0, 60)) * MIB
-            units[name][c] = Cost(keep, peak // 2, peak, float(rng.uniform(0.1, 1.0)) * (c != PLAIN))
-    return Profile("test", "synthetic", 8, 2, units, opt_peak=20 * MIB, step_time_s=1.0, scale=1.03)
 
 
 def _every_plan(spec):
@@ -70,7 +53,7 @@ def _every_plan(spec):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_solver_matches_brute_force(seed: int) -> None:
     spec = _small_spec()
-    profile = _random_profile(spec, seed)
+    profile = random_profile(spec, seed)
     plans = [(predict(profile, spec, a), a) for a in _every_plan(spec)]
     assert len(plans) == 33_275
     floor = min(p.peak_bytes for p, _ in plans)
@@ -90,7 +73,7 @@ def test_solver_matches_brute_force(seed: int) -> None:
 def test_joint_solver_fits_both_profiles_as_brute_force() -> None:
     """Two profiles (torch and JAX): the plan must fit in each; cost = sum of relative recompute times."""
     spec = _small_spec()
-    profiles = [_random_profile(spec, 3), _random_profile(spec, 4)]
+    profiles = [random_profile(spec, 3), random_profile(spec, 4)]
     plans = [([predict(p, spec, a) for p in profiles], a) for a in _every_plan(spec)]
     peaks = [max(x.peak_bytes for x in preds) for preds, _ in plans]
     floor = min(peaks)
