@@ -112,16 +112,26 @@ def unit_of(op_name: str, units: set[str]) -> str | None:
     return block if block in units else None
 
 
+def backward_start(plan: MemoryPlan) -> int:
+    """The position of the loss's cotangent (``transpose(jvp())``, the loss outside the U-Net): the
+    backward proper starts there. XLA hoists some backward-only work (weight layouts, broadcasts)
+    into the forward, so the first ``transpose(...)`` op can come much earlier."""
+    names = [plan.op_names.get(n, "") for n in plan.sequence]
+    first = next((i for i, op in enumerate(names) if "transpose(jvp())" in op), None)
+    return first if first is not None else next((i for i, op in enumerate(names) if "transpose(" in op), len(names))
+
+
 def segments(plan: MemoryPlan, units: set[str]) -> list[tuple[str, str]]:
-    """(unit, phase) of each schedule position; positions outside any unit carry the last one."""
-    current = ("stem", "fwd")
+    """(unit, phase) of each schedule position: the unit its ``op_name`` names (positions outside any
+    unit carry the last one); the phase by position, before or after `backward_start`."""
+    split = backward_start(plan)
+    current = "stem"
     out = []
-    for name in plan.sequence:
-        op_name = plan.op_names.get(name, "")
-        phase, unit = phase_of(op_name), unit_of(op_name, units)
-        if phase is not None and unit is not None:
-            current = (unit, phase)
-        elif phase == "bwd" and current[1] == "fwd":
-            current = ("head", "bwd")  # the loss's gradient: the backward has started
-        out.append(current)
+    for i, name in enumerate(plan.sequence):
+        unit = unit_of(plan.op_names.get(name, ""), units)
+        if unit is not None:
+            current = unit
+        elif i == split:
+            current = "head"  # the loss's gradient: the backward starts at the head
+        out.append((current, "fwd" if i < split else "bwd"))
     return out
