@@ -51,6 +51,16 @@ def _mib(text: str) -> float:
     return value
 
 
+def _ratios(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected ratios in (0, 1] separated by commas, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m benchmarks.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="a preset name (small, sd15, ...) or a spec YAML path")
@@ -69,6 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-chunk", type=_positive_int, help="JAX: query-chunked attention (UNet(attention_chunk))")
     p.add_argument("--context-length", type=_positive_int, default=77, help="cross-attention tokens (77)")
     p.add_argument("--steps", type=_positive_int, default=3, help="--verify: timed steps per policy (3)")
+    p.add_argument(
+        "--torch-compile",
+        type=_ratios,
+        metavar="R,R",
+        default=[],
+        help="--sweep --verify: also torch.compile at these activation_memory_budget ratios (minutes each)",
+    )
+    p.add_argument(
+        "--efficiency",
+        action="store_true",
+        help="print MiB freed per recompute-second by level and unit kind (from the profile)",
+    )
     return p
 
 
@@ -134,10 +156,15 @@ def main(argv: list[str] | None = None) -> int:
                                shapes=args.shapes, flops_per_s=args.flops_per_s)  # fmt: skip
         if args.sweep is not None:
             frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
-            doc = plan_sweep.sweep(workload, frameworks, args.budgets, args.verify, args.steps)
+            doc = plan_sweep.sweep(workload, frameworks, args.budgets, args.verify, args.steps, args.torch_compile)
             print(plan_sweep.table(doc))
             print("wrote", ", ".join(map(str, plan_sweep.write(doc, args.sweep))))
             return 0
+        if args.efficiency:
+            for fw in FRAMEWORKS if args.framework == "both" else (args.framework,):
+                print(
+                    f"{fw}:\n" + plan_sweep.efficiency_table(plan_sweep.efficiency(get_profile(fw, workload), workload))
+                )
         doc = plan_document(args, workload)
         print(render(doc, workload))
         if args.json is not None:

@@ -56,8 +56,16 @@ def _predicted(profile: Profile, prediction: Any) -> dict[str, Any]:
     }
 
 
-def sweep(workload: Workload, frameworks: tuple[str, ...], count: int, verify: bool, steps: int) -> dict[str, Any]:
-    """Per framework: budgets, the planner's plan at each, the hand policies; measured if ``verify``."""
+def sweep(
+    workload: Workload,
+    frameworks: tuple[str, ...],
+    count: int,
+    verify: bool,
+    steps: int,
+    ratios: list[float] | None = None,
+) -> dict[str, Any]:
+    """Per framework: budgets, the planner's plan at each (and at ``balanced``'s predicted peak), the
+    hand policies; measured if ``verify``, with torch.compile at ``ratios`` (torch)."""
     doc: dict[str, Any] = {"config": workload.spec.name, "sample_size": workload.spec.sample_size,
                            "batch_size": workload.batch_size, "frameworks": {}}  # fmt: skip
     for fw in frameworks:
@@ -65,21 +73,40 @@ def sweep(workload: Workload, frameworks: tuple[str, ...], count: int, verify: b
         spec = workload.spec
         hand = {p: _predicted(profile, predict(profile, spec, assignment_of(spec, p))) for p in HAND_POLICIES}
         plans = []
-        for budget in budgets(profile, workload, count):
+        for budget in [*budgets(profile, workload, count), hand["balanced"]["predicted_peak_bytes"]]:
             try:
                 sol = solve(profile, spec, budget)
             except Infeasible:
                 continue
             plans.append({"budget_bytes": budget, "plan": sol.policy, **_predicted(profile, sol.prediction)})
+        plans[-1]["at"] = "balanced's predicted peak"
+        compiled: dict[str, Any] = {}
         if verify:
-            rows = measure(fw, workload, list(dict.fromkeys([*HAND_POLICIES, *(p["plan"] for p in plans)])), steps)
+            policies = list(dict.fromkeys([*HAND_POLICIES, *(p["plan"] for p in plans)]))
+            rows = measure(fw, workload, policies, steps, ratios if fw == "torch" else None)
             _attach(rows["rows"], hand, plans)
+            compiled = _compiled(rows["rows"])
             doc["frameworks"].setdefault(fw, {})["measure_method"] = rows["method"]
         doc["frameworks"].setdefault(fw, {}).update(
-            hand=hand, plans=plans, frontier=frontier(profile, workload), method=profile.meta.get("method"),
-            profile_seconds=profile.meta.get("seconds"), step_time_s=profile.step_time_s,
+            hand=hand, plans=plans, compiled=compiled, frontier=frontier(profile, workload),
+            method=profile.meta.get("method"), profile_seconds=profile.meta.get("seconds"),
+            step_time_s=profile.step_time_s, efficiency=efficiency(profile, workload),
         )  # fmt: skip
     return doc
+
+
+def _compiled(rows: dict[str, Any]) -> dict[str, Any]:
+    """torch.compile rows, overheads against the eager ``none`` of the same process."""
+    base = rows["none"]["step_time_s"]
+    return {
+        name: {
+            "measured_peak_bytes": r["peak_bytes"],
+            "measured_overhead": r["step_time_s"] / base - 1,
+            "compile_s": r["compile_s"],
+        }
+        for name, r in rows.items()
+        if name.startswith("torch.compile:")
+    }
 
 
 def _attach(rows: dict[str, Any], hand: dict[str, Any], plans: list[dict[str, Any]]) -> None:
@@ -99,9 +126,9 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"{fw}: budget MiB | predicted -> measured peak MiB | overhead predicted -> measured | "
                      "best hand policy that fits (measured) | plan")  # fmt: skip
         for p in data["plans"]:
-            fits = [(h["measured_overhead"], name) for name, h in data["hand"].items()
-                    if h.get("measured_peak_bytes", 1 << 62) <= p["budget_bytes"]]  # fmt: skip
-            best = f"{min(fits)[1]} {100 * min(fits)[0]:+.1f}%" if fits else "none fits"
+            best = _best_fit(data["hand"], p["budget_bytes"])
+            if data.get("compiled"):
+                best += " | torch.compile: " + _best_fit(data["compiled"], p["budget_bytes"])
             measured = p.get("measured_peak_bytes")
             lines.append(
                 f"  {p['budget_bytes'] / MIB:8.1f} | {p['predicted_peak_bytes'] / MIB:8.1f} -> "
@@ -109,6 +136,16 @@ def table(doc: dict[str, Any]) -> str:
                 f"{100 * p.get('measured_overhead', float('nan')):+6.1f}% | {best} | {p['plan']}"
             )
     return "\n".join(lines)
+
+
+def _best_fit(entries: dict[str, Any], budget: int) -> str:
+    """The measured entry of least overhead whose measured peak fits ``budget``."""
+    fits = [
+        (e["measured_overhead"], name)
+        for name, e in entries.items()
+        if e.get("measured_peak_bytes", budget + 1) <= budget
+    ]
+    return f"{min(fits)[1]} {100 * min(fits)[0]:+.1f}%" if fits else "none fits"
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -123,6 +160,10 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         measured = [p for p in data["plans"] if "measured_peak_bytes" in p]
         ax.scatter([p["measured_peak_bytes"] / MIB for p in measured], [100 * p["measured_overhead"] for p in measured],
                    marker="*", s=120, color="tab:red", label="planner, measured", zorder=3)  # fmt: skip
+        for name, c in data.get("compiled", {}).items():
+            ax.scatter([c["measured_peak_bytes"] / MIB], [100 * c["measured_overhead"]], marker="D", color="tab:green")
+            ax.annotate(name, (c["measured_peak_bytes"] / MIB, 100 * c["measured_overhead"]), fontsize=7,
+                        textcoords="offset points", xytext=(4, -10))  # fmt: skip
         for name, h in data["hand"].items():
             x, y = h.get("measured_peak_bytes", h["predicted_peak_bytes"]), h.get("measured_overhead")
             y = h["predicted_overhead"] if y is None else y
@@ -146,3 +187,58 @@ def write(doc: dict[str, Any], folder: Path) -> list[Path]:
     write_json(paths[0], doc)
     plot(doc, paths[1])
     return paths
+
+
+def _level(unit: str, levels: int) -> int:
+    """Resolution level of a unit (0 = full resolution): down.i -> i, up.i -> levels - 1 - i, mid deepest."""
+    kind, _, rest = unit.partition(".")
+    if kind == "mid":
+        return levels - 1
+    i = int(rest.split(".")[0])
+    return i if kind == "down" else levels - 1 - i
+
+
+def efficiency(profile: Profile, workload: Workload) -> list[dict[str, Any]]:
+    """Bytes a recompute frees per second it costs, per level and unit kind (the lesson's rule, measured).
+
+    Per layer (ResNet, attention/transformer) and per block: freed = its plain ``keep`` minus its
+    ``keep`` under the choice; seconds = the recompute time the profile measured. "sampler" rows
+    are each block minus its layers (the down/upsampler and the block's glue).
+    """
+    from shared_configs.budget import FULL, PLAIN, SELECTIVE, block_layers
+
+    spec, rows = workload.spec, []
+    levels = spec.num_levels
+    for block, layers in block_layers(spec).items():
+        for choice in (FULL, SELECTIVE):
+            per_layer = []
+            for name in layers:
+                if name in profile.units and choice in profile.units[name]:
+                    freed = profile.units[name][PLAIN].keep - profile.units[name][choice].keep
+                    per_layer.append((name, freed, profile.units[name][choice].time_s))
+            plain_block = sum(profile.units[n][PLAIN].keep for n in layers)
+            whole = profile.units[block][choice]
+            freed_block, seconds_block = plain_block - whole.keep, whole.time_s
+            kinds = [("resnet" if ".resnets." in n else "attention", n, f, t) for n, f, t in per_layer]
+            kinds.append(("block", block, freed_block, seconds_block))
+            kinds.append(("sampler", block, freed_block - sum(f for _, f, _ in per_layer),
+                          seconds_block - sum(t for _, _, t in per_layer)))  # fmt: skip
+            for kind, name, freed, seconds in kinds:
+                rows.append({"level": _level(name, levels), "kind": kind, "unit": name, "choice": choice,
+                             "freed_bytes": freed, "seconds": seconds,
+                             "mib_per_s": freed / MIB / seconds if seconds > 0 else None})  # fmt: skip
+    return rows
+
+
+def efficiency_table(rows: list[dict[str, Any]]) -> str:
+    """MiB freed per recompute-second, summed by (level, kind, choice)."""
+    groups: dict[tuple[int, str, str], list[float]] = {}
+    for r in rows:
+        acc = groups.setdefault((r["level"], r["kind"], r["choice"]), [0.0, 0.0])
+        acc[0] += r["freed_bytes"] / MIB
+        acc[1] += r["seconds"]
+    lines = ["level | kind | choice | freed MiB | recompute s | MiB per recompute-second"]
+    for (level, kind, choice), (freed, seconds) in sorted(groups.items()):
+        rate = f"{freed / seconds:10.0f}" if seconds > 0 else "         -"
+        lines.append(f"{level:5d} | {kind:9s} | {choice:16s} | {freed:9.1f} | {seconds:11.3f} | {rate}")
+    return "\n".join(lines)

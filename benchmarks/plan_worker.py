@@ -26,8 +26,14 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         return backend.profile(
             spec, request["batch_size"], request["context_length"], request["shapes"], request["repeats"], **extra
         )
-    return backend.measure(spec, request["batch_size"], request["policies"], request["context_length"],
-                           request["steps"], **extra)  # fmt: skip
+    out = backend.measure(spec, request["batch_size"], request["policies"], request["context_length"],
+                          request["steps"], **extra)  # fmt: skip
+    if request.get("ratios"):  # torch.compile's activation_memory_budget, in the same process (same `none`)
+        compiled = backend.measure_compiled(spec, request["batch_size"], request["ratios"], request["context_length"],
+                                            request["steps"])  # fmt: skip
+        out["rows"] |= compiled["rows"]
+        out["compiled_method"] = compiled["method"]
+    return out
 
 
 def _plain(value: Any) -> Any:

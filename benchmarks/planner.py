@@ -156,9 +156,13 @@ def _loadavg() -> str:
         return "?"
 
 
-def measure(framework: str, workload: Workload, policies: list[str], steps: int = 3) -> dict[str, Any]:
-    """Each policy's measured peak and step time, with the benchmark's instruments (one process)."""
-    return run_worker(workload.request(framework, "measure", policies=policies, steps=steps))
+def measure(
+    framework: str, workload: Workload, policies: list[str], steps: int = 3, ratios: list[float] | None = None
+) -> dict[str, Any]:
+    """Each policy's measured peak and step time, with the benchmark's instruments (one process);
+    torch with ``ratios``: also torch.compile at each ``activation_memory_budget`` (rows
+    ``torch.compile:RATIO``)."""
+    return run_worker(workload.request(framework, "measure", policies=policies, steps=steps, ratios=ratios or []))
 
 
 def plan_for_budget(

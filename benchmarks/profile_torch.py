@@ -327,3 +327,41 @@ def measure(spec: UNetSpec, batch_size: int, policies: list[str], context_length
             times.append(time.perf_counter() - t0)
         rows[policy] = {"peak_bytes": tracker.peak, "step_time_s": statistics.median(times)}
     return {"framework": "torch", "rows": rows, "method": "benchmarks.torch_memory.LiveBytesTracker around train_step"}
+
+
+def measure_compiled(
+    spec: UNetSpec, batch_size: int, ratios: list[float], context_length: int = 77, steps: int = 3
+) -> dict:
+    """torch.compile's own planner: the model compiled with ``activation_memory_budget`` = each ratio
+    (AOTAutograd's knapsack over the joint graph), trained by the same `train_step` and measured
+    with the same tracker. Compile seconds are reported apart (on CPU: minutes per ratio)."""
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+
+    rows = {}
+    for ratio in ratios:
+        torch._dynamo.reset()  # the budget is not part of dynamo's guards: force a fresh compile
+        functorch_config.activation_memory_budget = ratio
+        s = setup(spec, batch_size, context_length)
+        compiled = torch.compile(s["model"])
+        start = time.perf_counter()
+        train_step(compiled, s["opt"], s["batch"])
+        compile_s = time.perf_counter() - start
+        train_step(compiled, s["opt"], s["batch"])
+        inputs = existing(s)
+        with LiveBytesTracker(inputs) as tracker:
+            train_step(compiled, s["opt"], s["batch"])
+        del inputs
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            train_step(compiled, s["opt"], s["batch"])
+            times.append(time.perf_counter() - t0)
+        rows[f"torch.compile:{ratio:g}"] = {
+            "peak_bytes": tracker.peak,
+            "step_time_s": statistics.median(times),
+            "compile_s": compile_s,
+        }
+    functorch_config.activation_memory_budget = 1.0
+    return {"framework": "torch", "rows": rows, "method": "torch.compile(model) + activation_memory_budget; "
+            "benchmarks.torch_memory.LiveBytesTracker around train_step"}  # fmt: skip
