@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from benchmarks import plan_sweep
-from benchmarks.planner import DEFAULT_FLOPS_PER_S, FRAMEWORKS, Workload, get_profile, measure
+from benchmarks.planner import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S, FRAMEWORKS, Workload, get_profile, measure
 from benchmarks.report import write_json
 from benchmarks.runner import cli_errors
 from shared_configs import SpecError
@@ -74,8 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", type=Path, metavar="DIR", help="draw the frontier (PNG + JSON) with the hand policies")
     p.add_argument("--budgets", type=_positive_int, default=5, help="--sweep: budgets from full's to none's peak (5)")
     p.add_argument("--shapes", action="store_true", help="profile from shapes only: nothing allocated or run")
-    p.add_argument("--flops-per-s", type=float, default=DEFAULT_FLOPS_PER_S,
-                   help="--shapes: the throughput time is counted at (default %(default).0e FLOP/s)")  # fmt: skip
+    p.add_argument(
+        "--flops-per-s",
+        type=float,
+        default=DEFAULT_FLOPS_PER_S,
+        help="--shapes: conv/matmul/attention throughput for time (default %(default).0e FLOP/s)",
+    )
+    p.add_argument(
+        "--bytes-per-s",
+        type=float,
+        default=DEFAULT_BYTES_PER_S,
+        help="--shapes: memory bandwidth for elementwise recompute (default %(default).0e B/s)",
+    )
     p.add_argument("--attention-chunk", type=_positive_int, help="JAX: query-chunked attention (UNet(attention_chunk))")
     p.add_argument("--context-length", type=_positive_int, default=77, help="cross-attention tokens (77)")
     p.add_argument("--steps", type=_positive_int, default=3, help="--verify: timed steps per policy (3)")
@@ -99,8 +109,10 @@ def _check(args: argparse.Namespace) -> None:
         raise SpecError("--budget-mib: required (a positive number of MiB), unless --sweep")
     if args.shapes and (args.verify or args.sweep):
         raise SpecError("--shapes: estimates only; check one with --verify without --shapes where the model fits")
-    if not (math.isfinite(args.flops_per_s) and args.flops_per_s > 0):
-        raise SpecError(f"--flops-per-s: expected a positive number, got {args.flops_per_s!r}")
+    for flag in ("flops_per_s", "bytes_per_s"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value > 0):
+            raise SpecError(f"--{flag.replace('_', '-')}: expected a positive number, got {value!r}")
 
 
 def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
@@ -118,7 +130,10 @@ def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any
             "predicted_overhead": pred.overhead(profile),
             "recompute_flops": pred.flops,
             "peak_at": pred.peak_unit,
-            "time_method": "measured" if profile.mode == "measured" else f"FLOPs at {profile.flops_per_s:.3g} FLOP/s",
+            "time_method": "measured"
+            if profile.mode == "measured"
+            else f"estimated: FLOPs at {profile.flops_per_s:.3g} FLOP/s + elementwise bytes at "
+            f"{args.bytes_per_s:.3g} B/s",
         }
         if args.verify:
             rows = measure(fw, workload, ["none", sol.policy], args.steps)["rows"]
@@ -151,9 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with cli_errors("plan"):
         _check(args)
-        workload = Workload.of(args.config, args.sample_size, batch_size=args.batch_size,
-                               context_length=args.context_length, attention_chunk=args.attention_chunk,
-                               shapes=args.shapes, flops_per_s=args.flops_per_s)  # fmt: skip
+        workload = Workload.of(
+            args.config,
+            args.sample_size,
+            batch_size=args.batch_size,
+            context_length=args.context_length,
+            attention_chunk=args.attention_chunk,
+            shapes=args.shapes,
+            flops_per_s=args.flops_per_s,
+            bytes_per_s=args.bytes_per_s,
+        )
         if args.sweep is not None:
             frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
             doc = plan_sweep.sweep(workload, frameworks, args.budgets, args.verify, args.steps, args.torch_compile)

@@ -29,13 +29,15 @@ from typing import Any
 from benchmarks.common import REPO_ROOT, XLA_CPU_FLAG
 from benchmarks.runner import BenchmarkError
 from shared_configs import UNetSpec, load_spec, spec_from_dict
-from shared_configs.budget import SCHEMA, Profile, leaf_units
+from shared_configs.budget import PLAIN, SCHEMA, Profile, block_layers, leaf_units
 from shared_configs.solver import Solution, solve
 from shared_configs.unit_flops import unit_flops
 
 CACHE_ENV = "UNET_REMAT_PLAN_CACHE"
 FRAMEWORKS = ("torch", "jax")
-DEFAULT_FLOPS_PER_S = 100e12  # shapes-only time: a stated throughput (a GPU's order), not a measurement
+# Shapes-only time: stated rates (a current GPU's order in float32), not measurements.
+DEFAULT_FLOPS_PER_S = 100e12
+DEFAULT_BYTES_PER_S = 2e12
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ class Workload:
     context_length: int = 77
     attention_chunk: int | None = None  # JAX only: queries per attention chunk
     shapes: bool = False  # profile from shapes only (nothing allocated, nothing run)
-    flops_per_s: float = DEFAULT_FLOPS_PER_S  # shapes only: the throughput time is counted at
+    flops_per_s: float = DEFAULT_FLOPS_PER_S  # shapes only: the throughput conv/matmul/attention run at
+    bytes_per_s: float = DEFAULT_BYTES_PER_S  # shapes only: the memory bandwidth elementwise recompute runs at
 
     @classmethod
     def of(cls, spec: UNetSpec | str, sample_size: int | None = None, **kwargs: Any) -> Workload:
@@ -58,7 +61,7 @@ class Workload:
 
     def request(self, framework: str, kind: str, **extra: Any) -> dict[str, Any]:
         """The worker's instructions (JSON)."""
-        data = {k: v for k, v in asdict(self).items() if k not in ("spec", "flops_per_s")}
+        data = {k: v for k, v in asdict(self).items() if k not in ("spec", "flops_per_s", "bytes_per_s")}
         return {"kind": kind, "framework": framework, "spec": self.spec.model_dump(mode="json"), **data, **extra}
 
 
@@ -140,13 +143,31 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
 
 
 def with_flop_time(profile: Profile, workload: Workload) -> Profile:
-    """A shapes-only profile with every time counted from FLOPs at ``workload.flops_per_s``: each
-    recompute's FLOPs, and the plain step as three forwards (the backward costs about two)."""
-    rate = workload.flops_per_s
-    units = {u: {c: replace(v, time_s=v.flops / rate) for c, v in per.items()} for u, per in profile.units.items()}
+    """A shapes-only profile with time estimated at stated rates: a recompute costs its FLOPs at
+    ``flops_per_s`` plus, for the elementwise work it redoes (norms, activations: no FLOPs counted),
+    writing the bytes it no longer keeps and reading as many, at ``bytes_per_s``. The plain step is
+    three forwards' FLOPs (the backward costs about two) plus writing and reading what it keeps."""
+    flops_rate, byte_rate = workload.flops_per_s, workload.bytes_per_s
+    plain = _plain_keeps(profile, workload)
+    units = {
+        u: {
+            c: replace(v, time_s=v.flops / flops_rate + 2 * max(plain[u] - v.keep, 0) / byte_rate)
+            for c, v in per.items()
+        }
+        for u, per in profile.units.items()
+    }
     flops = unit_flops(workload.spec, workload.batch_size, workload.context_length)
     forward = sum(sum(flops[u].values()) for u, _ in leaf_units(workload.spec, {}))
-    return replace(profile, units=units, flops_per_s=rate, step_time_s=3 * forward / rate)
+    step = 3 * forward / flops_rate + 2 * sum(plain[u] for u, _ in leaf_units(workload.spec, {})) / byte_rate
+    return replace(profile, units=units, flops_per_s=flops_rate, step_time_s=step)
+
+
+def _plain_keeps(profile: Profile, workload: Workload) -> dict[str, int]:
+    """What each unit keeps when plain (a block: its layers and sampler)."""
+    out = {u: per[PLAIN].keep for u, per in profile.units.items() if PLAIN in per}
+    for block, layers in block_layers(workload.spec).items():
+        out[block] = sum(out[n] for n in layers)
+    return out
 
 
 def _loadavg() -> str:
@@ -176,7 +197,7 @@ def plan_for_budget(
     """The policy string of the cheapest plan predicted to fit ``budget_bytes`` (see the module doc).
 
     ``framework`` is "torch", "jax" or "both" (one plan that fits in each). Further keywords go to
-    `Workload` (``context_length``, ``attention_chunk``, ``shapes``, ``flops_per_s``). Raises
+    `Workload` (``context_length``, ``attention_chunk``, ``shapes``, ``flops_per_s``, ``bytes_per_s``). Raises
     `shared_configs.solver.Infeasible` (a `SpecError`) naming the smallest feasible budget.
     """
     return solve_for_budget(spec, batch_size, sample_size, budget_bytes, framework, **workload)[0].policy

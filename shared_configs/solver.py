@@ -1,22 +1,31 @@
-"""The cheapest plan under a memory budget, exactly: a dynamic programme over the units.
+"""The cheapest plan under a memory budget, exactly: a mixed-integer linear programme (HiGHS).
 
-The peak model (`shared_configs.budget.predict`) is a walk over the units in forward order with
-one running quantity per framework, the bytes kept so far (K). A unit under a choice is feasible
-when ``K + max(fwd_peak, bwd_peak)`` fits, and adds its ``keep`` to K and its recompute time to
-the cost. So a partial plan is summed up by (K..., cost), and one that another beats on every
-term can never be completed more cheaply: keeping, after each unit, only the partial plans no
-other beats (a Pareto front) loses no optimum. Blocks branch: recomputed whole (one unit) or layer
-by layer (their layers in turn). With several profiles (torch and JAX) the plan must fit in each;
-the cost is the sum of their recompute times as fractions of each plain step. The same walk with
-the running peak as the cost gives the smallest budget any plan fits (`smallest_peak`).
+The peak model (`shared_configs.budget.predict`) walks the units in forward order with one running
+quantity per framework, the bytes kept so far K(u). Every term is linear in the choices:
+
+* one binary per (block, recompute choice) and per (layer, choice); a block is recomputed under at
+  most one choice, and a layer takes exactly one choice when its block is not recomputed (none
+  when it is: the block is then the unit);
+* K(u) is a constant plus the ``keep`` of each earlier unit's chosen variable (a sampler keeps its
+  bytes when its block is not recomputed);
+* each potential unit's peak ``K(u) + max(fwd_peak, bwd_peak) <= budget / scale`` binds only when
+  that unit is chosen (a big-M relaxation otherwise); the optimizer's peak must fit as well.
+
+The objective is the recompute time (as a fraction of the plain step, summed over the profiles
+when there are several: one plan that fits torch and JAX), or FLOPs for a profile without times.
+`scipy.optimize.milp` solves it to optimality (relative gap 0); the answer is checked with
+`predict` (exact integers) and re-solved a byte tighter if solver tolerance let it overshoot.
+Bytes enter the programme in MiB, so the tolerances are far below a byte.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
 
 from shared_configs.budget import (
     HEAD,
@@ -31,10 +40,11 @@ from shared_configs.budget import (
 )
 from shared_configs.spec import SpecError, UNetSpec
 
-# A partial plan: (kept bytes per profile, cost, choices as a linked list ((unit, choice), parent))
-State = tuple[tuple[int, ...], float, tuple | None]
-Step = Callable[[State, str, str], State | None]
 MIB = 2**20
+Expr = dict[int, float]  # column -> coefficient (MiB), with the constant under key -1
+# A potential unit's peak row: (profile, K(u) as an expression, its peak in MiB, the column that
+# makes it a unit (None: always one), the columns any of which unmakes it (a sampler's block's)).
+PeakRow = tuple[int, Expr, float, int | None, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -61,82 +71,139 @@ class Infeasible(SpecError):
         self.smallest = smallest
 
 
-def _front(states: list[State]) -> list[State]:
-    """The states no other beats on every kept term and on cost (one or two kept terms)."""
-    states.sort(key=lambda s: (s[0], s[1]))
-    out: list[State] = []
-    if states and len(states[0][0]) == 1:
-        best = math.inf
-        for s in states:
-            if s[1] < best:
-                out.append(s)
-                best = s[1]
-        return out
-    stair: list[tuple[int, float]] = []  # (second kept, cost): kept ascending, cost descending
-    for s in states:
-        k2, cost = s[0][1], s[1]
-        i = bisect.bisect_right(stair, (k2, math.inf))
-        if i and stair[i - 1][1] <= cost:
-            continue  # an earlier state keeps no more of either and costs no more
-        out.append(s)
-        lo = j = bisect.bisect_left(stair, (k2, -math.inf))
-        while j < len(stair) and stair[j][1] >= cost:  # points it now beats
-            j += 1
-        stair[lo:j] = [(k2, cost)]
-    return out
+class _Programme:
+    """Columns (unit, choice) and, per profile, the rows ``K(u) + M * x[u, c] <= limit - peak + M``."""
 
+    def __init__(self, profiles: Sequence[Profile], spec: UNetSpec) -> None:
+        self.profiles, self.spec = profiles, spec
+        self.cols: list[tuple[str, str]] = []
+        self.eq: list[Expr] = []  # expressions == 1
+        self.le1: list[Expr] = []  # expressions <= 1
+        self.peaks: list[PeakRow] = []
+        self._build()
 
-def _walk(profiles: Sequence[Profile], spec: UNetSpec, step: Step) -> list[State]:
-    """Complete plans on the front, after every unit of ``spec`` has been stepped through."""
+    def _col(self, unit: str, choice: str) -> int:
+        self.cols.append((unit, choice))
+        return len(self.cols) - 1
 
-    def advance(states: list[State], unit: str, choices: tuple[str, ...]) -> list[State]:
-        return _front([new for s in states for c in choices if (new := step(s, unit, c)) is not None])
+    def _choices(self, unit: str) -> list[str]:
+        return [c for c in self.profiles[0].units[unit] if all(c in p.units[unit] for p in self.profiles)]
 
-    def choices(unit: str) -> tuple[str, ...]:
-        return tuple(c for c in profiles[0].units[unit] if all(c in p.units[unit] for p in profiles))
+    def _mib(self, f: int, unit: str, choice: str, field: str) -> float:
+        cost = self.profiles[f].cost(unit, choice)
+        value = cost.keep if field == "keep" else max(cost.fwd_peak, cost.bwd_peak)
+        return value / MIB
 
-    states = advance([((0,) * len(profiles), 0.0, None)], STEM, (PLAIN,))
-    for block, layers in block_layers(spec).items():
-        whole = advance(states, block, tuple(c for c in choices(block) if c != PLAIN))
-        for name in layers:
-            states = advance(states, name, (PLAIN,) if is_pseudo(name) else choices(name))
-        states = _front(whole + states)
-    return advance(states, HEAD, (PLAIN,))
+    def _build(self) -> None:
+        nf = len(self.profiles)
+        kept: list[Expr] = [{-1: self._mib(f, STEM, PLAIN, "keep")} for f in range(nf)]
+        for f in range(nf):
+            self.peaks.append((f, {-1: 0.0}, self._mib(f, STEM, PLAIN, "peak"), None, ()))
+        for block, layers in block_layers(self.spec).items():
+            whole = {c: self._col(block, c) for c in self._choices(block) if c != PLAIN}
+            self.le1.append(dict.fromkeys(whole.values(), 1.0))
+            for f in range(nf):
+                for c, col in whole.items():
+                    self.peaks.append((f, dict(kept[f]), self._mib(f, block, c, "peak"), col, ()))
+            inner = [dict(k) for k in kept]
+            for name in layers:
+                self._layer(name, whole, inner)
+            for f in range(nf):
+                kept[f] = dict(inner[f])
+                for c, col in whole.items():
+                    kept[f][col] = kept[f].get(col, 0.0) + self._mib(f, block, c, "keep")
+        for f in range(nf):
+            self.peaks.append((f, kept[f], self._mib(f, HEAD, PLAIN, "peak"), None, ()))
 
+    def _layer(self, name: str, whole: dict[str, int], inner: list[Expr]) -> None:
+        """A layer (or sampler) of a block: active when no ``whole`` block column is set."""
+        if is_pseudo(name):  # always plain: active iff the block is not recomputed
+            for f, expr in enumerate(inner):
+                self.peaks.append((f, dict(expr), self._mib(f, name, PLAIN, "peak"), None, tuple(whole.values())))
+                keep = self._mib(f, name, PLAIN, "keep")
+                expr[-1] = expr.get(-1, 0.0) + keep
+                for col in whole.values():
+                    expr[col] = expr.get(col, 0.0) - keep
+            return
+        cols = {c: self._col(name, c) for c in self._choices(name)}
+        self.eq.append({**dict.fromkeys(cols.values(), 1.0), **dict.fromkeys(whole.values(), 1.0)})
+        for f, expr in enumerate(inner):
+            for c, col in cols.items():
+                self.peaks.append((f, dict(expr), self._mib(f, name, c, "peak"), col, ()))
+            for c, col in cols.items():
+                expr[col] = expr.get(col, 0.0) + self._mib(f, name, c, "keep")
 
-def _assignment(path: tuple | None) -> dict[str, str]:
-    out: dict[str, str] = {}
-    while path is not None:
-        (unit, choice), path = path
-        if choice != PLAIN:
-            out[unit] = choice
-    return dict(reversed(out.items()))
+    def solve(self, cost: np.ndarray, limits: list[float], peak_col: bool = False) -> np.ndarray | None:
+        """Minimise ``cost`` under every unit's peak row; ``limits`` in MiB, per profile. With
+        ``peak_col`` a last, continuous column is the peak: rows read ``<= peak / scale`` instead."""
+        n = len(self.cols) + peak_col
+        a, hi = [], []
+        for f, expr, peak, on, off in self.peaks:
+            row = np.zeros(n)
+            for key, v in expr.items():
+                if key >= 0:
+                    row[key] += v
+            bound = limits[f] - peak - expr.get(-1, 0.0)
+            # The smallest M that relaxes the row when the unit is not chosen: all it could reach.
+            big = sum(v for v in row if v > 0) - bound + 1.0
+            if on is not None:
+                row[on] += big
+                bound += big
+            for col in off:
+                row[col] -= big
+            if peak_col:
+                row[-1] = -1.0 / self.profiles[f].scale
+            a.append(row)
+            hi.append(bound)
+        lo = [-np.inf] * len(a)
+        for exprs, low in ((self.eq, 1.0), (self.le1, -np.inf)):
+            for expr in exprs:
+                row = np.zeros(n)
+                row[list(expr)] = list(expr.values())
+                a.append(row)
+                lo.append(low)
+                hi.append(1.0)
+        integrality = np.r_[np.ones(len(self.cols)), np.zeros(int(peak_col))]
+        upper = np.r_[np.ones(len(self.cols)), np.full(int(peak_col), np.inf)]
+        res = milp(cost, integrality=integrality, bounds=Bounds(np.zeros(n), upper),
+                   constraints=LinearConstraint(np.array(a), lo, hi), options={"mip_rel_gap": 0.0})  # fmt: skip
+        return res.x if res.status == 0 else None
+
+    def assignment(self, x: np.ndarray) -> dict[str, str]:
+        return {u: c for (u, c), v in zip(self.cols, x, strict=False) if v > 0.5 and c != PLAIN}
 
 
 def _objective(profiles: Sequence[Profile]) -> Callable[[str, str], float]:
-    """Recompute seconds as fractions of each plain step, summed; FLOPs where a profile has no times."""
+    """Recompute seconds as fractions of each plain step, summed (FLOPs, in TFLOP, where a profile
+    has no times); a recompute measured as free still costs a hair, so that plain wins a tie."""
+    tie = 1e-7
     if all(p.step_time_s > 0 for p in profiles):
-        return lambda u, c: sum(p.cost(u, c).time_s / p.step_time_s for p in profiles)
-    return lambda u, c: profiles[0].cost(u, c).flops
+        return lambda u, c: sum(p.cost(u, c).time_s / p.step_time_s for p in profiles) + tie * (c != PLAIN)
+    return lambda u, c: profiles[0].cost(u, c).flops / 1e12 + tie * (c != PLAIN)
 
 
-def _cheapest(profiles: Sequence[Profile], spec: UNetSpec, budget_bytes: int) -> dict[str, str] | None:
+def _list(profiles: Profile | Sequence[Profile]) -> list[Profile]:
+    return [profiles] if isinstance(profiles, Profile) else list(profiles)
+
+
+def _cheapest(profiles: list[Profile], spec: UNetSpec, budget_bytes: int) -> dict[str, str] | None:
     """The least-cost assignment whose predicted peaks are all at most ``budget_bytes``, or None."""
-    limits = [(budget_bytes + 0.5) / p.scale for p in profiles]  # predict() rounds peak * scale
-    objective = _objective(profiles)
-
-    def step(state: State, unit: str, choice: str) -> State | None:
-        kept, cost, path = state
-        costs = [p.cost(unit, choice) for p in profiles]
-        if any(k + max(c.fwd_peak, c.bwd_peak) > lim for k, c, lim in zip(kept, costs, limits, strict=True)):
-            return None
-        new = tuple(k + c.keep for k, c in zip(kept, costs, strict=True))
-        return new, cost + objective(unit, choice), ((unit, choice), path)
-
-    if any(p.opt_peak > lim for p, lim in zip(profiles, limits, strict=True)):
+    if any(p.opt_peak * p.scale > budget_bytes + 0.5 for p in profiles):
         return None
-    done = _walk(profiles, spec, step)
-    return _assignment(min(done, key=lambda s: s[1])[2]) if done else None
+    prog = _Programme(profiles, spec)
+    objective = _objective(profiles)
+    cost = np.array([objective(u, c) for u, c in prog.cols])
+    slack = 0.0  # bytes taken off the limit when solver tolerance overshoots
+    for _ in range(4):
+        limits = [((budget_bytes + 0.5) / p.scale - slack) / MIB for p in profiles]
+        x = prog.solve(cost, limits)
+        if x is None:
+            return None
+        assignment = prog.assignment(x)
+        if all(predict(p, spec, assignment).peak_bytes <= budget_bytes for p in profiles):
+            return assignment
+        slack = 2 * slack + 64
+    raise RuntimeError("solver: the programme's answer keeps overshooting the budget")  # pragma: no cover
 
 
 def solve(profiles: Profile | Sequence[Profile], spec: UNetSpec, budget_bytes: int) -> Solution:
@@ -144,7 +211,7 @@ def solve(profiles: Profile | Sequence[Profile], spec: UNetSpec, budget_bytes: i
 
     Raises `Infeasible` (naming the smallest feasible budget) when none fits.
     """
-    profiles = [profiles] if isinstance(profiles, Profile) else list(profiles)
+    profiles = _list(profiles)
     assignment = _cheapest(profiles, spec, budget_bytes)
     if assignment is None:
         raise Infeasible(budget_bytes, max(p.peak_bytes for p in smallest_peak(profiles, spec).predictions))
@@ -153,17 +220,12 @@ def solve(profiles: Profile | Sequence[Profile], spec: UNetSpec, budget_bytes: i
 
 def smallest_peak(profiles: Profile | Sequence[Profile], spec: UNetSpec) -> Solution:
     """The plan of least predicted peak (the largest over the profiles); of those, the cheapest."""
-    profiles = [profiles] if isinstance(profiles, Profile) else list(profiles)
-
-    def step(state: State, unit: str, choice: str) -> State:
-        kept, peak, path = state
-        costs = [p.cost(unit, choice) for p in profiles]
-        here = max((k + max(c.fwd_peak, c.bwd_peak)) * p.scale for k, c, p in zip(kept, costs, profiles, strict=True))
-        new = tuple(k + c.keep for k, c in zip(kept, costs, strict=True))
-        return new, max(peak, here), ((unit, choice), path)
-
-    lowest = min(_walk(profiles, spec, step), key=lambda s: s[1])
-    floor = max(predict(p, spec, _assignment(lowest[2])).peak_bytes for p in profiles)
+    profiles = _list(profiles)
+    prog = _Programme(profiles, spec)
+    cost = np.r_[np.full(len(prog.cols), 1e-9), 1.0]  # the peak column; a hair per choice
+    x = prog.solve(cost, [0.0] * len(profiles), peak_col=True)
+    assert x is not None  # every unit has a plan; the peak is free
+    floor = max(max(predict(p, spec, prog.assignment(x)).peak_bytes, round(p.opt_peak * p.scale)) for p in profiles)
     assignment = _cheapest(profiles, spec, floor)
     assert assignment is not None  # the lowest plan itself fits its own peak
     return _solution(profiles, spec, assignment)
