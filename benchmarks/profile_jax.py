@@ -128,13 +128,8 @@ def timing_run(s: dict[str, Any], spec: UNetSpec, repeats: int) -> tuple[dict[st
     of each choice's recompute (all its forward ops; those outside conv/matmul), and the step time."""
     compiled = compiled_step(s, "none", fast=False)
     op_names = {m[0]: m[1] for m in xla_dump.OP_NAME.findall(compiled.as_text())}
+    seconds = _step_seconds(s, compiled, repeats)
     state, rest = s["args"][0], s["args"][1:]
-    times = []
-    for _ in range(repeats + 1):  # the first run is a warm-up
-        t0 = time.perf_counter()
-        state, loss = compiled(state, *rest)
-        jax.block_until_ready(loss)
-        times.append(time.perf_counter() - t0)
     with tempfile.TemporaryDirectory(prefix="plan-trace-") as folder:
         with jax.profiler.trace(folder):
             state, loss = compiled(state, *rest)
@@ -155,7 +150,20 @@ def timing_run(s: dict[str, Any], spec: UNetSpec, repeats: int) -> tuple[dict[st
                 if not kept:
                     intervals[(unit, SELECTIVE)].append(span)
     per_unit = {u: {c: _covered(intervals[(u, c)]) for c in (FULL, SELECTIVE)} for u, _ in intervals}
-    return per_unit, statistics.median(times[1:])
+    return per_unit, seconds
+
+
+def _step_seconds(s: dict[str, Any], compiled: Any, repeats: int) -> float:
+    """Median wall time of ``repeats`` runs after a warm-up; the donated state is carried along."""
+    state, rest = s["args"][0], s["args"][1:]
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        state, loss = compiled(state, *rest)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t0)
+    s["args"] = (state, *rest)
+    return statistics.median(times[1:])
 
 
 def _op_class(op_name: str) -> str:
@@ -253,15 +261,7 @@ def measure(
     rows = {}
     for policy in policies:
         compiled = compiled_step(s, policy, fast=False)
-        state, rest = s["args"][0], s["args"][1:]
-        times = []
-        for _ in range(steps + 1):  # the first run is a warm-up
-            t0 = time.perf_counter()
-            state, loss = compiled(state, *rest)
-            jax.block_until_ready(loss)
-            times.append(time.perf_counter() - t0)
-        s["args"] = (state, *rest)
-        rows[policy] = {"peak_bytes": compiled_peak(compiled), "step_time_s": statistics.median(times[1:])}
+        rows[policy] = {"peak_bytes": compiled_peak(compiled), "step_time_s": _step_seconds(s, compiled, steps)}
     return {
         "framework": "jax",
         "rows": rows,
