@@ -40,6 +40,7 @@ from shared_configs import UNetSpec
 from shared_configs.budget import (
     FULL,
     PLAIN,
+    PROFILE_RUNS,
     SELECTIVE,
     SELECTIVE_OPS,
     Cost,
@@ -52,8 +53,6 @@ from shared_configs.budget import (
 from shared_configs.timeline import Timeline, unit_costs
 from shared_configs.unit_flops import recompute_flops, unit_flops
 
-PROFILE_RUNS = (("plain", "layers"), ("full", "blocks"), ("save=conv,matmul", "blocks"))
-PROFILE_RUNS += (("full", "layers"), ("save=conv,matmul", "layers"))
 BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}  # remat's barriers survive on XLA:CPU
 # Buffer assignment precedes code generation: the memory figures are the same at -O0, and faster.
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}

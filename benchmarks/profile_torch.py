@@ -43,10 +43,9 @@ from torch.utils._pytree import tree_map_only
 from benchmarks.torch_memory import LiveBytesTracker
 from shared_configs import UNetSpec
 from shared_configs.budget import (
-    FULL,
     HEAD,
     PLAIN,
-    SELECTIVE,
+    PROFILE_RUNS,
     STEM,
     Cost,
     example_batch,
@@ -60,16 +59,7 @@ from shared_configs.unit_flops import recompute_flops, unit_flops
 from torch_impl.train import as_tensors, make_optimizer, train_step
 from torch_impl.unet import UNet
 
-Segment = tuple[str, str]  # (unit, "fwd" | "bwd" | "opt")
 OPTIMIZER = "optimizer"
-# The uniform plans a profile measures: (choice, level) -> what it yields.
-PROFILE_RUNS: tuple[tuple[str, str], ...] = (
-    (PLAIN, "layers"),
-    (FULL, "blocks"),
-    (SELECTIVE, "blocks"),
-    (FULL, "layers"),
-    (SELECTIVE, "layers"),
-)
 
 
 class Recorder(TorchDispatchMode):

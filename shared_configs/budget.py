@@ -44,6 +44,14 @@ SELECTIVE = "save=" + ",".join(SELECTIVE_OPS)
 CHOICES: tuple[str, ...] = (PLAIN, FULL, SELECTIVE)
 RECOMPUTE_CHOICES: tuple[str, ...] = (FULL, SELECTIVE)
 STEM, HEAD = "stem", "head"
+# The uniform plans a profile measures, (choice, level): together they give every (unit, choice).
+PROFILE_RUNS: tuple[tuple[str, str], ...] = (
+    (PLAIN, "layers"),
+    (FULL, "blocks"),
+    (SELECTIVE, "blocks"),
+    (FULL, "layers"),
+    (SELECTIVE, "layers"),
+)
 SCHEMA = 1
 Assignment = Mapping[str, str]  # unit name -> choice; units left out are plain
 
