@@ -123,11 +123,26 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str,
 
 
 def timing_run(s: dict[str, Any], spec: UNetSpec, repeats: int) -> tuple[dict[str, dict[str, float]], float]:
-    """The plain step, compiled for speed and traced: per unit (layers and blocks) the forward seconds
-    of each choice's recompute (all its forward ops; those outside conv/matmul), and the step time."""
+    """The plain step, compiled for speed and traced ``repeats`` times: per unit (layers and blocks)
+    the median forward seconds of each choice's recompute (all its forward ops for ``full``; those
+    outside Conv/Dense for ``save=conv,matmul``), and the median step time."""
     compiled = compiled_step(s, "none", fast=False)
     op_names = {m[0]: m[1] for m in xla_dump.OP_NAME.findall(compiled.as_text())}
     seconds = _step_seconds(s, compiled, repeats)
+    units = (set(uniform(spec, PLAIN, "layers")) | {n for ls in block_layers(spec).values() for n in ls},
+             set(block_layers(spec)))  # fmt: skip
+    samples: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for _ in range(repeats):
+        for key, value in _traced_forward(s, compiled, op_names, units).items():
+            samples[key].append(value)
+    per_unit: dict[str, dict[str, float]] = defaultdict(dict)
+    for (unit, choice), values in samples.items():
+        per_unit[unit][choice] = statistics.median(values)
+    return dict(per_unit), seconds
+
+
+def _traced_forward(s: dict[str, Any], compiled: Any, op_names: dict[str, str], units: tuple) -> dict:
+    """One traced run: per (unit, choice), the wall time its recompute's forward ops cover."""
     state, rest = s["args"][0], s["args"][1:]
     with tempfile.TemporaryDirectory(prefix="plan-trace-") as folder:
         with jax.profiler.trace(folder):
@@ -135,21 +150,19 @@ def timing_run(s: dict[str, Any], spec: UNetSpec, repeats: int) -> tuple[dict[st
             jax.block_until_ready(loss)
         spans = _op_spans(jax.profiler.ProfileData.from_file(str(next(Path(folder).rglob("*.xplane.pb")))))
     s["args"] = (state, *rest)  # the donated state lives on in the returned one
-    layers = set(uniform(spec, PLAIN, "layers")) | {n for ls in block_layers(spec).values() for n in ls}
     intervals: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
     for op, span in spans:
         name = op_names.get(op, "")
         if xla_dump.phase_of(name) != "fwd":
             continue
         kept = _op_class(name) in SELECTIVE_OPS
-        for units in (layers, set(block_layers(spec))):
-            unit = xla_dump.unit_of(name, units)
+        for candidates in units:
+            unit = xla_dump.unit_of(name, candidates)
             if unit is not None:
                 intervals[(unit, FULL)].append(span)
                 if not kept:
                     intervals[(unit, SELECTIVE)].append(span)
-    per_unit = {u: {c: _covered(intervals[(u, c)]) for c in (FULL, SELECTIVE)} for u, _ in intervals}
-    return per_unit, seconds
+    return {key: _covered(spans) for key, spans in intervals.items()}
 
 
 def _step_seconds(s: dict[str, Any], compiled: Any, repeats: int) -> float:
