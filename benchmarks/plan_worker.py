@@ -20,6 +20,8 @@ from shared_configs import spec_from_dict
 def run(request: dict[str, Any]) -> dict[str, Any]:
     framework = request["framework"]
     backend = importlib.import_module(f"benchmarks.profile_{framework}")
+    if framework == "torch":
+        backend.single_threaded()  # JAX: by XLA_FLAGS, set before the import (benchmarks.planner)
     spec = spec_from_dict(request["spec"])
     extra = {"attention_chunk": request["attention_chunk"]} if framework == "jax" else {}
     if request["kind"] == "profile":

@@ -80,13 +80,18 @@ def _versions(framework: str) -> dict[str, str]:
     return out
 
 
+# XLA:CPU single-threaded, as torch in the worker: CPU seconds then add up to the step's work.
+XLA_SINGLE_THREAD = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
+
+
 def worker_env(framework: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if framework == "jax":  # the options are also passed to each compile; set here for any other
+    if framework == "jax":  # the barrier option is also passed to each compile; set here for any other
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         env.setdefault("JAX_PLATFORMS", "cpu")
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if f != XLA_CPU_FLAG]
-        env["XLA_FLAGS"] = " ".join([*flags, XLA_CPU_FLAG])
+        ours = (XLA_CPU_FLAG, *XLA_SINGLE_THREAD)
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if f not in ours]
+        env["XLA_FLAGS"] = " ".join([*flags, *ours])
     return env
 
 

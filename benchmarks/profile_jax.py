@@ -133,21 +133,25 @@ def timing_run(s: dict[str, Any], spec: UNetSpec, repeats: int) -> tuple[dict[st
              set(block_layers(spec)))  # fmt: skip
     samples: dict[tuple[str, str], list[float]] = defaultdict(list)
     for _ in range(repeats):
-        for key, value in _traced_forward(s, compiled, op_names, units).items():
-            samples[key].append(value)
+        traced, wall, cpu = _traced_forward(s, compiled, op_names, units)
+        for key, value in traced.items():
+            samples[key].append(value * cpu / wall)  # the trace's wall clock, as CPU seconds
     per_unit: dict[str, dict[str, float]] = defaultdict(dict)
     for (unit, choice), values in samples.items():
         per_unit[unit][choice] = statistics.median(values)
     return dict(per_unit), seconds
 
 
-def _traced_forward(s: dict[str, Any], compiled: Any, op_names: dict[str, str], units: tuple) -> dict:
-    """One traced run: per (unit, choice), the wall time its recompute's forward ops cover."""
+def _traced_forward(s: dict[str, Any], compiled: Any, op_names: dict[str, str], units: tuple) -> tuple:
+    """One traced run: per (unit, choice) the wall time its recompute's forward ops cover; the run's
+    wall and CPU seconds (to turn the first into CPU seconds: preemption slows every op alike)."""
     state, rest = s["args"][0], s["args"][1:]
     with tempfile.TemporaryDirectory(prefix="plan-trace-") as folder:
         with jax.profiler.trace(folder):
+            wall, cpu = time.perf_counter(), time.process_time()
             state, loss = compiled(state, *rest)
             jax.block_until_ready(loss)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         spans = _op_spans(jax.profiler.ProfileData.from_file(str(next(Path(folder).rglob("*.xplane.pb")))))
     s["args"] = (state, *rest)  # the donated state lives on in the returned one
     intervals: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
@@ -162,18 +166,19 @@ def _traced_forward(s: dict[str, Any], compiled: Any, op_names: dict[str, str], 
                 intervals[(unit, FULL)].append(span)
                 if not kept:
                     intervals[(unit, SELECTIVE)].append(span)
-    return {key: _covered(spans) for key, spans in intervals.items()}
+    return {key: _covered(spans) for key, spans in intervals.items()}, wall, cpu
 
 
 def _step_seconds(s: dict[str, Any], compiled: Any, repeats: int) -> float:
-    """Median wall time of ``repeats`` runs after a warm-up; the donated state is carried along."""
+    """Median CPU seconds of ``repeats`` runs after a warm-up (XLA single-threaded, see
+    `benchmarks.planner.worker_env`); the donated state is carried along."""
     state, rest = s["args"][0], s["args"][1:]
     times = []
     for _ in range(repeats + 1):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         state, loss = compiled(state, *rest)
         jax.block_until_ready(loss)
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     s["args"] = (state, *rest)
     return statistics.median(times[1:])
 

@@ -12,6 +12,7 @@ the gradients and AdamW's state:
   `shared_configs.timeline.Timeline`, turned into per-unit figures there;
 * seconds: the same steps without the tracker, timing each unit's recompute (the span of its
   sub-modules' forwards inside its backward) and each unit's forward, median over ``repeats``;
+  CPU seconds of a single-threaded step (`clock`), which load on a shared machine does not inflate;
 * FLOPs: `shared_configs.unit_flops` (counted from the spec, as `FlopCounterMode` counts).
 
 With ``shapes=True`` nothing is allocated: the same steps run on fake tensors (`FakeTensorMode`,
@@ -60,6 +61,14 @@ from torch_impl.train import as_tensors, make_optimizer, train_step
 from torch_impl.unet import UNet
 
 OPTIMIZER = "optimizer"
+# Seconds are CPU seconds of this process, run single-threaded (`single_threaded`): on a machine
+# shared with other work, wall-clock time measures the neighbours as much as the step.
+clock = time.process_time
+
+
+def single_threaded() -> None:
+    """One intra-op thread: CPU seconds then add up to the work, whatever else runs on the machine."""
+    torch.set_num_threads(1)
 
 
 class Recorder(TorchDispatchMode):
@@ -208,12 +217,12 @@ def timing_run(s: dict[str, Any], assignment: dict[str, str], repeats: int) -> t
 
         def on(unit: str, ph: str, marks: list = marks, phase: list = phase) -> None:
             phase[0] = ph
-            marks.append((time.perf_counter(), unit, ph))
+            marks.append((clock(), unit, ph))
 
         with hooks(model, s["opt"], [u for u, _ in leaves], on), _recompute_spans(model, leaves, phase, spans):
-            t0 = time.perf_counter()
+            t0 = clock()
             s["step"]()
-            steps.append(time.perf_counter() - t0)
+            steps.append(clock() - t0)
         forward = _forward_times(marks)
         for unit, _ in leaves:
             span = spans.get(unit)
@@ -239,7 +248,7 @@ def _recompute_spans(
 
     def mark(unit: str) -> None:
         if phase[0] == "bwd":
-            now = time.perf_counter()
+            now = clock()
             span = spans.setdefault(unit, [now, now])
             span[1] = now
 
@@ -312,9 +321,9 @@ def measure(spec: UNetSpec, batch_size: int, policies: list[str], context_length
         del inputs
         times = []
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0 = clock()
             s["step"]()
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         rows[policy] = {"peak_bytes": tracker.peak, "step_time_s": statistics.median(times)}
     return {"framework": "torch", "rows": rows, "method": "benchmarks.torch_memory.LiveBytesTracker around train_step"}
 
@@ -344,9 +353,9 @@ def measure_compiled(
         del inputs
         times = []
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0 = clock()
             train_step(compiled, s["opt"], s["batch"])
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         rows[f"torch.compile:{ratio:g}"] = {
             "peak_bytes": tracker.peak,
             "step_time_s": statistics.median(times),
