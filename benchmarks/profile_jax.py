@@ -9,8 +9,10 @@ saves nothing on XLA:CPU, see docs/remat_vs_checkpoint.md):
   schedule, filed by the unit each instruction's ``op_name`` names. ``Profile.scale`` carries the
   ratio of the compiled ``memory_analysis()`` peak (what the benchmark reports: buffers as packed
   into allocations) to that live-byte peak;
-* seconds: the compiled step run under ``jax.profiler``; each unit's recompute is the wall time
-  covered by its ``rematted_computation`` instructions; step time is the median of untraced runs;
+* seconds: each profile compile (at full optimisation, to be run) runs under ``jax.profiler``;
+  a unit's seconds are the time its instructions cover (forward, backward, recompute), and a
+  choice costs what its unit takes beyond the same layers in the plain step
+  (`shared_configs.budget.extra_seconds`); CPU seconds, XLA single-threaded (the machine is shared);
 * FLOPs: `shared_configs.unit_flops` (the same network as torch's; counted from the spec).
 
 With ``run=False`` (shapes only) the step is lowered and compiled but never run: no parameter is
@@ -38,14 +40,11 @@ from jax_impl import train as jt
 from jax_impl.unet import UNet
 from shared_configs import UNetSpec
 from shared_configs.budget import (
-    FULL,
     PLAIN,
     PROFILE_RUNS,
-    SELECTIVE,
-    SELECTIVE_OPS,
     Cost,
-    block_layers,
     example_batch,
+    extra_seconds,
     leaf_units,
     policy_string,
     uniform,
@@ -56,8 +55,6 @@ from shared_configs.unit_flops import recompute_flops, unit_flops
 BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}  # remat's barriers survive on XLA:CPU
 # Buffer assignment precedes code generation: the memory figures are the same at -O0, and faster.
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-DENSE_NAMES = frozenset({"to_q", "to_k", "to_v", "to_out", "proj", "out", "proj_in", "proj_out", "time_emb_proj",
-                         "linear_1", "linear_2"})  # fmt: skip
 
 
 def setup(spec: UNetSpec, batch_size: int, context_length: int, chunk: int | None, run: bool) -> dict[str, Any]:
@@ -112,39 +109,32 @@ def timeline_of(plan: xla_dump.MemoryPlan, leaves: list[str]) -> Timeline:
     )
 
 
-def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, Cost], int, int]:
-    """One compile under ``assignment``: per-unit bytes, the live-byte peak, the compiled peak."""
+def memory_run(s: dict[str, Any], assignment: dict[str, str], fast: bool = True) -> tuple:
+    """One compile under ``assignment``: per-unit bytes, the live-byte peak, the compiled peak, and
+    the compiled step with its instructions' ``op_name``s (``fast=False`` to run it)."""
     leaves = [u for u, _ in leaf_units(s["spec"], assignment)]
     with tempfile.TemporaryDirectory(prefix="plan-xla-") as dump:
-        compiled = compiled_step(s, policy_string(assignment), dump)
+        compiled = compiled_step(s, policy_string(assignment), dump, fast=fast)
         plan = xla_dump.read(dump)
     costs, _, live_peak = unit_costs(timeline_of(plan, leaves), leaves)
-    return costs, live_peak, compiled_peak(compiled)
+    return costs, live_peak, compiled_peak(compiled), (compiled, plan.op_names)
 
 
-def timing_run(s: dict[str, Any], spec: UNetSpec, repeats: int) -> tuple[dict[str, dict[str, float]], float]:
-    """The plain step, compiled for speed and traced ``repeats`` times: per unit (layers and blocks)
-    the median forward seconds of each choice's recompute (all its forward ops for ``full``; those
-    outside Conv/Dense for ``save=conv,matmul``), and the median step time."""
-    compiled = compiled_step(s, "none", fast=False)
-    op_names = {m[0]: m[1] for m in xla_dump.OP_NAME.findall(compiled.as_text())}
+def timing_run(s: dict[str, Any], compiled: Any, op_names: dict[str, str], leaves: list[str], repeats: int) -> tuple:
+    """Per unit, the median seconds its instructions cover in ``repeats`` traced runs (forward,
+    backward and recompute: any op its module path names); the median step seconds."""
     seconds = _step_seconds(s, compiled, repeats)
-    units = (set(uniform(spec, PLAIN, "layers")) | {n for ls in block_layers(spec).values() for n in ls},
-             set(block_layers(spec)))  # fmt: skip
-    samples: dict[tuple[str, str], list[float]] = defaultdict(list)
+    samples: dict[str, list[float]] = defaultdict(list)
     for _ in range(repeats):
-        traced, wall, cpu = _traced_forward(s, compiled, op_names, units)
-        for key, value in traced.items():
-            samples[key].append(value * cpu / wall)  # the trace's wall clock, as CPU seconds
-    per_unit: dict[str, dict[str, float]] = defaultdict(dict)
-    for (unit, choice), values in samples.items():
-        per_unit[unit][choice] = statistics.median(values)
-    return dict(per_unit), seconds
+        traced, wall, cpu = _traced_units(s, compiled, op_names, set(leaves))
+        for unit in leaves:
+            samples[unit].append(traced.get(unit, 0.0) * cpu / wall)  # the trace's wall clock, as CPU seconds
+    return {u: statistics.median(v) for u, v in samples.items()}, seconds
 
 
-def _traced_forward(s: dict[str, Any], compiled: Any, op_names: dict[str, str], units: tuple) -> tuple:
-    """One traced run: per (unit, choice) the wall time its recompute's forward ops cover; the run's
-    wall and CPU seconds (to turn the first into CPU seconds: preemption slows every op alike)."""
+def _traced_units(s: dict[str, Any], compiled: Any, op_names: dict[str, str], units: set[str]) -> tuple:
+    """One traced run: per unit the wall time its ops cover; the run's wall and CPU seconds (to turn
+    the first into CPU seconds: preemption by other work slows every op alike)."""
     state, rest = s["args"][0], s["args"][1:]
     with tempfile.TemporaryDirectory(prefix="plan-trace-") as folder:
         with jax.profiler.trace(folder):
@@ -154,19 +144,12 @@ def _traced_forward(s: dict[str, Any], compiled: Any, op_names: dict[str, str], 
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         spans = _op_spans(jax.profiler.ProfileData.from_file(str(next(Path(folder).rglob("*.xplane.pb")))))
     s["args"] = (state, *rest)  # the donated state lives on in the returned one
-    intervals: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+    intervals: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for op, span in spans:
-        name = op_names.get(op, "")
-        if xla_dump.phase_of(name) != "fwd":
-            continue
-        kept = _op_class(name) in SELECTIVE_OPS
-        for candidates in units:
-            unit = xla_dump.unit_of(name, candidates)
-            if unit is not None:
-                intervals[(unit, FULL)].append(span)
-                if not kept:
-                    intervals[(unit, SELECTIVE)].append(span)
-    return {key: _covered(spans) for key, spans in intervals.items()}, wall, cpu
+        unit = xla_dump.unit_of(op_names.get(op, ""), units)
+        if unit is not None:
+            intervals[unit].append(span)
+    return {unit: _covered(spans) for unit, spans in intervals.items()}, wall, cpu
 
 
 def _step_seconds(s: dict[str, Any], compiled: Any, repeats: int) -> float:
@@ -181,16 +164,6 @@ def _step_seconds(s: dict[str, Any], compiled: Any, repeats: int) -> float:
         times.append(time.process_time() - t0)
     s["args"] = (state, *rest)
     return statistics.median(times[1:])
-
-
-def _op_class(op_name: str) -> str:
-    """conv / matmul for the ops a ``save=conv,matmul`` recompute does not redo (Conv, Dense), else other."""
-    parts = op_name.split("/")
-    if parts[-1].startswith("conv_general_dilated"):
-        return "conv"
-    if parts[-1].startswith("dot_general") and len(parts) > 1 and parts[-2] in DENSE_NAMES:
-        return "matmul"
-    return "other"
 
 
 def _op_spans(data: Any) -> list[tuple[str, tuple[int, int]]]:
@@ -228,24 +201,26 @@ def profile(
     attention_chunk: int | None = None,
 ) -> dict:
     """The `shared_configs.budget.Profile` fields (JSON-ready) of ``spec`` at ``batch_size``."""
-    s = setup(spec, batch_size, context_length, attention_chunk, run=not shapes)
+    timing = not shapes and repeats > 0
+    s = setup(spec, batch_size, context_length, attention_chunk, run=timing)
     flops = unit_flops(spec, batch_size, context_length)
-    timed, step_time = ({}, 0.0) if shapes or not repeats else timing_run(s, spec, repeats)
     units: dict[str, dict[str, Cost]] = {}
     runs: dict[str, Any] = {}
-    scales = []
+    scales, plain, step_time = [], {}, 0.0
     for choice, level in PROFILE_RUNS:
         assignment = {} if choice == PLAIN else uniform(spec, choice, level)
-        costs, live_peak, peak = memory_run(s, assignment)
-        runs[policy_string(assignment)] = {"peak_bytes": peak, "live_peak_bytes": live_peak}
+        costs, live_peak, peak, (compiled, op_names) = memory_run(s, assignment, fast=not timing)
+        timed, seconds = timing_run(s, compiled, op_names, list(costs), repeats) if timing else ({}, 0.0)
+        runs[policy_string(assignment)] = {"peak_bytes": peak, "live_peak_bytes": live_peak, "step_time_s": seconds}
         scales.append(peak / live_peak)
+        if choice == PLAIN:
+            plain, step_time = timed, seconds
+        extra = extra_seconds(spec, timed, plain)
         for unit, cost in costs.items():
             mine = assignment.get(unit, PLAIN)
             if mine == choice:
-                seconds = timed.get(unit, {}).get(mine, 0.0) if mine != PLAIN else 0.0
-                fwd_s = timed.get(unit, {}).get(FULL, 0.0)
-                flop = recompute_flops(flops[unit], mine)
-                units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, seconds, flop, fwd_s)
+                time_s, flop, own = extra.get(unit, 0.0), recompute_flops(flops[unit], mine), timed.get(unit, 0.0)
+                units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, time_s, flop, own)
     return {
         "framework": "jax",
         "units": units,
@@ -257,8 +232,8 @@ def profile(
         "meta": {
             "runs": runs,
             "method": "XLA's buffer live ranges over its schedule (xla_dump_to), filed by the op_name's Flax module; "
-            "compiled with cse_barrier_expander disabled (LLVM -O0: same buffers); recompute seconds: wall time "
-            "covered by the unit's forward ops (all, or those outside conv/matmul) in a jax.profiler trace of the "
+            "compiled with cse_barrier_expander disabled; recompute seconds: the time the unit's ops cover in "
+            "jax.profiler traces of its run (as CPU seconds, XLA single-threaded) minus the same units' in the "
             "plain step",
             "versions": {"jax": jax.__version__},
         },

@@ -10,9 +10,11 @@ the gradients and AdamW's state:
   `LiveBytesTracker` that also notes which unit is running at each allocation (module hooks:
   forward pre-hooks, full backward pre-hooks, the optimizer's step pre-hook): a
   `shared_configs.timeline.Timeline`, turned into per-unit figures there;
-* seconds: the same steps without the tracker, timing each unit's recompute (the span of its
-  sub-modules' forwards inside its backward) and each unit's forward, median over ``repeats``;
-  CPU seconds of a single-threaded step (`clock`), which load on a shared machine does not inflate;
+* seconds: the same steps without the tracker, timing each unit's forward and backward from one
+  unit hook to the next (median over ``repeats``); a choice costs what its unit takes beyond the
+  same layers in the plain step (`shared_configs.budget.extra_seconds`): recompute, selective
+  checkpointing's own forward work, the bookkeeping; CPU seconds of a single-threaded step
+  (`clock`), which load on a shared machine does not inflate;
 * FLOPs: `shared_configs.unit_flops` (counted from the spec, as `FlopCounterMode` counts).
 
 With ``shapes=True`` nothing is allocated: the same steps run on fake tensors (`FakeTensorMode`,
@@ -50,11 +52,12 @@ from shared_configs.budget import (
     STEM,
     Cost,
     example_batch,
+    extra_seconds,
     leaf_units,
     policy_string,
     uniform,
 )
-from shared_configs.timeline import FWD, Timeline, unit_costs
+from shared_configs.timeline import BWD, FWD, Timeline, unit_costs
 from shared_configs.training import Batch
 from shared_configs.unit_flops import recompute_flops, unit_flops
 from torch_impl.train import as_tensors, make_optimizer, train_step
@@ -204,66 +207,26 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str,
 
 
 def timing_run(s: dict[str, Any], assignment: dict[str, str], repeats: int) -> tuple[dict[str, list[float]], float]:
-    """Median over ``repeats`` steps: per unit, its forward time and its recompute time; the step time."""
-    model, spec = s["model"], s["model"].spec
+    """Median over ``repeats`` steps: per unit, the seconds its forward and its backward (recompute
+    included) take, from one unit hook to the next; and the step's seconds."""
+    model = s["model"]
     model.enable_gradient_checkpointing(policy_string(assignment))
-    leaves = list(leaf_units(spec, assignment))
+    units = [u for u, _ in leaf_units(model.spec, assignment)]
     samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
     steps = []
     for _ in range(repeats):
         marks: list[tuple[float, str, str]] = []
-        spans: dict[str, list[float]] = {}
-        phase = ["fwd"]
-
-        def on(unit: str, ph: str, marks: list = marks, phase: list = phase) -> None:
-            phase[0] = ph
-            marks.append((clock(), unit, ph))
-
-        with hooks(model, s["opt"], [u for u, _ in leaves], on), _recompute_spans(model, leaves, phase, spans):
+        with hooks(model, s["opt"], units, lambda unit, phase, marks=marks: marks.append((clock(), unit, phase))):
             t0 = clock()
             s["step"]()
             steps.append(clock() - t0)
-        forward = _forward_times(marks)
-        for unit, _ in leaves:
-            span = spans.get(unit)
-            samples[unit].append((forward.get(unit, 0.0), span[1] - span[0] if span else 0.0))
+        spent: dict[tuple[str, str], float] = defaultdict(float)
+        for (t0, unit, phase), (t1, _, _) in itertools.pairwise(marks):
+            spent[(unit, phase)] += t1 - t0
+        for unit in units:
+            samples[unit].append((spent[(unit, FWD)], spent[(unit, BWD)]))
     per_unit = {u: [statistics.median(x[i] for x in v) for i in (0, 1)] for u, v in samples.items()}
     return per_unit, statistics.median(steps)
-
-
-def _forward_times(marks: list[tuple[float, str, str]]) -> dict[str, float]:
-    """Each unit's forward: from its forward hook to the next mark."""
-    out: dict[str, float] = {}
-    for (t0, unit, phase), (t1, _, _) in itertools.pairwise(marks):
-        if phase == "fwd":
-            out[unit] = out.get(unit, 0.0) + t1 - t0
-    return out
-
-
-@contextmanager
-def _recompute_spans(
-    model: UNet, leaves: list[tuple[str, str]], phase: list[str], spans: dict[str, list[float]]
-) -> Iterator[None]:
-    """Record, per recomputed unit, the span of its sub-modules' forwards during the backward."""
-
-    def mark(unit: str) -> None:
-        if phase[0] == "bwd":
-            now = clock()
-            span = spans.setdefault(unit, [now, now])
-            span[1] = now
-
-    handles = []
-    for unit, choice in leaves:
-        if choice == PLAIN:
-            continue
-        for sub in model.get_submodule(unit).modules():
-            handles.append(sub.register_forward_pre_hook(lambda *_, u=unit: mark(u)))
-            handles.append(sub.register_forward_hook(lambda *_, u=unit: mark(u)))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: bool = False, repeats: int = 2) -> dict:
@@ -273,6 +236,7 @@ def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: b
     units: dict[str, dict[str, Cost]] = {}
     runs: dict[str, Any] = {}
     opt_peak, step_time = 0, 0.0
+    plain: dict[str, float] = {}  # seconds of each unit's forward + backward in the plain step
     for choice, level in PROFILE_RUNS:
         assignment = {} if choice == PLAIN else uniform(spec, choice, level)
         costs, run_opt, peak = memory_run(s, assignment)
@@ -280,19 +244,14 @@ def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: b
         runs[policy_string(assignment)] = {"peak_bytes": peak, "step_time_s": seconds}
         if choice == PLAIN:
             opt_peak, step_time = run_opt, seconds
+            plain = {u: sum(t) for u, t in timed.items()}
+        extra = extra_seconds(spec, {u: sum(t) for u, t in timed.items()}, plain)
         for unit, cost in costs.items():
             mine = assignment.get(unit, PLAIN)
-            if mine != choice:
-                continue
-            fwd_s, recompute_s = timed.get(unit, (0.0, 0.0))
-            units.setdefault(unit, {})[mine] = Cost(
-                keep=cost.keep,
-                fwd_peak=cost.fwd_peak,
-                bwd_peak=cost.bwd_peak,
-                time_s=recompute_s,
-                flops=recompute_flops(flops[unit], mine),
-                fwd_time_s=fwd_s,
-            )
+            if mine == choice:
+                time_s, flop = extra.get(unit, 0.0), recompute_flops(flops[unit], mine)
+                fwd_s = timed.get(unit, (0.0, 0.0))[0]
+                units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, time_s, flop, fwd_s)
     return {
         "framework": "torch",
         "units": units,
@@ -302,7 +261,8 @@ def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: b
         "meta": {
             "runs": runs,
             "method": "live tensor-storage bytes filed by unit (module hooks) in torch_impl.train.train_step; "
-            "recompute seconds: span of each recomputed unit's sub-module forwards in its backward",
+            "recompute seconds: the unit's forward + backward CPU seconds (single thread) minus the same "
+            "units' in the plain step",
             "versions": {"torch": torch.__version__},
         },
     }

@@ -220,6 +220,18 @@ def predict(profile: Profile, spec: UNetSpec, assignment: Assignment) -> Predict
     return Prediction(round(peak * profile.scale), where, seconds, flops)
 
 
+def extra_seconds(spec: UNetSpec, seconds: Mapping[str, float], plain: Mapping[str, float]) -> dict[str, float]:
+    """What each unit of a run takes beyond the plain step's same work: ``seconds`` (unit -> its
+    forward + backward in the run), ``plain`` (layer, sampler, stem, head -> theirs in the plain
+    step); a block is compared with its layers and sampler. Never below 0 (noise, not a gain)."""
+    layers = block_layers(spec)
+    out = {}
+    for unit, spent in seconds.items():
+        base = sum(plain.get(n, 0.0) for n in layers[unit]) if unit in layers else plain.get(unit, 0.0)
+        out[unit] = max(spent - base, 0.0)
+    return out
+
+
 def random_assignment(spec: UNetSpec, rng: np.random.Generator, choices: tuple[str, ...] = CHOICES) -> dict[str, str]:
     """A random plan: each block recomputed whole (one of the recompute choices) or per layer."""
     out: dict[str, str] = {}
