@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="--sweep --verify: also torch.compile at these activation_memory_budget ratios (minutes each)",
     )
     p.add_argument(
+        "--random-plans",
+        type=_positive_int,
+        default=0,
+        metavar="N",
+        help="--sweep --verify: also measure N random per-unit plans (the peak model's error)",
+    )
+    p.add_argument(
         "--efficiency",
         action="store_true",
         help="print MiB freed per recompute-second by level and unit kind (from the profile)",
@@ -178,8 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.sweep is not None:
             frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
-            doc = plan_sweep.sweep(workload, frameworks, args.budgets, args.verify, args.steps, args.torch_compile)
+            doc = plan_sweep.sweep(
+                workload, frameworks, args.budgets, args.verify, args.steps, args.torch_compile, args.random_plans
+            )
             print(plan_sweep.table(doc))
+            print(plan_sweep.errors(doc))
+            print(plan_sweep.against_balanced(doc))
+            for fw, data in doc["frameworks"].items():
+                print(f"{fw}: MiB freed per recompute-second\n" + plan_sweep.efficiency_table(data["efficiency"]))
             print("wrote", ", ".join(map(str, plan_sweep.write(doc, args.sweep))))
             return 0
         if args.efficiency:

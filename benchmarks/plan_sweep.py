@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
 from benchmarks.planner import Workload, get_profile, measure
 from benchmarks.report import atomic_write, write_json
-from shared_configs.budget import Profile, assignment_of, predict
+from shared_configs.budget import Profile, assignment_of, policy_string, predict, random_assignment
 from shared_configs.solver import Infeasible, smallest_peak, solve
 
 HAND_POLICIES = ("none", "full", "balanced", "layers", "save_convs", "layers/save=conv,matmul")
@@ -63,9 +64,11 @@ def sweep(
     verify: bool,
     steps: int,
     ratios: list[float] | None = None,
+    random_plans: int = 0,
 ) -> dict[str, Any]:
     """Per framework: budgets, the planner's plan at each (and at ``balanced``'s predicted peak), the
-    hand policies; measured if ``verify``, with torch.compile at ``ratios`` (torch)."""
+    hand policies; measured if ``verify``, with torch.compile at ``ratios`` (torch) and
+    ``random_plans`` random per-unit mixes (seeded) to measure the peak model on."""
     doc: dict[str, Any] = {"config": workload.spec.name, "sample_size": workload.spec.sample_size,
                            "batch_size": workload.batch_size, "frameworks": {}}  # fmt: skip
     for fw in frameworks:
@@ -81,14 +84,18 @@ def sweep(
             plans.append({"budget_bytes": budget, "plan": sol.policy, **_predicted(profile, sol.prediction)})
         plans[-1]["at"] = "balanced's predicted peak"
         compiled: dict[str, Any] = {}
+        rng = np.random.default_rng(0)
+        randoms = [{"plan": policy_string(random_assignment(spec, rng))} for _ in range(random_plans)]
+        for r in randoms:
+            r.update(_predicted(profile, predict(profile, spec, assignment_of(spec, r["plan"]))))
         if verify:
-            policies = list(dict.fromkeys([*HAND_POLICIES, *(p["plan"] for p in plans)]))
+            policies = list(dict.fromkeys([*HAND_POLICIES, *(p["plan"] for p in plans), *(r["plan"] for r in randoms)]))
             rows = measure(fw, workload, policies, steps, ratios if fw == "torch" else None)
-            _attach(rows["rows"], hand, plans)
+            _attach(rows["rows"], hand, plans + randoms)
             compiled = _compiled(rows["rows"])
             doc["frameworks"].setdefault(fw, {})["measure_method"] = rows["method"]
         doc["frameworks"].setdefault(fw, {}).update(
-            hand=hand, plans=plans, compiled=compiled, frontier=frontier(profile, workload),
+            hand=hand, plans=plans, random=randoms, compiled=compiled, frontier=frontier(profile, workload),
             method=profile.meta.get("method"), profile_seconds=profile.meta.get("seconds"),
             step_time_s=profile.step_time_s, efficiency=efficiency(profile, workload),
         )  # fmt: skip
@@ -134,6 +141,36 @@ def table(doc: dict[str, Any]) -> str:
                 f"  {p['budget_bytes'] / MIB:8.1f} | {p['predicted_peak_bytes'] / MIB:8.1f} -> "
                 f"{measured / MIB if measured else float('nan'):8.1f} | {100 * p['predicted_overhead']:+6.1f}% -> "
                 f"{100 * p.get('measured_overhead', float('nan')):+6.1f}% | {best} | {p['plan']}"
+            )
+    return "\n".join(lines)
+
+
+def against_balanced(doc: dict[str, Any]) -> str:
+    """What the planner picks at ``balanced``'s predicted peak, beside ``balanced`` (both measured)."""
+    lines = []
+    for fw, data in doc["frameworks"].items():
+        at = [p for p in data["plans"] if p.get("at")]
+        b = data["hand"]["balanced"]
+        if at and "measured_peak_bytes" in at[0] and "measured_peak_bytes" in b:
+            p = at[0]
+            lines.append(
+                f"{fw}: at balanced's peak the planner picks {p['plan']}: {p['measured_peak_bytes'] / MIB:.1f} MiB, "
+                f"{100 * p['measured_overhead']:+.1f}%; balanced: {b['measured_peak_bytes'] / MIB:.1f} MiB, "
+                f"{100 * b['measured_overhead']:+.1f}%"
+            )
+    return "\n".join(lines)
+
+
+def errors(doc: dict[str, Any]) -> str:
+    """The peak model's error over every measured plan (hand policies, planner plans, random mixes)."""
+    lines = []
+    for fw, data in doc["frameworks"].items():
+        entries = [*data["hand"].values(), *data["plans"], *data.get("random", [])]
+        errs = np.array([e["peak_error"] for e in entries if "peak_error" in e])
+        if errs.size:
+            lines.append(
+                f"{fw}: peak prediction error over {errs.size} measured plans: median {100 * np.median(errs):+.2f}%, "
+                f"|error| max {100 * np.abs(errs).max():.2f}%, within 5%: {100 * np.mean(np.abs(errs) <= 0.05):.0f}%"
             )
     return "\n".join(lines)
 
