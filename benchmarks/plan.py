@@ -114,8 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> None:
     if args.budget_mib is None and args.sweep is None:
         raise SpecError("--budget-mib: required (a positive number of MiB), unless --sweep")
-    if args.shapes and (args.verify or args.sweep):
-        raise SpecError("--shapes: estimates only; check one with --verify without --shapes where the model fits")
     for flag in ("flops_per_s", "bytes_per_s"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):
