@@ -36,7 +36,7 @@ import numpy as np
 from shared_configs.arch import down_blocks, up_blocks
 from shared_configs.plan import CheckpointPlan, block_names, resolve_plan
 from shared_configs.spec import SpecError, UNetSpec
-from shared_configs.training import Batch
+from shared_configs.training import Batch, atomic_write
 
 PLAIN, FULL = "plain", "full"
 SELECTIVE_OPS: tuple[str, ...] = ("conv", "matmul")
@@ -108,8 +108,6 @@ class Profile:
         return cls(units=units, **data)
 
     def save(self, path: str | Path) -> None:
-        from shared_configs.training import atomic_write
-
         atomic_write(path, json.dumps(self.to_json(), indent=1).encode())
 
     @classmethod
