@@ -21,7 +21,10 @@ Bytes enter the programme in MiB, so the tolerances are far below a byte.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,12 +168,27 @@ class _Programme:
                 hi.append(1.0)
         integrality = np.r_[np.ones(len(self.cols)), np.zeros(int(peak_col))]
         upper = np.r_[np.ones(len(self.cols)), np.full(int(peak_col), np.inf)]
-        res = milp(cost, integrality=integrality, bounds=Bounds(np.zeros(n), upper),
-                   constraints=LinearConstraint(np.array(a), lo, hi), options={"mip_rel_gap": 0.0})  # fmt: skip
+        with _quiet_stdout():
+            res = milp(cost, integrality=integrality, bounds=Bounds(np.zeros(n), upper),
+                       constraints=LinearConstraint(np.array(a), lo, hi), options={"mip_rel_gap": 0.0})  # fmt: skip
         return res.x if res.status == 0 else None
 
     def assignment(self, x: np.ndarray) -> dict[str, str]:
         return {u: c for (u, c), v in zip(self.cols, x, strict=False) if v > 0.5 and c != PLAIN}
+
+
+@contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """HiGHS (1.x) prints a stray debug line to the process's stdout on some problems: silenced."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _objective(profiles: Sequence[Profile]) -> Callable[[str, str], float]:
