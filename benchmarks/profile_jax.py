@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import numpy as np
 
 from benchmarks import xla_dump
 from benchmarks.jax_bench import init_params
+from benchmarks.stepclock import round_robin
 from jax_impl import train as jt
 from jax_impl.unet import UNet
 from shared_configs import UNetSpec
@@ -250,10 +252,20 @@ def measure(
 ) -> dict:
     """Per policy: the compiled step's ``memory_analysis()`` peak and its median step time."""
     s = setup(spec, batch_size, context_length, attention_chunk, run=True)
-    rows = {}
-    for policy in policies:
-        compiled = compiled_step(s, policy, fast=False)
-        rows[policy] = {"peak_bytes": compiled_peak(compiled), "step_time_s": _step_seconds(s, compiled, steps)}
+    compiled = {p: compiled_step(s, p, fast=False) for p in policies}
+    for c in compiled.values():
+        _step_seconds(s, c, 1)  # warm-up
+
+    def run(c: Any) -> Callable[[], None]:
+        def step() -> None:
+            state, loss = c(s["args"][0], *s["args"][1:])
+            jax.block_until_ready(loss)
+            s["args"] = (state, *s["args"][1:])  # donated: carry the new state
+
+        return step
+
+    seconds = round_robin({p: run(c) for p, c in compiled.items()}, steps)
+    rows = {p: {"peak_bytes": compiled_peak(c), "step_time_s": seconds[p]} for p, c in compiled.items()}
     return {
         "framework": "jax",
         "rows": rows,

@@ -14,7 +14,7 @@ the gradients and AdamW's state:
   unit hook to the next (median over ``repeats``); a choice costs what its unit takes beyond the
   same layers in the plain step (`shared_configs.budget.extra_seconds`): recompute, selective
   checkpointing's own forward work, the bookkeeping; CPU seconds of a single-threaded step
-  (`clock`), which load on a shared machine does not inflate;
+  (`benchmarks.stepclock`), which load on a shared machine does not inflate;
 * FLOPs: `shared_configs.unit_flops` (counted from the spec, as `FlopCounterMode` counts).
 
 With ``shapes=True`` nothing is allocated: the same steps run on fake tensors (`FakeTensorMode`,
@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from benchmarks.stepclock import clock, round_robin
 from benchmarks.torch_memory import LiveBytesTracker
 from shared_configs import UNetSpec
 from shared_configs.budget import (
@@ -64,9 +65,6 @@ from torch_impl.train import as_tensors, make_optimizer, train_step
 from torch_impl.unet import UNet
 
 OPTIMIZER = "optimizer"
-# Seconds are CPU seconds of this process, run single-threaded (`single_threaded`): on a machine
-# shared with other work, wall-clock time measures the neighbours as much as the step.
-clock = time.process_time
 
 
 def single_threaded() -> None:
@@ -271,7 +269,7 @@ def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: b
 def measure(spec: UNetSpec, batch_size: int, policies: list[str], context_length: int = 77, steps: int = 3) -> dict:
     """Per policy: the step's peak (the benchmark's `LiveBytesTracker`) and median step time."""
     s = setup(spec, batch_size, context_length)
-    rows = {}
+    peaks = {}
     for policy in policies:
         s["model"].enable_gradient_checkpointing(policy)
         s["step"]()  # warm-up under this plan
@@ -279,12 +277,13 @@ def measure(spec: UNetSpec, batch_size: int, policies: list[str], context_length
         with LiveBytesTracker(inputs) as tracker:
             s["step"]()
         del inputs
-        times = []
-        for _ in range(steps):
-            t0 = clock()
-            s["step"]()
-            times.append(clock() - t0)
-        rows[policy] = {"peak_bytes": tracker.peak, "step_time_s": statistics.median(times)}
+        peaks[policy] = tracker.peak
+
+    def under(policy: str) -> Callable[[], None]:
+        return lambda: (s["model"].enable_gradient_checkpointing(policy), s["step"]())
+
+    seconds = round_robin({p: under(p) for p in policies}, steps)
+    rows = {p: {"peak_bytes": peaks[p], "step_time_s": seconds[p]} for p in policies}
     return {"framework": "torch", "rows": rows, "method": "benchmarks.torch_memory.LiveBytesTracker around train_step"}
 
 
