@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 
 from benchmarks.planner import Workload, get_profile, measure
 from benchmarks.report import atomic_write, write_json
-from shared_configs.budget import Profile, assignment_of, policy_string, predict, random_assignment
+from shared_configs.budget import Profile, assignment_of, policy_string, predict, random_assignment, safety_margin
 from shared_configs.solver import Infeasible, smallest_peak, solve
 
 HAND_POLICIES = ("none", "full", "balanced", "layers", "save_convs", "layers/save=conv,matmul")
@@ -75,10 +75,10 @@ def sweep(
         profile = get_profile(fw, workload)
         spec = workload.spec
         hand = {p: _predicted(profile, predict(profile, spec, assignment_of(spec, p))) for p in HAND_POLICIES}
-        plans = []
+        plans, margin = [], safety_margin(profile, spec)
         for budget in [*budgets(profile, workload, count), hand["balanced"]["predicted_peak_bytes"]]:
             try:
-                sol = solve(profile, spec, budget)
+                sol = solve(profile, spec, budget, margin)
             except Infeasible:
                 continue
             plans.append({"budget_bytes": budget, "plan": sol.policy, **_predicted(profile, sol.prediction)})
@@ -95,7 +95,8 @@ def sweep(
             compiled = _compiled(rows["rows"])
             doc["frameworks"].setdefault(fw, {})["measure_method"] = rows["method"]
         doc["frameworks"].setdefault(fw, {}).update(
-            hand=hand, plans=plans, random=randoms, compiled=compiled, frontier=frontier(profile, workload),
+            hand=hand, plans=plans, random=randoms, compiled=compiled, margin=margin,
+            frontier=frontier(profile, workload),
             method=profile.meta.get("method"), profile_seconds=profile.meta.get("seconds"),
             step_time_s=profile.step_time_s, efficiency=efficiency(profile, workload),
         )  # fmt: skip

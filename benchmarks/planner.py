@@ -29,7 +29,7 @@ from typing import Any
 from benchmarks.common import REPO_ROOT, XLA_CPU_FLAG
 from benchmarks.runner import BenchmarkError
 from shared_configs import UNetSpec, load_spec, spec_from_dict
-from shared_configs.budget import PLAIN, SCHEMA, Profile, block_layers, leaf_units
+from shared_configs.budget import PLAIN, SCHEMA, Profile, block_layers, leaf_units, safety_margin
 from shared_configs.solver import Solution, solve
 from shared_configs.unit_flops import unit_flops
 
@@ -199,7 +199,8 @@ def plan_for_budget(
     framework: str = "torch",
     **workload: Any,
 ) -> str:
-    """The policy string of the cheapest plan predicted to fit ``budget_bytes`` (see the module doc).
+    """The policy string of the cheapest plan predicted to fit ``budget_bytes`` (see the module doc),
+    planned a `safety_margin` below it so that the measured peak fits too.
 
     ``framework`` is "torch", "jax" or "both" (one plan that fits in each). Further keywords go to
     `Workload` (``context_length``, ``attention_chunk``, ``shapes``, ``flops_per_s``, ``bytes_per_s``). Raises
@@ -219,4 +220,5 @@ def solve_for_budget(
     """`plan_for_budget`, with the solution (predictions) and the profiles it came from."""
     work = Workload.of(spec, sample_size, batch_size=batch_size, **workload)
     profiles = [get_profile(fw, work) for fw in (FRAMEWORKS if framework == "both" else (framework,))]
-    return solve(profiles, work.spec, budget_bytes), profiles
+    margin = max(safety_margin(p, work.spec) for p in profiles)
+    return solve(profiles, work.spec, budget_bytes, margin), profiles

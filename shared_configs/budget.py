@@ -230,6 +230,21 @@ def extra_seconds(spec: UNetSpec, seconds: Mapping[str, float], plain: Mapping[s
     return out
 
 
+SAFETY = 0.005  # beyond what the profile's own steps show: plans it never ran may be off a little more
+
+
+def safety_margin(profile: Profile, spec: UNetSpec) -> float:
+    """How far below a budget to plan so that the measured peak fits: the model's largest
+    under-prediction on the profile's own steps (``meta["runs"]``: measured peak per policy), plus
+    `SAFETY`. Torch's tracker is reproduced exactly (0.5%); JAX's packing factor is a mean over
+    the steps (about 2.8% on ``small``)."""
+    worst = 0.0
+    for policy, run in profile.meta.get("runs", {}).items():
+        predicted = predict(profile, spec, assignment_of(spec, policy)).peak_bytes
+        worst = max(worst, run["peak_bytes"] / predicted - 1)
+    return worst + SAFETY
+
+
 def random_assignment(spec: UNetSpec, rng: np.random.Generator, choices: tuple[str, ...] = CHOICES) -> dict[str, str]:
     """A random plan: each block recomputed whole (one of the recompute choices) or per layer."""
     out: dict[str, str] = {}

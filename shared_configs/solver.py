@@ -224,15 +224,17 @@ def _cheapest(profiles: list[Profile], spec: UNetSpec, budget_bytes: int) -> dic
     raise RuntimeError("solver: the programme's answer keeps overshooting the budget")  # pragma: no cover
 
 
-def solve(profiles: Profile | Sequence[Profile], spec: UNetSpec, budget_bytes: int) -> Solution:
-    """The plan of least recompute time whose predicted peak fits ``budget_bytes`` (in every profile).
+def solve(profiles: Profile | Sequence[Profile], spec: UNetSpec, budget_bytes: int, margin: float = 0.0) -> Solution:
+    """The plan of least recompute time whose predicted peak fits ``budget_bytes`` less a fraction
+    ``margin`` (room for the model's error: `shared_configs.budget.safety_margin`), in every profile.
 
-    Raises `Infeasible` (naming the smallest feasible budget) when none fits.
+    Raises `Infeasible` (naming the smallest feasible budget, margin included) when none fits.
     """
     profiles = _list(profiles)
-    assignment = _cheapest(profiles, spec, budget_bytes)
+    assignment = _cheapest(profiles, spec, int(budget_bytes * (1 - margin)))
     if assignment is None:
-        raise Infeasible(budget_bytes, max(p.peak_bytes for p in smallest_peak(profiles, spec).predictions))
+        lowest = max(p.peak_bytes for p in smallest_peak(profiles, spec).predictions)
+        raise Infeasible(budget_bytes, math.ceil(lowest / (1 - margin)))
     return _solution(profiles, spec, assignment)
 
 

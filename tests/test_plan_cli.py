@@ -5,6 +5,7 @@ temporary cache (random figures), so nothing is measured except in the slow --ve
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from benchmarks import plan as cli
 from benchmarks.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs import SpecError, load_spec, resolve_plan
-from shared_configs.budget import assignment_of, predict
+from shared_configs.budget import SAFETY, assignment_of, predict, safety_margin
 from shared_configs.solver import smallest_peak
 from tests.utils import random_profile
 
@@ -67,11 +68,14 @@ def test_unknown_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_infeasible_names_the_smallest_budget(cache: dict, capsys: pytest.CaptureFixture[str]) -> None:
-    floor = smallest_peak(cache["torch"], SPEC).prediction.peak_bytes
+    """The smallest feasible budget is the lowest predicted peak plus the safety margin (0.5% for a
+    profile without steps to check itself on), and a budget of exactly that is planned."""
+    assert safety_margin(cache["torch"], SPEC) == SAFETY
+    smallest = math.ceil(smallest_peak(cache["torch"], SPEC).prediction.peak_bytes / (1 - SAFETY))
     with pytest.raises(SystemExit):
-        cli.main(["--config", "tiny", "--batch-size", "2", "--budget-mib", str((floor - 1) / MIB)])
-    assert f"({floor} bytes)" in capsys.readouterr().err
-    assert cli.main(["--config", "tiny", "--batch-size", "2", "--budget-mib", str(floor / MIB)]) == 0
+        cli.main(["--config", "tiny", "--batch-size", "2", "--budget-mib", str((smallest - 8) / MIB)])
+    assert f"({smallest} bytes)" in capsys.readouterr().err
+    assert cli.main(["--config", "tiny", "--batch-size", "2", "--budget-mib", str(smallest / MIB)]) == 0
 
 
 def test_json_document_and_one_plan_for_both(cache: dict, tmp_path: Path) -> None:
@@ -82,11 +86,11 @@ def test_json_document_and_one_plan_for_both(cache: dict, tmp_path: Path) -> Non
     argv = ["--config", "tiny", "--batch-size", "2", "--budget-mib", str(budget / MIB), "--framework", "both"]
     assert cli.main([*argv, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert set(doc) == {"plan", "budget_bytes", "frameworks", "solve_seconds"}
+    assert set(doc) == {"plan", "budget_bytes", "frameworks", "margin", "solve_seconds"}
     assert set(doc["frameworks"]) == {"torch", "jax"}
     for fw, entry in doc["frameworks"].items():
         assert {"predicted_peak_bytes", "predicted_overhead", "recompute_flops"} <= set(entry)
-        assert entry["predicted_peak_bytes"] <= doc["budget_bytes"]
+        assert entry["predicted_peak_bytes"] <= doc["budget_bytes"] * (1 - doc["margin"])
         assert entry["predicted_peak_bytes"] == predict(cache[fw], SPEC, assignment_of(SPEC, doc["plan"])).peak_bytes
     resolve_plan(SPEC, doc["plan"])  # what both U-Nets accept
 

@@ -12,7 +12,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared_configs.budget import Profile, assignment_of, policy_string, predict, random_assignment
+from shared_configs.budget import (
+    SAFETY,
+    Profile,
+    assignment_of,
+    policy_string,
+    predict,
+    random_assignment,
+    safety_margin,
+)
 from tests.utils import variant
 
 SPEC = variant("tiny", sample_size=32, dropout=0.0)
@@ -50,6 +58,7 @@ def test_torch_model_reproduces_its_profile_runs(torch_profile: Profile) -> None
     """By construction: each uniform plan the profile measured is predicted at its measured peak."""
     for policy, run in torch_profile.meta["runs"].items():
         assert predict(torch_profile, SPEC, assignment_of(SPEC, policy)).peak_bytes == run["peak_bytes"], policy
+    assert safety_margin(torch_profile, SPEC) == SAFETY  # nothing under-predicted: the fixed half percent
 
 
 def test_torch_predictions_match_the_benchmark_tracker(torch_profile: Profile) -> None:
