@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -18,8 +19,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from shared_configs import SpecError, UNetSpec, from_diffusers_config, load_spec, spec_from_dict
 from shared_configs.diffusers import find_folder
+from shared_configs.training import Batch, TrainConfig
 
 FRAMEWORKS: tuple[str, ...] = ("torch", "jax")  # what --framework both runs
 # diffusers' own U-Net (torch), with its enable_gradient_checkpointing(): the baseline ours replace
@@ -46,10 +50,12 @@ class Job:
     device: str
     context_length: int
     source: str = "spec"  # "spec" or "diffusers"
-    xla_cpu_flag: bool = True  # jax on CPU: disable cse_barrier_expander (see DESIGN.md)
+    xla_cpu_flag: bool = True  # jax on CPU: disable cse_barrier_expander (see docs/benchmark.md)
     xla_default: bool = True  # jax on CPU: also compile with XLA's default passes, for comparison
-    attention_chunk: int | None = None  # jax: UNet(attention_chunk=...), queries per attention chunk
+    attention_chunk: int | str | None = None  # jax: UNet(attention_chunk=...); "auto": on CPU only
     peak_only: bool = False  # benchmarks.max_batch: the peak alone (no FLOPs, no timing; jax on CPU: no run)
+    timeline: tuple[str, ...] = ()  # the policies whose memory-over-the-step record is kept
+    jax_cache: str | None = None  # jax: the persistent compilation cache folder (None: off)
     done: tuple[tuple[str, int], ...] = field(default=())  # rows already reported, skipped
 
     def rows(self) -> list[tuple[str, int]]:
@@ -61,7 +67,7 @@ class Job:
     @classmethod
     def from_json(cls, text: str) -> Job:
         data = json.loads(text)
-        for key in ("policies", "batch_sizes"):
+        for key in ("policies", "batch_sizes", "timeline"):
             data[key] = tuple(data[key])
         data["done"] = tuple((p, b) for p, b in data["done"])
         return cls(**data)
@@ -87,6 +93,47 @@ def diffusers_spec(folder: str) -> UNetSpec:
 
 def job_spec(job: Job) -> UNetSpec:
     return load_benchmark_spec(job.config, job.sample_size, job.source)
+
+
+TIMESTEPS = 1000  # the DDPM timesteps the inputs' t are drawn from
+# The optimiser's hyperparameters: the training loops' defaults, handed to each framework's own
+# make_optimizer (AdamW with the same betas and eps in both).
+OPTIMIZER = TrainConfig()
+# The kinds of memory a peak is split into, in stacking order; together they add up to the peak.
+# Row columns are f"{kind}_bytes".
+CATEGORIES: tuple[str, ...] = ("params", "optimizer", "grads", "input", "activation", "temporary")
+OUTSIDE = "(top)"  # conv_in, time embedding, conv_out, the loss, the optimizer: in no U-Net block
+_BLOCK = re.compile(r"(?:^|[/.])(?:(down|up)[._](\d+)|(mid))(?=$|[/.])")
+
+
+def block_of(path: str) -> str:
+    """The U-Net block a module path is in, from a torch name (``UNet.down.1.resnets.0``) or a
+    Flax / XLA name stack (``transpose(jvp(UNet))/checkpoint/rematted_computation/up_1/...``):
+    ``down.1``, ``mid``, ``up.1``, ...; `OUTSIDE` when it names none."""
+    match = _BLOCK.search(path)
+    if match is None:
+        return OUTSIDE
+    return "mid" if match[3] else f"{match[1]}.{match[2]}"
+
+
+def make_batch(spec: UNetSpec, batch_size: int, context_length: int) -> Batch:
+    """The inputs every row trains on, the same numbers in both frameworks: a training loop's
+    `Batch` (numpy, NCHW; jax_impl.train.arrays makes it NHWC). Noise-like images and targets,
+    integer timesteps, a context when the spec cross-attends. The one place inputs are made."""
+    rng = np.random.default_rng(0)
+    size = spec.sample_size
+    noisy = rng.standard_normal((batch_size, spec.in_channels, size, size), dtype=np.float32)
+    t = rng.integers(0, TIMESTEPS, batch_size).astype(np.float32)
+    noise = rng.standard_normal((batch_size, spec.out_channels, size, size), dtype=np.float32)
+    context = None
+    if spec.cross_attention_dim is not None:
+        context = rng.standard_normal((batch_size, context_length, spec.cross_attention_dim), dtype=np.float32)
+    return Batch(noisy=noisy, t=t, noise=noise, context=context, labels=np.zeros(batch_size, np.int64))
+
+
+def batch_bytes(batch: Batch) -> int:
+    """Bytes of the arrays a training step reads (labels are not given to the model)."""
+    return sum(a.nbytes for a in (batch.noisy, batch.t, batch.noise, batch.context) if a is not None)
 
 
 def policy_arg(policy: str) -> str:
@@ -120,10 +167,12 @@ def is_oom_message(message: str) -> bool:
     )
 
 
-def one_line(err: BaseException) -> str:
-    """A one-line description of an exception (first line of its message)."""
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}".strip()
+def one_line(err: BaseException, limit: int = 10_000) -> str:
+    """A one-line description of an exception: its message's lines joined (a state-dict error lists
+    the mismatched keys on the lines after the first), cut at ``limit`` characters."""
+    text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip()).replace(":;", ":")
+    line = f"{type(err).__name__}: {text}".strip()
+    return line if len(line) <= limit else line[: limit - 5] + " ..."
 
 
 def git_sha() -> str | None:

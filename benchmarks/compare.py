@@ -1,13 +1,13 @@
-"""Benchmark one full training step per framework x checkpoint policy x batch size.
+"""Benchmark the training loops' own step per framework x checkpoint policy x batch size.
 
-    python -m benchmarks.compare --framework both --config small --policies none,full,balanced,layers
+    python -m benchmarks.compare --framework both                                      # the default run
     python -m benchmarks.compare --framework torch,diffusers --policies full,layers   # vs diffusers' own
     python -m benchmarks.compare --diffusers path/to/unet_folder                      # a local diffusers model
 
 Each framework runs in its own subprocess (`benchmarks.worker`); this process imports neither.
-Prints a table, and writes ``<out>/<run>.json``, ``.csv`` and ``.png`` (memory reduction against
-time overhead, with the Pareto front). See `benchmarks.torch_bench` and `benchmarks.jax_bench`
-for how each figure is measured.
+Prints a table, and writes ``<out>/<run>.json``, ``.csv``, ``.png`` (memory reduction against
+time overhead, with the Pareto front) and ``-timeline.png`` (memory over the step). See
+`benchmarks.torch_bench` and `benchmarks.jax_bench` for how each figure is measured.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from benchmarks import plot, report
+from benchmarks.cli import Parser, cache_dir, check_out_dir, cli_errors, positive
 from benchmarks.common import (
     DIFFUSERS,
     DIFFUSERS_POLICIES,
@@ -38,29 +39,14 @@ from benchmarks.common import (
     other_cpu_share,
     policy_arg,
 )
-from benchmarks.runner import Event, cli_errors, run_job
+from benchmarks.runner import Event, run_job
 from shared_configs import NAMED_POLICIES, SpecError, UNetSpec, resolve_plan, to_diffusers_config
 
-DEFAULT_POLICIES = "none,full,balanced,layers,save_convs"
-DEFAULT_CONFIG = "small"
-DEFAULT_SAMPLE_SIZE = 16  # small's 32 x 32 takes minutes per policy on a 2-core CPU
-DEFAULT_BATCH_SIZES = (4,)
+DEFAULT_CONFIG = "sd_narrow"  # activation-dominated, as diffusion training is (docs/benchmark.md)
+DEFAULT_POLICIES = "none,full,layers"
+DEFAULT_BATCH_SIZES = (8,)
 DEFAULT_STEPS = 3
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, no usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+DEFAULT_JAX_CACHE = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "unet-remat" / "jax"
 
 
 def _frameworks(text: str) -> tuple[str, ...]:
@@ -77,23 +63,44 @@ def _frameworks(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-EPILOG = """\
-one training step = forward, MSE loss, backward, AdamW (torch) / optax.adamw (jax).
-memory: GPU - the allocator's peak (torch.cuda.max_memory_allocated; jax memory_stats()).
-  CPU - torch: peak of live tensor bytes (dispatch-mode tracker; the allocator's own peak beside
-  it in the files); jax: the compiled step's memory_analysis() with XLA_FLAGS=
-  --xla_disable_hlo_passes=cse_barrier_expander, since XLA:CPU otherwise strips the barriers
-  remat relies on (--xla-default adds the un-flagged figure as the 'XLA:CPU default' column).
-static = params + grads + optimizer state; dynamic = peak - static - inputs.
+def _chunk(text: str) -> int | str | None:
+    """'auto', or queries per attention chunk (0: unchunked)."""
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected auto, 0 (unchunked) or a number of queries, got {text!r}")
+    return value or None
+
+
+EPILOG = f"""\
+one training step = each loop's own step: torch_impl.train.train_step (zero_grad(), forward, MSE,
+  backward, AdamW) and the jitted jax_impl.train.train_step (TrainState donated, optax.adamw), the
+  same optimizer hyperparameters, the same inputs.
+memory: the peak of the whole step, split into parts that add up to it, at the peak's moment:
+  params + opt state + grads + inputs + activations (made in the forward or recomputed) + temps.
+  CPU - torch: live tensor storages (TorchDispatchMode tracker), checked against PyTorch's own
+  MemTracker on the same step; jax: the compiled step's memory_analysis(), parts from XLA's buffer
+  assignment and live ranges, with XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander (XLA:CPU
+  otherwise strips the barriers remat relies on: --xla-default adds the un-flagged figure).
+  GPU - the allocator's peak (torch.cuda.max_memory_allocated; jax memory_stats()).
+attention: each framework's best on the device: torch's SDPA (fused on CPU and GPU); jax on CPU
+  query-chunked (--jax-attention-chunk auto = 64 queries on CPU, XLA's own on GPU; 0 = unchunked).
 time: median [min-max] of --steps steps after a warm-up step; compile time apart; overhead and
   reductions against policy none, same framework and run. Each framework in its own process.
+timeline: <run>-timeline.png, memory over the step for none and --timeline's plan, per framework,
+  block starts marked (torch: the tracker's allocations and frees, by module; jax: XLA's schedule).
+jax compilation cache: {DEFAULT_JAX_CACHE} (--jax-cache): a repeated run loads its compiled steps.
 diffusers: diffusers' own UNet2D(Condition)Model (the spec's diffusers config, or the --diffusers
   folder's), same weights, measured like torch; its rows are none and enable_gradient_checkpointing.
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="python -m benchmarks.compare",
         description=__doc__.split("\n\n")[0],
         epilog=EPILOG,
@@ -115,12 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a local diffusers UNet2D(Condition)Model folder (or a pipeline folder with unet/): its config "
         "and weights, in every framework",
     )
-    p.add_argument(
-        "--sample-size",
-        type=_positive,
-        default=None,
-        help=f"override spec.sample_size (default: {DEFAULT_SAMPLE_SIZE} for the default config, else the spec's)",
-    )
+    p.add_argument("--sample-size", type=positive, default=None, help="override spec.sample_size")
     p.add_argument(
         "--policies",
         default=DEFAULT_POLICIES,
@@ -129,19 +131,27 @@ def build_parser() -> argparse.ArgumentParser:
         "offload_convs); 'none' is always measured, as the baseline (default: %(default)s)",
     )
     p.add_argument(
+        "--timeline",
+        default=None,
+        metavar="POLICY",
+        help="the checkpointed policy drawn beside none in the timeline picture (default: full if measured, "
+        "else the first policy after none); 'off' for no picture",
+    )
+    p.add_argument(
         "--batch-size",
-        type=_positive,
+        type=positive,
         nargs="+",
         default=None,
         metavar="N",
         help=f"one or more batch sizes (default: {DEFAULT_BATCH_SIZES[0]} for the default config, else 1)",
     )
-    p.add_argument("--steps", type=_positive, default=DEFAULT_STEPS, help="timed steps after warm-up (%(default)s)")
+    p.add_argument("--steps", type=positive, default=DEFAULT_STEPS, help="timed steps after warm-up (%(default)s)")
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
         default="float32",
-        help="parameter and input dtype (default: float32)",
+        help="the forward's compute dtype, as the training loops' --dtype: bfloat16 is mixed precision "
+        "(float32 parameters, gradients and optimizer state) (default: float32)",
     )
     p.add_argument(
         "--device",
@@ -149,21 +159,29 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto (default): each framework's GPU if it has one, else CPU",
     )
-    p.add_argument("--context-length", type=_positive, default=77, help="cross-attention tokens (%(default)s)")
+    p.add_argument("--context-length", type=positive, default=77, help="cross-attention tokens (%(default)s)")
     p.add_argument("--out", type=Path, default=Path("results"), help="folder for JSON/CSV/PNG (%(default)s)")
+    p.add_argument(
+        "--jax-attention-chunk",
+        type=_chunk,
+        default="auto",
+        metavar="N",
+        help="jax: compute attention N queries at a time, each chunk rematerialised (UNet(attention_chunk=N)); "
+        "auto (default): 64 on CPU, where XLA's attention is unfused, off on GPU; 0: unchunked",
+    )
+    p.add_argument(
+        "--jax-cache",
+        type=cache_dir,
+        default=str(DEFAULT_JAX_CACHE),
+        metavar="DIR",
+        help="jax: JAX's persistent compilation cache folder, so a repeated run loads its compiled steps "
+        "(default: %(default)s; 'none' to compile afresh)",
+    )
     p.add_argument(
         "--xla-default",
         action="store_true",
         help="jax on CPU: also compile each step with XLA's default passes, which strip remat's barriers "
-        "(the 'XLA:CPU default' column; off by default to keep the default run under 3 minutes)",
-    )
-    p.add_argument(
-        "--jax-attention-chunk",
-        type=_positive,
-        default=None,
-        metavar="N",
-        help="jax: compute attention N queries at a time, each chunk rematerialised (UNet(attention_chunk=N)); "
-        "XLA:CPU's attention is unfused, torch's CPU SDPA is not (default: off)",
+        "(the 'XLA:CPU default' column)",
     )
     p.add_argument("--verbose", action="store_true", help="show the workers' stderr")
     return p
@@ -173,9 +191,8 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
     """Validate the arguments (SpecError on bad input) and turn them into worker jobs."""
     source, config = ("diffusers", str(args.diffusers)) if args.diffusers else ("spec", args.config)
     default_config = source == "spec" and config == DEFAULT_CONFIG
-    sample_size = args.sample_size or (DEFAULT_SAMPLE_SIZE if default_config else None)
     batch_sizes = tuple(dict.fromkeys(args.batch_size or (DEFAULT_BATCH_SIZES if default_config else (1,))))
-    spec = load_benchmark_spec(config, sample_size, source)
+    spec = load_benchmark_spec(config, args.sample_size, source)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise SpecError("policies: none given")
@@ -193,16 +210,31 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
         "device": args.device,
         "context_length": args.context_length,
     }
+    timeline = timeline_policies(args.timeline, policies)
     return [
         Job(
             framework=fw,
             policies=DIFFUSERS_POLICIES if fw == DIFFUSERS else tuple(policies),
+            timeline=() if fw == DIFFUSERS else timeline,
             xla_default=args.xla_default,
             attention_chunk=args.jax_attention_chunk if fw == "jax" else None,
+            jax_cache=args.jax_cache if fw == "jax" else None,
             **common,
         )
         for fw in args.framework
     ]
+
+
+def timeline_policies(requested: str | None, policies: list[str]) -> tuple[str, ...]:
+    """none and the plan drawn beside it (SpecError if that plan is not measured)."""
+    if requested == "off":
+        return ()
+    plans = [p for p in policies if p != "none"]
+    if requested is None:
+        requested = "full" if "full" in plans else (plans[0] if plans else None)
+    elif requested not in plans:
+        raise SpecError(f"timeline: {requested!r} is not among the measured policies ({', '.join(plans) or 'none'})")
+    return ("none",) if requested is None else ("none", requested)
 
 
 def _check_frameworks(frameworks: tuple[str, ...], spec: UNetSpec, source: str) -> None:
@@ -212,9 +244,6 @@ def _check_frameworks(frameworks: tuple[str, ...], spec: UNetSpec, source: str) 
             raise SpecError("--framework diffusers: the diffusers package is not installed (pip install diffusers)")
         if source == "spec":
             to_diffusers_config(spec)  # names the field diffusers cannot build
-    if "jax" in frameworks and spec.norm_kind == "batch":
-        raise SpecError("norm_kind: 'batch' is not benchmarked in jax yet (the step does not carry batch_stats); "
-                        "use --framework torch")  # fmt: skip
 
 
 def run_all(jobs: list[Job], console: Console, verbose: bool) -> list[list[Event]]:
@@ -244,9 +273,10 @@ def run_all(jobs: list[Job], console: Console, verbose: bool) -> list[list[Event
 def build_document(
     args: argparse.Namespace, jobs: list[Job], results: list[list[Event]], clock: tuple[float, float | None, float]
 ) -> dict:
-    """The JSON document: top-level config, device, versions and rows."""
+    """The JSON document: top-level config, device, versions, rows and timelines."""
     events = [e for evs in results for e in evs]
-    rows = report.complete(e for e in events if e["event"] == "row")
+    row_events = [e for e in events if e["event"] == "row"]
+    rows = report.complete(row_events)
     envs = {e["framework"]: e for e in events if e["event"] == "env"}
     spec = job_spec(jobs[0])
     return {
@@ -274,6 +304,11 @@ def build_document(
         "other_cpu_share": other_cpu_share(clock, cpu_snapshot()),
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "rows": rows,
+        "timelines": [
+            {"framework": e["framework"], "policy": e["policy"], "batch_size": e["batch_size"], **e["timeline"]}
+            for e in row_events
+            if e.get("timeline")
+        ],
     }
 
 
@@ -286,15 +321,18 @@ def write_outputs(document: dict[str, Any], out: Path) -> list[Path]:
     title = f"{report.title(document)}\n{device}"
     if plot.plot(document["rows"], out / f"{stem}.png", title):
         paths.append(out / f"{stem}.png")
+    if plot.plot_timelines(document["timelines"], out / f"{stem}-timeline.png", report.title(document)):
+        paths.append(out / f"{stem}-timeline.png")
     return paths
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # A table this wide wraps unreadably at 80 columns: when not on a terminal, print it wide.
-    console = Console() if sys.stdout.isatty() else Console(width=180)
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     with cli_errors("compare"):
         jobs = make_jobs(args)
+        check_out_dir(args.out)
         clock = cpu_snapshot()
         results = run_all(jobs, console, args.verbose)
     document = build_document(args, jobs, results, clock)

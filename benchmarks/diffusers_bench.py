@@ -17,11 +17,29 @@ import torch
 
 from benchmarks import torch_bench
 from benchmarks.common import DIFFUSERS_POLICIES, Job
-from benchmarks.torch_bench import device_info, oom_types, release, resolve_device, simulated_oom
+from benchmarks.torch_bench import (
+    device_info,
+    one_row_per_process,
+    oom_types,
+    prepare,
+    release,
+    resolve_device,
+    simulated_oom,
+)
 from shared_configs import to_diffusers_config
 from shared_configs.diffusers import find_folder
 
-__all__ = ["device_info", "measure", "oom_types", "release", "resolve_device", "simulated_oom", "versions"]
+__all__ = [
+    "device_info",
+    "measure",
+    "one_row_per_process",
+    "oom_types",
+    "prepare",
+    "release",
+    "resolve_device",
+    "simulated_oom",
+    "versions",
+]
 
 
 class DiffusersForward(torch.nn.Module):

@@ -1,11 +1,13 @@
-"""One JAX/Flax training step (forward, MSE loss, backward, ``optax.adamw``), measured.
+"""The JAX training step, measured: the jitted `jax_impl.train.train_step` a user's loop calls
+(TrainState donated, loss, gradients through the remat plan, ``optax.adamw``). Imported by the
+worker only, after it has set ``XLA_FLAGS``.
 
-Imported by the worker only, after it has set ``XLA_FLAGS``. Per row: the step is jitted (with
-params and optimizer state donated), lowered and compiled (timed apart); the compiled step's
-``memory_analysis()`` and ``cost_analysis()`` give the peak and FLOPs; ``saved_residuals`` gives
-what autodiff keeps; one warm-up run, then ``steps`` timed runs. On CPU the same lowered step is
-compiled a second time with XLA's default pass list (``cse_barrier_expander`` enabled, LLVM at
--O0 since that compile is never run) for the un-flagged figure.
+Per row: the step is lowered and compiled (timed apart) with XLA's memory plan dumped
+(`benchmarks.jax_memory`: the peak, its parts and the timeline); ``cost_analysis()`` gives the
+FLOPs, ``saved_residuals`` what autodiff keeps; one warm-up run, then ``steps`` timed runs. With
+``--xla-default`` on CPU the same lowered step is compiled again with XLA's default pass list
+(``cse_barrier_expander`` on, LLVM at -O0 since it is never run) for the un-flagged figure.
+Compiled steps persist in the job's cache folder (JAX's persistent compilation cache).
 """
 
 from __future__ import annotations
@@ -14,21 +16,44 @@ import functools
 import gc
 import os
 import time
-from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
 
-from benchmarks.common import XLA_CPU_FLAG, Job, cpu_name, job_spec, load_benchmark_spec, policy_arg, timing_stats
+from benchmarks.common import (
+    OPTIMIZER,
+    XLA_CPU_FLAG,
+    Job,
+    cpu_name,
+    job_spec,
+    load_benchmark_spec,
+    make_batch,
+    policy_arg,
+    timing_stats,
+)
+from benchmarks.jax_memory import compile_with_plan
 from jax_impl import UNet
+from jax_impl import train as jt
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-TIMESTEPS = 1000
-Batch = dict[str, Any]
+SEED = 0
+# init_state compiled: the forward pass is dead code (only variables are returned); what is left is a
+# random-number kernel per parameter, run once. LLVM's optimisations of those would take far longer
+# than the run (half of XLA:CPU's compile time), so they are off for it: the same draws (equal up to
+# float32 rounding of the last bit), sooner.
+FAST_INIT = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# Queries per attention chunk where XLA's attention is unfused (XLA:CPU): the default's 16x16 attention
+# (256 tokens) in 4 chunks, each recomputed in the backward instead of keeping its scores.
+CPU_ATTENTION_CHUNK = 64
+
+
+def attention_chunk(job: Job, device: jax.Device) -> int | None:
+    """The job's chunk size; ``auto``: chunked on CPU, XLA's own attention on GPU."""
+    if job.attention_chunk == "auto":
+        return None if _on_gpu(device) else CPU_ATTENTION_CHUNK
+    return job.attention_chunk  # type: ignore[return-value]
 
 
 def resolve_device(requested: str) -> jax.Device:
@@ -51,6 +76,28 @@ def one_row_per_process(device: jax.Device) -> bool:
     return _on_gpu(device)
 
 
+_PENDING: dict[tuple[str, int], Future] = {}  # (policy, batch size) -> its compile, under way
+_BACKGROUND: list[Future] = []  # every compile started by prepare, the initial state's included
+
+
+def prepare(job: Job, device: jax.Device) -> None:
+    """Start compiling every row's step, two at a time (XLA compiles on one core), and the initial
+    state; rows wait for all of it before they run, so no compile overlaps a timed step. JAX's
+    persistent compilation cache in the job's folder lets a repeated run load its steps."""
+    if job.jax_cache is not None:
+        jax.config.update("jax_compilation_cache_dir", job.jax_cache)
+    if job.source == "diffusers":  # its weights first: if they do not fit, no row can run
+        _initial_state(job.config, job.sample_size, job.source)
+    rows = job.rows()[:1] if one_row_per_process(device) else job.rows()
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="compile")
+    for policy, batch_size in rows:
+        _PENDING[(policy, batch_size)] = pool.submit(_compile, job, policy, batch_size, device)
+    if not (job.peak_only and not _on_gpu(device)):
+        _BACKGROUND.append(pool.submit(_initial_state, job.config, job.sample_size, job.source))
+    _BACKGROUND.extend(_PENDING.values())
+    pool.shutdown(wait=False)
+
+
 def device_info(device: jax.Device) -> dict[str, Any]:
     name = device.device_kind if _on_gpu(device) else cpu_name()
     return {"kind": "gpu" if _on_gpu(device) else "cpu", "name": name, "platform": device.platform}
@@ -58,67 +105,84 @@ def device_info(device: jax.Device) -> dict[str, Any]:
 
 def versions() -> dict[str, str]:
     import flax
+    import optax
 
     return {"jax": jax.__version__, "jaxlib": jax.lib.__version__, "flax": flax.__version__, "optax": optax.__version__}
 
 
-def memory_method(device: jax.Device) -> str:
+def memory_method(device: jax.Device, attention_chunk: int | None) -> str:
+    attention = (
+        f"attention: query-chunked, {attention_chunk} queries per chunk (UNet(attention_chunk=...))"
+        if attention_chunk
+        else "attention: jax.nn.dot_product_attention (unchunked)"
+    )
     if _on_gpu(device):
         # The counter cannot be reset, hence one process per row; it also sees the compiler's
-        # autotuning scratch, so compiled_peak_bytes (memory_analysis) is reported beside it.
-        return "jax device memory_stats() peak_bytes_in_use (one process per row, preallocation off)"
-    flags = os.environ.get("XLA_FLAGS", "")
-    barrier = "cse_barrier_expander disabled" if XLA_CPU_FLAG in flags.split() else "XLA:CPU default passes"
-    return f"XLA compiled memory_analysis() (arguments + outputs - aliased + temporaries), {barrier}"
+        # autotuning scratch, counted as temporaries beside XLA's plan.
+        return f"{attention}; jax device memory_stats() peak_bytes_in_use (one process per row), parts from XLA's plan"
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    barrier = "cse_barrier_expander disabled" if XLA_CPU_FLAG in flags else "XLA:CPU default passes"
+    return f"{attention}; XLA compiled memory_analysis() total, {barrier}; parts from XLA's plan"
 
 
-def make_batch(spec: Any, batch_size: int, context_length: int, dtype: Any, device: jax.Device) -> Batch:
-    """Deterministic NHWC inputs; the same shapes and distributions as the torch side's."""
-    rng = np.random.default_rng(0)
-    size = spec.sample_size
-    batch = {
-        "x": rng.standard_normal((batch_size, size, size, spec.in_channels), dtype=np.float32),
-        "t": rng.integers(0, TIMESTEPS, (batch_size,)).astype(np.float32),
-        "context": None,
-        "target": rng.standard_normal((batch_size, size, size, spec.out_channels), dtype=np.float32),
-    }
-    if spec.cross_attention_dim is not None:
-        batch["context"] = rng.standard_normal((batch_size, context_length, spec.cross_attention_dim), np.float32)
-    cast = {k: None if v is None else jnp.asarray(v, jnp.float32 if k == "t" else dtype) for k, v in batch.items()}
-    return jax.device_put(cast, device)
+@functools.cache
+def _initial_state(config: str, sample_size: int | None, source: str) -> Any:
+    """The TrainState every row starts from, on the host (each row donates its device copy):
+    `jax_impl.train.init_state` (seed 0) or a diffusers folder's weights. The same for every
+    policy: the parameter tree does not depend on the plan."""
+    tx = jt.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay)
+    if source == "diffusers":
+        from jax_impl.diffusers_io import from_diffusers
+
+        state = jt.TrainState.create({"params": from_diffusers(config)[1]}, tx)
+    else:
+        spec = load_benchmark_spec(config, sample_size)
+        init = functools.partial(jt.init_state, UNet(spec=spec, policy="none"), tx, SEED)
+        state = jax.jit(init, compiler_options=FAST_INIT)()
+    return jax.tree.map(np.asarray, state)
 
 
-def make_step(model: UNet, tx: optax.GradientTransformation) -> tuple[Callable, Callable]:
-    """The loss ``(params, x, t, context, target, key)`` and the jitted train step."""
+def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[str, Any]:
+    """What a row's step takes; the state abstract (shapes: enough to compile, no init needed)."""
+    spec = job_spec(job)
+    model = UNet(spec=spec, policy=policy_arg(policy), attention_chunk=attention_chunk(job, device))
+    tx = jt.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay)
+    batch = jax.device_put(jt.arrays(make_batch(spec, batch_size, job.context_length)), device)
+    state = _abstract_state(spec, tx)
+    dtype = jt.DTYPES[job.dtype]
+    return {"model": model, "tx": tx, "state": state, "batch": batch, "key": jax.random.key(2), "dtype": dtype}
 
-    def loss_fn(params: Any, x: jax.Array, t: jax.Array, context: Any, target: jax.Array, key: jax.Array) -> Any:
-        out = model.apply({"params": params}, x, t, context, train=True, rngs={"dropout": key})
-        return jnp.mean((out.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
 
-    def train_step(params: Any, opt_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(
-            params, batch["x"], batch["t"], batch["context"], batch["target"], key
-        )
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+@functools.cache
+def _abstract_state(spec: Any, tx: Any) -> Any:
+    """The TrainState's shapes and dtypes (traced once: the same for every policy and batch)."""
+    return jax.eval_shape(lambda: jt.init_state(UNet(spec=spec, policy="none"), tx, SEED))
 
-    return loss_fn, jax.jit(train_step, donate_argnums=(0, 1))
+
+def _compile(job: Job, policy: str, batch_size: int, device: jax.Device) -> tuple[dict[str, Any], Any, Any, Any]:
+    """(setup, lowered, compiled, XLA's memory plan) of one row's step, compile seconds in setup."""
+    s = _setup(job, policy, batch_size, device)
+    static = {"model": s["model"], "tx": s["tx"], "compute_dtype": s["dtype"]}
+    t0 = time.perf_counter()
+    lowered = jt.train_step.lower(s["state"], s["batch"], s["key"], **static)
+    s["lower_s"] = time.perf_counter() - t0
+    compiled, plan, s["compile_s"] = compile_with_plan(lowered, job.jax_cache)
+    return s, lowered, compiled, plan
 
 
 def _nbytes(tree: Any) -> int:
-    # ``dtype.itemsize`` rather than ``np.dtype``: PRNG key arrays have an extended dtype.
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def _compiled_peak(compiled: Any) -> int:
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
 def _flops(compiled: Any) -> float | None:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     return None if not cost or "flops" not in cost else float(cost["flops"])
+
+
+def _compiled_total(compiled: Any) -> int:
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
 def _default_passes_peak(lowered: Any) -> int:
@@ -130,7 +194,7 @@ def _default_passes_peak(lowered: Any) -> int:
         "xla_backend_optimization_level": 0,
         "xla_llvm_disable_expensive_passes": True,
     }
-    return _compiled_peak(lowered.compile(compiler_options=options))
+    return _compiled_total(lowered.compile(compiler_options=options))
 
 
 def _disabled_passes() -> list[str]:
@@ -141,133 +205,76 @@ def _disabled_passes() -> list[str]:
     return out
 
 
-def _saved_bytes(loss_fn: Callable, params: Any, batch: Batch, key: jax.Array) -> int:
+def _saved_bytes(s: dict[str, Any]) -> int:
     """Residuals autodiff keeps for backward, parameters excluded (as on the torch side)."""
-    args = (params, batch["x"], batch["t"], batch["context"], batch["target"], key)
-    residuals = saved_residuals(loss_fn, *args)
+
+    def loss(params: Any, batch_stats: Any, batch: Any, key: jax.Array) -> jax.Array:
+        return jt.loss_fn(params, batch_stats, s["model"], batch, key, s["dtype"])[0]
+
+    state = s["state"]
+    residuals = saved_residuals(loss, state.params, state.batch_stats, s["batch"], s["key"])
     keep = [aval for aval, where in residuals if not where.startswith("from the argument params")]
-    return _nbytes(keep)
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in keep)
 
 
-def init_params(shapes: Any, dtype: Any, seed: int = 0) -> Any:
-    """Parameters drawn host-side with Flax's default initialisers' distributions.
-
-    LeCun-normal kernels, zero biases, unit norm scales. Jitting ``model.init`` instead compiles
-    the whole forward pass once more, which costs as much as compiling the step on XLA:CPU;
-    the values do not change what is measured.
-    """
-    rng = np.random.default_rng(seed)
-
-    def draw(path: tuple, leaf: Any) -> np.ndarray:
-        name = str(getattr(path[-1], "key", path[-1]))
-        shape = tuple(leaf.shape)
-        if name == "kernel":
-            fan_in = int(np.prod(shape[:-1])) or 1
-            value = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)
-        else:
-            value = np.full(shape, 1.0 if name == "scale" else 0.0, np.float32)
-        return value.astype(dtype)
-
-    return jax.tree_util.tree_map_with_path(draw, shapes)
-
-
-@functools.cache
-def _host_params(config: str, sample_size: int | None, dtype_name: str, source: str) -> Any:
-    """Host copies of the parameters: the tree is the same for every policy (by design), and
-    each row needs fresh device copies, since the step donates them. A diffusers folder's own
-    weights when ``source`` is "diffusers"."""
-    if source == "diffusers":
-        from jax_impl.diffusers_io import from_diffusers
-
-        return jax.tree.map(lambda a: np.asarray(a).astype(DTYPES[dtype_name]), from_diffusers(config)[1])
-    spec = load_benchmark_spec(config, sample_size)
-    model = UNet(spec=spec, policy="none")
-    x = jnp.zeros((1, spec.sample_size, spec.sample_size, spec.in_channels))
-    context = None if spec.cross_attention_dim is None else jnp.zeros((1, 1, spec.cross_attention_dim))
-    keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-    shapes = jax.eval_shape(lambda: model.init(keys, x, jnp.zeros((1,)), context, train=False))
-    return init_params(shapes["params"], DTYPES[dtype_name])
-
-
-def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[str, Any]:
-    spec = job_spec(job)
-    dtype = DTYPES[job.dtype]
-    model = UNet(spec=spec, policy=policy_arg(policy), attention_chunk=job.attention_chunk)
-    batch = make_batch(spec, batch_size, job.context_length, dtype, device)
-    params = jax.device_put(_host_params(job.config, job.sample_size, job.dtype, job.source), device)
-    tx = optax.adamw(1e-4)
-    loss_fn, step = make_step(model, tx)
+def _xla_default(lowered: Any, row: dict[str, Any]) -> dict[str, Any]:
+    # Without optimization barriers (no remat) the pass has nothing to strip: same program.
+    has_barriers = "opt-barrier" in lowered.as_text(dialect="hlo")
+    peak = _default_passes_peak(lowered) if has_barriers else row["peak_bytes"]
     return {
-        "params": params,
-        "opt_state": tx.init(params),
-        "batch": batch,
-        "key": jax.random.key(2),
-        "loss_fn": loss_fn,
-        "step": step,
+        "xla_default_peak_bytes": peak,
+        "xla_default_method": "the same lowered step compiled again with XLA:CPU's default passes "
+        "(cse_barrier_expander on), LLVM -O0 (buffer assignment precedes code generation), never run; a step "
+        "without remat has no barriers and is not compiled twice",
     }
-
-
-def _analysis(s: dict[str, Any], device: jax.Device, xla_default: bool) -> dict[str, Any]:
-    """Compile (timed) and read the compiled step's memory and cost analyses."""
-    t0 = time.perf_counter()
-    lowered = s["step"].lower(s["params"], s["opt_state"], s["batch"], s["key"])
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - t0
-    static = 2 * _nbytes(s["params"]) + _nbytes(s["opt_state"])  # params + grads + optimizer state
-    input_bytes = _nbytes([v for v in s["batch"].values() if v is not None]) + _nbytes(s["key"])
-    row = {
-        "compiled": compiled,
-        "compile_s": compile_s,
-        "compiled_peak_bytes": _compiled_peak(compiled),
-        "static_bytes": static,
-        "input_bytes": input_bytes,
-        "flops": _flops(compiled),
-        "param_count": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(s["params"])),
-    }
-    if xla_default and not _on_gpu(device):
-        # Without optimization barriers (no remat) the pass has nothing to strip: same program.
-        has_barriers = "opt-barrier" in lowered.as_text(dialect="hlo")
-        row["xla_default_peak_bytes"] = _default_passes_peak(lowered) if has_barriers else row["compiled_peak_bytes"]
-        row["xla_default_method"] = (
-            "the same lowered step compiled again with XLA:CPU's default passes (cse_barrier_expander on), "
-            "LLVM -O0 (buffer assignment precedes code generation), never run; a step without remat has no "
-            "barriers and is not compiled twice"
-        )
-        row["xla_default_activation_bytes"] = row["xla_default_peak_bytes"] - static - input_bytes
-    return row
 
 
 def _run_steps(s: dict[str, Any], compiled: Any, steps: int) -> tuple[float, list[float]]:
-    """One warm-up run, then ``steps`` timed runs; params and optimizer state are donated."""
-    params, opt_state = s["params"], s["opt_state"]
-    times = []
+    """One warm-up run, then ``steps`` timed runs; each donates the state it is given."""
+    state, times = s["state"], []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
-        params, opt_state, loss = compiled(params, opt_state, s["batch"], s["key"])
-        jax.block_until_ready((params, opt_state, loss))
+        state, loss = compiled(state, s["batch"], s["key"])
+        jax.block_until_ready((state, loss))
         times.append(time.perf_counter() - t0)
-    s["params"], s["opt_state"] = params, opt_state
+    s["state"] = state
     return times[0], times[1:]
 
 
 def measure(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[str, Any]:
     """Every measured figure of one (policy, batch size) row."""
-    s = _setup(job, policy, batch_size, device)
-    row = _analysis(s, device, job.xla_default)
-    compiled = row.pop("compiled")
+    wait(_BACKGROUND)  # every compile done before anything is timed
+    pending = _PENDING.pop((policy, batch_size), None)
+    s, lowered, compiled, plan = pending.result() if pending else _compile(job, policy, batch_size, device)
+    row: dict[str, Any] = {
+        "compile_s": s["compile_s"],
+        "compiled_peak_bytes": plan.peak,
+        "peak_bytes": plan.peak,
+        "fragmentation_bytes": plan.fragmentation,
+        "live_peak_bytes": plan.live_peak,
+        "xla_live_peak_bytes": plan.xla_live_peak,
+        "flops": _flops(compiled),
+        "param_count": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(s["state"].params)),
+        "static_bytes": _nbytes((s["state"].params, s["state"].batch_stats, s["state"].opt_state)),
+        **{f"{kind}_bytes": value for kind, value in plan.parts.items()},
+    }
+    if policy in job.timeline:
+        row["timeline"] = plan.timeline
+    if job.xla_default and not _on_gpu(device):
+        row.update(_xla_default(lowered, row))
     if not (job.peak_only and not _on_gpu(device)):  # on CPU the peak is the compiled step's: no run needed
-        row["saved_bytes"] = _saved_bytes(s["loss_fn"], s["params"], s["batch"], s["key"])
+        s["state"] = jax.device_put(_initial_state(job.config, job.sample_size, job.source), device)
+        row["saved_bytes"] = _saved_bytes(s)
         first, samples = _run_steps(s, compiled, 0 if job.peak_only else job.steps)
         row.update(timing_stats(samples) if samples else {}, first_step_s=first)
-    if _on_gpu(device):
-        row["peak_bytes"] = device.memory_stats()["peak_bytes_in_use"]
-    else:
-        row["peak_bytes"] = row["compiled_peak_bytes"]
+    if _on_gpu(device):  # the device's own peak; what XLA's plan does not explain is scratch
+        row["peak_bytes"] = max(plan.peak, device.memory_stats()["peak_bytes_in_use"])
+        row["temporary_bytes"] += row["peak_bytes"] - plan.peak
     row.update(
-        activation_bytes=row["peak_bytes"] - row["static_bytes"] - row["input_bytes"],
-        peak_method=memory_method(device),
-        flops_method="XLA cost_analysis() of the compiled step (all ops, optimizer included)",
+        peak_method=memory_method(device, attention_chunk(job, device)),
+        flops_method="XLA cost_analysis() of the compiled step (all ops, optimizer included; a loop body once)",
         saved_method="jax saved_residuals of the loss (params excluded)",
+        check_method="live bytes rebuilt from XLA's dump against XLA's own count (HloLiveRange) at its peak",
     )
     return row
 

@@ -24,9 +24,11 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import report
+from benchmarks.cli import check_out_dir, cli_errors, positive_mib
 from benchmarks.common import Job, cpu_snapshot
 from benchmarks.compare import build_document, build_parser, make_jobs, run_all
-from benchmarks.runner import cli_errors
+from benchmarks.runner import static_floor
+from shared_configs import SpecError
 
 MIB = 2**20
 DEFAULT_PROBES = (2, 4)
@@ -36,7 +38,12 @@ ROUNDS = 6  # line predictions, then bisection steps
 def parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.prog, p.description = "python -m benchmarks.max_batch", __doc__.split("\n\n")[0]
-    p.add_argument("--budget-mib", type=float, required=True, help="the memory budget, MiB (required)")
+    p.add_argument(
+        "--budget-mib",
+        type=positive_mib,
+        required=True,
+        help="the memory budget, MiB (required; above the floor: the parameters and AdamW state)",
+    )
     return p
 
 
@@ -135,13 +142,26 @@ def table(results: list[dict[str, Any]], budget: float) -> Table:
     return t
 
 
+def check_budget(budget: float, job: Job) -> None:
+    """Refuse (SpecError) a budget no batch can fit: at or below the static floor."""
+    floor = static_floor(job)
+    if budget <= floor["floor_bytes"]:
+        raise SpecError(
+            f"--budget-mib: {budget / MIB:,.1f} MiB is not above the floor of {floor['floor_bytes'] / MIB:,.1f} MiB "
+            f"that every step holds ({floor['param_count']:,} float32 parameters and their AdamW state); "
+            "a budget must exceed it"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.batch_size = args.batch_size or list(DEFAULT_PROBES)
     budget = args.budget_mib * MIB
     console = Console() if sys.stdout.isatty() else Console(width=160)
     with cli_errors("max_batch"):
-        jobs = [replace(j, peak_only=True, steps=1) for j in make_jobs(args)]
+        jobs = [replace(j, peak_only=True, steps=1, timeline=()) for j in make_jobs(args)]
+        check_out_dir(args.out)
+        check_budget(budget, jobs[0])
         clock, events = cpu_snapshot(), []
         rows = measure(jobs, console, args.verbose, events)
         for _ in range(ROUNDS):  # each round: every unanswered pair's next batches

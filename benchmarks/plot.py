@@ -1,4 +1,5 @@
-"""The run's chart: peak-memory reduction against step-time overhead, per policy, with Pareto fronts."""
+"""The run's charts: peak-memory reduction against step-time overhead, per policy, with Pareto
+fronts; and memory over the step (the timelines), per framework, for none and a checkpointed plan."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
+from benchmarks.common import CATEGORIES
 from benchmarks.report import Row, atomic_write
 
 COLORS = {"torch": "tab:red", "jax": "tab:blue", "diffusers": "tab:green"}
@@ -59,6 +61,91 @@ def _panel(ax: Any, rows: list[Row], batch_size: int) -> None:
     ax.legend(fontsize=8, loc="best")
 
 
+KIND_COLORS = {
+    "params": "#4c72b0",
+    "optimizer": "#8172b3",
+    "grads": "#dd8452",
+    "input": "#937860",
+    "activation": "#55a868",
+    "temporary": "#c44e52",
+}
+KIND_LABELS = {
+    "params": "parameters",
+    "optimizer": "optimizer state",
+    "grads": "gradients",
+    "input": "inputs",
+    "activation": "activations",
+    "temporary": "temporaries",
+}
+
+
+def _timeline_panel(ax: Any, record: dict[str, Any], top: float) -> None:
+    """One step: live MiB by kind (stacked) over the step's positions, block starts marked."""
+    n = max(record["positions"] - 1, 1)
+    xs = [100 * x / n for x in record["x"]]
+    ys = [[v / 2**20 for v in record["series"][kind]] for kind in CATEGORIES]
+    ax.stackplot(xs, ys, colors=[KIND_COLORS[k] for k in CATEGORIES], labels=[KIND_LABELS[k] for k in CATEGORIES])
+    phases = record["phases"]
+    if "backward" in phases:
+        end = 100 * phases.get("optimizer", n) / n
+        ax.axvspan(100 * phases["backward"] / n, end, color="gray", alpha=0.12, lw=0)
+        ax.text(100 * phases["backward"] / n, top * 1.02, " backward", fontsize=7, va="bottom", color="dimgray")
+        ax.text(0, top * 1.02, "forward", fontsize=7, va="bottom", color="dimgray")
+        if "optimizer" in phases:
+            ax.text(end, top * 1.02, " optimizer", fontsize=7, va="bottom", color="dimgray")
+    labelled = -100.0
+    for position, block in record["marks"]:
+        x = 100 * position / n
+        ax.axvline(x, color="black", lw=0.4, alpha=0.5)
+        if x - labelled >= 2.5:  # a label per line where they would not overprint each other
+            ax.text(x, top * 0.98, f" {block}", rotation=90, fontsize=6, va="top", ha="left")
+            labelled = x
+    peak = max(sum(col) for col in zip(*ys, strict=True))
+    ax.axhline(peak, color="black", ls="--", lw=0.7)
+    ax.text(100, peak, f"peak {peak:,.0f} MiB", fontsize=7, ha="right", va="bottom")
+    ax.set_ylim(0, top * 1.12)
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("position in the step (% of ops in execution order)")
+    ax.set_ylabel("live MiB")
+    ax.set_title(f"{record['framework']} {record['policy']} @ batch {record['batch_size']}", fontsize=9)
+
+
+def plot_timelines(records: list[dict[str, Any]], path: Path, title: str) -> bool:
+    """Write the timeline PNG (atomically): a row per framework, a panel per policy, the same
+    memory scale along a row; False when there is nothing to draw."""
+    if not records:
+        return False
+    frameworks = list(dict.fromkeys(r["framework"] for r in records))
+    policies = list(dict.fromkeys(r["policy"] for r in records))
+    fig, axes = plt.subplots(
+        len(frameworks), len(policies), figsize=(6.5 * len(policies), 3.8 * len(frameworks)), squeeze=False
+    )
+    for i, fw in enumerate(frameworks):
+        mine = [r for r in records if r["framework"] == fw]
+        top = max(sum(col) for r in mine for col in zip(*r["series"].values(), strict=True)) / 2**20
+        for j, policy in enumerate(policies):
+            record = next((r for r in mine if r["policy"] == policy), None)
+            if record is None:
+                axes[i][j].axis("off")
+                continue
+            _timeline_panel(axes[i][j], record, top)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7, bbox_to_anchor=(0.5, 0.02))
+    methods = "; ".join(f"{fw}: {next(r['method'] for r in records if r['framework'] == fw)}" for fw in frameworks)
+    fig.suptitle(f"{title}\nmemory over one training step", fontsize=10)
+    fig.text(0.5, 0.005, methods, ha="center", va="bottom", fontsize=6, wrap=True)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> bool:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    atomic_write(path, lambda f: f.write(buf.getvalue()), binary=True)
+    return True
+
+
 def plot(rows: list[Row], path: Path, title: str) -> bool:
     """Write the PNG (atomically); False when no row has both figures to plot."""
     rows = _plottable(rows)
@@ -70,8 +157,4 @@ def plot(rows: list[Row], path: Path, title: str) -> bool:
         _panel(ax, [r for r in rows if r["batch_size"] == b], b)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    atomic_write(path, lambda f: f.write(buf.getvalue()), binary=True)
-    return True
+    return _save(fig, path)

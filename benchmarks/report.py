@@ -13,21 +13,27 @@ from typing import Any
 
 from rich.table import Table
 
+from benchmarks.common import CATEGORIES
+
 Row = dict[str, Any]
 
 # Every row has every column (None where it does not apply); CSV columns follow this order.
+# The peak's parts (f"{kind}_bytes" for kind in common.CATEGORIES) add up to peak_bytes.
 COLUMNS: tuple[str, ...] = (
     "framework",
     "policy",
     "batch_size",
     "status",
     "peak_bytes",
-    "static_bytes",
-    "activation_bytes",
+    "params_bytes",
+    "optimizer_bytes",
+    "grads_bytes",
     "input_bytes",
+    "activation_bytes",
+    "temporary_bytes",
+    "static_bytes",
     "saved_bytes",
     "peak_reduction",
-    "static_reduction",
     "activation_reduction",
     "saved_reduction",
     "step_time_s",
@@ -39,22 +45,27 @@ COLUMNS: tuple[str, ...] = (
     "flops",
     "recompute_flops",
     "flops_ratio",
+    "memtracker_peak_bytes",
+    "tracker_peak_bytes",
     "allocator_peak_bytes",
     "compiled_peak_bytes",
+    "fragmentation_bytes",
+    "live_peak_bytes",
+    "xla_live_peak_bytes",
     "xla_default_peak_bytes",
-    "xla_default_activation_bytes",
     "xla_default_peak_reduction",
     "param_count",
     "peak_method",
     "saved_method",
     "flops_method",
+    "check_method",
     "xla_default_method",
     "error",
 )
+PARTS: tuple[str, ...] = tuple(f"{kind}_bytes" for kind in CATEGORIES)
 # (column, column it is compared with, kind): reductions are 1 - x / x_none, ratios x / x_none.
 RELATIVE: tuple[tuple[str, str, str], ...] = (
     ("peak_reduction", "peak_bytes", "reduction"),
-    ("static_reduction", "static_bytes", "reduction"),
     ("activation_reduction", "activation_bytes", "reduction"),
     ("saved_reduction", "saved_bytes", "reduction"),
     ("xla_default_peak_reduction", "xla_default_peak_bytes", "reduction"),
@@ -80,7 +91,7 @@ def _relative(value: float | None, base: float | None, kind: str) -> float | Non
         return None
     if kind == "difference":
         return value - base
-    if base <= 0 or value < 0:  # a share of a negative amount means nothing (see `notes`)
+    if base <= 0 or value < 0:
         return None
     return 1.0 - value / base if kind == "reduction" else value / base
 
@@ -141,9 +152,12 @@ COLUMNS_SHOWN: tuple[tuple[str, Callable[[Row], str]], ...] = (
     ("policy", lambda r: r["policy"]),
     ("batch", lambda r: str(r["batch_size"])),
     ("peak MiB", lambda r: _cell_bytes(r, "peak_bytes", "peak_reduction")),
-    ("static MiB", lambda r: _cell_bytes(r, "static_bytes", "static_reduction")),
-    ("dynamic MiB", lambda r: _cell_bytes(r, "activation_bytes", "activation_reduction")),
-    ("saved MiB", lambda r: _cell_bytes(r, "saved_bytes", "saved_reduction")),
+    ("= params", lambda r: _mib(r["params_bytes"])),
+    ("+ opt state", lambda r: _mib(r["optimizer_bytes"])),
+    ("+ grads", lambda r: _mib(r["grads_bytes"])),
+    ("+ inputs", lambda r: _mib(r["input_bytes"])),
+    ("+ activations", lambda r: _cell_bytes(r, "activation_bytes", "activation_reduction")),
+    ("+ temps", lambda r: _mib(r["temporary_bytes"])),
     ("step s: median [min-max]", _cell_time),
     ("overhead", lambda r: "-" if r["time_overhead"] is None else f"{r['time_overhead']:.2f}x"),
     ("compile s", lambda r: "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"),
@@ -169,12 +183,44 @@ def table(rows: list[Row], title: str) -> Table:
     return t
 
 
+def regime(rows: list[Row]) -> list[str]:
+    """Per framework, how activation-dominated the workload is: at policy none's peak,
+    activations + temporaries against static memory (parameters + optimizer state)."""
+    out = []
+    for row in rows:
+        if row["policy"] == "none" and row["status"] == "ok" and row["static_bytes"]:
+            dynamic = row["activation_bytes"] + row["temporary_bytes"]
+            static = _mib(row["static_bytes"])
+            out.append(
+                f"{row['framework']} none @ batch {row['batch_size']}: activations + temps = "
+                f"{dynamic / row['static_bytes']:.1f}x static (params + optimizer state, {static} MiB)"
+            )
+    return out
+
+
+def checks(rows: list[Row]) -> list[str]:
+    """Each framework's figures against an independent count of the same step: torch's tracker
+    against PyTorch's MemTracker; the live bytes rebuilt from XLA's dump against XLA's own peak."""
+    pairs = {
+        "tracker peak vs MemTracker's": ("tracker_peak_bytes", "memtracker_peak_bytes"),
+        "live bytes rebuilt from XLA's dump vs XLA's own count at its peak": ("live_peak_bytes", "xla_live_peak_bytes"),
+    }
+    out = []
+    for label, (mine, theirs) in pairs.items():
+        for fw in dict.fromkeys(r["framework"] for r in rows):
+            checked = [r for r in rows if r["framework"] == fw and r["status"] == "ok" and r[mine] and r[theirs]]
+            if checked:
+                cells = ", ".join(f"{r['policy']} {r[mine] / r[theirs] - 1:+.1%}" for r in checked)
+                out.append(f"{fw} {label}: {cells}")
+    return out
+
+
 def methods(rows: list[Row]) -> dict[str, dict[str, str]]:
     """Which method produced each framework's figures (the first successful row's)."""
     out: dict[str, dict[str, str]] = {}
     for row in rows:
         if row["status"] == "ok" and row["framework"] not in out:
-            keys = ("peak_method", "saved_method", "flops_method", "xla_default_method")
+            keys = ("peak_method", "saved_method", "flops_method", "check_method", "xla_default_method")
             out[row["framework"]] = {k: row[k] for k in keys if row[k] is not None}
     return out
 
@@ -201,13 +247,14 @@ def notes(document: dict[str, Any]) -> list[str]:
         "peak_method": "peak",
         "saved_method": "saved",
         "flops_method": "FLOPs",
+        "check_method": "check",
         "xla_default_method": "XLA:CPU default",
     }
     for fw, found in document["methods"].items():
         lines += [f"{fw} {labels[k]}: {v}" for k, v in found.items()]
+    lines += regime(document["rows"]) + checks(document["rows"])
     lines.append(
-        "static = params + grads + optimizer state; dynamic = peak - static - inputs (XLA frees each gradient once "
-        "its update is applied, so jax's dynamic can undercount, even below zero for tiny models); "
+        "peak = params + opt state + grads + inputs + activations + temps, all at the peak's moment; "
         "(+/-%) = change against policy none, same framework and run"
     )
     return lines

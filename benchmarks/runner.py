@@ -12,34 +12,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from benchmarks.cli import BenchmarkError
 from benchmarks.common import EVENT_PREFIX, REPO_ROOT, Job, worker_env
-from shared_configs import SpecError
 
 Event = dict[str, Any]
 KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
-
-
-class BenchmarkError(RuntimeError):
-    """A whole framework could not be measured (one line, shown to the user)."""
-
-
-@contextmanager
-def cli_errors(prog: str) -> Iterator[None]:
-    """For the CLIs: bad input (SpecError) exits 2, a framework that cannot be measured 1,
-    Ctrl-C 130, each with one line on stderr and no traceback."""
-    try:
-        yield
-    except (SpecError, BenchmarkError) as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        raise SystemExit(2 if isinstance(err, SpecError) else 1) from None
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
 
 
 def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbose: bool = False) -> list[Event]:
@@ -61,6 +42,18 @@ def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbos
             raise BenchmarkError(f"{job.framework} worker failed (exit {rc}): {stderr_tail or 'no output'}")
         elif not finished:
             raise BenchmarkError(f"{job.framework} worker exited without measuring anything")
+
+
+def static_floor(job: Job) -> dict[str, int]:
+    """The least memory any step of ``job``'s model can need (see `benchmarks.torch_bench.static_floor`),
+    from a short worker that builds the model on the meta device."""
+    cmd = [sys.executable, "-m", "benchmarks.worker", "--floor", job.to_json()]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=worker_env(job), capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(EVENT_PREFIX):
+            return json.loads(line[len(EVENT_PREFIX) :])
+    tail = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    raise BenchmarkError(f"could not build the model to size it: {tail[-1] if tail else 'no output'}")
 
 
 def _run_worker(

@@ -1,33 +1,32 @@
-"""One PyTorch training step (forward, MSE loss, backward, AdamW), measured. Imported by the worker.
+"""The PyTorch training step, measured: `torch_impl.train.train_step`, the function a user's loop
+calls (``zero_grad()`` first, forward, MSE, backward, AdamW). Imported by the worker.
 
-Per row: a warm-up step under `FlopCounterMode` (it also creates gradients and optimizer state),
-one step under the memory instruments (peak bytes, saved-for-backward bytes) and ``steps`` timed,
-uninstrumented steps. FLOPs are counted apart from memory because `FlopCounterMode`'s module
-tracking keeps tensors inside checkpointed blocks alive, which would inflate their peak.
+Per row: a warm-up step under `FlopCounterMode` (it also makes the optimizer state), one step
+under the memory instruments (`benchmarks.torch_memory`: the peak, its breakdown and timeline,
+the allocator's peak, the bytes saved for backward), on CPU one step under PyTorch's own
+``MemTracker`` (the independent check), then ``steps`` timed, uninstrumented steps. FLOPs are
+counted apart from memory because `FlopCounterMode`'s module tracking keeps tensors inside
+checkpointed blocks alive, which would inflate their peak.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.common import Job, cpu_name, job_spec, policy_arg, timing_stats
-from benchmarks.torch_memory import AllocatorPeak, LiveBytesTracker, SavedBytesCounter, storage_bytes
+from benchmarks.common import OPTIMIZER, Job, batch_bytes, cpu_name, job_spec, make_batch, policy_arg, timing_stats
+from benchmarks.torch_memory import TRACKER_METHOD, AllocatorPeak, SavedBytesCounter, StepTracker, memtracker
 from torch_impl import UNet
+from torch_impl.flops import register_cpu_attention_flops
+from torch_impl.train import DTYPES, make_optimizer, train_step
 
-try:  # FlopCounterMode has no formula for the CPU attention kernel; torch_impl teaches it one
-    from torch_impl.flops import register_cpu_attention_flops
-except ImportError:  # pragma: no cover
-    register_cpu_attention_flops = None
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TIMESTEPS = 1000
+Builder = Callable[[Job, Any, str], torch.nn.Module]
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -47,27 +46,35 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__}
 
 
+def one_row_per_process(device: torch.device) -> bool:
+    return False  # torch.cuda.reset_peak_memory_stats resets the peak between rows
+
+
+def prepare(job: Job, device: torch.device) -> None:
+    """A diffusers folder's weights are loaded once first: if they do not fit, no row can run."""
+    if job.source == "diffusers":
+        our_unet(job, job_spec(job))
+
+
 def memory_method(device: torch.device) -> str:
+    attention = "attention: F.scaled_dot_product_attention (fused kernel)"
     if device.type == "cuda":
-        return "torch.cuda.max_memory_allocated (after reset_peak_memory_stats)"
-    return (
-        "live tensor-storage bytes (TorchDispatchMode tracker); allocator_peak_bytes from torch.profiler memory events"
-    )
+        return (
+            f"torch.cuda.max_memory_allocated (after reset_peak_memory_stats); parts from the tensor-level tracker, "
+            f"allocator overhead counted as temporaries; {attention}"
+        )
+    return f"{attention}; peak and parts: {TRACKER_METHOD}"
 
 
-def make_batch(spec: Any, batch_size: int, context_length: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Deterministic inputs: NCHW noise, integer timesteps, context if the spec cross-attends."""
-    g = torch.Generator().manual_seed(0)
-    shape = (batch_size, spec.in_channels, spec.sample_size, spec.sample_size)
-    batch = {
-        "x": torch.randn(shape, generator=g),
-        "t": torch.randint(0, TIMESTEPS, (batch_size,), generator=g).float(),
-        "target": torch.randn((batch_size, spec.out_channels, spec.sample_size, spec.sample_size), generator=g),
-        "context": None,
-    }
-    if spec.cross_attention_dim is not None:
-        batch["context"] = torch.randn((batch_size, context_length, spec.cross_attention_dim), generator=g)
-    return {k: None if v is None else v.to(device, dtype if k != "t" else torch.float32) for k, v in batch.items()}
+def static_floor(job: Job) -> dict[str, int]:
+    """What every step's peak holds at least, from parameter shapes alone (the model built on the
+    meta device: no memory, no weights read): float32 parameters and buffers, and AdamW's two
+    moments per parameter."""
+    with torch.device("meta"):
+        model = UNet(job_spec(job))
+    params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return {"param_count": params, "floor_bytes": 3 * 4 * params + buffers}
 
 
 def our_unet(job: Job, spec: Any) -> UNet:
@@ -85,80 +92,12 @@ def build(job: Job, spec: Any, policy: str) -> torch.nn.Module:
     return model
 
 
-Builder = Callable[[Job, Any, str], torch.nn.Module]
-
-
-def trainable(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Any]:
-    """``model`` on ``device`` in ``dtype``, in train mode, and its AdamW."""
-    model = model.to(device=device, dtype=dtype).train()
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-
-def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict) -> Callable[[], None]:
-    dtype = next(model.parameters()).dtype
-    # bfloat16 parameters still meet float32 timestep features (as in Flax, where dtypes
-    # promote); autocast does that cast. A no-op in float32.
-    autocast = torch.autocast(batch["x"].device.type, dtype=dtype, enabled=dtype != torch.float32)
-
-    def step() -> None:
-        # Gradients stay allocated between steps (set_to_none=False), so they are static memory,
-        # as the split into static and dynamic bytes assumes.
-        opt.zero_grad(set_to_none=False)
-        with autocast:
-            out = model(batch["x"], batch["t"], batch["context"])
-        F.mse_loss(out.float(), batch["target"].float()).backward()
-        opt.step()
-
-    return step
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def static_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
-    params = list(model.parameters())
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {
-        "params": params,
-        "grads": [p.grad for p in params if p.grad is not None],
-        "opt": state,
-        "buffers": list(model.buffers()),
-    }
-
-
-def counted_step(step: Callable[[], None], device: torch.device) -> tuple[float, int]:
-    """Run one step under `FlopCounterMode`: (seconds, FLOPs of forward + backward)."""
-    if register_cpu_attention_flops is not None:
-        register_cpu_attention_flops()
-    flops = FlopCounterMode(display=False)
-    with flops:
-        seconds = timed_steps(step, device, 1)[0]
-    return seconds, flops.get_total_flops()
-
-
-def memory_step(
-    model: torch.nn.Module, step: Callable[[], None], device: torch.device, existing: list
-) -> dict[str, int]:
-    """Peak bytes (tensor-level and, on CPU, allocator-level) and saved-for-backward bytes of one step."""
-    saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
-    if device.type == "cuda":  # the allocator's own peak: nothing lower-level to compare it with
-        _sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        with saved:
-            step()
-        _sync(device)
-        peak = allocator_peak = torch.cuda.max_memory_allocated(device)
-    else:
-        with AllocatorPeak() as allocator, LiveBytesTracker(existing) as tracker, saved:
-            step()
-        peak = tracker.peak
-        allocator_peak = tracker.baseline + allocator.peak
-    return {"peak_bytes": peak, "allocator_peak_bytes": allocator_peak, "saved_bytes": saved.bytes}
-
-
-def timed_steps(step: Callable[[], None], device: torch.device, steps: int) -> list[float]:
+def timed_steps(step: Callable[[], Any], device: torch.device, steps: int) -> list[float]:
     samples = []
     for _ in range(steps):
         _sync(device)
@@ -169,35 +108,83 @@ def timed_steps(step: Callable[[], None], device: torch.device, steps: int) -> l
     return samples
 
 
+def counted_step(step: Callable[[], Any], device: torch.device) -> tuple[float, int]:
+    """Run one step under `FlopCounterMode`: (seconds, FLOPs of forward + backward)."""
+    register_cpu_attention_flops()  # FlopCounterMode has no formula for the CPU attention kernel
+    flops = FlopCounterMode(display=False)
+    with flops:
+        seconds = timed_steps(step, device, 1)[0]
+    return seconds, flops.get_total_flops()
+
+
+def memory_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], Any], device: torch.device, batch: Any
+) -> dict[str, Any]:
+    """One step under the memory instruments: the peak, its parts and timeline; on CPU also the
+    allocator's peak and PyTorch's MemTracker (the check), all watching the same step.
+
+    The numpy batch is host memory the step reads: part of the peak on CPU; on a GPU the step's
+    copies of it are device memory made in the forward (counted as activations).
+    """
+    saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
+    tracker = StepTracker(model, optimizer, batch_bytes(batch) if device.type == "cpu" else 0)
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with tracker, saved:
+            step()
+        _sync(device)
+        allocator_peak, check = torch.cuda.max_memory_allocated(device), {}
+    else:
+        stand_ins = [torch.from_numpy(a) for a in (batch.noisy, batch.t, batch.noise, batch.context) if a is not None]
+        with AllocatorPeak() as allocator, memtracker(model, optimizer, stand_ins) as check, tracker, saved:
+            step()
+        # The allocator's events show the blocks the step allocates, not the frees of older ones:
+        # its peak sits on what persists (parameters, optimizer state, the batch), unless the step's
+        # start (the previous gradients still alive) is higher.
+        held = tracker.result.breakdown
+        persistent = held["params"] + held["optimizer"] + held["input"]
+        allocator_peak = max(tracker.result.baseline, persistent + allocator.peak)
+    result = tracker.result
+    breakdown = dict(result.breakdown)
+    peak = result.peak
+    if device.type == "cuda":  # the allocator's peak is the figure; what tensors do not explain is scratch
+        breakdown["temporary"] += max(0, allocator_peak - peak)
+        peak = max(peak, allocator_peak)
+    return {
+        "peak_bytes": peak,
+        "tracker_peak_bytes": result.peak,
+        "allocator_peak_bytes": allocator_peak,
+        "memtracker_peak_bytes": check.get("peak"),
+        "saved_bytes": saved.bytes,
+        "timeline": result.timeline,
+        **{f"{kind}_bytes": value for kind, value in breakdown.items()},
+    }
+
+
 def measure(job: Job, policy: str, batch_size: int, device: torch.device, build: Builder = build) -> dict[str, Any]:
     """Every measured figure of one (policy, batch size) row of the model ``build`` makes."""
     spec = job_spec(job)
-    dtype = DTYPES[job.dtype]
-    model, opt = trainable(build(job, spec, policy), dtype, device)
-    batch = make_batch(spec, batch_size, job.context_length, dtype, device)
-    step = make_step(model, opt, batch)
-    # warm-up: creates grads and optimizer state
+    model = build(job, spec, policy).to(device)
+    optimizer = make_optimizer(model, OPTIMIZER.lr, OPTIMIZER.weight_decay)
+    batch = make_batch(spec, batch_size, job.context_length)
+    step = functools.partial(train_step, model, optimizer, batch, DTYPES[job.dtype])
+    # warm-up: makes the optimizer state (and the gradients the next step's zero_grad frees)
     first, flops = (timed_steps(step, device, 1)[0], None) if job.peak_only else counted_step(step, device)
-    groups = static_tensors(model, opt)
-    inputs = [v for v in batch.values() if v is not None]
-    static = sum(storage_bytes(groups[k]) for k in ("params", "grads", "opt", "buffers"))
-    row: dict[str, Any] = {
-        "flops": flops,
-        **memory_step(model, step, device, [t for g in groups.values() for t in g] + inputs),
-    }
+    row: dict[str, Any] = {"flops": flops, **memory_step(model, optimizer, step, device, batch)}
+    if policy not in job.timeline:
+        row.pop("timeline")
     if not job.peak_only:
         row.update(timing_stats(timed_steps(step, device, job.steps)))
-    input_bytes = storage_bytes(inputs)
     row.update(
-        static_bytes=static,
-        input_bytes=input_bytes,
-        activation_bytes=row["peak_bytes"] - static - input_bytes,
-        param_count=sum(p.numel() for p in groups["params"]),
+        static_bytes=row["params_bytes"] + row["optimizer_bytes"],
+        param_count=sum(p.numel() for p in model.parameters()),
         first_step_s=first,  # under FlopCounterMode, so slower than a plain step
         compile_s=None,
         peak_method=memory_method(device),
         flops_method="torch.utils.flop_counter.FlopCounterMode (matmul, conv, attention)",
         saved_method="torch.autograd.graph.saved_tensors_hooks (distinct storages, params excluded)",
+        check_method="PyTorch's own MemTracker (torch.distributed._tools.mem_tracker) watching the same step (CPU)",
     )
     return row
 

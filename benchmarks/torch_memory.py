@@ -1,33 +1,50 @@
-"""Tensor-level memory accounting for PyTorch, used where no allocator statistics exist (CPU).
+"""Tensor-level memory accounting for a PyTorch training step (CPU has no allocator statistics).
 
-* `LiveBytesTracker`: the peak of live tensor-storage bytes while it is active. Every aten op
-  result passes through a `TorchDispatchMode`; each new storage is counted once (views share
-  it) and uncounted by a weakref callback when the last tensor using it dies. Storages that
-  exist before (parameters, optimizer state, the batch) are registered up front, so the peak
-  is that of the whole process's tensors, as ``torch.cuda.max_memory_allocated`` is on GPU.
-* `AllocatorPeak`: an independent count one level lower, from the CPU allocator's own events
-  (``torch.profiler`` with ``profile_memory=True``): it also sees kernels' private scratch space
-  (im2col buffers of convolutions, attention workspaces), which no tensor-level view can.
-* `SavedBytesCounter`: the bytes autograd keeps for backward, seen through
-  ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters excluded), plus the
-  outputs a selective (op-level) plan keeps (``MUST_SAVE``, which the checkpoint's own hooks hide).
-  Inside a non-reentrant checkpoint region the checkpoint's own hooks take over, so what is
-  counted there is what the checkpoint keeps: its inputs.
-
-The tracker and the counter see tensors only: neither kernel scratch space nor allocator rounding.
+* `StepTracker`: every tensor storage made or freed during the step, in order, with its kind
+  (parameters, optimizer state, gradients, activations, temporaries), the U-Net block it was
+  made in (from `torch.distributed._tools.mod_tracker.ModTracker`) and the phase (forward,
+  backward, optimizer). From that log: the peak of live bytes, its breakdown at the peak (parts
+  that add up to it, none negative) and the timeline picture's data. Kinds: a storage made in the
+  forward, or while a checkpointed block is recomputed in the backward, is an activation; one
+  made in the backward or the optimizer is a temporary, unless it ends the step as a parameter's
+  ``.grad`` (gradient) or in the optimizer's state. The same kinds as PyTorch's ``MemTracker``.
+* `memtracker`: the same step measured at the same time by PyTorch's own
+  ``torch.distributed._tools.mem_tracker.MemTracker``, an independent implementation: the check on
+  `StepTracker`'s figures.
+* `AllocatorPeak`: one level lower, the CPU allocator's own events (``torch.profiler``): it also
+  sees kernels' private scratch space (im2col buffers, attention workspaces) that no tensor-level
+  view can.
+* `SavedBytesCounter`: the bytes autograd keeps for backward (``saved_tensors_hooks``, distinct
+  storages, parameters excluded), plus the outputs a selective plan keeps (``MUST_SAVE``, which the
+  checkpoint's own hooks hide; seen through `torch_impl.checkpointing.observe_saves`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from torch._C._profiler import _EventType
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from torch_impl.checkpointing import record_saved
+from benchmarks.common import CATEGORIES, OUTSIDE, block_of
+from benchmarks.timeline import timeline
+from torch_impl.checkpointing import observe_saves
+
+TRACKER_METHOD = (
+    "live tensor storages over the step (TorchDispatchMode), kinds as MemTracker's: made in the forward or a "
+    "recompute = activations, in the backward/optimizer = temporaries unless left as .grad or optimizer state"
+)
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -39,45 +56,229 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-class LiveBytesTracker(TorchDispatchMode):
-    """Peak of live tensor bytes while active. ``with LiveBytesTracker(existing) as tr: ...``."""
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
-    def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
+
+@dataclass
+class StepMemory:
+    """What `StepTracker` saw: the peak, its parts (adding up to it) and the timeline record."""
+
+    peak: int
+    baseline: int  # live bytes when the step began
+    breakdown: dict[str, int]
+    timeline: dict[str, Any] = field(repr=False)
+
+
+class StepTracker(TorchDispatchMode):
+    """``with StepTracker(model, optimizer, input_bytes) as tracker: step()``; then ``tracker.result``.
+
+    ``input_bytes``: memory the step reads but torch did not allocate (the numpy batch), counted
+    as ``input`` throughout. Storages alive at entry (parameters, buffers, gradients, optimizer
+    state) are the starting level.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, input_bytes: int = 0) -> None:
         super().__init__()
-        self._sizes: dict[int, int] = {}  # id(storage) -> bytes
-        self._refs: dict[int, weakref.ref] = {}  # keeps the callbacks alive
-        self.current = 0
-        self.peak = 0
-        self.baseline = 0
-        for t in existing:
-            self._track(t)
-        self.baseline = self.peak = self.current
+        self._model, self._optimizer = model, optimizer
+        self._sizes: list[int] = []  # per storage ever seen
+        self._kinds: list[str] = []
+        self._live: dict[int, int] = {}  # id(storage) -> index into _sizes
+        self._refs: dict[int, weakref.ref] = {}  # keeps the free callbacks alive
+        self._events: list[tuple[int, int, str]] = []  # (storage index, +1 made / -1 freed, block)
+        self._baseline = dict.fromkeys(CATEGORIES, 0) | {"input": input_bytes}
+        self._mods = ModTracker()
+        # The U-Net's blocks by module; the blocks running, innermost (forward) or latest reached
+        # (backward) last. ModTracker's own `parents` set is unordered: in the backward it holds
+        # several blocks at once (a block is left once all its inputs' gradients exist).
+        self._block_modules = {m: n for n, m in model.named_modules() if n and block_of(n) == n}
+        self._running: list[str] = []
+        self._last = OUTSIDE  # the block entered last
+        self._in_optimizer = False
+        self._recompute_depth = 0
+        self._phases: dict[str, int] = {}
+        self._hooks: list[Any] = []
+        self.result: StepMemory | None = None
 
-    def _track(self, t: torch.Tensor) -> None:
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _add(self, t: torch.Tensor, kind: str, at_entry: bool = False) -> None:
         if t.device.type == "meta":
             return
         st = t.untyped_storage()
         key = id(st)
-        if key in self._sizes and self._refs[key]() is st:
+        if key in self._live and self._refs[key]() is st:
             return
-        size = st.nbytes()
-        self._sizes[key] = size
-        self._refs[key] = weakref.ref(st, lambda _ref, key=key: self._release(key))
-        self.current += size
-        self.peak = max(self.peak, self.current)
+        index = len(self._sizes)
+        self._sizes.append(st.nbytes())
+        self._kinds.append(kind)
+        self._live[key] = index
+        self._refs[key] = weakref.ref(st, functools.partial(self._freed, key, index))
+        if at_entry:
+            self._baseline[kind] += st.nbytes()
+        else:
+            self._events.append((index, 1, self._block()))
 
-    def _release(self, key: int) -> None:
-        self.current -= self._sizes.pop(key, 0)
-        self._refs.pop(key, None)
+    def _freed(self, key: int, index: int, _ref: Any) -> None:
+        if self._live.get(key) == index:
+            del self._live[key], self._refs[key]
+        self._events.append((index, -1, self._block()))
+
+    def _block(self) -> str:
+        # The block entered last, while it runs: once it is left, what follows (the backward's tail:
+        # conv_in's and the time embedding's gradients) is outside every block.
+        return self._last if self._last in self._running else OUTSIDE
+
+    def _phase(self) -> str:
+        if self._in_optimizer:
+            return self._start_phase("optimizer")
+        if self._mods.is_bw:
+            return self._start_phase("backward")
+        return "backward" if "backward" in self._phases else "forward"
+
+    def _start_phase(self, name: str) -> str:
+        self._phases.setdefault(name, len(self._events))
+        return name
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self._track, out)
+        phase = self._phase()
+        recomputing = phase == "backward" and self._recompute_depth > 0
+        kind = "activation" if phase == "forward" or recomputing else "temporary"
+        tree_map_only(torch.Tensor, lambda t: self._add(t, kind), out)
         return out
+
+    # -- entry and exit ------------------------------------------------------------------------
+
+    def __enter__(self) -> StepTracker:
+        for t in [*self._model.parameters(), *self._model.buffers()]:
+            self._add(t, "params", at_entry=True)
+        for p in self._model.parameters():
+            if p.grad is not None:
+                self._add(p.grad, "grads", at_entry=True)
+        for t in _state_tensors(self._optimizer):
+            self._add(t, "optimizer", at_entry=True)
+        self._mods.register_user_hooks(self._pre_forward, self._post_forward, self._enter_block, self._leave_block)
+        self._hooks = [
+            register_optimizer_step_pre_hook(lambda *a: setattr(self, "_in_optimizer", True)),
+            register_optimizer_step_post_hook(lambda *a: setattr(self, "_in_optimizer", False)),
+        ]
+        self._mods.__enter__()
+        return super().__enter__()
+
+    def _pre_forward(self, module: Any, args: Any) -> None:
+        if self._mods.is_bw:  # a module's forward inside the backward: a checkpointed block recomputed
+            self._recompute_depth += 1
+        else:
+            self._enter_block(module, args)
+
+    def _post_forward(self, module: Any, args: Any, out: Any) -> None:
+        if self._mods.is_bw:
+            self._recompute_depth -= 1
+        else:
+            self._leave_block(module, args)
+
+    def _enter_block(self, module: Any, args: Any) -> None:
+        if module in self._block_modules:
+            self._last = self._block_modules[module]
+            self._running.append(self._last)
+
+    def _leave_block(self, module: Any, args: Any) -> None:
+        name = self._block_modules.get(module)
+        if name in self._running:
+            self._running.remove(name)
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._mods.__exit__(*exc)
+        self._mods.clear_user_hooks()
+        for hook in self._hooks:
+            hook.remove()
+        # What the step leaves behind decides the kind: its gradients and (new) optimizer state.
+        for kind, tensors in (("grads", [p.grad for p in self._model.parameters()]),
+                              ("optimizer", _state_tensors(self._optimizer))):  # fmt: skip
+            for t in tensors:
+                index = None if t is None else self._live.get(id(t.untyped_storage()))
+                if index is not None:
+                    self._kinds[index] = kind
+        self.result = self._summary()
+
+    def _summary(self) -> StepMemory:
+        kinds = {k: i for i, k in enumerate(CATEGORIES)}
+        delta = np.zeros((len(CATEGORIES), len(self._events)), dtype=np.int64)
+        for i, (index, sign, _) in enumerate(self._events):
+            delta[kinds[self._kinds[index]], i] = sign * self._sizes[index]
+        base = np.array([self._baseline[c] for c in CATEGORIES], dtype=np.int64)[:, None]
+        live = base + np.cumsum(delta, axis=1)
+        if live.shape[1] == 0:
+            live = base
+        top = int(np.argmax(live.sum(axis=0)))
+        series = {c: live[i] for i, c in enumerate(CATEGORIES)}
+        blocks = [b for _, _, b in self._events] or [OUTSIDE]
+        return StepMemory(
+            peak=int(live[:, top].sum()),
+            baseline=int(base.sum()),
+            breakdown={c: int(live[i, top]) for i, c in enumerate(CATEGORIES)},
+            timeline=timeline(series, blocks, self._phases, TRACKER_METHOD),
+        )
+
+
+@contextlib.contextmanager
+def memtracker(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: Iterable[torch.Tensor] = ()
+) -> Iterator[dict[str, Any]]:
+    """The block under PyTorch's own ``MemTracker``; the dict it yields gets, at exit, ``peak`` (bytes)
+    and ``parts`` (its kinds at the peak).
+
+    ``inputs``: tensors standing for memory the step reads but torch does not allocate (tracked as
+    MemTracker's "Other"), so that the peak is comparable with `StepTracker`'s.
+    """
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, *inputs)
+    found: dict[str, Any] = {}
+    with tracker:
+        yield found
+    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    parts = {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
+    found.update(peak=parts.pop("Total", 0), parts=parts)
+
+
+@dataclass
+class SavedRecord:
+    """One output a selective policy chose to save: the block, its op class and aten op, the tensors."""
+
+    block: str
+    op_class: str
+    op: str
+    recompute: bool
+    outputs: list[torch.Tensor] = field(default_factory=list)  # meta tensors: shape and dtype only
+
+
+def _meta_outputs(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The op's outputs as meta tensors (shapes and dtypes, no data, no compute)."""
+    meta = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
+    out = op(*meta[0], **meta[1])
+    return [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def record_saved() -> Iterator[list[SavedRecord]]:
+    """Every save decision of selective policies while active (forward and recompute)."""
+    records: list[SavedRecord] = []
+
+    def observe(block: str, op_class: str, op: Any, recompute: bool, args: tuple, kwargs: dict) -> None:
+        records.append(SavedRecord(block, op_class, str(op), recompute, _meta_outputs(op, args, kwargs)))
+
+    with observe_saves(observe):
+        yield records
 
 
 class AllocatorPeak:
-    """Peak of the bytes the CPU allocator hands out while active, above its level at entry."""
+    """Peak of the bytes the CPU allocator hands out while active, above its level at entry.
+
+    Frees count only for blocks allocated while active (paired by address): a block from before is
+    freed with a size the profiler may take from a stale record of an earlier session, which would
+    pull the count down."""
 
     def __init__(self) -> None:
         self.peak = 0
@@ -89,11 +290,23 @@ class AllocatorPeak:
 
     def __exit__(self, *exc: object) -> None:
         self._prof.__exit__(*exc)
-        events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        live: dict[int, int] = {}  # address -> bytes, of the blocks allocated while active
         current = 0
-        for event in sorted(events, key=lambda e: e.start_ns()):
-            current += event.nbytes()
+        for _, ptr, size in sorted(_allocation_events(self._prof.profiler.kineto_results.experimental_event_tree())):
+            if size > 0:
+                live[ptr] = size
+                current += size
+            elif ptr in live:
+                current -= live.pop(ptr)
             self.peak = max(self.peak, current)
+
+
+def _allocation_events(events: Iterable[Any]) -> Iterator[tuple[int, int, int]]:
+    """(time, address, signed bytes) of every allocator event in a profiler event tree."""
+    for event in events:
+        if event.tag == _EventType.Allocation:
+            yield event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size
+        yield from _allocation_events(event.children)
 
 
 class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):

@@ -17,12 +17,43 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any
+from typing import Any, Protocol, cast
 
 from benchmarks.common import KILL_SIM_ENV, OOM_SIM_ENV, Job, emit, is_oom_message, one_line, parse_sim
 
 
-def run_row(backend: Any, job: Job, policy: str, batch_size: int, device: Any) -> dict[str, Any]:
+class Backend(Protocol):
+    """What a framework's measuring module (``benchmarks.<framework>_bench``) provides."""
+
+    def prepare(self, job: Job, device: Any) -> None:
+        """Process-wide set-up before the first row (JAX: its compilation cache, the compiles)."""
+
+    def resolve_device(self, requested: str) -> Any:
+        """The device for ``auto`` / ``cpu`` / ``gpu``; RuntimeError (one line) if there is none."""
+
+    def device_info(self, device: Any) -> dict[str, Any]: ...
+
+    def versions(self) -> dict[str, str]: ...
+
+    def one_row_per_process(self, device: Any) -> bool:
+        """True when a peak counter cannot be reset, so each row needs a fresh process."""
+
+    def measure(self, job: Job, policy: str, batch_size: int, device: Any) -> dict[str, Any]:
+        """Every measured figure of one row."""
+
+    def release(self, device: Any) -> None:
+        """Free what a row left behind."""
+
+    def oom_types(self) -> tuple[type[BaseException], ...]: ...
+
+    def simulated_oom(self) -> BaseException: ...
+
+
+def load_backend(framework: str) -> Backend:
+    return cast(Backend, importlib.import_module(f"benchmarks.{framework}_bench"))
+
+
+def run_row(backend: Backend, job: Job, policy: str, batch_size: int, device: Any) -> dict[str, Any]:
     """Measure one row; failures become a row with ``status`` ``oom`` or ``error``."""
     key = (job.framework, policy, batch_size)
     try:
@@ -44,12 +75,22 @@ def run_row(backend: Any, job: Job, policy: str, batch_size: int, device: Any) -
 
 
 def main(argv: list[str]) -> int:
+    if argv[0] == "--floor":  # benchmarks.max_batch: the least any step can need, from shapes
+        from benchmarks.torch_bench import static_floor
+
+        emit("floor", **static_floor(Job.from_json(argv[1])))
+        return 0
     job = Job.from_json(argv[0])
-    backend = importlib.import_module(f"benchmarks.{job.framework}_bench")
+    backend = load_backend(job.framework)
     try:
         device = backend.resolve_device(job.device)
     except RuntimeError as err:
         emit("fatal", message=str(err))
+        return 3
+    try:
+        backend.prepare(job, device)
+    except Exception as err:  # e.g. a diffusers folder whose weights do not fit its config: no row can run
+        emit("fatal", message=one_line(err))
         return 3
     emit(
         "env",
@@ -61,7 +102,7 @@ def main(argv: list[str]) -> int:
     for policy, batch_size in job.rows():
         emit("start", policy=policy, batch_size=batch_size)
         emit("row", **run_row(backend, job, policy, batch_size, device))
-        if getattr(backend, "one_row_per_process", lambda d: False)(device):
+        if backend.one_row_per_process(device):
             break  # the parent starts a fresh process for the next row
     return 0
 

@@ -4,7 +4,9 @@ The two module trees are mirrored name for name, so conversion is mechanical:
 
 * a torch ModuleList index ``down.1`` is the Flax list attribute ``down_1``;
 * ``weight`` of a conv (OIHW) is a Flax ``kernel`` (HWIO), of a linear (out, in) a ``kernel``
-  (in, out), of a norm (1-D) a ``scale``; ``bias`` stays ``bias``.
+  (in, out), of a norm (1-D) a ``scale``; ``bias`` stays ``bias``;
+* the ``weight`` of an embedding table (``class_embedding`` of kind ``embedding``, (rows, width)
+  in both) is a Flax ``embedding``, untransposed.
 
 BatchNorm (``norm_kind: batch``): its ``weight``/``bias`` are Flax ``scale``/``bias`` params as for
 GroupNorm; the buffers ``running_mean``/``running_var`` are the Flax ``batch_stats`` ``mean``/``var``.
@@ -37,6 +39,7 @@ _LIST_RE = re.compile(rf"^({'|'.join(LIST_ATTRS)})_(\d+)$")
 # torch BatchNorm buffer -> Flax batch_stats leaf; the step counter has no Flax twin.
 STATS_LEAVES = {"running_mean": "mean", "running_var": "var"}
 COUNTER = "num_batches_tracked"
+EMBEDDING = "embedding"  # nn.Embed's table, (rows, width) as torch's nn.Embedding weight
 
 
 def torch_to_flax(state_dict: Mapping[str, Any], spec: UNetSpec) -> dict:
@@ -45,7 +48,7 @@ def torch_to_flax(state_dict: Mapping[str, Any], spec: UNetSpec) -> dict:
     BatchNorm buffers are not parameters and are left out (`torch_to_flax_variables` keeps them);
     a parameter-only mapping (e.g. gradients by ``named_parameters``) converts too.
     """
-    params, stats = _split(state_dict)
+    params, stats = _split(state_dict, _embeddings(spec))
     _check_tree(params, spec)
     if stats:
         _check_tree(stats, spec, "batch_stats")
@@ -57,7 +60,7 @@ def torch_to_flax_variables(state_dict: Mapping[str, Any], spec: UNetSpec) -> di
 
     ``batch_stats`` is present when the spec has BatchNorms (``norm_kind: batch``).
     """
-    params, stats = _split(state_dict)
+    params, stats = _split(state_dict, _embeddings(spec))
     _check_tree(params, spec)
     _check_tree(stats, spec, "batch_stats")
     variables = {"params": traverse_util.unflatten_dict(params)}
@@ -85,9 +88,8 @@ def flax_to_torch(
     for path, value in flat.items():
         *modules, leaf = path
         array = np.asarray(value)
-        out[f"{_torch_name(modules)}.{'bias' if leaf == 'bias' else 'weight'}"] = torch.from_numpy(
-            _to_torch_layout(array).copy()
-        )
+        layout = array if leaf == EMBEDDING else _to_torch_layout(array)
+        out[f"{_torch_name(modules)}.{'bias' if leaf == 'bias' else 'weight'}"] = torch.from_numpy(layout.copy())
     expected = traverse_util.flatten_dict(_variable_shapes(spec).get("batch_stats", {}))
     if not expected:
         return out
@@ -104,7 +106,13 @@ def flax_to_torch(
     return out
 
 
-def _split(state_dict: Mapping[str, Any]) -> tuple[dict, dict]:
+def _embeddings(spec: UNetSpec) -> frozenset[str]:
+    """Torch module names holding an embedding table (their ``weight`` is a Flax ``embedding``)."""
+    ce = spec.class_embedding
+    return frozenset({"class_embedding"} if ce is not None and ce.kind == "embedding" else ())
+
+
+def _split(state_dict: Mapping[str, Any], embeddings: frozenset[str] = frozenset()) -> tuple[dict, dict]:
     """Flat Flax ``params`` and ``batch_stats`` from a torch state_dict; the counter is dropped."""
     params, stats = {}, {}
     for key, value in state_dict.items():
@@ -114,6 +122,8 @@ def _split(state_dict: Mapping[str, Any]) -> tuple[dict, dict]:
         array = _to_numpy(value)
         if leaf in STATS_LEAVES:
             stats[(*path, STATS_LEAVES[leaf])] = array
+        elif leaf == "weight" and ".".join(path) in embeddings:
+            params[(*path, EMBEDDING)] = array
         else:
             params[(*path, _flax_leaf(leaf, array.ndim))] = _to_flax_layout(array)
     return params, stats
@@ -186,6 +196,23 @@ def _check_tree(flat: Mapping[tuple[str, ...], Any], spec: UNetSpec, collection:
             )
 
 
+def torch_shapes(spec: UNetSpec) -> dict[str, tuple[int, ...]]:
+    """The torch ``state_dict`` names and shapes of ``spec``, from the Flax tree (shapes only)."""
+    variables = _variable_shapes(spec)
+    out = {}
+    for (*modules, leaf), value in traverse_util.flatten_dict(variables["params"]).items():
+        shape = tuple(value.shape)
+        perm = None if leaf == EMBEDDING else {4: (3, 2, 0, 1), 2: (1, 0)}.get(len(shape))  # HWIO->OIHW, (in, out)
+        out[f"{_torch_name(modules)}.{'bias' if leaf == 'bias' else 'weight'}"] = (
+            shape if perm is None else tuple(shape[i] for i in perm)
+        )
+    for (*modules, leaf), value in traverse_util.flatten_dict(variables.get("batch_stats", {})).items():
+        name = _torch_name(modules)
+        out[f"{name}.{'running_mean' if leaf == 'mean' else 'running_var'}"] = tuple(value.shape)
+        out[f"{name}.{COUNTER}"] = ()
+    return out
+
+
 def param_shapes(spec: UNetSpec) -> dict:
     """The Flax parameter tree of ``spec`` as shape structs, without allocating weights."""
     return _variable_shapes(spec)["params"]
@@ -197,12 +224,8 @@ def _variable_shapes(spec: UNetSpec) -> dict:
 
     Cached per (frozen, hashable) spec: each conversion checks against it, once or twice.
     """
-    from jax_impl.unet import UNet
+    from jax_impl.unet import UNet, abstract_inputs
 
-    f32 = jax.numpy.float32
-    x = jax.ShapeDtypeStruct((1, spec.sample_size, spec.sample_size, spec.in_channels), f32)
-    t = jax.ShapeDtypeStruct((1,), f32)
-    context = jax.ShapeDtypeStruct((1, 1, spec.cross_attention_dim), f32) if spec.cross_attention_dim else None
     model = UNet(spec=spec)
     rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-    return jax.eval_shape(model.init, rngs, x, t, context)
+    return jax.eval_shape(model.init, rngs, **abstract_inputs(spec))

@@ -2,7 +2,8 @@
 
 Mirrors `torch_impl/diffusers_io.py`: a source is a local model folder (``config.json`` +
 ``diffusion_pytorch_model.safetensors`` or ``.bin``; sharded or ``variant`` files too; a
-pipeline folder's ``unet/`` is found) or a live diffusers module. Reading safetensors needs
+pipeline folder's ``unet/`` is found), a repo id in the local Hugging Face cache (never
+downloaded), or a live diffusers module (see `shared_configs.diffusers`). Reading safetensors needs
 neither torch nor diffusers; a ``.bin`` file or a live module needs torch (which they imply).
 """
 
@@ -15,27 +16,48 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl.convert import flax_to_torch, torch_to_flax
+from jax_impl.convert import flax_to_torch, torch_shapes, torch_to_flax
 from jax_impl.unet import PolicyArg, UNet
 from shared_configs import UNetSpec
+from shared_configs.diffusers import check_weights, read_source
 from shared_configs.diffusers import ours_to_diffusers as _ours_to_diffusers
-from shared_configs.diffusers import read_source
 
 Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model
 
 
-def read_diffusers(source: Source, variant: str | None = None) -> tuple[UNetSpec, dict[str, Any]]:
+def read_diffusers(
+    source: Source, variant: str | None = None, *, subfolder: str | None = None, revision: str | None = None
+) -> tuple[UNetSpec, dict[str, Any]]:
     """The spec and the state_dict (in our torch names; arrays or tensors) of a diffusers U-Net."""
-    return read_source(source, variant, _read_file)
+    return read_source(source, variant, _read_file, subfolder, revision)
 
 
-def from_diffusers(source: Source, policy: PolicyArg = None, variant: str | None = None) -> tuple[UNet, dict]:
-    """``(module, params)``: our Flax `UNet` (with checkpoint ``policy``) and float32 ``params``.
+def from_diffusers(
+    source: Source,
+    policy: PolicyArg = None,
+    variant: str | None = None,
+    *,
+    subfolder: str | None = None,
+    dtype: Any = None,
+    revision: str | None = None,
+) -> tuple[UNet, dict]:
+    """``(module, params)``: our Flax `UNet` (with checkpoint ``policy``) and ``params`` in ``dtype``
+    (default float32).
 
-    Use as ``module.apply({"params": params}, x_nhwc, t, context)``.
+    ``source``: a folder, a pipeline folder, a cached repo id (``"org/name"``, with ``subfolder``
+    and ``revision``) or a live module; ``variant="fp16"`` reads ``*.fp16.safetensors``. Use as
+    ``module.apply({"params": params}, x_nhwc, t, context, ...)``.
     """
-    spec, state = read_diffusers(source, variant)
-    return UNet(spec=spec, policy=policy), torch_to_flax(state, spec)  # checks every path and shape
+    spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
+    check_weights({k: tuple(np.shape(v)) for k, v in state.items()}, torch_shapes(spec), spec)
+    params = torch_to_flax(state, spec)
+    if dtype is not None:
+        params = _cast(params, jnp.dtype(dtype))
+    return UNet(spec=spec, policy=policy), params
+
+
+def _cast(tree: dict, dtype: np.dtype) -> dict:
+    return {k: _cast(v, dtype) if isinstance(v, dict) else np.asarray(v).astype(dtype) for k, v in tree.items()}
 
 
 def to_diffusers_state_dict(params: dict, spec: UNetSpec) -> dict[str, Any]:

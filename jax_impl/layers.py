@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from shared_configs.arch import timestep_frequencies
+from shared_configs.arch import ClassEmbeddingArgs, timestep_frequencies
 
 Array = jax.Array
 
@@ -129,6 +129,18 @@ class TimestepEmbedding(nn.Module):
         return self.linear_2(nn.silu(self.linear_1(x)))
 
 
+# Class embedding kinds of the spec -> the layer mapping ``class_labels`` to the time embedding's
+# width (diffusers' ``class_embedding``); the same keys as in torch. ``timestep`` runs on the labels'
+# sinusoids (the U-Net computes them); ``identity`` adds the labels as they are, with no layer.
+CLASS_EMBEDDING: dict[str, Callable[[ClassEmbeddingArgs], nn.Module | None]] = {
+    "embedding": lambda a: nn.Embed(a.num_classes, a.dim),
+    "timestep": lambda a: TimestepEmbedding(a.sinusoid_dim, a.dim),
+    "identity": lambda a: None,
+    "projection": lambda a: TimestepEmbedding(a.input_dim, a.dim),
+    "simple_projection": lambda a: Dense(a.dim),
+}
+
+
 class ResnetBlock(nn.Module):
     """Norm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip.
 
@@ -195,10 +207,14 @@ def _tokens(x: Array) -> Array:
 
 
 class SelfAttention(nn.Module):
-    """DDPM's spatial self-attention block: GroupNorm, q/k/v, attention, out, residual."""
+    """DDPM's spatial self-attention block: GroupNorm (none when ``groups=0``), q/k/v, attention, out, residual.
+
+    The attention is ``heads * head_dim`` wide, which diffusers lets differ from ``ch``.
+    """
 
     ch: int
     heads: int
+    head_dim: int
     groups: int
     eps: float
     scale: float | None
@@ -206,14 +222,15 @@ class SelfAttention(nn.Module):
     query_chunk: int | None = None  # see `attention`
 
     def setup(self) -> None:
-        self.group_norm = group_norm(self.groups, self.eps)
-        self.to_q, self.to_k, self.to_v = (Dense(self.ch) for _ in range(3))
+        self.group_norm = group_norm(self.groups, self.eps) if self.groups else None
+        inner = self.heads * self.head_dim
+        self.to_q, self.to_k, self.to_v = (Dense(inner) for _ in range(3))
         self.to_out = Dense(self.ch)
 
     def __call__(self, x: Array, context: Array | None = None) -> Array:
         del context  # same call signature as Transformer2D; plain self-attention ignores it
-        scale = self.scale or (self.ch // self.heads) ** -0.5
-        h = _tokens(self.group_norm(x))
+        scale = self.scale or self.head_dim**-0.5
+        h = _tokens(x if self.group_norm is None else self.group_norm(x))
         h = attention(self.to_q(h), self.to_k(h), self.to_v(h), self.heads, scale, self.query_chunk)
         h = self.to_out(h).reshape(x.shape)
         return (h + x) / self.output_scale
@@ -284,10 +301,14 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer2D(nn.Module):
-    """SD's spatial transformer: GroupNorm, project in, transformer blocks, project out, residual."""
+    """SD's spatial transformer: GroupNorm, project in, transformer blocks, project out, residual.
+
+    The transformer runs ``heads * head_dim`` wide (the projections map ``ch`` to it and back).
+    """
 
     ch: int
     heads: int
+    head_dim: int
     depth: int
     groups: int
     norm_eps: float
@@ -301,20 +322,21 @@ class Transformer2D(nn.Module):
         # A 1x1 conv and a Dense compute the same map in NHWC, but torch keeps 4-D conv weights
         # when linear_projection is off, and the parameter tree must mirror torch's.
         project = Dense if self.linear_projection else conv1x1
+        inner = self.heads * self.head_dim
         self.norm = group_norm(self.groups, self.norm_eps)
-        self.proj_in = project(self.ch)
+        self.proj_in = project(inner)
         self.transformer_blocks = [
-            TransformerBlock(self.ch, self.heads, self.ln_eps, self.scale, self.context_dim, self.query_chunk)
+            TransformerBlock(inner, self.heads, self.ln_eps, self.scale, self.context_dim, self.query_chunk)
             for _ in range(self.depth)
         ]
         self.proj_out = project(self.ch)
 
     def __call__(self, x: Array, context: Array | None) -> Array:
         # In NHWC the projections commute with flattening, so one order serves both variants.
-        h = _tokens(self.proj_in(self.norm(x)))  # (B, H*W, C)
+        h = _tokens(self.proj_in(self.norm(x)))  # (B, H*W, inner)
         for block in self.transformer_blocks:
             h = block(h, context)
-        return self.proj_out(h.reshape(x.shape)) + x
+        return self.proj_out(h.reshape(*x.shape[:3], -1)) + x  # (B, H, W, inner) -> (B, H, W, C)
 
 
 class Downsample(nn.Module):

@@ -9,11 +9,15 @@ A thin loop over an importable, jitted step. To put this U-Net in your own loop:
     # bf16 mixed precision: float32 params and optimizer state, bf16 forward, float32 loss
     state, loss = train_step(..., model=model, tx=tx, compute_dtype=jnp.bfloat16)
 
-Batches, timesteps, noise and class contexts come from `shared_configs.training` (numpy, NCHW;
+Batches, timesteps, noise and class contexts come from `shared_configs.data` (numpy, NCHW;
 `arrays` transposes images to NHWC), so `torch_impl.train` sees the very same ones for a seed.
 The dropout key of step ``s`` is derived from (seed, s), so a resumed run replays the same masks.
 A ``norm_kind: batch`` spec carries its BatchNorm running statistics in ``state.batch_stats``
 (updated once per step, remat or not); a GroupNorm spec's ``batch_stats`` is an empty dict.
+
+``--distributed`` runs over every device, data-parallel or FSDP (`jax_impl.parallel`); checkpoints
+are orbax folders (`jax_impl.checkpoint_io`). The run folder, resume checks and NaN guard are
+framework-free (`shared_configs.loop`).
 """
 
 from __future__ import annotations
@@ -21,37 +25,26 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import flax.serialization
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, SingleDeviceSharding
 from jax.typing import DTypeLike
 
+from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, abstract_target, load_checkpoint, save_checkpoint
+from jax_impl.parallel import make_mesh, shard, state_shardings
 from jax_impl.unet import UNet
 from shared_configs import load_spec
-from shared_configs.training import (
-    Batch,
-    Dataset,
-    Schedule,
-    TrainConfig,
-    atomic_write,
-    cli_main,
-    load_dataset,
-    make_schedule,
-    progress_bar,
-    sample,
-    save_plots,
-    step_seed,
-)
+from shared_configs.data import Batch, Dataset, load_dataset, step_seed
+from shared_configs.ddpm import Schedule, check_objective, make_schedule, sample
+from shared_configs.loop import RunStart, manifest_for, open_run, run_loop
+from shared_configs.outputs import write_outputs
+from shared_configs.training import TrainConfig, cli_main
 
-CHECKPOINT = "checkpoint.msgpack"
 Arrays = tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]
 # --dtype -> the forward's compute dtype; None computes in the params' own float32 (no casts at all).
 DTYPES: dict[str, DTypeLike | None] = {"float32": None, "bfloat16": jnp.bfloat16}
@@ -98,25 +91,6 @@ def arrays(batch: Batch) -> Arrays:
     )
 
 
-def data_parallel_mesh(batch_size: int) -> Mesh:
-    """A 1-D mesh over every device: the batch is split along ``data``, parameters replicated.
-
-    On CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` gives N devices. jit's sharding
-    propagation inserts the gradient all-reduce: no hand-written communication.
-    """
-    devices = jax.devices()
-    if batch_size % len(devices):
-        raise ValueError(f"--batch-size: {batch_size} does not split over {len(devices)} devices")
-    return Mesh(np.array(devices), ("data",))
-
-
-def shard(mesh: Mesh, state: TrainState, batch: Arrays) -> tuple[TrainState, Arrays]:
-    """Place the state (params, optimizer state, batch_stats) replicated, the batch split along its
-    first axis. BatchNorm then normalises with global-batch statistics: jit inserts the reductions."""
-    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    return jax.device_put(state, replicated), tuple(None if a is None else jax.device_put(a, split) for a in batch)
-
-
 def init_state(model: UNet, tx: optax.GradientTransformation, seed: int) -> TrainState:
     """Fresh parameters (from ``seed``), their optimizer state, and initial BatchNorm statistics."""
     spec = model.resolved_spec
@@ -159,7 +133,9 @@ def loss_fn(
     return jnp.mean((pred.astype(jnp.float32) - noise) ** 2), updates.get("batch_stats", batch_stats)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype"))
+# The state is donated: the new params and optimizer state reuse its buffers (a step holds one copy
+# of each, not two). Do not use a state after passing it in; keep the one returned.
+@functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype"), donate_argnames=("state",))
 def train_step(
     state: TrainState,
     batch: Arrays,
@@ -195,32 +171,31 @@ def generate(model: UNet, state: TrainState, schedule: Schedule, dataset: Datase
     return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)
 
 
-def save_checkpoint(path: Path, state: TrainState, step: int, losses: list[float], spec: dict) -> None:
-    """Params, optimizer state, batch_stats, step and loss history as flax msgpack bytes, atomically.
+def make_step(
+    cfg: TrainConfig,
+    model: UNet,
+    tx: optax.GradientTransformation,
+    dataset: Dataset,
+    schedule: Schedule,
+    mesh: Mesh | None = None,
+) -> Callable[[TrainState, int], tuple[TrainState, float]]:
+    """``step(state, s) -> (state, loss)``: training step ``s`` on its batch (a function of (seed, s)).
 
-    One flat map: the keys of a checkpoint from before ``batch_stats`` existed, plus that one.
+    With a ``mesh`` (`jax_impl.parallel.make_mesh`) the state is placed as
+    ``cfg.distributed`` says (replicated, or FSDP-sharded) and the batch split over the devices;
+    ``cfg.dtype`` picks the forward's compute dtype (`DTYPES`).
     """
-    ser = flax.serialization
-    record = {"step": step, "losses": np.asarray(losses, np.float64), "spec": ser.msgpack_serialize(spec)}
-    atomic_write(path, ser.msgpack_serialize(ser.to_state_dict(state) | record))
+    step_fn = functools.partial(train_step, model=model, tx=tx, compute_dtype=DTYPES[cfg.dtype])
 
+    def step(state: TrainState, index: int) -> tuple[TrainState, float]:
+        batch = arrays(dataset.batch(index, cfg.batch_size, schedule, cfg.seed))
+        if mesh is not None:
+            state, batch = shard(mesh, state, batch, cfg.distributed)
+        key = jax.random.key(step_seed(cfg.seed, index))  # dropout masks depend on (seed, step) only
+        state, loss = step_fn(state, batch, key)
+        return state, float(loss)
 
-def load_checkpoint(path: Path, state: TrainState, spec: dict) -> tuple[TrainState, int, list[float]]:
-    """Restore into the structure of ``state``; returns it with step and losses.
-
-    A checkpoint without ``batch_stats`` (written before the loop carried them; GroupNorm specs
-    only, since BatchNorm ones were refused) restores with the empty ``batch_stats`` of its spec.
-    """
-    if not path.is_file():
-        raise FileNotFoundError(f"--resume: no checkpoint at {path}")
-    blob = flax.serialization.msgpack_restore(path.read_bytes())
-    saved_spec = flax.serialization.msgpack_restore(blob.pop("spec"))
-    if saved_spec != spec:
-        raise ValueError(f"--resume: {path} was trained with spec {saved_spec.get('name')!r}, not this --config")
-    blob.setdefault("batch_stats", {})
-    record = flax.serialization.from_state_dict({"step": 0, "losses": np.zeros(0)}, blob)
-    state = flax.serialization.from_state_dict(state, {k: blob[k] for k in ("params", "opt_state", "batch_stats")})
-    return state, int(record["step"]), [float(x) for x in record["losses"]]
+    return step
 
 
 def run_steps(
@@ -235,47 +210,58 @@ def run_steps(
     on_step: Callable[[float], None] | None = None,
     mesh: Mesh | None = None,
 ) -> TrainState:
-    """Steps ``len(losses) .. stop - 1``, appending each loss; returns the new state.
-
-    With a ``mesh`` (see `data_parallel_mesh`) each step runs data-parallel over its devices;
-    ``cfg.dtype`` picks the forward's compute dtype (`DTYPES`).
-    """
-    step_fn = functools.partial(train_step, model=model, tx=tx, compute_dtype=DTYPES[cfg.dtype])
-    for step in range(len(losses), stop):
-        batch = arrays(dataset.batch(step, cfg.batch_size, schedule, cfg.seed))
-        if mesh is not None:
-            state, batch = shard(mesh, state, batch)
-        key = jax.random.key(step_seed(cfg.seed, step))  # dropout masks depend on (seed, step) only
-        state, loss = step_fn(state, batch, key)
-        losses.append(float(loss))
+    """Steps ``len(losses) .. stop - 1`` (see `make_step`), appending each loss; returns the new state."""
+    step = make_step(cfg, model, tx, dataset, schedule, mesh)
+    for index in range(len(losses), stop):
+        state, loss = step(state, index)
+        losses.append(loss)
         if on_step is not None:
-            on_step(losses[-1])
+            on_step(loss)
     return state
 
 
+def start_state(
+    model: UNet, tx: optax.GradientTransformation, cfg: TrainConfig, run: RunStart, mesh: Mesh | None
+) -> TrainState:
+    """The run's first state, placed as ``cfg.distributed`` says: restored from the run's checkpoint
+    (checked first; onto this mesh, whatever mesh wrote it), or initialised from the seed (under
+    FSDP straight into its shards: jit's ``out_shardings``, no full copy on one device)."""
+    if mesh is None and run.checkpoint is None:
+        return init_state(model, tx, cfg.seed)
+    abstract = jax.eval_shape(lambda: init_state(model, tx, cfg.seed))
+    if mesh is None:
+        placement = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
+    else:
+        placement = state_shardings(mesh, abstract, cfg.distributed)
+    if run.checkpoint is not None:
+        return load_checkpoint(run.checkpoint, abstract_target(abstract, placement))[0]
+    return jax.jit(lambda: init_state(model, tx, cfg.seed), out_shardings=placement)()
+
+
 def train(cfg: TrainConfig) -> list[float]:
-    """Run (or resume) training as ``cfg`` says; returns the loss of every step from step 0."""
+    """Run (or resume) training as ``cfg`` says; returns the loss of every step from step 0.
+
+    Everything that can refuse the run (spec, objective, policy, devices, run folder, resume
+    record) is checked before the model is initialised.
+    """
     spec = load_spec(cfg.config)
+    check_objective(spec)
     model = UNet(spec=spec, policy=cfg.policy, attention_chunk=cfg.attention_chunk)
-    tx = make_optimizer(cfg.lr, cfg.weight_decay)
-    _ = model.plan  # resolve the policy now: a bad one is a one-line error, not a trace
-    mesh = data_parallel_mesh(cfg.batch_size) if cfg.distributed else None
-    ckpt, spec_dict = Path(cfg.out) / CHECKPOINT, spec.model_dump(mode="json")
-    if cfg.resume and not ckpt.is_file():  # before the (slow) init
-        raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
-    dataset = load_dataset(cfg.data, spec, cfg.seed)
-    schedule = make_schedule(cfg.schedule, cfg.timesteps)
-    state = init_state(model, tx, cfg.seed)
-    start, losses = 0, []
-    if cfg.resume:
-        state, start, losses = load_checkpoint(ckpt, state, spec_dict)
-    with progress_bar(cfg.steps, start, f"jax {spec.name} {cfg.policy}") as update:
-        while len(losses) < cfg.steps:  # run to the next checkpoint boundary, save, repeat
-            stop = min(cfg.steps, (len(losses) // cfg.checkpoint_every + 1) * cfg.checkpoint_every)
-            state = run_steps(state, losses, dataset, schedule, cfg, stop, model, tx, update, mesh)
-            save_checkpoint(ckpt, state, stop, losses, spec_dict)
-    samples = generate(model, state, schedule, dataset, cfg) if cfg.sample_steps > 0 else None
-    save_plots(cfg.out, losses, samples, f"jax_impl {spec.name}, policy {cfg.policy}")
+    policy = model.plan.policy  # resolve the policy now (None: the spec's own): a bad one is one line
+    mesh = make_mesh(cfg.batch_size) if cfg.distributed else None
+    with open_run(cfg, spec, FRAMEWORK, LAYOUT) as run:
+        tx = make_optimizer(cfg.lr, cfg.weight_decay)
+        state = start_state(model, tx, cfg, run, mesh)
+        dataset, schedule = load_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
+
+        def save_fn(state: TrainState, losses: list[float]) -> None:
+            save_checkpoint(run.out, state, manifest_for(cfg, spec, FRAMEWORK, LAYOUT, losses))
+
+        losses = run.losses
+        step = make_step(cfg, model, tx, dataset, schedule, mesh)
+        state = run_loop(cfg, state, losses, step, save_fn, f"jax {spec.name} {policy}")
+        samples = generate(model, state, schedule, dataset, cfg) if cfg.sample_steps > 0 else None
+        write_outputs(cfg.out, losses, samples, f"jax_impl {spec.name}, policy {policy}")
     return losses
 
 

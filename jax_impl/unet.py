@@ -18,6 +18,7 @@ from jax_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
 from jax_impl.checkpointing import block_class, layers_of
 from jax_impl.layers import (
     ATTENTION,
+    CLASS_EMBEDDING,
     ResnetBlock,
     TimestepEmbedding,
     apply_norm,
@@ -26,7 +27,16 @@ from jax_impl.layers import (
     timestep_embedding,
 )
 from shared_configs import CheckpointPlan, UNetSpec, block_names, layer_names, load_spec, resolve_plan
-from shared_configs.arch import attention_kwargs, down_blocks, norm_kwargs, resnet_kwargs, up_blocks
+from shared_configs.arch import (
+    attention_args,
+    class_embedding_args,
+    down_blocks,
+    kwargs,
+    norm_args,
+    resnet_args,
+    up_blocks,
+)
+from shared_configs.inputs import check_inputs, input_specs
 
 Array = jax.Array
 PolicyArg = str | tuple[str, ...] | CheckpointPlan | None
@@ -38,8 +48,22 @@ def _as_spec(spec: UNetSpec | str) -> UNetSpec:
     return load_spec(spec) if isinstance(spec, str) else spec
 
 
+def abstract_inputs(
+    spec: UNetSpec, batch: int = 1, sample_size: int | None = None, context_len: int = 1
+) -> dict[str, jax.ShapeDtypeStruct | None]:
+    """Shape structs of every input of ``spec`` (NHWC; `shared_configs.inputs.input_specs`), by name.
+
+    For ``jax.eval_shape(module.init, rngs, **abstract_inputs(spec))``: the parameter tree does not
+    depend on the sizes, so the smallest ones are the default (``sample_size``: 2**(levels-1)).
+    """
+    size = sample_size or 2 ** (spec.num_levels - 1)
+    specs = input_specs(spec, batch, size, context_len, layout="NHWC")
+    return {k: None if v is None else jax.ShapeDtypeStruct(v.shape, jnp.dtype(v.dtype)) for k, v in specs.items()}
+
+
 class UNet(nn.Module):
-    """Diffusion U-Net on NHWC input: ``apply(variables, x, t, context=None, train=False)``.
+    """Diffusion U-Net on NHWC input: ``apply(variables, x, t, context=None, class_labels=None,
+    text_embeds=None, time_ids=None, train=False)`` (`shared_configs.inputs`: which inputs a spec takes).
 
     Attributes:
         spec: the architecture, a `UNetSpec` or a preset name (``"tiny"``).
@@ -67,19 +91,26 @@ class UNet(nn.Module):
 
     def setup(self) -> None:
         spec, plan = self.resolved_spec, self.plan
+        chunk = self.attention_chunk
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise ValueError(f"attention_chunk: expected a positive number of queries or None, got {chunk!r}")
         chans = spec.block_out_channels
         self.conv_in = conv3x3(chans[0])
         self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim)
+        args = class_embedding_args(spec)
+        self.class_embedding = None if args is None else CLASS_EMBEDDING[args.kind](args)
+        add = spec.addition_embedding
+        self.add_embedding = None if add is None else TimestepEmbedding(add.input_dim, spec.time_embed_dim)
         self.down = self._down_path(plan)
         scale = spec.mid_block_scale_factor
         self.mid = block_class(MidBlock, "mid", plan)(
             chans[-1],
             self._resnet_factory(scale),
-            self._attention_factory(spec.mid_attention, -1, scale),
+            self._attention_factory(spec.mid_attention, -1, "mid", scale),
             recompute=layers_of("mid", plan),
         )
         self.up = self._up_path(plan)
-        self.conv_norm_out = norm_layer(chans[0], **norm_kwargs(spec))
+        self.conv_norm_out = norm_layer(chans[0], **kwargs(norm_args(spec)))
         self.conv_out = conv3x3(spec.out_channels)
 
     @nn.nowrap
@@ -91,7 +122,7 @@ class UNet(nn.Module):
                 b.out_ch,
                 spec.layers_per_block,
                 self._resnet_factory(1.0),
-                self._attention_factory(b.attention, b.level),
+                self._attention_factory(b.attention, b.level, b.name),
                 b.downsample_padding,
                 recompute=layers_of(b.name, plan),
             )
@@ -106,7 +137,7 @@ class UNet(nn.Module):
                 b.out_ch,
                 b.skip_channels,
                 self._resnet_factory(1.0),
-                self._attention_factory(b.attention, b.level),
+                self._attention_factory(b.attention, b.level, b.name),
                 add_upsample=b.upsample,
                 recompute=layers_of(b.name, plan),
             )
@@ -115,34 +146,38 @@ class UNet(nn.Module):
 
     @nn.nowrap
     def _resnet_factory(self, output_scale: float) -> functools.partial:
-        return functools.partial(ResnetBlock, **resnet_kwargs(self.resolved_spec, output_scale))
+        return functools.partial(ResnetBlock, **kwargs(resnet_args(self.resolved_spec, output_scale)))
 
     @nn.nowrap
-    def _attention_factory(self, kind: str, level: int, output_scale: float = 1.0) -> AttentionFactory | None:
+    def _attention_factory(
+        self, kind: str, level: int, block: str, output_scale: float = 1.0
+    ) -> AttentionFactory | None:
         if kind == "none":
             return None
-        kwargs = attention_kwargs(self.resolved_spec, kind, level, output_scale)
-        return functools.partial(ATTENTION[kind], **kwargs, query_chunk=self.attention_chunk)
+        args = attention_args(self.resolved_spec, kind, level, block, output_scale)
+        return functools.partial(ATTENTION[kind], **kwargs(args), query_chunk=self.attention_chunk)
 
-    def __call__(self, x: Array, t: Array | float, context: Array | None = None, train: bool = False) -> Array:
-        """Predict the noise (or whatever the spec was trained on) for NHWC ``x`` at timestep ``t``.
+    def __call__(
+        self,
+        x: Array,
+        t: Array | float,
+        context: Array | None = None,
+        class_labels: Array | None = None,
+        text_embeds: Array | None = None,
+        time_ids: Array | None = None,
+        train: bool = False,
+    ) -> Array:
+        """Predict the noise (or whatever the spec was trained on) for NHWC ``x`` at timesteps ``t``.
 
-        ``t`` is a scalar or has shape (B,); ``context`` (B, L, cross_attention_dim) is required
-        when the spec has cross-attention. ``train=True`` turns dropout on (rng ``"dropout"``) and,
-        with ``norm_kind: batch``, normalises with batch statistics and updates ``"batch_stats"``
-        (pass ``mutable=["batch_stats"]``).
+        ``t``: a scalar or (B,). ``context`` (B, L, cross_attention_dim), ``class_labels``,
+        ``text_embeds`` and ``time_ids``: exactly those the spec takes (`shared_configs.inputs`);
+        anything else is a one-line `ValueError`. ``train=True`` (by keyword) turns dropout on (rng
+        ``"dropout"``) and, with ``norm_kind: batch``, normalises with batch statistics and updates
+        ``"batch_stats"`` (pass ``mutable=["batch_stats"]``).
         """
-        s = self.resolved_spec
-        if s.cross_attention_dim is not None and context is None:
-            raise ValueError(
-                f"context: spec {s.name!r} has cross-attention; pass context of shape (B, L, {s.cross_attention_dim})"
-            )
-        t = jnp.broadcast_to(jnp.asarray(t), (x.shape[0],))
-        te = s.time_embedding
-        # The sinusoids are float32 whatever ``t`` is; in x's dtype (a no-op for float32), so that a
-        # bf16 forward stays bf16: float32 temb added to bf16 activations would promote the rest.
-        features = timestep_embedding(t, s.block_out_channels[0], te.flip_sin_to_cos, te.freq_shift, te.max_period)
-        temb = self.time_embedding(features.astype(x.dtype))
+        conditioning = {"context": context, "class_labels": class_labels, "text_embeds": text_embeds}
+        check_inputs(self.resolved_spec, "NHWC", x, t, **conditioning, time_ids=time_ids)
+        temb = self._embedding(x, t, class_labels, text_embeds, time_ids)
         h = self.conv_in(x)
         skips = [h]
         for block in self.down:
@@ -154,6 +189,31 @@ class UNet(nn.Module):
             h = block(h, tuple(skips[-count:]), temb, context, train)
             del skips[-count:]
         return self.conv_out(nn.silu(apply_norm(self.conv_norm_out, h, train)))
+
+    def _sinusoids(self, values: Array, dim: int) -> Array:
+        te = self.resolved_spec.time_embedding
+        return timestep_embedding(values, dim, te.flip_sin_to_cos, te.freq_shift, te.max_period)
+
+    def _embedding(
+        self, x: Array, t: Array | float, class_labels: Array | None, text_embeds: Array | None,
+        time_ids: Array | None,
+    ) -> Array:  # fmt: skip
+        """The embedding every ResNet receives: time, plus class and text_time conditioning as diffusers adds them."""
+        s, dtype = self.resolved_spec, x.dtype
+        t = jnp.broadcast_to(jnp.asarray(t), (x.shape[0],))
+        # The sinusoids are float32 whatever ``t`` is; in x's dtype (a no-op for float32), so that a
+        # bf16 forward stays bf16: float32 temb added to bf16 activations would promote the rest.
+        temb = self.time_embedding(self._sinusoids(t, s.block_out_channels[0]).astype(dtype))
+        if (ce := s.class_embedding) is not None:
+            labels = class_labels
+            if ce.kind == "timestep":
+                labels = self._sinusoids(labels, s.block_out_channels[0]).astype(dtype)
+            class_emb = (labels if self.class_embedding is None else self.class_embedding(labels)).astype(dtype)
+            temb = jnp.concatenate([temb, class_emb], axis=-1) if ce.concat else temb + class_emb
+        if (add := s.addition_embedding) is not None:
+            ids = self._sinusoids(time_ids.reshape(-1), add.time_id_dim).reshape(x.shape[0], -1)  # (B, N * dim)
+            temb = temb + self.add_embedding(jnp.concatenate([text_embeds, ids], axis=-1).astype(dtype))
+        return temb
 
     @nn.nowrap
     def block_names(self, layers: bool = False) -> list[str]:

@@ -3,8 +3,9 @@
 Nothing here imports torch or jax.
 """
 
-from shared_configs.diffusers import from_diffusers_config
+from shared_configs.diffusers_config import from_diffusers_config
 from shared_configs.diffusers_export import to_diffusers_config
+from shared_configs.inputs import INPUT_NAMES, check_inputs, example_inputs, input_specs
 from shared_configs.loader import load_spec, preset_names, spec_from_dict
 from shared_configs.plan import (
     NAMED_POLICIES,
@@ -16,19 +17,25 @@ from shared_configs.plan import (
     layer_names,
     resolve_plan,
 )
-from shared_configs.spec import SpecError, TimeEmbeddingSpec, UNetSpec
+from shared_configs.spec import AdditionEmbeddingSpec, ClassEmbeddingSpec, SpecError, TimeEmbeddingSpec, UNetSpec
 
 __all__ = [
+    "INPUT_NAMES",
     "NAMED_POLICIES",
     "OP_CLASSES",
     "PRESETS",
+    "AdditionEmbeddingSpec",
     "CheckpointPlan",
+    "ClassEmbeddingSpec",
     "SpecError",
     "TimeEmbeddingSpec",
     "UNetSpec",
     "all_names",
     "block_names",
+    "check_inputs",
+    "example_inputs",
     "from_diffusers_config",
+    "input_specs",
     "layer_names",
     "load_spec",
     "preset_names",

@@ -1,14 +1,15 @@
 """What each block and layer is built with, derived once from the spec for both frameworks.
 
 Both U-Net assemblies (`torch_impl/unet.py`, `jax_impl/unet.py`) loop over `down_blocks` /
-`up_blocks` and build layers from `resnet_kwargs` / `attention_kwargs`, so the channel
-book-keeping of the skip stack lives here, in one place, framework-free.
+`up_blocks` and build layers from `resnet_args` / `attention_args` (typed, frozen; their field
+names are the layer constructors' parameters in both frameworks, checked by a test), so the
+channel book-keeping of the skip stack lives here, in one place, framework-free.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -70,48 +71,122 @@ def _skip_stack(spec: UNetSpec) -> list[int]:
     return skips
 
 
-def norm_kwargs(spec: UNetSpec) -> dict[str, Any]:
-    """Keyword arguments (after channels) of ``norm_layer``: the ResNet norms and the output norm."""
-    return {
-        "norm": spec.norm_kind,
-        "groups": spec.norm_num_groups,
-        "eps": spec.norm_eps,
-        "momentum": spec.norm_momentum,
-    }
+@dataclass(frozen=True)
+class NormArgs:
+    """The ResNet / output norm (``norm_layer``'s arguments after the channels)."""
+
+    norm: str  # "group" | "batch"
+    groups: int
+    eps: float
+    momentum: float
 
 
-def resnet_kwargs(spec: UNetSpec, output_scale: float = 1.0) -> dict[str, Any]:
-    """Keyword arguments of ``ResnetBlock`` (after in/out channels) in both frameworks."""
-    return {
-        "temb_dim": spec.time_embed_dim,
-        **norm_kwargs(spec),
-        "dropout_rate": spec.dropout,
-        "scale_shift": spec.resnet_time_scale_shift == "scale_shift",
-        "output_scale": output_scale,
-    }
+@dataclass(frozen=True)
+class ResnetArgs:
+    """``ResnetBlock``'s arguments after in/out channels, in both frameworks."""
+
+    temb_dim: int
+    norm: str
+    groups: int
+    eps: float
+    momentum: float
+    dropout_rate: float
+    scale_shift: bool
+    output_scale: float
 
 
-def attention_kwargs(spec: UNetSpec, kind: str, level: int, output_scale: float = 1.0) -> dict[str, Any]:
-    """Keyword arguments (after channels) of the attention layer ``kind`` at ``level``."""
-    heads = spec.heads(level)
+@dataclass(frozen=True)
+class SelfAttentionArgs:
+    """``SelfAttention``'s arguments after the channels. ``groups=0``: no GroupNorm."""
+
+    heads: int
+    head_dim: int
+    groups: int
+    eps: float
+    scale: float | None
+    output_scale: float
+
+
+@dataclass(frozen=True)
+class TransformerArgs:
+    """``Transformer2D``'s arguments after the channels."""
+
+    heads: int
+    head_dim: int
+    depth: int
+    groups: int
+    norm_eps: float
+    ln_eps: float
+    scale: float | None
+    context_dim: int | None
+    linear_projection: bool
+
+
+@dataclass(frozen=True)
+class ClassEmbeddingArgs:
+    """The class embedding layer (`shared_configs.spec.ClassEmbeddingSpec`), into width ``dim``."""
+
+    kind: str
+    sinusoid_dim: int  # ``timestep``: width of the labels' sinusoids (the timestep's)
+    dim: int
+    num_classes: int | None
+    input_dim: int | None
+
+
+LayerArgs = NormArgs | ResnetArgs | SelfAttentionArgs | TransformerArgs
+
+
+def kwargs(args: LayerArgs) -> dict[str, Any]:
+    """The keyword arguments a layer constructor takes (field names are its parameter names)."""
+    return {f.name: getattr(args, f.name) for f in fields(args)}
+
+
+def norm_args(spec: UNetSpec) -> NormArgs:
+    return NormArgs(spec.norm_kind, spec.norm_num_groups, spec.norm_eps, spec.norm_momentum)
+
+
+def resnet_args(spec: UNetSpec, output_scale: float = 1.0) -> ResnetArgs:
+    norm = norm_args(spec)
+    return ResnetArgs(
+        temb_dim=spec.block_temb_dim,
+        norm=norm.norm,
+        groups=norm.groups,
+        eps=norm.eps,
+        momentum=norm.momentum,
+        dropout_rate=spec.dropout,
+        scale_shift=spec.resnet_time_scale_shift == "scale_shift",
+        output_scale=output_scale,
+    )
+
+
+def attention_args(
+    spec: UNetSpec, kind: str, level: int, block: str, output_scale: float = 1.0
+) -> SelfAttentionArgs | TransformerArgs:
+    """The attention layer ``kind`` of ``block`` (``"down.1"``, ``"mid"``, ...) at ``level`` (``-1``: the middle)."""
+    heads, head_dim = spec.attention_shape(block, level)
     if kind == "self":
-        return {
-            "heads": heads,
-            "groups": spec.norm_num_groups,
-            "eps": spec.norm_eps,
-            "scale": spec.attention_scale,
-            "output_scale": output_scale,
-        }
-    return {
-        "heads": heads,
-        "depth": spec.transformer_depth(level),
-        "groups": spec.norm_num_groups,
-        "norm_eps": spec.transformer_norm_eps,
-        "ln_eps": spec.layer_norm_eps,
-        "scale": spec.attention_scale,
-        "context_dim": spec.cross_attention_dim,
-        "linear_projection": spec.use_linear_projection,
-    }
+        groups = spec.norm_num_groups
+        if level == -1 and spec.mid_attention_norm_groups is not None:
+            groups = spec.mid_attention_norm_groups
+        return SelfAttentionArgs(heads, head_dim, groups, spec.norm_eps, spec.attention_scale, output_scale)
+    return TransformerArgs(
+        heads=heads,
+        head_dim=head_dim,
+        depth=spec.transformer_depth(level),
+        groups=spec.norm_num_groups,
+        norm_eps=spec.transformer_norm_eps,
+        ln_eps=spec.layer_norm_eps,
+        scale=spec.attention_scale,
+        context_dim=spec.cross_attention_dim,
+        linear_projection=spec.use_linear_projection,
+    )
+
+
+def class_embedding_args(spec: UNetSpec) -> ClassEmbeddingArgs | None:
+    ce = spec.class_embedding
+    if ce is None:
+        return None
+    return ClassEmbeddingArgs(ce.kind, spec.block_out_channels[0], spec.time_embed_dim, ce.num_classes, ce.input_dim)
 
 
 def timestep_frequencies(dim: int, freq_shift: float, max_period: float) -> np.ndarray:

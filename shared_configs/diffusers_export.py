@@ -10,9 +10,10 @@ not survive the round trip is refused by name.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-from shared_configs.diffusers import from_diffusers_config
+from shared_configs.diffusers_config import from_diffusers_config
 from shared_configs.spec import SpecError, UNetSpec
 
 DOWN_TYPES = {"none": "DownBlock2D", "self": "AttnDownBlock2D", "transformer": "CrossAttnDownBlock2D"}
@@ -51,28 +52,50 @@ def _common(spec: UNetSpec, cls: str) -> dict[str, Any]:
         "flip_sin_to_cos": spec.time_embedding.flip_sin_to_cos,
         "freq_shift": spec.time_embedding.freq_shift,
         "time_embedding_dim": spec.time_embedding.dim,
+        **_conditioning(spec),
     }
 
 
-def _attention_levels(spec: UNetSpec) -> list[int]:
-    n = spec.num_levels
-    levels = {i for i, k in enumerate(spec.down_attention) if k != "none"}
-    levels |= {n - 1 - i for i, k in enumerate(spec.up_attention_resolved) if k != "none"}
-    return sorted(levels | ({n - 1} if spec.mid_attention != "none" else set()))
+def _conditioning(spec: UNetSpec) -> dict[str, Any]:
+    """Class and text_time embeddings in diffusers' options (one projection width serves both there)."""
+    out: dict[str, Any] = {}
+    if (ce := spec.class_embedding) is not None:
+        if ce.kind == "embedding":
+            out["num_class_embeds"] = ce.num_classes
+        else:
+            out["class_embed_type"] = ce.kind
+        if ce.input_dim is not None:
+            out["projection_class_embeddings_input_dim"] = ce.input_dim
+        if ce.concat:
+            out["class_embeddings_concat"] = True
+    if (add := spec.addition_embedding) is not None:
+        out["addition_embed_type"] = add.kind
+        out["addition_time_embed_dim"] = add.time_id_dim
+        out["projection_class_embeddings_input_dim"] = add.input_dim
+    return out
 
 
 def _pixel(spec: UNetSpec) -> dict[str, Any]:
     """UNet2DModel: one ``attention_head_dim`` (channels per head) for every attention."""
-    head_dims = {spec.block_out_channels[lv] // spec.heads(lv) for lv in _attention_levels(spec)}
-    one_head = all(spec.heads(lv) == 1 for lv in _attention_levels(spec))
+    levels = spec.attention_levels
+    head_dims = {spec.head_dim(lv) for lv in levels}
+    one_head = all(spec.heads(lv) == 1 and spec.head_dim(lv) == spec.block_out_channels[lv] for lv in levels)
     return _common(spec, "UNet2DModel") | {
         "mid_block_type": "UNetMidBlock2D",
         "add_attention": spec.mid_attention != "none",
-        # diffusers' default (None) means norm_num_groups, except under scale_shift, where it
-        # drops the middle attention's GroupNorm: then it must be spelled out.
-        "attn_norm_num_groups": None if spec.resnet_time_scale_shift == "default" else spec.norm_num_groups,
+        "attn_norm_num_groups": _mid_groups(spec),
         "attention_head_dim": None if one_head or not head_dims else min(head_dims),
     }
+
+
+def _mid_groups(spec: UNetSpec) -> int | None:
+    """diffusers' attn_norm_num_groups: None means norm_num_groups under the default time embedding,
+    and no GroupNorm under scale_shift (so there the ResNets' groups must be spelled out)."""
+    groups = spec.mid_attention_norm_groups
+    if groups == 0:
+        return None  # no GroupNorm: diffusers builds that only under scale_shift (the round trip checks)
+    groups = spec.norm_num_groups if groups is None else groups
+    return None if groups == spec.norm_num_groups and spec.resnet_time_scale_shift == "default" else groups
 
 
 def _conditional(spec: UNetSpec) -> dict[str, Any]:
@@ -82,18 +105,33 @@ def _conditional(spec: UNetSpec) -> dict[str, Any]:
             f"mid_attention: {spec.mid_attention!r} beside Transformer2D levels has no diffusers equivalent "
             "(UNet2DConditionModel's middle block is UNetMidBlock2DCrossAttn: mid_attention 'transformer')"
         )
-    self_levels = {i for i, k in enumerate(spec.down_attention) if k == "self"}
-    heads = [
-        spec.block_out_channels[lv] // spec.heads(lv) if lv in self_levels else spec.heads(lv)
-        for lv in range(spec.num_levels)
-    ]
     return _common(spec, "UNet2DConditionModel") | {
         "mid_block_type": "UNetMidBlock2DCrossAttn",
-        "attention_head_dim": _plain(tuple(heads)),
+        "attention_head_dim": _plain(_conditional_heads(spec)),
         "cross_attention_dim": spec.cross_attention_dim,
         "transformer_layers_per_block": _plain(spec.transformer_layers_per_block),
         "use_linear_projection": spec.use_linear_projection,
     }
+
+
+def _attention_blocks(spec: UNetSpec) -> list[tuple[str, int, int, str]]:
+    """(block, level, index in its path, attention kind) of every block with attention, in forward order."""
+    n, up = spec.num_levels, spec.up_attention_resolved
+    blocks = [(f"down.{i}", i, i, k) for i, k in enumerate(spec.down_attention)] + [
+        ("mid", n - 1, n - 1, spec.mid_attention)
+    ]
+    blocks += [(f"up.{i}", n - 1 - i, i, k) for i, k in enumerate(up)]
+    return [b for b in blocks if b[3] != "none"]
+
+
+def _conditional_heads(spec: UNetSpec) -> tuple[int, ...]:
+    """UNet2DConditionModel's attention_head_dim list: heads of transformers at their level, head size of
+    Attn*Block2D at their index (un-reversed on the way up); the round trip refuses what conflicts."""
+    values: dict[int, int] = {}
+    for block, level, index, kind in _attention_blocks(spec):
+        heads, head_dim = spec.attention_shape(block, level)
+        values.setdefault(level if kind == "transformer" else index, heads if kind == "transformer" else head_dim)
+    return tuple(values.get(lv, spec.heads(lv)) for lv in range(spec.num_levels))
 
 
 def _plain(value: int | tuple[int, ...]) -> int | list[int]:
@@ -105,9 +143,12 @@ def _plain(value: int | tuple[int, ...]) -> int | list[int]:
 
 def _normalised(spec: UNetSpec) -> dict[str, Any]:
     """The fields that decide the network, in one spelling (heads per attention level, resolved defaults)."""
-    data = spec.model_dump(exclude={"name", "checkpoint", "attention_head_dim", "num_attention_heads", "up_attention"})
+    exclude = {"name", "checkpoint", "attention_head_dim", "num_attention_heads", "block_heads", "up_attention"}
+    data = spec.model_dump(exclude=exclude | {"addition_embedding"})
     data["up_attention"] = spec.up_attention_resolved
-    data["heads"] = {lv: spec.heads(lv) for lv in _attention_levels(spec)}
+    data["heads"] = {b: spec.attention_shape(b, level) for b, level, _, _ in _attention_blocks(spec)}
+    if (add := spec.addition_embedding) is not None:  # how example inputs split its width is not the network
+        data["addition_embedding"] = add.model_dump(exclude={"num_time_ids"})
     data["transformer_layers_per_block"] = [spec.transformer_depth(lv) for lv in range(spec.num_levels)]
     data["time_embedding"]["dim"] = spec.time_embed_dim
     if spec.norm_kind == "group":
@@ -117,13 +158,15 @@ def _normalised(spec: UNetSpec) -> dict[str, Any]:
 
 def _check_round_trip(spec: UNetSpec, config: dict[str, Any]) -> None:
     try:
-        back = from_diffusers_config(config)
+        with warnings.catch_warnings():  # e.g. a class_embed_type UNet2DModel ignores: refused just below
+            warnings.simplefilter("ignore")
+            back = from_diffusers_config(config)
     except SpecError as err:
         raise SpecError(f"spec {spec.name!r} has no diffusers equivalent: {err}") from None
     want, got = _normalised(spec), _normalised(back)
     for field, value in want.items():
         if got.get(field) != value:
             raise SpecError(
-                f"{field}: {value!r} has no diffusers {config['_class_name']} equivalent "
-                f"(the nearest config gives {got.get(field)!r})"
+                f"spec {spec.name!r} has no diffusers equivalent: {field}={value!r} "
+                f"(the nearest {config['_class_name']} config gives {got.get(field)!r})"
             )

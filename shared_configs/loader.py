@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -11,6 +12,18 @@ from pydantic import BaseModel, ValidationError
 from shared_configs.spec import SpecError, UNetSpec
 
 PRESET_DIR = Path(__file__).resolve().parent
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading ``1e-5`` as a float (YAML 1.2) rather than the string YAML 1.1 makes
+    of it: the spec's floats are strict, so the string would be refused."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def preset_names() -> list[str]:
@@ -22,7 +35,7 @@ def load_spec(name_or_path: str | Path) -> UNetSpec:
     """Load a spec from a preset name (``"tiny"``) or a YAML file path."""
     path = _resolve(name_or_path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_Loader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -44,11 +57,18 @@ def spec_from_dict(data: dict[str, Any]) -> UNetSpec:
 def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
     msg = first["msg"].removeprefix("Value error, ")
-    loc = ".".join(str(p) for p in first["loc"])
+    loc = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p))
     if first["type"] == "extra_forbidden":
         allowed = ", ".join(sorted(_model_at(first["loc"][:-1]).model_fields))
         return f"{loc}: unknown field (allowed: {allowed})"
+    if loc and re.match(r"^\w+: ", msg):  # a nested model's own check names its field: join the paths
+        return f"{loc}.{msg}"
     return f"{loc}: {msg}" if loc else msg
+
+
+def _is_type_tag(part: object) -> bool:
+    """pydantic names the member of a union it tried (``int``, ``tuple[int, ...]``) in an error's location."""
+    return isinstance(part, str) and (part in {"int", "float", "bool", "str", "none"} or "[" in part)
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
@@ -56,8 +76,9 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
     model: type[BaseModel] = UNetSpec
     for part in loc:
         annotation = model.model_fields[str(part)].annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            model = annotation
+        for candidate in (annotation, *get_args(annotation)):  # `Spec | None` too
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                model = candidate
     return model
 
 

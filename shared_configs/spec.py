@@ -7,7 +7,11 @@ One `UNetSpec` describes both families people train:
 * Stable-Diffusion-style latent U-Nets (diffusers ``UNet2DConditionModel``): the same with
   Transformer2D blocks (``attention: transformer``): GroupNorm, projection in/out,
   self-attention, cross-attention over ``context`` when ``cross_attention_dim`` is set,
-  GEGLU feed-forward.
+  GEGLU feed-forward; SD 1.x, 2.x and SDXL.
+
+Conditioning beside the timestep (class ids or vectors, SDXL's ``text_time``) changes only the
+embedding every ResNet receives, computed in the U-Net assembly (`ClassEmbeddingSpec`,
+`AdditionEmbeddingSpec`); `shared_configs.inputs` says which inputs a spec takes.
 
 Every default that differs between PyTorch and Flax (norm eps, attention scale) is a field
 here, so neither framework's default ever leaks into the model.
@@ -25,66 +29,150 @@ only the running variance each framework accumulates differs, by that factor on 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 AttentionKind = Literal["none", "self", "transformer"]
 ATTENTION_KINDS: tuple[str, ...] = ("none", "self", "transformer")
 NormKind = Literal["group", "batch"]
 NORM_KINDS: tuple[str, ...] = ("group", "batch")
+ClassEmbeddingKind = Literal["embedding", "timestep", "identity", "projection", "simple_projection"]
+CLASS_EMBEDDING_KINDS: tuple[str, ...] = ("embedding", "timestep", "identity", "projection", "simple_projection")
+
+# Strict scalars: `in_channels: true` or `norm_eps: "1e-5"` is an error, never coerced. A float
+# field takes an int (YAML `1` for `1.0`), not a bool; non-finite floats are refused model-wide.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class TimeEmbeddingSpec(_Frozen):
     """Sinusoidal timestep projection followed by a 2-layer MLP (diffusers ``positional``)."""
 
-    flip_sin_to_cos: bool = True
-    freq_shift: float = 0.0
-    max_period: float = 10000.0
-    dim: int | None = Field(default=None, gt=0, description="MLP width; default 4 * channels[0]")
+    flip_sin_to_cos: Bool = True
+    freq_shift: Float = 0.0
+    max_period: Float = Field(default=10000.0, gt=0)
+    dim: Int | None = Field(default=None, gt=0, description="MLP width; default 4 * channels[0]")
+
+
+class ClassEmbeddingSpec(_Frozen):
+    """Class conditioning, added to (or concatenated with) the timestep embedding.
+
+    diffusers' ``class_embed_type`` / ``num_class_embeds``; ``class_labels`` in the forward is:
+
+    * ``embedding``: class ids (B,) into a learned table of ``num_classes`` rows;
+    * ``timestep``: ids (B,) through the timestep sinusoids and a 2-layer MLP of their own;
+    * ``identity``: vectors (B, time embedding width) added as they are;
+    * ``projection``: vectors (B, ``input_dim``) through a 2-layer MLP;
+    * ``simple_projection``: vectors (B, ``input_dim``) through one linear layer.
+    """
+
+    kind: ClassEmbeddingKind
+    num_classes: Int | None = Field(default=None, gt=0, description="embedding: rows of the table")
+    input_dim: Int | None = Field(default=None, gt=0, description="projection kinds: width of class_labels")
+    concat: Bool = Field(default=False, description="concatenate with the time embedding (blocks see twice the width)")
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> ClassEmbeddingSpec:
+        needs = {"embedding": "num_classes", "projection": "input_dim", "simple_projection": "input_dim"}
+        for field in ("num_classes", "input_dim"):
+            wanted = needs.get(self.kind) == field
+            if wanted and getattr(self, field) is None:
+                raise SpecError(f"{field}: required by kind {self.kind!r}")
+            if not wanted and getattr(self, field) is not None:
+                raise SpecError(f"{field}: not used by kind {self.kind!r} (remove it)")
+        return self
+
+
+class AdditionEmbeddingSpec(_Frozen):
+    """SDXL's ``text_time`` conditioning (diffusers ``addition_embed_type: text_time``).
+
+    ``time_ids`` (B, N) each become ``time_id_dim`` sinusoids (the timestep's options); with
+    ``text_embeds`` (B, D) they are concatenated and a 2-layer MLP from ``input_dim = D + N *
+    time_id_dim`` (diffusers' ``projection_class_embeddings_input_dim``) is added to the time
+    embedding. Only the sum is part of the network; ``num_time_ids`` is how example inputs split it
+    (SDXL base: 6 ids and D = 1280; the refiner passes 5 ids and the same D).
+    """
+
+    kind: Literal["text_time"] = "text_time"
+    time_id_dim: Int = Field(gt=0, description="sinusoid width per time id (addition_time_embed_dim)")
+    input_dim: Int = Field(gt=0, description="MLP input: text_embeds width + num_time_ids * time_id_dim")
+    num_time_ids: Int = Field(default=6, gt=0, description="time ids per sample in example inputs")
+
+    @property
+    def text_embeds_dim(self) -> int:
+        """Width of ``text_embeds`` beside ``num_time_ids`` time ids."""
+        return self.input_dim - self.num_time_ids * self.time_id_dim
+
+    @model_validator(mode="after")
+    def _check_split(self) -> AdditionEmbeddingSpec:
+        _require(
+            self.text_embeds_dim > 0,
+            "num_time_ids",
+            f"{self.num_time_ids} time ids x {self.time_id_dim} leave no text_embeds width "
+            f"in input_dim={self.input_dim}",
+        )
+        return self
 
 
 class UNetSpec(_Frozen):
     """A diffusion U-Net, level by level. Lists run from the highest resolution down."""
 
     name: str = "unnamed"
-    in_channels: int = Field(gt=0)
-    out_channels: int = Field(gt=0)
-    sample_size: int = Field(gt=0, description="spatial size (square) used by benchmarks/tests")
-    block_out_channels: tuple[int, ...] = Field(min_length=1)
-    layers_per_block: int = Field(default=2, gt=0)
+    in_channels: Int = Field(gt=0)
+    out_channels: Int = Field(gt=0)
+    sample_size: Int = Field(gt=0, description="spatial size (square) used by benchmarks/tests")
+    block_out_channels: tuple[Int, ...] = Field(min_length=1)
+    layers_per_block: Int = Field(default=2, gt=0)
     down_attention: tuple[AttentionKind, ...]
     up_attention: tuple[AttentionKind, ...] | None = Field(
         default=None, description="up blocks, deepest first; default: down_attention reversed"
     )
     mid_attention: AttentionKind = "self"
-    # Exactly one of these two sets the heads (an int for all levels or one per level);
-    # the middle block uses the deepest level's value.
-    attention_head_dim: int | tuple[int, ...] | None = None
-    num_attention_heads: int | tuple[int, ...] | None = None
-    attention_scale: float | None = Field(default=None, gt=0, description="softmax scale; None means 1/sqrt(head_dim)")
-    cross_attention_dim: int | None = Field(default=None, gt=0)
-    transformer_layers_per_block: int | tuple[int, ...] = Field(
+    # Heads, an int for all levels or one per level (the middle block uses the deepest level's):
+    # one of the two sets them, the other follows (channels = heads * head_dim); both set means
+    # exactly that many heads of that size (heads * head_dim may then differ from the channels,
+    # as diffusers builds when they do not divide).
+    attention_head_dim: Int | tuple[Int, ...] | None = None
+    num_attention_heads: Int | tuple[Int, ...] | None = None
+    block_heads: tuple[tuple[str, Int, Int], ...] = Field(
+        default=(),
+        description="(block, heads, head_dim) for a block whose attention differs from its level's heads "
+        "(diffusers derives such for Attn*Block2D in a UNet2DConditionModel); blocks: down.i, mid, up.i",
+    )
+    attention_scale: Float | None = Field(default=None, gt=0, description="softmax scale; None: 1/sqrt(head_dim)")
+    cross_attention_dim: Int | None = Field(default=None, gt=0)
+    transformer_layers_per_block: Int | tuple[Int, ...] = Field(
         default=1, description="transformer layers per Transformer2D block: one for all levels, or one per level"
     )
-    use_linear_projection: bool = False
+    use_linear_projection: Bool = False
     norm_kind: NormKind = Field(default="group", description="ResNet and output norms (see NORM_KINDS)")
-    norm_momentum: float = Field(
+    norm_momentum: Float = Field(
         default=0.1, gt=0.0, lt=1.0, description="BatchNorm running-stat weight of the new batch (torch convention)"
     )
-    norm_num_groups: int = Field(default=32, gt=0)
-    norm_eps: float = Field(default=1e-5, gt=0, description="ResNet, self-attention, output norms")
-    transformer_norm_eps: float = Field(default=1e-6, gt=0, description="Transformer2D GroupNorm")
-    layer_norm_eps: float = Field(default=1e-5, gt=0, description="LayerNorms in transformers")
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    norm_num_groups: Int = Field(default=32, gt=0)
+    mid_attention_norm_groups: Int | None = Field(
+        default=None,
+        ge=0,
+        description="GroupNorm groups of a middle self-attention; None: norm_num_groups; 0: no GroupNorm",
+    )
+    norm_eps: Float = Field(default=1e-5, gt=0, description="ResNet, self-attention, output norms")
+    transformer_norm_eps: Float = Field(default=1e-6, gt=0, description="Transformer2D GroupNorm")
+    layer_norm_eps: Float = Field(default=1e-5, gt=0, description="LayerNorms in transformers")
+    dropout: Float = Field(default=0.0, ge=0.0, lt=1.0)
     resnet_time_scale_shift: Literal["default", "scale_shift"] = "default"
-    downsample_padding: int = Field(default=1, ge=0, le=1)
-    mid_block_scale_factor: float = Field(default=1.0, gt=0)
+    downsample_padding: Int = Field(default=1, ge=0, le=1)
+    mid_block_scale_factor: Float = Field(default=1.0, gt=0)
     time_embedding: TimeEmbeddingSpec = TimeEmbeddingSpec()
+    class_embedding: ClassEmbeddingSpec | None = Field(default=None, description="class conditioning (class_labels)")
+    addition_embedding: AdditionEmbeddingSpec | None = Field(
+        default=None, description="SDXL text_time conditioning (text_embeds, time_ids)"
+    )
     checkpoint: str | tuple[str, ...] | None = Field(
         default=None, description="default checkpoint policy (see shared_configs.plan)"
     )
@@ -98,8 +186,24 @@ class UNetSpec(_Frozen):
         return self.time_embedding.dim or 4 * self.block_out_channels[0]
 
     @property
+    def block_temb_dim(self) -> int:
+        """Width of the embedding the ResNets receive: doubled when class embeddings are concatenated."""
+        concat = self.class_embedding is not None and self.class_embedding.concat
+        return self.time_embed_dim * (2 if concat else 1)
+
+    @property
     def up_attention_resolved(self) -> tuple[str, ...]:
         return self.up_attention or tuple(reversed(self.down_attention))
+
+    @property
+    def attention_levels(self) -> tuple[int, ...]:
+        """Levels with an attention layer anywhere (down, up, or the middle at the deepest), sorted."""
+        n = self.num_levels
+        levels = {i for i, a in enumerate(self.down_attention) if a != "none"}
+        levels |= {n - 1 - i for i, a in enumerate(self.up_attention_resolved) if a != "none"}
+        if self.mid_attention != "none":
+            levels.add(n - 1)
+        return tuple(sorted(levels))
 
     def transformer_depth(self, level: int) -> int:
         """Transformer layers of a Transformer2D block at a level (``-1``: the middle block's)."""
@@ -114,17 +218,26 @@ class UNetSpec(_Frozen):
             return channels // _per_level(self.attention_head_dim, level, self.num_levels)
         return 1
 
+    def attention_shape(self, block: str, level: int) -> tuple[int, int]:
+        """(heads, head_dim) of the attention in ``block`` (``"up.1"``), at ``level``: its `block_heads` entry,
+        else the level's."""
+        for name, heads, head_dim in self.block_heads:
+            if name == block:
+                return heads, head_dim
+        return self.heads(level), self.head_dim(level)
+
+    def head_dim(self, level: int) -> int:
+        """Channels per attention head at a level; ``heads * head_dim`` is the attention's width."""
+        if self.attention_head_dim is not None:
+            return _per_level(self.attention_head_dim, level, self.num_levels)
+        return self.block_out_channels[level] // self.heads(level)
+
     @model_validator(mode="after")
     def _check_dimensions(self) -> UNetSpec:
         n = self.num_levels
         _require(len(self.down_attention) == n, "down_attention", f"needs {n} entries, one per level")
         if self.up_attention is not None:
             _require(len(self.up_attention) == n, "up_attention", f"needs {n} entries, one per level")
-        _require(
-            (self.attention_head_dim is None) or (self.num_attention_heads is None),
-            "attention_head_dim",
-            "set attention_head_dim or num_attention_heads, not both",
-        )
         for field in ("attention_head_dim", "num_attention_heads", "transformer_layers_per_block"):
             value = getattr(self, field)
             if isinstance(value, tuple):
@@ -137,7 +250,7 @@ class UNetSpec(_Frozen):
             "sample_size",
             f"{self.sample_size} is not divisible by the downsampling factor {factor}",
         )
-        attention_levels = self._attention_levels()
+        self._check_block_heads()
         for level, ch in enumerate(self.block_out_channels):
             _require(ch > 0, "block_out_channels", "must be positive")
             _require(
@@ -145,23 +258,62 @@ class UNetSpec(_Frozen):
                 "norm_num_groups",
                 f"block_out_channels[{level}]={ch} is not divisible by {self.norm_num_groups} groups",
             )
-            if level in attention_levels:
+            if level in self.attention_levels:
                 self._check_heads(level, ch)
+        self._check_conditioning()
         return self
 
+    def _check_block_heads(self) -> None:
+        n, names = self.num_levels, [name for name, _, _ in self.block_heads]
+        blocks = [f"down.{i}" for i in range(n)] + ["mid"] + [f"up.{i}" for i in range(n)]
+        for name, heads, head_dim in self.block_heads:
+            _require(name in blocks, "block_heads", f"unknown block {name!r} (valid: {', '.join(blocks)})")
+            _require(names.count(name) == 1, "block_heads", f"{name!r} is listed twice")
+            _require(heads > 0 and head_dim > 0, "block_heads", f"{name!r}: heads and head_dim must be positive")
+
     def _check_heads(self, level: int, ch: int) -> None:
+        if self.attention_head_dim is not None and self.num_attention_heads is not None:
+            return  # both explicit: any positive pair is a network
         if self.attention_head_dim is not None:
             field, size = "attention_head_dim", _per_level(self.attention_head_dim, level, self.num_levels)
         else:
             field, size = "num_attention_heads", self.heads(level)
         _require(ch % size == 0, field, f"block_out_channels[{level}]={ch} does not split into heads of {field}={size}")
 
-    def _attention_levels(self) -> set[int]:
-        levels = {i for i, a in enumerate(self.down_attention) if a != "none"}
-        levels |= {self.num_levels - 1 - i for i, a in enumerate(self.up_attention_resolved) if a != "none"}
-        if self.mid_attention != "none":
-            levels.add(self.num_levels - 1)
-        return levels
+    def _check_conditioning(self) -> None:
+        """The middle attention's norm, the sinusoids' widths, and the checkpoint policy."""
+        groups = self.mid_attention_norm_groups
+        if groups is not None:
+            _require(self.mid_attention == "self", "mid_attention_norm_groups", "only for mid_attention: self")
+            _require(
+                groups == 0 or self.block_out_channels[-1] % groups == 0,
+                "mid_attention_norm_groups",
+                f"block_out_channels[-1]={self.block_out_channels[-1]} is not divisible by {groups} groups",
+            )
+        if self.class_embedding is not None and self.addition_embedding is not None:
+            _require(
+                not self.class_embedding.concat,
+                "class_embedding.concat",
+                "cannot be combined with addition_embedding (its MLP output has the unconcatenated width)",
+            )
+        widths = {"time_embedding.freq_shift": self.block_out_channels[0]}
+        if self.addition_embedding is not None:
+            widths["addition_embedding.time_id_dim"] = self.addition_embedding.time_id_dim
+        for field, width in widths.items():
+            # diffusers divides the exponent by (width // 2 - freq_shift): zero would make NaN sinusoids.
+            _require(
+                width // 2 != self.time_embedding.freq_shift,
+                field,
+                f"sinusoids of width {width} with freq_shift={self.time_embedding.freq_shift} divide by zero "
+                "(width // 2 must differ from freq_shift)",
+            )
+        if self.checkpoint is not None:
+            from shared_configs.plan import resolve_plan  # plan imports this module
+
+            try:
+                resolve_plan(self, self.checkpoint)
+            except SpecError as err:
+                raise SpecError(f"checkpoint: {str(err).removeprefix('policy: ')}") from None
 
 
 def _per_level(value: int | tuple[int, ...], level: int, n: int) -> int:

@@ -17,16 +17,16 @@ from flax import traverse_util
 from jax_impl import UNet
 from shared_configs import spec_from_dict
 from shared_configs.training import parse_args
-from tests.test_parity import _flax_out, _inputs, _pair, _torch_out
+from tests.parity_utils import flax_out, parity_inputs, parity_pair, torch_out
 from tests.utils import FAST_COMPILE, TINY, rel_err
 
 
 @pytest.mark.parametrize("name", ["tiny", "ddpm_style", "sd_linear_proj"])
 def test_chunked_outputs_match_torch(name: str) -> None:
-    tmodel, fmodel, params = _pair(name)
-    x, t, ctx = _inputs(tmodel.spec)  # 8x8: 64 tokens at level 0, 16 at level 1
+    tmodel, fmodel, params = parity_pair(name)
+    inputs = parity_inputs(tmodel.spec)  # 8x8: 64 tokens at level 0, 16 at level 1
     chunked = dataclasses.replace(fmodel, attention_chunk=8)
-    assert rel_err(_flax_out(chunked, params, x, t, ctx), _torch_out(tmodel, x, t, ctx).detach()) <= 1e-5
+    assert rel_err(flax_out(chunked, params, inputs), torch_out(tmodel, inputs).detach()) <= 1e-5
 
 
 @pytest.mark.parametrize("policy", ["none", "full"])

@@ -6,24 +6,26 @@ instruments, so without checkpointing the two must use the same memory.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
 
-from tests.test_benchmarks import _compare, _rows
-from tests.utils import variant
+from tests.utils import rows_of, run_compare, variant
 from torch_impl import UNet
 
 
+@pytest.mark.slow
 def test_diffusers_folder_in_every_framework(tmp_path: Path) -> None:
     torch.manual_seed(0)
     spec = variant("sd_linear_proj")
     UNet(spec).save_diffusers(tmp_path / "model" / "unet")  # a pipeline folder layout
     args = ["--diffusers", str(tmp_path / "model"), "--framework", "torch,diffusers", "--policies", "layers"]
-    proc, doc = _compare([*args, "--batch-size", "1", "--steps", "1", "--device", "cpu"], tmp_path / "out")
+    proc, doc = run_compare([*args, "--batch-size", "1", "--steps", "1", "--device", "cpu"], tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
     assert doc is not None and doc["config"]["spec"]["transformer_layers_per_block"] == [1, 2]
-    ours, theirs = _rows(doc, "torch"), _rows(doc, "diffusers")
+    ours, theirs = rows_of(doc, "torch"), rows_of(doc, "diffusers")
     assert set(theirs) == {"none", "enable_gradient_checkpointing"}
     assert doc["settings"]["policies"] == {"torch": ["none", "layers"], "diffusers": list(theirs)}
     count = sum(p.numel() for p in UNet(spec).parameters())
@@ -34,3 +36,19 @@ def test_diffusers_folder_in_every_framework(tmp_path: Path) -> None:
     assert abs(theirs["none"]["peak_bytes"] / ours["none"]["peak_bytes"] - 1) < 0.05
     gc = theirs["enable_gradient_checkpointing"]
     assert gc["peak_bytes"] < theirs["none"]["peak_bytes"] and gc["recompute_flops"] > 0
+
+
+@pytest.mark.slow
+def test_weights_that_do_not_fit_the_config_are_one_line_naming_the_keys(tmp_path: Path) -> None:
+    """Refused before any row runs, every mismatched key in the one line (torch lists them all)."""
+    torch.manual_seed(0)
+    UNet(variant("sd_linear_proj")).save_diffusers(tmp_path / "unet")
+    config = json.loads((tmp_path / "unet" / "config.json").read_text())
+    (tmp_path / "unet" / "config.json").write_text(json.dumps({**config, "cross_attention_dim": 24}))
+    args = ["--diffusers", str(tmp_path / "unet"), "--framework", "torch", "--batch-size", "1", "--steps", "1"]
+    proc, doc = run_compare(args, tmp_path / "out")
+    assert proc.returncode == 1 and doc is None
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("compare: error: RuntimeError: Error(s) in loading state_dict")
+    for block in ("down.0.attentions.0", "down.0.attentions.1", "mid.attentions.0"):
+        assert f"{block}.transformer_blocks.0.attn2.to_k.weight" in lines[0], block

@@ -163,7 +163,7 @@ def _flax_train_step(flax_bn: dict, policy: str | None) -> tuple[dict, dict]:
         out, updates = model.apply(
             {"params": params, "batch_stats": stats},
             *flax_bn["inputs"],
-            True,  # train: batch statistics, dropout on
+            train=True,  # train: batch statistics, dropout on
             rngs={"dropout": key},
             mutable=["batch_stats"],
         )
@@ -231,7 +231,7 @@ def _flax_apply(
         _nhwc(x),
         jnp.asarray(t.numpy()),
         None if ctx is None else jnp.asarray(ctx.numpy()),
-        train,
+        train=train,
         mutable=["batch_stats"],
     )
     return np.asarray(out).transpose(0, 3, 1, 2), traverse_util.flatten_dict(updates["batch_stats"])

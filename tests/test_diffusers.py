@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -24,8 +23,19 @@ from safetensors.torch import load_file, save_file
 
 from jax_impl import diffusers_io as jax_io
 from shared_configs import SpecError, from_diffusers_config, load_spec
-from shared_configs.diffusers import CLASS_DEFAULTS, ours_to_diffusers
-from tests.utils import randomize_, rel_err
+from shared_configs.diffusers import live_config, ours_to_diffusers
+from shared_configs.diffusers_config import CLASS_DEFAULTS
+from shared_configs.inputs import example_inputs
+from tests.utils import (
+    FAST_COMPILE,
+    HUB_CONFIGS,
+    as_flax,
+    as_torch,
+    diffusers_forward,
+    public_options,
+    randomize_,
+    rel_err,
+)
 from torch_impl import UNet
 
 TOL = 1e-5
@@ -72,17 +82,25 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "flip_sin_to_cos": False, "freq_shift": 1, "downsample_padding": 0, "time_embedding_dim": 40,
         "mid_block_scale_factor": 1.2, "layers_per_block": 1, "only_cross_attention": [False, False],
     }),
+    "sdxl_text_time": ("UNet2DConditionModel", {  # SDXL in small: text_time conditioning, depths, no level-0 attention
+        "block_out_channels": (32, 64, 64), "down_block_types": ("DownBlock2D",) + ("CrossAttnDownBlock2D",) * 2,
+        "up_block_types": ("CrossAttnUpBlock2D",) * 2 + ("UpBlock2D",), "transformer_layers_per_block": (1, 2, 2),
+        "attention_head_dim": (2, 4, 8), "use_linear_projection": True, "cross_attention_dim": 16,
+        "addition_embed_type": "text_time", "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 60,
+    }),
+    "class_ddpm_inpaint": ("UNet2DModel", {  # class table, 9 -> 4 channels (inpainting), mid attention without norm
+        "down_block_types": ("AttnDownBlock2D", "DownBlock2D"), "up_block_types": ("UpBlock2D", "AttnUpBlock2D"),
+        "num_class_embeds": 7, "in_channels": 9, "out_channels": 4, "resnet_time_scale_shift": "scale_shift",
+        "attention_head_dim": 16,
+    }),
+    "class_projection_variance": ("UNet2DConditionModel", {  # projected class vectors, out = 2 x in, concat
+        "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+        "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"), "attention_head_dim": 3, "cross_attention_dim": 8,
+        "class_embed_type": "projection",
+        "projection_class_embeddings_input_dim": 12, "class_embeddings_concat": True, "out_channels": 8,
+        "layers_per_block": 1,
+    }),
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Any:
-    """These tensors are tiny: one thread is faster, and on a busy machine spinning OpenMP
-    threads make each op up to 100x slower. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _build(name: str) -> torch.nn.Module:
@@ -95,16 +113,18 @@ def _build(name: str) -> torch.nn.Module:
     return model
 
 
-def _inputs(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    c, gen = model.config, torch.Generator().manual_seed(5)
-    x = torch.randn(2, c.in_channels, c.sample_size, c.sample_size, generator=gen)
-    context = torch.randn(2, 5, c.cross_attention_dim, generator=gen) if "cross_attention_dim" in c else None
-    return x, torch.tensor([3.0, 517.0]), context
+def _inputs(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every input the model takes (ours and diffusers' alike), two samples, one early and one late timestep."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "upcast_attention")
+        spec = from_diffusers_config(live_config(model))
+    inputs = example_inputs(spec, np.random.default_rng(5), batch=2, context_len=5)
+    inputs["t"] = np.array([3.0, 517.0], dtype=np.float32)
+    return as_torch(inputs)
 
 
-def _diffusers_out(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor | None) -> np.ndarray:
-    with torch.no_grad():
-        return (model(x, t) if ctx is None else model(x, t, ctx)).sample.numpy()
+def _diffusers_out(model: torch.nn.Module, inputs: dict[str, torch.Tensor | None]) -> np.ndarray:
+    return diffusers_forward(model, inputs).numpy()
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -113,22 +133,22 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     model = _build(request.param)
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
-    x, t, ctx = _inputs(model)
-    ref = _diffusers_out(model, x, t, ctx)
+    inputs = _inputs(model)
+    ref = _diffusers_out(model, inputs)
     assert np.abs(ref).mean() > 0.1  # a live signal
-    return {"name": request.param, "model": model, "folder": folder, "x": x, "t": t, "ctx": ctx, "ref": ref}
+    return {"name": request.param, "model": model, "folder": folder, "inputs": inputs, "ref": ref}
 
 
 def _torch_out(ours: UNet, case: dict[str, Any]) -> np.ndarray:
     with torch.no_grad():
-        return ours(case["x"], case["t"], case["ctx"]).numpy()
+        return ours(**case["inputs"]).numpy()
 
 
 def _flax_out(module: Any, params: dict, case: dict[str, Any]) -> np.ndarray:
-    ctx = None if case["ctx"] is None else jnp.asarray(case["ctx"].numpy())
-    x = jnp.asarray(case["x"].numpy().transpose(0, 2, 3, 1))  # NCHW -> NHWC
-    out = jax.jit(module.apply)({"params": params}, x, jnp.asarray(case["t"].numpy()), ctx)  # faster than eager
-    return np.asarray(out).transpose(0, 3, 1, 2)
+    inputs = as_flax({k: None if v is None else v.numpy() for k, v in case["inputs"].items()})
+    variables = {"params": params}
+    out = jax.jit(module.apply).lower(variables, **inputs).compile(FAST_COMPILE)(variables, **inputs)
+    return np.asarray(out).transpose(0, 3, 1, 2)  # NHWC -> NCHW
 
 
 def _quiet_load(load: Any, source: Any) -> Any:
@@ -191,51 +211,37 @@ def test_legacy_attention_names_bin_and_pipeline_folder(tmp_path: Path) -> None:
     (unet / "config.json").write_text((tmp_path / "new" / "config.json").read_text())
     save_file(legacy, unet / "diffusion_pytorch_model.safetensors")
     model.save_pretrained(tmp_path / "bin", safe_serialization=False)
-    x, t, _ = _inputs(model)
-    ref = _diffusers_out(model, x, t, None)
-    assert rel_err(_diffusers_out(UNet2DModel.from_pretrained(unet), x, t, None), ref) == 0  # diffusers agrees
+    inputs = _inputs(model)
+    ref = _diffusers_out(model, inputs)
+    assert rel_err(_diffusers_out(UNet2DModel.from_pretrained(unet), inputs), ref) == 0  # diffusers agrees
     for source in (tmp_path / "pipeline", tmp_path / "bin"):
         ours = UNet.from_diffusers(source)
-        assert rel_err(_torch_out(ours, {"x": x, "t": t, "ctx": None}), ref) <= TOL
+        assert rel_err(_torch_out(ours, {"inputs": inputs}), ref) <= TOL
     module, params = jax_io.from_diffusers(tmp_path / "pipeline")
-    assert rel_err(_flax_out(module, params, {"x": x, "t": t, "ctx": None}), ref) <= TOL
+    assert rel_err(_flax_out(module, params, {"inputs": inputs}), ref) <= TOL
 
 
-# The hub configs (config.json as stored), which the presets must equal.
-DDPM_CIFAR10 = {
-    "_class_name": "UNet2DModel", "_diffusers_version": "0.0.4", "act_fn": "silu", "attention_head_dim": None,
-    "block_out_channels": [128, 256, 256, 256], "center_input_sample": False,
-    "down_block_types": ["DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"], "downsample_padding": 0,
-    "flip_sin_to_cos": False, "freq_shift": 1, "in_channels": 3, "layers_per_block": 2, "mid_block_scale_factor": 1,
-    "norm_eps": 1e-06, "norm_num_groups": 32, "out_channels": 3, "sample_size": 32, "time_embedding_type": "positional",
-    "up_block_types": ["UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"],
-}  # fmt: skip
-SD15 = {
-    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.6.0", "act_fn": "silu", "attention_head_dim": 8,
-    "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False, "cross_attention_dim": 768,
-    "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
-    "downsample_padding": 1, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4, "layers_per_block": 2,
-    "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4, "sample_size": 64,
-    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
-}  # fmt: skip
+PRESETS = [
+    ("ddpm_cifar10", HUB_CONFIGS["ddpm_cifar10"], 35_746_307),
+    ("sd15", HUB_CONFIGS["sd15"], 859_520_964),
+    ("sd21", HUB_CONFIGS["sd21"], 865_910_724),
+    ("sdxl", HUB_CONFIGS["sdxl"], 2_567_463_684),
+]
 
 
-@pytest.mark.parametrize(
-    ("preset", "config", "count"), [("ddpm_cifar10", DDPM_CIFAR10, 35_746_307), ("sd15", SD15, 859_520_964)]
-)
+@pytest.mark.parametrize(("preset", "config", "count"), PRESETS, ids=[p[0] for p in PRESETS])
 def test_presets_are_the_hub_configs(preset: str, config: dict[str, Any], count: int) -> None:
-    spec = from_diffusers_config(config, name=preset)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "upcast_attention")
+        spec = from_diffusers_config(config, name=preset)
     assert spec == load_spec(preset)
     assert spec.model_dump() == load_spec(preset).model_dump()
     with torch.device("meta"):  # full size, no memory: same names, shapes and count as diffusers
         ours = ours_to_diffusers({k: tuple(v.shape) for k, v in UNet(spec).state_dict().items()})
-        theirs = {k: tuple(v.shape) for k, v in CLASSES[config["_class_name"]](**_public(config)).state_dict().items()}
+        theirs_model = CLASSES[config["_class_name"]](**public_options(config))
+        theirs = {k: tuple(v.shape) for k, v in theirs_model.state_dict().items()}
     assert ours == theirs
     assert sum(int(np.prod(s)) for s in ours.values()) == count
-
-
-def _public(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
 def test_defaults_table_matches_installed_diffusers() -> None:
@@ -246,10 +252,17 @@ def test_defaults_table_matches_installed_diffusers() -> None:
 
 
 U2D, COND = {"_class_name": "UNet2DModel"}, {"_class_name": "UNet2DConditionModel"}
+TWO_LEVELS = {"down_block_types": ["AttnDownBlock2D"] * 2, "up_block_types": ["AttnUpBlock2D"] * 2}
 REFUSED: list[tuple[dict[str, Any], str]] = [
-    ({**COND, "class_embed_type": "timestep"}, "class_embed_type='timestep'"),
-    ({**U2D, "num_class_embeds": 10}, "num_class_embeds=10"),
-    ({**COND, "addition_embed_type": "text_time", "addition_time_embed_dim": 256}, "addition_time_embed_dim=256"),
+    ({**COND, "addition_embed_type": "text", "encoder_hid_dim": None}, "addition_embed_type='text'"),
+    ({**COND, "addition_embed_type": "text_time", "addition_time_embed_dim": 256},
+     "projection_class_embeddings_input_dim: required by addition_embed_type='text_time'"),
+    ({**COND, "addition_embed_type": "text_time", "projection_class_embeddings_input_dim": 256},
+     "addition_time_embed_dim: required by addition_embed_type='text_time'"),
+    ({**COND, "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
+      "projection_class_embeddings_input_dim": 256}, "projection_class_embeddings_input_dim: 256 leaves no"),
+    ({**COND, "class_embed_type": "projection"}, "projection_class_embeddings_input_dim: required by class_embed_type"),
+    ({**COND, "class_embeddings_concat": True}, "class_embeddings_concat: True without a class embedding"),
     ({**COND, "time_cond_proj_dim": 256}, "time_cond_proj_dim"),
     ({**COND, "encoder_hid_dim": 32}, "encoder_hid_dim"),
     ({**COND, "dual_cross_attention": True}, "dual_cross_attention"),
@@ -271,18 +284,13 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({**COND, "up_block_types": ["UpBlock2D"] * 3 + ["KUpBlock2D"]}, "up_block_types"),
     ({**U2D, "down_block_types": ["CrossAttnDownBlock2D"] + ["DownBlock2D"] * 3}, "UNet2DConditionModel"),
     ({**COND, "resnet_time_scale_shift": "spatial"}, "resnet_time_scale_shift"),
-    ({**U2D, "resnet_time_scale_shift": "scale_shift"}, "attn_norm_num_groups"),  # mid attention loses its norm
-    ({**U2D, "attn_norm_num_groups": 16}, "attn_norm_num_groups"),
+    ({**U2D, **TINY, **TWO_LEVELS, "attn_norm_num_groups": 5}, "mid_attention_norm_groups: block_out_channels[-1]"),
     ({**COND, "num_attention_heads": 8}, "num_attention_heads"),
-    ({**COND, "attention_head_dim": 7}, "attention_head_dim"),
+    ({**U2D, **TINY, **TWO_LEVELS, "attention_head_dim": 48}, "attention_head_dim: 48 exceeds the 32 channels"),
     ({**U2D, "downsample_padding": 2}, "downsample_padding"),
     ({**COND, "some_future_option": 1}, "some_future_option: unknown UNet2DConditionModel option"),
     ({"_class_name": "UNet3DConditionModel"}, "_class_name: unsupported diffusers model 'UNet3DConditionModel'"),
     ({"attention_head_dim": 8}, "_class_name"),
-    # Attn*Block2D in a conditional U-Net reads attention_head_dim un-reversed on the way up, so
-    # level 0 gets 32/4 heads going down and 32/8 coming up: one head count per level cannot hold it.
-    ({**COND, **TINY, "attention_head_dim": [4, 8], "down_block_types": ["AttnDownBlock2D", "CrossAttnDownBlock2D"],
-      "up_block_types": ["CrossAttnUpBlock2D", "AttnUpBlock2D"]}, "down_block_types[0] has 8 heads"),
 ]  # fmt: skip
 
 
@@ -298,10 +306,11 @@ def test_refused_before_reading_weights(tmp_path: Path) -> None:
     (tmp_path / "diffusion_pytorch_model.safetensors").write_bytes(b"not read")
     with pytest.raises(SpecError, match="act_fn='mish'"):
         UNet.from_diffusers(tmp_path)
-    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+    with pytest.raises(FileNotFoundError, match=r"missing: no config\.json \(no such folder\)"):
         UNet.from_diffusers(tmp_path / "missing")
 
 
+@pytest.mark.slow
 def test_loading_a_folder_does_not_import_diffusers(tmp_path: Path) -> None:
     _build("sd").save_pretrained(tmp_path)
     code = (

@@ -11,17 +11,18 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from diffusers import UNet2DConditionModel, UNet2DModel
 
 from shared_configs import SpecError, from_diffusers_config, load_spec, to_diffusers_config
-from tests.test_diffusers import DDPM_CIFAR10, SD15, _public
-from tests.utils import randomize_, rel_err, variant
+from shared_configs.inputs import example_inputs
+from tests.utils import HUB_CONFIGS, as_torch, diffusers_forward, public_options, randomize_, rel_err, variant
 from torch_impl import UNet
 
 CLASSES = {"UNet2DModel": UNet2DModel, "UNet2DConditionModel": UNet2DConditionModel}
-EXPORTABLE = ("ddpm_style", "sd_linear_proj")
+EXPORTABLE = ("ddpm_style", "sd_linear_proj", "sdxl_style", "sd21_style", "class_cond")
 
 
 def _ours(name: str) -> UNet:
@@ -31,16 +32,13 @@ def _ours(name: str) -> UNet:
     return model
 
 
-def _run(model: torch.nn.Module, spec: Any, diffusers_cls: str | None = None) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, spec.in_channels, spec.sample_size, spec.sample_size, generator=gen)
-    t = torch.tensor([3.0, 517.0])
-    ctx = None if spec.cross_attention_dim is None else torch.randn(2, 5, spec.cross_attention_dim, generator=gen)
+def _run(model: torch.nn.Module, spec: Any, diffusers: bool = False) -> torch.Tensor:
+    inputs = as_torch(example_inputs(spec, np.random.default_rng(1), batch=2, context_len=5))
+    inputs["t"] = torch.tensor([3.0, 517.0])
+    if diffusers:
+        return diffusers_forward(model, inputs)
     with torch.no_grad():
-        if diffusers_cls is None:
-            return model(x, t, ctx)
-        kwargs = {"encoder_hidden_states": ctx} if diffusers_cls == "UNet2DConditionModel" else {}
-        return model(x, t, **kwargs).sample
+        return model(**inputs)
 
 
 @pytest.mark.parametrize("name", EXPORTABLE)
@@ -51,17 +49,19 @@ def test_diffusers_builds_the_same_network_from_our_config(name: str) -> None:
         warnings.simplefilter("ignore")  # diffusers' deprecation notes about defaults
         theirs = CLASSES[config["_class_name"]].from_config(config).eval()
     theirs.load_state_dict(ours.to_diffusers_state_dict(), strict=True)
-    assert rel_err(_run(theirs, ours.spec, config["_class_name"]), _run(ours, ours.spec)) <= 1e-5
+    assert rel_err(_run(theirs, ours.spec, diffusers=True), _run(ours, ours.spec)) <= 1e-5
 
 
-@pytest.mark.parametrize(("preset", "hub"), [("ddpm_cifar10", DDPM_CIFAR10), ("sd15", SD15)])
-def test_presets_export_to_their_hub_configs(preset: str, hub: dict[str, Any]) -> None:
+@pytest.mark.parametrize("preset", list(HUB_CONFIGS))
+def test_presets_export_to_their_hub_configs(preset: str) -> None:
+    hub = HUB_CONFIGS[preset]
     config = to_diffusers_config(load_spec(preset))
     assert from_diffusers_config(config, name=preset) == load_spec(preset)
     with torch.device("meta"):  # full size, no memory
-        hub_config = CLASSES[hub["_class_name"]](**_public(hub)).config
+        hub_config = CLASSES[hub["_class_name"]](**public_options(hub)).config
     # every option we write has the value diffusers gives the hub's config.json
-    assert _public(config) == {k: list(v) if isinstance(v, tuple) else v for k, v in hub_config.items() if k in config}
+    expected = {k: list(v) if isinstance(v, tuple) else v for k, v in hub_config.items() if k in config}
+    assert public_options(config) == expected
 
 
 def test_save_diffusers_folder_loads_in_diffusers_and_back(tmp_path: Path) -> None:
@@ -72,7 +72,7 @@ def test_save_diffusers_folder_loads_in_diffusers_and_back(tmp_path: Path) -> No
         warnings.simplefilter("ignore")
         theirs = UNet2DConditionModel.from_pretrained(folder).eval()
     reference = _run(ours, ours.spec)
-    assert rel_err(_run(theirs, ours.spec, "UNet2DConditionModel"), reference) <= 1e-5
+    assert rel_err(_run(theirs, ours.spec, diffusers=True), reference) <= 1e-5
     assert torch.equal(_run(UNet.from_diffusers(folder), ours.spec), reference)
     assert json.loads((folder / "config.json").read_text())["_class_name"] == "UNet2DConditionModel"
 
@@ -80,12 +80,12 @@ def test_save_diffusers_folder_loads_in_diffusers_and_back(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        (variant("ddpm_style", norm_kind="batch"), "norm_kind: 'batch' has no diffusers"),
-        (variant("ddpm_style", attention_scale=0.5), "attention_scale: 0.5"),
-        (variant("sd_linear_proj", layer_norm_eps=1e-6), "layer_norm_eps"),
+        (variant("ddpm_style", norm_kind="batch"), "spec 'ddpm_style' has no diffusers equivalent: norm_kind='batch'"),
+        (variant("ddpm_style", attention_scale=0.5), "attention_scale=0.5"),
+        (variant("sd_linear_proj", layer_norm_eps=1e-6), "layer_norm_eps=1e-06"),
         (variant("transformer_no_cross"), "mid_attention: 'none'"),
         # Attn*Block2D reads attention_head_dim un-reversed on the way up (see test_diffusers)
-        (variant("tiny"), "down_block_types[0] has 2 heads but up_block_types[1] has 4"),
+        (variant("tiny"), "spec 'tiny' has no diffusers equivalent: heads={"),
     ],
     ids=["batch_norm", "attention_scale", "layer_norm_eps", "mid_none", "heads_quirk"],
 )

@@ -16,6 +16,7 @@ import torch
 from flax import traverse_util
 
 from jax_impl import UNet
+from jax_impl.unet import abstract_inputs
 from shared_configs import CheckpointPlan, UNetSpec, layer_names, load_spec, resolve_plan
 from tests.utils import FAST_COMPILE
 from torch_impl import UNet as TorchUNet
@@ -23,18 +24,9 @@ from torch_impl import UNet as TorchUNet
 POLICIES = ("full", "balanced", "layers", "every:2")
 
 
-def _abstract_inputs(spec: UNetSpec, size: int | None = None) -> tuple:
-    """Shape structs for ``init``; the parameter tree does not depend on the spatial size."""
-    size = size or 2 ** (spec.num_levels - 1)
-    f32 = jnp.float32
-    x = jax.ShapeDtypeStruct((1, size, size, spec.in_channels), f32)
-    ctx = jax.ShapeDtypeStruct((1, 3, spec.cross_attention_dim), f32) if spec.cross_attention_dim else None
-    return x, jax.ShapeDtypeStruct((1,), f32), ctx
-
-
 def _param_shapes(spec: UNetSpec, policy: object = "none") -> dict[str, tuple[int, ...]]:
     """``{"down_1/resnets_0/conv1/kernel": shape}`` without allocating (sd15 is 3.4 GB)."""
-    tree = jax.eval_shape(UNet(spec=spec, policy=policy).init, jax.random.key(0), *_abstract_inputs(spec))
+    tree = jax.eval_shape(UNet(spec=spec, policy=policy).init, jax.random.key(0), **abstract_inputs(spec))
     return {"/".join(k): v.shape for k, v in traverse_util.flatten_dict(tree["params"]).items()}
 
 
@@ -47,7 +39,15 @@ def _torch_shapes(spec: UNetSpec) -> dict[str, tuple[int, ...]]:
 
 
 @pytest.mark.parametrize(
-    ("preset", "count"), [("tiny", None), ("small", None), ("ddpm_cifar10", 35_746_307), ("sd15", 859_520_964)]
+    ("preset", "count"),
+    [
+        ("tiny", None),
+        ("small", None),
+        ("ddpm_cifar10", 35_746_307),
+        ("sd15", 859_520_964),
+        ("sd21", 865_910_724),
+        ("sdxl", 2_567_463_684),
+    ],
 )
 def test_parameter_count_matches_torch(preset: str, count: int | None) -> None:
     spec = load_spec(preset)
@@ -57,7 +57,7 @@ def test_parameter_count_matches_torch(preset: str, count: int | None) -> None:
         assert flax_count == count
 
 
-@pytest.mark.parametrize("preset", ["tiny", "ddpm_cifar10", "sd15"])
+@pytest.mark.parametrize("preset", ["tiny", "ddpm_cifar10", "sd15", "sdxl"])
 def test_parameter_paths_mirror_torch_state_dict(preset: str) -> None:
     """``down.1.resnets.0.conv1.weight`` (OIHW) <-> ``down_1/resnets_0/conv1/kernel`` (HWIO), and so on."""
     spec = load_spec(preset)
@@ -132,7 +132,9 @@ def _loss_fn(tiny: dict, policy: str, dropout_key: jax.Array) -> Callable[[dict]
     model = UNet(spec=tiny["spec"], policy=policy)
 
     def loss(params: dict) -> jax.Array:
-        out = model.apply({"params": params}, tiny["x"], tiny["t"], tiny["ctx"], True, rngs={"dropout": dropout_key})
+        out = model.apply(
+            {"params": params}, tiny["x"], tiny["t"], tiny["ctx"], train=True, rngs={"dropout": dropout_key}
+        )
         return jnp.mean((out - tiny["target"]) ** 2)
 
     return loss
@@ -184,11 +186,11 @@ def test_checkpointed_gradients_equal_plain(policy: str, tiny: dict, reference: 
 
 
 def test_missing_context_is_an_error() -> None:
-    x, t, _ = _abstract_inputs(load_spec("tiny"))
+    inputs = abstract_inputs(load_spec("tiny"))
     with pytest.raises(
         ValueError, match=r"context: spec 'tiny' has cross-attention; pass context of shape \(B, L, 12\)"
     ):
-        jax.eval_shape(UNet(spec="tiny").init, jax.random.key(0), x, t)
+        jax.eval_shape(UNet(spec="tiny").init, jax.random.key(0), inputs["x"], inputs["t"])
 
 
 def test_unbound_module_lists_names_and_accepts_a_preset_name() -> None:
@@ -215,7 +217,7 @@ def tiny() -> dict:
     """The tiny preset (dropout 0.1) with random weights, inputs and a regression target."""
     spec = load_spec("tiny")
     rng = np.random.default_rng(0)
-    shapes = jax.eval_shape(UNet(spec=spec).init, jax.random.key(0), *_abstract_inputs(spec, spec.sample_size))
+    shapes = jax.eval_shape(UNet(spec=spec).init, jax.random.key(0), **abstract_inputs(spec))
     params = jax.tree.map(lambda s: jnp.asarray(0.2 * rng.standard_normal(s.shape, dtype=np.float32)), shapes)
     x = rng.standard_normal((2, spec.sample_size, spec.sample_size, spec.in_channels), dtype=np.float32)
     return {

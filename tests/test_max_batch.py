@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -11,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import REPO_ROOT
-from benchmarks.max_batch import DEFAULT_PROBES, ROUNDS, answer, next_batches
+from benchmarks.max_batch import DEFAULT_PROBES, ROUNDS, answer, main, next_batches
+from shared_configs import load_spec
+from torch_impl import UNet
 
 MIB = 2**20
 
@@ -56,10 +59,37 @@ def test_budget_below_the_fixed_memory_has_no_answer() -> None:
     assert found["largest_batch"] is None and not found["bracketed"]
 
 
+@pytest.mark.parametrize("budget", ["0", "-5", "nan", "inf", "lots"])
+def test_an_impossible_budget_is_refused_at_once(budget: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", "tiny", f"--budget-mib={budget}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "argument --budget-mib: expected a positive" in err, err
+
+
+@pytest.mark.slow
+def test_a_budget_below_the_floor_is_refused_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The floor (parameters + AdamW's two moments, float32) from the model's shapes, before any work."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", "tiny", "--budget-mib", "1", "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    model = UNet(load_spec("tiny"))
+    floor = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"max_batch: error: --budget-mib: 1.0 MiB is not above the floor of {floor / MIB:,.1f} MiB that every step "
+        f"holds ({floor // 12:,} float32 parameters and their AdamW state); a budget must exceed it"
+    )
+    assert not list(tmp_path.glob("max_batch-*.json"))
+
+
+@pytest.mark.slow
 def test_end_to_end_torch(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "benchmarks.max_batch", "--framework", "torch", "--config", "tiny"]
     cmd += ["--policies", "full", "--budget-mib", "12", "--device", "cpu", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread, as tests/conftest.py sets in-process
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(next(tmp_path.glob("max_batch-*.json")).read_text())
     results = {r["policy"]: r for r in doc["largest_batch"]}

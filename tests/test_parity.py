@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import zlib
+import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -11,60 +12,27 @@ import pytest
 import torch
 from flax import traverse_util
 
-from jax_impl import UNet as FlaxUNet
 from jax_impl.convert import flax_to_torch, torch_to_flax
-from tests.utils import VARIANTS, randomize_, rel_err, variant
+from shared_configs.arch import NormArgs, ResnetArgs, SelfAttentionArgs, TransformerArgs
+from tests.parity_utils import flax_out, parity_inputs, parity_pair, torch_out
+from tests.utils import VARIANTS, rel_err
 from torch_impl import UNet as TorchUNet
-
-
-def _pair(name: str) -> tuple[TorchUNet, FlaxUNet, dict]:
-    spec = variant(name, dropout=0.0)
-    torch.manual_seed(0)
-    tmodel = TorchUNet(spec).eval()
-    randomize_(tmodel, seed=zlib.crc32(name.encode()) % 1000)  # stable across processes
-    return tmodel, FlaxUNet(spec=spec), torch_to_flax(tmodel.state_dict(), spec)
-
-
-def _inputs(spec, batch: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((batch, spec.in_channels, spec.sample_size, spec.sample_size), dtype=np.float32)
-    t = np.array([11.0, 860.0], dtype=np.float32)[:batch]
-    ctx = (
-        rng.standard_normal((batch, 3, spec.cross_attention_dim), dtype=np.float32)
-        if spec.cross_attention_dim
-        else None
-    )
-    return x, t, ctx
-
-
-def _torch_out(model: TorchUNet, x: np.ndarray, t: np.ndarray, ctx: np.ndarray | None) -> torch.Tensor:
-    return model(torch.from_numpy(x), torch.from_numpy(t), None if ctx is None else torch.from_numpy(ctx))
-
-
-def _flax_out(model: FlaxUNet, params: dict, x: np.ndarray, t: np.ndarray, ctx: np.ndarray | None) -> jax.Array:
-    out = model.apply(
-        {"params": params},
-        jnp.asarray(x.transpose(0, 2, 3, 1)),
-        jnp.asarray(t),
-        None if ctx is None else jnp.asarray(ctx),
-    )
-    return out.transpose(0, 3, 1, 2)  # NHWC -> NCHW
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_outputs_match(name: str) -> None:
-    tmodel, fmodel, params = _pair(name)
-    x, t, ctx = _inputs(tmodel.spec)
+    tmodel, fmodel, params = parity_pair(name)
+    inputs = parity_inputs(tmodel.spec)
     with torch.no_grad():
-        ref = _torch_out(tmodel, x, t, ctx).numpy()
-    out = np.asarray(_flax_out(fmodel, params, x, t, ctx))
+        ref = torch_out(tmodel, inputs).numpy()
+    out = np.asarray(flax_out(fmodel, params, inputs))
     assert np.abs(ref).mean() > 1e-2  # a live signal, not a degenerate zero output
     assert rel_err(out, ref) <= 1e-5
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_round_trip_is_exact(name: str) -> None:
-    tmodel, _, params = _pair(name)
+    tmodel, _, params = parity_pair(name)
     back = flax_to_torch(params, tmodel.spec)
     fresh = TorchUNet(tmodel.spec)
     fresh.load_state_dict(back, strict=True)
@@ -72,19 +40,20 @@ def test_round_trip_is_exact(name: str) -> None:
         assert torch.equal(back[key], value), key
 
 
-@pytest.mark.parametrize("name", ["tiny", "ddpm_style", "sd_linear_proj"])
+@pytest.mark.parametrize("name", ["tiny", "ddpm_style", "sd_linear_proj", "sdxl_style", "class_cond"])
 def test_gradients_match(name: str) -> None:
-    tmodel, fmodel, params = _pair(name)
-    x, t, ctx = _inputs(tmodel.spec)
+    tmodel, fmodel, params = parity_pair(name)
+    inputs = parity_inputs(tmodel.spec)
+    x = inputs["x"]
     target = np.random.default_rng(3).standard_normal((*x.shape[:1], tmodel.spec.out_channels, *x.shape[2:]))
     target = target.astype(np.float32)
 
-    loss = ((_torch_out(tmodel, x, t, ctx) - torch.from_numpy(target)) ** 2).mean()
+    loss = ((torch_out(tmodel, inputs) - torch.from_numpy(target)) ** 2).mean()
     loss.backward()
     torch_grads = torch_to_flax({n: p.grad for n, p in tmodel.named_parameters()}, tmodel.spec)
 
     def flax_loss(p: dict) -> jax.Array:
-        return jnp.mean((_flax_out(fmodel, p, x, t, ctx) - target) ** 2)
+        return jnp.mean((flax_out(fmodel, p, inputs) - target) ** 2)
 
     flax_value, flax_grads = jax.value_and_grad(flax_loss)(params)
     assert rel_err(flax_value, loss.item()) <= 1e-5
@@ -102,7 +71,7 @@ def test_gradients_match(name: str) -> None:
 
 
 def test_conversion_rejects_mismatched_weights() -> None:
-    tmodel, _, _ = _pair("tiny")
+    tmodel, _, _ = parity_pair("tiny")
     state = dict(tmodel.state_dict())
     state.pop("conv_out.bias")
     with pytest.raises(ValueError, match="missing conv_out/bias"):
@@ -111,3 +80,19 @@ def test_conversion_rejects_mismatched_weights() -> None:
     state["conv_in.weight"] = state["conv_in.weight"][:, :2]
     with pytest.raises(ValueError, match=r"conv_in/kernel has shape"):
         torch_to_flax(state, tmodel.spec)
+
+
+def test_layer_arguments_are_both_constructors_parameters() -> None:
+    """`shared_configs.arch`'s typed arguments name exactly what each framework's layer takes after its channels."""
+    from jax_impl import layers as flax_layers
+    from torch_impl import layers as torch_layers
+
+    channels = {"ch", "in_ch", "out_ch"}
+    flax_only = {"query_chunk", "parent", "name"}  # Flax: the chunked attention switch, linen's own fields
+    pairs = [(NormArgs, "norm_layer"), (ResnetArgs, "ResnetBlock"), (SelfAttentionArgs, "SelfAttention")]
+    for args, layer in [*pairs, (TransformerArgs, "Transformer2D")]:
+        names = {f.name for f in dataclasses.fields(args)}
+        torch_params = set(inspect.signature(getattr(torch_layers, layer)).parameters) - channels
+        flax_layer = getattr(flax_layers, layer)
+        flax_params = set(inspect.signature(flax_layer).parameters) - channels - flax_only
+        assert names == torch_params == flax_params, layer

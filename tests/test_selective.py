@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import inspect as insp
+from benchmarks import saved as insp
 from shared_configs import SpecError, load_spec, resolve_plan
 from shared_configs.plan import OP_CLASSES
 from tests.utils import rel_err, variant
@@ -183,7 +183,7 @@ def test_inspector_json_schema_and_totals(capsys: pytest.CaptureFixture[str]) ->
     ("argv", "match"),
     [
         (["--policy", "full/save=relu"], "save: unknown op 'relu'"),
-        (["--config", "nope"], "inspect: error:"),
+        (["--config", "nope"], "saved: error:"),
         (["--block", "down.9", "--framework", "jax"], "block: unknown block 'down.9'"),
     ],
 )

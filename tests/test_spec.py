@@ -40,7 +40,7 @@ BAD_SPECS = [
     ({"norm_num_groups": 5}, "norm_num_groups: block_out_channels[0]=16 is not divisible by 5 groups"),
     ({"attention_head_dim": 7}, "attention_head_dim: block_out_channels[0]=16 does not split into heads"),
     ({"num_attention_heads": 3, "attention_head_dim": None}, "num_attention_heads: block_out_channels[0]=16 does"),
-    ({"num_attention_heads": 2}, "set attention_head_dim or num_attention_heads, not both"),
+    ({"num_attention_heads": 0}, "num_attention_heads: must be positive"),
     ({"sample_size": 9}, "sample_size: 9 is not divisible by the downsampling factor 2"),
     ({"time_embedding": {"flip": True}}, "time_embedding.flip: unknown field (allowed: dim, flip_sin_to_cos"),
     ({"resnet_time_scale_shift": "film"}, "resnet_time_scale_shift: Input should be 'default' or 'scale_shift'"),
@@ -49,6 +49,32 @@ BAD_SPECS = [
     ({"downsample_padding": 2}, "downsample_padding: Input should be less than or equal to 1"),
     ({"transformer_layers_per_block": [1, 2, 3]}, "transformer_layers_per_block: needs 2 entries"),
     ({"transformer_layers_per_block": 0}, "transformer_layers_per_block: must be positive"),
+    # strict types: never coerced
+    ({"in_channels": True}, "in_channels: Input should be a valid integer"),
+    ({"in_channels": 4.0}, "in_channels: Input should be a valid integer"),
+    ({"norm_eps": "1e-5"}, "norm_eps: Input should be a valid number"),
+    ({"use_linear_projection": "yes"}, "use_linear_projection: Input should be a valid boolean"),
+    ({"transformer_layers_per_block": [1, True]}, "transformer_layers_per_block"),
+    # finite, positive eps and periods
+    ({"norm_eps": float("inf")}, "norm_eps: Input should be a finite number"),
+    ({"layer_norm_eps": float("nan")}, "layer_norm_eps: Input should be a finite number"),
+    ({"transformer_norm_eps": 0.0}, "transformer_norm_eps: Input should be greater than 0"),
+    ({"time_embedding": {"max_period": 0}}, "time_embedding.max_period: Input should be greater than 0"),
+    ({"time_embedding": {"max_period": float("inf")}}, "time_embedding.max_period: Input should be a finite number"),
+    ({"time_embedding": {"freq_shift": 8}}, "time_embedding.freq_shift: sinusoids of width 16 with freq_shift=8"),
+    # the default checkpoint policy is validated at load
+    ({"checkpoint": "fast"}, "checkpoint: unknown policy 'fast' (allowed: none, full"),
+    ({"checkpoint": ["down.9"]}, "checkpoint: unknown block name 'down.9'"),
+    ({"checkpoint": "every:0"}, "checkpoint: 'every:0' needs a positive integer"),
+    # conditioning
+    ({"class_embedding": {"kind": "embedding"}}, "class_embedding.num_classes: required by kind 'embedding'"),
+    ({"class_embedding": {"kind": "identity", "num_classes": 3}}, "class_embedding.num_classes: not used by kind"),
+    ({"class_embedding": {"kind": "onehot"}}, "class_embedding.kind: Input should be 'embedding', 'timestep'"),
+    ({"class_embedding": {"kind": "timestep", "size": 3}}, "class_embedding.size: unknown field (allowed: concat"),
+    ({"addition_embedding": {"time_id_dim": 4, "input_dim": 24}}, "addition_embedding.num_time_ids: 6 time ids x 4"),
+    ({"addition_embedding": {"kind": "text", "time_id_dim": 4, "input_dim": 40}}, "addition_embedding.kind"),
+    ({"mid_attention_norm_groups": 3}, "mid_attention_norm_groups: only for mid_attention: self"),
+    ({"mid_attention": "self", "mid_attention_norm_groups": 3}, "mid_attention_norm_groups: block_out_channels[-1]"),
 ]
 
 
@@ -117,3 +143,19 @@ def test_policy_from_yaml(tmp_path: Path) -> None:
     spec = load_spec(path)
     assert resolve_plan(spec).recompute == ("mid", "up.1.resnets.0")
     assert resolve_plan(load_spec("tiny")).recompute == ()
+
+
+def test_yaml_exponent_floats_are_floats(tmp_path: Path) -> None:
+    """YAML 1.1 reads `1e-6` (no dot) as a string, which the strict spec refuses: the loader reads it as YAML 1.2."""
+    path = tmp_path / "eps.yaml"
+    path.write_text(yaml.safe_dump({**TINY}) + "norm_eps: 1e-6\nlayer_norm_eps: 2E-5\n")
+    spec = load_spec(path)
+    assert (spec.norm_eps, spec.layer_norm_eps) == (1e-6, 2e-5)
+    assert yaml.safe_load("a: 1e-6")["a"] == "1e-6"  # what plain PyYAML would have given
+
+
+def test_new_presets_and_their_conditioning() -> None:
+    sdxl = load_spec("sdxl")
+    assert sdxl.addition_embedding is not None and sdxl.addition_embedding.text_embeds_dim == 1280
+    assert [sdxl.heads(level) * 64 for level in range(3)] == list(sdxl.block_out_channels)  # 64-wide heads
+    assert load_spec("sd21").cross_attention_dim == 1024

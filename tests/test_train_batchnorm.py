@@ -8,10 +8,6 @@ Dropout is off: torch and JAX draw different masks.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,30 +15,42 @@ import pytest
 from flax import traverse_util
 
 from jax_impl import train as jtrain
+from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, load_checkpoint, save_checkpoint
 from jax_impl.convert import flax_to_torch
 from shared_configs import spec_from_dict
-from shared_configs.training import load_dataset
-from tests.test_train import CFG, SCHEDULE, _one_thread, jax_setup, jax_train, torch_train  # noqa: F401 (fixture)
-from tests.utils import FAST_COMPILE, TINY, rel_err
+from shared_configs.data import load_dataset
+from shared_configs.loop import manifest_for
+from tests.train_utils import (
+    CFG,
+    SCHEDULE,
+    TINY_BN,
+    jax_on_two_devices,
+    jax_restore_target,
+    jax_setup,
+    jax_train,
+    torch_train,
+)
+from tests.utils import rel_err
 from torch_impl import train as ttrain
 from torch_impl.unet import UNet as TorchUNet
 
-BN = {**TINY, "name": "tiny_bn", "norm_kind": "batch", "dropout": 0.0}
 STEPS = 5
-SPEC = spec_from_dict(BN)
+SPEC = spec_from_dict(TINY_BN)
 
 DATA_PARALLEL = """
-import json, numpy as np
+import json, sys, numpy as np
 from flax import traverse_util
 import jax
 from jax_impl import train as jtrain
-from shared_configs.training import load_dataset
-from tests.test_train import CFG, SCHEDULE, jax_setup
-from tests.test_train_batchnorm import SPEC, STEPS
+from jax_impl.parallel import make_mesh
+from shared_configs import spec_from_dict
+from shared_configs.data import load_dataset
+from tests.train_utils import CFG, SCHEDULE, TINY_BN, jax_setup
+SPEC, STEPS = spec_from_dict(TINY_BN), int(sys.argv[1])
 model, tx, state = jax_setup(SPEC, "none")
 result, data = {"devices": len(jax.devices())}, load_dataset("digits", SPEC)
 flat = lambda s: {"/".join(k): np.asarray(v).tolist() for k, v in traverse_util.flatten_dict(s.batch_stats).items()}
-for name, mesh in (("single", None), ("sharded", jtrain.data_parallel_mesh(CFG.batch_size))):
+for name, mesh in (("single", None), ("sharded", make_mesh(CFG.batch_size))):
     losses = []
     first = jtrain.run_steps(state, losses, data, SCHEDULE, CFG, 1, model, tx, mesh=mesh)
     end = jtrain.run_steps(first, losses, data, SCHEDULE, CFG, STEPS, model, tx, mesh=mesh)
@@ -113,10 +121,9 @@ def test_jax_batchnorm_resume_continues_the_curve(jax_run: tuple, tmp_path: Path
     model, tx, state = jax_setup(SPEC, "full")  # equal to the fixture's: its compiled step is reused
     dataset, losses = load_dataset("digits", SPEC), []
     half = jtrain.run_steps(state, losses, dataset, SCHEDULE, CFG, 2, model, tx)
-    spec_dict, path = SPEC.model_dump(mode="json"), tmp_path / jtrain.CHECKPOINT
-    jtrain.save_checkpoint(path, half, 2, losses, spec_dict)
-    restored, step, losses = jtrain.load_checkpoint(path, jax_setup(SPEC, "full")[2], spec_dict)  # fresh stats
-    assert step == 2
+    path = save_checkpoint(tmp_path, half, manifest_for(CFG, SPEC, FRAMEWORK, LAYOUT, losses))
+    restored, manifest = load_checkpoint(path, jax_restore_target(jax_setup(SPEC, "full")[2]))  # fresh stats
+    assert (manifest.step, manifest.losses) == (2, losses)
     assert _flat(restored.batch_stats).keys() == _flat(half.batch_stats).keys()
     for key, value in _flat(restored.batch_stats).items():
         np.testing.assert_array_equal(value, _flat(half.batch_stats)[key], err_msg=key)
@@ -127,16 +134,11 @@ def test_jax_batchnorm_resume_continues_the_curve(jax_run: tuple, tmp_path: Path
         np.testing.assert_array_equal(value, _flat(whole.batch_stats)[key], err_msg=key)
 
 
+@pytest.mark.slow
 def test_jax_batchnorm_data_parallel_matches_one_device() -> None:
     """2 CPU devices, batch split: BatchNorm normalises with global-batch statistics (jit inserts
     the reductions), so the loss curve and the running statistics equal one device's."""
-    flags = [f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items()]  # values unchanged, ~4x faster
-    env = {**os.environ, "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=2", *flags])}
-    cmd, root = [sys.executable, "-c", DATA_PARALLEL], Path(__file__).parents[1]
-    out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 2
+    result = jax_on_two_devices(DATA_PARALLEL, str(STEPS))
     single, sharded = result["single"], result["sharded"]
     np.testing.assert_allclose(sharded["losses"], single["losses"], rtol=1e-5)
     assert sharded["end"].keys() == single["end"].keys() and len(single["end"]) > 10

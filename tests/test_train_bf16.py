@@ -11,12 +11,7 @@ JAX compile fewer). The bf16 tolerance is far looser than that, so the stand-in 
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import jax
 import jax.extend.core
@@ -28,9 +23,16 @@ from jax import lax
 
 from jax_impl import train as jtrain
 from shared_configs import load_spec, spec_from_dict
-from shared_configs.training import load_dataset
-from tests.test_train import CFG, SCHEDULE, _one_thread, jax_setup, torch_curve  # noqa: F401 (fixture)
-from tests.utils import FAST_COMPILE, TINY
+from shared_configs.data import load_dataset
+from tests.train_utils import (
+    CFG,
+    SCHEDULE,
+    TINY_NO_DROPOUT,
+    float_dtypes,
+    jax_on_two_devices,
+    jax_setup,
+    torch_curve,
+)
 from torch_impl import train as ttrain
 
 STEPS = 10
@@ -41,27 +43,21 @@ STEPS = 10
 # CPUs and library versions, yet float32 falls 21% over these steps: a bf16 step that did not
 # train like float32 would fall outside it.
 BF16_RTOL = 1e-2
-NO_DROPOUT = {**TINY, "name": "tiny_nodrop", "dropout": 0.0}  # torch and JAX draw different masks
 
 BF16_RUN = """
-import dataclasses, json, jax
+import dataclasses, json, sys, jax
 from jax_impl import train as jtrain
+from jax_impl.parallel import make_mesh
 from shared_configs import spec_from_dict
-from shared_configs.training import load_dataset
-from tests.test_train import CFG, SCHEDULE, jax_setup
-from tests.test_train_bf16 import NO_DROPOUT, STEPS, float_dtypes
-spec = spec_from_dict(NO_DROPOUT)
+from shared_configs.data import load_dataset
+from tests.train_utils import CFG, SCHEDULE, TINY_NO_DROPOUT, float_dtypes, jax_setup
+spec, STEPS = spec_from_dict(TINY_NO_DROPOUT), int(sys.argv[1])
 model, tx, state = jax_setup(spec, "full")
 cfg, losses, data = dataclasses.replace(CFG, dtype="bfloat16"), [], load_dataset("digits", spec)
-mesh = jtrain.data_parallel_mesh(cfg.batch_size)
+mesh = make_mesh(cfg.batch_size)
 state = jtrain.run_steps(state, losses, data, SCHEDULE, cfg, STEPS, model, tx, mesh=mesh)
 print(json.dumps({"devices": len(jax.devices()), "losses": losses, "state_dtypes": float_dtypes(state)}))
 """
-
-
-def float_dtypes(tree: object) -> list[str]:
-    """The dtypes of the floating leaves of ``tree`` (optax's integer step count left out)."""
-    return sorted({str(a.dtype) for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)})
 
 
 def _compute_dtype(eqn: jax.extend.core.JaxprEqn) -> str:
@@ -102,28 +98,23 @@ def test_bf16_step_runs_every_conv_and_matmul_in_bf16() -> None:
 
 
 @pytest.fixture(scope="module")
-def bf16_run() -> dict:
+def bf16_run() -> dict:  # a subprocess: the tests using it are marked slow
     """The JAX bf16 curve: 2 CPU devices, batch split, policy ``full``, via `jtrain.run_steps`."""
-    flags = [f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items()]  # values unchanged, ~4x faster
-    env = {**os.environ, "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=2", *flags])}
-    root = Path(__file__).parents[1]
-    out = subprocess.run([sys.executable, "-c", BF16_RUN], env=env, cwd=root, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 2
-    return result
+    return jax_on_two_devices(BF16_RUN, str(STEPS))
 
 
+@pytest.mark.slow
 def test_bf16_curve_tracks_float32_and_state_stays_float32(bf16_run: dict) -> None:
     assert bf16_run["state_dtypes"] == ["float32"]  # master params and AdamW moments
-    float32 = torch_curve(spec_from_dict(NO_DROPOUT), "none", STEPS)
+    float32 = torch_curve(spec_from_dict(TINY_NO_DROPOUT), "none", STEPS)
     np.testing.assert_allclose(bf16_run["losses"], float32, rtol=BF16_RTOL)
     assert bf16_run["losses"] != float32  # bf16 really ran: rounding leaves a trace
 
 
+@pytest.mark.slow
 def test_bf16_curve_matches_torch_autocast(bf16_run: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same converted weights and batches; torch casts per op (autocast), JAX casts the inputs."""
     autocast = functools.partial(ttrain.train_step, autocast_dtype=torch.bfloat16)
     monkeypatch.setattr(ttrain, "train_step", autocast)  # what `torch_curve` calls
-    autocast_curve = torch_curve(spec_from_dict(NO_DROPOUT), "none", STEPS)
+    autocast_curve = torch_curve(spec_from_dict(TINY_NO_DROPOUT), "none", STEPS)
     np.testing.assert_allclose(bf16_run["losses"], autocast_curve, rtol=BF16_RTOL)

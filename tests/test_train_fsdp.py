@@ -1,4 +1,5 @@
-"""FSDP2 (`fully_shard`) with our checkpointing in `torch_impl.train`: one process's curve, resume, CLI.
+"""FSDP2 (`fully_shard`) with our checkpointing in `torch_impl.train`: one process's curve, sharded
+checkpoints (DCP) resumed on the same or another number of processes, CLI.
 
 The torchrun tests run 2 gloo processes on the tiny spec without dropout (masks are drawn per
 shard, so they would differ from one process's), batch 4, policy ``full``; each launch spends
@@ -8,6 +9,7 @@ most of its ~10 s starting interpreters and the process group, so the tests shar
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -21,18 +23,20 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from shared_configs import load_spec
+from shared_configs.run_folder import checkpoints
 from shared_configs.training import TrainConfig, parse_args
-from tests.test_torch_checkpointing import _flops
-from tests.test_train import CFG, _one_thread, torch_model  # noqa: F401  (_one_thread: autouse fixture)
-from tests.utils import TINY, rel_err, torchrun_train
+from tests.train_utils import CFG, TINY_NO_DROPOUT, step_flops, torch_model
+from tests.utils import rel_err, torchrun_train
 from torch_impl import train as ttrain
+from torch_impl.checkpoint_io import load_checkpoint
 from torch_impl.checkpointing import checkpointed_names
+from torch_impl.parallel import shard_blocks
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> TrainConfig:
     config = tmp_path_factory.mktemp("spec") / "tiny_no_dropout.yaml"
-    config.write_text(yaml.safe_dump({**TINY, "dropout": 0.0}))
+    config.write_text(yaml.safe_dump(TINY_NO_DROPOUT))
     return replace(CFG, config=str(config), policy="full", steps=4)
 
 
@@ -56,27 +60,42 @@ def losses(out: Path) -> list[float]:
     return json.loads((out / "losses.json").read_text())
 
 
-def first_moments(out: Path) -> np.ndarray:
+def restore(out: Path, base: TrainConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[float]]:
+    """The latest checkpoint in ``out``, read by one process without a process group (plain model)."""
+    model, _, optimizer = ttrain.build(base)
+    manifest = load_checkpoint(checkpoints(out)[-1][1], model, optimizer)
+    return model, optimizer, manifest.losses
+
+
+def first_moments(out: Path, base: TrainConfig) -> np.ndarray:
     """AdamW's exp_avg of every parameter, concatenated: linear in the gradients."""
-    state = torch.load(out / ttrain.CHECKPOINT, weights_only=True)["optimizer"]["state"]
+    state = restore(out, base)[1].state_dict()["state"]
     return torch.cat([state[i]["exp_avg"].flatten() for i in sorted(state)]).numpy()
 
 
-def test_fsdp_matches_one_process(fsdp: Path, single: Path) -> None:
+@pytest.mark.slow
+def test_fsdp_matches_one_process(base: TrainConfig, fsdp: Path, single: Path) -> None:
     """Gradients reduce-scattered as means over equal shards: the global-batch mean's update."""
     np.testing.assert_allclose(losses(fsdp), losses(single), rtol=1e-5)
     # AdamW's update hardly depends on the gradients' scale, so the curve would not show a sum
     # posing as a mean (relative error 1); the first moments, linear in the gradients, do.
-    assert rel_err(first_moments(fsdp), first_moments(single)) < 1e-4
+    assert rel_err(first_moments(fsdp, base), first_moments(single, base)) < 1e-4
 
 
+@pytest.mark.slow
 def test_fsdp_resume_continues_the_curve(base: TrainConfig, fsdp: Path, tmp_path: Path) -> None:
-    part = replace(base, distributed="fsdp", steps=2, out=str(tmp_path))
+    """DCP: each rank writes its shards; 2 ranks resume them exactly, 1 process (no group) too."""
+    part = replace(base, distributed="fsdp", steps=2, out=str(tmp_path / "two"))
     first = torchrun_train(part)
-    # Saved in the single-process format: a plain model and optimizer load it as they are.
-    model, _, optimizer = ttrain.build(base)
-    assert ttrain.load_checkpoint(tmp_path / ttrain.CHECKPOINT, model, optimizer) == (2, first)
-    assert torchrun_train(replace(part, steps=4, resume=True)) == losses(fsdp)
+    shutil.copytree(tmp_path / "two", tmp_path / "one")
+    assert sorted(p.name for p in (checkpoints(tmp_path / "two")[-1][1] / "state").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"
+    ]  # fmt: skip
+    assert torchrun_train(replace(part, steps=4, resume=True)) == losses(fsdp)  # same ranks: exact
+    assert restore(tmp_path / "one", base)[2] == first
+    resumed = ttrain.train(replace(base, steps=4, resume=True, out=str(tmp_path / "one")))  # 2 ranks -> 1
+    assert resumed[:2] == first
+    np.testing.assert_allclose(resumed, losses(fsdp), rtol=1e-5)
 
 
 @pytest.fixture
@@ -93,30 +112,22 @@ def test_checkpointing_survives_fully_shard(plan_first: bool) -> None:
     model = torch_model(load_spec("tiny"))
     model.eval()  # FLOPs do not depend on dropout
     with set_checkpoint_early_stop(False):  # the recompute is then exactly the block's forward
-        plain_total, forward_per_module = _flops(model, backward=True)[0], _flops(model, backward=False)[1]
+        plain_total, forward_per_module = step_flops(model, backward=True)[0], step_flops(model, backward=False)[1]
         if plan_first:
             model.enable_gradient_checkpointing("full")
-        ttrain.shard_blocks(model)
+        shard_blocks(model)
         if not plan_first:
             model.enable_gradient_checkpointing("full")
         assert isinstance(model.mid, FSDPModule)
         assert checkpointed_names(model) == model.block_names()
-        total, _ = _flops(model, backward=True)
+        total, _ = step_flops(model, backward=True)
     assert total - plain_total == sum(forward_per_module[name] for name in model.block_names())
 
 
+@pytest.mark.parametrize("framework", ["torch_impl", "jax_impl"])
 @pytest.mark.parametrize("argv, mode", [([], None), (["--distributed"], "ddp"), (["--distributed", "fsdp"], "fsdp")])
-def test_distributed_flag(argv: list[str], mode: str | None) -> None:
-    assert parse_args(argv, "torch_impl").distributed == mode
-
-
-def test_jax_refuses_fsdp(capsys: pytest.CaptureFixture[str]) -> None:
-    assert parse_args(["--distributed"], "jax_impl").distributed == "ddp"
-    with pytest.raises(SystemExit) as exit_:
-        parse_args(["--distributed", "fsdp"], "jax_impl")
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --distributed fsdp: jax_impl.train") and "\n" not in err, err
+def test_distributed_flag(framework: str, argv: list[str], mode: str | None) -> None:
+    assert parse_args(argv, framework).distributed == mode
 
 
 def test_fsdp_outside_torchrun_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

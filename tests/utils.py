@@ -58,7 +58,80 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "sample_size": 8,
         "dropout": 0.0,
     },
+    "sdxl_style": {  # SDXL-like: text_time conditioning, no attention at level 0, per-level depth, linear proj
+        "down_attention": ["none", "transformer"],
+        "use_linear_projection": True,
+        "transformer_layers_per_block": [1, 2],
+        "attention_head_dim": None,
+        "num_attention_heads": [2, 4],
+        "addition_embedding": {"time_id_dim": 4, "input_dim": 30, "num_time_ids": 3},
+    },
+    "sd21_style": {  # SD 2.x-like, learned variance (out = 2 x in), heads x head_dim != channels (as diffusers rounds)
+        "down_attention": ["transformer", "transformer"],
+        "use_linear_projection": True,
+        "attention_head_dim": [5, 10],
+        "num_attention_heads": [3, 3],
+        "out_channels": 8,
+    },
+    "class_cond": {  # class-conditional DDPM-style: a class table, inpainting-like 9 -> 4 channels, mid norm groups
+        "in_channels": 9,
+        "down_attention": ["self", "none"],
+        "mid_attention": "self",
+        "mid_attention_norm_groups": 8,
+        "cross_attention_dim": None,
+        "class_embedding": {"kind": "embedding", "num_classes": 10},
+    },
+    "class_timestep_concat": {  # class ids through sinusoids, concatenated with the time embedding
+        "class_embedding": {"kind": "timestep", "concat": True},
+        "resnet_time_scale_shift": "scale_shift",
+    },
 }
+
+
+# Hub configs (unet/config.json as stored), which the presets of the same name must equal.
+_DDPM_CIFAR10 = {
+    "_class_name": "UNet2DModel", "_diffusers_version": "0.0.4", "act_fn": "silu", "attention_head_dim": None,
+    "block_out_channels": [128, 256, 256, 256], "center_input_sample": False,
+    "down_block_types": ["DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"], "downsample_padding": 0,
+    "flip_sin_to_cos": False, "freq_shift": 1, "in_channels": 3, "layers_per_block": 2, "mid_block_scale_factor": 1,
+    "norm_eps": 1e-06, "norm_num_groups": 32, "out_channels": 3, "sample_size": 32, "time_embedding_type": "positional",
+    "up_block_types": ["UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"],
+}  # fmt: skip
+_SD15 = {
+    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.6.0", "act_fn": "silu", "attention_head_dim": 8,
+    "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False, "cross_attention_dim": 768,
+    "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    "downsample_padding": 1, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4, "layers_per_block": 2,
+    "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4, "sample_size": 64,
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+}  # fmt: skip
+
+
+_SDXL = {  # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json (the options that differ from defaults)
+    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.19.0.dev0", "addition_embed_type": "text_time",
+    "addition_time_embed_dim": 256, "attention_head_dim": [5, 10, 20], "block_out_channels": [320, 640, 1280],
+    "cross_attention_dim": 2048, "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "projection_class_embeddings_input_dim": 2816, "sample_size": 128, "transformer_layers_per_block": [1, 2, 10],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"], "upcast_attention": None,
+    "use_linear_projection": True, "addition_embed_type_num_heads": 64, "class_embed_type": None,
+    "class_embeddings_concat": False, "mid_block_type": "UNetMidBlock2DCrossAttn", "time_embedding_type": "positional",
+}  # fmt: skip
+_SD21 = {  # stabilityai/stable-diffusion-2-1 unet/config.json
+    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.10.0.dev0", "act_fn": "silu",
+    "attention_head_dim": [5, 10, 20, 20], "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False,
+    "cross_attention_dim": 1024, "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+    "downsample_padding": 1, "dual_cross_attention": False, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4,
+    "layers_per_block": 2, "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32,
+    "num_class_embeds": None, "only_cross_attention": False, "out_channels": 4, "sample_size": 96,
+    "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3, "upcast_attention": True,
+    "use_linear_projection": True,
+}  # fmt: skip
+HUB_CONFIGS: dict[str, dict[str, Any]] = {"ddpm_cifar10": _DDPM_CIFAR10, "sd15": _SD15, "sd21": _SD21, "sdxl": _SDXL}
+
+
+def public_options(config: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's constructor options (without ``_class_name`` and the like)."""
+    return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
 def variant(name: str, **overrides: Any) -> UNetSpec:
@@ -70,6 +143,35 @@ def rel_err(a: Any, b: Any) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def as_torch(inputs: dict[str, Any]) -> dict[str, Any]:
+    """`shared_configs.inputs.example_inputs` (NCHW numpy) -> torch tensors, by name (None kept)."""
+    import torch
+
+    return {k: None if v is None else torch.from_numpy(v) for k, v in inputs.items()}
+
+
+def as_flax(inputs: dict[str, Any]) -> dict[str, Any]:
+    """`shared_configs.inputs.example_inputs` (NCHW numpy) -> jax arrays with x in NHWC, by name (None kept)."""
+    import jax.numpy as jnp
+
+    out = {k: None if v is None else jnp.asarray(v) for k, v in inputs.items()}
+    out["x"] = jnp.asarray(inputs["x"].transpose(0, 2, 3, 1))
+    return out
+
+
+def diffusers_forward(model: Any, inputs: dict[str, Any]) -> Any:
+    """A diffusers ``UNet2DModel`` / ``UNet2DConditionModel`` on our named torch inputs (`as_torch`), no grad."""
+    import torch
+
+    kwargs: dict[str, Any] = {"class_labels": inputs.get("class_labels")}
+    if type(model).__name__ == "UNet2DConditionModel":
+        kwargs["encoder_hidden_states"] = inputs.get("context")
+        if inputs.get("text_embeds") is not None:
+            kwargs["added_cond_kwargs"] = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]}
+    with torch.no_grad():
+        return model(inputs["x"], inputs["t"], **kwargs).sample
+
+
 def randomize_(model: Any, seed: int = 0, scale: float = 0.2) -> None:
     """Perturb every torch parameter (norm scales and biases too) so no layout mistake hides."""
     import torch
@@ -78,6 +180,22 @@ def randomize_(model: Any, seed: int = 0, scale: float = 0.2) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(scale * torch.randn(p.shape, generator=gen))
+
+
+def run_compare(args: list[str], out: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict[str, Any] | None]:
+    """``python -m benchmarks.compare ARGS --out OUT`` (LLVM at -O0: compile time halves, buffer
+    assignment comes before code generation, so memory figures do not change; torch on one thread,
+    as tests/conftest.py sets in-process; no JAX compilation cache); the process and the JSON document it wrote."""
+    environ = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "OMP_NUM_THREADS": "1", **env}
+    cmd = [sys.executable, "-m", "benchmarks.compare", *args, "--out", str(out), "--jax-cache", "none"]
+    proc = subprocess.run(cmd, cwd=Path(__file__).parents[1], env=environ, capture_output=True, text=True, timeout=600)
+    files = sorted(out.glob("*.json"))
+    return proc, json.loads(files[-1].read_text()) if files else None
+
+
+def rows_of(doc: dict[str, Any], framework: str) -> dict[str, dict[str, Any]]:
+    """A compare document's rows of one framework, by policy."""
+    return {r["policy"]: r for r in doc["rows"] if r["framework"] == framework}
 
 
 def train_argv(cfg: TrainConfig) -> list[str]:
@@ -130,3 +248,20 @@ def random_profile(spec: UNetSpec, seed: int, framework: str = "test") -> Any:
             seconds = float(rng.uniform(0.1, 1.0)) * (c != PLAIN)
             units[name][c] = Cost(keep, peak // 2, peak, seconds, 1e9 * seconds)
     return Profile(framework, spec.name, spec.sample_size, 2, units, opt_peak=20 * mib, step_time_s=1.0, scale=1.03)
+
+
+def count_flops(model: Any, inputs: tuple, backward: bool) -> tuple[int, dict[str, int]]:
+    """FLOPs of ``model(*inputs)`` (and of ``.sum().backward()``), total and per module (``down.0``, ...).
+
+    CPU attention counted too (`torch_impl.flops`)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from torch_impl.flops import register_cpu_attention_flops
+
+    register_cpu_attention_flops()
+    with FlopCounterMode(display=False) as counter:
+        out = model(*inputs)
+        if backward:
+            out.sum().backward()
+    per_module = {k.removeprefix("UNet."): sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    return counter.get_total_flops(), per_module

@@ -16,12 +16,10 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -54,36 +52,21 @@ OFFLOAD_ON_CPU = (
 )
 
 
-@dataclass
-class SavedRecord:
-    """One output a selective policy chose to save: the block, its op class and aten op, the tensors."""
-
-    block: str
-    op_class: str
-    op: str
-    recompute: bool
-    outputs: list[torch.Tensor] = field(default_factory=list)  # meta tensors: shape and dtype only
-
-
-_RECORDERS: list[list[SavedRecord]] = []
-
-
-def _meta_outputs(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The op's outputs as meta tensors (shapes and dtypes, no data, no compute)."""
-    meta = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
-    out = op(*meta[0], **meta[1])
-    return [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
+# Observers of what selective policies keep (the benchmarks' instruments hook in here, so that
+# measuring lives in benchmarks/): each is called as
+# ``observer(block, op_class, op, is_recompute, args, kwargs)`` for every op a plan's ``save`` keeps.
+SaveObserver = Callable[[str, str, Any, bool, tuple, dict], None]
+_SAVE_OBSERVERS: list[SaveObserver] = []
 
 
 @contextlib.contextmanager
-def record_saved() -> Iterator[list[SavedRecord]]:
-    """Collect every save decision of selective policies while active (forward and recompute)."""
-    records: list[SavedRecord] = []
-    _RECORDERS.append(records)
+def observe_saves(observer: SaveObserver) -> Iterator[None]:
+    """Call ``observer`` for every op a selective policy keeps while active (forward and recompute)."""
+    _SAVE_OBSERVERS.append(observer)
     try:
-        yield records
+        yield
     finally:
-        _RECORDERS.remove(records)
+        _SAVE_OBSERVERS.remove(observer)
 
 
 def op_class(op: Any) -> str | None:
@@ -110,10 +93,8 @@ def _policy_fn(
                 warned[0] = True
         else:
             decision = CheckpointPolicy.MUST_CPU_OFFLOAD
-    if _RECORDERS:
-        outputs = _meta_outputs(op, args, kw)
-        for records in _RECORDERS:
-            records.append(SavedRecord(block, cls, str(op), ctx.is_recompute, outputs))
+    for observe in _SAVE_OBSERVERS:
+        observe(block, cls, op, ctx.is_recompute, args, kw)
     return decision
 
 

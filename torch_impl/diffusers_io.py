@@ -1,8 +1,9 @@
 """Load diffusers U-Net weights into our PyTorch U-Net, and export ours in diffusers' names.
 
 A source is a local model folder (``config.json`` + ``diffusion_pytorch_model.safetensors`` or
-``.bin``; sharded or ``variant`` files too; a pipeline folder's ``unet/`` is found) or a live
-diffusers module. diffusers itself is never imported: a live module is read through its
+``.bin``; sharded or ``variant`` files too; a pipeline folder's ``unet/`` is found), a repo id in
+the local Hugging Face cache (never downloaded), or a live diffusers module (see
+`shared_configs.diffusers`). diffusers itself is never imported: a live module is read through its
 ``config`` and ``state_dict()``. Mirrored in `jax_impl/diffusers_io.py`.
 """
 
@@ -16,27 +17,48 @@ from typing import Any
 import torch
 
 from shared_configs import UNetSpec
+from shared_configs.diffusers import check_weights, is_path, read_source
 from shared_configs.diffusers import ours_to_diffusers as _ours_to_diffusers
-from shared_configs.diffusers import read_source
 from shared_configs.diffusers_export import to_diffusers_config
-from shared_configs.training import atomic_write
+from shared_configs.files import atomic_write
 from torch_impl.unet import UNet
 
 Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model
 
 
-def read_diffusers(source: Source, variant: str | None = None) -> tuple[UNetSpec, dict[str, torch.Tensor]]:
+def read_diffusers(
+    source: Source, variant: str | None = None, *, subfolder: str | None = None, revision: str | None = None
+) -> tuple[UNetSpec, dict[str, torch.Tensor]]:
     """The spec and the state_dict (in our names, as stored: dtype unchanged) of a diffusers U-Net."""
-    return read_source(source, variant, _read_file)
+    return read_source(source, variant, _read_file, subfolder, revision)
 
 
-def from_diffusers(source: Source, variant: str | None = None) -> UNet:
-    """Our `UNet` (float32, eval mode) with a diffusers U-Net's weights."""
-    spec, state = read_diffusers(source, variant)
-    model = UNet(spec)
-    _check_keys(state, model.state_dict(), spec)
-    model.load_state_dict(state, strict=True)
-    return model.eval()
+def from_diffusers(
+    source: Source,
+    variant: str | None = None,
+    *,
+    subfolder: str | None = None,
+    dtype: torch.dtype | None = None,
+    revision: str | None = None,
+) -> UNet:
+    """Our `UNet` (in ``dtype``, default float32; eval mode) with a diffusers U-Net's weights.
+
+    ``source``: a folder, a pipeline folder, a cached repo id (``"org/name"``, with ``subfolder``
+    and ``revision``) or a live module; ``variant="fp16"`` reads ``*.fp16.safetensors``. The model
+    is built on the meta device and takes the loaded tensors, so the weights are held once.
+    """
+    spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
+    if not is_path(source):  # a live module's tensors: copy, or both models would share them
+        state = {k: v.detach().clone() for k, v in state.items()}
+    with torch.device("meta"):
+        model = UNet(spec)
+    check_weights({k: tuple(v.shape) for k, v in state.items()}, _shapes(model), spec)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(dtype or torch.float32).eval()
+
+
+def _shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def to_diffusers_state_dict(model: UNet) -> dict[str, torch.Tensor]:
@@ -67,15 +89,3 @@ def _read_file(file: os.PathLike[str]) -> dict[str, torch.Tensor]:
 
         return load_file(file)
     return torch.load(file, map_location="cpu", weights_only=True)
-
-
-def _check_keys(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], spec: UNetSpec) -> None:
-    """One clear line, in diffusers' names, instead of torch's list of every mismatch."""
-    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
-    if missing or extra:
-        key = missing[0] if missing else extra[0]
-        what = f"{'missing' if missing else 'unexpected'} {next(iter(_ours_to_diffusers({key: 0})))}"
-        raise ValueError(
-            f"diffusers weights do not match spec {spec.name!r}: {what} "
-            f"({len(missing)} missing, {len(extra)} unexpected)"
-        )

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from shared_configs.arch import timestep_frequencies
+from shared_configs.arch import ClassEmbeddingArgs, timestep_frequencies
 
 
 def timestep_embedding(
@@ -55,6 +55,18 @@ class TimestepEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(F.silu(self.linear_1(x)))
+
+
+# Class embedding kinds of the spec -> the layer mapping ``class_labels`` to the time embedding's
+# width (diffusers' ``class_embedding``); the same keys as in Flax. ``timestep`` runs on the labels'
+# sinusoids (the U-Net computes them); ``identity`` adds the labels as they are, with no layer.
+CLASS_EMBEDDING: dict[str, Callable[[ClassEmbeddingArgs], nn.Module | None]] = {
+    "embedding": lambda a: nn.Embedding(a.num_classes, a.dim),
+    "timestep": lambda a: TimestepEmbedding(a.sinusoid_dim, a.dim),
+    "identity": lambda a: None,
+    "projection": lambda a: TimestepEmbedding(a.input_dim, a.dim),
+    "simple_projection": lambda a: nn.Linear(a.input_dim, a.dim),
+}
 
 
 class ResnetBlock(nn.Module):
@@ -107,22 +119,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, sca
 
 
 class SelfAttention(nn.Module):
-    """DDPM's spatial self-attention block: GroupNorm, q/k/v, attention, out, residual."""
+    """DDPM's spatial self-attention block: GroupNorm (none when ``groups=0``), q/k/v, attention, out, residual.
+
+    The attention is ``heads * head_dim`` wide, which diffusers lets differ from ``ch``.
+    """
 
     def __init__(
-        self, ch: int, heads: int, groups: int, eps: float, scale: float | None, output_scale: float = 1.0
+        self,
+        ch: int,
+        heads: int,
+        head_dim: int,
+        groups: int,
+        eps: float,
+        scale: float | None,
+        output_scale: float = 1.0,
     ) -> None:
         super().__init__()
         self.heads, self.output_scale = heads, output_scale
-        self.scale = scale or (ch // heads) ** -0.5
-        self.group_norm = nn.GroupNorm(groups, ch, eps=eps)
-        self.to_q, self.to_k, self.to_v = (nn.Linear(ch, ch) for _ in range(3))
-        self.to_out = nn.Linear(ch, ch)
+        self.scale = scale or head_dim**-0.5
+        self.group_norm = nn.GroupNorm(groups, ch, eps=eps) if groups else None
+        inner = heads * head_dim
+        self.to_q, self.to_k, self.to_v = (nn.Linear(ch, inner) for _ in range(3))
+        self.to_out = nn.Linear(inner, ch)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         del context  # same call signature as Transformer2D; plain self-attention ignores it
         height = x.shape[2]
-        h = rearrange(self.group_norm(x), "b c h w -> b (h w) c")
+        h = x if self.group_norm is None else self.group_norm(x)
+        h = rearrange(h, "b c h w -> b (h w) c")
         h = attention(self.to_q(h), self.to_k(h), self.to_v(h), self.heads, self.scale)
         h = rearrange(self.to_out(h), "b (h w) c -> b c h w", h=height)
         return (h + x) / self.output_scale
@@ -134,7 +158,7 @@ class CrossAttention(nn.Module):
     def __init__(self, dim: int, heads: int, scale: float | None, context_dim: int | None = None) -> None:
         super().__init__()
         self.heads = heads
-        self.scale = scale or (dim // heads) ** -0.5
+        self.scale = scale or (dim // heads) ** -0.5  # dim = heads * head_dim
         kv_dim = context_dim or dim
         self.to_q = nn.Linear(dim, dim, bias=False)
         self.to_k = nn.Linear(kv_dim, dim, bias=False)
@@ -179,12 +203,16 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer2D(nn.Module):
-    """SD's spatial transformer: GroupNorm, project in, transformer blocks, project out, residual."""
+    """SD's spatial transformer: GroupNorm, project in, transformer blocks, project out, residual.
+
+    The transformer runs ``heads * head_dim`` wide (the projections map ``ch`` to it and back).
+    """
 
     def __init__(
         self,
         ch: int,
         heads: int,
+        head_dim: int,
         depth: int,
         groups: int,
         norm_eps: float,
@@ -195,12 +223,13 @@ class Transformer2D(nn.Module):
     ) -> None:
         super().__init__()
         self.linear_projection = linear_projection
+        inner = heads * head_dim
         self.norm = nn.GroupNorm(groups, ch, eps=norm_eps)
-        self.proj_in = nn.Linear(ch, ch) if linear_projection else nn.Conv2d(ch, ch, 1)
+        self.proj_in = nn.Linear(ch, inner) if linear_projection else nn.Conv2d(ch, inner, 1)
         self.transformer_blocks = nn.ModuleList(
-            TransformerBlock(ch, heads, ln_eps, scale, context_dim) for _ in range(depth)
+            TransformerBlock(inner, heads, ln_eps, scale, context_dim) for _ in range(depth)
         )
-        self.proj_out = nn.Linear(ch, ch) if linear_projection else nn.Conv2d(ch, ch, 1)
+        self.proj_out = nn.Linear(inner, ch) if linear_projection else nn.Conv2d(inner, ch, 1)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
         height = x.shape[2]

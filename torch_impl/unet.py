@@ -11,15 +11,38 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared_configs import CheckpointPlan, UNetSpec, block_names, layer_names, load_spec, resolve_plan
-from shared_configs.arch import attention_kwargs, down_blocks, norm_kwargs, resnet_kwargs, up_blocks
+from shared_configs.arch import (
+    attention_args,
+    class_embedding_args,
+    down_blocks,
+    kwargs,
+    norm_args,
+    resnet_args,
+    up_blocks,
+)
+from shared_configs.inputs import check_inputs
 from shared_configs.plan import Policy
 from torch_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
 from torch_impl.checkpointing import apply_plan, remove_plan
-from torch_impl.layers import ATTENTION, ResnetBlock, TimestepEmbedding, norm_layer, timestep_embedding
+from torch_impl.layers import (
+    ATTENTION,
+    CLASS_EMBEDDING,
+    ResnetBlock,
+    TimestepEmbedding,
+    norm_layer,
+    timestep_embedding,
+)
+
+Tensor = torch.Tensor
 
 
 class UNet(nn.Module):
-    """Diffusion U-Net on NCHW input: ``forward(x, t, context=None)``."""
+    """Diffusion U-Net on NCHW input: ``forward(x, t, context=None, class_labels=None, text_embeds=None,
+    time_ids=None)`` (see `shared_configs.inputs` for which inputs a spec takes).
+
+    The spec's ``checkpoint`` policy is applied at construction, as ``jax_impl.UNet(policy=None)``
+    does; `enable_gradient_checkpointing` / `disable_gradient_checkpointing` change it.
+    """
 
     def __init__(self, spec: UNetSpec | str) -> None:
         super().__init__()
@@ -28,6 +51,7 @@ class UNet(nn.Module):
         chans = spec.block_out_channels
         self.conv_in = nn.Conv2d(spec.in_channels, chans[0], 3, padding=1)
         self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim)
+        self._conditioning_layers()
         resnet = self._resnet_factory(1.0)
         self.down = nn.ModuleList(
             DownBlock(
@@ -35,42 +59,68 @@ class UNet(nn.Module):
                 b.out_ch,
                 spec.layers_per_block,
                 resnet,
-                self._attention_factory(b.attention, b.level),
+                self._attention_factory(b.attention, b.level, b.name),
                 b.downsample_padding,
             )
             for b in down_blocks(spec)
         )
         scale = spec.mid_block_scale_factor
         self.mid = MidBlock(
-            chans[-1], self._resnet_factory(scale), self._attention_factory(spec.mid_attention, -1, scale)
+            chans[-1], self._resnet_factory(scale), self._attention_factory(spec.mid_attention, -1, "mid", scale)
         )
         self.up = nn.ModuleList(
             UpBlock(
-                b.in_ch, b.out_ch, b.skip_channels, resnet, self._attention_factory(b.attention, b.level), b.upsample
+                b.in_ch,
+                b.out_ch,
+                b.skip_channels,
+                resnet,
+                self._attention_factory(b.attention, b.level, b.name),
+                b.upsample,
             )
             for b in up_blocks(spec)
         )
-        self.conv_norm_out = norm_layer(chans[0], **norm_kwargs(spec))
+        self.conv_norm_out = norm_layer(chans[0], **kwargs(norm_args(spec)))
         self.conv_out = nn.Conv2d(chans[0], spec.out_channels, 3, padding=1)
+        if spec.checkpoint is not None:
+            self.enable_gradient_checkpointing(spec.checkpoint)
+
+    def _conditioning_layers(self) -> None:
+        """Class and text_time embeddings, under diffusers' names (only when the spec has them)."""
+        if (args := class_embedding_args(self.spec)) is not None:
+            self.class_embedding = CLASS_EMBEDDING[args.kind](args)
+        if (add := self.spec.addition_embedding) is not None:
+            self.add_embedding = TimestepEmbedding(add.input_dim, self.spec.time_embed_dim)
 
     def _resnet_factory(self, output_scale: float) -> functools.partial:
-        return functools.partial(ResnetBlock, **resnet_kwargs(self.spec, output_scale))
+        return functools.partial(ResnetBlock, **kwargs(resnet_args(self.spec, output_scale)))
 
-    def _attention_factory(self, kind: str, level: int, output_scale: float = 1.0) -> AttentionFactory | None:
+    def _attention_factory(
+        self, kind: str, level: int, block: str, output_scale: float = 1.0
+    ) -> AttentionFactory | None:
         if kind == "none":
             return None
-        return functools.partial(ATTENTION[kind], **attention_kwargs(self.spec, kind, level, output_scale))
+        return functools.partial(ATTENTION[kind], **kwargs(attention_args(self.spec, kind, level, block, output_scale)))
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor | float, context: torch.Tensor | None = None) -> torch.Tensor:
-        s = self.spec
-        if s.cross_attention_dim is not None and context is None:
-            raise ValueError(
-                f"context: spec {s.name!r} has cross-attention; pass context of shape (B, L, {s.cross_attention_dim})"
-            )
-        t = torch.as_tensor(t, device=x.device).expand(x.shape[0])
-        te = s.time_embedding
-        features = timestep_embedding(t, s.block_out_channels[0], te.flip_sin_to_cos, te.freq_shift, te.max_period)
-        temb = self.time_embedding(features.to(x.dtype))  # sinusoids in float32, then the model's dtype
+    def forward(
+        self,
+        x: Tensor,
+        t: Tensor | float,
+        context: Tensor | None = None,
+        class_labels: Tensor | None = None,
+        text_embeds: Tensor | None = None,
+        time_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Predict the noise (or whatever the spec was trained on) for NCHW ``x`` at timesteps ``t``.
+
+        ``t``: a scalar or (B,). ``context`` (B, L, cross_attention_dim), ``class_labels``,
+        ``text_embeds`` and ``time_ids``: exactly those the spec takes (`shared_configs.inputs`);
+        anything else is a one-line `ValueError`.
+        """
+        check_inputs(
+            self.spec, "NCHW", x, t, context=context, class_labels=class_labels, text_embeds=text_embeds,
+            time_ids=time_ids,
+        )  # fmt: skip
+        temb = self._embedding(x, t, class_labels, text_embeds, time_ids)
         h = self.conv_in(x)
         skips = [h]
         for block in self.down:
@@ -83,12 +133,44 @@ class UNet(nn.Module):
             del skips[-count:]
         return self.conv_out(F.silu(self.conv_norm_out(h)))
 
+    def _sinusoids(self, values: Tensor, dim: int) -> Tensor:
+        te = self.spec.time_embedding
+        return timestep_embedding(values, dim, te.flip_sin_to_cos, te.freq_shift, te.max_period)
+
+    def _embedding(
+        self, x: Tensor, t: Tensor | float, class_labels: Tensor | None, text_embeds: Tensor | None,
+        time_ids: Tensor | None,
+    ) -> Tensor:  # fmt: skip
+        """The embedding every ResNet receives: time, plus class and text_time conditioning as diffusers adds them."""
+        s, dtype = self.spec, x.dtype
+        t = torch.as_tensor(t, device=x.device).expand(x.shape[0])
+        temb = self.time_embedding(self._sinusoids(t, s.block_out_channels[0]).to(dtype))  # sinusoids in float32
+        if (ce := s.class_embedding) is not None:
+            labels = class_labels
+            if ce.kind == "timestep":
+                labels = self._sinusoids(labels, s.block_out_channels[0]).to(dtype)
+            class_emb = (labels if self.class_embedding is None else self.class_embedding(labels)).to(dtype)
+            temb = torch.cat([temb, class_emb], dim=-1) if ce.concat else temb + class_emb
+        if (add := s.addition_embedding) is not None:
+            ids = self._sinusoids(time_ids.flatten(), add.time_id_dim).reshape(x.shape[0], -1)  # (B, N * time_id_dim)
+            temb = temb + self.add_embedding(torch.cat([text_embeds, ids], dim=-1).to(dtype))
+        return temb
+
     @classmethod
-    def from_diffusers(cls, path_or_model: object, variant: str | None = None) -> UNet:
-        """Build from a local diffusers model folder or a live diffusers U-Net (see `torch_impl.diffusers_io`)."""
+    def from_diffusers(
+        cls,
+        source: object,
+        variant: str | None = None,
+        *,
+        subfolder: str | None = None,
+        dtype: torch.dtype | None = None,
+        revision: str | None = None,
+    ) -> UNet:
+        """Build from a diffusers folder, a repo id in the local Hugging Face cache, or a live
+        diffusers U-Net (see `torch_impl.diffusers_io.from_diffusers`)."""
         from torch_impl.diffusers_io import from_diffusers
 
-        return from_diffusers(path_or_model, variant)
+        return from_diffusers(source, variant, subfolder=subfolder, dtype=dtype, revision=revision)
 
     def to_diffusers_state_dict(self) -> dict[str, torch.Tensor]:
         """This model's state_dict in diffusers' key names (``UNet2D(Condition)Model``)."""

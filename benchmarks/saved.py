@@ -1,7 +1,7 @@
 """What each framework saves for backward under a checkpoint policy, block by block.
 
-    python -m benchmarks.inspect --config tiny --policy save_convs
-    python -m benchmarks.inspect --config tiny --policy full --framework jax --json
+    python -m benchmarks.saved --config tiny --policy save_convs
+    python -m benchmarks.saved --config tiny --policy full --framework jax --json
 
 torch: the tensors autograd saves outside recomputed blocks (``saved_tensors_hooks``, attributed
 to the block running and the last aten op dispatched), the inputs kept for each recomputed
@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, NoReturn
+from typing import Any
 
+from benchmarks.cli import Parser, positive
+from benchmarks.common import OUTSIDE, block_of
 from shared_configs import SpecError, block_names, load_spec, resolve_plan
-
-OUTSIDE = "(top)"  # conv_in, time embedding, conv_out: not in any block
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ def torch_saved(config: str, policy: str, batch_size: int) -> list[Saved]:
     """Run one forward + backward of the torch U-Net under ``policy``; what was kept for backward."""
     import torch
 
-    from benchmarks.inspect_torch import collect
+    from benchmarks.saved_torch import collect
 
     spec = load_spec(config)
     torch.manual_seed(0)
@@ -69,19 +68,6 @@ def torch_saved(config: str, policy: str, batch_size: int) -> list[Saved]:
 
 
 # --- jax -----------------------------------------------------------------------------------
-
-_MODULE = re.compile(r"^(down|up)_(\d+)$")
-
-
-def _block_of(name_stack: str) -> str:
-    """``jvp(UNet)/down_1/resnets_0/conv1`` -> ``down.1``; anything else -> OUTSIDE."""
-    parts = [p for p in name_stack.split("/") if p and "(" not in p]
-    if not parts:
-        return OUTSIDE
-    match = _MODULE.match(parts[0])
-    if match:
-        return f"{match[1]}.{match[2]}"
-    return "mid" if parts[0] == "mid" else OUTSIDE
 
 
 def jax_saved(config: str, policy: str, batch_size: int) -> list[Saved]:
@@ -120,7 +106,7 @@ def jax_saved(config: str, policy: str, batch_size: int) -> list[Saved]:
             while src.primitive.name == "reduce_precision" and src.invars[0] in producer:
                 src = producer[src.invars[0]]  # look through it, as saved_residuals does
             named = src.primitive is name_p
-            block = _block_of(str(eqn.source_info.name_stack))
+            block = block_of(str(eqn.source_info.name_stack))
             op = src.params["name"] if named else src.params.get("name", src.primitive.name)
             aval = v.aval
             nbytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
@@ -201,18 +187,13 @@ def render(doc: dict) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, no usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m benchmarks.inspect", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m benchmarks.saved", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny", help="preset name or spec YAML path (%(default)s)")
     p.add_argument("--policy", default="save_convs", help="a checkpoint policy, e.g. full/save=conv,matmul")
-    p.add_argument("--framework", choices=["both", "torch", "jax"], default="both")
+    p.add_argument("--framework", choices=["both", "torch", "jax"], default="both", help="(%(default)s)")
     p.add_argument("--block", default=None, help="only this block (down.0, mid, ...)")
-    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--batch-size", type=positive, default=2, help="(%(default)s)")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of text")
     return p
 
@@ -221,11 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     frameworks = ["torch", "jax"] if args.framework == "both" else [args.framework]
     try:
-        if args.batch_size < 1:
-            raise SpecError(f"batch-size: expected a positive integer, got {args.batch_size}")
         doc = inspect_policy(args.config, args.policy, frameworks, args.batch_size, args.block)
     except (SpecError, FileNotFoundError, ValueError) as err:
-        print(f"inspect: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        print(f"saved: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 2
     print(json.dumps(doc, indent=1) if args.json else render(doc))
     return 0

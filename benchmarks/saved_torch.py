@@ -1,4 +1,4 @@
-"""The torch half of `benchmarks.inspect`: what autograd keeps for backward, block by block.
+"""The torch half of `benchmarks.saved`: what autograd keeps for backward, block by block.
 
 Three sources, distinct storages counted once, parameters and model inputs left out:
 
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.common import OUTSIDE, block_of
+from benchmarks.torch_memory import record_saved
 from shared_configs import UNetSpec, block_names
 from torch_impl import UNet
-from torch_impl.checkpointing import record_saved
 
-OUTSIDE = "(top)"
 Row = tuple[str, str, str, tuple[int, ...], str, int]
 
 
@@ -46,11 +46,6 @@ class _Producers(TorchDispatchMode):
 
 def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
-
-
-def _block_of(name: str) -> str:
-    parts = name.split(".")
-    return "mid" if parts[0] == "mid" else ".".join(parts[:2])
 
 
 def _inputs(spec: UNetSpec, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -126,7 +121,7 @@ def collect(spec: UNetSpec, policy: str, batch_size: int) -> list[Row]:
         for h in handles:
             h.remove()
     policy_rows = [
-        (_block_of(r.block), r.op_class, "policy", tuple(o.shape), _dtype(o), o.numel() * o.element_size())
+        (block_of(r.block), r.op_class, "policy", tuple(o.shape), _dtype(o), o.numel() * o.element_size())
         for r in records
         if not r.recompute
         for o in r.outputs

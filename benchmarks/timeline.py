@@ -1,0 +1,82 @@
+"""Memory over a training step, framework-free: the data behind the timeline picture.
+
+Each framework's instrument hands over, per position in the step (a torch op's allocation or
+free, an XLA schedule slot), the live bytes of every kind in `CATEGORIES`, the block the position
+belongs to and where the backward and optimizer phases start. `timeline` turns that into a small
+JSON-able record: at most ``points`` positions (each the highest of its stretch, so the peak
+survives exactly), the block boundaries and the phase starts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import CATEGORIES, OUTSIDE
+
+POINTS = 1500  # positions kept per timeline: enough for a figure, small in the JSON
+
+
+def timeline(
+    series: Mapping[str, np.ndarray],
+    blocks: Sequence[str],
+    phases: Mapping[str, int],
+    method: str,
+    points: int = POINTS,
+) -> dict[str, Any]:
+    """The record for one step: ``series[c][i]`` live bytes of kind ``c`` at position ``i``,
+    ``blocks[i]`` the block position ``i`` ran in, ``phases`` the first position of each phase."""
+    stacked = np.stack([np.asarray(series[c], dtype=np.int64) for c in CATEGORIES])
+    n = stacked.shape[1]
+    keep = _peaks_per_stretch(stacked.sum(axis=0), points)
+    return {
+        "positions": n,
+        "x": keep.tolist(),
+        "series": {c: stacked[i, keep].tolist() for i, c in enumerate(CATEGORIES)},
+        "marks": block_marks(blocks, phases.values()),
+        "phases": {name: int(pos) for name, pos in phases.items()},
+        "method": method,
+    }
+
+
+def _peaks_per_stretch(total: np.ndarray, points: int) -> np.ndarray:
+    """Indices: the highest position of each of ``points`` equal stretches (and the last one)."""
+    n = len(total)
+    if n <= points:
+        return np.arange(n)
+    edges = np.linspace(0, n, points + 1).astype(int)
+    keep = [lo + int(np.argmax(total[lo:hi])) for lo, hi in itertools.pairwise(edges) if hi > lo]
+    return np.unique(np.array([*keep, n - 1]))
+
+
+def block_marks(blocks: Sequence[str], phase_starts: Iterable[int] = (), share: float = 0.004) -> list[tuple[int, str]]:
+    """(position, block) where each stretch of a block begins.
+
+    Positions outside any block (`OUTSIDE`: conv_in, the loss, the optimizer) do not break a
+    stretch; a phase start does (the forward's last block is the backward's first). Stretches
+    shorter than ``share`` of the step are left out: XLA's schedule hoists a few small ops of
+    later blocks (random bits, broadcasts) among earlier ones, and a mark per such op is noise.
+    """
+    starts, shortest = set(phase_starts), max(1, int(share * len(blocks)))
+    runs: list[list[Any]] = []  # [block, first position, positions in it]
+    for i, block in enumerate(blocks):
+        if i in starts and runs:
+            runs.append([None, i, 0])  # a phase boundary: the stretch before it ends
+        if block == OUTSIDE:
+            continue
+        if runs and runs[-1][0] == block:
+            runs[-1][2] += 1
+        else:
+            runs.append([block, i, 1])
+    marks: list[tuple[int, str]] = []
+    current = None
+    for block, first, count in runs:
+        if block is None:
+            current = None
+        elif count >= shortest and block != current:
+            marks.append((first, block))
+            current = block
+    return marks

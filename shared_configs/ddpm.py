@@ -1,0 +1,112 @@
+"""The DDPM pieces both training loops share: the noise schedule, the objective's check, the sampler.
+
+* `make_schedule`: linear or cosine betas, computed in float64, validated (every beta in (0, 1));
+* `check_objective`: what the noise-prediction MSE objective can train;
+* `sample`: a short ancestral sampler over respaced timesteps, parameterised by an ``eps_fn`` callback.
+
+Numpy only (no torch or jax import).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared_configs.data import NUM_CLASSES, Dataset
+from shared_configs.spec import UNetSpec
+
+SCHEDULES = ("linear", "cosine")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """DDPM betas and their cumulative products (float64)."""
+
+    betas: np.ndarray
+
+    @property
+    def num_timesteps(self) -> int:
+        return len(self.betas)
+
+    @property
+    def alphas_cumprod(self) -> np.ndarray:
+        return np.cumprod(1.0 - self.betas)
+
+
+def _betas(kind: str, num_timesteps: int) -> np.ndarray:
+    if kind == "linear":
+        scale = 1000 / num_timesteps
+        return np.linspace(scale * 1e-4, scale * 0.02, num_timesteps, dtype=np.float64)
+    if kind == "cosine":
+        s, steps = 0.008, np.arange(num_timesteps + 1, dtype=np.float64) / num_timesteps
+        abar = np.cos((steps + s) / (1 + s) * np.pi / 2) ** 2
+        return np.clip(1 - abar[1:] / abar[:-1], 0.0, 0.999)
+    raise ValueError(f"schedule: unknown {kind!r} (allowed: {', '.join(SCHEDULES)})")
+
+
+def _valid(betas: np.ndarray) -> bool:
+    return bool(np.all((betas > 0) & (betas < 1)))
+
+
+def make_schedule(kind: str = "linear", num_timesteps: int = 1000) -> Schedule:
+    """``linear`` (Ho et al. 2020, 1e-4 .. 0.02 scaled to T) or ``cosine`` (Nichol & Dhariwal 2021).
+
+    Raises `ValueError` (naming ``timesteps`` and the smallest valid count) when a beta falls
+    outside (0, 1): the linear schedule scaled to T < 21 steps has betas >= 1, which train NaN.
+    """
+    if num_timesteps < 1:
+        raise ValueError(f"timesteps {num_timesteps}: must be >= 1")
+    betas = _betas(kind, num_timesteps)
+    if not _valid(betas):
+        smallest = next(n for n in range(num_timesteps + 1, 100_000) if _valid(_betas(kind, n)))
+        raise ValueError(
+            f"timesteps {num_timesteps}: the {kind} schedule's betas reach {betas.max():.3g} but must lie in (0, 1);"
+            f" the smallest valid value is {smallest}"
+        )
+    return Schedule(betas)
+
+
+def check_objective(spec: UNetSpec) -> None:
+    """Refuse (`ValueError`, one line) a spec the noise-prediction MSE cannot train.
+
+    The model predicts the noise added to its input, so its output must have the input's
+    channels; a U-Net with ``out_channels != in_channels`` (inpainting, learned variance) needs
+    another objective.
+    """
+    if spec.out_channels != spec.in_channels:
+        raise ValueError(
+            f"out_channels: spec {spec.name!r} maps {spec.in_channels} input channels to {spec.out_channels}; "
+            "the noise-prediction objective needs out_channels == in_channels"
+        )
+
+
+def sample(
+    eps_fn: Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray],
+    schedule: Schedule,
+    dataset: Dataset,
+    shape: tuple[int, int, int, int],
+    num_steps: int,
+    seed: int,
+) -> np.ndarray:
+    """Ancestral DDPM sampling over ``num_steps`` evenly respaced timesteps; NCHW in [-1, 1].
+
+    ``eps_fn(x_nchw, t, context)`` returns the model's noise prediction as numpy. Sample ``i`` is
+    conditioned on class ``i % 10``.
+    """
+    rng = np.random.default_rng([seed, 2**31])
+    labels = np.arange(shape[0]) % NUM_CLASSES
+    context = dataset.context(labels)
+    timesteps = np.unique(np.linspace(0, schedule.num_timesteps - 1, num_steps).round().astype(np.int64))[::-1]
+    abar = schedule.alphas_cumprod
+    x = rng.standard_normal(shape)
+    for i, t in enumerate(timesteps):
+        ab_t = abar[t]
+        ab_prev = abar[timesteps[i + 1]] if i + 1 < len(timesteps) else 1.0
+        beta = 1.0 - ab_t / ab_prev  # the respaced step's beta
+        eps = eps_fn(x.astype(np.float32), np.full(shape[0], t, np.float32), context).astype(np.float64)
+        x = (x - beta / np.sqrt(1.0 - ab_t) * eps) / np.sqrt(1.0 - beta)
+        if i + 1 < len(timesteps):
+            x += np.sqrt(beta * (1.0 - ab_prev) / (1.0 - ab_t)) * rng.standard_normal(shape)
+    return np.clip(x, -1.0, 1.0).astype(np.float32)

@@ -1,0 +1,344 @@
+"""A diffusers U-Net's ``config.json`` -> our spec (framework-free: no torch, jax or diffusers).
+
+`from_diffusers_config` turns the config of a diffusers ``UNet2DModel`` or ``UNet2DConditionModel``
+into the `UNetSpec` of the network diffusers builds from it, settings diffusers derives from other
+settings included (a middle attention without GroupNorm, head counts that do not divide the
+channels, an unknown ``class_embed_type`` that builds no class embedding). Every option is one of:
+
+* mapped onto a spec field (block types, widths, heads, norms, time, class and text_time embeddings);
+* fixed: our spec cannot express it, so only the listed values (diffusers' default first) are
+  accepted and any other is refused with a `SpecError` naming the option;
+* inert: it only configures layers we refuse or that the config does not build;
+* ``upcast_attention``: a precision hint, accepted with a warning (a no-op in float32).
+
+Keys we do not know are refused too: an option is never silently ignored.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from shared_configs.loader import spec_from_dict
+from shared_configs.spec import SpecError, UNetSpec
+
+# diffusers 0.42's __init__ defaults, per class: a config.json may omit any of them.
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "sample_size": None, "center_input_sample": False, "time_embedding_type": "positional",
+    "time_embedding_dim": None, "freq_shift": 0, "flip_sin_to_cos": True, "layers_per_block": 2,
+    "mid_block_scale_factor": 1, "downsample_padding": 1, "dropout": 0.0, "act_fn": "silu",
+    "attention_head_dim": 8, "norm_num_groups": 32, "norm_eps": 1e-5, "resnet_time_scale_shift": "default",
+    "class_embed_type": None, "num_class_embeds": None,
+}  # fmt: skip
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "UNet2DModel": _COMMON_DEFAULTS | {
+        "in_channels": 3, "out_channels": 3, "mid_block_type": "UNetMidBlock2D",
+        "down_block_types": ("DownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D"),
+        "up_block_types": ("AttnUpBlock2D", "AttnUpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
+        "block_out_channels": (224, 448, 672, 896), "downsample_type": "conv", "upsample_type": "conv",
+        "attn_norm_num_groups": None, "add_attention": True, "num_train_timesteps": None,
+    },
+    "UNet2DConditionModel": _COMMON_DEFAULTS | {
+        "in_channels": 4, "out_channels": 4, "mid_block_type": "UNetMidBlock2DCrossAttn",
+        "down_block_types": ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        "only_cross_attention": False, "block_out_channels": (320, 640, 1280, 1280), "cross_attention_dim": 1280,
+        "transformer_layers_per_block": 1, "reverse_transformer_layers_per_block": None, "encoder_hid_dim": None,
+        "encoder_hid_dim_type": None, "num_attention_heads": None, "dual_cross_attention": False,
+        "use_linear_projection": False, "addition_embed_type": None, "addition_time_embed_dim": None,
+        "upcast_attention": False, "resnet_skip_time_act": False, "resnet_out_scale_factor": 1.0,
+        "time_embedding_act_fn": None, "timestep_post_act": None, "time_cond_proj_dim": None,
+        "conv_in_kernel": 3, "conv_out_kernel": 3, "projection_class_embeddings_input_dim": None,
+        "attention_type": "default", "class_embeddings_concat": False, "mid_block_only_cross_attention": None,
+        "cross_attention_norm": None, "addition_embed_type_num_heads": 64,
+    },
+}  # fmt: skip
+
+# Options the spec cannot express: the accepted values (a per-level list may repeat one of them).
+FIXED: dict[str, tuple[Any, ...]] = {
+    "center_input_sample": (False,), "time_embedding_type": ("positional",), "act_fn": ("silu",),
+    "downsample_type": ("conv",), "upsample_type": ("conv",), "only_cross_attention": (False,),
+    "reverse_transformer_layers_per_block": (None,), "encoder_hid_dim": (None,), "encoder_hid_dim_type": (None,),
+    "num_attention_heads": (None,), "dual_cross_attention": (False,), "addition_embed_type": (None, "text_time"),
+    "time_embedding_act_fn": (None,), "timestep_post_act": (None,), "time_cond_proj_dim": (None,),
+    "conv_in_kernel": (3,), "conv_out_kernel": (3,), "attention_type": ("default",),
+}  # fmt: skip
+
+# Options only the blocks we refuse read (ResnetDownsample/SimpleCrossAttn blocks, the learned
+# time embedding, the text-conditioning head, UNetMidBlock2DSimpleCrossAttn): any value is fine.
+# (addition_time_embed_dim and projection_class_embeddings_input_dim are read only by the
+# embeddings that use them.)
+INERT: frozenset[str] = frozenset({
+    "resnet_skip_time_act", "resnet_out_scale_factor", "cross_attention_norm", "mid_block_only_cross_attention",
+    "addition_embed_type_num_heads", "num_train_timesteps",
+})  # fmt: skip
+
+# class_embed_type -> our kind, per class (diffusers builds no class embedding for any other value).
+CLASS_KINDS: dict[str, dict[str, str]] = {
+    "UNet2DModel": {"timestep": "timestep", "identity": "identity"},
+    "UNet2DConditionModel": {
+        "timestep": "timestep", "identity": "identity", "projection": "projection",
+        "simple_projection": "simple_projection",
+    },
+}  # fmt: skip
+SDXL_TIME_IDS = 6  # (original size, crop offset, target size) x (h, w): example inputs' split of text_time
+DOWN_BLOCKS: dict[str, str] = {"DownBlock2D": "none", "AttnDownBlock2D": "self", "CrossAttnDownBlock2D": "transformer"}
+UP_BLOCKS: dict[str, str] = {"UpBlock2D": "none", "AttnUpBlock2D": "self", "CrossAttnUpBlock2D": "transformer"}
+MID_BLOCKS: dict[str, dict[str, str]] = {
+    "UNet2DModel": {"UNetMidBlock2D": "self"},  # "none" with add_attention=False
+    "UNet2DConditionModel": {"UNetMidBlock2DCrossAttn": "transformer"},
+}
+
+
+def from_diffusers_config(config: Mapping[str, Any], *, name: str | None = None) -> UNetSpec:
+    """A diffusers ``UNet2DModel`` / ``UNet2DConditionModel`` config -> `UNetSpec`.
+
+    ``config`` is a ``config.json`` as a dict (it must carry ``_class_name``), or a live model's
+    ``dict(model.config)`` with ``_class_name`` added. Raises `SpecError` naming the first option
+    we cannot honour (all of them, for fixed options).
+    """
+    cls = config.get("_class_name")
+    if cls not in CLASS_DEFAULTS:
+        raise SpecError(f"_class_name: unsupported diffusers model {cls!r} (supported: {', '.join(CLASS_DEFAULTS)})")
+    cfg = _with_defaults(config, cls)
+    _refuse_unsupported(cfg)
+    data = {"name": name or Path(str(config.get("_name_or_path") or f"diffusers_{cls}")).name, **_fields(cfg, cls)}
+    try:
+        return spec_from_dict(data)
+    except SpecError as err:
+        raise SpecError(f"diffusers {cls} config: {err}") from None
+
+
+def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
+    """The spec fields, as a plain dict for `spec_from_dict` to validate."""
+    n = len(cfg["block_out_channels"])
+    down, up = _kinds(cfg, "down_block_types", DOWN_BLOCKS, n), _kinds(cfg, "up_block_types", UP_BLOCKS, n)
+    mid, mid_groups = _mid(cfg, cls)
+    if cls == "UNet2DModel" and "transformer" in (*down, *up):
+        raise SpecError("down_block_types/up_block_types: CrossAttn*Block2D needs a UNet2DConditionModel")
+    data: dict[str, Any] = {
+        "in_channels": cfg["in_channels"],
+        "out_channels": cfg["out_channels"],
+        "sample_size": _sample_size(cfg["sample_size"], n),
+        "block_out_channels": list(cfg["block_out_channels"]),
+        "layers_per_block": _uniform(cfg, "layers_per_block", n),
+        "down_attention": down,
+        "up_attention": None if up == down[::-1] else up,
+        "mid_attention": mid,
+        **_heads(cfg, cls, down, up, mid),
+        "norm_num_groups": cfg["norm_num_groups"],
+        "mid_attention_norm_groups": mid_groups,
+        "norm_eps": cfg["norm_eps"],
+        "dropout": cfg["dropout"],
+        "resnet_time_scale_shift": cfg["resnet_time_scale_shift"],
+        "downsample_padding": cfg["downsample_padding"],
+        "mid_block_scale_factor": cfg["mid_block_scale_factor"],
+        "time_embedding": {
+            "flip_sin_to_cos": cfg["flip_sin_to_cos"],
+            "freq_shift": cfg["freq_shift"],
+            "dim": cfg["time_embedding_dim"],
+        },
+        "class_embedding": _class_embedding(cfg, cls),
+        "addition_embedding": _addition_embedding(cfg),
+    }
+    if cls == "UNet2DConditionModel":
+        data["cross_attention_dim"] = _uniform(cfg, "cross_attention_dim", n)
+        data["transformer_layers_per_block"] = _per_level_ints(cfg, "transformer_layers_per_block", n)
+        data["use_linear_projection"] = cfg["use_linear_projection"]
+    return data
+
+
+def _with_defaults(config: Mapping[str, Any], cls: str) -> dict[str, Any]:
+    defaults = CLASS_DEFAULTS[cls]
+    unknown = sorted(k for k in config if not k.startswith("_") and k not in defaults)
+    if unknown:
+        raise SpecError(
+            f"{unknown[0]}: unknown {cls} option (not in diffusers 0.42's signature); refusing to ignore it"
+        )
+    return {**defaults, **{k: v for k, v in config.items() if not k.startswith("_")}}
+
+
+def _refuse_unsupported(cfg: Mapping[str, Any]) -> None:
+    """Refuse, naming them, the options the spec cannot express; warn about upcast_attention."""
+    bad = []
+    for key, allowed in FIXED.items():
+        value = cfg.get(key, allowed[0])
+        values = value if isinstance(value, list | tuple) else (value,)
+        if not all(v in allowed for v in values):
+            bad.append(f"{key}={value!r} (supported: {' or '.join(repr(a) for a in allowed)})")
+    if bad:
+        raise SpecError(f"unsupported diffusers option{'s' if len(bad) > 1 else ''}: {'; '.join(bad)}")
+    if cfg["resnet_time_scale_shift"] not in ("default", "scale_shift"):
+        raise SpecError(
+            f"resnet_time_scale_shift: {cfg['resnet_time_scale_shift']!r} unsupported (supported: default, scale_shift)"
+        )
+    if cfg["norm_num_groups"] is None:
+        raise SpecError("norm_num_groups: None (diffusers then drops or resizes norms) is not supported")
+    if cfg.get("upcast_attention"):
+        warnings.warn(
+            "upcast_attention=True accepted: it only changes reduced-precision attention (a no-op in "
+            "float32); our models compute attention in the dtype they are run in",
+            stacklevel=3,
+        )
+
+
+def _kinds(cfg: Mapping[str, Any], key: str, table: dict[str, str], n: int) -> list[str]:
+    types = list(cfg[key])
+    if len(types) != n:
+        raise SpecError(f"{key}: {len(types)} entries for {n} block_out_channels")
+    for t in types:
+        if t not in table:
+            raise SpecError(f"{key}: unsupported block type {t!r} (supported: {', '.join(table)})")
+    return [table[t] for t in types]
+
+
+def _mid(cfg: Mapping[str, Any], cls: str) -> tuple[str, int | None]:
+    """The middle block's attention kind, and its GroupNorm groups when they differ from the ResNets'."""
+    mid_type, table = cfg["mid_block_type"], MID_BLOCKS[cls]
+    if mid_type not in table:
+        raise SpecError(f"mid_block_type: unsupported {mid_type!r} for {cls} (supported: {', '.join(table)})")
+    if cls == "UNet2DConditionModel":
+        return table[mid_type], None
+    if not cfg["add_attention"]:
+        return "none", None
+    # diffusers' UNetMidBlock2D: attn_norm_num_groups, else the ResNets' groups under the default
+    # time embedding, else (scale_shift) no GroupNorm at all (0 here).
+    groups = cfg["attn_norm_num_groups"]
+    if groups is None:
+        groups = cfg["norm_num_groups"] if cfg["resnet_time_scale_shift"] == "default" else 0
+    return "self", None if groups == cfg["norm_num_groups"] else groups
+
+
+def _class_embedding(cfg: Mapping[str, Any], cls: str) -> dict[str, Any] | None:
+    """diffusers' class embedding: ``num_class_embeds`` alone is a table; ``class_embed_type`` wins over it."""
+    name, concat = cfg["class_embed_type"], cfg.get("class_embeddings_concat", False)
+    if name is None:
+        kind = None if cfg["num_class_embeds"] is None else "embedding"
+    else:
+        kind = CLASS_KINDS[cls].get(name)
+        if kind is None:
+            warnings.warn(
+                f"class_embed_type={name!r}: diffusers' {cls} builds no class embedding for it; neither do we",
+                stacklevel=4,
+            )
+    if kind is None:
+        if concat:
+            raise SpecError(
+                "class_embeddings_concat: True without a class embedding (diffusers sizes the ResNets for a "
+                "concatenated embedding that never comes, and fails in the forward)"
+            )
+        return None
+    data: dict[str, Any] = {"kind": kind, "concat": concat}
+    if kind == "embedding":
+        data["num_classes"] = cfg["num_class_embeds"]
+    if kind in ("projection", "simple_projection"):
+        data["input_dim"] = _required(cfg, "projection_class_embeddings_input_dim", f"class_embed_type={name!r}")
+    return data
+
+
+def _addition_embedding(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """SDXL's text_time embedding; how example inputs split its input width (SDXL: 6 time ids) is ours."""
+    if cfg.get("addition_embed_type") is None:  # UNet2DModel has none
+        return None
+    why = "addition_embed_type='text_time'"
+    time_dim = _required(cfg, "addition_time_embed_dim", why)
+    width = _required(cfg, "projection_class_embeddings_input_dim", why)
+    count = min(SDXL_TIME_IDS, (width - 1) // time_dim)
+    if count < 1:
+        raise SpecError(
+            f"projection_class_embeddings_input_dim: {width} leaves no text_embeds width beside one time id of "
+            f"addition_time_embed_dim={time_dim}"
+        )
+    return {"kind": "text_time", "time_id_dim": time_dim, "input_dim": width, "num_time_ids": count}
+
+
+def _required(cfg: Mapping[str, Any], key: str, why: str) -> Any:
+    if cfg[key] is None:
+        raise SpecError(f"{key}: required by {why}")
+    return cfg[key]
+
+
+def _uniform(cfg: Mapping[str, Any], key: str, n: int) -> int:
+    """An int, or a per-level list whose entries are all equal (our spec has one value)."""
+    value = cfg[key]
+    if not isinstance(value, list | tuple):
+        return value
+    if len(value) != n or len(set(value)) != 1:
+        raise SpecError(f"{key}: per-level values {list(value)} are not supported, only one value for all levels")
+    return value[0]
+
+
+def _per_level_ints(cfg: Mapping[str, Any], key: str, n: int) -> int | tuple[int, ...]:
+    """An int, or one int per level (diffusers' up path reads the same list reversed)."""
+    value = cfg[key]
+    if not isinstance(value, list | tuple):
+        return value
+    if len(value) != n or not all(isinstance(v, int) for v in value):
+        raise SpecError(f"{key}: {list(value)} needs {n} integers, one per level")
+    return value[0] if len(set(value)) == 1 else tuple(value)
+
+
+def _heads(cfg: Mapping[str, Any], cls: str, down: list[str], up: list[str], mid: str) -> dict[str, Any]:
+    """The spec's head fields: per level, the first attention's there (down, mid, up); `block_heads`
+    for blocks diffusers gives other heads at the same level (its Attn*Block2D beside transformers).
+
+    ``num_attention_heads`` alone when heads x head size fill the channels everywhere, else both
+    fields, one entry per level (diffusers rounds down when they do not divide).
+    """
+    chans, n = cfg["block_out_channels"], len(cfg["block_out_channels"])
+    uses = [(f"down.{i}", i, kind, i) for i, kind in enumerate(down)]
+    uses.append(("mid", n - 1, mid, n - 1))
+    uses += [(f"up.{i}", n - 1 - i, kind, i) for i, kind in enumerate(up)]
+    shapes = {b: (lv, _head_shape(cfg, cls, kind, chans[lv], lv, i)) for b, lv, kind, i in uses if kind != "none"}
+    if not shapes:
+        return {}
+    per_level: dict[int, tuple[int, int]] = {}
+    for level, shape in shapes.values():
+        per_level.setdefault(level, shape)
+    full = [per_level.get(lv) or _unused_level(cfg, cls, chans[lv], lv) for lv in range(n)]
+    if all(h * d == ch for (h, d), ch in zip(full, chans, strict=True)):
+        counts = [h for h, _ in full]
+        fields: dict[str, Any] = {"num_attention_heads": counts[0] if len(set(counts)) == 1 else counts}
+    else:
+        fields = {"num_attention_heads": [h for h, _ in full], "attention_head_dim": [d for _, d in full]}
+    overrides = [(b, *shape) for b, (lv, shape) in shapes.items() if shape != per_level[lv]]
+    return fields | ({"block_heads": overrides} if overrides else {})
+
+
+def _unused_level(cfg: Mapping[str, Any], cls: str, ch: int, level: int) -> tuple[int, int]:
+    """A level without attention: the config's own value where it fits (SDXL's 5 heads at level 0), else 1 head."""
+    kind = "transformer" if cls == "UNet2DConditionModel" else "self"
+    try:
+        heads, head_dim = _head_shape(cfg, cls, kind, ch, level, level)
+    except SpecError:
+        return 1, ch
+    return (heads, head_dim) if heads * head_dim == ch else (1, ch)
+
+
+def _head_shape(cfg: Mapping[str, Any], cls: str, kind: str, ch: int, level: int, index: int) -> tuple[int, int]:
+    """(heads, head size) as diffusers builds them. UNet2DModel's attention_head_dim is channels per
+    head; in UNet2DConditionModel it is the number of heads of transformers, yet still channels per
+    head for its Attn*Block2D, which (a diffusers quirk) read the un-reversed list in the up path."""
+    value = cfg["attention_head_dim"]
+    per_level = list(value) if isinstance(value, list | tuple) else [value] * len(cfg["block_out_channels"])
+    if cls == "UNet2DConditionModel" and kind == "transformer":
+        heads = per_level[level]
+        if heads is None or ch // heads == 0:
+            raise SpecError(f"attention_head_dim: {ch} channels do not make {heads} heads")
+        return heads, ch // heads
+    head_dim = per_level[index if cls == "UNet2DConditionModel" else 0] or ch
+    if ch // head_dim == 0:
+        raise SpecError(f"attention_head_dim: {head_dim} exceeds the {ch} channels (diffusers would build 0 heads)")
+    return ch // head_dim, head_dim
+
+
+def _sample_size(value: int | list[int] | None, n: int) -> int:
+    """Only benchmarks read it; None -> the smallest multiple of 2**(n-1) that is >= 32."""
+    if isinstance(value, list | tuple):
+        if len(set(value)) != 1:
+            raise SpecError(f"sample_size: non-square {list(value)} is not supported")
+        value = value[0]
+    factor = 2 ** (n - 1)
+    return value if value is not None else factor * -(-32 // factor)

@@ -1,0 +1,216 @@
+"""The U-Net's inputs, framework-free: their shapes for a spec, example arrays, and the edge checks.
+
+Both U-Nets take the same inputs, by the same names, in the same order (`INPUT_NAMES`)::
+
+    torch_impl.UNet.forward(x, t, context=None, class_labels=None, text_embeds=None, time_ids=None)
+    jax_impl.UNet.__call__(x, t, context=None, class_labels=None, text_embeds=None, time_ids=None, train=False)
+
+``x`` is NCHW for torch and NHWC for Flax; every other input is the same in both. Which inputs a spec
+takes (None where it takes none):
+
+=============  =====================================  ==============================================
+input          shape                                  taken when
+=============  =====================================  ==============================================
+x              (B, C, H, W) / (B, H, W, C)            always; H and W divisible by 2**(levels-1)
+t              (B,) or a scalar                       always (timesteps; float or int)
+context        (B, L, cross_attention_dim)            ``cross_attention_dim`` is set
+class_labels   (B,) integers, or (B, D) vectors       ``class_embedding`` (ids for ``embedding`` /
+                                                      ``timestep``; vectors for the other kinds)
+text_embeds    (B, D)                                 ``addition_embedding`` (SDXL ``text_time``)
+time_ids       (B, N), D + N * time_id_dim = input_dim  ``addition_embedding``
+=============  =====================================  ==============================================
+
+`input_specs` gives the shapes and dtypes (e.g. for ``jax.eval_shape`` / a meta-device model),
+`example_inputs` random arrays from a numpy Generator, `check_inputs` the one-line `ValueError`
+each U-Net raises at the top of its forward when an input does not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shared_configs.spec import UNetSpec
+
+INPUT_NAMES: tuple[str, ...] = ("x", "t", "context", "class_labels", "text_embeds", "time_ids")
+LAYOUTS: tuple[str, ...] = ("NCHW", "NHWC")
+NUM_TIMESTEPS = 1000  # example timesteps (and `timestep` class ids) are drawn from [0, NUM_TIMESTEPS)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """The shape and numpy dtype name (``"float32"``, ``"int32"``) of one input."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def input_specs(
+    spec: UNetSpec, batch: int = 1, sample_size: int | None = None, context_len: int = 77, layout: str = "NCHW"
+) -> dict[str, InputSpec | None]:
+    """Every forward input of ``spec``, in `INPUT_NAMES` order; None for the ones it takes none of.
+
+    ``sample_size`` defaults to the spec's; ``context_len`` is the context's token count (77 for CLIP).
+    """
+    size = spec.sample_size if sample_size is None else sample_size
+    _check_args(spec, batch, size, context_len, layout)
+    f32 = "float32"
+    x = (batch, spec.in_channels, size, size) if layout == "NCHW" else (batch, size, size, spec.in_channels)
+    specs: dict[str, InputSpec | None] = dict.fromkeys(INPUT_NAMES)
+    specs["x"], specs["t"] = InputSpec(x, f32), InputSpec((batch,), f32)
+    if spec.cross_attention_dim is not None:
+        specs["context"] = InputSpec((batch, context_len, spec.cross_attention_dim), f32)
+    if spec.class_embedding is not None:
+        width = class_label_width(spec)
+        specs["class_labels"] = InputSpec((batch,), "int32") if width is None else InputSpec((batch, width), f32)
+    if (add := spec.addition_embedding) is not None:
+        specs["text_embeds"] = InputSpec((batch, add.text_embeds_dim), f32)
+        specs["time_ids"] = InputSpec((batch, add.num_time_ids), f32)
+    return specs
+
+
+def example_inputs(
+    spec: UNetSpec,
+    rng: np.random.Generator,
+    batch: int = 2,
+    sample_size: int | None = None,
+    context_len: int = 77,
+    layout: str = "NCHW",
+) -> dict[str, np.ndarray | None]:
+    """Random numpy inputs for ``spec`` (see `input_specs`), in `INPUT_NAMES` order.
+
+    Normal floats for x, context and the vectors; timesteps uniform in [0, 1000); class ids in
+    range; time ids as SDXL's (sizes and crops: whole numbers below 1024). A seed gives the same
+    sample in either layout (NHWC is NCHW's draw transposed). Call as
+    ``model(**{k: torch.from_numpy(v) ...})`` or ``module.apply(variables, **inputs)``.
+    """
+    arrays: dict[str, np.ndarray | None] = {}
+    for name, want in input_specs(spec, batch, sample_size, context_len, "NCHW").items():
+        arrays[name] = None if want is None else _draw(name, want, spec, rng)
+    if layout == "NHWC":  # the same draws in either layout: one seed, one sample
+        arrays["x"] = np.ascontiguousarray(arrays["x"].transpose(0, 2, 3, 1))
+    return arrays
+
+
+def _draw(name: str, want: InputSpec, spec: UNetSpec, rng: np.random.Generator) -> np.ndarray:
+    if name == "t":
+        return rng.uniform(0, NUM_TIMESTEPS, want.shape).astype(np.float32)
+    if name == "time_ids":
+        return rng.integers(0, 1024, want.shape).astype(np.float32)
+    if want.dtype == "int32":  # class ids
+        assert spec.class_embedding is not None
+        high = spec.class_embedding.num_classes or NUM_TIMESTEPS
+        return rng.integers(0, high, want.shape).astype(np.int32)
+    return rng.standard_normal(want.shape, dtype=np.float32)
+
+
+def class_label_width(spec: UNetSpec) -> int | None:
+    """``class_labels``' trailing width: None for class ids (B,), else the vectors' width (B, D)."""
+    ce = spec.class_embedding
+    if ce is None or ce.kind in ("embedding", "timestep"):
+        return None
+    return spec.time_embed_dim if ce.kind == "identity" else ce.input_dim
+
+
+def _check_args(spec: UNetSpec, batch: int, size: int, context_len: int, layout: str) -> None:
+    factor = 2 ** (spec.num_levels - 1)
+    for name, value in (("batch", batch), ("sample_size", size), ("context_len", context_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    if size % factor:
+        raise ValueError(f"sample_size: {size} is not divisible by the downsampling factor {factor}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
+
+
+# ---- the edge checks both forwards run ---------------------------------------------------------
+
+
+def check_inputs(spec: UNetSpec, layout: str, x: Any, t: Any, **conditioning: Any) -> None:
+    """Raise one `ValueError` naming the input, what ``spec`` expects and what came.
+
+    Shapes only (cheap, and static under ``jit``): arrays of either framework, or Python numbers
+    for ``t``. ``conditioning``: context, class_labels, text_embeds, time_ids (None when absent).
+    """
+    for name, value in {"x": x, **conditioning}.items():
+        if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "bool":  # `train` given positionally?
+            raise ValueError(f"{name}: got a bool; pass train by keyword: apply(variables, x, t, ..., train=True)")
+        if value is not None and not hasattr(value, "shape"):
+            raise ValueError(f"{name}: expected an array, got {type(value).__name__} {value!r}")
+    batch = _check_x(spec, layout, tuple(x.shape))
+    t_shape = tuple(getattr(t, "shape", ()))
+    if t_shape not in ((), (batch,), (1,)):
+        raise ValueError(f"t: expected a scalar or shape ({batch},) (one timestep per sample), got {t_shape}")
+    wanted = input_specs(spec, batch, context_len=1)  # context length is free: checked below without it
+    for name in INPUT_NAMES[2:]:
+        _check_optional(spec, name, wanted[name], conditioning.get(name))
+    if spec.addition_embedding is not None:
+        _check_text_time(spec, conditioning["text_embeds"].shape, conditioning["time_ids"].shape)
+
+
+def _check_x(spec: UNetSpec, layout: str, shape: tuple[int, ...]) -> int:
+    c = spec.in_channels
+    want = f"(B, {c}, H, W)" if layout == "NCHW" else f"(B, H, W, {c})"
+    if len(shape) != 4:
+        raise ValueError(f"x: expected a 4-D {layout} array {want}, got shape {shape}")
+    channels, spatial = (shape[1], shape[2:]) if layout == "NCHW" else (shape[3], shape[1:3])
+    if channels != c:
+        other = "NHWC" if layout == "NCHW" else "NCHW"
+        swapped = shape[3] == c if layout == "NCHW" else shape[1] == c
+        hint = f"; it looks like {other}: torch_impl.UNet takes NCHW, jax_impl.UNet NHWC" if swapped else ""
+        raise ValueError(f"x: expected {layout} {want} with in_channels={c}, got shape {shape}{hint}")
+    factor = 2 ** (spec.num_levels - 1)
+    if any(s % factor for s in spatial):
+        raise ValueError(
+            f"x: spatial size {spatial[0]}x{spatial[1]} is not divisible by the downsampling factor {factor} "
+            f"({spec.num_levels} levels)"
+        )
+    return shape[0]
+
+
+# Which spec field makes each conditioning input needed, and what it gives the model.
+_NEEDS = {
+    "context": ("cross_attention_dim", "cross-attention"),
+    "class_labels": ("class_embedding", "a class embedding"),
+    "text_embeds": ("addition_embedding", "text_time conditioning"),
+    "time_ids": ("addition_embedding", "text_time conditioning"),
+}
+# Dimensions an input may size freely (named as in the messages): the context's token count, and
+# text_embeds / time_ids widths, which are checked together (`_check_text_time`).
+_FREE: dict[str, dict[int, str]] = {"context": {1: "L"}, "text_embeds": {1: "D"}, "time_ids": {1: "N"}}
+
+
+def _check_optional(spec: UNetSpec, name: str, want: InputSpec | None, value: Any) -> None:
+    field, what = _NEEDS[name]
+    if want is None and value is not None:
+        raise ValueError(f"{name}: spec {spec.name!r} takes none ({field} is not set); pass {name}=None")
+    if want is None:
+        return
+    free = _FREE.get(name, {})
+    shape = "(" + ", ".join(["B", *(free.get(i, str(s)) for i, s in enumerate(want.shape) if i)]) + ")"
+    shape = shape.replace("B)", "B,)")
+    if value is None:
+        raise ValueError(f"{name}: spec {spec.name!r} has {what}; pass {name} of shape {shape}")
+    got = tuple(value.shape)
+    fits = len(got) == len(want.shape) and all(
+        g == w or i in free for i, (g, w) in enumerate(zip(got, want.shape, strict=True))
+    )
+    if not fits:
+        raise ValueError(f"{name}: expected shape {shape} with B={want.shape[0]}, got {got}")
+    dtype = str(value.dtype).removeprefix("torch.")  # torch.int64 / numpy and jax int64 alike
+    if want.dtype == "int32" and "int" not in dtype:
+        raise ValueError(f"{name}: expected integer class ids of shape {shape}, got dtype {dtype}")
+
+
+def _check_text_time(spec: UNetSpec, text: tuple[int, ...], ids: tuple[int, ...]) -> None:
+    add = spec.addition_embedding
+    assert add is not None
+    total = text[1] + ids[1] * add.time_id_dim
+    if total != add.input_dim:
+        raise ValueError(
+            f"text_embeds, time_ids: widths {text[1]} + {ids[1]} x {add.time_id_dim} = {total} must equal "
+            f"addition_embedding.input_dim={add.input_dim} (e.g. text_embeds (B, {add.text_embeds_dim}) and "
+            f"time_ids (B, {add.num_time_ids}))"
+        )

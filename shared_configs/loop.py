@@ -1,0 +1,86 @@
+"""The training loop both CLIs run, framework-free: the frameworks hand it a step and a saver.
+
+`open_run` owns the run folder and decides where the run starts (fresh, or the checkpoint to
+resume after checking its manifest against the command line); `run_loop` runs the steps, stops
+at the first non-finite loss (before it can reach a checkpoint) and saves every
+``checkpoint_every`` steps and at the end. No torch or jax import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from shared_configs.manifest import Manifest
+from shared_configs.outputs import progress_bar
+from shared_configs.run_folder import check_resume, find_start, owned, read_checkpoint
+from shared_configs.spec import UNetSpec
+from shared_configs.training import TrainConfig, check_finite, run_record
+
+State = TypeVar("State")
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """Where a run starts: its folder and, when resuming, the checkpoint and its manifest."""
+
+    out: Path
+    checkpoint: Path | None = None
+    manifest: Manifest | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        """The losses of the steps already done (empty for a fresh run)."""
+        return [] if self.manifest is None else list(self.manifest.losses)
+
+
+@contextmanager
+def open_run(cfg: TrainConfig, spec: UNetSpec, framework: str, layout: str, owner: bool = True) -> Iterator[RunStart]:
+    """Own ``cfg.out`` for the block (``owner``: rank 0 holds the lock) and find where to start.
+
+    Every check reads only flags and small files, so it runs before any model is built.
+    """
+    out = Path(cfg.out)
+    with owned(out, owner):
+        path = find_start(out, cfg.resume, cfg.overwrite)
+        if path is None:
+            yield RunStart(out)
+            return
+        manifest = read_checkpoint(path, framework, layout)
+        check_resume(path, manifest, cfg, spec)
+        yield RunStart(out, path, manifest)
+
+
+def manifest_for(cfg: TrainConfig, spec: UNetSpec, framework: str, layout: str, losses: list[float]) -> Manifest:
+    """The manifest of a checkpoint after ``len(losses)`` steps (its files are added when written)."""
+    return Manifest(framework, layout, len(losses), list(losses), run_record(cfg, spec))
+
+
+def run_loop(
+    cfg: TrainConfig,
+    state: State,
+    losses: list[float],
+    step_fn: Callable[[State, int], tuple[State, float]],
+    save_fn: Callable[[State, list[float]], Any],
+    title: str,
+) -> State:
+    """Steps ``len(losses) .. cfg.steps - 1``: ``step_fn(state, step) -> (state, loss)``, each loss
+    appended to ``losses``; ``save_fn(state, losses)`` at every checkpoint boundary. Returns the state.
+
+    A NaN or infinite loss raises `NonFiniteLoss` naming the step; the checkpoint on disk stays.
+    """
+    saved = len(losses)
+    with progress_bar(cfg.steps, len(losses), title) as update:
+        for step in range(len(losses), cfg.steps):
+            state, loss = step_fn(state, step)
+            kept = f"The checkpoint of step {saved} in {cfg.out} is the last good one." if saved else "No checkpoint."
+            check_finite(loss, step, cfg.steps, kept)
+            losses.append(loss)
+            update(loss)
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                save_fn(state, losses)
+                saved = step + 1
+    return state

@@ -1,0 +1,109 @@
+"""A checkpoint's integrity record: ``manifest.json``, written last, inside the checkpoint folder.
+
+A checkpoint is a folder whatever the framework's format (torch DCP: ``.metadata`` and one
+``__<rank>_<i>.distcp`` per writer; orbax: its own tree). The manifest lists every file in it with
+its size and SHA-256, and carries what the run needs to resume: the framework and format that
+wrote it, the step, the loss history and the run's record (config and spec). It also holds the
+SHA-256 of its own body, so a damaged manifest is caught like a damaged shard.
+
+Checking a checkpoint (`check_files`) names the first file that is missing, truncated, grown or
+changed; hashing can be split over ranks (each checks ``names[rank::world]``), so a sharded
+checkpoint is checked in parallel, as it was written. No torch or jax import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared_configs.files import atomic_write
+
+MANIFEST = "manifest.json"
+KIND = "unet-remat checkpoint"
+VERSION = 1
+_CHUNK = 8 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: the message is one line naming the file and the fault."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What `write_manifest` records and `read_manifest` returns."""
+
+    framework: str  # the package that wrote it: torch_impl or jax_impl
+    layout: str  # the on-disk format of the state, e.g. torch.distributed.checkpoint, orbax
+    step: int
+    losses: list[float]
+    run: dict[str, Any]  # the run's record: its config and spec (see shared_configs.training.run_record)
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # relative path -> {bytes, sha256}
+
+
+def files_of(root: Path) -> list[str]:
+    """Every file under ``root`` but the manifest, as sorted POSIX paths relative to ``root``."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hash_files(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """{name: {bytes, sha256}} for the files ``names`` under ``root``."""
+    return {name: {"bytes": (root / name).stat().st_size, "sha256": sha256_of(root / name)} for name in names}
+
+
+def _digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=False).encode()).hexdigest()
+
+
+def write_manifest(root: Path, manifest: Manifest) -> None:
+    """``root/manifest.json``, atomically: the body plus its own SHA-256."""
+    body = {"kind": KIND, "version": VERSION, **asdict(manifest)}
+    text = json.dumps({**body, "sha256": _digest(body)}, indent=1, allow_nan=False)
+    atomic_write(root / MANIFEST, text.encode())
+
+
+def read_manifest(root: Path) -> Manifest:
+    """The manifest of the checkpoint folder ``root``; `CheckpointError` naming what is wrong."""
+    path = root / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing, so {root} is not a complete checkpoint")
+    try:
+        document = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not a checkpoint manifest (unreadable JSON: {err})") from None
+    if not isinstance(document, dict) or document.get("kind") != KIND:
+        raise CheckpointError(f"{path}: not a checkpoint manifest (no kind {KIND!r})")
+    if document.get("version") != VERSION:
+        raise CheckpointError(f"{path}: manifest version {document.get('version')!r}; this version reads {VERSION}")
+    saved = document.pop("sha256", None)
+    if saved != _digest(document):
+        raise CheckpointError(f"{path}: damaged (its contents do not match its own SHA-256)")
+    try:
+        return Manifest(**{k: v for k, v in document.items() if k not in ("kind", "version")})
+    except TypeError as err:
+        raise CheckpointError(f"{path}: not a checkpoint manifest ({err})") from None
+
+
+def check_files(root: Path, manifest: Manifest, names: list[str]) -> list[str]:
+    """One line per file of ``names`` (listed in ``manifest``) that is not as recorded."""
+    problems = []
+    for name in names:
+        path, want = root / name, manifest.files[name]
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif (size := path.stat().st_size) != want["bytes"]:
+            kind = "truncated" if size < want["bytes"] else "longer than recorded"
+            problems.append(f"{path}: {kind} ({size} bytes, recorded {want['bytes']})")
+        elif sha256_of(path) != want["sha256"]:
+            problems.append(f"{path}: corrupted (SHA-256 differs from the manifest's)")
+    return problems

@@ -1,0 +1,94 @@
+"""What a training run shows while and after it runs: a progress bar, its speed line, the plots.
+
+No torch or jax import (matplotlib and rich are imported lazily where used).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from shared_configs.files import atomic_write
+
+
+@contextmanager
+def progress_bar(total: int, start: int, title: str) -> Iterator[Callable[[float], None]]:
+    """A rich progress bar; the yielded ``update(loss)`` advances it and shows the running loss.
+
+    On exit it prints the training speed (`speed_line`) to stderr.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+               TextColumn("loss {task.fields[loss]}"))  # fmt: skip
+    with Progress(*columns, transient=False, disable=not sys.stderr.isatty()) as bar:
+        task = bar.add_task(title, total=total, completed=start, loss="-")
+        running: list[float] = []
+        stamps = [time.perf_counter()]
+
+        def update(loss: float) -> None:
+            stamps.append(time.perf_counter())
+            running.append(loss)
+            bar.update(task, advance=1, loss=f"{np.mean(running[-20:]):.4f}")
+
+        yield update
+    if len(stamps) > 1:
+        print(speed_line(title, np.diff(stamps)), file=sys.stderr)
+
+
+def speed_line(title: str, seconds: np.ndarray) -> str:
+    """Steps per second, leaving out the first step (it compiles in JAX and warms caches in torch)."""
+    first = f"{len(seconds)} step(s); first {seconds[0]:.2f} s (compile/warm-up)"
+    if len(seconds) < 2:
+        return f"{title}: {first}"
+    median = float(np.median(seconds[1:]))
+    return f"{title}: {first}; then median {median:.3f} s/step = {1 / median:.2f} steps/s over {len(seconds) - 1}"
+
+
+def save_plots(out: str | Path, losses: list[float], samples: np.ndarray | None, title: str) -> None:
+    """``loss.png`` (raw and smoothed loss) and, given samples (N, C, H, W), ``samples.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(losses, alpha=0.4, label="loss")
+    window = min(20, len(losses))
+    if window > 1:
+        ax.plot(np.arange(window - 1, len(losses)), np.convolve(losses, np.ones(window) / window, "valid"),
+                label=f"mean of {window}")  # fmt: skip
+    ax.set(xlabel="step", ylabel="MSE on noise", yscale="log", title=title)
+    ax.legend()
+    _save_figure(fig, Path(out) / "loss.png")
+    if samples is not None:
+        cols = min(10, len(samples))
+        rows = -(-len(samples) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(cols, rows), squeeze=False)
+        for ax, img in zip(axes.flat, samples, strict=False):
+            ax.imshow(img[0], cmap="gray", vmin=-1, vmax=1)
+        for ax in axes.flat:
+            ax.axis("off")
+        _save_figure(fig, Path(out) / "samples.png")
+
+
+def _save_figure(fig: object, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")  # type: ignore[attr-defined]
+    plt.close(fig)  # type: ignore[arg-type]
+    atomic_write(path, buf.getvalue())
+
+
+def write_outputs(out: str | Path, losses: list[float], samples: np.ndarray | None, title: str) -> None:
+    """A finished run's ``losses.json``, ``loss.png`` and (given samples) ``samples.png``."""
+    save_plots(out, losses, samples, title)
+    atomic_write(Path(out) / "losses.json", json.dumps(losses).encode())

@@ -1,0 +1,264 @@
+"""A run folder (``--out``): owned by one run at a time, its checkpoints written whole or not at all.
+
+Layout::
+
+    OUT/.lock                  flock'ed for the run's life; names its holder (pid, host, start)
+    OUT/checkpoint-00000200/   the latest checkpoint: state/ (the framework's files) + manifest.json
+    OUT/losses.json  loss.png  samples.png
+
+A checkpoint is written into ``OUT/.checkpoint-00000200.tmp/`` (every rank its own shards), the
+manifest last (`shared_configs.manifest`: sizes and SHA-256 of every file, the run's record), then
+renamed into place; only then are older checkpoints removed. A kill at any moment leaves the last
+good checkpoint and, at worst, a ``.tmp`` that the next run on the folder removes when it starts.
+
+The lock is an advisory ``flock``: the kernel releases it when its process dies, so a stale lock
+(kill -9, a crash) is simply taken over. It assumes a local file system (flock is unreliable on
+some network file systems). No torch or jax import.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from shared_configs.files import TEMP_GLOB, TEMP_SUFFIX
+from shared_configs.manifest import (
+    MANIFEST,
+    CheckpointError,
+    Manifest,
+    check_files,
+    files_of,
+    hash_files,
+    read_manifest,
+    write_manifest,
+)
+from shared_configs.spec import UNetSpec
+from shared_configs.training import TrainConfig, resume_differences
+
+LOCK = ".lock"
+PREFIX = "checkpoint-"
+STATE = "state"  # the framework's files, inside a checkpoint folder
+LEGACY = ("checkpoint.pt", "checkpoint.msgpack")  # single files, before manifests: refused
+_OLD_OUTPUTS = (*LEGACY, "losses.json", "loss.png", "samples.png")  # older writers' temps: .<name>.<random>
+
+
+class RunFolderError(ValueError):
+    """A run folder this run may not use as asked: one line saying why and what to do."""
+
+
+class Comm(Protocol):
+    """The collectives a checkpoint needs: torch's process group, or `SOLO` for one process."""
+
+    rank: int
+    world: int
+
+    def barrier(self) -> None: ...
+
+    def gather(self, obj: Any) -> list[Any]: ...  # every rank gets every rank's obj, in rank order
+
+
+@dataclass(frozen=True)
+class Solo:
+    """One process: barriers are no-ops, a gather returns this process's object."""
+
+    rank: int = 0
+    world: int = 1
+
+    def barrier(self) -> None:
+        pass
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+SOLO = Solo()
+
+
+# ---- owning the folder ----------------------------------------------------------------------
+
+
+@contextmanager
+def owned(out: Path, owner: bool = True) -> Iterator[None]:
+    """Check ``out`` is (or can be made) a writable folder; the ``owner`` (rank 0) also holds its
+    lock for the block and first removes the temp files of killed writes."""
+    if out.exists() and not out.is_dir():
+        raise RunFolderError(f"--out {out}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunFolderError(f"--out {out}: cannot create it ({err.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise RunFolderError(f"--out {out}: not writable")
+    if not owner:
+        yield
+        return
+    fd = _lock(out)
+    try:
+        _remove_temps(out)
+        yield
+    finally:
+        os.ftruncate(fd, 0)  # an empty lock file: nobody holds it (a killed holder leaves its name)
+        os.close(fd)  # releases the flock
+
+
+def _lock(out: Path) -> int:
+    try:
+        fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise RunFolderError(f"--out {out}: not writable ({err.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(os.read(fd, 4096))
+        os.close(fd)
+        message = f"--out {out}: in use by another run ({holder}); let it finish or pick another --out"
+        raise RunFolderError(message) from None
+    if stale := os.read(fd, 4096):
+        print(f"note: {out}: took over the lock of a run that died ({_holder(stale)})", file=sys.stderr)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    return fd
+
+
+def _holder(text: bytes) -> str:
+    try:
+        who = json.loads(text)
+        return f"pid {who['pid']} on {who['host']}, since {who['since']}"
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown"
+
+
+def _remove_temps(out: Path) -> None:
+    stale = set(out.glob(TEMP_GLOB)) | {p for name in _OLD_OUTPUTS for p in out.glob(f".{name}.*")}
+    for path in sorted(stale):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if stale:
+        names = ", ".join(p.name for p in sorted(stale))
+        print(f"note: {out}: removed {len(stale)} temp file(s) of killed writes: {names}", file=sys.stderr)
+
+
+# ---- finding checkpoints -----------------------------------------------------------------
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every committed checkpoint in ``out``, oldest first."""
+    found = [(int(p.name[len(PREFIX) :]), p) for p in out.glob(PREFIX + "*") if p.name[len(PREFIX) :].isdigit()]
+    return sorted(found)
+
+
+def find_start(out: Path, resume: bool, overwrite: bool) -> Path | None:
+    """The checkpoint to resume from (``--resume``), or None for a fresh run; refuses a fresh run
+    over a checkpoint unless ``overwrite``, and a legacy single-file checkpoint on resume."""
+    latest = checkpoints(out)[-1][1] if checkpoints(out) else None
+    legacy = next((out / name for name in LEGACY if (out / name).is_file()), None)
+    if resume:
+        if latest is not None:
+            return latest
+        if legacy is not None:
+            raise RunFolderError(
+                f"{legacy}: a single-file checkpoint of an earlier version, without integrity "
+                "record: it cannot be resumed; --overwrite starts a new run there"
+            )
+        raise FileNotFoundError(f"--resume: no checkpoint in {out}")
+    if (latest or legacy) is not None and not overwrite:
+        raise RunFolderError(
+            f"--out {out} holds a checkpoint ({(latest or legacy).name}): --resume continues it, "
+            "--overwrite starts a new run there"
+        )
+    return None
+
+
+def read_checkpoint(path: Path, framework: str, layout: str) -> Manifest:
+    """The manifest of the checkpoint folder ``path``, refusing one another framework wrote."""
+    manifest = read_manifest(path)
+    if (manifest.framework, manifest.layout) != (framework, layout):
+        raise CheckpointError(
+            f"{path / MANIFEST}: written by {manifest.framework} ({manifest.layout}); {framework}.train reads {layout}"
+        )
+    return manifest
+
+
+def check_resume(path: Path, manifest: Manifest, cfg: TrainConfig, spec: UNetSpec) -> None:
+    """Refuse a ``--resume`` whose command line changes the run's curve or does not add steps."""
+    diffs = resume_differences(manifest.run, cfg, spec)
+    if diffs:
+        raise RunFolderError(f"--resume: the command line differs from the run in {path}: {'; '.join(diffs)}")
+    if cfg.steps <= manifest.step:
+        raise RunFolderError(
+            f"--steps {cfg.steps}: the run in {path.parent} is already at step {manifest.step}; "
+            "give a larger --steps to continue it"
+        )
+
+
+def verify(path: Path, manifest: Manifest, comm: Comm = SOLO) -> None:
+    """Check every file of the checkpoint against its manifest (each rank a share of them)."""
+    listed = sorted(manifest.files)
+    problems = [f"{path / name}: not in the manifest" for name in sorted(set(files_of(path)) - set(listed))]
+    problems += [p for part in comm.gather(check_files(path, manifest, listed[comm.rank :: comm.world])) for p in part]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{problems[0]}{more}; nothing was changed")
+
+
+# ---- writing checkpoints -----------------------------------------------------------------
+
+
+def save(out: Path, manifest: Manifest, write_state: Callable[[Path], None], comm: Comm = SOLO) -> Path:
+    """Write a checkpoint of ``manifest.step``: every rank calls ``write_state(folder)`` for its
+    files, the ranks hash a share each, rank 0 writes the manifest and commits. Returns the folder."""
+    tmp = out / f".{checkpoint_name(manifest.step)}{TEMP_SUFFIX}"
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    comm.barrier()
+    write_state(tmp / STATE)
+    comm.barrier()
+    names = files_of(tmp)
+    parts = comm.gather(hash_files(tmp, names[comm.rank :: comm.world]))
+    if comm.rank == 0:
+        write_manifest(tmp, replace(manifest, files={k: v for part in parts for k, v in part.items()}))
+        _commit(out, tmp, manifest.step)
+    comm.barrier()
+    return out / checkpoint_name(manifest.step)
+
+
+def _commit(out: Path, tmp: Path, step: int) -> None:
+    """Rename ``tmp`` into place, then remove the older checkpoints.
+
+    Checkpoints at this step or later exist only after ``--overwrite`` (another run's): they go
+    first, so that the newest checkpoint in the folder is always this run's.
+    """
+    for later_step, path in checkpoints(out):
+        if later_step >= step:
+            shutil.rmtree(path)
+    for name in LEGACY:
+        (out / name).unlink(missing_ok=True)
+    final = out / checkpoint_name(step)
+    os.rename(tmp, final)
+    _fsync_dir(out)
+    for _, path in checkpoints(out):
+        if path != final:
+            shutil.rmtree(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,88 @@
+"""JAX ``--distributed fsdp``: sharding annotations over one mesh axis, one device's curve, about
+1/N of the state per device, orbax checkpoints resumed onto the same mesh (exactly) or another.
+
+Each test is one subprocess on 2 forced CPU devices, compiled with backend optimisation off
+(`tests.utils.FAST_COMPILE`: values unchanged, ~4x faster), tiny spec, batch 4, dropout on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.train_utils import jax_on_two_devices
+
+JAX_MESHES = """
+import json, sys, jax
+from dataclasses import replace
+from jax_impl import train as jtrain
+from jax_impl.parallel import make_mesh, device_bytes
+from jax_impl.unet import UNet
+from shared_configs import load_spec
+from shared_configs.data import load_dataset
+from tests.train_utils import CFG, SCHEDULE
+policy, modes = sys.argv[1], sys.argv[2].split(",")
+spec, mesh = load_spec("tiny"), make_mesh(CFG.batch_size)
+model, tx = UNet(spec=spec, policy=policy), jtrain.make_optimizer(CFG.lr, CFG.weight_decay)
+state, data = jtrain.init_state(model, tx, seed=0), load_dataset("digits", spec)
+result = {"devices": len(jax.devices())}
+for mode in modes:
+    losses, cfg = [], replace(CFG, distributed=None if mode == "single" else mode)
+    end = jtrain.run_steps(state, losses, data, SCHEDULE, cfg, 2, model, tx, mesh=None if mode == "single" else mesh)
+    parts = {"params": end.params, "opt_state": end.opt_state}
+    bytes_ = {k: [device_bytes(v, d) for d in jax.devices()] for k, v in parts.items()}
+    total = {k: sum(a.nbytes for a in jax.tree.leaves(v)) for k, v in parts.items()}
+    whole = {k: sum(a.nbytes for a in jax.tree.leaves(v) if a.sharding.is_fully_replicated) for k, v in parts.items()}
+    result[mode] = {"losses": losses, "device_bytes": bytes_, "total_bytes": total, "replicated_bytes": whole}
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, modes", [("balanced", "single,ddp,fsdp"), ("full", "single,fsdp")])
+def test_jax_data_parallel_and_fsdp_match_one_device(policy: str, modes: str) -> None:
+    """2 CPU devices, batch split: replicated (ddp) or sharded (fsdp) state gives one device's loss
+    curve (dropout on), and under fsdp each device holds about half of the params and AdamW state."""
+    result = jax_on_two_devices(JAX_MESHES, policy, modes)
+    for mode in modes.split(",")[1:]:
+        np.testing.assert_allclose(result[mode]["losses"], result["single"]["losses"], rtol=1e-5, err_msg=mode)
+    fsdp = result["fsdp"]
+    for part, total in fsdp["total_bytes"].items():  # after the steps: jit kept the shardings
+        # Each device: half of every sharded leaf, all of the small replicated ones (biases, norm
+        # scales, the step count: 5.5% of tiny's bytes, far less of a real model's). About 1/2.
+        whole = fsdp["replicated_bytes"][part]
+        assert fsdp["device_bytes"][part] == [(total - whole) // 2 + whole] * 2, (part, fsdp, total)
+        assert whole <= 0.06 * total, (part, whole, total)
+    if "ddp" in result:  # the control: replicated state, every device holds all of it
+        assert result["ddp"]["device_bytes"]["params"] == [result["ddp"]["total_bytes"]["params"]] * 2
+
+
+JAX_FSDP_RESUME = """
+import json, shutil, sys
+from dataclasses import replace
+from pathlib import Path
+import jax
+from jax_impl import train as jtrain
+from tests.train_utils import CFG
+out = Path(sys.argv[1])
+cfg = replace(CFG, steps=3, checkpoint_every=2, distributed="fsdp")
+whole = jtrain.train(replace(cfg, out=str(out / "whole")))
+part = jtrain.train(replace(cfg, steps=2, out=str(out / "part")))
+shutil.copytree(out / "part", out / "one")
+resumed = jtrain.train(replace(cfg, resume=True, out=str(out / "part")))
+onto_one = jtrain.train(replace(cfg, resume=True, distributed=None, out=str(out / "one")))
+print(json.dumps({"devices": len(jax.devices()), "whole": whole, "part": part, "resumed": resumed, "one": onto_one}))
+"""
+
+
+@pytest.mark.slow
+def test_jax_fsdp_checkpoint_resumes_on_the_same_mesh_exactly_and_on_one_device(tmp_path: Path) -> None:
+    """orbax writes the sharded state; restored onto the same mesh the curve goes on bit for bit,
+    onto a single device (another sharding) within the data-parallel tolerance."""
+    result = jax_on_two_devices(JAX_FSDP_RESUME, str(tmp_path))
+    assert result["part"] == result["whole"][:2]
+    assert result["resumed"] == result["whole"]
+    assert result["one"][:2] == result["part"]
+    np.testing.assert_allclose(result["one"], result["whole"], rtol=1e-5)

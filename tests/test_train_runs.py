@@ -1,0 +1,270 @@
+"""Run folders that never lose work: ownership, the lock, temp cleanup, integrity-checked checkpoints,
+the resume record, the NaN guard and the early checks, in both training CLIs.
+
+Each fault is one line on stderr naming what is wrong, exit 2 (bad input) or 1 (a failed run), and
+leaves the checkpoint on disk byte for byte as it was. Checkpoints are written without training
+(`save_checkpoint` on a fresh state): the checks under test run before any step, so the JAX cases
+never compile a step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from jax_impl import checkpoint_io as jio
+from jax_impl import train as jtrain
+from jax_impl.unet import UNet as FlaxUNet
+from shared_configs import load_spec
+from shared_configs.loop import manifest_for
+from shared_configs.manifest import MANIFEST
+from shared_configs.run_folder import LOCK, checkpoints, owned
+from shared_configs.training import TrainConfig
+from tests.train_utils import CFG, jax_setup
+from tests.utils import TINY
+from torch_impl import checkpoint_io as tio
+from torch_impl import train as ttrain
+
+MAINS = {"torch": ttrain.main, "jax": jtrain.main}
+RUN = replace(CFG, steps=4, checkpoint_every=1)  # the flags of every run below, as a command line
+LOSSES = [1.0, 0.5]  # the saved runs are at step 2
+
+
+def argv(cfg: TrainConfig, *extra: str) -> list[str]:
+    flags = ["--batch-size", cfg.batch_size, "--lr", cfg.lr, "--weight-decay", cfg.weight_decay, "--seed", cfg.seed]
+    flags += ["--steps", cfg.steps, "--checkpoint-every", cfg.checkpoint_every, "--sample-steps", 0, "--out", cfg.out]
+    return [str(f) for f in flags] + list(extra)
+
+
+def cli(framework: str, args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """(exit status, stderr) of a training CLI; bad flags exit through SystemExit."""
+    try:
+        code = MAINS[framework](args)
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err.strip()
+
+
+def saved_run(framework: str, out: Path) -> Path:
+    """A run folder holding a checkpoint of step 2 (fresh weights: nothing trains)."""
+    cfg, spec = replace(RUN, out=str(out)), load_spec(RUN.config)
+    if framework == "torch":
+        model, _, optimizer = ttrain.build(cfg)
+        return tio.save_checkpoint(out, model, optimizer, manifest_for(cfg, spec, tio.FRAMEWORK, tio.LAYOUT, LOSSES))
+    state = jax_setup(spec, "none")[2]
+    return jio.save_checkpoint(out, state, manifest_for(cfg, spec, jio.FRAMEWORK, jio.LAYOUT, LOSSES))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {fw: saved_run(fw, tmp_path_factory.mktemp(fw)).parent for fw in MAINS}
+
+
+@pytest.fixture(params=list(MAINS))
+def run(request: pytest.FixtureRequest, saved: dict[str, Path], tmp_path: Path) -> tuple[str, Path]:
+    """(framework, a fresh copy of its saved run folder)."""
+    out = tmp_path / "run"
+    shutil.copytree(saved[request.param], out)
+    return request.param, out
+
+
+def snapshot(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != LOCK}
+
+
+def assert_one_line(code: int, err: str, status: int, *parts: str) -> None:
+    assert code == status, err
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for part in parts:
+        assert part in err, (part, err)
+
+
+def test_a_fresh_run_does_not_replace_a_checkpoint(run: tuple[str, Path], capsys) -> None:
+    framework, out = run
+    before = snapshot(out)
+    code, err = cli(framework, argv(replace(RUN, out=str(out))), capsys)
+    assert_one_line(code, err, 2, "holds a checkpoint (checkpoint-00000002)", "--resume", "--overwrite")
+    assert snapshot(out) == before
+
+
+def test_overwrite_starts_afresh_and_replaces_it_at_its_first_checkpoint(saved: dict[str, Path], tmp_path) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(saved["torch"], out)
+    losses = ttrain.train(replace(RUN, steps=1, out=str(out), overwrite=True))
+    assert [step for step, _ in checkpoints(out)] == [1]
+    assert json.loads((out / "losses.json").read_text()) == losses and len(losses) == 1
+
+
+@pytest.mark.parametrize("framework", list(MAINS))
+def test_a_second_run_on_a_folder_refuses_naming_the_holder(framework: str, tmp_path: Path, capsys) -> None:
+    with owned(tmp_path):  # this process holds the lock, as a running run would
+        code, err = cli(framework, argv(replace(RUN, out=str(tmp_path))), capsys)
+    assert_one_line(code, err, 2, "in use by another run", f"pid {os.getpid()} on {socket.gethostname()}")
+    assert not checkpoints(tmp_path)
+
+
+def test_a_stale_lock_and_temp_files_of_killed_writes_are_cleared(saved: dict[str, Path], tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(saved["torch"], out)
+    # A run killed mid-write: its lock names it (nobody holds the flock), its temps remain.
+    (out / LOCK).write_text(json.dumps({"pid": 999999999, "host": socket.gethostname(), "since": "then"}))
+    (out / ".checkpoint-00000003.tmp" / "state").mkdir(parents=True)
+    (out / ".checkpoint-00000003.tmp" / "state" / "__0_0.distcp").write_bytes(b"x" * 1000)
+    (out / ".losses.json.k2j3.tmp").write_bytes(b"[1.0,")
+    (out / ".checkpoint.pt.abc123").write_bytes(b"half")  # an older writer's temp name
+    assert ttrain.train(replace(RUN, steps=3, out=str(out), resume=True))[:2] == LOSSES
+    err = capsys.readouterr().err
+    assert "took over the lock of a run that died (pid 999999999" in err
+    assert "removed 3 temp file(s) of killed writes" in err
+    assert sorted(p.name for p in out.iterdir()) == [LOCK, "checkpoint-00000003", "loss.png", "losses.json"]
+    assert (out / LOCK).read_text() == ""  # released: nobody's name in it
+
+
+def _biggest_state_file(out: Path) -> Path:
+    return max((checkpoints(out)[-1][1] / "state").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else -1)
+
+
+def _damage(fault: str, out: Path) -> Path:
+    """Apply ``fault`` to the checkpoint in ``out``; returns the file the message must name."""
+    folder, target = checkpoints(out)[-1][1], _biggest_state_file(out)
+    data = target.read_bytes()
+    if fault == "corrupted":  # 64 bytes overwritten in the middle
+        middle = len(data) // 2
+        target.write_bytes(data[:middle] + bytes(64) + data[middle + 64 :])
+    elif fault == "truncated":
+        target.write_bytes(data[: len(data) // 2])
+    elif fault == "empty":
+        target.write_bytes(b"")
+    elif fault == "garbage":
+        target.write_bytes(os.urandom(len(data)))
+    elif fault == "missing":
+        target.unlink()
+    elif fault == "foreign_file":
+        target = folder / "state" / "stray.bin"
+        target.write_bytes(b"not ours")
+    elif fault == "manifest_edited":  # valid JSON, a loss changed: the manifest's own digest catches it
+        target = folder / MANIFEST
+        target.write_text(target.read_text().replace("0.5", "0.25", 1))
+    elif fault == "manifest_garbage":
+        target = folder / MANIFEST
+        target.write_bytes(os.urandom(300))
+    elif fault == "incomplete":  # no manifest: never committed
+        target = folder / MANIFEST
+        target.unlink()
+    return target
+
+
+FAULTS = {
+    "corrupted": "corrupted",
+    "truncated": "truncated",
+    "empty": "truncated (0 bytes",
+    "garbage": "corrupted",
+    "missing": "missing",
+    "foreign_file": "not in the manifest",
+    "manifest_edited": "damaged",
+    "manifest_garbage": "not a checkpoint manifest",
+    "incomplete": "is not a complete checkpoint",
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(run: tuple[str, Path], fault: str, capsys) -> None:
+    framework, out = run
+    target = _damage(fault, out)
+    before = snapshot(out)
+    code, err = cli(framework, argv(replace(RUN, out=str(out)), "--resume"), capsys)
+    assert_one_line(code, err, 2, str(target), FAULTS[fault])
+    assert snapshot(out) == before  # nothing written, nothing removed
+
+
+def test_a_checkpoint_of_the_other_framework_is_refused(saved: dict[str, Path], tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(saved["jax"], out)
+    code, err = cli("torch", argv(replace(RUN, out=str(out)), "--resume"), capsys)
+    assert_one_line(code, err, 2, "written by jax_impl (orbax)", "torch_impl.train reads torch.distributed.checkpoint")
+
+
+@pytest.mark.parametrize("framework, legacy", [("torch", "checkpoint.pt"), ("jax", "checkpoint.msgpack")])
+def test_a_single_file_checkpoint_of_an_earlier_version_is_refused(framework, legacy, tmp_path, capsys) -> None:
+    (tmp_path / legacy).write_bytes(b"an old checkpoint")
+    code, err = cli(framework, argv(replace(RUN, out=str(tmp_path)), "--resume"), capsys)
+    assert_one_line(code, err, 2, f"{tmp_path / legacy}: a single-file checkpoint", "--overwrite")
+    code, err = cli(framework, argv(replace(RUN, out=str(tmp_path))), capsys)
+    assert_one_line(code, err, 2, f"holds a checkpoint ({legacy})")
+
+
+def test_resume_refuses_a_changed_curve_listing_the_values(run: tuple[str, Path], capsys) -> None:
+    framework, out = run
+    changed = replace(RUN, out=str(out), batch_size=8, lr=0.01, seed=3)
+    code, err = cli(framework, [*argv(changed, "--resume"), "--schedule", "cosine"], capsys)
+    diffs = (
+        "--batch-size 8 (run: 4)",
+        "--lr 0.01 (run: 0.001)",
+        "--seed 3 (run: 0)",
+        "--schedule cosine (run: linear)",
+    )
+    assert_one_line(code, err, 2, "--resume: the command line differs", *diffs)
+
+
+def test_resume_refuses_steps_already_done(run: tuple[str, Path], capsys) -> None:
+    framework, out = run
+    code, err = cli(framework, argv(replace(RUN, out=str(out), steps=2), "--resume"), capsys)
+    assert_one_line(code, err, 2, "--steps 2: the run in", "is already at step 2")
+
+
+@pytest.mark.parametrize("framework", list(MAINS))
+def test_an_output_folder_that_cannot_be_made_is_refused_first(framework: str, tmp_path: Path, capsys) -> None:
+    (tmp_path / "file").write_text("")
+    code, err = cli(framework, argv(replace(RUN, out=str(tmp_path / "file" / "run"))), capsys)
+    assert_one_line(code, err, 2, "--out", "cannot create it")
+
+
+@pytest.mark.parametrize("framework", list(MAINS))
+def test_the_objective_refuses_out_channels_unlike_in_channels(framework: str, tmp_path: Path, capsys) -> None:
+    config = tmp_path / "in1_out4.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "name": "in1_out4", "in_channels": 1, "out_channels": 4}))
+    code, err = cli(framework, [*argv(replace(RUN, out=str(tmp_path / "run"))), "--config", str(config)], capsys)
+    assert_one_line(code, err, 2, "out_channels", "needs out_channels == in_channels")
+    assert not (tmp_path / "run").exists()  # refused before the run folder was made
+
+
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path: Path, capsys) -> None:
+    code, err = cli("torch", argv(replace(RUN, out=str(tmp_path), lr=1e30)), capsys)  # step 1 blows the weights up
+    assert_one_line(code, err, 1, "step 2 of 4: the loss is nan", f"checkpoint of step 1 in {tmp_path}")
+    assert [step for step, _ in checkpoints(tmp_path)] == [1]
+    assert not (tmp_path / "losses.json").exists()
+
+
+def test_a_write_killed_midway_leaves_the_last_checkpoint(saved, tmp_path, monkeypatch, capsys) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(saved["torch"], out)
+    before = snapshot(out)
+
+    def dies(state: Any, checkpoint_id: Path, **kwargs: Any) -> None:
+        (Path(checkpoint_id) / "__0_0.distcp").parent.mkdir(parents=True)
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tio.dcp, "save", dies)
+    code, err = cli("torch", argv(replace(RUN, out=str(out), steps=3), "--resume"), capsys)
+    assert_one_line(code, err, 1, "No space left on device")
+    assert {k: v for k, v in snapshot(out).items() if not k.startswith(".")} == before  # step 2 as it was
+    assert (out / ".checkpoint-00000003.tmp").is_dir()  # removed by the next run on the folder
+
+
+def test_the_specs_checkpoint_field_is_the_default_policy(tmp_path: Path) -> None:
+    config = tmp_path / "tiny_full.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "checkpoint": "full"}))
+    cfg = TrainConfig(config=str(config))
+    assert cfg.policy is None
+    assert ttrain.build(cfg)[0].plan.policy == "full"
+    assert FlaxUNet(spec=load_spec(str(config)), policy=cfg.policy).plan.policy == "full"
+    assert ttrain.build(replace(cfg, policy="none"))[0].plan.policy == "none"  # --policy wins

@@ -1,0 +1,85 @@
+"""Torch checkpoints: `torch.distributed.checkpoint` (DCP) folders carrying the run's manifest.
+
+Every run, one process or many, DDP or FSDP2, saves the same way: `get_state_dict` gives the model
+and AdamW state keyed by parameter name (under FSDP2, each rank's shards as DTensors), `dcp.save`
+has each rank write its own shards (replicated DDP tensors once), and `shared_configs.run_folder`
+hashes the files and commits the folder with its manifest. `dcp.load` reshards on the way in, so a
+run resumes on any number of ranks, and one process without a process group reads whole tensors.
+The mirror of `jax_impl.checkpoint_io`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from shared_configs.manifest import Manifest
+from shared_configs.run_folder import SOLO, STATE, Comm, read_checkpoint, save, verify
+
+FRAMEWORK, LAYOUT = "torch_impl", "torch.distributed.checkpoint"
+
+
+@dataclass(frozen=True)
+class ProcessGroupComm:
+    """`shared_configs.run_folder.Comm` over the default torch process group."""
+
+    rank: int
+    world: int
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def current_comm() -> Comm:
+    """The process group's ranks when one is initialised, else `SOLO`."""
+    return ProcessGroupComm(dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else SOLO
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every save and load without a process group that it assumes one process: we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
+        yield
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def save_checkpoint(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, manifest: Manifest) -> Path:
+    """Save a checkpoint of ``manifest.step`` into the run folder ``out`` (every rank calls it)."""
+    state = _state(model, optimizer)
+
+    def write(folder: Path) -> None:
+        with _quiet_single_process():
+            dcp.save(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+
+    return save(out, manifest, write, current_comm())
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Manifest:
+    """Check the checkpoint folder ``path`` against its manifest, then restore ``model`` and
+    ``optimizer`` in place (every rank calls it; plain, DDP'd or FSDP2-sharded). Returns the manifest."""
+    manifest = read_checkpoint(path, FRAMEWORK, LAYOUT)
+    verify(path, manifest, current_comm())
+    state = _state(model, optimizer)
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=path / STATE, no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return manifest
