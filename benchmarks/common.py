@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from shared_configs import SpecError, UNetSpec, from_diffusers_config, load_spec, spec_from_dict
+from shared_configs.data import Batch
 from shared_configs.diffusers import find_folder
-from shared_configs.training import Batch, TrainConfig
+from shared_configs.training import TrainConfig
 
 FRAMEWORKS: tuple[str, ...] = ("torch", "jax")  # what --framework both runs
 # diffusers' own U-Net (torch), with its enable_gradient_checkpointing(): the baseline ours replace

@@ -52,9 +52,11 @@ result, data = {"devices": len(jax.devices())}, load_dataset("digits", SPEC)
 flat = lambda s: {"/".join(k): np.asarray(v).tolist() for k, v in traverse_util.flatten_dict(s.batch_stats).items()}
 for name, mesh in (("single", None), ("sharded", make_mesh(CFG.batch_size))):
     losses = []
-    first = jtrain.run_steps(state, losses, data, SCHEDULE, CFG, 1, model, tx, mesh=mesh)
+    start = jax.tree.map(lambda a: a.copy(), state)  # each step donates the state it is given
+    first = jtrain.run_steps(start, losses, data, SCHEDULE, CFG, 1, model, tx, mesh=mesh)
+    stats = flat(first)
     end = jtrain.run_steps(first, losses, data, SCHEDULE, CFG, STEPS, model, tx, mesh=mesh)
-    result[name] = {"losses": losses, "first": flat(first), "end": flat(end)}
+    result[name] = {"losses": losses, "first": stats, "end": flat(end)}
 print(json.dumps(result))
 """
 

@@ -30,7 +30,8 @@ state, data = jtrain.init_state(model, tx, seed=0), load_dataset("digits", spec)
 result = {"devices": len(jax.devices())}
 for mode in modes:
     losses, cfg = [], replace(CFG, distributed=None if mode == "single" else mode)
-    end = jtrain.run_steps(state, losses, data, SCHEDULE, cfg, 2, model, tx, mesh=None if mode == "single" else mesh)
+    start = jax.tree.map(lambda a: a.copy(), state)  # each run donates the state it is given
+    end = jtrain.run_steps(start, losses, data, SCHEDULE, cfg, 2, model, tx, mesh=None if mode == "single" else mesh)
     parts = {"params": end.params, "opt_state": end.opt_state}
     bytes_ = {k: [device_bytes(v, d) for d in jax.devices()] for k, v in parts.items()}
     total = {k: sum(a.nbytes for a in jax.tree.leaves(v)) for k, v in parts.items()}
