@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from benchmarks import plan_sweep
+from benchmarks.cli import cli_errors
 from benchmarks.planner import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S, FRAMEWORKS, Workload, get_profile, measure
 from benchmarks.report import write_json
-from benchmarks.runner import cli_errors
 from shared_configs import SpecError
 from shared_configs.budget import safety_margin
 from shared_configs.solver import solve

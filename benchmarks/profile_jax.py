@@ -32,11 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import xla_dump
-from benchmarks.jax_bench import init_params
+from benchmarks.jax_bench import FAST_INIT
 from benchmarks.stepclock import round_robin
 from jax_impl import train as jt
 from jax_impl.unet import UNet
@@ -63,11 +62,11 @@ def setup(spec: UNetSpec, batch_size: int, context_length: int, chunk: int | Non
     """The step's arguments: real arrays (``run``) or shapes only, and the optimizer."""
     tx = jt.make_optimizer(1e-4, 0.0)
     model = UNet(spec=spec, policy="none", attention_chunk=chunk)
-    shapes = jax.eval_shape(lambda: jt.init_state(model, tx, 0))
-    args: tuple = (shapes, *_batch_and_key(spec, batch_size, context_length, run))
-    if run:
-        params = jax.tree.map(jnp.asarray, init_params(shapes.params, np.float32))
-        args = (jt.TrainState.create({"params": params}, tx), *args[1:])
+    init = functools.partial(jt.init_state, model, tx, 0)
+    # Shapes only: the state's abstract tree; else the training loop's own init (compiled fast:
+    # the values only seed the timing runs).
+    state = jax.jit(init, compiler_options=FAST_INIT)() if run else jax.eval_shape(init)
+    args: tuple = (state, *_batch_and_key(spec, batch_size, context_length, run))
     return {"spec": spec, "tx": tx, "args": args, "chunk": chunk, "run": run}
 
 

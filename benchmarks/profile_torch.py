@@ -1,13 +1,13 @@
 """The PyTorch per-unit profile for `shared_configs.budget`, and the plain measurement of a plan.
 
 Every figure comes from the training loop's own step, `torch_impl.train.train_step` (PyTorch's
-default ``zero_grad(set_to_none=True)``, which runs between forward and backward: last step's
-gradients are alive during the forward and gone in the backward), after one warm-up step has made
+default ``zero_grad(set_to_none=True)``, first in the step: last step's gradients are freed before
+the forward), after one warm-up step has made
 the gradients and AdamW's state:
 
 * bytes: one step per uniform plan (``none``, ``full``, ``full/save=conv,matmul``, ``layers``,
   ``layers/save=conv,matmul``) under `Recorder`, a live-tensor tracker like the benchmark's
-  `LiveBytesTracker` that also notes which unit is running at each allocation (module hooks:
+  `StepTracker` that also notes which unit is running at each allocation (module hooks:
   forward pre-hooks, full backward pre-hooks, the optimizer's step pre-hook): a
   `shared_configs.timeline.Timeline`, turned into per-unit figures there;
 * seconds: the same steps without the tracker, timing each unit's forward and backward from one
@@ -20,7 +20,7 @@ the gradients and AdamW's state:
 With ``shapes=True`` nothing is allocated: the same steps run on fake tensors (`FakeTensorMode`,
 which picks the same CPU kernels as real tensors; `example_step` mirrors ``train_step`` without
 reading the loss), and time is left to FLOPs (`Profile.mode` "shapes").
-`measure` is the verification: `benchmarks.torch_memory.LiveBytesTracker` (the benchmark's own
+`measure` is the verification: `benchmarks.torch_memory.StepTracker` (the benchmark's own
 instrument) around one ``train_step``, and the median step time.
 """
 
@@ -44,8 +44,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from benchmarks.common import batch_bytes
 from benchmarks.stepclock import clock, round_robin
-from benchmarks.torch_memory import AllocatorPeak, LiveBytesTracker, storage_bytes
+from benchmarks.torch_memory import AllocatorPeak, StepTracker, storage_bytes
 from shared_configs import UNetSpec
 from shared_configs.budget import (
     HEAD,
@@ -59,8 +60,8 @@ from shared_configs.budget import (
     policy_string,
     uniform,
 )
+from shared_configs.data import Batch
 from shared_configs.timeline import BWD, FWD, Timeline, unit_costs
-from shared_configs.training import Batch
 from shared_configs.unit_flops import recompute_flops, unit_flops
 from torch_impl.train import as_tensors, make_optimizer, train_step
 from torch_impl.unet import UNet
@@ -157,9 +158,9 @@ def example_step(model: UNet, opt: torch.optim.Optimizer, batch: Batch) -> None:
     """`train_step`'s operations without reading the loss (fake tensors have no value)."""
     noisy, t, noise, context = as_tensors(batch)
     model.train()
+    opt.zero_grad(set_to_none=True)
     pred = model(noisy, t, context)
     loss = F.mse_loss(pred.float(), noise)
-    opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
 
@@ -197,11 +198,11 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str,
     spec = s["model"].spec
     s["model"].enable_gradient_checkpointing(policy_string(assignment))
     units = [u for u, _ in leaf_units(spec, assignment)]
-    inputs = existing(s)
-    recorder = Recorder(inputs)
+    # No list of the existing tensors is kept: it would keep last step's gradients alive through a
+    # step whose first act is to free them (train_step's zero_grad).
+    recorder = Recorder(existing(s))
     with s["mode"], hooks(s["model"], s["opt"], units, lambda unit, phase: recorder.enter((unit, phase))), recorder:
         s["step"]()
-    del inputs
     return unit_costs(recorder.timeline(), units)
 
 
@@ -268,25 +269,31 @@ def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: b
 
 
 def measure(spec: UNetSpec, batch_size: int, policies: list[str], context_length: int = 77, steps: int = 3) -> dict:
-    """Per policy: the step's peak (the benchmark's `LiveBytesTracker`), its allocator-level peak
+    """Per policy: the step's peak (the benchmark's `StepTracker`), its allocator-level peak
     (`allocator_peak`, the instrument torch.compile rows need) and median step time."""
     s = setup(spec, batch_size, context_length)
     peaks = {}
     for policy in policies:
         s["model"].enable_gradient_checkpointing(policy)
         s["step"]()  # warm-up under this plan
-        inputs = existing(s)
-        with LiveBytesTracker(inputs) as tracker:
-            s["step"]()
-        del inputs
-        peaks[policy] = {"peak_bytes": tracker.peak, "allocator_peak_bytes": allocator_peak(s, s["step"])}
+        peaks[policy] = {"peak_bytes": tracked_peak(s), "allocator_peak_bytes": allocator_peak(s, s["step"])}
 
     def under(policy: str) -> Callable[[], None]:
         return lambda: (s["model"].enable_gradient_checkpointing(policy), s["step"]())
 
     seconds = round_robin({p: under(p) for p in policies}, steps)
     rows = {p: {**peaks[p], "step_time_s": seconds[p]} for p in policies}
-    return {"framework": "torch", "rows": rows, "method": "benchmarks.torch_memory.LiveBytesTracker around train_step"}
+    return {"framework": "torch", "rows": rows, "method": "benchmarks.torch_memory.StepTracker around train_step"}
+
+
+def tracked_peak(s: dict[str, Any]) -> int:
+    """One step's peak as the benchmark measures it (`benchmarks.torch_memory.StepTracker`, the
+    numpy batch counted as input): the instrument the profile itself does not use."""
+    tracker = StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]))
+    with tracker:
+        s["step"]()
+    assert tracker.result is not None
+    return tracker.result.peak
 
 
 def allocator_peak(s: dict[str, Any], step: Callable[[], Any]) -> int:

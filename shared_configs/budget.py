@@ -34,9 +34,10 @@ from typing import Any
 import numpy as np
 
 from shared_configs.arch import down_blocks, up_blocks
+from shared_configs.data import Batch
+from shared_configs.files import atomic_write
 from shared_configs.plan import CheckpointPlan, block_names, resolve_plan
 from shared_configs.spec import SpecError, UNetSpec
-from shared_configs.training import Batch, atomic_write
 
 PLAIN, FULL = "plain", "full"
 SELECTIVE_OPS: tuple[str, ...] = ("conv", "matmul")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import inspect as insp
+from benchmarks import saved as insp
 from shared_configs import SpecError, load_spec, resolve_plan
 from tests.utils import rel_err, variant
 

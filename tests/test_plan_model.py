@@ -2,7 +2,7 @@
 on plans the profile never ran (random per-unit mixes) with the benchmark's own instruments.
 
 Workload: tiny at 32x32, batch 4 (activations well above its 1 MB of weights). Torch: the
-reference is `benchmarks.torch_memory.LiveBytesTracker` around `torch_impl.train.train_step`, an
+reference is `benchmarks.torch_memory.StepTracker` around `torch_impl.train.train_step`, an
 instrument the profiler does not use. JAX (slow: XLA compiles): the compiled step's
 ``memory_analysis()``, which the profile reads only through XLA's live ranges.
 """
@@ -41,16 +41,12 @@ def torch_profile() -> Profile:
 
 def _torch_peaks(policies: list[str]) -> dict[str, int]:
     from benchmarks import profile_torch
-    from benchmarks.torch_memory import LiveBytesTracker
 
     s = profile_torch.setup(SPEC, BATCH, CONTEXT)
     peaks = {}
     for policy in policies:
         s["model"].enable_gradient_checkpointing(policy)
-        inputs = profile_torch.existing(s)
-        with LiveBytesTracker(inputs) as tracker:
-            s["step"]()
-        peaks[policy] = tracker.peak
+        peaks[policy] = profile_torch.tracked_peak(s)
     return peaks
 
 
