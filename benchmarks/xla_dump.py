@@ -1,13 +1,12 @@
-"""XLA's own memory plan of a compiled step, read from its dump files, filed by U-Net unit.
+"""XLA's own memory plan of a compiled step, filed by U-Net unit: the planner's view of the dump.
 
-Compiling with ``xla_dump_to=DIR`` (and ``xla_dump_hlo_as_text``) makes XLA write, for the
-optimised module: the schedule and every buffer's live range over it (``*-live-range.txt``),
-each buffer's size (``*-buffer-assignment.txt``) and the instructions with their metadata
-(``*cpu_after_optimizations.txt``), whose ``op_name`` carries the Flax module path
-(``jvp(UNet)/down_1/resnets_0/conv1/...``; ``transpose(...)`` in the backward;
-``rematted_computation`` in a recompute). This module turns them into live bytes at each
-position of the schedule and the unit and phase each position belongs to. Plain text parsing:
-no jax import (the tests run it on saved dumps).
+`benchmarks.jax_memory` reads the dump files (``xla_dump_to``: the schedule, every value's live
+range, the buffer assignment, the instructions with their ``op_name``); this module takes its
+parse and files every position of the schedule under the plan unit whose Flax module its
+``op_name`` names (``jvp(UNet)/down_1/resnets_0/conv1/...``; ``transpose(...)`` in the backward;
+``rematted_computation`` in a recompute), one level finer than the benchmark's blocks. Every
+value with a live range is one buffer here (aliases included): the planner's live-byte peak,
+which `Profile.scale` relates to the compiled ``memory_analysis()`` total.
 """
 
 from __future__ import annotations
@@ -16,11 +15,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-_VALUE = re.compile(r"^ value: <\d+ (\S+?)(\{[\d,]*\})?(?: \(phi\))? @\d+> \(size=(\d+),offset=\d+\)", re.M)
-_SEQUENCE = re.compile(r"^    (\d+):(\S+)$", re.M)
-_RANGE = re.compile(r"^    (\S+?\{[\d,]*\}):(\d+)-(\d+)$", re.M)
-_PARAMETER = re.compile(r"^\s*%(\S+) = \S+ parameter\(", re.M)
-OP_NAME = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*?op_name=\"([^\"]*)\"", re.M)
+from benchmarks.jax_memory import read_dump
+
 _MODULE = re.compile(r"(down|up)_\d+|mid|resnets_\d+|attentions_\d+|downsample|upsample|conv_in|time_embedding|"
                      r"conv_norm_out|conv_out")  # fmt: skip
 _TOP = re.compile(r"(down|up)_\d+|mid|conv_in|time_embedding|conv_norm_out|conv_out")
@@ -44,51 +40,18 @@ class MemoryPlan:
     op_names: dict[str, str]
     parameters: frozenset[str]
 
-    def levels(self) -> list[int]:
-        """Live bytes at each schedule position (every buffer alive there, parameters included).
-
-        Live ranges may end one past the last instruction (the outputs): clipped to it.
-        """
-        last = len(self.sequence) - 1
-        delta = [0] * (last + 2)
-        for b in self.buffers:
-            delta[min(b.start, last)] += b.size
-            delta[min(b.end, last) + 1] -= b.size
-        out, level = [], 0
-        for d in delta[:-1]:
-            level += d
-            out.append(level)
-        return out
-
-
-def _one(folder: Path, suffix: str) -> str:
-    found = sorted(folder.glob(f"*jit_train_step*{suffix}"))
-    if not found:
-        raise FileNotFoundError(f"no XLA dump *{suffix} in {folder}")
-    return found[-1].read_text()
-
 
 def read(folder: str | Path) -> MemoryPlan:
-    """Parse the dump XLA wrote into ``folder`` for the compiled training step."""
-    folder = Path(folder)
-    assignment = _one(folder, "cpu_after_optimizations-buffer-assignment.txt")
-    live = _one(folder, "cpu_after_optimizations-live-range.txt")
-    hlo = _one(folder, "cpu_after_optimizations.txt")
-    sizes = {m[1] + (m[2] or "{}"): int(m[3]) for m in _VALUE.finditer(assignment)}
-    head, _, tail = live.partition("BufferLiveRange:")
-    sequence = [name for _, name in sorted((int(i), n) for i, n in _SEQUENCE.findall(head))]
-    tail = tail.split("Live ranges at")[0]
+    """The plan XLA dumped into ``folder`` for the compiled training step (`benchmarks.jax_memory`'s parse)."""
+    dump = read_dump(folder)
     buffers = [
-        Buffer(name.split("{")[0], int(s), int(e), sizes[name]) for name, s, e in _RANGE.findall(tail) if name in sizes
+        Buffer(name, *dump.ranges[(name, index)], size)
+        for allocation in dump.allocations
+        for name, index, _, size in allocation.values
+        if (name, index) in dump.ranges
     ]
-    return MemoryPlan(sequence, buffers, dict(OP_NAME.findall(hlo)), frozenset(_PARAMETER.findall(hlo)))
-
-
-def phase_of(op_name: str) -> str | None:
-    """``fwd``, ``bwd`` (recompute included) or None (optimizer, constants: not the U-Net's)."""
-    if "transpose(" in op_name:
-        return "bwd"
-    return "fwd" if "jvp(" in op_name else None
+    parameters = frozenset(n for n, op in dump.hlo.opcodes.items() if op == "parameter")
+    return MemoryPlan(dump.sequence, buffers, dump.hlo.op_names, parameters)
 
 
 def unit_of(op_name: str, units: set[str]) -> str | None:
