@@ -36,6 +36,7 @@ import numpy as np
 from shared_configs.arch import down_blocks, up_blocks
 from shared_configs.data import Batch
 from shared_configs.files import atomic_write
+from shared_configs.inputs import example_inputs
 from shared_configs.plan import CheckpointPlan, block_names, resolve_plan
 from shared_configs.spec import SpecError, UNetSpec
 
@@ -53,7 +54,7 @@ PROFILE_RUNS: tuple[tuple[str, str], ...] = (
     (FULL, "layers"),
     (SELECTIVE, "layers"),
 )
-SCHEMA = 1
+SCHEMA = 2  # 2: torch train_step frees last step's gradients before the forward; conditioning inputs
 Assignment = Mapping[str, str]  # unit name -> choice; units left out are plain
 
 
@@ -264,8 +265,8 @@ def random_assignment(spec: UNetSpec, rng: np.random.Generator, choices: tuple[s
 def example_batch(spec: UNetSpec, batch_size: int, context_length: int = 77, seed: int = 0) -> Batch:
     """The inputs every profile and verification step trains on (NCHW numpy, the training loops' `Batch`).
 
-    One place: conditioning that later specs add (SDXL's class labels, text embeddings, time ids)
-    comes in here.
+    The conditioning the `Batch` does not carry (class labels, SDXL's added embeddings) is
+    `extra_inputs`, passed beside it.
     """
     rng = np.random.default_rng(seed)
     shape = (batch_size, spec.in_channels, spec.sample_size, spec.sample_size)
@@ -279,3 +280,11 @@ def example_batch(spec: UNetSpec, batch_size: int, context_length: int = 77, see
         context=context,
         labels=np.zeros(batch_size, np.int64),
     )
+
+
+def extra_inputs(spec: UNetSpec, batch_size: int, context_length: int = 77, seed: int = 0) -> dict[str, np.ndarray]:
+    """The forward inputs ``spec`` takes beyond (x, t, context): class labels, SDXL's ``text_embeds``
+    and ``time_ids`` (`shared_configs.inputs`). The training loops' `Batch` does not carry them yet,
+    so the profile's steps hand them to the model beside it; empty for specs without them."""
+    drawn = example_inputs(spec, np.random.default_rng(seed), batch_size, spec.sample_size, context_length)
+    return {k: v for k, v in drawn.items() if k not in ("x", "t", "context") and v is not None}

@@ -170,7 +170,8 @@ class _Programme:
         upper = np.r_[np.ones(len(self.cols)), np.full(int(peak_col), np.inf)]
         with _quiet_stdout():
             res = milp(cost, integrality=integrality, bounds=Bounds(np.zeros(n), upper),
-                       constraints=LinearConstraint(np.array(a), lo, hi), options={"mip_rel_gap": 0.0, "disp": False})  # fmt: skip
+                       constraints=LinearConstraint(np.array(a), lo, hi),
+                       options={"mip_rel_gap": 0.0, "disp": False})  # fmt: skip
         return res.x if res.status == 0 else None
 
     def assignment(self, x: np.ndarray) -> dict[str, str]:
