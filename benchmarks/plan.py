@@ -25,7 +25,7 @@ from benchmarks.cli import cli_errors
 from benchmarks.planner import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S, FRAMEWORKS, Workload, get_profile, measure
 from benchmarks.report import write_json
 from shared_configs import SpecError
-from shared_configs.budget import safety_margin
+from shared_configs.budget import DISTRIBUTED, per_rank, safety_margin
 from shared_configs.solver import solve
 
 MIB = 2**20
@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-mib", type=_mib, help="the step's memory budget, MiB (required but for --sweep)")
     p.add_argument("--framework", choices=("torch", "jax", "both"), default="torch",
                    help="plan for this framework; both: one plan that fits in each (default torch)")  # fmt: skip
+    p.add_argument("--world-size", type=_positive_int, default=1,
+                   help="ranks, each training --batch-size samples (default 1)")  # fmt: skip
+    p.add_argument("--distributed", choices=DISTRIBUTED, default="ddp",
+                   help="with --world-size: fsdp shards parameters and optimizer state (ddp)")  # fmt: skip
     p.add_argument("--verify", action="store_true", help="measure the plan (and none) and print predicted vs measured")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the plan, predictions and measurements here")
     p.add_argument("--sweep", type=Path, metavar="DIR", help="draw the frontier (PNG + JSON) with the hand policies")
@@ -115,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> None:
     if args.budget_mib is None and args.sweep is None:
         raise SpecError("--budget-mib: required (a positive number of MiB), unless --sweep")
+    sharded = args.distributed == "fsdp" and args.world_size > 1
+    if sharded and (args.verify or args.sweep is not None):
+        raise SpecError("--world-size with --distributed fsdp: --verify and --sweep measure one process only")
     for flag in ("flops_per_s", "bytes_per_s"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):
@@ -125,8 +132,9 @@ def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any
     """The --json document: the plan, the budget, per framework the predictions (and measurements)."""
     frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
     budget = int(args.budget_mib * MIB)
-    profiles = [get_profile(fw, workload) for fw in frameworks]
-    margin = max(safety_margin(p, workload.spec) for p in profiles)
+    measured = [get_profile(fw, workload) for fw in frameworks]
+    margin = max(safety_margin(p, workload.spec) for p in measured)  # from what the profile measured
+    profiles = [per_rank(p, args.world_size, args.distributed) for p in measured]
     start = time.perf_counter()
     sol = solve(profiles, workload.spec, budget, margin)
     solve_s = time.perf_counter() - start
@@ -147,13 +155,19 @@ def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any
             per_fw[fw]["measured_peak_bytes"] = rows[sol.policy]["peak_bytes"]
             per_fw[fw]["measured_overhead"] = rows[sol.policy]["step_time_s"] / rows["none"]["step_time_s"] - 1
     doc = {"plan": sol.policy, "budget_bytes": budget, "frameworks": per_fw}
-    return doc | {"margin": margin, "solve_seconds": solve_s}
+    ranks = {"world_size": args.world_size, "distributed": args.distributed}
+    return doc | {"margin": margin, "solve_seconds": solve_s} | ranks
+
+
+def _ranks(doc: dict[str, Any]) -> str:
+    n = doc.get("world_size", 1)
+    return f" per rank of {n} ({doc['distributed']})" if n > 1 else ""
 
 
 def render(doc: dict[str, Any], workload: Workload) -> str:
     spec = workload.spec
     lines = [
-        f"plan for {spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size}, "
+        f"plan for {spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size}{_ranks(doc)}, "
         f"budget {doc['budget_bytes'] / MIB:.1f} MiB, planned {100 * doc['margin']:.1f}% below it "
         f"(the model's error on its profile steps, and 0.5%; solved in {doc['solve_seconds']:.2f} s):",
         f"  policy: {doc['plan']}",

@@ -29,7 +29,7 @@ from typing import Any
 from benchmarks.common import REPO_ROOT, XLA_CPU_FLAG
 from benchmarks.runner import BenchmarkError
 from shared_configs import UNetSpec, load_spec, spec_from_dict
-from shared_configs.budget import PLAIN, SCHEMA, Profile, block_layers, leaf_units, safety_margin
+from shared_configs.budget import PLAIN, SCHEMA, Profile, block_layers, leaf_units, per_rank, safety_margin
 from shared_configs.solver import Solution, solve
 from shared_configs.unit_flops import unit_flops
 
@@ -197,16 +197,22 @@ def plan_for_budget(
     sample_size: int | None,
     budget_bytes: int,
     framework: str = "torch",
+    world_size: int = 1,
+    distributed: str = "ddp",
     **workload: Any,
 ) -> str:
     """The policy string of the cheapest plan predicted to fit ``budget_bytes`` (see the module doc),
     planned a `safety_margin` below it so that the measured peak fits too.
 
-    ``framework`` is "torch", "jax" or "both" (one plan that fits in each). Further keywords go to
+    ``framework`` is "torch", "jax" or "both" (one plan that fits in each). ``world_size`` ranks
+    each train ``batch_size`` samples; under ``distributed="fsdp"`` the parameters and optimizer
+    state are sharded over them (`shared_configs.budget.per_rank`). Further keywords go to
     `Workload` (``context_length``, ``attention_chunk``, ``shapes``, ``flops_per_s``, ``bytes_per_s``). Raises
     `shared_configs.solver.Infeasible` (a `SpecError`) naming the smallest feasible budget.
     """
-    return solve_for_budget(spec, batch_size, sample_size, budget_bytes, framework, **workload)[0].policy
+    return solve_for_budget(
+        spec, batch_size, sample_size, budget_bytes, framework, world_size, distributed, **workload
+    )[0].policy
 
 
 def solve_for_budget(
@@ -215,10 +221,14 @@ def solve_for_budget(
     sample_size: int | None,
     budget_bytes: int,
     framework: str = "torch",
+    world_size: int = 1,
+    distributed: str = "ddp",
     **workload: Any,
 ) -> tuple[Solution, list[Profile]]:
-    """`plan_for_budget`, with the solution (predictions) and the profiles it came from."""
+    """`plan_for_budget`, with the solution (predictions) and the per-rank profiles it came from."""
     work = Workload.of(spec, sample_size, batch_size=batch_size, **workload)
     profiles = [get_profile(fw, work) for fw in (FRAMEWORKS if framework == "both" else (framework,))]
+    ranked = [per_rank(p, world_size, distributed) for p in profiles]
+    # The margin comes from the one-process profile: its runs are what was measured.
     margin = max(safety_margin(p, work.spec) for p in profiles)
-    return solve(profiles, work.spec, budget_bytes, margin), profiles
+    return solve(ranked, work.spec, budget_bytes, margin), ranked

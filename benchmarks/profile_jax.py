@@ -40,7 +40,7 @@ from benchmarks.jax_bench import FAST_INIT
 from benchmarks.stepclock import round_robin
 from jax_impl import train as jt
 from jax_impl.unet import UNet
-from shared_configs import UNetSpec
+from shared_configs import UNetSpec, block_names
 from shared_configs.budget import (
     PLAIN,
     PROFILE_RUNS,
@@ -143,6 +143,19 @@ def timeline_of(plan: xla_dump.MemoryPlan, leaves: list[str]) -> Timeline:
         sizes=np.array([x.size for x in b], np.int64),
         static=np.array([x.name in plan.parameters for x in b], bool),
     )
+
+
+def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
+    """What FSDP would shard (`shared_configs.budget.per_rank`): parameters + optimizer state, the
+    gradients, the largest block's parameters (from shapes: the state may be abstract)."""
+    state = s["args"][0]
+
+    def nbytes(tree: Any) -> int:
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+    params = nbytes(state.params)
+    block = max(nbytes(state.params[b.replace(".", "_")]) for b in block_names(s["spec"]))
+    return {"static_bytes": params + nbytes(state.opt_state), "grad_bytes": params, "block_param_bytes": block}
 
 
 def memory_run(s: dict[str, Any], assignment: dict[str, str], fast: bool = True) -> tuple:
@@ -260,6 +273,7 @@ def profile(
     return {
         "framework": "jax",
         "units": units,
+        **sharded_bytes(s),
         "opt_peak": 0,  # optax's updates are scheduled inside the backward: filed under its units
         "step_time_s": step_time,
         "scale": float(np.mean(scales)),

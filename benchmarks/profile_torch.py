@@ -33,7 +33,7 @@ import statistics
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_map_only
 from benchmarks.common import batch_bytes
 from benchmarks.stepclock import clock, round_robin
 from benchmarks.torch_memory import AllocatorPeak, StepTracker, storage_bytes
-from shared_configs import UNetSpec
+from shared_configs import UNetSpec, block_names
 from shared_configs.budget import (
     HEAD,
     PLAIN,
@@ -196,6 +196,20 @@ def existing(s: dict[str, Any]) -> list[torch.Tensor]:
     return [*model.parameters(), *model.buffers(), *grads, *state, *inputs]
 
 
+def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
+    """What FSDP would shard (`shared_configs.budget.per_rank`): parameters + AdamW state, the
+    gradients, the largest block's parameters (counted by size: fake tensors have no storage)."""
+    model = s["model"]
+
+    def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    params = nbytes(model.parameters())
+    state = nbytes(v for st in s["opt"].state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    block = max(nbytes(model.get_submodule(b).parameters()) for b in block_names(model.spec))
+    return {"static_bytes": params + state, "grad_bytes": params, "block_param_bytes": block}
+
+
 def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, Cost], int, int]:
     """One step under ``assignment``: per-unit bytes, the optimizer's peak, the step's peak."""
     spec = s["model"].spec
@@ -259,6 +273,7 @@ def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: b
         "framework": "torch",
         "units": units,
         "opt_peak": opt_peak,
+        **sharded_bytes(s),
         "step_time_s": step_time,
         "mode": "shapes" if shapes or not repeats else "measured",
         "meta": {

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,10 @@ class Profile:
     flops_per_s: float | None = None
     context_length: int = 77
     attention_chunk: int | None = None
+    # What FSDP shards (`per_rank`): parameters + optimizer state, the gradients, the largest block's parameters.
+    static_bytes: int = 0
+    grad_bytes: int = 0
+    block_param_bytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)  # method, versions, load, profile runs
 
     def cost(self, unit: str, choice: str) -> Cost:
@@ -218,6 +222,35 @@ def predict(profile: Profile, spec: UNetSpec, assignment: Assignment) -> Predict
         seconds += c.time_s
         flops += c.flops
     return Prediction(round(peak * profile.scale), where, seconds, flops)
+
+
+DISTRIBUTED: tuple[str, ...] = ("ddp", "fsdp")
+
+
+def per_rank(profile: Profile, world_size: int = 1, distributed: str = "ddp") -> Profile:
+    """The profile of one of ``world_size`` ranks, each training ``profile.batch_size`` samples.
+
+    DDP replicates everything: the profile as it is. FSDP gives each rank 1/N of the parameters and
+    optimizer state (``static_bytes``), which sit inside every measured peak, so each peak drops by
+    (1 - 1/N) of them; the optimizer's peak by the gradients' share too (reduce-scattered before
+    the step). While a block runs its parameters are gathered whole: every peak gains (1 - 1/N) of
+    the largest block's. A backward peak keeps the gradients alive at it (some of them, not
+    modelled: erring high). Activations are per rank: unchanged.
+    """
+    if distributed not in DISTRIBUTED:
+        raise SpecError(f"--distributed: expected one of {', '.join(DISTRIBUTED)}, got {distributed!r}")
+    if world_size < 1:
+        raise SpecError(f"--world-size: expected a positive integer, got {world_size!r}")
+    if distributed == "ddp" or world_size == 1:
+        return profile
+    share = 1 - 1 / world_size
+    shed = round(share * (profile.static_bytes - profile.block_param_bytes))
+    units = {
+        u: {c: replace(v, fwd_peak=v.fwd_peak - shed, bwd_peak=v.bwd_peak - shed) for c, v in per.items()}
+        for u, per in profile.units.items()
+    }
+    opt_peak = max(profile.opt_peak - shed - round(share * profile.grad_bytes), 0) if profile.opt_peak else 0
+    return replace(profile, units=units, opt_peak=opt_peak)
 
 
 def extra_seconds(spec: UNetSpec, seconds: Mapping[str, float], plain: Mapping[str, float]) -> dict[str, float]:

@@ -4,6 +4,7 @@ temporary cache (random figures), so nothing is measured except in the slow --ve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from benchmarks import plan as cli
 from benchmarks.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs import SpecError, load_spec, resolve_plan
-from shared_configs.budget import SAFETY, assignment_of, predict, safety_margin
+from shared_configs.budget import SAFETY, assignment_of, per_rank, predict, safety_margin
 from shared_configs.solver import smallest_peak
 from tests.utils import random_profile
 
@@ -86,7 +87,7 @@ def test_json_document_and_one_plan_for_both(cache: dict, tmp_path: Path) -> Non
     argv = ["--config", "tiny", "--batch-size", "2", "--budget-mib", str(budget / MIB), "--framework", "both"]
     assert cli.main([*argv, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert set(doc) == {"plan", "budget_bytes", "frameworks", "margin", "solve_seconds"}
+    assert set(doc) == {"plan", "budget_bytes", "frameworks", "margin", "solve_seconds", "world_size", "distributed"}
     assert set(doc["frameworks"]) == {"torch", "jax"}
     for fw, entry in doc["frameworks"].items():
         assert {"predicted_peak_bytes", "predicted_overhead", "recompute_flops"} <= set(entry)
@@ -105,6 +106,36 @@ def test_library_call_returns_a_policy_both_unets_accept(cache: dict) -> None:
     assert TorchUNet(SPEC).enable_gradient_checkpointing(policy) == JaxUNet(spec=SPEC, policy=policy).plan
     with pytest.raises(SpecError, match="smallest feasible budget"):
         plan_for_budget("tiny", batch_size=2, sample_size=None, budget_bytes=MIB, framework="torch")
+
+
+def test_fsdp_divides_the_static_bytes_by_the_world_size(cache: dict, tmp_path: Path) -> None:
+    """Two FSDP ranks: every peak drops by half the parameters and optimizer state, less half the
+    largest block's parameters (gathered whole while it runs); DDP replicates: unchanged."""
+    static, block = 300 * MIB, 40 * MIB
+    profile = dataclasses.replace(cache["torch"], static_bytes=static, grad_bytes=static // 3, block_param_bytes=block)
+    profile.save(profile_path("torch", Workload.of("tiny", batch_size=2)))
+    one = predict(profile, SPEC, {}).peak_bytes
+    assert predict(per_rank(profile, 2, "ddp"), SPEC, {}).peak_bytes == one
+    two = predict(per_rank(profile, 2, "fsdp"), SPEC, {}).peak_bytes
+    assert abs((one - two) - profile.scale * (static - block) / 2) <= 1
+    out = {n: tmp_path / f"{n}.json" for n in ("1", "2")}
+    argv = ["--config", "tiny", "--batch-size", "2", "--budget-mib", "100000", "--distributed", "fsdp"]
+    for n, path in out.items():
+        assert cli.main([*argv, "--world-size", n, "--json", str(path)]) == 0
+    peaks = {n: json.loads(p.read_text())["frameworks"]["torch"]["predicted_peak_bytes"] for n, p in out.items()}
+    assert (peaks["1"], peaks["2"]) == (one, two)
+    policy = plan_for_budget("tiny", 2, None, two, world_size=2, distributed="fsdp")
+    assert predict(per_rank(profile, 2, "fsdp"), SPEC, assignment_of(SPEC, policy)).peak_bytes <= two
+
+
+def test_fsdp_verify_is_refused_in_one_line(cache: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--config", "tiny", "--batch-size", "2", "--budget-mib", "100", "--world-size", "2"]
+    argv += ["--distributed", "fsdp"]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--verify"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--verify and --sweep measure one process only" in err and err.count("\n") == 1
 
 
 @pytest.mark.slow
