@@ -93,6 +93,7 @@ def sweep(
             rows = measure(fw, workload, policies, steps, ratios if fw == "torch" else None)
             _attach(rows["rows"], hand, plans + randoms)
             compiled = _compiled(rows["rows"])
+            plans += _at_measured_balanced(fw, workload, profile, hand["balanced"], margin, steps)
             doc["frameworks"].setdefault(fw, {})["measure_method"] = rows["method"]
         doc["frameworks"].setdefault(fw, {}).update(
             hand=hand, plans=plans, random=randoms, compiled=compiled, margin=margin,
@@ -101,6 +102,25 @@ def sweep(
             step_time_s=profile.step_time_s, efficiency=efficiency(profile, workload),
         )  # fmt: skip
     return doc
+
+
+def _at_measured_balanced(
+    fw: str, workload: Workload, profile: Profile, balanced: dict[str, Any], margin: float, steps: int
+) -> list[dict[str, Any]]:
+    """The plan at ``balanced``'s measured peak (known only now), measured in a process of its own
+    beside ``none`` and ``balanced``: the issue's question, "what would the planner do with the
+    memory balanced uses"."""
+    budget = balanced["measured_peak_bytes"]
+    try:
+        sol = solve(profile, workload.spec, budget, margin)
+    except Infeasible:
+        return []
+    entry = {"budget_bytes": budget, "plan": sol.policy, "at": "balanced's measured peak"}
+    entry |= _predicted(profile, sol.prediction)
+    rows = measure(fw, workload, ["none", "balanced", sol.policy], steps)["rows"]
+    _attach(rows, {}, [entry])
+    entry["balanced_measured_overhead_here"] = rows["balanced"]["step_time_s"] / rows["none"]["step_time_s"] - 1
+    return [entry]
 
 
 def _compiled(rows: dict[str, Any]) -> dict[str, Any]:
@@ -154,14 +174,13 @@ def against_balanced(doc: dict[str, Any]) -> str:
     """What the planner picks at ``balanced``'s predicted peak, beside ``balanced`` (both measured)."""
     lines = []
     for fw, data in doc["frameworks"].items():
-        at = [p for p in data["plans"] if p.get("at")]
         b = data["hand"]["balanced"]
-        if at and "measured_peak_bytes" in at[0] and "measured_peak_bytes" in b:
-            p = at[0]
+        for p in (p for p in data["plans"] if p.get("at") and "measured_peak_bytes" in p):
             lines.append(
-                f"{fw}: at balanced's peak the planner picks {p['plan']}: {p['measured_peak_bytes'] / MIB:.1f} MiB, "
-                f"{100 * p['measured_overhead']:+.1f}%; balanced: {b['measured_peak_bytes'] / MIB:.1f} MiB, "
-                f"{100 * b['measured_overhead']:+.1f}%"
+                f"{fw}: at {p['at']} ({p['budget_bytes'] / MIB:.1f} MiB) the planner picks {p['plan']}: "
+                f"{p['measured_peak_bytes'] / MIB:.1f} MiB, {100 * p['measured_overhead']:+.1f}%; balanced: "
+                f"{b['measured_peak_bytes'] / MIB:.1f} MiB, "
+                f"{100 * p.get('balanced_measured_overhead_here', b['measured_overhead']):+.1f}%"
             )
     return "\n".join(lines)
 
