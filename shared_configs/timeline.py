@@ -14,6 +14,9 @@ for both frameworks:
   highest live bytes at u's forward/backward positions minus K(u);
 * buffers that exist before the step (parameters, optimizer state, inputs: ``static``) or live to
   its end (its outputs) belong to no unit: they sit inside every peak.
+
+`benchmarks.timeline` is the benchmark's picture of a step (levels per kind, thinned for a
+figure); it keeps no buffer, so it cannot attribute bytes to units, and this cannot draw.
 """
 
 from __future__ import annotations
