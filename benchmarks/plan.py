@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="--sweep --verify: also measure N random per-unit plans (the peak model's error)",
     )
+    p.add_argument("--solve-times", action="store_true",
+                   help="time the solver at 13 budgets from the smallest feasible to none's peak")  # fmt: skip
     p.add_argument(
         "--efficiency",
         action="store_true",
@@ -210,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
             for fw, data in doc["frameworks"].items():
                 print(f"{fw}: MiB freed per recompute-second\n" + plan_sweep.efficiency_table(data["efficiency"]))
             print("wrote", ", ".join(map(str, plan_sweep.write(doc, args.sweep))))
+            return 0
+        if args.solve_times:
+            frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
+            times = plan_sweep.solve_times([get_profile(fw, workload) for fw in frameworks], workload)
+            print(f"solver on {workload.spec.name} ({'+'.join(frameworks)}, {times['unit_choices']} unit choices): "
+                  f"{times['budgets']} budgets, median {times['median_s']:.2f} s, "
+                  f"max {times['max_s']:.2f} s")  # fmt: skip
             return 0
         if args.efficiency:
             for fw in FRAMEWORKS if args.framework == "both" else (args.framework,):

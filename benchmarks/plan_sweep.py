@@ -11,6 +11,7 @@ policies measured).
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,22 @@ def frontier(profile: Profile, workload: Workload, points: int = 24) -> list[dic
         sol = solve(profile, spec, int(low + (high - low) * i / points))
         out.append(_predicted(profile, sol.prediction) | {"budget_bytes": int(low + (high - low) * i / points)})
     return out
+
+
+def solve_times(profiles: list[Profile], workload: Workload, points: int = 12) -> dict[str, Any]:
+    """Seconds the solver takes at ``points + 1`` budgets from the smallest feasible to ``none``'s
+    predicted peak (one plan for all ``profiles``), and the size of the programme."""
+    spec = workload.spec
+    low = max(p.peak_bytes for p in smallest_peak(profiles, spec).predictions)
+    high = max(predict(p, spec, {}).peak_bytes for p in profiles)
+    seconds = []
+    for i in range(points + 1):
+        start = time.perf_counter()
+        solve(profiles, spec, int(low + (high - low) * i / points))
+        seconds.append(time.perf_counter() - start)
+    units = sum(len(per) for per in profiles[0].units.values())
+    return {"budgets": len(seconds), "unit_choices": units, "median_s": float(np.median(seconds)),
+            "max_s": max(seconds), "seconds": seconds}  # fmt: skip
 
 
 def _predicted(profile: Profile, prediction: Any) -> dict[str, Any]:
