@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
             times = plan_sweep.solve_times([get_profile(fw, workload) for fw in frameworks], workload)
             print(f"solver on {workload.spec.name} ({'+'.join(frameworks)}, {times['unit_choices']} unit choices): "
-                  f"{times['budgets']} budgets, median {times['median_s']:.2f} s, "
-                  f"max {times['max_s']:.2f} s")  # fmt: skip
+                  f"{times['budgets']} budgets, wall median {times['median_s']:.2f} s, max {times['max_s']:.2f} s; "
+                  f"CPU median {times['median_cpu_s']:.2f} s, max {times['max_cpu_s']:.2f} s")  # fmt: skip
             return 0
         if args.efficiency:
             for fw in FRAMEWORKS if args.framework == "both" else (args.framework,):

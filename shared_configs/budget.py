@@ -243,6 +243,8 @@ def per_rank(profile: Profile, world_size: int = 1, distributed: str = "ddp") ->
         raise SpecError(f"--world-size: expected a positive integer, got {world_size!r}")
     if distributed == "ddp" or world_size == 1:
         return profile
+    if not profile.static_bytes:  # a profile from before these fields: sharding it would change nothing, silently
+        raise SpecError("profile: no parameter or optimizer bytes recorded (made by an older planner); profile again")
     share = 1 - 1 / world_size
     shed = round(share * (profile.static_bytes - profile.block_param_bytes))
     units = {
