@@ -133,13 +133,34 @@ def _write(cache_dir: str | None, key: str, plan: MemoryPlan) -> None:
     os.replace(tmp, folder / f"{key}.json")
 
 
-def _parse(folder: Path, analysis: Any) -> MemoryPlan:
-    """The plan from one dump (the files of the module named ``jit_train_step``)."""
+@dataclass
+class Dump:
+    """The dump files of one compiled ``jit_train_step``, parsed (`benchmarks.xla_dump` files the
+    same values by U-Net unit for the planner)."""
+
+    sequence: list[str]  # XLA's schedule: instruction names in order
+    ranges: dict[tuple[str, str], tuple[int, int]]  # (instruction, shape index) -> [start, end] position
+    allocations: list[_Allocation]
+    hlo: _Hlo
+    live_range_text: str
+
+
+def read_dump(folder: str | Path) -> Dump:
+    """Parse the dump XLA wrote into ``folder`` for the compiled training step."""
+    folder = Path(folder)
     stem = _dump_stem(folder)
     live_range = (folder / f"{stem}-live-range.txt").read_text()
     sequence, ranges = _live_ranges(live_range)
     allocations = _allocations((folder / f"{stem}-buffer-assignment.txt").read_text())
-    hlo = _Hlo((folder / f"{stem}.txt").read_text())
+    return Dump(sequence, ranges, allocations, _Hlo((folder / f"{stem}.txt").read_text()), live_range)
+
+
+def _parse(folder: Path, analysis: Any) -> MemoryPlan:
+    """The plan from one dump (the files of the module named ``jit_train_step``)."""
+    dump = read_dump(folder)
+    sequence, ranges, allocations, hlo, live_range = (
+        dump.sequence, dump.ranges, dump.allocations, dump.hlo, dump.live_range_text
+    )  # fmt: skip
     series, live = _live_bytes(allocations, ranges, hlo, len(sequence))
     total = (
         analysis.argument_size_in_bytes

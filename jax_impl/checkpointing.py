@@ -9,12 +9,13 @@ Two places use this module, and only these: the U-Net assembly picks each block'
 `block_class`, and a block builds its ResNets/attentions with `build`, given the (hashable) tuple
 of its own layer names that the plan recomputes.
 
-Op-level plans (``plan.save``) become the remat ``policy``: the layers tag their outputs with
-``checkpoint_name`` (``"conv"``, ``"matmul"``, ``"attention"``, ``"norm"``, see `layers.py`) and
-`remat_policy` keeps exactly the named ones: `jax.checkpoint_policies.save_only_these_names`, or
-with ``offload`` `save_and_offload_only_these_names` (device -> pinned host). A layer-level plan
-reaches the blocks through their ``recompute`` tuple: `layers_of` appends one marker entry,
-``"/save=conv,matmul[/offload]"`` (names never contain ``/``), which `build` reads back.
+Op-level plans (``plan.save_for(name)``, per unit) become the remat ``policy``: the layers tag
+their outputs with ``checkpoint_name`` (``"conv"``, ``"matmul"``, ``"attention"``, ``"norm"``, see
+`layers.py`) and `remat_policy` keeps exactly the named ones:
+`jax.checkpoint_policies.save_only_these_names`, or with ``offload``
+`save_and_offload_only_these_names` (device -> pinned host). A layer-level plan reaches the blocks
+through their ``recompute`` tuple: `layers_of` adds, after each layer that keeps ops, a marker entry
+``"resnets.0/save=conv,matmul[/offload]"`` (names never contain ``/``), which `build` reads back.
 """
 
 from __future__ import annotations
@@ -84,24 +85,27 @@ def remat(cls: M, save: tuple[str, ...] = (), offload: bool = False) -> M:
 
 def block_class(cls: M, name: str, plan: CheckpointPlan) -> M:
     """The class to instantiate for block ``name`` (``down.1``, ``mid``, ...) under ``plan``."""
-    return remat(cls, plan.save, _offload_here(plan.offload)) if name in plan else cls
+    return remat(cls, plan.save_for(name), _offload_here(plan.offload)) if name in plan else cls
 
 
 def layers_of(block: str, plan: CheckpointPlan) -> tuple[str, ...]:
-    """The plan's recomputed layers inside ``block``, relative to it: ``("resnets.0", ...)``,
-    followed by the ``"/save=..."`` marker when the plan saves ops and recomputes any of them."""
+    """The plan's recomputed layers inside ``block``, relative to it: ``("resnets.0", ...)``, each
+    followed by its ``"resnets.0/save=..."`` marker when it keeps op outputs."""
     prefix = f"{block}."
-    names = tuple(name.removeprefix(prefix) for name in plan.recompute if name.startswith(prefix))
-    if names and plan.save:
-        names += (_MARKER + "save=" + ",".join(plan.save) + ("/offload" if plan.offload else ""),)
+    names: tuple[str, ...] = ()
+    for name in plan.recompute:
+        if name.startswith(prefix):
+            names += (name.removeprefix(prefix),)
+            if save := plan.save_for(name):
+                names += (names[-1] + _MARKER + "save=" + ",".join(save) + ("/offload" if plan.offload else ""),)
     return names
 
 
-def _ops_of(recompute: Collection[str]) -> tuple[tuple[str, ...], bool]:
-    """(save, offload) from the marker entry of a block's ``recompute`` tuple."""
+def _ops_of(recompute: Collection[str], name: str) -> tuple[tuple[str, ...], bool]:
+    """(save, offload) of layer ``name`` from its marker entry in a block's ``recompute`` tuple."""
     for entry in recompute:
-        if entry.startswith(_MARKER):
-            mods = entry.removeprefix(_MARKER).split("/")
+        if entry.startswith(name + _MARKER):
+            mods = entry.removeprefix(name + _MARKER).split("/")
             return tuple(mods[0].removeprefix("save=").split(",")), "offload" in mods[1:]
     return (), False
 
@@ -113,7 +117,7 @@ def build(factory: Callable[..., nn.Module], name: str, recompute: Collection[st
     """
     if name not in recompute:
         return factory(*args)
-    save, offload = _ops_of(recompute)
+    save, offload = _ops_of(recompute, name)
     offload = _offload_here(offload)
     if isinstance(factory, functools.partial):
         return functools.partial(remat(factory.func, save, offload), *factory.args, **factory.keywords)(*args)

@@ -20,6 +20,11 @@ rest of the block is recomputed. The op vocabulary, `OP_CLASSES`, is the same in
     save_convs                     a preset: full/save=conv,matmul
     offload_convs                  a preset: full/save=conv,matmul/offload
 
+A plan can give different units different save sets: groups separated by ``;``, each one of the
+forms above, over disjoint names. The planner (`shared_configs.budget`) writes such plans::
+
+    down.0,up.2;down.1,mid/save=conv,matmul    down.0 and up.2 fully recomputed, down.1 and mid selective
+
 From code: ``resolve_plan(spec, "full", save=("conv",), offload=False)``; in YAML the spec's
 ``checkpoint`` field takes the same strings.
 """
@@ -56,6 +61,19 @@ class CheckpointPlan:
     recompute: tuple[str, ...]
     save: tuple[str, ...] = ()
     offload: bool = False
+    # Per-name save sets of a ``;``-grouped plan, for the names whose set differs from ``save``.
+    unit_save: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def save_for(self, name: str) -> tuple[str, ...]:
+        """The op classes recomputed unit ``name`` keeps (``()`` for a name the plan does not recompute)."""
+        if name not in self.recompute:
+            return ()
+        return dict(self.unit_save).get(name, self.save)
+
+    @property
+    def saves(self) -> bool:
+        """Whether any recomputed unit keeps op outputs."""
+        return bool(self.save) or any(ops for _, ops in self.unit_save)
 
     def __contains__(self, name: object) -> bool:
         return name in self.recompute
@@ -131,10 +149,13 @@ def resolve_plan(
         plan = _resolve_base(spec, policy)
     if save is None and offload is None:
         return _check_ops(plan)
+    if plan.unit_save and save is None:
+        raise SpecError(f"offload: give {plan.policy!r} its /offload inside each ';' group")
     new_save = plan.save if save is None else _ops(save)
     new_offload = plan.offload if offload is None else bool(offload)
-    name = plan.policy.split("/")[0] + _suffix(new_save, new_offload)
-    return _check_ops(replace(plan, policy=name, save=new_save, offload=new_offload))
+    base = ",".join(plan.recompute) if ";" in plan.policy else plan.policy.split("/")[0]
+    name = base + _suffix(new_save, new_offload)
+    return _check_ops(replace(plan, policy=name, save=new_save, offload=new_offload, unit_save=()))
 
 
 def _resolve_base(spec: UNetSpec, policy: Policy) -> CheckpointPlan:
@@ -143,6 +164,8 @@ def _resolve_base(spec: UNetSpec, policy: Policy) -> CheckpointPlan:
     if not isinstance(policy, str):
         return _explicit(spec, list(policy))
     key = policy.strip()
+    if ";" in key:
+        return _groups(spec, key)
     if key in PRESETS:
         base, ops, offload = PRESETS[key]
         return CheckpointPlan(key, tuple(_NAMED[base](spec)), ops, offload)
@@ -175,6 +198,23 @@ def _with_modifiers(spec: UNetSpec, key: str) -> CheckpointPlan:
     return replace(plan, policy=f"{plan.policy}{_suffix(save, offload)}", save=save, offload=offload)
 
 
+def _groups(spec: UNetSpec, key: str) -> CheckpointPlan:
+    """``GROUP;GROUP...``: each group a policy of its own, over disjoint names, with its own save set."""
+    plans = [_check_ops(_resolve_base(spec, part)) for part in key.split(";") if part.strip()]
+    names = [name for plan in plans for name in plan.recompute]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise SpecError(f"policy: {twice[0]!r} is named in two ';' groups of {key!r}")
+    offloads = {plan.offload for plan in plans if plan.save}
+    if len(offloads) > 1:
+        raise SpecError(f"offload: every ';' group of {key!r} that saves ops must say /offload, or none")
+    merged = _explicit(spec, names)
+    save_of = {name: plan.save for plan in plans for name in plan.recompute}
+    unit_save = tuple((name, save_of[name]) for name in merged.recompute if save_of[name])
+    policy = ";".join(plan.policy for plan in plans if plan.recompute) or "none"
+    return CheckpointPlan(policy, merged.recompute, (), offloads == {True}, unit_save)
+
+
 def _ops(names: Iterable[str]) -> tuple[str, ...]:
     """Validated op classes in `OP_CLASSES` order, duplicates dropped."""
     if isinstance(names, str):
@@ -194,7 +234,7 @@ def _check_ops(plan: CheckpointPlan) -> CheckpointPlan:
     _ops(plan.save)
     if plan.save and not plan.recompute:
         raise SpecError(f"save: policy {plan.policy!r} recomputes no block, so there is nothing to save inside")
-    if plan.offload and not plan.save:
+    if plan.offload and not plan.saves:
         raise SpecError(
             f"offload: policy {plan.policy!r} saves no op to offload; add save=OP, e.g. full/save=conv/offload"
         )

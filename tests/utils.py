@@ -229,6 +229,27 @@ def torchrun_train(cfg: TrainConfig, nproc: int = 2, timeout: float = 300) -> li
     return json.loads((Path(cfg.out) / "losses.json").read_text())
 
 
+def random_profile(spec: UNetSpec, seed: int, framework: str = "test") -> Any:
+    """A `shared_configs.budget.Profile` of ``spec`` with random per-unit figures (MiB scale):
+    for solver and CLI tests that need a profile but not a measurement."""
+    from shared_configs.budget import CHOICES, PLAIN, Cost, Profile, block_layers, is_pseudo
+
+    mib = 2**20
+    rng = np.random.default_rng(seed)
+    units: dict[str, dict[str, Cost]] = {}
+    names = ["stem", "head"] + [n for b, layers in block_layers(spec).items() for n in (b, *layers)]
+    for name in names:
+        block = name in block_layers(spec)
+        choices = (PLAIN,) if is_pseudo(name) else CHOICES[1:] if block else CHOICES
+        units[name] = {}
+        for c in choices:
+            keep = int(rng.integers(1, 40)) * mib // (4 if c != PLAIN else 1)
+            peak = keep + int(rng.integers(0, 60)) * mib
+            seconds = float(rng.uniform(0.1, 1.0)) * (c != PLAIN)
+            units[name][c] = Cost(keep, peak // 2, peak, seconds, 1e9 * seconds)
+    return Profile(framework, spec.name, spec.sample_size, 2, units, opt_peak=20 * mib, step_time_s=1.0, scale=1.03)
+
+
 def count_flops(model: Any, inputs: tuple, backward: bool) -> tuple[int, dict[str, int]]:
     """FLOPs of ``model(*inputs)`` (and of ``.sum().backward()``), total and per module (``down.0``, ...).
 

@@ -4,7 +4,7 @@ A recomputed block keeps its place (and its `state_dict` keys): only its instanc
 is shadowed by one that runs the class's forward under `torch.utils.checkpoint.checkpoint`
 (non-reentrant, RNG state stashed and replayed so dropout masks match on recompute).
 
-Op-level plans (``plan.save``) use selective activation checkpointing: the checkpoint's
+Op-level plans (``plan.save_for(block)``, per block) use selective activation checkpointing: the checkpoint's
 ``context_fn`` is `create_selective_checkpoint_contexts` with a policy over aten ops
 (`ATEN_OPS`, the same op classes as `shared_configs.plan.OP_CLASSES` and the JAX tags).
 `context_fn` is built in one place, `make_context_fn`, so further contexts (BatchNorm's) compose in.
@@ -78,12 +78,14 @@ def _tensor_device(args: tuple) -> torch.device | None:
     return next((a.device for a in args if isinstance(a, torch.Tensor)), None)
 
 
-def _policy_fn(block: str, plan: CheckpointPlan, warned: list[bool], ctx: Any, op: Any, *args: Any, **kw: Any) -> Any:
+def _policy_fn(
+    block: str, save: tuple[str, ...], offload: bool, warned: list[bool], ctx: Any, op: Any, *args: Any, **kw: Any
+) -> Any:
     cls = op_class(op)
-    if cls is None or cls not in plan.save:
+    if cls is None or cls not in save:
         return CheckpointPolicy.PREFER_RECOMPUTE
     decision = CheckpointPolicy.MUST_SAVE
-    if plan.offload:
+    if offload:
         device = _tensor_device(args)
         if device is not None and device.type == "cpu":
             if not warned[0]:
@@ -101,9 +103,10 @@ def make_context_fn(block: str, plan: CheckpointPlan) -> Callable[[], tuple[Any,
 
     The one place checkpoint contexts are made: a second context (e.g. BatchNorm's) composes here.
     """
-    if not plan.save:
+    save = plan.save_for(block)
+    if not save:
         return None
-    policy = functools.partial(_policy_fn, block, plan, [False])
+    policy = functools.partial(_policy_fn, block, save, plan.offload, [False])
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 

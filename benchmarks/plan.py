@@ -1,0 +1,236 @@
+"""The cheapest checkpoint plan for a model, batch and memory budget, predicted and (--verify) measured.
+
+    python -m benchmarks.plan --config small --sample-size 32 --batch-size 4 --budget-mib 1200
+    python -m benchmarks.plan ... --framework both --verify --json plan.json
+    python -m benchmarks.plan --config small --sample-size 32 --batch-size 4 --sweep out/ --verify
+    python -m benchmarks.plan --config sd15 --sample-size 64 --batch-size 8 --budget-mib 24576 --shapes
+
+Prints the plan as the policy string `UNet.enable_gradient_checkpointing` and
+`jax_impl.UNet(policy=...)` accept (and a spec's ``checkpoint:`` YAML line), its predicted peak
+and step-time overhead per framework. The method is in docs/planning.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+from benchmarks import plan_sweep
+from benchmarks.cli import cli_errors
+from benchmarks.planner import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S, FRAMEWORKS, Workload, get_profile, measure
+from benchmarks.report import write_json
+from shared_configs import SpecError
+from shared_configs.budget import DISTRIBUTED, per_rank, safety_margin
+from shared_configs.solver import solve
+
+MIB = 2**20
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, no usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _mib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of MiB, got {text!r}")
+    return value
+
+
+def _ratios(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected ratios in (0, 1] separated by commas, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m benchmarks.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="a preset name (small, sd15, ...) or a spec YAML path")
+    p.add_argument("--sample-size", type=_positive_int, help="the side of the (latent) image (default: the spec's)")
+    p.add_argument("--batch-size", type=_positive_int, required=True, help="the training batch")
+    p.add_argument("--budget-mib", type=_mib, help="the step's memory budget, MiB (required but for --sweep)")
+    p.add_argument("--framework", choices=("torch", "jax", "both"), default="torch",
+                   help="plan for this framework; both: one plan that fits in each (default torch)")  # fmt: skip
+    p.add_argument("--world-size", type=_positive_int, default=1,
+                   help="ranks, each training --batch-size samples (default 1)")  # fmt: skip
+    p.add_argument("--distributed", choices=DISTRIBUTED, default="ddp",
+                   help="with --world-size: fsdp shards parameters and optimizer state (ddp)")  # fmt: skip
+    p.add_argument("--verify", action="store_true", help="measure the plan (and none) and print predicted vs measured")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the plan, predictions and measurements here")
+    p.add_argument("--sweep", type=Path, metavar="DIR", help="draw the frontier (PNG + JSON) with the hand policies")
+    p.add_argument("--budgets", type=_positive_int, default=5, help="--sweep: budgets from full's to none's peak (5)")
+    p.add_argument("--shapes", action="store_true", help="profile from shapes only: nothing allocated or run")
+    p.add_argument(
+        "--flops-per-s",
+        type=float,
+        default=DEFAULT_FLOPS_PER_S,
+        help="--shapes: conv/matmul/attention throughput for time (default %(default).0e FLOP/s)",
+    )
+    p.add_argument(
+        "--bytes-per-s",
+        type=float,
+        default=DEFAULT_BYTES_PER_S,
+        help="--shapes: memory bandwidth for elementwise recompute (default %(default).0e B/s)",
+    )
+    p.add_argument("--attention-chunk", type=_positive_int, help="JAX: query-chunked attention (UNet(attention_chunk))")
+    p.add_argument("--context-length", type=_positive_int, default=77, help="cross-attention tokens (77)")
+    p.add_argument("--steps", type=_positive_int, default=3, help="--verify: timed steps per policy (3)")
+    p.add_argument(
+        "--torch-compile",
+        type=_ratios,
+        metavar="R,R",
+        default=[],
+        help="--sweep --verify: also torch.compile at these activation_memory_budget ratios (minutes each)",
+    )
+    p.add_argument(
+        "--random-plans",
+        type=_positive_int,
+        default=0,
+        metavar="N",
+        help="--sweep --verify: also measure N random per-unit plans (the peak model's error)",
+    )
+    p.add_argument("--solve-times", action="store_true",
+                   help="time the solver at 13 budgets from the smallest feasible to none's peak")  # fmt: skip
+    p.add_argument(
+        "--efficiency",
+        action="store_true",
+        help="print MiB freed per recompute-second by level and unit kind (from the profile)",
+    )
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.budget_mib is None and args.sweep is None:
+        raise SpecError("--budget-mib: required (a positive number of MiB), unless --sweep")
+    sharded = args.distributed == "fsdp" and args.world_size > 1
+    if sharded and (args.verify or args.sweep is not None):
+        raise SpecError("--world-size with --distributed fsdp: --verify and --sweep measure one process only")
+    for flag in ("flops_per_s", "bytes_per_s"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value > 0):
+            raise SpecError(f"--{flag.replace('_', '-')}: expected a positive number, got {value!r}")
+
+
+def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
+    """The --json document: the plan, the budget, per framework the predictions (and measurements)."""
+    frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
+    budget = int(args.budget_mib * MIB)
+    measured = [get_profile(fw, workload) for fw in frameworks]
+    margin = max(safety_margin(p, workload.spec) for p in measured)  # from what the profile measured
+    profiles = [per_rank(p, args.world_size, args.distributed) for p in measured]
+    start = time.perf_counter()
+    sol = solve(profiles, workload.spec, budget, margin)
+    solve_s = time.perf_counter() - start
+    per_fw: dict[str, Any] = {}
+    for fw, profile, pred in zip(frameworks, profiles, sol.predictions, strict=True):
+        per_fw[fw] = {
+            "predicted_peak_bytes": pred.peak_bytes,
+            "predicted_overhead": pred.overhead(profile),
+            "recompute_flops": pred.flops,
+            "peak_at": pred.peak_unit,
+            "time_method": "measured"
+            if profile.mode == "measured"
+            else f"estimated: FLOPs at {profile.flops_per_s:.3g} FLOP/s + elementwise bytes at "
+            f"{args.bytes_per_s:.3g} B/s",
+        }
+        if args.verify:
+            rows = measure(fw, workload, ["none", sol.policy], args.steps)["rows"]
+            per_fw[fw]["measured_peak_bytes"] = rows[sol.policy]["peak_bytes"]
+            per_fw[fw]["measured_overhead"] = rows[sol.policy]["step_time_s"] / rows["none"]["step_time_s"] - 1
+    doc = {"plan": sol.policy, "budget_bytes": budget, "frameworks": per_fw}
+    ranks = {"world_size": args.world_size, "distributed": args.distributed}
+    return doc | {"margin": margin, "solve_seconds": solve_s} | ranks
+
+
+def _ranks(doc: dict[str, Any]) -> str:
+    n = doc.get("world_size", 1)
+    return f" per rank of {n} ({doc['distributed']})" if n > 1 else ""
+
+
+def render(doc: dict[str, Any], workload: Workload) -> str:
+    spec = workload.spec
+    lines = [
+        f"plan for {spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size}{_ranks(doc)}, "
+        f"budget {doc['budget_bytes'] / MIB:.1f} MiB, planned {100 * doc['margin']:.1f}% below it "
+        f"(the model's error on its profile steps, and 0.5%; solved in {doc['solve_seconds']:.2f} s):",
+        f"  policy: {doc['plan']}",
+        f"  yaml:   checkpoint: {json.dumps(doc['plan'])}",
+    ]
+    for fw, d in doc["frameworks"].items():
+        line = (f"  {fw}: predicted peak {d['predicted_peak_bytes'] / MIB:.1f} MiB (at {d['peak_at']}), "
+                f"overhead {100 * d['predicted_overhead']:+.1f}% ({d['time_method']}), "
+                f"recompute {d['recompute_flops'] / 1e9:.1f} GFLOP")  # fmt: skip
+        if "measured_peak_bytes" in d:
+            err = d["predicted_peak_bytes"] / d["measured_peak_bytes"] - 1
+            line += (f"; measured peak {d['measured_peak_bytes'] / MIB:.1f} MiB (prediction {100 * err:+.1f}%), "
+                     f"overhead {100 * d['measured_overhead']:+.1f}%")  # fmt: skip
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with cli_errors("plan"):
+        _check(args)
+        workload = Workload.of(
+            args.config,
+            args.sample_size,
+            batch_size=args.batch_size,
+            context_length=args.context_length,
+            attention_chunk=args.attention_chunk,
+            shapes=args.shapes,
+            flops_per_s=args.flops_per_s,
+            bytes_per_s=args.bytes_per_s,
+        )
+        if args.sweep is not None:
+            frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
+            doc = plan_sweep.sweep(
+                workload, frameworks, args.budgets, args.verify, args.steps, args.torch_compile, args.random_plans
+            )
+            print(plan_sweep.table(doc))
+            print(plan_sweep.errors(doc))
+            print(plan_sweep.against_balanced(doc))
+            for fw, data in doc["frameworks"].items():
+                print(f"{fw}: MiB freed per recompute-second\n" + plan_sweep.efficiency_table(data["efficiency"]))
+            print("wrote", ", ".join(map(str, plan_sweep.write(doc, args.sweep))))
+            return 0
+        if args.solve_times:
+            frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
+            times = plan_sweep.solve_times([get_profile(fw, workload) for fw in frameworks], workload)
+            print(f"solver on {workload.spec.name} ({'+'.join(frameworks)}, {times['unit_choices']} unit choices): "
+                  f"{times['budgets']} budgets, wall median {times['median_s']:.2f} s, max {times['max_s']:.2f} s; "
+                  f"CPU median {times['median_cpu_s']:.2f} s, max {times['max_cpu_s']:.2f} s")  # fmt: skip
+            return 0
+        if args.efficiency:
+            for fw in FRAMEWORKS if args.framework == "both" else (args.framework,):
+                print(
+                    f"{fw}:\n" + plan_sweep.efficiency_table(plan_sweep.efficiency(get_profile(fw, workload), workload))
+                )
+        doc = plan_document(args, workload)
+        print(render(doc, workload))
+        if args.json is not None:
+            write_json(args.json, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

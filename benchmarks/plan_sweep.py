@@ -1,0 +1,317 @@
+"""The planner's frontier (recompute cost against budget) beside the hand policies, measured.
+
+For each framework: the profile's predictions of the hand policies set the budgets (spread from
+``full``'s predicted peak to ``none``'s); the planner solves each; then one measuring process per
+framework runs every hand policy and every plan with the benchmark's instruments, so each
+overhead is a ratio to ``none`` measured in the same process. The result is a JSON document and a
+PNG (step-time overhead against peak memory: the predicted frontier, the plans measured, the hand
+policies measured).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")  # files only; never a window
+import matplotlib.pyplot as plt
+
+from benchmarks.planner import Workload, get_profile, measure
+from benchmarks.report import atomic_write, write_json
+from shared_configs.budget import Profile, assignment_of, policy_string, predict, random_assignment, safety_margin
+from shared_configs.solver import Infeasible, smallest_peak, solve
+
+HAND_POLICIES = ("none", "full", "balanced", "layers", "save_convs", "layers/save=conv,matmul")
+MIB = 2**20
+
+
+def budgets(profile: Profile, workload: Workload, count: int) -> list[int]:
+    """``count`` budgets from ``full``'s predicted peak up to, not including, ``none``'s."""
+    spec = workload.spec
+    low = predict(profile, spec, assignment_of(spec, "full")).peak_bytes
+    high = predict(profile, spec, {}).peak_bytes
+    return [int(low + (high - low) * i / count) for i in range(count)]
+
+
+def frontier(profile: Profile, workload: Workload, points: int = 24) -> list[dict[str, Any]]:
+    """The planner's predicted (peak, overhead) from its smallest feasible budget to ``none``'s peak."""
+    spec = workload.spec
+    low = smallest_peak(profile, spec).prediction.peak_bytes
+    high = predict(profile, spec, {}).peak_bytes
+    out = []
+    for i in range(points + 1):
+        sol = solve(profile, spec, int(low + (high - low) * i / points))
+        out.append(_predicted(profile, sol.prediction) | {"budget_bytes": int(low + (high - low) * i / points)})
+    return out
+
+
+def solve_times(profiles: list[Profile], workload: Workload, points: int = 12) -> dict[str, Any]:
+    """Seconds the solver takes at ``points + 1`` budgets from the smallest feasible to ``none``'s
+    predicted peak (one plan for all ``profiles``), and the size of the programme."""
+    spec = workload.spec
+    low = max(p.peak_bytes for p in smallest_peak(profiles, spec).predictions)
+    high = max(predict(p, spec, {}).peak_bytes for p in profiles)
+    seconds, cpu = [], []  # wall and CPU: on a shared machine the wall clock also measures the neighbours
+    for i in range(points + 1):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        solve(profiles, spec, int(low + (high - low) * i / points))
+        seconds.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
+    units = sum(len(per) for per in profiles[0].units.values())
+    return {"budgets": len(seconds), "unit_choices": units, "median_s": float(np.median(seconds)),
+            "max_s": max(seconds), "seconds": seconds, "median_cpu_s": float(np.median(cpu)),
+            "max_cpu_s": max(cpu)}  # fmt: skip
+
+
+def _predicted(profile: Profile, prediction: Any) -> dict[str, Any]:
+    return {
+        "predicted_peak_bytes": prediction.peak_bytes,
+        "predicted_overhead": prediction.overhead(profile),
+        "recompute_flops": prediction.flops,
+    }
+
+
+def sweep(
+    workload: Workload,
+    frameworks: tuple[str, ...],
+    count: int,
+    verify: bool,
+    steps: int,
+    ratios: list[float] | None = None,
+    random_plans: int = 0,
+) -> dict[str, Any]:
+    """Per framework: budgets, the planner's plan at each (and at ``balanced``'s predicted peak), the
+    hand policies; measured if ``verify``, with torch.compile at ``ratios`` (torch) and
+    ``random_plans`` random per-unit mixes (seeded) to measure the peak model on."""
+    doc: dict[str, Any] = {"config": workload.spec.name, "sample_size": workload.spec.sample_size,
+                           "batch_size": workload.batch_size, "frameworks": {}}  # fmt: skip
+    for fw in frameworks:
+        profile = get_profile(fw, workload)
+        spec = workload.spec
+        hand = {p: _predicted(profile, predict(profile, spec, assignment_of(spec, p))) for p in HAND_POLICIES}
+        plans, margin = [], safety_margin(profile, spec)
+        for budget in [*budgets(profile, workload, count), hand["balanced"]["predicted_peak_bytes"]]:
+            try:
+                sol = solve(profile, spec, budget, margin)
+            except Infeasible:
+                continue
+            plans.append({"budget_bytes": budget, "plan": sol.policy, **_predicted(profile, sol.prediction)})
+        plans[-1]["at"] = "balanced's predicted peak"
+        compiled: dict[str, Any] = {}
+        rng = np.random.default_rng(0)
+        randoms = [{"plan": policy_string(random_assignment(spec, rng))} for _ in range(random_plans)]
+        for r in randoms:
+            r.update(_predicted(profile, predict(profile, spec, assignment_of(spec, r["plan"]))))
+        if verify:
+            policies = list(dict.fromkeys([*HAND_POLICIES, *(p["plan"] for p in plans), *(r["plan"] for r in randoms)]))
+            rows = measure(fw, workload, policies, steps, ratios if fw == "torch" else None)
+            _attach(rows["rows"], hand, plans + randoms)
+            compiled = _compiled(rows["rows"])
+            plans += _at_measured_balanced(fw, workload, profile, hand["balanced"], margin, steps)
+            doc["frameworks"].setdefault(fw, {})["measure_method"] = rows["method"]
+        doc["frameworks"].setdefault(fw, {}).update(
+            hand=hand, plans=plans, random=randoms, compiled=compiled, margin=margin,
+            frontier=frontier(profile, workload),
+            method=profile.meta.get("method"), profile_seconds=profile.meta.get("seconds"),
+            step_time_s=profile.step_time_s, efficiency=efficiency(profile, workload),
+        )  # fmt: skip
+    return doc
+
+
+def _at_measured_balanced(
+    fw: str, workload: Workload, profile: Profile, balanced: dict[str, Any], margin: float, steps: int
+) -> list[dict[str, Any]]:
+    """The plan at ``balanced``'s measured peak (known only now), measured in a process of its own
+    beside ``none`` and ``balanced``: the issue's question, "what would the planner do with the
+    memory balanced uses"."""
+    budget = balanced["measured_peak_bytes"]
+    try:
+        sol = solve(profile, workload.spec, budget, margin)
+    except Infeasible:
+        return []
+    entry = {"budget_bytes": budget, "plan": sol.policy, "at": "balanced's measured peak"}
+    entry |= _predicted(profile, sol.prediction)
+    rows = measure(fw, workload, ["none", "balanced", sol.policy], steps)["rows"]
+    _attach(rows, {}, [entry])
+    entry["balanced_measured_overhead_here"] = rows["balanced"]["step_time_s"] / rows["none"]["step_time_s"] - 1
+    return [entry]
+
+
+def _compiled(rows: dict[str, Any]) -> dict[str, Any]:
+    """torch.compile rows, overheads against the eager ``none`` of the same process."""
+    base = rows["none"]["step_time_s"]
+    return {
+        name: {
+            "measured_allocator_peak_bytes": r["allocator_peak_bytes"],
+            "measured_overhead": r["step_time_s"] / base - 1,
+            "compile_s": r["compile_s"],
+        }
+        for name, r in rows.items()
+        if name.startswith("torch.compile:")
+    }
+
+
+def _attach(rows: dict[str, Any], hand: dict[str, Any], plans: list[dict[str, Any]]) -> None:
+    """Measured peaks and overheads (against ``none`` of the same process) into the predictions."""
+    base = rows["none"]["step_time_s"]
+    for policy, entry in [*hand.items(), *((p["plan"], p) for p in plans)]:
+        row = rows[policy]
+        entry["measured_peak_bytes"] = row["peak_bytes"]
+        entry["measured_overhead"] = row["step_time_s"] / base - 1
+        if "allocator_peak_bytes" in row:
+            entry["measured_allocator_peak_bytes"] = row["allocator_peak_bytes"]
+        entry["peak_error"] = entry["predicted_peak_bytes"] / row["peak_bytes"] - 1
+
+
+def table(doc: dict[str, Any]) -> str:
+    """Budget -> plan -> predicted vs measured, and the best measured hand policy that fits."""
+    lines = []
+    for fw, data in doc["frameworks"].items():
+        lines.append(f"{fw}: budget MiB | predicted -> measured peak MiB | overhead predicted -> measured | "
+                     "best hand policy that fits (measured) | plan")  # fmt: skip
+        for p in data["plans"]:
+            best = _best_fit(data["hand"], p["budget_bytes"])
+            if data.get("compiled") and "measured_allocator_peak_bytes" in p:
+                # allocator level on both sides: torch.compile runs eagerly under the tensor tracker
+                limit = p["measured_allocator_peak_bytes"]
+                best += " | torch.compile at the plan's allocator peak: " + _best_fit(data["compiled"], limit, True)
+            measured = p.get("measured_peak_bytes")
+            lines.append(
+                f"  {p['budget_bytes'] / MIB:8.1f} | {p['predicted_peak_bytes'] / MIB:8.1f} -> "
+                f"{measured / MIB if measured else float('nan'):8.1f} | {100 * p['predicted_overhead']:+6.1f}% -> "
+                f"{100 * p.get('measured_overhead', float('nan')):+6.1f}% | {best} | {p['plan']}"
+            )
+    return "\n".join(lines)
+
+
+def against_balanced(doc: dict[str, Any]) -> str:
+    """What the planner picks at ``balanced``'s predicted peak, beside ``balanced`` (both measured)."""
+    lines = []
+    for fw, data in doc["frameworks"].items():
+        b = data["hand"]["balanced"]
+        for p in (p for p in data["plans"] if p.get("at") and "measured_peak_bytes" in p):
+            lines.append(
+                f"{fw}: at {p['at']} ({p['budget_bytes'] / MIB:.1f} MiB) the planner picks {p['plan']}: "
+                f"{p['measured_peak_bytes'] / MIB:.1f} MiB, {100 * p['measured_overhead']:+.1f}%; balanced: "
+                f"{b['measured_peak_bytes'] / MIB:.1f} MiB, "
+                f"{100 * p.get('balanced_measured_overhead_here', b['measured_overhead']):+.1f}%"
+            )
+    return "\n".join(lines)
+
+
+def errors(doc: dict[str, Any]) -> str:
+    """The peak model's error over every measured plan (hand policies, planner plans, random mixes)."""
+    lines = []
+    for fw, data in doc["frameworks"].items():
+        entries = [*data["hand"].values(), *data["plans"], *data.get("random", [])]
+        errs = np.array([e["peak_error"] for e in entries if "peak_error" in e])
+        if errs.size:
+            lines.append(
+                f"{fw}: peak prediction error over {errs.size} measured plans: median {100 * np.median(errs):+.2f}%, "
+                f"|error| max {100 * np.abs(errs).max():.2f}%, within 5%: {100 * np.mean(np.abs(errs) <= 0.05):.0f}%"
+            )
+    return "\n".join(lines)
+
+
+def _best_fit(entries: dict[str, Any], budget: int, allocator: bool = False) -> str:
+    """The measured entry of least overhead whose measured (allocator-level) peak fits ``budget``."""
+    key = "measured_allocator_peak_bytes" if allocator else "measured_peak_bytes"
+    fits = [(e["measured_overhead"], name) for name, e in entries.items() if e.get(key, budget + 1) <= budget]
+    return f"{min(fits)[1]} {100 * min(fits)[0]:+.1f}%" if fits else "none fits"
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Overhead against peak per framework: predicted frontier, measured plans, hand policies."""
+    fws = list(doc["frameworks"])
+    fig, axes = plt.subplots(1, len(fws), figsize=(6.5 * len(fws), 4.8), squeeze=False)
+    for ax, fw in zip(axes[0], fws, strict=True):
+        data = doc["frameworks"][fw]
+        front = data["frontier"]
+        ax.step([f["predicted_peak_bytes"] / MIB for f in front], [100 * f["predicted_overhead"] for f in front],
+                where="post", color="tab:gray", label="planner, predicted")  # fmt: skip
+        measured = [p for p in data["plans"] if "measured_peak_bytes" in p]
+        ax.scatter([p["measured_peak_bytes"] / MIB for p in measured], [100 * p["measured_overhead"] for p in measured],
+                   marker="*", s=120, color="tab:red", label="planner, measured", zorder=3)  # fmt: skip
+        for name, h in data["hand"].items():
+            x, y = h.get("measured_peak_bytes", h["predicted_peak_bytes"]), h.get("measured_overhead")
+            y = h["predicted_overhead"] if y is None else y
+            ax.scatter([x / MIB], [100 * y], color="tab:blue", zorder=3)
+            ax.annotate(name, (x / MIB, 100 * y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xlabel("peak memory of the step (MiB)")
+        ax.set_ylabel("step-time overhead vs none (%)")
+        ax.set_title(f"{fw}: {doc['config']} {doc['sample_size']}x{doc['sample_size']}, batch {doc['batch_size']}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    atomic_write(path, lambda f: f.write(buf.getvalue()), binary=True)
+
+
+def write(doc: dict[str, Any], folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / "plan_sweep.json", folder / "plan_sweep.png"]
+    write_json(paths[0], doc)
+    plot(doc, paths[1])
+    return paths
+
+
+def _level(unit: str, levels: int) -> int:
+    """Resolution level of a unit (0 = full resolution): down.i -> i, up.i -> levels - 1 - i, mid deepest."""
+    kind, _, rest = unit.partition(".")
+    if kind == "mid":
+        return levels - 1
+    i = int(rest.split(".")[0])
+    return i if kind == "down" else levels - 1 - i
+
+
+def efficiency(profile: Profile, workload: Workload) -> list[dict[str, Any]]:
+    """Bytes a recompute frees per second it costs, per level and unit kind (the lesson's rule, measured).
+
+    Per layer (ResNet, attention/transformer) and per block: freed = its plain ``keep`` minus its
+    ``keep`` under the choice; seconds = the recompute time the profile measured. "sampler" rows
+    are each block minus its layers (the down/upsampler and the block's glue).
+    """
+    from shared_configs.budget import FULL, PLAIN, SELECTIVE, block_layers
+
+    spec, rows = workload.spec, []
+    levels = spec.num_levels
+    for block, layers in block_layers(spec).items():
+        for choice in (FULL, SELECTIVE):
+            per_layer = []
+            for name in layers:
+                if name in profile.units and choice in profile.units[name]:
+                    freed = profile.units[name][PLAIN].keep - profile.units[name][choice].keep
+                    per_layer.append((name, freed, profile.units[name][choice].time_s))
+            plain_block = sum(profile.units[n][PLAIN].keep for n in layers)
+            whole = profile.units[block][choice]
+            freed_block, seconds_block = plain_block - whole.keep, whole.time_s
+            kinds = [("resnet" if ".resnets." in n else "attention", n, f, t) for n, f, t in per_layer]
+            kinds.append(("block", block, freed_block, seconds_block))
+            kinds.append(("sampler", block, freed_block - sum(f for _, f, _ in per_layer),
+                          seconds_block - sum(t for _, _, t in per_layer)))  # fmt: skip
+            for kind, name, freed, seconds in kinds:
+                rows.append({"level": _level(name, levels), "kind": kind, "unit": name, "choice": choice,
+                             "freed_bytes": freed, "seconds": seconds,
+                             "mib_per_s": freed / MIB / seconds if seconds > 0 else None})  # fmt: skip
+    return rows
+
+
+def efficiency_table(rows: list[dict[str, Any]]) -> str:
+    """MiB freed per recompute-second, summed by (level, kind, choice)."""
+    groups: dict[tuple[int, str, str], list[float]] = {}
+    for r in rows:
+        acc = groups.setdefault((r["level"], r["kind"], r["choice"]), [0.0, 0.0])
+        acc[0] += r["freed_bytes"] / MIB
+        acc[1] += r["seconds"]
+    lines = ["level | kind | choice | freed MiB | recompute s | MiB per recompute-second"]
+    for (level, kind, choice), (freed, seconds) in sorted(groups.items()):
+        rate = f"{freed / seconds:10.0f}" if seconds > 0 else "         -"
+        lines.append(f"{level:5d} | {kind:9s} | {choice:16s} | {freed:9.1f} | {seconds:11.3f} | {rate}")
+    return "\n".join(lines)

@@ -1,0 +1,52 @@
+"""Profile or measure in one framework: ``python -m benchmarks.plan_worker REQUEST_JSON OUT_PATH``.
+
+Started by `benchmarks.planner` with the environment already set (``XLA_FLAGS`` before jax is
+imported); imports exactly one framework's profiler and writes its JSON result to ``OUT_PATH``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import write_json
+from shared_configs import spec_from_dict
+
+
+def run(request: dict[str, Any]) -> dict[str, Any]:
+    framework = request["framework"]
+    backend = importlib.import_module(f"benchmarks.profile_{framework}")
+    if framework == "torch":
+        backend.single_threaded()  # JAX: by XLA_FLAGS, set before the import (benchmarks.planner)
+    spec = spec_from_dict(request["spec"])
+    extra = {"attention_chunk": request["attention_chunk"]} if framework == "jax" else {}
+    if request["kind"] == "profile":
+        return backend.profile(
+            spec, request["batch_size"], request["context_length"], request["shapes"], request["repeats"], **extra
+        )
+    out = backend.measure(spec, request["batch_size"], request["policies"], request["context_length"],
+                          request["steps"], **extra)  # fmt: skip
+    if request.get("ratios"):  # torch.compile's activation_memory_budget, in the same process (same `none`)
+        compiled = backend.measure_compiled(spec, request["batch_size"], request["ratios"], request["context_length"],
+                                            request["steps"])  # fmt: skip
+        out["rows"] |= compiled["rows"]
+        out["compiled_method"] = compiled["method"]
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready: dataclasses (the profile's `Cost`) as dicts."""
+    return json.loads(json.dumps(value, default=asdict))
+
+
+def main(argv: list[str]) -> int:
+    write_json(Path(argv[1]), _plain(run(json.loads(argv[0]))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,234 @@
+"""Plan to a memory budget, from training code or the CLI: profile once (cached), solve, verify.
+
+    from benchmarks.planner import plan_for_budget
+    policy = plan_for_budget("small", batch_size=8, sample_size=32, budget_bytes=3 << 30, framework="torch")
+    model.enable_gradient_checkpointing(policy)         # torch
+    UNet(spec=spec, policy=policy)                       # JAX
+
+The profile of a (spec, batch, sample size, framework) is measured in a subprocess that imports
+only that framework (`benchmarks.plan_worker`; this module imports neither), and cached as JSON
+under ``$UNET_REMAT_PLAN_CACHE`` (default ``~/.cache/unet-remat/plan``) keyed by everything it
+depends on. ``shapes=True`` profiles without allocating (fake tensors; XLA compiled, never run):
+time is then FLOPs at ``flops_per_s``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import REPO_ROOT, XLA_CPU_FLAG
+from benchmarks.runner import BenchmarkError
+from shared_configs import UNetSpec, load_spec, spec_from_dict
+from shared_configs.budget import PLAIN, SCHEMA, Profile, block_layers, leaf_units, per_rank, safety_margin
+from shared_configs.solver import Solution, solve
+from shared_configs.unit_flops import unit_flops
+
+CACHE_ENV = "UNET_REMAT_PLAN_CACHE"
+FRAMEWORKS = ("torch", "jax")
+# Shapes-only time: stated rates (a current GPU's order in float32), not measurements.
+DEFAULT_FLOPS_PER_S = 100e12
+DEFAULT_BYTES_PER_S = 2e12
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is profiled: the spec at a sample size, the batch, the inputs, the JAX attention chunking."""
+
+    spec: UNetSpec
+    batch_size: int
+    context_length: int = 77
+    attention_chunk: int | None = None  # JAX only: queries per attention chunk
+    shapes: bool = False  # profile from shapes only (nothing allocated, nothing run)
+    flops_per_s: float = DEFAULT_FLOPS_PER_S  # shapes only: the throughput conv/matmul/attention run at
+    bytes_per_s: float = DEFAULT_BYTES_PER_S  # shapes only: the memory bandwidth elementwise recompute runs at
+
+    @classmethod
+    def of(cls, spec: UNetSpec | str, sample_size: int | None = None, **kwargs: Any) -> Workload:
+        spec = load_spec(spec) if isinstance(spec, str) else spec
+        if sample_size is not None and sample_size != spec.sample_size:
+            spec = spec_from_dict({**spec.model_dump(), "sample_size": sample_size})
+        return cls(spec=spec, **kwargs)
+
+    def request(self, framework: str, kind: str, **extra: Any) -> dict[str, Any]:
+        """The worker's instructions (JSON)."""
+        data = {k: v for k, v in asdict(self).items() if k not in ("spec", "flops_per_s", "bytes_per_s")}
+        return {"kind": kind, "framework": framework, "spec": self.spec.model_dump(mode="json"), **data, **extra}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "unet-remat" / "plan")
+
+
+def _versions(framework: str) -> dict[str, str]:
+    names = {"torch": ["torch"], "jax": ["jax", "jaxlib", "flax", "optax"]}[framework]
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "?"
+    return out
+
+
+# XLA:CPU single-threaded, as torch in the worker: CPU seconds then add up to the step's work.
+XLA_SINGLE_THREAD = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
+
+
+def worker_env(framework: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if framework == "jax":  # the barrier option is also passed to each compile; set here for any other
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        ours = (XLA_CPU_FLAG, *XLA_SINGLE_THREAD)
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if f not in ours]
+        env["XLA_FLAGS"] = " ".join([*flags, *ours])
+    return env
+
+
+def run_worker(request: dict[str, Any]) -> dict[str, Any]:
+    """Run ``request`` in ``python -m benchmarks.plan_worker`` (one framework per process)."""
+    with tempfile.TemporaryDirectory(prefix="plan-worker-") as folder:
+        out = Path(folder) / "result.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.plan_worker", json.dumps(request), str(out)],
+            cwd=REPO_ROOT,
+            env=worker_env(request["framework"]),
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0 or not out.is_file():
+            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+            why = lines[-1] if lines else f"exit {proc.returncode}"
+            raise BenchmarkError(f"{request['framework']} planner worker failed: {why}")
+        return json.loads(out.read_text())
+
+
+def profile_path(framework: str, workload: Workload, repeats: int = 2) -> Path:
+    """Where the profile of ``workload`` is cached: keyed by the request, the schema and the versions."""
+    request = workload.request(framework, "profile", repeats=repeats)
+    key = hashlib.sha256(json.dumps([SCHEMA, request, _versions(framework)], sort_keys=True).encode()).hexdigest()
+    return cache_dir() / f"{workload.spec.name}-{framework}-{key[:16]}.json"
+
+
+def get_profile(framework: str, workload: Workload, repeats: int = 2, cache: bool = True) -> Profile:
+    """The profile of ``workload`` in ``framework``: from the cache, or measured (and cached)."""
+    path = profile_path(framework, workload, repeats)
+    profile = Profile.load(path) if cache and path.is_file() else _measure_profile(framework, workload, repeats, path)
+    return with_flop_time(profile, workload) if workload.shapes else profile
+
+
+def _measure_profile(framework: str, workload: Workload, repeats: int, path: Path) -> Profile:
+    load, start = _loadavg(), time.perf_counter()
+    fields = run_worker(workload.request(framework, "profile", repeats=repeats))
+    fields["meta"] |= {"seconds": round(time.perf_counter() - start, 1), "loadavg": [load, _loadavg()]}
+    profile = Profile.from_json(
+        {
+            "schema": SCHEMA,
+            "config": workload.spec.name,
+            "sample_size": workload.spec.sample_size,
+            "batch_size": workload.batch_size,
+            "context_length": workload.context_length,
+            **fields,
+        }
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(path)
+    return profile
+
+
+def with_flop_time(profile: Profile, workload: Workload) -> Profile:
+    """A shapes-only profile with time estimated at stated rates: a recompute costs its FLOPs at
+    ``flops_per_s`` plus, for the elementwise work it redoes (norms, activations: no FLOPs counted),
+    writing the bytes it no longer keeps and reading as many, at ``bytes_per_s``. The plain step is
+    three forwards' FLOPs (the backward costs about two) plus writing and reading what it keeps."""
+    flops_rate, byte_rate = workload.flops_per_s, workload.bytes_per_s
+    plain = _plain_keeps(profile, workload)
+    units = {
+        u: {
+            c: replace(v, time_s=v.flops / flops_rate + 2 * max(plain[u] - v.keep, 0) / byte_rate)
+            for c, v in per.items()
+        }
+        for u, per in profile.units.items()
+    }
+    flops = unit_flops(workload.spec, workload.batch_size, workload.context_length)
+    forward = sum(sum(flops[u].values()) for u, _ in leaf_units(workload.spec, {}))
+    step = 3 * forward / flops_rate + 2 * sum(plain[u] for u, _ in leaf_units(workload.spec, {})) / byte_rate
+    return replace(profile, units=units, flops_per_s=flops_rate, step_time_s=step)
+
+
+def _plain_keeps(profile: Profile, workload: Workload) -> dict[str, int]:
+    """What each unit keeps when plain (a block: its layers and sampler)."""
+    out = {u: per[PLAIN].keep for u, per in profile.units.items() if PLAIN in per}
+    for block, layers in block_layers(workload.spec).items():
+        out[block] = sum(out[n] for n in layers)
+    return out
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+def measure(
+    framework: str, workload: Workload, policies: list[str], steps: int = 3, ratios: list[float] | None = None
+) -> dict[str, Any]:
+    """Each policy's measured peak and step time, with the benchmark's instruments (one process);
+    torch with ``ratios``: also torch.compile at each ``activation_memory_budget`` (rows
+    ``torch.compile:RATIO``)."""
+    return run_worker(workload.request(framework, "measure", policies=policies, steps=steps, ratios=ratios or []))
+
+
+def plan_for_budget(
+    spec: UNetSpec | str,
+    batch_size: int,
+    sample_size: int | None,
+    budget_bytes: int,
+    framework: str = "torch",
+    world_size: int = 1,
+    distributed: str = "ddp",
+    **workload: Any,
+) -> str:
+    """The policy string of the cheapest plan predicted to fit ``budget_bytes`` (see the module doc),
+    planned a `safety_margin` below it so that the measured peak fits too.
+
+    ``framework`` is "torch", "jax" or "both" (one plan that fits in each). ``world_size`` ranks
+    each train ``batch_size`` samples; under ``distributed="fsdp"`` the parameters and optimizer
+    state are sharded over them (`shared_configs.budget.per_rank`). Further keywords go to
+    `Workload` (``context_length``, ``attention_chunk``, ``shapes``, ``flops_per_s``, ``bytes_per_s``). Raises
+    `shared_configs.solver.Infeasible` (a `SpecError`) naming the smallest feasible budget.
+    """
+    return solve_for_budget(
+        spec, batch_size, sample_size, budget_bytes, framework, world_size, distributed, **workload
+    )[0].policy
+
+
+def solve_for_budget(
+    spec: UNetSpec | str,
+    batch_size: int,
+    sample_size: int | None,
+    budget_bytes: int,
+    framework: str = "torch",
+    world_size: int = 1,
+    distributed: str = "ddp",
+    **workload: Any,
+) -> tuple[Solution, list[Profile]]:
+    """`plan_for_budget`, with the solution (predictions) and the per-rank profiles it came from."""
+    work = Workload.of(spec, sample_size, batch_size=batch_size, **workload)
+    profiles = [get_profile(fw, work) for fw in (FRAMEWORKS if framework == "both" else (framework,))]
+    ranked = [per_rank(p, world_size, distributed) for p in profiles]
+    # The margin comes from the one-process profile: its runs are what was measured.
+    margin = max(safety_margin(p, work.spec) for p in profiles)
+    return solve(ranked, work.spec, budget_bytes, margin), ranked

@@ -1,0 +1,321 @@
+"""The JAX per-unit profile for `shared_configs.budget`, and the plain measurement of a plan.
+
+Every figure comes from the training loop's own step, the jitted `jax_impl.train.train_step` with
+its `TrainState` donated, compiled with XLA's ``cse_barrier_expander`` disabled (without it remat
+saves nothing on XLA:CPU, see docs/remat_vs_checkpoint.md):
+
+* bytes: one compile per uniform plan (as in `benchmarks.profile_torch`), dumped; XLA's own
+  schedule and buffer live ranges (`benchmarks.xla_dump`) give the live bytes at each step of the
+  schedule, filed by the unit each instruction's ``op_name`` names. ``Profile.scale`` carries the
+  ratio of the compiled ``memory_analysis()`` peak (what the benchmark reports: buffers as packed
+  into allocations) to that live-byte peak;
+* seconds: each profile compile (at full optimisation, to be run) runs under ``jax.profiler``;
+  a unit's seconds are the time its instructions cover (forward, backward, recompute), and a
+  choice costs what its unit takes beyond the same layers in the plain step
+  (`shared_configs.budget.extra_seconds`); CPU seconds, XLA single-threaded (the machine is shared);
+* FLOPs: `shared_configs.unit_flops` (the same network as torch's; counted from the spec).
+
+With ``run=False`` (shapes only) the step is lowered and compiled but never run: no parameter is
+allocated, and time is left to FLOPs. `measure` is the verification: the compiled step's
+``memory_analysis()`` (the benchmark's figure) and the median step time.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import xla_dump
+from benchmarks.jax_bench import FAST_INIT
+from benchmarks.stepclock import round_robin
+from jax_impl import train as jt
+from jax_impl.unet import UNet
+from shared_configs import UNetSpec, block_names
+from shared_configs.budget import (
+    PLAIN,
+    PROFILE_RUNS,
+    Cost,
+    example_batch,
+    extra_inputs,
+    extra_seconds,
+    leaf_units,
+    policy_string,
+    uniform,
+)
+from shared_configs.timeline import Timeline, unit_costs
+from shared_configs.unit_flops import recompute_flops, unit_flops
+
+BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}  # remat's barriers survive on XLA:CPU
+# Buffer assignment precedes code generation: the memory figures are the same at -O0, and faster.
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+class Conditioned:
+    """A `UNet` that takes the conditioning inputs the training loop's `Batch` lacks (class labels,
+    SDXL's ``text_embeds``/``time_ids``: `shared_configs.budget.extra_inputs`) through the loop's
+    own step: `jax_impl.train` hands the model ``(x, t, context)``, and here ``context`` is a dict of
+    every input but x and t, passed on by keyword. ``init`` (from `jax_impl.train.init_state`, which
+    gives a plain context) adds zeros of the other inputs at batch 1."""
+
+    def __init__(self, model: UNet, extra: dict[str, np.ndarray]) -> None:
+        self.model = model
+        self._init_extra = {k: jnp.zeros((1, *v.shape[1:]), v.dtype) for k, v in extra.items()}
+
+    @property
+    def resolved_spec(self) -> UNetSpec:
+        return self.model.resolved_spec
+
+    def init(self, rngs: Any, x: Any, t: Any, context: Any, **kwargs: Any) -> Any:
+        return self.model.init(rngs, x, t, context, **self._init_extra, **kwargs)
+
+    def apply(self, variables: Any, x: Any, t: Any, inputs: dict[str, Any], **kwargs: Any) -> Any:
+        return self.model.apply(variables, x, t, **inputs, **kwargs)
+
+
+def unet(s: dict[str, Any], policy: str) -> Any:
+    """The model the profile's steps train: a `UNet`, wrapped in `Conditioned` where the spec takes
+    more inputs than the training `Batch` carries."""
+    model = UNet(spec=s["spec"], policy=policy, attention_chunk=s["chunk"])
+    return Conditioned(model, s["extra"]) if s["extra"] else model
+
+
+def setup(spec: UNetSpec, batch_size: int, context_length: int, chunk: int | None, run: bool) -> dict[str, Any]:
+    """The step's arguments: real arrays (``run``) or shapes only, and the optimizer."""
+    tx = jt.make_optimizer(1e-4, 0.0)
+    extra = extra_inputs(spec, batch_size, context_length)
+    model = unet({"spec": spec, "chunk": chunk, "extra": extra}, "none")
+    init = functools.partial(jt.init_state, model, tx, 0)
+    # Shapes only: the state's abstract tree; else the training loop's own init (compiled fast:
+    # the values only seed the timing runs).
+    state = jax.jit(init, compiler_options=FAST_INIT)() if run else jax.eval_shape(init)
+    args: tuple = (state, *_batch_and_key(spec, batch_size, context_length, extra, run))
+    return {"spec": spec, "tx": tx, "args": args, "chunk": chunk, "run": run, "extra": extra}
+
+
+def _batch_and_key(
+    spec: UNetSpec, batch_size: int, context_length: int, extra: dict[str, np.ndarray], run: bool
+) -> tuple[Any, Any]:
+    batch = jt.arrays(example_batch(spec, batch_size, context_length))
+    if extra:  # the context slot carries every conditioning input (see `Conditioned`)
+        batch = (*batch[:3], {"context": batch[3], **{k: jnp.asarray(v) for k, v in extra.items()}})
+    key = jax.random.key(2)
+    if run:
+        return batch, key
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (batch, key))
+
+
+def compiled_step(s: dict[str, Any], policy: str, dump: str | None = None, fast: bool = True) -> Any:
+    """The donated, jitted train step under ``policy``, compiled (and dumped into ``dump``).
+
+    ``fast``: LLVM at -O0, for compiles that are only read (memory), never timed.
+    """
+    step = jax.jit(functools.partial(jt.train_step, model=unet(s, policy), tx=s["tx"]), donate_argnums=(0,))
+    options: dict[str, Any] = {**BARRIERS, **FAST} if fast else dict(BARRIERS)
+    if dump is not None:
+        options |= {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "train_step"}
+    return step.lower(*s["args"]).compile(compiler_options=options)
+
+
+def compiled_peak(compiled: Any) -> int:
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def timeline_of(plan: xla_dump.MemoryPlan, leaves: list[str]) -> Timeline:
+    """XLA's schedule as a `Timeline`: positions are instructions, buffers its live ranges."""
+    where = xla_dump.segments(plan, set(leaves))
+    b = plan.buffers
+    return Timeline(
+        units=[u for u, _ in where],
+        phases=[p for _, p in where],
+        starts=np.array([x.start for x in b], np.int64),
+        ends=np.array([x.end for x in b], np.int64),
+        sizes=np.array([x.size for x in b], np.int64),
+        static=np.array([x.name in plan.parameters for x in b], bool),
+    )
+
+
+def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
+    """What FSDP would shard (`shared_configs.budget.per_rank`): parameters + optimizer state, the
+    gradients, the largest block's parameters (from shapes: the state may be abstract)."""
+    state = s["args"][0]
+
+    def nbytes(tree: Any) -> int:
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+    params = nbytes(state.params)
+    block = max(nbytes(state.params[b.replace(".", "_")]) for b in block_names(s["spec"]))
+    return {"static_bytes": params + nbytes(state.opt_state), "grad_bytes": params, "block_param_bytes": block}
+
+
+def memory_run(s: dict[str, Any], assignment: dict[str, str], fast: bool = True) -> tuple:
+    """One compile under ``assignment``: per-unit bytes, the live-byte peak, the compiled peak, and
+    the compiled step with its instructions' ``op_name``s (``fast=False`` to run it)."""
+    leaves = [u for u, _ in leaf_units(s["spec"], assignment)]
+    with tempfile.TemporaryDirectory(prefix="plan-xla-") as dump:
+        compiled = compiled_step(s, policy_string(assignment), dump, fast=fast)
+        plan = xla_dump.read(dump)
+    costs, _, live_peak = unit_costs(timeline_of(plan, leaves), leaves)
+    return costs, live_peak, compiled_peak(compiled), (compiled, plan.op_names)
+
+
+def timing_run(s: dict[str, Any], compiled: Any, op_names: dict[str, str], leaves: list[str], repeats: int) -> tuple:
+    """Per unit, the median seconds its instructions cover in ``repeats`` traced runs (forward,
+    backward and recompute: any op its module path names); the median step seconds."""
+    seconds = _step_seconds(s, compiled, repeats)
+    samples: dict[str, list[float]] = defaultdict(list)
+    for _ in range(repeats):
+        traced, wall, cpu = _traced_units(s, compiled, op_names, set(leaves))
+        for unit in leaves:
+            samples[unit].append(traced.get(unit, 0.0) * cpu / wall)  # the trace's wall clock, as CPU seconds
+    return {u: statistics.median(v) for u, v in samples.items()}, seconds
+
+
+def _traced_units(s: dict[str, Any], compiled: Any, op_names: dict[str, str], units: set[str]) -> tuple:
+    """One traced run: per unit the wall time its ops cover; the run's wall and CPU seconds (to turn
+    the first into CPU seconds: preemption by other work slows every op alike)."""
+    state, rest = s["args"][0], s["args"][1:]
+    with tempfile.TemporaryDirectory(prefix="plan-trace-") as folder:
+        with jax.profiler.trace(folder):
+            wall, cpu = time.perf_counter(), time.process_time()
+            state, loss = compiled(state, *rest)
+            jax.block_until_ready(loss)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        spans = _op_spans(jax.profiler.ProfileData.from_file(str(next(Path(folder).rglob("*.xplane.pb")))))
+    s["args"] = (state, *rest)  # the donated state lives on in the returned one
+    intervals: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for op, span in spans:
+        unit = xla_dump.unit_of(op_names.get(op, ""), units)
+        if unit is not None:
+            intervals[unit].append(span)
+    return {unit: _covered(spans) for unit, spans in intervals.items()}, wall, cpu
+
+
+def _step_seconds(s: dict[str, Any], compiled: Any, repeats: int) -> float:
+    """Median CPU seconds of ``repeats`` runs after a warm-up (XLA single-threaded, see
+    `benchmarks.planner.worker_env`); the donated state is carried along."""
+    state, rest = s["args"][0], s["args"][1:]
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.process_time()
+        state, loss = compiled(state, *rest)
+        jax.block_until_ready(loss)
+        times.append(time.process_time() - t0)
+    s["args"] = (state, *rest)
+    return statistics.median(times[1:])
+
+
+def _op_spans(data: Any) -> list[tuple[str, tuple[int, int]]]:
+    """(HLO instruction, (start ns, end ns)) of every XLA op event of the trace."""
+    out = []
+    for plane in data.planes:
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if "hlo_op" in stats:
+                    start = int(event.start_ns)
+                    out.append((str(stats["hlo_op"]), (start, start + int(event.duration_ns))))
+    return out
+
+
+def _covered(intervals: list[tuple[int, int]]) -> float:
+    """Seconds of wall time covered by at least one interval (ops run on several threads)."""
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total / 1e9
+
+
+def profile(
+    spec: UNetSpec,
+    batch_size: int,
+    context_length: int = 77,
+    shapes: bool = False,
+    repeats: int = 2,
+    attention_chunk: int | None = None,
+) -> dict:
+    """The `shared_configs.budget.Profile` fields (JSON-ready) of ``spec`` at ``batch_size``."""
+    timing = not shapes and repeats > 0
+    s = setup(spec, batch_size, context_length, attention_chunk, run=timing)
+    flops = unit_flops(spec, batch_size, context_length)
+    units: dict[str, dict[str, Cost]] = {}
+    runs: dict[str, Any] = {}
+    scales, plain, step_time = [], {}, 0.0
+    for choice, level in PROFILE_RUNS:
+        assignment = {} if choice == PLAIN else uniform(spec, choice, level)
+        costs, live_peak, peak, (compiled, op_names) = memory_run(s, assignment, fast=not timing)
+        timed, seconds = timing_run(s, compiled, op_names, list(costs), repeats) if timing else ({}, 0.0)
+        runs[policy_string(assignment)] = {"peak_bytes": peak, "live_peak_bytes": live_peak, "step_time_s": seconds}
+        scales.append(peak / live_peak)
+        if choice == PLAIN:
+            plain, step_time = timed, seconds
+        extra = extra_seconds(spec, timed, plain)
+        for unit, cost in costs.items():
+            mine = assignment.get(unit, PLAIN)
+            if mine == choice:
+                time_s, flop, own = extra.get(unit, 0.0), recompute_flops(flops[unit], mine), timed.get(unit, 0.0)
+                units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, time_s, flop, own)
+    return {
+        "framework": "jax",
+        "units": units,
+        **sharded_bytes(s),
+        "opt_peak": 0,  # optax's updates are scheduled inside the backward: filed under its units
+        "step_time_s": step_time,
+        "scale": float(np.mean(scales)),
+        "mode": "shapes" if shapes or not repeats else "measured",
+        "attention_chunk": attention_chunk,
+        "meta": {
+            "runs": runs,
+            "method": "XLA's buffer live ranges over its schedule (xla_dump_to), filed by the op_name's Flax module; "
+            "compiled with cse_barrier_expander disabled; recompute seconds: the time the unit's ops cover in "
+            "jax.profiler traces of its run (as CPU seconds, XLA single-threaded) minus the same units' in the "
+            "plain step",
+            "versions": {"jax": jax.__version__},
+        },
+    }
+
+
+def measure(
+    spec: UNetSpec,
+    batch_size: int,
+    policies: list[str],
+    context_length: int = 77,
+    steps: int = 3,
+    attention_chunk: int | None = None,
+) -> dict:
+    """Per policy: the compiled step's ``memory_analysis()`` peak and its median step time."""
+    s = setup(spec, batch_size, context_length, attention_chunk, run=True)
+    compiled = {p: compiled_step(s, p, fast=False) for p in policies}
+    for c in compiled.values():
+        _step_seconds(s, c, 1)  # warm-up
+
+    def run(c: Any) -> Callable[[], None]:
+        def step() -> None:
+            state, loss = c(s["args"][0], *s["args"][1:])
+            jax.block_until_ready(loss)
+            s["args"] = (state, *s["args"][1:])  # donated: carry the new state
+
+        return step
+
+    seconds = round_robin({p: run(c) for p, c in compiled.items()}, steps)
+    rows = {p: {"peak_bytes": compiled_peak(c), "step_time_s": seconds[p]} for p, c in compiled.items()}
+    return {
+        "framework": "jax",
+        "rows": rows,
+        "method": "compiled memory_analysis() (arguments + outputs - aliased + temporaries), cse_barrier_expander off",
+    }

@@ -1,0 +1,358 @@
+"""The PyTorch per-unit profile for `shared_configs.budget`, and the plain measurement of a plan.
+
+Every figure comes from the training loop's own step, `torch_impl.train.train_step` (PyTorch's
+default ``zero_grad(set_to_none=True)``, first in the step: last step's gradients are freed before
+the forward), after one warm-up step has made
+the gradients and AdamW's state:
+
+* bytes: one step per uniform plan (``none``, ``full``, ``full/save=conv,matmul``, ``layers``,
+  ``layers/save=conv,matmul``) under `Recorder`, a live-tensor tracker like the benchmark's
+  `StepTracker` that also notes which unit is running at each allocation (module hooks:
+  forward pre-hooks, full backward pre-hooks, the optimizer's step pre-hook): a
+  `shared_configs.timeline.Timeline`, turned into per-unit figures there;
+* seconds: the same steps without the tracker, timing each unit's forward and backward from one
+  unit hook to the next (median over ``repeats``); a choice costs what its unit takes beyond the
+  same layers in the plain step (`shared_configs.budget.extra_seconds`): recompute, selective
+  checkpointing's own forward work, the bookkeeping; CPU seconds of a single-threaded step
+  (`benchmarks.stepclock`), which load on a shared machine does not inflate;
+* FLOPs: `shared_configs.unit_flops` (counted from the spec, as `FlopCounterMode` counts).
+
+With ``shapes=True`` nothing is allocated: the same steps run on fake tensors (`FakeTensorMode`,
+which picks the same CPU kernels as real tensors; `example_step` mirrors ``train_step`` without
+reading the loss), and time is left to FLOPs (`Profile.mode` "shapes").
+`measure` is the verification: `benchmarks.torch_memory.StepTracker` (the benchmark's own
+instrument) around one ``train_step``, and the median step time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import statistics
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+from benchmarks.common import batch_bytes
+from benchmarks.stepclock import clock, round_robin
+from benchmarks.torch_memory import AllocatorPeak, StepTracker, storage_bytes
+from shared_configs import UNetSpec, block_names
+from shared_configs.budget import (
+    HEAD,
+    PLAIN,
+    PROFILE_RUNS,
+    STEM,
+    Cost,
+    example_batch,
+    extra_inputs,
+    extra_seconds,
+    leaf_units,
+    policy_string,
+    uniform,
+)
+from shared_configs.data import Batch
+from shared_configs.timeline import BWD, FWD, Timeline, unit_costs
+from shared_configs.unit_flops import recompute_flops, unit_flops
+from torch_impl.train import as_tensors, make_optimizer, train_step
+from torch_impl.unet import UNet
+
+OPTIMIZER = "optimizer"
+
+
+def single_threaded() -> None:
+    """One intra-op thread: CPU seconds then add up to the work, whatever else runs on the machine."""
+    torch.set_num_threads(1)
+
+
+class Recorder(TorchDispatchMode):
+    """Live tensor storages as a `Timeline`: a position per allocation and per unit boundary, each
+    storage alive from the position that allocated it to the last one before it was freed."""
+
+    def __init__(self, existing: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.units: list[str] = []
+        self.phases: list[str] = []
+        self.starts: list[int] = []
+        self.ends: list[int] = []  # -1 while alive
+        self.sizes: list[int] = []
+        self.static: list[bool] = []
+        self._index: dict[int, int] = {}  # id(storage) -> buffer
+        self._refs: dict[int, weakref.ref] = {}
+        self.enter((STEM, FWD))
+        for t in existing:
+            self._track(t, static=True)
+
+    def enter(self, segment: tuple[str, str]) -> None:
+        self.segment = segment
+        self.units.append(segment[0])
+        self.phases.append(segment[1])
+
+    def _track(self, t: torch.Tensor, static: bool = False) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._index and self._refs[key]() is st:
+            return
+        if not static:
+            self.enter(self.segment)  # a new position: the level after this allocation
+        self._index[key] = len(self.sizes)
+        self._refs[key] = weakref.ref(st, lambda _ref, key=key: self._release(key))
+        self.starts.append(len(self.units) - 1)
+        self.ends.append(-1)
+        self.sizes.append(st.nbytes())
+        self.static.append(static)
+
+    def _release(self, key: int) -> None:
+        index = self._index.pop(key, None)
+        self._refs.pop(key, None)
+        if index is not None:
+            self.ends[index] = len(self.units) - 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._track, out)
+        return out
+
+    def timeline(self) -> Timeline:
+        last = len(self.units) - 1
+        ends = np.array([last if e < 0 else e for e in self.ends], np.int64)
+        return Timeline(self.units, self.phases, np.array(self.starts, np.int64), ends,
+                        np.array(self.sizes, np.int64), np.array(self.static, bool))  # fmt: skip
+
+
+def _modules(model: UNet, unit: str, phase: str) -> list[torch.nn.Module]:
+    """The modules whose hooks mark ``unit``'s segment in ``phase``."""
+    if unit == STEM:
+        return [model.time_embedding, model.conv_in]
+    if unit == HEAD:
+        return [model.conv_norm_out] if phase == "fwd" else [model.conv_out]
+    return [model.get_submodule(unit)]
+
+
+@contextmanager
+def hooks(model: UNet, opt: torch.optim.Optimizer, units: list[str], on: Callable[[str, str], None]) -> Iterator[None]:
+    """Call ``on(unit, phase)`` when ``unit``'s forward or backward starts, and on the optimizer step."""
+    handles = [opt.register_step_pre_hook(lambda *_: on(OPTIMIZER, "opt"))]
+    for unit in units:
+        for m in _modules(model, unit, "fwd"):
+            handles.append(m.register_forward_pre_hook(lambda *_, u=unit: on(u, "fwd")))
+        for m in _modules(model, unit, "bwd"):
+            handles.append(m.register_full_backward_pre_hook(lambda *_, u=unit: on(u, "bwd")))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def example_step(model: UNet, opt: torch.optim.Optimizer, batch: Batch, extra: dict[str, torch.Tensor]) -> None:
+    """`train_step`'s operations without reading the loss (fake tensors have no value), with the
+    conditioning inputs the `Batch` lacks (``extra``: `shared_configs.budget.extra_inputs`)."""
+    noisy, t, noise, context = as_tensors(batch)
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    pred = model(noisy, t, context, **extra)
+    loss = F.mse_loss(pred.float(), noise)
+    loss.backward()
+    opt.step()
+
+
+def setup(spec: UNetSpec, batch_size: int, context_length: int, shapes: bool = False) -> dict[str, Any]:
+    """Model, AdamW, inputs and a step function, after a warm-up step (gradients and state exist).
+
+    ``shapes``: everything is a fake tensor; run steps inside ``s["mode"]`` (outermost).
+    """
+    mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if shapes else contextlib.nullcontext()
+    torch.manual_seed(0)
+    with mode:
+        model = UNet(spec)
+        opt = make_optimizer(model, lr=1e-4, weight_decay=0.0)
+        batch = example_batch(spec, batch_size, context_length)
+        extra = {k: torch.from_numpy(v) for k, v in extra_inputs(spec, batch_size, context_length).items()}
+        if shapes or extra:  # train_step cannot take conditioning its Batch lacks: its operations, here
+            step: Callable[[], Any] = lambda: example_step(model, opt, batch, extra)  # noqa: E731
+        else:
+            step = lambda: train_step(model, opt, batch)  # noqa: E731
+        step()
+    return {"model": model, "opt": opt, "batch": batch, "extra": extra, "step": step, "mode": mode, "shapes": shapes}
+
+
+def existing(s: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensors alive before a step: parameters, last step's gradients, AdamW state, the inputs."""
+    model, opt = s["model"], s["opt"]
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    inputs = [a for a in as_tensors(s["batch"]) if a is not None] + list(s["extra"].values())
+    return [*model.parameters(), *model.buffers(), *grads, *state, *inputs]
+
+
+def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
+    """What FSDP would shard (`shared_configs.budget.per_rank`): parameters + AdamW state, the
+    gradients, the largest block's parameters (counted by size: fake tensors have no storage)."""
+    model = s["model"]
+
+    def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    params = nbytes(model.parameters())
+    state = nbytes(v for st in s["opt"].state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    block = max(nbytes(model.get_submodule(b).parameters()) for b in block_names(model.spec))
+    return {"static_bytes": params + state, "grad_bytes": params, "block_param_bytes": block}
+
+
+def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, Cost], int, int]:
+    """One step under ``assignment``: per-unit bytes, the optimizer's peak, the step's peak."""
+    spec = s["model"].spec
+    s["model"].enable_gradient_checkpointing(policy_string(assignment))
+    units = [u for u, _ in leaf_units(spec, assignment)]
+    # No list of the existing tensors is kept: it would keep last step's gradients alive through a
+    # step whose first act is to free them (train_step's zero_grad).
+    recorder = Recorder(existing(s))
+    with s["mode"], hooks(s["model"], s["opt"], units, lambda unit, phase: recorder.enter((unit, phase))), recorder:
+        s["step"]()
+    return unit_costs(recorder.timeline(), units)
+
+
+def timing_run(s: dict[str, Any], assignment: dict[str, str], repeats: int) -> tuple[dict[str, list[float]], float]:
+    """Median over ``repeats`` steps: per unit, the seconds its forward and its backward (recompute
+    included) take, from one unit hook to the next; and the step's seconds."""
+    model = s["model"]
+    model.enable_gradient_checkpointing(policy_string(assignment))
+    units = [u for u, _ in leaf_units(model.spec, assignment)]
+    samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    steps = []
+    for _ in range(repeats):
+        marks: list[tuple[float, str, str]] = []
+        with hooks(model, s["opt"], units, lambda unit, phase, marks=marks: marks.append((clock(), unit, phase))):
+            t0 = clock()
+            s["step"]()
+            steps.append(clock() - t0)
+        spent: dict[tuple[str, str], float] = defaultdict(float)
+        for (t0, unit, phase), (t1, _, _) in itertools.pairwise(marks):
+            spent[(unit, phase)] += t1 - t0
+        for unit in units:
+            samples[unit].append((spent[(unit, FWD)], spent[(unit, BWD)]))
+    per_unit = {u: [statistics.median(x[i] for x in v) for i in (0, 1)] for u, v in samples.items()}
+    return per_unit, statistics.median(steps)
+
+
+def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: bool = False, repeats: int = 2) -> dict:
+    """The `shared_configs.budget.Profile` fields of ``spec`` at ``batch_size`` (``repeats=0``: bytes only)."""
+    s = setup(spec, batch_size, context_length, shapes)
+    flops = unit_flops(spec, batch_size, context_length)
+    units: dict[str, dict[str, Cost]] = {}
+    runs: dict[str, Any] = {}
+    opt_peak, step_time = 0, 0.0
+    plain: dict[str, float] = {}  # seconds of each unit's forward + backward in the plain step
+    for choice, level in PROFILE_RUNS:
+        assignment = {} if choice == PLAIN else uniform(spec, choice, level)
+        costs, run_opt, peak = memory_run(s, assignment)
+        timed, seconds = ({}, 0.0) if shapes or not repeats else timing_run(s, assignment, repeats)
+        runs[policy_string(assignment)] = {"peak_bytes": peak, "step_time_s": seconds}
+        if choice == PLAIN:
+            opt_peak, step_time = run_opt, seconds
+            plain = {u: sum(t) for u, t in timed.items()}
+        extra = extra_seconds(spec, {u: sum(t) for u, t in timed.items()}, plain)
+        for unit, cost in costs.items():
+            mine = assignment.get(unit, PLAIN)
+            if mine == choice:
+                time_s, flop = extra.get(unit, 0.0), recompute_flops(flops[unit], mine)
+                fwd_s = timed.get(unit, (0.0, 0.0))[0]
+                units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, time_s, flop, fwd_s)
+    return {
+        "framework": "torch",
+        "units": units,
+        "opt_peak": opt_peak,
+        **sharded_bytes(s),
+        "step_time_s": step_time,
+        "mode": "shapes" if shapes or not repeats else "measured",
+        "meta": {
+            "runs": runs,
+            "method": "live tensor-storage bytes filed by unit (module hooks) in torch_impl.train.train_step; "
+            "recompute seconds: the unit's forward + backward CPU seconds (single thread) minus the same "
+            "units' in the plain step",
+            "versions": {"torch": torch.__version__},
+        },
+    }
+
+
+def measure(spec: UNetSpec, batch_size: int, policies: list[str], context_length: int = 77, steps: int = 3) -> dict:
+    """Per policy: the step's peak (the benchmark's `StepTracker`), its allocator-level peak
+    (`allocator_peak`, the instrument torch.compile rows need) and median step time."""
+    s = setup(spec, batch_size, context_length)
+    peaks = {}
+    for policy in policies:
+        s["model"].enable_gradient_checkpointing(policy)
+        s["step"]()  # warm-up under this plan
+        peaks[policy] = {"peak_bytes": tracked_peak(s), "allocator_peak_bytes": allocator_peak(s, s["step"])}
+
+    def under(policy: str) -> Callable[[], None]:
+        return lambda: (s["model"].enable_gradient_checkpointing(policy), s["step"]())
+
+    seconds = round_robin({p: under(p) for p in policies}, steps)
+    rows = {p: {**peaks[p], "step_time_s": seconds[p]} for p in policies}
+    return {"framework": "torch", "rows": rows, "method": "benchmarks.torch_memory.StepTracker around train_step"}
+
+
+def tracked_peak(s: dict[str, Any]) -> int:
+    """One step's peak as the benchmark measures it (`benchmarks.torch_memory.StepTracker`, the
+    numpy batch counted as input): the instrument the profile itself does not use."""
+    extra = sum(storage_bytes([t]) for t in s["extra"].values())
+    tracker = StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]) + extra)
+    with tracker:
+        s["step"]()
+    assert tracker.result is not None
+    return tracker.result.peak
+
+
+def allocator_peak(s: dict[str, Any], step: Callable[[], Any]) -> int:
+    """The bytes alive before the step plus the CPU allocator's peak above them during it
+    (`benchmarks.torch_memory.AllocatorPeak`: kernel scratch included). Unlike a dispatch mode it
+    leaves torch.compile on: dynamo runs a model eagerly while a `TorchDispatchMode` is active."""
+    inputs = existing(s)
+    base = storage_bytes(inputs)
+    with AllocatorPeak() as allocator:
+        step()
+    return base + allocator.peak
+
+
+def measure_compiled(
+    spec: UNetSpec, batch_size: int, ratios: list[float], context_length: int = 77, steps: int = 3
+) -> dict:
+    """torch.compile's own planner: the model compiled with ``activation_memory_budget`` = each ratio
+    (AOTAutograd's knapsack over the joint graph), trained by the same `train_step` and measured
+    at the allocator level (`allocator_peak`: the tensor tracker would turn compilation off). Compile
+    seconds are reported apart (on CPU: minutes per ratio)."""
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+
+    rows = {}
+    for ratio in ratios:
+        torch._dynamo.reset()  # the budget is not part of dynamo's guards: force a fresh compile
+        functorch_config.activation_memory_budget = ratio
+        s = setup(spec, batch_size, context_length)
+        compiled = torch.compile(s["model"])
+        start = time.perf_counter()
+        train_step(compiled, s["opt"], s["batch"])
+        compile_s = time.perf_counter() - start
+        step = functools.partial(train_step, compiled, s["opt"], s["batch"])
+        step()
+        peak = allocator_peak(s, step)
+        rows[f"torch.compile:{ratio:g}"] = {
+            "allocator_peak_bytes": peak,
+            "step_time_s": round_robin({"compiled": step}, steps)["compiled"],
+            "compile_s": compile_s,
+        }
+    functorch_config.activation_memory_budget = 1.0
+    return {"framework": "torch", "rows": rows, "method": "torch.compile(model) + activation_memory_budget; "
+            "allocator-level peak (torch.profiler memory events) around train_step"}  # fmt: skip

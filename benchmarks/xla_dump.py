@@ -1,0 +1,100 @@
+"""XLA's own memory plan of a compiled step, filed by U-Net unit: the planner's view of the dump.
+
+`benchmarks.jax_memory` reads the dump files (``xla_dump_to``: the schedule, every value's live
+range, the buffer assignment, the instructions with their ``op_name``); this module takes its
+parse and files every position of the schedule under the plan unit whose Flax module its
+``op_name`` names (``jvp(UNet)/down_1/resnets_0/conv1/...``; ``transpose(...)`` in the backward;
+``rematted_computation`` in a recompute), one level finer than the benchmark's blocks. Every
+value with a live range is one buffer here (aliases included): the planner's live-byte peak,
+which `Profile.scale` relates to the compiled ``memory_analysis()`` total.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.jax_memory import read_dump
+
+_MODULE = re.compile(r"(down|up)_\d+|mid|resnets_\d+|attentions_\d+|downsample|upsample|conv_in|time_embedding|"
+                     r"conv_norm_out|conv_out")  # fmt: skip
+_TOP = re.compile(r"(down|up)_\d+|mid|conv_in|time_embedding|conv_norm_out|conv_out")
+GLUE = {"conv_in": "stem", "time_embedding": "stem", "conv_norm_out": "head", "conv_out": "head"}
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str  # the defining instruction
+    start: int  # schedule positions, inclusive
+    end: int
+    size: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The schedule (instruction names), each buffer, each instruction's ``op_name``, the parameters."""
+
+    sequence: list[str]
+    buffers: list[Buffer]
+    op_names: dict[str, str]
+    parameters: frozenset[str]
+
+
+def read(folder: str | Path) -> MemoryPlan:
+    """The plan XLA dumped into ``folder`` for the compiled training step (`benchmarks.jax_memory`'s parse)."""
+    dump = read_dump(folder)
+    buffers = [
+        Buffer(name, *dump.ranges[(name, index)], size)
+        for allocation in dump.allocations
+        for name, index, _, size in allocation.values
+        if (name, index) in dump.ranges
+    ]
+    parameters = frozenset(n for n, op in dump.hlo.opcodes.items() if op == "parameter")
+    return MemoryPlan(dump.sequence, buffers, dump.hlo.op_names, parameters)
+
+
+def unit_of(op_name: str, units: set[str]) -> str | None:
+    """The unit (one of ``units``, plan names) whose module the op belongs to, if any.
+
+    The module path is the run of module names from the last top-level one on
+    (``.../up_0/jvp(UNet)/up_0/checkpoint/rematted_computation/resnets_1/conv1`` -> up.0, resnets.1).
+    """
+    mods = [seg for seg in re.split(r"[/]", op_name) if _MODULE.fullmatch(seg)]
+    tops = [i for i, seg in enumerate(mods) if _TOP.fullmatch(seg)]
+    if not tops:
+        return None
+    path = mods[tops[-1] :]
+    if path[0] in GLUE:
+        return GLUE[path[0]]
+    block = path[0].replace("_", ".")
+    if len(path) > 1:
+        inner = f"{block}.{path[1].replace('_', '.')}"
+        if inner in units:
+            return inner
+    return block if block in units else None
+
+
+def backward_start(plan: MemoryPlan) -> int:
+    """The position of the loss's cotangent (``transpose(jvp())``, the loss outside the U-Net): the
+    backward proper starts there. XLA hoists some backward-only work (weight layouts, broadcasts)
+    into the forward, so the first ``transpose(...)`` op can come much earlier."""
+    names = [plan.op_names.get(n, "") for n in plan.sequence]
+    first = next((i for i, op in enumerate(names) if "transpose(jvp())" in op), None)
+    return first if first is not None else next((i for i, op in enumerate(names) if "transpose(" in op), len(names))
+
+
+def segments(plan: MemoryPlan, units: set[str]) -> list[tuple[str, str]]:
+    """(unit, phase) of each schedule position: the unit its ``op_name`` names (positions outside any
+    unit carry the last one); the phase by position, before or after `backward_start`."""
+    split = backward_start(plan)
+    current = "stem"
+    out = []
+    for i, name in enumerate(plan.sequence):
+        unit = unit_of(plan.op_names.get(name, ""), units)
+        if unit is not None:
+            current = unit
+        elif i == split:
+            current = "head"  # the loss's gradient: the backward starts at the head
+        out.append((current, "fwd" if i < split else "bwd"))
+    return out

@@ -1,0 +1,325 @@
+"""Planning to a memory budget, framework-free: the units, the per-unit profile, the peak model.
+
+A plan gives each *unit* a choice. Units are the plan's own names: blocks (``down.1``, ``mid``)
+and, inside a block that is not recomputed as a whole, its layers (``down.1.resnets.0``). Choices
+(`CHOICES`): ``plain`` (autograd keeps what it keeps), ``full`` (recompute, keep only the inputs),
+``save=conv,matmul`` (recompute, keep the conv/matmul outputs). Pseudo-units that are always
+plain fill the gaps so that every byte of the step belongs to one unit: ``stem`` (time embedding,
+``conv_in``), the samplers of a block taken layer by layer (``down.0.downsample``), ``head``
+(output norm, ``conv_out``, the loss).
+
+The profile (`Profile`, JSON) holds, per unit and choice, figures measured in a real step whose
+units all have that choice (`Cost`): the bytes the unit's forward leaves alive for the backward
+(``keep``), and the highest live bytes of the step while the unit's forward or backward runs
+(recompute included) minus the ``keep`` of the units before it (``fwd_peak``, ``bwd_peak``).
+Static memory, gradients and the optimizer's temporaries are inside those peaks, because they were
+alive when the peaks were measured. The peak model (`predict`) walks a plan's units in forward
+order::
+
+    K(u)  = sum of keep over the units before u
+    peak  = scale * max(optimizer peak, max over u of K(u) + max(fwd_peak(u), bwd_peak(u)))
+
+It is exact for the uniform plans it was measured on and assumes that a unit's own figures do not
+depend on its neighbours' choices; `benchmarks.plan --verify` measures how far that holds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared_configs.arch import down_blocks, up_blocks
+from shared_configs.data import Batch
+from shared_configs.files import atomic_write
+from shared_configs.inputs import example_inputs
+from shared_configs.plan import CheckpointPlan, block_names, resolve_plan
+from shared_configs.spec import SpecError, UNetSpec
+
+PLAIN, FULL = "plain", "full"
+SELECTIVE_OPS: tuple[str, ...] = ("conv", "matmul")
+SELECTIVE = "save=" + ",".join(SELECTIVE_OPS)
+CHOICES: tuple[str, ...] = (PLAIN, FULL, SELECTIVE)
+RECOMPUTE_CHOICES: tuple[str, ...] = (FULL, SELECTIVE)
+STEM, HEAD = "stem", "head"
+# The uniform plans a profile measures, (choice, level): together they give every (unit, choice).
+PROFILE_RUNS: tuple[tuple[str, str], ...] = (
+    (PLAIN, "layers"),
+    (FULL, "blocks"),
+    (SELECTIVE, "blocks"),
+    (FULL, "layers"),
+    (SELECTIVE, "layers"),
+)
+SCHEMA = 2  # 2: torch train_step frees last step's gradients before the forward; conditioning inputs
+Assignment = Mapping[str, str]  # unit name -> choice; units left out are plain
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One unit under one choice (bytes, seconds, FLOPs), measured in a step where every unit had it."""
+
+    keep: int
+    fwd_peak: int
+    bwd_peak: int
+    time_s: float = 0.0  # recompute time paid in the backward (0 for plain)
+    flops: float = 0.0  # recompute FLOPs (conv, matmul, attention)
+    fwd_time_s: float = 0.0  # the unit's forward time (plain) or the recompute's own
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A framework's per-unit costs for one (spec, batch size, sample size), as JSON."""
+
+    framework: str
+    config: str
+    sample_size: int
+    batch_size: int
+    units: dict[str, dict[str, Cost]]
+    opt_peak: int  # the optimizer step's peak (no activations left by then)
+    step_time_s: float  # the plain step (the reference of every overhead)
+    scale: float = 1.0  # measured peak / modelled live bytes (JAX: buffer packing), mean of the profile runs
+    mode: str = "measured"  # or "shapes": bytes from shapes, time from FLOPs at `flops_per_s`
+    flops_per_s: float | None = None
+    context_length: int = 77
+    attention_chunk: int | None = None
+    # What FSDP shards (`per_rank`): parameters + optimizer state, the gradients, the largest block's parameters.
+    static_bytes: int = 0
+    grad_bytes: int = 0
+    block_param_bytes: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)  # method, versions, load, profile runs
+
+    def cost(self, unit: str, choice: str) -> Cost:
+        try:
+            return self.units[unit][choice]
+        except KeyError:
+            raise SpecError(f"profile: no figures for {unit!r} under {choice!r} (profiled: {self.choices})") from None
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(c for c in CHOICES if any(c in per for per in self.units.values()))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Profile:
+        data = dict(data)
+        if data.pop("schema", None) != SCHEMA:
+            raise SpecError(f"profile: unknown schema (expected {SCHEMA}); profile again")
+        units = {u: {c: Cost(**v) for c, v in per.items()} for u, per in data.pop("units").items()}
+        return cls(units=units, **data)
+
+    def save(self, path: str | Path) -> None:
+        atomic_write(path, json.dumps(self.to_json(), indent=1).encode())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the model says of a plan: peak bytes (and where), recompute seconds and FLOPs."""
+
+    peak_bytes: int
+    peak_unit: str
+    time_s: float
+    flops: float
+
+    def overhead(self, profile: Profile) -> float:
+        """Recompute time as a fraction of the plain step."""
+        return self.time_s / profile.step_time_s if profile.step_time_s else float("nan")
+
+
+# ---- units -------------------------------------------------------------------------------------
+
+
+def block_layers(spec: UNetSpec) -> dict[str, tuple[str, ...]]:
+    """Per block, its leaf units in forward order when it is not recomputed as a whole."""
+    out: dict[str, tuple[str, ...]] = {}
+    for b in down_blocks(spec):
+        out[b.name] = _pairs(b.name, spec.layers_per_block, b.attention) + (
+            (f"{b.name}.downsample",) if b.downsample_padding is not None else ()
+        )
+    mid = ["mid.resnets.0"] + (["mid.attentions.0"] if spec.mid_attention != "none" else []) + ["mid.resnets.1"]
+    out["mid"] = tuple(mid)
+    for b in up_blocks(spec):
+        sampler = (f"{b.name}.upsample",) if b.upsample else ()
+        out[b.name] = _pairs(b.name, len(b.skip_channels), b.attention) + sampler
+    return out
+
+
+def _pairs(block: str, count: int, attention: str) -> tuple[str, ...]:
+    names: list[str] = []
+    for j in range(count):
+        names += [f"{block}.resnets.{j}"] + ([f"{block}.attentions.{j}"] if attention != "none" else [])
+    return tuple(names)
+
+
+def is_pseudo(unit: str) -> bool:
+    """Units no plan can name (always plain): stem, head, samplers."""
+    return unit in (STEM, HEAD) or unit.endswith((".downsample", ".upsample"))
+
+
+def leaf_units(spec: UNetSpec, assignment: Assignment) -> Iterator[tuple[str, str]]:
+    """(unit, choice) in forward order: a recomputed block is one unit, a plain one its layers."""
+    yield STEM, PLAIN
+    for block, layers in block_layers(spec).items():
+        choice = assignment.get(block, PLAIN)
+        if choice != PLAIN:
+            yield block, choice
+        else:
+            yield from ((name, assignment.get(name, PLAIN)) for name in layers)
+    yield HEAD, PLAIN
+
+
+def uniform(spec: UNetSpec, choice: str, level: str) -> dict[str, str]:
+    """Every block (``level="blocks"``) or every layer (``"layers"``) under ``choice``."""
+    if level == "blocks":
+        return {b: choice for b in block_names(spec)}
+    return {n: choice for layers in block_layers(spec).values() for n in layers if not is_pseudo(n)}
+
+
+# ---- plans <-> assignments ---------------------------------------------------------------------
+
+
+def choice_of(save: tuple[str, ...]) -> str:
+    return "save=" + ",".join(save) if save else FULL
+
+
+def assignment_of(spec: UNetSpec, policy: str | CheckpointPlan) -> dict[str, str]:
+    """The assignment a policy (any form `resolve_plan` takes) stands for."""
+    plan = resolve_plan(spec, policy)
+    return {name: choice_of(plan.save_for(name)) for name in plan.recompute}
+
+
+def policy_string(assignment: Assignment) -> str:
+    """The policy `resolve_plan` (hence both U-Nets and a spec's ``checkpoint:``) accepts for it."""
+    groups: dict[str, list[str]] = {}
+    for name, choice in assignment.items():
+        if choice != PLAIN:
+            groups.setdefault(choice, []).append(name)
+    parts = [",".join(names) + ("" if c == FULL else "/" + c) for c, names in sorted(groups.items())]
+    return ";".join(parts) or "none"
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+
+def predict(profile: Profile, spec: UNetSpec, assignment: Assignment) -> Prediction:
+    """Peak bytes, recompute seconds and FLOPs of ``assignment`` (see the module doc)."""
+    kept, peak, where, seconds, flops = 0, profile.opt_peak, "optimizer", 0.0, 0.0
+    for unit, choice in leaf_units(spec, assignment):
+        c = profile.cost(unit, choice)
+        here = kept + max(c.fwd_peak, c.bwd_peak)
+        if here > peak:
+            peak, where = here, unit
+        kept += c.keep
+        seconds += c.time_s
+        flops += c.flops
+    return Prediction(round(peak * profile.scale), where, seconds, flops)
+
+
+DISTRIBUTED: tuple[str, ...] = ("ddp", "fsdp")
+
+
+def per_rank(profile: Profile, world_size: int = 1, distributed: str = "ddp") -> Profile:
+    """The profile of one of ``world_size`` ranks, each training ``profile.batch_size`` samples.
+
+    DDP replicates everything: the profile as it is. FSDP gives each rank 1/N of the parameters and
+    optimizer state (``static_bytes``), which sit inside every measured peak, so each peak drops by
+    (1 - 1/N) of them; the optimizer's peak by the gradients' share too (reduce-scattered before
+    the step). While a block runs its parameters are gathered whole: every peak gains (1 - 1/N) of
+    the largest block's. A backward peak keeps the gradients alive at it (some of them, not
+    modelled: erring high). Activations are per rank: unchanged.
+    """
+    if distributed not in DISTRIBUTED:
+        raise SpecError(f"--distributed: expected one of {', '.join(DISTRIBUTED)}, got {distributed!r}")
+    if world_size < 1:
+        raise SpecError(f"--world-size: expected a positive integer, got {world_size!r}")
+    if distributed == "ddp" or world_size == 1:
+        return profile
+    if not profile.static_bytes:  # a profile from before these fields: sharding it would change nothing, silently
+        raise SpecError("profile: no parameter or optimizer bytes recorded (made by an older planner); profile again")
+    share = 1 - 1 / world_size
+    shed = round(share * (profile.static_bytes - profile.block_param_bytes))
+    units = {
+        u: {c: replace(v, fwd_peak=v.fwd_peak - shed, bwd_peak=v.bwd_peak - shed) for c, v in per.items()}
+        for u, per in profile.units.items()
+    }
+    opt_peak = max(profile.opt_peak - shed - round(share * profile.grad_bytes), 0) if profile.opt_peak else 0
+    return replace(profile, units=units, opt_peak=opt_peak)
+
+
+def extra_seconds(spec: UNetSpec, seconds: Mapping[str, float], plain: Mapping[str, float]) -> dict[str, float]:
+    """What each unit of a run takes beyond the plain step's same work: ``seconds`` (unit -> its
+    forward + backward in the run), ``plain`` (layer, sampler, stem, head -> theirs in the plain
+    step); a block is compared with its layers and sampler. Never below 0 (noise, not a gain)."""
+    layers = block_layers(spec)
+    out = {}
+    for unit, spent in seconds.items():
+        base = sum(plain.get(n, 0.0) for n in layers[unit]) if unit in layers else plain.get(unit, 0.0)
+        out[unit] = max(spent - base, 0.0)
+    return out
+
+
+SAFETY = 0.005  # beyond what the profile's own steps show: plans it never ran may be off a little more
+
+
+def safety_margin(profile: Profile, spec: UNetSpec) -> float:
+    """How far below a budget to plan so that the measured peak fits: the model's largest
+    under-prediction on the profile's own steps (``meta["runs"]``: measured peak per policy), plus
+    `SAFETY`. Torch's tracker is reproduced exactly (0.5%); JAX's packing factor is a mean over
+    the steps (about 2.8% on ``small``)."""
+    worst = 0.0
+    for policy, run in profile.meta.get("runs", {}).items():
+        predicted = predict(profile, spec, assignment_of(spec, policy)).peak_bytes
+        worst = max(worst, run["peak_bytes"] / predicted - 1)
+    return worst + SAFETY
+
+
+def random_assignment(spec: UNetSpec, rng: np.random.Generator, choices: tuple[str, ...] = CHOICES) -> dict[str, str]:
+    """A random plan: each block recomputed whole (one of the recompute choices) or per layer."""
+    out: dict[str, str] = {}
+    recompute = [c for c in choices if c != PLAIN]
+    for block, layers in block_layers(spec).items():
+        if rng.random() < 0.35:
+            out[block] = str(rng.choice(recompute))
+            continue
+        for name in layers:
+            pick = str(rng.choice(choices))
+            if not is_pseudo(name) and pick != PLAIN:
+                out[name] = pick
+    return out
+
+
+def example_batch(spec: UNetSpec, batch_size: int, context_length: int = 77, seed: int = 0) -> Batch:
+    """The inputs every profile and verification step trains on (NCHW numpy, the training loops' `Batch`).
+
+    The conditioning the `Batch` does not carry (class labels, SDXL's added embeddings) is
+    `extra_inputs`, passed beside it.
+    """
+    rng = np.random.default_rng(seed)
+    shape = (batch_size, spec.in_channels, spec.sample_size, spec.sample_size)
+    context = None
+    if spec.cross_attention_dim is not None:
+        context = rng.standard_normal((batch_size, context_length, spec.cross_attention_dim), dtype=np.float32)
+    return Batch(
+        noisy=rng.standard_normal(shape, dtype=np.float32),
+        t=rng.integers(0, 1000, batch_size).astype(np.float32),
+        noise=rng.standard_normal((batch_size, spec.out_channels, spec.sample_size, spec.sample_size), np.float32),
+        context=context,
+        labels=np.zeros(batch_size, np.int64),
+    )
+
+
+def extra_inputs(spec: UNetSpec, batch_size: int, context_length: int = 77, seed: int = 0) -> dict[str, np.ndarray]:
+    """The forward inputs ``spec`` takes beyond (x, t, context): class labels, SDXL's ``text_embeds``
+    and ``time_ids`` (`shared_configs.inputs`). The training loops' `Batch` does not carry them yet,
+    so the profile's steps hand them to the model beside it; empty for specs without them."""
+    drawn = example_inputs(spec, np.random.default_rng(seed), batch_size, spec.sample_size, context_length)
+    return {k: v for k, v in drawn.items() if k not in ("x", "t", "context") and v is not None}

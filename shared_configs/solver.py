@@ -1,0 +1,257 @@
+"""The cheapest plan under a memory budget, exactly: a mixed-integer linear programme (HiGHS).
+
+The peak model (`shared_configs.budget.predict`) walks the units in forward order with one running
+quantity per framework, the bytes kept so far K(u). Every term is linear in the choices:
+
+* one binary per (block, recompute choice) and per (layer, choice); a block is recomputed under at
+  most one choice, and a layer takes exactly one choice when its block is not recomputed (none
+  when it is: the block is then the unit);
+* K(u) is a constant plus the ``keep`` of each earlier unit's chosen variable (a sampler keeps its
+  bytes when its block is not recomputed);
+* each potential unit's peak ``K(u) + max(fwd_peak, bwd_peak) <= budget / scale`` binds only when
+  that unit is chosen (a big-M relaxation otherwise); the optimizer's peak must fit as well.
+
+The objective is the recompute time (as a fraction of the plain step, summed over the profiles
+when there are several: one plan that fits torch and JAX), or FLOPs for a profile without times.
+`scipy.optimize.milp` solves it to optimality (relative gap 0); the answer is checked with
+`predict` (exact integers) and re-solved a byte tighter if solver tolerance let it overshoot.
+Bytes enter the programme in MiB, so the tolerances are far below a byte.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from shared_configs.budget import (
+    HEAD,
+    PLAIN,
+    STEM,
+    Prediction,
+    Profile,
+    block_layers,
+    is_pseudo,
+    policy_string,
+    predict,
+)
+from shared_configs.spec import SpecError, UNetSpec
+
+MIB = 2**20
+Expr = dict[int, float]  # column -> coefficient (MiB), with the constant under key -1
+# A potential unit's peak row: (profile, K(u) as an expression, its peak in MiB, the column that
+# makes it a unit (None: always one), the columns any of which unmakes it (a sampler's block's)).
+PeakRow = tuple[int, Expr, float, int | None, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A plan, its policy string, and what the model predicts of it (one per profile)."""
+
+    assignment: dict[str, str]
+    predictions: tuple[Prediction, ...]
+    policy: str
+
+    @property
+    def prediction(self) -> Prediction:
+        return self.predictions[0]
+
+
+class Infeasible(SpecError):
+    """No plan fits; ``smallest`` is the smallest budget (bytes) one does."""
+
+    def __init__(self, budget: int, smallest: int) -> None:
+        super().__init__(
+            f"budget: no plan fits {budget / MIB:.1f} MiB; the smallest feasible budget is "
+            f"{math.ceil(smallest / MIB)} MiB ({smallest} bytes)"
+        )
+        self.smallest = smallest
+
+
+class _Programme:
+    """Columns (unit, choice) and, per profile, the rows ``K(u) + M * x[u, c] <= limit - peak + M``."""
+
+    def __init__(self, profiles: Sequence[Profile], spec: UNetSpec) -> None:
+        self.profiles, self.spec = profiles, spec
+        self.cols: list[tuple[str, str]] = []
+        self.eq: list[Expr] = []  # expressions == 1
+        self.le1: list[Expr] = []  # expressions <= 1
+        self.peaks: list[PeakRow] = []
+        self._build()
+
+    def _col(self, unit: str, choice: str) -> int:
+        self.cols.append((unit, choice))
+        return len(self.cols) - 1
+
+    def _choices(self, unit: str) -> list[str]:
+        return [c for c in self.profiles[0].units[unit] if all(c in p.units[unit] for p in self.profiles)]
+
+    def _mib(self, f: int, unit: str, choice: str, field: str) -> float:
+        cost = self.profiles[f].cost(unit, choice)
+        value = cost.keep if field == "keep" else max(cost.fwd_peak, cost.bwd_peak)
+        return value / MIB
+
+    def _build(self) -> None:
+        nf = len(self.profiles)
+        kept: list[Expr] = [{-1: self._mib(f, STEM, PLAIN, "keep")} for f in range(nf)]
+        for f in range(nf):
+            self.peaks.append((f, {-1: 0.0}, self._mib(f, STEM, PLAIN, "peak"), None, ()))
+        for block, layers in block_layers(self.spec).items():
+            whole = {c: self._col(block, c) for c in self._choices(block) if c != PLAIN}
+            self.le1.append(dict.fromkeys(whole.values(), 1.0))
+            for f in range(nf):
+                for c, col in whole.items():
+                    self.peaks.append((f, dict(kept[f]), self._mib(f, block, c, "peak"), col, ()))
+            inner = [dict(k) for k in kept]
+            for name in layers:
+                self._layer(name, whole, inner)
+            for f in range(nf):
+                kept[f] = dict(inner[f])
+                for c, col in whole.items():
+                    kept[f][col] = kept[f].get(col, 0.0) + self._mib(f, block, c, "keep")
+        for f in range(nf):
+            self.peaks.append((f, kept[f], self._mib(f, HEAD, PLAIN, "peak"), None, ()))
+
+    def _layer(self, name: str, whole: dict[str, int], inner: list[Expr]) -> None:
+        """A layer (or sampler) of a block: active when no ``whole`` block column is set."""
+        if is_pseudo(name):  # always plain: active iff the block is not recomputed
+            for f, expr in enumerate(inner):
+                self.peaks.append((f, dict(expr), self._mib(f, name, PLAIN, "peak"), None, tuple(whole.values())))
+                keep = self._mib(f, name, PLAIN, "keep")
+                expr[-1] = expr.get(-1, 0.0) + keep
+                for col in whole.values():
+                    expr[col] = expr.get(col, 0.0) - keep
+            return
+        cols = {c: self._col(name, c) for c in self._choices(name)}
+        self.eq.append({**dict.fromkeys(cols.values(), 1.0), **dict.fromkeys(whole.values(), 1.0)})
+        for f, expr in enumerate(inner):
+            for c, col in cols.items():
+                self.peaks.append((f, dict(expr), self._mib(f, name, c, "peak"), col, ()))
+            for c, col in cols.items():
+                expr[col] = expr.get(col, 0.0) + self._mib(f, name, c, "keep")
+
+    def solve(self, cost: np.ndarray, limits: list[float], peak_col: bool = False) -> np.ndarray | None:
+        """Minimise ``cost`` under every unit's peak row; ``limits`` in MiB, per profile. With
+        ``peak_col`` a last, continuous column is the peak: rows read ``<= peak / scale`` instead."""
+        n = len(self.cols) + peak_col
+        a, hi = [], []
+        for f, expr, peak, on, off in self.peaks:
+            row = np.zeros(n)
+            for key, v in expr.items():
+                if key >= 0:
+                    row[key] += v
+            bound = limits[f] - peak - expr.get(-1, 0.0)
+            # The smallest M that relaxes the row when the unit is not chosen: all it could reach.
+            big = sum(v for v in row if v > 0) - bound + 1.0
+            if on is not None:
+                row[on] += big
+                bound += big
+            for col in off:
+                row[col] -= big
+            if peak_col:
+                row[-1] = -1.0 / self.profiles[f].scale
+            a.append(row)
+            hi.append(bound)
+        lo = [-np.inf] * len(a)
+        for exprs, low in ((self.eq, 1.0), (self.le1, -np.inf)):
+            for expr in exprs:
+                row = np.zeros(n)
+                row[list(expr)] = list(expr.values())
+                a.append(row)
+                lo.append(low)
+                hi.append(1.0)
+        integrality = np.r_[np.ones(len(self.cols)), np.zeros(int(peak_col))]
+        upper = np.r_[np.ones(len(self.cols)), np.full(int(peak_col), np.inf)]
+        with _quiet_stdout():
+            res = milp(cost, integrality=integrality, bounds=Bounds(np.zeros(n), upper),
+                       constraints=LinearConstraint(np.array(a), lo, hi),
+                       options={"mip_rel_gap": 0.0, "disp": False})  # fmt: skip
+        return res.x if res.status == 0 else None
+
+    def assignment(self, x: np.ndarray) -> dict[str, str]:
+        return {u: c for (u, c), v in zip(self.cols, x, strict=False) if v > 0.5 and c != PLAIN}
+
+
+@contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """HiGHS (1.x) prints a stray debug line to the process's stdout on some problems: silenced."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _objective(profiles: Sequence[Profile]) -> Callable[[str, str], float]:
+    """Recompute seconds as fractions of each plain step, summed (FLOPs, in TFLOP, where a profile
+    has no times); a recompute measured as free still costs a hair, so that plain wins a tie."""
+    tie = 1e-7
+    if all(p.step_time_s > 0 for p in profiles):
+        return lambda u, c: sum(p.cost(u, c).time_s / p.step_time_s for p in profiles) + tie * (c != PLAIN)
+    return lambda u, c: profiles[0].cost(u, c).flops / 1e12 + tie * (c != PLAIN)
+
+
+def _list(profiles: Profile | Sequence[Profile]) -> list[Profile]:
+    return [profiles] if isinstance(profiles, Profile) else list(profiles)
+
+
+def _cheapest(profiles: list[Profile], spec: UNetSpec, budget_bytes: int) -> dict[str, str] | None:
+    """The least-cost assignment whose predicted peaks are all at most ``budget_bytes``, or None."""
+    if any(p.opt_peak * p.scale > budget_bytes + 0.5 for p in profiles):
+        return None
+    prog = _Programme(profiles, spec)
+    objective = _objective(profiles)
+    cost = np.array([objective(u, c) for u, c in prog.cols])
+    slack = 0.0  # bytes taken off the limit when solver tolerance overshoots
+    for _ in range(4):
+        limits = [((budget_bytes + 0.5) / p.scale - slack) / MIB for p in profiles]
+        x = prog.solve(cost, limits)
+        if x is None:
+            return None
+        assignment = prog.assignment(x)
+        if all(predict(p, spec, assignment).peak_bytes <= budget_bytes for p in profiles):
+            return assignment
+        slack = 2 * slack + 64
+    raise RuntimeError("solver: the programme's answer keeps overshooting the budget")  # pragma: no cover
+
+
+def solve(profiles: Profile | Sequence[Profile], spec: UNetSpec, budget_bytes: int, margin: float = 0.0) -> Solution:
+    """The plan of least recompute time whose predicted peak fits ``budget_bytes`` less a fraction
+    ``margin`` (room for the model's error: `shared_configs.budget.safety_margin`), in every profile.
+
+    Raises `Infeasible` (naming the smallest feasible budget, margin included) when none fits.
+    """
+    profiles = _list(profiles)
+    assignment = _cheapest(profiles, spec, int(budget_bytes * (1 - margin)))
+    if assignment is None:
+        lowest = max(p.peak_bytes for p in smallest_peak(profiles, spec).predictions)
+        raise Infeasible(budget_bytes, math.ceil(lowest / (1 - margin)))
+    return _solution(profiles, spec, assignment)
+
+
+def smallest_peak(profiles: Profile | Sequence[Profile], spec: UNetSpec) -> Solution:
+    """The plan of least predicted peak (the largest over the profiles); of those, the cheapest."""
+    profiles = _list(profiles)
+    prog = _Programme(profiles, spec)
+    cost = np.r_[np.full(len(prog.cols), 1e-9), 1.0]  # the peak column; a hair per choice
+    x = prog.solve(cost, [0.0] * len(profiles), peak_col=True)
+    assert x is not None  # every unit has a plan; the peak is free
+    floor = max(max(predict(p, spec, prog.assignment(x)).peak_bytes, round(p.opt_peak * p.scale)) for p in profiles)
+    assignment = _cheapest(profiles, spec, floor)
+    assert assignment is not None  # the lowest plan itself fits its own peak
+    return _solution(profiles, spec, assignment)
+
+
+def _solution(profiles: Sequence[Profile], spec: UNetSpec, assignment: dict[str, str]) -> Solution:
+    predictions = tuple(predict(p, spec, assignment) for p in profiles)
+    return Solution(assignment, predictions, policy_string(assignment))

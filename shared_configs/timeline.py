@@ -1,0 +1,79 @@
+"""One training step's memory over time, filed by unit: the measurement the profile is made of.
+
+Both profilers reduce what they see to a `Timeline`: a sequence of positions (torch: each tensor
+allocation and each unit boundary; JAX: each instruction of XLA's schedule), the unit and phase
+running at each, and every buffer with the first and last position it is alive at and its size.
+`unit_costs` turns it into the per-unit figures of `shared_configs.budget.Cost`, one definition
+for both frameworks:
+
+* the backward starts at the first backward position (the split); every later position counts as
+  backward, whatever ran there (XLA may compute a forward value late, right before its use);
+* a unit *keeps* the buffers alive across the split whose last use falls in its backward: they
+  are freed there, so during the backward of any unit before them they are still alive;
+* K(u) is the keep of the units before u in forward order; ``fwd_peak``/``bwd_peak`` are the
+  highest live bytes at u's forward/backward positions minus K(u);
+* buffers that exist before the step (parameters, optimizer state, inputs: ``static``) or live to
+  its end (its outputs) belong to no unit: they sit inside every peak.
+
+`benchmarks.timeline` is the benchmark's picture of a step (levels per kind, thinned for a
+figure); it keeps no buffer, so it cannot attribute bytes to units, and this cannot draw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared_configs.budget import Cost
+
+FWD, BWD, OPT = "fwd", "bwd", "opt"
+
+
+@dataclass(frozen=True)
+class Timeline:
+    units: list[str]  # the unit running at each position
+    phases: list[str]  # fwd | bwd | opt at each position
+    starts: np.ndarray  # per buffer: first position alive
+    ends: np.ndarray  # per buffer: last position alive (len(units) - 1 or more: to the end)
+    sizes: np.ndarray  # per buffer: bytes
+    static: np.ndarray  # per buffer: True for what exists before the step (parameters, state, inputs)
+
+    def levels(self) -> np.ndarray:
+        """Live bytes at every position."""
+        n = len(self.units)
+        delta = np.zeros(n + 1, np.int64)
+        np.add.at(delta, np.minimum(self.starts, n - 1), self.sizes)
+        np.add.at(delta, np.minimum(self.ends, n - 1) + 1, -self.sizes)
+        return np.cumsum(delta[:-1])
+
+    def split(self) -> int:
+        """The first backward position (the end if there is none)."""
+        return next((i for i, p in enumerate(self.phases) if p == BWD), len(self.phases))
+
+
+def unit_costs(timeline: Timeline, leaves: list[str]) -> tuple[dict[str, Cost], int, int]:
+    """Per leaf unit (forward order) its `Cost` (bytes only); the optimizer's peak; the step's peak."""
+    levels = timeline.levels()
+    n, split = len(levels), timeline.split()
+    phases = np.array([p if p == OPT else FWD if i < split else BWD for i, p in enumerate(timeline.phases)])
+    units = np.array(timeline.units)
+    t = timeline
+    across = (t.starts < split) & (t.ends >= split) & (t.ends < n - 1) & ~t.static
+    owners = units[np.minimum(timeline.ends[across], n - 1)]
+    sizes = timeline.sizes[across]
+    costs, before = {}, 0
+    for unit in leaves:
+        keep = int(sizes[owners == unit].sum())
+        mine = units == unit
+        fwd = levels[mine & (phases == FWD)]
+        bwd = levels[mine & (phases == BWD)]
+        # A unit with no position of a phase (all its work fused elsewhere) bounds nothing there.
+        costs[unit] = Cost(
+            keep=keep,
+            fwd_peak=int(fwd.max()) - before if fwd.size else -before,
+            bwd_peak=int(bwd.max()) - before if bwd.size else -before,
+        )
+        before += keep
+    opt = levels[phases == OPT]
+    return costs, int(opt.max()) if opt.size else 0, int(levels.max())

@@ -1,0 +1,150 @@
+"""`python -m benchmarks.plan`: bad input is one line and exit 2 with nothing written; the JSON
+document's shape; one plan for both frameworks; the library call. Profiles are seeded into a
+temporary cache (random figures), so nothing is measured except in the slow --verify test."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import plan as cli
+from benchmarks.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
+from shared_configs import SpecError, load_spec, resolve_plan
+from shared_configs.budget import SAFETY, assignment_of, per_rank, predict, safety_margin
+from shared_configs.solver import smallest_peak
+from tests.utils import random_profile
+
+MIB = 2**20
+SPEC = load_spec("tiny")
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Random profiles of tiny at batch 2 for both frameworks, where the planner looks first."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    profiles = {}
+    for seed, fw in enumerate(("torch", "jax")):
+        profile = random_profile(SPEC, seed, framework=fw)
+        path = profile_path(fw, Workload.of("tiny", batch_size=2))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profile.save(path)
+        profiles[fw] = profile
+    return profiles
+
+
+@pytest.mark.parametrize(
+    ("budget", "match"),
+    [
+        ("0", "--budget-mib: expected a positive number of MiB, got '0'"),
+        ("-3", "--budget-mib: expected a positive number of MiB, got '-3'"),
+        ("nan", "--budget-mib: expected a positive number of MiB, got 'nan'"),
+        ("inf", "--budget-mib: expected a positive number of MiB, got 'inf'"),
+        ("lots", "--budget-mib: expected a positive number of MiB, got 'lots'"),
+        ("1", "budget: no plan fits 1.0 MiB; the smallest feasible budget is"),
+    ],
+)
+def test_bad_budget_is_one_line_exit_2_nothing_written(
+    budget: str, match: str, cache: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--config", "tiny", "--batch-size", "2", f"--budget-mib={budget}", "--json", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_unknown_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--config", "nope", "--batch-size", "2", "--budget-mib", "100", "--json", str(tmp_path / "p.json")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "config: unknown preset 'nope'" in err and err.count("\n") == 1
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_infeasible_names_the_smallest_budget(cache: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """The smallest feasible budget is the lowest predicted peak plus the safety margin (0.5% for a
+    profile without steps to check itself on), and a budget of exactly that is planned."""
+    assert safety_margin(cache["torch"], SPEC) == SAFETY
+    smallest = math.ceil(smallest_peak(cache["torch"], SPEC).prediction.peak_bytes / (1 - SAFETY))
+    with pytest.raises(SystemExit):
+        cli.main(["--config", "tiny", "--batch-size", "2", "--budget-mib", str((smallest - 8) / MIB)])
+    assert f"({smallest} bytes)" in capsys.readouterr().err
+    assert cli.main(["--config", "tiny", "--batch-size", "2", "--budget-mib", str(smallest / MIB)]) == 0
+
+
+def test_json_document_and_one_plan_for_both(cache: dict, tmp_path: Path) -> None:
+    none = max(predict(p, SPEC, {}).peak_bytes for p in cache.values())
+    floor = max(p.peak_bytes for p in smallest_peak(list(cache.values()), SPEC).predictions)
+    budget = (floor + none) / 2
+    out = tmp_path / "plan.json"
+    argv = ["--config", "tiny", "--batch-size", "2", "--budget-mib", str(budget / MIB), "--framework", "both"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"plan", "budget_bytes", "frameworks", "margin", "solve_seconds", "world_size", "distributed"}
+    assert set(doc["frameworks"]) == {"torch", "jax"}
+    for fw, entry in doc["frameworks"].items():
+        assert {"predicted_peak_bytes", "predicted_overhead", "recompute_flops"} <= set(entry)
+        assert entry["predicted_peak_bytes"] <= doc["budget_bytes"] * (1 - doc["margin"])
+        assert entry["predicted_peak_bytes"] == predict(cache[fw], SPEC, assignment_of(SPEC, doc["plan"])).peak_bytes
+    resolve_plan(SPEC, doc["plan"])  # what both U-Nets accept
+
+
+def test_library_call_returns_a_policy_both_unets_accept(cache: dict) -> None:
+    from jax_impl import UNet as JaxUNet
+    from torch_impl import UNet as TorchUNet
+
+    budget = predict(cache["torch"], SPEC, assignment_of(SPEC, "full")).peak_bytes
+    policy = plan_for_budget("tiny", batch_size=2, sample_size=None, budget_bytes=budget, framework="torch")
+    assert predict(cache["torch"], SPEC, assignment_of(SPEC, policy)).peak_bytes <= budget
+    assert TorchUNet(SPEC).enable_gradient_checkpointing(policy) == JaxUNet(spec=SPEC, policy=policy).plan
+    with pytest.raises(SpecError, match="smallest feasible budget"):
+        plan_for_budget("tiny", batch_size=2, sample_size=None, budget_bytes=MIB, framework="torch")
+
+
+def test_fsdp_divides_the_static_bytes_by_the_world_size(cache: dict, tmp_path: Path) -> None:
+    """Two FSDP ranks: every peak drops by half the parameters and optimizer state, less half the
+    largest block's parameters (gathered whole while it runs); DDP replicates: unchanged."""
+    static, block = 300 * MIB, 40 * MIB
+    profile = dataclasses.replace(cache["torch"], static_bytes=static, grad_bytes=static // 3, block_param_bytes=block)
+    profile.save(profile_path("torch", Workload.of("tiny", batch_size=2)))
+    one = predict(profile, SPEC, {}).peak_bytes
+    assert predict(per_rank(profile, 2, "ddp"), SPEC, {}).peak_bytes == one
+    two = predict(per_rank(profile, 2, "fsdp"), SPEC, {}).peak_bytes
+    assert abs((one - two) - profile.scale * (static - block) / 2) <= 1
+    out = {n: tmp_path / f"{n}.json" for n in ("1", "2")}
+    argv = ["--config", "tiny", "--batch-size", "2", "--budget-mib", "100000", "--distributed", "fsdp"]
+    for n, path in out.items():
+        assert cli.main([*argv, "--world-size", n, "--json", str(path)]) == 0
+    peaks = {n: json.loads(p.read_text())["frameworks"]["torch"]["predicted_peak_bytes"] for n, p in out.items()}
+    assert (peaks["1"], peaks["2"]) == (one, two)
+    policy = plan_for_budget("tiny", 2, None, two, world_size=2, distributed="fsdp")
+    assert predict(per_rank(profile, 2, "fsdp"), SPEC, assignment_of(SPEC, policy)).peak_bytes <= two
+
+
+def test_fsdp_verify_is_refused_in_one_line(cache: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--config", "tiny", "--batch-size", "2", "--budget-mib", "100", "--world-size", "2"]
+    argv += ["--distributed", "fsdp"]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--verify"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--verify and --sweep measure one process only" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_verify_measures_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end on torch (profile and measurement in subprocesses): the plan fits when measured."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    out = tmp_path / "plan.json"
+    argv = ["--config", "tiny", "--sample-size", "32", "--batch-size", "4", "--budget-mib", "60"]
+    assert cli.main([*argv, "--verify", "--steps", "1", "--json", str(out)]) == 0
+    torch_doc = json.loads(out.read_text())["frameworks"]["torch"]
+    assert torch_doc["measured_peak_bytes"] <= 60 * MIB
+    assert abs(torch_doc["predicted_peak_bytes"] / torch_doc["measured_peak_bytes"] - 1) <= 0.05

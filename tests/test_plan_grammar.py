@@ -1,0 +1,121 @@
+"""Per-unit save sets (``;``-grouped plans): syntax, and the same effect in torch and JAX.
+
+A grouped plan such as ``down.0,up.1;down.1,mid/save=conv,matmul`` recomputes down.0 and up.1
+keeping nothing inside them, and down.1 and mid keeping their conv/matmul outputs. It must keep,
+per block, exactly what the single-save plan for that block keeps (checked against the inspector's
+``full`` and ``save_convs`` rows, both frameworks), and its gradients must equal the plain model's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import saved as insp
+from shared_configs import SpecError, load_spec, resolve_plan
+from tests.utils import rel_err, variant
+
+MIXED = "down.0,up.1;down.1,mid/save=conv,matmul"
+LAYERS = "down.1.resnets.0;down.1.attentions.0,mid.resnets.1/save=conv+matmul;up.0.attentions.1/save=norm"
+
+
+def test_grouped_plan_resolves_per_unit_saves() -> None:
+    spec = load_spec("tiny")
+    plan = resolve_plan(spec, MIXED)
+    assert plan.recompute == ("down.0", "down.1", "mid", "up.1")
+    assert plan.save_for("down.0") == plan.save_for("up.1") == ()
+    assert plan.save_for("down.1") == plan.save_for("mid") == ("conv", "matmul")
+    assert plan.save_for("up.0") == () and plan.saves and plan.policy == MIXED
+    assert resolve_plan(spec, plan.policy) == plan  # the string round-trips
+    assert resolve_plan(spec, "full").save_for("mid") == () and not resolve_plan(spec, "full").saves
+    # The single-group forms are unchanged.
+    assert resolve_plan(spec, "save_convs").save_for("mid") == ("conv", "matmul")
+    assert resolve_plan(spec, "down.0;mid").unit_save == () and resolve_plan(spec, "down.0;mid").recompute == (
+        "down.0",
+        "mid",
+    )
+    layers = resolve_plan(spec, LAYERS)
+    assert layers.save_for("up.0.attentions.1") == ("norm",) and layers.save_for("down.1.resnets.0") == ()
+    overridden = resolve_plan(spec, MIXED, save=("norm",))  # an explicit save= applies to every unit
+    assert overridden.save_for("down.0") == overridden.save_for("mid") == ("norm",)
+    assert resolve_plan(spec, overridden.policy) == overridden
+
+
+@pytest.mark.parametrize(
+    ("policy", "match"),
+    [
+        ("down.0;down.0/save=conv", r"policy: 'down.0' is named in two ';' groups"),
+        ("full;down.0.resnets.0/save=conv", r"'down.0.resnets.0' lies inside 'down.0'"),
+        ("down.0/save=conv/offload;mid/save=conv", r"offload: every ';' group .* must say /offload, or none"),
+        ("down.0;mid/save=relu", r"save: unknown op 'relu'"),
+        ("none/save=conv;mid", r"recomputes no block"),
+    ],
+)
+def test_bad_grouped_plans_are_one_line(policy: str, match: str) -> None:
+    with pytest.raises(SpecError, match=match) as err:
+        resolve_plan(load_spec("tiny"), policy)
+    assert "\n" not in str(err.value)
+
+
+def _policy_rows(doc: dict, fw: str, block: str) -> Counter:
+    """What the op-level policy keeps inside ``block``: (op, element count). Plain autograd's rows at
+    the block's edges depend on the neighbours' plans (a recomputed consumer keeps its inputs)."""
+    rows = doc["frameworks"][fw]["rows"]
+    return Counter((r["op"], math.prod(r["shape"])) for r in rows if r["block"] == block and r["kind"] == "policy")
+
+
+@pytest.mark.parametrize("fw", ["torch", "jax"])
+def test_each_block_keeps_what_its_own_save_set_keeps(fw: str) -> None:
+    """Per block, the grouped plan keeps the rows of the uniform plan with that block's save set."""
+    docs = {p: insp.inspect_policy("tiny", p, [fw], 2, None) for p in (MIXED, "full", "save_convs")}
+    plan = resolve_plan(load_spec("tiny"), MIXED)
+    for block in plan.recompute:
+        reference = docs["save_convs" if plan.save_for(block) else "full"]
+        assert _policy_rows(docs[MIXED], fw, block) == _policy_rows(reference, fw, block), (fw, block)
+    assert all(_policy_rows(docs[MIXED], fw, b) for b in plan.recompute if plan.save_for(b)), fw
+
+
+def _torch_grads(policy: str) -> list[torch.Tensor]:
+    from torch_impl import UNet
+
+    torch.manual_seed(0)
+    model = UNet(variant("tiny", dropout=0.3)).train()
+    model.enable_gradient_checkpointing(policy)
+    gen = torch.Generator().manual_seed(1)
+    x, ctx = torch.randn(2, 4, 8, 8, generator=gen), torch.randn(2, 5, 12, generator=gen)
+    torch.manual_seed(5)  # same dropout masks for every policy
+    model(x, torch.tensor([3.0, 700.0]), ctx).square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("policy", [MIXED, LAYERS])
+def test_torch_grouped_plan_gradients_equal_plain(policy: str) -> None:
+    ref, grads = _torch_grads("none"), _torch_grads(policy)
+    assert all(rel_err(g, r) <= 1e-6 for g, r in zip(grads, ref, strict=True))
+
+
+def _jax_grads(policy: str) -> list[np.ndarray]:
+    from jax_impl import UNet
+
+    spec = variant("tiny", dropout=0.0)
+    rng = np.random.RandomState(0)
+    x, ctx = jnp.asarray(rng.randn(2, 8, 8, 4), jnp.float32), jnp.asarray(rng.randn(2, 5, 12), jnp.float32)
+    t = jnp.array([3.0, 700.0])
+    params = UNet(spec=spec, policy="none").init(jax.random.key(0), x, t, ctx)
+    model = UNet(spec=spec, policy=policy)
+    grads = jax.grad(lambda p: jnp.mean(model.apply(p, x, t, ctx) ** 2))(params)
+    return [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+@pytest.mark.parametrize("policy", [MIXED, LAYERS])
+def test_jax_grouped_plan_gradients_equal_plain(policy: str) -> None:
+    """Tolerance as in test_selective: float32 round-off, or 1e-6 absolute where exact arithmetic gives 0."""
+    ref, grads = _jax_grads("none"), _jax_grads(policy)
+    for g, r in zip(grads, ref, strict=True):
+        assert rel_err(g, r) <= 1e-5 or float(np.abs(g - r).max()) <= 1e-6
