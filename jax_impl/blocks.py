@@ -1,8 +1,8 @@
 """Down, middle and up blocks in Flax linen: the units a checkpoint plan names.
 
 Blocks receive factories for their layers from the U-Net assembly, so they know nothing of the
-spec. Mirrors `torch_impl/blocks.py`. ``recompute`` names the block's own layers that a
-layer-level plan recomputes (``("resnets.0", "attentions.1")``); `checkpointing.build` applies it.
+spec. Mirrors `torch_impl/blocks.py`. ``unit`` is the block's plan name (``down.1``) and ``plan``
+the U-Net's `CheckpointPlan`: `checkpointing.build` asks it about each layer (``down.1.resnets.0``).
 
 Call arguments are positional with ``train`` last, so that `nn.remat` can mark it static.
 """
@@ -17,6 +17,7 @@ from flax import linen as nn
 
 from jax_impl.checkpointing import build
 from jax_impl.layers import Downsample, Upsample
+from shared_configs.plan import CheckpointPlan
 
 ResnetFactory = Callable[[int, int], nn.Module]  # (in_ch, out_ch) -> ResnetBlock
 AttentionFactory = Callable[[int], nn.Module]  # ch -> SelfAttention | Transformer2D
@@ -24,10 +25,15 @@ Array = jax.Array
 Context = Array | None
 
 
-def _attentions(factory: AttentionFactory | None, ch: int, count: int, recompute: Sequence[str]) -> list | None:
+def _layer(block: nn.Module, kind: str, j: int, factory: Callable[..., nn.Module], *args: int) -> nn.Module:
+    """Layer ``j`` of ``kind`` (``resnets``, ``attentions``) in ``block``, as its plan says."""
+    return build(factory, f"{block.unit}.{kind}.{j}", block.plan, *args)
+
+
+def _attentions(block: nn.Module, factory: AttentionFactory | None, ch: int, count: int) -> list | None:
     if factory is None:
         return None
-    return [build(factory, f"attentions.{j}", recompute, ch) for j in range(count)]
+    return [_layer(block, "attentions", j, factory, ch) for j in range(count)]
 
 
 class DownBlock(nn.Module):
@@ -39,14 +45,15 @@ class DownBlock(nn.Module):
     make_resnet: ResnetFactory
     make_attention: AttentionFactory | None
     downsample_padding: int | None
-    recompute: tuple[str, ...] = ()
+    unit: str = ""
+    plan: CheckpointPlan | None = None
 
     def setup(self) -> None:
         self.resnets = [
-            build(self.make_resnet, f"resnets.{j}", self.recompute, self.in_ch if j == 0 else self.out_ch, self.out_ch)
+            _layer(self, "resnets", j, self.make_resnet, self.in_ch if j == 0 else self.out_ch, self.out_ch)
             for j in range(self.layers)
         ]
-        self.attentions = _attentions(self.make_attention, self.out_ch, self.layers, self.recompute)
+        self.attentions = _attentions(self, self.make_attention, self.out_ch, self.layers)
         pad = self.downsample_padding
         self.downsample = Downsample(self.out_ch, pad) if pad is not None else None
 
@@ -69,11 +76,12 @@ class MidBlock(nn.Module):
     ch: int
     make_resnet: ResnetFactory
     make_attention: AttentionFactory | None
-    recompute: tuple[str, ...] = ()
+    unit: str = ""
+    plan: CheckpointPlan | None = None
 
     def setup(self) -> None:
-        self.resnets = [build(self.make_resnet, f"resnets.{j}", self.recompute, self.ch, self.ch) for j in range(2)]
-        self.attentions = _attentions(self.make_attention, self.ch, 1, self.recompute)
+        self.resnets = [_layer(self, "resnets", j, self.make_resnet, self.ch, self.ch) for j in range(2)]
+        self.attentions = _attentions(self, self.make_attention, self.ch, 1)
 
     def __call__(self, x: Array, temb: Array, context: Context, train: bool = False) -> Array:
         x = self.resnets[0](x, temb, train)
@@ -91,15 +99,16 @@ class UpBlock(nn.Module):
     make_resnet: ResnetFactory
     make_attention: AttentionFactory | None
     add_upsample: bool  # torch's `upsample` argument; here that name is the submodule's
-    recompute: tuple[str, ...] = ()
+    unit: str = ""
+    plan: CheckpointPlan | None = None
 
     def setup(self) -> None:
         ins = [self.in_ch] + [self.out_ch] * (len(self.skip_channels) - 1)
         self.resnets = [
-            build(self.make_resnet, f"resnets.{j}", self.recompute, i + s, self.out_ch)
+            _layer(self, "resnets", j, self.make_resnet, i + s, self.out_ch)
             for j, (i, s) in enumerate(zip(ins, self.skip_channels, strict=True))
         ]
-        self.attentions = _attentions(self.make_attention, self.out_ch, len(self.skip_channels), self.recompute)
+        self.attentions = _attentions(self, self.make_attention, self.out_ch, len(self.skip_channels))
         self.upsample = Upsample(self.out_ch) if self.add_upsample else None
 
     def __call__(self, x: Array, skips: Sequence[Array], temb: Array, context: Context, train: bool = False) -> Array:

@@ -6,16 +6,14 @@ chooses the *class* before construction: a recomputed block or layer is an insta
 to, so the parameter tree is the same for every plan.
 
 Two places use this module, and only these: the U-Net assembly picks each block's class with
-`block_class`, and a block builds its ResNets/attentions with `build`, given the (hashable) tuple
-of its own layer names that the plan recomputes.
+`remat_class`, and a block builds its ResNets/attentions with `build`. Both ask the plan itself (a
+frozen, hashable `CheckpointPlan`, carried by every block as an attribute) about a unit's full name.
 
 Op-level plans (``plan.save_for(name)``, per unit) become the remat ``policy``: the layers tag
 their outputs with ``checkpoint_name`` (``"conv"``, ``"matmul"``, ``"attention"``, ``"norm"``, see
 `layers.py`) and `remat_policy` keeps exactly the named ones:
 `jax.checkpoint_policies.save_only_these_names`, or with ``offload``
-`save_and_offload_only_these_names` (device -> pinned host). A layer-level plan reaches the blocks
-through their ``recompute`` tuple: `layers_of` adds, after each layer that keeps ops, a marker entry
-``"resnets.0/save=conv,matmul[/offload]"`` (names never contain ``/``), which `build` reads back.
+`save_and_offload_only_these_names` (device -> pinned host).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
@@ -40,7 +38,6 @@ OFFLOAD_ON_CPU = (
     "offload: on CPU the pinned host is the device's own memory; saving the named outputs in place "
     "instead (the plan runs as save without offload)"
 )
-_MARKER = "/"
 
 
 def remat_policy(save: tuple[str, ...] = (), offload: bool = False) -> Callable[..., Any] | None:
@@ -83,42 +80,18 @@ def remat(cls: M, save: tuple[str, ...] = (), offload: bool = False) -> M:
     return nn.remat(cls, static_argnums=static, prevent_cse=True, policy=remat_policy(save, offload))
 
 
-def block_class(cls: M, name: str, plan: CheckpointPlan) -> M:
-    """The class to instantiate for block ``name`` (``down.1``, ``mid``, ...) under ``plan``."""
-    return remat(cls, plan.save_for(name), _offload_here(plan.offload)) if name in plan else cls
+def remat_class(cls: M, name: str, plan: CheckpointPlan | None) -> M:
+    """The class to instantiate for unit ``name`` (``down.1``, ``mid.resnets.0``, ...) under ``plan``:
+    ``cls`` itself, or its `remat` with the unit's own save set when the plan recomputes it."""
+    if plan is None or name not in plan:
+        return cls
+    return remat(cls, plan.save_for(name), _offload_here(plan.offload))
 
 
-def layers_of(block: str, plan: CheckpointPlan) -> tuple[str, ...]:
-    """The plan's recomputed layers inside ``block``, relative to it: ``("resnets.0", ...)``, each
-    followed by its ``"resnets.0/save=..."`` marker when it keeps op outputs."""
-    prefix = f"{block}."
-    names: tuple[str, ...] = ()
-    for name in plan.recompute:
-        if name.startswith(prefix):
-            names += (name.removeprefix(prefix),)
-            if save := plan.save_for(name):
-                names += (names[-1] + _MARKER + "save=" + ",".join(save) + ("/offload" if plan.offload else ""),)
-    return names
-
-
-def _ops_of(recompute: Collection[str], name: str) -> tuple[tuple[str, ...], bool]:
-    """(save, offload) of layer ``name`` from its marker entry in a block's ``recompute`` tuple."""
-    for entry in recompute:
-        if entry.startswith(name + _MARKER):
-            mods = entry.removeprefix(name + _MARKER).split("/")
-            return tuple(mods[0].removeprefix("save=").split(",")), "offload" in mods[1:]
-    return (), False
-
-
-def build(factory: Callable[..., nn.Module], name: str, recompute: Collection[str], *args: Any) -> nn.Module:
-    """``factory(*args)``, its module class remat'd when ``name`` (``resnets.0``) is in ``recompute``.
-
-    ``factory`` is a Module class or a `functools.partial` of one (what the assembly hands blocks).
-    """
-    if name not in recompute:
-        return factory(*args)
-    save, offload = _ops_of(recompute, name)
-    offload = _offload_here(offload)
+def build(factory: Callable[..., nn.Module], name: str, plan: CheckpointPlan | None, *args: Any) -> nn.Module:
+    """``factory(*args)``, its module class remat'd when ``plan`` recomputes unit ``name``
+    (``down.1.resnets.0``). ``factory`` is a Module class or a `functools.partial` of one (what the
+    assembly hands blocks)."""
     if isinstance(factory, functools.partial):
-        return functools.partial(remat(factory.func, save, offload), *factory.args, **factory.keywords)(*args)
-    return remat(factory, save, offload)(*args)
+        return functools.partial(remat_class(factory.func, name, plan), *factory.args, **factory.keywords)(*args)
+    return remat_class(factory, name, plan)(*args)

@@ -1,7 +1,7 @@
 """The Flax U-Net, assembled from a `UNetSpec`: the one place that reads the spec.
 
 Mirrors `torch_impl/unet.py`. Checkpointing is chosen here too, once, in ``setup()``: each block
-is built from `checkpointing.block_class` (``nn.remat(Block)`` or ``Block``) and told which of its
+is built from `checkpointing.remat_class` (``nn.remat(Block)`` or ``Block``) and told which of its
 layers a layer-level plan recomputes. Names come from the ``setup()`` attributes, so the parameter
 tree is identical for every plan and mirrors the torch ``state_dict`` (``down.1`` <-> ``down_1``).
 """
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jax_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
-from jax_impl.checkpointing import block_class, layers_of
+from jax_impl.checkpointing import remat_class
 from jax_impl.layers import (
     ATTENTION,
     CLASS_EMBEDDING,
@@ -103,11 +103,12 @@ class UNet(nn.Module):
         self.add_embedding = None if add is None else TimestepEmbedding(add.input_dim, spec.time_embed_dim)
         self.down = self._down_path(plan)
         scale = spec.mid_block_scale_factor
-        self.mid = block_class(MidBlock, "mid", plan)(
+        self.mid = remat_class(MidBlock, "mid", plan)(
             chans[-1],
             self._resnet_factory(scale),
             self._attention_factory(spec.mid_attention, -1, "mid", scale),
-            recompute=layers_of("mid", plan),
+            unit="mid",
+            plan=plan,
         )
         self.up = self._up_path(plan)
         self.conv_norm_out = norm_layer(chans[0], **kwargs(norm_args(spec)))
@@ -117,14 +118,15 @@ class UNet(nn.Module):
     def _down_path(self, plan: CheckpointPlan) -> list[DownBlock]:
         spec = self.resolved_spec
         return [
-            block_class(DownBlock, b.name, plan)(
+            remat_class(DownBlock, b.name, plan)(
                 b.in_ch,
                 b.out_ch,
                 spec.layers_per_block,
                 self._resnet_factory(1.0),
                 self._attention_factory(b.attention, b.level, b.name),
                 b.downsample_padding,
-                recompute=layers_of(b.name, plan),
+                unit=b.name,
+                plan=plan,
             )
             for b in down_blocks(spec)
         ]
@@ -132,14 +134,15 @@ class UNet(nn.Module):
     @nn.nowrap
     def _up_path(self, plan: CheckpointPlan) -> list[UpBlock]:
         return [
-            block_class(UpBlock, b.name, plan)(
+            remat_class(UpBlock, b.name, plan)(
                 b.in_ch,
                 b.out_ch,
                 b.skip_channels,
                 self._resnet_factory(1.0),
                 self._attention_factory(b.attention, b.level, b.name),
                 add_upsample=b.upsample,
-                recompute=layers_of(b.name, plan),
+                unit=b.name,
+                plan=plan,
             )
             for b in up_blocks(self.resolved_spec)
         ]
