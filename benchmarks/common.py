@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from shared_configs import SpecError, UNetSpec, from_diffusers_config, load_spec, spec_from_dict
-from shared_configs.data import NUM_CLASSES, Batch, Conditioner
+from shared_configs.data import Batch
+from shared_configs.data import example_batch as make_batch  # noqa: F401 (the workers' name for it)
 from shared_configs.diffusers import find_folder
 from shared_configs.training import TrainConfig
 
@@ -97,7 +98,6 @@ def job_spec(job: Job) -> UNetSpec:
     return load_benchmark_spec(job.config, job.sample_size, job.source)
 
 
-TIMESTEPS = 1000  # the DDPM timesteps the inputs' t are drawn from
 # The optimiser's hyperparameters: the training loops' defaults, handed to each framework's own
 # make_optimizer (AdamW with the same betas and eps in both).
 OPTIMIZER = TrainConfig()
@@ -116,25 +116,6 @@ def block_of(path: str) -> str:
     if match is None:
         return OUTSIDE
     return "mid" if match[3] else f"{match[1]}.{match[2]}"
-
-
-def make_batch(spec: UNetSpec, batch_size: int, context_length: int) -> Batch:
-    """The inputs every row trains on, the same numbers in both frameworks: a training loop's
-    `Batch` (numpy, NCHW; jax_impl.train.arrays makes it NHWC). Noise-like images and targets,
-    integer timesteps, a ``context_length``-token context when the spec cross-attends, and the
-    other conditioning the spec takes (class labels, text embeddings, time ids) as the training data
-    makes it (`shared_configs.data.Conditioner`), for random classes. The one place inputs are made."""
-    rng = np.random.default_rng(0)
-    size = spec.sample_size
-    noisy = rng.standard_normal((batch_size, spec.in_channels, size, size), dtype=np.float32)
-    t = rng.integers(0, TIMESTEPS, batch_size).astype(np.float32)
-    noise = rng.standard_normal((batch_size, spec.out_channels, size, size), dtype=np.float32)
-    context = None
-    if spec.cross_attention_dim is not None:
-        context = rng.standard_normal((batch_size, context_length, spec.cross_attention_dim), dtype=np.float32)
-    labels = rng.integers(0, NUM_CLASSES, batch_size)  # drawn after the others: their values stay as they were
-    conditioning = {**Conditioner.for_spec(spec)(labels, rng), "context": context}
-    return Batch(noisy=noisy, t=t, noise=noise, labels=labels, **conditioning)
 
 
 def step_arrays(batch: Batch) -> list[np.ndarray]:

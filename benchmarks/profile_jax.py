@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import xla_dump
@@ -45,13 +44,12 @@ from shared_configs.budget import (
     PLAIN,
     PROFILE_RUNS,
     Cost,
-    example_batch,
-    extra_inputs,
     extra_seconds,
     leaf_units,
     policy_string,
     uniform,
 )
+from shared_configs.data import example_batch
 from shared_configs.timeline import Timeline, unit_costs
 from shared_configs.unit_flops import recompute_flops, unit_flops
 
@@ -60,54 +58,25 @@ BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}  # remat's barrier
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-class Conditioned:
-    """A `UNet` that takes the conditioning inputs the training loop's `Batch` lacks (class labels,
-    SDXL's ``text_embeds``/``time_ids``: `shared_configs.budget.extra_inputs`) through the loop's
-    own step: `jax_impl.train` hands the model ``(x, t, context)``, and here ``context`` is a dict of
-    every input but x and t, passed on by keyword. ``init`` (from `jax_impl.train.init_state`, which
-    gives a plain context) adds zeros of the other inputs at batch 1."""
-
-    def __init__(self, model: UNet, extra: dict[str, np.ndarray]) -> None:
-        self.model = model
-        self._init_extra = {k: jnp.zeros((1, *v.shape[1:]), v.dtype) for k, v in extra.items()}
-
-    @property
-    def resolved_spec(self) -> UNetSpec:
-        return self.model.resolved_spec
-
-    def init(self, rngs: Any, x: Any, t: Any, context: Any, **kwargs: Any) -> Any:
-        return self.model.init(rngs, x, t, context, **self._init_extra, **kwargs)
-
-    def apply(self, variables: Any, x: Any, t: Any, inputs: dict[str, Any], **kwargs: Any) -> Any:
-        return self.model.apply(variables, x, t, **inputs, **kwargs)
-
-
-def unet(s: dict[str, Any], policy: str) -> Any:
-    """The model the profile's steps train: a `UNet`, wrapped in `Conditioned` where the spec takes
-    more inputs than the training `Batch` carries."""
-    model = UNet(spec=s["spec"], policy=policy, attention_chunk=s["chunk"])
-    return Conditioned(model, s["extra"]) if s["extra"] else model
+def unet(s: dict[str, Any], policy: str) -> UNet:
+    """The model the profile's steps train under ``policy``."""
+    return UNet(spec=s["spec"], policy=policy, attention_chunk=s["chunk"])
 
 
 def setup(spec: UNetSpec, batch_size: int, context_length: int, chunk: int | None, run: bool) -> dict[str, Any]:
     """The step's arguments: real arrays (``run``) or shapes only, and the optimizer."""
     tx = jt.make_optimizer(1e-4, 0.0)
-    extra = extra_inputs(spec, batch_size, context_length)
-    model = unet({"spec": spec, "chunk": chunk, "extra": extra}, "none")
+    model = unet({"spec": spec, "chunk": chunk}, "none")
     init = functools.partial(jt.init_state, model, tx, 0)
     # Shapes only: the state's abstract tree; else the training loop's own init (compiled fast:
     # the values only seed the timing runs).
     state = jax.jit(init, compiler_options=FAST_INIT)() if run else jax.eval_shape(init)
-    args: tuple = (state, *_batch_and_key(spec, batch_size, context_length, extra, run))
-    return {"spec": spec, "tx": tx, "args": args, "chunk": chunk, "run": run, "extra": extra}
+    args: tuple = (state, *_batch_and_key(spec, batch_size, context_length, run))
+    return {"spec": spec, "tx": tx, "args": args, "chunk": chunk, "run": run}
 
 
-def _batch_and_key(
-    spec: UNetSpec, batch_size: int, context_length: int, extra: dict[str, np.ndarray], run: bool
-) -> tuple[Any, Any]:
+def _batch_and_key(spec: UNetSpec, batch_size: int, context_length: int, run: bool) -> tuple[Any, Any]:
     batch = jt.arrays(example_batch(spec, batch_size, context_length))
-    if extra:  # the context slot carries every conditioning input (see `Conditioned`)
-        batch = (*batch[:3], {"context": batch[3], **{k: jnp.asarray(v) for k, v in extra.items()}})
     key = jax.random.key(2)
     if run:
         return batch, key

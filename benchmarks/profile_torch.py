@@ -54,14 +54,12 @@ from shared_configs.budget import (
     PROFILE_RUNS,
     STEM,
     Cost,
-    example_batch,
-    extra_inputs,
     extra_seconds,
     leaf_units,
     policy_string,
     uniform,
 )
-from shared_configs.data import Batch
+from shared_configs.data import Batch, example_batch
 from shared_configs.timeline import BWD, FWD, Timeline, unit_costs
 from shared_configs.unit_flops import recompute_flops, unit_flops
 from torch_impl.train import as_tensors, make_optimizer, train_step
@@ -155,13 +153,12 @@ def hooks(model: UNet, opt: torch.optim.Optimizer, units: list[str], on: Callabl
             h.remove()
 
 
-def example_step(model: UNet, opt: torch.optim.Optimizer, batch: Batch, extra: dict[str, torch.Tensor]) -> None:
-    """`train_step`'s operations without reading the loss (fake tensors have no value), with the
-    conditioning inputs the `Batch` lacks (``extra``: `shared_configs.budget.extra_inputs`)."""
-    noisy, t, noise, context = as_tensors(batch)
+def example_step(model: UNet, opt: torch.optim.Optimizer, batch: Batch) -> None:
+    """`train_step`'s operations without reading the loss (fake tensors have no value)."""
+    noisy, t, noise, conditioning = as_tensors(batch)
     model.train()
     opt.zero_grad(set_to_none=True)
-    pred = model(noisy, t, context, **extra)
+    pred = model(noisy, t, **conditioning)
     loss = F.mse_loss(pred.float(), noise)
     loss.backward()
     opt.step()
@@ -178,13 +175,12 @@ def setup(spec: UNetSpec, batch_size: int, context_length: int, shapes: bool = F
         model = UNet(spec)
         opt = make_optimizer(model, lr=1e-4, weight_decay=0.0)
         batch = example_batch(spec, batch_size, context_length)
-        extra = {k: torch.from_numpy(v) for k, v in extra_inputs(spec, batch_size, context_length).items()}
-        if shapes or extra:  # train_step cannot take conditioning its Batch lacks: its operations, here
-            step: Callable[[], Any] = lambda: example_step(model, opt, batch, extra)  # noqa: E731
+        if shapes:  # train_step reads the loss, which a fake tensor does not have: its operations, here
+            step: Callable[[], Any] = lambda: example_step(model, opt, batch)  # noqa: E731
         else:
             step = lambda: train_step(model, opt, batch)  # noqa: E731
         step()
-    return {"model": model, "opt": opt, "batch": batch, "extra": extra, "step": step, "mode": mode, "shapes": shapes}
+    return {"model": model, "opt": opt, "batch": batch, "step": step, "mode": mode, "shapes": shapes}
 
 
 def existing(s: dict[str, Any]) -> list[torch.Tensor]:
@@ -192,7 +188,8 @@ def existing(s: dict[str, Any]) -> list[torch.Tensor]:
     model, opt = s["model"], s["opt"]
     state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    inputs = [a for a in as_tensors(s["batch"]) if a is not None] + list(s["extra"].values())
+    noisy, t, noise, conditioning = as_tensors(s["batch"])
+    inputs = [noisy, t, noise, *(a for a in conditioning.values() if a is not None)]
     return [*model.parameters(), *model.buffers(), *grads, *state, *inputs]
 
 
@@ -307,8 +304,7 @@ def measure(spec: UNetSpec, batch_size: int, policies: list[str], context_length
 def tracked_peak(s: dict[str, Any]) -> int:
     """One step's peak as the benchmark measures it (`benchmarks.torch_memory.StepTracker`, the
     numpy batch counted as input): the instrument the profile itself does not use."""
-    extra = sum(storage_bytes([t]) for t in s["extra"].values())
-    tracker = StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]) + extra)
+    tracker = StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]))
     with tracker:
         s["step"]()
     assert tracker.result is not None

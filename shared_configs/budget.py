@@ -34,9 +34,7 @@ from typing import Any
 import numpy as np
 
 from shared_configs.arch import down_blocks, up_blocks
-from shared_configs.data import Batch
 from shared_configs.files import atomic_write
-from shared_configs.inputs import example_inputs
 from shared_configs.plan import CheckpointPlan, block_names, resolve_plan
 from shared_configs.spec import SpecError, UNetSpec
 
@@ -295,31 +293,3 @@ def random_assignment(spec: UNetSpec, rng: np.random.Generator, choices: tuple[s
             if not is_pseudo(name) and pick != PLAIN:
                 out[name] = pick
     return out
-
-
-def example_batch(spec: UNetSpec, batch_size: int, context_length: int = 77, seed: int = 0) -> Batch:
-    """The inputs every profile and verification step trains on (NCHW numpy, the training loops' `Batch`).
-
-    The conditioning the `Batch` does not carry (class labels, SDXL's added embeddings) is
-    `extra_inputs`, passed beside it.
-    """
-    rng = np.random.default_rng(seed)
-    shape = (batch_size, spec.in_channels, spec.sample_size, spec.sample_size)
-    context = None
-    if spec.cross_attention_dim is not None:
-        context = rng.standard_normal((batch_size, context_length, spec.cross_attention_dim), dtype=np.float32)
-    return Batch(
-        noisy=rng.standard_normal(shape, dtype=np.float32),
-        t=rng.integers(0, 1000, batch_size).astype(np.float32),
-        noise=rng.standard_normal((batch_size, spec.out_channels, spec.sample_size, spec.sample_size), np.float32),
-        context=context,
-        labels=np.zeros(batch_size, np.int64),
-    )
-
-
-def extra_inputs(spec: UNetSpec, batch_size: int, context_length: int = 77, seed: int = 0) -> dict[str, np.ndarray]:
-    """The forward inputs ``spec`` takes beyond (x, t, context): class labels, SDXL's ``text_embeds``
-    and ``time_ids`` (`shared_configs.inputs`). The training loops' `Batch` does not carry them yet,
-    so the profile's steps hand them to the model beside it; empty for specs without them."""
-    drawn = example_inputs(spec, np.random.default_rng(seed), batch_size, spec.sample_size, context_length)
-    return {k: v for k, v in drawn.items() if k not in ("x", "t", "context") and v is not None}

@@ -151,6 +151,29 @@ class Conditioner:
         return six[:, np.arange(self.num_time_ids) % 6].astype(np.float32)
 
 
+EXAMPLE_TIMESTEPS = 1000  # the DDPM timesteps an example batch's t are drawn from
+
+
+def example_batch(spec: UNetSpec, batch_size: int, context_length: int = 77, seed: int = 0) -> Batch:
+    """The inputs every row trains on, the same numbers in both frameworks: a training loop's
+    `Batch` (numpy, NCHW; jax_impl.train.arrays makes it NHWC). Noise-like images and targets,
+    integer timesteps, a ``context_length``-token context when the spec cross-attends, and the
+    other conditioning the spec takes (class labels, text embeddings, time ids) as the training data
+    makes it (`Conditioner`), for random classes. The one place the benchmark's and the planner's
+    inputs are made."""
+    rng = np.random.default_rng(seed)
+    size = spec.sample_size
+    noisy = rng.standard_normal((batch_size, spec.in_channels, size, size), dtype=np.float32)
+    t = rng.integers(0, EXAMPLE_TIMESTEPS, batch_size).astype(np.float32)
+    noise = rng.standard_normal((batch_size, spec.out_channels, size, size), dtype=np.float32)
+    context = None
+    if spec.cross_attention_dim is not None:
+        context = rng.standard_normal((batch_size, context_length, spec.cross_attention_dim), dtype=np.float32)
+    labels = rng.integers(0, NUM_CLASSES, batch_size)  # drawn after the others: their values stay as they were
+    conditioning = {**Conditioner.for_spec(spec)(labels, rng), "context": context}
+    return Batch(noisy=noisy, t=t, noise=noise, labels=labels, **conditioning)
+
+
 @dataclass(frozen=True)
 class Dataset:
     """Images (N, C, H, W) in [-1, 1] with class labels, and the conditioning they come with."""

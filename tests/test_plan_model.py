@@ -104,8 +104,8 @@ def test_jax_predictions_match_memory_analysis() -> None:
 
 @pytest.mark.parametrize("name", [pytest.param("sdxl_style", marks=pytest.mark.slow), "class_cond"])
 def test_torch_profiles_specs_with_conditioning_inputs(name: str) -> None:
-    """Class labels and SDXL's added embeddings reach the model (`shared_configs.budget.extra_inputs`):
-    the profile from shapes equals the measured one (1%), which predicts the tracker's peaks (5%)."""
+    """Class labels and SDXL's added embeddings reach the model (the `Batch` carries them): the
+    profile from shapes equals the measured one (1%), which predicts the tracker's peaks (5%)."""
     from benchmarks import profile_torch
 
     spec = variant(name, sample_size=16)
@@ -113,7 +113,8 @@ def test_torch_profiles_specs_with_conditioning_inputs(name: str) -> None:
     real = Profile(**fields, **profile_torch.profile(spec, 2, CONTEXT, repeats=0))
     fake = Profile(**fields, **profile_torch.profile(spec, 2, CONTEXT, shapes=True))
     s = profile_torch.setup(spec, 2, CONTEXT)
-    assert s["extra"]  # the spec takes inputs the training Batch lacks
+    taken = {k for k, v in s["batch"].conditioning().items() if v is not None}
+    assert taken - {"context"}  # the spec takes inputs beyond the context, and the batch has them
     for policy in ("none", "full", "layers/save=conv,matmul"):
         assignment = assignment_of(spec, policy)
         s["model"].enable_gradient_checkpointing(policy)
@@ -126,7 +127,7 @@ def test_torch_profiles_specs_with_conditioning_inputs(name: str) -> None:
 
 @pytest.mark.slow
 def test_jax_profiles_sdxl_style_inputs() -> None:
-    """SDXL's text embeddings and time ids through the loop's own jitted step (`Conditioned`)."""
+    """SDXL's text embeddings and time ids through the loop's own jitted step."""
     from benchmarks import profile_jax
 
     spec = variant("sdxl_style", sample_size=16)
