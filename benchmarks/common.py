@@ -23,7 +23,6 @@ import numpy as np
 
 from shared_configs import SpecError, UNetSpec, from_diffusers_config, load_spec, spec_from_dict
 from shared_configs.data import Batch
-from shared_configs.data import example_batch as make_batch  # noqa: F401 (the workers' name for it)
 from shared_configs.diffusers import find_folder
 from shared_configs.training import TrainConfig
 

@@ -30,7 +30,6 @@ from benchmarks.common import (
     cpu_name,
     job_spec,
     load_benchmark_spec,
-    make_batch,
     policy_arg,
     timing_stats,
 )
@@ -38,6 +37,7 @@ from benchmarks.jax_memory import compile_with_plan
 from jax_impl import UNet
 from jax_impl import train as jt
 from jax_impl.parallel import make_mesh, shard, state_shardings
+from shared_configs.data import example_batch
 
 SEED = 0
 # init_state compiled: the forward pass is dead code (only variables are returned); what is left is a
@@ -153,14 +153,14 @@ def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[s
     model = UNet(spec=spec, policy=policy_arg(policy), attention_chunk=attention_chunk(job, device))
     tx = jt.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay)
     state, mesh = _abstract_state(spec, tx), None
-    rank_batch = jt.arrays(make_batch(spec, batch_size, job.context_length))
+    rank_batch = jt.arrays(example_batch(spec, batch_size, job.context_length))
     if job.world_size == 1:
         batch = jax.device_put(rank_batch, device)
     else:
         mesh = make_mesh(job.world_size * batch_size)
         placement = state_shardings(mesh, state, "fsdp")
         state = jax.tree.map(lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p), state, placement)
-        whole = jt.arrays(make_batch(spec, job.world_size * batch_size, job.context_length))
+        whole = jt.arrays(example_batch(spec, job.world_size * batch_size, job.context_length))
         batch = shard(mesh, {}, whole, "fsdp")[1]
     dtype = jt.DTYPES[job.dtype]
     key = jax.random.key(2)

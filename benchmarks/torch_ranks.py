@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import Job, make_batch
+from benchmarks.common import Job
 from benchmarks.torch_memory import local, storage_bytes
 from shared_configs import UNetSpec
-from shared_configs.data import Batch
+from shared_configs.data import Batch, example_batch
 from torch_impl.parallel import shard_blocks
 
 
@@ -40,8 +40,8 @@ def shard(job: Job, model: torch.nn.Module) -> torch.nn.Module:
 def rank_batch(spec: UNetSpec, batch_size: int, job: Job) -> Batch:
     """This rank's ``batch_size`` samples: its slice of the global batch (``world_size`` x ``batch_size``)."""
     if job.world_size == 1:
-        return make_batch(spec, batch_size, job.context_length)
-    whole = make_batch(spec, job.world_size * batch_size, job.context_length)
+        return example_batch(spec, batch_size, job.context_length)
+    whole = example_batch(spec, job.world_size * batch_size, job.context_length)
     return whole.shard(dist.get_rank(), job.world_size)
 
 

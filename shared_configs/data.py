@@ -79,7 +79,7 @@ def check_conditioning(spec: UNetSpec, given: Mapping[str, Any]) -> None:
         if wanted[name] is not None and given.get(name) is None:
             raise ValueError(
                 f"batch: spec {spec.name!r} takes {name} but the batch has none; make batches for the spec "
-                "(shared_configs.data.load_dataset(kind, spec), or benchmarks.common.make_batch)"
+                "(shared_configs.data.load_dataset(kind, spec), or shared_configs.data.example_batch)"
             )
         if wanted[name] is None and given.get(name) is not None:
             raise ValueError(f"batch: spec {spec.name!r} takes no {name} but the batch has one; set it to None")
