@@ -44,9 +44,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from benchmarks.common import batch_bytes
+from benchmarks.common import batch_bytes, step_arrays
 from benchmarks.stepclock import clock, round_robin
-from benchmarks.torch_memory import AllocatorPeak, StepTracker, storage_bytes
+from benchmarks.torch_memory import AllocatorPeak, StepTracker, state_tensors, storage_bytes
 from shared_configs import UNetSpec, block_names
 from shared_configs.budget import (
     HEAD,
@@ -186,11 +186,9 @@ def setup(spec: UNetSpec, batch_size: int, context_length: int, shapes: bool = F
 def existing(s: dict[str, Any]) -> list[torch.Tensor]:
     """Tensors alive before a step: parameters, last step's gradients, AdamW state, the inputs."""
     model, opt = s["model"], s["opt"]
-    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    noisy, t, noise, conditioning = as_tensors(s["batch"])
-    inputs = [noisy, t, noise, *(a for a in conditioning.values() if a is not None)]
-    return [*model.parameters(), *model.buffers(), *grads, *state, *inputs]
+    inputs = [torch.from_numpy(a) for a in step_arrays(s["batch"])]
+    return [*model.parameters(), *model.buffers(), *grads, *state_tensors(opt), *inputs]
 
 
 def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:

@@ -74,7 +74,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors (this rank's shards under FSDP2)."""
     return [local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
@@ -194,7 +195,7 @@ class StepTracker(TorchDispatchMode):
         for p in self._model.parameters():
             if p.grad is not None:
                 self._add(p.grad, "grads", at_entry=True)
-        for t in _state_tensors(self._optimizer):
+        for t in state_tensors(self._optimizer):
             self._add(t, "optimizer", at_entry=True)
         self._mods.register_user_hooks(self._pre_forward, self._post_forward, self._enter_block, self._leave_block)
         self._hooks = [
@@ -241,7 +242,7 @@ class StepTracker(TorchDispatchMode):
             hook.remove()
         # What the step leaves behind decides the kind: its gradients and (new) optimizer state.
         for kind, tensors in (("grads", [p.grad for p in self._model.parameters()]),
-                              ("optimizer", _state_tensors(self._optimizer))):  # fmt: skip
+                              ("optimizer", state_tensors(self._optimizer))):  # fmt: skip
             for t in tensors:
                 index = None if t is None else self._live.get(id(local(t).untyped_storage()))
                 if index is not None:

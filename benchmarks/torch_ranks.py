@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import Job
-from benchmarks.torch_memory import local, storage_bytes
+from benchmarks.torch_memory import state_tensors, storage_bytes
 from shared_configs import UNetSpec
 from shared_configs.data import Batch, example_batch
 from torch_impl.parallel import shard_blocks
@@ -47,8 +47,7 @@ def rank_batch(spec: UNetSpec, batch_size: int, job: Job) -> Batch:
 
 def static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """This rank's parameters (its shards under FSDP2) and optimizer state, between steps."""
-    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return storage_bytes([local(p) for p in model.parameters()]) + storage_bytes(state)
+    return storage_bytes(model.parameters()) + storage_bytes(state_tensors(optimizer))
 
 
 def gather(job: Job, row: dict[str, Any]) -> dict[str, Any]:
