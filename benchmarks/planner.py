@@ -29,7 +29,8 @@ from typing import Any
 from benchmarks.common import REPO_ROOT, XLA_CPU_FLAG
 from benchmarks.runner import BenchmarkError
 from shared_configs import UNetSpec, load_spec, spec_from_dict
-from shared_configs.budget import PLAIN, SCHEMA, Profile, block_layers, leaf_units, per_rank, safety_margin
+from shared_configs.budget import SCHEMA, Profile, leaf_units, per_rank, safety_margin
+from shared_configs.recompute_time import at_rates, plain_keeps
 from shared_configs.solver import Solution, solve
 from shared_configs.unit_flops import unit_flops
 
@@ -148,31 +149,16 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
 
 
 def with_flop_time(profile: Profile, workload: Workload) -> Profile:
-    """A shapes-only profile with time estimated at stated rates: a recompute costs its FLOPs at
-    ``flops_per_s`` plus, for the elementwise work it redoes (norms, activations: no FLOPs counted),
-    writing the bytes it no longer keeps and reading as many, at ``bytes_per_s``. The plain step is
-    three forwards' FLOPs (the backward costs about two) plus writing and reading what it keeps."""
-    flops_rate, byte_rate = workload.flops_per_s, workload.bytes_per_s
-    plain = _plain_keeps(profile, workload)
-    units = {
-        u: {
-            c: replace(v, time_s=v.flops / flops_rate + 2 * max(plain[u] - v.keep, 0) / byte_rate)
-            for c, v in per.items()
-        }
-        for u, per in profile.units.items()
-    }
-    flops = unit_flops(workload.spec, workload.batch_size, workload.context_length)
-    forward = sum(sum(flops[u].values()) for u, _ in leaf_units(workload.spec, {}))
-    step = 3 * forward / flops_rate + 2 * sum(plain[u] for u, _ in leaf_units(workload.spec, {})) / byte_rate
+    """A shapes-only profile with time estimated at stated rates (`shared_configs.recompute_time`):
+    FLOPs at ``flops_per_s``, elementwise bytes at ``bytes_per_s``. The plain step is three
+    forwards' FLOPs (the backward costs about two) plus writing and reading what it keeps."""
+    spec, flops_rate, byte_rate = workload.spec, workload.flops_per_s, workload.bytes_per_s
+    units = at_rates(spec, profile.units, 1 / flops_rate, 1 / byte_rate)
+    flops = unit_flops(spec, workload.batch_size, workload.context_length)
+    plain = plain_keeps(spec, profile.units)
+    leaves = [u for u, _ in leaf_units(spec, {})]
+    step = 3 * sum(sum(flops[u].values()) for u in leaves) / flops_rate + 2 * sum(plain[u] for u in leaves) / byte_rate
     return replace(profile, units=units, flops_per_s=flops_rate, step_time_s=step)
-
-
-def _plain_keeps(profile: Profile, workload: Workload) -> dict[str, int]:
-    """What each unit keeps when plain (a block: its layers and sampler)."""
-    out = {u: per[PLAIN].keep for u, per in profile.units.items() if PLAIN in per}
-    for block, layers in block_layers(workload.spec).items():
-        out[block] = sum(out[n] for n in layers)
-    return out
 
 
 def _loadavg() -> str:

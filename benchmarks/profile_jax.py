@@ -9,10 +9,12 @@ saves nothing on XLA:CPU, see docs/remat_vs_checkpoint.md):
   schedule, filed by the unit each instruction's ``op_name`` names. ``Profile.scale`` carries the
   ratio of the compiled ``memory_analysis()`` peak (what the benchmark reports: buffers as packed
   into allocations) to that live-byte peak;
-* seconds: each profile compile (at full optimisation, to be run) runs under ``jax.profiler``;
-  a unit's seconds are the time its instructions cover (forward, backward, recompute), and a
-  choice costs what its unit takes beyond the same layers in the plain step
-  (`shared_configs.budget.extra_seconds`); CPU seconds, XLA single-threaded (the machine is shared);
+* seconds: each profile compile (at full optimisation, to be run) is timed (CPU seconds, XLA
+  single-threaded: the machine is shared). What a uniform plan's step takes beyond the plain step
+  is its recompute; seconds per FLOP and per byte fitted to those differences price each unit's
+  choice by its FLOPs and elementwise bytes (`shared_configs.recompute_time`). Per-op traces
+  (``jax.profiler``) were tried for this and split a few percent of an XLA:CPU step between units
+  as noise (most choices came out 0); they still give each unit's plain ``fwd_time_s``;
 * FLOPs: `shared_configs.unit_flops` (the same network as torch's; counted from the spec).
 
 With ``run=False`` (shapes only) the step is lowered and compiled but never run: no parameter is
@@ -40,16 +42,9 @@ from benchmarks.stepclock import round_robin
 from jax_impl import train as jt
 from jax_impl.unet import UNet
 from shared_configs import UNetSpec, block_names
-from shared_configs.budget import (
-    PLAIN,
-    PROFILE_RUNS,
-    Cost,
-    extra_seconds,
-    leaf_units,
-    policy_string,
-    uniform,
-)
+from shared_configs.budget import PLAIN, PROFILE_RUNS, Cost, leaf_units, policy_string, uniform
 from shared_configs.data import example_batch
+from shared_configs.recompute_time import at_rates, fit_rates
 from shared_configs.timeline import Timeline, unit_costs
 from shared_configs.unit_flops import recompute_flops, unit_flops
 
@@ -224,7 +219,7 @@ def profile(
     flops = unit_flops(spec, batch_size, context_length)
     units: dict[str, dict[str, Cost]] = {}
     runs: dict[str, Any] = {}
-    scales, plain, step_time = [], {}, 0.0
+    scales, step_time, extras = [], 0.0, []
     for choice, level in PROFILE_RUNS:
         assignment = {} if choice == PLAIN else uniform(spec, choice, level)
         costs, live_peak, peak, (compiled, op_names) = memory_run(s, assignment, fast=not timing)
@@ -232,16 +227,18 @@ def profile(
         runs[policy_string(assignment)] = {"peak_bytes": peak, "live_peak_bytes": live_peak, "step_time_s": seconds}
         scales.append(peak / live_peak)
         if choice == PLAIN:
-            plain, step_time = timed, seconds
-        extra = extra_seconds(spec, timed, plain)
+            step_time = seconds
+        extras.append((assignment, seconds - step_time))
         for unit, cost in costs.items():
             mine = assignment.get(unit, PLAIN)
             if mine == choice:
-                time_s, flop, own = extra.get(unit, 0.0), recompute_flops(flops[unit], mine), timed.get(unit, 0.0)
-                units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, time_s, flop, own)
+                flop, own = recompute_flops(flops[unit], mine), timed.get(unit, 0.0)
+                units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, 0.0, flop, own)
+    step_flops = 3 * sum(sum(flops[u].values()) for u, _ in leaf_units(spec, {}))  # the backward: about two forwards
+    per_flop, per_byte, how = fit_rates(spec, units, extras[1:], (step_time, step_flops)) if timing else (0, 0, "-")
     return {
         "framework": "jax",
-        "units": units,
+        "units": at_rates(spec, units, per_flop, per_byte),
         **sharded_bytes(s),
         "opt_peak": 0,  # optax's updates are scheduled inside the backward: filed under its units
         "step_time_s": step_time,
@@ -251,9 +248,10 @@ def profile(
         "meta": {
             "runs": runs,
             "method": "XLA's buffer live ranges over its schedule (xla_dump_to), filed by the op_name's Flax module; "
-            "compiled with cse_barrier_expander disabled; recompute seconds: the time the unit's ops cover in "
-            "jax.profiler traces of its run (as CPU seconds, XLA single-threaded) minus the same units' in the "
-            "plain step",
+            "compiled with cse_barrier_expander disabled; recompute seconds: the unit's FLOPs and elementwise "
+            "bytes at the rates fitted to the profile runs' measured steps minus the plain step (CPU seconds, XLA "
+            "single-threaded); fwd_time_s: the time the unit's ops cover in jax.profiler traces of the plain step",
+            "rates": {"seconds_per_flop": per_flop, "seconds_per_byte": per_byte, "from": how},
             "versions": {"jax": jax.__version__},
         },
     }

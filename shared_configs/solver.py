@@ -194,8 +194,9 @@ def _quiet_stdout() -> Iterator[None]:
 
 def _objective(profiles: Sequence[Profile]) -> Callable[[str, str], float]:
     """Recompute seconds as fractions of each plain step, summed (FLOPs, in TFLOP, where a profile
-    has no times); a recompute measured as free still costs a hair, so that plain wins a tie."""
-    tie = 1e-7
+    has no times); a recompute measured as free still costs a hair, so that plain wins a tie (a hair
+    above the MILP's absolute gap, 1e-6, summed over units)."""
+    tie = 1e-5
     if all(p.step_time_s > 0 for p in profiles):
         return lambda u, c: sum(p.cost(u, c).time_s / p.step_time_s for p in profiles) + tie * (c != PLAIN)
     return lambda u, c: profiles[0].cost(u, c).flops / 1e12 + tie * (c != PLAIN)

@@ -31,7 +31,6 @@ TORCH_POLICIES = ("full", "balanced", "layers", "every:2", "save_convs")
 FLAX_CASES = ("sdxl_style", "class_timestep_concat")
 
 
-
 def _torch_loss_and_grads(model: TorchUNet, inputs: dict[str, Any]) -> tuple[float, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)  # the same dropout masks for every policy

@@ -9,6 +9,7 @@ profiles and budgets from infeasible to unconstrained.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from shared_configs import load_spec, resolve_plan
 from shared_configs.budget import (
     CHOICES,
     PLAIN,
+    PROFILE_RUNS,
     assignment_of,
     block_layers,
     is_pseudo,
@@ -25,7 +27,9 @@ from shared_configs.budget import (
     policy_string,
     predict,
     random_assignment,
+    uniform,
 )
+from shared_configs.recompute_time import at_rates, fit_rates
 from shared_configs.solver import Infeasible, smallest_peak, solve
 from shared_configs.unit_flops import recompute_flops, unit_flops
 from tests.utils import random_profile, variant
@@ -133,3 +137,31 @@ def test_unit_flops_equal_flop_counter(name: str) -> None:
         assert measured == {k: v for k, v in per.items() if v}, unit
     assert recompute_flops(expected["mid"], "save=conv,matmul") == expected["mid"].get("attention", 0)
     assert recompute_flops(expected["mid"], "full") == sum(expected["mid"].values())
+
+
+def test_fitted_rates_give_back_the_rates_the_runs_were_timed_at() -> None:
+    """Each uniform plan's extra seconds, computed by hand from known rates (FLOPs, and the bytes a
+    unit no longer keeps written and read), are fitted back to those rates; the repriced profile
+    then predicts each plan's extra seconds."""
+    spec = _small_spec()
+    profile = random_profile(spec, 3)
+    per_flop, per_byte = 2e-11, 3e-10
+    kept = {u: per[PLAIN].keep for u, per in profile.units.items() if PLAIN in per}
+    kept |= {b: sum(kept[n] for n in layers) for b, layers in block_layers(spec).items()}
+    runs = []
+    for choice, level in PROFILE_RUNS[1:]:
+        assignment = uniform(spec, choice, level)
+        extra = 0.0
+        for unit, c in leaf_units(spec, assignment):
+            cost = profile.units[unit][c]
+            extra += cost.flops * per_flop + 2 * max(kept[unit] - cost.keep, 0) * per_byte
+        runs.append((assignment, extra))
+    *fitted, how = fit_rates(spec, profile.units, runs, (1.0, 1e12))
+    assert fitted == pytest.approx([per_flop, per_byte], rel=1e-6) and how.startswith("fitted")
+    priced = replace(profile, units=at_rates(spec, profile.units, *fitted))
+    for assignment, extra in runs:
+        assert predict(priced, spec, assignment).time_s == pytest.approx(extra, rel=1e-6)
+    # Remat steps that ran faster than the plain one: FLOPs at the plain step's throughput, not free.
+    faster = [(assignment, -extra) for assignment, extra in runs]
+    per_flop, per_byte, why = fit_rates(spec, profile.units, faster, (2.0, 1e12))
+    assert (per_flop, per_byte) == (pytest.approx(2e-12), 0.0) and "plain step" in why
