@@ -21,7 +21,7 @@ import numpy as np
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
-from benchmarks.planner import Workload, get_profile, measure
+from benchmarks.planner import Workload, checked_solve, get_profile, measure
 from benchmarks.report import atomic_write, write_json
 from shared_configs.budget import Profile, assignment_of, policy_string, predict, random_assignment, safety_margin
 from shared_configs.solver import Infeasible, smallest_peak, solve
@@ -97,7 +97,7 @@ def sweep(
         plans, margin = [], safety_margin(profile, spec)
         for budget in [*budgets(profile, workload, count), hand["balanced"]["predicted_peak_bytes"]]:
             try:
-                sol = solve(profile, spec, budget, margin)
+                sol = checked_solve([profile], workload, budget, margin, (fw,))
             except Infeasible:
                 continue
             plans.append({"budget_bytes": budget, "plan": sol.policy, **_predicted(profile, sol.prediction)})
@@ -131,7 +131,7 @@ def _at_measured_balanced(
     memory balanced uses"."""
     budget = balanced["measured_peak_bytes"]
     try:
-        sol = solve(profile, workload.spec, budget, margin)
+        sol = checked_solve([profile], workload, budget, margin, (fw,))
     except Infeasible:
         return []
     entry = {"budget_bytes": budget, "plan": sol.policy, "at": "balanced's measured peak"}
@@ -251,7 +251,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
-    atomic_write(path, lambda f: f.write(buf.getvalue()), binary=True)
+    atomic_write(path, buf.getvalue())
 
 
 def write(doc: dict[str, Any], folder: Path) -> list[Path]:

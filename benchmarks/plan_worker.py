@@ -28,6 +28,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         return backend.profile(
             spec, request["batch_size"], request["context_length"], request["shapes"], request["repeats"], **extra
         )
+    if request["kind"] == "peaks":  # JAX only: compiled, never run
+        return backend.peaks(spec, request["batch_size"], request["policies"], request["context_length"], **extra)
     out = backend.measure(spec, request["batch_size"], request["policies"], request["context_length"],
                           request["steps"], **extra)  # fmt: skip
     if request.get("ratios"):  # torch.compile's activation_memory_budget, in the same process (same `none`)

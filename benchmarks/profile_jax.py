@@ -257,6 +257,15 @@ def profile(
     }
 
 
+def peaks(
+    spec: UNetSpec, batch_size: int, policies: list[str], context_length: int = 77, attention_chunk: int | None = None
+) -> dict:
+    """Per policy, the compiled step's ``memory_analysis()`` peak: what `measure` reports, from a
+    compile at -O0 with nothing allocated and nothing run (buffer assignment precedes codegen)."""
+    s = setup(spec, batch_size, context_length, attention_chunk, run=False)
+    return {"peaks": {p: compiled_peak(compiled_step(s, p)) for p in policies}}
+
+
 def measure(
     spec: UNetSpec,
     batch_size: int,

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks import plan as cli
+from benchmarks import planner
 from benchmarks.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs import SpecError, load_spec, resolve_plan
-from shared_configs.budget import SAFETY, assignment_of, per_rank, predict, safety_margin
-from shared_configs.solver import smallest_peak
+from shared_configs.budget import SAFETY, Profile, assignment_of, per_rank, predict, safety_margin
+from shared_configs.solver import smallest_peak, solve
 from tests.utils import random_profile
 
 MIB = 2**20
@@ -33,7 +34,23 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         profile.save(path)
         profiles[fw] = profile
+    _compile_as(monkeypatch, profiles["jax"], 1.0)
     return profiles
+
+
+def _compile_as(monkeypatch: pytest.MonkeyPatch, profile: Profile, factor: float) -> list[int]:
+    """XLA's compiled peak of a JAX plan, stood in for: the profile's prediction times ``factor``
+    (the compile check itself runs for real in the slow --verify test). Returns the peaks given."""
+    given: list[int] = []
+
+    def run_worker(request: dict) -> dict:
+        assert request["kind"] == "peaks", request["kind"]
+        (policy,) = request["policies"]
+        given.append(round(factor * predict(profile, SPEC, assignment_of(SPEC, policy)).peak_bytes))
+        return {"peaks": {policy: given[-1]}}
+
+    monkeypatch.setattr(planner, "run_worker", run_worker)
+    return given
 
 
 @pytest.mark.parametrize(
@@ -94,6 +111,25 @@ def test_json_document_and_one_plan_for_both(cache: dict, tmp_path: Path) -> Non
         assert entry["predicted_peak_bytes"] <= doc["budget_bytes"] * (1 - doc["margin"])
         assert entry["predicted_peak_bytes"] == predict(cache[fw], SPEC, assignment_of(SPEC, doc["plan"])).peak_bytes
     resolve_plan(SPEC, doc["plan"])  # what both U-Nets accept
+
+
+def test_a_jax_plan_that_compiles_over_the_budget_is_planned_lower(
+    cache: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """XLA puts every plan 6% above the model: the first plan compiles over the budget, the
+    planner plans lower by the excess (and 0.5%) and the plan it returns compiles under it."""
+    given = _compile_as(monkeypatch, cache["jax"], 1.06)
+    margin = safety_margin(cache["jax"], SPEC)
+    # A budget the model's plan fills to the edge, so that 6% more is over it.
+    tight = solve(cache["jax"], SPEC, predict(cache["jax"], SPEC, {}).peak_bytes // 2, margin)
+    budget = math.ceil(tight.predictions[0].peak_bytes / (1 - margin)) + 1
+    out = tmp_path / "plan.json"
+    argv = ["--config", "tiny", "--batch-size", "2", "--budget-mib", str(budget / MIB), "--framework", "jax"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert len(given) >= 2 and given[0] > budget >= given[-1]
+    assert doc["margin"] > safety_margin(cache["jax"], SPEC) + 0.05
+    assert given[-1] == round(1.06 * doc["frameworks"]["jax"]["predicted_peak_bytes"])
 
 
 def test_library_call_returns_a_policy_both_unets_accept(cache: dict) -> None:
