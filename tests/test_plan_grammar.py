@@ -55,9 +55,13 @@ def test_grouped_plan_resolves_per_unit_saves() -> None:
         ("down.0/save=conv/offload;mid/save=conv", r"offload: every ';' group .* must say /offload, or none"),
         ("down.0;mid/save=relu", r"save: unknown op 'relu'"),
         ("none/save=conv;mid", r"recomputes no block"),
+        ("full/save=conv,relu", r"save: unknown op 'relu' \(allowed: conv, matmul, attention, norm\)"),
+        ("none/save=conv", r"save: policy 'none/save=conv' recomputes no block"),
+        ("full/offload", r"offload: .* saves no op to offload"),
+        ("full/keep=conv", r"policy: unknown modifier 'keep=conv'"),
     ],
 )
-def test_bad_grouped_plans_are_one_line(policy: str, match: str) -> None:
+def test_bad_policies_are_one_line(policy: str, match: str) -> None:
     with pytest.raises(SpecError, match=match) as err:
         resolve_plan(load_spec("tiny"), policy)
     assert "\n" not in str(err.value)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks import saved as insp
-from shared_configs import SpecError, load_spec, resolve_plan
+from shared_configs import load_spec, resolve_plan
 from shared_configs.plan import OP_CLASSES
 from tests.utils import rel_err, variant
 
@@ -38,21 +38,6 @@ def test_policy_syntax_and_presets() -> None:
         resolve_plan(yaml_spec).save == ("conv", "norm") and resolve_plan(yaml_spec).policy == "balanced/save=conv,norm"
     )
     assert set(OP_CLASSES) == {"conv", "matmul", "attention", "norm"}
-
-
-@pytest.mark.parametrize(
-    ("policy", "match"),
-    [
-        ("full/save=conv,relu", r"save: unknown op 'relu' \(allowed: conv, matmul, attention, norm\)"),
-        ("none/save=conv", r"save: policy 'none/save=conv' recomputes no block"),
-        ("full/offload", r"offload: .* saves no op to offload"),
-        ("full/keep=conv", r"policy: unknown modifier 'keep=conv'"),
-    ],
-)
-def test_bad_policies_are_one_line_errors(policy: str, match: str) -> None:
-    with pytest.raises(SpecError, match=match) as err:
-        resolve_plan(load_spec("tiny"), policy)
-    assert "\n" not in str(err.value)
 
 
 def _torch_grads(policy: str) -> tuple[float, list[torch.Tensor]]:
