@@ -40,7 +40,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
 
 def _compile_as(monkeypatch: pytest.MonkeyPatch, profile: Profile, factor: float) -> list[int]:
     """XLA's compiled peak of a JAX plan, stood in for: the profile's prediction times ``factor``
-    (the compile check itself runs for real in the slow --verify test). Returns the peaks given."""
+    (that the check's compile gives the measured figure: tests/test_plan_model.py). Returns the peaks given."""
     given: list[int] = []
 
     def run_worker(request: dict) -> dict:

@@ -100,6 +100,10 @@ def test_jax_predictions_match_memory_analysis() -> None:
         peak = profile_jax.compiled_peak(profile_jax.compiled_step(s, policy_string(assignment)))
         predicted = predict(profile, spec, assignment).peak_bytes
         assert abs(predicted / peak - 1) <= TOLERANCE, (policy_string(assignment), predicted, peak)
+    # The planner's compile check (-O0, nothing allocated) gives the figure --verify measures.
+    policy = policy_string(assignment)
+    checked = profile_jax.peaks(spec, BATCH, [policy], CONTEXT)["peaks"][policy]
+    assert checked == profile_jax.measure(spec, BATCH, [policy], CONTEXT, steps=1)["rows"][policy]["peak_bytes"]
 
 
 @pytest.mark.parametrize("name", [pytest.param("sdxl_style", marks=pytest.mark.slow), "class_cond"])
