@@ -213,6 +213,7 @@ def fit_compiled(
     if "jax" not in frameworks:
         return sol, margin
     for _ in range(CHECKS):
+        progress("jax: compiling the plan to check its peak (nothing allocated) ...")
         peak = run_worker(workload.request("jax", "peaks", policies=[sol.policy]))["peaks"][sol.policy]
         if peak <= budget:
             return sol, margin
