@@ -30,7 +30,7 @@ from benchmarks.common import REPO_ROOT, XLA_CPU_FLAG
 from benchmarks.runner import BenchmarkError
 from shared_configs import SpecError, UNetSpec, load_spec, spec_from_dict
 from shared_configs.budget import SAFETY, SCHEMA, Profile, leaf_units, per_rank, safety_margin
-from shared_configs.recompute_time import at_rates, plain_keeps
+from shared_configs.recompute_time import at_rates, plain_keeps, step_flops
 from shared_configs.solver import Solution, solve
 from shared_configs.unit_flops import unit_flops
 
@@ -141,8 +141,9 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
     progress(f"profiling {spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size} in "
              f"{framework} (5 compiled steps, {how}; cached in {path.parent}) ...")  # fmt: skip
     fields = run_worker(workload.request(framework, "profile", repeats=repeats))
-    progress(f"{framework} profile done in {time.perf_counter() - start:.0f} s")
-    fields["meta"] |= {"seconds": round(time.perf_counter() - start, 1), "loadavg": [load, _loadavg()]}
+    seconds = time.perf_counter() - start
+    progress(f"{framework} profile done in {seconds:.0f} s")
+    fields["meta"] |= {"seconds": round(seconds, 1), "loadavg": [load, _loadavg()]}
     profile = Profile.from_json(
         {
             "schema": SCHEMA,
@@ -166,8 +167,7 @@ def with_flop_time(profile: Profile, workload: Workload) -> Profile:
     units = at_rates(spec, profile.units, 1 / flops_rate, 1 / byte_rate)
     flops = unit_flops(spec, workload.batch_size, workload.context_length)
     plain = plain_keeps(spec, profile.units)
-    leaves = [u for u, _ in leaf_units(spec, {})]
-    step = 3 * sum(sum(flops[u].values()) for u in leaves) / flops_rate + 2 * sum(plain[u] for u in leaves) / byte_rate
+    step = step_flops(spec, flops) / flops_rate + 2 * sum(plain[u] for u, _ in leaf_units(spec, {})) / byte_rate
     return replace(profile, units=units, flops_per_s=flops_rate, step_time_s=step)
 
 

@@ -44,7 +44,7 @@ from jax_impl.unet import UNet
 from shared_configs import UNetSpec, block_names
 from shared_configs.budget import PLAIN, PROFILE_RUNS, Cost, leaf_units, policy_string, uniform
 from shared_configs.data import example_batch
-from shared_configs.recompute_time import at_rates, fit_rates
+from shared_configs.recompute_time import at_rates, fit_rates, step_flops
 from shared_configs.timeline import Timeline, unit_costs
 from shared_configs.unit_flops import recompute_flops, unit_flops
 
@@ -234,8 +234,8 @@ def profile(
             if mine == choice:
                 flop, own = recompute_flops(flops[unit], mine), timed.get(unit, 0.0)
                 units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, 0.0, flop, own)
-    step_flops = 3 * sum(sum(flops[u].values()) for u, _ in leaf_units(spec, {}))  # the backward: about two forwards
-    per_flop, per_byte, how = fit_rates(spec, units, extras[1:], (step_time, step_flops)) if timing else (0, 0, "-")
+    plain_step = (step_time, step_flops(spec, flops))
+    per_flop, per_byte, how = fit_rates(spec, units, extras[1:], plain_step) if timing else (0, 0, "-")
     return {
         "framework": "jax",
         "units": at_rates(spec, units, per_flop, per_byte),

@@ -34,6 +34,11 @@ def plain_keeps(spec: UNetSpec, units: Units) -> dict[str, int]:
     return out
 
 
+def step_flops(spec: UNetSpec, flops: Mapping[str, Mapping[str, float]]) -> float:
+    """The plain step's FLOPs from `shared_configs.unit_flops`: three forwards (the backward costs about two)."""
+    return 3 * sum(sum(flops[u].values()) for u, _ in leaf_units(spec, {}))
+
+
 def work(cost: Cost, plain_keep: int) -> tuple[float, float]:
     """(FLOPs, bytes) a choice redoes: its recompute FLOPs; the bytes it no longer keeps, written and read."""
     return cost.flops, 2.0 * max(plain_keep - cost.keep, 0)
