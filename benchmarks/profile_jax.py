@@ -9,12 +9,14 @@ saves nothing on XLA:CPU, see docs/remat_vs_checkpoint.md):
   schedule, filed by the unit each instruction's ``op_name`` names. ``Profile.scale`` carries the
   ratio of the compiled ``memory_analysis()`` peak (what the benchmark reports: buffers as packed
   into allocations) to that live-byte peak;
-* seconds: each profile compile (at full optimisation, to be run) is timed (CPU seconds, XLA
-  single-threaded: the machine is shared). What a uniform plan's step takes beyond the plain step
-  is its recompute; seconds per FLOP and per byte fitted to those differences price each unit's
-  choice by its FLOPs and elementwise bytes (`shared_configs.recompute_time`). Per-op traces
-  (``jax.profiler``) were tried for this and split a few percent of an XLA:CPU step between units
-  as noise (most choices came out 0); they still give each unit's plain ``fwd_time_s``;
+* seconds: the profile's compiles (at full optimisation, to be run) are timed in turn (CPU
+  seconds, XLA single-threaded: the machine is shared). What a uniform plan's step takes beyond
+  the plain step, of either sign, is shared among its units by their FLOPs (full) or the bytes
+  they no longer keep (selective: it redoes only elementwise work;
+  `shared_configs.recompute_time.split_measured`), so each uniform plan (a hand policy) is priced
+  at what it measured. Per-op traces (``jax.profiler``) were tried and split a few percent of an
+  XLA:CPU step between units as noise; timed one plan after the other (not in turn), every remat
+  plan came out 26-35% slower than the plain step, whatever its FLOPs;
 * FLOPs: `shared_configs.unit_flops` (the same network as torch's; counted from the spec).
 
 With ``run=False`` (shapes only) the step is lowered and compiled but never run: no parameter is
@@ -25,12 +27,8 @@ allocated, and time is left to FLOPs. `measure` is the verification: the compile
 from __future__ import annotations
 
 import functools
-import statistics
 import tempfile
-import time
-from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -44,7 +42,7 @@ from jax_impl.unet import UNet
 from shared_configs import UNetSpec, block_names
 from shared_configs.budget import PLAIN, PROFILE_RUNS, Cost, leaf_units, policy_string, uniform
 from shared_configs.data import example_batch
-from shared_configs.recompute_time import at_rates, fit_rates, step_flops
+from shared_configs.recompute_time import split_measured
 from shared_configs.timeline import Timeline, unit_costs
 from shared_configs.unit_flops import recompute_flops, unit_flops
 
@@ -124,85 +122,32 @@ def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
 
 def memory_run(s: dict[str, Any], assignment: dict[str, str], fast: bool = True) -> tuple:
     """One compile under ``assignment``: per-unit bytes, the live-byte peak, the compiled peak, and
-    the compiled step with its instructions' ``op_name``s (``fast=False`` to run it)."""
+    the compiled step (``fast=False`` to run it)."""
     leaves = [u for u, _ in leaf_units(s["spec"], assignment)]
     with tempfile.TemporaryDirectory(prefix="plan-xla-") as dump:
         compiled = compiled_step(s, policy_string(assignment), dump, fast=fast)
         plan = xla_dump.read(dump)
     costs, _, live_peak = unit_costs(timeline_of(plan, leaves), leaves)
-    return costs, live_peak, compiled_peak(compiled), (compiled, plan.op_names)
+    return costs, live_peak, compiled_peak(compiled), compiled
 
 
-def timing_run(s: dict[str, Any], compiled: Any, op_names: dict[str, str], leaves: list[str], repeats: int) -> tuple:
-    """Per unit, the median seconds its instructions cover in ``repeats`` traced runs (forward,
-    backward and recompute: any op its module path names); the median step seconds."""
-    seconds = _step_seconds(s, compiled, repeats)
-    samples: dict[str, list[float]] = defaultdict(list)
-    for _ in range(repeats):
-        traced, wall, cpu = _traced_units(s, compiled, op_names, set(leaves))
-        for unit in leaves:
-            samples[unit].append(traced.get(unit, 0.0) * cpu / wall)  # the trace's wall clock, as CPU seconds
-    return {u: statistics.median(v) for u, v in samples.items()}, seconds
+def timed(s: dict[str, Any], compiled: dict[str, Any], rounds: int) -> dict[str, float]:
+    """Per compiled step, the median CPU seconds of ``rounds`` steps taken in turn after one warm-up
+    each (`benchmarks.stepclock.round_robin`; XLA single-threaded, see
+    `benchmarks.planner.worker_env`); the donated state is carried from step to step."""
 
-
-def _traced_units(s: dict[str, Any], compiled: Any, op_names: dict[str, str], units: set[str]) -> tuple:
-    """One traced run: per unit the wall time its ops cover; the run's wall and CPU seconds (to turn
-    the first into CPU seconds: preemption by other work slows every op alike)."""
-    state, rest = s["args"][0], s["args"][1:]
-    with tempfile.TemporaryDirectory(prefix="plan-trace-") as folder:
-        with jax.profiler.trace(folder):
-            wall, cpu = time.perf_counter(), time.process_time()
-            state, loss = compiled(state, *rest)
+    def run(c: Any) -> Callable[[], None]:
+        def step() -> None:
+            state, loss = c(s["args"][0], *s["args"][1:])
             jax.block_until_ready(loss)
-            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        spans = _op_spans(jax.profiler.ProfileData.from_file(str(next(Path(folder).rglob("*.xplane.pb")))))
-    s["args"] = (state, *rest)  # the donated state lives on in the returned one
-    intervals: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    for op, span in spans:
-        unit = xla_dump.unit_of(op_names.get(op, ""), units)
-        if unit is not None:
-            intervals[unit].append(span)
-    return {unit: _covered(spans) for unit, spans in intervals.items()}, wall, cpu
+            s["args"] = (state, *s["args"][1:])
 
+        return step
 
-def _step_seconds(s: dict[str, Any], compiled: Any, repeats: int) -> float:
-    """Median CPU seconds of ``repeats`` runs after a warm-up (XLA single-threaded, see
-    `benchmarks.planner.worker_env`); the donated state is carried along."""
-    state, rest = s["args"][0], s["args"][1:]
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.process_time()
-        state, loss = compiled(state, *rest)
-        jax.block_until_ready(loss)
-        times.append(time.process_time() - t0)
-    s["args"] = (state, *rest)
-    return statistics.median(times[1:])
-
-
-def _op_spans(data: Any) -> list[tuple[str, tuple[int, int]]]:
-    """(HLO instruction, (start ns, end ns)) of every XLA op event of the trace."""
-    out = []
-    for plane in data.planes:
-        for line in plane.lines:
-            for event in line.events:
-                stats = dict(event.stats)
-                if "hlo_op" in stats:
-                    start = int(event.start_ns)
-                    out.append((str(stats["hlo_op"]), (start, start + int(event.duration_ns))))
-    return out
-
-
-def _covered(intervals: list[tuple[int, int]]) -> float:
-    """Seconds of wall time covered by at least one interval (ops run on several threads)."""
-    total, end = 0, None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total / 1e9
+    steps = {name: run(c) for name, c in compiled.items()}
+    for step in steps.values():
+        step()
+    return round_robin(steps, rounds)
 
 
 def profile(
@@ -219,39 +164,43 @@ def profile(
     flops = unit_flops(spec, batch_size, context_length)
     units: dict[str, dict[str, Cost]] = {}
     runs: dict[str, Any] = {}
-    scales, step_time, extras = [], 0.0, []
+    compiled: dict[str, Any] = {}
     for choice, level in PROFILE_RUNS:
         assignment = {} if choice == PLAIN else uniform(spec, choice, level)
-        costs, live_peak, peak, (compiled, op_names) = memory_run(s, assignment, fast=not timing)
-        timed, seconds = timing_run(s, compiled, op_names, list(costs), repeats) if timing else ({}, 0.0)
-        runs[policy_string(assignment)] = {"peak_bytes": peak, "live_peak_bytes": live_peak, "step_time_s": seconds}
-        scales.append(peak / live_peak)
-        if choice == PLAIN:
-            step_time = seconds
-        extras.append((assignment, seconds - step_time))
+        costs, live_peak, peak, compiled[policy_string(assignment)] = memory_run(s, assignment, fast=not timing)
+        runs[policy_string(assignment)] = {"peak_bytes": peak, "live_peak_bytes": live_peak}
         for unit, cost in costs.items():
             mine = assignment.get(unit, PLAIN)
             if mine == choice:
-                flop, own = recompute_flops(flops[unit], mine), timed.get(unit, 0.0)
-                units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, 0.0, flop, own)
-    plain_step = (step_time, step_flops(spec, flops))
-    per_flop, per_byte, how = fit_rates(spec, units, extras[1:], plain_step) if timing else (0, 0, "-")
+                flop = recompute_flops(flops[unit], mine)
+                units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, 0.0, flop)
+    # In turn, not one after the other: a drift over the run would land on whichever plan ran first.
+    seconds = timed(s, compiled, repeats) if timing else dict.fromkeys(compiled, 0.0)
+    del compiled
+    for policy, run in runs.items():
+        run["step_time_s"] = seconds[policy]
+    step_time = seconds[policy_string({})]
+    extras = [
+        (uniform(spec, c, level), seconds[policy_string(uniform(spec, c, level))] - step_time)
+        for c, level in PROFILE_RUNS[1:]
+    ]
+    if timing:
+        units = split_measured(spec, units, extras)
     return {
         "framework": "jax",
-        "units": at_rates(spec, units, per_flop, per_byte),
+        "units": units,
         **sharded_bytes(s),
         "opt_peak": 0,  # optax's updates are scheduled inside the backward: filed under its units
         "step_time_s": step_time,
-        "scale": float(np.mean(scales)),
+        "scale": float(np.mean([r["peak_bytes"] / r["live_peak_bytes"] for r in runs.values()])),
         "mode": "shapes" if shapes or not repeats else "measured",
         "attention_chunk": attention_chunk,
         "meta": {
             "runs": runs,
             "method": "XLA's buffer live ranges over its schedule (xla_dump_to), filed by the op_name's Flax module; "
-            "compiled with cse_barrier_expander disabled; recompute seconds: the unit's FLOPs and elementwise "
-            "bytes at the rates fitted to the profile runs' measured steps minus the plain step (CPU seconds, XLA "
-            "single-threaded); fwd_time_s: the time the unit's ops cover in jax.profiler traces of the plain step",
-            "rates": {"seconds_per_flop": per_flop, "seconds_per_byte": per_byte, "from": how},
+            "compiled with cse_barrier_expander disabled; recompute seconds: each uniform run's step minus the "
+            "plain step (CPU seconds, XLA single-threaded, the runs in turn), shared among its units by their "
+            "FLOPs (full) or the bytes they no longer keep (selective)",
             "versions": {"jax": jax.__version__},
         },
     }
@@ -277,18 +226,7 @@ def measure(
     """Per policy: the compiled step's ``memory_analysis()`` peak and its median step time."""
     s = setup(spec, batch_size, context_length, attention_chunk, run=True)
     compiled = {p: compiled_step(s, p, fast=False) for p in policies}
-    for c in compiled.values():
-        _step_seconds(s, c, 1)  # warm-up
-
-    def run(c: Any) -> Callable[[], None]:
-        def step() -> None:
-            state, loss = c(s["args"][0], *s["args"][1:])
-            jax.block_until_ready(loss)
-            s["args"] = (state, *s["args"][1:])  # donated: carry the new state
-
-        return step
-
-    seconds = round_robin({p: run(c) for p, c in compiled.items()}, steps)
+    seconds = timed(s, compiled, steps)
     rows = {p: {"peak_bytes": compiled_peak(c), "step_time_s": seconds[p]} for p, c in compiled.items()}
     return {
         "framework": "jax",

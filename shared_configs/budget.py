@@ -52,7 +52,7 @@ PROFILE_RUNS: tuple[tuple[str, str], ...] = (
     (FULL, "layers"),
     (SELECTIVE, "layers"),
 )
-SCHEMA = 2  # 2: torch train_step frees last step's gradients before the forward; conditioning inputs
+SCHEMA = 3  # 2: torch frees last step's gradients first; conditioning inputs. 3: JAX runs timed in turn
 Assignment = Mapping[str, str]  # unit name -> choice; units left out are plain
 
 

@@ -5,11 +5,13 @@ FLOPs do not count (norms, activations), writes the bytes the unit no longer kee
 back. So a choice costs ``flops * per_flop + 2 * (plain keep - keep) * per_byte`` seconds.
 
 The shapes-only profile takes the rates as stated (`benchmarks.planner.with_flop_time`). The JAX
-profile fits them to its own measured steps (`fit_rates`): each uniform plan's step minus the plain
-step is recompute time, and a non-negative least-squares fit over those differences gives the two
-rates (or, where it finds recompute free, the plain step's FLOP throughput). A unit's share then
-follows its FLOPs and bytes, where per-op timing of one XLA:CPU run is too noisy to split a few
-percent of the step between units.
+profile measures its uniform plans instead (four are hand policies: ``full``, ``save_convs``,
+``layers``, ``layers/save=conv,matmul``) and prices each unit's choice at its share of what its
+uniform plan measured beyond the plain step (`split_measured`). Per-op timing of one XLA:CPU run is
+too noisy to split a few percent of the step between units; and a measured extra may be negative:
+on XLA:CPU a step that keeps less allocates less, and can run faster than the plain one. The
+uniform plans are then priced at exactly what they measured, so the solver ranks its plans against
+the hand policies by the same measurements.
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
-from scipy.optimize import nnls
 
-from shared_configs.budget import PLAIN, Assignment, Cost, block_layers, leaf_units
+from shared_configs.budget import FULL, PLAIN, Assignment, Cost, block_layers, leaf_units
 from shared_configs.spec import UNetSpec
 
 Units = Mapping[str, Mapping[str, Cost]]
@@ -55,23 +56,20 @@ def at_rates(spec: UNetSpec, units: Units, per_flop: float, per_byte: float) -> 
     return {u: {c: replace(v, time_s=seconds(v, u)) for c, v in per.items()} for u, per in units.items()}
 
 
-def fit_rates(
-    spec: UNetSpec, units: Units, runs: Sequence[tuple[Assignment, float]], plain_step: tuple[float, float]
-) -> tuple[float, float, str]:
-    """Seconds per FLOP and per byte (both >= 0) that best explain ``runs``: (plan, its measured
-    step minus the plain step); columns are scaled to one before the fit (FLOPs outnumber bytes).
-    Where the fit finds FLOPs free (the recompute drowned in noise, or remat steps ran faster than
-    the plain one), the plain step's own throughput instead: ``plain_step`` is (its seconds, its
-    FLOPs). The third value names which."""
+def split_measured(
+    spec: UNetSpec, units: Units, runs: Sequence[tuple[Assignment, float]]
+) -> dict[str, dict[str, Cost]]:
+    """``units`` with each recompute choice's ``time_s`` its share of the measured extra seconds of the
+    run that measured it (``runs``: a uniform plan, its step minus the plain step; any sign). A full
+    recompute's share follows its FLOPs; a selective one's the bytes it no longer keeps (it redoes
+    only elementwise work); equal shares where those are all nil."""
+    out = {u: dict(per) for u, per in units.items()}
     plain = plain_keeps(spec, units)
-    rows = [
-        np.sum([work(units[u][c], plain[u]) for u, c in leaf_units(spec, assignment)], axis=0) for assignment, _ in runs
-    ]
-    a = np.array(rows, float).reshape(len(runs), 2)
-    norm = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)
-    x, _ = nnls(a / norm, np.array([extra for _, extra in runs], float))
-    per_flop, per_byte = x / norm
-    if per_flop > 0:
-        return float(per_flop), float(per_byte), "fitted to the profile runs"
-    seconds, flops = plain_step
-    return seconds / flops, 0.0, "the plain step's FLOP throughput (the fit found recompute free)"
+    for assignment, extra in runs:
+        members = [(u, c) for u, c in leaf_units(spec, assignment) if c != PLAIN]
+        weights = np.array([work(units[u][c], plain[u])[c != FULL] for u, c in members], float)
+        if weights.sum() <= 0:
+            weights = np.ones(len(members))
+        for (u, c), share in zip(members, weights / weights.sum(), strict=True):
+            out[u][c] = replace(out[u][c], time_s=extra * float(share))
+    return out

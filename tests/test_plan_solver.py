@@ -29,7 +29,7 @@ from shared_configs.budget import (
     random_assignment,
     uniform,
 )
-from shared_configs.recompute_time import at_rates, fit_rates
+from shared_configs.recompute_time import at_rates, split_measured
 from shared_configs.solver import Infeasible, smallest_peak, solve
 from shared_configs.unit_flops import recompute_flops, unit_flops
 from tests.utils import random_profile, variant
@@ -139,29 +139,47 @@ def test_unit_flops_equal_flop_counter(name: str) -> None:
     assert recompute_flops(expected["mid"], "full") == sum(expected["mid"].values())
 
 
-def test_fitted_rates_give_back_the_rates_the_runs_were_timed_at() -> None:
-    """Each uniform plan's extra seconds, computed by hand from known rates (FLOPs, and the bytes a
-    unit no longer keeps written and read), are fitted back to those rates; the repriced profile
-    then predicts each plan's extra seconds."""
+def test_stated_rates_price_a_plan_by_its_flops_and_the_bytes_it_no_longer_keeps() -> None:
+    """Shapes-only pricing: each uniform plan's extra seconds, computed by hand from the rates (FLOPs,
+    and the bytes a unit no longer keeps written and read), are what the repriced profile predicts."""
     spec = _small_spec()
     profile = random_profile(spec, 3)
     per_flop, per_byte = 2e-11, 3e-10
     kept = {u: per[PLAIN].keep for u, per in profile.units.items() if PLAIN in per}
     kept |= {b: sum(kept[n] for n in layers) for b, layers in block_layers(spec).items()}
-    runs = []
+    priced = replace(profile, units=at_rates(spec, profile.units, per_flop, per_byte))
     for choice, level in PROFILE_RUNS[1:]:
         assignment = uniform(spec, choice, level)
         extra = 0.0
         for unit, c in leaf_units(spec, assignment):
             cost = profile.units[unit][c]
             extra += cost.flops * per_flop + 2 * max(kept[unit] - cost.keep, 0) * per_byte
-        runs.append((assignment, extra))
-    *fitted, how = fit_rates(spec, profile.units, runs, (1.0, 1e12))
-    assert fitted == pytest.approx([per_flop, per_byte], rel=1e-6) and how.startswith("fitted")
-    priced = replace(profile, units=at_rates(spec, profile.units, *fitted))
+        assert predict(priced, spec, assignment).time_s == pytest.approx(extra, rel=1e-9)
+
+
+def test_measured_runs_price_their_uniform_plans_exactly_and_negative_costs_solve() -> None:
+    """Each uniform plan is priced at the extra seconds it measured, of either sign (on XLA:CPU a
+    plan that keeps less can run faster than the plain one), its units sharing them by the work
+    they redo (full: FLOPs; selective: bytes no longer kept); the solver takes those negative costs
+    as brute force over every plan does."""
+    spec = _small_spec()
+    profile = random_profile(spec, 5)
+    kept = {u: per[PLAIN].keep for u, per in profile.units.items() if PLAIN in per}
+    kept |= {b: sum(kept[n] for n in layers) for b, layers in block_layers(spec).items()}
+    runs = [(uniform(spec, c, lv), x) for (c, lv), x in zip(PROFILE_RUNS[1:], [0.3, 0.1, 0.2, -0.05], strict=True)]
+    priced = replace(profile, units=split_measured(spec, profile.units, runs))
     for assignment, extra in runs:
-        assert predict(priced, spec, assignment).time_s == pytest.approx(extra, rel=1e-6)
-    # Remat steps that ran faster than the plain one: FLOPs at the plain step's throughput, not free.
-    faster = [(assignment, -extra) for assignment, extra in runs]
-    per_flop, per_byte, why = fit_rates(spec, profile.units, faster, (2.0, 1e12))
-    assert (per_flop, per_byte) == (pytest.approx(2e-12), 0.0) and "plain step" in why
+        assert predict(priced, spec, assignment).time_s == pytest.approx(extra, abs=1e-12)
+        (u, c), (v, d) = [(u, c) for u, c in leaf_units(spec, assignment) if c != PLAIN][:2]
+
+        def work(unit: str, choice: str) -> float:
+            cost = profile.units[unit][choice]
+            return cost.flops if choice == "full" else max(kept[unit] - cost.keep, 0)
+
+        ratio = priced.units[u][c].time_s / priced.units[v][d].time_s
+        assert ratio == pytest.approx(work(u, c) / work(v, d), rel=1e-9)
+    plans = [(predict(priced, spec, a), a) for a in _every_plan(spec)]
+    best = min(p.time_s for p, _ in plans)
+    assert best <= -0.05 + 1e-12
+    got = solve(priced, spec, max(p.peak_bytes for p, _ in plans))
+    assert got.prediction.time_s == pytest.approx(best, abs=1e-9)
