@@ -9,14 +9,13 @@ saves nothing on XLA:CPU, see docs/remat_vs_checkpoint.md):
   schedule, filed by the unit each instruction's ``op_name`` names. ``Profile.scale`` carries the
   ratio of the compiled ``memory_analysis()`` peak (what the benchmark reports: buffers as packed
   into allocations) to that live-byte peak;
-* seconds: the profile's compiles (at full optimisation, to be run) are timed in turn (CPU
-  seconds, XLA single-threaded: the machine is shared). What a uniform plan's step takes beyond
-  the plain step, of either sign, is shared among its units by their FLOPs (full) or the bytes
-  they no longer keep (selective: it redoes only elementwise work;
-  `shared_configs.recompute_time.split_measured`), so each uniform plan (a hand policy) is priced
-  at what it measured. Per-op traces (``jax.profiler``) were tried and split a few percent of an
-  XLA:CPU step between units as noise; timed one plan after the other (not in turn), every remat
-  plan came out 26-35% slower than the plain step, whatever its FLOPs;
+* seconds: a choice costs its recompute FLOPs at the plain step's own throughput (its FLOPs over
+  its CPU seconds). The five compiled steps are also run, in turn (`benchmarks.stepclock.in_turn`),
+  and their rounds kept in ``meta.runs``, but they price nothing: on XLA:CPU a step's time follows
+  what it allocates (page faults of fresh buffers) as much as its FLOPs, one program's rounds vary
+  by up to 30% within a process, and in two profiles every remat run measured 26-36% above the
+  plain step while the same programs measured -6..+12% in `measure`'s process. Per-op traces
+  (``jax.profiler``) split a few percent of a step between units as noise;
 * FLOPs: `shared_configs.unit_flops` (the same network as torch's; counted from the spec).
 
 With ``run=False`` (shapes only) the step is lowered and compiled but never run: no parameter is
@@ -27,6 +26,7 @@ allocated, and time is left to FLOPs. `measure` is the verification: the compile
 from __future__ import annotations
 
 import functools
+import statistics
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -36,13 +36,13 @@ import numpy as np
 
 from benchmarks import xla_dump
 from benchmarks.jax_bench import FAST_INIT
-from benchmarks.stepclock import round_robin
+from benchmarks.stepclock import in_turn
 from jax_impl import train as jt
 from jax_impl.unet import UNet
 from shared_configs import UNetSpec, block_names
 from shared_configs.budget import PLAIN, PROFILE_RUNS, Cost, leaf_units, policy_string, uniform
 from shared_configs.data import example_batch
-from shared_configs.recompute_time import split_measured
+from shared_configs.recompute_time import at_rates, step_flops
 from shared_configs.timeline import Timeline, unit_costs
 from shared_configs.unit_flops import recompute_flops, unit_flops
 
@@ -131,10 +131,9 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str], fast: bool = True)
     return costs, live_peak, compiled_peak(compiled), compiled
 
 
-def timed(s: dict[str, Any], compiled: dict[str, Any], rounds: int) -> dict[str, float]:
-    """Per compiled step, the median CPU seconds of ``rounds`` steps taken in turn after one warm-up
-    each (`benchmarks.stepclock.round_robin`; XLA single-threaded, see
-    `benchmarks.planner.worker_env`); the donated state is carried from step to step."""
+def timed(s: dict[str, Any], compiled: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    """Per compiled step, the CPU seconds of ``rounds`` steps taken in turn after one warm-up each
+    (`benchmarks.stepclock.in_turn`); the donated state is carried from step to step."""
 
     def run(c: Any) -> Callable[[], None]:
         def step() -> None:
@@ -147,7 +146,7 @@ def timed(s: dict[str, Any], compiled: dict[str, Any], rounds: int) -> dict[str,
     steps = {name: run(c) for name, c in compiled.items()}
     for step in steps.values():
         step()
-    return round_robin(steps, rounds)
+    return in_turn(steps, rounds)
 
 
 def profile(
@@ -175,17 +174,13 @@ def profile(
                 flop = recompute_flops(flops[unit], mine)
                 units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, 0.0, flop)
     # In turn, not one after the other: a drift over the run would land on whichever plan ran first.
-    seconds = timed(s, compiled, repeats) if timing else dict.fromkeys(compiled, 0.0)
+    samples = timed(s, compiled, repeats) if timing else {p: [0.0] for p in compiled}
     del compiled
     for policy, run in runs.items():
-        run["step_time_s"] = seconds[policy]
-    step_time = seconds[policy_string({})]
-    extras = [
-        (uniform(spec, c, level), seconds[policy_string(uniform(spec, c, level))] - step_time)
-        for c, level in PROFILE_RUNS[1:]
-    ]
-    if timing:
-        units = split_measured(spec, units, extras)
+        run["step_time_s"], run["rounds_s"] = statistics.median(samples[policy]), samples[policy]
+    step_time = runs[policy_string({})]["step_time_s"]
+    if timing:  # the measured extras stay in meta.runs: see the module's docstring for why they price nothing
+        units = at_rates(spec, units, step_time / step_flops(spec, flops), 0.0)
     return {
         "framework": "jax",
         "units": units,
@@ -198,9 +193,8 @@ def profile(
         "meta": {
             "runs": runs,
             "method": "XLA's buffer live ranges over its schedule (xla_dump_to), filed by the op_name's Flax module; "
-            "compiled with cse_barrier_expander disabled; recompute seconds: each uniform run's step minus the "
-            "plain step (CPU seconds, XLA single-threaded, the runs in turn), shared among its units by their "
-            "FLOPs (full) or the bytes they no longer keep (selective)",
+            "compiled with cse_barrier_expander disabled; recompute seconds: the unit's recompute FLOPs at the "
+            "plain step's throughput (the process's CPU seconds; the uniform runs' own steps, timed in turn, in runs)",
             "versions": {"jax": jax.__version__},
         },
     }
@@ -226,7 +220,7 @@ def measure(
     """Per policy: the compiled step's ``memory_analysis()`` peak and its median step time."""
     s = setup(spec, batch_size, context_length, attention_chunk, run=True)
     compiled = {p: compiled_step(s, p, fast=False) for p in policies}
-    seconds = timed(s, compiled, steps)
+    seconds = {p: statistics.median(v) for p, v in timed(s, compiled, steps).items()}
     rows = {p: {"peak_bytes": compiled_peak(c), "step_time_s": seconds[p]} for p, c in compiled.items()}
     return {
         "framework": "jax",

@@ -16,12 +16,17 @@ from collections.abc import Callable
 clock = time.process_time
 
 
-def round_robin(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
-    """Median CPU seconds per policy of ``rounds`` steps taken in turn (each policy warmed up already)."""
+def in_turn(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """CPU seconds per policy of ``rounds`` steps taken in turn (each policy warmed up already)."""
     samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             t0 = clock()
             step()
             samples[name].append(clock() - t0)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return samples
+
+
+def round_robin(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+    """Median CPU seconds per policy of ``rounds`` steps taken in turn (each policy warmed up already)."""
+    return {name: statistics.median(values) for name, values in in_turn(steps, rounds).items()}

@@ -29,7 +29,7 @@ from shared_configs.budget import (
     random_assignment,
     uniform,
 )
-from shared_configs.recompute_time import at_rates, split_measured
+from shared_configs.recompute_time import at_rates
 from shared_configs.solver import Infeasible, smallest_peak, solve
 from shared_configs.unit_flops import recompute_flops, unit_flops
 from tests.utils import random_profile, variant
@@ -155,31 +155,3 @@ def test_stated_rates_price_a_plan_by_its_flops_and_the_bytes_it_no_longer_keeps
             cost = profile.units[unit][c]
             extra += cost.flops * per_flop + 2 * max(kept[unit] - cost.keep, 0) * per_byte
         assert predict(priced, spec, assignment).time_s == pytest.approx(extra, rel=1e-9)
-
-
-def test_measured_runs_price_their_uniform_plans_exactly_and_negative_costs_solve() -> None:
-    """Each uniform plan is priced at the extra seconds it measured, of either sign (on XLA:CPU a
-    plan that keeps less can run faster than the plain one), its units sharing them by the work
-    they redo (full: FLOPs; selective: bytes no longer kept); the solver takes those negative costs
-    as brute force over every plan does."""
-    spec = _small_spec()
-    profile = random_profile(spec, 5)
-    kept = {u: per[PLAIN].keep for u, per in profile.units.items() if PLAIN in per}
-    kept |= {b: sum(kept[n] for n in layers) for b, layers in block_layers(spec).items()}
-    runs = [(uniform(spec, c, lv), x) for (c, lv), x in zip(PROFILE_RUNS[1:], [0.3, 0.1, 0.2, -0.05], strict=True)]
-    priced = replace(profile, units=split_measured(spec, profile.units, runs))
-    for assignment, extra in runs:
-        assert predict(priced, spec, assignment).time_s == pytest.approx(extra, abs=1e-12)
-        (u, c), (v, d) = [(u, c) for u, c in leaf_units(spec, assignment) if c != PLAIN][:2]
-
-        def work(unit: str, choice: str) -> float:
-            cost = profile.units[unit][choice]
-            return cost.flops if choice == "full" else max(kept[unit] - cost.keep, 0)
-
-        ratio = priced.units[u][c].time_s / priced.units[v][d].time_s
-        assert ratio == pytest.approx(work(u, c) / work(v, d), rel=1e-9)
-    plans = [(predict(priced, spec, a), a) for a in _every_plan(spec)]
-    best = min(p.time_s for p, _ in plans)
-    assert best <= -0.05 + 1e-12
-    got = solve(priced, spec, max(p.peak_bytes for p, _ in plans))
-    assert got.prediction.time_s == pytest.approx(best, abs=1e-9)
