@@ -99,19 +99,20 @@ def test_an_input_the_spec_does_not_take_is_refused() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["class_cond", "sdxl_style"])
-def test_the_benchmark_runs_a_conditioned_spec(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family, framework", [("class_cond", "jax"), ("sdxl_style", "torch")])
+def test_the_benchmark_runs_a_conditioned_spec(family: str, framework: str, tmp_path: Path) -> None:
+    """Each framework's benchmark on one conditioned spec (both on both took 2.5 min of CI; the
+    conditioning inputs come from the one `example_batch`, each model's use of them is parity-tested)."""
     config = tmp_path / f"{family}.yaml"
     config.write_text(yaml.safe_dump(_spec(family).model_dump(mode="json")))
-    args = ["--config", str(config), "--framework", "both", "--batch-size", "2", "--steps", "1"]
-    proc, doc = run_compare([*args, "--policies", "full", "--device", "cpu"], tmp_path / "out")
+    args = ["--config", str(config), "--framework", framework, "--batch-size", "2", "--steps", "1"]
+    proc, doc = run_compare([*args, "--policies", "full", "--device", "cpu", "--timeline", "off"], tmp_path / "out")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert doc is not None
-    for framework in ("torch", "jax"):
-        rows = rows_of(doc, framework)
-        assert {r["status"] for r in rows.values()} == {"ok"}, rows
-        # At batch 2 the peak can be the static memory; what autodiff keeps shows the plan at work.
-        assert rows["full"]["saved_bytes"] < rows["none"]["saved_bytes"], framework
+    rows = rows_of(doc, framework)
+    assert {r["status"] for r in rows.values()} == {"ok"}, rows
+    # At batch 2 the peak can be the static memory; what autodiff keeps shows the plan at work.
+    assert rows["full"]["saved_bytes"] < rows["none"]["saved_bytes"]
 
 
 def test_the_cli_trains_a_class_conditional_spec(tmp_path: Path) -> None:

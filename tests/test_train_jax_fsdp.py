@@ -42,11 +42,12 @@ print(json.dumps(result))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy, modes", [("balanced", "single,ddp,fsdp"), ("full", "single,fsdp")])
-def test_jax_data_parallel_and_fsdp_match_one_device(policy: str, modes: str) -> None:
+def test_jax_data_parallel_and_fsdp_match_one_device() -> None:
     """2 CPU devices, batch split: replicated (ddp) or sharded (fsdp) state gives one device's loss
-    curve (dropout on), and under fsdp each device holds about half of the params and AdamW state."""
-    result = jax_on_two_devices(JAX_MESHES, policy, modes)
+    curve (dropout on, `balanced` remat), and under fsdp each device holds about half of the params
+    and AdamW state. (A second run under `full` was dropped to keep CI short: the same remat path.)"""
+    modes = "single,ddp,fsdp"
+    result = jax_on_two_devices(JAX_MESHES, "balanced", modes)
     for mode in modes.split(",")[1:]:
         np.testing.assert_allclose(result[mode]["losses"], result["single"]["losses"], rtol=1e-5, err_msg=mode)
     fsdp = result["fsdp"]
@@ -56,8 +57,8 @@ def test_jax_data_parallel_and_fsdp_match_one_device(policy: str, modes: str) ->
         whole = fsdp["replicated_bytes"][part]
         assert fsdp["device_bytes"][part] == [(total - whole) // 2 + whole] * 2, (part, fsdp, total)
         assert whole <= 0.06 * total, (part, whole, total)
-    if "ddp" in result:  # the control: replicated state, every device holds all of it
-        assert result["ddp"]["device_bytes"]["params"] == [result["ddp"]["total_bytes"]["params"]] * 2
+    # the control: replicated state, every device holds all of it
+    assert result["ddp"]["device_bytes"]["params"] == [result["ddp"]["total_bytes"]["params"]] * 2
 
 
 JAX_FSDP_RESUME = """
