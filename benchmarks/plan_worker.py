@@ -28,7 +28,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         return backend.profile(
             spec, request["batch_size"], request["context_length"], request["shapes"], request["repeats"], **extra
         )
-    if request["kind"] == "peaks":  # JAX only: compiled, never run
+    if request["kind"] == "peaks":  # nothing allocated: JAX compiled, torch on fake tensors
         return backend.peaks(spec, request["batch_size"], request["policies"], request["context_length"], **extra)
     out = backend.measure(spec, request["batch_size"], request["policies"], request["context_length"],
                           request["steps"], **extra)  # fmt: skip

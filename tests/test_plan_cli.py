@@ -34,20 +34,24 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         profile.save(path)
         profiles[fw] = profile
-    _compile_as(monkeypatch, profiles["jax"], 1.0)
+    _compile_as(monkeypatch, profiles, 1.0)
     return profiles
 
 
-def _compile_as(monkeypatch: pytest.MonkeyPatch, profile: Profile, factor: float) -> list[int]:
-    """XLA's compiled peak of a JAX plan, stood in for: the profile's prediction times ``factor``
-    (that the check's compile gives the measured figure: tests/test_plan_model.py). Returns the peaks given."""
+def _compile_as(monkeypatch: pytest.MonkeyPatch, profiles: dict[str, Profile], factor: float) -> list[int]:
+    """The planner's check of a plan's peak (JAX: XLA's compiled peak; torch: a fake-tensor step),
+    stood in for: the profile's prediction, times ``factor`` for JAX (that the checks give the
+    measured figures: tests/test_plan_model.py). Returns the JAX peaks given."""
     given: list[int] = []
 
     def run_worker(request: dict) -> dict:
         assert request["kind"] == "peaks", request["kind"]
         (policy,) = request["policies"]
-        given.append(round(factor * predict(profile, SPEC, assignment_of(SPEC, policy)).peak_bytes))
-        return {"peaks": {policy: given[-1]}}
+        fw = request["framework"]
+        peak = predict(profiles[fw], SPEC, assignment_of(SPEC, policy)).peak_bytes
+        if fw == "jax":
+            given.append(round(factor * peak))
+        return {"peaks": {policy: given[-1] if fw == "jax" else peak}}
 
     monkeypatch.setattr(planner, "run_worker", run_worker)
     return given
@@ -118,7 +122,7 @@ def test_a_jax_plan_that_compiles_over_the_budget_is_planned_lower(
 ) -> None:
     """XLA puts every plan 6% above the model: the first plan compiles over the budget, the
     planner plans lower by the excess (and 0.5%) and the plan it returns compiles under it."""
-    given = _compile_as(monkeypatch, cache["jax"], 1.06)
+    given = _compile_as(monkeypatch, cache, 1.06)
     margin = safety_margin(cache["jax"], SPEC)
     # A budget the model's plan fills to the edge, so that 6% more is over it.
     tight = solve(cache["jax"], SPEC, predict(cache["jax"], SPEC, {}).peak_bytes // 2, margin)

@@ -69,6 +69,18 @@ def test_torch_predictions_match_the_benchmark_tracker(torch_profile: Profile) -
     assert measured["full"] < measured["none"]
 
 
+def test_torch_peak_check_on_fake_tensors_gives_the_tracker_peak() -> None:
+    """The planner's check of a torch plan (`profile_torch.peaks`, nothing allocated) against the
+    benchmark tracker's peak of real steps: 64 KiB under it, the same for every policy."""
+    from benchmarks import profile_torch
+
+    rng = np.random.default_rng(3)
+    policies = ["none", "full"] + [policy_string(random_assignment(SPEC, rng)) for _ in range(2)]
+    fake = profile_torch.peaks(SPEC, BATCH, policies, CONTEXT)["peaks"]
+    for policy, real in _torch_peaks(policies).items():
+        assert 0 <= real - fake[policy] <= 2**16, (policy, real, fake[policy])
+
+
 def test_torch_shapes_only_profile_equals_the_real_one(torch_profile: Profile) -> None:
     """Fake tensors pick the same kernels: the estimate from shapes equals the measured profile's
     (to 1%: a recomputed block stashes the real RNG state, which fake mode does not allocate)."""
