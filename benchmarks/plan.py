@@ -181,7 +181,7 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
     lines = [
         f"plan for {spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size}{_ranks(doc)}, "
         f"budget {doc['budget_bytes'] / MIB:.1f} MiB, planned {100 * doc['margin']:.1f}% below it "
-        f"(the model's error on its profile steps and 0.5%, more where a JAX plan compiled over it; solved in "
+        f"(the model's error on its profile steps and 0.5%, more where its checked peak was over it; solved in "
         f"{doc['solve_seconds']:.2f} s):",
         f"  policy: {doc['plan']}",
         f"  yaml:   checkpoint: {json.dumps(doc['plan'])}",
