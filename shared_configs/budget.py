@@ -65,7 +65,7 @@ class Cost:
     bwd_peak: int
     time_s: float = 0.0  # recompute time paid in the backward (0 for plain)
     flops: float = 0.0  # recompute FLOPs (conv, matmul, attention)
-    fwd_time_s: float = 0.0  # the unit's forward time (plain) or the recompute's own
+    fwd_time_s: float = 0.0  # torch: the unit's forward time (plain) or the recompute's own; JAX: 0
 
 
 @dataclass(frozen=True)
