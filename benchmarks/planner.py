@@ -204,14 +204,14 @@ CHECK_HOW = {"jax": "compiling the step", "torch": "a step of fake tensors"}
 
 
 def checked_solve(
-    profiles: list[Profile], workload: Workload, budget: int, margin: float, frameworks: tuple
+    profiles: list[Profile], workload: Workload, budget: int, margin: float, frameworks: tuple, world_size: int = 1
 ) -> Solution:
-    """`solve`, then `fit_compiled` (the solution only)."""
+    """`solve`, then `fit_checked` (the solution only)."""
     sol = solve(profiles, workload.spec, budget, margin)
-    return fit_compiled(sol, profiles, workload, budget, margin, frameworks)[0]
+    return fit_checked(sol, profiles, workload, budget, margin, frameworks, world_size)[0]
 
 
-def fit_compiled(
+def fit_checked(
     sol: Solution,
     profiles: list[Profile],
     workload: Workload,
@@ -285,6 +285,5 @@ def solve_for_budget(
     ranked = [per_rank(p, world_size, distributed) for p in profiles]
     # The margin comes from the one-process profile: its runs are what was measured.
     margin = max(safety_margin(p, work.spec) for p in profiles)
-    sol = solve(ranked, work.spec, budget_bytes, margin)
     frameworks = tuple(p.framework for p in profiles)
-    return fit_compiled(sol, ranked, work, budget_bytes, margin, frameworks, world_size)[0], ranked
+    return checked_solve(ranked, work, budget_bytes, margin, frameworks, world_size), ranked

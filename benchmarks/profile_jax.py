@@ -174,10 +174,12 @@ def profile(
                 flop = recompute_flops(flops[unit], mine)
                 units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, 0.0, flop)
     # In turn, not one after the other: a drift over the run would land on whichever plan ran first.
-    samples = timed(s, compiled, repeats) if timing else {p: [0.0] for p in compiled}
+    samples = timed(s, compiled, repeats) if timing else {}
     del compiled
-    for policy, run in runs.items():
-        run["step_time_s"], run["rounds_s"] = statistics.median(samples[policy]), samples[policy]
+    for policy, run in runs.items():  # shapes only: no step was run
+        run["step_time_s"] = statistics.median(samples[policy]) if timing else 0.0
+        if timing:
+            run["rounds_s"] = samples[policy]
     step_time = runs[policy_string({})]["step_time_s"]
     if timing:  # the measured extras stay in meta.runs: see the module's docstring for why they price nothing
         units = at_rates(spec, units, step_time / step_flops(spec, flops), 0.0)

@@ -34,11 +34,11 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         profile.save(path)
         profiles[fw] = profile
-    _compile_as(monkeypatch, profiles, 1.0)
+    _check_as(monkeypatch, profiles, 1.0)
     return profiles
 
 
-def _compile_as(monkeypatch: pytest.MonkeyPatch, profiles: dict[str, Profile], factor: float) -> list[int]:
+def _check_as(monkeypatch: pytest.MonkeyPatch, profiles: dict[str, Profile], factor: float) -> list[int]:
     """The planner's check of a plan's peak (JAX: XLA's compiled peak; torch: a fake-tensor step),
     stood in for: the profile's prediction, times ``factor`` for JAX (that the checks give the
     measured figures: tests/test_plan_model.py). Returns the JAX peaks given."""
@@ -122,7 +122,7 @@ def test_a_jax_plan_that_compiles_over_the_budget_is_planned_lower(
 ) -> None:
     """XLA puts every plan 6% above the model: the first plan compiles over the budget, the
     planner plans lower by the excess (and 0.5%) and the plan it returns compiles under it."""
-    given = _compile_as(monkeypatch, cache, 1.06)
+    given = _check_as(monkeypatch, cache, 1.06)
     margin = safety_margin(cache["jax"], SPEC)
     # A budget the model's plan fills to the edge, so that 6% more is over it.
     tight = solve(cache["jax"], SPEC, predict(cache["jax"], SPEC, {}).peak_bytes // 2, margin)
