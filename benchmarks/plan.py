@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             print(plan_sweep.table(doc))
             print(plan_sweep.errors(doc))
             print(plan_sweep.against_balanced(doc))
+            print(plan_sweep.against_hand(doc))
             for fw, data in doc["frameworks"].items():
                 print(f"{fw}: MiB freed per recompute-second\n" + plan_sweep.efficiency_table(data["efficiency"]))
             print("wrote", ", ".join(map(str, plan_sweep.write(doc, args.sweep))))

@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt
 
 from benchmarks.planner import Workload, checked_solve, get_profile, measure
 from benchmarks.report import atomic_write, write_json
+from benchmarks.stepclock import paired
 from shared_configs.budget import Profile, assignment_of, policy_string, predict, random_assignment, safety_margin
 from shared_configs.solver import Infeasible, smallest_peak, solve
 
@@ -111,6 +112,7 @@ def sweep(
             policies = list(dict.fromkeys([*HAND_POLICIES, *(p["plan"] for p in plans), *(r["plan"] for r in randoms)]))
             rows = measure(fw, workload, policies, steps, ratios if fw == "torch" else None)
             _attach(rows["rows"], hand, plans + randoms)
+            _pair(plans, hand)
             compiled = _compiled(rows["rows"])
             plans += _at_measured_balanced(fw, workload, profile, hand["balanced"], margin, steps)
             doc["frameworks"].setdefault(fw, {})["measure_method"] = rows["method"]
@@ -139,7 +141,14 @@ def _at_measured_balanced(
     rows = measure(fw, workload, ["none", "balanced", sol.policy], steps)["rows"]
     _attach(rows, {}, [entry])
     entry["balanced_measured_overhead_here"] = rows["balanced"]["step_time_s"] / rows["none"]["step_time_s"] - 1
+    entry["paired"] = {h: paired(rows[sol.policy]["rounds_s"], rows[h]["rounds_s"]) for h in ("none", "balanced")}
     return [entry]
+
+
+def _pair(plans: list[dict[str, Any]], hand: dict[str, Any]) -> None:
+    """Each measured plan against each hand policy, round by round (`benchmarks.stepclock.paired`)."""
+    for p in (p for p in plans if "measured_rounds_s" in p):
+        p["paired"] = {name: paired(p["measured_rounds_s"], h["measured_rounds_s"]) for name, h in hand.items()}
 
 
 def _compiled(rows: dict[str, Any]) -> dict[str, Any]:
@@ -163,6 +172,7 @@ def _attach(rows: dict[str, Any], hand: dict[str, Any], plans: list[dict[str, An
         row = rows[policy]
         entry["measured_peak_bytes"] = row["peak_bytes"]
         entry["measured_overhead"] = row["step_time_s"] / base - 1
+        entry["measured_rounds_s"] = row["rounds_s"]
         if "allocator_peak_bytes" in row:
             entry["measured_allocator_peak_bytes"] = row["allocator_peak_bytes"]
         entry["peak_error"] = entry["predicted_peak_bytes"] / row["peak_bytes"] - 1
@@ -202,6 +212,27 @@ def against_balanced(doc: dict[str, Any]) -> str:
                 f"{100 * p.get('balanced_measured_overhead_here', b['measured_overhead']):+.1f}%"
             )
     return "\n".join(lines)
+
+
+def against_hand(doc: dict[str, Any]) -> str:
+    """Each measured plan against every hand policy that fits its budget (measured), round by round:
+    the median of plan / hand - 1 with its 90% interval, the rounds the plan was faster in, and
+    whether the issue's claim (no slower than any hand policy that fits) holds at that confidence."""
+    lines = []
+    for fw, data in doc["frameworks"].items():
+        peaks = {name: h.get("measured_peak_bytes") for name, h in data["hand"].items()}
+        for p in (p for p in data["plans"] if "paired" in p):
+            fits = {n: c for n, c in p["paired"].items() if n != "none" and (peaks.get(n) or 0) <= p["budget_bytes"]}
+            slower = [n for n, c in fits.items() if c["verdict"] == "slower"]
+            claim = "no fitting hand policy" if not fits else f"slower than {', '.join(slower)}" if slower else "holds"
+            lines.append(f"{fw} {p['budget_bytes'] / MIB:.1f} MiB ({p['plan']}): claim {claim}")
+            lines += [f"    vs {n}: {_paired_text(c)}" for n, c in fits.items()]
+    return "\n".join(lines)
+
+
+def _paired_text(c: dict[str, Any]) -> str:
+    interval = "[?]" if c["low"] is None else f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]"
+    return f"{100 * c['median']:+.1f}% {interval}, faster in {c['wins']}/{c['rounds']} rounds: {c['verdict']}"
 
 
 def errors(doc: dict[str, Any]) -> str:

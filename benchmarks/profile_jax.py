@@ -219,11 +219,13 @@ def measure(
     steps: int = 3,
     attention_chunk: int | None = None,
 ) -> dict:
-    """Per policy: the compiled step's ``memory_analysis()`` peak and its median step time."""
+    """Per policy: the compiled step's ``memory_analysis()`` peak, its step times (``rounds_s``, taken
+    in turn) and their median."""
     s = setup(spec, batch_size, context_length, attention_chunk, run=True)
     compiled = {p: compiled_step(s, p, fast=False) for p in policies}
-    seconds = {p: statistics.median(v) for p, v in timed(s, compiled, steps).items()}
-    rows = {p: {"peak_bytes": compiled_peak(c), "step_time_s": seconds[p]} for p, c in compiled.items()}
+    rounds = timed(s, compiled, steps)
+    rows = {p: {"peak_bytes": compiled_peak(c), "step_time_s": statistics.median(rounds[p]), "rounds_s": rounds[p]}
+            for p, c in compiled.items()}  # fmt: skip
     return {
         "framework": "jax",
         "rows": rows,

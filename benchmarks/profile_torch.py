@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from benchmarks.common import batch_bytes, step_arrays
-from benchmarks.stepclock import clock, round_robin
+from benchmarks.stepclock import clock, in_turn, round_robin
 from benchmarks.torch_memory import AllocatorPeak, StepTracker, state_tensors, storage_bytes
 from shared_configs import UNetSpec, block_names
 from shared_configs.budget import (
@@ -283,7 +283,8 @@ def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: b
 
 def measure(spec: UNetSpec, batch_size: int, policies: list[str], context_length: int = 77, steps: int = 3) -> dict:
     """Per policy: the step's peak (the benchmark's `StepTracker`), its allocator-level peak
-    (`allocator_peak`, the instrument torch.compile rows need) and median step time."""
+    (`allocator_peak`, the instrument torch.compile rows need), its step times (``rounds_s``, taken
+    in turn) and their median."""
     s = setup(spec, batch_size, context_length)
     peaks = {}
     for policy in policies:
@@ -294,8 +295,8 @@ def measure(spec: UNetSpec, batch_size: int, policies: list[str], context_length
     def under(policy: str) -> Callable[[], None]:
         return lambda: (s["model"].enable_gradient_checkpointing(policy), s["step"]())
 
-    seconds = round_robin({p: under(p) for p in policies}, steps)
-    rows = {p: {**peaks[p], "step_time_s": seconds[p]} for p in policies}
+    rounds = in_turn({p: under(p) for p in policies}, steps)
+    rows = {p: {**peaks[p], "step_time_s": statistics.median(rounds[p]), "rounds_s": rounds[p]} for p in policies}
     return {"framework": "torch", "rows": rows, "method": "benchmarks.torch_memory.StepTracker around train_step"}
 
 

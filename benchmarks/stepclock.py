@@ -12,6 +12,10 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from scipy.stats import quantile_test
 
 clock = time.process_time
 
@@ -30,3 +34,19 @@ def in_turn(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list
 def round_robin(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
     """Median CPU seconds per policy of ``rounds`` steps taken in turn (each policy warmed up already)."""
     return {name: statistics.median(values) for name, values in in_turn(steps, rounds).items()}
+
+
+def paired(a: list[float], b: list[float], confidence: float = 0.9) -> dict[str, Any]:
+    """``a`` against ``b``, round by round (both from one `in_turn`): the median of ``a_i / b_i - 1``,
+    its distribution-free confidence interval (the sign test's, `scipy.stats.quantile_test`), and
+    the rounds ``a`` was faster in. Pairing by round cancels what a round shares (the neighbours, a
+    drift), which moves whole medians by 15-20 points between processes on this machine."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired: {len(a)} and {len(b)} rounds; need the same number, at least one")
+    ratios = np.asarray(a) / np.asarray(b) - 1
+    ci = quantile_test(ratios, q=0, p=0.5).confidence_interval(confidence)
+    low, high = (float(v) if np.isfinite(v) else None for v in (ci.low, ci.high))  # nan: too few rounds
+    verdict = ("too few rounds" if low is None or high is None
+               else "faster" if high < 0 else "slower" if low > 0 else "within noise")  # fmt: skip
+    return {"median": float(np.median(ratios)), "low": low, "high": high, "confidence": confidence,
+            "wins": int(np.sum(ratios < 0)), "rounds": len(a), "verdict": verdict}  # fmt: skip
