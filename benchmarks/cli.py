@@ -42,7 +42,9 @@ def cache_dir(text: str) -> str | None:
 @contextmanager
 def cli_errors(prog: str) -> Iterator[None]:
     """Bad input (SpecError) exits 2, a framework that cannot be measured 1, Ctrl-C 130, each with
-    one line on stderr and no traceback."""
+    one line on stderr and no traceback, headed like argparse's own errors (``python -m
+    benchmarks.PROG: error: ...``) so that every message of a command starts the same way."""
+    prog = f"python -m benchmarks.{prog}"
     try:
         yield
     except (SpecError, BenchmarkError) as err:

@@ -369,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"wrote {path}")
     errors = [r for r in document["rows"] if r["status"] == "error"]
     if errors:
-        print(f"compare: error: {len(errors)} row(s) failed, first: {errors[0]['error']}", file=sys.stderr)
+        first = errors[0]["error"]
+        print(f"python -m benchmarks.compare: error: {len(errors)} row(s) failed, first: {first}", file=sys.stderr)
         return 1
     return 0
 

@@ -188,8 +188,11 @@ def render(doc: dict) -> str:
     return "\n".join(lines)
 
 
+PROG = "python -m benchmarks.saved"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m benchmarks.saved", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny", help="preset name or spec YAML path (%(default)s)")
     p.add_argument("--policy", default="save_convs", help="a checkpoint policy, e.g. full/save=conv,matmul")
     p.add_argument("--framework", choices=["both", "torch", "jax"], default="both", help="(%(default)s)")
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         doc = inspect_policy(args.config, args.policy, frameworks, args.batch_size, args.block)
     except (SpecError, FileNotFoundError, ValueError) as err:
-        print(f"saved: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        print(f"{PROG}: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 2
     print(json.dumps(doc, indent=1) if args.json else render(doc))
     return 0

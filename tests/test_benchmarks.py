@@ -121,7 +121,8 @@ def test_missing_gpu_is_a_one_line_error(tmp_path: Path) -> None:
         pytest.skip("this machine has a GPU")
     proc, doc = run_compare(["--framework", "torch", "--device", "gpu", "--config", "tiny"], tmp_path)
     assert proc.returncode == 1 and doc is None
-    assert proc.stderr.strip() == "compare: error: device: gpu requested but torch sees no CUDA device"
+    expected = "python -m benchmarks.compare: error: device: gpu requested but torch sees no CUDA device"
+    assert proc.stderr.strip() == expected
 
 
 class _FakeBackend:
@@ -205,7 +206,8 @@ def test_an_unwritable_out_is_refused_before_any_work(
         main([*FAST, *extra, "--out", str(blocker / "results")])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(("compare: error: --out: cannot write", "max_batch: error: --out: cannot write")), err
+    heads = tuple(f"python -m benchmarks.{m}: error: --out: cannot write" for m in ("compare", "max_batch"))
+    assert err.startswith(heads), err
 
 
 @pytest.mark.parametrize("parser", [compare.build_parser(), max_batch.parser(), saved.build_parser()])

@@ -49,7 +49,8 @@ def test_weights_that_do_not_fit_the_config_are_one_line_naming_the_keys(tmp_pat
     proc, doc = run_compare(args, tmp_path / "out")
     assert proc.returncode == 1 and doc is None
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("compare: error: ValueError: diffusers weights do not match spec")
+    head = "python -m benchmarks.compare: error: ValueError: diffusers weights do not match spec"
+    assert len(lines) == 1 and lines[0].startswith(head)
     assert "34 mis-shaped" in lines[0]  # 2 down + 1 mid + 3 up levels' cross-attention K and V, every block
     for block in ("down_blocks.0.attentions.0", "down_blocks.0.attentions.1", "mid_block.attentions.0"):
         assert f"{block}.transformer_blocks.0.attn2.to_k.weight" in lines[0], block

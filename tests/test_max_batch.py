@@ -78,7 +78,8 @@ def test_a_budget_below_the_floor_is_refused_naming_it(tmp_path: Path, capsys: p
     floor = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
     err = capsys.readouterr().err.strip()
     assert err == (
-        f"max_batch: error: --budget-mib: 1.0 MiB is not above the floor of {floor / MIB:,.1f} MiB that every step "
+        "python -m benchmarks.max_batch: error: "
+        f"--budget-mib: 1.0 MiB is not above the floor of {floor / MIB:,.1f} MiB that every step "
         f"holds ({floor // 12:,} float32 parameters and their AdamW state); a budget must exceed it"
     )
     assert not list(tmp_path.glob("max_batch-*.json"))
