@@ -32,6 +32,7 @@ from benchmarks.planner import (
     measure,
 )
 from benchmarks.report import write_json
+from benchmarks.stepclock import paired, paired_text
 from shared_configs import SpecError
 from shared_configs.budget import DISTRIBUTED, per_rank, safety_margin
 from shared_configs.solver import solve
@@ -166,6 +167,8 @@ def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any
             rows = measure(fw, workload, ["none", sol.policy], args.steps)["rows"]
             per_fw[fw]["measured_peak_bytes"] = rows[sol.policy]["peak_bytes"]
             per_fw[fw]["measured_overhead"] = rows[sol.policy]["step_time_s"] / rows["none"]["step_time_s"] - 1
+            # round by round against none: the overhead's spread on this machine (--steps 5 and up bound it)
+            per_fw[fw]["measured_overhead_paired"] = paired(rows[sol.policy]["rounds_s"], rows["none"]["rounds_s"])
     doc = {"plan": sol.policy, "budget_bytes": budget, "frameworks": per_fw}
     ranks = {"world_size": args.world_size, "distributed": args.distributed}
     return doc | {"margin": margin, "solve_seconds": solve_s} | ranks
@@ -193,7 +196,8 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
         if "measured_peak_bytes" in d:
             err = d["predicted_peak_bytes"] / d["measured_peak_bytes"] - 1
             line += (f"; measured peak {d['measured_peak_bytes'] / MIB:.1f} MiB (prediction {100 * err:+.1f}%), "
-                     f"overhead {100 * d['measured_overhead']:+.1f}%")  # fmt: skip
+                     f"overhead {100 * d['measured_overhead']:+.1f}% (round by round: "
+                     f"{paired_text(d['measured_overhead_paired'])})")  # fmt: skip
         lines.append(line)
     return "\n".join(lines)
 

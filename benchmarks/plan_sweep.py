@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt
 
 from benchmarks.planner import Workload, checked_solve, get_profile, measure
 from benchmarks.report import atomic_write, write_json
-from benchmarks.stepclock import paired
+from benchmarks.stepclock import paired, paired_text
 from shared_configs.budget import Profile, assignment_of, policy_string, predict, random_assignment, safety_margin
 from shared_configs.solver import Infeasible, smallest_peak, solve
 
@@ -226,13 +226,8 @@ def against_hand(doc: dict[str, Any]) -> str:
             slower = [n for n, c in fits.items() if c["verdict"] == "slower"]
             claim = "no fitting hand policy" if not fits else f"slower than {', '.join(slower)}" if slower else "holds"
             lines.append(f"{fw} {p['budget_bytes'] / MIB:.1f} MiB ({p['plan']}): claim {claim}")
-            lines += [f"    vs {n}: {_paired_text(c)}" for n, c in fits.items()]
+            lines += [f"    vs {n}: {paired_text(c)}" for n, c in fits.items()]
     return "\n".join(lines)
-
-
-def _paired_text(c: dict[str, Any]) -> str:
-    interval = "[?]" if c["low"] is None else f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]"
-    return f"{100 * c['median']:+.1f}% {interval}, faster in {c['wins']}/{c['rounds']} rounds: {c['verdict']}"
 
 
 def errors(doc: dict[str, Any]) -> str:

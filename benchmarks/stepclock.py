@@ -50,3 +50,9 @@ def paired(a: list[float], b: list[float], confidence: float = 0.9) -> dict[str,
                else "faster" if high < 0 else "slower" if low > 0 else "within noise")  # fmt: skip
     return {"median": float(np.median(ratios)), "low": low, "high": high, "confidence": confidence,
             "wins": int(np.sum(ratios < 0)), "rounds": len(a), "verdict": verdict}  # fmt: skip
+
+
+def paired_text(c: dict[str, Any]) -> str:
+    """One `paired` comparison as text: median [interval], rounds won, verdict."""
+    interval = "[?]" if c["low"] is None else f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]"
+    return f"{100 * c['median']:+.1f}% {interval}, faster in {c['wins']}/{c['rounds']} rounds: {c['verdict']}"

@@ -188,3 +188,5 @@ def test_verify_measures_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     torch_doc = json.loads(out.read_text())["frameworks"]["torch"]
     assert torch_doc["measured_peak_bytes"] <= 60 * MIB
     assert abs(torch_doc["predicted_peak_bytes"] / torch_doc["measured_peak_bytes"] - 1) <= 0.05
+    spread = torch_doc["measured_overhead_paired"]  # one round bounds nothing: said, not made up
+    assert (spread["rounds"], spread["low"], spread["verdict"]) == (1, None, "too few rounds")
