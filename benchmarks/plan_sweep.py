@@ -220,9 +220,13 @@ def against_hand(doc: dict[str, Any]) -> str:
     whether the issue's claim (no slower than any hand policy that fits) holds at that confidence."""
     lines = []
     for fw, data in doc["frameworks"].items():
-        peaks = {name: h.get("measured_peak_bytes") for name, h in data["hand"].items()}
+        hand = data["hand"]  # measured wherever a plan is paired with it
         for p in (p for p in data["plans"] if "paired" in p):
-            fits = {n: c for n, c in p["paired"].items() if n != "none" and (peaks.get(n) or 0) <= p["budget_bytes"]}
+            fits = {
+                n: c
+                for n, c in p["paired"].items()
+                if n != "none" and hand[n]["measured_peak_bytes"] <= p["budget_bytes"]
+            }
             slower = [n for n, c in fits.items() if c["verdict"] == "slower"]
             claim = "no fitting hand policy" if not fits else f"slower than {', '.join(slower)}" if slower else "holds"
             lines.append(f"{fw} {p['budget_bytes'] / MIB:.1f} MiB ({p['plan']}): claim {claim}")

@@ -26,7 +26,6 @@ allocated, and time is left to FLOPs. `measure` is the verification: the compile
 from __future__ import annotations
 
 import functools
-import statistics
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +35,7 @@ import numpy as np
 
 from benchmarks import xla_dump
 from benchmarks.jax_bench import FAST_INIT
-from benchmarks.stepclock import in_turn
+from benchmarks.stepclock import in_turn, times
 from jax_impl import train as jt
 from jax_impl.unet import UNet
 from shared_configs import UNetSpec, block_names
@@ -177,9 +176,7 @@ def profile(
     samples = timed(s, compiled, repeats) if timing else {}
     del compiled
     for policy, run in runs.items():  # shapes only: no step was run
-        run["step_time_s"] = statistics.median(samples[policy]) if timing else 0.0
-        if timing:
-            run["rounds_s"] = samples[policy]
+        run |= times(samples[policy]) if timing else {"step_time_s": 0.0}
     step_time = runs[policy_string({})]["step_time_s"]
     if timing:  # the measured extras stay in meta.runs: see the module's docstring for why they price nothing
         units = at_rates(spec, units, step_time / step_flops(spec, flops), 0.0)
@@ -224,8 +221,7 @@ def measure(
     s = setup(spec, batch_size, context_length, attention_chunk, run=True)
     compiled = {p: compiled_step(s, p, fast=False) for p in policies}
     rounds = timed(s, compiled, steps)
-    rows = {p: {"peak_bytes": compiled_peak(c), "step_time_s": statistics.median(rounds[p]), "rounds_s": rounds[p]}
-            for p, c in compiled.items()}  # fmt: skip
+    rows = {p: {"peak_bytes": compiled_peak(c)} | times(rounds[p]) for p, c in compiled.items()}
     return {
         "framework": "jax",
         "rows": rows,

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from benchmarks.common import batch_bytes, step_arrays
-from benchmarks.stepclock import clock, in_turn, round_robin
+from benchmarks.stepclock import clock, in_turn, round_robin, times
 from benchmarks.torch_memory import AllocatorPeak, StepTracker, state_tensors, storage_bytes
 from shared_configs import UNetSpec, block_names
 from shared_configs.budget import (
@@ -296,7 +296,7 @@ def measure(spec: UNetSpec, batch_size: int, policies: list[str], context_length
         return lambda: (s["model"].enable_gradient_checkpointing(policy), s["step"]())
 
     rounds = in_turn({p: under(p) for p in policies}, steps)
-    rows = {p: {**peaks[p], "step_time_s": statistics.median(rounds[p]), "rounds_s": rounds[p]} for p in policies}
+    rows = {p: peaks[p] | times(rounds[p]) for p in policies}
     return {"framework": "torch", "rows": rows, "method": "benchmarks.torch_memory.StepTracker around train_step"}
 
 

@@ -38,6 +38,11 @@ def round_robin(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, 
     return {name: statistics.median(values) for name, values in in_turn(steps, rounds).items()}
 
 
+def times(samples: list[float]) -> dict[str, Any]:
+    """A measured row's timing fields: the median step and the rounds it is the median of."""
+    return {"step_time_s": statistics.median(samples), "rounds_s": samples}
+
+
 def paired(a: list[float], b: list[float], confidence: float = 0.9) -> dict[str, Any]:
     """``a`` against ``b``, round by round (both from one `in_turn`): the median of ``a_i / b_i - 1``,
     its distribution-free confidence interval (the sign test's, `scipy.stats.quantile_test`), and
