@@ -16,25 +16,23 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shared_configs import SpecError, UNetSpec, from_diffusers_config, load_spec, spec_from_dict
-from shared_configs.data import Batch
-from shared_configs.diffusers import find_folder
-from shared_configs.training import TrainConfig
+from shared_configs.diffusers.folders import find_folder
+from shared_configs.planning.planner import REPO_ROOT, XLA_CPU_FLAG
+from shared_configs.training.config import TrainConfig
+from shared_configs.training.data import Batch
 
 FRAMEWORKS: tuple[str, ...] = ("torch", "jax")  # what --framework both runs
 # diffusers' own U-Net (torch), with its enable_gradient_checkpointing(): the baseline ours replace
 DIFFUSERS = "diffusers"
 DIFFUSERS_POLICIES: tuple[str, ...] = ("none", "enable_gradient_checkpointing")
 EVENT_PREFIX = "@@bench "  # worker stdout lines carrying an event start with this
-XLA_CPU_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
 OOM_SIM_ENV = "BENCHMARKS_SIMULATE_OOM"  # "torch:full:2,jax:none:1": raise the framework's OOM there
 KILL_SIM_ENV = "BENCHMARKS_SIMULATE_KILL"  # same syntax: SIGKILL the worker there (a host OOM kill)
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)

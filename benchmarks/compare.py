@@ -27,7 +27,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from benchmarks import plot, report
-from benchmarks.cli import cache_dir, check_out_dir, cli_errors, positive
 from benchmarks.common import (
     DIFFUSERS,
     DIFFUSERS_POLICIES,
@@ -42,7 +41,7 @@ from benchmarks.common import (
 )
 from benchmarks.runner import Event, run_job
 from shared_configs import NAMED_POLICIES, SpecError, UNetSpec, resolve_plan, to_diffusers_config
-from shared_configs.cli import OneLineParser
+from shared_configs.cli import OneLineParser, cache_dir, check_out_dir, cli_errors, positive_int
 
 DEFAULT_CONFIG = "sd_narrow"  # activation-dominated, as diffusion training is (docs/benchmark.md)
 DEFAULT_POLICIES = "none,full,layers"
@@ -124,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a local diffusers UNet2D(Condition)Model folder (or a pipeline folder with unet/): its config "
         "and weights, in every framework",
     )
-    p.add_argument("--sample-size", type=positive, default=None, help="override spec.sample_size")
+    p.add_argument("--sample-size", type=positive_int, default=None, help="override spec.sample_size")
     p.add_argument(
         "--policies",
         default=DEFAULT_POLICIES,
@@ -141,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--batch-size",
-        type=positive,
+        type=positive_int,
         nargs="+",
         default=None,
         metavar="N",
@@ -150,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--world-size",
-        type=positive,
+        type=positive_int,
         default=1,
         metavar="N",
         help="measure each rank of an FSDP run over N ranks: torch FSDP2 in N processes (torchrun, gloo), jax's "
@@ -158,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         "its own activations while its static memory (params, grads, optimizer state) shrinks by N. Reports "
         "rank 0's peak and parts, and the largest peak over the ranks (default: 1, no sharding)",
     )
-    p.add_argument("--steps", type=positive, default=DEFAULT_STEPS, help="timed steps after warm-up (%(default)s)")
+    p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help="timed steps after warm-up (%(default)s)")
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
@@ -172,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto (default): each framework's GPU if it has one, else CPU",
     )
-    p.add_argument("--context-length", type=positive, default=77, help="cross-attention tokens (%(default)s)")
+    p.add_argument("--context-length", type=positive_int, default=77, help="cross-attention tokens (%(default)s)")
     p.add_argument("--out", type=Path, default=Path("results"), help="folder for JSON/CSV/PNG (%(default)s)")
     p.add_argument(
         "--jax-attention-chunk",
@@ -356,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # A table this wide wraps unreadably at 80 columns: when not on a terminal, print it wide.
     console = Console() if sys.stdout.isatty() else Console(width=200)
-    with cli_errors("compare"):
+    with cli_errors("benchmarks.compare"):
         jobs = make_jobs(args)
         check_out_dir(args.out)
         clock = cpu_snapshot()

@@ -27,7 +27,7 @@ from benchmarks.torch_bench import (
     simulated_oom,
 )
 from shared_configs import to_diffusers_config
-from shared_configs.diffusers import find_folder
+from shared_configs.diffusers.folders import find_folder
 
 __all__ = [
     "device_info",

@@ -37,7 +37,7 @@ from benchmarks.jax_memory import compile_with_plan
 from jax_impl import UNet
 from jax_impl import train as jt
 from jax_impl.parallel import make_mesh, shard, state_shardings
-from shared_configs.data import example_batch
+from shared_configs.training.data import example_batch
 
 SEED = 0
 # init_state compiled: the forward pass is dead code (only variables are returned); what is left is a

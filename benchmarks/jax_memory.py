@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import CATEGORIES, block_of
-from benchmarks.timeline import timeline
+from benchmarks.memory_timeline import timeline
 
 DUMP = {"xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "jit_train_step"}
 METHOD = (

@@ -24,13 +24,13 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import report
-from benchmarks.cli import check_out_dir, cli_errors, positive_mib
 from benchmarks.common import Job, cpu_snapshot
 from benchmarks.compare import build_document, build_parser, make_jobs, run_all
 from benchmarks.runner import static_floor
 from shared_configs import SpecError
+from shared_configs.cli import check_out_dir, cli_errors, positive_mib
+from shared_configs.units import MIB
 
-MIB = 2**20
 DEFAULT_PROBES = (2, 4)
 ROUNDS = 6  # line predictions, then bisection steps
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batch_size = args.batch_size or list(DEFAULT_PROBES)
     budget = args.budget_mib * MIB
     console = Console() if sys.stdout.isatty() else Console(width=160)
-    with cli_errors("max_batch"):
+    with cli_errors("benchmarks.max_batch"):
         jobs = [replace(j, peak_only=True, steps=1, timeline=()) for j in make_jobs(args)]
         check_out_dir(args.out)
         check_budget(budget, jobs[0])

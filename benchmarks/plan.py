@@ -14,51 +14,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from benchmarks import plan_sweep
-from benchmarks.cli import cli_errors
-from benchmarks.planner import (
-    DEFAULT_BYTES_PER_S,
-    DEFAULT_FLOPS_PER_S,
-    FRAMEWORKS,
-    Workload,
-    fit_checked,
-    get_profile,
-    measure,
-)
 from benchmarks.report import write_json
 from benchmarks.stepclock import paired, paired_text
 from shared_configs import SpecError
-from shared_configs.budget import DISTRIBUTED, per_rank, safety_margin
-from shared_configs.solver import solve
-
-MIB = 2**20
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, no usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive_int(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-def _mib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of MiB, got {text!r}")
-    return value
+from shared_configs.cli import OneLineParser, cli_errors, positive_float, positive_int, positive_mib
+from shared_configs.planning.budget import DISTRIBUTED
+from shared_configs.planning.planner import (
+    DEFAULT_BYTES_PER_S,
+    DEFAULT_FLOPS_PER_S,
+    Workload,
+    frameworks_of,
+    get_profile,
+    measure,
+    plan,
+)
+from shared_configs.units import MIB
 
 
 def _ratios(text: str) -> list[float]:
@@ -72,37 +47,37 @@ def _ratios(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m benchmarks.plan", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m benchmarks.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="a preset name (small, sd15, ...) or a spec YAML path")
-    p.add_argument("--sample-size", type=_positive_int, help="the side of the (latent) image (default: the spec's)")
-    p.add_argument("--batch-size", type=_positive_int, required=True, help="the training batch")
-    p.add_argument("--budget-mib", type=_mib, help="the step's memory budget, MiB (required but for --sweep)")
+    p.add_argument("--sample-size", type=positive_int, help="the side of the (latent) image (default: the spec's)")
+    p.add_argument("--batch-size", type=positive_int, required=True, help="the training batch")
+    p.add_argument("--budget-mib", type=positive_mib, help="the step's memory budget, MiB (required but for --sweep)")
     p.add_argument("--framework", choices=("torch", "jax", "both"), default="torch",
                    help="plan for this framework; both: one plan that fits in each (default torch)")  # fmt: skip
-    p.add_argument("--world-size", type=_positive_int, default=1,
+    p.add_argument("--world-size", type=positive_int, default=1,
                    help="ranks, each training --batch-size samples (default 1)")  # fmt: skip
     p.add_argument("--distributed", choices=DISTRIBUTED, default="ddp",
                    help="with --world-size: fsdp shards parameters and optimizer state (ddp)")  # fmt: skip
     p.add_argument("--verify", action="store_true", help="measure the plan (and none) and print predicted vs measured")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the plan, predictions and measurements here")
     p.add_argument("--sweep", type=Path, metavar="DIR", help="draw the frontier (PNG + JSON) with the hand policies")
-    p.add_argument("--budgets", type=_positive_int, default=5, help="--sweep: budgets from full's to none's peak (5)")
+    p.add_argument("--budgets", type=positive_int, default=5, help="--sweep: budgets from full's to none's peak (5)")
     p.add_argument("--shapes", action="store_true", help="profile from shapes only: nothing allocated or run")
     p.add_argument(
         "--flops-per-s",
-        type=float,
+        type=positive_float,
         default=DEFAULT_FLOPS_PER_S,
         help="--shapes: conv/matmul/attention throughput for time (default %(default).0e FLOP/s)",
     )
     p.add_argument(
         "--bytes-per-s",
-        type=float,
+        type=positive_float,
         default=DEFAULT_BYTES_PER_S,
         help="--shapes: memory bandwidth for elementwise recompute (default %(default).0e B/s)",
     )
-    p.add_argument("--attention-chunk", type=_positive_int, help="JAX: query-chunked attention (UNet(attention_chunk))")
-    p.add_argument("--context-length", type=_positive_int, default=77, help="cross-attention tokens (77)")
-    p.add_argument("--steps", type=_positive_int, default=3, help="--verify: timed steps per policy (3)")
+    p.add_argument("--attention-chunk", type=positive_int, help="JAX: query-chunked attention (UNet(attention_chunk))")
+    p.add_argument("--context-length", type=positive_int, default=77, help="cross-attention tokens (77)")
+    p.add_argument("--steps", type=positive_int, default=3, help="--verify: timed steps per policy (3)")
     p.add_argument(
         "--torch-compile",
         type=_ratios,
@@ -112,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--random-plans",
-        type=_positive_int,
+        type=positive_int,
         default=0,
         metavar="N",
         help="--sweep --verify: also measure N random per-unit plans (the peak model's error)",
@@ -133,24 +108,13 @@ def _check(args: argparse.Namespace) -> None:
     sharded = args.distributed == "fsdp" and args.world_size > 1
     if sharded and (args.verify or args.sweep is not None):
         raise SpecError("--world-size with --distributed fsdp: --verify and --sweep measure one process only")
-    for flag in ("flops_per_s", "bytes_per_s"):
-        value = getattr(args, flag)
-        if not (math.isfinite(value) and value > 0):
-            raise SpecError(f"--{flag.replace('_', '-')}: expected a positive number, got {value!r}")
 
 
 def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     """The --json document: the plan, the budget, per framework the predictions (and measurements)."""
-    frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
     budget = int(args.budget_mib * MIB)
-    measured = [get_profile(fw, workload) for fw in frameworks]
-    margin = max(safety_margin(p, workload.spec) for p in measured)  # from what the profile measured
-    profiles = [per_rank(p, args.world_size, args.distributed) for p in measured]
-    start = time.perf_counter()
-    sol = solve(profiles, workload.spec, budget, margin)
-    solve_s = time.perf_counter() - start
-    # The plan's peak checked with nothing allocated, and planned lower while it is over the budget.
-    sol, margin = fit_checked(sol, profiles, workload, budget, margin, frameworks, args.world_size)
+    found = plan(workload, budget, args.framework, args.world_size, args.distributed)
+    sol, profiles, frameworks = found.solution, found.profiles, frameworks_of(args.framework)
     per_fw: dict[str, Any] = {}
     for fw, profile, pred in zip(frameworks, profiles, sol.predictions, strict=True):
         per_fw[fw] = {
@@ -171,7 +135,7 @@ def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any
             per_fw[fw]["measured_overhead_paired"] = paired(rows[sol.policy]["rounds_s"], rows["none"]["rounds_s"])
     doc = {"plan": sol.policy, "budget_bytes": budget, "frameworks": per_fw}
     ranks = {"world_size": args.world_size, "distributed": args.distributed}
-    return doc | {"margin": margin, "solve_seconds": solve_s} | ranks
+    return doc | {"margin": found.margin, "solve_seconds": found.solve_seconds} | ranks
 
 
 def _ranks(doc: dict[str, Any]) -> str:
@@ -204,7 +168,7 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    with cli_errors("plan"):
+    with cli_errors("benchmarks.plan"):
         _check(args)
         workload = Workload.of(
             args.config,
@@ -217,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             bytes_per_s=args.bytes_per_s,
         )
         if args.sweep is not None:
-            frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
+            frameworks = frameworks_of(args.framework)
             doc = plan_sweep.sweep(
                 workload, frameworks, args.budgets, args.verify, args.steps, args.torch_compile, args.random_plans
             )
@@ -230,14 +194,14 @@ def main(argv: list[str] | None = None) -> int:
             print("wrote", ", ".join(map(str, plan_sweep.write(doc, args.sweep))))
             return 0
         if args.solve_times:
-            frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
+            frameworks = frameworks_of(args.framework)
             times = plan_sweep.solve_times([get_profile(fw, workload) for fw in frameworks], workload)
             print(f"solver on {workload.spec.name} ({'+'.join(frameworks)}, {times['unit_choices']} unit choices): "
                   f"{times['budgets']} budgets, wall median {times['median_s']:.2f} s, max {times['max_s']:.2f} s; "
                   f"CPU median {times['median_cpu_s']:.2f} s, max {times['max_cpu_s']:.2f} s")  # fmt: skip
             return 0
         if args.efficiency:
-            for fw in FRAMEWORKS if args.framework == "both" else (args.framework,):
+            for fw in frameworks_of(args.framework):
                 print(
                     f"{fw}:\n" + plan_sweep.efficiency_table(plan_sweep.efficiency(get_profile(fw, workload), workload))
                 )

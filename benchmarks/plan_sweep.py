@@ -21,14 +21,21 @@ import numpy as np
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
-from benchmarks.planner import Workload, checked_solve, get_profile, measure
 from benchmarks.report import atomic_write, write_json
 from benchmarks.stepclock import paired, paired_text
-from shared_configs.budget import Profile, assignment_of, policy_string, predict, random_assignment, safety_margin
-from shared_configs.solver import Infeasible, smallest_peak, solve
+from shared_configs.planning.budget import (
+    Profile,
+    assignment_of,
+    policy_string,
+    predict,
+    random_assignment,
+    safety_margin,
+)
+from shared_configs.planning.planner import Workload, checked_solve, get_profile, measure
+from shared_configs.planning.solver import Infeasible, smallest_peak, solve
+from shared_configs.units import MIB
 
 HAND_POLICIES = ("none", "full", "balanced", "layers", "save_convs", "layers/save=conv,matmul")
-MIB = 2**20
 
 
 def budgets(profile: Profile, workload: Workload, count: int) -> list[int]:
@@ -308,7 +315,7 @@ def efficiency(profile: Profile, workload: Workload) -> list[dict[str, Any]]:
     ``keep`` under the choice; seconds = the recompute time the profile measured. "sampler" rows
     are each block minus its layers (the down/upsampler and the block's glue).
     """
-    from shared_configs.budget import FULL, PLAIN, SELECTIVE, block_layers
+    from shared_configs.planning.budget import FULL, PLAIN, SELECTIVE, block_layers
 
     spec, rows = workload.spec, []
     levels = spec.num_levels

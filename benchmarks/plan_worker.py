@@ -1,6 +1,6 @@
 """Profile or measure in one framework: ``python -m benchmarks.plan_worker REQUEST_JSON OUT_PATH``.
 
-Started by `benchmarks.planner` with the environment already set (``XLA_FLAGS`` before jax is
+Started by `shared_configs.planning.planner` with the environment already set (``XLA_FLAGS`` before jax is
 imported); imports exactly one framework's profiler and writes its JSON result to ``OUT_PATH``.
 """
 
@@ -21,7 +21,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     framework = request["framework"]
     backend = importlib.import_module(f"benchmarks.profile_{framework}")
     if framework == "torch":
-        backend.single_threaded()  # JAX: by XLA_FLAGS, set before the import (benchmarks.planner)
+        backend.single_threaded()  # JAX: by XLA_FLAGS, set before the import (shared_configs.planning.planner)
     spec = spec_from_dict(request["spec"])
     extra = {"attention_chunk": request["attention_chunk"]} if framework == "jax" else {}
     if request["kind"] == "profile":

@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt
 from benchmarks.common import CATEGORIES
 from benchmarks.report import Row
 from shared_configs.files import atomic_write
+from shared_configs.units import MIB
 
 COLORS = {"torch": "tab:red", "jax": "tab:blue", "diffusers": "tab:green"}
 MARKERS = {"torch": "o", "jax": "s", "diffusers": "D"}
@@ -84,7 +85,7 @@ def _timeline_panel(ax: Any, record: dict[str, Any], top: float) -> None:
     """One step: live MiB by kind (stacked) over the step's positions, block starts marked."""
     n = max(record["positions"] - 1, 1)
     xs = [100 * x / n for x in record["x"]]
-    ys = [[v / 2**20 for v in record["series"][kind]] for kind in CATEGORIES]
+    ys = [[v / MIB for v in record["series"][kind]] for kind in CATEGORIES]
     ax.stackplot(xs, ys, colors=[KIND_COLORS[k] for k in CATEGORIES], labels=[KIND_LABELS[k] for k in CATEGORIES])
     phases = record["phases"]
     if "backward" in phases:
@@ -123,7 +124,7 @@ def plot_timelines(records: list[dict[str, Any]], path: Path, title: str) -> boo
     )
     for i, fw in enumerate(frameworks):
         mine = [r for r in records if r["framework"] == fw]
-        top = max(sum(col) for r in mine for col in zip(*r["series"].values(), strict=True)) / 2**20
+        top = max(sum(col) for r in mine for col in zip(*r["series"].values(), strict=True)) / MIB
         for j, policy in enumerate(policies):
             record = next((r for r in mine if r["policy"] == policy), None)
             if record is None:

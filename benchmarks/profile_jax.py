@@ -1,4 +1,4 @@
-"""The JAX per-unit profile for `shared_configs.budget`, and the plain measurement of a plan.
+"""The JAX per-unit profile for `shared_configs.planning.budget`, and the plain measurement of a plan.
 
 Every figure comes from the training loop's own step, the jitted `jax_impl.train.train_step` with
 its `TrainState` donated, compiled with XLA's ``cse_barrier_expander`` disabled (without it remat
@@ -16,7 +16,7 @@ saves nothing on XLA:CPU, see docs/remat_vs_checkpoint.md):
   by up to 30% within a process, and in two profiles every remat run measured 26-36% above the
   plain step while the same programs measured -6..+12% in `measure`'s process. Per-op traces
   (``jax.profiler``) split a few percent of a step between units as noise;
-* FLOPs: `shared_configs.unit_flops` (the same network as torch's; counted from the spec).
+* FLOPs: `shared_configs.planning.unit_flops` (the same network as torch's; counted from the spec).
 
 With ``run=False`` (shapes only) the step is lowered and compiled but never run: no parameter is
 allocated, and time is left to FLOPs. `measure` is the verification: the compiled step's
@@ -39,11 +39,11 @@ from benchmarks.stepclock import in_turn, times
 from jax_impl import train as jt
 from jax_impl.unet import UNet
 from shared_configs import UNetSpec, block_names
-from shared_configs.budget import PLAIN, PROFILE_RUNS, Cost, leaf_units, policy_string, uniform
-from shared_configs.data import example_batch
-from shared_configs.recompute_time import at_rates, step_flops
-from shared_configs.timeline import Timeline, unit_costs
-from shared_configs.unit_flops import recompute_flops, unit_flops
+from shared_configs.planning.budget import PLAIN, PROFILE_RUNS, Cost, leaf_units, policy_string, uniform
+from shared_configs.planning.recompute_time import at_rates, step_flops
+from shared_configs.planning.timeline import Timeline, unit_costs
+from shared_configs.planning.unit_flops import recompute_flops, unit_flops
+from shared_configs.training.data import example_batch
 
 BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}  # remat's barriers survive on XLA:CPU
 # Buffer assignment precedes code generation: the memory figures are the same at -O0, and faster.
@@ -107,7 +107,7 @@ def timeline_of(plan: xla_dump.MemoryPlan, leaves: list[str]) -> Timeline:
 
 
 def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
-    """What FSDP would shard (`shared_configs.budget.per_rank`): parameters + optimizer state, the
+    """What FSDP would shard (`shared_configs.planning.budget.per_rank`): parameters + optimizer state, the
     gradients, the largest block's parameters (from shapes: the state may be abstract)."""
     state = s["args"][0]
 
@@ -156,7 +156,7 @@ def profile(
     repeats: int = 2,
     attention_chunk: int | None = None,
 ) -> dict:
-    """The `shared_configs.budget.Profile` fields (JSON-ready) of ``spec`` at ``batch_size``."""
+    """The `shared_configs.planning.budget.Profile` fields (JSON-ready) of ``spec`` at ``batch_size``."""
     timing = not shapes and repeats > 0
     s = setup(spec, batch_size, context_length, attention_chunk, run=timing)
     flops = unit_flops(spec, batch_size, context_length)

@@ -1,4 +1,4 @@
-"""The PyTorch per-unit profile for `shared_configs.budget`, and the plain measurement of a plan.
+"""The PyTorch per-unit profile for `shared_configs.planning.budget`, and the plain measurement of a plan.
 
 Every figure comes from the training loop's own step, `torch_impl.train.train_step` (PyTorch's
 default ``zero_grad(set_to_none=True)``, first in the step: last step's gradients are freed before
@@ -9,13 +9,13 @@ the gradients and AdamW's state:
   ``layers/save=conv,matmul``) under `Recorder`, a live-tensor tracker like the benchmark's
   `StepTracker` that also notes which unit is running at each allocation (module hooks:
   forward pre-hooks, full backward pre-hooks, the optimizer's step pre-hook): a
-  `shared_configs.timeline.Timeline`, turned into per-unit figures there;
+  `shared_configs.planning.timeline.Timeline`, turned into per-unit figures there;
 * seconds: the same steps without the tracker, timing each unit's forward and backward from one
   unit hook to the next (median over ``repeats``); a choice costs what its unit takes beyond the
-  same layers in the plain step (`shared_configs.budget.extra_seconds`): recompute, selective
+  same layers in the plain step (`shared_configs.planning.budget.extra_seconds`): recompute, selective
   checkpointing's own forward work, the bookkeeping; CPU seconds of a single-threaded step
   (`benchmarks.stepclock`), which load on a shared machine does not inflate;
-* FLOPs: `shared_configs.unit_flops` (counted from the spec, as `FlopCounterMode` counts).
+* FLOPs: `shared_configs.planning.unit_flops` (counted from the spec, as `FlopCounterMode` counts).
 
 With ``shapes=True`` nothing is allocated: the same steps run on fake tensors (`FakeTensorMode`,
 which picks the same CPU kernels as real tensors; `example_step` mirrors ``train_step`` without
@@ -48,7 +48,7 @@ from benchmarks.common import batch_bytes, step_arrays
 from benchmarks.stepclock import clock, in_turn, round_robin, times
 from benchmarks.torch_memory import AllocatorPeak, StepTracker, state_tensors, storage_bytes
 from shared_configs import UNetSpec, block_names
-from shared_configs.budget import (
+from shared_configs.planning.budget import (
     HEAD,
     PLAIN,
     PROFILE_RUNS,
@@ -59,9 +59,9 @@ from shared_configs.budget import (
     policy_string,
     uniform,
 )
-from shared_configs.data import Batch, example_batch
-from shared_configs.timeline import BWD, FWD, Timeline, unit_costs
-from shared_configs.unit_flops import recompute_flops, unit_flops
+from shared_configs.planning.timeline import BWD, FWD, Timeline, unit_costs
+from shared_configs.planning.unit_flops import recompute_flops, unit_flops
+from shared_configs.training.data import Batch, example_batch
 from torch_impl.train import as_tensors, make_optimizer, train_step
 from torch_impl.unet import UNet
 
@@ -192,7 +192,7 @@ def existing(s: dict[str, Any]) -> list[torch.Tensor]:
 
 
 def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
-    """What FSDP would shard (`shared_configs.budget.per_rank`): parameters + AdamW state, the
+    """What FSDP would shard (`shared_configs.planning.budget.per_rank`): parameters + AdamW state, the
     gradients, the largest block's parameters (counted by size: fake tensors have no storage)."""
     model = s["model"]
 
@@ -242,7 +242,7 @@ def timing_run(s: dict[str, Any], assignment: dict[str, str], repeats: int) -> t
 
 
 def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: bool = False, repeats: int = 2) -> dict:
-    """The `shared_configs.budget.Profile` fields of ``spec`` at ``batch_size`` (``repeats=0``: bytes only)."""
+    """The `shared_configs.planning.budget.Profile` fields of ``spec`` at ``batch_size`` (``repeats=0``: bytes only)."""
     s = setup(spec, batch_size, context_length, shapes)
     flops = unit_flops(spec, batch_size, context_length)
     units: dict[str, dict[str, Cost]] = {}

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from benchmarks.common import CATEGORIES
 from shared_configs.files import atomic_write
+from shared_configs.units import MIB
 
 Row = dict[str, Any]
 
@@ -110,7 +111,7 @@ def write_csv(path: Path, rows: list[Row]) -> None:
 
 
 def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2**20:,.1f}"
+    return "-" if value is None else f"{value / MIB:,.1f}"
 
 
 def _pct(value: float | None) -> str:

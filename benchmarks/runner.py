@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from benchmarks.cli import BenchmarkError
 from benchmarks.common import EVENT_PREFIX, REPO_ROOT, Job, worker_env
+from shared_configs.cli import BenchmarkError
 
 Event = dict[str, Any]
 KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)

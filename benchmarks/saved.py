@@ -21,10 +21,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.cli import positive
 from benchmarks.common import OUTSIDE, block_of
 from shared_configs import SpecError, block_names, load_spec, resolve_plan
-from shared_configs.cli import OneLineParser
+from shared_configs.cli import OneLineParser, positive_int
 
 
 @dataclass(frozen=True)
@@ -197,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="save_convs", help="a checkpoint policy, e.g. full/save=conv,matmul")
     p.add_argument("--framework", choices=["both", "torch", "jax"], default="both", help="(%(default)s)")
     p.add_argument("--block", default=None, help="only this block (down.0, mid, ...)")
-    p.add_argument("--batch-size", type=positive, default=2, help="(%(default)s)")
+    p.add_argument("--batch-size", type=positive_int, default=2, help="(%(default)s)")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of text")
     return p
 

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from benchmarks.common import CATEGORIES, OUTSIDE, block_of
-from benchmarks.timeline import timeline
+from benchmarks.memory_timeline import timeline
 from torch_impl.checkpointing import observe_saves
 
 TRACKER_METHOD = (

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from benchmarks.common import Job
 from benchmarks.torch_memory import state_tensors, storage_bytes
 from shared_configs import UNetSpec
-from shared_configs.data import Batch, example_batch
+from shared_configs.training.data import Batch, example_batch
 from torch_impl.parallel import shard_blocks
 
 

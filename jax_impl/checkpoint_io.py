@@ -2,7 +2,7 @@
 
 Every run, one device or a mesh, replicated or FSDP-sharded, saves the `TrainState` pytree with
 orbax's `StandardCheckpointer` (each array written from its shards, no gather onto one device),
-and `shared_configs.run_folder` hashes the files and commits the folder with its manifest.
+and `shared_configs.training.run_folder` hashes the files and commits the folder with its manifest.
 Restoring takes a target of `jax.ShapeDtypeStruct` leaves carrying the shardings wanted now, so a
 run resumes onto the same mesh, another one, or a single device. The mirror of
 `torch_impl.checkpoint_io`.
@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from shared_configs.manifest import Manifest
-from shared_configs.run_folder import STATE, read_checkpoint, save, verify
+from shared_configs.training.manifest import Manifest
+from shared_configs.training.run_folder import STATE, read_checkpoint, save, verify
 
 FRAMEWORK, LAYOUT = "jax_impl", "orbax"
 

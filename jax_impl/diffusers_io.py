@@ -3,7 +3,7 @@
 Mirrors `torch_impl/diffusers_io.py`: a source is a local model folder (``config.json`` +
 ``diffusion_pytorch_model.safetensors`` or ``.bin``; sharded or ``variant`` files too; a
 pipeline folder's ``unet/`` is found), a repo id in the local Hugging Face cache (never
-downloaded), or a live diffusers module (see `shared_configs.diffusers`). Reading safetensors needs
+downloaded), or a live diffusers module (see `shared_configs.diffusers.folders`). Reading safetensors needs
 neither torch nor diffusers; a ``.bin`` file or a live module needs torch (which they imply).
 """
 
@@ -19,8 +19,8 @@ import numpy as np
 from jax_impl.convert import flax_to_torch, torch_shapes, torch_to_flax
 from jax_impl.unet import PolicyArg, UNet
 from shared_configs import UNetSpec
-from shared_configs.diffusers import check_weights, read_source
-from shared_configs.diffusers import ours_to_diffusers as _ours_to_diffusers
+from shared_configs.diffusers.folders import check_weights, read_source
+from shared_configs.diffusers.folders import ours_to_diffusers as _ours_to_diffusers
 
 Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model
 

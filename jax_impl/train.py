@@ -10,7 +10,7 @@ A thin loop over an importable, jitted step. To put this U-Net in your own loop:
     state, loss = train_step(..., model=model, tx=tx, compute_dtype=jnp.bfloat16)
 
 Batches, timesteps, noise and the conditioning inputs (whichever the spec takes) come from
-`shared_configs.data` (numpy, NCHW; `arrays` transposes images to NHWC), so `torch_impl.train`
+`shared_configs.training.data` (numpy, NCHW; `arrays` transposes images to NHWC), so `torch_impl.train`
 sees the very same ones for a seed.
 The dropout key of step ``s`` is derived from (seed, s), so a resumed run replays the same masks.
 A ``norm_kind: batch`` spec carries its BatchNorm running statistics in ``state.batch_stats``
@@ -18,7 +18,7 @@ A ``norm_kind: batch`` spec carries its BatchNorm running statistics in ``state.
 
 ``--distributed`` runs over every device, data-parallel or FSDP (`jax_impl.parallel`); checkpoints
 are orbax folders (`jax_impl.checkpoint_io`). The run folder, resume checks and NaN guard are
-framework-free (`shared_configs.loop`).
+framework-free (`shared_configs.training.loop`).
 """
 
 from __future__ import annotations
@@ -39,16 +39,16 @@ from jax.typing import DTypeLike
 from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, abstract_target, load_checkpoint, save_checkpoint
 from jax_impl.parallel import make_mesh, shard, state_shardings
 from jax_impl.unet import UNet
-from shared_configs import load_spec
-from shared_configs.data import CONDITIONING, Batch, Dataset, check_conditioning, load_dataset, step_seed
-from shared_configs.ddpm import Schedule, check_objective, make_schedule, sample
+from shared_configs import load_spec, resolve_plan
 from shared_configs.inputs import input_specs
-from shared_configs.loop import RunStart, manifest_for, open_run, run_loop
-from shared_configs.outputs import write_outputs
-from shared_configs.training import TrainConfig, cli_main
+from shared_configs.training.config import TrainConfig, cli_main
+from shared_configs.training.data import CONDITIONING, Batch, Dataset, check_conditioning, load_dataset, step_seed
+from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
+from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
+from shared_configs.training.outputs import write_outputs
 
 # (noisy, t, noise, context, class_labels, text_embeds, time_ids): the conditioning in the forward's
-# order (`shared_configs.data.CONDITIONING`), None where the spec takes none of it.
+# order (`shared_configs.training.data.CONDITIONING`), None where the spec takes none of it.
 Arrays = tuple[jax.Array | None, ...]
 # --dtype -> the forward's compute dtype; None computes in the params' own float32 (no casts at all).
 DTYPES: dict[str, DTypeLike | None] = {"float32": None, "bfloat16": jnp.bfloat16}
@@ -254,8 +254,8 @@ def train(cfg: TrainConfig) -> list[float]:
     """
     spec = load_spec(cfg.config)
     check_objective(spec)
-    model = UNet(spec=spec, policy=cfg.policy, attention_chunk=cfg.attention_chunk)
-    policy = model.plan.policy  # resolve the policy now (None: the spec's own): a bad one is one line
+    plan = resolve_plan(spec, cfg.policy)  # once: a bad policy is refused here; None: the spec's own
+    model, policy = UNet(spec=spec, policy=plan, attention_chunk=cfg.attention_chunk), plan.policy
     mesh = make_mesh(cfg.batch_size) if cfg.distributed else None
     with open_run(cfg, spec, FRAMEWORK, LAYOUT) as run:
         tx = make_optimizer(cfg.lr, cfg.weight_decay)

@@ -84,9 +84,10 @@ class UNet(nn.Module):
         """``spec`` as a `UNetSpec` (a preset name loaded); works on an unbound module."""
         return _as_spec(self.spec)
 
-    @property
+    @functools.cached_property
     def plan(self) -> CheckpointPlan:
-        """The resolved checkpoint plan, as torch's ``UNet.plan``; works on an unbound module."""
+        """The resolved checkpoint plan, as torch's ``UNet.plan`` (resolved once per module instance);
+        works on an unbound module."""
         return resolve_plan(self.resolved_spec, self.policy)
 
     def setup(self) -> None:

@@ -1,10 +1,13 @@
-"""Framework-free core: the U-Net spec, its YAML loader and presets, and checkpoint plans.
+"""Framework-free core: the U-Net spec (`spec`), its YAML loader and presets (`loader`, ``*.yaml``),
+checkpoint plans and their grammar (`plan`), the architecture both frameworks assemble (`arch`), the
+inputs a spec's forward takes (`inputs`), and what every CLI shares (`cli`, `files`, `units`).
 
-Nothing here imports torch or jax.
+Below it: `planning` (peak model, solver, plan to a budget), `training` (what both training loops
+share) and `diffusers` (diffusers configs and folders). Nothing here imports torch or jax.
 """
 
-from shared_configs.diffusers_config import from_diffusers_config
-from shared_configs.diffusers_export import to_diffusers_config
+from shared_configs.diffusers.config import from_diffusers_config
+from shared_configs.diffusers.export import to_diffusers_config
 from shared_configs.inputs import INPUT_NAMES, check_inputs, example_inputs, input_specs
 from shared_configs.loader import load_spec, preset_names, spec_from_dict
 from shared_configs.plan import (

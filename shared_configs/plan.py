@@ -21,7 +21,7 @@ rest of the block is recomputed. The op vocabulary, `OP_CLASSES`, is the same in
     offload_convs                  a preset: full/save=conv,matmul/offload
 
 A plan can give different units different save sets: groups separated by ``;``, each one of the
-forms above, over disjoint names. The planner (`shared_configs.budget`) writes such plans::
+forms above, over disjoint names. The planner (`shared_configs.planning.budget`) writes such plans::
 
     down.0,up.2;down.1,mid/save=conv,matmul    down.0 and up.2 fully recomputed, down.1 and mid selective
 

@@ -16,7 +16,7 @@ from flax import traverse_util
 
 from jax_impl import UNet
 from shared_configs import spec_from_dict
-from shared_configs.training import parse_args
+from shared_configs.training.config import parse_args
 from tests.parity_utils import flax_out, parity_inputs, parity_pair, torch_out
 from tests.utils import FAST_COMPILE, TINY, rel_err
 

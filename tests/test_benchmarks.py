@@ -20,7 +20,7 @@ import yaml
 
 from benchmarks import compare, max_batch, plot, report, saved
 from benchmarks.common import CATEGORIES, KILL_SIM_ENV, OOM_SIM_ENV, Job, cpu_snapshot, one_line, other_cpu_share
-from benchmarks.timeline import block_marks, timeline
+from benchmarks.memory_timeline import block_marks, timeline
 from benchmarks.worker import run_row
 from tests.utils import TINY, rows_of, run_compare
 

@@ -21,8 +21,6 @@ from jax_impl import train as jt
 from shared_configs import block_names, load_spec
 from tests.utils import FAST_COMPILE
 
-MIB = 2**20
-
 
 def _linear_step(layers: int, batch: int, width: int) -> tuple[torch.nn.Module, Any, Any, torch.Tensor]:
     """A stack of bias-free linear layers and its training step, written as train_step is."""

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from jax_impl import diffusers_io as jax_io
 from shared_configs import SpecError, from_diffusers_config, load_spec
-from shared_configs.diffusers import live_config, ours_to_diffusers
-from shared_configs.diffusers_config import CLASS_DEFAULTS
+from shared_configs.diffusers.config import CLASS_DEFAULTS
+from shared_configs.diffusers.folders import live_config, ours_to_diffusers
 from shared_configs.inputs import example_inputs
 from tests.utils import (
     FAST_COMPILE,

@@ -23,7 +23,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from jax_impl import diffusers_io as jax_io
-from shared_configs.diffusers import find_folder
+from shared_configs.diffusers.folders import find_folder
 from shared_configs.inputs import example_inputs
 from tests.utils import as_torch, diffusers_forward, randomize_, rel_err
 from torch_impl import UNet

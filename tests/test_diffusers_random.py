@@ -22,7 +22,7 @@ from diffusers import UNet2DConditionModel, UNet2DModel
 
 from jax_impl import diffusers_io as jax_io
 from shared_configs import from_diffusers_config
-from shared_configs.diffusers import live_config
+from shared_configs.diffusers.folders import live_config
 from shared_configs.inputs import example_inputs
 from tests.utils import FAST_COMPILE, as_flax, as_torch, diffusers_forward, randomize_, rel_err
 from torch_impl import UNet

@@ -14,9 +14,8 @@ import pytest
 from benchmarks.common import REPO_ROOT
 from benchmarks.max_batch import DEFAULT_PROBES, ROUNDS, answer, main, next_batches
 from shared_configs import load_spec
+from shared_configs.units import MIB
 from torch_impl import UNet
-
-MIB = 2**20
 
 
 def _row(batch: int, peak: float) -> dict:

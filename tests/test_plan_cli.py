@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 
+import torch_impl
 from benchmarks import plan as cli
-from benchmarks import planner
-from benchmarks.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs import SpecError, load_spec, resolve_plan
-from shared_configs.budget import SAFETY, Profile, assignment_of, per_rank, predict, safety_margin
-from shared_configs.solver import smallest_peak, solve
+from shared_configs.planning import planner
+from shared_configs.planning.budget import SAFETY, Profile, assignment_of, per_rank, predict, safety_margin
+from shared_configs.planning.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
+from shared_configs.planning.solver import smallest_peak, solve
+from shared_configs.units import MIB
 from tests.utils import random_profile
 
-MIB = 2**20
 SPEC = load_spec("tiny")
 
 
@@ -142,7 +143,7 @@ def test_library_call_returns_a_policy_both_unets_accept(cache: dict) -> None:
     from torch_impl import UNet as TorchUNet
 
     budget = predict(cache["torch"], SPEC, assignment_of(SPEC, "full")).peak_bytes
-    policy = plan_for_budget("tiny", batch_size=2, sample_size=None, budget_bytes=budget, framework="torch")
+    policy = torch_impl.plan_for_budget("tiny", batch_size=2, budget_bytes=budget)  # what a torch loop calls
     assert predict(cache["torch"], SPEC, assignment_of(SPEC, policy)).peak_bytes <= budget
     assert TorchUNet(SPEC).enable_gradient_checkpointing(policy) == JaxUNet(spec=SPEC, policy=policy).plan
     with pytest.raises(SpecError, match="smallest feasible budget"):
@@ -165,7 +166,7 @@ def test_fsdp_divides_the_static_bytes_by_the_world_size(cache: dict, tmp_path: 
         assert cli.main([*argv, "--world-size", n, "--json", str(path)]) == 0
     peaks = {n: json.loads(p.read_text())["frameworks"]["torch"]["predicted_peak_bytes"] for n, p in out.items()}
     assert (peaks["1"], peaks["2"]) == (one, two)
-    policy = plan_for_budget("tiny", 2, None, two, world_size=2, distributed="fsdp")
+    policy = plan_for_budget("tiny", 2, two, world_size=2, distributed="fsdp")
     assert predict(per_rank(profile, 2, "fsdp"), SPEC, assignment_of(SPEC, policy)).peak_bytes <= two
 
 

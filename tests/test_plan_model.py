@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared_configs.budget import (
+from shared_configs.planning.budget import (
     SAFETY,
     Profile,
     assignment_of,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shared_configs import load_spec, resolve_plan
-from shared_configs.budget import (
+from shared_configs.planning.budget import (
     CHOICES,
     PLAIN,
     PROFILE_RUNS,
@@ -29,12 +29,10 @@ from shared_configs.budget import (
     random_assignment,
     uniform,
 )
-from shared_configs.recompute_time import at_rates
-from shared_configs.solver import Infeasible, smallest_peak, solve
-from shared_configs.unit_flops import recompute_flops, unit_flops
+from shared_configs.planning.recompute_time import at_rates
+from shared_configs.planning.solver import Infeasible, smallest_peak, solve
+from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from tests.utils import random_profile, variant
-
-MIB = 2**20
 
 
 def _small_spec():

@@ -10,8 +10,7 @@ from scipy.stats import binom
 
 from benchmarks.plan_sweep import against_hand
 from benchmarks.stepclock import paired
-
-MIB = 2**20
+from shared_configs.units import MIB
 
 
 def sign_test_interval(ratios: np.ndarray, confidence: float) -> tuple[float, float]:

@@ -17,9 +17,9 @@ import yaml
 
 from jax_impl import train as jtrain
 from shared_configs import load_spec, spec_from_dict
-from shared_configs.ddpm import make_schedule
-from shared_configs.outputs import speed_line
-from shared_configs.training import TrainConfig, parse_args
+from shared_configs.training.config import TrainConfig, parse_args
+from shared_configs.training.ddpm import make_schedule
+from shared_configs.training.outputs import speed_line
 from tests.train_utils import CFG, TINY_NO_DROPOUT, jax_curve, torch_curve
 from tests.utils import torchrun_train
 from torch_impl import train as ttrain

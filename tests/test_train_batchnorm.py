@@ -18,8 +18,8 @@ from jax_impl import train as jtrain
 from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, load_checkpoint, save_checkpoint
 from jax_impl.convert import flax_to_torch
 from shared_configs import spec_from_dict
-from shared_configs.data import load_dataset
-from shared_configs.loop import manifest_for
+from shared_configs.training.data import load_dataset
+from shared_configs.training.loop import manifest_for
 from tests.train_utils import (
     CFG,
     SCHEDULE,
@@ -44,7 +44,7 @@ import jax
 from jax_impl import train as jtrain
 from jax_impl.parallel import make_mesh
 from shared_configs import spec_from_dict
-from shared_configs.data import load_dataset
+from shared_configs.training.data import load_dataset
 from tests.train_utils import CFG, SCHEDULE, TINY_BN, jax_setup
 SPEC, STEPS = spec_from_dict(TINY_BN), int(sys.argv[1])
 model, tx, state = jax_setup(SPEC, "none")

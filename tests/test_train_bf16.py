@@ -23,7 +23,7 @@ from jax import lax
 
 from jax_impl import train as jtrain
 from shared_configs import load_spec, spec_from_dict
-from shared_configs.data import load_dataset
+from shared_configs.training.data import load_dataset
 from tests.train_utils import (
     CFG,
     SCHEDULE,
@@ -49,7 +49,7 @@ import dataclasses, json, sys, jax
 from jax_impl import train as jtrain
 from jax_impl.parallel import make_mesh
 from shared_configs import spec_from_dict
-from shared_configs.data import load_dataset
+from shared_configs.training.data import load_dataset
 from tests.train_utils import CFG, SCHEDULE, TINY_NO_DROPOUT, float_dtypes, jax_setup
 spec, STEPS = spec_from_dict(TINY_NO_DROPOUT), int(sys.argv[1])
 model, tx, state = jax_setup(spec, "full")

@@ -1,7 +1,7 @@
 """Training and benchmarking the conditioned families: class labels (class-conditional DDPM) and
 SDXL's text_time inputs (text_embeds, time_ids) reach both training steps and the benchmark.
 
-The batches carry whatever the spec's forward takes (`shared_configs.data.Conditioner`); torch and
+The batches carry whatever the spec's forward takes (`shared_configs.training.data.Conditioner`); torch and
 JAX, from converted weights, train to the same losses on them; a batch without an input its spec
 takes is one line naming it.
 """
@@ -18,8 +18,8 @@ import yaml
 
 from jax_impl import train as jtrain
 from shared_configs import UNetSpec
-from shared_configs.data import CONDITIONING, load_dataset
 from shared_configs.inputs import input_specs
+from shared_configs.training.data import CONDITIONING, load_dataset
 from tests.train_utils import CFG, SCHEDULE, jax_curve, jax_setup, torch_curve, torch_model
 from tests.utils import rel_err, rows_of, run_compare, variant
 from torch_impl import train as ttrain

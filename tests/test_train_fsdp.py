@@ -23,8 +23,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from shared_configs import load_spec
-from shared_configs.run_folder import checkpoints
-from shared_configs.training import TrainConfig, parse_args
+from shared_configs.training.config import TrainConfig, parse_args
+from shared_configs.training.run_folder import checkpoints
 from tests.train_utils import CFG, TINY_NO_DROPOUT, step_flops, torch_model
 from tests.utils import rel_err, torchrun_train
 from torch_impl import train as ttrain

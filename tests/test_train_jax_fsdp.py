@@ -21,7 +21,7 @@ from jax_impl import train as jtrain
 from jax_impl.parallel import make_mesh, device_bytes
 from jax_impl.unet import UNet
 from shared_configs import load_spec
-from shared_configs.data import load_dataset
+from shared_configs.training.data import load_dataset
 from tests.train_utils import CFG, SCHEDULE
 policy, modes = sys.argv[1], sys.argv[2].split(",")
 spec, mesh = load_spec("tiny"), make_mesh(CFG.batch_size)

@@ -24,10 +24,10 @@ from jax_impl import checkpoint_io as jio
 from jax_impl import train as jtrain
 from jax_impl.unet import UNet as FlaxUNet
 from shared_configs import load_spec
-from shared_configs.loop import manifest_for
-from shared_configs.manifest import MANIFEST
-from shared_configs.run_folder import LOCK, checkpoints, owned
-from shared_configs.training import TrainConfig
+from shared_configs.training.config import TrainConfig
+from shared_configs.training.loop import manifest_for
+from shared_configs.training.manifest import MANIFEST
+from shared_configs.training.run_folder import LOCK, checkpoints, owned
 from tests.train_utils import CFG, jax_setup
 from tests.utils import TINY
 from torch_impl import checkpoint_io as tio

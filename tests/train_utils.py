@@ -21,9 +21,9 @@ from jax_impl.checkpoint_io import abstract_target
 from jax_impl.convert import torch_to_flax_variables
 from jax_impl.unet import UNet as FlaxUNet
 from shared_configs import UNetSpec
-from shared_configs.data import load_dataset, step_seed
-from shared_configs.ddpm import make_schedule
-from shared_configs.training import TrainConfig
+from shared_configs.training.config import TrainConfig
+from shared_configs.training.data import load_dataset, step_seed
+from shared_configs.training.ddpm import make_schedule
 from tests.utils import FAST_COMPILE, TINY, count_flops
 from torch_impl import train as ttrain
 from torch_impl.unet import UNet as TorchUNet

@@ -15,7 +15,7 @@ import numpy as np
 import yaml
 
 from shared_configs import UNetSpec, spec_from_dict
-from shared_configs.training import TrainConfig
+from shared_configs.training.config import TrainConfig
 
 # XLA:CPU spends seconds optimising each gradient program; these tests check values, not speed,
 # so compile with backend optimisation off (about 4x faster; the computation is unchanged).
@@ -230,9 +230,9 @@ def torchrun_train(cfg: TrainConfig, nproc: int = 2, timeout: float = 300) -> li
 
 
 def random_profile(spec: UNetSpec, seed: int, framework: str = "test") -> Any:
-    """A `shared_configs.budget.Profile` of ``spec`` with random per-unit figures (MiB scale):
+    """A `shared_configs.planning.budget.Profile` of ``spec`` with random per-unit figures (MiB scale):
     for solver and CLI tests that need a profile but not a measurement."""
-    from shared_configs.budget import CHOICES, PLAIN, Cost, Profile, block_layers, is_pseudo
+    from shared_configs.planning.budget import CHOICES, PLAIN, Cost, Profile, block_layers, is_pseudo
 
     mib = 2**20
     rng = np.random.default_rng(seed)

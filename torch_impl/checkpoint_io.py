@@ -2,7 +2,7 @@
 
 Every run, one process or many, DDP or FSDP2, saves the same way: `get_state_dict` gives the model
 and AdamW state keyed by parameter name (under FSDP2, each rank's shards as DTensors), `dcp.save`
-has each rank write its own shards (replicated DDP tensors once), and `shared_configs.run_folder`
+has each rank write its own shards (replicated DDP tensors once), and `shared_configs.training.run_folder`
 hashes the files and commits the folder with its manifest. `dcp.load` reshards on the way in, so a
 run resumes on any number of ranks, and one process without a process group reads whole tensors.
 The mirror of `jax_impl.checkpoint_io`.
@@ -22,15 +22,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from shared_configs.manifest import Manifest
-from shared_configs.run_folder import SOLO, STATE, Comm, read_checkpoint, save, verify
+from shared_configs.training.manifest import Manifest
+from shared_configs.training.run_folder import SOLO, STATE, Comm, read_checkpoint, save, verify
 
 FRAMEWORK, LAYOUT = "torch_impl", "torch.distributed.checkpoint"
 
 
 @dataclass(frozen=True)
 class ProcessGroupComm:
-    """`shared_configs.run_folder.Comm` over the default torch process group."""
+    """`shared_configs.training.run_folder.Comm` over the default torch process group."""
 
     rank: int
     world: int

@@ -3,7 +3,7 @@
 A source is a local model folder (``config.json`` + ``diffusion_pytorch_model.safetensors`` or
 ``.bin``; sharded or ``variant`` files too; a pipeline folder's ``unet/`` is found), a repo id in
 the local Hugging Face cache (never downloaded), or a live diffusers module (see
-`shared_configs.diffusers`). diffusers itself is never imported: a live module is read through its
+`shared_configs.diffusers.folders`). diffusers itself is never imported: a live module is read through its
 ``config`` and ``state_dict()``. Mirrored in `jax_impl/diffusers_io.py`.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from shared_configs import UNetSpec
-from shared_configs.diffusers import check_weights, is_path, read_source
-from shared_configs.diffusers import ours_to_diffusers as _ours_to_diffusers
-from shared_configs.diffusers_export import to_diffusers_config
+from shared_configs.diffusers.export import to_diffusers_config
+from shared_configs.diffusers.folders import check_weights, is_path, read_source
+from shared_configs.diffusers.folders import ours_to_diffusers as _ours_to_diffusers
 from shared_configs.files import atomic_write
 from torch_impl.unet import UNet
 
@@ -71,7 +71,7 @@ def save_diffusers(model: UNet, folder: str | os.PathLike[str]) -> Path:
 
     diffusers loads it with ``UNet2D(Condition)Model.from_pretrained(folder)``; so do our
     `from_diffusers` readers. Each file is written atomically. Raises `SpecError` when the spec
-    has no diffusers equivalent (see `shared_configs.diffusers_export`).
+    has no diffusers equivalent (see `shared_configs.diffusers.export`).
     """
     from safetensors.torch import save
 

@@ -3,7 +3,7 @@
 ``--distributed ddp`` wraps the model in `DistributedDataParallel` (parameters replicated, gradients
 all-reduced); ``--distributed fsdp`` shards parameters, gradients and AdamW state with FSDP2, one
 unit per U-Net block. Either way each rank trains on its slice of the global batch
-(`shared_configs.data.Batch.shard`) and the checkpoint plan is applied first. The mirror of
+(`shared_configs.training.data.Batch.shard`) and the checkpoint plan is applied first. The mirror of
 `jax_impl.parallel` (one mesh axis, sharding annotations).
 """
 
@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from shared_configs.training import TrainConfig
+from shared_configs.training.config import TrainConfig
 from torch_impl.unet import UNet
 
 

@@ -4,17 +4,17 @@ A thin loop over an importable step. To put this U-Net in your own loop::
 
     model = UNet("tiny"); model.enable_gradient_checkpointing("full")
     optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0)
-    loss = train_step(model, optimizer, batch)   # batch: shared_configs.data.Batch (numpy)
+    loss = train_step(model, optimizer, batch)   # batch: shared_configs.training.data.Batch (numpy)
 
 Batches, timesteps, noise and the conditioning inputs (context, class labels, text embeddings,
-time ids: whichever the spec takes) come from `shared_configs.data` (numpy), so
+time ids: whichever the spec takes) come from `shared_configs.training.data` (numpy), so
 `jax_impl.train` sees the very same ones for the same seed. Dropout draws from torch's global RNG,
 reseeded per step from (seed, step) so that a resumed run replays the same masks.
 
 Under torchrun, ``--distributed`` (DDP) or ``--distributed fsdp`` (FSDP2, one unit per U-Net
 block) splits the global batch over processes (gloo, CPU). Checkpoints are DCP folders, each rank
 writing its shards (`torch_impl.checkpoint_io`), so a run resumes on any number of processes. The
-run folder, resume checks and NaN guard are framework-free (`shared_configs.loop`).
+run folder, resume checks and NaN guard are framework-free (`shared_configs.training.loop`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shared_configs import UNetSpec, load_spec, resolve_plan
-from shared_configs.data import Batch, Dataset, check_conditioning, load_dataset, step_seed
-from shared_configs.ddpm import Schedule, check_objective, make_schedule, sample
-from shared_configs.loop import RunStart, manifest_for, open_run, run_loop
-from shared_configs.outputs import write_outputs
-from shared_configs.training import TrainConfig, cli_main
+from shared_configs import CheckpointPlan, UNetSpec, load_spec, resolve_plan
+from shared_configs.training.config import TrainConfig, cli_main
+from shared_configs.training.data import Batch, Dataset, check_conditioning, load_dataset, step_seed
+from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
+from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
+from shared_configs.training.outputs import write_outputs
 from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, load_checkpoint, save_checkpoint
 from torch_impl.parallel import launch, wrap
 from torch_impl.unet import UNet
@@ -98,15 +98,16 @@ def generate(model: UNet, schedule: Schedule, dataset: Dataset, cfg: TrainConfig
     return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)
 
 
-def build(cfg: TrainConfig) -> tuple[UNet, torch.nn.Module, torch.optim.Optimizer]:
-    """The model (seeded init, checkpoint policy applied), the module to train and its optimizer.
+def build(
+    cfg: TrainConfig, plan: CheckpointPlan | None = None
+) -> tuple[UNet, torch.nn.Module, torch.optim.Optimizer]:
+    """The model (seeded init, ``plan`` applied; None: ``cfg.policy``), the module to train and its optimizer.
 
     The module to train is the model, its DDP wrapper (``--distributed ddp``), or the model sharded
     in place (``fsdp``: the same object, its class swapped by `fully_shard`).
     """
     torch.manual_seed(cfg.seed)
-    model = UNet(load_spec(cfg.config))
-    model.enable_gradient_checkpointing(cfg.policy)  # None: the spec's checkpoint field; "none": no plan
+    model = UNet(load_spec(cfg.config), cfg.policy if plan is None else plan)  # policy None: the spec's own
     # Plan first, then DDP/FSDP2: torchtitan's order, which its checkpoint *wrapper* needs (inside
     # the FSDP unit). Our shadowed forwards work in either order (see shard_blocks, tested both
     # ways), so the parallel wrapper simply stays the last transform.
@@ -136,10 +137,10 @@ def train(cfg: TrainConfig) -> list[float]:
     """
     spec = load_spec(cfg.config)
     check_objective(spec)
-    policy = resolve_plan(spec, cfg.policy).policy  # a bad policy is refused here; None: the spec's own
+    plan = resolve_plan(spec, cfg.policy)  # once: a bad policy is refused here; None: the spec's own
     rank = launch(cfg)
     with open_run(cfg, spec, FRAMEWORK, LAYOUT, owner=rank == 0) as run:
-        model, trained, optimizer = build(cfg)
+        model, trained, optimizer = build(cfg, plan)
         try:
             losses, samples = _train(cfg, run, model, trained, optimizer)
         finally:
@@ -150,7 +151,7 @@ def train(cfg: TrainConfig) -> list[float]:
                 del trained
                 dist.destroy_process_group()
         if rank == 0:
-            write_outputs(cfg.out, losses, samples, f"torch_impl {spec.name}, policy {policy}")
+            write_outputs(cfg.out, losses, samples, f"torch_impl {spec.name}, policy {plan.policy}")
     return losses
 
 

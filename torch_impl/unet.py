@@ -40,14 +40,14 @@ class UNet(nn.Module):
     """Diffusion U-Net on NCHW input: ``forward(x, t, context=None, class_labels=None, text_embeds=None,
     time_ids=None)`` (see `shared_configs.inputs` for which inputs a spec takes).
 
-    The spec's ``checkpoint`` policy is applied at construction, as ``jax_impl.UNet(policy=None)``
-    does; `enable_gradient_checkpointing` / `disable_gradient_checkpointing` change it.
+    ``policy`` (a policy string, block names or a `CheckpointPlan`; ``None``: the spec's own
+    ``checkpoint`` field) is applied at construction, as ``jax_impl.UNet(policy=...)`` does;
+    `enable_gradient_checkpointing` / `disable_gradient_checkpointing` change it.
     """
 
-    def __init__(self, spec: UNetSpec | str) -> None:
+    def __init__(self, spec: UNetSpec | str, policy: Policy | CheckpointPlan = None) -> None:
         super().__init__()
         self.spec = spec = load_spec(spec) if isinstance(spec, str) else spec
-        self.plan = resolve_plan(spec, "none")
         chans = spec.block_out_channels
         self.conv_in = nn.Conv2d(spec.in_channels, chans[0], 3, padding=1)
         self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim)
@@ -81,8 +81,9 @@ class UNet(nn.Module):
         )
         self.conv_norm_out = norm_layer(chans[0], **kwargs(norm_args(spec)))
         self.conv_out = nn.Conv2d(chans[0], spec.out_channels, 3, padding=1)
-        if spec.checkpoint is not None:
-            self.enable_gradient_checkpointing(spec.checkpoint)
+        self.plan = resolve_plan(spec, policy)
+        if self.plan.recompute:
+            apply_plan(self, self.plan)
 
     def _conditioning_layers(self) -> None:
         """Class and text_time embeddings, under diffusers' names (only when the spec has them)."""

@@ -6,8 +6,8 @@ run, and `resume_differences` what a ``--resume`` command line changes of it. `c
 the loops' errors into one line: exit 2 for bad input (flags, spec, run folder, checkpoint), 1
 for a run that fails (a non-finite loss, an OS error).
 
-The DDPM pieces live in `shared_configs.ddpm` (schedule, sampler), `shared_configs.data` (batches)
-and `shared_configs.outputs` (progress, plots); the run folder in `shared_configs.run_folder`.
+The DDPM pieces live in `shared_configs.training.ddpm` (schedule, sampler), `shared_configs.training.data` (batches)
+and `shared_configs.training.outputs` (progress, plots); the run folder in `shared_configs.training.run_folder`.
 No torch or jax import.
 """
 
@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shared_configs.cli import OneLineParser, nonnegative, positive
-from shared_configs.data import DATASETS
-from shared_configs.ddpm import SCHEDULES, make_schedule
 from shared_configs.spec import SpecError, UNetSpec
+from shared_configs.training.data import DATASETS
+from shared_configs.training.ddpm import SCHEDULES, make_schedule
 
 
 @dataclass(frozen=True)

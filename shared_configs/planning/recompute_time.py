@@ -4,7 +4,7 @@ A recompute redoes its unit's conv/matmul/attention FLOPs and, for the elementwi
 FLOPs do not count (norms, activations), writes the bytes the unit no longer keeps and reads them
 back. So a choice costs ``flops * per_flop + 2 * (plain keep - keep) * per_byte`` seconds.
 
-The shapes-only profile takes the rates as stated (`benchmarks.planner.with_flop_time`); the JAX
+The shapes-only profile takes the rates as stated (`shared_configs.planning.planner.with_flop_time`); the JAX
 profile takes FLOPs at its plain step's own throughput and no byte term (`benchmarks.profile_jax`
 says why its measured steps price nothing).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from shared_configs.budget import PLAIN, Cost, block_layers, leaf_units
+from shared_configs.planning.budget import PLAIN, Cost, block_layers, leaf_units
 from shared_configs.spec import UNetSpec
 
 Units = Mapping[str, Mapping[str, Cost]]
@@ -29,7 +29,7 @@ def plain_keeps(spec: UNetSpec, units: Units) -> dict[str, int]:
 
 
 def step_flops(spec: UNetSpec, flops: Mapping[str, Mapping[str, float]]) -> float:
-    """The plain step's FLOPs from `shared_configs.unit_flops`: three forwards (the backward costs about two)."""
+    """The plain step's FLOPs from `unit_flops`: three forwards (the backward costs about two)."""
     return 3 * sum(sum(flops[u].values()) for u, _ in leaf_units(spec, {}))
 
 

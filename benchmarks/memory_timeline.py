@@ -6,7 +6,7 @@ belongs to and where the backward and optimizer phases start. `timeline` turns t
 JSON-able record: at most ``points`` positions (each the highest of its stretch, so the peak
 survives exactly), the block boundaries and the phase starts.
 
-Not to be confused with `shared_configs.timeline`, the planner's: there every buffer keeps its own
+Not to be confused with `shared_configs.planning.timeline`, the planner's: there every buffer keeps its own
 live range so that bytes can be filed under the unit that frees them (the per-unit profile); here
 only the summed levels per kind survive, thinned for a figure. Neither can be made of the other.
 """

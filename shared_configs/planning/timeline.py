@@ -3,7 +3,7 @@
 Both profilers reduce what they see to a `Timeline`: a sequence of positions (torch: each tensor
 allocation and each unit boundary; JAX: each instruction of XLA's schedule), the unit and phase
 running at each, and every buffer with the first and last position it is alive at and its size.
-`unit_costs` turns it into the per-unit figures of `shared_configs.budget.Cost`, one definition
+`unit_costs` turns it into the per-unit figures of `shared_configs.planning.budget.Cost`, one definition
 for both frameworks:
 
 * the backward starts at the first backward position (the split); every later position counts as
@@ -15,7 +15,7 @@ for both frameworks:
 * buffers that exist before the step (parameters, optimizer state, inputs: ``static``) or live to
   its end (its outputs) belong to no unit: they sit inside every peak.
 
-`benchmarks.timeline` is the benchmark's picture of a step (levels per kind, thinned for a
+`benchmarks.memory_timeline` is the benchmark's picture of a step (levels per kind, thinned for a
 figure); it keeps no buffer, so it cannot attribute bytes to units, and this cannot draw.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared_configs.budget import Cost
+from shared_configs.planning.budget import Cost
 
 FWD, BWD, OPT = "fwd", "bwd", "opt"
 

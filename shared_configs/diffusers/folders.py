@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from shared_configs.diffusers_config import from_diffusers_config
+from shared_configs.diffusers.config import from_diffusers_config
 from shared_configs.spec import UNetSpec
 
 __all__ = ["DiffusersFolder", "check_weights", "find_folder", "from_diffusers_config", "read_source"]

@@ -13,12 +13,12 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from shared_configs.diffusers_config import from_diffusers_config
+from shared_configs.diffusers.config import from_diffusers_config
 from shared_configs.spec import SpecError, UNetSpec
 
 DOWN_TYPES = {"none": "DownBlock2D", "self": "AttnDownBlock2D", "transformer": "CrossAttnDownBlock2D"}
 UP_TYPES = {"none": "UpBlock2D", "self": "AttnUpBlock2D", "transformer": "CrossAttnUpBlock2D"}
-DIFFUSERS_VERSION = "0.42.1"  # the diffusers whose signatures `shared_configs.diffusers` mirrors
+DIFFUSERS_VERSION = "0.42.1"  # the diffusers whose signatures `shared_configs.diffusers.folders` mirrors
 
 
 def to_diffusers_config(spec: UNetSpec) -> dict[str, Any]:

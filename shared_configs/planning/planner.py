@@ -1,12 +1,14 @@
-"""Plan to a memory budget, from training code or the CLI: profile once (cached), solve, verify.
+"""Plan to a memory budget, from training code or the CLI: profile once (cached), solve, check.
 
-    from benchmarks.planner import plan_for_budget
-    policy = plan_for_budget("small", batch_size=8, sample_size=32, budget_bytes=3 << 30, framework="torch")
+    from torch_impl import plan_for_budget              # or jax_impl's; this module's takes framework=
+    policy = plan_for_budget("small", batch_size=8, budget_bytes=3 << 30, sample_size=32)
     model.enable_gradient_checkpointing(policy)         # torch
     UNet(spec=spec, policy=policy)                       # JAX
 
-The profile of a (spec, batch, sample size, framework) is measured in a subprocess that imports
-only that framework (`benchmarks.plan_worker`; this module imports neither), and cached as JSON
+`plan` is the one pipeline: `plan_for_budget` and ``python -m benchmarks.plan`` both call it.
+The profile of a (spec, batch, sample size, framework) is measured in a worker process that imports
+only that framework (``python -m benchmarks.plan_worker``, the benchmark's instruments; this module
+imports neither framework), and cached as JSON
 under ``$UNET_REMAT_PLAN_CACHE`` (default ``~/.cache/unet-remat/plan``) keyed by everything it
 depends on. ``shapes=True`` profiles without allocating (fake tensors; XLA compiled, never run):
 time is then FLOPs at ``flops_per_s``.
@@ -14,6 +16,7 @@ time is then FLOPs at ``flops_per_s``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -21,19 +24,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, XLA_CPU_FLAG
-from benchmarks.runner import BenchmarkError
-from shared_configs import SpecError, UNetSpec, load_spec, spec_from_dict
-from shared_configs.budget import SAFETY, SCHEMA, Profile, leaf_units, per_rank, safety_margin
-from shared_configs.recompute_time import at_rates, plain_keeps, step_flops
-from shared_configs.solver import Solution, solve
-from shared_configs.unit_flops import unit_flops
+from shared_configs.cli import BenchmarkError
+from shared_configs.loader import load_spec, spec_from_dict
+from shared_configs.planning.budget import SAFETY, SCHEMA, Profile, leaf_units, per_rank, safety_margin
+from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops
+from shared_configs.planning.solver import Solution, solve
+from shared_configs.planning.unit_flops import unit_flops
+from shared_configs.spec import SpecError, UNetSpec
+from shared_configs.units import MIB
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKER = "benchmarks.plan_worker"  # the profiling / measuring process (it imports one framework)
+# XLA:CPU drops remat's optimization barriers unless this pass is off (docs/remat_vs_checkpoint.md).
+XLA_CPU_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
 CACHE_ENV = "UNET_REMAT_PLAN_CACHE"
 FRAMEWORKS = ("torch", "jax")
 # Shapes-only time: stated rates (a current GPU's order in float32), not measurements.
@@ -97,11 +106,11 @@ def worker_env(framework: str) -> dict[str, str]:
 
 
 def run_worker(request: dict[str, Any]) -> dict[str, Any]:
-    """Run ``request`` in ``python -m benchmarks.plan_worker`` (one framework per process)."""
+    """Run ``request`` in the `WORKER` process (one framework per process)."""
     with tempfile.TemporaryDirectory(prefix="plan-worker-") as folder:
         out = Path(folder) / "result.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.plan_worker", json.dumps(request), str(out)],
+            [sys.executable, "-m", WORKER, json.dumps(request), str(out)],
             cwd=REPO_ROOT,
             env=worker_env(request["framework"]),
             stderr=subprocess.PIPE,
@@ -168,7 +177,7 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
 
 
 def with_flop_time(profile: Profile, workload: Workload) -> Profile:
-    """A shapes-only profile with time estimated at stated rates (`shared_configs.recompute_time`):
+    """A shapes-only profile with time estimated at stated rates (`shared_configs.planning.recompute_time`):
     FLOPs at ``flops_per_s``, elementwise bytes at ``bytes_per_s``. The plain step is three
     forwards' FLOPs (the backward costs about two) plus writing and reading what it keeps."""
     spec, flops_rate, byte_rate = workload.spec, workload.flops_per_s, workload.bytes_per_s
@@ -203,6 +212,13 @@ CHECKS = 4  # checks of a plan's peak before giving up on fitting it
 CHECK_HOW = {"jax": "compiling the step", "torch": "a step of fake tensors"}
 
 
+def frameworks_of(framework: str) -> tuple[str, ...]:
+    """``"both"`` -> both frameworks; otherwise the one named."""
+    if framework != "both" and framework not in FRAMEWORKS:
+        raise SpecError(f"framework: expected one of torch, jax, both, got {framework!r}")
+    return FRAMEWORKS if framework == "both" else (framework,)
+
+
 def checked_solve(
     profiles: list[Profile], workload: Workload, budget: int, margin: float, frameworks: tuple, world_size: int = 1
 ) -> Solution:
@@ -211,8 +227,7 @@ def checked_solve(
     return fit_checked(sol, profiles, workload, budget, margin, frameworks, world_size)[0]
 
 
-def fit_checked(
-    sol: Solution,
+def fit_checked(    sol: Solution,
     profiles: list[Profile],
     workload: Workload,
     budget: int,
@@ -238,52 +253,70 @@ def fit_checked(
             return sol, margin
         margin += peak / budget - 1 + SAFETY
         progress(
-            f"{fw}: the plan peaks at {peak / 2**20:.1f} MiB, over the budget; planning {100 * margin:.1f}% below it"
+            f"{fw}: the plan peaks at {peak / MIB:.1f} MiB, over the budget; planning {100 * margin:.1f}% below it"
         )
         sol = solve(profiles, workload.spec, budget, margin)
-    raise SpecError(f"budget: no plan checked under {budget / 2**20:.1f} MiB in {CHECKS} tries (the last: "
-                    f"{fw} {peak / 2**20:.1f} MiB); try a budget {100 * margin:.0f}% higher")  # fmt: skip
+    raise SpecError(f"budget: no plan checked under {budget / MIB:.1f} MiB in {CHECKS} tries (the last: "
+                    f"{fw} {peak / MIB:.1f} MiB); try a budget {100 * margin:.0f}% higher")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What `plan` found: the solution (policy and per-framework predictions), the per-rank profiles
+    it was solved on, the margin below the budget it was planned at, and the solver's seconds."""
+
+    solution: Solution
+    profiles: list[Profile]
+    margin: float
+    solve_seconds: float
+
+    @property
+    def policy(self) -> str:
+        return self.solution.policy
+
+
+def plan(
+    workload: Workload, budget_bytes: int, framework: str = "torch", world_size: int = 1, distributed: str = "ddp"
+) -> Planned:
+    """The one pipeline from a workload and a budget to a checked plan: profile (cached), solve a
+    `safety_margin` below the budget, check the plan's peak with nothing allocated (`fit_checked`)."""
+    frameworks = frameworks_of(framework)
+    measured = [get_profile(fw, workload) for fw in frameworks]
+    # The margin comes from the one-process profile: its runs are what was measured.
+    margin = max(safety_margin(p, workload.spec) for p in measured)
+    profiles = [per_rank(p, world_size, distributed) for p in measured]
+    start = time.perf_counter()
+    sol = solve(profiles, workload.spec, budget_bytes, margin)
+    solve_s = time.perf_counter() - start
+    sol, margin = fit_checked(sol, profiles, workload, budget_bytes, margin, frameworks, world_size)
+    return Planned(sol, profiles, margin, solve_s)
 
 
 def plan_for_budget(
     spec: UNetSpec | str,
     batch_size: int,
-    sample_size: int | None,
     budget_bytes: int,
+    sample_size: int | None = None,
     framework: str = "torch",
     world_size: int = 1,
     distributed: str = "ddp",
     **workload: Any,
 ) -> str:
-    """The policy string of the cheapest plan predicted to fit ``budget_bytes`` (see the module doc),
+    """The policy string of the cheapest plan predicted to fit ``budget_bytes`` (see `plan`),
     planned a `safety_margin` below it so that the measured peak fits too.
 
     ``framework`` is "torch", "jax" or "both" (one plan that fits in each). ``world_size`` ranks
     each train ``batch_size`` samples; under ``distributed="fsdp"`` the parameters and optimizer
-    state are sharded over them (`shared_configs.budget.per_rank`). Further keywords go to
-    `Workload` (``context_length``, ``attention_chunk``, ``shapes``, ``flops_per_s``, ``bytes_per_s``). Raises
-    `shared_configs.solver.Infeasible` (a `SpecError`) naming the smallest feasible budget.
+    state are sharded over them (`shared_configs.planning.budget.per_rank`). Further keywords go to
+    `Workload` (``context_length``, ``attention_chunk``, ``shapes``, ``flops_per_s``, ``bytes_per_s``).
+    Raises `shared_configs.planning.solver.Infeasible` (a `SpecError`) naming the smallest feasible budget.
     """
-    return solve_for_budget(
-        spec, batch_size, sample_size, budget_bytes, framework, world_size, distributed, **workload
-    )[0].policy
-
-
-def solve_for_budget(
-    spec: UNetSpec | str,
-    batch_size: int,
-    sample_size: int | None,
-    budget_bytes: int,
-    framework: str = "torch",
-    world_size: int = 1,
-    distributed: str = "ddp",
-    **workload: Any,
-) -> tuple[Solution, list[Profile]]:
-    """`plan_for_budget`, with the solution (predictions) and the per-rank profiles it came from."""
     work = Workload.of(spec, sample_size, batch_size=batch_size, **workload)
-    profiles = [get_profile(fw, work) for fw in (FRAMEWORKS if framework == "both" else (framework,))]
-    ranked = [per_rank(p, world_size, distributed) for p in profiles]
-    # The margin comes from the one-process profile: its runs are what was measured.
-    margin = max(safety_margin(p, work.spec) for p in profiles)
-    frameworks = tuple(p.framework for p in profiles)
-    return checked_solve(ranked, work, budget_bytes, margin, frameworks, world_size), ranked
+    return plan(work, budget_bytes, framework, world_size, distributed).policy
+
+
+def for_framework(framework: str) -> Callable[..., str]:
+    """`plan_for_budget` with ``framework`` fixed: what ``torch_impl`` and ``jax_impl`` export, so a
+    training loop plans from the framework package it already imports."""
+    bound = functools.partial(plan_for_budget, framework=frameworks_of(framework)[0])
+    return functools.update_wrapper(bound, plan_for_budget)

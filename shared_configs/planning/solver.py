@@ -1,6 +1,6 @@
 """The cheapest plan under a memory budget, exactly: a mixed-integer linear programme (HiGHS).
 
-The peak model (`shared_configs.budget.predict`) walks the units in forward order with one running
+The peak model (`shared_configs.planning.budget.predict`) walks the units in forward order with one running
 quantity per framework, the bytes kept so far K(u). Every term is linear in the choices:
 
 * one binary per (block, recompute choice) and per (layer, choice); a block is recomputed under at
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from shared_configs.budget import (
+from shared_configs.planning.budget import (
     HEAD,
     PLAIN,
     STEM,
@@ -42,8 +42,8 @@ from shared_configs.budget import (
     predict,
 )
 from shared_configs.spec import SpecError, UNetSpec
+from shared_configs.units import MIB
 
-MIB = 2**20
 Expr = dict[int, float]  # column -> coefficient (MiB), with the constant under key -1
 # A potential unit's peak row: (profile, K(u) as an expression, its peak in MiB, the column that
 # makes it a unit (None: always one), the columns any of which unmakes it (a sampler's block's)).
@@ -228,7 +228,7 @@ def _cheapest(profiles: list[Profile], spec: UNetSpec, budget_bytes: int) -> dic
 
 def solve(profiles: Profile | Sequence[Profile], spec: UNetSpec, budget_bytes: int, margin: float = 0.0) -> Solution:
     """The plan of least recompute time whose predicted peak fits ``budget_bytes`` less a fraction
-    ``margin`` (room for the model's error: `shared_configs.budget.safety_margin`), in every profile.
+    ``margin`` (room for the model's error: `shared_configs.planning.budget.safety_margin`), in every profile.
 
     Raises `Infeasible` (naming the smallest feasible budget, margin included) when none fits.
     """

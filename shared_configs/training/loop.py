@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from shared_configs.manifest import Manifest
-from shared_configs.outputs import progress_bar
-from shared_configs.run_folder import check_resume, find_start, owned, read_checkpoint
 from shared_configs.spec import UNetSpec
-from shared_configs.training import TrainConfig, check_finite, run_record
+from shared_configs.training.config import TrainConfig, check_finite, run_record
+from shared_configs.training.manifest import Manifest
+from shared_configs.training.outputs import progress_bar
+from shared_configs.training.run_folder import check_resume, find_start, owned, read_checkpoint
 
 State = TypeVar("State")
 

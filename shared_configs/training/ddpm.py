@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared_configs.data import NUM_CLASSES, Dataset
 from shared_configs.spec import UNetSpec
+from shared_configs.training.data import NUM_CLASSES, Dataset
 
 SCHEDULES = ("linear", "cosine")
 
@@ -93,7 +93,7 @@ def sample(
     """Ancestral DDPM sampling over ``num_steps`` evenly respaced timesteps; NCHW in [-1, 1].
 
     ``eps_fn(x_nchw, t, conditioning)`` returns the model's noise prediction as numpy;
-    ``conditioning`` is every input after (x, t), by name (`shared_configs.data.CONDITIONING`).
+    ``conditioning`` is every input after (x, t), by name (`shared_configs.training.data.CONDITIONING`).
     Sample ``i`` is conditioned on class ``i % 10`` (and, SDXL-style, on an uncropped full-size image).
     """
     rng = np.random.default_rng([seed, 2**31])

@@ -27,7 +27,7 @@ from shared_configs.inputs import INPUT_NAMES, class_label_width, input_specs
 from shared_configs.spec import UNetSpec
 
 if TYPE_CHECKING:
-    from shared_configs.ddpm import Schedule
+    from shared_configs.training.ddpm import Schedule
 
 NUM_CLASSES = 10
 CONTEXT_TABLE_SEED = 1234  # the class-embedding table is the same for every run
@@ -79,7 +79,7 @@ def check_conditioning(spec: UNetSpec, given: Mapping[str, Any]) -> None:
         if wanted[name] is not None and given.get(name) is None:
             raise ValueError(
                 f"batch: spec {spec.name!r} takes {name} but the batch has none; make batches for the spec "
-                "(shared_configs.data.load_dataset(kind, spec), or shared_configs.data.example_batch)"
+                "(shared_configs.training.data.load_dataset(kind, spec), or shared_configs.training.data.example_batch)"
             )
         if wanted[name] is None and given.get(name) is not None:
             raise ValueError(f"batch: spec {spec.name!r} takes no {name} but the batch has one; set it to None")

@@ -39,7 +39,7 @@ class Manifest:
     layout: str  # the on-disk format of the state, e.g. torch.distributed.checkpoint, orbax
     step: int
     losses: list[float]
-    run: dict[str, Any]  # the run's record: its config and spec (see shared_configs.training.run_record)
+    run: dict[str, Any]  # the run's record: its config and spec (see shared_configs.training.config.run_record)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # relative path -> {bytes, sha256}
 
 

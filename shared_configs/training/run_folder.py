@@ -7,7 +7,7 @@ Layout::
     OUT/losses.json  loss.png  samples.png
 
 A checkpoint is written into ``OUT/.checkpoint-00000200.tmp/`` (every rank its own shards), the
-manifest last (`shared_configs.manifest`: sizes and SHA-256 of every file, the run's record), then
+manifest last (`shared_configs.training.manifest`: sizes and SHA-256 of every file, the run's record), then
 renamed into place; only then are older checkpoints removed. A kill at any moment leaves the last
 good checkpoint and, at worst, a ``.tmp`` that the next run on the folder removes when it starts.
 
@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shared_configs.files import TEMP_GLOB, TEMP_SUFFIX
-from shared_configs.manifest import (
+from shared_configs.spec import UNetSpec
+from shared_configs.training.config import TrainConfig, resume_differences
+from shared_configs.training.manifest import (
     MANIFEST,
     CheckpointError,
     Manifest,
@@ -42,8 +44,6 @@ from shared_configs.manifest import (
     read_manifest,
     write_manifest,
 )
-from shared_configs.spec import UNetSpec
-from shared_configs.training import TrainConfig, resume_differences
 
 LOCK = ".lock"
 PREFIX = "checkpoint-"

@@ -1,0 +1,4 @@
+"""What both training loops share, framework-free: the run's configuration and CLI (`config`), the
+data sets and batches (`data`), the DDPM schedule and objectives (`ddpm`), the loop itself (`loop`),
+run folders with locks and checkpoint records (`run_folder`, `manifest`) and the run's outputs
+(`outputs`). `torch_impl.train` and `jax_impl.train` supply only the framework's step."""
