@@ -42,12 +42,11 @@ from benchmarks.common import (
 from benchmarks.runner import Event, run_job
 from shared_configs import NAMED_POLICIES, SpecError, UNetSpec, resolve_plan, to_diffusers_config
 from shared_configs.cli import OneLineParser, cache_dir, check_out_dir, cli_errors, positive_int
+from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults
 
 DEFAULT_CONFIG = "sd_narrow"  # activation-dominated, as diffusion training is (docs/benchmark.md)
 DEFAULT_POLICIES = "none,full,layers"
 DEFAULT_BATCH_SIZES = (8,)
-DEFAULT_STEPS = 3
-DEFAULT_JAX_CACHE = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "unet-remat" / "jax"
 
 
 def _frameworks(text: str) -> tuple[str, ...]:
@@ -64,20 +63,7 @@ def _frameworks(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _chunk(text: str) -> int | str | None:
-    """'auto', or queries per attention chunk (0: unchunked)."""
-    if text == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected auto, 0 (unchunked) or a number of queries, got {text!r}")
-    return value or None
-
-
-EPILOG = f"""\
+EPILOG = """\
 one training step = each loop's own step: torch_impl.train.train_step (zero_grad(), forward, MSE,
   backward, AdamW) and the jitted jax_impl.train.train_step (TrainState donated, optax.adamw), the
   same optimizer hyperparameters, the same inputs.
@@ -94,13 +80,16 @@ time: median [min-max] of --steps steps after a warm-up step; compile time apart
   reductions against policy none, same framework and run. Each framework in its own process.
 timeline: <run>-timeline.png, memory over the step for none and --timeline's plan, per framework,
   block starts marked (torch: the tracker's allocations and frees, by module; jax: XLA's schedule).
-jax compilation cache: {DEFAULT_JAX_CACHE} (--jax-cache): a repeated run loads its compiled steps.
+jax compilation cache (--jax-cache): a repeated run loads its compiled steps.
+defaults: attention, dtype, context length, steps and the cache are shared_configs.defaults' (those of
+  benchmarks.plan and the training CLIs too); the line under the table says what this run used.
 diffusers: diffusers' own UNet2D(Condition)Model (the spec's diffusers config, or the --diffusers
   folder's), same weights, measured like torch; its rows are none and enable_gradient_checkpointing.
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
+    d = defaults("cpu")  # the device-independent fields; the attention chunk is resolved per device
     p = OneLineParser(
         prog="python -m benchmarks.compare",
         description=__doc__.split("\n\n")[0],
@@ -157,13 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         "its own activations while its static memory (params, grads, optimizer state) shrinks by N. Reports "
         "rank 0's peak and parts, and the largest peak over the ranks (default: 1, no sharding)",
     )
-    p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help="timed steps after warm-up (%(default)s)")
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="timed steps after warm-up (%(default)s)")
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
-        default="float32",
+        default=d.dtype,
         help="the forward's compute dtype, as the training loops' --dtype: bfloat16 is mixed precision "
-        "(float32 parameters, gradients and optimizer state) (default: float32)",
+        "(float32 parameters, gradients and optimizer state) (default: %(default)s)",
     )
     p.add_argument(
         "--device",
@@ -171,20 +160,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto (default): each framework's GPU if it has one, else CPU",
     )
-    p.add_argument("--context-length", type=positive_int, default=77, help="cross-attention tokens (%(default)s)")
+    p.add_argument("--context-length", type=positive_int, default=d.context_length,
+                   help="cross-attention tokens (%(default)s)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("results"), help="folder for JSON/CSV/PNG (%(default)s)")
     p.add_argument(
         "--jax-attention-chunk",
-        type=_chunk,
-        default="auto",
+        type=chunk_arg,
+        default=AUTO,
         metavar="N",
-        help="jax: compute attention N queries at a time, each chunk rematerialised (UNet(attention_chunk=N)); "
-        "auto (default): 64 on CPU, where XLA's attention is unfused, off on GPU; 0: unchunked",
+        help=CHUNK_HELP,
     )
     p.add_argument(
         "--jax-cache",
         type=cache_dir,
-        default=str(DEFAULT_JAX_CACHE),
+        default=d.jax_cache or "none",
         metavar="DIR",
         help="jax: JAX's persistent compilation cache folder, so a repeated run loads its compiled steps "
         "(default: %(default)s; 'none' to compile afresh)",
@@ -317,6 +306,7 @@ def build_document(
         | {
             "policies": {job.framework: list(job.policies) for job in jobs},
             "attention_chunk": args.jax_attention_chunk,
+            "jax_cache": args.jax_cache,
         },
         "xla_flags": envs["jax"]["xla_flags"] if "jax" in envs else None,
         "methods": report.methods(rows),

@@ -37,6 +37,7 @@ from benchmarks.jax_memory import compile_with_plan
 from jax_impl import UNet
 from jax_impl import train as jt
 from jax_impl.parallel import make_mesh, shard, state_shardings
+from shared_configs.defaults import device_of, resolve_chunk
 from shared_configs.training.data import example_batch
 
 SEED = 0
@@ -45,16 +46,9 @@ SEED = 0
 # than the run (half of XLA:CPU's compile time), so they are off for it: the same draws (equal up to
 # float32 rounding of the last bit), sooner.
 FAST_INIT = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-# Queries per attention chunk where XLA's attention is unfused (XLA:CPU): the default's 16x16 attention
-# (256 tokens) in 4 chunks, each recomputed in the backward instead of keeping its scores.
-CPU_ATTENTION_CHUNK = 64
-
-
 def attention_chunk(job: Job, device: jax.Device) -> int | None:
-    """The job's chunk size; ``auto``: chunked on CPU, XLA's own attention on GPU."""
-    if job.attention_chunk == "auto":
-        return None if _on_gpu(device) else CPU_ATTENTION_CHUNK
-    return job.attention_chunk  # type: ignore[return-value]
+    """The job's chunk size; ``auto``: the device's default (`shared_configs.defaults`)."""
+    return resolve_chunk(job.attention_chunk, device_of(device.platform))
 
 
 def resolve_device(requested: str) -> jax.Device:

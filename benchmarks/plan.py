@@ -23,10 +23,12 @@ from benchmarks.report import write_json
 from benchmarks.stepclock import paired, paired_text
 from shared_configs import SpecError
 from shared_configs.cli import OneLineParser, cli_errors, positive_float, positive_int, positive_mib
+from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, resolve_chunk
 from shared_configs.planning.budget import DISTRIBUTED
 from shared_configs.planning.planner import (
     DEFAULT_BYTES_PER_S,
     DEFAULT_FLOPS_PER_S,
+    DEVICE,
     Workload,
     frameworks_of,
     get_profile,
@@ -75,9 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_BYTES_PER_S,
         help="--shapes: memory bandwidth for elementwise recompute (default %(default).0e B/s)",
     )
-    p.add_argument("--attention-chunk", type=positive_int, help="JAX: query-chunked attention (UNet(attention_chunk))")
-    p.add_argument("--context-length", type=positive_int, default=77, help="cross-attention tokens (77)")
-    p.add_argument("--steps", type=positive_int, default=3, help="--verify: timed steps per policy (3)")
+    d = defaults(DEVICE)
+    p.add_argument("--attention-chunk", type=chunk_arg, default=AUTO, metavar="N", help=CHUNK_HELP)
+    p.add_argument("--context-length", type=positive_int, default=d.context_length,
+                   help="cross-attention tokens (%(default)s)")  # fmt: skip
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="--verify: timed steps per policy (%(default)s)")
     p.add_argument(
         "--torch-compile",
         type=_ratios,
@@ -133,7 +137,7 @@ def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any
             per_fw[fw]["measured_overhead"] = rows[sol.policy]["step_time_s"] / rows["none"]["step_time_s"] - 1
             # round by round against none: the overhead's spread on this machine (--steps 5 and up bound it)
             per_fw[fw]["measured_overhead_paired"] = paired(rows[sol.policy]["rounds_s"], rows["none"]["rounds_s"])
-    doc = {"plan": sol.policy, "budget_bytes": budget, "frameworks": per_fw}
+    doc = {"plan": sol.policy, "budget_bytes": budget, "frameworks": per_fw, "settings": workload.used(frameworks)}
     ranks = {"world_size": args.world_size, "distributed": args.distributed}
     return doc | {"margin": found.margin, "solve_seconds": found.solve_seconds} | ranks
 
@@ -150,6 +154,7 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
         f"budget {doc['budget_bytes'] / MIB:.1f} MiB, planned {100 * doc['margin']:.1f}% below it "
         f"(the model's error on its profile steps and 0.5%, more where its checked peak was over it; solved in "
         f"{doc['solve_seconds']:.2f} s):",
+        f"  settings: {doc['settings']}",
         f"  policy: {doc['plan']}",
         f"  yaml:   checkpoint: {json.dumps(doc['plan'])}",
     ]
@@ -166,20 +171,27 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
     return "\n".join(lines)
 
 
+def workload_of(args: argparse.Namespace) -> Workload:
+    """The workload the flags describe (the attention chunk resolved on the workers' device)."""
+    return Workload.of(
+        args.config,
+        args.sample_size,
+        batch_size=args.batch_size,
+        context_length=args.context_length,
+        attention_chunk=resolve_chunk(args.attention_chunk, DEVICE),
+        shapes=args.shapes,
+        flops_per_s=args.flops_per_s,
+        bytes_per_s=args.bytes_per_s,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with cli_errors("benchmarks.plan"):
         _check(args)
-        workload = Workload.of(
-            args.config,
-            args.sample_size,
-            batch_size=args.batch_size,
-            context_length=args.context_length,
-            attention_chunk=args.attention_chunk,
-            shapes=args.shapes,
-            flops_per_s=args.flops_per_s,
-            bytes_per_s=args.bytes_per_s,
-        )
+        workload = workload_of(args)
+        if args.sweep is not None or args.solve_times:  # (a plan's header says it)
+            print(f"settings {workload.used(frameworks_of(args.framework))}")
         if args.sweep is not None:
             frameworks = frameworks_of(args.framework)
             doc = plan_sweep.sweep(

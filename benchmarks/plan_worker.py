@@ -15,6 +15,7 @@ from typing import Any
 
 from benchmarks.report import write_json
 from shared_configs import spec_from_dict
+from shared_configs.defaults import jax_cache_dir
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
@@ -22,6 +23,11 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     backend = importlib.import_module(f"benchmarks.profile_{framework}")
     if framework == "torch":
         backend.single_threaded()  # JAX: by XLA_FLAGS, set before the import (shared_configs.planning.planner)
+    if framework == "jax" and request["kind"] != "profile" and jax_cache_dir() is not None:
+        # measured and checked steps persist (a profile reads XLA's dumps: a cache hit would dump nothing)
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", jax_cache_dir())
     spec = spec_from_dict(request["spec"])
     extra = {"attention_chunk": request["attention_chunk"]} if framework == "jax" else {}
     if request["kind"] == "profile":

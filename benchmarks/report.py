@@ -12,6 +12,7 @@ from typing import Any
 from rich.table import Table
 
 from benchmarks.common import CATEGORIES
+from shared_configs.defaults import Defaults, resolve_chunk
 from shared_configs.files import atomic_write
 from shared_configs.units import MIB
 
@@ -226,12 +227,21 @@ def title(document: dict[str, Any]) -> str:
     )
 
 
+def used(document: dict[str, Any]) -> str:
+    """The settings this run used, as `shared_configs.defaults.Defaults.describe` writes them (on the
+    JAX device when JAX ran: the attention chunk is resolved there)."""
+    s, devices = document["settings"], document["device"]
+    kind = devices.get("jax", next((d for fw, d in devices.items() if fw != "requested"), {"kind": "cpu"}))["kind"]
+    fields = {k: s[k] for k in ("dtype", "context_length", "steps", "jax_cache") if k in s}
+    return "settings " + Defaults(kind, resolve_chunk(s["attention_chunk"], kind), **fields).describe()
+
+
 def notes(document: dict[str, Any]) -> list[str]:
     """Lines under the table: devices, versions, and which method produced each figure."""
     devices = ", ".join(f"{fw}: {d['kind']} ({d['name']})" for fw, d in document["device"].items() if fw != "requested")
     versions = ", ".join(f"{k} {v}" for k, v in document["versions"].items())
     wall = ", ".join(f"{k} {v:.0f} s" for k, v in document["wall_s"].items())
-    lines = [f"devices: {devices}", f"versions: {versions}", f"wall time: {wall}"]
+    lines = [f"devices: {devices}", f"versions: {versions}", f"wall time: {wall}", used(document)]
     share = document.get("other_cpu_share")
     if share is not None and share > 0.1:  # noise: times and ratios are not trustworthy
         lines.append(f"[bold red]warning: other processes used {share:.0%} of the cores during the run: "

@@ -18,12 +18,15 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from benchmarks.common import OUTSIDE, block_of
 from shared_configs import SpecError, block_names, load_spec, resolve_plan
 from shared_configs.cli import OneLineParser, positive_int
+from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, device_of, resolve_chunk
+
+DEFAULTS = defaults("cpu")  # the device-independent fields; the attention chunk is resolved on JAX's device
 
 
 @dataclass(frozen=True)
@@ -56,22 +59,24 @@ def summarize(rows: list[Saved], blocks: list[str]) -> dict[str, Any]:
 # --- torch ---------------------------------------------------------------------------------
 
 
-def torch_saved(config: str, policy: str, batch_size: int) -> list[Saved]:
-    """Run one forward + backward of the torch U-Net under ``policy``; what was kept for backward."""
+def torch_saved(config: str, policy: str, batch_size: int, context_length: int, chunk: int | None) -> list[Saved]:
+    """Run one forward + backward of the torch U-Net under ``policy``; what was kept for backward
+    (``chunk`` is JAX's: torch's SDPA attention has none)."""
     import torch
 
     from benchmarks.saved_torch import collect
 
     spec = load_spec(config)
     torch.manual_seed(0)
-    return [Saved(*row) for row in collect(spec, policy, batch_size)]
+    return [Saved(*row) for row in collect(spec, policy, batch_size, context_length)]
 
 
 # --- jax -----------------------------------------------------------------------------------
 
 
-def jax_saved(config: str, policy: str, batch_size: int) -> list[Saved]:
-    """The residuals of the Flax U-Net's loss under ``policy`` (arguments left out)."""
+def jax_saved(config: str, policy: str, batch_size: int, context_length: int, chunk: int | None) -> list[Saved]:
+    """The residuals of the Flax U-Net's loss under ``policy`` (arguments left out), its attention
+    ``chunk`` queries at a time (None: unchunked)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -81,9 +86,9 @@ def jax_saved(config: str, policy: str, batch_size: int) -> list[Saved]:
     from jax_impl import UNet
 
     spec = load_spec(config)
-    model = UNet(spec=spec, policy=policy)
+    model = UNet(spec=spec, policy=policy, attention_chunk=chunk)
     recomputed = {name if name == "mid" else ".".join(name.split(".")[:2]) for name in model.plan.recompute}
-    x, t, ctx = _jax_inputs(spec, batch_size)
+    x, t, ctx = _jax_inputs(spec, batch_size, context_length)
     params = jax.eval_shape(model.init, jax.random.key(0), x, t, ctx)
 
     def loss(p: Any, x: Any, t: Any, ctx: Any) -> Any:
@@ -116,7 +121,7 @@ def jax_saved(config: str, policy: str, batch_size: int) -> list[Saved]:
     return rows
 
 
-def _jax_inputs(spec: Any, batch_size: int) -> tuple[Any, Any, Any]:
+def _jax_inputs(spec: Any, batch_size: int, context_length: int) -> tuple[Any, Any, Any]:
     import jax
     import jax.numpy as jnp
 
@@ -125,28 +130,47 @@ def _jax_inputs(spec: Any, batch_size: int) -> tuple[Any, Any, Any]:
     t = jax.ShapeDtypeStruct((batch_size,), f32)
     ctx = None
     if spec.cross_attention_dim:
-        ctx = jax.ShapeDtypeStruct((batch_size, 5, spec.cross_attention_dim), f32)
+        ctx = jax.ShapeDtypeStruct((batch_size, context_length, spec.cross_attention_dim), f32)
     return x, t, ctx
 
 
 # --- report --------------------------------------------------------------------------------
 
-COLLECTORS: dict[str, Callable[[str, str, int], list[Saved]]] = {"torch": torch_saved, "jax": jax_saved}
+COLLECTORS: dict[str, Callable[..., list[Saved]]] = {"torch": torch_saved, "jax": jax_saved}
 
 
-def inspect_policy(config: str, policy: str, frameworks: list[str], batch_size: int, block: str | None) -> dict:
-    """The JSON document: per framework the rows, per-block summary and totals; blocks that differ."""
+def inspect_policy(
+    config: str,
+    policy: str,
+    frameworks: list[str],
+    batch_size: int,
+    block: str | None,
+    context_length: int = DEFAULTS.context_length,
+    chunk: int | str | None = AUTO,
+) -> dict:
+    """The JSON document: per framework the rows, per-block summary and totals; blocks that differ.
+    ``context_length`` tokens of context; JAX's attention ``chunk`` ("auto": the device's default)."""
     spec = load_spec(config)
     plan = resolve_plan(spec, policy)
     blocks = block_names(spec)
     if block is not None and block not in [*blocks, OUTSIDE]:
         raise SpecError(f"block: unknown block {block!r} (valid: {', '.join([*blocks, OUTSIDE])})")
-    doc: dict[str, Any] = {"config": spec.name, "policy": plan.policy, "batch_size": batch_size, "frameworks": {}}
+    device = _jax_device() if "jax" in frameworks else "cpu"
+    used = replace(defaults(device), context_length=context_length, attention_chunk=resolve_chunk(chunk, device))
+    fields = ("attention_chunk", "context_length") if "jax" in frameworks else ("context_length",)
+    doc: dict[str, Any] = {"config": spec.name, "policy": plan.policy, "batch_size": batch_size,
+                           "settings": used.describe(fields), "frameworks": {}}  # fmt: skip
     for fw in frameworks:
-        rows = COLLECTORS[fw](config, policy, batch_size)
+        rows = COLLECTORS[fw](config, policy, batch_size, context_length, used.attention_chunk)
         doc["frameworks"][fw] = summarize([r for r in rows if block is None or r.block == block], blocks)
     doc["differ"] = _differ(doc["frameworks"])
     return doc
+
+
+def _jax_device() -> str:
+    import jax
+
+    return device_of(jax.devices()[0].platform)
 
 
 def _differ(per_fw: dict[str, Any]) -> list[str]:
@@ -163,7 +187,8 @@ def _kib(n: int) -> str:
 def render(doc: dict) -> str:
     """Plain-text report: per block, each framework's tensors; a '!' where counts/bytes differ."""
     fws = list(doc["frameworks"])
-    lines = [f"{doc['config']} policy={doc['policy']} batch={doc['batch_size']} (params and inputs excluded)"]
+    lines = [f"{doc['config']} policy={doc['policy']} batch={doc['batch_size']} (params and inputs excluded); "
+             f"{doc['settings']}"]  # fmt: skip
     first = doc["frameworks"][fws[0]]["blocks"]
     for blk in first:
         stats = [doc["frameworks"][fw]["blocks"][blk] for fw in fws]
@@ -197,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--framework", choices=["both", "torch", "jax"], default="both", help="(%(default)s)")
     p.add_argument("--block", default=None, help="only this block (down.0, mid, ...)")
     p.add_argument("--batch-size", type=positive_int, default=2, help="(%(default)s)")
+    p.add_argument("--context-length", type=positive_int, default=DEFAULTS.context_length,
+                   help="cross-attention tokens (%(default)s)")  # fmt: skip
+    p.add_argument("--attention-chunk", type=chunk_arg, default=AUTO, metavar="N", help=CHUNK_HELP)
     p.add_argument("--json", action="store_true", help="print the JSON document instead of text")
     return p
 
@@ -205,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     frameworks = ["torch", "jax"] if args.framework == "both" else [args.framework]
     try:
-        doc = inspect_policy(args.config, args.policy, frameworks, args.batch_size, args.block)
+        doc = inspect_policy(args.config, args.policy, frameworks, args.batch_size, args.block, args.context_length,
+                             args.attention_chunk)  # fmt: skip
     except (SpecError, FileNotFoundError, ValueError) as err:
         print(f"{PROG}: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 2

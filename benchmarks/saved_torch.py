@@ -48,14 +48,16 @@ def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _inputs(spec: UNetSpec, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _inputs(
+    spec: UNetSpec, batch_size: int, context_length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     gen = torch.Generator().manual_seed(0)
     s = spec.sample_size
     x = torch.randn(batch_size, spec.in_channels, s, s, generator=gen)
     t = torch.linspace(1.0, 900.0, batch_size)
     ctx = None
     if spec.cross_attention_dim:
-        ctx = torch.randn(batch_size, 5, spec.cross_attention_dim, generator=gen)
+        ctx = torch.randn(batch_size, context_length, spec.cross_attention_dim, generator=gen)
     return x, t, ctx
 
 
@@ -94,12 +96,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
-def collect(spec: UNetSpec, policy: str, batch_size: int) -> list[Row]:
+def collect(spec: UNetSpec, policy: str, batch_size: int, context_length: int) -> list[Row]:
     """One forward and backward (dropout off, as the JAX side); every tensor kept for backward."""
     model = UNet(spec)
     model.eval()
     model.enable_gradient_checkpointing(policy)
-    x, t, ctx = _inputs(spec, batch_size)
+    x, t, ctx = _inputs(spec, batch_size, context_length)
     skip = {_ptr(p) for p in model.parameters()} | {_ptr(v) for v in (x, t, ctx) if v is not None}
     prod = _Producers()
     saved: dict[int, Row] = {}

@@ -40,8 +40,9 @@ from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, abstract_target, load_chec
 from jax_impl.parallel import make_mesh, shard, state_shardings
 from jax_impl.unet import UNet
 from shared_configs import load_spec, resolve_plan
+from shared_configs.defaults import device_of, resolve_chunk
 from shared_configs.inputs import input_specs
-from shared_configs.training.config import TrainConfig, cli_main
+from shared_configs.training.config import TrainConfig, cli_main, used
 from shared_configs.training.data import CONDITIONING, Batch, Dataset, check_conditioning, load_dataset, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
@@ -255,7 +256,11 @@ def train(cfg: TrainConfig) -> list[float]:
     spec = load_spec(cfg.config)
     check_objective(spec)
     plan = resolve_plan(spec, cfg.policy)  # once: a bad policy is refused here; None: the spec's own
-    model, policy = UNet(spec=spec, policy=plan, attention_chunk=cfg.attention_chunk), plan.policy
+    device = device_of(jax.devices()[0].platform)
+    chunk = resolve_chunk(cfg.attention_chunk, device)
+    model, policy = UNet(spec=spec, policy=plan, attention_chunk=chunk), plan.policy
+    if cfg.jax_cache is not None:  # a repeated run loads its compiled steps
+        jax.config.update("jax_compilation_cache_dir", cfg.jax_cache)
     mesh = make_mesh(cfg.batch_size) if cfg.distributed else None
     with open_run(cfg, spec, FRAMEWORK, LAYOUT) as run:
         tx = make_optimizer(cfg.lr, cfg.weight_decay)
@@ -267,7 +272,7 @@ def train(cfg: TrainConfig) -> list[float]:
 
         losses = run.losses
         step = make_step(cfg, model, tx, dataset, schedule, mesh)
-        state = run_loop(cfg, state, losses, step, save_fn, f"jax {spec.name} {policy}")
+        state = run_loop(cfg, state, losses, step, save_fn, f"jax {spec.name} {policy}", used(cfg, "jax_impl", device))
         samples = generate(model, state, schedule, dataset, cfg) if cfg.sample_steps > 0 else None
         write_outputs(cfg.out, losses, samples, f"jax_impl {spec.name}, policy {policy}")
     return losses

@@ -28,6 +28,10 @@ def _fast_xla_environment() -> None:
 
 
 _fast_xla_environment()
+# No persistent compilation cache (the training CLI's and the planner's measuring worker's default,
+# shared_configs.defaults): a cache hit compiles nothing, so an XLA dump a later test reads would be
+# missing, and the tests would write to the user's cache.
+os.environ.setdefault("UNET_REMAT_JAX_CACHE", "none")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shared_configs import CheckpointPlan, UNetSpec, load_spec, resolve_plan
-from shared_configs.training.config import TrainConfig, cli_main
+from shared_configs.training.config import TrainConfig, cli_main, used
 from shared_configs.training.data import Batch, Dataset, check_conditioning, load_dataset, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
@@ -174,9 +174,10 @@ def _train(
         save_checkpoint(run.out, model, optimizer, manifest_for(cfg, model.spec, FRAMEWORK, LAYOUT, losses))
 
     losses = run.losses
-    run_loop(cfg, None, losses, step_fn, save_fn, f"torch {model.spec.name} {model.plan.policy}")
-    # Under FSDP2 each forward all-gathers from every rank: all sample while the group lives.
     rank = dist.get_rank() if cfg.distributed else 0
+    settings = "" if rank else used(cfg, "torch_impl", "cpu")
+    run_loop(cfg, None, losses, step_fn, save_fn, f"torch {model.spec.name} {model.plan.policy}", settings)
+    # Under FSDP2 each forward all-gathers from every rank: all sample while the group lives.
     sampling = cfg.sample_steps > 0 and (rank == 0 or cfg.distributed == "fsdp")
     samples = generate(model, schedule, dataset, cfg) if sampling else None
     if cfg.distributed:

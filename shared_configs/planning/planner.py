@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from shared_configs.cli import BenchmarkError
+from shared_configs.defaults import defaults
 from shared_configs.loader import load_spec, spec_from_dict
 from shared_configs.planning.budget import SAFETY, SCHEMA, Profile, leaf_units, per_rank, safety_margin
 from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops
@@ -50,14 +51,20 @@ DEFAULT_FLOPS_PER_S = 100e12
 DEFAULT_BYTES_PER_S = 2e12
 
 
+# The workers run on the CPU (torch's tracker; JAX_PLATFORMS=cpu in `worker_env`): its defaults.
+DEVICE = "cpu"
+_DEFAULTS = defaults(DEVICE)
+
+
 @dataclass(frozen=True)
 class Workload:
-    """What is profiled: the spec at a sample size, the batch, the inputs, the JAX attention chunking."""
+    """What is profiled: the spec at a sample size, the batch, the inputs, the JAX attention chunking
+    (by default those of every tool on the device, `shared_configs.defaults`)."""
 
     spec: UNetSpec
     batch_size: int
-    context_length: int = 77
-    attention_chunk: int | None = None  # JAX only: queries per attention chunk
+    context_length: int = _DEFAULTS.context_length
+    attention_chunk: int | None = _DEFAULTS.attention_chunk  # JAX only: queries per attention chunk; None: unchunked
     shapes: bool = False  # profile from shapes only (nothing allocated, nothing run)
     flops_per_s: float = DEFAULT_FLOPS_PER_S  # shapes only: the throughput conv/matmul/attention run at
     bytes_per_s: float = DEFAULT_BYTES_PER_S  # shapes only: the memory bandwidth elementwise recompute runs at
@@ -68,6 +75,12 @@ class Workload:
         if sample_size is not None and sample_size != spec.sample_size:
             spec = spec_from_dict({**spec.model_dump(), "sample_size": sample_size})
         return cls(spec=spec, **kwargs)
+
+    def used(self, frameworks: tuple[str, ...]) -> str:
+        """What the workers use, as every tool says it (`shared_configs.defaults.Defaults.describe`)."""
+        jax = ("attention_chunk", "jax_cache") if "jax" in frameworks else ()
+        used = replace(defaults(DEVICE), attention_chunk=self.attention_chunk, context_length=self.context_length)
+        return used.describe(("dtype", "context_length", *jax))
 
     def request(self, framework: str, kind: str, **extra: Any) -> dict[str, Any]:
         """The worker's instructions (JSON)."""
@@ -156,7 +169,8 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
     spec = workload.spec
     how = "from shapes" if workload.shapes else f"{repeats} timed steps each"
     progress(f"profiling {spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size} in "
-             f"{framework} (5 compiled steps, {how}; cached in {path.parent}) ...")  # fmt: skip
+             f"{framework} ({workload.used((framework,))}; 5 compiled steps, {how}; "
+             f"cached in {path.parent}) ...")  # fmt: skip
     fields = run_worker(workload.request(framework, "profile", repeats=repeats))
     seconds = time.perf_counter() - start
     progress(f"{framework} profile done in {seconds:.0f} s")

@@ -16,13 +16,16 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from shared_configs.cli import OneLineParser, nonnegative, positive
+from shared_configs.cli import OneLineParser, cache_dir, nonnegative, positive
+from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, jax_cache_dir, resolve_chunk
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.data import DATASETS
 from shared_configs.training.ddpm import SCHEDULES, make_schedule
+
+_DEFAULTS = defaults("cpu")  # the device-independent fields; the attention chunk is resolved on the device
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     seed: int = 0
-    dtype: str = "float32"
+    dtype: str = _DEFAULTS.dtype
     out: str = "runs/train"
     resume: bool = False
     overwrite: bool = False
@@ -47,7 +50,9 @@ class TrainConfig:
     num_samples: int = 20
     checkpoint_every: int = 100
     distributed: str | None = None  # None: one process; else a key of DISTRIBUTED[framework]
-    attention_chunk: int | None = None  # jax_impl only: UNet(attention_chunk=...)
+    # jax_impl only: UNet(attention_chunk=...); "auto": the device's (`shared_configs.defaults`)
+    attention_chunk: int | str | None = AUTO
+    jax_cache: str | None = field(default_factory=jax_cache_dir)  # jax_impl only: persistent compilation cache
 
 
 # --distributed modes per framework. ddp: the batch split over processes (torch DDP) or devices
@@ -104,8 +109,9 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
         "--distributed", nargs="?", const="ddp", default=d.distributed, choices=modes, help=DISTRIBUTED_HELP[framework]
     )
     if framework == "jax_impl":  # torch's CPU attention kernel is fused already: no twin
-        chunk = "attention this many queries at a time, each chunk rematerialised (default: off)"
-        p.add_argument("--attention-chunk", type=positive(int), default=d.attention_chunk, help=chunk)
+        p.add_argument("--attention-chunk", type=chunk_arg, default=d.attention_chunk, metavar="N", help=CHUNK_HELP)
+        p.add_argument("--jax-cache", type=cache_dir, default=d.jax_cache or "none", metavar="DIR",
+                       help="JAX's persistent compilation cache folder (%(default)s; 'none': off)")  # fmt: skip
     args = p.parse_args(argv)
     try:
         make_schedule(args.schedule, args.timesteps)
@@ -120,6 +126,15 @@ DISTRIBUTED_HELP = {
     "jax_impl": "ddp (what --distributed alone means): the batch split over all devices, state replicated; fsdp: "
     "parameters, gradients and optimizer state sharded over the same devices (jax.sharding)",
 }
+
+
+def used(cfg: TrainConfig, framework: str, device: str) -> str:
+    """What the run uses on ``device``, as every tool says it (`shared_configs.defaults.Defaults.describe`)."""
+    if framework == "torch_impl":  # torch's SDPA attention: nothing to choose
+        return replace(defaults(device), dtype=cfg.dtype).describe(("dtype",)) + ", torch attention SDPA"
+    chunk = resolve_chunk(cfg.attention_chunk, device)
+    run = replace(defaults(device), dtype=cfg.dtype, attention_chunk=chunk, jax_cache=cfg.jax_cache)
+    return run.describe(("attention_chunk", "dtype", "jax_cache"))
 
 
 def run_record(cfg: TrainConfig, spec: UNetSpec) -> dict[str, Any]:

@@ -66,14 +66,16 @@ def run_loop(
     step_fn: Callable[[State, int], tuple[State, float]],
     save_fn: Callable[[State, list[float]], Any],
     title: str,
+    settings: str = "",
 ) -> State:
     """Steps ``len(losses) .. cfg.steps - 1``: ``step_fn(state, step) -> (state, loss)``, each loss
     appended to ``losses``; ``save_fn(state, losses)`` at every checkpoint boundary. Returns the state.
+    ``settings`` (what the run uses) is printed first, on stderr.
 
     A NaN or infinite loss raises `NonFiniteLoss` naming the step; the checkpoint on disk stays.
     """
     saved = len(losses)
-    with progress_bar(cfg.steps, len(losses), title) as update:
+    with progress_bar(cfg.steps, len(losses), title, settings) as update:
         for step in range(len(losses), cfg.steps):
             state, loss = step_fn(state, step)
             kept = f"The checkpoint of step {saved} in {cfg.out} is the last good one." if saved else "No checkpoint."

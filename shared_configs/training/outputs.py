@@ -19,11 +19,14 @@ from shared_configs.files import atomic_write
 
 
 @contextmanager
-def progress_bar(total: int, start: int, title: str) -> Iterator[Callable[[float], None]]:
+def progress_bar(total: int, start: int, title: str, settings: str = "") -> Iterator[Callable[[float], None]]:
     """A rich progress bar; the yielded ``update(loss)`` advances it and shows the running loss.
 
-    On exit it prints the training speed (`speed_line`) to stderr.
+    First it prints ``settings`` (what the run uses: `shared_configs.training.config.used`), on exit
+    the training speed (`speed_line`), each one line on stderr.
     """
+    if settings:
+        print(f"{title}: {settings}", file=sys.stderr)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),

@@ -1,0 +1,99 @@
+"""One set of defaults (`shared_configs.defaults`): every CLI and library call, given no flags,
+resolves to the same attention, dtype, context length, timed steps and JAX compilation cache on a
+device. Parsers only: nothing is measured."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from benchmarks import compare, max_batch, report, saved
+from benchmarks import plan as plan_cli
+from shared_configs.defaults import (
+    AUTO,
+    CPU_ATTENTION_CHUNK,
+    JAX_CACHE_ENV,
+    Defaults,
+    chunk_arg,
+    defaults,
+    resolve_chunk,
+)
+from shared_configs.planning.planner import DEVICE, Workload
+from shared_configs.training.config import TrainConfig, parse_args, used
+
+
+@pytest.fixture(params=["folder", "off"])
+def cache_env(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str | None:
+    """The compilation cache as a user has it (XDG's folder) or turned off ($UNET_REMAT_JAX_CACHE=none)."""
+    if request.param == "off":
+        monkeypatch.setenv(JAX_CACHE_ENV, "none")
+        return None
+    monkeypatch.delenv(JAX_CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return str(tmp_path / "unet-remat" / "jax")
+
+
+def _benchmark(args: argparse.Namespace, device: str) -> Defaults:
+    """What `benchmarks.compare` / `max_batch` run with (the JAX worker resolves the chunk on its device)."""
+    return Defaults(device, resolve_chunk(args.jax_attention_chunk, device), args.dtype, args.context_length,
+                    args.steps, args.jax_cache)  # fmt: skip
+
+
+def test_every_tool_resolves_to_the_same_defaults(cache_env: str | None) -> None:
+    cpu = defaults("cpu")
+    assert (cpu.attention_chunk, cpu.dtype, cpu.context_length, cpu.steps, cpu.jax_cache) == (
+        CPU_ATTENTION_CHUNK, "float32", 77, 3, cache_env
+    )  # fmt: skip
+    assert _benchmark(compare.build_parser().parse_args([]), "cpu") == cpu
+    assert _benchmark(max_batch.parser().parse_args(["--budget-mib", "100"]), "cpu") == cpu
+    # the planner: its CLI's workload is the library's (`plan_for_budget` builds Workload.of likewise)
+    args = plan_cli.build_parser().parse_args(["--config", "tiny", "--batch-size", "2", "--budget-mib", "100"])
+    work = plan_cli.workload_of(args)
+    assert DEVICE == "cpu" and work == Workload.of("tiny", batch_size=2)
+    assert (work.attention_chunk, work.context_length, args.steps) == (cpu.attention_chunk, cpu.context_length,
+                                                                       cpu.steps)  # fmt: skip
+    s = saved.build_parser().parse_args([])
+    assert (resolve_chunk(s.attention_chunk, "cpu"), s.context_length) == (cpu.attention_chunk, cpu.context_length)
+    for cfg in (parse_args([], "jax_impl"), TrainConfig()):
+        assert (resolve_chunk(cfg.attention_chunk, "cpu"), cfg.dtype, cfg.jax_cache) == (
+            cpu.attention_chunk, cpu.dtype, cpu.jax_cache
+        )  # fmt: skip
+    assert parse_args([], "torch_impl").dtype == cpu.dtype
+
+
+def test_on_gpu_jax_attention_is_xlas_own() -> None:
+    gpu = defaults("gpu")
+    assert gpu.attention_chunk is None and resolve_chunk(AUTO, "gpu") is None
+    assert [f.name for f in fields(gpu) if getattr(gpu, f.name) != getattr(defaults("cpu"), f.name)] == [
+        "device", "attention_chunk"
+    ]  # fmt: skip
+    assert _benchmark(compare.build_parser().parse_args([]), "gpu") == gpu
+    assert resolve_chunk(7, "gpu") == 7 and resolve_chunk(None, "cpu") is None
+
+
+def test_each_tool_says_what_it_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(JAX_CACHE_ENV, "/somewhere")
+    line = "cpu: jax attention query-chunked, 64 queries per chunk, float32, context 77 tokens, 3 timed steps, "
+    assert defaults("cpu").describe() == line + "jax compilation cache /somewhere"
+    settings = vars(compare.build_parser().parse_args(["--jax-attention-chunk", "0"]))
+    document = {"settings": settings | {"attention_chunk": settings["jax_attention_chunk"]},
+                "device": {"requested": "auto", "torch": {"kind": "cpu"}, "jax": {"kind": "gpu"}}}  # fmt: skip
+    assert report.used(document) == (
+        "settings gpu: jax attention unchunked, float32, context 77 tokens, 3 timed steps, jax compilation cache "
+        "/somewhere"
+    )
+    assert Workload.of("tiny", batch_size=2).used(("torch",)) == "cpu: float32, context 77 tokens"
+    assert used(TrainConfig(dtype="bfloat16"), "torch_impl", "cpu") == "cpu: bfloat16, torch attention SDPA"
+    assert used(TrainConfig(attention_chunk=AUTO), "jax_impl", "gpu") == (
+        "gpu: jax attention unchunked, float32, jax compilation cache /somewhere"
+    )
+
+
+@pytest.mark.parametrize(("text", "value"), [("auto", AUTO), ("0", None), ("32", 32)])
+def test_chunk_flag(text: str, value: int | str | None) -> None:
+    assert chunk_arg(text) == value
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected auto, 0 \(unchunked\) or a number of queries"):
+        chunk_arg("-1")
