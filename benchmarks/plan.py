@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,11 @@ from benchmarks import plan_sweep
 from benchmarks.report import write_json
 from benchmarks.stepclock import paired, paired_text
 from shared_configs import SpecError
-from shared_configs.cli import OneLineParser, cli_errors, positive_float, positive_int, positive_mib
+from shared_configs.cli import OneLineParser, cli_errors, nonnegative, positive_float, positive_int, positive_mib
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, resolve_chunk
+from shared_configs.planning import candidates
 from shared_configs.planning.budget import DISTRIBUTED
+from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS
 from shared_configs.planning.planner import (
     DEFAULT_BYTES_PER_S,
     DEFAULT_FLOPS_PER_S,
@@ -36,6 +39,17 @@ from shared_configs.planning.planner import (
     plan,
 )
 from shared_configs.units import MIB
+
+VERIFY_CANDIDATES = 4  # --candidates with --verify: the optimum and the three next best plans
+
+
+CANDIDATES_HELP = (
+    "choose by measuring: the solver's best K plans (its optimum, then the next distinct ones) and every hand policy "
+    "whose checked peak fits race round by round in one process per framework, and the fastest whose measured peak "
+    "fits is returned: never slower than a fitting hand policy beyond the stated interval. Minutes (each is compiled "
+    f"and run). Default {VERIFY_CANDIDATES} with --verify, else 0: the solver's plan, unmeasured. A --shapes profile "
+    "has nothing to measure"
+)
 
 
 def _ratios(text: str) -> list[float]:
@@ -60,7 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks, each training --batch-size samples (default 1)")  # fmt: skip
     p.add_argument("--distributed", choices=DISTRIBUTED, default="ddp",
                    help="with --world-size: fsdp shards parameters and optimizer state (ddp)")  # fmt: skip
-    p.add_argument("--verify", action="store_true", help="measure the plan (and none) and print predicted vs measured")
+    p.add_argument("--verify", action="store_true",
+                   help="measure the plan (and none) and print predicted vs measured; with a measured profile it "
+                   "also turns --candidates on")  # fmt: skip
+    p.add_argument("--candidates", type=nonnegative(int), metavar="K", help=CANDIDATES_HELP)
+    p.add_argument("--rounds", type=positive_int, default=DEFAULT_ROUNDS,
+                   help=f"--candidates: at most this many rounds; a candidate leaves the race once another is faster "
+                   f"than it round by round at 90%%, from round {MIN_ROUNDS} (default %(default)s)")  # fmt: skip
     p.add_argument("--json", type=Path, metavar="PATH", help="write the plan, predictions and measurements here")
     p.add_argument("--sweep", type=Path, metavar="DIR", help="draw the frontier (PNG + JSON) with the hand policies")
     p.add_argument("--budgets", type=positive_int, default=5, help="--sweep: budgets from full's to none's peak (5)")
@@ -110,15 +130,18 @@ def _check(args: argparse.Namespace) -> None:
     if args.budget_mib is None and args.sweep is None:
         raise SpecError("--budget-mib: required (a positive number of MiB), unless --sweep")
     sharded = args.distributed == "fsdp" and args.world_size > 1
-    if sharded and (args.verify or args.sweep is not None):
-        raise SpecError("--world-size with --distributed fsdp: --verify and --sweep measure one process only")
+    if sharded and (args.verify or args.candidates or args.sweep is not None):
+        raise SpecError("--world-size with --distributed fsdp: --verify, --candidates and --sweep measure one process "
+                        "only")  # fmt: skip
 
 
 def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     """The --json document: the plan, the budget, per framework the predictions (and measurements)."""
     budget = int(args.budget_mib * MIB)
-    found = plan(workload, budget, args.framework, args.world_size, args.distributed)
+    count = (VERIFY_CANDIDATES if args.verify else 0) if args.candidates is None else args.candidates
+    found = plan(workload, budget, args.framework, args.world_size, args.distributed, count, args.rounds)
     sol, profiles, frameworks = found.solution, found.profiles, frameworks_of(args.framework)
+    raced = found.candidates and found.candidates["chosen"]
     per_fw: dict[str, Any] = {}
     for fw, profile, pred in zip(frameworks, profiles, sol.predictions, strict=True):
         per_fw[fw] = {
@@ -131,15 +154,28 @@ def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any
             else f"estimated: FLOPs at {profile.flops_per_s:.3g} FLOP/s + elementwise bytes at "
             f"{args.bytes_per_s:.3g} B/s",
         }
-        if args.verify:
+        if raced:  # measured already, in the race
+            per_fw[fw] |= _from_race(found.candidates, fw)
+        elif args.verify:
             rows = measure(fw, workload, ["none", sol.policy], args.steps)["rows"]
             per_fw[fw]["measured_peak_bytes"] = rows[sol.policy]["peak_bytes"]
             per_fw[fw]["measured_overhead"] = rows[sol.policy]["step_time_s"] / rows["none"]["step_time_s"] - 1
             # round by round against none: the overhead's spread on this machine (--steps 5 and up bound it)
             per_fw[fw]["measured_overhead_paired"] = paired(rows[sol.policy]["rounds_s"], rows["none"]["rounds_s"])
     doc = {"plan": sol.policy, "budget_bytes": budget, "frameworks": per_fw, "settings": workload.used(frameworks)}
+    if found.candidates is not None:
+        doc["candidates"] = found.candidates
     ranks = {"world_size": args.world_size, "distributed": args.distributed}
     return doc | {"margin": found.margin, "solve_seconds": found.solve_seconds} | ranks
+
+
+def _from_race(report: dict[str, Any], framework: str) -> dict[str, Any]:
+    """The chosen candidate's measured figures in ``framework``, as --verify reports them."""
+    chosen = next(c for c in report["candidates"] if c["chosen"])["frameworks"][framework]
+    none = report["reference_rounds_s"][framework][: len(chosen["rounds_s"])]
+    return {"measured_peak_bytes": chosen["measured_peak_bytes"],
+            "measured_overhead": statistics.median(chosen["rounds_s"]) / statistics.median(none) - 1,
+            "measured_overhead_paired": chosen["measured_overhead"]}  # fmt: skip
 
 
 def _ranks(doc: dict[str, Any]) -> str:
@@ -168,6 +204,8 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
                      f"overhead {100 * d['measured_overhead']:+.1f}% (round by round: "
                      f"{paired_text(d['measured_overhead_paired'])})")  # fmt: skip
         lines.append(line)
+    if doc.get("candidates"):
+        lines.append(candidates.table(doc["candidates"]))
     return "\n".join(lines)
 
 

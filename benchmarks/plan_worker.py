@@ -36,6 +36,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         )
     if request["kind"] == "peaks":  # nothing allocated: JAX compiled, torch on fake tensors
         return backend.peaks(spec, request["batch_size"], request["policies"], request["context_length"], **extra)
+    if request.get("race_to"):  # benchmarks.stepclock.race among the policies that fit
+        extra["race_to"] = request["race_to"]
     out = backend.measure(spec, request["batch_size"], request["policies"], request["context_length"],
                           request["steps"], **extra)  # fmt: skip
     if request.get("ratios"):  # torch.compile's activation_memory_budget, in the same process (same `none`)

@@ -35,7 +35,7 @@ import numpy as np
 
 from benchmarks import xla_dump
 from benchmarks.jax_bench import FAST_INIT
-from benchmarks.stepclock import in_turn, times
+from benchmarks.stepclock import contenders, measured_rounds, times
 from jax_impl import train as jt
 from jax_impl.unet import UNet
 from shared_configs import UNetSpec, block_names
@@ -130,9 +130,16 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str], fast: bool = True)
     return costs, live_peak, compiled_peak(compiled), compiled
 
 
-def timed(s: dict[str, Any], compiled: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+def timed(
+    s: dict[str, Any],
+    compiled: dict[str, Any],
+    rounds: int,
+    peaks: dict[str, int] | None = None,
+    race_to: dict[str, Any] | None = None,
+) -> dict[str, list[float]]:
     """Per compiled step, the CPU seconds of ``rounds`` steps taken in turn after one warm-up each
-    (`benchmarks.stepclock.in_turn`); the donated state is carried from step to step."""
+    (`benchmarks.stepclock.in_turn`; ``race_to``: `measured_rounds`, of the steps whose ``peaks``
+    fit); the donated state is carried from step to step."""
 
     def run(c: Any) -> Callable[[], None]:
         def step() -> None:
@@ -142,10 +149,10 @@ def timed(s: dict[str, Any], compiled: dict[str, Any], rounds: int) -> dict[str,
 
         return step
 
-    steps = {name: run(c) for name, c in compiled.items()}
+    steps = {name: run(compiled[name]) for name in contenders(list(compiled), peaks or {}, race_to)}
     for step in steps.values():
         step()
-    return in_turn(steps, rounds)
+    return measured_rounds(steps, peaks or {}, rounds, race_to) | {n: [] for n in compiled if n not in steps}
 
 
 def profile(
@@ -215,12 +222,13 @@ def measure(
     context_length: int = 77,
     steps: int = 3,
     attention_chunk: int | None = None,
+    race_to: dict[str, Any] | None = None,
 ) -> dict:
     """Per policy: the compiled step's ``memory_analysis()`` peak, its step times (``rounds_s``, taken
-    in turn) and their median."""
+    in turn) and their median; ``race_to``: raced (`benchmarks.stepclock.measured_rounds`)."""
     s = setup(spec, batch_size, context_length, attention_chunk, run=True)
     compiled = {p: compiled_step(s, p, fast=False) for p in policies}
-    rounds = timed(s, compiled, steps)
+    rounds = timed(s, compiled, steps, {p: compiled_peak(c) for p, c in compiled.items()}, race_to)
     rows = {p: {"peak_bytes": compiled_peak(c)} | times(rounds[p]) for p, c in compiled.items()}
     return {
         "framework": "jax",

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from benchmarks.common import batch_bytes, step_arrays
-from benchmarks.stepclock import clock, in_turn, round_robin, times
+from benchmarks.stepclock import clock, measured_rounds, round_robin, times
 from benchmarks.torch_memory import AllocatorPeak, StepTracker, state_tensors, storage_bytes
 from shared_configs import UNetSpec, block_names
 from shared_configs.planning.budget import (
@@ -281,10 +281,17 @@ def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: b
     }
 
 
-def measure(spec: UNetSpec, batch_size: int, policies: list[str], context_length: int = 77, steps: int = 3) -> dict:
+def measure(
+    spec: UNetSpec,
+    batch_size: int,
+    policies: list[str],
+    context_length: int = 77,
+    steps: int = 3,
+    race_to: dict[str, Any] | None = None,
+) -> dict:
     """Per policy: the step's peak (the benchmark's `StepTracker`), its allocator-level peak
     (`allocator_peak`, the instrument torch.compile rows need), its step times (``rounds_s``, taken
-    in turn) and their median."""
+    in turn) and their median; ``race_to``: raced (`benchmarks.stepclock.measured_rounds`)."""
     s = setup(spec, batch_size, context_length)
     peaks = {}
     for policy in policies:
@@ -295,7 +302,8 @@ def measure(spec: UNetSpec, batch_size: int, policies: list[str], context_length
     def under(policy: str) -> Callable[[], None]:
         return lambda: (s["model"].enable_gradient_checkpointing(policy), s["step"]())
 
-    rounds = in_turn({p: under(p) for p in policies}, steps)
+    rounds = measured_rounds({p: under(p) for p in policies}, {p: r["peak_bytes"] for p, r in peaks.items()}, steps,
+                             race_to)  # fmt: skip
     rows = {p: peaks[p] | times(rounds[p]) for p in policies}
     return {"framework": "torch", "rows": rows, "method": "benchmarks.torch_memory.StepTracker around train_step"}
 

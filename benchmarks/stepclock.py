@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-from scipy.stats import quantile_test
+from shared_configs.planning.paired import paired, paired_text
+
+__all__ = ["clock", "contenders", "in_turn", "measured_rounds", "paired", "paired_text", "race", "round_robin", "times"]
 
 clock = time.process_time
 
@@ -33,33 +34,54 @@ def in_turn(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list
     return samples
 
 
+def race(
+    steps: dict[str, Callable[[], None]], reference: str, rounds: int, min_rounds: int = 5, confidence: float = 0.9
+) -> dict[str, list[float]]:
+    """`in_turn`, for at most ``rounds`` rounds, dropping a contender as soon as another is faster
+    than it round by round at ``confidence`` (`paired`), from round ``min_rounds`` on, and stopping
+    when one is left. ``reference`` (the plain step, the overheads' base) runs every round and is
+    never dropped. Contenders all run the same first rounds: a dropped one's rounds pair with the
+    others' first ones."""
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    alive = [name for name in steps if name != reference]
+    for done in range(1, rounds + 1):
+        for name in (n for n in steps if n in alive or n == reference):
+            t0 = clock()
+            steps[name]()
+            samples[name].append(clock() - t0)
+        if done >= min_rounds:
+            alive = [c for c in alive if not any(paired(samples[d], samples[c], confidence)["verdict"] == "faster"
+                                                 for d in alive if d != c)]  # fmt: skip
+        if len(alive) <= 1:
+            break
+    return samples
+
+
+def measured_rounds(
+    steps: dict[str, Callable[[], None]], peaks: dict[str, int], rounds: int, race_to: dict[str, Any] | None = None
+) -> dict[str, list[float]]:
+    """A measuring worker's rounds: every step `in_turn`; with ``race_to`` (``budget`` bytes,
+    ``reference``, ``min_rounds``) a `race` of the steps whose ``peaks`` fit the budget (and the
+    reference). The others are not timed: they have no rounds."""
+    if race_to is None:
+        return in_turn(steps, rounds)
+    fit = {n: steps[n] for n in contenders(list(steps), peaks, race_to)}
+    out = race(fit, race_to["reference"], rounds, race_to["min_rounds"])
+    return {n: out.get(n, []) for n in steps}
+
+
+def contenders(names: list[str], peaks: dict[str, int], race_to: dict[str, Any] | None) -> list[str]:
+    """The steps `measured_rounds` times: all, or under ``race_to`` the reference and those that fit."""
+    if race_to is None:
+        return names
+    return [n for n in names if n == race_to["reference"] or peaks[n] <= race_to["budget"]]
+
+
 def round_robin(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
     """Median CPU seconds per policy of ``rounds`` steps taken in turn (each policy warmed up already)."""
     return {name: statistics.median(values) for name, values in in_turn(steps, rounds).items()}
 
 
 def times(samples: list[float]) -> dict[str, Any]:
-    """A measured row's timing fields: the median step and the rounds it is the median of."""
-    return {"step_time_s": statistics.median(samples), "rounds_s": samples}
-
-
-def paired(a: list[float], b: list[float], confidence: float = 0.9) -> dict[str, Any]:
-    """``a`` against ``b``, round by round (both from one `in_turn`): the median of ``a_i / b_i - 1``,
-    its distribution-free confidence interval (the sign test's, `scipy.stats.quantile_test`), and
-    the rounds ``a`` was faster in. Pairing by round cancels what a round shares (the neighbours, a
-    drift), which moves whole medians by 15-20 points between processes on this machine."""
-    if len(a) != len(b) or not a:
-        raise ValueError(f"paired: {len(a)} and {len(b)} rounds; need the same number, at least one")
-    ratios = np.asarray(a) / np.asarray(b) - 1
-    ci = quantile_test(ratios, q=0, p=0.5).confidence_interval(confidence)
-    low, high = (float(v) if np.isfinite(v) else None for v in (ci.low, ci.high))  # nan: too few rounds
-    verdict = ("too few rounds" if low is None or high is None
-               else "faster" if high < 0 else "slower" if low > 0 else "within noise")  # fmt: skip
-    return {"median": float(np.median(ratios)), "low": low, "high": high, "confidence": confidence,
-            "wins": int(np.sum(ratios < 0)), "rounds": len(a), "verdict": verdict}  # fmt: skip
-
-
-def paired_text(c: dict[str, Any]) -> str:
-    """One `paired` comparison as text: median [interval], rounds won, verdict."""
-    interval = "[?]" if c["low"] is None else f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]"
-    return f"{100 * c['median']:+.1f}% {interval}, faster in {c['wins']}/{c['rounds']} rounds: {c['verdict']}"
+    """A measured row's timing fields: the median step (None: not timed) and the rounds it is the median of."""
+    return {"step_time_s": statistics.median(samples) if samples else None, "rounds_s": samples}

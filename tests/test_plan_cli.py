@@ -7,15 +7,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import torch_impl
 from benchmarks import plan as cli
+from benchmarks import stepclock
 from shared_configs import SpecError, load_spec, resolve_plan
 from shared_configs.planning import planner
 from shared_configs.planning.budget import SAFETY, Profile, assignment_of, per_rank, predict, safety_margin
+from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs.planning.solver import smallest_peak, solve
 from shared_configs.units import MIB
@@ -178,7 +183,7 @@ def test_fsdp_verify_is_refused_in_one_line(cache: dict, capsys: pytest.CaptureF
         cli.main([*argv, "--verify"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "--verify and --sweep measure one process only" in err and err.count("\n") == 1
+    assert "--verify, --candidates and --sweep measure one process only" in err and err.count("\n") == 1
 
 
 @pytest.mark.slow
@@ -193,3 +198,104 @@ def test_verify_measures_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert abs(torch_doc["predicted_peak_bytes"] / torch_doc["measured_peak_bytes"] - 1) <= 0.05
     spread = torch_doc["measured_overhead_paired"]  # one round bounds nothing: said, not made up
     assert (spread["rounds"], spread["low"], spread["verdict"]) == (1, None, "too few rounds")
+
+
+def _true_step(policy: str) -> float:
+    """A stand-in's step seconds: the plain step's 1.0 plus an overhead the profile does not know (so
+    that the measurement, not the model, decides), fixed per policy."""
+    return 1.0 if policy == "none" else 1.05 + (zlib.crc32(policy.encode()) % 1000) / 2000
+
+
+def _measure_as(monkeypatch: pytest.MonkeyPatch, profiles: dict[str, Profile], over: bool = False) -> list[tuple]:
+    """The planner's workers, stood in for: checked peaks are the profile's predictions; measured
+    ones too (``over``: the fastest plan measured is 10% above), and steps take `_true_step`
+    seconds times a load shared by each round (and 1% of noise), raced by the worker's own
+    `benchmarks.stepclock.measured_rounds` on a stand-in clock. Returns the requests (kind,
+    framework, policies)."""
+    calls: list[tuple] = []
+    load = np.random.default_rng(0).uniform(1.0, 1.5, 64)
+
+    def run_worker(request: dict) -> dict:
+        fw, policies = request["framework"], request["policies"]
+        calls.append((request["kind"], fw, tuple(policies)))
+        peaks = {p: predict(profiles[fw], SPEC, assignment_of(SPEC, p)).peak_bytes for p in policies}
+        if request["kind"] == "peaks":
+            return {"peaks": peaks}
+        fastest = min((p for p in policies if p != "none"), key=_true_step)
+        measured = {p: round(v * (1.1 if over and p == fastest else 1.0)) for p, v in peaks.items()}
+        clock = {"now": 0.0, "ran": dict.fromkeys(policies, 0)}
+
+        def step(p: str) -> Callable[[], None]:
+            def run() -> None:
+                r = clock["ran"][p]
+                clock["now"] += _true_step(p) * load[r] * (1 + 0.01 * np.sin(7 * r + len(p)))
+                clock["ran"][p] += 1
+
+            return run
+
+        monkeypatch.setattr(stepclock, "clock", lambda: clock["now"])
+        rounds = stepclock.measured_rounds({p: step(p) for p in policies}, measured, request["steps"],
+                                           request.get("race_to"))  # fmt: skip
+        return {"rows": {p: {"peak_bytes": measured[p]} | stepclock.times(rounds[p]) for p in policies}}
+
+    monkeypatch.setattr(planner, "run_worker", run_worker)
+    return calls
+
+
+def _mid_budget(profile: Profile) -> int:
+    floor = smallest_peak(profile, SPEC).prediction.peak_bytes
+    return (floor + predict(profile, SPEC, {}).peak_bytes) // 2
+
+
+@pytest.mark.parametrize("over", [False, True])
+def test_candidates_return_the_fastest_that_fits_when_measured(
+    over: bool, cache: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The solver's best plans and the hand policies that fit race; the answer is the fastest whose
+    measured peak fits (``over``: the fastest measures 10% over its checked peak, so the next one
+    wins), not the model's cheapest; every candidate is reported with its peaks and overheads."""
+    budget = _mid_budget(cache["torch"])
+    argv = ["--config", "tiny", "--batch-size", "2", "--budget-mib", str(budget / MIB), "--candidates", "4"]
+    calls = _measure_as(monkeypatch, cache, over)
+    out = tmp_path / "plan.json"
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    report = doc["candidates"]
+    measured = {c["policy"]: c["frameworks"]["torch"]["measured_peak_bytes"] for c in report["candidates"]}
+    expected = min((p for p, peak in measured.items() if peak <= budget), key=_true_step)
+    assert doc["plan"] == report["chosen"] == expected
+    assert over == any(peak > budget for peak in measured.values())
+    sources = [c["source"] for c in report["candidates"]]
+    assert sources[:4] == ["solver 1", "solver 2", "solver 3", "solver 4"]
+    hand = [n for n in HAND_POLICIES[1:] if predict(cache["torch"], SPEC, assignment_of(SPEC, n)).peak_bytes <= budget]
+    assert {c["policy"] for c in report["candidates"] if c["source"] == "hand"} <= set(hand)
+    assert {c["policy"] for c in report["candidates"]} >= set(hand)  # each fitting hand policy, once
+    raced = [c for kind, _, c in calls if kind == "measure"]
+    checked = {c["policy"]: c["frameworks"]["torch"]["checked_peak_bytes"] for c in report["candidates"]}
+    assert raced == [("none", *(p for p, peak in checked.items() if peak <= budget))]
+    for c in report["candidates"]:
+        f = c["frameworks"]["torch"]
+        assert {"predicted_peak_bytes", "checked_peak_bytes", "measured_peak_bytes"} <= set(f)
+        assert ("measured_overhead" in f) == c["timed"] == (f["measured_peak_bytes"] <= budget)  # over: not raced
+        if not c["chosen"] and c["timed"]:
+            assert f["chosen_vs_this"]["median"] < 0  # the answer ran faster than each other candidate
+    torch_doc = doc["frameworks"]["torch"]
+    assert torch_doc["measured_peak_bytes"] <= budget and torch_doc["measured_overhead"] > 0
+    text = capsys.readouterr().out
+    assert f"chosen: {expected}" in text and "candidates (measured round by round, at most 15 rounds" in text
+
+
+def test_a_shapes_profile_has_no_candidates_to_measure(
+    cache: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = dataclasses.replace(cache["torch"], mode="shapes", flops_per_s=1e14)
+    profile.save(profile_path("torch", Workload.of("tiny", batch_size=2)))
+    calls = _measure_as(monkeypatch, {"torch": profile})
+    budget = _mid_budget(profile)
+    argv = ["--config", "tiny", "--batch-size", "2", "--budget-mib", str(budget / MIB), "--candidates", "4"]
+    assert cli.main(argv) == 0
+    assert [c[0] for c in calls] == ["peaks"]  # the plan's check; nothing measured
+    err = capsys.readouterr().err
+    assert err.count("candidates: nothing measured: a profile from shapes has no step to measure\n") == 1
+    found = planner.plan(Workload.of("tiny", batch_size=2), budget)  # the library's default: nothing measured
+    assert found.candidates is None and found.policy == solve(profile, SPEC, budget, SAFETY).policy

@@ -30,7 +30,7 @@ from shared_configs.planning.budget import (
     uniform,
 )
 from shared_configs.planning.recompute_time import at_rates
-from shared_configs.planning.solver import Infeasible, smallest_peak, solve
+from shared_configs.planning.solver import Infeasible, next_best, smallest_peak, solve
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from tests.utils import random_profile, variant
 
@@ -70,6 +70,31 @@ def test_solver_matches_brute_force(seed: int) -> None:
     with pytest.raises(Infeasible, match=r"budget: no plan fits .* smallest feasible budget is") as err:
         solve(profile, spec, floor - 1)
     assert err.value.smallest == floor and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_next_best_plans_are_brute_forces_runners_up() -> None:
+    """With each earlier plan cut off, the programme gives the next plans in the brute force's order
+    of cost (the solver's objective: relative recompute time and a hair per recomputed unit), all
+    distinct and fitting; fewer where fewer plans fit."""
+    spec = _small_spec()
+    profile = random_profile(spec, 5)
+    plans = [(predict(profile, spec, a), a) for a in _every_plan(spec)]
+
+    def cost(prediction, assignment) -> float:
+        return prediction.time_s / profile.step_time_s + 1e-5 * len(assignment)
+
+    floor, top = min(p.peak_bytes for p, _ in plans), max(p.peak_bytes for p, _ in plans)
+    for budget in (int(floor + 0.3 * (top - floor)), int(floor + 0.8 * (top - floor))):
+        ranked = sorted(cost(p, a) for p, a in plans if p.peak_bytes <= budget)
+        first = solve(profile, spec, budget)
+        found = [first, *next_best(profile, spec, budget, 0.0, first, 4)]
+        assert len({s.policy for s in found}) == 5
+        assert all(s.prediction.peak_bytes <= budget for s in found)
+        assert [cost(s.prediction, s.assignment) for s in found] == pytest.approx(ranked[:5], abs=1e-9)
+    few = sorted((p.peak_bytes for p, _ in plans))[2]  # three plans fit (peaks distinct at the bottom)
+    first = solve(profile, spec, few)
+    assert len(next_best(profile, spec, few, 0.0, first, 4)) == sum(p.peak_bytes <= few for p, _ in plans) - 1
 
 
 def test_joint_solver_fits_both_profiles_as_brute_force() -> None:

@@ -4,10 +4,13 @@ binomial distribution, and against constructed rounds whose answer is known."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from scipy.stats import binom
 
+from benchmarks import stepclock
 from benchmarks.plan_sweep import against_hand
 from benchmarks.stepclock import paired
 from shared_configs.units import MIB
@@ -59,3 +62,36 @@ def test_the_claim_counts_only_hand_policies_that_fit() -> None:
     assert lines[0] == "torch 200.0 MiB (p): claim slower than full" and "vs cheap" not in lines[1]
     assert lines[2] == "torch 350.0 MiB (q): claim slower than cheap, full"
     assert lines[3].startswith("    vs cheap: +5.0% [+5.0, +5.0], faster in 0/7 rounds: slower")
+
+
+class _Clock:
+    """A stand-in for the CPU clock: each step advances it by its own seconds times the round's load."""
+
+    def __init__(self, seconds: dict[str, list[float]]) -> None:
+        self.now, self.seconds, self.ran = 0.0, seconds, {name: 0 for name in seconds}
+
+    def __call__(self) -> float:
+        return self.now
+
+    def step(self, name: str) -> Callable[[], None]:
+        def run() -> None:
+            self.now += self.seconds[name][self.ran[name]]
+            self.ran[name] += 1
+
+        return run
+
+
+def test_race_drops_a_contender_once_another_is_faster_and_stops_when_one_is_left(monkeypatch) -> None:
+    load = np.random.default_rng(0).uniform(1.0, 1.6, 20)  # shared by a round: the pairing removes it
+    noise = np.tile([1.04, 0.97], 10)
+    clock = _Clock({"none": list(2.0 * load), "a": list(2.2 * load), "b": list(2.9 * load),
+                    "c": list(2.2 * load * noise)})  # fmt: skip
+    monkeypatch.setattr(stepclock, "clock", clock)
+    rounds = stepclock.race({n: clock.step(n) for n in ("none", "a", "b", "c")}, "none", 12)
+    # b: slower than a in every round, out after the first five; a and c: within noise, to the end
+    assert {n: len(r) for n, r in rounds.items()} == {"none": 12, "a": 12, "b": 5, "c": 12}
+    assert rounds["b"] == pytest.approx(list(2.9 * load[:5]))
+    clock = _Clock({"none": list(2.0 * load), "a": list(2.2 * load), "b": list(2.9 * load)})
+    monkeypatch.setattr(stepclock, "clock", clock)
+    rounds = stepclock.race({n: clock.step(n) for n in ("none", "a", "b")}, "none", 12)
+    assert {n: len(r) for n, r in rounds.items()} == {"none": 5, "a": 5, "b": 5}  # decided: a

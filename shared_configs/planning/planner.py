@@ -33,7 +33,15 @@ from typing import Any
 from shared_configs.cli import BenchmarkError
 from shared_configs.defaults import defaults
 from shared_configs.loader import load_spec, spec_from_dict
-from shared_configs.planning.budget import SAFETY, SCHEMA, Profile, leaf_units, per_rank, safety_margin
+from shared_configs.planning.budget import (
+    SAFETY,
+    SCHEMA,
+    Profile,
+    leaf_units,
+    per_rank,
+    safety_margin,
+)
+from shared_configs.planning.candidates import DEFAULT_ROUNDS, REFERENCE, measured_choice
 from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops
 from shared_configs.planning.solver import Solution, solve
 from shared_configs.planning.unit_flops import unit_flops
@@ -76,9 +84,11 @@ class Workload:
             spec = spec_from_dict({**spec.model_dump(), "sample_size": sample_size})
         return cls(spec=spec, **kwargs)
 
-    def used(self, frameworks: tuple[str, ...]) -> str:
-        """What the workers use, as every tool says it (`shared_configs.defaults.Defaults.describe`)."""
-        jax = ("attention_chunk", "jax_cache") if "jax" in frameworks else ()
+    def used(self, frameworks: tuple[str, ...], cache: bool = True) -> str:
+        """What the workers use, as every tool says it (`shared_configs.defaults.Defaults.describe`);
+        ``cache``: the JAX compilation cache of measured and checked steps (a profile reads XLA's
+        dumps, which a cache hit would not write: it never uses it)."""
+        jax = ("attention_chunk", "jax_cache")[: 1 + cache] if "jax" in frameworks else ()
         used = replace(defaults(DEVICE), attention_chunk=self.attention_chunk, context_length=self.context_length)
         return used.describe(("dtype", "context_length", *jax))
 
@@ -169,7 +179,7 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
     spec = workload.spec
     how = "from shapes" if workload.shapes else f"{repeats} timed steps each"
     progress(f"profiling {spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size} in "
-             f"{framework} ({workload.used((framework,))}; 5 compiled steps, {how}; "
+             f"{framework} ({workload.used((framework,), cache=False)}; 5 compiled steps, {how}; "
              f"cached in {path.parent}) ...")  # fmt: skip
     fields = run_worker(workload.request(framework, "profile", repeats=repeats))
     seconds = time.perf_counter() - start
@@ -210,14 +220,23 @@ def _loadavg() -> str:
 
 
 def measure(
-    framework: str, workload: Workload, policies: list[str], steps: int = 3, ratios: list[float] | None = None
+    framework: str,
+    workload: Workload,
+    policies: list[str],
+    steps: int = 3,
+    ratios: list[float] | None = None,
+    race_to: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Each policy's measured peak and step time, with the benchmark's instruments (one process);
     torch with ``ratios``: also torch.compile at each ``activation_memory_budget`` (rows
-    ``torch.compile:RATIO``)."""
+    ``torch.compile:RATIO``); ``race_to`` (budget, reference, min_rounds): the policies that fit
+    race (`benchmarks.stepclock.race`) for up to ``steps`` rounds."""
     start = time.perf_counter()
-    progress(f"measuring {len(policies)} plan(s) in {framework}, one process: a compile and {steps + 1} steps each ...")
-    rows = run_worker(workload.request(framework, "measure", policies=policies, steps=steps, ratios=ratios or []))
+    many = f"up to {steps}" if race_to else f"{steps}"
+    progress(f"measuring {len(policies)} plan(s) in {framework}, one process: a compile, a warm-up and {many} "
+             "steps each ...")  # fmt: skip
+    request = workload.request(framework, "measure", policies=policies, steps=steps, ratios=ratios or [])
+    rows = run_worker(request | ({"race_to": race_to} if race_to else {}))
     progress(f"{framework} measurement done in {time.perf_counter() - start:.0f} s")
     return rows
 
@@ -283,6 +302,7 @@ class Planned:
     profiles: list[Profile]
     margin: float
     solve_seconds: float
+    candidates: dict[str, Any] | None = None  # measured candidates (`plan`'s ``candidates``): `candidates.decide`
 
     @property
     def policy(self) -> str:
@@ -290,10 +310,21 @@ class Planned:
 
 
 def plan(
-    workload: Workload, budget_bytes: int, framework: str = "torch", world_size: int = 1, distributed: str = "ddp"
+    workload: Workload,
+    budget_bytes: int,
+    framework: str = "torch",
+    world_size: int = 1,
+    distributed: str = "ddp",
+    candidates: int = 0,
+    rounds: int = DEFAULT_ROUNDS,
 ) -> Planned:
     """The one pipeline from a workload and a budget to a checked plan: profile (cached), solve a
-    `safety_margin` below the budget, check the plan's peak with nothing allocated (`fit_checked`)."""
+    `safety_margin` below the budget, check the plan's peak with nothing allocated (`fit_checked`).
+
+    ``candidates`` > 0 (a measured profile, one process): the solver's best ``candidates`` plans and
+    the hand policies that fit are measured, racing for up to ``rounds`` rounds, and the fastest
+    that fits is returned (`shared_configs.planning.candidates`): minutes, where the default is
+    seconds. ``Planned.candidates`` is then the report."""
     frameworks = frameworks_of(framework)
     measured = [get_profile(fw, workload) for fw in frameworks]
     # The margin comes from the one-process profile: its runs are what was measured.
@@ -303,7 +334,29 @@ def plan(
     sol = solve(profiles, workload.spec, budget_bytes, margin)
     solve_s = time.perf_counter() - start
     sol, margin = fit_checked(sol, profiles, workload, budget_bytes, margin, frameworks, world_size)
-    return Planned(sol, profiles, margin, solve_s)
+    if not candidates:
+        return Planned(sol, profiles, margin, solve_s)
+    why = unmeasurable(measured, world_size, distributed)
+    if why or sol.policy == REFERENCE:
+        progress(f"candidates: nothing measured: {why or 'the plain step fits, no plan is cheaper'}")
+        return Planned(sol, profiles, margin, solve_s)
+    how = "; ".join(f"{fw}: {CHECK_HOW[fw]}" for fw in frameworks)
+    progress(f"candidates: checking their peaks with nothing allocated ({how}), then racing those that fit ...")
+    chosen, report = measured_choice(
+        sol, profiles, workload.spec, budget_bytes, margin, frameworks, candidates,
+        check=lambda fw, policies: run_worker(workload.request(fw, "peaks", policies=policies))["peaks"],
+        race=lambda fw, policies, race_to: measure(fw, workload, policies, rounds, race_to=race_to)["rows"],
+    )  # fmt: skip
+    return Planned(chosen, profiles, margin, solve_s, report | {"rounds": rounds})
+
+
+def unmeasurable(profiles: list[Profile], world_size: int, distributed: str) -> str | None:
+    """Why candidates cannot be measured (None: they can)."""
+    if any(p.mode != "measured" for p in profiles):
+        return "a profile from shapes has no step to measure"
+    if world_size > 1 and distributed == "fsdp":
+        return "one process cannot run an FSDP rank's step"
+    return None
 
 
 def plan_for_budget(

@@ -34,6 +34,7 @@ from shared_configs.planning.budget import (
     HEAD,
     PLAIN,
     STEM,
+    Assignment,
     Prediction,
     Profile,
     block_layers,
@@ -48,6 +49,7 @@ Expr = dict[int, float]  # column -> coefficient (MiB), with the constant under 
 # A potential unit's peak row: (profile, K(u) as an expression, its peak in MiB, the column that
 # makes it a unit (None: always one), the columns any of which unmakes it (a sampler's block's)).
 PeakRow = tuple[int, Expr, float, int | None, tuple[int, ...]]
+Cut = tuple[np.ndarray, float]  # a row over the columns and its upper bound: one plan left out
 
 
 @dataclass(frozen=True)
@@ -136,11 +138,21 @@ class _Programme:
             for c, col in cols.items():
                 expr[col] = expr.get(col, 0.0) + self._mib(f, name, c, "keep")
 
-    def solve(self, cost: np.ndarray, limits: list[float], peak_col: bool = False) -> np.ndarray | None:
+    def cut(self, assignment: Assignment) -> Cut:
+        """The row ``sum(x[j], j in S) - sum(x[j], j not in S) <= |S| - 1`` over the recompute
+        columns, S those ``assignment`` sets: every other plan meets it, ``assignment`` does not
+        (a plan is its recompute columns: each layer's plain column follows from them)."""
+        row = np.array([0.0 if c == PLAIN else 1.0 if assignment.get(u) == c else -1.0 for u, c in self.cols])
+        return row, float(np.sum(row > 0) - 1)
+
+    def solve(
+        self, cost: np.ndarray, limits: list[float], peak_col: bool = False, cuts: Sequence[Cut] = ()
+    ) -> np.ndarray | None:
         """Minimise ``cost`` under every unit's peak row; ``limits`` in MiB, per profile. With
-        ``peak_col`` a last, continuous column is the peak: rows read ``<= peak / scale`` instead."""
+        ``peak_col`` a last, continuous column is the peak: rows read ``<= peak / scale`` instead.
+        ``cuts`` (`cut`): plans left out."""
         n = len(self.cols) + peak_col
-        a, hi = [], []
+        a, hi = [np.r_[row, np.zeros(int(peak_col))] for row, _ in cuts], [bound for _, bound in cuts]
         for f, expr, peak, on, off in self.peaks:
             row = np.zeros(n)
             for key, v in expr.items():
@@ -206,17 +218,21 @@ def _list(profiles: Profile | Sequence[Profile]) -> list[Profile]:
     return [profiles] if isinstance(profiles, Profile) else list(profiles)
 
 
-def _cheapest(profiles: list[Profile], spec: UNetSpec, budget_bytes: int) -> dict[str, str] | None:
-    """The least-cost assignment whose predicted peaks are all at most ``budget_bytes``, or None."""
+def _cheapest(
+    profiles: list[Profile], spec: UNetSpec, budget_bytes: int, exclude: Sequence[Assignment] = ()
+) -> dict[str, str] | None:
+    """The least-cost assignment whose predicted peaks are all at most ``budget_bytes``, other than
+    those in ``exclude``; None if there is none."""
     if any(p.opt_peak * p.scale > budget_bytes + 0.5 for p in profiles):
         return None
     prog = _Programme(profiles, spec)
     objective = _objective(profiles)
     cost = np.array([objective(u, c) for u, c in prog.cols])
+    cuts = [prog.cut(a) for a in exclude]
     slack = 0.0  # bytes taken off the limit when solver tolerance overshoots
     for _ in range(4):
         limits = [((budget_bytes + 0.5) / p.scale - slack) / MIB for p in profiles]
-        x = prog.solve(cost, limits)
+        x = prog.solve(cost, limits, cuts=cuts)
         if x is None:
             return None
         assignment = prog.assignment(x)
@@ -237,7 +253,23 @@ def solve(profiles: Profile | Sequence[Profile], spec: UNetSpec, budget_bytes: i
     if assignment is None:
         lowest = max(p.peak_bytes for p in smallest_peak(profiles, spec).predictions)
         raise Infeasible(budget_bytes, math.ceil(lowest / (1 - margin)))
-    return _solution(profiles, spec, assignment)
+    return solution(profiles, spec, assignment)
+
+
+def next_best(
+    profiles: Profile | Sequence[Profile], spec: UNetSpec, budget_bytes: int, margin: float, first: Solution, count: int
+) -> list[Solution]:
+    """Up to ``count`` plans after ``first`` (`solve`'s answer at the same budget and ``margin``),
+    each the cheapest that fits other than those before it: the programme re-solved with each
+    earlier plan cut off (`_Programme.cut`). Fewer when fewer plans fit."""
+    profiles = _list(profiles)
+    found = [first]
+    for _ in range(count):
+        assignment = _cheapest(profiles, spec, int(budget_bytes * (1 - margin)), [s.assignment for s in found])
+        if assignment is None:
+            break
+        found.append(solution(profiles, spec, assignment))
+    return found[1:]
 
 
 def smallest_peak(profiles: Profile | Sequence[Profile], spec: UNetSpec) -> Solution:
@@ -250,9 +282,10 @@ def smallest_peak(profiles: Profile | Sequence[Profile], spec: UNetSpec) -> Solu
     floor = max(max(predict(p, spec, prog.assignment(x)).peak_bytes, round(p.opt_peak * p.scale)) for p in profiles)
     assignment = _cheapest(profiles, spec, floor)
     assert assignment is not None  # the lowest plan itself fits its own peak
-    return _solution(profiles, spec, assignment)
+    return solution(profiles, spec, assignment)
 
 
-def _solution(profiles: Sequence[Profile], spec: UNetSpec, assignment: dict[str, str]) -> Solution:
+def solution(profiles: Sequence[Profile], spec: UNetSpec, assignment: Assignment) -> Solution:
+    """``assignment`` as a `Solution`: its policy string and what each profile predicts of it."""
     predictions = tuple(predict(p, spec, assignment) for p in profiles)
-    return Solution(assignment, predictions, policy_string(assignment))
+    return Solution(dict(assignment), predictions, policy_string(assignment))

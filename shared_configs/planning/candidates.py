@@ -1,0 +1,158 @@
+"""Choosing a plan by measuring candidates: the solver's best plans and the hand policies that fit.
+
+The time model ranks plans only roughly (torch's per-unit recompute seconds add up to less than a
+mixed plan pays; JAX's FLOP pricing over-predicts), so a measured profile's answer is picked among
+candidates measured in one process, round by round: the solver's optimum, the next distinct best
+plans (`shared_configs.planning.solver.next_best`), and every hand policy whose predicted peak
+fits. Each candidate's peak is checked with nothing allocated first; those that fit race
+(`benchmarks.stepclock.race`: a candidate leaves once another is faster than it at 90%, round by
+round), and the fastest whose measured peak fits is returned. So the answer is never slower than
+a fitting hand policy beyond the interval stated with it.
+
+Framework-free: `shared_configs.planning.planner.plan` runs the workers; this module proposes the
+candidates (`propose`), decides among the measured ones (`decide`) and writes the report (`table`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from shared_configs.planning.budget import Profile, assignment_of, predict
+from shared_configs.planning.paired import paired, paired_text
+from shared_configs.planning.solver import Solution, next_best, solution
+from shared_configs.spec import UNetSpec
+from shared_configs.units import MIB
+
+# The named policies a user would otherwise pick by hand (`none` is the solver's answer when it fits).
+HAND_POLICIES: tuple[str, ...] = ("none", "full", "balanced", "layers", "save_convs", "layers/save=conv,matmul")
+DEFAULT_ROUNDS = 15  # at most; a race is decided sooner when one candidate is left
+MIN_ROUNDS = 5  # the fewest rounds whose sign test can exclude 0 at 90% (all five the same way)
+CONFIDENCE = 0.9
+REFERENCE = "none"  # timed every round: the overheads' base
+
+
+def measured_choice(
+    first: Solution,
+    profiles: list[Profile],
+    spec: UNetSpec,
+    budget: int,
+    margin: float,
+    frameworks: tuple[str, ...],
+    count: int,
+    check: Callable[[str, list[str]], dict[str, int]],
+    race: Callable[[str, list[str], dict[str, Any]], dict[str, Any]],
+) -> tuple[Solution, dict[str, Any]]:
+    """The fastest of `propose`'s plans whose measured peak fits ``budget``: each checked with
+    nothing allocated (``check(framework, policies)``: peaks), those that fit in every framework
+    raced in one process per framework (``race(framework, policies, race_to)``: the measuring
+    worker's rows), then `decide`. The solver's ``first`` when none fits when measured. Returns the
+    plan and the report (`decide`'s)."""
+    entries = propose(profiles, spec, budget, margin, first, count)
+    policies = [c["policy"] for c in entries]
+    for fw in frameworks:
+        peaks = check(fw, policies)
+        for c in entries:
+            c["frameworks"][fw]["checked_peak_bytes"] = peaks[c["policy"]]
+    fit = [c["policy"] for c in entries if all(f["checked_peak_bytes"] <= budget for f in c["frameworks"].values())]
+    race_to = {"budget": budget, "reference": REFERENCE, "min_rounds": MIN_ROUNDS}
+    reference = {}
+    for fw in frameworks:
+        rows = race(fw, [REFERENCE, *fit], race_to)
+        attach(entries, fw, rows)
+        reference[fw] = rows[REFERENCE]["rounds_s"]
+    report = decide(entries, budget) | {"reference_rounds_s": reference}
+    if report["chosen"] is None:
+        return first, report
+    chosen = solution(profiles, spec, assignment_of(spec, report["chosen"]))
+    return replace(chosen, policy=report["chosen"]), report  # the string as measured (the same plan)
+
+
+def propose(
+    profiles: list[Profile], spec: UNetSpec, budget: int, margin: float, first: Solution, count: int
+) -> list[dict[str, Any]]:
+    """The candidates: ``first`` (the solver's answer at ``margin``), up to ``count - 1`` next best
+    plans, and the hand policies whose predicted peak fits ``budget`` in every profile; each with
+    its predicted peak and overhead per profile (one entry per distinct policy)."""
+    found = {first.policy: "solver 1"}
+    for i, sol in enumerate(next_best(profiles, spec, budget, margin, first, count - 1), start=2):
+        found.setdefault(sol.policy, f"solver {i}")
+    for name in HAND_POLICIES[1:]:
+        preds = [predict(p, spec, assignment_of(spec, name)) for p in profiles]
+        if all(x.peak_bytes <= budget for x in preds):
+            found.setdefault(name, "hand")
+    out = []
+    for policy, source in found.items():
+        preds = [predict(p, spec, assignment_of(spec, policy)) for p in profiles]
+        per_fw = {p.framework: {"predicted_peak_bytes": x.peak_bytes, "predicted_overhead": x.overhead(p)}
+                  for p, x in zip(profiles, preds, strict=True)}  # fmt: skip
+        out.append({"policy": policy, "source": source, "frameworks": per_fw})
+    return out
+
+
+def attach(candidates: list[dict[str, Any]], framework: str, rows: dict[str, Any]) -> None:
+    """A framework's measured rows into the candidates: the peak, the rounds, and the overhead
+    against `REFERENCE` round by round."""
+    base = rows[REFERENCE]["rounds_s"]
+    for c in candidates:
+        entry, row = c["frameworks"][framework], rows.get(c["policy"])
+        if row is None:  # not measured: its checked peak was over the budget
+            continue
+        entry["measured_peak_bytes"] = row["peak_bytes"]
+        entry["rounds_s"] = row["rounds_s"]
+        if row["rounds_s"]:
+            entry["measured_overhead"] = paired(row["rounds_s"], base[: len(row["rounds_s"])])
+
+
+def decide(candidates: list[dict[str, Any]], budget: int) -> dict[str, Any]:
+    """The fastest candidate whose measured peak fits ``budget`` in every framework, preferring
+    those still in every race at its end (a dropped one was slower than another at 90%), by the
+    sum of their overheads (round by round against `REFERENCE`); each other timed candidate
+    against it, round by round. None chosen when no candidate fit when measured."""
+    for c in candidates:
+        c["fits"] = all(f.get("measured_peak_bytes", budget + 1) <= budget for f in c["frameworks"].values())
+        c["timed"] = all(f.get("rounds_s") for f in c["frameworks"].values())
+    longest = {fw: max((len(c["frameworks"][fw].get("rounds_s") or []) for c in candidates), default=0)
+               for fw in candidates[0]["frameworks"]}  # fmt: skip
+    for c in candidates:
+        c["in_race_to_the_end"] = c["timed"] and all(len(f["rounds_s"]) == longest[fw]
+                                                     for fw, f in c["frameworks"].items())  # fmt: skip
+    ranked = sorted((c for c in candidates if c["fits"] and c["timed"]),
+                    key=lambda c: (not c["in_race_to_the_end"], _overhead(c)))  # fmt: skip
+    chosen = ranked[0] if ranked else None
+    for c in candidates:
+        c["chosen"] = c is chosen
+        if chosen is not None and c["timed"] and c is not chosen:
+            for fw, f in c["frameworks"].items():
+                mine, theirs = chosen["frameworks"][fw]["rounds_s"], f["rounds_s"]
+                n = min(len(mine), len(theirs))
+                f["chosen_vs_this"] = paired(mine[:n], theirs[:n])
+    return {"chosen": chosen["policy"] if chosen else None, "budget_bytes": budget, "min_rounds": MIN_ROUNDS,
+            "confidence": CONFIDENCE, "candidates": candidates}  # fmt: skip
+
+
+def _overhead(candidate: dict[str, Any]) -> float:
+    return sum(f["measured_overhead"]["median"] for f in candidate["frameworks"].values())
+
+
+def table(report: dict[str, Any]) -> str:
+    """The candidates per framework: peaks predicted -> checked -> measured, overheads predicted ->
+    measured (round by round, with the interval), the rounds raced, and the chosen plan against each."""
+    lines = [f"candidates (measured round by round, at most {report['rounds']} rounds; a candidate leaves the "
+             f"race once another is faster at {100 * report['confidence']:.0f}%, from round {report['min_rounds']}); "
+             f"chosen: {report['chosen'] or 'none fit when measured: the solver plan'}"]  # fmt: skip
+    for c in report["candidates"]:
+        mark = "*" if c["chosen"] else " "
+        lines.append(f" {mark} {c['policy']} ({c['source']})")
+        for fw, f in c["frameworks"].items():
+            peaks = " -> ".join(f"{f[k] / MIB:.1f}" if k in f else "-" for k in
+                                ("predicted_peak_bytes", "checked_peak_bytes", "measured_peak_bytes"))  # fmt: skip
+            over = f"{100 * f['predicted_overhead']:+.1f}% -> "
+            over += paired_text(f["measured_overhead"]) if "measured_overhead" in f else "not timed (over the budget)"
+            line = f"     {fw}: peak MiB {peaks}; overhead {over}"
+            if "chosen_vs_this" in f:
+                line += f"; chosen vs this: {paired_text(f['chosen_vs_this'])}"
+            lines.append(line)
+    return "\n".join(lines)
+
