@@ -31,11 +31,10 @@ from shared_configs.planning.budget import (
     random_assignment,
     safety_margin,
 )
+from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.planner import Workload, checked_solve, get_profile, measure
 from shared_configs.planning.solver import Infeasible, smallest_peak, solve
 from shared_configs.units import MIB
-
-HAND_POLICIES = ("none", "full", "balanced", "layers", "save_convs", "layers/save=conv,matmul")
 
 
 def budgets(profile: Profile, workload: Workload, count: int) -> list[int]:
