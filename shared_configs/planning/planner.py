@@ -367,6 +367,7 @@ def plan_for_budget(
     framework: str = "torch",
     world_size: int = 1,
     distributed: str = "ddp",
+    candidates: int = 0,
     **workload: Any,
 ) -> str:
     """The policy string of the cheapest plan predicted to fit ``budget_bytes`` (see `plan`),
@@ -376,10 +377,12 @@ def plan_for_budget(
     each train ``batch_size`` samples; under ``distributed="fsdp"`` the parameters and optimizer
     state are sharded over them (`shared_configs.planning.budget.per_rank`). Further keywords go to
     `Workload` (``context_length``, ``attention_chunk``, ``shapes``, ``flops_per_s``, ``bytes_per_s``).
+    ``candidates`` > 0: choose among that many solver plans and the fitting hand policies by
+    measuring them (minutes; see `plan`).
     Raises `shared_configs.planning.solver.Infeasible` (a `SpecError`) naming the smallest feasible budget.
     """
     work = Workload.of(spec, sample_size, batch_size=batch_size, **workload)
-    return plan(work, budget_bytes, framework, world_size, distributed).policy
+    return plan(work, budget_bytes, framework, world_size, distributed, candidates).policy
 
 
 def for_framework(framework: str) -> Callable[..., str]:

@@ -70,7 +70,7 @@ def run_loop(
 ) -> State:
     """Steps ``len(losses) .. cfg.steps - 1``: ``step_fn(state, step) -> (state, loss)``, each loss
     appended to ``losses``; ``save_fn(state, losses)`` at every checkpoint boundary. Returns the state.
-    ``settings`` (what the run uses) is printed first, on stderr.
+    ``settings`` (what the run used) ends the speed line printed at the end, on stderr.
 
     A NaN or infinite loss raises `NonFiniteLoss` naming the step; the checkpoint on disk stays.
     """

@@ -22,11 +22,9 @@ from shared_configs.files import atomic_write
 def progress_bar(total: int, start: int, title: str, settings: str = "") -> Iterator[Callable[[float], None]]:
     """A rich progress bar; the yielded ``update(loss)`` advances it and shows the running loss.
 
-    First it prints ``settings`` (what the run uses: `shared_configs.training.config.used`), on exit
-    the training speed (`speed_line`), each one line on stderr.
+    On exit it prints the training speed (`speed_line`) and ``settings`` (what the run used:
+    `shared_configs.training.config.used`), one line on stderr (a failed run's error stays one line).
     """
-    if settings:
-        print(f"{title}: {settings}", file=sys.stderr)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -43,7 +41,7 @@ def progress_bar(total: int, start: int, title: str, settings: str = "") -> Iter
 
         yield update
     if len(stamps) > 1:
-        print(speed_line(title, np.diff(stamps)), file=sys.stderr)
+        print(speed_line(title, np.diff(stamps)) + (f"; settings {settings}" if settings else ""), file=sys.stderr)
 
 
 def speed_line(title: str, seconds: np.ndarray) -> str:
