@@ -3,8 +3,8 @@
 The time model ranks plans only roughly (torch's per-unit recompute seconds add up to less than a
 mixed plan pays; JAX's FLOP pricing over-predicts), so a measured profile's answer is picked among
 candidates measured in one process, round by round: the solver's optimum, the next distinct best
-plans (`shared_configs.planning.solver.next_best`), and every hand policy whose predicted peak
-fits. Each candidate's peak is checked with nothing allocated first; those that fit race
+plans (`shared_configs.planning.solver.next_best`), and the hand policies. Each candidate's peak
+is checked with nothing allocated first; those that fit race
 (`benchmarks.stepclock.race`: a candidate leaves once another is faster than it at 90%, round by
 round), and the fastest whose measured peak fits is returned. So the answer is never slower than
 a fitting hand policy beyond the interval stated with it.
@@ -73,17 +73,17 @@ def propose(
     profiles: list[Profile], spec: UNetSpec, budget: int, margin: float, first: Solution, count: int
 ) -> list[dict[str, Any]]:
     """The candidates: ``first`` (the solver's answer at ``margin``), up to ``count - 1`` next best
-    plans, and the hand policies whose predicted peak fits ``budget`` in every profile; each with
-    its predicted peak and overhead per profile (one entry per distinct policy)."""
-    found = {first.policy: "solver 1"}
-    for i, sol in enumerate(next_best(profiles, spec, budget, margin, first, count - 1), start=2):
-        found.setdefault(sol.policy, f"solver {i}")
-    for name in HAND_POLICIES[1:]:
-        preds = [predict(p, spec, assignment_of(spec, name)) for p in profiles]
-        if all(x.peak_bytes <= budget for x in preds):
-            found.setdefault(name, "hand")
+    plans, and the hand policies but ``none`` (their checked peak decides whether they race; the
+    model's error is a few percent, so a prediction would leave out some that fit); each with its
+    predicted peak and overhead per profile. One entry per plan (a hand policy the solver found
+    keeps the solver's name)."""
+    found: dict[frozenset, tuple[str, str]] = {}
+    sols = [first, *next_best(profiles, spec, budget, margin, first, count - 1)]
+    named = [(s.policy, f"solver {i}") for i, s in enumerate(sols, start=1)] + [(h, "hand") for h in HAND_POLICIES[1:]]
+    for policy, source in named:
+        found.setdefault(frozenset(assignment_of(spec, policy).items()), (policy, source))
     out = []
-    for policy, source in found.items():
+    for policy, source in found.values():
         preds = [predict(p, spec, assignment_of(spec, policy)) for p in profiles]
         per_fw = {p.framework: {"predicted_peak_bytes": x.peak_bytes, "predicted_overhead": x.overhead(p)}
                   for p, x in zip(profiles, preds, strict=True)}  # fmt: skip
