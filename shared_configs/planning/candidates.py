@@ -106,10 +106,13 @@ def attach(candidates: list[dict[str, Any]], framework: str, rows: dict[str, Any
 
 
 def decide(candidates: list[dict[str, Any]], budget: int) -> dict[str, Any]:
-    """The fastest candidate whose measured peak fits ``budget`` in every framework, preferring
-    those still in every race at its end (a dropped one was slower than another at 90%), by the
-    sum of their overheads (round by round against `REFERENCE`); each other timed candidate
-    against it, round by round. None chosen when no candidate fit when measured."""
+    """The candidate to return: of those whose measured peak fits ``budget`` in every framework and
+    that stayed in every race to its end (else of all timed ones that fit), the one whose worst
+    head-to-head comparison is best (the least, over the others, of the median round-by-round
+    ratio, summed over frameworks): a candidate faster than each other one in most rounds is
+    chosen. Comparing head to head, not each against `REFERENCE`, keeps the plain step's own noise
+    out of the choice. Each other timed candidate against it is reported; None chosen when no
+    candidate fit when measured."""
     for c in candidates:
         c["fits"] = all(f.get("measured_peak_bytes", budget + 1) <= budget for f in c["frameworks"].values())
         c["timed"] = all(f.get("rounds_s") for f in c["frameworks"].values())
@@ -118,22 +121,28 @@ def decide(candidates: list[dict[str, Any]], budget: int) -> dict[str, Any]:
     for c in candidates:
         c["in_race_to_the_end"] = c["timed"] and all(len(f["rounds_s"]) == longest[fw]
                                                      for fw, f in c["frameworks"].items())  # fmt: skip
-    ranked = sorted((c for c in candidates if c["fits"] and c["timed"]),
-                    key=lambda c: (not c["in_race_to_the_end"], _overhead(c)))  # fmt: skip
-    chosen = ranked[0] if ranked else None
+    pool = [c for c in candidates if c["fits"] and c["timed"]]
+    finalists = [c for c in pool if c["in_race_to_the_end"]] or pool
+    worst = {id(c): max((_versus(c, d)["median"] for d in finalists if d is not c), default=0.0) for c in finalists}
+    chosen = min(finalists, key=lambda c: worst[id(c)], default=None)
     for c in candidates:
         c["chosen"] = c is chosen
         if chosen is not None and c["timed"] and c is not chosen:
             for fw, f in c["frameworks"].items():
-                mine, theirs = chosen["frameworks"][fw]["rounds_s"], f["rounds_s"]
-                n = min(len(mine), len(theirs))
-                f["chosen_vs_this"] = paired(mine[:n], theirs[:n])
+                f["chosen_vs_this"] = _versus(chosen, c, fw)
     return {"chosen": chosen["policy"] if chosen else None, "budget_bytes": budget, "min_rounds": MIN_ROUNDS,
             "confidence": CONFIDENCE, "candidates": candidates}  # fmt: skip
 
 
-def _overhead(candidate: dict[str, Any]) -> float:
-    return sum(f["measured_overhead"]["median"] for f in candidate["frameworks"].values())
+def _versus(a: dict[str, Any], b: dict[str, Any], framework: str | None = None) -> dict[str, Any]:
+    """``a`` against ``b`` round by round (`paired`) over the rounds both ran (a dropped candidate's
+    rounds are the race's first ones) in ``framework``; None: the medians summed over frameworks."""
+    out = []
+    for fw in [framework] if framework else list(a["frameworks"]):
+        mine, theirs = a["frameworks"][fw]["rounds_s"], b["frameworks"][fw]["rounds_s"]
+        n = min(len(mine), len(theirs))
+        out.append(paired(mine[:n], theirs[:n], CONFIDENCE))
+    return out[0] if framework else {"median": sum(c["median"] for c in out)}
 
 
 def table(report: dict[str, Any]) -> str:
