@@ -1,7 +1,7 @@
-"""Session-wide test set-up: fast XLA compiles and one torch thread per test process.
+"""Set-up for the whole test run: fast XLA compiles and one torch thread per test process.
 
 The tests check values, not speed. XLA:CPU spends seconds optimising each gradient program, so
-every compile in the session (and in the subprocesses tests start, which inherit the environment)
+every compile of the test run (and in the subprocesses tests start, which inherit the environment)
 runs with backend optimisation off: the same HLO, the same buffer assignment and memory analysis,
 about 4x faster to compile (Flax's own example tests set ``jax_disable_most_optimizations`` the
 same way). This must happen before jax is first imported, hence at conftest import time.

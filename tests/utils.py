@@ -213,7 +213,7 @@ def train_argv(cfg: TrainConfig) -> list[str]:
 def torchrun_train(cfg: TrainConfig, nproc: int = 2, timeout: float = 300) -> list[float]:
     """``torchrun -m torch_impl.train`` on ``nproc`` CPU processes, one thread each; the losses it wrote.
 
-    The launcher runs in its own session, killed as a group on timeout: no rank outlives the test.
+    The launcher leads its own process group (`start_new_session`), killed whole on timeout: no rank outlives the test.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "torch_impl.train", *train_argv(cfg)]  # fmt: skip
