@@ -16,7 +16,6 @@ time is then FLOPs at ``flops_per_s``.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -318,5 +317,22 @@ def plan_for_budget(
 def for_framework(framework: str) -> Callable[..., str]:
     """`plan_for_budget` with ``framework`` fixed: what ``torch_impl`` and ``jax_impl`` export, so a
     training loop plans from the framework package it already imports."""
-    bound = functools.partial(plan_for_budget, framework=frameworks_of(framework)[0])
-    return functools.update_wrapper(bound, plan_for_budget)
+    (fw,) = frameworks_of(framework)
+
+    def plan_for_framework(
+        spec: UNetSpec | str,
+        batch_size: int,
+        budget_bytes: int,
+        sample_size: int | None = None,
+        world_size: int = 1,
+        distributed: str = "ddp",
+        **workload: Any,
+    ) -> str:
+        return plan_for_budget(spec, batch_size, budget_bytes, sample_size, fw, world_size, distributed, **workload)
+
+    plan_for_framework.__name__ = plan_for_framework.__qualname__ = "plan_for_budget"
+    plan_for_framework.__doc__ = (
+        f"The policy string of the cheapest plan whose {fw} step is predicted, and checked, to fit "
+        "``budget_bytes``; the arguments as `shared_configs.planning.planner.plan_for_budget`'s."
+    )
+    return plan_for_framework
