@@ -4,8 +4,8 @@ policy string of the cheapest plan whose torch step fits the budget. ``apply_pla
 ``remove_plan(model)`` put a plan on diffusers' own U-Nets too (`torch_impl.diffusers_plan`)."""
 
 from shared_configs.planning.planner import for_framework
-from torch_impl.unet import UNet  # noqa: I001 (before diffusers_plan, which imports it)
 from torch_impl.diffusers_plan import apply_plan, remove_plan
+from torch_impl.unet import UNet
 
 plan_for_budget = for_framework("torch")
 
