@@ -96,7 +96,8 @@ timeline: <run>-timeline.png, memory over the step for none and --timeline's pla
   block starts marked (torch: the tracker's allocations and frees, by module; jax: XLA's schedule).
 jax compilation cache: {DEFAULT_JAX_CACHE} (--jax-cache): a repeated run loads its compiled steps.
 diffusers: diffusers' own UNet2D(Condition)Model (the spec's diffusers config, or the --diffusers
-  folder's), same weights, measured like torch; its rows are none and enable_gradient_checkpointing.
+  folder's), same weights, measured like torch; its rows are none, enable_gradient_checkpointing (its
+  own) and every --policies plan, applied to diffusers' model by torch_impl.apply_plan.
 """
 
 
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_frameworks,
         default=FRAMEWORKS,
         help="both (default: torch and jax), or a comma list of torch, jax, diffusers (diffusers' own U-Net "
-        "and its enable_gradient_checkpointing(), on the same weights)",
+        "with its enable_gradient_checkpointing() and the same plans, on the same weights)",
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument("--config", default=DEFAULT_CONFIG, help="preset name or spec YAML path (default: %(default)s)")
@@ -228,7 +229,7 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
     return [
         Job(
             framework=fw,
-            policies=DIFFUSERS_POLICIES if fw == DIFFUSERS else tuple(policies),
+            policies=tuple(dict.fromkeys([*DIFFUSERS_POLICIES, *policies])) if fw == DIFFUSERS else tuple(policies),
             timeline=() if fw == DIFFUSERS else timeline,
             xla_default=args.xla_default,
             attention_chunk=args.jax_attention_chunk if fw == "jax" else None,
