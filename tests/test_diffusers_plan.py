@@ -93,6 +93,9 @@ def test_every_plan_name_is_the_diffusers_module_of_that_role(case: dict[str, An
     assert {type(modules[p]).__name__ for p in attentions} <= {"Transformer2DModel", "Attention"}
 
 
+@pytest.mark.slow_for(  # ~1-2.5 s each on 2 cores: sd_narrow keeps one plan in the inner loop
+    *(f"sd_narrow-{p}" for p in POLICIES if p != "down.1,mid")
+)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_gradients_equal_the_plain_models(case: dict[str, Any], policy: str) -> None:
     unet, model = case["unet"], case["model"]
@@ -108,6 +111,7 @@ def test_gradients_equal_the_plain_models(case: dict[str, Any], policy: str) -> 
         assert rel_err(g, ref[name]) <= 1e-6, name
 
 
+@pytest.mark.slow_for("sd_narrow-full", "sdxl_tiny-full", "ddpm_tiny-layers")
 @pytest.mark.parametrize("policy", ["full", "layers", "every:2"])
 def test_backward_recomputes_exactly_the_planned_units(case: dict[str, Any], policy: str) -> None:
     """Backward FLOPs grow by the planned units' forward FLOPs (diffusers' modules, counted apart)."""
