@@ -23,6 +23,7 @@ from shared_configs.cli import OneLineParser, nonnegative, positive
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.data import DATASETS
 from shared_configs.training.ddpm import SCHEDULES, make_schedule
+from shared_configs.training.regime import Regime, add_regime_arguments
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,10 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     seed: int = 0
-    dtype: str = "float32"
+    precision: str = "fp32"  # the regime (shared_configs.training.regime): precision, what is trained,
+    trainable: str = "all"  # the optimizer, an EMA copy
+    optimizer: str = "adamw"
+    ema: bool = False
     out: str = "runs/train"
     resume: bool = False
     overwrite: bool = False
@@ -49,6 +53,10 @@ class TrainConfig:
     distributed: str | None = None  # None: one process; else a key of DISTRIBUTED[framework]
     attention_chunk: int | None = None  # jax_impl only: UNet(attention_chunk=...)
 
+    @property
+    def regime(self) -> Regime:
+        return Regime(self.precision, self.trainable, self.optimizer, self.ema)
+
 
 # --distributed modes per framework. ddp: the batch split over processes (torch DDP) or devices
 # (JAX), parameters replicated; fsdp: parameters, gradients and optimizer state sharded too
@@ -57,7 +65,10 @@ DISTRIBUTED: dict[str, tuple[str, ...]] = {"torch_impl": ("ddp", "fsdp"), "jax_i
 
 # The fields that shape the loss curve: a resumed run must keep them (with the spec). The rest
 # (steps, policy, sampling, checkpoint interval, sharding, attention chunking) may change.
-CURVE_FIELDS = ("batch_size", "lr", "weight_decay", "seed", "dtype", "data", "schedule", "timesteps")
+CURVE_FIELDS = (
+    "batch_size", "lr", "weight_decay", "seed", "precision", "trainable", "optimizer", "ema", "data", "schedule",
+    "timesteps",
+)  # fmt: skip
 
 
 class NonFiniteLoss(RuntimeError):
@@ -80,7 +91,7 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
     p.add_argument("--lr", type=positive(float), default=d.lr)
     p.add_argument("--weight-decay", type=nonnegative(float), default=d.weight_decay, help="AdamW decoupled decay")
     p.add_argument("--seed", type=nonnegative(int), default=d.seed)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype)
+    add_regime_arguments(p)
     p.add_argument(
         "--out",
         default=f"runs/{framework}",
