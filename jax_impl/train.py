@@ -79,7 +79,8 @@ class TrainState:
         params = variables["params"]
         if regime.param_dtype != "float32":
             params = cast_floating(params, DTYPES[regime.param_dtype])
-        ema = cast_floating(params, jnp.float32) if regime.ema else None
+        # A copy: params already in float32 would otherwise share their buffers (donated twice).
+        ema = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True), params) if regime.ema else None
         return cls(params, tx.init(params), variables.get("batch_stats", {}), ema)
 
     def variables(self) -> dict[str, Any]:
