@@ -152,7 +152,7 @@ def test_jax_trains_to_a_budget_reporting_the_compiled_peak_the_planner_checks(
 
     budget = _seed("jax")
     policy = plan_for_budget("tiny", BATCH, budget, framework="jax", context_length=1)
-    assert jtrain.main(_argv(tmp_path / "run", 2, budget)) == 0
+    assert jtrain.main(_argv(tmp_path / "run", 1, budget)) == 0
     err = capsys.readouterr().err
     assert f"policy {policy} (planned for this run); jax predicted peak" in err
     assert "memory_analysis()" in err and "cse_barrier_expander off" in err
