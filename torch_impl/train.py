@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -154,6 +154,30 @@ def world_size(cfg: TrainConfig) -> int:
     return int(os.environ.get("WORLD_SIZE", "1")) if cfg.distributed else 1
 
 
+def _peak_meter(
+    cfg: TrainConfig, model: UNet, optimizer: torch.optim.Optimizer, budget: RunPlan | None, first: int
+) -> Callable[[int, Batch, Callable[[], float]], float]:
+    """``measured(step, batch, run_step)``: runs the step; with a ``budget``, the first
+    `MEASURED_STEPS` from ``first`` under `measured_peak`, then rank 0 prints their peak beside the
+    prediction (each rank measures its own share of the batch)."""
+    rank, world, peaks = dist.get_rank() if cfg.distributed else 0, world_size(cfg), []
+
+    def measured(step: int, batch: Batch, run_step: Callable[[], float]) -> float:
+        if budget is None or step >= first + MEASURED_STEPS:
+            return run_step()
+        with measured_peak(model, optimizer, batch.shard(rank, world)) as found:
+            loss = run_step()
+        peaks.append(found["peak"])
+        if rank == 0 and (len(peaks) == MEASURED_STEPS or step + 1 == cfg.steps):
+            where = f"max of steps {first + 1}-{step + 1}" if step > first else f"step {step + 1}"
+            ranks = f", rank 0 of {world}" if cfg.distributed else ""
+            how = PEAK_INSTRUMENTS[next(model.parameters()).device.type]
+            report(budget.peak_line(max(peaks), f"{how}; {where}{ranks}"))
+        return loss
+
+    return measured
+
+
 def distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: TrainConfig) -> float:
     """`train_step` on this rank's shard of the global batch; returns the global mean loss.
 
@@ -212,29 +236,14 @@ def _train(
     if run.checkpoint is not None:
         load_checkpoint(run.checkpoint, model, optimizer)
     dataset, schedule = load_dataset(cfg.data, model.spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
-    rank = dist.get_rank() if cfg.distributed else 0
-    first, peaks = len(run.losses), []
-
-    def one_step(batch: Batch) -> float:
-        if cfg.distributed:
-            return distributed_step(trained, optimizer, batch, cfg)
-        return train_step(model, optimizer, batch, DTYPES[cfg.dtype])
+    measured = _peak_meter(cfg, model, optimizer, budget, first=len(run.losses))
 
     def step_fn(state: None, step: int) -> tuple[None, float]:
         batch = dataset.batch(step, cfg.batch_size, schedule, cfg.seed)
         torch.manual_seed(step_seed(cfg.seed, step))  # dropout masks depend on (seed, step) only
-        if budget is None or step >= first + MEASURED_STEPS:
-            return state, one_step(batch)
-        mine = batch.shard(rank, world_size(cfg)) if cfg.distributed else batch
-        with measured_peak(model, optimizer, mine) as found:
-            loss = one_step(batch)
-        peaks.append(found["peak"])
-        if rank == 0 and (len(peaks) == MEASURED_STEPS or step + 1 == cfg.steps):
-            where = f"max of steps {first + 1}-{step + 1}" if step > first else f"step {step + 1}"
-            ranks = f", rank 0 of {world_size(cfg)}" if cfg.distributed else ""
-            instrument = f"{PEAK_INSTRUMENTS[next(model.parameters()).device.type]}; {where}{ranks}"
-            report(budget.peak_line(max(peaks), instrument))
-        return state, loss
+        if cfg.distributed:
+            return state, measured(step, batch, lambda: distributed_step(trained, optimizer, batch, cfg))
+        return state, measured(step, batch, lambda: train_step(model, optimizer, batch, DTYPES[cfg.dtype]))
 
     def save_fn(state: None, losses: list[float]) -> None:
         save_checkpoint(run.out, model, optimizer, manifest_for(cfg, model.spec, FRAMEWORK, LAYOUT, losses))
