@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import flax.struct
@@ -41,7 +42,9 @@ from jax_impl.parallel import make_mesh, shard, state_shardings
 from jax_impl.unet import UNet
 from shared_configs import load_spec, resolve_plan
 from shared_configs.inputs import input_specs
+from shared_configs.planning.planner import XLA_CPU_OPTIONS
 from shared_configs.spec import SpecError
+from shared_configs.training.budget import RunPlan, plan_run, report
 from shared_configs.training.config import TrainConfig, cli_main
 from shared_configs.training.data import CONDITIONING, Batch, Dataset, check_conditioning, load_dataset, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
@@ -220,6 +223,15 @@ def generate(model: UNet, state: TrainState, schedule: Schedule, dataset: Datase
     return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)
 
 
+PEAK_INSTRUMENT = "XLA's memory_analysis() of the compiled step this loop runs"
+
+
+def compiled_peak(compiled: jax.stages.Compiled) -> int:
+    """The compiled step's peak bytes (per device): arguments + outputs - aliased (donated) + temporaries."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
 def make_step(
     cfg: TrainConfig,
     model: UNet,
@@ -227,28 +239,50 @@ def make_step(
     dataset: Dataset,
     schedule: Schedule,
     mesh: Mesh | None = None,
+    budget: RunPlan | None = None,
 ) -> Callable[[TrainState, int], tuple[TrainState, float]]:
     """``step(state, s) -> (state, loss)``: training step ``s`` on its batch (a function of (seed, s)).
 
     With a ``mesh`` (`jax_impl.parallel.make_mesh`) the state is placed as
     ``cfg.distributed`` says (replicated, or FSDP-sharded) and the batch split over the devices;
-    the regime's precision picks the forward's compute dtype (`DTYPES`) and the loss scale.
+    the regime's precision picks the forward's compute dtype (`DTYPES`) and the loss scale. With a
+    ``budget`` the step is compiled ahead of the first one as the planner compiled it (XLA:CPU
+    keeping remat's barriers, without which a plan saves nothing on CPU) and its compiled peak
+    printed beside the prediction.
     """
     regime = cfg.regime
     scale = LOSS_SCALE if regime.loss_scaling else None
     step_fn = functools.partial(
         train_step, model=model, tx=tx, compute_dtype=DTYPES[regime.compute_dtype], loss_scale=scale
     )
+    compiled: list[jax.stages.Compiled] = []  # with a budget: the one executable every step runs
 
     def step(state: TrainState, index: int) -> tuple[TrainState, float]:
         batch = arrays(dataset.batch(index, cfg.batch_size, schedule, cfg.seed))
         if mesh is not None:
             state, batch = shard(mesh, state, batch, cfg.distributed)
         key = jax.random.key(step_seed(cfg.seed, index))  # dropout masks depend on (seed, step) only
-        state, loss = step_fn(state, batch, key)
+        if budget is None:
+            state, loss = step_fn(state, batch, key)
+            return state, float(loss)
+        if not compiled:
+            compiled.append(compile_step(step_fn, state, batch, key))
+            report(budget.peak_line(compiled_peak(compiled[0]), f"{PEAK_INSTRUMENT}{_barriers()}"))
+        state, loss = compiled[0](state, batch, key)
         return state, float(loss)
 
     return step
+
+
+def compile_step(step_fn: functools.partial, *args: Any) -> jax.stages.Compiled:
+    """``step_fn`` (`train_step` with its static arguments) compiled for ``args``; on CPU with
+    remat's optimization barriers kept (`XLA_CPU_OPTIONS`), as the planner's profile compiles it."""
+    options = XLA_CPU_OPTIONS if jax.default_backend() == "cpu" else {}
+    return step_fn.func.lower(*args, **step_fn.keywords).compile(compiler_options=options)
+
+
+def _barriers() -> str:
+    return "; XLA:CPU with cse_barrier_expander off, as planned" if jax.default_backend() == "cpu" else ""
 
 
 def run_steps(
@@ -302,9 +336,14 @@ def train(cfg: TrainConfig) -> list[float]:
     plan = resolve_plan(spec, cfg.policy)  # once: a bad policy is refused here; None: the spec's own
     if cfg.regime.lora_rank is not None:
         raise SpecError("trainable: lora:R is not built for the Flax U-Net yet (torch_impl.train has it, via peft)")
-    model, policy = UNet(spec=spec, policy=plan, attention_chunk=cfg.attention_chunk), plan.policy
     mesh = make_mesh(cfg.batch_size) if cfg.distributed else None
     with open_run(cfg, spec, FRAMEWORK, LAYOUT) as run:
+        budget = None
+        if cfg.budget_mib is not None:
+            budget = plan_run(cfg, spec, "jax", mesh.size if mesh else 1, run.manifest and run.manifest.run)
+            cfg, plan = replace(cfg, policy=budget.policy), resolve_plan(spec, budget.policy)  # recorded
+            report(budget.plan_line("jax"))
+        model, policy = UNet(spec=spec, policy=plan, attention_chunk=cfg.attention_chunk), plan.policy
         tx = make_optimizer(cfg.lr, cfg.weight_decay, cfg.regime)
         state = start_state(model, tx, cfg, run, mesh)
         dataset, schedule = load_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
@@ -313,7 +352,7 @@ def train(cfg: TrainConfig) -> list[float]:
             save_checkpoint(run.out, state, manifest_for(cfg, spec, FRAMEWORK, LAYOUT, losses))
 
         losses = run.losses
-        step = make_step(cfg, model, tx, dataset, schedule, mesh)
+        step = make_step(cfg, model, tx, dataset, schedule, mesh, budget)
         state = run_loop(cfg, state, losses, step, save_fn, f"jax {spec.name} {policy}")
         samples = generate(model, state, schedule, dataset, cfg) if cfg.sample_steps > 0 else None
         write_outputs(cfg.out, losses, samples, f"jax_impl {spec.name}, policy {policy}")

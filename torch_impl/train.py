@@ -19,14 +19,20 @@ run folder, resume checks and NaN guard are framework-free (`shared_configs.trai
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from shared_configs import CheckpointPlan, UNetSpec, load_spec, resolve_plan
+from shared_configs.training.budget import MEASURED_STEPS, RunPlan, plan_run, report
 from shared_configs.training.config import TrainConfig, cli_main
 from shared_configs.training.data import Batch, Dataset, check_conditioning, load_dataset, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
@@ -36,6 +42,11 @@ from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, load_checkpoint, save_ch
 from torch_impl.parallel import launch, wrap
 from torch_impl.regime import EMA, apply_regime, autocast_dtype, loss_scaler, make_optimizer, trained_parameters
 from torch_impl.unet import UNet
+
+PEAK_INSTRUMENTS = {
+    "cpu": "PyTorch's MemTracker: live tensors, the batch included",
+    "cuda": "torch.cuda.max_memory_allocated",
+}
 
 
 def as_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor | None]]:
@@ -134,6 +145,58 @@ def build(
     return model, trained, make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.regime)
 
 
+@contextmanager
+def measured_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> Iterator[dict[str, int]]:
+    """The peak bytes of the step run in the block (``found["peak"]`` at exit), by `PEAK_INSTRUMENTS`.
+
+    On CPU the allocator keeps no statistics and a process's RSS counts pages it reused, not bytes
+    live at once: PyTorch's ``MemTracker`` follows every tensor storage (the numpy batch, which the
+    step reads without allocating it, as external tensors, as the planner's profile counts it).
+    """
+    found: dict[str, int] = {}
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        yield found
+        found["peak"] = torch.cuda.max_memory_allocated(device)
+        return
+    noisy, t, noise, conditioning = as_tensors(batch)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, noisy, t, noise, *(c for c in conditioning.values() if c is not None))
+    with tracker:
+        yield found
+    found["peak"] = int(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
+
+
+def world_size(cfg: TrainConfig) -> int:
+    """The processes the run's batch is split over (torchrun's WORLD_SIZE under ``--distributed``)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if cfg.distributed else 1
+
+
+def _peak_meter(
+    cfg: TrainConfig, model: UNet, optimizer: torch.optim.Optimizer, budget: RunPlan | None, first: int
+) -> Callable[[int, Batch, Callable[[], float]], float]:
+    """``measured(step, batch, run_step)``: runs the step; with a ``budget``, the first
+    `MEASURED_STEPS` from ``first`` under `measured_peak`, then rank 0 prints their peak beside the
+    prediction (each rank measures its own share of the batch)."""
+    rank, world, peaks = dist.get_rank() if cfg.distributed else 0, world_size(cfg), []
+
+    def measured(step: int, batch: Batch, run_step: Callable[[], float]) -> float:
+        if budget is None or step >= first + MEASURED_STEPS:
+            return run_step()
+        with measured_peak(model, optimizer, batch.shard(rank, world)) as found:
+            loss = run_step()
+        peaks.append(found["peak"])
+        if rank == 0 and (len(peaks) == MEASURED_STEPS or step + 1 == cfg.steps):
+            where = f"max of steps {first + 1}-{step + 1}" if step > first else f"step {step + 1}"
+            ranks = f", rank 0 of {world}" if cfg.distributed else ""
+            how = PEAK_INSTRUMENTS[next(model.parameters()).device.type]
+            report(budget.peak_line(max(peaks), f"{how}; {where}{ranks}"))
+        return loss
+
+    return measured
+
+
 def distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, tools: tuple) -> float:
     """`train_step` on this rank's shard of the global batch; returns the global mean loss.
 
@@ -158,9 +221,15 @@ def train(cfg: TrainConfig) -> list[float]:
     plan = resolve_plan(spec, cfg.policy)  # once: a bad policy is refused here; None: the spec's own
     rank = launch(cfg)
     with open_run(cfg, spec, FRAMEWORK, LAYOUT, owner=rank == 0) as run:
+        budget = None
+        if cfg.budget_mib is not None:  # every rank plans: the profile cache's lock lets one profile
+            budget = plan_run(cfg, spec, "torch", world_size(cfg), run.manifest and run.manifest.run)
+            cfg, plan = replace(cfg, policy=budget.policy), resolve_plan(spec, budget.policy)  # recorded
+            if rank == 0:
+                report(budget.plan_line("torch"))
         model, trained, optimizer = build(cfg, plan)
         try:
-            losses, samples = _train(cfg, run, model, trained, optimizer)
+            losses, samples = _train(cfg, run, model, trained, optimizer, budget)
         finally:
             if cfg.distributed:
                 # Drop DDP (and its reducer) while the process group lives: otherwise the group is
@@ -174,9 +243,15 @@ def train(cfg: TrainConfig) -> list[float]:
 
 
 def _train(
-    cfg: TrainConfig, run: RunStart, model: UNet, trained: torch.nn.Module, optimizer: torch.optim.Optimizer
+    cfg: TrainConfig,
+    run: RunStart,
+    model: UNet,
+    trained: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    budget: RunPlan | None = None,
 ) -> tuple[list[float], np.ndarray | None]:
-    """The steps from the run's start (resumed, its checkpoint checked first), then the samples."""
+    """The steps from the run's start (resumed, its checkpoint checked first), then the samples;
+    with a ``budget``, the peak of the first steps measured and printed beside its prediction."""
     scaler = loss_scaler(cfg.regime, next(model.parameters()).device)
     ema = EMA(trained_parameters(model)) if cfg.regime.ema else None
     extra = {k: v for k, v in (("scaler", scaler), ("ema", ema)) if v is not None}
@@ -184,13 +259,14 @@ def _train(
     if run.checkpoint is not None:
         load_checkpoint(run.checkpoint, model, optimizer, extra)
     dataset, schedule = load_dataset(cfg.data, model.spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
+    measured = _peak_meter(cfg, model, optimizer, budget, first=len(run.losses))
 
     def step_fn(state: None, step: int) -> tuple[None, float]:
         batch = dataset.batch(step, cfg.batch_size, schedule, cfg.seed)
         torch.manual_seed(step_seed(cfg.seed, step))  # dropout masks depend on (seed, step) only
         if cfg.distributed:
-            return state, distributed_step(trained, optimizer, batch, tools)
-        return state, train_step(model, optimizer, batch, *tools)
+            return state, measured(step, batch, lambda: distributed_step(trained, optimizer, batch, tools))
+        return state, measured(step, batch, lambda: train_step(model, optimizer, batch, *tools))
 
     def save_fn(state: None, losses: list[float]) -> None:
         save_checkpoint(run.out, model, optimizer, manifest_for(cfg, model.spec, FRAMEWORK, LAYOUT, losses), extra)

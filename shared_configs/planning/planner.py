@@ -16,6 +16,7 @@ time is then FLOPs at ``flops_per_s``.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -23,7 +24,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
@@ -31,7 +33,16 @@ from typing import Any
 
 from shared_configs.cli import BenchmarkError
 from shared_configs.loader import load_spec, spec_from_dict
-from shared_configs.planning.budget import SAFETY, SCHEMA, Profile, leaf_units, per_rank, safety_margin
+from shared_configs.planning.budget import (
+    SAFETY,
+    SCHEMA,
+    Profile,
+    assignment_of,
+    leaf_units,
+    per_rank,
+    predict,
+    safety_margin,
+)
 from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops
 from shared_configs.planning.solver import Solution, solve
 from shared_configs.planning.unit_flops import unit_flops
@@ -42,6 +53,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = "benchmarks.plan_worker"  # the profiling / measuring process (it imports one framework)
 # XLA:CPU drops remat's optimization barriers unless this pass is off (docs/remat_vs_checkpoint.md).
 XLA_CPU_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
+XLA_CPU_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}  # the same, as jit's compiler_options
 CACHE_ENV = "UNET_REMAT_PLAN_CACHE"
 FRAMEWORKS = ("torch", "jax")
 # Shapes-only time: stated rates (a current GPU's order in float32), not measurements.
@@ -141,8 +153,25 @@ def get_profile(framework: str, workload: Workload, repeats: int | None = None, 
     """The profile of ``workload`` in ``framework``: from the cache, or measured (and cached)."""
     repeats = PROFILE_REPEATS[framework] if repeats is None else repeats
     path = profile_path(framework, workload, repeats)
-    profile = Profile.load(path) if cache and path.is_file() else _measure_profile(framework, workload, repeats, path)
+    if cache and path.is_file():
+        profile = Profile.load(path)
+    else:  # one measures, the others (the ranks of one training run) wait and read its profile
+        with _locked(path):
+            fresh = cache and path.is_file()
+            profile = Profile.load(path) if fresh else _measure_profile(framework, workload, repeats, path)
     return with_flop_time(profile, workload) if workload.shapes else profile
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An advisory lock on ``path``'s profile for the block (released when its process dies)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def progress(message: str) -> None:
@@ -289,6 +318,18 @@ def plan(
     solve_s = time.perf_counter() - start
     sol, margin = fit_checked(sol, profiles, workload, budget_bytes, margin, frameworks, world_size)
     return Planned(sol, profiles, margin, solve_s)
+
+
+def predict_policy(
+    workload: Workload, policy: str, framework: str = "torch", world_size: int = 1, distributed: str = "ddp"
+) -> tuple[Solution, list[Profile]]:
+    """What the profiles `plan` solves on predict of a given ``policy`` (any form `resolve_plan`
+    takes), per framework: no solving, no check. A bad policy is refused before any profiling."""
+    frameworks = frameworks_of(framework)
+    assignment = assignment_of(workload.spec, policy)
+    profiles = [per_rank(get_profile(fw, workload), world_size, distributed) for fw in frameworks]
+    predictions = tuple(predict(p, workload.spec, assignment) for p in profiles)
+    return Solution(assignment, predictions, policy), profiles
 
 
 def plan_for_budget(

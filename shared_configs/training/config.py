@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from shared_configs.cli import OneLineParser, nonnegative, positive
+from shared_configs.cli import OneLineParser, nonnegative, positive, positive_mib
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.data import DATASETS
 from shared_configs.training.ddpm import SCHEDULES, make_schedule
-from shared_configs.training.regime import Regime, add_regime_arguments
+from shared_configs.training.regime import DEFAULT, Regime, add_regime_arguments, regime_of
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class TrainConfig:
 
     config: str = "tiny"
     policy: str | None = None  # None: the spec's own `checkpoint:` field ("none" if it has none)
+    budget_mib: float | None = None  # instead of a policy: the plan the planner finds for this run
     batch_size: int = 16
     steps: int = 200
     lr: float = 1e-3
@@ -80,11 +81,19 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
     d = TrainConfig()
     p = OneLineParser(prog=_prog(framework), description="DDPM noise-prediction training.")
     p.add_argument("--config", default=d.config, help="preset name or YAML path (default: tiny)")
-    p.add_argument(
+    plan = p.add_mutually_exclusive_group()
+    plan.add_argument(
         "--policy",
         default=d.policy,
         help="checkpoint policy: none, full, balanced, layers, every:N (default: the spec's checkpoint "
         "field, else none)",
+    )
+    plan.add_argument(
+        "--budget-mib",
+        type=positive_mib,
+        default=d.budget_mib,
+        help="instead of --policy: the cheapest plan whose step is predicted to fit this many MiB (per rank), "
+        "for this run's spec, batch and ranks (profiled once, cached); prints the predicted and measured peak",
     )
     p.add_argument("--batch-size", type=positive(int), default=d.batch_size)
     p.add_argument("--steps", type=positive(int), default=d.steps, help="total steps (a resumed run stops here too)")
@@ -122,6 +131,9 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
         make_schedule(args.schedule, args.timesteps)
     except ValueError as err:
         p.error(f"--{err}")
+    if args.budget_mib is not None and regime_of(args) != DEFAULT:
+        p.error(f"--budget-mib: plans the default regime only ({DEFAULT.describe()}; the planner profiles no "
+                f"other yet); got {regime_of(args).describe()}")  # fmt: skip
     return TrainConfig(**vars(args))
 
 
