@@ -27,9 +27,11 @@ from shared_configs.training.config import TrainConfig
 from shared_configs.training.data import Batch
 
 FRAMEWORKS: tuple[str, ...] = ("torch", "jax")  # what --framework both runs
-# diffusers' own U-Net (torch), with its enable_gradient_checkpointing(): the baseline ours replace
+# diffusers' own U-Net (torch), with its enable_gradient_checkpointing() (the baseline ours replace)
+# and, beside these rows, the plans of --policies applied to it (torch_impl.apply_plan)
 DIFFUSERS = "diffusers"
-DIFFUSERS_POLICIES: tuple[str, ...] = ("none", "enable_gradient_checkpointing")
+DIFFUSERS_OWN = "enable_gradient_checkpointing"
+DIFFUSERS_POLICIES: tuple[str, ...] = ("none", DIFFUSERS_OWN)
 EVENT_PREFIX = "@@bench "  # worker stdout lines carrying an event start with this
 OOM_SIM_ENV = "BENCHMARKS_SIMULATE_OOM"  # "torch:full:2,jax:none:1": raise the framework's OOM there
 KILL_SIM_ENV = "BENCHMARKS_SIMULATE_KILL"  # same syntax: SIGKILL the worker there (a host OOM kill)

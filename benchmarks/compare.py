@@ -84,7 +84,8 @@ jax compilation cache (--jax-cache): a repeated run loads its compiled steps.
 defaults: attention, dtype, context length, steps and the cache are shared_configs.defaults' (those of
   benchmarks.plan and the training CLIs too); the line under the table says what this run used.
 diffusers: diffusers' own UNet2D(Condition)Model (the spec's diffusers config, or the --diffusers
-  folder's), same weights, measured like torch; its rows are none and enable_gradient_checkpointing.
+  folder's), same weights, measured like torch; its rows are none, enable_gradient_checkpointing (its
+  own) and every --policies plan, applied to diffusers' model by torch_impl.apply_plan.
 """
 
 
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_frameworks,
         default=FRAMEWORKS,
         help="both (default: torch and jax), or a comma list of torch, jax, diffusers (diffusers' own U-Net "
-        "and its enable_gradient_checkpointing(), on the same weights)",
+        "with its enable_gradient_checkpointing() and the same plans, on the same weights)",
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument("--config", default=DEFAULT_CONFIG, help="preset name or spec YAML path (default: %(default)s)")
@@ -217,7 +218,7 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
     return [
         Job(
             framework=fw,
-            policies=DIFFUSERS_POLICIES if fw == DIFFUSERS else tuple(policies),
+            policies=tuple(dict.fromkeys([*DIFFUSERS_POLICIES, *policies])) if fw == DIFFUSERS else tuple(policies),
             timeline=() if fw == DIFFUSERS else timeline,
             xla_default=args.xla_default,
             attention_chunk=args.jax_attention_chunk if fw == "jax" else None,

@@ -1,5 +1,6 @@
-"""diffusers' own U-Net, with and without its ``enable_gradient_checkpointing()``, measured exactly
-as `benchmarks.torch_bench` measures ours (same step, instruments, inputs and weights).
+"""diffusers' own U-Net, with and without its ``enable_gradient_checkpointing()``, and under our
+plans (`torch_impl.apply_plan`), measured exactly as `benchmarks.torch_bench` measures ours (same
+step, instruments, inputs and weights).
 
 The baseline a diffusers user has: ``UNet2D(Condition)Model.enable_gradient_checkpointing()``
 recomputes each ResNet and each transformer layer inside the down/mid/up blocks (close to our
@@ -16,7 +17,7 @@ import diffusers
 import torch
 
 from benchmarks import torch_bench
-from benchmarks.common import DIFFUSERS_POLICIES, Job
+from benchmarks.common import DIFFUSERS_OWN, Job, policy_arg
 from benchmarks.torch_bench import (
     device_info,
     one_row_per_process,
@@ -28,6 +29,7 @@ from benchmarks.torch_bench import (
 )
 from shared_configs import to_diffusers_config
 from shared_configs.diffusers.folders import find_folder
+from torch_impl import apply_plan
 
 __all__ = [
     "device_info",
@@ -69,13 +71,13 @@ class DiffusersForward(torch.nn.Module):
 
 
 def build(job: Job, spec: Any, policy: str) -> torch.nn.Module:
-    if policy not in DIFFUSERS_POLICIES:
-        raise ValueError(f"policy: diffusers rows are {', '.join(DIFFUSERS_POLICIES)}, not {policy!r}")
     config = find_folder(job.config).config if job.source == "diffusers" else to_diffusers_config(spec)
     unet = getattr(diffusers, config["_class_name"]).from_config(config)
     unet.load_state_dict(torch_bench.our_unet(job, spec).to_diffusers_state_dict(), strict=True)
-    if policy == "enable_gradient_checkpointing":
+    if policy == DIFFUSERS_OWN:
         unet.enable_gradient_checkpointing()
+    else:
+        apply_plan(unet, policy_arg(policy))
     return DiffusersForward(unet)
 
 

@@ -4,10 +4,12 @@
     python -m benchmarks.plan ... --framework both --verify --json plan.json
     python -m benchmarks.plan --config small --sample-size 32 --batch-size 4 --sweep out/ --verify
     python -m benchmarks.plan --config sd15 --sample-size 64 --batch-size 8 --budget-mib 24576 --shapes
+    python -m benchmarks.plan --config sd15 --sample-size 64 --batch-size 8 --policy layers --shapes
 
 Prints the plan as the policy string `UNet.enable_gradient_checkpointing` and
 `jax_impl.UNet(policy=...)` accept (and a spec's ``checkpoint:`` YAML line), its predicted peak
-and step-time overhead per framework. The method is in docs/planning.md.
+and step-time overhead per framework; ``--policy P`` predicts (and with --verify measures) the
+policy given instead of solving for one. The method is in docs/planning.md.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from shared_configs import SpecError
 from shared_configs.cli import OneLineParser, cli_errors, nonnegative, positive_float, positive_int, positive_mib
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, resolve_chunk
 from shared_configs.planning import candidates
-from shared_configs.planning.budget import DISTRIBUTED
+from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS
 from shared_configs.planning.planner import (
     DEFAULT_BYTES_PER_S,
@@ -37,6 +39,7 @@ from shared_configs.planning.planner import (
     get_profile,
     measure,
     plan,
+    predict_policy,
 )
 from shared_configs.units import MIB
 
@@ -68,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-size", type=positive_int, help="the side of the (latent) image (default: the spec's)")
     p.add_argument("--batch-size", type=positive_int, required=True, help="the training batch")
     p.add_argument("--budget-mib", type=positive_mib, help="the step's memory budget, MiB (required but for --sweep)")
+    p.add_argument("--policy", help="predict this policy's peak and cost instead of solving (e.g. layers, full)")
     p.add_argument("--framework", choices=("torch", "jax", "both"), default="torch",
                    help="plan for this framework; both: one plan that fits in each (default torch)")  # fmt: skip
     p.add_argument("--world-size", type=positive_int, default=1,
@@ -127,8 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.budget_mib is None and args.sweep is None:
-        raise SpecError("--budget-mib: required (a positive number of MiB), unless --sweep")
+    if args.policy is not None and (args.budget_mib is not None or args.sweep is not None or args.solve_times
+                                    or args.candidates):  # fmt: skip
+        raise SpecError("--policy: predicts the policy given; not with --budget-mib, --sweep, --solve-times or "
+                        "--candidates")  # fmt: skip
+    if args.budget_mib is None and args.sweep is None and args.policy is None:
+        raise SpecError("--budget-mib: required (a positive number of MiB), unless --sweep or --policy")
     sharded = args.distributed == "fsdp" and args.world_size > 1
     if sharded and (args.verify or args.candidates or args.sweep is not None):
         raise SpecError("--world-size with --distributed fsdp: --verify, --candidates and --sweep measure one process "
@@ -136,37 +144,61 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
-    """The --json document: the plan, the budget, per framework the predictions (and measurements)."""
-    budget = int(args.budget_mib * MIB)
-    count = (VERIFY_CANDIDATES if args.verify else 0) if args.candidates is None else args.candidates
-    found = plan(workload, budget, args.framework, args.world_size, args.distributed, count, args.rounds)
-    sol, profiles, frameworks = found.solution, found.profiles, frameworks_of(args.framework)
-    raced = found.candidates and found.candidates["chosen"]
-    per_fw: dict[str, Any] = {}
-    for fw, profile, pred in zip(frameworks, profiles, sol.predictions, strict=True):
-        per_fw[fw] = {
-            "predicted_peak_bytes": pred.peak_bytes,
-            "predicted_overhead": pred.overhead(profile),
-            "recompute_flops": pred.flops,
-            "peak_at": pred.peak_unit,
-            "time_method": "measured"
-            if profile.mode == "measured"
-            else f"estimated: FLOPs at {profile.flops_per_s:.3g} FLOP/s + elementwise bytes at "
-            f"{args.bytes_per_s:.3g} B/s",
-        }
-        if raced:  # measured already, in the race
-            per_fw[fw] |= _from_race(found.candidates, fw)
-        elif args.verify:
-            rows = measure(fw, workload, ["none", sol.policy], args.steps)["rows"]
-            per_fw[fw]["measured_peak_bytes"] = rows[sol.policy]["peak_bytes"]
-            per_fw[fw]["measured_overhead"] = rows[sol.policy]["step_time_s"] / rows["none"]["step_time_s"] - 1
-            # round by round against none: the overhead's spread on this machine (--steps 5 and up bound it)
-            per_fw[fw]["measured_overhead_paired"] = paired(rows[sol.policy]["rounds_s"], rows["none"]["rounds_s"])
+    """The --json document: the plan, the budget, per framework the predictions (and measurements),
+    the measured candidates (--candidates). With ``--policy``: that policy's, and no budget, margin
+    or solver time (null)."""
+    report = None
+    if args.policy is not None:
+        sol, profiles = predict_policy(workload, args.policy, args.framework, args.world_size, args.distributed)
+        budget, margin, solve_s = None, None, None
+    else:
+        budget = int(args.budget_mib * MIB)
+        count = (VERIFY_CANDIDATES if args.verify else 0) if args.candidates is None else args.candidates
+        found = plan(workload, budget, args.framework, args.world_size, args.distributed, count, args.rounds)
+        sol, profiles, margin, solve_s, report = (found.solution, found.profiles, found.margin, found.solve_seconds,
+                                                  found.candidates)  # fmt: skip
+    frameworks = frameworks_of(args.framework)
+    per_fw = {
+        fw: _framework_entry(args, workload, fw, profile, pred, sol.policy, report)
+        for fw, profile, pred in zip(frameworks, profiles, sol.predictions, strict=True)
+    }
     doc = {"plan": sol.policy, "budget_bytes": budget, "frameworks": per_fw, "settings": workload.used(frameworks)}
-    if found.candidates is not None:
-        doc["candidates"] = found.candidates
+    if report is not None:
+        doc["candidates"] = report
     ranks = {"world_size": args.world_size, "distributed": args.distributed}
-    return doc | {"margin": found.margin, "solve_seconds": found.solve_seconds} | ranks
+    return doc | {"margin": margin, "solve_seconds": solve_s} | ranks
+
+
+def _framework_entry(
+    args: argparse.Namespace,
+    workload: Workload,
+    fw: str,
+    profile: Profile,
+    pred: Prediction,
+    policy: str,
+    report: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """One framework's predictions of ``policy`` (and, with --verify, its measurement beside none's:
+    the candidates' race's, when ``report`` chose it)."""
+    entry: dict[str, Any] = {
+        "predicted_peak_bytes": pred.peak_bytes,
+        "predicted_overhead": pred.overhead(profile),
+        "recompute_flops": pred.flops,
+        "peak_at": pred.peak_unit,
+        "time_method": "measured"
+        if profile.mode == "measured"
+        else f"estimated: FLOPs at {profile.flops_per_s:.3g} FLOP/s + elementwise bytes at "
+        f"{args.bytes_per_s:.3g} B/s",
+    }
+    if report and report["chosen"]:  # measured already, in the race
+        entry |= _from_race(report, fw)
+    elif args.verify:
+        rows = measure(fw, workload, list(dict.fromkeys(["none", policy])), args.steps)["rows"]
+        entry["measured_peak_bytes"] = rows[policy]["peak_bytes"]
+        entry["measured_overhead"] = rows[policy]["step_time_s"] / rows["none"]["step_time_s"] - 1
+        # round by round against none: the overhead's spread on this machine (--steps 5 and up bound it)
+        entry["measured_overhead_paired"] = paired(rows[policy]["rounds_s"], rows["none"]["rounds_s"])
+    return entry
 
 
 def _from_race(report: dict[str, Any], framework: str) -> dict[str, Any]:
@@ -185,11 +217,15 @@ def _ranks(doc: dict[str, Any]) -> str:
 
 def render(doc: dict[str, Any], workload: Workload) -> str:
     spec = workload.spec
+    what = f"{spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size}{_ranks(doc)}"
+    if doc["budget_bytes"] is None:
+        head = f"the policy given, for {what} (predicted from the profile, not solved):"
+    else:
+        head = (f"plan for {what}, budget {doc['budget_bytes'] / MIB:.1f} MiB, planned {100 * doc['margin']:.1f}% "
+                f"below it (the model's error on its profile steps and 0.5%, more where its checked peak was over "
+                f"it; solved in {doc['solve_seconds']:.2f} s):")  # fmt: skip
     lines = [
-        f"plan for {spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size}{_ranks(doc)}, "
-        f"budget {doc['budget_bytes'] / MIB:.1f} MiB, planned {100 * doc['margin']:.1f}% below it "
-        f"(the model's error on its profile steps and 0.5%, more where its checked peak was over it; solved in "
-        f"{doc['solve_seconds']:.2f} s):",
+        head,
         f"  settings: {doc['settings']}",
         f"  policy: {doc['plan']}",
         f"  yaml:   checkpoint: {json.dumps(doc['plan'])}",

@@ -40,12 +40,13 @@ from jax_impl import train as jt
 from jax_impl.unet import UNet
 from shared_configs import UNetSpec, block_names
 from shared_configs.planning.budget import PLAIN, PROFILE_RUNS, Cost, leaf_units, policy_string, uniform
+from shared_configs.planning.planner import XLA_CPU_OPTIONS
 from shared_configs.planning.recompute_time import at_rates, step_flops
 from shared_configs.planning.timeline import Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from shared_configs.training.data import example_batch
 
-BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}  # remat's barriers survive on XLA:CPU
+BARRIERS = XLA_CPU_OPTIONS  # remat's barriers survive on XLA:CPU
 # Buffer assignment precedes code generation: the memory figures are the same at -O0, and faster.
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 

@@ -62,7 +62,8 @@ from shared_configs.planning.budget import (
 from shared_configs.planning.timeline import BWD, FWD, Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from shared_configs.training.data import Batch, example_batch
-from torch_impl.train import as_tensors, make_optimizer, train_step
+from torch_impl.regime import make_optimizer
+from torch_impl.train import as_tensors, train_step
 from torch_impl.unet import UNet
 
 OPTIMIZER = "optimizer"

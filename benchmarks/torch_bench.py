@@ -41,7 +41,8 @@ from benchmarks.torch_memory import (
 )
 from torch_impl import UNet
 from torch_impl.flops import register_cpu_attention_flops
-from torch_impl.train import DTYPES, make_optimizer, train_step
+from torch_impl.regime import DTYPE, make_optimizer
+from torch_impl.train import train_step
 
 Builder = Callable[[Job, Any, str], torch.nn.Module]
 
@@ -189,7 +190,7 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
     model = torch_ranks.shard(job, build(job, spec, policy).to(device))
     optimizer = make_optimizer(model, OPTIMIZER.lr, OPTIMIZER.weight_decay)  # after sharding: over the shards
     batch = torch_ranks.rank_batch(spec, batch_size, job)
-    step = functools.partial(train_step, model, optimizer, batch, DTYPES[job.dtype])
+    step = functools.partial(train_step, model, optimizer, batch, None if job.dtype == "float32" else DTYPE[job.dtype])
     # warm-up: makes the optimizer state (and the gradients the next step's zero_grad frees)
     first, flops = (timed_steps(step, device, 1)[0], None) if job.peak_only else counted_step(step, device)
     row: dict[str, Any] = {"flops": flops, **memory_step(model, optimizer, step, device, batch)}

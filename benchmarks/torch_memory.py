@@ -323,7 +323,7 @@ class AllocatorPeak:
     """Peak of the bytes the CPU allocator hands out while active, above its level at entry.
 
     Frees count only for blocks allocated while active (paired by address): a block from before is
-    freed with a size the profiler may take from a stale record of an earlier session, which would
+    freed with a size the profiler may take from a stale record of an earlier profiler run, which would
     pull the count down."""
 
     def __init__(self) -> None:

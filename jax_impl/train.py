@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import flax.struct
@@ -42,17 +43,28 @@ from jax_impl.unet import UNet
 from shared_configs import load_spec, resolve_plan
 from shared_configs.defaults import device_of, resolve_chunk
 from shared_configs.inputs import input_specs
+from shared_configs.planning.planner import XLA_CPU_OPTIONS
+from shared_configs.spec import SpecError
+from shared_configs.training.budget import RunPlan, plan_run, report
 from shared_configs.training.config import TrainConfig, cli_main, used
 from shared_configs.training.data import CONDITIONING, Batch, Dataset, check_conditioning, load_dataset, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
+from shared_configs.training.regime import DEFAULT, Regime
 
 # (noisy, t, noise, context, class_labels, text_embeds, time_ids): the conditioning in the forward's
 # order (`shared_configs.training.data.CONDITIONING`), None where the spec takes none of it.
 Arrays = tuple[jax.Array | None, ...]
-# --dtype -> the forward's compute dtype; None computes in the params' own float32 (no casts at all).
-DTYPES: dict[str, DTypeLike | None] = {"float32": None, "bfloat16": jnp.bfloat16}
+# The regime's dtype names (`Regime.compute_dtype`, `Regime.param_dtype`); None computes in the
+# params' own dtype (no casts at all).
+DTYPES: dict[str | None, DTypeLike | None] = {
+    None: None, "float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16
+}
+# fp16-mixed: the loss is scaled by this before the backward and the gradients back (a static scale;
+# a step whose gradients still overflow is skipped by `optax.apply_if_finite`).
+LOSS_SCALE = 2.0**12
+EMA_DECAY = 0.9999
 
 
 @flax.struct.dataclass
@@ -62,12 +74,18 @@ class TrainState:
     params: Any
     opt_state: Any
     batch_stats: Any  # BatchNorm running statistics; {} for a GroupNorm spec
+    ema: Any = None  # --ema: a float32 moving average of the params (None: none kept)
 
     @classmethod
-    def create(cls, variables: Any, tx: optax.GradientTransformation) -> TrainState:
-        """From Flax ``variables`` (``model.init``'s, or `jax_impl.convert.torch_to_flax_variables`'s)."""
+    def create(cls, variables: Any, tx: optax.GradientTransformation, regime: Regime = DEFAULT) -> TrainState:
+        """From Flax ``variables`` (``model.init``'s, or `jax_impl.convert.torch_to_flax_variables`'s),
+        in ``regime``: params cast to its weight dtype, an EMA copy when it keeps one."""
         params = variables["params"]
-        return cls(params=params, opt_state=tx.init(params), batch_stats=variables.get("batch_stats", {}))
+        if regime.param_dtype != "float32":
+            params = cast_floating(params, DTYPES[regime.param_dtype])
+        # A copy: params already in float32 would otherwise share their buffers (donated twice).
+        ema = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True), params) if regime.ema else None
+        return cls(params, tx.init(params), variables.get("batch_stats", {}), ema)
 
     def variables(self) -> dict[str, Any]:
         return flax_variables(self.params, self.batch_stats)
@@ -79,9 +97,18 @@ def flax_variables(params: Any, batch_stats: Any) -> dict[str, Any]:
 
 
 @functools.cache  # one object per hyperparameters, so the jitted step (tx is static) compiles once
-def make_optimizer(lr: float, weight_decay: float) -> optax.GradientTransformation:
-    """``optax.adamw`` matching torch's AdamW (set weight_decay explicitly: optax defaults to 1e-4)."""
-    return optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+def make_optimizer(lr: float, weight_decay: float, regime: Regime = DEFAULT) -> optax.GradientTransformation:
+    """``regime.optimizer``: ``optax.adamw`` matching torch's AdamW (weight_decay explicit: optax
+    defaults to 1e-4) or ``optax.adafactor``; under loss scaling, steps with non-finite gradients
+    are skipped (`optax.apply_if_finite`)."""
+    if regime.optimizer == "adamw8bit":
+        raise SpecError("optimizer: adamw8bit has no JAX implementation (optax has no 8-bit AdamW); use adamw or "
+                        "adafactor, or plan its state bytes with python -m benchmarks.plan --shapes")  # fmt: skip
+    if regime.optimizer == "adafactor":
+        tx = optax.adafactor(lr, weight_decay_rate=weight_decay or None)
+    else:
+        tx = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+    return optax.apply_if_finite(tx, max_consecutive_errors=10) if regime.loss_scaling else tx
 
 
 def arrays(batch: Batch) -> Arrays:
@@ -93,15 +120,16 @@ def arrays(batch: Batch) -> Arrays:
             *conditioning)  # fmt: skip
 
 
-def init_state(model: UNet, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    """Fresh parameters (from ``seed``), their optimizer state, and initial BatchNorm statistics."""
+def init_state(model: UNet, tx: optax.GradientTransformation, seed: int, regime: Regime = DEFAULT) -> TrainState:
+    """Fresh parameters (from ``seed``), their optimizer state, and initial BatchNorm statistics, in
+    ``regime`` (`TrainState.create`)."""
     spec = model.resolved_spec
     # Zeros of every input the spec takes (batch 1, one context token): the parameter shapes do not
     # depend on the sizes; the spec's own sample size, as before, keeps the traced init unchanged.
     wanted = input_specs(spec, 1, context_len=1, layout="NHWC")
     inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in wanted.items()}
     rngs = {"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1)}
-    return TrainState.create(jax.jit(model.init)(rngs, **inputs), tx)
+    return TrainState.create(jax.jit(model.init)(rngs, **inputs), tx, regime)
 
 
 def cast_floating(tree: Any, dtype: DTypeLike) -> Any:
@@ -144,7 +172,9 @@ def loss_fn(
 
 # The state is donated: the new params and optimizer state reuse its buffers (a step holds one copy
 # of each, not two). Do not use a state after passing it in; keep the one returned.
-@functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype"), donate_argnames=("state",))
+@functools.partial(
+    jax.jit, static_argnames=("model", "tx", "compute_dtype", "loss_scale"), donate_argnames=("state",)
+)
 def train_step(
     state: TrainState,
     batch: Arrays,
@@ -153,17 +183,31 @@ def train_step(
     model: UNet,
     tx: optax.GradientTransformation,
     compute_dtype: DTypeLike | None = None,
+    loss_scale: float | None = None,
 ) -> tuple[TrainState, jax.Array]:
     """One DDPM step: loss and gradients (through the remat plan the model carries), optax update.
 
-    ``model``, ``tx`` and ``compute_dtype`` are static: keep one object of each (see
+    ``model``, ``tx``, ``compute_dtype`` and ``loss_scale`` are static: keep one object of each (see
     `make_optimizer`) to compile once. ``compute_dtype=jnp.bfloat16`` is mixed precision (see
-    `loss_fn`): params, gradients, optimizer state and loss stay float32. Returns (new state, loss).
+    `loss_fn`): params, gradients, optimizer state and loss stay float32. ``loss_scale`` (float16)
+    multiplies the loss before the backward and divides the gradients after. A state with an
+    ``ema`` moves it toward the new params. Returns (new state, loss).
     """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss, batch_stats), grads = grad_fn(state.params, state.batch_stats, model, batch, dropout_key, compute_dtype)
+    scale = 1.0 if loss_scale is None else loss_scale
+
+    def scaled(params: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+        loss, stats = loss_fn(params, state.batch_stats, model, batch, dropout_key, compute_dtype)
+        return loss * scale, (loss, stats)
+
+    (_, (loss, batch_stats)), grads = jax.value_and_grad(scaled, has_aux=True)(state.params)
+    if loss_scale is not None:
+        grads = jax.tree.map(lambda g: g / scale, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    return TrainState(optax.apply_updates(state.params, updates), opt_state, batch_stats), loss
+    params = optax.apply_updates(state.params, updates)
+    ema = state.ema
+    if ema is not None:
+        ema = jax.tree.map(lambda e, p: e + (1.0 - EMA_DECAY) * (p.astype(jnp.float32) - e), ema, params)
+    return TrainState(params, opt_state, batch_stats, ema), loss
 
 
 def generate(model: UNet, state: TrainState, schedule: Schedule, dataset: Dataset, cfg: TrainConfig) -> np.ndarray:
@@ -180,6 +224,15 @@ def generate(model: UNet, state: TrainState, schedule: Schedule, dataset: Datase
     return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)
 
 
+PEAK_INSTRUMENT = "XLA's memory_analysis() of the compiled step this loop runs"
+
+
+def compiled_peak(compiled: jax.stages.Compiled) -> int:
+    """The compiled step's peak bytes (per device): arguments + outputs - aliased (donated) + temporaries."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
 def make_step(
     cfg: TrainConfig,
     model: UNet,
@@ -187,24 +240,50 @@ def make_step(
     dataset: Dataset,
     schedule: Schedule,
     mesh: Mesh | None = None,
+    budget: RunPlan | None = None,
 ) -> Callable[[TrainState, int], tuple[TrainState, float]]:
     """``step(state, s) -> (state, loss)``: training step ``s`` on its batch (a function of (seed, s)).
 
     With a ``mesh`` (`jax_impl.parallel.make_mesh`) the state is placed as
     ``cfg.distributed`` says (replicated, or FSDP-sharded) and the batch split over the devices;
-    ``cfg.dtype`` picks the forward's compute dtype (`DTYPES`).
+    the regime's precision picks the forward's compute dtype (`DTYPES`) and the loss scale. With a
+    ``budget`` the step is compiled ahead of the first one as the planner compiled it (XLA:CPU
+    keeping remat's barriers, without which a plan saves nothing on CPU) and its compiled peak
+    printed beside the prediction.
     """
-    step_fn = functools.partial(train_step, model=model, tx=tx, compute_dtype=DTYPES[cfg.dtype])
+    regime = cfg.regime
+    scale = LOSS_SCALE if regime.loss_scaling else None
+    step_fn = functools.partial(
+        train_step, model=model, tx=tx, compute_dtype=DTYPES[regime.compute_dtype], loss_scale=scale
+    )
+    compiled: list[jax.stages.Compiled] = []  # with a budget: the one executable every step runs
 
     def step(state: TrainState, index: int) -> tuple[TrainState, float]:
         batch = arrays(dataset.batch(index, cfg.batch_size, schedule, cfg.seed))
         if mesh is not None:
             state, batch = shard(mesh, state, batch, cfg.distributed)
         key = jax.random.key(step_seed(cfg.seed, index))  # dropout masks depend on (seed, step) only
-        state, loss = step_fn(state, batch, key)
+        if budget is None:
+            state, loss = step_fn(state, batch, key)
+            return state, float(loss)
+        if not compiled:
+            compiled.append(compile_step(step_fn, state, batch, key))
+            report(budget.peak_line(compiled_peak(compiled[0]), f"{PEAK_INSTRUMENT}{_barriers()}"))
+        state, loss = compiled[0](state, batch, key)
         return state, float(loss)
 
     return step
+
+
+def compile_step(step_fn: functools.partial, *args: Any) -> jax.stages.Compiled:
+    """``step_fn`` (`train_step` with its static arguments) compiled for ``args``; on CPU with
+    remat's optimization barriers kept (`XLA_CPU_OPTIONS`), as the planner's profile compiles it."""
+    options = XLA_CPU_OPTIONS if jax.default_backend() == "cpu" else {}
+    return step_fn.func.lower(*args, **step_fn.keywords).compile(compiler_options=options)
+
+
+def _barriers() -> str:
+    return "; XLA:CPU with cse_barrier_expander off, as planned" if jax.default_backend() == "cpu" else ""
 
 
 def run_steps(
@@ -236,15 +315,15 @@ def start_state(
     (checked first; onto this mesh, whatever mesh wrote it), or initialised from the seed (under
     FSDP straight into its shards: jit's ``out_shardings``, no full copy on one device)."""
     if mesh is None and run.checkpoint is None:
-        return init_state(model, tx, cfg.seed)
-    abstract = jax.eval_shape(lambda: init_state(model, tx, cfg.seed))
+        return init_state(model, tx, cfg.seed, cfg.regime)
+    abstract = jax.eval_shape(lambda: init_state(model, tx, cfg.seed, cfg.regime))
     if mesh is None:
         placement = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
     else:
         placement = state_shardings(mesh, abstract, cfg.distributed)
     if run.checkpoint is not None:
         return load_checkpoint(run.checkpoint, abstract_target(abstract, placement))[0]
-    return jax.jit(lambda: init_state(model, tx, cfg.seed), out_shardings=placement)()
+    return jax.jit(lambda: init_state(model, tx, cfg.seed, cfg.regime), out_shardings=placement)()
 
 
 def train(cfg: TrainConfig) -> list[float]:
@@ -256,14 +335,21 @@ def train(cfg: TrainConfig) -> list[float]:
     spec = load_spec(cfg.config)
     check_objective(spec)
     plan = resolve_plan(spec, cfg.policy)  # once: a bad policy is refused here; None: the spec's own
-    device = device_of(jax.devices()[0].platform)
-    chunk = resolve_chunk(cfg.attention_chunk, device)
-    model, policy = UNet(spec=spec, policy=plan, attention_chunk=chunk), plan.policy
+    if cfg.regime.lora_rank is not None:
+        raise SpecError("trainable: lora:R is not built for the Flax U-Net yet (torch_impl.train has it, via peft)")
+    device = device_of(jax.devices()[0].platform)  # "auto" attention: this device's (the plan profiles it too)
+    cfg = replace(cfg, attention_chunk=resolve_chunk(cfg.attention_chunk, device))
     if cfg.jax_cache is not None:  # a repeated run loads its compiled steps
         jax.config.update("jax_compilation_cache_dir", cfg.jax_cache)
     mesh = make_mesh(cfg.batch_size) if cfg.distributed else None
     with open_run(cfg, spec, FRAMEWORK, LAYOUT) as run:
-        tx = make_optimizer(cfg.lr, cfg.weight_decay)
+        budget = None
+        if cfg.budget_mib is not None:
+            budget = plan_run(cfg, spec, "jax", mesh.size if mesh else 1, run.manifest and run.manifest.run)
+            cfg, plan = replace(cfg, policy=budget.policy), resolve_plan(spec, budget.policy)  # recorded
+            report(budget.plan_line("jax"))
+        model, policy = UNet(spec=spec, policy=plan, attention_chunk=cfg.attention_chunk), plan.policy
+        tx = make_optimizer(cfg.lr, cfg.weight_decay, cfg.regime)
         state = start_state(model, tx, cfg, run, mesh)
         dataset, schedule = load_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
 
@@ -271,7 +357,7 @@ def train(cfg: TrainConfig) -> list[float]:
             save_checkpoint(run.out, state, manifest_for(cfg, spec, FRAMEWORK, LAYOUT, losses))
 
         losses = run.losses
-        step = make_step(cfg, model, tx, dataset, schedule, mesh)
+        step = make_step(cfg, model, tx, dataset, schedule, mesh, budget)
         state = run_loop(cfg, state, losses, step, save_fn, f"jax {spec.name} {policy}", used(cfg, "jax_impl", device))
         samples = generate(model, state, schedule, dataset, cfg) if cfg.sample_steps > 0 else None
         write_outputs(cfg.out, losses, samples, f"jax_impl {spec.name}, policy {policy}")

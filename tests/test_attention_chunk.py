@@ -21,6 +21,7 @@ from tests.parity_utils import flax_out, parity_inputs, parity_pair, torch_out
 from tests.utils import FAST_COMPILE, TINY, rel_err
 
 
+@pytest.mark.slow_for("tiny", "sd_linear_proj")
 @pytest.mark.parametrize("name", ["tiny", "ddpm_style", "sd_linear_proj"])
 def test_chunked_outputs_match_torch(name: str) -> None:
     tmodel, fmodel, params = parity_pair(name)
@@ -29,6 +30,7 @@ def test_chunked_outputs_match_torch(name: str) -> None:
     assert rel_err(flax_out(chunked, params, inputs), torch_out(tmodel, inputs).detach()) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["none", "full"])
 def test_chunked_gradients_equal_unchunked(policy: str) -> None:
     spec = spec_from_dict({**TINY, "dropout": 0.3})  # dropout on: the masks must not move
@@ -54,6 +56,7 @@ def test_chunked_gradients_equal_unchunked(policy: str) -> None:
         assert np.linalg.norm(chunked[key] - want) <= 1e-9 * max(np.linalg.norm(want), 1e-6), key
 
 
+@pytest.mark.slow
 def test_chunks_keep_the_scores_out_of_memory() -> None:
     # One transformer level at 32x32: 1,024 tokens, 2 heads, so each attention's scores are
     # 2 x 1024^2 x 4 B = 8 MiB per sample; chunks of 128 queries hold an eighth of that.

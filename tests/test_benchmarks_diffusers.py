@@ -1,4 +1,4 @@
-"""`benchmarks.compare` on a diffusers folder, and diffusers' own checkpointing beside ours.
+"""`benchmarks.compare` on a diffusers folder, and diffusers' own checkpointing and our plans on its model beside ours.
 
 The reference for the diffusers rows is our torch U-Net: same network, same weights, same
 instruments, so without checkpointing the two must use the same memory.
@@ -26,7 +26,7 @@ def test_diffusers_folder_in_every_framework(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert doc is not None and doc["config"]["spec"]["transformer_layers_per_block"] == [1, 2]
     ours, theirs = rows_of(doc, "torch"), rows_of(doc, "diffusers")
-    assert set(theirs) == {"none", "enable_gradient_checkpointing"}
+    assert set(theirs) == {"none", "enable_gradient_checkpointing", "layers"}  # our plan too, by apply_plan
     assert doc["settings"]["policies"] == {"torch": ["none", "layers"], "diffusers": list(theirs)}
     count = sum(p.numel() for p in UNet(spec).parameters())
     assert ours["none"]["param_count"] == theirs["none"]["param_count"] == count
@@ -36,6 +36,9 @@ def test_diffusers_folder_in_every_framework(tmp_path: Path) -> None:
     assert abs(theirs["none"]["peak_bytes"] / ours["none"]["peak_bytes"] - 1) < 0.05
     gc = theirs["enable_gradient_checkpointing"]
     assert gc["peak_bytes"] < theirs["none"]["peak_bytes"] and gc["recompute_flops"] > 0
+    # our plan on diffusers' model: the peak and the recomputed FLOPs of our U-Net under it
+    assert abs(theirs["layers"]["peak_bytes"] / ours["layers"]["peak_bytes"] - 1) <= 0.03
+    assert theirs["layers"]["recompute_flops"] == ours["layers"]["recompute_flops"] > 0
 
 
 @pytest.mark.slow

@@ -69,6 +69,7 @@ def test_step_tracker_against_an_analytic_count_memtracker_and_the_allocator() -
     del out
 
 
+@pytest.mark.slow
 def test_torch_rows_add_up_and_agree_with_memtracker() -> None:
     """train_step on tiny: parts add up, none negative, within 5% of MemTracker's peak (the issue's
     bar; in practice equal), never above the allocator's count; block starts in forward order."""
@@ -103,6 +104,7 @@ def _compile(lowered: Any, cache: Path | None) -> tuple[Any, jax_memory.MemoryPl
     return compiled, plan
 
 
+@pytest.mark.slow
 def test_xla_plan_adds_up_to_memory_analysis_and_matches_xla_own_peak() -> None:
     """The plan read back from XLA's dump: parts add up to memory_analysis()'s total, none
     negative; the live bytes rebuilt from the buffer assignment match XLA's own count where its

@@ -180,6 +180,7 @@ def flax_plain_step(flax_bn: dict) -> tuple[dict, dict]:
     return _flax_train_step(flax_bn, "none")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full"])  # one compile per policy (~10 s); "layers", "balanced" pass too
 def test_flax_remat_updates_batch_stats_once(policy: str, flax_bn: dict, flax_plain_step: tuple) -> None:
     """`nn.remat` returns the mutated collection from the forward: no double update, no fix needed.

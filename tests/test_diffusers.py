@@ -167,11 +167,15 @@ def test_torch_from_live_module_matches_diffusers(case: dict[str, Any]) -> None:
     assert rel_err(_torch_out(ours, case), case["ref"]) <= TOL
 
 
+@pytest.mark.slow_for(
+    "ddpm", "sd", "sd2_linear", "sdxl_depths", "mixed_attention", "sdxl_text_time", "class_projection_variance"
+)
 def test_flax_from_folder_matches_diffusers(case: dict[str, Any]) -> None:
     module, params = _quiet_load(jax_io.from_diffusers, case["folder"])
     assert rel_err(_flax_out(module, params, case), case["ref"]) <= TOL
 
 
+@pytest.mark.slow_for("sdxl_depths", "sdxl_text_time")
 def test_to_diffusers_state_dict_loads_strictly(case: dict[str, Any]) -> None:
     ours = _quiet_load(UNet.from_diffusers, case["folder"])
     fresh = _build(case["name"])

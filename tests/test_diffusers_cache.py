@@ -117,6 +117,7 @@ def _leaves(tree: Any) -> list[Any]:
     return [x for v in tree.values() for x in _leaves(v)] if isinstance(tree, dict) else [tree]
 
 
+@pytest.mark.slow
 def test_flax_from_the_cache_matches_torch(env: Path) -> None:
     ours = UNet.from_diffusers("org/tiny-xl")  # no subfolder: the pipeline's unet/ is found
     module, params = jax_io.from_diffusers("org/tiny-xl")

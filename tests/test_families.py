@@ -55,6 +55,7 @@ def test_torch_policies_give_the_plain_gradients(family: str) -> None:
             assert rel_err(g, ref[name]) <= 1e-5, (policy, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FLAX_CASES)
 def test_flax_remat_gives_the_plain_gradients(family: str) -> None:
     """float64, as in test_jax_unet: float32 remat reorders reductions (~1e-6); a wrong mask or recompute is O(1)."""

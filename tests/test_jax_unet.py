@@ -38,6 +38,7 @@ def _torch_shapes(spec: UNetSpec) -> dict[str, tuple[int, ...]]:
 # --- parameter tree ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow_for("sd15-859520964", "sdxl-2567463684")
 @pytest.mark.parametrize(
     ("preset", "count"),
     [
@@ -57,6 +58,7 @@ def test_parameter_count_matches_torch(preset: str, count: int | None) -> None:
         assert flax_count == count
 
 
+@pytest.mark.slow_for("sdxl")
 @pytest.mark.parametrize("preset", ["tiny", "ddpm_cifar10", "sd15", "sdxl"])
 def test_parameter_paths_mirror_torch_state_dict(preset: str) -> None:
     """``down.1.resnets.0.conv1.weight`` (OIHW) <-> ``down_1/resnets_0/conv1/kernel`` (HWIO), and so on."""
@@ -120,6 +122,7 @@ def _residual_bytes(loss: Callable, params: dict) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(residuals))
 
 
+@pytest.mark.slow
 def test_remat_shrinks_saved_residuals(tiny: dict) -> None:
     saved = {
         p: _residual_bytes(_loss_fn(tiny, p, jax.random.key(0)), tiny["params"]) for p in ("none", "full", "layers")
@@ -169,6 +172,7 @@ def reference(tiny: dict) -> dict:
     return {"loss": loss, "grads": grads}
 
 
+@pytest.mark.slow_for("full", "balanced", "layers")
 @pytest.mark.parametrize("policy", POLICIES)
 def test_checkpointed_gradients_equal_plain(policy: str, tiny: dict, reference: dict) -> None:
     [(loss, grads)] = _value_and_grad(tiny, policy, seeds=(5,))

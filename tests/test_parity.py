@@ -19,6 +19,7 @@ from tests.utils import VARIANTS, rel_err
 from torch_impl import UNet as TorchUNet
 
 
+@pytest.mark.slow_for("transformer_no_cross", "sd21_style")
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_outputs_match(name: str) -> None:
     tmodel, fmodel, params = parity_pair(name)
@@ -40,6 +41,7 @@ def test_round_trip_is_exact(name: str) -> None:
         assert torch.equal(back[key], value), key
 
 
+@pytest.mark.slow_for("tiny", "ddpm_style", "sd_linear_proj", "sdxl_style")
 @pytest.mark.parametrize("name", ["tiny", "ddpm_style", "sd_linear_proj", "sdxl_style", "class_cond"])
 def test_gradients_match(name: str) -> None:
     tmodel, fmodel, params = parity_pair(name)

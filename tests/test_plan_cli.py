@@ -299,3 +299,73 @@ def test_a_shapes_profile_has_no_candidates_to_measure(
     assert err.count("candidates: nothing measured: a profile from shapes has no step to measure\n") == 1
     found = planner.plan(Workload.of("tiny", batch_size=2), budget)  # the library's default: nothing measured
     assert found.candidates is None and found.policy == solve(profile, SPEC, budget, SAFETY).policy
+
+
+@pytest.mark.parametrize("extra", [["--budget-mib", "100"], ["--sweep", "out"], ["--solve-times"], ["--candidates", "3"]])
+def test_policy_with_a_solving_flag_is_one_line(
+    extra: list[str], cache: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "p.json"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--config", "tiny", "--batch-size", "2", "--policy", "full", *extra, "--json", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--policy: predicts the policy given; not with --budget-mib, --sweep, --solve-times or --candidates" in err
+    assert err.count("\n") == 1 and not out.exists()
+
+
+def test_a_bad_policy_is_refused_before_profiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "empty"))  # nothing cached: profiling would start a worker
+    monkeypatch.setattr(planner, "run_worker", lambda request: pytest.fail(f"profiled: {request['kind']}"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--config", "tiny", "--batch-size", "2", "--policy", "down.7"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "down.7" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("policy", "world"), [("layers", 1), ("full", 2), ("down.1/save=conv,matmul", 1)])
+def test_policy_is_predicted_not_solved(
+    policy: str, world: int, cache: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--policy: each framework's prediction is the peak model's for that policy (per FSDP rank with
+    --world-size 2: parameters and optimizer state sharded), in the plan's document with no budget,
+    printed the plan's way."""
+    for fw, profile in cache.items():  # what FSDP shards
+        cache[fw] = dataclasses.replace(profile, static_bytes=30 * MIB, grad_bytes=10 * MIB, block_param_bytes=MIB)
+        cache[fw].save(profile_path(fw, Workload.of("tiny", batch_size=2)))
+    out = tmp_path / "p.json"
+    argv = ["--config", "tiny", "--batch-size", "2", "--policy", policy, "--framework", "both"]
+    assert cli.main([*argv, "--world-size", str(world), "--distributed", "fsdp", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert (doc["plan"], doc["budget_bytes"], doc["margin"], doc["solve_seconds"]) == (policy, None, None, None)
+    printed = capsys.readouterr().out
+    assert "not solved" in printed and f"policy: {policy}" in printed
+    for fw, profile in cache.items():
+        pred = predict(per_rank(profile, world, "fsdp"), SPEC, assignment_of(SPEC, policy))
+        entry = doc["frameworks"][fw]
+        assert (entry["predicted_peak_bytes"], entry["peak_at"]) == (pred.peak_bytes, pred.peak_unit)
+        assert entry["predicted_overhead"] == pytest.approx(pred.time_s / profile.step_time_s)
+        assert f"{fw}: predicted peak {pred.peak_bytes / MIB:.1f} MiB (at {pred.peak_unit})" in printed
+    if world > 1:  # sharding took something off
+        assert doc["frameworks"]["torch"]["predicted_peak_bytes"] < predict(cache["torch"], SPEC, {}).peak_bytes
+
+
+def test_policy_verify_measures_it_beside_none(cache: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--verify with --policy measures that policy and none in one process, as it measures a plan."""
+    asked: list[list[str]] = []
+
+    def measure(fw: str, workload: Workload, policies: list[str], steps: int) -> dict:
+        asked.append(policies)
+        rows = {p: {"peak_bytes": 7 * MIB, "step_time_s": 1.5, "rounds_s": [1.5, 1.5]} for p in policies}
+        rows["none"] = {"peak_bytes": 9 * MIB, "step_time_s": 1.0, "rounds_s": [1.0, 1.0]}
+        return {"rows": rows}
+
+    monkeypatch.setattr(cli, "measure", measure)
+    args = cli.build_parser().parse_args(["--config", "tiny", "--batch-size", "2", "--policy", "full", "--verify"])
+    doc = cli.plan_document(args, Workload.of("tiny", batch_size=2))
+    assert asked == [["none", "full"]]
+    entry = doc["frameworks"]["torch"]
+    assert (entry["measured_peak_bytes"], entry["measured_overhead"]) == (7 * MIB, pytest.approx(0.5))

@@ -11,15 +11,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from benchmarks import saved as insp
 from shared_configs import SpecError, load_spec, resolve_plan
-from tests.utils import rel_err, variant
+from tests.grads import jax_policy_grads, torch_policy_grads
+from tests.utils import rel_err
 
 MIXED = "down.0,up.1;down.1,mid/save=conv,matmul"
 LAYERS = "down.1.resnets.0;down.1.attentions.0,mid.resnets.1/save=conv+matmul;up.0.attentions.1/save=norm"
@@ -74,6 +72,7 @@ def _policy_rows(doc: dict, fw: str, block: str) -> Counter:
     return Counter((r["op"], math.prod(r["shape"])) for r in rows if r["block"] == block and r["kind"] == "policy")
 
 
+@pytest.mark.slow_for("jax")
 @pytest.mark.parametrize("fw", ["torch", "jax"])
 def test_each_block_keeps_what_its_own_save_set_keeps(fw: str) -> None:
     """Per block, the grouped plan keeps the rows of the uniform plan with that block's save set."""
@@ -85,41 +84,16 @@ def test_each_block_keeps_what_its_own_save_set_keeps(fw: str) -> None:
     assert all(_policy_rows(docs[MIXED], fw, b) for b in plan.recompute if plan.save_for(b)), fw
 
 
-def _torch_grads(policy: str) -> list[torch.Tensor]:
-    from torch_impl import UNet
-
-    torch.manual_seed(0)
-    model = UNet(variant("tiny", dropout=0.3)).train()
-    model.enable_gradient_checkpointing(policy)
-    gen = torch.Generator().manual_seed(1)
-    x, ctx = torch.randn(2, 4, 8, 8, generator=gen), torch.randn(2, 5, 12, generator=gen)
-    torch.manual_seed(5)  # same dropout masks for every policy
-    model(x, torch.tensor([3.0, 700.0]), ctx).square().mean().backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
 @pytest.mark.parametrize("policy", [MIXED, LAYERS])
 def test_torch_grouped_plan_gradients_equal_plain(policy: str) -> None:
-    ref, grads = _torch_grads("none"), _torch_grads(policy)
+    ref, grads = torch_policy_grads("none")[1], torch_policy_grads(policy)[1]
     assert all(rel_err(g, r) <= 1e-6 for g, r in zip(grads, ref, strict=True))
 
 
-def _jax_grads(policy: str) -> list[np.ndarray]:
-    from jax_impl import UNet
-
-    spec = variant("tiny", dropout=0.0)
-    rng = np.random.RandomState(0)
-    x, ctx = jnp.asarray(rng.randn(2, 8, 8, 4), jnp.float32), jnp.asarray(rng.randn(2, 5, 12), jnp.float32)
-    t = jnp.array([3.0, 700.0])
-    params = UNet(spec=spec, policy="none").init(jax.random.key(0), x, t, ctx)
-    model = UNet(spec=spec, policy=policy)
-    grads = jax.grad(lambda p: jnp.mean(model.apply(p, x, t, ctx) ** 2))(params)
-    return [np.asarray(g) for g in jax.tree.leaves(grads)]
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [MIXED, LAYERS])
 def test_jax_grouped_plan_gradients_equal_plain(policy: str) -> None:
     """Tolerance as in test_selective: float32 round-off, or 1e-6 absolute where exact arithmetic gives 0."""
-    ref, grads = _jax_grads("none"), _jax_grads(policy)
+    ref, grads = jax_policy_grads("none")[1], jax_policy_grads(policy)[1]
     for g, r in zip(grads, ref, strict=True):
         assert rel_err(g, r) <= 1e-5 or float(np.abs(g - r).max()) <= 1e-6

@@ -57,6 +57,7 @@ def test_torch_model_reproduces_its_profile_runs(torch_profile: Profile) -> None
     assert safety_margin(torch_profile, SPEC) == SAFETY  # nothing under-predicted: the fixed half percent
 
 
+@pytest.mark.slow
 def test_torch_predictions_match_the_benchmark_tracker(torch_profile: Profile) -> None:
     rng = np.random.default_rng(0)
     policies = ["none", "full", "balanced", "layers"] + [policy_string(random_assignment(SPEC, rng)) for _ in range(6)]
@@ -81,6 +82,7 @@ def test_torch_peak_check_on_fake_tensors_gives_the_tracker_peak() -> None:
         assert 0 <= real - fake[policy] <= 2**16, (policy, real, fake[policy])
 
 
+@pytest.mark.slow
 def test_torch_shapes_only_profile_equals_the_real_one(torch_profile: Profile) -> None:
     """Fake tensors pick the same kernels: the estimate from shapes equals the measured profile's
     (to 1%: a recomputed block stashes the real RNG state, which fake mode does not allocate)."""
@@ -118,7 +120,8 @@ def test_jax_predictions_match_memory_analysis() -> None:
     assert checked == profile_jax.measure(spec, BATCH, [policy], CONTEXT, steps=1)["rows"][policy]["peak_bytes"]
 
 
-@pytest.mark.parametrize("name", [pytest.param("sdxl_style", marks=pytest.mark.slow), "class_cond"])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sdxl_style", "class_cond"])
 def test_torch_profiles_specs_with_conditioning_inputs(name: str) -> None:
     """Class labels and SDXL's added embeddings reach the model (the `Batch` carries them): the
     profile from shapes equals the measured one (1%), which predicts the tracker's peaks (5%)."""

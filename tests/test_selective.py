@@ -6,8 +6,6 @@ import json
 import math
 from collections import Counter
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -15,6 +13,7 @@ import torch
 from benchmarks import saved as insp
 from shared_configs import load_spec, resolve_plan
 from shared_configs.plan import OP_CLASSES
+from tests.grads import jax_policy_grads, torch_policy_grads
 from tests.utils import rel_err, variant
 
 
@@ -40,25 +39,10 @@ def test_policy_syntax_and_presets() -> None:
     assert set(OP_CLASSES) == {"conv", "matmul", "attention", "norm"}
 
 
-def _torch_grads(policy: str) -> tuple[float, list[torch.Tensor]]:
-    from torch_impl import UNet
-
-    torch.manual_seed(0)
-    model = UNet(variant("tiny", dropout=0.3))
-    model.train()
-    model.enable_gradient_checkpointing(policy)
-    gen = torch.Generator().manual_seed(1)
-    x, ctx = torch.randn(2, 4, 8, 8, generator=gen), torch.randn(2, 5, 12, generator=gen)
-    torch.manual_seed(5)  # same dropout masks for every policy
-    loss = model(x, torch.tensor([3.0, 700.0]), ctx).square().mean()
-    loss.backward()
-    return loss.item(), [p.grad.clone() for p in model.parameters()]
-
-
 @pytest.mark.parametrize("policy", ["save_convs", "balanced/save=attention,norm", "layers/save=conv"])
 def test_torch_selective_equals_plain(policy: str) -> None:
-    ref_loss, ref = _torch_grads("none")
-    loss, grads = _torch_grads(policy)
+    ref_loss, ref = torch_policy_grads("none")
+    loss, grads = torch_policy_grads(policy)
     assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
     assert all(rel_err(g, r) <= 1e-6 for g, r in zip(grads, ref, strict=True))
 
@@ -80,40 +64,29 @@ def test_benchmark_saved_bytes_count_policy_outputs() -> None:
 
 
 def test_torch_offload_on_cpu_warns_and_saves_in_place() -> None:
-    ref_loss, ref = _torch_grads("save_convs")
+    ref_loss, ref = torch_policy_grads("save_convs")
     with pytest.warns(UserWarning, match="offload: tensors on CPU already live in host memory"):
-        loss, grads = _torch_grads("offload_convs")
+        loss, grads = torch_policy_grads("offload_convs")
     assert loss == ref_loss and all(torch.equal(g, r) for g, r in zip(grads, ref, strict=True))
 
 
-def _jax_loss_and_grads(policy: str) -> tuple[float, list[np.ndarray]]:
-    from jax_impl import UNet
-
-    spec = variant("tiny", dropout=0.0)
-    rng = np.random.RandomState(0)
-    x, ctx = jnp.asarray(rng.randn(2, 8, 8, 4), jnp.float32), jnp.asarray(rng.randn(2, 5, 12), jnp.float32)
-    t = jnp.array([3.0, 700.0])
-    params = UNet(spec=spec, policy="none").init(jax.random.key(0), x, t, ctx)
-    model = UNet(spec=spec, policy=policy)
-    loss, grads = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x, t, ctx) ** 2))(params)
-    return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
-
-
+@pytest.mark.slow
 def test_jax_selective_equals_plain() -> None:
     """float32, tolerance 1e-5 relative (float32 round-off), or 1e-6 absolute for gradients that are
     zero in exact arithmetic (the key bias: softmax ignores a constant added to every key)."""
-    ref_loss, ref = _jax_loss_and_grads("none")
+    ref_loss, ref = jax_policy_grads("none")
     for policy in ("save_convs", "balanced/save=attention,norm"):
-        loss, grads = _jax_loss_and_grads(policy)
+        loss, grads = jax_policy_grads(policy)
         assert math.isclose(loss, ref_loss, rel_tol=1e-6)
         for g, r in zip(grads, ref, strict=True):
             assert rel_err(g, r) <= 1e-5 or float(np.abs(g - r).max()) <= 1e-6
 
 
+@pytest.mark.slow
 def test_jax_offload_on_cpu_warns_and_saves_in_place() -> None:
-    ref_loss, _ = _jax_loss_and_grads("save_convs")
+    ref_loss, _ = jax_policy_grads("save_convs")
     with pytest.warns(UserWarning, match="offload: on CPU the pinned host is the device's own memory"):
-        loss, _ = _jax_loss_and_grads("offload_convs")
+        loss, _ = jax_policy_grads("offload_convs")
     assert math.isclose(loss, ref_loss, rel_tol=1e-7)
 
 

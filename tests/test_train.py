@@ -25,6 +25,7 @@ from tests.utils import torchrun_train
 from torch_impl import train as ttrain
 
 
+@pytest.mark.slow_for("jax")
 @pytest.mark.parametrize("curve", [torch_curve, jax_curve], ids=["torch", "jax"])
 def test_checkpointing_keeps_the_loss_curve(curve) -> None:
     spec = load_spec("tiny")
@@ -33,11 +34,13 @@ def test_checkpointing_keeps_the_loss_curve(curve) -> None:
     np.testing.assert_allclose(full, plain, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_torch_and_jax_loss_curves_agree() -> None:
     spec = spec_from_dict(TINY_NO_DROPOUT)
     np.testing.assert_allclose(jax_curve(spec, "none", 10), torch_curve(spec, "none", 10), rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_loss_halves_on_digits(tmp_path: Path) -> None:
     cfg = TrainConfig(batch_size=16, steps=80, lr=2e-3, out=str(tmp_path), sample_steps=2, num_samples=2)
     losses = ttrain.train(cfg)

@@ -90,6 +90,7 @@ def _assert_torch_stats(state: jtrain.TrainState, tmodel: TorchUNet, steps: int,
         assert err <= 1e-5, (name, err)
 
 
+@pytest.mark.slow
 def test_jax_batchnorm_curve_and_running_stats_match_torch(jax_run: tuple) -> None:
     """Same converted weights and batches; JAX under ``full`` remat updates batch_stats once per step.
 
@@ -108,6 +109,7 @@ def test_jax_batchnorm_curve_and_running_stats_match_torch(jax_run: tuple) -> No
     _assert_torch_stats(state, tmodel, STEPS, mean_atol=STEPS * CFG.lr * SPEC.norm_momentum * 4)
 
 
+@pytest.mark.slow
 def test_jax_batchnorm_samples_use_the_running_stats(jax_run: tuple) -> None:
     """`generate` is eval mode: torch's sampler with the same statistics (Flax's, converted) agrees."""
     state, _ = jax_run
@@ -119,6 +121,7 @@ def test_jax_batchnorm_samples_use_the_running_stats(jax_run: tuple) -> None:
     assert rel_err(samples, ref) <= 1e-4
 
 
+@pytest.mark.slow
 def test_jax_batchnorm_resume_continues_the_curve(jax_run: tuple, tmp_path: Path) -> None:
     model, tx, state = jax_setup(SPEC, "full")  # equal to the fixture's: its compiled step is reused
     dataset, losses = load_dataset("digits", SPEC), []

@@ -53,7 +53,7 @@ from shared_configs.training.data import load_dataset
 from tests.train_utils import CFG, SCHEDULE, TINY_NO_DROPOUT, float_dtypes, jax_setup
 spec, STEPS = spec_from_dict(TINY_NO_DROPOUT), int(sys.argv[1])
 model, tx, state = jax_setup(spec, "full")
-cfg, losses, data = dataclasses.replace(CFG, dtype="bfloat16"), [], load_dataset("digits", spec)
+cfg, losses, data = dataclasses.replace(CFG, precision="bf16-mixed"), [], load_dataset("digits", spec)
 mesh = make_mesh(cfg.batch_size)
 state = jtrain.run_steps(state, losses, data, SCHEDULE, cfg, STEPS, model, tx, mesh=mesh)
 print(json.dumps({"devices": len(jax.devices()), "losses": losses, "state_dtypes": float_dtypes(state)}))

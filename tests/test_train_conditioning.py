@@ -69,6 +69,7 @@ def test_time_ids_are_sdxl_sizes_and_crops() -> None:
     np.testing.assert_array_equal(fixed, [[size, size, 0, 0, size, size]] * 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["class_cond", "sdxl_style"])
 def test_torch_and_jax_train_the_same_on_conditioned_batches(family: str) -> None:
     spec = _spec(family)

@@ -213,7 +213,7 @@ def train_argv(cfg: TrainConfig) -> list[str]:
 def torchrun_train(cfg: TrainConfig, nproc: int = 2, timeout: float = 300) -> list[float]:
     """``torchrun -m torch_impl.train`` on ``nproc`` CPU processes, one thread each; the losses it wrote.
 
-    The launcher runs in its own session, killed as a group on timeout: no rank outlives the test.
+    The launcher leads its own process group (`start_new_session`), killed whole on timeout: no rank outlives the test.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "torch_impl.train", *train_argv(cfg)]  # fmt: skip
@@ -251,9 +251,8 @@ def random_profile(spec: UNetSpec, seed: int, framework: str = "test") -> Any:
 
 
 def count_flops(model: Any, inputs: tuple, backward: bool) -> tuple[int, dict[str, int]]:
-    """FLOPs of ``model(*inputs)`` (and of ``.sum().backward()``), total and per module (``down.0``, ...).
-
-    CPU attention counted too (`torch_impl.flops`)."""
+    """FLOPs of ``model(*inputs)`` (and of ``.sum().backward()``), total and per module, named by
+    path below ``model`` (``down.0``, ...). CPU attention counted too (`torch_impl.flops`)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from torch_impl.flops import register_cpu_attention_flops
@@ -263,5 +262,6 @@ def count_flops(model: Any, inputs: tuple, backward: bool) -> tuple[int, dict[st
         out = model(*inputs)
         if backward:
             out.sum().backward()
-    per_module = {k.removeprefix("UNet."): sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    root = type(model).__name__ + "."
+    per_module = {k.removeprefix(root): sum(v.values()) for k, v in counter.get_flop_counts().items()}
     return counter.get_total_flops(), per_module

@@ -11,7 +11,7 @@ The mirror of `jax_impl.checkpoint_io`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,14 +57,23 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Extra | None) -> dict[str, Any]:
     model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optim_state}
+    state = {"model": model_state, "optimizer": optim_state}
+    if extra:  # the regime's own state: the EMA copy, the loss scale
+        state["extra"] = {name: obj.state_dict() for name, obj in extra.items()}
+    return state
 
 
-def save_checkpoint(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, manifest: Manifest) -> Path:
-    """Save a checkpoint of ``manifest.step`` into the run folder ``out`` (every rank calls it)."""
-    state = _state(model, optimizer)
+Extra = Mapping[str, Any]  # name -> an object with state_dict() / load_state_dict() (EMA, GradScaler)
+
+
+def save_checkpoint(
+    out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, manifest: Manifest, extra: Extra | None = None
+) -> Path:
+    """Save a checkpoint of ``manifest.step`` into the run folder ``out`` (every rank calls it), with
+    the state of each object in ``extra``."""
+    state = _state(model, optimizer, extra)
 
     def write(folder: Path) -> None:
         with _quiet_single_process():
@@ -73,13 +82,18 @@ def save_checkpoint(out: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     return save(out, manifest, write, current_comm())
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Manifest:
-    """Check the checkpoint folder ``path`` against its manifest, then restore ``model`` and
-    ``optimizer`` in place (every rank calls it; plain, DDP'd or FSDP2-sharded). Returns the manifest."""
+def load_checkpoint(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Extra | None = None
+) -> Manifest:
+    """Check the checkpoint folder ``path`` against its manifest, then restore ``model``,
+    ``optimizer`` and each object of ``extra`` in place (every rank calls it; plain, DDP'd or
+    FSDP2-sharded). Returns the manifest."""
     manifest = read_checkpoint(path, FRAMEWORK, LAYOUT)
     verify(path, manifest, current_comm())
-    state = _state(model, optimizer)
+    state = _state(model, optimizer, extra)
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=path / STATE, no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    for name, obj in (extra or {}).items():
+        obj.load_state_dict(state["extra"][name])
     return manifest

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,6 +46,8 @@ ATEN_OPS: dict[str, tuple[Any, ...]] = {
 }
 assert set(ATEN_OPS) == set(OP_CLASSES)
 _OP_CLASS = {packet: name for name, packets in ATEN_OPS.items() for packet in packets}
+# Set on each module `apply_plan` wraps: the instance forward it had before (None: its class's).
+_PRIOR = "_checkpoint_plan_prior_forward"
 OFFLOAD_ON_CPU = (
     "offload: tensors on CPU already live in host memory; saving them in place instead "
     "(the plan runs as save without offload)"
@@ -110,30 +112,50 @@ def make_context_fn(block: str, plan: CheckpointPlan) -> Callable[[], tuple[Any,
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
-def apply_plan(root: nn.Module, plan: CheckpointPlan, preserve_rng_state: bool = True) -> None:
-    """Checkpoint every module named in ``plan`` (names are `get_submodule` paths)."""
+def apply_plan(
+    root: nn.Module,
+    plan: CheckpointPlan,
+    preserve_rng_state: bool = True,
+    modules: Mapping[str, nn.Module] | None = None,
+) -> None:
+    """Checkpoint every unit ``plan`` recomputes: ``modules[name]``, or by default
+    ``root.get_submodule(name)`` (our U-Net's module paths are the plan's names; other models,
+    such as diffusers' U-Nets, pass the mapping from the plan's names to their own modules)."""
     remove_plan(root)
     for name in plan.recompute:
-        module = root.get_submodule(name)
-        plain = type(module).forward.__get__(module)
-        extra: dict[str, Any] = {}
-        # BatchNorm: the recompute must not update running statistics twice (torch_impl.batchnorm).
-        context_fn = with_frozen_running_stats(module, make_context_fn(name, plan) or noop_context_fn)
-        if context_fn is not None:
-            extra["context_fn"] = context_fn
-        # use_reentrant=False: the reentrant variant gives parameters no gradient when no
-        # *input* requires grad, and cannot handle keyword arguments or nested outputs.
-        module.forward = functools.partial(
-            checkpoint, plain, use_reentrant=False, preserve_rng_state=preserve_rng_state, **extra
-        )
+        module = root.get_submodule(name) if modules is None else modules[name]
+        _checkpoint_forward(module, name, plan, preserve_rng_state)
+
+
+def _checkpoint_forward(module: nn.Module, name: str, plan: CheckpointPlan, preserve_rng_state: bool) -> None:
+    # An instance forward someone else set (accelerate's and peft's hooks do) is wrapped and kept.
+    prior = module.__dict__.get("forward")
+    plain = prior if prior is not None else type(module).forward.__get__(module)
+    extra: dict[str, Any] = {}
+    # BatchNorm: the recompute must not update running statistics twice (torch_impl.batchnorm).
+    context_fn = with_frozen_running_stats(module, make_context_fn(name, plan) or noop_context_fn)
+    if context_fn is not None:
+        extra["context_fn"] = context_fn
+    # use_reentrant=False: the reentrant variant gives parameters no gradient when no
+    # *input* requires grad, and cannot handle keyword arguments or nested outputs.
+    module.forward = functools.partial(
+        checkpoint, plain, use_reentrant=False, preserve_rng_state=preserve_rng_state, **extra
+    )
+    module.__dict__[_PRIOR] = prior
 
 
 def remove_plan(root: nn.Module) -> None:
-    """Undo `apply_plan`: every module gets its class's forward back."""
+    """Undo `apply_plan`: every module it wrapped gets back the forward it had before."""
     for module in root.modules():
-        module.__dict__.pop("forward", None)
+        if _PRIOR not in module.__dict__:
+            continue
+        prior = module.__dict__.pop(_PRIOR)
+        if prior is None:
+            del module.__dict__["forward"]
+        else:
+            module.forward = prior
 
 
 def checkpointed_names(root: nn.Module) -> list[str]:
     """Names of the modules that currently run under checkpoint."""
-    return [name for name, m in root.named_modules() if "forward" in m.__dict__]
+    return [name for name, m in root.named_modules() if _PRIOR in m.__dict__]

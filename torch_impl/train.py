@@ -2,8 +2,8 @@
 
 A thin loop over an importable step. To put this U-Net in your own loop::
 
-    model = UNet("tiny"); model.enable_gradient_checkpointing("full")
-    optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0)
+    model = UNet("tiny", "full")
+    optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0)   # torch_impl.regime: AdamW by default
     loss = train_step(model, optimizer, batch)   # batch: shared_configs.training.data.Batch (numpy)
 
 Batches, timesteps, noise and the conditioning inputs (context, class labels, text embeddings,
@@ -19,14 +19,20 @@ run folder, resume checks and NaN guard are framework-free (`shared_configs.trai
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from shared_configs import CheckpointPlan, UNetSpec, load_spec, resolve_plan
+from shared_configs.training.budget import MEASURED_STEPS, RunPlan, plan_run, report
 from shared_configs.training.config import TrainConfig, cli_main, used
 from shared_configs.training.data import Batch, Dataset, check_conditioning, load_dataset, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
@@ -34,14 +40,13 @@ from shared_configs.training.loop import RunStart, manifest_for, open_run, run_l
 from shared_configs.training.outputs import write_outputs
 from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, load_checkpoint, save_checkpoint
 from torch_impl.parallel import launch, wrap
+from torch_impl.regime import EMA, apply_regime, autocast_dtype, loss_scaler, make_optimizer, trained_parameters
 from torch_impl.unet import UNet
 
-DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
-
-
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW with every hyperparameter explicit (torch's weight_decay default, 0.01, differs from optax's)."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+PEAK_INSTRUMENTS = {
+    "cpu": "PyTorch's MemTracker: live tensors, the batch included",
+    "cuda": "torch.cuda.max_memory_allocated",
+}
 
 
 def as_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor | None]]:
@@ -56,15 +61,22 @@ def model_spec(model: torch.nn.Module) -> UNetSpec | None:
 
 
 def train_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, autocast_dtype: torch.dtype | None = None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    autocast_dtype: torch.dtype | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    ema: EMA | None = None,
 ) -> float:
     """One DDPM step: predict the noise in ``batch.noisy`` at ``batch.t``, MSE, backward, update.
 
     ``model`` is a `UNet` (optionally with gradient checkpointing enabled, or wrapped in DDP);
     every conditioning input the batch carries (context, class_labels, text_embeds, time_ids) is
-    passed by name, and a batch without one the spec takes is refused in one line.
-    ``autocast_dtype=torch.bfloat16`` runs the forward in bf16 mixed precision (weights, loss and
-    optimizer stay float32). Returns the loss as a Python float.
+    passed by name, and a batch without one the spec takes is refused in one line. The regime's
+    pieces (`torch_impl.regime`): ``autocast_dtype`` runs the forward in that mixed precision
+    (weights, loss and optimizer stay float32), ``scaler`` scales the loss (float16), ``ema`` is
+    updated after the step; a model cast to bfloat16 gets its floating inputs in bfloat16.
+    Returns the loss as a Python float.
     """
     if (spec := model_spec(model)) is not None:
         check_conditioning(spec, batch.conditioning())
@@ -72,16 +84,32 @@ def train_step(
     # First, as PyTorch's examples do: the previous step's gradients are freed (set_to_none, the
     # default) before this forward, so they never sit beside its activations.
     optimizer.zero_grad(set_to_none=True)
-    device = next(model.parameters()).device
+    first = next(model.parameters())
+    device, dtype = first.device, first.dtype
     noisy, t, noise, conditioning = as_tensors(batch)
-    noisy, t, noise = noisy.to(device), t.to(device), noise.to(device)
-    conditioning = {k: None if v is None else v.to(device) for k, v in conditioning.items()}
+    noisy, t, noise = noisy.to(device, dtype), t.to(device), noise.to(device)
+    # time_ids stay float32, as t does (pixel sizes up to 2048 and more)
+    conditioning = {
+        k: None if v is None else _to(v, device, dtype if k != "time_ids" else v.dtype) for k, v in conditioning.items()
+    }
     with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         pred = model(noisy, t, **conditioning)
     loss = F.mse_loss(pred.float(), noise)
-    loss.backward()
-    optimizer.step()
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # skipped where the scaled gradients overflowed; the scale then drops
+        scaler.update()
+    if ema is not None:
+        ema.update()
     return loss.item()
+
+
+def _to(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A conditioning input on ``device``, floating ones in the model's ``dtype`` (labels stay integer)."""
+    return value.to(device, dtype) if value.is_floating_point() else value.to(device)
 
 
 @torch.no_grad()
@@ -108,22 +136,75 @@ def build(
     """
     torch.manual_seed(cfg.seed)
     model = UNet(load_spec(cfg.config), cfg.policy if plan is None else plan)  # policy None: the spec's own
+    model = apply_regime(model, cfg.regime)  # adapters (lora), weights cast (pure bf16)
     # Plan first, then DDP/FSDP2: torchtitan's order, which its checkpoint *wrapper* needs (inside
     # the FSDP unit). Our shadowed forwards work in either order (see shard_blocks, tested both
     # ways), so the parallel wrapper simply stays the last transform.
     trained = wrap(model, cfg.distributed) if cfg.distributed else model
     # Made after fully_shard, which replaces the parameters by their shards (DTensors).
-    return model, trained, make_optimizer(model, cfg.lr, cfg.weight_decay)
+    return model, trained, make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.regime)
 
 
-def distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: TrainConfig) -> float:
+@contextmanager
+def measured_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> Iterator[dict[str, int]]:
+    """The peak bytes of the step run in the block (``found["peak"]`` at exit), by `PEAK_INSTRUMENTS`.
+
+    On CPU the allocator keeps no statistics and a process's RSS counts pages it reused, not bytes
+    live at once: PyTorch's ``MemTracker`` follows every tensor storage (the numpy batch, which the
+    step reads without allocating it, as external tensors, as the planner's profile counts it).
+    """
+    found: dict[str, int] = {}
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        yield found
+        found["peak"] = torch.cuda.max_memory_allocated(device)
+        return
+    noisy, t, noise, conditioning = as_tensors(batch)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, noisy, t, noise, *(c for c in conditioning.values() if c is not None))
+    with tracker:
+        yield found
+    found["peak"] = int(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
+
+
+def world_size(cfg: TrainConfig) -> int:
+    """The processes the run's batch is split over (torchrun's WORLD_SIZE under ``--distributed``)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if cfg.distributed else 1
+
+
+def _peak_meter(
+    cfg: TrainConfig, model: UNet, optimizer: torch.optim.Optimizer, budget: RunPlan | None, first: int
+) -> Callable[[int, Batch, Callable[[], float]], float]:
+    """``measured(step, batch, run_step)``: runs the step; with a ``budget``, the first
+    `MEASURED_STEPS` from ``first`` under `measured_peak`, then rank 0 prints their peak beside the
+    prediction (each rank measures its own share of the batch)."""
+    rank, world, peaks = dist.get_rank() if cfg.distributed else 0, world_size(cfg), []
+
+    def measured(step: int, batch: Batch, run_step: Callable[[], float]) -> float:
+        if budget is None or step >= first + MEASURED_STEPS:
+            return run_step()
+        with measured_peak(model, optimizer, batch.shard(rank, world)) as found:
+            loss = run_step()
+        peaks.append(found["peak"])
+        if rank == 0 and (len(peaks) == MEASURED_STEPS or step + 1 == cfg.steps):
+            where = f"max of steps {first + 1}-{step + 1}" if step > first else f"step {step + 1}"
+            ranks = f", rank 0 of {world}" if cfg.distributed else ""
+            how = PEAK_INSTRUMENTS[next(model.parameters()).device.type]
+            report(budget.peak_line(max(peaks), f"{how}; {where}{ranks}"))
+        return loss
+
+    return measured
+
+
+def distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, tools: tuple) -> float:
     """`train_step` on this rank's shard of the global batch; returns the global mean loss.
 
     DDP all-reduces and FSDP2 reduce-scatters the gradients as means over ranks, so with equal
     shards the update equals a single process's on the whole batch (dropout masks differ, being
     drawn per shard).
     """
-    loss = train_step(model, optimizer, batch.shard(dist.get_rank(), dist.get_world_size()), DTYPES[cfg.dtype])
+    loss = train_step(model, optimizer, batch.shard(dist.get_rank(), dist.get_world_size()), *tools)
     total = torch.tensor([loss], dtype=torch.float64)
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()
@@ -140,9 +221,15 @@ def train(cfg: TrainConfig) -> list[float]:
     plan = resolve_plan(spec, cfg.policy)  # once: a bad policy is refused here; None: the spec's own
     rank = launch(cfg)
     with open_run(cfg, spec, FRAMEWORK, LAYOUT, owner=rank == 0) as run:
+        budget = None
+        if cfg.budget_mib is not None:  # every rank plans: the profile cache's lock lets one profile
+            budget = plan_run(cfg, spec, "torch", world_size(cfg), run.manifest and run.manifest.run)
+            cfg, plan = replace(cfg, policy=budget.policy), resolve_plan(spec, budget.policy)  # recorded
+            if rank == 0:
+                report(budget.plan_line("torch"))
         model, trained, optimizer = build(cfg, plan)
         try:
-            losses, samples = _train(cfg, run, model, trained, optimizer)
+            losses, samples = _train(cfg, run, model, trained, optimizer, budget)
         finally:
             if cfg.distributed:
                 # Drop DDP (and its reducer) while the process group lives: otherwise the group is
@@ -156,22 +243,33 @@ def train(cfg: TrainConfig) -> list[float]:
 
 
 def _train(
-    cfg: TrainConfig, run: RunStart, model: UNet, trained: torch.nn.Module, optimizer: torch.optim.Optimizer
+    cfg: TrainConfig,
+    run: RunStart,
+    model: UNet,
+    trained: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    budget: RunPlan | None = None,
 ) -> tuple[list[float], np.ndarray | None]:
-    """The steps from the run's start (resumed, its checkpoint checked first), then the samples."""
+    """The steps from the run's start (resumed, its checkpoint checked first), then the samples;
+    with a ``budget``, the peak of the first steps measured and printed beside its prediction."""
+    scaler = loss_scaler(cfg.regime, next(model.parameters()).device)
+    ema = EMA(trained_parameters(model)) if cfg.regime.ema else None
+    extra = {k: v for k, v in (("scaler", scaler), ("ema", ema)) if v is not None}
+    tools = (autocast_dtype(cfg.regime), scaler, ema)  # train_step's regime arguments
     if run.checkpoint is not None:
-        load_checkpoint(run.checkpoint, model, optimizer)
+        load_checkpoint(run.checkpoint, model, optimizer, extra)
     dataset, schedule = load_dataset(cfg.data, model.spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
+    measured = _peak_meter(cfg, model, optimizer, budget, first=len(run.losses))
 
     def step_fn(state: None, step: int) -> tuple[None, float]:
         batch = dataset.batch(step, cfg.batch_size, schedule, cfg.seed)
         torch.manual_seed(step_seed(cfg.seed, step))  # dropout masks depend on (seed, step) only
         if cfg.distributed:
-            return state, distributed_step(trained, optimizer, batch, cfg)
-        return state, train_step(model, optimizer, batch, DTYPES[cfg.dtype])
+            return state, measured(step, batch, lambda: distributed_step(trained, optimizer, batch, tools))
+        return state, measured(step, batch, lambda: train_step(model, optimizer, batch, *tools))
 
     def save_fn(state: None, losses: list[float]) -> None:
-        save_checkpoint(run.out, model, optimizer, manifest_for(cfg, model.spec, FRAMEWORK, LAYOUT, losses))
+        save_checkpoint(run.out, model, optimizer, manifest_for(cfg, model.spec, FRAMEWORK, LAYOUT, losses), extra)
 
     losses = run.losses
     rank = dist.get_rank() if cfg.distributed else 0

@@ -33,6 +33,15 @@ CONFIDENCE = 0.9
 REFERENCE = "none"  # timed every round: the overheads' base
 
 
+def unmeasurable(profiles: list[Profile], world_size: int, distributed: str) -> str | None:
+    """Why candidates cannot be measured (None: they can)."""
+    if any(p.mode != "measured" for p in profiles):
+        return "a profile from shapes has no step to measure"
+    if world_size > 1 and distributed == "fsdp":
+        return "one process cannot run an FSDP rank's step"
+    return None
+
+
 def measured_choice(
     first: Solution,
     profiles: list[Profile],

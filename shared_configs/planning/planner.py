@@ -16,7 +16,7 @@ time is then FLOPs at ``flops_per_s``.
 
 from __future__ import annotations
 
-import functools
+import fcntl
 import hashlib
 import json
 import os
@@ -24,7 +24,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
@@ -37,14 +38,14 @@ from shared_configs.planning.budget import (
     SAFETY,
     SCHEMA,
     Profile,
-    leaf_units,
+    assignment_of,
     per_rank,
+    predict,
     safety_margin,
 )
-from shared_configs.planning.candidates import DEFAULT_ROUNDS, REFERENCE, measured_choice
-from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops
+from shared_configs.planning.candidates import DEFAULT_ROUNDS, REFERENCE, measured_choice, unmeasurable
+from shared_configs.planning.recompute_time import at_stated_rates
 from shared_configs.planning.solver import Solution, solve
-from shared_configs.planning.unit_flops import unit_flops
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.units import MIB
 
@@ -52,6 +53,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = "benchmarks.plan_worker"  # the profiling / measuring process (it imports one framework)
 # XLA:CPU drops remat's optimization barriers unless this pass is off (docs/remat_vs_checkpoint.md).
 XLA_CPU_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
+XLA_CPU_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}  # the same, as jit's compiler_options
 CACHE_ENV = "UNET_REMAT_PLAN_CACHE"
 FRAMEWORKS = ("torch", "jax")
 # Shapes-only time: stated rates (a current GPU's order in float32), not measurements.
@@ -165,8 +167,28 @@ def get_profile(framework: str, workload: Workload, repeats: int | None = None, 
     """The profile of ``workload`` in ``framework``: from the cache, or measured (and cached)."""
     repeats = PROFILE_REPEATS[framework] if repeats is None else repeats
     path = profile_path(framework, workload, repeats)
-    profile = Profile.load(path) if cache and path.is_file() else _measure_profile(framework, workload, repeats, path)
-    return with_flop_time(profile, workload) if workload.shapes else profile
+    if cache and path.is_file():
+        profile = Profile.load(path)
+    else:  # one measures, the others (the ranks of one training run) wait and read its profile
+        with _locked(path):
+            fresh = cache and path.is_file()
+            profile = Profile.load(path) if fresh else _measure_profile(framework, workload, repeats, path)
+    if not workload.shapes:
+        return profile
+    w = workload
+    return at_stated_rates(profile, w.spec, w.batch_size, w.context_length, w.flops_per_s, w.bytes_per_s)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An advisory lock on ``path``'s profile for the block (released when its process dies)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def progress(message: str) -> None:
@@ -198,18 +220,6 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.save(path)
     return profile
-
-
-def with_flop_time(profile: Profile, workload: Workload) -> Profile:
-    """A shapes-only profile with time estimated at stated rates (`shared_configs.planning.recompute_time`):
-    FLOPs at ``flops_per_s``, elementwise bytes at ``bytes_per_s``. The plain step is three
-    forwards' FLOPs (the backward costs about two) plus writing and reading what it keeps."""
-    spec, flops_rate, byte_rate = workload.spec, workload.flops_per_s, workload.bytes_per_s
-    units = at_rates(spec, profile.units, 1 / flops_rate, 1 / byte_rate)
-    flops = unit_flops(spec, workload.batch_size, workload.context_length)
-    plain = plain_keeps(spec, profile.units)
-    step = step_flops(spec, flops) / flops_rate + 2 * sum(plain[u] for u, _ in leaf_units(spec, {})) / byte_rate
-    return replace(profile, units=units, flops_per_s=flops_rate, step_time_s=step)
 
 
 def _loadavg() -> str:
@@ -350,13 +360,16 @@ def plan(
     return Planned(chosen, profiles, margin, solve_s, report | {"rounds": rounds})
 
 
-def unmeasurable(profiles: list[Profile], world_size: int, distributed: str) -> str | None:
-    """Why candidates cannot be measured (None: they can)."""
-    if any(p.mode != "measured" for p in profiles):
-        return "a profile from shapes has no step to measure"
-    if world_size > 1 and distributed == "fsdp":
-        return "one process cannot run an FSDP rank's step"
-    return None
+def predict_policy(
+    workload: Workload, policy: str, framework: str = "torch", world_size: int = 1, distributed: str = "ddp"
+) -> tuple[Solution, list[Profile]]:
+    """What the profiles `plan` solves on predict of a given ``policy`` (any form `resolve_plan`
+    takes), per framework: no solving, no check. A bad policy is refused before any profiling."""
+    frameworks = frameworks_of(framework)
+    assignment = assignment_of(workload.spec, policy)
+    profiles = [per_rank(get_profile(fw, workload), world_size, distributed) for fw in frameworks]
+    predictions = tuple(predict(p, workload.spec, assignment) for p in profiles)
+    return Solution(assignment, predictions, policy), profiles
 
 
 def plan_for_budget(
@@ -388,5 +401,22 @@ def plan_for_budget(
 def for_framework(framework: str) -> Callable[..., str]:
     """`plan_for_budget` with ``framework`` fixed: what ``torch_impl`` and ``jax_impl`` export, so a
     training loop plans from the framework package it already imports."""
-    bound = functools.partial(plan_for_budget, framework=frameworks_of(framework)[0])
-    return functools.update_wrapper(bound, plan_for_budget)
+    (fw,) = frameworks_of(framework)
+
+    def plan_for_framework(
+        spec: UNetSpec | str,
+        batch_size: int,
+        budget_bytes: int,
+        sample_size: int | None = None,
+        world_size: int = 1,
+        distributed: str = "ddp",
+        **workload: Any,
+    ) -> str:
+        return plan_for_budget(spec, batch_size, budget_bytes, sample_size, fw, world_size, distributed, **workload)
+
+    plan_for_framework.__name__ = plan_for_framework.__qualname__ = "plan_for_budget"
+    plan_for_framework.__doc__ = (
+        f"The policy string of the cheapest plan whose {fw} step is predicted, and checked, to fit "
+        "``budget_bytes``; the arguments as `shared_configs.planning.planner.plan_for_budget`'s."
+    )
+    return plan_for_framework

@@ -19,13 +19,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from shared_configs.cli import OneLineParser, cache_dir, nonnegative, positive
+from shared_configs.cli import OneLineParser, cache_dir, nonnegative, positive, positive_mib
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, jax_cache_dir, resolve_chunk
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.data import DATASETS
 from shared_configs.training.ddpm import SCHEDULES, make_schedule
-
-_DEFAULTS = defaults("cpu")  # the device-independent fields; the attention chunk is resolved on the device
+from shared_configs.training.regime import DEFAULT, Regime, add_regime_arguments, regime_of
 
 
 @dataclass(frozen=True)
@@ -34,12 +33,16 @@ class TrainConfig:
 
     config: str = "tiny"
     policy: str | None = None  # None: the spec's own `checkpoint:` field ("none" if it has none)
+    budget_mib: float | None = None  # instead of a policy: the plan the planner finds for this run
     batch_size: int = 16
     steps: int = 200
     lr: float = 1e-3
     weight_decay: float = 0.0
     seed: int = 0
-    dtype: str = _DEFAULTS.dtype
+    precision: str = "fp32"  # the regime (shared_configs.training.regime): precision, what is trained,
+    trainable: str = "all"  # the optimizer, an EMA copy
+    optimizer: str = "adamw"
+    ema: bool = False
     out: str = "runs/train"
     resume: bool = False
     overwrite: bool = False
@@ -54,6 +57,10 @@ class TrainConfig:
     attention_chunk: int | str | None = AUTO
     jax_cache: str | None = field(default_factory=jax_cache_dir)  # jax_impl only: persistent compilation cache
 
+    @property
+    def regime(self) -> Regime:
+        return Regime(self.precision, self.trainable, self.optimizer, self.ema)
+
 
 # --distributed modes per framework. ddp: the batch split over processes (torch DDP) or devices
 # (JAX), parameters replicated; fsdp: parameters, gradients and optimizer state sharded too
@@ -62,7 +69,10 @@ DISTRIBUTED: dict[str, tuple[str, ...]] = {"torch_impl": ("ddp", "fsdp"), "jax_i
 
 # The fields that shape the loss curve: a resumed run must keep them (with the spec). The rest
 # (steps, policy, sampling, checkpoint interval, sharding, attention chunking) may change.
-CURVE_FIELDS = ("batch_size", "lr", "weight_decay", "seed", "dtype", "data", "schedule", "timesteps")
+CURVE_FIELDS = (
+    "batch_size", "lr", "weight_decay", "seed", "precision", "trainable", "optimizer", "ema", "data", "schedule",
+    "timesteps",
+)  # fmt: skip
 
 
 class NonFiniteLoss(RuntimeError):
@@ -74,18 +84,26 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
     d = TrainConfig()
     p = OneLineParser(prog=_prog(framework), description="DDPM noise-prediction training.")
     p.add_argument("--config", default=d.config, help="preset name or YAML path (default: tiny)")
-    p.add_argument(
+    plan = p.add_mutually_exclusive_group()
+    plan.add_argument(
         "--policy",
         default=d.policy,
         help="checkpoint policy: none, full, balanced, layers, every:N (default: the spec's checkpoint "
         "field, else none)",
+    )
+    plan.add_argument(
+        "--budget-mib",
+        type=positive_mib,
+        default=d.budget_mib,
+        help="instead of --policy: the cheapest plan whose step is predicted to fit this many MiB (per rank), "
+        "for this run's spec, batch and ranks (profiled once, cached); prints the predicted and measured peak",
     )
     p.add_argument("--batch-size", type=positive(int), default=d.batch_size)
     p.add_argument("--steps", type=positive(int), default=d.steps, help="total steps (a resumed run stops here too)")
     p.add_argument("--lr", type=positive(float), default=d.lr)
     p.add_argument("--weight-decay", type=nonnegative(float), default=d.weight_decay, help="AdamW decoupled decay")
     p.add_argument("--seed", type=nonnegative(int), default=d.seed)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype)
+    add_regime_arguments(p)
     p.add_argument(
         "--out",
         default=f"runs/{framework}",
@@ -117,6 +135,9 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
         make_schedule(args.schedule, args.timesteps)
     except ValueError as err:
         p.error(f"--{err}")
+    if args.budget_mib is not None and regime_of(args) != DEFAULT:
+        p.error(f"--budget-mib: plans the default regime only ({DEFAULT.describe()}; the planner profiles no "
+                f"other yet); got {regime_of(args).describe()}")  # fmt: skip
     return TrainConfig(**vars(args))
 
 
@@ -130,10 +151,11 @@ DISTRIBUTED_HELP = {
 
 def used(cfg: TrainConfig, framework: str, device: str) -> str:
     """What the run uses on ``device``, as every tool says it (`shared_configs.defaults.Defaults.describe`)."""
+    dtype = cfg.regime.compute_dtype or "float32"  # the forward's (the regime's precision says the rest)
     if framework == "torch_impl":  # torch's SDPA attention: nothing to choose
-        return replace(defaults(device), dtype=cfg.dtype).describe(("dtype",)) + ", torch attention SDPA"
+        return replace(defaults(device), dtype=dtype).describe(("dtype",)) + ", torch attention SDPA"
     chunk = resolve_chunk(cfg.attention_chunk, device)
-    run = replace(defaults(device), dtype=cfg.dtype, attention_chunk=chunk, jax_cache=cfg.jax_cache)
+    run = replace(defaults(device), dtype=dtype, attention_chunk=chunk, jax_cache=cfg.jax_cache)
     return run.describe(("attention_chunk", "dtype", "jax_cache"))
 
 

@@ -1,0 +1,132 @@
+"""The training regime: the precision, what is trained, the optimizer, and an EMA copy.
+
+A plan is only right for the regime it was profiled in: autocast keeps half-precision copies of
+what it saves while norms and softmax stay float32; a frozen conv or linear keeps no input for a
+weight gradient; LoRA adds small matmuls whose inputs are kept; the optimizer and the EMA copy set
+the static memory. So the regime is one value, spelled the same on every CLI
+(`add_regime_arguments`), carried by the training loops, the benchmark and the planner, and part
+of every profile's cache key. The defaults are float32, every weight trained, AdamW, no EMA.
+
+    --precision {fp32,bf16-mixed,fp16-mixed,bf16}   --trainable {all,lora:R}
+    --optimizer {adamw,adafactor,adamw8bit}         --ema
+
+- ``fp32``: float32 weights, compute and optimizer state.
+- ``bf16-mixed``: float32 master weights and optimizer state, bfloat16 compute (torch autocast;
+  JAX casts the parameters and inputs for the forward).
+- ``fp16-mixed``: the same in float16, with loss scaling (torch ``GradScaler``; JAX a static scale).
+- ``bf16``: bfloat16 weights and optimizer state; compute in bfloat16.
+- ``lora:R``: rank-R adapters on every attention's query, key, value and output projection (the set
+  diffusers' LoRA scripts train), the rest frozen.
+- ``adamw8bit``: 8-bit AdamW state (torchao's ``AdamW8bit`` in torch; JAX has none and refuses).
+
+No torch or jax import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shared_configs.spec import SpecError
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+OPTIMIZERS = ("adamw", "adafactor", "adamw8bit")
+# The attention projections LoRA adapts, by the module names both U-Nets use (diffusers' ``to_out``
+# is a list whose first entry is the projection: ``to_out.0`` there).
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out")
+_LORA = re.compile(r"lora:([1-9][0-9]*)")
+TRAINABLE = "all or lora:R (R a positive rank, e.g. lora:8)"
+# The dtype each precision computes in (None: float32, no casts) and keeps the weights in.
+COMPUTE_DTYPE = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16"}
+PARAM_DTYPE = {"fp32": "float32", "bf16-mixed": "float32", "fp16-mixed": "float32", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Regime:
+    """How a step trains: `PRECISIONS`, ``trainable`` ("all" or "lora:R"), `OPTIMIZERS`, ``ema``."""
+
+    precision: str = "fp32"
+    trainable: str = "all"
+    optimizer: str = "adamw"
+    ema: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise SpecError(f"precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.trainable != "all" and not _LORA.fullmatch(str(self.trainable)):
+            raise SpecError(f"trainable: expected {TRAINABLE}, got {self.trainable!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise SpecError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not isinstance(self.ema, bool):
+            raise SpecError(f"ema: expected true or false, got {self.ema!r}")
+
+    @property
+    def lora_rank(self) -> int | None:
+        """The adapters' rank, or None when every weight is trained."""
+        match = _LORA.fullmatch(self.trainable)
+        return int(match.group(1)) if match else None
+
+    @property
+    def compute_dtype(self) -> str | None:
+        """The forward's dtype name ("bfloat16", "float16"), or None for float32 without casts."""
+        return COMPUTE_DTYPE[self.precision]
+
+    @property
+    def param_dtype(self) -> str:
+        """The dtype the weights, gradients and optimizer state are kept in."""
+        return PARAM_DTYPE[self.precision]
+
+    @property
+    def loss_scaling(self) -> bool:
+        """float16's narrow exponent: the loss is scaled up before the backward, gradients down."""
+        return self.precision == "fp16-mixed"
+
+    def describe(self) -> str:
+        """One line: ``fp32, all weights trained, adamw`` / ``bf16-mixed, lora:8, adafactor, EMA``."""
+        trained = "all weights trained" if self.lora_rank is None else self.trainable
+        return ", ".join([self.precision, trained, self.optimizer] + (["EMA"] if self.ema else []))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+DEFAULT = Regime()
+
+
+def add_regime_arguments(parser: argparse.ArgumentParser) -> None:
+    """The four regime flags, the same on every CLI (their defaults: `DEFAULT`)."""
+    group = parser.add_argument_group("training regime")
+    group.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=DEFAULT.precision,
+        help="fp32; bf16-mixed / fp16-mixed: float32 master weights, half-precision compute (fp16 with loss "
+        "scaling); bf16: bfloat16 weights and state (default %(default)s)",
+    )
+    group.add_argument(
+        "--trainable",
+        type=_trainable,
+        default=DEFAULT.trainable,
+        metavar="{all,lora:R}",
+        help="all weights, or rank-R LoRA adapters on every attention's q/k/v/out (default all)",
+    )
+    group.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=DEFAULT.optimizer,
+        help="adamw; adafactor (factored second moments); adamw8bit (torchao) (default %(default)s)",
+    )
+    group.add_argument("--ema", action="store_true", help="keep an EMA copy (float32) of the trained weights")
+
+
+def regime_of(args: argparse.Namespace) -> Regime:
+    """The `Regime` the parsed flags of `add_regime_arguments` give."""
+    return Regime(args.precision, args.trainable, args.optimizer, args.ema)
+
+
+def _trainable(text: str) -> str:
+    if text != "all" and not _LORA.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected {TRAINABLE}, got {text!r}")
+    return text

@@ -1,0 +1,160 @@
+"""``--budget-mib`` on both training CLIs: the plan is the planner's for the run's own workload, the
+measured peak is the step's (checked against the benchmark's own instruments), and a resume with
+the same budget keeps the run's plan. Profiles are seeded into a temporary cache (random figures),
+so nothing is profiled; the planner's check is stood in for by the profile's prediction."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shared_configs import load_spec
+from shared_configs.planning import planner
+from shared_configs.planning.budget import assignment_of, predict
+from shared_configs.planning.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
+from shared_configs.planning.solver import smallest_peak
+from shared_configs.training.budget import MEASURED_STEPS, RunPlan
+from shared_configs.training.config import parse_args
+from shared_configs.training.run_folder import checkpoints
+from shared_configs.units import MIB
+from tests.utils import random_profile
+
+SPEC = load_spec("tiny")
+BATCH = 4
+# What a training step reads: `shared_configs.training.data` gives one context token per image.
+WORKLOAD = Workload.of("tiny", batch_size=BATCH, context_length=1)
+
+
+@pytest.mark.parametrize("framework", ["torch_impl", "jax_impl"])
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--policy", "full", "--budget-mib", "100"], "argument --budget-mib: not allowed with argument --policy"),
+        (["--budget-mib", "0"], "argument --budget-mib: expected a positive number of MiB, got '0'"),
+        (["--budget-mib", "100", "--precision", "bf16-mixed"], "--budget-mib: plans the default regime only"),
+    ],
+)
+def test_bad_budget_flags_are_one_line(
+    framework: str, flags: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(flags, framework)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m {framework}.train: error: ") and match in err and err.count("\n") == 1
+
+
+def _seed(framework: str, factor: int = 1) -> int:
+    """A random profile of the training workload in the cache (bytes times ``factor``); returns a
+    budget halfway between its smallest feasible peak and none's."""
+    profile = random_profile(SPEC, 0, framework=framework)
+    profile = replace(profile, units={u: {c: replace(v, keep=v.keep * factor, fwd_peak=v.fwd_peak * factor,
+                                                     bwd_peak=v.bwd_peak * factor) for c, v in per.items()}
+                                      for u, per in profile.units.items()})  # fmt: skip
+    path = profile_path(framework, WORKLOAD)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(path)
+    low, high = smallest_peak(profile, SPEC).prediction.peak_bytes, predict(profile, SPEC, {}).peak_bytes
+    return (low + high) // 2
+
+
+@pytest.fixture
+def seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """An empty profile cache; the planner's check stood in for by the prediction; the measured
+    peaks the loops report, as they give them (bytes)."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+
+    def run_worker(request: dict) -> dict:
+        assert request["kind"] == "peaks", request["kind"]  # never a profile: they are seeded
+        profile = planner.get_profile(request["framework"], WORKLOAD)
+        return {"peaks": {p: predict(profile, SPEC, assignment_of(SPEC, p)).peak_bytes for p in request["policies"]}}
+
+    monkeypatch.setattr(planner, "run_worker", run_worker)
+    peaks: list[int] = []
+    line = RunPlan.peak_line
+
+    def peak_line(self: RunPlan, measured: int, instrument: str) -> str:
+        peaks.append(measured)
+        return line(self, measured, instrument)
+
+    monkeypatch.setattr(RunPlan, "peak_line", peak_line)
+    return peaks
+
+
+def _argv(out: Path, steps: int, budget_bytes: int, *extra: str) -> list[str]:
+    flags = ["--batch-size", BATCH, "--steps", steps, "--checkpoint-every", 1, "--sample-steps", 0, "--out", out]
+    return [str(f) for f in flags] + ["--budget-mib", repr(budget_bytes / MIB), *extra]
+
+
+def _record(out: Path) -> dict:
+    manifest = checkpoints(out)[-1][1] / "manifest.json"
+    return json.loads(manifest.read_text())["run"]["config"]
+
+
+def _torch_tracker_peak(policy: str) -> int:
+    """The benchmark's `StepTracker` over the first two steps of a fresh run under ``policy``."""
+    from benchmarks.common import batch_bytes
+    from benchmarks.torch_memory import StepTracker
+    from shared_configs.training.data import load_dataset
+    from tests.train_utils import SCHEDULE, torch_model
+    from torch_impl import train as ttrain
+
+    model = torch_model(SPEC, policy)
+    optimizer = ttrain.make_optimizer(model, 1e-3, 0.0)
+    dataset, peaks = load_dataset("digits", SPEC), []
+    for step in range(MEASURED_STEPS):
+        batch = dataset.batch(step, BATCH, SCHEDULE, 0)
+        with StepTracker(model, optimizer, batch_bytes(batch)) as tracker:
+            ttrain.train_step(model, optimizer, batch)
+        peaks.append(tracker.result.peak)
+    return max(peaks)
+
+
+@pytest.mark.slow
+def test_torch_trains_to_a_budget_and_resumes_its_plan(
+    seen: list[int], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plan is `plan_for_budget`'s for the run's workload; the measured peak is the benchmark
+    tracker's within 1%; a resume with the same budget keeps the plan though the profile changed
+    so that no plan fits now, and one with another budget plans again (and says none fits)."""
+    from torch_impl import train as ttrain
+
+    budget, out = _seed("torch"), tmp_path / "run"
+    policy = plan_for_budget("tiny", BATCH, budget, context_length=1)
+    assert ttrain.main(_argv(out, 2, budget)) == 0
+    err = capsys.readouterr().err
+    predicted = predict(planner.get_profile("torch", WORKLOAD), SPEC, assignment_of(SPEC, policy)).peak_bytes
+    assert f"policy {policy} (planned for this run); torch predicted peak {predicted / MIB:.1f} MiB" in err
+    assert len(seen) == 1 and "MemTracker" in err and "max of steps 1-2" in err
+    assert math.isclose(max(seen), _torch_tracker_peak(policy), rel_tol=0.01)
+    assert _record(out)["policy"] == policy
+
+    _seed("torch", factor=100)  # the cache changes: planning again could not fit the budget
+    assert ttrain.main(_argv(out, 3, budget, "--resume")) == 0
+    assert f"policy {policy} (the run's own plan, kept on resume)" in capsys.readouterr().err
+    assert _record(out)["policy"] == policy and len(seen) == 2  # its one step measured and reported
+    assert ttrain.main(_argv(out, 4, budget + MIB, "--resume")) == 2
+    assert "budget: no plan fits" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_jax_trains_to_a_budget_reporting_the_compiled_peak_the_planner_checks(
+    seen: list[int], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """JAX: the plan is `plan_for_budget`'s; the peak reported is the loop's compiled step's, equal
+    (within 1%: the optimizer's hyperparameters differ) to the planner's check of the same plan."""
+    from benchmarks.profile_jax import peaks
+    from jax_impl import train as jtrain
+
+    budget = _seed("jax")
+    policy = plan_for_budget("tiny", BATCH, budget, framework="jax", context_length=1)
+    assert jtrain.main(_argv(tmp_path / "run", 1, budget)) == 0
+    err = capsys.readouterr().err
+    assert f"policy {policy} (planned for this run); jax predicted peak" in err
+    assert "memory_analysis()" in err and "cse_barrier_expander off" in err
+    assert len(seen) == 1 and _record(tmp_path / "run")["policy"] == policy
+    assert math.isclose(seen[0], peaks(SPEC, BATCH, [policy], context_length=1)["peaks"][policy], rel_tol=0.01)

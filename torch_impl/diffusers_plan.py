@@ -1,0 +1,86 @@
+"""A checkpoint plan on diffusers' own U-Net, from the outside: diffusers is not edited.
+
+``apply_plan(unet, "layers")`` takes a live ``UNet2DConditionModel`` or ``UNet2DModel``, reads its
+spec from its config (`shared_configs.from_diffusers_config`), resolves the plan against it
+(every policy string `shared_configs.resolve_plan` takes, op-level save sets and ``;`` groups
+included) and checkpoints exactly the plan's units with `torch_impl.checkpointing`'s machinery,
+the one our U-Net uses. The plan's names are diffusers' module paths with the block lists
+renamed: ``down.1`` is ``down_blocks.1`` (its downsampler included, as in ours), ``mid`` is
+``mid_block``, ``up.0.attentions.1`` is ``up_blocks.0.attentions.1``. ``remove_plan`` gives every
+module its forward back.
+
+diffusers' own ``enable_gradient_checkpointing()`` is a second mechanism inside the same blocks:
+a model with it on is refused, so nothing is recomputed twice (nor should it be turned on while
+a plan is applied). diffusers itself is not imported here: the classes are told by name.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shared_configs import CheckpointPlan, UNetSpec, all_names, from_diffusers_config, resolve_plan
+from shared_configs.diffusers.folders import live_config
+from shared_configs.plan import Policy
+from torch_impl import checkpointing
+from torch_impl.unet import UNet
+
+DIFFUSERS_CLASSES: tuple[str, ...] = ("UNet2DModel", "UNet2DConditionModel")
+# The plan's block lists -> diffusers' attribute names (the rest of a name is the same path).
+_BLOCKS = {"down": "down_blocks", "mid": "mid_block", "up": "up_blocks"}
+
+
+def diffusers_path(name: str) -> str:
+    """The diffusers module path of a plan unit: ``down.1.resnets.0`` -> ``down_blocks.1.resnets.0``."""
+    head, dot, rest = name.partition(".")
+    return _BLOCKS[head] + dot + rest
+
+
+def diffusers_spec(model: nn.Module) -> UNetSpec:
+    """The spec of a live diffusers U-Net (`SpecError` naming the option we cannot plan for)."""
+    cls = type(model).__name__
+    if cls not in DIFFUSERS_CLASSES:
+        raise TypeError(
+            f"model: apply_plan takes diffusers' {' or '.join(DIFFUSERS_CLASSES)} or a torch_impl.UNet, not {cls}"
+        )
+    return from_diffusers_config(live_config(model))
+
+
+def unit_modules(model: nn.Module, spec: UNetSpec) -> dict[str, nn.Module]:
+    """Every name a plan for ``spec`` can use -> the diffusers module it checkpoints."""
+    modules: dict[str, nn.Module] = {}
+    for name in all_names(spec):
+        path = diffusers_path(name)
+        try:
+            modules[name] = model.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"plan: unit {name!r} has no module {path!r} in this {type(model).__name__}") from None
+    return modules
+
+
+def apply_plan(
+    model: nn.Module, plan: Policy | CheckpointPlan = "full", preserve_rng_state: bool = True
+) -> CheckpointPlan:
+    """Recompute exactly ``plan``'s units of ``model`` in the backward pass; returns the resolved plan.
+
+    ``model``: a diffusers ``UNet2DConditionModel`` / ``UNet2DModel`` (or our `UNet`, whose
+    ``enable_gradient_checkpointing`` this calls). A plan already applied is replaced.
+    """
+    if isinstance(model, UNet):
+        return model.enable_gradient_checkpointing(plan, preserve_rng_state)
+    spec = diffusers_spec(model)
+    if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+        raise ValueError(
+            "gradient_checkpointing: diffusers' own checkpointing is on, and a plan would recompute the same "
+            "layers twice; call model.disable_gradient_checkpointing() first"
+        )
+    resolved = resolve_plan(spec, plan)
+    checkpointing.apply_plan(model, resolved, preserve_rng_state, modules=unit_modules(model, spec))
+    return resolved
+
+
+def remove_plan(model: nn.Module) -> None:
+    """Undo `apply_plan`: every unit runs its plain forward again."""
+    if isinstance(model, UNet):
+        model.disable_gradient_checkpointing()
+    else:
+        checkpointing.remove_plan(model)

@@ -1,0 +1,99 @@
+"""A training regime (`shared_configs.training.regime.Regime`) in PyTorch.
+
+- precision: ``bf16`` casts the model to bfloat16 (weights, gradients and optimizer state follow);
+  the ``*-mixed`` ones keep float32 weights and run the forward under ``torch.autocast``
+  (`autocast_dtype`), ``fp16-mixed`` with a ``torch.amp.GradScaler`` (`loss_scaler`).
+- ``lora:R``: peft's adapters, as diffusers adds them (`add_lora`: ``inject_adapter_in_model`` with a
+  ``LoraConfig`` on the attention projections), every other weight frozen.
+- the optimizer over the trained parameters only (`make_optimizer`): ``torch.optim.AdamW``,
+  ``torch.optim.Adafactor``, torchao's ``AdamW8bit``.
+- ``--ema``: a float32 copy of the trained parameters, moved toward them after every step (`EMA`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from shared_configs.spec import SpecError
+from shared_configs.training.regime import DEFAULT, LORA_TARGETS, Regime
+
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# diffusers' attention keeps its output projection in a list (``to_out.0``); ours is the Linear itself.
+DIFFUSERS_LORA_TARGETS = tuple("to_out.0" if t == "to_out" else t for t in LORA_TARGETS)
+
+
+def autocast_dtype(regime: Regime) -> torch.dtype | None:
+    """The ``torch.autocast`` dtype of a mixed regime; None for fp32 and pure bf16 (no autocast)."""
+    return DTYPE[regime.compute_dtype] if regime.precision.endswith("-mixed") else None
+
+
+def loss_scaler(regime: Regime, device: torch.device) -> torch.amp.GradScaler | None:
+    """A ``GradScaler`` for float16 compute (its gradients underflow unscaled), else None."""
+    return torch.amp.GradScaler(device.type) if regime.loss_scaling else None
+
+
+def add_lora(model: nn.Module, rank: int, targets: Iterable[str] = LORA_TARGETS) -> nn.Module:
+    """Rank-``rank`` LoRA adapters (peft, alpha = rank, B initialised to zero: the outputs do not
+    change) on every module named ``targets``; everything else frozen. Returns ``model``."""
+    from peft import LoraConfig, inject_adapter_in_model  # peft imports slowly: only when asked
+
+    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets), init_lora_weights=True)
+    model = inject_adapter_in_model(config, model)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    return model
+
+
+def apply_regime(model: nn.Module, regime: Regime, targets: Iterable[str] = LORA_TARGETS) -> nn.Module:
+    """``model`` in ``regime``: adapters added (lora), weights cast (pure bf16). Returns it."""
+    if regime.lora_rank is not None:
+        model = add_lora(model, regime.lora_rank, targets)
+    if regime.param_dtype != "float32":
+        model = model.to(DTYPE[regime.param_dtype])
+    return model
+
+
+def trained_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer updates (all of them, or the adapters under LoRA)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def make_optimizer(
+    model: nn.Module, lr: float, weight_decay: float, regime: Regime = DEFAULT
+) -> torch.optim.Optimizer:
+    """``regime.optimizer`` over the trained parameters, every hyperparameter explicit (torch's AdamW
+    weight_decay default, 0.01, differs from optax's)."""
+    params = trained_parameters(model)
+    if regime.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+    if regime.optimizer == "adafactor":
+        return torch.optim.Adafactor(params, lr=lr, weight_decay=weight_decay)
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError:
+        raise SpecError("optimizer: adamw8bit needs torchao (pip install torchao)") from None
+    return AdamW8bit(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+
+
+class EMA:
+    """A float32 exponential moving average of ``params``: ``ema = decay * ema + (1 - decay) * p``
+    after each `update` (diffusers' EMAModel without its warm-up schedule)."""
+
+    def __init__(self, params: Iterable[nn.Parameter], decay: float = 0.9999) -> None:
+        self.params = list(params)
+        self.decay = decay
+        self.shadow = [p.detach().float().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        torch._foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], 1.0 - self.decay)
+
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+        return {"shadow": self.shadow}
+
+    def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
+        for mine, saved in zip(self.shadow, state["shadow"], strict=True):
+            mine.copy_(saved)
