@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import compare, max_batch, report, saved
 from benchmarks import plan as plan_cli
+from shared_configs import load_spec
 from shared_configs.defaults import (
     AUTO,
     CPU_ATTENTION_CHUNK,
@@ -22,7 +23,10 @@ from shared_configs.defaults import (
     resolve_chunk,
 )
 from shared_configs.planning.planner import DEVICE, Workload
+from shared_configs.training.budget import workload_of
 from shared_configs.training.config import TrainConfig, parse_args, used
+
+SPEC = load_spec("tiny")
 
 
 @pytest.fixture(params=["folder", "off"])
@@ -57,11 +61,12 @@ def test_every_tool_resolves_to_the_same_defaults(cache_env: str | None) -> None
                                                                        cpu.steps)  # fmt: skip
     s = saved.build_parser().parse_args([])
     assert (resolve_chunk(s.attention_chunk, "cpu"), s.context_length) == (cpu.attention_chunk, cpu.context_length)
-    for cfg in (parse_args([], "jax_impl"), TrainConfig()):
-        assert (resolve_chunk(cfg.attention_chunk, "cpu"), cfg.dtype, cfg.jax_cache) == (
+    for cfg in (parse_args([], "jax_impl"), TrainConfig(), parse_args([], "torch_impl")):  # fp32: float32 compute
+        assert (resolve_chunk(cfg.attention_chunk, "cpu"), cfg.regime.compute_dtype or "float32", cfg.jax_cache) == (
             cpu.attention_chunk, cpu.dtype, cpu.jax_cache
         )  # fmt: skip
-    assert parse_args([], "torch_impl").dtype == cpu.dtype
+    # training to a budget plans the workload the run trains (its own context length: one token)
+    assert workload_of(TrainConfig(config="tiny"), SPEC, 1).attention_chunk == cpu.attention_chunk
 
 
 def test_on_gpu_jax_attention_is_xlas_own() -> None:
@@ -86,7 +91,7 @@ def test_each_tool_says_what_it_used(monkeypatch: pytest.MonkeyPatch) -> None:
         "/somewhere"
     )
     assert Workload.of("tiny", batch_size=2).used(("torch",)) == "cpu: float32, context 77 tokens"
-    assert used(TrainConfig(dtype="bfloat16"), "torch_impl", "cpu") == "cpu: bfloat16, torch attention SDPA"
+    assert used(TrainConfig(precision="bf16-mixed"), "torch_impl", "cpu") == "cpu: bfloat16, torch attention SDPA"
     assert used(TrainConfig(attention_chunk=AUTO), "jax_impl", "gpu") == (
         "gpu: jax attention unchunked, float32, jax compilation cache /somewhere"
     )

@@ -301,7 +301,9 @@ def test_a_shapes_profile_has_no_candidates_to_measure(
     assert found.candidates is None and found.policy == solve(profile, SPEC, budget, SAFETY).policy
 
 
-@pytest.mark.parametrize("extra", [["--budget-mib", "100"], ["--sweep", "out"], ["--solve-times"], ["--candidates", "3"]])
+@pytest.mark.parametrize(
+    "extra", [["--budget-mib", "100"], ["--sweep", "out"], ["--solve-times"], ["--candidates", "3"]]
+)
 def test_policy_with_a_solving_flag_is_one_line(
     extra: list[str], cache: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
