@@ -11,20 +11,26 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import jax
+import pytest
 import torch
 
+from jax_impl import checkpoint_io as jio
 from jax_impl import train as jtrain
 from jax_impl.checkpoint_io import abstract_target
 from jax_impl.convert import torch_to_flax_variables
 from jax_impl.unet import UNet as FlaxUNet
-from shared_configs import UNetSpec
+from shared_configs import UNetSpec, load_spec
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.data import load_dataset, step_seed
 from shared_configs.training.ddpm import make_schedule
+from shared_configs.training.loop import manifest_for
+from shared_configs.training.run_folder import LOCK
 from tests.utils import FAST_COMPILE, TINY, count_flops
+from torch_impl import checkpoint_io as tio
 from torch_impl import train as ttrain
 from torch_impl.unet import UNet as TorchUNet
 
@@ -103,3 +109,49 @@ def jax_on_two_devices(script: str, *args: str) -> dict:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["devices"] == 2
     return result
+
+
+# ---- run folders: the training CLIs in this process, and saved runs ----
+
+MAINS = {"torch": ttrain.main, "jax": jtrain.main}
+RUN = replace(CFG, steps=4, checkpoint_every=1)  # the flags of every run below, as a command line
+LOSSES = [1.0, 0.5]  # the saved runs are at step 2
+
+
+def argv(cfg: TrainConfig, *extra: str) -> list[str]:
+    """The training CLI's flags for ``cfg`` (no sampling), then ``extra``."""
+    flags = ["--batch-size", cfg.batch_size, "--lr", cfg.lr, "--weight-decay", cfg.weight_decay, "--seed", cfg.seed]
+    flags += ["--steps", cfg.steps, "--checkpoint-every", cfg.checkpoint_every, "--sample-steps", 0, "--out", cfg.out]
+    return [str(f) for f in flags] + list(extra)
+
+
+def cli(framework: str, args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """(exit status, stderr) of a training CLI; bad flags exit through SystemExit."""
+    try:
+        code = MAINS[framework](args)
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err.strip()
+
+
+def saved_run(framework: str, out: Path) -> Path:
+    """A run folder holding a checkpoint of step 2 (fresh weights: nothing trains)."""
+    cfg, spec = replace(RUN, out=str(out)), load_spec(RUN.config)
+    if framework == "torch":
+        model, _, optimizer = ttrain.build(cfg)
+        return tio.save_checkpoint(out, model, optimizer, manifest_for(cfg, spec, tio.FRAMEWORK, tio.LAYOUT, LOSSES))
+    state = jax_setup(spec, "none")[2]
+    return jio.save_checkpoint(out, state, manifest_for(cfg, spec, jio.FRAMEWORK, jio.LAYOUT, LOSSES))
+
+
+def snapshot(out: Path) -> dict[str, bytes]:
+    """Every file under ``out`` (temp files included), but the lock, by path: what a fault must not change."""
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != LOCK}
+
+
+def assert_one_line(code: int, err: str, status: int, *parts: str) -> None:
+    """``err`` is one error line of a training CLI, holding each of ``parts``; ``code`` is ``status``."""
+    assert code == status, err
+    assert err.startswith("python -m ") and ".train: error: " in err and "\n" not in err and "Traceback" not in err, err
+    for part in parts:
+        assert part in err, (part, err)

@@ -18,9 +18,11 @@ some network file systems). No torch or jax import.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -37,6 +39,7 @@ from shared_configs.training.config import TrainConfig, resume_differences
 from shared_configs.training.manifest import (
     MANIFEST,
     CheckpointError,
+    CheckpointWriteError,
     Manifest,
     check_files,
     files_of,
@@ -66,6 +69,8 @@ class Comm(Protocol):
 
     def gather(self, obj: Any) -> list[Any]: ...  # every rank gets every rank's obj, in rank order
 
+    def max(self, value: int) -> int: ...  # the largest of every rank's value (cheap: once per step)
+
 
 @dataclass(frozen=True)
 class Solo:
@@ -79,6 +84,9 @@ class Solo:
 
     def gather(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def max(self, value: int) -> int:
+        return value
 
 
 SOLO = Solo()
@@ -218,31 +226,141 @@ def verify(path: Path, manifest: Manifest, comm: Comm = SOLO) -> None:
 # ---- writing checkpoints -----------------------------------------------------------------
 
 
-def save(out: Path, manifest: Manifest, write_state: Callable[[Path], None], comm: Comm = SOLO) -> Path:
+def save(out: Path, manifest: Manifest, write_state: Callable[[Path], None], comm: Comm = SOLO,
+         nbytes: int | None = None) -> Path:  # fmt: skip
     """Write a checkpoint of ``manifest.step``: every rank calls ``write_state(folder)`` for its
-    files, the ranks hash a share each, rank 0 writes the manifest and commits. Returns the folder."""
+    files, the ranks hash a share each, rank 0 writes the manifest and commits. Returns the folder.
+
+    A failure on any rank (disk full, permission lost, an I/O error) is agreed on by all ranks after
+    each phase: the partial folder is removed, the previous checkpoint stays, and every rank raises
+    the same `CheckpointWriteError` naming the path (and, for a full disk, about how many bytes
+    the checkpoint needs: the previous one's size, else ``nbytes``).
+    """
     tmp = out / f".{checkpoint_name(manifest.step)}{TEMP_SUFFIX}"
-    if comm.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    comm.barrier()
-    write_state(tmp / STATE)
-    comm.barrier()
-    names = files_of(tmp)
-    parts = comm.gather(hash_files(tmp, names[comm.rank :: comm.world]))
-    if comm.rank == 0:
-        write_manifest(tmp, replace(manifest, files={k: v for part in parts for k, v in part.items()}))
-        _commit(out, tmp, manifest.step)
-    comm.barrier()
+    try:
+        _together(comm, lambda: _fresh(out, tmp) if comm.rank == 0 else None)
+        _together(comm, lambda: write_state(tmp / STATE))
+        names = files_of(tmp)
+        parts = comm.gather(_together(comm, lambda: hash_files(tmp, names[comm.rank :: comm.world])))
+        files = {k: v for part in parts for k, v in part.items()}
+        _together(comm, lambda: _commit(out, tmp, replace(manifest, files=files)) if comm.rank == 0 else None)
+    except _Failed as failed:
+        message = _failure_line(out, tmp, manifest.step, failed.fault, nbytes) if comm.rank == 0 else failed.fault.text
+        raise CheckpointWriteError(message) from None
     return out / checkpoint_name(manifest.step)
 
 
-def _commit(out: Path, tmp: Path, step: int) -> None:
-    """Rename ``tmp`` into place, then remove the older checkpoints.
+def _fresh(out: Path, tmp: Path) -> None:
+    """An empty ``tmp``, if the file system has room for a checkpoint the size of the last one
+    (a full disk is refused before writing: a framework failing half-way is noisier)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    earlier = checkpoints(out)
+    need = _size(earlier[-1][1]) if earlier else None
+    if need and shutil.disk_usage(out).free < need:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+    tmp.mkdir(parents=True)
+
+
+@dataclass(frozen=True)
+class _Fault:
+    """A failed write as every rank sees it (picklable): the rank, the OS error's number and path."""
+
+    rank: int
+    text: str
+    errno: int | None = None
+    filename: str | None = None
+
+
+class _Failed(Exception):
+    def __init__(self, fault: _Fault) -> None:
+        self.fault = fault
+
+
+def _together(comm: Comm, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every rank, then agree: if any rank failed, every rank raises `_Failed` (the
+    first failing rank's fault). The gather is also the barrier after the phase."""
+    try:
+        result, fault = fn(), None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # torch DCP's CheckpointException is a BaseException
+        result, fault = None, _fault_of(err, comm.rank)
+    faults = [f for f in comm.gather(fault) if f is not None]
+    if faults:
+        raise _Failed(faults[0])
+    return result
+
+
+_OS_CODE = re.compile(r"os_error_code='(\d+)'")  # tensorstore's (orbax's) way of carrying errno
+_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
+
+
+def _fault_of(err: BaseException, rank: int) -> _Fault:
+    """The OS error inside ``err`` (its causes, DCP's per-rank failures, a tensorstore message)."""
+    seen: list[BaseException] = []
+    todo = [err]
+    while todo and len(seen) < 20:
+        e = todo.pop(0)
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno is not None:
+            return _Fault(rank, e.strerror or str(e), e.errno, e.filename and str(e.filename))
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None and c not in seen]
+    text = " ".join(str(err).split()) or type(err).__name__
+    if code := _OS_CODE.search(text):
+        found = _LOCAL_FILE.search(text)
+        return _Fault(rank, os.strerror(int(code[1])), int(code[1]), found and found[1])
+    return _Fault(rank, f"{type(err).__name__}: {text[:300]}")
+
+
+def _failure_line(out: Path, tmp: Path, step: int, fault: _Fault, nbytes: int | None) -> str:
+    """One line: where the write failed and why, what it needs on a full disk, what is kept."""
+    where = f"rank {fault.rank}: " if fault.rank else ""
+    line = f"writing the checkpoint of step {step}: {where}{fault.filename or tmp}: {fault.text}"
+    removed = _remove_partial(tmp)
+    earlier = checkpoints(out)
+    if fault.errno == errno.ENOSPC:
+        line += f" ({_space(out, earlier, nbytes)})"
+    kept = f"the checkpoint of step {earlier[-1][0]} is kept" if earlier else "no earlier checkpoint"
+    return f"{line}; {kept}; {removed}"
+
+
+def _space(out: Path, earlier: list[tuple[int, Path]], nbytes: int | None) -> str:
+    """How many bytes a checkpoint needs (the last one's size, else the state's) and how many are free."""
+    free = f"{shutil.disk_usage(out).free:,} bytes are free there"
+    if last := _size(earlier[-1][1]) if earlier else None:
+        return f"the last checkpoint took {last:,} bytes, {free}"
+    return f"the state holds {nbytes:,} bytes, {free}" if nbytes else free
+
+
+def _remove_partial(tmp: Path) -> str:
+    if not tmp.exists():
+        return "nothing partial was left"
+    try:
+        shutil.rmtree(tmp)
+    except OSError as err:
+        return f"could not remove the partial {tmp} ({err.strerror}): the next run on the folder will"
+    return "the partial write was removed"
+
+
+def _size(folder: Path) -> int | None:
+    """The bytes of a committed checkpoint, from its manifest."""
+    try:
+        return sum(f["bytes"] for f in read_manifest(folder).files.values())
+    except (CheckpointError, OSError, KeyError, TypeError):
+        return None
+
+
+def _commit(out: Path, tmp: Path, manifest: Manifest) -> None:
+    """Write the manifest into ``tmp``, rename it into place, then remove the older checkpoints.
 
     Checkpoints at this step or later exist only after ``--overwrite`` (another run's): they go
     first, so that the newest checkpoint in the folder is always this run's.
     """
+    write_manifest(tmp, manifest)
+    step = manifest.step
     for later_step, path in checkpoints(out):
         if later_step >= step:
             shutil.rmtree(path)
