@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from shared_configs.training.config import TrainConfig
 from shared_configs.training.data import load_dataset, step_seed
 from shared_configs.training.ddpm import make_schedule
 from shared_configs.training.loop import manifest_for
-from shared_configs.training.run_folder import LOCK
+from shared_configs.training.run_folder import LOCK, checkpoints
 from tests.utils import FAST_COMPILE, TINY, count_flops
 from torch_impl import checkpoint_io as tio
 from torch_impl import train as ttrain
@@ -98,13 +100,17 @@ def jax_restore_target(state: object) -> object:
     return abstract_target(state, jax.tree.map(lambda a: a.sharding, state))
 
 
+def two_devices_env() -> dict[str, str]:
+    """This environment with 2 forced CPU devices and XLA's backend optimisation off (`FAST_COMPILE`)."""
+    flags = [f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items()]
+    return {**os.environ, "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=2", *flags])}
+
+
 def jax_on_two_devices(script: str, *args: str) -> dict:
     """``python -c script *args`` on 2 forced CPU devices, compiled with backend optimisation off
     (`FAST_COMPILE`: values unchanged, ~4x faster); its last stdout line, parsed as JSON."""
-    flags = [f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items()]
-    env = {**os.environ, "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=2", *flags])}
     cmd, root = [sys.executable, "-c", script, *args], Path(__file__).parents[1]
-    out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(cmd, env=two_devices_env(), cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["devices"] == 2
@@ -155,3 +161,43 @@ def assert_one_line(code: int, err: str, status: int, *parts: str) -> None:
     assert err.startswith("python -m ") and ".train: error: " in err and "\n" not in err and "Traceback" not in err, err
     for part in parts:
         assert part in err, (part, err)
+
+
+# ---- real runs in their own process, signalled from outside ----
+
+
+def start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """A training run in its own session (killed as a group if the test fails)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def signal_at_first_checkpoint(proc: subprocess.Popen[str], out: Path, sig: int, rank: int | None = None) -> None:
+    """Send ``sig`` to ``proc`` (or to its child of torchrun rank ``rank``) once ``out`` holds a
+    checkpoint or one being written: the loop runs (so the stop is after step 1, or 2 if missed)."""
+    deadline = time.monotonic() + 300
+    while not (checkpoints(out) or list(out.glob(".checkpoint-*.tmp"))):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"no checkpoint in {out}: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.02)
+    os.kill(proc.pid if rank is None else rank_pid(proc.pid, rank), sig)
+
+
+def rank_pid(launcher: int, rank: int) -> int:
+    """The pid of torchrun's worker of ``rank`` (its environment says RANK)."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    environ = {int(c): Path(f"/proc/{c}/environ").read_bytes().split(b"\0") for c in children}
+    (pid,) = [c for c, env in environ.items() if f"RANK={rank}".encode() in env]
+    return pid
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 300) -> tuple[int, list[str]]:
+    """(exit status, the non-blank lines of stderr) of a run `start` started."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc.returncode, [line for line in err.splitlines() if line.strip()]
