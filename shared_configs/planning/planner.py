@@ -35,6 +35,7 @@ from shared_configs.planning.budget import SAFETY, SCHEMA, Profile, leaf_units, 
 from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops
 from shared_configs.planning.solver import Solution, solve
 from shared_configs.planning.unit_flops import unit_flops
+from shared_configs.processes import worker_group
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.units import MIB
 
@@ -108,16 +109,12 @@ def run_worker(request: dict[str, Any]) -> dict[str, Any]:
     """Run ``request`` in the `WORKER` process (one framework per process)."""
     with tempfile.TemporaryDirectory(prefix="plan-worker-") as folder:
         out = Path(folder) / "result.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", WORKER, json.dumps(request), str(out)],
-            cwd=REPO_ROOT,
-            env=worker_env(request["framework"]),
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-        )
+        cmd = [sys.executable, "-m", WORKER, json.dumps(request), str(out)]
+        env = worker_env(request["framework"])
+        with worker_group(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True) as proc:
+            stderr = proc.communicate()[1]
         if proc.returncode != 0 or not out.is_file():
-            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+            lines = [ln for ln in stderr.splitlines() if ln.strip()]
             why = lines[-1] if lines else f"exit {proc.returncode}"
             raise BenchmarkError(f"{request['framework']} planner worker failed: {why}")
         return json.loads(out.read_text())
