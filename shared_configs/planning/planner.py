@@ -16,6 +16,7 @@ time is then FLOPs at ``flops_per_s``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -31,7 +32,7 @@ from typing import Any
 
 from shared_configs.cli import BenchmarkError
 from shared_configs.loader import load_spec, spec_from_dict
-from shared_configs.planning.budget import SAFETY, SCHEMA, Profile, leaf_units, per_rank, safety_margin
+from shared_configs.planning.budget import SAFETY, SCHEMA, Profile, cached_profile, leaf_units, per_rank, safety_margin
 from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops
 from shared_configs.planning.solver import Solution, solve
 from shared_configs.planning.unit_flops import unit_flops
@@ -138,7 +139,11 @@ def get_profile(framework: str, workload: Workload, repeats: int | None = None, 
     """The profile of ``workload`` in ``framework``: from the cache, or measured (and cached)."""
     repeats = PROFILE_REPEATS[framework] if repeats is None else repeats
     path = profile_path(framework, workload, repeats)
-    profile = Profile.load(path) if cache and path.is_file() else _measure_profile(framework, workload, repeats, path)
+    spec = workload.spec
+    expect = {"framework": framework, "config": spec.name, "sample_size": spec.sample_size,
+              "batch_size": workload.batch_size, "context_length": workload.context_length}  # fmt: skip
+    make = functools.partial(_measure_profile, framework, workload, repeats, path)
+    profile = cached_profile(path, expect, make, refresh=not cache)
     return with_flop_time(profile, workload) if workload.shapes else profile
 
 
@@ -157,7 +162,7 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
     seconds = time.perf_counter() - start
     progress(f"{framework} profile done in {seconds:.0f} s")
     fields["meta"] |= {"seconds": round(seconds, 1), "loadavg": [load, _loadavg()]}
-    profile = Profile.from_json(
+    return Profile.from_json(
         {
             "schema": SCHEMA,
             "config": workload.spec.name,
@@ -167,9 +172,6 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
             **fields,
         }
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    profile.save(path)
-    return profile
 
 
 def with_flop_time(profile: Profile, workload: Workload) -> Profile:
