@@ -167,7 +167,7 @@ def assert_one_line(code: int, err: str, status: int, *parts: str) -> None:
 
 
 def start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """A training run in its own session (killed as a group if the test fails)."""
+    """A training run in a process group of its own (killed as a group if the test fails)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
