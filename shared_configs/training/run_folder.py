@@ -18,6 +18,7 @@ some network file systems). No torch or jax import.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -115,7 +116,8 @@ def owned(out: Path, owner: bool = True) -> Iterator[None]:
         _remove_temps(out)
         yield
     finally:
-        os.ftruncate(fd, 0)  # an empty lock file: nobody holds it (a killed holder leaves its name)
+        with contextlib.suppress(OSError):  # the folder became read-only: its lock keeps our name
+            os.ftruncate(fd, 0)  # an empty lock file: nobody holds it (a killed holder leaves its name)
         os.close(fd)  # releases the flock
 
 
