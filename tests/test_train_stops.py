@@ -25,7 +25,8 @@ from shared_configs.training.config import TrainConfig
 from shared_configs.training.loop import run_loop
 from shared_configs.training.manifest import CheckpointWriteError, Manifest, read_manifest
 from shared_configs.training.preemption import STOP_SIGNALS, Stopped, resume_command
-from shared_configs.training.run_folder import SOLO, Solo, _Fault, checkpoints, save, verify
+from shared_configs.training.run_folder import SOLO, Solo, checkpoints, save, verify
+from shared_configs.training.write_faults import Fault
 from tests.train_utils import CFG, argv, finish, signal_at_first_checkpoint, start
 from tests.utils import train_argv
 from torch_impl import checkpoint_io as tio
@@ -122,7 +123,7 @@ class Rank1Fails(Solo):
     def gather(self, obj: Any) -> list[Any]:
         self.phase[0] += 1  # type: ignore[attr-defined]
         failed = self.phase[0] == 2  # type: ignore[attr-defined]
-        return [obj, _Fault(1, "No space left on device", errno.ENOSPC, "/shards/__1_0.distcp") if failed else None]
+        return [obj, Fault(1, "No space left on device", errno.ENOSPC, "/shards/__1_0.distcp") if failed else None]
 
 
 def test_a_rank_that_fails_to_write_fails_the_save_on_every_rank(tmp_path: Path) -> None:

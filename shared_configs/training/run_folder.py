@@ -23,7 +23,6 @@ import errno
 import fcntl
 import json
 import os
-import re
 import shutil
 import socket
 import sys
@@ -48,6 +47,7 @@ from shared_configs.training.manifest import (
     read_manifest,
     write_manifest,
 )
+from shared_configs.training.write_faults import Failed, Fault, describe, together
 
 LOCK = ".lock"
 PREFIX = "checkpoint-"
@@ -240,13 +240,13 @@ def save(out: Path, manifest: Manifest, write_state: Callable[[Path], None], com
     """
     tmp = out / f".{checkpoint_name(manifest.step)}{TEMP_SUFFIX}"
     try:
-        _together(comm, lambda: _fresh(out, tmp) if comm.rank == 0 else None)
-        _together(comm, lambda: write_state(tmp / STATE))
+        together(comm, lambda: _fresh(out, tmp) if comm.rank == 0 else None)
+        together(comm, lambda: write_state(tmp / STATE))
         names = files_of(tmp)
-        parts = comm.gather(_together(comm, lambda: hash_files(tmp, names[comm.rank :: comm.world])))
+        parts = comm.gather(together(comm, lambda: hash_files(tmp, names[comm.rank :: comm.world])))
         files = {k: v for part in parts for k, v in part.items()}
-        _together(comm, lambda: _commit(out, tmp, replace(manifest, files=files)) if comm.rank == 0 else None)
-    except _Failed as failed:
+        together(comm, lambda: _commit(out, tmp, replace(manifest, files=files)) if comm.rank == 0 else None)
+    except Failed as failed:
         message = _failure_line(out, tmp, manifest.step, failed.fault, nbytes) if comm.rank == 0 else failed.fault.text
         raise CheckpointWriteError(message) from None
     return out / checkpoint_name(manifest.step)
@@ -263,78 +263,13 @@ def _fresh(out: Path, tmp: Path) -> None:
     tmp.mkdir(parents=True)
 
 
-@dataclass(frozen=True)
-class _Fault:
-    """A failed write as every rank sees it (picklable): the rank, the OS error's number and path."""
-
-    rank: int
-    text: str
-    errno: int | None = None
-    filename: str | None = None
-
-
-class _Failed(Exception):
-    def __init__(self, fault: _Fault) -> None:
-        self.fault = fault
-
-
-def _together(comm: Comm, fn: Callable[[], Any]) -> Any:
-    """``fn()`` on every rank, then agree: if any rank failed, every rank raises `_Failed` (the
-    first failing rank's fault). The gather is also the barrier after the phase."""
-    try:
-        result, fault = fn(), None
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as err:  # torch DCP's CheckpointException is a BaseException
-        result, fault = None, _fault_of(err, comm.rank)
-    faults = [f for f in comm.gather(fault) if f is not None]
-    if faults:
-        raise _Failed(faults[0])
-    return result
-
-
-_OS_CODE = re.compile(r"os_error_code='(\d+)'")  # tensorstore's (orbax's) way of carrying errno
-_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
-
-
-def _fault_of(err: BaseException, rank: int) -> _Fault:
-    """The OS error inside ``err`` (its causes, DCP's per-rank failures, a tensorstore message)."""
-    seen: list[BaseException] = []
-    todo = [err]
-    while todo and len(seen) < 20:
-        e = todo.pop(0)
-        seen.append(e)
-        if isinstance(e, OSError) and e.errno is not None:
-            return _Fault(rank, e.strerror or str(e), e.errno, e.filename and str(e.filename))
-        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        todo += [c for c in (e.__cause__, e.__context__) if c is not None and c not in seen]
-    text = " ".join(str(err).split()) or type(err).__name__
-    if code := _OS_CODE.search(text):
-        found = _LOCAL_FILE.search(text)
-        return _Fault(rank, os.strerror(int(code[1])), int(code[1]), found and found[1])
-    return _Fault(rank, f"{type(err).__name__}: {text[:300]}")
-
-
-def _failure_line(out: Path, tmp: Path, step: int, fault: _Fault, nbytes: int | None) -> str:
-    """One line: where the write failed and why, what it needs on a full disk, what is kept."""
-    where = f"rank {fault.rank}: " if fault.rank else ""
-    line = f"writing the checkpoint of step {step}: {where}{fault.filename or tmp}: {fault.text}"
+def _failure_line(out: Path, tmp: Path, step: int, fault: Fault, nbytes: int | None) -> str:
+    """One line: where the write failed and why, what a checkpoint needs on a full disk, what is kept."""
     removed = _remove_partial(tmp)
     earlier = checkpoints(out)
-    if fault.errno == errno.ENOSPC:
-        line += f" ({_space(out, earlier, nbytes)})"
-    kept = f"the checkpoint of step {earlier[-1][0]} is kept" if earlier else "no earlier checkpoint"
-    return f"{line}; {kept}; {removed}"
-
-
-def _space(out: Path, earlier: list[tuple[int, Path]], nbytes: int | None) -> str:
-    """How many bytes a checkpoint needs (the last one's size, else the state's) and how many are free."""
-    free = f"{shutil.disk_usage(out).free:,} bytes are free there"
-    if last := _size(earlier[-1][1]) if earlier else None:
-        return f"the last checkpoint took {last:,} bytes, {free}"
-    return f"the state holds {nbytes:,} bytes, {free}" if nbytes else free
+    last = _size(earlier[-1][1]) if earlier else None
+    free = shutil.disk_usage(out).free
+    return describe(fault, step, tmp, earlier[-1][0] if earlier else None, last, nbytes, free, removed)
 
 
 def _remove_partial(tmp: Path) -> str:
