@@ -366,8 +366,9 @@ def keep_measured(
     if not rows:
         return Interrupted(signum, "every worker stopped; nothing was measured, nothing written")
     document = build_document(args, jobs, results, clock)
-    total = sum(len(job.rows()) for job in jobs)
-    document["incomplete"] = f"interrupted by {signal.Signals(signum).name} after {len(rows)} of {total} rows"
+    total = sum(len(job.rows()) for job in jobs)  # max_batch: its probes (it adds rows as it goes)
+    of_total = f" of {total}" if total >= len(rows) else ""
+    document["incomplete"] = f"interrupted by {signal.Signals(signum).name} after {len(rows)}{of_total} rows"
     path = args.out / f"{prog}-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     report.write_json(path, document)
     return Interrupted(signum, f"every worker stopped; the {len(rows)} row(s) measured are in {path} (incomplete)")

@@ -82,10 +82,10 @@ def run_loop(
     appended to ``losses``; ``save_fn(state, losses)`` at every checkpoint boundary. Returns the state.
 
     A NaN or infinite loss raises `NonFiniteLoss` naming the step; the checkpoint on disk stays.
-    A stop signal (`shared_configs.training.preemption.STOP_SIGNALS`) to any rank of ``comm`` lets the step
-    in flight finish; then every rank saves that step (if not saved already), rank 0 writes
-    ``losses.json``, and `Stopped` is raised. The ranks agree each step (a max over ranks of the
-    signal number, 0 for none), so they all stop after the same step.
+    A stop signal (`shared_configs.training.preemption.STOP_SIGNALS`) to any rank of ``comm`` lets
+    the step in flight finish; then every rank saves that step (if not saved already), rank 0
+    writes ``losses.json``, and `Stopped` is raised. The ranks agree after each step (a max over
+    ranks of the signal number, 0 for none), so they all stop after the same step.
     """
     saved = len(losses)
     with StopSignals() as signals, progress_bar(cfg.steps, len(losses), title) as update:

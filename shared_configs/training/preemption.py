@@ -2,8 +2,8 @@
 
 Schedulers warn before they kill: SLURM, Kubernetes and spot machines send SIGTERM (SLURM's
 ``--signal`` can send SIGUSR1 earlier) and a grace period later SIGKILL. While the training loop
-runs (`shared_configs.training.loop.run_loop`), `StopSignals` replaces the default handlers by one that
-only notes the signal: the step in flight finishes, the loop saves a checkpoint and ``losses.json``
+runs (`shared_configs.training.loop.run_loop`), `StopSignals` replaces the default handlers by one
+that only notes the signal: the step in flight finishes, the loop saves a checkpoint and ``losses.json``
 and raises `Stopped`, and the CLI prints one line naming the step and the ``--resume`` command and
 exits ``128 + signal number`` (SIGTERM 143, SIGINT 130, SIGUSR1 138: the shells' convention for a
 process ended by that signal). A further signal while saving is noted and otherwise ignored, so
