@@ -24,7 +24,7 @@ from benchmarks import plan_sweep
 from benchmarks.report import write_json
 from benchmarks.stepclock import paired, paired_text
 from shared_configs import SpecError
-from shared_configs.cli import OneLineParser, cli_errors, positive_float, positive_int, positive_mib
+from shared_configs.cli import OneLineParser, cli_errors, positive_float, positive_int, positive_mib, stopping
 from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile
 from shared_configs.planning.planner import (
     DEFAULT_BYTES_PER_S,
@@ -193,7 +193,8 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    with cli_errors("benchmarks.plan"):
+    kept = "every worker stopped; nothing written (profiles measured stay cached)"
+    with cli_errors("benchmarks.plan"), stopping(kept):
         _check(args)
         workload = Workload.of(
             args.config,
