@@ -17,6 +17,7 @@ import argparse
 import importlib.util
 import os
 import platform
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -41,7 +42,7 @@ from benchmarks.common import (
 )
 from benchmarks.runner import Event, run_job
 from shared_configs import NAMED_POLICIES, SpecError, UNetSpec, resolve_plan, to_diffusers_config
-from shared_configs.cli import OneLineParser, cache_dir, check_out_dir, cli_errors, positive_int
+from shared_configs.cli import Interrupted, OneLineParser, cache_dir, check_out_dir, cli_errors, positive_int
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults
 
 DEFAULT_CONFIG = "sd_narrow"  # activation-dominated, as diffusion training is (docs/benchmark.md)
@@ -261,15 +262,18 @@ def _check_world(world_size: int, frameworks: tuple[str, ...], device: str) -> s
     return "cpu"  # auto: the ranks are on the CPU
 
 
-def run_all(jobs: list[Job], console: Console, verbose: bool) -> list[list[Event]]:
-    """Run the jobs one after another (never side by side: they would share the cores)."""
+def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list[Event]]) -> list[list[Event]]:
+    """Run the jobs one after another (never side by side: they would share the cores), each job's
+    events appended to ``results`` as they come (so an interrupted run keeps its rows)."""
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
-    results: list[list[Event]] = []
     with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
         tasks = [progress.add_task(job.framework, total=len(job.rows())) for job in jobs]
         for job, task in zip(jobs, tasks, strict=True):
+            events: list[Event] = []
+            results.append(events)
 
-            def on_event(event: Event, task: Any = task, job: Job = job) -> None:
+            def on_event(event: Event, task: Any = task, job: Job = job, events: list[Event] = events) -> None:
+                events.append(event)
                 if event["event"] == "start":
                     progress.update(
                         task, description=f"{job.framework}: {event['policy']} @ batch {event['batch_size']}"
@@ -278,9 +282,8 @@ def run_all(jobs: list[Job], console: Console, verbose: bool) -> list[list[Event
                     progress.update(task, advance=1, description=f"{job.framework}: last {event['status']}")
 
             start = time.perf_counter()
-            events = run_job(job, on_event, verbose)
+            run_job(job, on_event, verbose)
             events.append({"event": "wall", "framework": job.framework, "seconds": time.perf_counter() - start})
-            results.append(events)
             progress.update(task, description=job.framework)
     return results
 
@@ -342,6 +345,25 @@ def write_outputs(document: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
+def keep_measured(
+    prog: str, args: argparse.Namespace, jobs: list[Job], results: list[list[Event]], clock: tuple,
+    stop: KeyboardInterrupt,
+) -> Interrupted:  # fmt: skip
+    """An interrupted run of ``prog``: the rows measured so far, written as ``<prog>-*.json`` marked
+    incomplete (nothing if none was); returns the interrupt to raise, saying what was kept."""
+    signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
+    rows = [e for evs in results for e in evs if e["event"] == "row"]
+    if not rows:
+        return Interrupted(signum, "every worker stopped; nothing was measured, nothing written")
+    document = build_document(args, jobs, results, clock)
+    total = sum(len(job.rows()) for job in jobs)  # max_batch: its probes (it adds rows as it goes)
+    of_total = f" of {total}" if total >= len(rows) else ""
+    document["incomplete"] = f"interrupted by {signal.Signals(signum).name} after {len(rows)}{of_total} rows"
+    path = args.out / f"{prog}-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    report.write_json(path, document)
+    return Interrupted(signum, f"every worker stopped; the {len(rows)} row(s) measured are in {path} (incomplete)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # A table this wide wraps unreadably at 80 columns: when not on a terminal, print it wide.
@@ -349,14 +371,17 @@ def main(argv: list[str] | None = None) -> int:
     with cli_errors("benchmarks.compare"):
         jobs = make_jobs(args)
         check_out_dir(args.out)
-        clock = cpu_snapshot()
-        results = run_all(jobs, console, args.verbose)
-    document = build_document(args, jobs, results, clock)
-    console.print(report.table(document["rows"], report.title(document)))
-    for line in report.notes(document):
-        console.print(line, highlight=False)
-    for path in write_outputs(document, args.out):
-        console.print(f"wrote {path}")
+        clock, results = cpu_snapshot(), []
+        try:
+            run_all(jobs, console, args.verbose, results)
+        except KeyboardInterrupt as stop:
+            raise keep_measured("compare", args, jobs, results, clock, stop) from None
+        document = build_document(args, jobs, results, clock)
+        console.print(report.table(document["rows"], report.title(document)))
+        for line in report.notes(document):
+            console.print(line, highlight=False)
+        for path in write_outputs(document, args.out):
+            console.print(f"wrote {path}")
     errors = [r for r in document["rows"] if r["status"] == "error"]
     if errors:
         first = errors[0]["error"]

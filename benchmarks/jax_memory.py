@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -35,6 +36,7 @@ import numpy as np
 
 from benchmarks.common import CATEGORIES, block_of
 from benchmarks.memory_timeline import timeline
+from shared_configs.files import atomic_write
 
 DUMP = {"xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "jit_train_step"}
 METHOD = (
@@ -117,20 +119,21 @@ def _key(lowered: Any, options: dict[str, Any]) -> str:
 
 
 def _read(cache_dir: str | None, key: str) -> MemoryPlan | None:
+    """The plan cached under ``key``; None (compile again) when there is none or it cannot be read
+    (truncated, or written by another version: a note says so)."""
     path = None if cache_dir is None else Path(cache_dir) / "xla-memory" / f"{key}.json"
     if path is None or not path.is_file():
         return None
-    return MemoryPlan(**json.loads(path.read_text()))
+    try:
+        return MemoryPlan(**json.loads(path.read_bytes()))
+    except (OSError, ValueError, TypeError) as err:
+        print(f"note: {path}: unreadable cache entry ({type(err).__name__}); compiling again", file=sys.stderr)
+        return None
 
 
 def _write(cache_dir: str | None, key: str, plan: MemoryPlan) -> None:
-    if cache_dir is None:
-        return
-    folder = Path(cache_dir) / "xla-memory"
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{key}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(asdict(plan)))
-    os.replace(tmp, folder / f"{key}.json")
+    if cache_dir is not None:  # atomic: processes filling the same entry each write a whole one
+        atomic_write(Path(cache_dir) / "xla-memory" / f"{key}.json", json.dumps(asdict(plan)).encode())
 
 
 @dataclass

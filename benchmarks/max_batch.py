@@ -25,7 +25,7 @@ from rich.table import Table
 
 from benchmarks import report
 from benchmarks.common import Job, cpu_snapshot
-from benchmarks.compare import build_document, build_parser, make_jobs, run_all
+from benchmarks.compare import build_document, build_parser, keep_measured, make_jobs, run_all
 from benchmarks.runner import static_floor
 from shared_configs import SpecError
 from shared_configs.cli import check_out_dir, cli_errors, positive_mib
@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
 
 def measure(jobs: list[Job], console: Console, verbose: bool, events: list[list[dict]]) -> list[dict[str, Any]]:
     """Run ``jobs`` (their events appended to ``events``); all rows so far, completed."""
-    events += run_all(jobs, console, verbose)
+    run_all(jobs, console, verbose, events)
     return report.complete(e for evs in events for e in evs if e["event"] == "row")
 
 
@@ -163,19 +163,22 @@ def main(argv: list[str] | None = None) -> int:
         check_out_dir(args.out)
         check_budget(budget, jobs[0])
         clock, events = cpu_snapshot(), []
-        rows = measure(jobs, console, args.verbose, events)
-        for _ in range(ROUNDS):  # each round: every unanswered pair's next batches
-            todo = verification_jobs(jobs, rows, budget)
-            if not todo:
-                break
-            rows = measure(todo, console, args.verbose, events)
-    results = answer(rows, budget)
-    console.print(table(results, budget))
-    document = build_document(args, jobs, events, clock)
-    document |= {"budget_bytes": budget, "largest_batch": results}
-    path = args.out / f"max_batch-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    report.write_json(path, document)
-    console.print(f"wrote {path}")
+        try:
+            rows = measure(jobs, console, args.verbose, events)
+            for _ in range(ROUNDS):  # each round: every unanswered pair's next batches
+                todo = verification_jobs(jobs, rows, budget)
+                if not todo:
+                    break
+                rows = measure(todo, console, args.verbose, events)
+        except KeyboardInterrupt as stop:
+            raise keep_measured("max_batch", args, jobs, events, clock, stop) from None
+        results = answer(rows, budget)
+        console.print(table(results, budget))
+        document = build_document(args, jobs, events, clock)
+        document |= {"budget_bytes": budget, "largest_batch": results}
+        path = args.out / f"max_batch-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        report.write_json(path, document)
+        console.print(f"wrote {path}")
     return 0 if all(r["bracketed"] for r in results) else 1
 
 

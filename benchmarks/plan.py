@@ -25,7 +25,15 @@ from benchmarks import plan_sweep
 from benchmarks.report import write_json
 from benchmarks.stepclock import paired, paired_text
 from shared_configs import SpecError
-from shared_configs.cli import OneLineParser, cli_errors, nonnegative, positive_float, positive_int, positive_mib
+from shared_configs.cli import (
+    OneLineParser,
+    cli_errors,
+    nonnegative,
+    positive_float,
+    positive_int,
+    positive_mib,
+    stopping,
+)
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, resolve_chunk
 from shared_configs.planning import candidates
 from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile
@@ -261,7 +269,8 @@ def workload_of(args: argparse.Namespace) -> Workload:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    with cli_errors("benchmarks.plan"):
+    kept = "every worker stopped; nothing written (profiles measured stay cached)"
+    with cli_errors("benchmarks.plan"), stopping(kept):
         _check(args)
         workload = workload_of(args)
         if args.sweep is not None or args.solve_times:  # (a plan's header says it)

@@ -23,7 +23,7 @@ from typing import Any
 
 from benchmarks.common import OUTSIDE, block_of
 from shared_configs import SpecError, block_names, load_spec, resolve_plan
-from shared_configs.cli import OneLineParser, positive_int
+from shared_configs.cli import OneLineParser, cli_errors, positive_int
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, device_of, resolve_chunk
 
 DEFAULTS = defaults("cpu")  # the device-independent fields; the attention chunk is resolved on JAX's device
@@ -232,12 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     frameworks = ["torch", "jax"] if args.framework == "both" else [args.framework]
-    try:
-        doc = inspect_policy(args.config, args.policy, frameworks, args.batch_size, args.block, args.context_length,
-                             args.attention_chunk)  # fmt: skip
-    except (SpecError, FileNotFoundError, ValueError) as err:
-        print(f"{PROG}: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
-        return 2
+    with cli_errors("benchmarks.saved"):  # an interrupt: one line, exit 128 + the signal's number; nothing is written
+        try:
+            doc = inspect_policy(args.config, args.policy, frameworks, args.batch_size, args.block,
+                                 args.context_length, args.attention_chunk)  # fmt: skip
+        except (SpecError, FileNotFoundError, ValueError) as err:
+            print(f"{PROG}: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+            return 2
     print(json.dumps(doc, indent=1) if args.json else render(doc))
     return 0
 

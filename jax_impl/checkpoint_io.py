@@ -10,6 +10,11 @@ run resumes onto the same mesh, another one, or a single device. The mirror of
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
+import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +31,14 @@ def save_checkpoint(out: Path, state: Any, manifest: Manifest) -> Path:
     """Save ``state`` (a pytree of arrays, e.g. a `TrainState`) as the checkpoint of ``manifest.step``."""
 
     def write(folder: Path) -> None:
-        with ocp.StandardCheckpointer() as checkpointer:  # asynchronous: leaving the block waits for it
-            checkpointer.save(folder.absolute(), state)
+        try:
+            with ocp.StandardCheckpointer() as checkpointer:  # asynchronous: leaving the block waits for it
+                checkpointer.save(folder.absolute(), state)
+        except BaseException:
+            _settle(folder.parent)  # so that the partial folder can be removed
+            raise
 
-    return save(out, manifest, write)
+    return save(out, manifest, write, nbytes=sum(leaf.nbytes for leaf in jax.tree.leaves(state)))
 
 
 def abstract_target(abstract_state: Any, shardings: Any) -> Any:
@@ -45,3 +54,57 @@ def load_checkpoint(path: Path, target: Any) -> tuple[Any, Manifest]:
     verify(path, manifest)
     with ocp.StandardCheckpointer() as checkpointer:
         return checkpointer.restore((path / STATE).absolute(), target), manifest
+
+
+# ---- a failed write as one line: orbax's own echoes of it are dropped ----------------------
+
+
+class _OrbaxEchoes(logging.Filter):
+    """Drops the tracebacks orbax's threads log of a failed write (disk full): orbax raises the
+    error itself (`shared_configs.training.run_folder.save` makes it one line), and its threads and sibling
+    coroutines would each log a copy, some after the save returned (absl), some when collected
+    (asyncio's "exception was never retrieved")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        tb = record.exc_info[2] if record.exc_info else None
+        return not any("/orbax/" in frame.filename for frame in traceback.extract_tb(tb))
+
+
+for _logger in ("absl", "asyncio"):
+    logging.getLogger(_logger).addFilter(_OrbaxEchoes())
+
+
+def _quiet_closed_loops(previous: Any) -> Any:
+    """``sys.unraisablehook`` but for one case: when a write fails, tensorstore's threads go on
+    completing orbax's futures on event loops orbax has closed, and each such callback ends as an
+    "Exception ignored" traceback (RuntimeError: Event loop is closed), hundreds of them."""
+
+    def hook(unraisable: Any) -> None:
+        frames = traceback.extract_tb(unraisable.exc_traceback)
+        closed = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+        if not (closed and frames and frames[-1].filename.endswith("asyncio/base_events.py")):
+            previous(unraisable)
+
+    return hook
+
+
+sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
+
+
+def _settle(folder: Path, quiet_s: float = 0.5, limit_s: float = 10.0) -> None:
+    """Wait until nothing under ``folder`` has changed for ``quiet_s`` (at most ``limit_s``): after a
+    failed write orbax returns while tensorstore's writers still run."""
+
+    def state() -> list[tuple[str, int, int]]:
+        found = []
+        for path in folder.rglob("*"):
+            with contextlib.suppress(OSError):  # removed meanwhile
+                found.append((str(path), path.stat().st_size, path.stat().st_mtime_ns))
+        return sorted(found)
+
+    start = last_change = time.monotonic()
+    seen = state()
+    while time.monotonic() - last_change < quiet_s and time.monotonic() - start < limit_s:
+        time.sleep(0.05)
+        if (now := state()) != seen:
+            seen, last_change = now, time.monotonic()

@@ -358,7 +358,8 @@ def train(cfg: TrainConfig) -> list[float]:
 
         losses = run.losses
         step = make_step(cfg, model, tx, dataset, schedule, mesh, budget)
-        state = run_loop(cfg, state, losses, step, save_fn, f"jax {spec.name} {policy}", used(cfg, "jax_impl", device))
+        state = run_loop(cfg, state, losses, step, save_fn, f"jax {spec.name} {policy}",
+                         settings=used(cfg, "jax_impl", device))  # fmt: skip
         samples = generate(model, state, schedule, dataset, cfg) if cfg.sample_steps > 0 else None
         write_outputs(cfg.out, losses, samples, f"jax_impl {spec.name}, policy {policy}")
     return losses

@@ -2,7 +2,8 @@
 and the exit codes.
 
 Bad input is one line on stderr, ``<prog>: error: <flag>: <what is wrong>``, and exit status 2; a
-framework that cannot be measured 1; Ctrl-C 130. No usage block, no traceback. Framework-free (no
+framework that cannot be measured 1; SIGINT or SIGTERM 128 + the signal's number (130, 143), with
+a line saying what the run kept. No usage block, no traceback. Framework-free (no
 torch or jax import), so every CLI can import it.
 """
 
@@ -11,11 +12,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import NoReturn
 
 from shared_configs.spec import SpecError
@@ -83,17 +87,60 @@ def cache_dir(text: str) -> str | None:
     return None if text.lower() in ("none", "off", "") else os.path.abspath(os.path.expanduser(text))
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a run: ``kept`` says, in a few words, what it leaves behind."""
+
+    def __init__(self, signum: int, kept: str = "nothing written") -> None:
+        super().__init__(signum, kept)
+        self.signum, self.kept = signum, kept
+
+
 @contextmanager
 def cli_errors(module: str) -> Iterator[None]:
-    """Bad input (SpecError) exits 2, a framework that cannot be measured 1, Ctrl-C 130, each with
-    one line on stderr and no traceback, headed like argparse's own errors (``python -m
-    MODULE: error: ...``) so that every message of a command starts the same way."""
+    """Bad input (SpecError) exits 2, a framework that cannot be measured 1, SIGINT or SIGTERM
+    128 + its number, each with one line on stderr and no traceback, headed like argparse's own
+    errors (``python -m MODULE: error: ...``) so that every message of a command starts the same way.
+
+    SIGINT and SIGTERM raise `Interrupted` (a KeyboardInterrupt) once: the workers are stopped on
+    the way out (`shared_configs.processes.worker_group`), and a second signal does not cut that short.
+    """
     prog = f"python -m {module}"
     try:
-        yield
+        with _interrupts():
+            yield
     except (SpecError, BenchmarkError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2 if isinstance(err, SpecError) else 1) from None
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as err:
+        signum, kept = (err.signum, err.kept) if isinstance(err, Interrupted) else (signal.SIGINT, "nothing written")
+        print(f"{prog}: interrupted by {signal.Signals(signum).name}; {kept}", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
+
+
+@contextmanager
+def stopping(kept: str) -> Iterator[None]:
+    """Inside `cli_errors`: an interrupt of the block says ``kept`` (what it leaves behind)."""
+    try:
+        yield
+    except KeyboardInterrupt as stop:
+        raise Interrupted(stop.signum if isinstance(stop, Interrupted) else signal.SIGINT, kept) from None
+
+
+@contextmanager
+def _interrupts() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list[int] = []
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        if not fired:  # later signals: the run is already stopping (workers, partial results)
+            fired.append(signum)
+            raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

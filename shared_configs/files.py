@@ -2,13 +2,18 @@
 
 `atomic_write` is the project's one way to write an output file. Its temp files are named
 ``.<name>.<random>.tmp`` next to the target: `TEMP_GLOB` finds the ones a killed writer left.
-Framework-free (no torch or jax import).
+`locked` makes processes that fill the same cache entry take turns. Framework-free (no torch or
+jax import).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 TEMP_SUFFIX = ".tmp"
@@ -30,3 +35,23 @@ def atomic_write(path: str | Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def locked(path: str | Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<path>.lock`` for the block (waiting, with a note, while another
+    process holds it): processes filling the same cache entry take turns, so the later ones can
+    read what the first wrote instead of computing it again. The kernel releases the lock when its
+    holder dies; the empty lock file stays (removing it would race with a process opening it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(f"{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"note: waiting for another process filling {path}", file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

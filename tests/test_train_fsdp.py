@@ -9,7 +9,10 @@ most of its ~10 s starting interpreters and the process group, so the tests shar
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
+import signal
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -25,8 +28,16 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from shared_configs import load_spec
 from shared_configs.training.config import TrainConfig, parse_args
 from shared_configs.training.run_folder import checkpoints
-from tests.train_utils import CFG, TINY_NO_DROPOUT, step_flops, torch_model
-from tests.utils import rel_err, torchrun_train
+from tests.train_utils import (
+    CFG,
+    TINY_NO_DROPOUT,
+    finish,
+    signal_at_first_checkpoint,
+    start,
+    step_flops,
+    torch_model,
+)
+from tests.utils import rel_err, torchrun_train, train_argv
 from torch_impl import train as ttrain
 from torch_impl.checkpoint_io import load_checkpoint
 from torch_impl.checkpointing import checkpointed_names
@@ -83,10 +94,23 @@ def test_fsdp_matches_one_process(base: TrainConfig, fsdp: Path, single: Path) -
 
 
 @pytest.mark.slow
-def test_fsdp_resume_continues_the_curve(base: TrainConfig, fsdp: Path, tmp_path: Path) -> None:
-    """DCP: each rank writes its shards; 2 ranks resume them exactly, 1 process (no group) too."""
-    part = replace(base, distributed="fsdp", steps=2, out=str(tmp_path / "two"))
-    first = torchrun_train(part)
+def test_fsdp_stopped_by_a_signal_to_one_rank_resumes_the_curve(base: TrainConfig, fsdp: Path, tmp_path: Path) -> None:
+    """SIGUSR1 to rank 1 alone, mid-run: both ranks stop after the same step (they agree each step),
+    each writes its shards (DCP) and exits 138; 2 ranks resume them exactly, 1 process (no group) too."""
+    part = replace(base, distributed="fsdp", steps=1000, checkpoint_every=1, out=str(tmp_path / "two"))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = start([*launch, "-m", "torch_impl.train", *train_argv(part)])
+    signal_at_first_checkpoint(proc, tmp_path / "two", signal.SIGUSR1, rank=1)
+    code, lines = finish(proc)
+    first = losses(tmp_path / "two")
+    assert code != 0 and 1 <= len(first) < 4, (code, first)  # signalled while writing step 1 or 2
+    assert [line for line in lines if "stopped by" in line] == [
+        f"python -m torch_impl.train: stopped by SIGUSR1 after step {len(first)} of 1000; "
+        f"checkpoint-{len(first):08d} and losses.json saved in {part.out}; resume with: torchrun --nproc-per-node 2 "
+        f"-m torch_impl.train {shlex.join(train_argv(part))} --resume"
+    ]  # rank 0's line only
+    # torchrun's report: the first rank to exit, 138 (it stops the other if that one is still exiting)
+    assert any("exitcode  : 138" in line for line in lines), lines
     shutil.copytree(tmp_path / "two", tmp_path / "one")
     assert sorted(p.name for p in (checkpoints(tmp_path / "two")[-1][1] / "state").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"
@@ -94,7 +118,7 @@ def test_fsdp_resume_continues_the_curve(base: TrainConfig, fsdp: Path, tmp_path
     assert torchrun_train(replace(part, steps=4, resume=True)) == losses(fsdp)  # same ranks: exact
     assert restore(tmp_path / "one", base)[2] == first
     resumed = ttrain.train(replace(base, steps=4, resume=True, out=str(tmp_path / "one")))  # 2 ranks -> 1
-    assert resumed[:2] == first
+    assert resumed[:len(first)] == first
     np.testing.assert_allclose(resumed, losses(fsdp), rtol=1e-5)
 
 

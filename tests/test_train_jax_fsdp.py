@@ -1,18 +1,23 @@
 """JAX ``--distributed fsdp``: sharding annotations over one mesh axis, one device's curve, about
 1/N of the state per device, orbax checkpoints resumed onto the same mesh (exactly) or another.
 
-Each test is one subprocess on 2 forced CPU devices, compiled with backend optimisation off
-(`tests.utils.FAST_COMPILE`: values unchanged, ~4x faster), tiny spec, batch 4, dropout on.
+Each test is a subprocess on 2 forced CPU devices (the resume test: after the CLI, stopped by
+SIGINT), compiled with backend optimisation off (`tests.utils.FAST_COMPILE`: values unchanged, ~4x
+faster), tiny spec, batch 4, dropout on.
 """
 
 from __future__ import annotations
 
+import signal
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.train_utils import jax_on_two_devices
+from tests.train_utils import CFG, finish, jax_on_two_devices, signal_at_first_checkpoint, start, two_devices_env
+from tests.utils import train_argv
 
 JAX_MESHES = """
 import json, sys, jax
@@ -69,9 +74,9 @@ import jax
 from jax_impl import train as jtrain
 from tests.train_utils import CFG
 out = Path(sys.argv[1])
-cfg = replace(CFG, steps=3, checkpoint_every=2, distributed="fsdp")
+cfg = replace(CFG, steps=3, checkpoint_every=1, distributed="fsdp")
 whole = jtrain.train(replace(cfg, out=str(out / "whole")))
-part = jtrain.train(replace(cfg, steps=2, out=str(out / "part")))
+part = json.loads((out / "part" / "losses.json").read_text())  # the CLI's, stopped by SIGINT
 shutil.copytree(out / "part", out / "one")
 resumed = jtrain.train(replace(cfg, resume=True, out=str(out / "part")))
 onto_one = jtrain.train(replace(cfg, resume=True, distributed=None, out=str(out / "one")))
@@ -80,11 +85,21 @@ print(json.dumps({"devices": len(jax.devices()), "whole": whole, "part": part, "
 
 
 @pytest.mark.slow
-def test_jax_fsdp_checkpoint_resumes_on_the_same_mesh_exactly_and_on_one_device(tmp_path: Path) -> None:
-    """orbax writes the sharded state; restored onto the same mesh the curve goes on bit for bit,
-    onto a single device (another sharding) within the data-parallel tolerance."""
+def test_jax_fsdp_stopped_by_sigint_resumes_on_the_same_mesh_exactly_and_on_one_device(tmp_path: Path) -> None:
+    """The CLI stopped by SIGINT after step 1 or 2 writes the sharded state (orbax); restored onto the
+    same mesh the curve goes on bit for bit, onto a single device (another sharding) within the
+    data-parallel tolerance."""
+    cfg = replace(CFG, steps=1000, checkpoint_every=1, distributed="fsdp", out=str(tmp_path / "part"))
+    proc = start([sys.executable, "-m", "jax_impl.train", *train_argv(cfg)], two_devices_env())
+    signal_at_first_checkpoint(proc, tmp_path / "part", signal.SIGINT)
+    code, lines = finish(proc)
+    assert code == 130 and len(lines) == 1 and lines[0].startswith(
+        "python -m jax_impl.train: stopped by SIGINT after step "
+    ), lines
     result = jax_on_two_devices(JAX_FSDP_RESUME, str(tmp_path))
-    assert result["part"] == result["whole"][:2]
+    stopped = len(result["part"])
+    assert 1 <= stopped < 3 and f"after step {stopped} of 1000; checkpoint-{stopped:08d} and losses.json" in lines[0]
+    assert result["part"] == result["whole"][:stopped]
     assert result["resumed"] == result["whole"]
-    assert result["one"][:2] == result["part"]
+    assert result["one"][:stopped] == result["part"]
     np.testing.assert_allclose(result["one"], result["whole"], rtol=1e-5)

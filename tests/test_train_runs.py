@@ -1,66 +1,42 @@
 """Run folders that never lose work: ownership, the lock, temp cleanup, integrity-checked checkpoints,
 the resume record, the NaN guard and the early checks, in both training CLIs.
 
-Each fault is one line on stderr naming what is wrong, exit 2 (bad input) or 1 (a failed run), and
-leaves the checkpoint on disk byte for byte as it was. Checkpoints are written without training
+Each fault is one line on stderr naming what is wrong, exit 2 (bad input) or 1 (a failed run, a
+checkpoint write that failed: disk full, permission lost, an I/O error), and leaves the checkpoint
+on disk byte for byte as it was, with no temp file. Checkpoints are written without training
 (`save_checkpoint` on a fresh state): the checks under test run before any step, so the JAX cases
 never compile a step.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import resource
 import shutil
+import signal
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from jax_impl import checkpoint_io as jio
-from jax_impl import train as jtrain
 from jax_impl.unet import UNet as FlaxUNet
 from shared_configs import load_spec
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.loop import manifest_for
-from shared_configs.training.manifest import MANIFEST
+from shared_configs.training.manifest import MANIFEST, CheckpointWriteError, Manifest
 from shared_configs.training.run_folder import LOCK, checkpoints, owned
-from tests.train_utils import CFG, jax_setup
+from tests.train_utils import LOSSES, MAINS, RUN, argv, assert_one_line, cli, jax_setup, saved_run, snapshot
 from tests.utils import TINY
-from torch_impl import checkpoint_io as tio
 from torch_impl import train as ttrain
-
-MAINS = {"torch": ttrain.main, "jax": jtrain.main}
-RUN = replace(CFG, steps=4, checkpoint_every=1)  # the flags of every run below, as a command line
-LOSSES = [1.0, 0.5]  # the saved runs are at step 2
-
-
-def argv(cfg: TrainConfig, *extra: str) -> list[str]:
-    flags = ["--batch-size", cfg.batch_size, "--lr", cfg.lr, "--weight-decay", cfg.weight_decay, "--seed", cfg.seed]
-    flags += ["--steps", cfg.steps, "--checkpoint-every", cfg.checkpoint_every, "--sample-steps", 0, "--out", cfg.out]
-    return [str(f) for f in flags] + list(extra)
-
-
-def cli(framework: str, args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    """(exit status, stderr) of a training CLI; bad flags exit through SystemExit."""
-    try:
-        code = MAINS[framework](args)
-    except SystemExit as exit_:
-        code = exit_.code
-    return code, capsys.readouterr().err.strip()
-
-
-def saved_run(framework: str, out: Path) -> Path:
-    """A run folder holding a checkpoint of step 2 (fresh weights: nothing trains)."""
-    cfg, spec = replace(RUN, out=str(out)), load_spec(RUN.config)
-    if framework == "torch":
-        model, _, optimizer = ttrain.build(cfg)
-        return tio.save_checkpoint(out, model, optimizer, manifest_for(cfg, spec, tio.FRAMEWORK, tio.LAYOUT, LOSSES))
-    state = jax_setup(spec, "none")[2]
-    return jio.save_checkpoint(out, state, manifest_for(cfg, spec, jio.FRAMEWORK, jio.LAYOUT, LOSSES))
 
 
 @pytest.fixture(scope="module")
@@ -74,17 +50,6 @@ def run(request: pytest.FixtureRequest, saved: dict[str, Path], tmp_path: Path) 
     out = tmp_path / "run"
     shutil.copytree(saved[request.param], out)
     return request.param, out
-
-
-def snapshot(out: Path) -> dict[str, bytes]:
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != LOCK}
-
-
-def assert_one_line(code: int, err: str, status: int, *parts: str) -> None:
-    assert code == status, err
-    assert err.startswith("python -m ") and ".train: error: " in err and "\n" not in err and "Traceback" not in err, err
-    for part in parts:
-        assert part in err, (part, err)
 
 
 def test_a_fresh_run_does_not_replace_a_checkpoint(run: tuple[str, Path], capsys) -> None:
@@ -243,21 +208,100 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
     assert not (tmp_path / "losses.json").exists()
 
 
-def test_a_write_killed_midway_leaves_the_last_checkpoint(saved, tmp_path, monkeypatch, capsys) -> None:
+class _FillingFile:
+    """A file that raises ``OSError(code)`` once the files written through ``count`` hold ``limit`` bytes."""
+
+    def __init__(self, file: Any, code: int, limit: int, count: list[int]) -> None:
+        self.file, self.code, self.limit, self.count = file, code, limit, count
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        if self.count[0] + size > self.limit:
+            raise OSError(self.code, os.strerror(self.code))  # a write error names no file, as the kernel's
+        self.count[0] += size
+        return self.file.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)
+
+
+def failing_streams(code: int, limit: int) -> Any:
+    """A stand-in for DCP's `FileSystem.create_stream`: opening a file to write fails (``limit`` 0,
+    naming the file) or writing fails once ``limit`` bytes are written, with ``OSError(code)``."""
+
+    @contextmanager
+    def create_stream(self: Any, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if limit == 0 and "w" in mode:
+            raise OSError(code, os.strerror(code), str(path))
+        with Path(path).open(mode) as file:
+            yield _FillingFile(file, code, limit, count) if "w" in mode else file
+
+    count = [0]
+    return create_stream
+
+
+# (errno, bytes written before it, what the line says): tiny's checkpoint is ~4.8 MB
+WRITE_FAULTS = {
+    "disk full": (errno.ENOSPC, 100_000, "No space left on device (the last checkpoint took"),
+    "permission lost": (errno.EACCES, 0, "/state/__0_0.distcp: Permission denied"),
+    "I/O error": (errno.EIO, 2_000_000, "Input/output error"),
+}
+
+
+@pytest.mark.parametrize("fault", list(WRITE_FAULTS))
+def test_a_failed_checkpoint_write_is_one_line_and_leaves_the_last_checkpoint(fault, saved, tmp_path, monkeypatch,
+                                                                               capsys) -> None:  # fmt: skip
     out = tmp_path / "run"
     shutil.copytree(saved["torch"], out)
     before = snapshot(out)
+    code, limit, says = WRITE_FAULTS[fault]
+    monkeypatch.setattr(FileSystem, "create_stream", failing_streams(code, limit))
+    status, err = cli("torch", argv(replace(RUN, out=str(out), steps=3), "--resume"), capsys)
+    where = f"writing the checkpoint of step 3: {out / '.checkpoint-00000003.tmp'}"
+    assert_one_line(status, err, 1, where, says, "the checkpoint of step 2 is kept; the partial write was removed")
+    assert snapshot(out) == before  # step 2 as it was, no temp file left
 
-    def dies(state: Any, checkpoint_id: Path, **kwargs: Any) -> None:
-        (Path(checkpoint_id) / "__0_0.distcp").parent.mkdir(parents=True)
-        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
-        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tio.dcp, "save", dies)
-    code, err = cli("torch", argv(replace(RUN, out=str(out), steps=3), "--resume"), capsys)
-    assert_one_line(code, err, 1, "No space left on device")
-    assert {k: v for k, v in snapshot(out).items() if not k.startswith(".")} == before  # step 2 as it was
-    assert (out / ".checkpoint-00000003.tmp").is_dir()  # removed by the next run on the folder
+def test_a_full_disk_is_refused_before_writing(saved, tmp_path, monkeypatch) -> None:
+    """With less room than the last checkpoint took, nothing is written (orbax failing half-way
+    would log its threads' tracebacks)."""
+    out = tmp_path / "run"
+    shutil.copytree(saved["jax"], out)
+    before, size = snapshot(out), sum(len(data) for name, data in snapshot(out).items() if "/state/" in name)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(CheckpointWriteError) as raised:
+        jio.save_checkpoint(out, jax_setup(load_spec("tiny"), "none")[2], jax_manifest(out, 3))
+    tmp = out / ".checkpoint-00000003.tmp"
+    assert str(raised.value) == (
+        f"writing the checkpoint of step 3: {tmp}: No space left on device (the last checkpoint took {size:,} bytes, "
+        "1,000 bytes are free there); the checkpoint of step 2 is kept; nothing partial was left"
+    )
+    assert snapshot(out) == before
+
+
+def test_an_orbax_write_failing_half_way_leaves_the_last_checkpoint(saved, tmp_path) -> None:
+    """A real write error from the kernel inside orbax's writers (tensorstore, C++): files may not
+    grow past 50 kB (RLIMIT_FSIZE, with SIGXFSZ ignored: the write fails with EFBIG)."""
+    out = tmp_path / "run"
+    shutil.copytree(saved["jax"], out)
+    before, state = snapshot(out), jax_setup(load_spec("tiny"), "none")[2]
+    limit, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, limit[1]))
+    try:
+        with pytest.raises(CheckpointWriteError) as raised:
+            jio.save_checkpoint(out, state, jax_manifest(out, 3))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    line = str(raised.value)
+    assert line.startswith(f"writing the checkpoint of step 3: {out / '.checkpoint-00000003.tmp'}/"), line
+    assert "File too large; the checkpoint of step 2 is kept; the partial write was removed" in line, line
+    assert snapshot(out) == before
+
+
+def jax_manifest(out: Path, step: int) -> Manifest:
+    cfg = replace(RUN, out=str(out))
+    return manifest_for(cfg, load_spec(cfg.config), jio.FRAMEWORK, jio.LAYOUT, [1.0] * step)
 
 
 def test_the_specs_checkpoint_field_is_the_default_policy(tmp_path: Path) -> None:

@@ -43,6 +43,11 @@ class ProcessGroupComm:
         dist.all_gather_object(out, obj)
         return out
 
+    def max(self, value: int) -> int:
+        total = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        return int(total.item())
+
 
 def current_comm() -> Comm:
     """The process group's ranks when one is initialised, else `SOLO`."""
@@ -79,7 +84,15 @@ def save_checkpoint(
         with _quiet_single_process():
             dcp.save(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
 
-    return save(out, manifest, write, current_comm())
+    return save(out, manifest, write, current_comm(), nbytes=_nbytes(state))
+
+
+def _nbytes(tree: Any) -> int:
+    """The bytes of every tensor in ``tree`` (whole tensors: a DTensor counts all its shards)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list | tuple) else ()
+    return sum(_nbytes(v) for v in values)
 
 
 def load_checkpoint(

@@ -38,7 +38,7 @@ from shared_configs.training.data import Batch, Dataset, check_conditioning, loa
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
-from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, load_checkpoint, save_checkpoint
+from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, current_comm, load_checkpoint, save_checkpoint
 from torch_impl.parallel import launch, wrap
 from torch_impl.regime import EMA, apply_regime, autocast_dtype, loss_scaler, make_optimizer, trained_parameters
 from torch_impl.unet import UNet
@@ -274,7 +274,8 @@ def _train(
     losses = run.losses
     rank = dist.get_rank() if cfg.distributed else 0
     settings = "" if rank else used(cfg, "torch_impl", "cpu")
-    run_loop(cfg, None, losses, step_fn, save_fn, f"torch {model.spec.name} {model.plan.policy}", settings)
+    title = f"torch {model.spec.name} {model.plan.policy}"
+    run_loop(cfg, None, losses, step_fn, save_fn, title, current_comm(), settings)
     # Under FSDP2 each forward all-gathers from every rank: all sample while the group lives.
     sampling = cfg.sample_steps > 0 and (rank == 0 or cfg.distributed == "fsdp")
     samples = generate(model, schedule, dataset, cfg) if sampling else None

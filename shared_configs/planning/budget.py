@@ -25,8 +25,10 @@ depend on its neighbours' choices; `benchmarks.plan --verify` measures how far t
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from shared_configs.arch import down_blocks, up_blocks
-from shared_configs.files import atomic_write
+from shared_configs.files import atomic_write, locked
 from shared_configs.plan import CheckpointPlan, block_names, resolve_plan
 from shared_configs.spec import SpecError, UNetSpec
 
@@ -106,17 +108,66 @@ class Profile:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Profile:
         data = dict(data)
+        data.pop("sha256", None)  # checked by `load`
         if data.pop("schema", None) != SCHEMA:
             raise SpecError(f"profile: unknown schema (expected {SCHEMA}); profile again")
         units = {u: {c: Cost(**v) for c, v in per.items()} for u, per in data.pop("units").items()}
         return cls(units=units, **data)
 
     def save(self, path: str | Path) -> None:
-        atomic_write(path, json.dumps(self.to_json(), indent=1).encode())
+        """``path``, atomically (a kill leaves the old file or the new one), with the SHA-256 of its body."""
+        body = self.to_json()
+        atomic_write(path, json.dumps({**body, "sha256": _digest(body)}, indent=1, allow_nan=False).encode())
 
     @classmethod
-    def load(cls, path: str | Path) -> Profile:
-        return cls.from_json(json.loads(Path(path).read_text()))
+    def load(cls, path: str | Path, expect: Mapping[str, Any] | None = None) -> Profile:
+        """The profile in ``path``, whose fields hold ``expect``'s values; `ProfileError` (one line)
+        for a file that is not one: unreadable, truncated, damaged (its SHA-256 differs, when it has
+        one: files before it do not), of another schema, or of another workload."""
+        try:
+            data = json.loads(Path(path).read_bytes())
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ProfileError(f"{path}: unreadable ({err})") from None
+        body = {k: v for k, v in data.items() if k != "sha256"}
+        if "sha256" in data and data["sha256"] != _digest(body):
+            raise ProfileError(f"{path}: damaged (its contents do not match its own SHA-256)")
+        if data.get("schema") != SCHEMA:
+            raise ProfileError(f"{path}: profile schema {data.get('schema')!r}, this version reads {SCHEMA}")
+        if wrong := [f"{k} {data.get(k)!r} (wanted {v!r})" for k, v in (expect or {}).items() if data.get(k) != v]:
+            raise ProfileError(f"{path}: the profile of another workload: {', '.join(wrong)}")
+        try:
+            return cls.from_json(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ProfileError(f"{path}: not a profile ({type(err).__name__}: {err})") from None
+
+
+class ProfileError(SpecError):
+    """A cached profile that cannot be used: one line naming the file and why."""
+
+
+def _digest(body: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=False).encode()).hexdigest()
+
+
+def cached_profile(path: Path, expect: Mapping[str, Any], make: Callable[[], Profile], refresh: bool = False
+                   ) -> Profile:  # fmt: skip
+    """The profile cached in ``path`` (see `Profile.load`), else ``make()``'s, cached there.
+
+    A cached file that cannot be used is made again, with a one-line note. Processes that fill the
+    same entry take turns (`shared_configs.files.locked`): the later ones read what the first wrote.
+    ``refresh``: make it again whatever is cached.
+    """
+    with locked(path):
+        if path.is_file() and not refresh:
+            try:
+                return Profile.load(path, expect)
+            except ProfileError as err:
+                print(f"note: {err}; profiling again", file=sys.stderr)
+        profile = make()
+        profile.save(path)
+        return profile
 
 
 @dataclass(frozen=True)

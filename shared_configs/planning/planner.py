@@ -16,7 +16,7 @@ time is then FLOPs at ``flops_per_s``.
 
 from __future__ import annotations
 
-import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -24,8 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
@@ -39,6 +38,7 @@ from shared_configs.planning.budget import (
     SCHEMA,
     Profile,
     assignment_of,
+    cached_profile,
     per_rank,
     predict,
     safety_margin,
@@ -46,6 +46,7 @@ from shared_configs.planning.budget import (
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, REFERENCE, measured_choice, unmeasurable
 from shared_configs.planning.recompute_time import at_stated_rates
 from shared_configs.planning.solver import Solution, solve
+from shared_configs.processes import worker_group
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.units import MIB
 
@@ -134,16 +135,12 @@ def run_worker(request: dict[str, Any]) -> dict[str, Any]:
     """Run ``request`` in the `WORKER` process (one framework per process)."""
     with tempfile.TemporaryDirectory(prefix="plan-worker-") as folder:
         out = Path(folder) / "result.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", WORKER, json.dumps(request), str(out)],
-            cwd=REPO_ROOT,
-            env=worker_env(request["framework"]),
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-        )
+        cmd = [sys.executable, "-m", WORKER, json.dumps(request), str(out)]
+        env = worker_env(request["framework"])
+        with worker_group(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True) as proc:
+            stderr = proc.communicate()[1]
         if proc.returncode != 0 or not out.is_file():
-            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+            lines = [ln for ln in stderr.splitlines() if ln.strip()]
             why = lines[-1] if lines else f"exit {proc.returncode}"
             raise BenchmarkError(f"{request['framework']} planner worker failed: {why}")
         return json.loads(out.read_text())
@@ -167,28 +164,17 @@ def get_profile(framework: str, workload: Workload, repeats: int | None = None, 
     """The profile of ``workload`` in ``framework``: from the cache, or measured (and cached)."""
     repeats = PROFILE_REPEATS[framework] if repeats is None else repeats
     path = profile_path(framework, workload, repeats)
-    if cache and path.is_file():
-        profile = Profile.load(path)
-    else:  # one measures, the others (the ranks of one training run) wait and read its profile
-        with _locked(path):
-            fresh = cache and path.is_file()
-            profile = Profile.load(path) if fresh else _measure_profile(framework, workload, repeats, path)
+    # One process measures; the others (the ranks of one training run, two plans at once) wait for
+    # it and read its profile (`cached_profile` locks the entry).
+    spec = workload.spec
+    expect = {"framework": framework, "config": spec.name, "sample_size": spec.sample_size,
+              "batch_size": workload.batch_size, "context_length": workload.context_length}  # fmt: skip
+    make = functools.partial(_measure_profile, framework, workload, repeats, path)
+    profile = cached_profile(path, expect, make, refresh=not cache)
     if not workload.shapes:
         return profile
     w = workload
     return at_stated_rates(profile, w.spec, w.batch_size, w.context_length, w.flops_per_s, w.bytes_per_s)
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An advisory lock on ``path``'s profile for the block (released when its process dies)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def progress(message: str) -> None:
@@ -207,7 +193,7 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
     seconds = time.perf_counter() - start
     progress(f"{framework} profile done in {seconds:.0f} s")
     fields["meta"] |= {"seconds": round(seconds, 1), "loadavg": [load, _loadavg()]}
-    profile = Profile.from_json(
+    return Profile.from_json(
         {
             "schema": SCHEMA,
             "config": workload.spec.name,
@@ -217,9 +203,6 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
             **fields,
         }
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    profile.save(path)
-    return profile
 
 
 def _loadavg() -> str:

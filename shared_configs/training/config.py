@@ -4,7 +4,8 @@
 and in range, the schedule's betas in (0, 1)); `run_record` is what a checkpoint remembers of the
 run, and `resume_differences` what a ``--resume`` command line changes of it. `cli_main` turns
 the loops' errors into one line: exit 2 for bad input (flags, spec, run folder, checkpoint), 1
-for a run that fails (a non-finite loss, an OS error).
+for a run that fails (a non-finite loss, an OS error, a checkpoint that could not be written),
+128 + the signal's number for a run stopped by a signal (`shared_configs.training.preemption`).
 
 The DDPM pieces live in `shared_configs.training.ddpm` (schedule, sampler), `shared_configs.training.data` (batches)
 and `shared_configs.training.outputs` (progress, plots); the run folder in `shared_configs.training.run_folder`.
@@ -14,6 +15,7 @@ No torch or jax import.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -24,6 +26,8 @@ from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, jax_c
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.data import DATASETS
 from shared_configs.training.ddpm import SCHEDULES, make_schedule
+from shared_configs.training.manifest import CheckpointWriteError
+from shared_configs.training.preemption import Stopped, exit_status, resume_command
 from shared_configs.training.regime import DEFAULT, Regime, add_regime_arguments, regime_of
 
 
@@ -188,21 +192,32 @@ def check_finite(loss: float, step: int, total: int, last_saved: str) -> None:
 
 
 def cli_main(train: Callable[[TrainConfig], list[float]], argv: list[str] | None, framework: str) -> int:
-    """Run ``train`` from the command line; an error is one line: status 2 for bad input, 1 for a failed run.
+    """Run ``train`` from the command line; an error is one line: status 2 for bad input, 1 for a
+    failed run, 128 + signal number for a run a signal stopped (its line says how to resume).
 
-    Under torchrun every rank meets the same bad input (the checks read the same flags and files)
-    and the same non-finite global loss, so only rank 0 prints those; any rank prints its OS errors.
+    Under torchrun every rank meets the same bad input (the checks read the same flags and files),
+    the same non-finite global loss, the same stop step and the same failed checkpoint write (the
+    ranks agree on each), so only rank 0 prints those; any rank prints its other OS errors.
     """
+    argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv, framework)
     rank, prog = int(os.environ.get("RANK", "0")), _prog(framework)
     try:
         train(cfg)
     except (SpecError, ValueError, FileNotFoundError, NotImplementedError) as err:
         return _report(prog, err, 2, rank == 0)
-    except NonFiniteLoss as err:
+    except (NonFiniteLoss, CheckpointWriteError) as err:
         return _report(prog, err, 1, rank == 0)
     except OSError as err:
         return _report(prog, err, 1, True, f"rank {rank}: " if rank else "")
+    except Stopped as stop:
+        if rank == 0:
+            print(f"{prog}: {stop.line(resume_command(f'{framework}.train', argv))}", file=sys.stderr)
+        return exit_status(stop.signum)
+    except KeyboardInterrupt:  # outside the steps (loading, sampling): the checkpoints are as they were
+        if rank == 0:
+            print(f"{prog}: interrupted outside the steps; the checkpoints in {cfg.out} are kept", file=sys.stderr)
+        return exit_status(signal.SIGINT)
     return 0
 
 

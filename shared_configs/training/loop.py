@@ -2,8 +2,9 @@
 
 `open_run` owns the run folder and decides where the run starts (fresh, or the checkpoint to
 resume after checking its manifest against the command line); `run_loop` runs the steps, stops
-at the first non-finite loss (before it can reach a checkpoint) and saves every
-``checkpoint_every`` steps and at the end. No torch or jax import.
+at the first non-finite loss (before it can reach a checkpoint), saves every ``checkpoint_every``
+steps and at the end, and on SIGTERM, SIGINT or SIGUSR1 saves after the step in flight and stops
+(`shared_configs.training.preemption`). No torch or jax import.
 """
 
 from __future__ import annotations
@@ -17,8 +18,17 @@ from typing import Any, TypeVar
 from shared_configs.spec import UNetSpec
 from shared_configs.training.config import TrainConfig, check_finite, run_record
 from shared_configs.training.manifest import Manifest
-from shared_configs.training.outputs import progress_bar
-from shared_configs.training.run_folder import check_resume, find_start, owned, read_checkpoint
+from shared_configs.training.outputs import progress_bar, write_losses
+from shared_configs.training.preemption import Stopped, StopSignals
+from shared_configs.training.run_folder import (
+    SOLO,
+    Comm,
+    check_resume,
+    checkpoint_name,
+    find_start,
+    owned,
+    read_checkpoint,
+)
 
 State = TypeVar("State")
 
@@ -66,6 +76,7 @@ def run_loop(
     step_fn: Callable[[State, int], tuple[State, float]],
     save_fn: Callable[[State, list[float]], Any],
     title: str,
+    comm: Comm = SOLO,
     settings: str = "",
 ) -> State:
     """Steps ``len(losses) .. cfg.steps - 1``: ``step_fn(state, step) -> (state, loss)``, each loss
@@ -73,9 +84,13 @@ def run_loop(
     ``settings`` (what the run used) ends the speed line printed at the end, on stderr.
 
     A NaN or infinite loss raises `NonFiniteLoss` naming the step; the checkpoint on disk stays.
+    A stop signal (`shared_configs.training.preemption.STOP_SIGNALS`) to any rank of ``comm`` lets
+    the step in flight finish; then every rank saves that step (if not saved already), rank 0
+    writes ``losses.json``, and `Stopped` is raised. The ranks agree after each step (a max over
+    ranks of the signal number, 0 for none), so they all stop after the same step.
     """
     saved = len(losses)
-    with progress_bar(cfg.steps, len(losses), title, settings) as update:
+    with StopSignals() as signals, progress_bar(cfg.steps, len(losses), title, settings) as update:
         for step in range(len(losses), cfg.steps):
             state, loss = step_fn(state, step)
             kept = f"The checkpoint of step {saved} in {cfg.out} is the last good one." if saved else "No checkpoint."
@@ -85,4 +100,11 @@ def run_loop(
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 save_fn(state, losses)
                 saved = step + 1
+            signum = comm.max(signals.signum or 0)
+            if signum and step + 1 < cfg.steps:
+                if saved != step + 1:
+                    save_fn(state, losses)
+                if comm.rank == 0:
+                    write_losses(cfg.out, losses)
+                raise Stopped(signum, step + 1, cfg.steps, cfg.out, checkpoint_name(step + 1))
     return state

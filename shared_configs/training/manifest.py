@@ -31,6 +31,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: the message is one line naming the file and the fault."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (disk full, permission lost, I/O error): one line
+    naming the path; the previous checkpoint is kept and the partial one removed."""
+
+
 @dataclass(frozen=True)
 class Manifest:
     """What `write_manifest` records and `read_manifest` returns."""

@@ -92,4 +92,9 @@ def _save_figure(fig: object, path: Path) -> None:
 def write_outputs(out: str | Path, losses: list[float], samples: np.ndarray | None, title: str) -> None:
     """A finished run's ``losses.json``, ``loss.png`` and (given samples) ``samples.png``."""
     save_plots(out, losses, samples, title)
+    write_losses(out, losses)
+
+
+def write_losses(out: str | Path, losses: list[float]) -> None:
+    """``losses.json``: the loss of every step from step 0."""
     atomic_write(Path(out) / "losses.json", json.dumps(losses).encode())

@@ -18,6 +18,8 @@ some network file systems). No torch or jax import.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -37,6 +39,7 @@ from shared_configs.training.config import TrainConfig, resume_differences
 from shared_configs.training.manifest import (
     MANIFEST,
     CheckpointError,
+    CheckpointWriteError,
     Manifest,
     check_files,
     files_of,
@@ -44,6 +47,7 @@ from shared_configs.training.manifest import (
     read_manifest,
     write_manifest,
 )
+from shared_configs.training.write_faults import Failed, Fault, describe, together
 
 LOCK = ".lock"
 PREFIX = "checkpoint-"
@@ -66,6 +70,8 @@ class Comm(Protocol):
 
     def gather(self, obj: Any) -> list[Any]: ...  # every rank gets every rank's obj, in rank order
 
+    def max(self, value: int) -> int: ...  # the largest of every rank's value (cheap: once per step)
+
 
 @dataclass(frozen=True)
 class Solo:
@@ -79,6 +85,9 @@ class Solo:
 
     def gather(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def max(self, value: int) -> int:
+        return value
 
 
 SOLO = Solo()
@@ -107,7 +116,8 @@ def owned(out: Path, owner: bool = True) -> Iterator[None]:
         _remove_temps(out)
         yield
     finally:
-        os.ftruncate(fd, 0)  # an empty lock file: nobody holds it (a killed holder leaves its name)
+        with contextlib.suppress(OSError):  # the folder became read-only: its lock keeps our name
+            os.ftruncate(fd, 0)  # an empty lock file: nobody holds it (a killed holder leaves its name)
         os.close(fd)  # releases the flock
 
 
@@ -218,31 +228,76 @@ def verify(path: Path, manifest: Manifest, comm: Comm = SOLO) -> None:
 # ---- writing checkpoints -----------------------------------------------------------------
 
 
-def save(out: Path, manifest: Manifest, write_state: Callable[[Path], None], comm: Comm = SOLO) -> Path:
+def save(out: Path, manifest: Manifest, write_state: Callable[[Path], None], comm: Comm = SOLO,
+         nbytes: int | None = None) -> Path:  # fmt: skip
     """Write a checkpoint of ``manifest.step``: every rank calls ``write_state(folder)`` for its
-    files, the ranks hash a share each, rank 0 writes the manifest and commits. Returns the folder."""
+    files, the ranks hash a share each, rank 0 writes the manifest and commits. Returns the folder.
+
+    A failure on any rank (disk full, permission lost, an I/O error) is agreed on by all ranks after
+    each phase: the partial folder is removed, the previous checkpoint stays, and every rank raises
+    the same `CheckpointWriteError` naming the path (and, for a full disk, about how many bytes
+    the checkpoint needs: the previous one's size, else ``nbytes``).
+    """
     tmp = out / f".{checkpoint_name(manifest.step)}{TEMP_SUFFIX}"
-    if comm.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    comm.barrier()
-    write_state(tmp / STATE)
-    comm.barrier()
-    names = files_of(tmp)
-    parts = comm.gather(hash_files(tmp, names[comm.rank :: comm.world]))
-    if comm.rank == 0:
-        write_manifest(tmp, replace(manifest, files={k: v for part in parts for k, v in part.items()}))
-        _commit(out, tmp, manifest.step)
-    comm.barrier()
+    try:
+        together(comm, lambda: _fresh(out, tmp) if comm.rank == 0 else None)
+        together(comm, lambda: write_state(tmp / STATE))
+        names = files_of(tmp)
+        parts = comm.gather(together(comm, lambda: hash_files(tmp, names[comm.rank :: comm.world])))
+        files = {k: v for part in parts for k, v in part.items()}
+        together(comm, lambda: _commit(out, tmp, replace(manifest, files=files)) if comm.rank == 0 else None)
+    except Failed as failed:
+        message = _failure_line(out, tmp, manifest.step, failed.fault, nbytes) if comm.rank == 0 else failed.fault.text
+        raise CheckpointWriteError(message) from None
     return out / checkpoint_name(manifest.step)
 
 
-def _commit(out: Path, tmp: Path, step: int) -> None:
-    """Rename ``tmp`` into place, then remove the older checkpoints.
+def _fresh(out: Path, tmp: Path) -> None:
+    """An empty ``tmp``, if the file system has room for a checkpoint the size of the last one
+    (a full disk is refused before writing: a framework failing half-way is noisier)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    earlier = checkpoints(out)
+    need = _size(earlier[-1][1]) if earlier else None
+    if need and shutil.disk_usage(out).free < need:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+    tmp.mkdir(parents=True)
+
+
+def _failure_line(out: Path, tmp: Path, step: int, fault: Fault, nbytes: int | None) -> str:
+    """One line: where the write failed and why, what a checkpoint needs on a full disk, what is kept."""
+    removed = _remove_partial(tmp)
+    earlier = checkpoints(out)
+    last = _size(earlier[-1][1]) if earlier else None
+    free = shutil.disk_usage(out).free
+    return describe(fault, step, tmp, earlier[-1][0] if earlier else None, last, nbytes, free, removed)
+
+
+def _remove_partial(tmp: Path) -> str:
+    if not tmp.exists():
+        return "nothing partial was left"
+    try:
+        shutil.rmtree(tmp)
+    except OSError as err:
+        return f"could not remove the partial {tmp} ({err.strerror}): the next run on the folder will"
+    return "the partial write was removed"
+
+
+def _size(folder: Path) -> int | None:
+    """The bytes of a committed checkpoint, from its manifest."""
+    try:
+        return sum(f["bytes"] for f in read_manifest(folder).files.values())
+    except (CheckpointError, OSError, KeyError, TypeError):
+        return None
+
+
+def _commit(out: Path, tmp: Path, manifest: Manifest) -> None:
+    """Write the manifest into ``tmp``, rename it into place, then remove the older checkpoints.
 
     Checkpoints at this step or later exist only after ``--overwrite`` (another run's): they go
     first, so that the newest checkpoint in the folder is always this run's.
     """
+    write_manifest(tmp, manifest)
+    step = manifest.step
     for later_step, path in checkpoints(out):
         if later_step >= step:
             shutil.rmtree(path)

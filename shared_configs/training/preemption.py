@@ -1,0 +1,89 @@
+"""Stopping a training run on a signal without losing it: SIGTERM, SIGINT or SIGUSR1.
+
+Schedulers warn before they kill: SLURM, Kubernetes and spot machines send SIGTERM (SLURM's
+``--signal`` can send SIGUSR1 earlier) and a grace period later SIGKILL. While the training loop
+runs (`shared_configs.training.loop.run_loop`), `StopSignals` replaces the default handlers by one
+that only notes the signal: the step in flight finishes, the loop saves a checkpoint and ``losses.json``
+and raises `Stopped`, and the CLI prints one line naming the step and the ``--resume`` command and
+exits ``128 + signal number`` (SIGTERM 143, SIGINT 130, SIGUSR1 138: the shells' convention for a
+process ended by that signal). A further signal while saving is noted and otherwise ignored, so
+the save finishes whole. No torch or jax import.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import threading
+from collections.abc import Sequence
+from types import FrameType, TracebackType
+from typing import Any
+
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def exit_status(signum: int) -> int:
+    """The exit status of a run stopped by ``signum``: 128 + its number."""
+    return 128 + signum
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+class Stopped(Exception):
+    """The run stopped on a signal after saving ``checkpoint`` (of ``step``) and ``losses.json`` in ``out``."""
+
+    def __init__(self, signum: int, step: int, total: int, out: str, checkpoint: str) -> None:
+        super().__init__(f"stopped by {signal_name(signum)} after step {step} of {total}")
+        self.signum, self.step, self.out, self.checkpoint = signum, step, out, checkpoint
+
+    def line(self, resume: str) -> str:
+        """What the CLI prints: the step, what was saved, and ``resume`` (the command that continues)."""
+        saved = f"{self.checkpoint} and losses.json saved in {self.out}"
+        return f"{self}; {saved}; resume with: {resume}"
+
+
+class StopSignals:
+    """A context manager: for its block, `STOP_SIGNALS` set `signum` instead of ending the process.
+
+    Handlers can only be set from the main thread; elsewhere the block changes nothing (and
+    `signum` stays None).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+            return
+        # os.write, not print: a handler may run inside another print to the same stream.
+        message = f"note: {signal_name(signum)} again: still finishing the step and its checkpoint; SIGKILL stops now\n"
+        os.write(2, message.encode())
+
+
+def resume_command(program: str, argv: Sequence[str], env: dict[str, str] | None = None) -> str:
+    """The command line that resumes a run started with ``argv``: ``--overwrite`` dropped,
+    ``--resume`` added; under torchrun (its ``LOCAL_WORLD_SIZE`` in ``env``) launched the same way."""
+    env = dict(os.environ) if env is None else env
+    args = [a for a in argv if a not in ("--overwrite", "--resume")] + ["--resume"]
+    if "LOCAL_WORLD_SIZE" not in env:
+        return shlex.join(["python", "-m", program, *args])
+    launcher = ["torchrun", "--nproc-per-node", env["LOCAL_WORLD_SIZE"]]
+    nodes = int(env.get("WORLD_SIZE", env["LOCAL_WORLD_SIZE"])) // int(env["LOCAL_WORLD_SIZE"])
+    if nodes > 1:
+        launcher += ["--nnodes", str(nodes)]
+    return shlex.join([*launcher, "-m", program, *args])

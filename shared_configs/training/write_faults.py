@@ -1,0 +1,97 @@
+"""Why a checkpoint write failed, agreed by every rank and said in one line.
+
+A save runs in phases (make the folder, write the state, hash, commit); `together` runs one on
+every rank and then gathers each rank's `Fault` (or None), so that a rank whose write failed (disk
+full, permission lost, an I/O error) fails the save on every rank instead of leaving the others
+waiting at the next collective. `fault_of` finds the OS error inside what the frameworks raise:
+torch DCP wraps each rank's error in a ``CheckpointException`` (a BaseException), orbax passes
+tensorstore's message, which carries the errno as text. No torch or jax import.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Gather(Protocol):
+    """What `together` needs of `shared_configs.training.run_folder.Comm`."""
+
+    rank: int
+
+    def gather(self, obj: Any) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A failed write as every rank sees it (picklable): the rank, the OS error's number and path."""
+
+    rank: int
+    text: str
+    errno: int | None = None
+    filename: str | None = None
+
+
+class Failed(Exception):
+    """Some rank's phase of a save failed: its `Fault`."""
+
+    def __init__(self, fault: Fault) -> None:
+        self.fault = fault
+
+
+def together(comm: Gather, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every rank, then agree: if any rank failed, every rank raises `Failed` (the
+    first failing rank's fault). The gather is also the barrier after the phase."""
+    try:
+        result, fault = fn(), None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # torch DCP's CheckpointException is a BaseException
+        result, fault = None, fault_of(err, comm.rank)
+    faults = [f for f in comm.gather(fault) if f is not None]
+    if faults:
+        raise Failed(faults[0])
+    return result
+
+
+_OS_CODE = re.compile(r"os_error_code='(\d+)'")  # tensorstore's (orbax's) way of carrying errno
+_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
+
+
+def fault_of(err: BaseException, rank: int) -> Fault:
+    """The OS error inside ``err`` (its causes, DCP's per-rank failures, a tensorstore message)."""
+    seen: list[BaseException] = []
+    todo = [err]
+    while todo and len(seen) < 20:
+        e = todo.pop(0)
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno is not None:
+            return Fault(rank, e.strerror or str(e), e.errno, e.filename and str(e.filename))
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None and c not in seen]
+    text = " ".join(str(err).split()) or type(err).__name__
+    if code := _OS_CODE.search(text):
+        found = _LOCAL_FILE.search(text)
+        return Fault(rank, os.strerror(int(code[1])), int(code[1]), found and found[1])
+    return Fault(rank, f"{type(err).__name__}: {text[:300]}")
+
+
+def describe(fault: Fault, step: int, tmp: Path, kept: int | None, last: int | None, nbytes: int | None, free: int,
+             removed: str) -> str:  # fmt: skip
+    """The line: the step, the rank (if not 0), the path and the error; on a full disk what a
+    checkpoint needs (the ``last`` one's size, else the state's ``nbytes``) and the ``free`` bytes;
+    the step of the checkpoint ``kept``, and what became of the partial write (``removed``)."""
+    where = f"rank {fault.rank}: " if fault.rank else ""
+    line = f"writing the checkpoint of step {step}: {where}{fault.filename or tmp}: {fault.text}"
+    if fault.errno == errno.ENOSPC:
+        need = f"the last checkpoint took {last:,} bytes" if last else nbytes and f"the state holds {nbytes:,} bytes"
+        line += f" ({', '.join([*([need] if need else []), f'{free:,} bytes are free there'])})"
+    kept_text = f"the checkpoint of step {kept} is kept" if kept else "no earlier checkpoint"
+    return f"{line}; {kept_text}; {removed}"
