@@ -78,7 +78,7 @@ def test_chunks_keep_the_scores_out_of_memory() -> None:
 
 def test_attention_chunk_is_a_jax_train_flag_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert parse_args(["--attention-chunk", "256"], "jax_impl").attention_chunk == 256
-    assert parse_args([], "jax_impl").attention_chunk is None
+    assert parse_args([], "jax_impl").attention_chunk == "auto"  # shared_configs.defaults decides per device
     with pytest.raises(SystemExit):
         parse_args(["--attention-chunk", "256"], "torch_impl")  # torch's CPU attention is fused already
     assert "unrecognized arguments: --attention-chunk" in capsys.readouterr().err

@@ -125,7 +125,7 @@ def test_saved_bytes_between_full_and_none(docs: dict[str, dict]) -> None:
 def test_inspector_json_schema_and_totals(capsys: pytest.CaptureFixture[str]) -> None:
     assert insp.main(["--config", "tiny", "--policy", "full", "--framework", "jax", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"config", "policy", "batch_size", "frameworks", "differ"}
+    assert set(doc) == {"config", "policy", "batch_size", "frameworks", "differ", "settings"}
     jax_doc = doc["frameworks"]["jax"]
     assert set(jax_doc) == {"rows", "blocks", "total_count", "total_bytes"}
     assert (
