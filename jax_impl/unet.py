@@ -21,8 +21,8 @@ from jax_impl.layers import (
     CLASS_EMBEDDING,
     ResnetBlock,
     TimestepEmbedding,
-    apply_norm,
     conv3x3,
+    norm_act,
     norm_layer,
     timestep_embedding,
 )
@@ -191,7 +191,7 @@ class UNet(nn.Module):
             count = len(block.skip_channels)
             h = block(h, tuple(skips[-count:]), temb, context, train)
             del skips[-count:]
-        return self.conv_out(nn.silu(apply_norm(self.conv_norm_out, h, train)))
+        return self.conv_out(norm_act(self.conv_norm_out, h, train, silu=True))
 
     def _sinusoids(self, values: Array, dim: int) -> Array:
         te = self.resolved_spec.time_embedding
