@@ -114,7 +114,7 @@ def test_one_remat_per_planned_block(policy: object, tiny: dict) -> None:
         args = (tiny["x"], tiny["t"], tiny["ctx"])
         return _count_remat(jax.make_jaxpr(lambda p: model.apply({"params": p}, *args))(tiny["params"]).jaxpr)
 
-    # Beyond the layers' own (each norm with its activation: `layers.norm_act`).
+    # Beyond the layers' own (each norm with its activation, each GEGLU: `layers.norm_act`, `layers.geglu`).
     assert remats(policy) - remats("none") == len(resolve_plan(tiny["spec"], policy).recompute) > 0
 
 
