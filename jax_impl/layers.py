@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_impl.attention import attention
 from shared_configs.arch import ClassEmbeddingArgs, timestep_frequencies
 
 Array = jax.Array
@@ -203,27 +204,6 @@ class ResnetBlock(nn.Module):
         h = self.conv2(self.dropout(h, deterministic=not train))
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
         return (skip + h) / self.output_scale
-
-
-def attention(q: Array, k: Array, v: Array, heads: int, scale: float, query_chunk: int | None = None) -> Array:
-    """Multi-head attention on (B, T, heads*D) tensors.
-
-    ``query_chunk``: compute the queries ``query_chunk`` at a time, each chunk under
-    `jax.checkpoint`, so that neither forward nor backward ever holds more than a
-    (chunk x keys) slice of the scores (Rabe & Staats 2021, "Self-attention does not need O(n^2)
-    memory"). XLA:CPU runs `jax.nn.dot_product_attention` unfused, materialising all
-    (T x keys) scores per head; torch's CPU SDPA kernel is fused and never does. Same result up
-    to float rounding; used only when it divides T (else the plain call).
-    """
-    q, k, v = (a.reshape(*a.shape[:2], heads, -1) for a in (q, k, v))  # (B, T, N, D)
-    batch, tokens = q.shape[:2]
-    if query_chunk is None or tokens <= query_chunk or tokens % query_chunk:
-        out = jax.nn.dot_product_attention(q, k, v, scale=scale)
-    else:
-        chunks = q.reshape(batch, tokens // query_chunk, query_chunk, *q.shape[2:]).swapaxes(0, 1)
-        one = jax.checkpoint(lambda qc: jax.nn.dot_product_attention(qc, k, v, scale=scale))
-        out = jax.lax.map(one, chunks).swapaxes(0, 1).reshape(q.shape[:3] + v.shape[3:])
-    return checkpoint_name(out, "attention").reshape(batch, tokens, -1)  # (B, T, N*D)
 
 
 def _tokens(x: Array) -> Array:

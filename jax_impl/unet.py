@@ -70,9 +70,10 @@ class UNet(nn.Module):
         policy: which blocks/layers to recompute in the backward pass: a policy name (``"full"``,
             ``"balanced"``, ``"layers"``, ``"every:2"``), a tuple of block names, or a
             `CheckpointPlan`; ``None`` takes the spec's own ``checkpoint`` field (default none).
-        attention_chunk: compute attention this many queries at a time, each chunk rematerialised
-            (`jax_impl.layers.attention`): on XLA:CPU, whose attention is unfused, it keeps the
-            (tokens x tokens) scores out of memory. Same parameters and outputs; ``None`` is off.
+        attention_chunk: compute attention this many queries at a time, each chunk's probabilities
+            recomputed in the backward (`jax_impl.attention`): on XLA:CPU, whose attention is
+            unfused, it keeps the (tokens x tokens) scores out of memory. Same parameters and
+            outputs; ``None`` is off.
     """
 
     spec: UNetSpec | str
