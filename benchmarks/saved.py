@@ -107,9 +107,7 @@ def jax_saved(config: str, policy: str, batch_size: int, context_length: int, ch
         for v in eqn.outvars:
             if v not in residuals:
                 continue
-            src = eqn
-            while src.primitive.name == "reduce_precision" and src.invars[0] in producer:
-                src = producer[src.invars[0]]  # look through it, as saved_residuals does
+            src = _source(eqn, v, producer)
             named = src.primitive is name_p
             block = block_of(str(eqn.source_info.name_stack))
             op = src.params["name"] if named else src.params.get("name", src.primitive.name)
@@ -119,6 +117,24 @@ def jax_saved(config: str, policy: str, batch_size: int, context_length: int, ch
             kind = "policy" if named and block in recomputed else "saved"
             rows.append(Saved(block, op, kind, tuple(aval.shape), str(aval.dtype), nbytes))
     return rows
+
+
+def _source(eqn: Any, var: Any, producer: dict) -> Any:
+    """The equation that made residual ``var``: through ``reduce_precision`` (as saved_residuals
+    does) and through a nested ``jax.checkpoint`` that only forwards one of its inputs (the layers'
+    own, such as `jax_impl.layers.norm_act`), to the value's real producer."""
+    while True:
+        if eqn.primitive.name == "reduce_precision" and eqn.invars[0] in producer:
+            var = eqn.invars[0]
+        elif "jaxpr" in eqn.params and eqn.primitive.name.startswith("remat"):
+            inner = eqn.params["jaxpr"]
+            out = inner.outvars[eqn.outvars.index(var)]
+            if out not in inner.invars or eqn.invars[inner.invars.index(out)] not in producer:
+                return eqn
+            var = eqn.invars[inner.invars.index(out)]
+        else:
+            return eqn
+        eqn = producer[var]
 
 
 def _jax_inputs(spec: Any, batch_size: int, context_length: int) -> tuple[Any, Any, Any]:

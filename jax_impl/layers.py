@@ -9,6 +9,7 @@ Norm epsilons and attention scales always come from the caller, never from Flax 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_impl.attention import attention
 from shared_configs.arch import ClassEmbeddingArgs, timestep_frequencies
 
 Array = jax.Array
@@ -103,6 +105,31 @@ def apply_norm(norm: nn.Module, x: Array, train: bool) -> Array:
     return norm(x)
 
 
+def norm_act(
+    norm: nn.Module, x: Array, train: bool = False, silu: bool = False, film: tuple[Array, Array] | None = None
+) -> Array:
+    """``norm(x)``, then ``* (1 + scale) + shift`` with ``film=(scale, shift)``, then SiLU if
+    ``silu``; the backward pass recomputes all of it from ``x`` instead of keeping it.
+
+    A norm's backward needs only its input and a few numbers per group, but autodiff keeps more
+    (x - mean, for the variance; the SiLU's input and sigmoid), and XLA:CPU kept three or four
+    full-size arrays per norm where torch's autograd keeps two (the norm's input and output). Under
+    `nn.checkpoint` with no policy only ``x`` is kept: one more pass of elementwise work and a
+    reduction per norm in the backward, beside convolutions and matmuls. The parameter tree is
+    unchanged (the norm's own scope), and a plan's ``save=norm`` still keeps the tagged output
+    inside (an enclosing remat's policy decides for the ones nested in it). Figures:
+    docs/remat_vs_checkpoint.md.
+    """
+
+    def f(module: nn.Module, y: Array, film: tuple[Array, Array] | None) -> Array:
+        y = apply_norm(module, y, train)
+        if film is not None:
+            y = y * (1 + film[0]) + film[1]
+        return nn.silu(y) if silu else y
+
+    return nn.checkpoint(f, prevent_cse=True)(norm, x, film)
+
+
 def layer_norm(eps: float) -> nn.LayerNorm:
     return LayerNorm(epsilon=eps, use_fast_variance=False)
 
@@ -168,37 +195,15 @@ class ResnetBlock(nn.Module):
         self.conv_shortcut = conv1x1(self.out_ch) if self.in_ch != self.out_ch else None
 
     def __call__(self, x: Array, temb: Array, train: bool = False) -> Array:
-        h = self.conv1(nn.silu(apply_norm(self.norm1, x, train)))
+        h = self.conv1(norm_act(self.norm1, x, train, silu=True))
         t = self.time_emb_proj(nn.silu(temb))[:, None, None, :]  # (B, 1, 1, C): broadcast over H, W
         if self.scale_shift:
-            scale, shift = jnp.split(t, 2, axis=-1)
-            h = apply_norm(self.norm2, h, train) * (1 + scale) + shift
+            h = norm_act(self.norm2, h, train, silu=True, film=tuple(jnp.split(t, 2, axis=-1)))
         else:
-            h = apply_norm(self.norm2, h + t, train)
-        h = self.conv2(self.dropout(nn.silu(h), deterministic=not train))
+            h = norm_act(self.norm2, h + t, train, silu=True)
+        h = self.conv2(self.dropout(h, deterministic=not train))
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
         return (skip + h) / self.output_scale
-
-
-def attention(q: Array, k: Array, v: Array, heads: int, scale: float, query_chunk: int | None = None) -> Array:
-    """Multi-head attention on (B, T, heads*D) tensors.
-
-    ``query_chunk``: compute the queries ``query_chunk`` at a time, each chunk under
-    `jax.checkpoint`, so that neither forward nor backward ever holds more than a
-    (chunk x keys) slice of the scores (Rabe & Staats 2021, "Self-attention does not need O(n^2)
-    memory"). XLA:CPU runs `jax.nn.dot_product_attention` unfused, materialising all
-    (T x keys) scores per head; torch's CPU SDPA kernel is fused and never does. Same result up
-    to float rounding; used only when it divides T (else the plain call).
-    """
-    q, k, v = (a.reshape(*a.shape[:2], heads, -1) for a in (q, k, v))  # (B, T, N, D)
-    batch, tokens = q.shape[:2]
-    if query_chunk is None or tokens <= query_chunk or tokens % query_chunk:
-        out = jax.nn.dot_product_attention(q, k, v, scale=scale)
-    else:
-        chunks = q.reshape(batch, tokens // query_chunk, query_chunk, *q.shape[2:]).swapaxes(0, 1)
-        one = jax.checkpoint(lambda qc: jax.nn.dot_product_attention(qc, k, v, scale=scale))
-        out = jax.lax.map(one, chunks).swapaxes(0, 1).reshape(q.shape[:3] + v.shape[3:])
-    return checkpoint_name(out, "attention").reshape(batch, tokens, -1)  # (B, T, N*D)
 
 
 def _tokens(x: Array) -> Array:
@@ -230,7 +235,7 @@ class SelfAttention(nn.Module):
     def __call__(self, x: Array, context: Array | None = None) -> Array:
         del context  # same call signature as Transformer2D; plain self-attention ignores it
         scale = self.scale or self.head_dim**-0.5
-        h = _tokens(x if self.group_norm is None else self.group_norm(x))
+        h = _tokens(x if self.group_norm is None else norm_act(self.group_norm, x))
         h = attention(self.to_q(h), self.to_k(h), self.to_v(h), self.heads, scale, self.query_chunk)
         h = self.to_out(h).reshape(x.shape)
         return (h + x) / self.output_scale
@@ -269,9 +274,26 @@ class FeedForward(nn.Module):
         self.out = Dense(self.dim)
 
     def __call__(self, x: Array) -> Array:
-        value, gate = jnp.split(self.proj(x), 2, axis=-1)
-        # approximate=False: torch's F.gelu default is the exact erf form; jax's is tanh.
-        return self.out(value * jax.nn.gelu(gate, approximate=False))
+        return self.out(geglu(self.proj(x)))
+
+
+def gelu(x: Array) -> Array:
+    """Exact GELU as torch's ``F.gelu`` computes it, x/2 * (1 + erf(x/sqrt(2))). (Flax's default is
+    the tanh approximation; ``jax.nn.gelu(approximate=False)``, the same function written with
+    erfc, leaves XLA:CPU three more half-size arrays live in its backward.)"""
+    return 0.5 * x * (1.0 + jax.lax.erf(x * math.sqrt(0.5)))
+
+
+@functools.partial(jax.checkpoint, prevent_cse=True)
+def geglu(h: Array) -> Array:
+    """``value * gelu(gate)`` of ``h``'s two halves, recomputed from ``h`` in the backward pass.
+
+    Autodiff would keep the GELU's intermediates (XLA:CPU: four half-size arrays beside ``h``,
+    torch's autograd one, ``gelu(gate)``); recomputed, the backward keeps only ``h`` and the
+    product, which the output projection keeps anyway.
+    """
+    value, gate = jnp.split(h, 2, axis=-1)
+    return value * gelu(gate)
 
 
 class TransformerBlock(nn.Module):
@@ -294,10 +316,10 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(self.dim)
 
     def __call__(self, x: Array, context: Array | None) -> Array:
-        x = self.attn1(self.norm1(x)) + x
+        x = self.attn1(norm_act(self.norm1, x)) + x
         if self.attn2 is not None:
-            x = self.attn2(self.norm2(x), context) + x
-        return self.ff(self.norm3(x)) + x
+            x = self.attn2(norm_act(self.norm2, x), context) + x
+        return self.ff(norm_act(self.norm3, x)) + x
 
 
 class Transformer2D(nn.Module):
@@ -333,7 +355,7 @@ class Transformer2D(nn.Module):
 
     def __call__(self, x: Array, context: Array | None) -> Array:
         # In NHWC the projections commute with flattening, so one order serves both variants.
-        h = _tokens(self.proj_in(self.norm(x)))  # (B, H*W, inner)
+        h = _tokens(self.proj_in(norm_act(self.norm, x)))  # (B, H*W, inner)
         for block in self.transformer_blocks:
             h = block(h, context)
         return self.proj_out(h.reshape(*x.shape[:3], -1)) + x  # (B, H, W, inner) -> (B, H, W, C)

@@ -21,8 +21,8 @@ from jax_impl.layers import (
     CLASS_EMBEDDING,
     ResnetBlock,
     TimestepEmbedding,
-    apply_norm,
     conv3x3,
+    norm_act,
     norm_layer,
     timestep_embedding,
 )
@@ -70,9 +70,10 @@ class UNet(nn.Module):
         policy: which blocks/layers to recompute in the backward pass: a policy name (``"full"``,
             ``"balanced"``, ``"layers"``, ``"every:2"``), a tuple of block names, or a
             `CheckpointPlan`; ``None`` takes the spec's own ``checkpoint`` field (default none).
-        attention_chunk: compute attention this many queries at a time, each chunk rematerialised
-            (`jax_impl.layers.attention`): on XLA:CPU, whose attention is unfused, it keeps the
-            (tokens x tokens) scores out of memory. Same parameters and outputs; ``None`` is off.
+        attention_chunk: compute attention this many queries at a time, each chunk's probabilities
+            recomputed in the backward (`jax_impl.attention`): on XLA:CPU, whose attention is
+            unfused, it keeps the (tokens x tokens) scores out of memory. Same parameters and
+            outputs; ``None`` is off.
     """
 
     spec: UNetSpec | str
@@ -192,7 +193,7 @@ class UNet(nn.Module):
             count = len(block.skip_channels)
             h = block(h, tuple(skips[-count:]), temb, context, train)
             del skips[-count:]
-        return self.conv_out(nn.silu(apply_norm(self.conv_norm_out, h, train)))
+        return self.conv_out(norm_act(self.conv_norm_out, h, train, silu=True))
 
     def _sinusoids(self, values: Array, dim: int) -> Array:
         te = self.resolved_spec.time_embedding
