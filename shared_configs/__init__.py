@@ -1,6 +1,7 @@
 """Framework-free core: the U-Net spec (`spec`), its YAML loader and presets (`loader`, ``*.yaml``),
 checkpoint plans and their grammar (`plan`), the architecture both frameworks assemble (`arch`), the
-inputs a spec's forward takes (`inputs`), and what every CLI shares (`cli`, `files`, `units`).
+inputs a spec's forward takes (`inputs`), every tool's defaults per device (`defaults`), and what
+every CLI shares (`cli`, `files`, `units`, `processes`).
 
 Below it: `planning` (peak model, solver, plan to a budget), `training` (what both training loops
 share) and `diffusers` (diffusers configs and folders). Nothing here imports torch or jax.
