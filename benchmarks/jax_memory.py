@@ -186,9 +186,9 @@ def _parse(folder: Path, analysis: Any) -> MemoryPlan:
 
 def _stated_peak(text: str) -> tuple[int, int]:
     """(position, bytes): XLA's own peak of live values, from the live-range dump's last sections.
-    Its count and the one rebuilt here can differ where one value's last use meets another's
-    definition (here both count: the operation reads one while writing the other), so the check
-    compares them at XLA's position, not at their own maxima."""
+    XLA counts every value, also an operand and the update written in place over it where one's
+    last use is the other's definition; the parts count that buffer once. The check compares the
+    values' bytes rebuilt here with XLA's count at XLA's position."""
     position = _STATED_AT.search(text)
     size = _STATED_PEAK.search(text)
     return (int(position[1]) if position else 0), (int(size[1].replace(" ", "")) if size else 0)
@@ -314,8 +314,9 @@ def _live_bytes(
     An argument's allocation (and an output's) is held all step: while no value XLA placed there is
     live, it counts as what the argument is (a parameter whose value XLA copied elsewhere still
     holds its buffer). The temp allocation counts only what is live. Values sharing one slot
-    (allocation, offset, size) while their live ranges overlap are one buffer (an alias, a bitcast)
-    and count once, with the kind of the value that made it.
+    (allocation, offset, size) while their live ranges overlap are one buffer (an alias, a bitcast,
+    an update written in place over its operand) and count once, with the kind of the value that
+    made it. The live bytes, the check against XLA's own count, count every value as XLA does.
     """
     delta = {c: np.zeros(positions + 1, dtype=np.int64) for c in CATEGORIES}
     live = np.zeros(positions + 1, dtype=np.int64)
@@ -323,11 +324,14 @@ def _live_bytes(
         owner = _owner(allocation, hlo)
         if allocation.kind != "temp":
             delta[owner][0] += allocation.size
+        for name, index, _, size in allocation.values:
+            if (name, index) in ranges:
+                start, end = ranges[(name, index)]
+                live[start] += size
+                live[min(end, positions - 1) + 1] -= size
         for size, start, end, kind in _spans(allocation, ranges, hlo, owner, positions):
             delta[kind][start] += size
             delta[kind][end + 1] -= size
-            live[start] += size
-            live[end + 1] -= size
             if allocation.kind != "temp":  # the value occupies its argument's buffer meanwhile
                 delta[owner][start] -= size
                 delta[owner][end + 1] += size
