@@ -15,7 +15,7 @@ import numpy as np
 import yaml
 
 from shared_configs import UNetSpec, spec_from_dict
-from shared_configs.training.config import TrainConfig
+from shared_configs.training.config import JAX_ONLY, TrainConfig
 
 # XLA:CPU spends seconds optimising each gradient program; these tests check values, not speed,
 # so compile with backend optimisation off (about 4x faster; the computation is unchanged).
@@ -199,9 +199,10 @@ def rows_of(doc: dict[str, Any], framework: str) -> dict[str, dict[str, Any]]:
 
 
 def train_argv(cfg: TrainConfig) -> list[str]:
-    """The ``torch_impl.train`` flags that reproduce ``cfg`` (each field is a flag of the same name)."""
+    """The ``torch_impl.train`` flags that reproduce ``cfg`` (each field is a flag of the same name;
+    the JAX-only ones are not torch's flags)."""
     argv: list[str] = []
-    for f in fields(cfg):
+    for f in (f for f in fields(cfg) if f.name not in JAX_ONLY):
         value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
         if value is True:
             argv.append(flag)

@@ -66,6 +66,9 @@ class TrainConfig:
         return Regime(self.precision, self.trainable, self.optimizer, self.ema)
 
 
+# The fields only jax_impl.train has flags for (torch's SDPA attention has no chunking; no XLA cache).
+JAX_ONLY: tuple[str, ...] = ("attention_chunk", "jax_cache")
+
 # --distributed modes per framework. ddp: the batch split over processes (torch DDP) or devices
 # (JAX), parameters replicated; fsdp: parameters, gradients and optimizer state sharded too
 # (torch FSDP2; JAX sharding annotations over the same mesh axis as the batch).
