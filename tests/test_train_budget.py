@@ -52,6 +52,8 @@ def _seed(framework: str, factor: int = 1) -> int:
     """A random profile of the training workload in the cache (bytes times ``factor``); returns a
     budget halfway between its smallest feasible peak and none's."""
     profile = random_profile(SPEC, 0, framework=framework)
+    # the workload the run plans for, as the cache checks it on read
+    profile = replace(profile, batch_size=WORKLOAD.batch_size, context_length=WORKLOAD.context_length)
     profile = replace(profile, units={u: {c: replace(v, keep=v.keep * factor, fwd_peak=v.fwd_peak * factor,
                                                      bwd_peak=v.bwd_peak * factor) for c, v in per.items()}
                                       for u, per in profile.units.items()})  # fmt: skip
