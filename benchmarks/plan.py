@@ -49,6 +49,7 @@ from shared_configs.planning.planner import (
     plan,
     predict_policy,
 )
+from shared_configs.training.regime import add_regime_arguments, regime_of
 from shared_configs.units import MIB
 
 VERIFY_CANDIDATES = 4  # --candidates with --verify: the optimum and the three next best plans
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_BYTES_PER_S,
         help="--shapes: memory bandwidth for elementwise recompute (default %(default).0e B/s)",
     )
+    add_regime_arguments(p)
     d = defaults(DEVICE)
     p.add_argument("--attention-chunk", type=chunk_arg, default=AUTO, metavar="N", help=CHUNK_HELP)
     p.add_argument("--context-length", type=positive_int, default=d.context_length,
@@ -170,7 +172,8 @@ def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any
         fw: _framework_entry(args, workload, fw, profile, pred, sol.policy, report)
         for fw, profile, pred in zip(frameworks, profiles, sol.predictions, strict=True)
     }
-    doc = {"plan": sol.policy, "budget_bytes": budget, "frameworks": per_fw, "settings": workload.used(frameworks)}
+    doc = {"plan": sol.policy, "budget_bytes": budget, "frameworks": per_fw, "settings": workload.used(frameworks),
+           "regime": workload.regime.as_dict()}  # fmt: skip
     if report is not None:
         doc["candidates"] = report
     ranks = {"world_size": args.world_size, "distributed": args.distributed}
@@ -198,6 +201,8 @@ def _framework_entry(
         else f"estimated: FLOPs at {profile.flops_per_s:.3g} FLOP/s + elementwise bytes at "
         f"{args.bytes_per_s:.3g} B/s",
     }
+    if profile.meta.get("modelled"):  # a part not measured (adamw8bit's state): said beside the figure
+        entry["modelled"] = profile.meta["modelled"]
     if report and report["chosen"]:  # measured already, in the race
         entry |= _from_race(report, fw)
     elif args.verify:
@@ -225,7 +230,8 @@ def _ranks(doc: dict[str, Any]) -> str:
 
 def render(doc: dict[str, Any], workload: Workload) -> str:
     spec = workload.spec
-    what = f"{spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size}{_ranks(doc)}"
+    what = (f"{spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size}{_ranks(doc)}, "
+            f"{workload.regime.describe()}")  # fmt: skip
     if doc["budget_bytes"] is None:
         head = f"the policy given, for {what} (predicted from the profile, not solved):"
     else:
@@ -242,6 +248,8 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
         line = (f"  {fw}: predicted peak {d['predicted_peak_bytes'] / MIB:.1f} MiB (at {d['peak_at']}), "
                 f"overhead {100 * d['predicted_overhead']:+.1f}% ({d['time_method']}), "
                 f"recompute {d['recompute_flops'] / 1e9:.1f} GFLOP")  # fmt: skip
+        if "modelled" in d:
+            line += f" [{d['modelled']}]"
         if "measured_peak_bytes" in d:
             err = d["predicted_peak_bytes"] / d["measured_peak_bytes"] - 1
             line += (f"; measured peak {d['measured_peak_bytes'] / MIB:.1f} MiB (prediction {100 * err:+.1f}%), "
@@ -264,6 +272,7 @@ def workload_of(args: argparse.Namespace) -> Workload:
         shapes=args.shapes,
         flops_per_s=args.flops_per_s,
         bytes_per_s=args.bytes_per_s,
+        regime=regime_of(args),
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from benchmarks.report import write_json
 from shared_configs import spec_from_dict
 from shared_configs.defaults import jax_cache_dir
+from shared_configs.training.regime import Regime
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
@@ -29,7 +30,9 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
         jax.config.update("jax_compilation_cache_dir", jax_cache_dir())
     spec = spec_from_dict(request["spec"])
-    extra = {"attention_chunk": request["attention_chunk"]} if framework == "jax" else {}
+    extra: dict[str, Any] = {"regime": Regime(**request["regime"])}
+    if framework == "jax":
+        extra["attention_chunk"] = request["attention_chunk"]
     if request["kind"] == "profile":
         return backend.profile(
             spec, request["batch_size"], request["context_length"], request["shapes"], request["repeats"], **extra

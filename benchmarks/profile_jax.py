@@ -45,6 +45,7 @@ from shared_configs.planning.recompute_time import at_rates, step_flops
 from shared_configs.planning.timeline import Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from shared_configs.training.data import example_batch
+from shared_configs.training.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 
 BARRIERS = XLA_CPU_OPTIONS  # remat's barriers survive on XLA:CPU
 # Buffer assignment precedes code generation: the memory figures are the same at -O0, and faster.
@@ -56,16 +57,19 @@ def unet(s: dict[str, Any], policy: str) -> UNet:
     return UNet(spec=s["spec"], policy=policy, attention_chunk=s["chunk"])
 
 
-def setup(spec: UNetSpec, batch_size: int, context_length: int, chunk: int | None, run: bool) -> dict[str, Any]:
-    """The step's arguments: real arrays (``run``) or shapes only, and the optimizer."""
-    tx = jt.make_optimizer(1e-4, 0.0)
+def setup(
+    spec: UNetSpec, batch_size: int, context_length: int, chunk: int | None, run: bool, regime: Regime = DEFAULT
+) -> dict[str, Any]:
+    """The step's arguments in ``regime``: real arrays (``run``) or shapes only, and the optimizer."""
+    jt.check_regime(regime)
+    tx = jt.make_optimizer(1e-4, 0.0, regime)
     model = unet({"spec": spec, "chunk": chunk}, "none")
-    init = functools.partial(jt.init_state, model, tx, 0)
+    init = functools.partial(jt.init_state, model, tx, 0, regime)
     # Shapes only: the state's abstract tree; else the training loop's own init (compiled fast:
     # the values only seed the timing runs).
     state = jax.jit(init, compiler_options=FAST_INIT)() if run else jax.eval_shape(init)
     args: tuple = (state, *_batch_and_key(spec, batch_size, context_length, run))
-    return {"spec": spec, "tx": tx, "args": args, "chunk": chunk, "run": run}
+    return {"spec": spec, "tx": tx, "args": args, "chunk": chunk, "run": run, "regime": regime}
 
 
 def _batch_and_key(spec: UNetSpec, batch_size: int, context_length: int, run: bool) -> tuple[Any, Any]:
@@ -81,11 +85,12 @@ def compiled_step(s: dict[str, Any], policy: str, dump: str | None = None, fast:
 
     ``fast``: LLVM at -O0, for compiles that are only read (memory), never timed.
     """
-    step = jax.jit(functools.partial(jt.train_step, model=unet(s, policy), tx=s["tx"]), donate_argnums=(0,))
-    options: dict[str, Any] = {**BARRIERS, **FAST} if fast else dict(BARRIERS)
+    options = jt.step_options(s["regime"])
+    step = jax.jit(functools.partial(jt.train_step, model=unet(s, policy), tx=s["tx"], **options), donate_argnums=(0,))
+    compiler: dict[str, Any] = {**BARRIERS, **FAST} if fast else dict(BARRIERS)
     if dump is not None:
-        options |= {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "train_step"}
-    return step.lower(*s["args"]).compile(compiler_options=options)
+        compiler |= {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "train_step"}
+    return step.lower(*s["args"]).compile(compiler_options=compiler)
 
 
 def compiled_peak(compiled: Any) -> int:
@@ -117,7 +122,18 @@ def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
 
     params = nbytes(state.params)
     block = max(nbytes(state.params[b.replace(".", "_")]) for b in block_names(s["spec"]))
-    return {"static_bytes": params + nbytes(state.opt_state), "grad_bytes": params, "block_param_bytes": block}
+    static = params + nbytes(state.opt_state) + nbytes(state.ema)  # ema: None (no leaves) without one
+    return {"static_bytes": static, "grad_bytes": params, "block_param_bytes": block}
+
+
+def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
+    """For a regime profiled in another (`Regime.profiled`): the state bytes it holds beyond it."""
+    if regime.profiled == regime:
+        return {}
+    leaves = jax.tree.leaves(s["args"][0].params)
+    numels = [int(np.prod(x.shape)) for x in leaves]
+    delta = modelled_state_delta(regime, numels, np.dtype(leaves[0].dtype).itemsize)
+    return {"modelled_state_bytes": delta, "modelled": STATE_MODEL}
 
 
 def memory_run(s: dict[str, Any], assignment: dict[str, str], fast: bool = True) -> tuple:
@@ -163,10 +179,12 @@ def profile(
     shapes: bool = False,
     repeats: int = 2,
     attention_chunk: int | None = None,
+    regime: Regime = DEFAULT,
 ) -> dict:
-    """The `shared_configs.planning.budget.Profile` fields (JSON-ready) of ``spec`` at ``batch_size``."""
+    """The `shared_configs.planning.budget.Profile` fields (JSON-ready) of ``spec`` at ``batch_size``
+    trained in ``regime`` (adamw8bit: see `Regime.profiled`)."""
     timing = not shapes and repeats > 0
-    s = setup(spec, batch_size, context_length, attention_chunk, run=timing)
+    s = setup(spec, batch_size, context_length, attention_chunk, run=timing, regime=regime.profiled)
     flops = unit_flops(spec, batch_size, context_length)
     units: dict[str, dict[str, Cost]] = {}
     runs: dict[str, Any] = {}
@@ -203,17 +221,25 @@ def profile(
             "compiled with cse_barrier_expander disabled; recompute seconds: the unit's recompute FLOPs at the "
             "plain step's throughput (the process's CPU seconds; the uniform runs' own steps, timed in turn, in runs)",
             "versions": {"jax": jax.__version__},
+            "regime": regime.describe(),
+            **modelled_state(s, regime),
         },
     }
 
 
 def peaks(
-    spec: UNetSpec, batch_size: int, policies: list[str], context_length: int = 77, attention_chunk: int | None = None
+    spec: UNetSpec,
+    batch_size: int,
+    policies: list[str],
+    context_length: int = 77,
+    attention_chunk: int | None = None,
+    regime: Regime = DEFAULT,
 ) -> dict:
     """Per policy, the compiled step's ``memory_analysis()`` peak: what `measure` reports, from a
     compile at -O0 with nothing allocated and nothing run (buffer assignment precedes codegen)."""
-    s = setup(spec, batch_size, context_length, attention_chunk, run=False)
-    return {"peaks": {p: compiled_peak(compiled_step(s, p)) for p in policies}}
+    s = setup(spec, batch_size, context_length, attention_chunk, run=False, regime=regime.profiled)
+    delta = modelled_state(s, regime).get("modelled_state_bytes", 0)
+    return {"peaks": {p: compiled_peak(compiled_step(s, p)) + delta for p in policies}}
 
 
 def measure(
@@ -224,10 +250,11 @@ def measure(
     steps: int = 3,
     attention_chunk: int | None = None,
     race_to: dict[str, Any] | None = None,
+    regime: Regime = DEFAULT,
 ) -> dict:
     """Per policy: the compiled step's ``memory_analysis()`` peak, its step times (``rounds_s``, taken
     in turn) and their median; ``race_to``: raced (`benchmarks.stepclock.measured_rounds`)."""
-    s = setup(spec, batch_size, context_length, attention_chunk, run=True)
+    s = setup(spec, batch_size, context_length, attention_chunk, run=True, regime=regime)
     compiled = {p: compiled_step(s, p, fast=False) for p in policies}
     rounds = timed(s, compiled, steps, {p: compiled_peak(c) for p, c in compiled.items()}, race_to)
     rows = {p: {"peak_bytes": compiled_peak(c)} | times(rounds[p]) for p, c in compiled.items()}

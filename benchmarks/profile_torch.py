@@ -39,8 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
@@ -61,9 +60,10 @@ from shared_configs.planning.budget import (
 )
 from shared_configs.planning.timeline import BWD, FWD, Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
-from shared_configs.training.data import Batch, example_batch
-from torch_impl.regime import make_optimizer
-from torch_impl.train import as_tensors, train_step
+from shared_configs.training.data import example_batch
+from shared_configs.training.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
+from torch_impl.regime import DTYPE, add_lora, apply_regime, make_optimizer, regime_tools
+from torch_impl.train import step_loss, train_step
 from torch_impl.unet import UNet
 
 OPTIMIZER = "optimizer"
@@ -154,56 +154,100 @@ def hooks(model: UNet, opt: torch.optim.Optimizer, units: list[str], on: Callabl
             h.remove()
 
 
-def example_step(model: UNet, opt: torch.optim.Optimizer, batch: Batch) -> None:
-    """`train_step`'s operations without reading the loss (fake tensors have no value)."""
-    noisy, t, noise, conditioning = as_tensors(batch)
-    model.train()
-    opt.zero_grad(set_to_none=True)
-    pred = model(noisy, t, **conditioning)
-    loss = F.mse_loss(pred.float(), noise)
-    loss.backward()
-    opt.step()
+class ShapesOnly:
+    """``FakeTensorMode`` (the tensors of ``.fake``), in which a value read (``.item()``) reads 1:
+    Adafactor reads its step count and norms, which set scalars, not which tensors it makes."""
+
+    def __init__(self) -> None:
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> ShapesOnly:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.fake)
+        stack.enter_context(_ValuesReadOne())
+        self._stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stacks.pop().__exit__(*exc)
 
 
-def setup(spec: UNetSpec, batch_size: int, context_length: int, shapes: bool = False) -> dict[str, Any]:
-    """Model, AdamW, inputs and a step function, after a warm-up step (gradients and state exist).
+class _ValuesReadOne(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return True if args[0].dtype == torch.bool else 1
+        return func(*args, **(kwargs or {}))
 
-    ``shapes``: everything is a fake tensor; run steps inside ``s["mode"]`` (outermost).
+
+def fake_regime(model: torch.nn.Module, regime: Regime, mode: ShapesOnly) -> torch.nn.Module:
+    """`apply_regime` on a model of fake tensors. peft's adapters are made outside the mode (peft
+    moves them with ``Module.to``, which cannot swap fake parameters; they are small) and then
+    made fake; the weights are cast tensor by tensor, as ``Module.to`` would, for the same reason."""
+    if regime.lora_rank is not None:
+        add_lora(model, regime.lora_rank)
+    dtype = DTYPE[regime.param_dtype]
+    with mode.fake:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    new = t if isinstance(t, FakeTensor) else mode.fake.from_tensor(t)
+                    new = new.to(dtype) if new.is_floating_point() else new
+                    table[name] = torch.nn.Parameter(new, t.requires_grad) if table is module._parameters else new
+    return model
+
+
+def setup(
+    spec: UNetSpec, batch_size: int, context_length: int, shapes: bool = False, regime: Regime = DEFAULT
+) -> dict[str, Any]:
+    """Model, optimizer and inputs in ``regime`` and a step function, after a warm-up step (the
+    gradients and the optimizer state exist).
+
+    ``shapes``: everything is a fake tensor (`ShapesOnly`); run steps inside ``s["mode"]``
+    (outermost). The step is `step_loss` there (no loss read) and without a ``GradScaler`` (it
+    skips a step whose gradients overflowed; its own state is two scalars, its unscaling in place).
     """
-    mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if shapes else contextlib.nullcontext()
+    mode: Any = ShapesOnly() if shapes else contextlib.nullcontext()
     torch.manual_seed(0)
     with mode:
         model = UNet(spec)
-        opt = make_optimizer(model, lr=1e-4, weight_decay=0.0)
+    model = fake_regime(model, regime, mode) if shapes else apply_regime(model, regime)
+    with mode:
+        opt = make_optimizer(model, lr=1e-4, weight_decay=0.0, regime=regime)
+        tools = regime_tools(model, regime, scaler=not shapes)
         batch = example_batch(spec, batch_size, context_length)
-        if shapes:  # train_step reads the loss, which a fake tensor does not have: its operations, here
-            step: Callable[[], Any] = lambda: example_step(model, opt, batch)  # noqa: E731
-        else:
-            step = lambda: train_step(model, opt, batch)  # noqa: E731
+        run = step_loss if shapes else train_step
+        step: Callable[[], Any] = functools.partial(run, model, opt, batch, *tools)
         step()
-    return {"model": model, "opt": opt, "batch": batch, "step": step, "mode": mode, "shapes": shapes}
+    return {"model": model, "opt": opt, "batch": batch, "step": step, "mode": mode, "shapes": shapes, "tools": tools}
 
 
 def existing(s: dict[str, Any]) -> list[torch.Tensor]:
     """Tensors alive before a step: parameters, last step's gradients, AdamW state, the inputs."""
-    model, opt = s["model"], s["opt"]
+    model, opt, ema = s["model"], s["opt"], s["tools"][2]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     inputs = [torch.from_numpy(a) for a in step_arrays(s["batch"])]
-    return [*model.parameters(), *model.buffers(), *grads, *state_tensors(opt), *inputs]
+    shadow = [] if ema is None else ema.shadow
+    return [*model.parameters(), *model.buffers(), *grads, *state_tensors(opt), *shadow, *inputs]
 
 
 def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
-    """What FSDP would shard (`shared_configs.planning.budget.per_rank`): parameters + AdamW state, the
-    gradients, the largest block's parameters (counted by size: fake tensors have no storage)."""
-    model = s["model"]
+    """What FSDP would shard (`shared_configs.planning.budget.per_rank`): parameters, optimizer state
+    and an EMA copy; the gradients (of the trained parameters only); the largest block's parameters
+    (counted by size: fake tensors have no storage)."""
+    model, ema = s["model"], s["tools"][2]
 
     def nbytes(tensors: Iterable[torch.Tensor]) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     params = nbytes(model.parameters())
     state = nbytes(v for st in s["opt"].state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    state += 0 if ema is None else nbytes(ema.shadow)
+    grads = nbytes(p for p in model.parameters() if p.requires_grad)
     block = max(nbytes(model.get_submodule(b).parameters()) for b in block_names(model.spec))
-    return {"static_bytes": params + state, "grad_bytes": params, "block_param_bytes": block}
+    return {"static_bytes": params + state, "grad_bytes": grads, "block_param_bytes": block}
 
 
 def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, Cost], int, int]:
@@ -242,9 +286,17 @@ def timing_run(s: dict[str, Any], assignment: dict[str, str], repeats: int) -> t
     return per_unit, statistics.median(steps)
 
 
-def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: bool = False, repeats: int = 2) -> dict:
-    """The `shared_configs.planning.budget.Profile` fields of ``spec`` at ``batch_size`` (``repeats=0``: bytes only)."""
-    s = setup(spec, batch_size, context_length, shapes)
+def profile(
+    spec: UNetSpec,
+    batch_size: int,
+    context_length: int = 77,
+    shapes: bool = False,
+    repeats: int = 2,
+    regime: Regime = DEFAULT,
+) -> dict:
+    """The `shared_configs.planning.budget.Profile` fields of ``spec`` at ``batch_size`` trained in
+    ``regime`` (``repeats=0``: bytes only; adamw8bit: see `Regime.profiled`)."""
+    s = setup(spec, batch_size, context_length, shapes, regime.profiled)
     flops = unit_flops(spec, batch_size, context_length)
     units: dict[str, dict[str, Cost]] = {}
     runs: dict[str, Any] = {}
@@ -278,6 +330,8 @@ def profile(spec: UNetSpec, batch_size: int, context_length: int = 77, shapes: b
             "recompute seconds: the unit's forward + backward CPU seconds (single thread) minus the same "
             "units' in the plain step",
             "versions": {"torch": torch.__version__},
+            "regime": regime.describe(),
+            **modelled_state(s, regime),
         },
     }
 
@@ -289,11 +343,12 @@ def measure(
     context_length: int = 77,
     steps: int = 3,
     race_to: dict[str, Any] | None = None,
+    regime: Regime = DEFAULT,
 ) -> dict:
     """Per policy: the step's peak (the benchmark's `StepTracker`), its allocator-level peak
     (`allocator_peak`, the instrument torch.compile rows need), its step times (``rounds_s``, taken
     in turn) and their median; ``race_to``: raced (`benchmarks.stepclock.measured_rounds`)."""
-    s = setup(spec, batch_size, context_length)
+    s = setup(spec, batch_size, context_length, regime=regime)
     peaks = {}
     for policy in policies:
         s["model"].enable_gradient_checkpointing(policy)
@@ -309,24 +364,38 @@ def measure(
     return {"framework": "torch", "rows": rows, "method": "benchmarks.torch_memory.StepTracker around train_step"}
 
 
-def peaks(spec: UNetSpec, batch_size: int, policies: list[str], context_length: int = 77) -> dict:
+def peaks(
+    spec: UNetSpec, batch_size: int, policies: list[str], context_length: int = 77, regime: Regime = DEFAULT
+) -> dict:
     """Per policy, `tracked_peak` (what `measure` reports) of a step of fake tensors: nothing is
     allocated. 64 KiB under the real step's, the same for every policy, `none` included (measured on
     `small` 32x32 b4 and tested on tiny: tests/test_plan_model.py)."""
-    s = setup(spec, batch_size, context_length, shapes=True)
+    s = setup(spec, batch_size, context_length, shapes=True, regime=regime.profiled)
+    delta = modelled_state(s, regime).get("modelled_state_bytes", 0)
     out = {}
     for policy in policies:
         s["model"].enable_gradient_checkpointing(policy)
         with s["mode"]:
-            out[policy] = tracked_peak(s)
+            out[policy] = tracked_peak(s) + delta
     return {"peaks": out}
+
+
+def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
+    """For a regime profiled in another (`Regime.profiled`): the state bytes it holds beyond it."""
+    trained = [p for p in s["model"].parameters() if p.requires_grad]
+    if not trained or regime.profiled == regime:
+        return {}
+    delta = modelled_state_delta(regime, [p.numel() for p in trained], trained[0].element_size())
+    return {"modelled_state_bytes": delta, "modelled": STATE_MODEL}
 
 
 def tracked_peak(s: dict[str, Any]) -> int:
     """One step's peak as the benchmark measures it (`benchmarks.torch_memory.StepTracker`, the
     numpy batch counted as input): the instrument the profile itself does not use."""
-    tracker = StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]))
-    with tracker:
+    ema = s["tools"][2]
+    tracker = StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]), [] if ema is None else ema.shadow)
+    # Eager: compiled code (torchao's 8-bit AdamW step) cannot run under a tensor-tracking mode.
+    with torch.compiler.set_stance("force_eager"), tracker:
         s["step"]()
     assert tracker.result is not None
     return tracker.result.peak

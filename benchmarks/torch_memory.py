@@ -41,7 +41,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
 
 from benchmarks.common import CATEGORIES, OUTSIDE, block_of
@@ -65,18 +65,29 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding ``t``'s memory: this rank's shard of a DTensor; the inner tensors of a
+    tensor subclass (torchao's 8-bit optimizer state: codes, scales, code map); else ``t``."""
+    t = local(t)
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [inner for name in names for inner in plain(getattr(t, name))]
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen: dict[int, int] = {}
     for t in tensors:
-        st = local(t).untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
+        for part in plain(t):
+            st = part.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's state tensors (this rank's shards under FSDP2)."""
-    return [local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    """The optimizer's state tensors (this rank's shards under FSDP2; a subclass's inner tensors)."""
+    return [x for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) for x in plain(v)]
 
 
 @dataclass
@@ -94,12 +105,19 @@ class StepTracker(TorchDispatchMode):
 
     ``input_bytes``: memory the step reads but torch did not allocate (the numpy batch), counted
     as ``input`` throughout. Storages alive at entry (parameters, buffers, gradients, optimizer
-    state) are the starting level.
+    state, and ``held``: other training state such as an EMA copy, counted as ``optimizer``) are
+    the starting level.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, input_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        input_bytes: int = 0,
+        held: Iterable[torch.Tensor] = (),
+    ) -> None:
         super().__init__()
-        self._model, self._optimizer = model, optimizer
+        self._model, self._optimizer, self._held = model, optimizer, list(held)
         self._sizes: list[int] = []  # per storage ever seen
         self._kinds: list[str] = []
         self._live: dict[int, int] = {}  # id(storage) -> index into _sizes
@@ -123,10 +141,9 @@ class StepTracker(TorchDispatchMode):
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _add(self, t: torch.Tensor, kind: str, at_entry: bool = False) -> None:
-        t = local(t)
-        if t.device.type == "meta":
-            return
-        self._add_storage(t.untyped_storage(), kind, at_entry)
+        for part in plain(t):
+            if part.device.type != "meta":
+                self._add_storage(part.untyped_storage(), kind, at_entry)
 
     def _add_storage(self, st: torch.UntypedStorage, kind: str, at_entry: bool = False) -> None:
         key = id(st)
@@ -195,7 +212,7 @@ class StepTracker(TorchDispatchMode):
         for p in self._model.parameters():
             if p.grad is not None:
                 self._add(p.grad, "grads", at_entry=True)
-        for t in state_tensors(self._optimizer):
+        for t in [*state_tensors(self._optimizer), *self._held]:
             self._add(t, "optimizer", at_entry=True)
         self._mods.register_user_hooks(self._pre_forward, self._post_forward, self._enter_block, self._leave_block)
         self._hooks = [

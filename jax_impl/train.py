@@ -233,6 +233,17 @@ def compiled_peak(compiled: jax.stages.Compiled) -> int:
     return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
+def check_regime(regime: Regime) -> None:
+    """Refuse, in one line, what the Flax loop does not train (LoRA: torch only, through peft)."""
+    if regime.lora_rank is not None:
+        raise SpecError("trainable: lora:R is not built for the Flax U-Net yet (torch_impl.train has it, via peft)")
+
+
+def step_options(regime: Regime) -> dict[str, Any]:
+    """`train_step`'s static regime arguments: the forward's compute dtype and the loss scale."""
+    return {"compute_dtype": DTYPES[regime.compute_dtype], "loss_scale": LOSS_SCALE if regime.loss_scaling else None}
+
+
 def make_step(
     cfg: TrainConfig,
     model: UNet,
@@ -251,11 +262,7 @@ def make_step(
     keeping remat's barriers, without which a plan saves nothing on CPU) and its compiled peak
     printed beside the prediction.
     """
-    regime = cfg.regime
-    scale = LOSS_SCALE if regime.loss_scaling else None
-    step_fn = functools.partial(
-        train_step, model=model, tx=tx, compute_dtype=DTYPES[regime.compute_dtype], loss_scale=scale
-    )
+    step_fn = functools.partial(train_step, model=model, tx=tx, **step_options(cfg.regime))
     compiled: list[jax.stages.Compiled] = []  # with a budget: the one executable every step runs
 
     def step(state: TrainState, index: int) -> tuple[TrainState, float]:
@@ -335,8 +342,7 @@ def train(cfg: TrainConfig) -> list[float]:
     spec = load_spec(cfg.config)
     check_objective(spec)
     plan = resolve_plan(spec, cfg.policy)  # once: a bad policy is refused here; None: the spec's own
-    if cfg.regime.lora_rank is not None:
-        raise SpecError("trainable: lora:R is not built for the Flax U-Net yet (torch_impl.train has it, via peft)")
+    check_regime(cfg.regime)
     device = device_of(jax.devices()[0].platform)  # "auto" attention: this device's (the plan profiles it too)
     cfg = replace(cfg, attention_chunk=resolve_chunk(cfg.attention_chunk, device))
     if cfg.jax_cache is not None:  # a repeated run loads its compiled steps

@@ -46,7 +46,7 @@ def damage(path: Path, fault: str) -> None:
 
 
 NOTES = {
-    "truncated": "unreadable (Unterminated string",
+    "truncated": "unreadable (",  # where the JSON breaks off decides the parser's words
     "empty": "unreadable (Expecting value",
     "edited": "damaged (its contents do not match its own SHA-256)",
     "other_schema": "profile schema 2, this version reads 3",

@@ -35,7 +35,6 @@ WORKLOAD = Workload.of("tiny", batch_size=BATCH, context_length=1)
     [
         (["--policy", "full", "--budget-mib", "100"], "argument --budget-mib: not allowed with argument --policy"),
         (["--budget-mib", "0"], "argument --budget-mib: expected a positive number of MiB, got '0'"),
-        (["--budget-mib", "100", "--precision", "bf16-mixed"], "--budget-mib: plans the default regime only"),
     ],
 )
 def test_bad_budget_flags_are_one_line(

@@ -78,6 +78,16 @@ def make_optimizer(
     return AdamW8bit(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
 
 
+def regime_tools(
+    model: nn.Module, regime: Regime, scaler: bool = True
+) -> tuple[torch.dtype | None, torch.amp.GradScaler | None, EMA | None]:
+    """`torch_impl.train.train_step`'s regime arguments for ``model``: the autocast dtype, the loss
+    scaler (``scaler=False``: none, for steps whose values cannot be read) and the EMA copy."""
+    device = next(model.parameters()).device
+    scale = loss_scaler(regime, device) if scaler else None
+    return autocast_dtype(regime), scale, EMA(trained_parameters(model)) if regime.ema else None
+
+
 class EMA:
     """A float32 exponential moving average of ``params``: ``ema = decay * ema + (1 - decay) * p``
     after each `update` (diffusers' EMAModel without its warm-up schedule)."""

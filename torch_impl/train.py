@@ -40,7 +40,7 @@ from shared_configs.training.loop import RunStart, manifest_for, open_run, run_l
 from shared_configs.training.outputs import write_outputs
 from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, current_comm, load_checkpoint, save_checkpoint
 from torch_impl.parallel import launch, wrap
-from torch_impl.regime import EMA, apply_regime, autocast_dtype, loss_scaler, make_optimizer, trained_parameters
+from torch_impl.regime import EMA, apply_regime, make_optimizer, regime_tools
 from torch_impl.unet import UNet
 
 PEAK_INSTRUMENTS = {
@@ -78,6 +78,19 @@ def train_step(
     updated after the step; a model cast to bfloat16 gets its floating inputs in bfloat16.
     Returns the loss as a Python float.
     """
+    return step_loss(model, optimizer, batch, autocast_dtype, scaler, ema).item()
+
+
+def step_loss(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    autocast_dtype: torch.dtype | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    ema: EMA | None = None,
+) -> torch.Tensor:
+    """`train_step` without reading the loss: the planner's profile runs it on fake tensors, which
+    have no values (nor can a ``GradScaler`` read one: pass none there)."""
     if (spec := model_spec(model)) is not None:
         check_conditioning(spec, batch.conditioning())
     model.train()
@@ -104,7 +117,7 @@ def train_step(
         scaler.update()
     if ema is not None:
         ema.update()
-    return loss.item()
+    return loss.detach()
 
 
 def _to(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -146,12 +159,16 @@ def build(
 
 
 @contextmanager
-def measured_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> Iterator[dict[str, int]]:
+def measured_peak(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, ema: EMA | None = None
+) -> Iterator[dict[str, int]]:
     """The peak bytes of the step run in the block (``found["peak"]`` at exit), by `PEAK_INSTRUMENTS`.
 
     On CPU the allocator keeps no statistics and a process's RSS counts pages it reused, not bytes
     live at once: PyTorch's ``MemTracker`` follows every tensor storage (the numpy batch, which the
-    step reads without allocating it, as external tensors, as the planner's profile counts it).
+    step reads without allocating it, and an EMA copy, as external tensors, as the planner's profile
+    counts them). The step runs eagerly there: compiled code (torchao's 8-bit AdamW step) cannot
+    run under a tensor-tracking mode.
     """
     found: dict[str, int] = {}
     device = next(model.parameters()).device
@@ -162,8 +179,9 @@ def measured_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
         return
     noisy, t, noise, conditioning = as_tensors(batch)
     tracker = MemTracker()
-    tracker.track_external(model, optimizer, noisy, t, noise, *(c for c in conditioning.values() if c is not None))
-    with tracker:
+    extra = [*(c for c in conditioning.values() if c is not None), *([] if ema is None else ema.shadow)]
+    tracker.track_external(model, optimizer, noisy, t, noise, *extra)
+    with torch.compiler.set_stance("force_eager"), tracker:
         yield found
     found["peak"] = int(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
 
@@ -174,7 +192,12 @@ def world_size(cfg: TrainConfig) -> int:
 
 
 def _peak_meter(
-    cfg: TrainConfig, model: UNet, optimizer: torch.optim.Optimizer, budget: RunPlan | None, first: int
+    cfg: TrainConfig,
+    model: UNet,
+    optimizer: torch.optim.Optimizer,
+    budget: RunPlan | None,
+    first: int,
+    ema: EMA | None = None,
 ) -> Callable[[int, Batch, Callable[[], float]], float]:
     """``measured(step, batch, run_step)``: runs the step; with a ``budget``, the first
     `MEASURED_STEPS` from ``first`` under `measured_peak`, then rank 0 prints their peak beside the
@@ -184,7 +207,7 @@ def _peak_meter(
     def measured(step: int, batch: Batch, run_step: Callable[[], float]) -> float:
         if budget is None or step >= first + MEASURED_STEPS:
             return run_step()
-        with measured_peak(model, optimizer, batch.shard(rank, world)) as found:
+        with measured_peak(model, optimizer, batch.shard(rank, world), ema) as found:
             loss = run_step()
         peaks.append(found["peak"])
         if rank == 0 and (len(peaks) == MEASURED_STEPS or step + 1 == cfg.steps):
@@ -252,14 +275,13 @@ def _train(
 ) -> tuple[list[float], np.ndarray | None]:
     """The steps from the run's start (resumed, its checkpoint checked first), then the samples;
     with a ``budget``, the peak of the first steps measured and printed beside its prediction."""
-    scaler = loss_scaler(cfg.regime, next(model.parameters()).device)
-    ema = EMA(trained_parameters(model)) if cfg.regime.ema else None
+    tools = regime_tools(model, cfg.regime)  # train_step's regime arguments
+    _, scaler, ema = tools
     extra = {k: v for k, v in (("scaler", scaler), ("ema", ema)) if v is not None}
-    tools = (autocast_dtype(cfg.regime), scaler, ema)  # train_step's regime arguments
     if run.checkpoint is not None:
         load_checkpoint(run.checkpoint, model, optimizer, extra)
     dataset, schedule = load_dataset(cfg.data, model.spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
-    measured = _peak_meter(cfg, model, optimizer, budget, first=len(run.losses))
+    measured = _peak_meter(cfg, model, optimizer, budget, first=len(run.losses), ema=ema)
 
     def step_fn(state: None, step: int) -> tuple[None, float]:
         batch = dataset.batch(step, cfg.batch_size, schedule, cfg.seed)

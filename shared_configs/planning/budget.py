@@ -86,6 +86,7 @@ class Profile:
     flops_per_s: float | None = None
     context_length: int = 77
     attention_chunk: int | None = None
+    regime: str = "fp32, all weights trained, adamw"  # `Regime.describe` of the step profiled
     # What FSDP shards (`per_rank`): parameters + optimizer state, the gradients, the largest block's parameters.
     static_bytes: int = 0
     grad_bytes: int = 0
@@ -271,6 +272,19 @@ def predict(profile: Profile, spec: UNetSpec, assignment: Assignment) -> Predict
         seconds += c.time_s
         flops += c.flops
     return Prediction(round(peak * profile.scale), where, seconds, flops)
+
+
+def with_static_bytes(profile: Profile, delta: int) -> Profile:
+    """``profile`` with ``delta`` more bytes alive throughout the step (a modelled optimizer state):
+    in every peak, the optimizer's and the static total."""
+    if not delta:
+        return profile
+    units = {
+        u: {c: replace(v, fwd_peak=v.fwd_peak + delta, bwd_peak=v.bwd_peak + delta) for c, v in per.items()}
+        for u, per in profile.units.items()
+    }
+    opt_peak = profile.opt_peak + delta if profile.opt_peak else 0
+    return replace(profile, units=units, opt_peak=opt_peak, static_bytes=profile.static_bytes + delta)
 
 
 DISTRIBUTED: tuple[str, ...] = ("ddp", "fsdp")

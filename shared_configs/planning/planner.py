@@ -42,12 +42,15 @@ from shared_configs.planning.budget import (
     per_rank,
     predict,
     safety_margin,
+    with_static_bytes,
 )
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, REFERENCE, measured_choice, unmeasurable
 from shared_configs.planning.recompute_time import at_stated_rates
 from shared_configs.planning.solver import Solution, solve
 from shared_configs.processes import worker_group
 from shared_configs.spec import SpecError, UNetSpec
+from shared_configs.training.regime import DEFAULT as DEFAULT_REGIME
+from shared_configs.training.regime import Regime
 from shared_configs.units import MIB
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -69,11 +72,12 @@ _DEFAULTS = defaults(DEVICE)
 
 @dataclass(frozen=True)
 class Workload:
-    """What is profiled: the spec at a sample size, the batch, the inputs, the JAX attention chunking
-    (by default those of every tool on the device, `shared_configs.defaults`)."""
+    """What is profiled: the spec at a sample size, the batch, the training regime, the inputs, the
+    JAX attention chunking (by default those of every tool on the device, `shared_configs.defaults`)."""
 
     spec: UNetSpec
     batch_size: int
+    regime: Regime = DEFAULT_REGIME  # how the step trains (precision, what is trained, optimizer, EMA)
     context_length: int = _DEFAULTS.context_length
     attention_chunk: int | None = _DEFAULTS.attention_chunk  # JAX only: queries per attention chunk; None: unchunked
     shapes: bool = False  # profile from shapes only (nothing allocated, nothing run)
@@ -92,7 +96,8 @@ class Workload:
         ``cache``: the JAX compilation cache of measured and checked steps (a profile reads XLA's
         dumps, which a cache hit would not write: it never uses it)."""
         jax = ("attention_chunk", "jax_cache")[: 1 + cache] if "jax" in frameworks else ()
-        used = replace(defaults(DEVICE), attention_chunk=self.attention_chunk, context_length=self.context_length)
+        used = replace(defaults(DEVICE), attention_chunk=self.attention_chunk, context_length=self.context_length,
+                       dtype=self.regime.compute_dtype or "float32")  # fmt: skip
         return used.describe(("dtype", "context_length", *jax))
 
     def request(self, framework: str, kind: str, **extra: Any) -> dict[str, Any]:
@@ -168,7 +173,8 @@ def get_profile(framework: str, workload: Workload, repeats: int | None = None, 
     # it and read its profile (`cached_profile` locks the entry).
     spec = workload.spec
     expect = {"framework": framework, "config": spec.name, "sample_size": spec.sample_size,
-              "batch_size": workload.batch_size, "context_length": workload.context_length}  # fmt: skip
+              "batch_size": workload.batch_size, "context_length": workload.context_length,
+              "regime": workload.regime.describe()}  # fmt: skip
     make = functools.partial(_measure_profile, framework, workload, repeats, path)
     profile = cached_profile(path, expect, make, refresh=not cache)
     if not workload.shapes:
@@ -193,16 +199,18 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
     seconds = time.perf_counter() - start
     progress(f"{framework} profile done in {seconds:.0f} s")
     fields["meta"] |= {"seconds": round(seconds, 1), "loadavg": [load, _loadavg()]}
-    return Profile.from_json(
+    profile = Profile.from_json(
         {
             "schema": SCHEMA,
             "config": workload.spec.name,
             "sample_size": workload.spec.sample_size,
             "batch_size": workload.batch_size,
             "context_length": workload.context_length,
+            "regime": workload.regime.describe(),
             **fields,
         }
     )
+    return with_static_bytes(profile, fields["meta"].get("modelled_state_bytes", 0))
 
 
 def _loadavg() -> str:

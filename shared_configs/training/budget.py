@@ -2,7 +2,7 @@
 
 `plan_run` plans for the run itself, through the planner's library call
 (`shared_configs.planning.planner.plan`): the run's spec at its sample size, the batch each rank (or
-device) trains, the one-token context the training data gives, JAX's attention chunk, the world
+device) trains, its regime, the one-token context the training data gives, JAX's attention chunk, the world
 size and ``--distributed`` mode. A resume with the budget its run was planned for keeps the run's
 own plan (its record holds the resolved policy), so the profile cache changing in between changes
 nothing. The frameworks' loops measure the peak of their first `MEASURED_STEPS` steps with their
@@ -54,10 +54,10 @@ class RunPlan:
 
 
 def workload_of(cfg: TrainConfig, spec: UNetSpec, world_size: int) -> Workload:
-    """What the run's step trains, per rank: its spec, its share of the batch, its inputs."""
+    """What the run's step trains, per rank: its spec, its share of the batch, its regime, its inputs."""
     context = TRAIN_CONTEXT_LENGTH if spec.cross_attention_dim is not None else Workload.context_length
     chunk = resolve_chunk(cfg.attention_chunk, DEVICE)  # jax_impl.train resolved "auto" on its device already
-    return Workload(spec, cfg.batch_size // world_size, context_length=context, attention_chunk=chunk)
+    return Workload(spec, cfg.batch_size // world_size, cfg.regime, context_length=context, attention_chunk=chunk)
 
 
 def plan_run(

@@ -28,7 +28,7 @@ from shared_configs.training.data import DATASETS
 from shared_configs.training.ddpm import SCHEDULES, make_schedule
 from shared_configs.training.manifest import CheckpointWriteError
 from shared_configs.training.preemption import Stopped, exit_status, resume_command
-from shared_configs.training.regime import DEFAULT, Regime, add_regime_arguments, regime_of
+from shared_configs.training.regime import Regime, add_regime_arguments
 
 
 @dataclass(frozen=True)
@@ -142,9 +142,6 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
         make_schedule(args.schedule, args.timesteps)
     except ValueError as err:
         p.error(f"--{err}")
-    if args.budget_mib is not None and regime_of(args) != DEFAULT:
-        p.error(f"--budget-mib: plans the default regime only ({DEFAULT.describe()}; the planner profiles no "
-                f"other yet); got {regime_of(args).describe()}")  # fmt: skip
     return TrainConfig(**vars(args))
 
 

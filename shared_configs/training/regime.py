@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from shared_configs.spec import SpecError
@@ -90,6 +90,41 @@ class Regime:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def profiled(self) -> Regime:
+        """The regime a planner's step runs in: adamw8bit's is AdamW's, its state bytes modelled
+        (`state_bytes`): torchao's compiled 8-bit step runs under no tensor-tracking mode, and JAX
+        has no 8-bit AdamW at all."""
+        return replace(self, optimizer="adamw") if self.optimizer == "adamw8bit" else self
+
+
+# torchao's AdamW8bit (and bitsandbytes'): a tensor of at least this many values, a whole number of
+# blocks, keeps each moment as uint8 codes with a float32 scale per block and a 256-entry float32
+# code map; smaller tensors keep them in the parameter's dtype.
+QUANTIZED_MIN, BLOCK, QMAP_BYTES = 4096, 256, 256 * 4
+STATE_MODEL = "adamw8bit state modelled from torchao's layout (the step profiled with AdamW)"
+
+
+def state_bytes(optimizer: str, numels: list[int], itemsize: int) -> int:
+    """AdamW's or AdamW8bit's moment bytes for trained tensors of ``numels`` values of ``itemsize``."""
+    if optimizer == "adamw":
+        return 2 * itemsize * sum(numels)
+    if optimizer != "adamw8bit":
+        raise ValueError(f"optimizer: state bytes are modelled for adamw and adamw8bit, not {optimizer!r}")
+
+    def moment(n: int) -> int:
+        quantized = n >= QUANTIZED_MIN and n % BLOCK == 0
+        return n + 4 * (n // BLOCK) + QMAP_BYTES if quantized else itemsize * n
+
+    return 2 * sum(moment(n) for n in numels)
+
+
+def modelled_state_delta(regime: Regime, numels: list[int], itemsize: int) -> int:
+    """Bytes ``regime``'s optimizer state holds beyond those of the regime it was profiled in."""
+    if regime.profiled == regime:
+        return 0
+    return state_bytes(regime.optimizer, numels, itemsize) - state_bytes(regime.profiled.optimizer, numels, itemsize)
 
 
 DEFAULT = Regime()

@@ -1,0 +1,162 @@
+"""What fine-tuning Stable Diffusion's U-Nets needs, predicted from shapes: ``python -m benchmarks.estimates``.
+
+For each preset (`sd15` at 64x64 latents, `sd21` at 96x96, `sdxl` at 128x128), batch and training
+regime, the shapes-only planner (PyTorch's step on fake tensors: nothing allocated, nothing run;
+CPU kernels choose the attention a GPU runs too, fused, no N x N probabilities kept) predicts the
+peak of the plain step, of diffusers-style checkpointing (`layers`: every ResNet and transformer
+layer, as diffusers' ``enable_gradient_checkpointing()``), and the planner's plan at each budget
+with its predicted step-time cost (FLOPs at the stated rates, not a measurement). The table is
+written as JSON and Markdown into ``--out``. Profiles are cached (`shared_configs.planning.planner`),
+so a second run only solves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import atomic_write, write_json
+from shared_configs.cli import OneLineParser, cli_errors, positive_int, stopping
+from shared_configs.planning.planner import Workload, plan, predict_policy, progress
+from shared_configs.planning.solver import Infeasible
+from shared_configs.spec import SpecError
+from shared_configs.training.regime import Regime
+from shared_configs.units import MIB
+
+GIB = 1024 * MIB
+CONFIGS = ("sd15", "sd21", "sdxl")  # each at its own sample size (64, 96, 128)
+BATCHES = (1, 2, 4, 8)
+BUDGETS_GIB = (12, 16, 24, 40, 80)
+# The regimes of the table, by the name its rows use.
+REGIMES: dict[str, Regime] = {
+    "fp32": Regime(),
+    "bf16-mixed": Regime("bf16-mixed"),
+    "bf16-mixed+lora:8": Regime("bf16-mixed", "lora:8"),
+    "bf16-mixed+adamw8bit": Regime("bf16-mixed", optimizer="adamw8bit"),
+    "bf16-mixed+adafactor": Regime("bf16-mixed", optimizer="adafactor"),
+}
+DEFAULT_REGIMES = ("fp32", "bf16-mixed", "bf16-mixed+lora:8", "bf16-mixed+adamw8bit")
+DIFFUSERS_STYLE = "layers"
+
+
+def _entry(workload: Workload, policy: str) -> dict[str, Any]:
+    sol, profiles = predict_policy(workload, policy, "torch")
+    pred, profile = sol.predictions[0], profiles[0]
+    return {"peak_bytes": pred.peak_bytes, "overhead": pred.overhead(profile)}
+
+
+def _planned(workload: Workload, budget: int, none_peak: int) -> dict[str, Any]:
+    if none_peak <= budget:
+        return {"policy": "none", "peak_bytes": none_peak, "overhead": 0.0}
+    try:
+        found = plan(workload, budget, "torch")
+    except Infeasible as err:
+        return {"policy": None, "why": str(err)}
+    pred = found.solution.predictions[0]
+    return {"policy": found.policy, "peak_bytes": pred.peak_bytes, "overhead": pred.overhead(found.profiles[0])}
+
+
+def row(config: str, batch: int, regime_name: str, budgets_gib: tuple[float, ...]) -> dict[str, Any]:
+    """One line of the table: ``config`` at its own sample size, ``batch``, the named regime."""
+    workload = Workload.of(config, batch_size=batch, regime=REGIMES[regime_name], shapes=True)
+    none = _entry(workload, "none")
+    return {
+        "config": config,
+        "sample_size": workload.spec.sample_size,
+        "batch_size": batch,
+        "regime": regime_name,
+        "none": none,
+        "diffusers_style": _entry(workload, DIFFUSERS_STYLE),
+        "plans": {f"{gib:g}": _planned(workload, int(gib * GIB), none["peak_bytes"]) for gib in budgets_gib},
+    }
+
+
+def _gib(entry: dict[str, Any]) -> str:
+    return f"{entry['peak_bytes'] / GIB:.1f}"
+
+
+def _cell(entry: dict[str, Any]) -> str:
+    if entry["policy"] is None:
+        return "does not fit"
+    if entry["policy"] == "none":
+        return f"none fits ({_gib(entry)})"
+    return f"{_gib(entry)} GiB, {100 * entry['overhead']:+.0f}%"
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The table: peaks in GiB, costs as predicted step-time overhead over the plain step."""
+    budgets = list(doc["budgets_gib"])
+    head = ["config", "batch", "regime", "none GiB", "diffusers-style GiB (cost)",
+            *(f"plan @ {b:g} GiB" for b in budgets)]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in doc["rows"]:
+        ds = r["diffusers_style"]
+        plans = [_cell(r["plans"][f"{b:g}"]) for b in budgets]
+        cells = [f"{r['config']} {r['sample_size']}²", str(r["batch_size"]), r["regime"], _gib(r["none"]),
+                 f"{_gib(ds)} ({100 * ds['overhead']:+.0f}%)", *plans]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + doc["method"] + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m benchmarks.estimates", description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", type=_names(None), default=list(CONFIGS), help="presets (default: sd15,sd21,sdxl)")
+    p.add_argument("--batches", type=_ints, default=list(BATCHES), help="batch sizes (default: 1,2,4,8)")
+    p.add_argument("--regimes", type=_names(REGIMES), default=list(DEFAULT_REGIMES),
+                   help=f"regimes, from {', '.join(REGIMES)} (default: {','.join(DEFAULT_REGIMES)})")  # fmt: skip
+    p.add_argument("--budgets-gib", type=_ints, default=list(BUDGETS_GIB), help="budgets, GiB (default 12,16,24,40,80)")
+    p.add_argument("--out", type=Path, default=Path("estimates"), help="folder for estimates.json and estimates.md")
+    return p
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [positive_int(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
+    return values
+
+
+def _names(allowed: dict[str, Any] | None) -> Any:
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        unknown = [n for n in names if allowed is not None and n not in allowed]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(f"expected names from {', '.join(allowed or [])}, got {text!r}")
+        return names
+
+    return parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with cli_errors("benchmarks.estimates"), stopping("nothing written (profiles made stay cached)"):
+        rows, start = [], time.perf_counter()
+        cases = [(c, b, r) for c in args.configs for b in args.batches for r in args.regimes]
+        for i, (config, batch, regime) in enumerate(cases, start=1):
+            progress(f"estimates {i}/{len(cases)}: {config}, batch {batch}, {regime}")
+            try:
+                rows.append(row(config, batch, regime, tuple(args.budgets_gib)))
+            except SpecError as err:
+                raise SpecError(f"{config}, batch {batch}, {regime}: {err}") from None
+        doc = {
+            "budgets_gib": args.budgets_gib,
+            "rows": rows,
+            "seconds": round(time.perf_counter() - start, 1),
+            "method": "Predicted by `python -m benchmarks.estimates` (PyTorch's step on fake tensors; peaks of live "
+            "tensors, step-time cost from recompute FLOPs at 100 TFLOP/s and elementwise bytes at 2 TB/s; "
+            "adamw8bit's state modelled from torchao's layout). Plans are checked below the budget on fake tensors.",
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_json(args.out / "estimates.json", doc)
+        atomic_write(args.out / "estimates.md", markdown(doc).encode())
+        print(markdown(doc))
+        print(f"wrote {args.out / 'estimates.json'}, {args.out / 'estimates.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
