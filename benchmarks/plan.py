@@ -5,6 +5,7 @@
     python -m benchmarks.plan --config small --sample-size 32 --batch-size 4 --sweep out/ --verify
     python -m benchmarks.plan --config sd15 --sample-size 64 --batch-size 8 --budget-mib 24576 --shapes
     python -m benchmarks.plan --config sd15 --sample-size 64 --batch-size 8 --policy layers --shapes
+    python -m benchmarks.plan --diffusers path/to/unet --batch-size 4 --budget-mib 8192 --precision bf16-mixed --trainable lora:8
 
 Prints the plan as the policy string `UNet.enable_gradient_checkpointing` and
 `jax_impl.UNet(policy=...)` accept (and a spec's ``checkpoint:`` YAML line), its predicted peak
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import plan_sweep
+from benchmarks.common import load_benchmark_spec
 from benchmarks.report import write_json
 from benchmarks.stepclock import paired, paired_text
 from shared_configs import SpecError
@@ -76,7 +78,12 @@ def _ratios(text: str) -> list[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m benchmarks.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="a preset name (small, sd15, ...) or a spec YAML path")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="a preset name (small, sd15, ...) or a spec YAML path")
+    source.add_argument("--diffusers", metavar="PATH|REPO_ID",
+                        help="a diffusers UNet2D(Condition)Model folder, a pipeline folder with unet/, or a repo id in "
+                        "the local Hugging Face cache: plan for its config (torch_impl.apply_plan applies the plan "
+                        "to that model)")  # fmt: skip
     p.add_argument("--sample-size", type=positive_int, help="the side of the (latent) image (default: the spec's)")
     p.add_argument("--batch-size", type=positive_int, required=True, help="the training batch")
     p.add_argument("--budget-mib", type=positive_mib, help="the step's memory budget, MiB (required but for --sweep)")
@@ -263,8 +270,9 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
 
 def workload_of(args: argparse.Namespace) -> Workload:
     """The workload the flags describe (the attention chunk resolved on the workers' device)."""
+    source = ("diffusers", args.diffusers) if args.diffusers else ("spec", args.config)
     return Workload.of(
-        args.config,
+        load_benchmark_spec(source[1], None, source[0]),
         args.sample_size,
         batch_size=args.batch_size,
         context_length=args.context_length,

@@ -372,3 +372,41 @@ def test_policy_verify_measures_it_beside_none(cache: dict, monkeypatch: pytest.
     assert asked == [["none", "full"]]
     entry = doc["frameworks"]["torch"]
     assert (entry["measured_peak_bytes"], entry["measured_overhead"]) == (7 * MIB, pytest.approx(0.5))
+
+
+def test_plan_for_a_diffusers_folder_and_a_cached_repo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--diffusers`` plans for the model's own config (read from its folder, or from the Hugging
+    Face cache by repo id, a pipeline's unet/ found in either), for both frameworks, in a regime."""
+    from shared_configs.diffusers.folders import find_folder
+    from tests.test_diffusers_cache import _cache_repo
+    from tests.utils import variant
+    from torch_impl.unet import UNet
+
+    ours = variant("sd_linear_proj")  # a spec diffusers' classes can express
+    UNet(ours).save_diffusers(tmp_path / "pipe" / "unet")
+    hub = tmp_path / "hf" / "hub"
+    _cache_repo(hub, "org/tiny-pipe", tmp_path / "pipe" / "unet")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    spec = cli.workload_of(cli.build_parser().parse_args(["--diffusers", str(tmp_path / "pipe"), "--batch-size", "2"]))
+    assert spec.spec.model_dump(exclude={"name", "checkpoint"}) == ours.model_dump(exclude={"name", "checkpoint"})
+    regime = ["--precision", "bf16-mixed", "--trainable", "lora:8"]
+    profiles = {}
+    for seed, fw in enumerate(("torch", "jax")):
+        work = dataclasses.replace(spec, regime=planner.Regime("bf16-mixed", "lora:8"))
+        profiles[fw] = dataclasses.replace(random_profile(spec.spec, seed, framework=fw), regime=work.regime.describe())
+        path = profile_path(fw, work)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profiles[fw].save(path)
+    for source in (str(tmp_path / "pipe"), "org/tiny-pipe"):
+        assert find_folder(source).root.name == "unet"
+        out = tmp_path / "plan.json"
+        argv = ["--diffusers", source, "--batch-size", "2", "--policy", "layers", "--framework", "both", *regime]
+        assert cli.main([*argv, "--json", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        assert doc["regime"]["trainable"] == "lora:8"
+        for fw, entry in doc["frameworks"].items():
+            assert entry["predicted_peak_bytes"] == predict(profiles[fw], spec.spec, assignment_of(spec.spec, "layers")).peak_bytes
+    assert "bf16-mixed, lora:8, adamw" in capsys.readouterr().out

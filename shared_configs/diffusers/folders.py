@@ -111,8 +111,8 @@ def find_folder(
         root = _from_cache(str(source), subfolder, revision)
     elif subfolder is not None:
         root = root / subfolder
-    elif not (root / "config.json").is_file() and (root / "unet" / "config.json").is_file():
-        root = root / "unet"
+    if subfolder is None and not (root / "config.json").is_file() and (root / "unet" / "config.json").is_file():
+        root = root / "unet"  # a pipeline folder (or a cached pipeline repo): its U-Net
     if not root.exists():
         raise FileNotFoundError(f"{root}: no config.json (no such folder)")
     if not (root / "config.json").is_file():

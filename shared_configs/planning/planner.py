@@ -50,7 +50,7 @@ from shared_configs.planning.solver import Solution, solve
 from shared_configs.processes import worker_group
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.regime import DEFAULT as DEFAULT_REGIME
-from shared_configs.training.regime import Regime
+from shared_configs.training.regime import Regime, check_planned
 from shared_configs.units import MIB
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -167,6 +167,7 @@ def profile_path(framework: str, workload: Workload, repeats: int | None = None)
 
 def get_profile(framework: str, workload: Workload, repeats: int | None = None, cache: bool = True) -> Profile:
     """The profile of ``workload`` in ``framework``: from the cache, or measured (and cached)."""
+    check_planned(workload.regime, framework, DEVICE)
     repeats = PROFILE_REPEATS[framework] if repeats is None else repeats
     path = profile_path(framework, workload, repeats)
     # One process measures; the others (the ranks of one training run, two plans at once) wait for

@@ -99,6 +99,18 @@ class Regime:
         return replace(self, optimizer="adamw") if self.optimizer == "adamw8bit" else self
 
 
+def check_planned(regime: Regime, framework: str, device: str = "cpu") -> None:
+    """Refuse, in one line and before any worker starts, a regime ``framework`` cannot profile."""
+    if framework != "jax":
+        return
+    if regime.lora_rank is not None:
+        raise SpecError(f"trainable: {regime.trainable} is not built for the Flax U-Net yet; plan it with "
+                        "--framework torch (peft's adapters)")  # fmt: skip
+    if regime.precision == "fp16-mixed" and device == "cpu":
+        raise SpecError("precision: fp16-mixed has no XLA:CPU matmul (dot_general F16_F16_F32 is not supported on "
+                        "CPU); use bf16-mixed, or --framework torch")  # fmt: skip
+
+
 # torchao's AdamW8bit (and bitsandbytes'): a tensor of at least this many values, a whole number of
 # blocks, keeps each moment as uint8 codes with a float32 scale per block and a 256-entry float32
 # code map; smaller tensors keep them in the parameter's dtype.
