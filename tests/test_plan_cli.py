@@ -392,10 +392,10 @@ def test_plan_for_a_diffusers_folder_and_a_cached_repo(
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     spec = cli.workload_of(cli.build_parser().parse_args(["--diffusers", str(tmp_path / "pipe"), "--batch-size", "2"]))
     assert spec.spec.model_dump(exclude={"name", "checkpoint"}) == ours.model_dump(exclude={"name", "checkpoint"})
-    regime = ["--precision", "bf16-mixed", "--trainable", "lora:8"]
+    regime = ["--precision", "bf16-mixed", "--optimizer", "adafactor"]
     profiles = {}
     for seed, fw in enumerate(("torch", "jax")):
-        work = dataclasses.replace(spec, regime=planner.Regime("bf16-mixed", "lora:8"))
+        work = dataclasses.replace(spec, regime=planner.Regime("bf16-mixed", optimizer="adafactor"))
         profiles[fw] = dataclasses.replace(random_profile(spec.spec, seed, framework=fw), regime=work.regime.describe())
         path = profile_path(fw, work)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -406,7 +406,7 @@ def test_plan_for_a_diffusers_folder_and_a_cached_repo(
         argv = ["--diffusers", source, "--batch-size", "2", "--policy", "layers", "--framework", "both", *regime]
         assert cli.main([*argv, "--json", str(out)]) == 0
         doc = json.loads(out.read_text())
-        assert doc["regime"]["trainable"] == "lora:8"
+        assert doc["regime"]["optimizer"] == "adafactor"
         for fw, entry in doc["frameworks"].items():
             assert entry["predicted_peak_bytes"] == predict(profiles[fw], spec.spec, assignment_of(spec.spec, "layers")).peak_bytes
-    assert "bf16-mixed, lora:8, adamw" in capsys.readouterr().out
+    assert "bf16-mixed, all weights trained, adafactor" in capsys.readouterr().out
