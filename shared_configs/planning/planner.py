@@ -193,8 +193,9 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
     load, start = _loadavg(), time.perf_counter()
     spec = workload.spec
     how = "from shapes" if workload.shapes else f"{repeats} timed steps each"
+    kind = "compiled" if framework == "jax" else "traced"
     progress(f"profiling {spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size} in "
-             f"{framework} ({workload.used((framework,), cache=False)}; 5 compiled steps, {how}; "
+             f"{framework} ({workload.used((framework,), cache=False)}; 5 {kind} steps, {how}; "
              f"cached in {path.parent}) ...")  # fmt: skip
     fields = run_worker(workload.request(framework, "profile", repeats=repeats))
     seconds = time.perf_counter() - start

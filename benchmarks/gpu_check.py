@@ -1,0 +1,141 @@
+"""The GPU check, one command: ``python -m benchmarks.gpu_check --out DIR``.
+
+On a CUDA machine, in at most ~8 minutes (each step has its own time limit, and a step over it is
+stopped and reported, the others still run):
+
+1. the default benchmark, ``python -m benchmarks.compare --framework both`` (GPU);
+2. a planner sweep with ``--verify`` on `small` 32x32 batch 4 (the planner's workers profile and
+   measure on the CPU, as everywhere);
+3. the estimates table for `sd15` at batch 1-4 (`benchmarks.estimates`, from shapes);
+4. `sd15` at 64x64, batch 1, 2 and 4, measured on the GPU: `none`, `layers` (diffusers-style) and
+   `full`, float32 and bfloat16 mixed precision, beside step 3's predictions.
+
+It writes ``DIR/gpu_check.md`` (every step's command, exit status, seconds and output) and
+``DIR/gpu_check.json``; each step's own files go under ``DIR/<step>/``. Without CUDA it runs the
+same steps on `tiny` with small settings (what the tests run).
+
+A GPU machine may hold PyTorch, JAX, Flax, optax, orbax and peft but not pydantic or diffusers,
+and may have no network. Bring them as wheels, made on a machine with one::
+
+    pip download pydantic diffusers rich einops -d wheels/          # their dependencies come along
+    # on the GPU machine, in the repository root:
+    pip install --no-index --find-links wheels/ pydantic diffusers rich einops
+    pip install --no-deps -e .
+    python -m benchmarks.gpu_check --out gpu_results
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import atomic_write, write_json
+from shared_configs.cli import OneLineParser, cli_errors, stopping
+from shared_configs.processes import stop_group, worker_group
+from shared_configs.units import MIB
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TAIL = 6000  # characters of each step's output kept in the report
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    argv: list[str]
+    limit_s: int
+
+
+# name, module, arguments, limit in seconds; OUT/name is each step's folder.
+GPU_SD15 = "--config sd15 --sample-size 64 --batch-size 1 2 4 --policies layers,full --steps 3 --timeline off"
+GPU_STEPS = (
+    ("compare", "benchmarks.compare", "--framework both", 150),
+    ("sweep", "benchmarks.plan", "--config small --sample-size 32 --batch-size 4 --verify --budgets 3 --sweep", 150),
+    ("estimates", "benchmarks.estimates", "--configs sd15 --batches 1,2,3,4 "
+     "--regimes fp32,bf16-mixed,bf16-mixed+lora:8", 60),
+    ("measured", "benchmarks.compare", f"{GPU_SD15} --framework torch --device gpu", 60),
+    ("measured_bf16", "benchmarks.compare", f"{GPU_SD15} --framework torch --device gpu --dtype bfloat16", 60),
+)  # fmt: skip
+TINY = "--config tiny --batch-size 2"
+CPU_STEPS = (
+    ("compare", "benchmarks.compare", f"--framework both {TINY} --policies full --steps 1 --timeline off", 300),
+    ("sweep", "benchmarks.plan", f"{TINY} --verify --budgets 2 --steps 1 --sweep", 400),
+    ("estimates", "benchmarks.estimates", "--configs tiny --batches 1,2 --regimes fp32,bf16-mixed --budgets-gib 1",
+     200),
+    ("measured", "benchmarks.compare", f"--framework torch {TINY} --policies layers --steps 1 --timeline off", 200),
+)
+
+
+def steps(cuda: bool, out: Path) -> list[Step]:
+    """The check's commands: the GPU's (``cuda``) or the same ones on `tiny`, small, for the CPU."""
+    table = GPU_STEPS if cuda else CPU_STEPS
+    # the sweep's folder follows its --sweep flag; the others take --out
+    return [
+        Step(name, [sys.executable, "-m", module, *args.split(), *([] if args.endswith("--sweep") else ["--out"]),
+                    str(out / name)], limit)
+        for name, module, args, limit in table
+    ]  # fmt: skip
+
+
+def run_step(step: Step) -> dict[str, Any]:
+    """Run ``step`` (stopped at its limit), its output kept."""
+    start = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    print(f"gpu_check: {step.name} (up to {step.limit_s} s): {' '.join(step.argv[2:])}", file=sys.stderr, flush=True)
+    with worker_group(step.argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                      text=True) as proc:  # fmt: skip
+        try:
+            output, rc = proc.communicate(timeout=step.limit_s)[0], proc.returncode
+        except subprocess.TimeoutExpired:
+            stop_group(proc)
+            output, rc = proc.communicate()[0] + f"\n(stopped at its {step.limit_s} s limit)", None
+    seconds = round(time.perf_counter() - start, 1)
+    return {"name": step.name, "command": " ".join(step.argv[1:]), "rc": rc, "seconds": seconds,
+            "output": output[-TAIL:]}  # fmt: skip
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = [f"# GPU check: {doc['device']}", "", f"{doc['seconds']:.0f} s in all.", ""]
+    for r in doc["steps"]:
+        status = "stopped at its limit" if r["rc"] is None else f"exit {r['rc']}"
+        lines += [f"## {r['name']}: {status}, {r['seconds']:.0f} s", "", f"`python {r['command']}`", "",
+                  "```", r["output"].rstrip(), "```", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def device() -> tuple[bool, str]:
+    """Whether CUDA is here, and the device in words (asked in a child: this process stays torch-free)."""
+    code = ("import torch; ok = torch.cuda.is_available(); "
+            "print(ok, torch.cuda.get_device_name(0) if ok else 'CPU', "
+            "torch.cuda.get_device_properties(0).total_memory if ok else 0)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    ok, total = out[0] == "True", int(out[-1])
+    return ok, " ".join(out[1:-1]) + (f", {total / MIB / 1024:.0f} GiB" if ok else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("gpu_check"), help="the folder for the report (%(default)s)")
+    p.add_argument("--cpu", action="store_true", help="the small CPU version even where CUDA is present")
+    args = p.parse_args(argv)
+    with cli_errors("benchmarks.gpu_check"), stopping("the steps finished so far are not written"):
+        cuda, name = device()
+        cuda = cuda and not args.cpu
+        args.out.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        results = [run_step(s) for s in steps(cuda, args.out)]
+        doc = {"device": name if cuda else "CPU (tiny)", "seconds": round(time.perf_counter() - start, 1),
+               "steps": results}  # fmt: skip
+        write_json(args.out / "gpu_check.json", doc)
+        atomic_write(args.out / "gpu_check.md", markdown(doc).encode())
+        failed = [r["name"] for r in results if r["rc"] != 0]
+        print(f"wrote {args.out / 'gpu_check.md'}; " + (f"failed: {', '.join(failed)}" if failed else "every step ran"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
