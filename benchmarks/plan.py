@@ -5,7 +5,7 @@
     python -m benchmarks.plan --config small --sample-size 32 --batch-size 4 --sweep out/ --verify
     python -m benchmarks.plan --config sd15 --sample-size 64 --batch-size 8 --budget-mib 24576 --shapes
     python -m benchmarks.plan --config sd15 --sample-size 64 --batch-size 8 --policy layers --shapes
-    python -m benchmarks.plan --diffusers path/to/unet --batch-size 4 --budget-mib 8192 --precision bf16-mixed --trainable lora:8
+    python -m benchmarks.plan --diffusers path/to/unet --batch-size 4 --budget-mib 8192 --trainable lora:8
 
 Prints the plan as the policy string `UNet.enable_gradient_checkpointing` and
 `jax_impl.UNet(policy=...)` accept (and a spec's ``checkpoint:`` YAML line), its predicted peak

@@ -54,7 +54,7 @@ FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes"
 
 def unet(s: dict[str, Any], policy: str) -> UNet:
     """The model the profile's steps train under ``policy``."""
-    return UNet(spec=s["spec"], policy=policy, attention_chunk=s["chunk"])
+    return UNet(spec=s["spec"], policy=policy, attention_chunk=s["chunk"], lora_rank=s["regime"].lora_rank)
 
 
 def setup(
@@ -63,7 +63,7 @@ def setup(
     """The step's arguments in ``regime``: real arrays (``run``) or shapes only, and the optimizer."""
     jt.check_regime(regime)
     tx = jt.make_optimizer(1e-4, 0.0, regime)
-    model = unet({"spec": spec, "chunk": chunk}, "none")
+    model = unet({"spec": spec, "chunk": chunk, "regime": regime}, "none")
     init = functools.partial(jt.init_state, model, tx, 0, regime)
     # Shapes only: the state's abstract tree; else the training loop's own init (compiled fast:
     # the values only seed the timing runs).
@@ -123,14 +123,17 @@ def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
     params = nbytes(state.params)
     block = max(nbytes(state.params[b.replace(".", "_")]) for b in block_names(s["spec"]))
     static = params + nbytes(state.opt_state) + nbytes(state.ema)  # ema: None (no leaves) without one
-    return {"static_bytes": static, "grad_bytes": params, "block_param_bytes": block}
+    trained = jax.tree.leaves(jax.tree.map(lambda x, t: x if t else None, state.params,
+                                           jt.trained_mask(state.params, s["regime"])))  # fmt: skip
+    return {"static_bytes": static, "grad_bytes": nbytes(trained), "block_param_bytes": block}
 
 
 def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
     """For a regime profiled in another (`Regime.profiled`): the state bytes it holds beyond it."""
     if regime.profiled == regime:
         return {}
-    leaves = jax.tree.leaves(s["args"][0].params)
+    params = s["args"][0].params
+    leaves = jax.tree.leaves(jax.tree.map(lambda x, t: x if t else None, params, jt.trained_mask(params, s["regime"])))
     numels = [int(np.prod(x.shape)) for x in leaves]
     delta = modelled_state_delta(regime, numels, np.dtype(leaves[0].dtype).itemsize)
     return {"modelled_state_bytes": delta, "modelled": STATE_MODEL}

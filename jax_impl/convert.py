@@ -42,14 +42,16 @@ COUNTER = "num_batches_tracked"
 EMBEDDING = "embedding"  # nn.Embed's table, (rows, width) as torch's nn.Embedding weight
 
 
-def torch_to_flax(state_dict: Mapping[str, Any], spec: UNetSpec) -> dict:
+def torch_to_flax(state_dict: Mapping[str, Any], spec: UNetSpec, lora_rank: int | None = None) -> dict:
     """A torch `state_dict` (tensors or arrays) -> Flax ``params`` for ``jax_impl.UNet(spec)``.
 
     BatchNorm buffers are not parameters and are left out (`torch_to_flax_variables` keeps them);
-    a parameter-only mapping (e.g. gradients by ``named_parameters``) converts too.
+    a parameter-only mapping (e.g. gradients by ``named_parameters``) converts too. ``lora_rank``:
+    the model carries peft's adapters (``to_q.base_layer.weight``, ``to_q.lora_A.default.weight``),
+    for ``jax_impl.UNet(spec, lora_rank=R)`` (``to_q/kernel``, ``to_q/lora_A/kernel``).
     """
     params, stats = _split(state_dict, _embeddings(spec))
-    _check_tree(params, spec)
+    _check_tree(params, spec, lora_rank=lora_rank)
     if stats:
         _check_tree(stats, spec, "batch_stats")
     return traverse_util.unflatten_dict(params)
@@ -134,10 +136,17 @@ def _torch_name(modules: list[str]) -> str:
     return ".".join(_LIST_RE.sub(r"\1.\2", m) for m in modules)
 
 
+# peft's wrapping names: ``to_q.base_layer.weight`` is the plain ``to_q.weight``, ``lora_A.default``
+# the adapter named "default" (the one adapter this project adds).
+PEFT_PARTS = ("base_layer", "default")
+
+
 def _torch_path(key: str) -> list[str]:
     """``down.1.resnets.0.conv1.weight`` -> ``[down_1, resnets_0, conv1, weight]``."""
     parts: list[str] = []
     for part in key.split("."):
+        if part in PEFT_PARTS:
+            continue
         if part.isdigit():
             parts[-1] = f"{parts[-1]}_{part}"
         else:
@@ -175,11 +184,12 @@ def _to_torch_layout(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _check_tree(flat: Mapping[tuple[str, ...], Any], spec: UNetSpec, collection: str = "params") -> None:
+def _check_tree(
+    flat: Mapping[tuple[str, ...], Any], spec: UNetSpec, collection: str = "params", lora_rank: int | None = None
+) -> None:
     """Raise a one-line error unless ``flat`` has exactly the paths and shapes the spec implies."""
-    expected = {
-        k: tuple(v.shape) for k, v in traverse_util.flatten_dict(_variable_shapes(spec).get(collection, {})).items()
-    }
+    tree = _variable_shapes(spec, lora_rank).get(collection, {})
+    expected = {k: tuple(v.shape) for k, v in traverse_util.flatten_dict(tree).items()}
     got = {k: tuple(np.shape(v)) for k, v in flat.items()}
     missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
     where = "" if collection == "params" else f"{collection} "
@@ -219,13 +229,13 @@ def param_shapes(spec: UNetSpec) -> dict:
 
 
 @functools.lru_cache(maxsize=16)
-def _variable_shapes(spec: UNetSpec) -> dict:
+def _variable_shapes(spec: UNetSpec, lora_rank: int | None = None) -> dict:
     """All Flax variable collections of ``spec`` (params, batch_stats) as shape structs.
 
     Cached per (frozen, hashable) spec: each conversion checks against it, once or twice.
     """
     from jax_impl.unet import UNet, abstract_inputs
 
-    model = UNet(spec=spec)
+    model = UNet(spec=spec, lora_rank=lora_rank)
     rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
     return jax.eval_shape(model.init, rngs, **abstract_inputs(spec))

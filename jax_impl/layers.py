@@ -55,6 +55,34 @@ class Dense(nn.Dense):
         return checkpoint_name(super().__call__(inputs), "matmul")
 
 
+class LoRADense(nn.Module):
+    """A Dense layer with a rank-``rank`` LoRA adapter, as peft's ``lora.Linear`` with ``lora_alpha``
+    equal to the rank: ``x @ kernel + bias + (x @ lora_A) @ lora_B``. The base ``kernel``/``bias``
+    keep the plain Dense's names (the same converted weights); ``lora_B`` starts at zero, so the
+    outputs do not change until it trains. Output tagged ``"matmul"``."""
+
+    features: int
+    rank: int
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
+        y = jnp.matmul(x, kernel)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,))
+        # peft's init: A as torch's Linear default (uniform, bound 1/sqrt(fan_in)), B zero
+        a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
+        low = nn.Dense(self.rank, use_bias=False, kernel_init=a_init, name="lora_A")(x)
+        y = y + nn.Dense(self.features, use_bias=False, kernel_init=nn.initializers.zeros_init(), name="lora_B")(low)
+        return checkpoint_name(y, "matmul")
+
+
+def projection(lora_rank: int | None) -> Callable[..., nn.Module]:
+    """The attention projections' layer: `Dense`, or `LoRADense` of that rank."""
+    return Dense if lora_rank is None else functools.partial(LoRADense, rank=lora_rank)
+
+
 class GroupNorm(nn.GroupNorm):
     """`nn.GroupNorm` with its output tagged ``"norm"``."""
 
@@ -225,12 +253,13 @@ class SelfAttention(nn.Module):
     scale: float | None
     output_scale: float = 1.0
     query_chunk: int | None = None  # see `attention`
+    lora_rank: int | None = None  # LoRA adapters on q/k/v/out (`LoRADense`)
 
     def setup(self) -> None:
         self.group_norm = group_norm(self.groups, self.eps) if self.groups else None
-        inner = self.heads * self.head_dim
-        self.to_q, self.to_k, self.to_v = (Dense(inner) for _ in range(3))
-        self.to_out = Dense(self.ch)
+        inner, dense = self.heads * self.head_dim, projection(self.lora_rank)
+        self.to_q, self.to_k, self.to_v = (dense(inner) for _ in range(3))
+        self.to_out = dense(self.ch)
 
     def __call__(self, x: Array, context: Array | None = None) -> Array:
         del context  # same call signature as Transformer2D; plain self-attention ignores it
@@ -248,13 +277,15 @@ class CrossAttention(nn.Module):
     heads: int
     scale: float | None
     query_chunk: int | None = None  # see `attention`
+    lora_rank: int | None = None  # LoRA adapters on q/k/v/out (`LoRADense`)
 
     def setup(self) -> None:
         # No bias on q/k/v, as torch; the key/value input width is inferred from ``context``.
-        self.to_q = Dense(self.dim, use_bias=False)
-        self.to_k = Dense(self.dim, use_bias=False)
-        self.to_v = Dense(self.dim, use_bias=False)
-        self.to_out = Dense(self.dim)
+        dense = projection(self.lora_rank)
+        self.to_q = dense(self.dim, use_bias=False)
+        self.to_k = dense(self.dim, use_bias=False)
+        self.to_v = dense(self.dim, use_bias=False)
+        self.to_out = dense(self.dim)
 
     def __call__(self, x: Array, context: Array | None = None) -> Array:
         ctx = x if context is None else context
@@ -305,9 +336,10 @@ class TransformerBlock(nn.Module):
     scale: float | None
     context_dim: int | None
     query_chunk: int | None = None  # see `attention`
+    lora_rank: int | None = None
 
     def setup(self) -> None:
-        attn = functools.partial(CrossAttention, self.dim, self.heads, self.scale, self.query_chunk)
+        attn = functools.partial(CrossAttention, self.dim, self.heads, self.scale, self.query_chunk, self.lora_rank)
         self.norm1 = layer_norm(self.eps)
         self.attn1 = attn()
         self.norm2 = layer_norm(self.eps) if self.context_dim else None
@@ -339,6 +371,7 @@ class Transformer2D(nn.Module):
     context_dim: int | None
     linear_projection: bool
     query_chunk: int | None = None  # see `attention`
+    lora_rank: int | None = None  # LoRA adapters on every attention's q/k/v/out
 
     def setup(self) -> None:
         # A 1x1 conv and a Dense compute the same map in NHWC, but torch keeps 4-D conv weights
@@ -348,7 +381,9 @@ class Transformer2D(nn.Module):
         self.norm = group_norm(self.groups, self.norm_eps)
         self.proj_in = project(inner)
         self.transformer_blocks = [
-            TransformerBlock(inner, self.heads, self.ln_eps, self.scale, self.context_dim, self.query_chunk)
+            TransformerBlock(
+                inner, self.heads, self.ln_eps, self.scale, self.context_dim, self.query_chunk, self.lora_rank
+            )
             for _ in range(self.depth)
         ]
         self.proj_out = project(self.ch)

@@ -51,7 +51,7 @@ from shared_configs.training.data import CONDITIONING, Batch, Dataset, check_con
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
-from shared_configs.training.regime import DEFAULT, Regime
+from shared_configs.training.regime import DEFAULT, Regime, check_planned
 
 # (noisy, t, noise, context, class_labels, text_embeds, time_ids): the conditioning in the forward's
 # order (`shared_configs.training.data.CONDITIONING`), None where the spec takes none of it.
@@ -84,7 +84,13 @@ class TrainState:
         if regime.param_dtype != "float32":
             params = cast_floating(params, DTYPES[regime.param_dtype])
         # A copy: params already in float32 would otherwise share their buffers (donated twice).
-        ema = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True), params) if regime.ema else None
+        # Under LoRA only the adapters are averaged; a frozen weight holds an empty array.
+        trained = trained_mask(params, regime)
+        ema = (
+            jax.tree.map(lambda a, t: jnp.array(a if t else a[:0], jnp.float32, copy=True), params, trained)
+            if regime.ema
+            else None
+        )
         return cls(params, tx.init(params), variables.get("batch_stats", {}), ema)
 
     def variables(self) -> dict[str, Any]:
@@ -108,7 +114,26 @@ def make_optimizer(lr: float, weight_decay: float, regime: Regime = DEFAULT) -> 
         tx = optax.adafactor(lr, weight_decay_rate=weight_decay or None)
     else:
         tx = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+    if regime.lora_rank is not None:  # the adapters train; the rest gets no update and no state
+        labels = functools.partial(_labels, regime=regime)
+        tx = optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
     return optax.apply_if_finite(tx, max_consecutive_errors=10) if regime.loss_scaling else tx
+
+
+LORA_LEAVES = ("lora_A", "lora_B")
+
+
+def trained_mask(params: Any, regime: Regime = DEFAULT) -> Any:
+    """True for each parameter ``regime`` trains: all, or under LoRA the adapters' (`LoRADense`)."""
+    if regime.lora_rank is None:
+        return jax.tree.map(lambda _: True, params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: any(getattr(k, "key", None) in LORA_LEAVES for k in path), params
+    )
+
+
+def _labels(params: Any, regime: Regime) -> Any:
+    return jax.tree.map(lambda t: "trained" if t else "frozen", trained_mask(params, regime))
 
 
 def arrays(batch: Batch) -> Arrays:
@@ -205,8 +230,9 @@ def train_step(
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     ema = state.ema
-    if ema is not None:
-        ema = jax.tree.map(lambda e, p: e + (1.0 - EMA_DECAY) * (p.astype(jnp.float32) - e), ema, params)
+    if ema is not None:  # an empty leaf: a frozen weight (LoRA), not averaged
+        ema = jax.tree.map(lambda e, p: e if e.size == 0 else e + (1.0 - EMA_DECAY) * (p.astype(jnp.float32) - e),
+                           ema, params)  # fmt: skip
     return TrainState(params, opt_state, batch_stats, ema), loss
 
 
@@ -234,9 +260,8 @@ def compiled_peak(compiled: jax.stages.Compiled) -> int:
 
 
 def check_regime(regime: Regime) -> None:
-    """Refuse, in one line, what the Flax loop does not train (LoRA: torch only, through peft)."""
-    if regime.lora_rank is not None:
-        raise SpecError("trainable: lora:R is not built for the Flax U-Net yet (torch_impl.train has it, via peft)")
+    """Refuse, in one line, a regime the Flax loop cannot train on this machine."""
+    check_planned(regime, "jax", device_of(jax.devices()[0].platform))
 
 
 def step_options(regime: Regime) -> dict[str, Any]:
@@ -354,7 +379,8 @@ def train(cfg: TrainConfig) -> list[float]:
             budget = plan_run(cfg, spec, "jax", mesh.size if mesh else 1, run.manifest and run.manifest.run)
             cfg, plan = replace(cfg, policy=budget.policy), resolve_plan(spec, budget.policy)  # recorded
             report(budget.plan_line("jax"))
-        model, policy = UNet(spec=spec, policy=plan, attention_chunk=cfg.attention_chunk), plan.policy
+        model, policy = UNet(spec=spec, policy=plan, attention_chunk=cfg.attention_chunk,
+                             lora_rank=cfg.regime.lora_rank), plan.policy
         tx = make_optimizer(cfg.lr, cfg.weight_decay, cfg.regime)
         state = start_state(model, tx, cfg, run, mesh)
         dataset, schedule = load_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)

@@ -74,11 +74,15 @@ class UNet(nn.Module):
             recomputed in the backward (`jax_impl.attention`): on XLA:CPU, whose attention is
             unfused, it keeps the (tokens x tokens) scores out of memory. Same parameters and
             outputs; ``None`` is off.
+        lora_rank: rank-R LoRA adapters (`jax_impl.layers.LoRADense`) on every attention's query,
+            key, value and output projection, as torch's ``lora:R`` regime adds them through peft;
+            ``jax_impl.train.make_optimizer`` then trains only them.
     """
 
     spec: UNetSpec | str
     policy: PolicyArg = None
     attention_chunk: int | None = None
+    lora_rank: int | None = None
 
     @property
     def resolved_spec(self) -> UNetSpec:
@@ -160,7 +164,9 @@ class UNet(nn.Module):
         if kind == "none":
             return None
         args = attention_args(self.resolved_spec, kind, level, block, output_scale)
-        return functools.partial(ATTENTION[kind], **kwargs(args), query_chunk=self.attention_chunk)
+        return functools.partial(
+            ATTENTION[kind], **kwargs(args), query_chunk=self.attention_chunk, lora_rank=self.lora_rank
+        )
 
     def __call__(
         self,

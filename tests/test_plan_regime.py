@@ -88,12 +88,12 @@ def test_adamw8bit_state_model_matches_torchao() -> None:
 
 @pytest.mark.slow
 def test_jax_profile_in_a_regime_predicts_the_compiled_peak() -> None:
-    """JAX in bfloat16 mixed precision with Adafactor and an EMA copy: the profile (XLA's live
-    ranges) predicts the compiled step's ``memory_analysis()`` peak within 5% (float16 has no
-    XLA:CPU matmul kernel)."""
+    """JAX in bfloat16 mixed precision, LoRA adapters on a frozen base, Adafactor and an EMA copy:
+    the profile (XLA's live ranges) predicts the compiled step's ``memory_analysis()`` peak within
+    5% (float16 has no XLA:CPU matmul kernel)."""
     from benchmarks import profile_jax
 
-    regime = Regime("bf16-mixed", optimizer="adafactor", ema=True)
+    regime = Regime("bf16-mixed", "lora:8", "adafactor", ema=True)
     fields = profile_jax.profile(SPEC, BATCH, CONTEXT, shapes=True, repeats=0, attention_chunk=None, regime=regime)
     profile = _profile(fields, regime)
     policies = ["none", "full", "layers"]

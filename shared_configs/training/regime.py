@@ -100,12 +100,10 @@ class Regime:
 
 
 def check_planned(regime: Regime, framework: str, device: str = "cpu") -> None:
-    """Refuse, in one line and before any worker starts, a regime ``framework`` cannot profile."""
+    """Refuse, in one line (and in the planner before any worker starts), a regime ``framework``
+    cannot run on ``device``."""
     if framework != "jax":
         return
-    if regime.lora_rank is not None:
-        raise SpecError(f"trainable: {regime.trainable} is not built for the Flax U-Net yet; plan it with "
-                        "--framework torch (peft's adapters)")  # fmt: skip
     if regime.precision == "fp16-mixed" and device == "cpu":
         raise SpecError("precision: fp16-mixed has no XLA:CPU matmul (dot_general F16_F16_F32 is not supported on "
                         "CPU); use bf16-mixed, or --framework torch")  # fmt: skip
