@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 import warnings
+from pathlib import Path
 from typing import Any
 
 import diffusers
+import numpy as np
 import pytest
 import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
@@ -25,7 +27,7 @@ from shared_configs.training.data import example_batch
 from tests.utils import count_flops, rel_err, variant
 from torch_impl import UNet, apply_plan, remove_plan
 from torch_impl.checkpointing import checkpointed_names
-from torch_impl.diffusers_plan import diffusers_path
+from torch_impl.diffusers_plan import diffusers_path, diffusers_spec
 from torch_impl.train import as_tensors, make_optimizer, train_step
 
 CONTEXT = 8  # cross-attention tokens
@@ -211,3 +213,32 @@ def test_peak_equals_our_unets_under_the_same_plan(name: str, batch_size: int, p
     for policy, (mine, theirs_peak) in peaks.items():
         assert abs(theirs_peak / mine - 1) <= 0.03, (policy, peaks)
         assert policy == "none" or mine < peaks["none"][0], (policy, peaks)  # the plan really saves memory
+
+
+@pytest.mark.slow
+def test_the_diffusers_lora_example_plans_and_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/examples/finetune_diffusers_lora.py end to end on sd_narrow's diffusers model (16x16):
+    from a pipeline folder, LoRA through peft, a budget between the regime's `full` and `none`
+    peaks, bf16 autocast; the plan it applies recomputes something and the loss is finite."""
+    import importlib.util
+
+    from shared_configs.planning.planner import CACHE_ENV, Workload, predict_policy
+    from shared_configs.training.regime import Regime
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    _, theirs = _pair(SPECS["sd_narrow"]())
+    theirs.save_pretrained(tmp_path / "pipe" / "unet")
+    work = Workload(diffusers_spec(theirs), 2, Regime("bf16-mixed", "lora:4"))  # the example's own workload
+    none, full = (predict_policy(work, p)[0].predictions[0].peak_bytes for p in ("none", "full"))
+    assert full < none
+    path = Path(__file__).parents[1] / "docs" / "examples" / "finetune_diffusers_lora.py"
+    example = importlib.util.module_from_spec(importlib.util.spec_from_file_location("example", path))
+    example.__spec__.loader.exec_module(example)
+    budget_mib = (none + full) / 2 / (1 << 20)
+    argv = [str(tmp_path / "pipe"), "--budget-mib", str(budget_mib), "--batch-size", "2", "--steps", "2", "--rank", "4"]
+    losses = example.main(argv)
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    policy = capsys.readouterr().out.split("MiB: ")[1].splitlines()[0]
+    assert policy != "none"

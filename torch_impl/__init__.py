@@ -1,12 +1,31 @@
 """PyTorch U-Net built from a shared spec, with per-block gradient checkpointing, and the planner's
 call for it: ``plan_for_budget(spec, batch_size, budget_bytes, sample_size=None, ...)`` returns the
 policy string of the cheapest plan whose torch step fits the budget. ``apply_plan(model, plan)`` /
-``remove_plan(model)`` put a plan on diffusers' own U-Nets too (`torch_impl.diffusers_plan`)."""
+``remove_plan(model)`` put a plan on diffusers' own U-Nets too (`torch_impl.diffusers_plan`), and
+``plan_for_budget`` takes such a model in place of a spec: a diffusers training script gains a plan
+in two lines::
+
+    policy = torch_impl.plan_for_budget(unet, 4, 20 << 30, regime=Regime("bf16-mixed", "lora:8"))
+    torch_impl.apply_plan(unet, policy)
+"""
+
+from typing import Any
+
+from torch import nn
 
 from shared_configs.planning.planner import for_framework
-from torch_impl.diffusers_plan import apply_plan, remove_plan
+from torch_impl.diffusers_plan import apply_plan, diffusers_spec, remove_plan
 from torch_impl.unet import UNet
 
-plan_for_budget = for_framework("torch")
+_plan_for_budget = for_framework("torch")
+
+
+def plan_for_budget(spec: Any, batch_size: int, budget_bytes: int, sample_size: int | None = None, **kw: Any) -> str:
+    """`shared_configs.planning.planner.plan_for_budget` for the torch step; ``spec``: a spec, a
+    preset name, a spec file, our `UNet`, or a live diffusers ``UNet2D(Condition)Model`` (its config)."""
+    if isinstance(spec, nn.Module):
+        spec = spec.spec if isinstance(spec, UNet) else diffusers_spec(spec)
+    return _plan_for_budget(spec, batch_size, budget_bytes, sample_size, **kw)
+
 
 __all__ = ["UNet", "apply_plan", "plan_for_budget", "remove_plan"]
