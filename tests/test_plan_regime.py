@@ -108,3 +108,16 @@ def test_the_regime_keys_the_profile_cache() -> None:
     assert len(paths) == 1 + len(REGIMES)
     request = Workload(SPEC, BATCH, REGIMES["lora"]).request("torch", "profile")
     assert request["regime"] == {"precision": "bf16-mixed", "trainable": "lora:8", "optimizer": "adamw", "ema": False}
+
+
+def test_a_regime_jax_cannot_run_here_is_refused_before_any_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float16 compute on XLA:CPU (no float16 matmul kernel): one line, no worker started; torch plans it."""
+    from shared_configs.planning import planner
+    from shared_configs.spec import SpecError
+
+    monkeypatch.setattr(planner, "run_worker", lambda request: pytest.fail(f"a worker was started: {request['kind']}"))
+    work = Workload(SPEC, BATCH, Regime("fp16-mixed"), shapes=True)
+    with pytest.raises(SpecError, match=r"^precision: fp16-mixed has no XLA:CPU matmul .*use bf16-mixed"):
+        planner.predict_policy(work, "full", "jax")
+    with pytest.raises(SpecError, match="precision: fp16-mixed"):
+        planner.plan(work, 1 << 30, "both")

@@ -244,6 +244,14 @@ def measure(
     return rows
 
 
+def checked_frameworks(framework: str, workload: Workload) -> tuple[str, ...]:
+    """`frameworks_of`, each checked to run ``workload``'s regime here before any worker starts."""
+    frameworks = frameworks_of(framework)
+    for fw in frameworks:
+        check_planned(workload.regime, fw, DEVICE)
+    return frameworks
+
+
 CHECKS = 4  # checks of a plan's peak before giving up on fitting it
 CHECK_HOW = {"jax": "compiling the step", "torch": "a step of fake tensors"}
 
@@ -328,7 +336,7 @@ def plan(
     the hand policies that fit are measured, racing for up to ``rounds`` rounds, and the fastest
     that fits is returned (`shared_configs.planning.candidates`): minutes, where the default is
     seconds. ``Planned.candidates`` is then the report."""
-    frameworks = frameworks_of(framework)
+    frameworks = checked_frameworks(framework, workload)
     measured = [get_profile(fw, workload) for fw in frameworks]
     # The margin comes from the one-process profile: its runs are what was measured.
     margin = max(safety_margin(p, workload.spec) for p in measured)
@@ -358,7 +366,7 @@ def predict_policy(
 ) -> tuple[Solution, list[Profile]]:
     """What the profiles `plan` solves on predict of a given ``policy`` (any form `resolve_plan`
     takes), per framework: no solving, no check. A bad policy is refused before any profiling."""
-    frameworks = frameworks_of(framework)
+    frameworks = checked_frameworks(framework, workload)
     assignment = assignment_of(workload.spec, policy)
     profiles = [per_rank(get_profile(fw, workload), world_size, distributed) for fw in frameworks]
     predictions = tuple(predict(p, workload.spec, assignment) for p in profiles)
