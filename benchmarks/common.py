@@ -25,6 +25,7 @@ from shared_configs.diffusers.folders import find_folder
 from shared_configs.planning.planner import REPO_ROOT, XLA_CPU_FLAG
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.data import Batch
+from shared_configs.training.regime import Regime
 
 FRAMEWORKS: tuple[str, ...] = ("torch", "jax")  # what --framework both runs
 # diffusers' own U-Net (torch), with its enable_gradient_checkpointing() (the baseline ours replace)
@@ -47,7 +48,7 @@ class Job:
     policies: tuple[str, ...]
     batch_sizes: tuple[int, ...]
     steps: int
-    dtype: str
+    precision: str  # the training regime (`shared_configs.training.regime.Regime`): its precision ...
     device: str
     context_length: int
     source: str = "spec"  # "spec" or "diffusers"
@@ -59,6 +60,13 @@ class Job:
     jax_cache: str | None = None  # jax: the persistent compilation cache folder (None: off)
     world_size: int = 1  # ranks: torch FSDP2 processes / jax devices, each with a batch of batch_size
     done: tuple[tuple[str, int], ...] = field(default=())  # rows already reported, skipped
+    trainable: str = "all"  # ... what it trains, its optimizer, an EMA copy
+    optimizer: str = "adamw"
+    ema: bool = False
+
+    @property
+    def regime(self) -> Regime:
+        return Regime(self.precision, self.trainable, self.optimizer, self.ema)
 
     def rows(self) -> list[tuple[str, int]]:
         return [(p, b) for b in self.batch_sizes for p in self.policies if (p, b) not in self.done]

@@ -44,6 +44,7 @@ from benchmarks.runner import Event, run_job
 from shared_configs import NAMED_POLICIES, SpecError, UNetSpec, resolve_plan, to_diffusers_config
 from shared_configs.cli import Interrupted, OneLineParser, cache_dir, check_out_dir, cli_errors, positive_int
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults
+from shared_configs.training.regime import add_regime_arguments, regime_of
 
 DEFAULT_CONFIG = "sd_narrow"  # activation-dominated, as diffusion training is (docs/benchmark.md)
 DEFAULT_POLICIES = "none,full,layers"
@@ -149,13 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rank 0's peak and parts, and the largest peak over the ranks (default: 1, no sharding)",
     )
     p.add_argument("--steps", type=positive_int, default=d.steps, help="timed steps after warm-up (%(default)s)")
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16"],
-        default=d.dtype,
-        help="the forward's compute dtype, as the training loops' --dtype: bfloat16 is mixed precision "
-        "(float32 parameters, gradients and optimizer state) (default: %(default)s)",
-    )
+    add_regime_arguments(p)  # the training loops' regime: precision, what is trained, optimizer, EMA
     p.add_argument(
         "--device",
         choices=["auto", "cpu", "gpu"],
@@ -210,7 +205,7 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
         "sample_size": spec.sample_size,
         "batch_sizes": batch_sizes,
         "steps": args.steps,
-        "dtype": args.dtype,
+        **regime_of(args).as_dict(),
         "device": device,
         "context_length": args.context_length,
         "world_size": args.world_size,
@@ -305,7 +300,8 @@ def build_document(
             **{k: v for e in envs.values() for k, v in e["versions"].items()},
         },
         "git_sha": git_sha(),
-        "dtype": args.dtype,
+        "dtype": regime_of(args).compute_dtype or "float32",
+        "regime": regime_of(args).as_dict(),
         "settings": {k: v for k, v in asdict(jobs[0]).items() if k not in ("framework", "done", "policies")}
         | {
             "policies": {job.framework: list(job.policies) for job in jobs},

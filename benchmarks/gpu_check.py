@@ -58,7 +58,7 @@ GPU_STEPS = (
     ("estimates", "benchmarks.estimates", "--configs sd15 --batches 1,2,3,4 "
      "--regimes fp32,bf16-mixed,bf16-mixed+lora:8", 60),
     ("measured", "benchmarks.compare", f"{GPU_SD15} --framework torch --device gpu", 60),
-    ("measured_bf16", "benchmarks.compare", f"{GPU_SD15} --framework torch --device gpu --dtype bfloat16", 60),
+    ("measured_bf16", "benchmarks.compare", f"{GPU_SD15} --framework torch --device gpu --precision bf16-mixed", 60),
 )  # fmt: skip
 TINY = "--config tiny --batch-size 2"
 CPU_STEPS = (

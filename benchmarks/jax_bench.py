@@ -38,7 +38,9 @@ from jax_impl import UNet
 from jax_impl import train as jt
 from jax_impl.parallel import make_mesh, shard, state_shardings
 from shared_configs.defaults import device_of, resolve_chunk
+from shared_configs.spec import SpecError
 from shared_configs.training.data import example_batch
+from shared_configs.training.regime import Regime
 
 SEED = 0
 # init_state compiled: the forward pass is dead code (only variables are returned); what is left is a
@@ -82,13 +84,13 @@ def prepare(job: Job, device: jax.Device) -> None:
     if job.jax_cache is not None:
         jax.config.update("jax_compilation_cache_dir", job.jax_cache)
     if job.source == "diffusers":  # its weights first: if they do not fit, no row can run
-        _initial_state(job.config, job.sample_size, job.source)
+        _initial_state(job.config, job.sample_size, job.source, job.regime)
     rows = job.rows()[:1] if one_row_per_process(device) else job.rows()
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="compile")
     for policy, batch_size in rows:
         _PENDING[(policy, batch_size)] = pool.submit(_compile, job, policy, batch_size, device)
     if not (job.peak_only and not _on_gpu(device)):
-        _BACKGROUND.append(pool.submit(_initial_state, job.config, job.sample_size, job.source))
+        _BACKGROUND.append(pool.submit(_initial_state, job.config, job.sample_size, job.source, job.regime))
     _BACKGROUND.extend(_PENDING.values())
     pool.shutdown(wait=False)
 
@@ -121,18 +123,22 @@ def memory_method(device: jax.Device, attention_chunk: int | None) -> str:
 
 
 @functools.cache
-def _initial_state(config: str, sample_size: int | None, source: str) -> Any:
+def _initial_state(config: str, sample_size: int | None, source: str, regime: Regime) -> Any:
     """The TrainState every row starts from, on the host (each row donates its device copy):
-    `jax_impl.train.init_state` (seed 0) or a diffusers folder's weights. The same for every
-    policy: the parameter tree does not depend on the plan."""
-    tx = jt.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay)
+    `jax_impl.train.init_state` (seed 0) or a diffusers folder's weights, in ``regime``. The same
+    for every policy: the parameter tree does not depend on the plan."""
+    jt.check_regime(regime)
+    tx = jt.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay, regime)
     if source == "diffusers":
         from jax_impl.diffusers_io import from_diffusers
 
-        state = jt.TrainState.create({"params": from_diffusers(config)[1]}, tx)
+        if regime.lora_rank is not None:
+            raise SpecError("trainable: lora:R on a diffusers folder is measured in torch only (--framework torch)")
+        state = jt.TrainState.create({"params": from_diffusers(config)[1]}, tx, regime)
     else:
         spec = load_benchmark_spec(config, sample_size)
-        init = functools.partial(jt.init_state, UNet(spec=spec, policy="none"), tx, SEED)
+        model = UNet(spec=spec, policy="none", lora_rank=regime.lora_rank)
+        init = functools.partial(jt.init_state, model, tx, SEED, regime)
         state = jax.jit(init, compiler_options=FAST_INIT)()
     return jax.tree.map(np.asarray, state)
 
@@ -144,9 +150,11 @@ def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[s
     it (`jax_impl.parallel.state_shardings`, as ``--distributed fsdp`` trains) and a global batch of
     N x ``batch_size`` split along it; ``rank_batch`` is one device's part, unplaced."""
     spec = job_spec(job)
-    model = UNet(spec=spec, policy=policy_arg(policy), attention_chunk=attention_chunk(job, device))
-    tx = jt.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay)
-    state, mesh = _abstract_state(spec, tx), None
+    regime = job.regime
+    model = UNet(spec=spec, policy=policy_arg(policy), attention_chunk=attention_chunk(job, device),
+                 lora_rank=regime.lora_rank)  # fmt: skip
+    tx = jt.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay, regime)
+    state, mesh = _abstract_state(spec, tx, regime), None
     rank_batch = jt.arrays(example_batch(spec, batch_size, job.context_length))
     if job.world_size == 1:
         batch = jax.device_put(rank_batch, device)
@@ -156,7 +164,6 @@ def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[s
         state = jax.tree.map(lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p), state, placement)
         whole = jt.arrays(example_batch(spec, job.world_size * batch_size, job.context_length))
         batch = shard(mesh, {}, whole, "fsdp")[1]
-    dtype = jt.DTYPES[job.dtype]
     key = jax.random.key(2)
     return {
         "model": model,
@@ -164,22 +171,24 @@ def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[s
         "state": state,
         "batch": batch,
         "key": key,
-        "dtype": dtype,
+        "options": jt.step_options(regime),  # the step's compute dtype and loss scale
+        "dtype": jt.step_options(regime)["compute_dtype"],
         "mesh": mesh,
         "rank_batch": rank_batch,
     }
 
 
 @functools.cache
-def _abstract_state(spec: Any, tx: Any) -> Any:
+def _abstract_state(spec: Any, tx: Any, regime: Regime) -> Any:
     """The TrainState's shapes and dtypes (traced once: the same for every policy and batch)."""
-    return jax.eval_shape(lambda: jt.init_state(UNet(spec=spec, policy="none"), tx, SEED))
+    model = UNet(spec=spec, policy="none", lora_rank=regime.lora_rank)
+    return jax.eval_shape(lambda: jt.init_state(model, tx, SEED, regime))
 
 
 def _compile(job: Job, policy: str, batch_size: int, device: jax.Device) -> tuple[dict[str, Any], Any, Any, Any]:
     """(setup, lowered, compiled, XLA's memory plan) of one row's step, compile seconds in setup."""
     s = _setup(job, policy, batch_size, device)
-    static = {"model": s["model"], "tx": s["tx"], "compute_dtype": s["dtype"]}
+    static = {"model": s["model"], "tx": s["tx"], **s["options"]}
     t0 = time.perf_counter()
     lowered = jt.train_step.lower(s["state"], s["batch"], s["key"], **static)
     s["lower_s"] = time.perf_counter() - t0
@@ -289,7 +298,7 @@ def measure(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[
     if job.xla_default and not _on_gpu(device):
         row.update(_xla_default(lowered, row))
     if not (job.peak_only and not _on_gpu(device)):  # on CPU the peak is the compiled step's: no run needed
-        initial = _initial_state(job.config, job.sample_size, job.source)
+        initial = _initial_state(job.config, job.sample_size, job.source, job.regime)
         s["state"] = jax.device_put(initial, device) if s["mesh"] is None else shard(s["mesh"], initial, (), "fsdp")[0]
         row["saved_bytes"] = _saved_bytes({**s, "batch": s["rank_batch"]})  # one rank's residuals
         first, samples = _run_steps(s, compiled, 0 if job.peak_only else job.steps)

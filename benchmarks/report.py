@@ -14,6 +14,7 @@ from rich.table import Table
 from benchmarks.common import CATEGORIES
 from shared_configs.defaults import Defaults, resolve_chunk
 from shared_configs.files import atomic_write
+from shared_configs.training.regime import DEFAULT, Regime
 from shared_configs.units import MIB
 
 Row = dict[str, Any]
@@ -232,8 +233,16 @@ def used(document: dict[str, Any]) -> str:
     JAX device when JAX ran: the attention chunk is resolved there)."""
     s, devices = document["settings"], document["device"]
     kind = devices.get("jax", next((d for fw, d in devices.items() if fw != "requested"), {"kind": "cpu"}))["kind"]
-    fields = {k: s[k] for k in ("dtype", "context_length", "steps", "jax_cache") if k in s}
-    return "settings " + Defaults(kind, resolve_chunk(s["attention_chunk"], kind), **fields).describe()
+    fields = {k: s[k] for k in ("context_length", "steps", "jax_cache") if k in s}
+    if "precision" in s:  # the forward's dtype, from the regime (older documents: "dtype")
+        fields["dtype"] = Regime(s["precision"]).compute_dtype or "float32"
+    elif "dtype" in s:
+        fields["dtype"] = s["dtype"]
+    line = "settings " + Defaults(kind, resolve_chunk(s["attention_chunk"], kind), **fields).describe()
+    regime = Regime(s["precision"], s["trainable"], s["optimizer"], s["ema"]) if "precision" in s else DEFAULT
+    if regime != DEFAULT:
+        line += "; regime " + regime.describe()
+    return line
 
 
 def notes(document: dict[str, Any]) -> list[str]:

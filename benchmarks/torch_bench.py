@@ -39,9 +39,10 @@ from benchmarks.torch_memory import (
     StepTracker,
     memtracker,
 )
+from shared_configs.training.regime import DEFAULT, LORA_TARGETS, Regime
 from torch_impl import UNet
 from torch_impl.flops import register_cpu_attention_flops
-from torch_impl.regime import DTYPE, make_optimizer
+from torch_impl.regime import DIFFUSERS_LORA_TARGETS, apply_regime, make_optimizer, regime_tools
 from torch_impl.train import train_step
 
 Builder = Callable[[Job, Any, str], torch.nn.Module]
@@ -90,11 +91,14 @@ def memory_method(device: torch.device, world_size: int = 1) -> str:
 def static_floor(job: Job) -> dict[str, int]:
     """What every step's peak holds at least, from parameter shapes alone (the model built on the
     meta device: no memory, no weights read): float32 parameters and buffers, and AdamW's two
-    moments per parameter."""
+    moments per parameter; in another regime the weights alone, in its weight dtype (a frozen base
+    or another optimizer holds less state)."""
     with torch.device("meta"):
         model = UNet(job_spec(job))
     params = sum(p.numel() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    if job.regime != DEFAULT:
+        return {"param_count": params, "floor_bytes": 2 * params if job.precision == "bf16" else 4 * params}
     return {"param_count": params, "floor_bytes": 3 * 4 * params + buffers}
 
 
@@ -111,6 +115,11 @@ def build(job: Job, spec: Any, policy: str) -> torch.nn.Module:
     model = our_unet(job, spec)
     model.enable_gradient_checkpointing(policy_arg(policy))
     return model
+
+
+def in_regime(model: torch.nn.Module, regime: Regime) -> torch.nn.Module:
+    """``model`` with ``regime``'s adapters (on the projections of our U-Net or diffusers') and casts."""
+    return apply_regime(model, regime, LORA_TARGETS if isinstance(model, UNet) else DIFFUSERS_LORA_TARGETS)
 
 
 def _sync(device: torch.device) -> None:
@@ -139,26 +148,35 @@ def counted_step(step: Callable[[], Any], device: torch.device) -> tuple[float, 
 
 
 def memory_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], Any], device: torch.device, batch: Any
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: Callable[[], Any],
+    device: torch.device,
+    batch: Any,
+    held: list[torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """One step under the memory instruments: the peak, its parts and timeline; on CPU also the
     allocator's peak and PyTorch's MemTracker (the check), all watching the same step.
 
     The numpy batch is host memory the step reads: part of the peak on CPU; on a GPU the step's
-    copies of it are device memory made in the forward (counted as activations).
+    copies of it are device memory made in the forward (counted as activations). ``held``: other
+    training state alive throughout (an EMA copy). The step runs eagerly: compiled code (torchao's
+    8-bit AdamW step) cannot run under a tensor-tracking mode.
     """
+    held = held or []
     saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
-    tracker = StepTracker(model, optimizer, batch_bytes(batch) if device.type == "cpu" else 0)
+    tracker = StepTracker(model, optimizer, batch_bytes(batch) if device.type == "cpu" else 0, held)
+    eager = torch.compiler.set_stance("force_eager")
     if device.type == "cuda":
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
-        with tracker, saved:
+        with eager, tracker, saved:
             step()
         _sync(device)
         allocator_peak, check = torch.cuda.max_memory_allocated(device), {}
     else:
-        stand_ins = [torch.from_numpy(a) for a in step_arrays(batch)]
-        with AllocatorPeak() as allocator, memtracker(model, optimizer, stand_ins) as check, tracker, saved:
+        stand_ins = [torch.from_numpy(a) for a in step_arrays(batch)] + held
+        with eager, AllocatorPeak() as allocator, memtracker(model, optimizer, stand_ins) as check, tracker, saved:
             step()
         # The allocator's events show the blocks the step allocates, not the frees of older ones:
         # its peak sits on what persists (parameters, optimizer state, the batch), unless the step's
@@ -187,13 +205,16 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
     """Every measured figure of one (policy, batch size) row of the model ``build`` makes."""
     spec = job_spec(job)
     # The plan first, then FSDP2 (--world-size), as the training loop orders them.
-    model = torch_ranks.shard(job, build(job, spec, policy).to(device))
-    optimizer = make_optimizer(model, OPTIMIZER.lr, OPTIMIZER.weight_decay)  # after sharding: over the shards
+    # The regime's adapters and casts, then FSDP2; the optimizer after sharding: over the shards.
+    model = torch_ranks.shard(job, in_regime(build(job, spec, policy), job.regime).to(device))
+    optimizer = make_optimizer(model, OPTIMIZER.lr, OPTIMIZER.weight_decay, job.regime)
     batch = torch_ranks.rank_batch(spec, batch_size, job)
-    step = functools.partial(train_step, model, optimizer, batch, None if job.dtype == "float32" else DTYPE[job.dtype])
+    tools = regime_tools(model, job.regime)
+    step = functools.partial(train_step, model, optimizer, batch, *tools)
+    held = [] if tools[2] is None else tools[2].shadow
     # warm-up: makes the optimizer state (and the gradients the next step's zero_grad frees)
     first, flops = (timed_steps(step, device, 1)[0], None) if job.peak_only else counted_step(step, device)
-    row: dict[str, Any] = {"flops": flops, **memory_step(model, optimizer, step, device, batch)}
+    row: dict[str, Any] = {"flops": flops, **memory_step(model, optimizer, step, device, batch, held)}
     if policy not in job.timeline:
         row.pop("timeline")
     if not job.peak_only:

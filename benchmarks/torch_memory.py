@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_map_only
 from benchmarks.common import CATEGORIES, OUTSIDE, block_of
 from benchmarks.memory_timeline import timeline
 from torch_impl.checkpointing import observe_saves
+from torch_impl.train import skip_frozen_grad_hooks
 
 TRACKER_METHOD = (
     "live tensor storages over the step (TorchDispatchMode), kinds as MemTracker's: made in the forward or a "
@@ -298,6 +299,7 @@ def memtracker(
     """
     tracker = MemTracker()
     tracker.track_external(model, optimizer, *inputs)
+    skip_frozen_grad_hooks(tracker, model)
     found: dict[str, Any] = {}
     with tracker:
         yield found

@@ -153,7 +153,7 @@ class _FakeBackend:
     ],
 )
 def test_worker_classifies_failures(error: BaseException | None, status: str) -> None:
-    job = Job("torch", "tiny", None, ("none",), (1,), 1, "float32", "cpu", 4)
+    job = Job("torch", "tiny", None, ("none",), (1,), 1, "fp32", "cpu", 4)
     row = run_row(_FakeBackend(error), job, "none", 1, None)  # type: ignore[arg-type]
     assert row["status"] == status and row["framework"] == "torch" and row["batch_size"] == 1
 
@@ -283,3 +283,23 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path: Path, monkeypatch: pyt
     monkeypatch.undo()
     report.write_json(target, {"rows": [1, 2, 3]})
     assert json.loads(target.read_text()) == {"rows": [1, 2, 3]}
+
+
+@pytest.mark.slow
+def test_compare_measures_a_training_regime(tmp_path: Path) -> None:
+    """The benchmark in the loops' regime (bf16 autocast, peft LoRA on a frozen base, an EMA copy):
+    each row's step keeps less than the float32, fully trained one; the tracker agrees with
+    PyTorch's own MemTracker (frozen weights and the EMA copy included); the document says the regime."""
+    base = ["--framework", "torch", "--config", "tiny", "--batch-size", "2", "--policies", "full", "--steps", "1",
+            "--timeline", "off", "--device", "cpu"]  # fmt: skip
+    peaks = {}
+    for name, extra in {"fp32": [], "lora": ["--precision", "bf16-mixed", "--trainable", "lora:4", "--ema"]}.items():
+        proc, doc = run_compare([*base, *extra], tmp_path / name)
+        assert proc.returncode == 0, proc.stderr
+        peaks[name] = {p: r["peak_bytes"] for p, r in rows_of(doc, "torch").items()}
+        for row in doc["rows"]:
+            assert abs(row["peak_bytes"] / row["memtracker_peak_bytes"] - 1) < 0.01, (name, row["policy"])
+    assert doc["regime"] == {"precision": "bf16-mixed", "trainable": "lora:4", "optimizer": "adamw", "ema": True}
+    assert "regime bf16-mixed, lora:4, adamw, EMA" in proc.stdout
+    for policy in ("none", "full"):
+        assert peaks["lora"][policy] < peaks["fp32"][policy]

@@ -69,7 +69,7 @@ def test_a_truncated_jax_cache_entry_a_killed_worker_wrote_is_removed(tmp_path: 
     os.utime(tmp_path / "jit_old-cache", (0, 0))
     (tmp_path / "jit_cut-cache").write_bytes(entry[:100])
     (tmp_path / "jit_whole-cache").write_bytes(entry)
-    job = Job("jax", "tiny", None, ("none",), (1,), 1, "float32", "cpu", 77, jax_cache=str(tmp_path))
+    job = Job("jax", "tiny", None, ("none",), (1,), 1, "fp32", "cpu", 77, jax_cache=str(tmp_path))
     check_jax_cache(job, since=time.time() - 60)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["jit_old-cache", "jit_whole-cache"]
     assert capsys.readouterr().err == (

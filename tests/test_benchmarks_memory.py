@@ -74,7 +74,7 @@ def test_torch_rows_add_up_and_agree_with_memtracker() -> None:
     """train_step on tiny: parts add up, none negative, within 5% of MemTracker's peak (the issue's
     bar; in practice equal), never above the allocator's count; block starts in forward order."""
     spec = load_spec("tiny")
-    job = Job("torch", "tiny", None, ("none", "full"), (2,), 1, "float32", "cpu", 4, peak_only=True, timeline=("none",))
+    job = Job("torch", "tiny", None, ("none", "full"), (2,), 1, "fp32", "cpu", 4, peak_only=True, timeline=("none",))
     rows = {p: tb.measure(job, p, 2, torch.device("cpu")) for p in job.policies}
     for policy, row in rows.items():
         parts = [row[f"{kind}_bytes"] for kind in CATEGORIES]
@@ -92,7 +92,7 @@ def test_torch_rows_add_up_and_agree_with_memtracker() -> None:
 
 
 def _lowered(policy: str) -> Any:
-    job = Job("jax", "tiny", None, (policy,), (1,), 1, "float32", "cpu", 4, attention_chunk=4)
+    job = Job("jax", "tiny", None, (policy,), (1,), 1, "fp32", "cpu", 4, attention_chunk=4)
     s = jax_bench._setup(job, policy, 1, jax.devices("cpu")[0])
     return jt.train_step.lower(s["state"], s["batch"], s["key"], model=s["model"], tx=s["tx"], compute_dtype=None)
 
@@ -155,7 +155,7 @@ def test_the_default_workload_is_activation_dominated_in_both_frameworks() -> No
     """compare's default (sd_narrow, batch 8, policy none): activations + temporaries at least twice
     the static memory (parameters + optimizer state) in both frameworks; the same parameters."""
     assert (compare.DEFAULT_CONFIG, compare.DEFAULT_BATCH_SIZES) == ("sd_narrow", (8,))
-    job = Job("torch", "sd_narrow", None, ("none",), (8,), 1, "float32", "cpu", 77, peak_only=True)
+    job = Job("torch", "sd_narrow", None, ("none",), (8,), 1, "fp32", "cpu", 77, peak_only=True)
     rows = {"torch": tb.measure(job, "none", 8, torch.device("cpu"))}
     job = replace(job, framework="jax", attention_chunk="auto")
     rows["jax"] = jax_bench.measure(job, "none", 8, jax.devices("cpu")[0])  # on CPU: compiled, not run

@@ -25,6 +25,7 @@ from shared_configs.defaults import (
 from shared_configs.planning.planner import DEVICE, Workload
 from shared_configs.training.budget import workload_of
 from shared_configs.training.config import TrainConfig, parse_args, used
+from shared_configs.training.regime import regime_of
 
 SPEC = load_spec("tiny")
 
@@ -42,7 +43,8 @@ def cache_env(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytes
 
 def _benchmark(args: argparse.Namespace, device: str) -> Defaults:
     """What `benchmarks.compare` / `max_batch` run with (the JAX worker resolves the chunk on its device)."""
-    return Defaults(device, resolve_chunk(args.jax_attention_chunk, device), args.dtype, args.context_length,
+    dtype = regime_of(args).compute_dtype or "float32"  # the regime's precision sets the forward's dtype
+    return Defaults(device, resolve_chunk(args.jax_attention_chunk, device), dtype, args.context_length,
                     args.steps, args.jax_cache)  # fmt: skip
 
 

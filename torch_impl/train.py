@@ -181,9 +181,25 @@ def measured_peak(
     tracker = MemTracker()
     extra = [*(c for c in conditioning.values() if c is not None), *([] if ema is None else ema.shadow)]
     tracker.track_external(model, optimizer, noisy, t, noise, *extra)
+    skip_frozen_grad_hooks(tracker, model)
     with torch.compiler.set_stance("force_eager"), tracker:
         yield found
     found["peak"] = int(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def skip_frozen_grad_hooks(tracker: MemTracker, model: torch.nn.Module) -> None:
+    """Let ``MemTracker`` watch a model with frozen weights (LoRA): it registers a gradient hook on
+    every parameter a module's forward reads, which a tensor without ``requires_grad`` refuses.
+    Marking those parameters as hooked already (its own table, private: torch 2.13's) skips them;
+    they get no gradient to count anyway."""
+    for param in model.parameters():
+        if not param.requires_grad:
+            tracker._param_to_grad_hook_handles.setdefault(param, (_NoHook(), _NoHook()))
 
 
 def world_size(cfg: TrainConfig) -> int:
