@@ -87,6 +87,8 @@ defaults: attention, dtype, context length, steps and the cache are shared_confi
 diffusers: diffusers' own UNet2D(Condition)Model (the spec's diffusers config, or the --diffusers
   folder's), same weights, measured like torch; its rows are none, enable_gradient_checkpointing (its
   own) and every --policies plan, applied to diffusers' model by torch_impl.apply_plan.
+compile (--compile): torch.compile(model) per policy (framework 'compiled'), peak by the allocator
+  (the eager rows' allocator_peak_bytes beside it), compile seconds apart: docs/compile.md.
 """
 
 
