@@ -27,7 +27,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from benchmarks import plot, report
+from benchmarks import compiled, plot, report
 from benchmarks.common import (
     DIFFUSERS,
     DIFFUSERS_POLICIES,
@@ -88,6 +88,8 @@ defaults: attention, dtype, context length, steps and the cache are shared_confi
 diffusers: diffusers' own UNet2D(Condition)Model (the spec's diffusers config, or the --diffusers
   folder's), same weights, measured like torch; its rows are none, enable_gradient_checkpointing (its
   own) and every --policies plan, applied to diffusers' model by torch_impl.apply_plan.
+compile (--compile): torch.compile(model) per policy (framework 'compiled'), peak by the allocator
+  (the eager rows' allocator_peak_bytes beside it), compile seconds apart: docs/compile.md.
 """
 
 
@@ -181,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="jax on CPU: also compile each step with XLA's default passes, which strip remat's barriers "
         "(the 'XLA:CPU default' column)",
     )
+    compiled.add_arguments(p)
     p.add_argument("--verbose", action="store_true", help="show the workers' stderr")
     return p
 
@@ -211,7 +214,7 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
         "world_size": args.world_size,
     }
     timeline = timeline_policies(args.timeline, policies)
-    return [
+    jobs = [
         Job(
             framework=fw,
             policies=tuple(dict.fromkeys([*DIFFUSERS_POLICIES, *policies])) if fw == DIFFUSERS else tuple(policies),
@@ -223,6 +226,8 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
         )
         for fw in args.framework
     ]
+    extra = compiled.compiled_job(args, next((j for j in jobs if j.framework == "torch"), None), policies)
+    return jobs if extra is None else [*jobs, extra]
 
 
 def timeline_policies(requested: str | None, policies: list[str]) -> tuple[str, ...]:
@@ -374,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             raise keep_measured("compare", args, jobs, results, clock, stop) from None
         document = build_document(args, jobs, results, clock)
         console.print(report.table(document["rows"], report.title(document)))
-        for line in report.notes(document):
+        for line in report.notes(document) + compiled.comparison(document["rows"]):
             console.print(line, highlight=False)
         for path in write_outputs(document, args.out):
             console.print(f"wrote {path}")

@@ -45,6 +45,7 @@ COLUMNS: tuple[str, ...] = (
     "step_time_max_s",
     "time_overhead",
     "compile_s",
+    "activation_memory_budget",
     "first_step_s",
     "flops",
     "recompute_flops",
@@ -181,7 +182,12 @@ def regime(rows: list[Row]) -> list[str]:
     activations + temporaries against static memory (parameters + optimizer state)."""
     out = []
     for row in rows:
-        if row["policy"] == "none" and row["status"] == "ok" and row["static_bytes"]:
+        if (
+            row["policy"] == "none"
+            and row["status"] == "ok"
+            and row["static_bytes"]
+            and row["activation_bytes"] is not None
+        ):
             dynamic = row["activation_bytes"] + row["temporary_bytes"]
             static = _mib(row["static_bytes"])
             out.append(

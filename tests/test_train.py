@@ -17,7 +17,7 @@ import yaml
 
 from jax_impl import train as jtrain
 from shared_configs import load_spec, spec_from_dict
-from shared_configs.training.config import TrainConfig, parse_args
+from shared_configs.training.config import TORCH_ONLY, TrainConfig, parse_args
 from shared_configs.training.ddpm import make_schedule
 from shared_configs.training.outputs import speed_line
 from tests.train_utils import CFG, TINY_NO_DROPOUT, jax_curve, torch_curve
@@ -117,8 +117,8 @@ def test_the_docs_flag_table_is_the_help(framework: str, capsys: pytest.CaptureF
     flags = set(re.findall(r"(--[a-z][a-z-]+)", capsys.readouterr().out)) - {"--help"}
     docs = (Path(__file__).parents[1] / "docs" / "training.md").read_text()
     table = {line.split("`")[1] for line in docs.splitlines() if line.startswith("| `--")}
-    jax_only = {"--attention-chunk", "--jax-cache"}
-    assert flags == (table if framework == "jax_impl" else table - jax_only)
+    jax_only, torch_only = {"--attention-chunk", "--jax-cache"}, {"--" + f.replace("_", "-") for f in TORCH_ONLY}
+    assert flags == (table - torch_only if framework == "jax_impl" else table - jax_only)
 
 
 def test_speed_line_leaves_out_the_first_step() -> None:

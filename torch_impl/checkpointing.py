@@ -8,6 +8,14 @@ Op-level plans (``plan.save_for(block)``, per block) use selective activation ch
 ``context_fn`` is `create_selective_checkpoint_contexts` with a policy over aten ops
 (`ATEN_OPS`, the same op classes as `shared_configs.plan.OP_CLASSES` and the JAX tags).
 `context_fn` is built in one place, `make_context_fn`, so further contexts (BatchNorm's) compose in.
+
+Under `torch.compile` the wrapped forward decides at call time (`torch.compiler.is_compiling`),
+so one module runs eager or compiled: Dynamo traces a ``context_fn`` only as a partial over
+constants, so a compiled recompute passes none (not even torch's noop, which Dynamo refuses) and a
+compiled save set passes `compiled_context_fn`, whose policy closes over tuples and bools only (no
+observers, no warning). AOTAutograd's partitioner then honours the policy's save/recompute tags; it
+has no offload decision, so ``offload`` saves in place there. BatchNorm needs no freeze under
+compile: the running-stat update becomes a functional input mutation applied once (tested).
 """
 
 from __future__ import annotations
@@ -100,6 +108,21 @@ def _policy_fn(
     return decision
 
 
+def _compiled_policy_fn(save: tuple[str, ...], offload: bool, ctx: Any, op: Any, *args: Any, **kw: Any) -> Any:
+    # offload: the partitioner knows only save/recompute tags, so the tensor is saved in place
+    return CheckpointPolicy.MUST_SAVE if op_class(op) in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def compiled_context_fn(block: str, plan: CheckpointPlan) -> Callable[[], tuple[Any, Any]] | None:
+    """The ``context_fn`` for ``block`` under `torch.compile`: a partial over constants, which Dynamo
+    traces (`make_context_fn`'s policy closes over observers and a mutable flag); None: plain."""
+    save = plan.save_for(block)
+    if not save:
+        return None
+    policy = functools.partial(_compiled_policy_fn, tuple(save), bool(plan.offload))
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
 def make_context_fn(block: str, plan: CheckpointPlan) -> Callable[[], tuple[Any, Any]] | None:
     """The checkpoint ``context_fn`` for ``block`` under ``plan``; None keeps torch's default.
 
@@ -131,17 +154,24 @@ def _checkpoint_forward(module: nn.Module, name: str, plan: CheckpointPlan, pres
     # An instance forward someone else set (accelerate's and peft's hooks do) is wrapped and kept.
     prior = module.__dict__.get("forward")
     plain = prior if prior is not None else type(module).forward.__get__(module)
-    extra: dict[str, Any] = {}
     # BatchNorm: the recompute must not update running statistics twice (torch_impl.batchnorm).
-    context_fn = with_frozen_running_stats(module, make_context_fn(name, plan) or noop_context_fn)
-    if context_fn is not None:
-        extra["context_fn"] = context_fn
+    eager = with_frozen_running_stats(module, make_context_fn(name, plan) or noop_context_fn)
+    module.forward = functools.partial(
+        _checkpointed, plain, preserve_rng_state, None if eager is noop_context_fn else eager,
+        compiled_context_fn(name, plan),
+    )  # fmt: skip
+    module.__dict__[_PRIOR] = prior
+
+
+def _checkpointed(
+    plain: Callable[..., Any], preserve_rng_state: bool, eager: Any, compiled: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """``plain`` under checkpoint, with the context for how it runs now (eager or traced by Dynamo)."""
+    context_fn = compiled if torch.compiler.is_compiling() else eager
+    extra = {} if context_fn is None else {"context_fn": context_fn}
     # use_reentrant=False: the reentrant variant gives parameters no gradient when no
     # *input* requires grad, and cannot handle keyword arguments or nested outputs.
-    module.forward = functools.partial(
-        checkpoint, plain, use_reentrant=False, preserve_rng_state=preserve_rng_state, **extra
-    )
-    module.__dict__[_PRIOR] = prior
+    return checkpoint(plain, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **extra, **kwargs)
 
 
 def remove_plan(root: nn.Module) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -298,13 +299,21 @@ def _train(
         load_checkpoint(run.checkpoint, model, optimizer, extra)
     dataset, schedule = load_dataset(cfg.data, model.spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
     measured = _peak_meter(cfg, model, optimizer, budget, first=len(run.losses), ema=ema)
+    # --compile: only the step runs compiled (the plan's checkpoints traced into its graph);
+    # checkpoints and samples use the model itself, which shares the compiled one's parameters.
+    stepped = torch.compile(model) if cfg.compile else model
+    first = len(run.losses)
 
     def step_fn(state: None, step: int) -> tuple[None, float]:
         batch = dataset.batch(step, cfg.batch_size, schedule, cfg.seed)
         torch.manual_seed(step_seed(cfg.seed, step))  # dropout masks depend on (seed, step) only
         if cfg.distributed:
             return state, measured(step, batch, lambda: distributed_step(trained, optimizer, batch, tools))
-        return state, measured(step, batch, lambda: train_step(model, optimizer, batch, *tools))
+        start = time.perf_counter()
+        loss = measured(step, batch, lambda: train_step(stepped, optimizer, batch, *tools))
+        if cfg.compile and step == first:  # (--compile is one process)
+            report(f"torch.compile: first step {time.perf_counter() - start:.1f} s (compile included)")
+        return state, loss
 
     def save_fn(state: None, losses: list[float]) -> None:
         save_checkpoint(run.out, model, optimizer, manifest_for(cfg, model.spec, FRAMEWORK, LAYOUT, losses), extra)

@@ -57,6 +57,7 @@ class TrainConfig:
     num_samples: int = 20
     checkpoint_every: int = 100
     distributed: str | None = None  # None: one process; else a key of DISTRIBUTED[framework]
+    compile: bool = False  # torch_impl only: the step's model is torch.compile(model) (jax always jits)
     # jax_impl only: UNet(attention_chunk=...); "auto": the device's (`shared_configs.defaults`)
     attention_chunk: int | str | None = AUTO
     jax_cache: str | None = field(default_factory=jax_cache_dir)  # jax_impl only: persistent compilation cache
@@ -68,6 +69,8 @@ class TrainConfig:
 
 # The fields only jax_impl.train has flags for (torch's SDPA attention has no chunking; no XLA cache).
 JAX_ONLY: tuple[str, ...] = ("attention_chunk", "jax_cache")
+# The fields only torch_impl.train has flags for (the JAX step is always compiled: jax.jit).
+TORCH_ONLY: tuple[str, ...] = ("compile",)
 
 # --distributed modes per framework. ddp: the batch split over processes (torch DDP) or devices
 # (JAX), parameters replicated; fsdp: parameters, gradients and optimizer state sharded too
@@ -133,6 +136,8 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
     p.add_argument(
         "--distributed", nargs="?", const="ddp", default=d.distributed, choices=modes, help=DISTRIBUTED_HELP[framework]
     )
+    if framework == "torch_impl":
+        p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     if framework == "jax_impl":  # torch's CPU attention kernel is fused already: no twin
         p.add_argument("--attention-chunk", type=chunk_arg, default=d.attention_chunk, metavar="N", help=CHUNK_HELP)
         p.add_argument("--jax-cache", type=cache_dir, default=d.jax_cache or "none", metavar="DIR",
@@ -142,8 +147,17 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
         make_schedule(args.schedule, args.timesteps)
     except ValueError as err:
         p.error(f"--{err}")
+    if getattr(args, "compile", False) and (args.distributed or args.budget_mib is not None):
+        other = "--distributed (DDP/FSDP2 under torch.compile is not tested here)" if args.distributed else (
+            "--budget-mib (the planner profiles and checks eager steps)")  # fmt: skip
+        p.error(f"--compile: not with {other}; drop one of them")
     return TrainConfig(**vars(args))
 
+
+COMPILE_HELP = (
+    "train torch.compile(model) (the plan's checkpoints traced into the graph; docs/compile.md); "
+    "the first step's seconds, compile included, are printed apart"
+)
 
 DISTRIBUTED_HELP = {
     "torch_impl": "ddp (what --distributed alone means): DDP over gloo; fsdp: FSDP2, one shard unit per U-Net "

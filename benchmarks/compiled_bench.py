@@ -1,0 +1,134 @@
+"""The PyTorch training step under ``torch.compile``: the rows of ``benchmarks.compare --compile``.
+
+Framework ``compiled`` in the worker (`benchmarks.worker`), beside the eager ``torch`` rows, in its
+own process. Per row: our U-Net with the row's plan (its checkpoints traced into the graph,
+`torch_impl.checkpointing`), ``torch.compile(model)``, trained by the same
+`torch_impl.train.train_step`. The first step compiles (``compile_s``: its seconds, compile
+included), a second warms up, one step runs under the memory instruments, then ``steps`` timed steps.
+
+Memory: the tensor-level tracker of the eager rows is a dispatch mode, under which Dynamo runs the
+model eagerly; so the peak here is the allocator's (`benchmarks.torch_memory.AllocatorPeak` on CPU,
+``max_memory_allocated`` on a GPU), the instrument the eager rows also report as
+``allocator_peak_bytes``. ``saved_bytes``: what the compiled graph saves for backward (its
+``save_for_backward`` goes through ``saved_tensors_hooks``, parameters left out).
+
+A row ``budget@P`` is the model without a plan, compiled with AOTAutograd's own
+``activation_memory_budget`` set to land at plan P's saved bytes: the budget is a fraction of the
+activations between recompute-everything and the default partition, so the ratio taken is P's
+compiled ``saved_bytes`` over compiled ``none``'s (both measured earlier in this process).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from benchmarks.common import OPTIMIZER, Job, batch_bytes, job_spec, policy_arg, timing_stats
+from benchmarks.torch_bench import (
+    device_info,
+    one_row_per_process,
+    oom_types,
+    our_unet,
+    prepare,
+    release,
+    resolve_device,
+    simulated_oom,
+    timed_steps,
+    versions,
+)
+from benchmarks.torch_memory import AllocatorPeak, SavedBytesCounter, state_tensors, storage_bytes
+from shared_configs.training.data import example_batch
+from torch_impl.regime import DTYPE, make_optimizer
+from torch_impl.train import train_step
+
+__all__ = [
+    "BUDGET",
+    "device_info",
+    "measure",
+    "one_row_per_process",
+    "oom_types",
+    "prepare",
+    "release",
+    "resolve_device",
+    "simulated_oom",
+    "versions",
+]
+
+BUDGET = "budget@"  # a row "budget@P": activation_memory_budget at plan P's saved bytes
+PEAK_METHOD = {
+    "cpu": "the CPU allocator's peak during the step (torch.profiler memory events) above what the step "
+    "keeps (params, optimizer state, inputs), or the bytes alive at its start if higher",
+    "cuda": "torch.cuda.max_memory_allocated (after reset_peak_memory_stats)",
+}
+# Saved bytes of the compiled rows measured so far in this process: (batch size, policy) -> bytes.
+_SAVED: dict[tuple[int, str], int] = {}
+
+
+def budget_ratio(target: str, batch_size: int) -> float:
+    """The ``activation_memory_budget`` at plan ``target``'s saved bytes (RuntimeError if not measured)."""
+    none, plan = _SAVED.get((batch_size, "none")), _SAVED.get((batch_size, target))
+    if not none or plan is None:
+        raise RuntimeError(f"{BUDGET}{target}: needs the compiled rows none and {target} (one failed)")
+    return min(1.0, plan / none)
+
+
+def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dict[str, Any]:
+    """Every figure of one compiled row (see the module's docstring)."""
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+
+    spec = job_spec(job)
+    target = policy.removeprefix(BUDGET) if policy.startswith(BUDGET) else None
+    ratio = 1.0 if target is None else budget_ratio(target, batch_size)
+    model = our_unet(job, spec)
+    model.enable_gradient_checkpointing("none" if target is not None else policy_arg(policy))
+    model = model.to(device)
+    optimizer = make_optimizer(model, OPTIMIZER.lr, OPTIMIZER.weight_decay)
+    batch = example_batch(spec, batch_size, job.context_length)
+    torch._dynamo.reset()  # the budget is not among Dynamo's guards: every row compiles afresh
+    functorch_config.activation_memory_budget = ratio
+    try:
+        compiled = torch.compile(model)
+        dtype = None if job.dtype == "float32" else DTYPE[job.dtype]
+        step = functools.partial(train_step, compiled, optimizer, batch, dtype)
+        compile_s = timed_steps(step, device, 1)[0]  # forward and backward graphs compiled here
+        warm_s = timed_steps(step, device, 1)[0]
+        row = _memory(model, optimizer, batch, step, device)
+        row.update(timing_stats(timed_steps(step, device, job.steps)))
+    finally:
+        functorch_config.activation_memory_budget = 1.0
+    if target is None:
+        _SAVED[(batch_size, policy)] = row["saved_bytes"]
+    return row | {
+        "compile_s": compile_s,
+        "first_step_s": warm_s,
+        "activation_memory_budget": ratio,
+        "static_bytes": storage_bytes([*model.parameters(), *model.buffers(), *state_tensors(optimizer)]),
+        "param_count": sum(p.numel() for p in model.parameters()),
+        "peak_method": f"torch.compile(model), default inductor; {PEAK_METHOD[device.type]}",
+        "saved_method": "torch.autograd.graph.saved_tensors_hooks around the compiled step (params excluded)",
+    }
+
+
+def _memory(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, step: Any, device: torch.device
+) -> dict[str, Any]:
+    """One step's allocator-level peak and saved bytes (the eager rows' ``allocator_peak_bytes`` twin)."""
+    saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with saved:
+            step()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        keeps = storage_bytes([*model.parameters(), *model.buffers(), *state_tensors(optimizer)])
+        keeps += batch_bytes(batch)
+        at_start = keeps + storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        with AllocatorPeak() as allocator, saved:
+            step()
+        peak = max(at_start, keeps + allocator.peak)
+    return {"peak_bytes": peak, "allocator_peak_bytes": peak, "saved_bytes": saved.bytes}
