@@ -28,6 +28,7 @@ import torch
 from benchmarks.common import OPTIMIZER, Job, batch_bytes, job_spec, policy_arg, timing_stats
 from benchmarks.torch_bench import (
     device_info,
+    in_regime,
     one_row_per_process,
     oom_types,
     our_unet,
@@ -40,7 +41,7 @@ from benchmarks.torch_bench import (
 )
 from benchmarks.torch_memory import AllocatorPeak, SavedBytesCounter, state_tensors, storage_bytes
 from shared_configs.training.data import example_batch
-from torch_impl.regime import DTYPE, make_optimizer
+from torch_impl.regime import make_optimizer, regime_tools
 from torch_impl.train import train_step
 
 __all__ = [
@@ -84,15 +85,14 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dic
     ratio = 1.0 if target is None else budget_ratio(target, batch_size)
     model = our_unet(job, spec)
     model.enable_gradient_checkpointing("none" if target is not None else policy_arg(policy))
-    model = model.to(device)
-    optimizer = make_optimizer(model, OPTIMIZER.lr, OPTIMIZER.weight_decay)
+    model = in_regime(model, job.regime).to(device)
+    optimizer = make_optimizer(model, OPTIMIZER.lr, OPTIMIZER.weight_decay, job.regime)
     batch = example_batch(spec, batch_size, job.context_length)
     torch._dynamo.reset()  # the budget is not among Dynamo's guards: every row compiles afresh
     functorch_config.activation_memory_budget = ratio
     try:
         compiled = torch.compile(model)
-        dtype = None if job.dtype == "float32" else DTYPE[job.dtype]
-        step = functools.partial(train_step, compiled, optimizer, batch, dtype)
+        step = functools.partial(train_step, compiled, optimizer, batch, *regime_tools(model, job.regime))
         compile_s = timed_steps(step, device, 1)[0]  # forward and backward graphs compiled here
         warm_s = timed_steps(step, device, 1)[0]
         row = _memory(model, optimizer, batch, step, device)
