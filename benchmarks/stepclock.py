@@ -2,7 +2,7 @@
 
 This machine is shared: wall-clock time measures the neighbours as much as the step. The planner's
 workers run single-threaded (torch ``set_num_threads(1)``; XLA's Eigen single-threaded, see
-`shared_configs.planning.planner.worker_env`), so the process's CPU seconds add up to the step's work. Policies
+`shared_configs.planning.workers.worker_env`), so the process's CPU seconds add up to the step's work. Policies
 are timed in turn (one step each, ``steps`` rounds, the median per policy), so that a drift over
 the run (caches, the allocator's pages) does not land on whichever policy ran first, and two
 policies are compared round by round (`paired`), since on a shared CPU whole medians move more

@@ -23,6 +23,7 @@ from shared_configs.planning.budget import SAFETY, Profile, assignment_of, per_r
 from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs.planning.solver import smallest_peak, solve
+from shared_configs.training.regime import Regime
 from shared_configs.units import MIB
 from tests.utils import random_profile
 
@@ -395,7 +396,7 @@ def test_plan_for_a_diffusers_folder_and_a_cached_repo(
     regime = ["--precision", "bf16-mixed", "--optimizer", "adafactor"]
     profiles = {}
     for seed, fw in enumerate(("torch", "jax")):
-        work = dataclasses.replace(spec, regime=planner.Regime("bf16-mixed", optimizer="adafactor"))
+        work = dataclasses.replace(spec, regime=Regime("bf16-mixed", optimizer="adafactor"))
         profiles[fw] = dataclasses.replace(random_profile(spec.spec, seed, framework=fw), regime=work.regime.describe())
         path = profile_path(fw, work)
         path.parent.mkdir(parents=True, exist_ok=True)

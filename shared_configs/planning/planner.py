@@ -20,9 +20,7 @@ import functools
 import hashlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -30,7 +28,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from shared_configs.cli import BenchmarkError
 from shared_configs.defaults import defaults
 from shared_configs.loader import load_spec, spec_from_dict
 from shared_configs.planning.budget import (
@@ -47,17 +44,17 @@ from shared_configs.planning.budget import (
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, REFERENCE, measured_choice, unmeasurable
 from shared_configs.planning.recompute_time import at_stated_rates
 from shared_configs.planning.solver import Solution, solve
-from shared_configs.processes import worker_group
+from shared_configs.planning.workers import (  # noqa: F401 (REPO_ROOT, XLA_*: re-exported for their users)
+    REPO_ROOT,
+    XLA_CPU_FLAG,
+    XLA_CPU_OPTIONS,
+    run_worker,
+)
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.regime import DEFAULT as DEFAULT_REGIME
 from shared_configs.training.regime import Regime, check_planned
 from shared_configs.units import MIB
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-WORKER = "benchmarks.plan_worker"  # the profiling / measuring process (it imports one framework)
-# XLA:CPU drops remat's optimization barriers unless this pass is off (docs/remat_vs_checkpoint.md).
-XLA_CPU_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
-XLA_CPU_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}  # the same, as jit's compiler_options
 CACHE_ENV = "UNET_REMAT_PLAN_CACHE"
 FRAMEWORKS = ("torch", "jax")
 # Shapes-only time: stated rates (a current GPU's order in float32), not measurements.
@@ -119,36 +116,6 @@ def _versions(framework: str) -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[name] = "?"
     return out
-
-
-# XLA:CPU single-threaded, as torch in the worker: CPU seconds then add up to the step's work.
-XLA_SINGLE_THREAD = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
-
-
-def worker_env(framework: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if framework == "jax":  # the barrier option is also passed to each compile; set here for any other
-        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        env.setdefault("JAX_PLATFORMS", "cpu")
-        ours = (XLA_CPU_FLAG, *XLA_SINGLE_THREAD)
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if f not in ours]
-        env["XLA_FLAGS"] = " ".join([*flags, *ours])
-    return env
-
-
-def run_worker(request: dict[str, Any]) -> dict[str, Any]:
-    """Run ``request`` in the `WORKER` process (one framework per process)."""
-    with tempfile.TemporaryDirectory(prefix="plan-worker-") as folder:
-        out = Path(folder) / "result.json"
-        cmd = [sys.executable, "-m", WORKER, json.dumps(request), str(out)]
-        env = worker_env(request["framework"])
-        with worker_group(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True) as proc:
-            stderr = proc.communicate()[1]
-        if proc.returncode != 0 or not out.is_file():
-            lines = [ln for ln in stderr.splitlines() if ln.strip()]
-            why = lines[-1] if lines else f"exit {proc.returncode}"
-            raise BenchmarkError(f"{request['framework']} planner worker failed: {why}")
-        return json.loads(out.read_text())
 
 
 # Timed steps per profile run: torch files each unit's recompute seconds from hook to hook, and a
