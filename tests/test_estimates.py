@@ -1,0 +1,74 @@
+"""`python -m benchmarks.estimates`: the table from cached shapes-only profiles (seeded here with
+random figures: nothing is profiled), each cell what the planner predicts; bad input is one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import estimates
+from shared_configs import load_spec
+from shared_configs.planning import planner
+from shared_configs.planning.budget import assignment_of, predict
+from shared_configs.planning.planner import CACHE_ENV, Workload, profile_path
+from shared_configs.units import MIB
+from tests.utils import random_profile
+
+SPEC = load_spec("tiny")
+
+
+def test_the_table_is_the_planners_predictions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    profiles = {}
+    for i, name in enumerate(("fp32", "bf16-mixed+lora:8")):
+        work = Workload.of("tiny", batch_size=2, regime=estimates.REGIMES[name], shapes=True)
+        profile = dataclasses.replace(random_profile(SPEC, i, framework="torch"), mode="shapes",
+                                      regime=work.regime.describe())  # fmt: skip
+        path = profile_path("torch", work)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profile.save(path)
+        profiles[name] = (work, profile)
+
+    def run_worker(request: dict) -> dict:  # the fit check: the prediction itself
+        assert request["kind"] == "peaks", request["kind"]
+        name = "fp32" if request["regime"]["trainable"] == "all" else "bf16-mixed+lora:8"
+        (policy,) = request["policies"]
+        return {"peaks": {policy: predict(profiles[name][1], SPEC, assignment_of(SPEC, policy)).peak_bytes}}
+
+    monkeypatch.setattr(planner, "run_worker", run_worker)
+    # budgets in MiB here (tiny's figures are far below a GiB): one between full's and none's peaks
+    monkeypatch.setattr(estimates, "GIB", MIB)
+    fp32 = profiles["fp32"][1]
+    none, full = (predict(fp32, SPEC, assignment_of(SPEC, p)).peak_bytes for p in ("none", "full"))
+    mid, high = (none + full) // 2 // MIB, none // MIB + 1
+    out = tmp_path / "out"
+    argv = ["--configs", "tiny", "--batches", "2", "--regimes", "fp32,bf16-mixed+lora:8", "--out", str(out)]
+    assert estimates.main([*argv, "--budgets-gib", f"{mid},{high}"]) == 0
+    doc = json.loads((out / "estimates.json").read_text())
+    assert [r["regime"] for r in doc["rows"]] == ["fp32", "bf16-mixed+lora:8"]
+    for row in doc["rows"]:
+        work, profile = profiles[row["regime"]]
+        assert row["none"]["peak_bytes"] == predict(profile, SPEC, {}).peak_bytes
+        assert row["diffusers_style"]["peak_bytes"] == predict(profile, SPEC, assignment_of(SPEC, "layers")).peak_bytes
+    planned = doc["rows"][0]["plans"]
+    assert planned[str(high)]["policy"] == "none"
+    assert planned[str(mid)]["policy"] not in (None, "none") and planned[str(mid)]["peak_bytes"] <= mid * MIB
+    assert planned[str(mid)]["policy"] == planner.plan(profiles["fp32"][0], mid * MIB).policy
+    assert "| tiny 8² | 2 | fp32 |" in (out / "estimates.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "match"),
+    [
+        ("--regimes", "fp32,bf17", "--regimes: expected names from fp32, bf16-mixed"),
+        ("--batches", "1,0", "--batches: expected positive integers separated by commas, got '1,0'"),
+    ],
+)
+def test_bad_input_is_one_line(flag: str, value: str, match: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        estimates.main([flag, value])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and match in err
