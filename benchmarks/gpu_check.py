@@ -4,9 +4,10 @@ On a CUDA machine, in at most ~8 minutes (each step has its own time limit, and 
 stopped and reported, the others still run):
 
 1. the default benchmark, ``python -m benchmarks.compare --framework both`` (GPU);
-2. a planner sweep with ``--verify`` on `small` 32x32 batch 4 (the planner's workers profile and
-   measure on the CPU, as everywhere);
-3. the estimates table for `sd15` at batch 1-4 (`benchmarks.estimates`, from shapes);
+2. a planner sweep with ``--verify`` on `tiny` 32x32 batch 4 (the planner's workers profile and
+   measure on the CPU, one thread each, as everywhere);
+3. the estimates table for `sd15` at batch 1, 2 and 4, fp32 and bf16-mixed + LoRA
+   (`benchmarks.estimates`, from shapes);
 4. `sd15` at 64x64, batch 1, 2 and 4, measured on the GPU: `none`, `layers` (diffusers-style) and
    `full`, float32 and bfloat16 mixed precision, beside step 3's predictions.
 
@@ -53,10 +54,10 @@ class Step:
 # name, module, arguments, limit in seconds; OUT/name is each step's folder.
 GPU_SD15 = "--config sd15 --sample-size 64 --batch-size 1 2 4 --policies layers,full --steps 3 --timeline off"
 GPU_STEPS = (
-    ("compare", "benchmarks.compare", "--framework both", 150),
-    ("sweep", "benchmarks.plan", "--config small --sample-size 32 --batch-size 4 --verify --budgets 3 --sweep", 150),
-    ("estimates", "benchmarks.estimates", "--configs sd15 --batches 1,2,3,4 "
-     "--regimes fp32,bf16-mixed,bf16-mixed+lora:8", 60),
+    ("compare", "benchmarks.compare", "--framework both", 120),
+    # the planner's workers profile and measure on the CPU, one thread each: a small workload
+    ("sweep", "benchmarks.plan", "--config tiny --sample-size 32 --batch-size 4 --verify --budgets 3 --sweep", 90),
+    ("estimates", "benchmarks.estimates", "--configs sd15 --batches 1,2,4 --regimes fp32,bf16-mixed+lora:8", 150),
     ("measured", "benchmarks.compare", f"{GPU_SD15} --framework torch --device gpu", 60),
     ("measured_bf16", "benchmarks.compare", f"{GPU_SD15} --framework torch --device gpu --precision bf16-mixed", 60),
 )  # fmt: skip
