@@ -90,7 +90,9 @@ def test_layer_arguments_are_both_constructors_parameters() -> None:
     from torch_impl import layers as torch_layers
 
     channels = {"ch", "in_ch", "out_ch"}
-    flax_only = {"query_chunk", "parent", "name"}  # Flax: the chunked attention switch, linen's own fields
+    # Flax: the chunked attention switch, the LoRA adapters (torch adds peft's from the outside:
+    # torch_impl.regime.add_lora), linen's own fields
+    flax_only = {"query_chunk", "lora_rank", "parent", "name"}
     pairs = [(NormArgs, "norm_layer"), (ResnetArgs, "ResnetBlock"), (SelfAttentionArgs, "SelfAttention")]
     for args, layer in [*pairs, (TransformerArgs, "Transformer2D")]:
         names = {f.name for f in dataclasses.fields(args)}
