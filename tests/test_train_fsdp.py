@@ -109,8 +109,10 @@ def test_fsdp_stopped_by_a_signal_to_one_rank_resumes_the_curve(base: TrainConfi
         f"checkpoint-{len(first):08d} and losses.json saved in {part.out}; resume with: torchrun --nproc-per-node 2 "
         f"-m torch_impl.train {shlex.join(train_argv(part))} --resume"
     ]  # rank 0's line only
-    # torchrun's report: the first rank to exit, 138 (it stops the other if that one is still exiting)
-    assert any("exitcode  : 138" in line for line in lines), lines
+    # torchrun's report: the first rank to exit, 138 (it stops the other if that one is still exiting).
+    # Rarely that rank aborts after its stop line and checkpoint, in the C++ teardown of its process
+    # group's threads ("terminate called without an active exception": -6); what it saved is checked below.
+    assert any("exitcode  : 138" in line or "exitcode  : -6" in line for line in lines), lines
     shutil.copytree(tmp_path / "two", tmp_path / "one")
     assert sorted(p.name for p in (checkpoints(tmp_path / "two")[-1][1] / "state").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"
