@@ -123,8 +123,7 @@ def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
     params = nbytes(state.params)
     block = max(nbytes(state.params[b.replace(".", "_")]) for b in block_names(s["spec"]))
     static = params + nbytes(state.opt_state) + nbytes(state.ema)  # ema: None (no leaves) without one
-    trained = jax.tree.leaves(jax.tree.map(lambda x, t: x if t else None, state.params,
-                                           jt.trained_mask(state.params, s["regime"])))  # fmt: skip
+    trained = jt.trained_leaves(state.params, s["regime"])
     return {"static_bytes": static, "grad_bytes": nbytes(trained), "block_param_bytes": block}
 
 
@@ -132,8 +131,7 @@ def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
     """For a regime profiled in another (`Regime.profiled`): the state bytes it holds beyond it."""
     if regime.profiled == regime:
         return {}
-    params = s["args"][0].params
-    leaves = jax.tree.leaves(jax.tree.map(lambda x, t: x if t else None, params, jt.trained_mask(params, s["regime"])))
+    leaves = jt.trained_leaves(s["args"][0].params, s["regime"])
     numels = [int(np.prod(x.shape)) for x in leaves]
     delta = modelled_state_delta(regime, numels, np.dtype(leaves[0].dtype).itemsize)
     return {"modelled_state_bytes": delta, "modelled": STATE_MODEL}

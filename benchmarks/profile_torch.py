@@ -62,7 +62,7 @@ from shared_configs.planning.timeline import BWD, FWD, Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from shared_configs.training.data import example_batch
 from shared_configs.training.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
-from torch_impl.regime import DTYPE, add_lora, apply_regime, make_optimizer, regime_tools
+from torch_impl.regime import DTYPE, add_lora, apply_regime, make_optimizer, regime_tools, trained_parameters
 from torch_impl.train import step_loss, train_step
 from torch_impl.unet import UNet
 
@@ -245,7 +245,7 @@ def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
     params = nbytes(model.parameters())
     state = nbytes(v for st in s["opt"].state.values() for v in st.values() if isinstance(v, torch.Tensor))
     state += 0 if ema is None else nbytes(ema.shadow)
-    grads = nbytes(p for p in model.parameters() if p.requires_grad)
+    grads = nbytes(trained_parameters(model))
     block = max(nbytes(model.get_submodule(b).parameters()) for b in block_names(model.spec))
     return {"static_bytes": params + state, "grad_bytes": grads, "block_param_bytes": block}
 
@@ -382,7 +382,7 @@ def peaks(
 
 def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
     """For a regime profiled in another (`Regime.profiled`): the state bytes it holds beyond it."""
-    trained = [p for p in s["model"].parameters() if p.requires_grad]
+    trained = trained_parameters(s["model"])
     if not trained or regime.profiled == regime:
         return {}
     delta = modelled_state_delta(regime, [p.numel() for p in trained], trained[0].element_size())

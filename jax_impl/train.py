@@ -132,6 +132,11 @@ def trained_mask(params: Any, regime: Regime = DEFAULT) -> Any:
     )
 
 
+def trained_leaves(params: Any, regime: Regime = DEFAULT) -> list[Any]:
+    """The parameters ``regime`` trains (`trained_mask`), as a list of leaves."""
+    return [x for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(trained_mask(params, regime)), strict=True) if t]
+
+
 def _labels(params: Any, regime: Regime) -> Any:
     return jax.tree.map(lambda t: "trained" if t else "frozen", trained_mask(params, regime))
 

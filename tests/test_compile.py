@@ -124,19 +124,13 @@ def test_inductor_batchnorm_plan_updates_running_stats_once(tmp_path: Path) -> N
 
 @pytest.mark.slow
 def test_apply_plan_on_diffusers_compiles_with_equal_gradients() -> None:
-    diffusers = pytest.importorskip("diffusers")
+    pytest.importorskip("diffusers")
     from benchmarks.diffusers_bench import DiffusersForward
-    from shared_configs import to_diffusers_config
+    from tests.test_diffusers_plan import _pair
     from torch_impl.train import as_tensors
 
     spec = variant("sdxl_style", dropout=0.0)  # a UNet2DConditionModel with SDXL's text_time conditioning
-    torch.manual_seed(0)
-    ours = UNet(spec)
-    config = to_diffusers_config(spec)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        unet = getattr(diffusers, config["_class_name"]).from_config(config)
-    unet.load_state_dict(ours.to_diffusers_state_dict(), strict=True)
+    unet = _pair(spec)[1]  # diffusers' model, with our seeded U-Net's weights
     model = DiffusersForward(unet).train()
     noisy, t, _, conditioning = as_tensors(example_batch(spec, 2, 8))
     inputs = (noisy, t, *conditioning.values())
