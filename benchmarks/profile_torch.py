@@ -35,6 +35,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -316,7 +317,7 @@ def profile(
             if mine == choice:
                 time_s, flop = extra.get(unit, 0.0), recompute_flops(flops[unit], mine)
                 fwd_s = timed.get(unit, (0.0, 0.0))[0]
-                units.setdefault(unit, {})[mine] = Cost(cost.keep, cost.fwd_peak, cost.bwd_peak, time_s, flop, fwd_s)
+                units.setdefault(unit, {})[mine] = replace(cost, time_s=time_s, flops=flop, fwd_time_s=fwd_s)
     return {
         "framework": "torch",
         "units": units,

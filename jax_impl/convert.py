@@ -76,22 +76,27 @@ def flax_to_torch(
     spec: UNetSpec,
     batch_stats: Mapping[str, Any] | None = None,
     num_batches_tracked: int = 0,
+    lora_rank: int | None = None,
 ) -> dict[str, Any]:
     """Flax ``params`` -> a torch `state_dict`, loadable with ``load_state_dict(strict=True)``.
 
     With BatchNorms, ``batch_stats`` gives their running statistics; without it they are torch's
     initial ones (mean 0, var 1). ``num_batches_tracked`` (no Flax twin) is set to the given count.
+    ``lora_rank``: params of ``jax_impl.UNet(spec, lora_rank=R)``, named as peft names the torch
+    model's adapters (``to_q.base_layer.weight``, ``to_q.lora_A.default.weight``).
     """
     import torch  # only this direction needs torch
 
     flat = traverse_util.flatten_dict(dict(params))
-    _check_tree(flat, spec)
+    _check_tree(flat, spec, lora_rank=lora_rank)
+    adapted = {path[:-2] for path in flat if len(path) > 2 and path[-2] == "lora_A"}
     out = {}
     for path, value in flat.items():
         *modules, leaf = path
         array = np.asarray(value)
         layout = array if leaf == EMBEDDING else _to_torch_layout(array)
-        out[f"{_torch_name(modules)}.{'bias' if leaf == 'bias' else 'weight'}"] = torch.from_numpy(layout.copy())
+        name = _torch_name(modules) + _peft_suffix(tuple(modules), adapted)
+        out[f"{name}.{'bias' if leaf == 'bias' else 'weight'}"] = torch.from_numpy(layout.copy())
     expected = traverse_util.flatten_dict(_variable_shapes(spec).get("batch_stats", {}))
     if not expected:
         return out
@@ -139,6 +144,14 @@ def _torch_name(modules: list[str]) -> str:
 # peft's wrapping names: ``to_q.base_layer.weight`` is the plain ``to_q.weight``, ``lora_A.default``
 # the adapter named "default" (the one adapter this project adds).
 PEFT_PARTS = ("base_layer", "default")
+
+
+def _peft_suffix(modules: tuple[str, ...], adapted: set[tuple[str, ...]]) -> str:
+    """What peft adds to a module's name: ``.base_layer`` to an adapted layer's own weights,
+    ``.default`` to its adapters'."""
+    if modules in adapted:
+        return ".base_layer"
+    return ".default" if modules[:-1] in adapted and modules[-1] in ("lora_A", "lora_B") else ""
 
 
 def _torch_path(key: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""LoRA in Flax against peft's in PyTorch: the same adapters (converted from peft's names), the same
+"""LoRA in Flax against peft's in PyTorch: the same adapters (converted from peft's names and back), the same
 outputs and adapter gradients, with and without a plan; only the adapters train (optax mask), the
 frozen weights get no optimizer state; the JAX training CLI trains ``--trainable lora:R``."""
 
@@ -14,7 +14,7 @@ from flax import traverse_util
 
 from jax_impl import UNet as FlaxUNet
 from jax_impl import train as jt
-from jax_impl.convert import _split, torch_to_flax
+from jax_impl.convert import _split, flax_to_torch, torch_to_flax
 from shared_configs.training.regime import Regime
 from tests.parity_utils import parity_inputs
 from tests.utils import as_flax, as_torch, randomize_, rel_err, variant
@@ -61,6 +61,25 @@ def test_flax_lora_matches_peft(pair: tuple, policy: str) -> None:
     flat = traverse_util.flatten_dict(grads_j)
     for path, g in grads_t.items():
         assert rel_err(flat[path], g) < 1e-5, path
+
+
+def test_flax_lora_params_load_into_peft_model(pair: tuple) -> None:
+    """Back to torch: Flax adapters changed on the JAX side load strictly into a fresh peft-adapted
+    U-Net under peft's names, which then gives the Flax model's outputs."""
+    _, params = pair
+    flat = traverse_util.flatten_dict(params)
+    changed = traverse_util.unflatten_dict({k: v * 1.5 if k[-2] in jt.LORA_LEAVES else v for k, v in flat.items()})
+    state = flax_to_torch(changed, SPEC, lora_rank=RANK)
+    torch.manual_seed(1)
+    model = add_lora(TorchUNet(SPEC), RANK)
+    model.load_state_dict(state, strict=True)
+    assert any(".lora_A.default." in k for k in state) and any(".base_layer." in k for k in state)
+    inputs = parity_inputs(SPEC)
+    with torch.no_grad():
+        out_t = model.eval()(**as_torch(inputs)).numpy()
+    out_j = FlaxUNet(spec=SPEC, lora_rank=RANK).apply({"params": changed}, **as_flax(inputs))
+    assert np.abs(out_t).mean() > 1e-2
+    assert rel_err(np.asarray(out_j).transpose(0, 3, 1, 2), out_t) < 1e-5
 
 
 def test_only_the_adapters_train_and_hold_state(pair: tuple) -> None:

@@ -10,14 +10,16 @@ plain fill the gaps so that every byte of the step belongs to one unit: ``stem``
 
 The profile (`Profile`, JSON) holds, per unit and choice, figures measured in a real step whose
 units all have that choice (`Cost`): the bytes the unit's forward leaves alive for the backward
-(``keep``), and the highest live bytes of the step while the unit's forward or backward runs
-(recompute included) minus the ``keep`` of the units before it (``fwd_peak``, ``bwd_peak``).
+(``keep``), the bytes it leaves alive to the end of the forward only (``hold``: torch autocast
+caches a recomputed unit's half-precision weight copies until autocast exits), and the highest live
+bytes of the step while the unit's forward or backward runs (recompute included) minus what the
+units before it keep (and, forward, hold) (``fwd_peak``, ``bwd_peak``).
 Static memory, gradients and the optimizer's temporaries are inside those peaks, because they were
 alive when the peaks were measured. The peak model (`predict`) walks a plan's units in forward
 order::
 
-    K(u)  = sum of keep over the units before u
-    peak  = scale * max(optimizer peak, max over u of K(u) + max(fwd_peak(u), bwd_peak(u)))
+    K(u)  = sum of keep over the units before u,  H(u) = sum of hold over them
+    peak  = scale * max(optimizer peak, max over u of max(K(u) + H(u) + fwd_peak(u), K(u) + bwd_peak(u)))
 
 It is exact for the uniform plans it was measured on and assumes that a unit's own figures do not
 depend on its neighbours' choices; `benchmarks.plan --verify` measures how far that holds.
@@ -54,7 +56,7 @@ PROFILE_RUNS: tuple[tuple[str, str], ...] = (
     (FULL, "layers"),
     (SELECTIVE, "layers"),
 )
-SCHEMA = 3  # 2: torch frees last step's gradients first; conditioning inputs. 3: JAX runs timed in turn
+SCHEMA = 4  # 2: torch frees last step's gradients first; conditioning inputs. 3: JAX runs timed in turn. 4: hold
 Assignment = Mapping[str, str]  # unit name -> choice; units left out are plain
 
 
@@ -68,6 +70,7 @@ class Cost:
     time_s: float = 0.0  # recompute time paid in the backward (0 for plain)
     flops: float = 0.0  # recompute FLOPs (conv, matmul, attention)
     fwd_time_s: float = 0.0  # torch: the unit's forward time (plain) or the recompute's own; JAX: 0
+    hold: int = 0  # bytes its forward leaves alive to the end of the forward only (autocast's weight casts)
 
 
 @dataclass(frozen=True)
@@ -262,13 +265,14 @@ def policy_string(assignment: Assignment) -> str:
 
 def predict(profile: Profile, spec: UNetSpec, assignment: Assignment) -> Prediction:
     """Peak bytes, recompute seconds and FLOPs of ``assignment`` (see the module doc)."""
-    kept, peak, where, seconds, flops = 0, profile.opt_peak, "optimizer", 0.0, 0.0
+    kept, held, peak, where, seconds, flops = 0, 0, profile.opt_peak, "optimizer", 0.0, 0.0
     for unit, choice in leaf_units(spec, assignment):
         c = profile.cost(unit, choice)
-        here = kept + max(c.fwd_peak, c.bwd_peak)
+        here = kept + max(held + c.fwd_peak, c.bwd_peak)
         if here > peak:
             peak, where = here, unit
         kept += c.keep
+        held += c.hold
         seconds += c.time_s
         flops += c.flops
     return Prediction(round(peak * profile.scale), where, seconds, flops)

@@ -7,9 +7,10 @@ quantity per framework, the bytes kept so far K(u). Every term is linear in the 
   most one choice, and a layer takes exactly one choice when its block is not recomputed (none
   when it is: the block is then the unit);
 * K(u) is a constant plus the ``keep`` of each earlier unit's chosen variable (a sampler keeps its
-  bytes when its block is not recomputed);
-* each potential unit's peak ``K(u) + max(fwd_peak, bwd_peak) <= budget / scale`` binds only when
-  that unit is chosen (a big-M relaxation otherwise); the optimizer's peak must fit as well.
+  bytes when its block is not recomputed), H(u) the same of ``hold``;
+* each potential unit's peaks ``K(u) + H(u) + fwd_peak <= budget / scale`` and
+  ``K(u) + bwd_peak <= budget / scale`` bind only when that unit is chosen (a big-M relaxation
+  otherwise); the optimizer's peak must fit as well.
 
 The objective is the recompute time (as a fraction of the plain step, summed over the profiles
 when there are several: one plan that fits torch and JAX), or FLOPs for a profile without times.
@@ -46,8 +47,8 @@ from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.units import MIB
 
 Expr = dict[int, float]  # column -> coefficient (MiB), with the constant under key -1
-# A potential unit's peak row: (profile, K(u) as an expression, its peak in MiB, the column that
-# makes it a unit (None: always one), the columns any of which unmakes it (a sampler's block's)).
+# A potential unit's peak row: (profile, K(u) [+ H(u)] as an expression, its peak in MiB, the column
+# that makes it a unit (None: always one), the columns any of which unmakes it (a sampler's block's)).
 PeakRow = tuple[int, Expr, float, int | None, tuple[int, ...]]
 Cut = tuple[np.ndarray, float]  # a row over the columns and its upper bound: one plan left out
 
@@ -95,48 +96,58 @@ class _Programme:
         return [c for c in self.profiles[0].units[unit] if all(c in p.units[unit] for p in self.profiles)]
 
     def _mib(self, f: int, unit: str, choice: str, field: str) -> float:
-        cost = self.profiles[f].cost(unit, choice)
-        value = cost.keep if field == "keep" else max(cost.fwd_peak, cost.bwd_peak)
-        return value / MIB
+        return getattr(self.profiles[f].cost(unit, choice), field) / MIB
+
+    def _rows(self, f: int, kept: Expr, held: Expr, unit: str, choice: str, on: int | None,
+              off: tuple[int, ...] = ()) -> None:  # fmt: skip
+        """``unit``'s two peak rows under ``choice``: forward (what is kept and held before it) and backward."""
+        both = {k: kept.get(k, 0.0) + held.get(k, 0.0) for k in kept.keys() | held.keys()}
+        self.peaks.append((f, both, self._mib(f, unit, choice, "fwd_peak"), on, off))
+        self.peaks.append((f, dict(kept), self._mib(f, unit, choice, "bwd_peak"), on, off))
 
     def _build(self) -> None:
         nf = len(self.profiles)
+        # Per profile, K(u) and H(u) (`shared_configs.planning.budget.predict`) as expressions.
         kept: list[Expr] = [{-1: self._mib(f, STEM, PLAIN, "keep")} for f in range(nf)]
+        held: list[Expr] = [{-1: self._mib(f, STEM, PLAIN, "hold")} for f in range(nf)]
         for f in range(nf):
-            self.peaks.append((f, {-1: 0.0}, self._mib(f, STEM, PLAIN, "peak"), None, ()))
+            self._rows(f, {-1: 0.0}, {}, STEM, PLAIN, None)
         for block, layers in block_layers(self.spec).items():
             whole = {c: self._col(block, c) for c in self._choices(block) if c != PLAIN}
             self.le1.append(dict.fromkeys(whole.values(), 1.0))
             for f in range(nf):
                 for c, col in whole.items():
-                    self.peaks.append((f, dict(kept[f]), self._mib(f, block, c, "peak"), col, ()))
-            inner = [dict(k) for k in kept]
+                    self._rows(f, kept[f], held[f], block, c, col)
+            inner = [(dict(k), dict(h)) for k, h in zip(kept, held, strict=True)]
             for name in layers:
                 self._layer(name, whole, inner)
             for f in range(nf):
-                kept[f] = dict(inner[f])
+                kept[f], held[f] = inner[f]
                 for c, col in whole.items():
-                    kept[f][col] = kept[f].get(col, 0.0) + self._mib(f, block, c, "keep")
+                    for expr, field in ((kept[f], "keep"), (held[f], "hold")):
+                        expr[col] = expr.get(col, 0.0) + self._mib(f, block, c, field)
         for f in range(nf):
-            self.peaks.append((f, kept[f], self._mib(f, HEAD, PLAIN, "peak"), None, ()))
+            self._rows(f, kept[f], held[f], HEAD, PLAIN, None)
 
-    def _layer(self, name: str, whole: dict[str, int], inner: list[Expr]) -> None:
+    def _layer(self, name: str, whole: dict[str, int], inner: list[tuple[Expr, Expr]]) -> None:
         """A layer (or sampler) of a block: active when no ``whole`` block column is set."""
         if is_pseudo(name):  # always plain: active iff the block is not recomputed
-            for f, expr in enumerate(inner):
-                self.peaks.append((f, dict(expr), self._mib(f, name, PLAIN, "peak"), None, tuple(whole.values())))
-                keep = self._mib(f, name, PLAIN, "keep")
-                expr[-1] = expr.get(-1, 0.0) + keep
-                for col in whole.values():
-                    expr[col] = expr.get(col, 0.0) - keep
+            for f, (kept, held) in enumerate(inner):
+                self._rows(f, kept, held, name, PLAIN, None, tuple(whole.values()))
+                for expr, field in ((kept, "keep"), (held, "hold")):
+                    value = self._mib(f, name, PLAIN, field)
+                    expr[-1] = expr.get(-1, 0.0) + value
+                    for col in whole.values():
+                        expr[col] = expr.get(col, 0.0) - value
             return
         cols = {c: self._col(name, c) for c in self._choices(name)}
         self.eq.append({**dict.fromkeys(cols.values(), 1.0), **dict.fromkeys(whole.values(), 1.0)})
-        for f, expr in enumerate(inner):
+        for f, (kept, held) in enumerate(inner):
             for c, col in cols.items():
-                self.peaks.append((f, dict(expr), self._mib(f, name, c, "peak"), col, ()))
+                self._rows(f, kept, held, name, c, col)
             for c, col in cols.items():
-                expr[col] = expr.get(col, 0.0) + self._mib(f, name, c, "keep")
+                for expr, field in ((kept, "keep"), (held, "hold")):
+                    expr[col] = expr.get(col, 0.0) + self._mib(f, name, c, field)
 
     def cut(self, assignment: Assignment) -> Cut:
         """The row ``sum(x[j], j in S) - sum(x[j], j not in S) <= |S| - 1`` over the recompute

@@ -10,8 +10,13 @@ for both frameworks:
   backward, whatever ran there (XLA may compute a forward value late, right before its use);
 * a unit *keeps* the buffers alive across the split whose last use falls in its backward: they
   are freed there, so during the backward of any unit before them they are still alive;
-* K(u) is the keep of the units before u in forward order; ``fwd_peak``/``bwd_peak`` are the
-  highest live bytes at u's forward/backward positions minus K(u);
+* a unit *holds* the buffers its forward makes that are still alive when the last unit's forward
+  starts but are freed before the split: alive through the rest of the forward only (torch
+  autocast's cache of half-precision weight copies, which a recomputed unit does not keep for its
+  backward but which live until autocast exits);
+* K(u) and H(u) are the keep and the hold of the units before u in forward order; ``fwd_peak`` is
+  the highest live bytes at u's forward positions minus K(u) + H(u), ``bwd_peak`` at its backward
+  positions minus K(u) (by then every hold is freed);
 * buffers that exist before the step (parameters, optimizer state, inputs: ``static``) or live to
   its end (its outputs) belong to no unit: they sit inside every peak.
 
@@ -62,18 +67,29 @@ def unit_costs(timeline: Timeline, leaves: list[str]) -> tuple[dict[str, Cost], 
     across = (t.starts < split) & (t.ends >= split) & (t.ends < n - 1) & ~t.static
     owners = units[np.minimum(timeline.ends[across], n - 1)]
     sizes = timeline.sizes[across]
-    costs, before = {}, 0
+    last = _first(units[:split] == leaves[-1], split)  # where the last unit's forward starts
+    held = (t.starts < last) & (t.ends >= last) & (t.ends < split) & ~t.static
+    makers, held_sizes = units[t.starts[held]], t.sizes[held]
+    costs, before, before_held = {}, 0, 0
     for unit in leaves:
         keep = int(sizes[owners == unit].sum())
+        hold = int(held_sizes[makers == unit].sum())
         mine = units == unit
         fwd = levels[mine & (phases == FWD)]
         bwd = levels[mine & (phases == BWD)]
         # A unit with no position of a phase (all its work fused elsewhere) bounds nothing there.
         costs[unit] = Cost(
             keep=keep,
-            fwd_peak=int(fwd.max()) - before if fwd.size else -before,
+            fwd_peak=int(fwd.max()) - before - before_held if fwd.size else -before - before_held,
             bwd_peak=int(bwd.max()) - before if bwd.size else -before,
+            hold=hold,
         )
         before += keep
+        before_held += hold
     opt = levels[phases == OPT]
     return costs, int(opt.max()) if opt.size else 0, int(levels.max())
+
+
+def _first(mask: np.ndarray, default: int) -> int:
+    found = np.flatnonzero(mask)
+    return int(found[0]) if found.size else default
