@@ -58,6 +58,10 @@ def test_solver_matches_brute_force(seed: int) -> None:
     profile = random_profile(spec, seed)
     plans = [(predict(profile, spec, a), a) for a in _every_plan(spec)]
     assert len(plans) == 33_275
+    units = {u: {c: replace(v, hold=0) for c, v in per.items()} for u, per in profile.units.items()}
+    no_holds = replace(profile, units=units)
+    changed = sum(predict(no_holds, spec, a).peak_bytes != p.peak_bytes for p, a in plans)
+    assert changed > 100, changed  # the holds decide peaks
     floor = min(p.peak_bytes for p, _ in plans)
     top = max(p.peak_bytes for p, _ in plans)
     assert smallest_peak(profile, spec).prediction.peak_bytes == floor

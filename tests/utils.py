@@ -231,12 +231,13 @@ def torchrun_train(cfg: TrainConfig, nproc: int = 2, timeout: float = 300) -> li
 
 
 def random_profile(spec: UNetSpec, seed: int, framework: str = "test") -> Any:
-    """A `shared_configs.planning.budget.Profile` of ``spec`` with random per-unit figures (MiB scale):
-    for solver and CLI tests that need a profile but not a measurement."""
+    """A `shared_configs.planning.budget.Profile` of ``spec`` with random per-unit figures (MiB scale,
+    forward holds on recompute choices): for solver and CLI tests that need a profile but not a measurement."""
     from shared_configs.planning.budget import CHOICES, PLAIN, Cost, Profile, block_layers, is_pseudo
 
     mib = 2**20
     rng = np.random.default_rng(seed)
+    holds = np.random.default_rng(seed + 1000)  # its own draws: the other figures stay as they were
     units: dict[str, dict[str, Cost]] = {}
     names = ["stem", "head"] + [n for b, layers in block_layers(spec).items() for n in (b, *layers)]
     for name in names:
@@ -247,7 +248,10 @@ def random_profile(spec: UNetSpec, seed: int, framework: str = "test") -> Any:
             keep = int(rng.integers(1, 40)) * mib // (4 if c != PLAIN else 1)
             peak = keep + int(rng.integers(0, 60)) * mib
             seconds = float(rng.uniform(0.1, 1.0)) * (c != PLAIN)
-            units[name][c] = Cost(keep, peak // 2, peak, seconds, 1e9 * seconds)
+            # A recomputed unit may hold bytes to the forward's end (autocast's weight casts).
+            hold = int(holds.integers(0, 8)) * mib // 4 * (c != PLAIN)
+            fwd = int(peak * holds.uniform(0.5, 1.0))
+            units[name][c] = Cost(keep, fwd, peak, seconds, 1e9 * seconds, hold=hold)
     return Profile(framework, spec.name, spec.sample_size, 2, units, opt_peak=20 * mib, step_time_s=1.0, scale=1.03)
 
 
