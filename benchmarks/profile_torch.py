@@ -264,27 +264,39 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str,
     return unit_costs(recorder.timeline(), units)
 
 
-def timing_run(s: dict[str, Any], assignment: dict[str, str], repeats: int) -> tuple[dict[str, list[float]], float]:
-    """Median over ``repeats`` steps: per unit, the seconds its forward and its backward (recompute
+def timed_step(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, tuple[float, float]], float]:
+    """One step under ``assignment``: per unit, the seconds its forward and its backward (recompute
     included) take, from one unit hook to the next; and the step's seconds."""
     model = s["model"]
     model.enable_gradient_checkpointing(policy_string(assignment))
     units = [u for u, _ in leaf_units(model.spec, assignment)]
-    samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    steps = []
+    marks: list[tuple[float, str, str]] = []
+    with hooks(model, s["opt"], units, lambda unit, phase: marks.append((clock(), unit, phase))):
+        t0 = clock()
+        s["step"]()
+        seconds = clock() - t0
+    spent: dict[tuple[str, str], float] = defaultdict(float)
+    for (t0, unit, phase), (t1, _, _) in itertools.pairwise(marks):
+        spent[(unit, phase)] += t1 - t0
+    return {u: (spent[(u, FWD)], spent[(u, BWD)]) for u in units}, seconds
+
+
+def timing_runs(
+    s: dict[str, Any], assignments: list[dict[str, str]], repeats: int
+) -> list[tuple[dict[str, list[float]], float]]:
+    """Per assignment, medians over ``repeats`` rounds of `timed_step`, the assignments in turn
+    within each round: a process's first steps run slower (its heap still grows: page faults), and
+    timed one run after another that drift fell on the plain run, timed first, and made every
+    recompute look cheaper than a later process measures it."""
+    samples: list[list[tuple[dict[str, tuple[float, float]], float]]] = [[] for _ in assignments]
     for _ in range(repeats):
-        marks: list[tuple[float, str, str]] = []
-        with hooks(model, s["opt"], units, lambda unit, phase, marks=marks: marks.append((clock(), unit, phase))):
-            t0 = clock()
-            s["step"]()
-            steps.append(clock() - t0)
-        spent: dict[tuple[str, str], float] = defaultdict(float)
-        for (t0, unit, phase), (t1, _, _) in itertools.pairwise(marks):
-            spent[(unit, phase)] += t1 - t0
-        for unit in units:
-            samples[unit].append((spent[(unit, FWD)], spent[(unit, BWD)]))
-    per_unit = {u: [statistics.median(x[i] for x in v) for i in (0, 1)] for u, v in samples.items()}
-    return per_unit, statistics.median(steps)
+        for i, assignment in enumerate(assignments):
+            samples[i].append(timed_step(s, assignment))
+    out = []
+    for runs in samples:
+        per_unit = {u: [statistics.median(r[0][u][k] for r in runs) for k in (0, 1)] for u in runs[0][0]}
+        out.append((per_unit, statistics.median(r[1] for r in runs)))
+    return out
 
 
 def profile(
@@ -303,10 +315,12 @@ def profile(
     runs: dict[str, Any] = {}
     opt_peak, step_time = 0, 0.0
     plain: dict[str, float] = {}  # seconds of each unit's forward + backward in the plain step
-    for choice, level in PROFILE_RUNS:
-        assignment = {} if choice == PLAIN else uniform(spec, choice, level)
-        costs, run_opt, peak = memory_run(s, assignment)
-        timed, seconds = ({}, 0.0) if shapes or not repeats else timing_run(s, assignment, repeats)
+    assignments = [{} if choice == PLAIN else uniform(spec, choice, level) for choice, level in PROFILE_RUNS]
+    measured = [memory_run(s, a) for a in assignments]  # each also warms its plan up
+    timings = [({}, 0.0)] * len(assignments) if shapes or not repeats else timing_runs(s, assignments, repeats)
+    for (choice, _), assignment, (costs, run_opt, peak), (timed, seconds) in zip(
+        PROFILE_RUNS, assignments, measured, timings, strict=True
+    ):
         runs[policy_string(assignment)] = {"peak_bytes": peak, "step_time_s": seconds}
         if choice == PLAIN:
             opt_peak, step_time = run_opt, seconds
@@ -329,7 +343,7 @@ def profile(
             "runs": runs,
             "method": "live tensor-storage bytes filed by unit (module hooks) in torch_impl.train.train_step; "
             "recompute seconds: the unit's forward + backward CPU seconds (single thread) minus the same "
-            "units' in the plain step",
+            "units' in the plain step, the runs timed in turn",
             "versions": {"torch": torch.__version__},
             "regime": regime.describe(),
             **modelled_state(s, regime),

@@ -49,7 +49,7 @@ NOTES = {
     "truncated": "unreadable (",  # where the JSON breaks off decides the parser's words
     "empty": "unreadable (Expecting value",
     "edited": "damaged (its contents do not match its own SHA-256)",
-    "other_schema": "profile schema 2, this version reads 4",
+    "other_schema": "profile schema 2, this version reads 5",
     "other_workload": "the profile of another workload: batch_size 4 (wanted 2)",
     "not_a_profile": "unreadable (not a JSON object)",
 }

@@ -56,7 +56,9 @@ PROFILE_RUNS: tuple[tuple[str, str], ...] = (
     (FULL, "layers"),
     (SELECTIVE, "layers"),
 )
-SCHEMA = 4  # 2: torch frees last step's gradients first; conditioning inputs. 3: JAX runs timed in turn. 4: hold
+# 2: torch frees last step's gradients first; conditioning inputs. 3: JAX runs timed in turn. 4: `Cost.hold`.
+# 5: torch's runs timed in turn.
+SCHEMA = 5
 Assignment = Mapping[str, str]  # unit name -> choice; units left out are plain
 
 
