@@ -1,0 +1,105 @@
+"""Does the planner's measured choice hold against the hand policies? ``python -m benchmarks.candidates_sweep``.
+
+For a workload and a framework: measure `none`'s and `full`'s peaks, plan with measured candidates
+(`shared_configs.planning.planner.plan`, ``--candidates``) at budgets spread between them, then
+time the returned plan against every hand policy whose measured peak fits the budget, round by
+round in one process (`benchmarks.stepclock`, ``--check-rounds`` rounds, a process of its own:
+not the race's), and say per budget whether the claim holds: the plan fits, and no fitting hand
+policy is faster than it at 90% (`shared_configs.planning.paired.paired`). Writes JSON (atomically)
+and prints a Markdown table.
+
+    python -m benchmarks.candidates_sweep --config docs/data/candidates/narrow_deep.yaml --batch-size 8 \\
+        --framework torch --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from shared_configs.cli import cli_errors, positive, stopping
+from shared_configs.files import atomic_write
+from shared_configs.planning.candidates import DEFAULT_ROUNDS, HAND_POLICIES
+from shared_configs.planning.paired import paired, paired_text
+from shared_configs.planning.planner import Workload, measure, plan, progress
+from shared_configs.units import MIB
+
+CHECK_ROUNDS = 12
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.candidates_sweep", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="a preset name or a spec YAML")
+    p.add_argument("--batch-size", type=positive(int), default=8)
+    p.add_argument("--sample-size", type=positive(int), help="latent size (default: the spec's)")
+    p.add_argument("--framework", choices=("torch", "jax"), default="torch")
+    p.add_argument("--budgets", type=positive(int), default=3, help="budgets between full's and none's peaks (3)")
+    p.add_argument("--candidates", type=positive(int), default=4, help="the solver's best plans raced (4)")
+    p.add_argument("--rounds", type=positive(int), default=DEFAULT_ROUNDS, help="the race's rounds at most")
+    p.add_argument("--check-rounds", type=positive(int), default=CHECK_ROUNDS,
+                   help=f"rounds of the plan against the fitting hand policies ({CHECK_ROUNDS})")  # fmt: skip
+    p.add_argument("--json", help="write the results here")
+    return p
+
+
+def check_budget(workload: Workload, framework: str, budget: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Plan at ``budget`` with candidates, then the plan against every hand policy that fits."""
+    found = plan(workload, budget, framework, candidates=args.candidates, rounds=args.rounds)
+    chosen = found.solution.policy
+    policies = list(dict.fromkeys([chosen, *HAND_POLICIES]))
+    rows = measure(framework, workload, policies, args.check_rounds)["rows"]
+    fits = {p: r["peak_bytes"] <= budget for p, r in rows.items()}
+    versus = {h: paired(rows[chosen]["rounds_s"], rows[h]["rounds_s"]) for h in HAND_POLICIES
+              if h != chosen and fits[h]}  # fmt: skip
+    return {
+        "budget_bytes": budget,
+        "plan": chosen,
+        "predicted_peak_bytes": found.solution.prediction.peak_bytes,
+        "measured_peak_bytes": rows[chosen]["peak_bytes"],
+        "fits": fits[chosen],
+        "hand_peaks_bytes": {h: rows[h]["peak_bytes"] for h in HAND_POLICIES},
+        "versus": versus,
+        "holds": fits[chosen] and not any(v["verdict"] == "slower" for v in versus.values()),
+        "race": found.candidates,
+    }
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = ["| budget MiB | plan | peak measured MiB | fits | vs each fitting hand policy (plan/hand - 1) | holds |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        vs = "; ".join(f"{h} {paired_text(v)}" for h, v in r["versus"].items()) or "none fits"
+        lines.append(f"| {r['budget_bytes'] / MIB:.1f} | `{r['plan']}` | {r['measured_peak_bytes'] / MIB:.1f} | "
+                     f"{'yes' if r['fits'] else 'NO'} | {vs} | {'yes' if r['holds'] else 'NO'} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with cli_errors("benchmarks.candidates_sweep"), stopping("every worker stopped; nothing written"):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = Workload.of(args.config, args.sample_size, batch_size=args.batch_size)
+    print(f"settings {workload.used((args.framework,))}")
+    ends = measure(args.framework, workload, ["none", "full"], 1)["rows"]
+    low, high = ends["full"]["peak_bytes"], ends["none"]["peak_bytes"]
+    budgets = [round(low + (high - low) * (i + 1) / (args.budgets + 1)) for i in range(args.budgets)]
+    results = []
+    for i, budget in enumerate(budgets, 1):
+        progress(f"budget {i} of {len(budgets)}: {budget / MIB:.1f} MiB (full {low / MIB:.1f}, none {high / MIB:.1f})")
+        results.append(check_budget(workload, args.framework, budget, args))
+    doc = {"config": workload.spec.name, "sample_size": workload.spec.sample_size, "batch_size": args.batch_size,
+           "framework": args.framework, "none_peak_bytes": high, "full_peak_bytes": low,
+           "settings": workload.used((args.framework,)), "results": results}  # fmt: skip
+    if args.json:
+        atomic_write(args.json, json.dumps(doc, indent=1).encode())
+    print(table(results))
+    return 0 if all(r["holds"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
