@@ -58,6 +58,8 @@ def check_budget(workload: Workload, framework: str, budget: int, args: argparse
         "plan": chosen,
         "predicted_peak_bytes": found.solution.prediction.peak_bytes,
         "measured_peak_bytes": rows[chosen]["peak_bytes"],
+        "predicted_overhead": found.solution.prediction.overhead(found.profiles[0]),
+        "measured_overhead": paired(rows[chosen]["rounds_s"], rows["none"]["rounds_s"]),
         "fits": fits[chosen],
         "hand_peaks_bytes": {h: rows[h]["peak_bytes"] for h in HAND_POLICIES},
         "versus": versus,

@@ -28,11 +28,14 @@ def _rows(peaks: dict[str, int], seconds: dict[str, float]) -> dict:
 def test_a_plan_holds_when_it_fits_and_no_fitting_hand_policy_beats_it(monkeypatch, plan_s, plan_peak, holds) -> None:
     peaks = {PLAN: plan_peak, **dict.fromkeys(HAND_POLICIES, 200)} | {"full": 80, "layers": 70}
     seconds = {PLAN: plan_s, **dict.fromkeys(HAND_POLICIES, 1.0)} | {"full": 1.2, "layers": 1.25}
-    solution = SimpleNamespace(policy=PLAN, prediction=SimpleNamespace(peak_bytes=88))
-    monkeypatch.setattr(cs, "plan", lambda *a, **k: SimpleNamespace(solution=solution, candidates={"chosen": PLAN}))
+    prediction = SimpleNamespace(peak_bytes=88, overhead=lambda profile: 0.1)
+    solution = SimpleNamespace(policy=PLAN, prediction=prediction)
+    found = SimpleNamespace(solution=solution, candidates={"chosen": PLAN}, profiles=[None])
+    monkeypatch.setattr(cs, "plan", lambda *a, **k: found)
     monkeypatch.setattr(cs, "measure", lambda fw, w, policies, rounds: _rows(peaks, seconds))
     args = argparse.Namespace(candidates=4, rounds=15, check_rounds=12)
     got = cs.check_budget(None, "torch", 100, args)
     assert set(got["versus"]) == {"full", "layers"}  # the hand policies whose measured peak fits
     assert got["fits"] == (plan_peak <= 100) and got["holds"] is holds
     assert ("| yes |" if holds else "| NO |") in cs.table([got])
+    assert got["measured_overhead"]["median"] == pytest.approx(plan_s - 1)  # against none, round by round
