@@ -1,10 +1,10 @@
 """Choosing a plan by measuring candidates: the solver's best plans and the hand policies that fit.
 
-The time model ranks plans only roughly (torch's per-unit recompute seconds add up to less than a
-mixed plan pays; JAX's FLOP pricing over-predicts), so a measured profile's answer is picked among
-candidates measured in one process, round by round: the solver's optimum, the next distinct best
-plans (`shared_configs.planning.solver.next_best`), and the hand policies. Each candidate's peak
-is checked with nothing allocated first; those that fit race
+The time model ranks plans only roughly (torch's mixed plans within ~5 points of measured; near
+the optimum many plans are that close; JAX's FLOP pricing over-predicts), so a measured profile's
+answer is picked among candidates measured in one process, round by round: the solver's optimum,
+the next distinct best plans (`shared_configs.planning.solver.next_best`), and the hand policies.
+Each candidate's peak is checked with nothing allocated first; those that fit race
 (`benchmarks.stepclock.race`: a candidate leaves once another is faster than it at 90%, round by
 round), and the fastest whose measured peak fits is returned. So the answer is never slower than
 a fitting hand policy beyond the interval stated with it.
