@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     workload = Workload.of(args.config, args.sample_size, batch_size=args.batch_size)
-    print(f"settings {workload.used((args.framework,))}")
+    settings = workload.used((args.framework,))
+    print(f"settings {settings}")
     ends = measure(args.framework, workload, ["none", "full"], 1)["rows"]
     low, high = ends["full"]["peak_bytes"], ends["none"]["peak_bytes"]
     budgets = [round(low + (high - low) * (i + 1) / (args.budgets + 1)) for i in range(args.budgets)]
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         results.append(check_budget(workload, args.framework, budget, args))
     doc = {"config": workload.spec.name, "sample_size": workload.spec.sample_size, "batch_size": args.batch_size,
            "framework": args.framework, "none_peak_bytes": high, "full_peak_bytes": low,
-           "settings": workload.used((args.framework,)), "results": results}  # fmt: skip
+           "settings": settings, "results": results}  # fmt: skip
     if args.json:
         atomic_write(args.json, json.dumps(doc, indent=1).encode())
     print(table(results))

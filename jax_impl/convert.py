@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
+from jax_impl.layers import LORA_A, LORA_LEAVES
 from shared_configs import UNetSpec
 
 # Attributes that hold lists of modules (torch ModuleList <-> Flax list in setup()).
@@ -89,7 +90,7 @@ def flax_to_torch(
 
     flat = traverse_util.flatten_dict(dict(params))
     _check_tree(flat, spec, lora_rank=lora_rank)
-    adapted = {path[:-2] for path in flat if len(path) > 2 and path[-2] == "lora_A"}
+    adapted = {path[:-2] for path in flat if len(path) > 2 and path[-2] == LORA_A}
     out = {}
     for path, value in flat.items():
         *modules, leaf = path
@@ -151,7 +152,7 @@ def _peft_suffix(modules: tuple[str, ...], adapted: set[tuple[str, ...]]) -> str
     ``.default`` to its adapters'."""
     if modules in adapted:
         return ".base_layer"
-    return ".default" if modules[:-1] in adapted and modules[-1] in ("lora_A", "lora_B") else ""
+    return ".default" if modules[:-1] in adapted and modules[-1] in LORA_LEAVES else ""
 
 
 def _torch_path(key: str) -> list[str]:

@@ -55,6 +55,10 @@ class Dense(nn.Dense):
         return checkpoint_name(super().__call__(inputs), "matmul")
 
 
+LORA_A, LORA_B = "lora_A", "lora_B"  # the adapters' module names (peft's, less ``.default``)
+LORA_LEAVES = (LORA_A, LORA_B)
+
+
 class LoRADense(nn.Module):
     """A Dense layer with a rank-``rank`` LoRA adapter, as peft's ``lora.Linear`` with ``lora_alpha``
     equal to the rank: ``x @ kernel + bias + (x @ lora_A) @ lora_B``. The base ``kernel``/``bias``
@@ -73,8 +77,8 @@ class LoRADense(nn.Module):
             y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,))
         # peft's init: A as torch's Linear default (uniform, bound 1/sqrt(fan_in)), B zero
         a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
-        low = nn.Dense(self.rank, use_bias=False, kernel_init=a_init, name="lora_A")(x)
-        y = y + nn.Dense(self.features, use_bias=False, kernel_init=nn.initializers.zeros_init(), name="lora_B")(low)
+        low = nn.Dense(self.rank, use_bias=False, kernel_init=a_init, name=LORA_A)(x)
+        y = y + nn.Dense(self.features, use_bias=False, kernel_init=nn.initializers.zeros_init(), name=LORA_B)(low)
         return checkpoint_name(y, "matmul")
 
 

@@ -38,6 +38,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jax.typing import DTypeLike
 
 from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, abstract_target, load_checkpoint, save_checkpoint
+from jax_impl.layers import LORA_LEAVES
 from jax_impl.parallel import make_mesh, shard, state_shardings
 from jax_impl.unet import UNet
 from shared_configs import load_spec, resolve_plan
@@ -118,9 +119,6 @@ def make_optimizer(lr: float, weight_decay: float, regime: Regime = DEFAULT) -> 
         labels = functools.partial(_labels, regime=regime)
         tx = optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
     return optax.apply_if_finite(tx, max_consecutive_errors=10) if regime.loss_scaling else tx
-
-
-LORA_LEAVES = ("lora_A", "lora_B")
 
 
 def trained_mask(params: Any, regime: Regime = DEFAULT) -> Any:
