@@ -3,7 +3,7 @@
 For a workload and a framework: measure `none`'s and `full`'s peaks, plan with measured candidates
 (`shared_configs.planning.planner.plan`, ``--candidates``) at budgets spread between them, then
 time the returned plan against every hand policy whose measured peak fits the budget, round by
-round in one process (`benchmarks.stepclock`, ``--check-rounds`` rounds, a process of its own:
+round in one process (`shared_configs.planning.stepclock`, ``--check-rounds`` rounds, a process of its own:
 not the race's), and say per budget whether the claim holds: the plan fits, and no fitting hand
 policy is faster than it at 90% (`shared_configs.planning.paired.paired`). Writes JSON (atomically)
 and prints a Markdown table.

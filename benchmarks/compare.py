@@ -5,10 +5,10 @@
     python -m benchmarks.compare --diffusers path/to/unet_folder                      # a local diffusers model
     python -m benchmarks.compare --world-size 2 --batch-size 4                         # per rank, under FSDP
 
-Each framework runs in its own subprocess (`benchmarks.worker`); this process imports neither.
+Each framework runs in its own subprocess (`benchmarks.backends.worker`); this process imports neither.
 Prints a table, and writes ``<out>/<run>.json``, ``.csv``, ``.png`` (memory reduction against
 time overhead, with the Pareto front) and ``-timeline.png`` (memory over the step). See
-`benchmarks.torch_bench` and `benchmarks.jax_bench` for how each figure is measured.
+`benchmarks.backends.torch_bench` and `benchmarks.backends.jax_bench` for how each figure is measured.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from benchmarks import compiled, plot, report
-from benchmarks.common import (
+from benchmarks.harness import compiled
+from benchmarks.harness.job import (
     DIFFUSERS,
     DIFFUSERS_POLICIES,
     FRAMEWORKS,
@@ -40,11 +40,12 @@ from benchmarks.common import (
     other_cpu_share,
     policy_arg,
 )
-from benchmarks.runner import Event, run_job
+from benchmarks.harness.runner import Event, run_job
+from benchmarks.reports import plot, report
 from shared_configs import NAMED_POLICIES, SpecError, UNetSpec, resolve_plan, to_diffusers_config
 from shared_configs.cli import Interrupted, OneLineParser, cache_dir, check_out_dir, cli_errors, positive_int
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults
-from shared_configs.training.regime import add_regime_arguments, regime_of
+from shared_configs.regime import add_regime_arguments, regime_of
 
 DEFAULT_CONFIG = "sd_narrow"  # activation-dominated, as diffusion training is (docs/benchmark.md)
 DEFAULT_POLICIES = "none,full,layers"

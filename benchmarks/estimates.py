@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import atomic_write, write_json
+from benchmarks.reports.report import atomic_write, write_json
 from shared_configs.cli import OneLineParser, cli_errors, positive_int, stopping
 from shared_configs.planning.planner import Workload, plan, predict_policy, progress
 from shared_configs.planning.solver import Infeasible
+from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
-from shared_configs.training.regime import Regime
 from shared_configs.units import MIB
 
 GIB = 1024 * MIB

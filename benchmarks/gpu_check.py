@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import atomic_write, write_json
+from benchmarks.reports.report import atomic_write, write_json
 from shared_configs.cli import OneLineParser, cli_errors, stopping
 from shared_configs.processes import stop_group, worker_group
 from shared_configs.units import MIB

@@ -23,10 +23,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import report
-from benchmarks.common import Job, cpu_snapshot
 from benchmarks.compare import build_document, build_parser, keep_measured, make_jobs, run_all
-from benchmarks.runner import static_floor
+from benchmarks.harness.job import Job, cpu_snapshot
+from benchmarks.harness.runner import static_floor
+from benchmarks.reports import report
 from shared_configs import SpecError
 from shared_configs.cli import check_out_dir, cli_errors, positive_mib
 from shared_configs.units import MIB

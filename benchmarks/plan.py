@@ -22,10 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks import plan_sweep
-from benchmarks.common import load_benchmark_spec
-from benchmarks.report import write_json
-from benchmarks.stepclock import paired, paired_text
+from benchmarks.harness import plan_sweep
+from benchmarks.harness.job import load_benchmark_spec
+from benchmarks.reports.report import write_json
 from shared_configs import SpecError
 from shared_configs.cli import (
     OneLineParser,
@@ -51,7 +50,8 @@ from shared_configs.planning.planner import (
     plan,
     predict_policy,
 )
-from shared_configs.training.regime import add_regime_arguments, regime_of
+from shared_configs.planning.stepclock import paired, paired_text
+from shared_configs.regime import add_regime_arguments, regime_of
 from shared_configs.units import MIB
 
 VERIFY_CANDIDATES = 4  # --candidates with --verify: the optimum and the three next best plans

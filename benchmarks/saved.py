@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from benchmarks.common import OUTSIDE, block_of
 from shared_configs import SpecError, block_names, load_spec, resolve_plan
 from shared_configs.cli import OneLineParser, cli_errors, positive_int
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, device_of, resolve_chunk
+from shared_configs.memory import OUTSIDE, block_of
 
 DEFAULTS = defaults("cpu")  # the device-independent fields; the attention chunk is resolved on JAX's device
 
@@ -64,7 +64,7 @@ def torch_saved(config: str, policy: str, batch_size: int, context_length: int, 
     (``chunk`` is JAX's: torch's SDPA attention has none)."""
     import torch
 
-    from benchmarks.saved_torch import collect
+    from benchmarks.backends.saved_torch import collect
 
     spec = load_spec(config)
     torch.manual_seed(0)

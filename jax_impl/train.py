@@ -44,7 +44,8 @@ from jax_impl.unet import UNet
 from shared_configs import load_spec, resolve_plan
 from shared_configs.defaults import device_of, resolve_chunk
 from shared_configs.inputs import input_specs
-from shared_configs.planning.planner import XLA_CPU_OPTIONS
+from shared_configs.planning.workers import XLA_CPU_OPTIONS
+from shared_configs.regime import DEFAULT, Regime, check_planned
 from shared_configs.spec import SpecError
 from shared_configs.training.budget import RunPlan, plan_run, report
 from shared_configs.training.config import TrainConfig, cli_main, used
@@ -52,7 +53,6 @@ from shared_configs.training.data import CONDITIONING, Batch, Dataset, check_con
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
-from shared_configs.training.regime import DEFAULT, Regime, check_planned
 
 # (noisy, t, noise, context, class_labels, text_embeds, time_ids): the conditioning in the forward's
 # order (`shared_configs.training.data.CONDITIONING`), None where the spec takes none of it.

@@ -18,10 +18,11 @@ import pytest
 import torch
 import yaml
 
-from benchmarks import compare, max_batch, plot, report, saved
-from benchmarks.common import CATEGORIES, KILL_SIM_ENV, OOM_SIM_ENV, Job, cpu_snapshot, one_line, other_cpu_share
-from benchmarks.memory_timeline import block_marks, timeline
-from benchmarks.worker import run_row
+from benchmarks import compare, max_batch, saved
+from benchmarks.backends.worker import run_row
+from benchmarks.harness.job import KILL_SIM_ENV, OOM_SIM_ENV, Job, cpu_snapshot, one_line, other_cpu_share
+from benchmarks.reports import plot, report
+from shared_configs.memory import CATEGORIES, block_marks, timeline
 from tests.utils import TINY, rows_of, run_compare
 
 FAST = ["--config", "tiny", "--batch-size", "1", "--steps", "1", "--device", "cpu"]

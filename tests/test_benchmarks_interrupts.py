@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import KILL_SIM_ENV, REPO_ROOT, Job
-from benchmarks.runner import check_jax_cache
+from benchmarks.harness.job import KILL_SIM_ENV, REPO_ROOT, Job
+from benchmarks.harness.runner import check_jax_cache
 from shared_configs.cli import cli_errors, stopping
 from shared_configs.processes import worker_group
 

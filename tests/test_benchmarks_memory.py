@@ -13,13 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import compare, jax_bench, jax_memory
-from benchmarks import torch_bench as tb
-from benchmarks.common import CATEGORIES, OUTSIDE, Job
-from benchmarks.torch_memory import AllocatorPeak, SavedBytesCounter, StepTracker, memtracker
+from benchmarks import compare
+from benchmarks.backends import jax_bench
+from benchmarks.backends import torch_bench as tb
+from benchmarks.harness.job import Job
+from jax_impl import memory as jax_memory
 from jax_impl import train as jt
 from shared_configs import block_names, load_spec
+from shared_configs.memory import CATEGORIES, OUTSIDE
 from tests.utils import FAST_COMPILE
+from torch_impl.memory import AllocatorPeak, SavedBytesCounter, StepTracker, memtracker
 
 
 def _linear_step(layers: int, batch: int, width: int) -> tuple[torch.nn.Module, Any, Any, torch.Tensor]:

@@ -125,12 +125,12 @@ def test_inductor_batchnorm_plan_updates_running_stats_once(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_apply_plan_on_diffusers_compiles_with_equal_gradients() -> None:
     pytest.importorskip("diffusers")
-    from benchmarks.diffusers_bench import DiffusersForward
-    from tests.test_diffusers_plan import _pair
+    from benchmarks.backends.diffusers_bench import DiffusersForward
+    from tests.diffusers_utils import diffusers_pair
     from torch_impl.train import as_tensors
 
     spec = variant("sdxl_style", dropout=0.0)  # a UNet2DConditionModel with SDXL's text_time conditioning
-    unet = _pair(spec)[1]  # diffusers' model, with our seeded U-Net's weights
+    unet = diffusers_pair(spec)[1]  # diffusers' model, with our seeded U-Net's weights
     model = DiffusersForward(unet).train()
     noisy, t, _, conditioning = as_tensors(example_batch(spec, 2, 8))
     inputs = (noisy, t, *conditioning.values())

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import compare, max_batch, report, saved
+from benchmarks import compare, max_batch, saved
 from benchmarks import plan as plan_cli
+from benchmarks.reports import report
 from shared_configs import load_spec
 from shared_configs.defaults import (
     AUTO,
@@ -23,9 +24,9 @@ from shared_configs.defaults import (
     resolve_chunk,
 )
 from shared_configs.planning.planner import DEVICE, Workload
+from shared_configs.regime import regime_of
 from shared_configs.training.budget import workload_of
 from shared_configs.training.config import TrainConfig, parse_args, used
-from shared_configs.training.regime import regime_of
 
 SPEC = load_spec("tiny")
 

@@ -8,9 +8,7 @@ at it. The reference is diffusers itself.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -25,10 +23,10 @@ from diffusers import UNet2DConditionModel
 from jax_impl import diffusers_io as jax_io
 from shared_configs.diffusers.folders import find_folder
 from shared_configs.inputs import example_inputs
+from tests.diffusers_utils import COMMIT, cache_repo
 from tests.utils import as_torch, diffusers_forward, randomize_, rel_err
 from torch_impl import UNet
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
 CONFIG = {  # a tiny SDXL-like U-Net: text_time conditioning
     "block_out_channels": (16, 32), "norm_num_groups": 8, "sample_size": 8, "layers_per_block": 1,
     "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"), "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
@@ -47,22 +45,6 @@ def model() -> UNet2DConditionModel:
     return unet
 
 
-def _cache_repo(hub: Path, repo_id: str, files: Path, subfolder: str = "unet") -> Path:
-    """Put ``files``' contents under ``hub`` as huggingface_hub caches a repo: blobs, a snapshot of links, refs/main."""
-    repo = hub / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / COMMIT / subfolder
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir(exist_ok=True)
-    for file in files.iterdir():
-        data = file.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    return repo
-
-
 @pytest.fixture(scope="module")
 def hf_home(model: UNet2DConditionModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An HF_HOME whose hub cache holds org/tiny-xl: a pipeline repo with unet/ in fp16 and fp32 variants."""
@@ -72,7 +54,7 @@ def hf_home(model: UNet2DConditionModel, tmp_path_factory: pytest.TempPathFactor
     half = tmp_path_factory.mktemp("half")
     copy.deepcopy(model).half().save_pretrained(half, variant="fp16")
     shutil.copy(half / "diffusion_pytorch_model.fp16.safetensors", files)
-    _cache_repo(home / "hub", "org/tiny-xl", files)
+    cache_repo(home / "hub", "org/tiny-xl", files)
     return home
 
 

@@ -11,45 +11,28 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from diffusers import UNet2DConditionModel, UNet2DModel
 
 from shared_configs import SpecError, from_diffusers_config, load_spec, to_diffusers_config
-from shared_configs.inputs import example_inputs
-from tests.utils import HUB_CONFIGS, as_torch, diffusers_forward, public_options, randomize_, rel_err, variant
+from tests.diffusers_utils import outputs, seeded_variant
+from tests.utils import HUB_CONFIGS, public_options, rel_err, variant
 from torch_impl import UNet
 
 CLASSES = {"UNet2DModel": UNet2DModel, "UNet2DConditionModel": UNet2DConditionModel}
 EXPORTABLE = ("ddpm_style", "sd_linear_proj", "sdxl_style", "sd21_style", "class_cond")
 
 
-def _ours(name: str) -> UNet:
-    torch.manual_seed(0)
-    model = UNet(variant(name)).eval()
-    randomize_(model, seed=3)
-    return model
-
-
-def _run(model: torch.nn.Module, spec: Any, diffusers: bool = False) -> torch.Tensor:
-    inputs = as_torch(example_inputs(spec, np.random.default_rng(1), batch=2, context_len=5))
-    inputs["t"] = torch.tensor([3.0, 517.0])
-    if diffusers:
-        return diffusers_forward(model, inputs)
-    with torch.no_grad():
-        return model(**inputs)
-
-
 @pytest.mark.parametrize("name", EXPORTABLE)
 def test_diffusers_builds_the_same_network_from_our_config(name: str) -> None:
-    ours = _ours(name)
+    ours = seeded_variant(name)
     config = to_diffusers_config(ours.spec)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # diffusers' deprecation notes about defaults
         theirs = CLASSES[config["_class_name"]].from_config(config).eval()
     theirs.load_state_dict(ours.to_diffusers_state_dict(), strict=True)
-    assert rel_err(_run(theirs, ours.spec, diffusers=True), _run(ours, ours.spec)) <= 1e-5
+    assert rel_err(outputs(theirs, ours.spec, diffusers=True), outputs(ours, ours.spec)) <= 1e-5
 
 
 @pytest.mark.parametrize("preset", list(HUB_CONFIGS))
@@ -65,15 +48,15 @@ def test_presets_export_to_their_hub_configs(preset: str) -> None:
 
 
 def test_save_diffusers_folder_loads_in_diffusers_and_back(tmp_path: Path) -> None:
-    ours = _ours("sd_linear_proj")
+    ours = seeded_variant("sd_linear_proj")
     folder = ours.save_diffusers(tmp_path / "unet")
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = UNet2DConditionModel.from_pretrained(folder).eval()
-    reference = _run(ours, ours.spec)
-    assert rel_err(_run(theirs, ours.spec, diffusers=True), reference) <= 1e-5
-    assert torch.equal(_run(UNet.from_diffusers(folder), ours.spec), reference)
+    reference = outputs(ours, ours.spec)
+    assert rel_err(outputs(theirs, ours.spec, diffusers=True), reference) <= 1e-5
+    assert torch.equal(outputs(UNet.from_diffusers(folder), ours.spec), reference)
     assert json.loads((folder / "config.json").read_text())["_class_name"] == "UNet2DConditionModel"
 
 

@@ -9,25 +9,24 @@ diffusers module, and our U-Net with the same weights measured by the benchmark'
 from __future__ import annotations
 
 import functools
-import warnings
 from pathlib import Path
 from typing import Any
 
-import diffusers
 import numpy as np
 import pytest
 import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from benchmarks.common import load_benchmark_spec
-from benchmarks.diffusers_bench import DiffusersForward
-from benchmarks.torch_memory import StepTracker
-from shared_configs import SpecError, UNetSpec, block_names, layer_names, to_diffusers_config
+from benchmarks.backends.diffusers_bench import DiffusersForward
+from benchmarks.harness.job import load_benchmark_spec
+from shared_configs import SpecError, UNetSpec, block_names, layer_names
 from shared_configs.training.data import example_batch
+from tests.diffusers_utils import diffusers_pair
 from tests.utils import count_flops, rel_err, variant
 from torch_impl import UNet, apply_plan, remove_plan
 from torch_impl.checkpointing import checkpointed_names
 from torch_impl.diffusers_plan import diffusers_path, diffusers_spec
+from torch_impl.memory import StepTracker
 from torch_impl.train import as_tensors, make_optimizer, train_step
 
 CONTEXT = 8  # cross-attention tokens
@@ -46,22 +45,10 @@ POLICIES = [
 ]
 
 
-def _pair(spec: UNetSpec) -> tuple[UNet, torch.nn.Module]:
-    """Our U-Net and diffusers' own, built from the spec's diffusers config, with the same weights."""
-    torch.manual_seed(0)
-    ours = UNet(spec)
-    config = to_diffusers_config(spec)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        theirs = getattr(diffusers, config["_class_name"]).from_config(config)
-    theirs.load_state_dict(ours.to_diffusers_state_dict(), strict=True)
-    return ours, theirs
-
-
 @pytest.fixture(scope="module", params=list(SPECS))
 def case(request: pytest.FixtureRequest) -> dict[str, Any]:
     spec = SPECS[request.param]()
-    unet = _pair(spec)[1]
+    unet = diffusers_pair(spec)[1]
     noisy, t, _, conditioning = as_tensors(example_batch(spec, 2, CONTEXT))
     model = DiffusersForward(unet)
     inputs = (noisy, t, *conditioning.values())
@@ -204,7 +191,7 @@ def test_peak_equals_our_unets_under_the_same_plan(name: str, batch_size: int, p
     spec = SPECS[name]()
     peaks: dict[str, tuple[int, int]] = {}
     for policy in ["none", *policies]:
-        ours, theirs = _pair(spec)
+        ours, theirs = diffusers_pair(spec)
         processors = {type(m.processor).__name__ for m in theirs.modules() if hasattr(m, "processor")}
         assert processors == {"AttnProcessor2_0"}  # F.scaled_dot_product_attention, as ours
         apply_plan(ours, policy)
@@ -225,10 +212,10 @@ def test_the_diffusers_lora_example_plans_and_trains(
     import importlib.util
 
     from shared_configs.planning.planner import CACHE_ENV, Workload, predict_policy
-    from shared_configs.training.regime import Regime
+    from shared_configs.regime import Regime
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    _, theirs = _pair(SPECS["sd_narrow"]())
+    _, theirs = diffusers_pair(SPECS["sd_narrow"]())
     theirs.save_pretrained(tmp_path / "pipe" / "unet")
     work = Workload(diffusers_spec(theirs), 2, Regime("bf16-mixed", "lora:4"))  # the example's own workload
     none, full = (predict_policy(work, p)[0].predictions[0].peak_bytes for p in ("none", "full"))

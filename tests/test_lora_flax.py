@@ -15,7 +15,7 @@ from flax import traverse_util
 from jax_impl import UNet as FlaxUNet
 from jax_impl import train as jt
 from jax_impl.convert import _split, flax_to_torch, torch_to_flax
-from shared_configs.training.regime import Regime
+from shared_configs.regime import Regime
 from tests.parity_utils import parity_inputs
 from tests.utils import as_flax, as_torch, randomize_, rel_err, variant
 from torch_impl import UNet as TorchUNet

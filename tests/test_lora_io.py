@@ -11,7 +11,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from shared_configs import SpecError, to_diffusers_config
-from tests.test_diffusers_export import _ours, _run
+from tests.diffusers_utils import outputs, seeded_variant
 from tests.utils import rel_err
 from torch_impl.lora_io import LORA_WEIGHTS, load_lora_weights, lora_state_dict, save_lora_weights
 from torch_impl.regime import add_lora
@@ -19,7 +19,7 @@ from torch_impl.regime import add_lora
 
 @pytest.mark.parametrize("name", ["sd_linear_proj", "sdxl_style"])
 def test_diffusers_loads_our_lora_and_computes_the_same(name: str, tmp_path: Path) -> None:
-    ours, gen = add_lora(_ours(name), 4), torch.Generator().manual_seed(5)
+    ours, gen = add_lora(seeded_variant(name), 4), torch.Generator().manual_seed(5)
     with torch.no_grad():
         for key, param in ours.named_parameters():
             if "lora_B" in key:  # B starts at zero (no change); random, the adapters count
@@ -29,18 +29,18 @@ def test_diffusers_loads_our_lora_and_computes_the_same(name: str, tmp_path: Pat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = UNet2DConditionModel.from_config(to_diffusers_config(ours.spec)).eval()
-        theirs.load_state_dict(_ours(name).to_diffusers_state_dict(), strict=True)
+        theirs.load_state_dict(seeded_variant(name).to_diffusers_state_dict(), strict=True)
         theirs.load_lora_adapter(str(tmp_path), weight_name=LORA_WEIGHTS, prefix="unet")
-    expected = _run(ours, ours.spec)
-    assert rel_err(_run(theirs, ours.spec, diffusers=True), expected) <= 1e-5
-    assert rel_err(_run(_ours(name), ours.spec), expected) > 1e-3  # the adapters change the outputs
-    again = load_lora_weights(_ours(name), path)  # adapters added from the file's rank
-    assert rel_err(_run(again, ours.spec), expected) <= 1e-6
+    expected = outputs(ours, ours.spec)
+    assert rel_err(outputs(theirs, ours.spec, diffusers=True), expected) <= 1e-5
+    assert rel_err(outputs(seeded_variant(name), ours.spec), expected) > 1e-3  # the adapters change the outputs
+    again = load_lora_weights(seeded_variant(name), path)  # adapters added from the file's rank
+    assert rel_err(outputs(again, ours.spec), expected) <= 1e-6
 
 
 def test_bad_lora_files_are_one_line(tmp_path: Path) -> None:
     (tmp_path / LORA_WEIGHTS).write_bytes(b"not safetensors")
     with pytest.raises(SpecError, match="unreadable LoRA weights"):
-        load_lora_weights(_ours("sd_linear_proj"), tmp_path)
+        load_lora_weights(seeded_variant("sd_linear_proj"), tmp_path)
     with pytest.raises(SpecError, match="no LoRA adapters"):
-        lora_state_dict(_ours("sd_linear_proj"))
+        lora_state_dict(seeded_variant("sd_linear_proj"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import REPO_ROOT
+from benchmarks.harness.job import REPO_ROOT
 from benchmarks.max_batch import DEFAULT_PROBES, ROUNDS, answer, main, next_batches
 from shared_configs import load_spec
 from shared_configs.units import MIB

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.jax_memory import MemoryPlan, _read, _write
+from jax_impl.memory import MemoryPlan, _read, _write
 from shared_configs import load_spec
 from shared_configs.planning import planner
 from shared_configs.planning.budget import Profile

@@ -16,14 +16,13 @@ import pytest
 
 import torch_impl
 from benchmarks import plan as cli
-from benchmarks import stepclock
 from shared_configs import SpecError, load_spec, resolve_plan
-from shared_configs.planning import planner
+from shared_configs.planning import planner, stepclock
 from shared_configs.planning.budget import SAFETY, Profile, assignment_of, per_rank, predict, safety_margin
 from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs.planning.solver import smallest_peak, solve
-from shared_configs.training.regime import Regime
+from shared_configs.regime import Regime
 from shared_configs.units import MIB
 from tests.utils import random_profile
 
@@ -212,7 +211,7 @@ def _measure_as(monkeypatch: pytest.MonkeyPatch, profiles: dict[str, Profile], o
     """The planner's workers, stood in for: checked peaks are the profile's predictions; measured
     ones too (``over``: the fastest plan measured is 10% above), and steps take `_true_step`
     seconds times a load shared by each round (and 1% of noise), raced by the worker's own
-    `benchmarks.stepclock.measured_rounds` on a stand-in clock. Returns the requests (kind,
+    `shared_configs.planning.stepclock.measured_rounds` on a stand-in clock. Returns the requests (kind,
     framework, policies)."""
     calls: list[tuple] = []
     load = np.random.default_rng(0).uniform(1.0, 1.5, 64)
@@ -381,14 +380,14 @@ def test_plan_for_a_diffusers_folder_and_a_cached_repo(
     """``--diffusers`` plans for the model's own config (read from its folder, or from the Hugging
     Face cache by repo id, a pipeline's unet/ found in either), for both frameworks, in a regime."""
     from shared_configs.diffusers.folders import find_folder
-    from tests.test_diffusers_cache import _cache_repo
+    from tests.diffusers_utils import cache_repo
     from tests.utils import variant
     from torch_impl.unet import UNet
 
     ours = variant("sd_linear_proj")  # a spec diffusers' classes can express
     UNet(ours).save_diffusers(tmp_path / "pipe" / "unet")
     hub = tmp_path / "hf" / "hub"
-    _cache_repo(hub, "org/tiny-pipe", tmp_path / "pipe" / "unet")
+    cache_repo(hub, "org/tiny-pipe", tmp_path / "pipe" / "unet")
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     spec = cli.workload_of(cli.build_parser().parse_args(["--diffusers", str(tmp_path / "pipe"), "--batch-size", "2"]))

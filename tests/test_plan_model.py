@@ -2,7 +2,7 @@
 on plans the profile never ran (random per-unit mixes) with the benchmark's own instruments.
 
 Workload: tiny at 32x32, batch 4 (activations well above its 1 MB of weights). Torch: the
-reference is `benchmarks.torch_memory.StepTracker` around `torch_impl.train.train_step`, an
+reference is `torch_impl.memory.StepTracker` around `torch_impl.train.train_step`, an
 instrument the profiler does not use. JAX (slow: XLA compiles): the compiled step's
 ``memory_analysis()``, which the profile reads only through XLA's live ranges.
 """
@@ -34,13 +34,13 @@ def _profile(fields: dict) -> Profile:
 
 @pytest.fixture(scope="module")
 def torch_profile() -> Profile:
-    from benchmarks import profile_torch
+    from torch_impl import profile as profile_torch
 
     return _profile(profile_torch.profile(SPEC, BATCH, CONTEXT, repeats=0))  # bytes only: no timed steps
 
 
 def _torch_peaks(policies: list[str]) -> dict[str, int]:
-    from benchmarks import profile_torch
+    from torch_impl import profile as profile_torch
 
     s = profile_torch.setup(SPEC, BATCH, CONTEXT)
     peaks = {}
@@ -73,7 +73,7 @@ def test_torch_predictions_match_the_benchmark_tracker(torch_profile: Profile) -
 def test_torch_peak_check_on_fake_tensors_gives_the_tracker_peak() -> None:
     """The planner's check of a torch plan (`profile_torch.peaks`, nothing allocated) against the
     benchmark tracker's peak of real steps: 64 KiB under it, the same for every policy."""
-    from benchmarks import profile_torch
+    from torch_impl import profile as profile_torch
 
     rng = np.random.default_rng(3)
     policies = ["none", "full"] + [policy_string(random_assignment(SPEC, rng)) for _ in range(2)]
@@ -86,7 +86,7 @@ def test_torch_peak_check_on_fake_tensors_gives_the_tracker_peak() -> None:
 def test_torch_shapes_only_profile_equals_the_real_one(torch_profile: Profile) -> None:
     """Fake tensors pick the same kernels: the estimate from shapes equals the measured profile's
     (to 1%: a recomputed block stashes the real RNG state, which fake mode does not allocate)."""
-    from benchmarks import profile_torch
+    from torch_impl import profile as profile_torch
 
     shapes = _profile(profile_torch.profile(SPEC, BATCH, CONTEXT, shapes=True))
     assert shapes.mode == "shapes"
@@ -99,7 +99,7 @@ def test_torch_shapes_only_profile_equals_the_real_one(torch_profile: Profile) -
 @pytest.mark.slow
 def test_jax_predictions_match_memory_analysis() -> None:
     """Shapes-only JAX profile (five compiles, none run) against three more plans' compiled peaks."""
-    from benchmarks import profile_jax
+    from jax_impl import profile as profile_jax
 
     spec = variant("tiny", sample_size=16, dropout=0.0)
     fields = profile_jax.profile(spec, BATCH, CONTEXT, shapes=True)
@@ -125,7 +125,7 @@ def test_jax_predictions_match_memory_analysis() -> None:
 def test_torch_profiles_specs_with_conditioning_inputs(name: str) -> None:
     """Class labels and SDXL's added embeddings reach the model (the `Batch` carries them): the
     profile from shapes equals the measured one (1%), which predicts the tracker's peaks (5%)."""
-    from benchmarks import profile_torch
+    from torch_impl import profile as profile_torch
 
     spec = variant(name, sample_size=16)
     fields = {"config": name, "sample_size": 16, "batch_size": 2, "context_length": CONTEXT}
@@ -147,7 +147,7 @@ def test_torch_profiles_specs_with_conditioning_inputs(name: str) -> None:
 @pytest.mark.slow
 def test_jax_profiles_sdxl_style_inputs() -> None:
     """SDXL's text embeddings and time ids through the loop's own jitted step."""
-    from benchmarks import profile_jax
+    from jax_impl import profile as profile_jax
 
     spec = variant("sdxl_style", sample_size=16)
     fields = profile_jax.profile(spec, 2, CONTEXT, shapes=True)

@@ -12,7 +12,7 @@ import pytest
 
 from shared_configs.planning.budget import Profile, assignment_of, policy_string, predict, random_assignment
 from shared_configs.planning.planner import Workload, profile_path
-from shared_configs.training.regime import Regime, state_bytes
+from shared_configs.regime import Regime, state_bytes
 from tests.utils import variant
 
 SPEC = variant("tiny", sample_size=32, dropout=0.0)
@@ -36,7 +36,7 @@ def _profile(fields: dict, regime: Regime) -> Profile:
 def test_torch_profile_in_a_regime_predicts_the_tracked_peak(name: str) -> None:
     """Profiled in the regime (autocast, frozen base, the regime's optimizer and EMA copy), the
     model predicts real steps of that regime within 5%, plans it never ran included."""
-    from benchmarks import profile_torch
+    from torch_impl import profile as profile_torch
 
     regime = REGIMES[name]
     profile = _profile(profile_torch.profile(SPEC, BATCH, CONTEXT, repeats=0, regime=regime), regime)
@@ -53,7 +53,7 @@ def test_torch_profile_in_a_regime_predicts_the_tracked_peak(name: str) -> None:
 def test_the_regime_changes_what_a_step_keeps() -> None:
     """Not a float32 profile rescaled: a frozen base keeps fewer activations than a trained one in
     the same precision, and pure bfloat16 less than mixed (fake tensors: nothing allocated)."""
-    from benchmarks import profile_torch
+    from torch_impl import profile as profile_torch
 
     def peaks(regime: Regime) -> dict[str, int]:
         return profile_torch.peaks(SPEC, BATCH, ["none", "full"], CONTEXT, regime=regime)["peaks"]
@@ -71,7 +71,7 @@ def test_adamw8bit_state_model_matches_torchao() -> None:
     """`state_bytes("adamw8bit", ...)` against the bytes torchao's AdamW8bit really keeps after a step."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchao")
-    from benchmarks.torch_memory import state_tensors, storage_bytes
+    from torch_impl.memory import state_tensors, storage_bytes
     from torch_impl.regime import make_optimizer
     from torch_impl.unet import UNet
 
@@ -92,7 +92,7 @@ def test_jax_profile_in_a_regime_predicts_the_compiled_peak() -> None:
     """JAX in bfloat16 mixed precision, LoRA adapters on a frozen base, Adafactor and an EMA copy:
     the profile (XLA's live ranges) predicts the compiled step's ``memory_analysis()`` peak within
     5% (float16 has no XLA:CPU matmul kernel)."""
-    from benchmarks import profile_jax
+    from jax_impl import profile as profile_jax
 
     regime = Regime("bf16-mixed", "lora:8", "adafactor", ema=True)
     fields = profile_jax.profile(SPEC, BATCH, CONTEXT, shapes=True, repeats=0, attention_chunk=None, regime=regime)

@@ -1,4 +1,4 @@
-"""Training regimes (`shared_configs.training.regime`): precision, LoRA, optimizers, EMA.
+"""Training regimes (`shared_configs.regime`): precision, LoRA, optimizers, EMA.
 
 Each is held against an independent reference: LoRA against the plain model it starts as (and its
 frozen weights against themselves), the EMA against its recurrence in float64, a checkpointed run
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from shared_configs.training.config import TrainConfig, parse_args
 from shared_configs.training.data import load_dataset, step_seed
-from shared_configs.training.regime import Regime
 from shared_configs.training.run_folder import RunFolderError
 from tests.train_utils import CFG, SCHEDULE
 from tests.utils import rel_err, variant

@@ -49,8 +49,8 @@ def test_torch_selective_equals_plain(policy: str) -> None:
 
 def test_benchmark_saved_bytes_count_policy_outputs() -> None:
     """`SavedBytesCounter` (the benchmark's torch saved column) sees what SAC keeps."""
-    from benchmarks.torch_memory import SavedBytesCounter
     from torch_impl import UNet
+    from torch_impl.memory import SavedBytesCounter
 
     model = UNet(variant("tiny", dropout=0.0))
     x, ctx = torch.randn(1, 4, 8, 8), torch.randn(1, 5, 12)

@@ -1,4 +1,4 @@
-"""`benchmarks.stepclock.paired` (plan against hand policy, round by round) and the sweep's claim
+"""`shared_configs.planning.stepclock.paired` (plan against hand policy, round by round) and the sweep's claim
 lines built on it: checked against the sign test's confidence interval written out from the
 binomial distribution, and against constructed rounds whose answer is known."""
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
-from benchmarks import stepclock
-from benchmarks.plan_sweep import against_hand
-from benchmarks.stepclock import paired
+from benchmarks.harness.plan_sweep import against_hand
+from shared_configs.planning import stepclock
+from shared_configs.planning.stepclock import paired
 from shared_configs.units import MIB
 
 

@@ -99,11 +99,10 @@ def _record(out: Path) -> dict:
 
 def _torch_tracker_peak(policy: str) -> int:
     """The benchmark's `StepTracker` over the first two steps of a fresh run under ``policy``."""
-    from benchmarks.common import batch_bytes
-    from benchmarks.torch_memory import StepTracker
-    from shared_configs.training.data import load_dataset
+    from shared_configs.training.data import batch_bytes, load_dataset
     from tests.train_utils import SCHEDULE, torch_model
     from torch_impl import train as ttrain
+    from torch_impl.memory import StepTracker
 
     model = torch_model(SPEC, policy)
     optimizer = ttrain.make_optimizer(model, 1e-3, 0.0)
@@ -149,8 +148,8 @@ def test_jax_trains_to_a_budget_reporting_the_compiled_peak_the_planner_checks(
 ) -> None:
     """JAX: the plan is `plan_for_budget`'s; the peak reported is the loop's compiled step's, equal
     (within 1%: the optimizer's hyperparameters differ) to the planner's check of the same plan."""
-    from benchmarks.profile_jax import peaks
     from jax_impl import train as jtrain
+    from jax_impl.profile import peaks
 
     budget = _seed("jax")
     policy = plan_for_budget("tiny", BATCH, budget, framework="jax", context_length=1)

@@ -1,4 +1,4 @@
-"""A training regime (`shared_configs.training.regime.Regime`) in PyTorch.
+"""A training regime (`shared_configs.regime.Regime`) in PyTorch.
 
 - precision: ``bf16`` casts the model to bfloat16 (weights, gradients and optimizer state follow);
   the ``*-mixed`` ones keep float32 weights and run the forward under ``torch.autocast``
@@ -17,8 +17,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from shared_configs.regime import DEFAULT, LORA_TARGETS, Regime
 from shared_configs.spec import SpecError
-from shared_configs.training.regime import DEFAULT, LORA_TARGETS, Regime
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # diffusers' attention keeps its output projection in a list (``to_out.0``); ours is the Linear itself.

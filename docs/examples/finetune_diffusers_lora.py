@@ -20,7 +20,7 @@ from peft import LoraConfig
 
 import torch_impl
 from shared_configs.diffusers.folders import find_folder
-from shared_configs.training.regime import Regime
+from shared_configs.regime import Regime
 
 MIB = 1 << 20
 

@@ -5,7 +5,7 @@ the optimum many plans are that close; JAX's FLOP pricing over-predicts), so a m
 answer is picked among candidates measured in one process, round by round: the solver's optimum,
 the next distinct best plans (`shared_configs.planning.solver.next_best`), and the hand policies.
 Each candidate's peak is checked with nothing allocated first; those that fit race
-(`benchmarks.stepclock.race`: a candidate leaves once another is faster than it at 90%, round by
+(`shared_configs.planning.stepclock.race`: a candidate leaves once another is faster than it at 90%, round by
 round), and the fastest whose measured peak fits is returned. So the answer is never slower than
 a fitting hand policy beyond the interval stated with it.
 

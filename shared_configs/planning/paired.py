@@ -1,6 +1,6 @@
 """Two policies' step times compared round by round: the median ratio and its sign-test interval.
 
-Both lists come from one `benchmarks.stepclock.in_turn` (or `race`): round i of each ran back to
+Both lists come from one `shared_configs.planning.stepclock.in_turn` (or `race`): round i of each ran back to
 back, so pairing by round cancels what a round shares. Framework-free (SciPy only): the planner
 decides among measured candidates with it (`shared_configs.planning.candidates`).
 """

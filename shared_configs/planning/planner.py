@@ -7,8 +7,8 @@
 
 `plan` is the one pipeline: `plan_for_budget` and ``python -m benchmarks.plan`` both call it.
 The profile of a (spec, batch, sample size, framework) is measured in a worker process that imports
-only that framework (``python -m benchmarks.plan_worker``, the benchmark's instruments; this module
-imports neither framework), and cached as JSON
+only that framework (``python -m torch_impl.profile`` / ``jax_impl.profile``, started by
+`shared_configs.planning.workers`; this module imports neither framework), and cached as JSON
 under ``$UNET_REMAT_PLAN_CACHE`` (default ``~/.cache/unet-remat/plan``) keyed by everything it
 depends on. ``shapes=True`` profiles without allocating (fake tensors; XLA compiled, never run):
 time is then FLOPs at ``flops_per_s``.
@@ -44,15 +44,10 @@ from shared_configs.planning.budget import (
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, REFERENCE, measured_choice, unmeasurable
 from shared_configs.planning.recompute_time import at_stated_rates
 from shared_configs.planning.solver import Solution, solve
-from shared_configs.planning.workers import (  # noqa: F401 (REPO_ROOT, XLA_*: re-exported for their users)
-    REPO_ROOT,
-    XLA_CPU_FLAG,
-    XLA_CPU_OPTIONS,
-    run_worker,
-)
+from shared_configs.planning.workers import run_worker
+from shared_configs.regime import DEFAULT as DEFAULT_REGIME
+from shared_configs.regime import Regime, check_planned
 from shared_configs.spec import SpecError, UNetSpec
-from shared_configs.training.regime import DEFAULT as DEFAULT_REGIME
-from shared_configs.training.regime import Regime, check_planned
 from shared_configs.units import MIB
 
 CACHE_ENV = "UNET_REMAT_PLAN_CACHE"
@@ -200,7 +195,7 @@ def measure(
     """Each policy's measured peak and step time, with the benchmark's instruments (one process);
     torch with ``ratios``: also torch.compile at each ``activation_memory_budget`` (rows
     ``torch.compile:RATIO``); ``race_to`` (budget, reference, min_rounds): the policies that fit
-    race (`benchmarks.stepclock.race`) for up to ``steps`` rounds."""
+    race (`shared_configs.planning.stepclock.race`) for up to ``steps`` rounds."""
     start = time.perf_counter()
     many = f"up to {steps}" if race_to else f"{steps}"
     progress(f"measuring {len(policies)} plan(s) in {framework}, one process: a compile, a warm-up and {many} "

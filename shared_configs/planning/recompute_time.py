@@ -5,7 +5,7 @@ FLOPs do not count (norms, activations), writes the bytes the unit no longer kee
 back. So a choice costs ``flops * per_flop + 2 * (plain keep - keep) * per_byte`` seconds.
 
 The shapes-only profile takes the rates as stated (`at_stated_rates`); the JAX
-profile takes FLOPs at its plain step's own throughput and no byte term (`benchmarks.profile_jax`
+profile takes FLOPs at its plain step's own throughput and no byte term (`jax_impl.profile`
 says why its measured steps price nothing).
 """
 

@@ -20,7 +20,7 @@ for both frameworks:
 * buffers that exist before the step (parameters, optimizer state, inputs: ``static``) or live to
   its end (its outputs) belong to no unit: they sit inside every peak.
 
-`benchmarks.memory_timeline` is the benchmark's picture of a step (levels per kind, thinned for a
+`shared_configs.memory` is the benchmark's picture of a step (levels per kind, thinned for a
 figure); it keeps no buffer, so it cannot attribute bytes to units, and this cannot draw.
 """
 

@@ -23,12 +23,12 @@ from typing import Any
 
 from shared_configs.cli import OneLineParser, cache_dir, nonnegative, positive, positive_mib
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, jax_cache_dir, resolve_chunk
+from shared_configs.regime import Regime, add_regime_arguments
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.data import DATASETS
 from shared_configs.training.ddpm import SCHEDULES, make_schedule
 from shared_configs.training.manifest import CheckpointWriteError
 from shared_configs.training.preemption import Stopped, exit_status, resume_command
-from shared_configs.training.regime import Regime, add_regime_arguments
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     seed: int = 0
-    precision: str = "fp32"  # the regime (shared_configs.training.regime): precision, what is trained,
+    precision: str = "fp32"  # the regime (shared_configs.regime): precision, what is trained,
     trainable: str = "all"  # the optimizer, an EMA copy
     optimizer: str = "adamw"
     ema: bool = False

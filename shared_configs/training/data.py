@@ -239,3 +239,14 @@ def _fit(images: np.ndarray, size: int) -> np.ndarray:
 def step_seed(seed: int, step: int) -> int:
     """A per-step seed for framework RNGs (dropout): resuming at ``step`` replays the same masks."""
     return int(np.random.default_rng([seed, step, 1]).integers(0, 2**31 - 1))
+
+
+def step_arrays(batch: Batch) -> list[np.ndarray]:
+    """The arrays a training step reads: images, timesteps, targets and the conditioning (labels are
+    not given to the model)."""
+    return [batch.noisy, batch.t, batch.noise, *(a for a in batch.conditioning().values() if a is not None)]
+
+
+def batch_bytes(batch: Batch) -> int:
+    """Bytes of the arrays a training step reads."""
+    return sum(a.nbytes for a in step_arrays(batch))

@@ -21,8 +21,7 @@ import numpy as np
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
-from benchmarks.report import atomic_write, write_json
-from benchmarks.stepclock import paired, paired_text
+from benchmarks.reports.report import atomic_write, write_json
 from shared_configs.planning.budget import (
     Profile,
     assignment_of,
@@ -34,6 +33,7 @@ from shared_configs.planning.budget import (
 from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.planner import Workload, checked_solve, get_profile, measure
 from shared_configs.planning.solver import Infeasible, smallest_peak, solve
+from shared_configs.planning.stepclock import paired, paired_text
 from shared_configs.units import MIB
 
 
@@ -152,7 +152,7 @@ def _at_measured_balanced(
 
 
 def _pair(plans: list[dict[str, Any]], hand: dict[str, Any]) -> None:
-    """Each measured plan against each hand policy, round by round (`benchmarks.stepclock.paired`)."""
+    """Each measured plan against each hand policy, round by round (`shared_configs.planning.stepclock.paired`)."""
     for p in (p for p in plans if "measured_rounds_s" in p):
         p["paired"] = {name: paired(p["measured_rounds_s"], h["measured_rounds_s"]) for name, h in hand.items()}
 

@@ -34,10 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import CATEGORIES, block_of
-from benchmarks.memory_timeline import timeline
 from shared_configs.files import atomic_write
+from shared_configs.memory import CATEGORIES, block_of, timeline
 
+# Buffer assignment precedes code generation: memory figures are the same at -O0, and sooner. Also
+# for init_state compiled: what is left of it is a random-number kernel per parameter, run once,
+# and LLVM's optimisations of those would take far longer than the run (the same draws, sooner).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 DUMP = {"xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "jit_train_step"}
 METHOD = (
     "XLA's buffer assignment and live ranges (xla_dump_to) of the compiled step: arguments fixed, the temp "
@@ -138,7 +141,7 @@ def _write(cache_dir: str | None, key: str, plan: MemoryPlan) -> None:
 
 @dataclass
 class Dump:
-    """The dump files of one compiled ``jit_train_step``, parsed (`benchmarks.xla_dump` files the
+    """The dump files of one compiled ``jit_train_step``, parsed (`jax_impl.xla_dump` files the
     same values by U-Net unit for the planner)."""
 
     sequence: list[str]  # XLA's schedule: instruction names in order

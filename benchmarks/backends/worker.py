@@ -1,8 +1,8 @@
-"""Measure one framework's rows in this process: ``python -m benchmarks.worker JOB_JSON``.
+"""Measure one framework's rows in this process: ``python -m benchmarks.backends.worker JOB_JSON``.
 
-Started by `benchmarks.runner`, one process per framework, with the environment already set
+Started by `benchmarks.harness.runner`, one process per framework, with the environment already set
 (``XLA_FLAGS`` must be in place before jax is imported). Talks to the parent through event
-lines on stdout (see `benchmarks.common.emit`): ``env`` once, then ``start`` and ``row`` per
+lines on stdout (see `benchmarks.harness.job.emit`): ``env`` once, then ``start`` and ``row`` per
 row. A row that fails is reported (``oom`` or ``error``) and the next row runs.
 
 Testing hooks (environment): ``BENCHMARKS_SIMULATE_OOM=framework:policy:batch,...`` raises the
@@ -19,7 +19,7 @@ import sys
 import traceback
 from typing import Any, Protocol, cast
 
-from benchmarks.common import KILL_SIM_ENV, OOM_SIM_ENV, Job, emit, is_oom_message, one_line, parse_sim
+from benchmarks.harness.job import KILL_SIM_ENV, OOM_SIM_ENV, Job, emit, is_oom_message, one_line, parse_sim
 
 
 class Backend(Protocol):
@@ -76,7 +76,7 @@ def run_row(backend: Backend, job: Job, policy: str, batch_size: int, device: An
 
 def main(argv: list[str]) -> int:
     if argv[0] == "--floor":  # benchmarks.max_batch: the least any step can need, from shapes
-        from benchmarks.torch_bench import static_floor
+        from benchmarks.backends.torch_bench import static_floor
 
         emit("floor", **static_floor(Job.from_json(argv[1])))
         return 0

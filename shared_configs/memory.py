@@ -1,4 +1,5 @@
-"""Memory over a training step, framework-free: the data behind the timeline picture.
+"""Memory over a training step, framework-free: the kinds a peak is split into, the block a
+name is in, and the data behind the timeline picture.
 
 Each framework's instrument hands over, per position in the step (a torch op's allocation or
 free, an XLA schedule slot), the live bytes of every kind in `CATEGORIES`, the block the position
@@ -14,12 +15,28 @@ only the summed levels per kind survive, thinned for a figure. Neither can be ma
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from benchmarks.common import CATEGORIES, OUTSIDE
+# The kinds of memory a peak is split into, in stacking order; together they add up to the peak.
+# Row columns are f"{kind}_bytes".
+CATEGORIES: tuple[str, ...] = ("params", "optimizer", "grads", "input", "activation", "temporary")
+OUTSIDE = "(top)"  # conv_in, time embedding, conv_out, the loss, the optimizer: in no U-Net block
+_BLOCK = re.compile(r"(?:^|[/.])(?:(down|up)[._](\d+)|(mid))(?=$|[/.])")
+
+
+def block_of(path: str) -> str:
+    """The U-Net block a module path is in, from a torch name (``UNet.down.1.resnets.0``) or a
+    Flax / XLA name stack (``transpose(jvp(UNet))/checkpoint/rematted_computation/up_1/...``):
+    ``down.1``, ``mid``, ``up.1``, ...; `OUTSIDE` when it names none."""
+    match = _BLOCK.search(path)
+    if match is None:
+        return OUTSIDE
+    return "mid" if match[3] else f"{match[1]}.{match[2]}"
+
 
 POINTS = 1500  # positions kept per timeline: enough for a figure, small in the JSON
 

@@ -3,7 +3,7 @@
 worker only, after it has set ``XLA_FLAGS``.
 
 Per row: the step is lowered and compiled (timed apart) with XLA's memory plan dumped
-(`benchmarks.jax_memory`: the peak, its parts and the timeline); ``cost_analysis()`` gives the
+(`jax_impl.memory`: the peak, its parts and the timeline); ``cost_analysis()`` gives the
 FLOPs, ``saved_residuals`` what autodiff keeps; one warm-up run, then ``steps`` timed runs. With
 ``--xla-default`` on CPU the same lowered step is compiled again with XLA's default pass list
 (``cse_barrier_expander`` on, LLVM at -O0 since it is never run) for the un-flagged figure.
@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
 
-from benchmarks.common import (
+from benchmarks.harness.job import (
     OPTIMIZER,
     XLA_CPU_FLAG,
     Job,
@@ -33,21 +33,18 @@ from benchmarks.common import (
     policy_arg,
     timing_stats,
 )
-from benchmarks.jax_memory import compile_with_plan
 from jax_impl import UNet
 from jax_impl import train as jt
+from jax_impl.memory import FAST_COMPILE, compile_with_plan
 from jax_impl.parallel import make_mesh, shard, state_shardings
 from shared_configs.defaults import device_of, resolve_chunk
+from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from shared_configs.training.data import example_batch
-from shared_configs.training.regime import Regime
 
 SEED = 0
-# init_state compiled: the forward pass is dead code (only variables are returned); what is left is a
-# random-number kernel per parameter, run once. LLVM's optimisations of those would take far longer
-# than the run (half of XLA:CPU's compile time), so they are off for it: the same draws (equal up to
-# float32 rounding of the last bit), sooner.
-FAST_INIT = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
 def attention_chunk(job: Job, device: jax.Device) -> int | None:
     """The job's chunk size; ``auto``: the device's default (`shared_configs.defaults`)."""
     return resolve_chunk(job.attention_chunk, device_of(device.platform))
@@ -139,7 +136,7 @@ def _initial_state(config: str, sample_size: int | None, source: str, regime: Re
         spec = load_benchmark_spec(config, sample_size)
         model = UNet(spec=spec, policy="none", lora_rank=regime.lora_rank)
         init = functools.partial(jt.init_state, model, tx, SEED, regime)
-        state = jax.jit(init, compiler_options=FAST_INIT)()
+        state = jax.jit(init, compiler_options=FAST_COMPILE)()
     return jax.tree.map(np.asarray, state)
 
 

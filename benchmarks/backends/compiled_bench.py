@@ -1,13 +1,13 @@
 """The PyTorch training step under ``torch.compile``: the rows of ``benchmarks.compare --compile``.
 
-Framework ``compiled`` in the worker (`benchmarks.worker`), beside the eager ``torch`` rows, in its
+Framework ``compiled`` in the worker (`benchmarks.backends.worker`), beside the eager ``torch`` rows, in its
 own process. Per row: our U-Net with the row's plan (its checkpoints traced into the graph,
 `torch_impl.checkpointing`), ``torch.compile(model)``, trained by the same
 `torch_impl.train.train_step`. The first step compiles (``compile_s``: its seconds, compile
 included), a second warms up, one step runs under the memory instruments, then ``steps`` timed steps.
 
 Memory: the tensor-level tracker of the eager rows is a dispatch mode, under which Dynamo runs the
-model eagerly; so the peak here is the allocator's (`benchmarks.torch_memory.AllocatorPeak` on CPU,
+model eagerly; so the peak here is the allocator's (`torch_impl.memory.AllocatorPeak` on CPU,
 ``max_memory_allocated`` on a GPU), the instrument the eager rows also report as
 ``allocator_peak_bytes``. ``saved_bytes``: what the compiled graph saves for backward (its
 ``save_for_backward`` goes through ``saved_tensors_hooks``, parameters left out).
@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import OPTIMIZER, Job, batch_bytes, job_spec, policy_arg, timing_stats
-from benchmarks.torch_bench import (
+from benchmarks.backends.torch_bench import (
     device_info,
     in_regime,
     one_row_per_process,
@@ -39,8 +38,9 @@ from benchmarks.torch_bench import (
     timed_steps,
     versions,
 )
-from benchmarks.torch_memory import AllocatorPeak, SavedBytesCounter, state_tensors, storage_bytes
-from shared_configs.training.data import example_batch
+from benchmarks.harness.job import OPTIMIZER, Job, job_spec, policy_arg, timing_stats
+from shared_configs.training.data import batch_bytes, example_batch
+from torch_impl.memory import AllocatorPeak, SavedBytesCounter, state_tensors, storage_bytes
 from torch_impl.regime import make_optimizer, regime_tools
 from torch_impl.train import train_step
 

@@ -2,7 +2,7 @@
 calls (``zero_grad()`` first, forward, MSE, backward, AdamW). Imported by the worker.
 
 Per row: a warm-up step under `FlopCounterMode` (it also makes the optimizer state), one step
-under the memory instruments (`benchmarks.torch_memory`: the peak, its breakdown and timeline,
+under the memory instruments (`torch_impl.memory`: the peak, its breakdown and timeline,
 the allocator's peak, the bytes saved for backward), on CPU one step under PyTorch's own
 ``MemTracker`` (the independent check), then ``steps`` timed, uninstrumented steps. FLOPs are
 counted apart from memory because `FlopCounterMode`'s module tracking keeps tensors inside
@@ -20,18 +20,20 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks import torch_ranks
-from benchmarks.common import (
+from benchmarks.backends import torch_ranks
+from benchmarks.harness.job import (
     OPTIMIZER,
     Job,
-    batch_bytes,
     cpu_name,
     job_spec,
     policy_arg,
-    step_arrays,
     timing_stats,
 )
-from benchmarks.torch_memory import (
+from shared_configs.regime import DEFAULT, LORA_TARGETS, Regime
+from shared_configs.training.data import batch_bytes, step_arrays
+from torch_impl import UNet
+from torch_impl.flops import register_cpu_attention_flops
+from torch_impl.memory import (
     FSDP_METHOD,
     TRACKER_METHOD,
     AllocatorPeak,
@@ -39,9 +41,6 @@ from benchmarks.torch_memory import (
     StepTracker,
     memtracker,
 )
-from shared_configs.training.regime import DEFAULT, LORA_TARGETS, Regime
-from torch_impl import UNet
-from torch_impl.flops import register_cpu_attention_flops
 from torch_impl.regime import DIFFUSERS_LORA_TARGETS, apply_regime, make_optimizer, regime_tools
 from torch_impl.train import train_step
 

@@ -3,8 +3,8 @@
 Each rank builds the same seeded model, applies the plan, then shards it as the training loop's
 ``--distributed fsdp`` does (`torch_impl.parallel.shard_blocks`: one FSDP2 unit per U-Net block,
 then the root) and steps on its slice of a global batch of N x the per-rank batch size. Every rank
-measures its own step (`benchmarks.torch_memory.StepTracker` counts this rank's tensors only);
-`gather` hands rank 0 the other ranks' peaks. Only rank 0 reports (`benchmarks.common.emit`).
+measures its own step (`torch_impl.memory.StepTracker` counts this rank's tensors only);
+`gather` hands rank 0 the other ranks' peaks. Only rank 0 reports (`benchmarks.harness.job.emit`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import Job
-from benchmarks.torch_memory import state_tensors, storage_bytes
+from benchmarks.harness.job import Job
 from shared_configs import UNetSpec
 from shared_configs.training.data import Batch, example_batch
+from torch_impl.memory import state_tensors, storage_bytes
 from torch_impl.parallel import shard_blocks
 
 

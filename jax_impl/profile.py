@@ -4,13 +4,13 @@ Every figure comes from the training loop's own step, the jitted `jax_impl.train
 its `TrainState` donated, compiled with XLA's ``cse_barrier_expander`` disabled (without it remat
 saves nothing on XLA:CPU, see docs/remat_vs_checkpoint.md):
 
-* bytes: one compile per uniform plan (as in `benchmarks.profile_torch`), dumped; XLA's own
-  schedule and buffer live ranges (`benchmarks.xla_dump`) give the live bytes at each step of the
+* bytes: one compile per uniform plan (as in `torch_impl.profile`), dumped; XLA's own
+  schedule and buffer live ranges (`jax_impl.xla_dump`) give the live bytes at each step of the
   schedule, filed by the unit each instruction's ``op_name`` names. ``Profile.scale`` carries the
   ratio of the compiled ``memory_analysis()`` peak (what the benchmark reports: buffers as packed
   into allocations) to that live-byte peak;
 * seconds: a choice costs its recompute FLOPs at the plain step's own throughput (its FLOPs over
-  its CPU seconds). The five compiled steps are also run, in turn (`benchmarks.stepclock.in_turn`),
+  its CPU seconds). The five compiled steps are also run, in turn (`shared_configs.planning.stepclock.in_turn`),
   and their rounds kept in ``meta.runs``, but they price nothing: on XLA:CPU a step's time follows
   what it allocates (page faults of fresh buffers) as much as its FLOPs, one program's rounds vary
   by up to 30% within a process, and in two profiles every remat run measured 26-36% above the
@@ -26,6 +26,8 @@ allocated, and time is left to FLOPs. `measure` is the verification: the compile
 from __future__ import annotations
 
 import functools
+import json
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import replace
@@ -34,23 +36,23 @@ from typing import Any
 import jax
 import numpy as np
 
-from benchmarks import xla_dump
-from benchmarks.jax_bench import FAST_INIT
-from benchmarks.stepclock import contenders, measured_rounds, times
 from jax_impl import train as jt
+from jax_impl import xla_dump
+from jax_impl.memory import FAST_COMPILE
 from jax_impl.unet import UNet
 from shared_configs import UNetSpec, block_names
+from shared_configs.defaults import jax_cache_dir
 from shared_configs.planning.budget import PLAIN, PROFILE_RUNS, Cost, leaf_units, policy_string, uniform
-from shared_configs.planning.planner import XLA_CPU_OPTIONS
 from shared_configs.planning.recompute_time import at_rates, step_flops
+from shared_configs.planning.stepclock import contenders, measured_rounds, times
 from shared_configs.planning.timeline import Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
+from shared_configs.planning.workers import XLA_CPU_OPTIONS, serve
+from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 from shared_configs.training.data import example_batch
-from shared_configs.training.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 
 BARRIERS = XLA_CPU_OPTIONS  # remat's barriers survive on XLA:CPU
-# Buffer assignment precedes code generation: the memory figures are the same at -O0, and faster.
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+FAST = FAST_COMPILE
 
 
 def unet(s: dict[str, Any], policy: str) -> UNet:
@@ -68,7 +70,7 @@ def setup(
     init = functools.partial(jt.init_state, model, tx, 0, regime)
     # Shapes only: the state's abstract tree; else the training loop's own init (compiled fast:
     # the values only seed the timing runs).
-    state = jax.jit(init, compiler_options=FAST_INIT)() if run else jax.eval_shape(init)
+    state = jax.jit(init, compiler_options=FAST)() if run else jax.eval_shape(init)
     args: tuple = (state, *_batch_and_key(spec, batch_size, context_length, run))
     return {"spec": spec, "tx": tx, "args": args, "chunk": chunk, "run": run, "regime": regime}
 
@@ -157,7 +159,7 @@ def timed(
     race_to: dict[str, Any] | None = None,
 ) -> dict[str, list[float]]:
     """Per compiled step, the CPU seconds of ``rounds`` steps taken in turn after one warm-up each
-    (`benchmarks.stepclock.in_turn`; ``race_to``: `measured_rounds`, of the steps whose ``peaks``
+    (`shared_configs.planning.stepclock.in_turn`; ``race_to``: `measured_rounds`, of the steps whose ``peaks``
     fit); the donated state is carried from step to step."""
 
     def run(c: Any) -> Callable[[], None]:
@@ -255,7 +257,7 @@ def measure(
     regime: Regime = DEFAULT,
 ) -> dict:
     """Per policy: the compiled step's ``memory_analysis()`` peak, its step times (``rounds_s``, taken
-    in turn) and their median; ``race_to``: raced (`benchmarks.stepclock.measured_rounds`)."""
+    in turn) and their median; ``race_to``: raced (`shared_configs.planning.stepclock.measured_rounds`)."""
     s = setup(spec, batch_size, context_length, attention_chunk, run=True, regime=regime)
     compiled = {p: compiled_step(s, p, fast=False) for p in policies}
     rounds = timed(s, compiled, steps, {p: compiled_peak(c) for p, c in compiled.items()}, race_to)
@@ -265,3 +267,17 @@ def measure(
         "rows": rows,
         "method": "compiled memory_analysis() (arguments + outputs - aliased + temporaries), cse_barrier_expander off",
     }
+
+
+def main(argv: list[str]) -> int:
+    """The planner's JAX worker (`shared_configs.planning.workers`); XLA's flags are already set.
+    Measured and checked steps persist in the compilation cache; a profile does not use it (it
+    reads XLA's dumps, which a cache hit would not write)."""
+    request = json.loads(argv[0])
+    if request["kind"] != "profile" and jax_cache_dir() is not None:
+        jax.config.update("jax_compilation_cache_dir", jax_cache_dir())
+    return serve(sys.modules[__name__], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,5 +1,5 @@
 """diffusers' own U-Net, with and without its ``enable_gradient_checkpointing()``, and under our
-plans (`torch_impl.apply_plan`), measured exactly as `benchmarks.torch_bench` measures ours (same
+plans (`torch_impl.apply_plan`), measured exactly as `benchmarks.backends.torch_bench` measures ours (same
 step, instruments, inputs and weights).
 
 The baseline a diffusers user has: ``UNet2D(Condition)Model.enable_gradient_checkpointing()``
@@ -16,9 +16,8 @@ from typing import Any
 import diffusers
 import torch
 
-from benchmarks import torch_bench
-from benchmarks.common import DIFFUSERS_OWN, Job, policy_arg
-from benchmarks.torch_bench import (
+from benchmarks.backends import torch_bench
+from benchmarks.backends.torch_bench import (
     device_info,
     one_row_per_process,
     oom_types,
@@ -27,6 +26,7 @@ from benchmarks.torch_bench import (
     resolve_device,
     simulated_oom,
 )
+from benchmarks.harness.job import DIFFUSERS_OWN, Job, policy_arg
 from shared_configs import to_diffusers_config
 from shared_configs.diffusers.folders import find_folder
 from torch_impl import apply_plan

@@ -11,10 +11,10 @@ from typing import Any
 
 from rich.table import Table
 
-from benchmarks.common import CATEGORIES
 from shared_configs.defaults import Defaults, resolve_chunk
 from shared_configs.files import atomic_write
-from shared_configs.training.regime import DEFAULT, Regime
+from shared_configs.memory import CATEGORIES
+from shared_configs.regime import DEFAULT, Regime
 from shared_configs.units import MIB
 
 Row = dict[str, Any]

@@ -44,8 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
 
-from benchmarks.common import CATEGORIES, OUTSIDE, block_of
-from benchmarks.memory_timeline import timeline
+from shared_configs.memory import CATEGORIES, OUTSIDE, block_of, timeline
 from torch_impl.checkpointing import observe_saves
 from torch_impl.train import skip_frozen_grad_hooks
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from subprocess import PIPE
 from typing import Any
 
-from benchmarks.common import EVENT_PREFIX, REPO_ROOT, Job, worker_env
+from benchmarks.harness.job import EVENT_PREFIX, REPO_ROOT, Job, worker_env
 from shared_configs.cli import BenchmarkError
 from shared_configs.processes import worker_group
 
@@ -50,9 +50,9 @@ def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbos
 
 
 def static_floor(job: Job) -> dict[str, int]:
-    """The least memory any step of ``job``'s model can need (see `benchmarks.torch_bench.static_floor`),
+    """The least memory any step of ``job``'s model can need (see `benchmarks.backends.torch_bench.static_floor`),
     from a short worker that builds the model on the meta device."""
-    cmd = [sys.executable, "-m", "benchmarks.worker", "--floor", job.to_json()]
+    cmd = [sys.executable, "-m", "benchmarks.backends.worker", "--floor", job.to_json()]
     with worker_group(cmd, cwd=REPO_ROOT, env=worker_env(job), stdout=PIPE, stderr=PIPE, text=True) as proc:
         out, err = proc.communicate()
     for line in out.splitlines():
@@ -66,7 +66,7 @@ def _run_worker(
     job: Job, events: list[Event], on_event: Callable[[Event], None], verbose: bool
 ) -> tuple[tuple[str, int] | None, list[tuple[str, int]], int, str]:
     """One worker process; returns (row it died in, rows it finished, exit code, stderr tail)."""
-    cmd = [sys.executable, "-m", "benchmarks.worker", job.to_json()]
+    cmd = [sys.executable, "-m", "benchmarks.backends.worker", job.to_json()]
     if job.framework != "jax" and job.world_size > 1:  # torch's ranks are processes; jax's, devices of one
         cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(job.world_size)]
     since = time.time()

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import OUTSIDE, block_of
-from benchmarks.torch_memory import record_saved
 from shared_configs import UNetSpec, block_names
+from shared_configs.memory import OUTSIDE, block_of
 from torch_impl import UNet
+from torch_impl.memory import record_saved
 
 Row = tuple[str, str, str, tuple[int, ...], str, int]
 

@@ -14,13 +14,13 @@ the gradients and AdamW's state:
   unit hook to the next (median over ``repeats``); a choice costs what its unit takes beyond the
   same layers in the plain step (`shared_configs.planning.budget.extra_seconds`): recompute, selective
   checkpointing's own forward work, the bookkeeping; CPU seconds of a single-threaded step
-  (`benchmarks.stepclock`), which load on a shared machine does not inflate;
+  (`shared_configs.planning.stepclock`), which load on a shared machine does not inflate;
 * FLOPs: `shared_configs.planning.unit_flops` (counted from the spec, as `FlopCounterMode` counts).
 
 With ``shapes=True`` nothing is allocated: the same steps run on fake tensors (`FakeTensorMode`,
 which picks the same CPU kernels as real tensors; `example_step` mirrors ``train_step`` without
 reading the loss), and time is left to FLOPs (`Profile.mode` "shapes").
-`measure` is the verification: `benchmarks.torch_memory.StepTracker` (the benchmark's own
+`measure` is the verification: `torch_impl.memory.StepTracker` (the benchmark's own
 instrument) around one ``train_step``, and the median step time.
 """
 
@@ -30,6 +30,7 @@ import contextlib
 import functools
 import itertools
 import statistics
+import sys
 import time
 import weakref
 from collections import defaultdict
@@ -44,9 +45,6 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from benchmarks.common import batch_bytes, step_arrays
-from benchmarks.stepclock import clock, measured_rounds, round_robin, times
-from benchmarks.torch_memory import AllocatorPeak, StepTracker, state_tensors, storage_bytes
 from shared_configs import UNetSpec, block_names
 from shared_configs.planning.budget import (
     HEAD,
@@ -59,10 +57,13 @@ from shared_configs.planning.budget import (
     policy_string,
     uniform,
 )
+from shared_configs.planning.stepclock import clock, measured_rounds, round_robin, times
 from shared_configs.planning.timeline import BWD, FWD, Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
-from shared_configs.training.data import example_batch
-from shared_configs.training.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
+from shared_configs.planning.workers import serve
+from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
+from shared_configs.training.data import batch_bytes, example_batch, step_arrays
+from torch_impl.memory import AllocatorPeak, StepTracker, state_tensors, storage_bytes
 from torch_impl.regime import DTYPE, add_lora, apply_regime, make_optimizer, regime_tools, trained_parameters
 from torch_impl.train import step_loss, train_step
 from torch_impl.unet import UNet
@@ -362,7 +363,7 @@ def measure(
 ) -> dict:
     """Per policy: the step's peak (the benchmark's `StepTracker`), its allocator-level peak
     (`allocator_peak`, the instrument torch.compile rows need), its step times (``rounds_s``, taken
-    in turn) and their median; ``race_to``: raced (`benchmarks.stepclock.measured_rounds`)."""
+    in turn) and their median; ``race_to``: raced (`shared_configs.planning.stepclock.measured_rounds`)."""
     s = setup(spec, batch_size, context_length, regime=regime)
     peaks = {}
     for policy in policies:
@@ -376,7 +377,7 @@ def measure(
     rounds = measured_rounds({p: under(p) for p in policies}, {p: r["peak_bytes"] for p, r in peaks.items()}, steps,
                              race_to)  # fmt: skip
     rows = {p: peaks[p] | times(rounds[p]) for p in policies}
-    return {"framework": "torch", "rows": rows, "method": "benchmarks.torch_memory.StepTracker around train_step"}
+    return {"framework": "torch", "rows": rows, "method": "torch_impl.memory.StepTracker around train_step"}
 
 
 def peaks(
@@ -405,7 +406,7 @@ def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
 
 
 def tracked_peak(s: dict[str, Any]) -> int:
-    """One step's peak as the benchmark measures it (`benchmarks.torch_memory.StepTracker`, the
+    """One step's peak as the benchmark measures it (`torch_impl.memory.StepTracker`, the
     numpy batch counted as input): the instrument the profile itself does not use."""
     ema = s["tools"][2]
     tracker = StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]), [] if ema is None else ema.shadow)
@@ -418,7 +419,7 @@ def tracked_peak(s: dict[str, Any]) -> int:
 
 def allocator_peak(s: dict[str, Any], step: Callable[[], Any]) -> int:
     """The bytes alive before the step plus the CPU allocator's peak above them during it
-    (`benchmarks.torch_memory.AllocatorPeak`: kernel scratch included). Unlike a dispatch mode it
+    (`torch_impl.memory.AllocatorPeak`: kernel scratch included). Unlike a dispatch mode it
     leaves torch.compile on: dynamo runs a model eagerly while a `TorchDispatchMode` is active."""
     inputs = existing(s)
     base = storage_bytes(inputs)
@@ -457,3 +458,8 @@ def measure_compiled(
     functorch_config.activation_memory_budget = 1.0
     return {"framework": "torch", "rows": rows, "method": "torch.compile(model) + activation_memory_budget; "
             "allocator-level peak (torch.profiler memory events) around train_step"}  # fmt: skip
+
+
+if __name__ == "__main__":  # the planner's torch worker (shared_configs.planning.workers)
+    single_threaded()
+    sys.exit(serve(sys.modules[__name__], sys.argv[1:]))

@@ -1,6 +1,6 @@
 """XLA's own memory plan of a compiled step, filed by U-Net unit: the planner's view of the dump.
 
-`benchmarks.jax_memory` reads the dump files (``xla_dump_to``: the schedule, every value's live
+`jax_impl.memory` reads the dump files (``xla_dump_to``: the schedule, every value's live
 range, the buffer assignment, the instructions with their ``op_name``); this module takes its
 parse and files every position of the schedule under the plan unit whose Flax module its
 ``op_name`` names (``jvp(UNet)/down_1/resnets_0/conv1/...``; ``transpose(...)`` in the backward;
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.jax_memory import read_dump
+from jax_impl.memory import read_dump
 
 _MODULE = re.compile(r"(down|up)_\d+|mid|resnets_\d+|attentions_\d+|downsample|upsample|conv_in|time_embedding|"
                      r"conv_norm_out|conv_out")  # fmt: skip
@@ -42,7 +42,7 @@ class MemoryPlan:
 
 
 def read(folder: str | Path) -> MemoryPlan:
-    """The plan XLA dumped into ``folder`` for the compiled training step (`benchmarks.jax_memory`'s parse)."""
+    """The plan XLA dumped into ``folder`` for the compiled training step (`jax_impl.memory`'s parse)."""
     dump = read_dump(folder)
     buffers = [
         Buffer(name, *dump.ranges[(name, index)], size)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import resource
 import statistics
 import subprocess
@@ -18,14 +17,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from shared_configs import SpecError, UNetSpec, from_diffusers_config, load_spec, spec_from_dict
 from shared_configs.diffusers.folders import find_folder
-from shared_configs.planning.planner import REPO_ROOT, XLA_CPU_FLAG
+from shared_configs.planning.workers import REPO_ROOT, XLA_CPU_FLAG
+from shared_configs.regime import Regime
 from shared_configs.training.config import TrainConfig
-from shared_configs.training.data import Batch
-from shared_configs.training.regime import Regime
 
 FRAMEWORKS: tuple[str, ...] = ("torch", "jax")  # what --framework both runs
 # diffusers' own U-Net (torch), with its enable_gradient_checkpointing() (the baseline ours replace)
@@ -48,7 +44,7 @@ class Job:
     policies: tuple[str, ...]
     batch_sizes: tuple[int, ...]
     steps: int
-    precision: str  # the training regime (`shared_configs.training.regime.Regime`): its precision ...
+    precision: str  # the training regime (`shared_configs.regime.Regime`): its precision ...
     device: str
     context_length: int
     source: str = "spec"  # "spec" or "diffusers"
@@ -108,34 +104,6 @@ def job_spec(job: Job) -> UNetSpec:
 # The optimiser's hyperparameters: the training loops' defaults, handed to each framework's own
 # make_optimizer (AdamW with the same betas and eps in both).
 OPTIMIZER = TrainConfig()
-# The kinds of memory a peak is split into, in stacking order; together they add up to the peak.
-# Row columns are f"{kind}_bytes".
-CATEGORIES: tuple[str, ...] = ("params", "optimizer", "grads", "input", "activation", "temporary")
-OUTSIDE = "(top)"  # conv_in, time embedding, conv_out, the loss, the optimizer: in no U-Net block
-_BLOCK = re.compile(r"(?:^|[/.])(?:(down|up)[._](\d+)|(mid))(?=$|[/.])")
-
-
-def block_of(path: str) -> str:
-    """The U-Net block a module path is in, from a torch name (``UNet.down.1.resnets.0``) or a
-    Flax / XLA name stack (``transpose(jvp(UNet))/checkpoint/rematted_computation/up_1/...``):
-    ``down.1``, ``mid``, ``up.1``, ...; `OUTSIDE` when it names none."""
-    match = _BLOCK.search(path)
-    if match is None:
-        return OUTSIDE
-    return "mid" if match[3] else f"{match[1]}.{match[2]}"
-
-
-def step_arrays(batch: Batch) -> list[np.ndarray]:
-    """The arrays a training step reads: images, timesteps, targets and the conditioning (labels are
-    not given to the model)."""
-    return [batch.noisy, batch.t, batch.noise, *(a for a in batch.conditioning().values() if a is not None)]
-
-
-def batch_bytes(batch: Batch) -> int:
-    """Bytes of the arrays a training step reads."""
-    return sum(a.nbytes for a in step_arrays(batch))
-
-
 def policy_arg(policy: str) -> str:
     """CLI policies are comma-separated, so a block list inside one is joined with '+'."""
     return policy.replace("+", ",")

@@ -12,9 +12,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
-from benchmarks.common import CATEGORIES
-from benchmarks.report import Row
+from benchmarks.reports.report import Row
 from shared_configs.files import atomic_write
+from shared_configs.memory import CATEGORIES
 from shared_configs.units import MIB
 
 COLORS = {"torch": "tab:red", "jax": "tab:blue", "diffusers": "tab:green"}

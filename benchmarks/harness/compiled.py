@@ -1,6 +1,6 @@
 """``benchmarks.compare --compile``: the parent's side of the compiled rows (no torch import here).
 
-The rows themselves are measured by `benchmarks.compiled_bench` (framework ``compiled``) in its own
+The rows themselves are measured by `benchmarks.backends.compiled_bench` (framework ``compiled``) in its own
 process, after the eager ``torch`` job. `comparison` puts each compiled row beside the eager row of
 the same plan, by the one instrument both have: the allocator's peak.
 """
@@ -11,12 +11,12 @@ import argparse
 from dataclasses import replace
 from typing import Any
 
-from benchmarks.common import Job
+from benchmarks.harness.job import Job
 from shared_configs import SpecError
 from shared_configs.units import MIB
 
-COMPILED = "compiled"  # the worker's framework name: benchmarks.compiled_bench
-BUDGET = "budget@"  # the same prefix as benchmarks.compiled_bench.BUDGET (this module imports no torch)
+COMPILED = "compiled"  # the worker's framework name: benchmarks.backends.compiled_bench
+BUDGET = "budget@"  # the same prefix as benchmarks.backends.compiled_bench.BUDGET (this module imports no torch)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
