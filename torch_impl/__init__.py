@@ -7,6 +7,10 @@ in two lines::
 
     policy = torch_impl.plan_for_budget(unet, 4, 20 << 30, regime=Regime("bf16-mixed", "lora:8"))
     torch_impl.apply_plan(unet, policy)
+
+``BudgetGuard(unet, budget_bytes, batch_size=4)`` does the same and then keeps the budget in the
+user's own step: ``guard.run(step_fn, *args)`` measures it, re-plans, recovers from out-of-memory
+errors (`torch_impl.guard`, docs/guard.md).
 """
 
 from typing import Any
@@ -15,6 +19,7 @@ from torch import nn
 
 from shared_configs.planning.planner import for_framework
 from torch_impl.diffusers_plan import apply_plan, diffusers_spec, remove_plan
+from torch_impl.guard import BudgetGuard
 from torch_impl.unet import UNet
 
 _plan_for_budget = for_framework("torch")
@@ -28,4 +33,4 @@ def plan_for_budget(spec: Any, batch_size: int, budget_bytes: int, sample_size: 
     return _plan_for_budget(spec, batch_size, budget_bytes, sample_size, **kw)
 
 
-__all__ = ["UNet", "apply_plan", "plan_for_budget", "remove_plan"]
+__all__ = ["BudgetGuard", "UNet", "apply_plan", "plan_for_budget", "remove_plan"]
