@@ -1,9 +1,12 @@
 """The manual holds together: every relative link in README.md and docs/*.md reaches a file (and a
-heading, when it names one), and no doc or module speaks of how the project is developed (numbered
-stops, working sessions): a reader has no use for either. Reads files only; no framework import."""
+heading, when it names one), every module, name and repository path it quotes exists, the README
+stays short, and no doc or module speaks of how the project is developed (numbered stops, working
+sessions): a reader has no use for either. Reads files only; no framework import."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import re
 from pathlib import Path
 
@@ -13,13 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PACKAGES = ("shared_configs", "torch_impl", "jax_impl", "benchmarks", "tests")
 SOURCE_SUFFIXES = (".py", ".md", ".yaml")
-PLANNING_MAX_CHARS = 15_000  # the planning page is a manual, not a log of reruns
+README_MAX_CHARS = 7_000  # the front page: what it is, how to start, where to read on
 
 FENCE = re.compile(r"^(`{3,}|~{3,}).*?^\1", re.MULTILINE | re.DOTALL)
 CODE_SPAN = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
 SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)  # http:, https:, mailto:, ...
+# A module path (``torch_impl.profile.memory_run``) and a repository path (``benchmarks/harness/runner.py``,
+# ``torch_impl/memory.py:StepTracker``, ``tests/test_plan_*.py``) as docs quote them in code.
+MODULE = re.compile(r"(?<![\w./-])(?:shared_configs|torch_impl|jax_impl|benchmarks|tests)(?:\.\w+)+")
+REPO_PATH = re.compile(
+    r"(?<![\w./-])(?:shared_configs|torch_impl|jax_impl|benchmarks|tests|docs|\.ci)/[\w./*-]*(?::\w+)?"
+)
+PLACEHOLDER = re.compile(r"\b[A-Z]{3,}\b")  # docs/data/candidates/SPEC.yaml: a name to fill in
 # "stop" and a number (after a space or "-"), and the word for a sitting, except pytest's fixture scope
 PROCESS_WORDS = re.compile(r"\b[Ss]top[ -]\d+|(?<!scope=\")\b[Ss]ession\b")
 
@@ -95,5 +105,83 @@ def test_no_development_process_words() -> None:
     assert found == []
 
 
-def test_planning_page_is_a_manual_not_a_log() -> None:
-    assert len((ROOT / "docs" / "planning.md").read_text(encoding="utf-8")) < PLANNING_MAX_CHARS
+def test_readme_is_short() -> None:
+    assert len((ROOT / "README.md").read_text(encoding="utf-8")) <= README_MAX_CHARS
+
+
+def code(markdown: str) -> str:
+    """The fenced blocks and code spans: where docs quote modules and paths."""
+    fenced = [m.group(0) for m in FENCE.finditer(markdown)]
+    return "\n".join(fenced + CODE_SPAN.findall(FENCE.sub("", markdown)))
+
+
+@functools.cache
+def defined(file: Path) -> frozenset[str]:
+    """Every name a module binds (functions, classes, methods, assignments, fields, attributes set,
+    imports): what ``module.name`` and ``module.Class.name`` may quote."""
+    names = set()
+    for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return frozenset(names)
+
+
+def module_file(parts: list[str]) -> Path | None:
+    base = ROOT.joinpath(*parts)
+    for file in (base.with_suffix(".py"), base / "__init__.py"):
+        if file.is_file():
+            return file
+    return None
+
+
+def missing_module(dotted: str) -> str | None:
+    """Why ``dotted`` (a module, then names in it) does not resolve; None when it does."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        if file := module_file(parts[:i]):
+            break
+    else:
+        return f"{dotted}: no such module"
+    wanted = [n for n in parts[i:] if n not in ("py", "md", "yaml", "json")]
+    if gone := [n for n in wanted if n not in defined(file)]:
+        return f"{dotted}: {gone[0]!r} not in {file.relative_to(ROOT)}"
+    return None
+
+
+def missing_path(quoted: str) -> str | None:
+    """Why a quoted repository path (a glob, and ``:name`` for a name in it, may follow) does not resolve."""
+    path, _, name = quoted.rstrip(".,;").partition(":")
+    if PLACEHOLDER.search(path):
+        return None
+    found = sorted(ROOT.glob(path)) if "*" in path else [ROOT / path] if (ROOT / path).exists() else []
+    if not found:
+        return f"{quoted}: no such file"
+    if name and not any(f.suffix == ".py" and name in defined(f) for f in found):
+        return f"{quoted}: {name!r} not in {path}"
+    return None
+
+
+def unresolved(markdown: str) -> list[str]:
+    text = code(markdown)
+    bad = [missing_path(p) for p in sorted(set(REPO_PATH.findall(text)))]
+    bad += [missing_module(m) for m in sorted(set(MODULE.findall(text)))]
+    return [b for b in bad if b]
+
+
+def test_the_reference_check_sees_what_it_checks() -> None:
+    text = "`torch_impl.profile.memory_run`, `benchmarks/harness/runner.py` and\n```\npython -m benchmarks.plan\n```"
+    assert unresolved(text) == []
+    wrong = "`torch_impl.profile.no_such_name` `benchmarks/nowhere.py` `shared_configs.gone` `tests/test_docs.py:nope`"
+    assert len(unresolved(wrong)) == 4
+    assert unresolved("`docs/data/candidates/SPEC.yaml` and `tests/test_plan_*.py`") == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_quoted_modules_and_paths_exist(doc: Path) -> None:
+    assert unresolved(doc.read_text(encoding="utf-8")) == []
