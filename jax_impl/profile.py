@@ -209,7 +209,7 @@ def profile(
         run |= times(samples[policy]) if timing else {"step_time_s": 0.0}
     step_time = runs[policy_string({})]["step_time_s"]
     if timing:  # the measured extras stay in meta.runs: see the module's docstring for why they price nothing
-        units = at_rates(spec, units, step_time / step_flops(spec, flops), 0.0)
+        units = at_rates(spec, units, step_time / step_flops(spec, batch_size, context_length, regime), 0.0)
     return {
         "framework": "jax",
         "units": units,

@@ -1,8 +1,21 @@
-"""Recompute seconds from FLOPs and bytes, at stated rates.
+"""Recompute seconds from FLOPs and bytes, at stated rates, and the plain step they are set against.
 
 A recompute redoes its unit's conv/matmul/attention FLOPs and, for the elementwise work those
 FLOPs do not count (norms, activations), writes the bytes the unit no longer keeps and reads them
 back. So a choice costs ``flops * per_flop + 2 * (plain keep - keep) * per_byte`` seconds.
+
+The plain step follows the regime (`step_seconds`; docs/regimes.md states it):
+
+    step = (forward + input grads + weight grads + adapters) / flops_per_s
+           + (2 * kept + update + casts) / bytes_per_s
+
+the FLOPs as autograd runs them (`unit_flops.step_flops`: no weight gradients for a frozen base,
+LoRA's own matmuls), ``kept`` the bytes the plain forward keeps (written, then read by the
+backward), ``update`` the optimizer's and the EMA's bytes per trained weight (`update_bytes`),
+``casts`` autocast's copies of the float32 weights in a mixed-precision forward (`cast_bytes`).
+A plan's overhead is its recompute seconds (FLOPs, the bytes it no longer keeps written and read,
+and in mixed precision its weights cast again: `with_recasts`) over that step, so under LoRA, whose backward is about
+one forward, the same recompute costs more of the step than with every weight trained.
 
 The shapes-only profile takes the rates as stated (`at_stated_rates`); the JAX
 profile takes FLOPs at its plain step's own throughput and no byte term (`jax_impl.profile`
@@ -15,10 +28,61 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from shared_configs.planning.budget import PLAIN, Cost, Profile, block_layers, leaf_units
-from shared_configs.planning.unit_flops import unit_flops
+from shared_configs.planning.unit_flops import recompute_flops, unit_flops, unit_weights
+from shared_configs.planning.unit_flops import step_flops as counted_step_flops
+from shared_configs.regime import DEFAULT, OPTIMIZERS, Regime
 from shared_configs.spec import UNetSpec
 
 Units = Mapping[str, Mapping[str, Cost]]
+
+# Bytes per 8-bit AdamW moment value: a uint8 code and a float32 scale per 256-value block
+# (`shared_configs.regime.state_bytes`; the 1 KiB code map per tensor left out).
+_ADAMW8BIT_MOMENT = 1 + 4 / 256
+
+
+def update_bytes(regime: Regime, trained: int) -> float:
+    """Bytes the optimizer step (and an EMA update) read and write for ``trained`` weights of
+    ``regime.param_dtype`` (p bytes each):
+
+    - AdamW: read the weight, its gradient and two moments, write the weight and the moments: 7p;
+    - 8-bit AdamW: read the weight and gradient, write the weight (3p), read and write two moments
+      of 1 B + a float32 scale per 256 values (4.03 B);
+    - Adafactor (no first moment, second moment factored into a row and a column vector): 3p, the
+      factored state (rows + columns per matrix) left out;
+    - EMA: read the float32 copy and the weight, write the copy: 8 + p.
+    """
+    p = 2 if regime.param_dtype == "bfloat16" else 4
+    per = {"adamw": 7 * p, "adamw8bit": 3 * p + 2 * 2 * _ADAMW8BIT_MOMENT, "adafactor": 3 * p}
+    assert set(per) == set(OPTIMIZERS)
+    return (per[regime.optimizer] + (8 + p if regime.ema else 0)) * trained
+
+
+def cast_bytes(regime: Regime, weights: int) -> float:
+    """Autocast's weight casts in a mixed-precision forward: each float32 weight read (4 B) and its
+    16-bit copy written (2 B), once a forward (the copy is cached until the forward ends)."""
+    return 6.0 * weights if regime.compute_dtype is not None and regime.param_dtype == "float32" else 0.0
+
+
+def step_flops(spec: UNetSpec, batch_size: int, context_length: int = 77, regime: Regime = DEFAULT) -> float:
+    """The plain step's FLOPs in ``regime`` (`unit_flops.step_flops`): about three forwards with
+    every weight trained, about two under LoRA (no weight gradients for the frozen base)."""
+    return counted_step_flops(spec, batch_size, context_length, regime.lora_rank).total
+
+
+def step_seconds(
+    spec: UNetSpec,
+    batch_size: int,
+    context_length: int,
+    regime: Regime,
+    kept: float,
+    flops_per_s: float,
+    bytes_per_s: float,
+) -> float:
+    """The plain step's seconds at the stated rates (the module's formula); ``kept``: the bytes its
+    forward keeps for the backward."""
+    counted = counted_step_flops(spec, batch_size, context_length, regime.lora_rank)
+    nbytes = 2 * kept + update_bytes(regime, counted.trained_weights) + cast_bytes(regime, counted.weights)
+    return counted.total / flops_per_s + nbytes / bytes_per_s
 
 
 def plain_keeps(spec: UNetSpec, units: Units) -> dict[str, int]:
@@ -27,11 +91,6 @@ def plain_keeps(spec: UNetSpec, units: Units) -> dict[str, int]:
     for block, layers in block_layers(spec).items():
         out[block] = sum(out[n] for n in layers)
     return out
-
-
-def step_flops(spec: UNetSpec, flops: Mapping[str, Mapping[str, float]]) -> float:
-    """The plain step's FLOPs from `unit_flops`: three forwards (the backward costs about two)."""
-    return 3 * sum(sum(flops[u].values()) for u, _ in leaf_units(spec, {}))
 
 
 def work(cost: Cost, plain_keep: int) -> tuple[float, float]:
@@ -50,14 +109,57 @@ def at_rates(spec: UNetSpec, units: Units, per_flop: float, per_byte: float) -> 
     return {u: {c: replace(v, time_s=seconds(v, u)) for c, v in per.items()} for u, per in units.items()}
 
 
+def regime_of(profile: Profile) -> Regime:
+    """The regime a profile was taken in, from its `Regime.describe` line."""
+    parts = [p.strip() for p in profile.regime.split(",")]
+    trainable = next((p for p in parts if p.startswith("lora:")), "all")
+    optimizer = next((p for p in parts if p in OPTIMIZERS), DEFAULT.optimizer)
+    return Regime(parts[0], trainable, optimizer, "EMA" in parts)
+
+
+def with_adapters(units: Units, spec: UNetSpec, batch_size: int, context_length: int, rank: int | None) -> Units:
+    """``units`` whose recompute FLOPs include rank-``rank`` LoRA adapters' forward (a recompute
+    redoes them too)."""
+    if rank is None:
+        return units
+    flops = unit_flops(spec, batch_size, context_length, rank)
+    return {
+        u: {c: replace(v, flops=recompute_flops(flops[u], c)) if u in flops else v for c, v in per.items()}
+        for u, per in units.items()
+    }
+
+
+def with_recasts(units: Units, spec: UNetSpec, regime: Regime, bytes_per_s: float) -> dict[str, dict[str, Cost]]:
+    """``units`` whose recomputes in mixed precision also pay `cast_bytes` for the weights they
+    use again: a recompute runs under a fresh autocast, whose cache of weight casts is empty."""
+    if not cast_bytes(regime, 1):
+        return {u: dict(per) for u, per in units.items()}
+    weights = unit_weights(spec)
+
+    def recast(unit: str, choice: str) -> float:
+        if unit not in weights:
+            return 0.0
+        return cast_bytes(regime, round(recompute_flops(weights[unit], choice))) / bytes_per_s
+
+    return {u: {c: replace(v, time_s=v.time_s + recast(u, c)) for c, v in per.items()} for u, per in units.items()}
+
+
 def at_stated_rates(
-    profile: Profile, spec: UNetSpec, batch_size: int, context_length: int, flops_per_s: float, bytes_per_s: float
+    profile: Profile,
+    spec: UNetSpec,
+    batch_size: int,
+    context_length: int,
+    flops_per_s: float,
+    bytes_per_s: float,
+    regime: Regime | None = None,
 ) -> Profile:
     """A shapes-only profile with time estimated at stated rates: FLOPs at ``flops_per_s``,
-    elementwise bytes at ``bytes_per_s`` (`at_rates`). The plain step is three forwards' FLOPs (the
-    backward costs about two) plus writing and reading what it keeps."""
-    units = at_rates(spec, profile.units, 1 / flops_per_s, 1 / bytes_per_s)
-    flops = unit_flops(spec, batch_size, context_length)
-    plain = plain_keeps(spec, profile.units)
-    step = step_flops(spec, flops) / flops_per_s + 2 * sum(plain[u] for u, _ in leaf_units(spec, {})) / bytes_per_s
+    elementwise bytes at ``bytes_per_s`` (`at_rates`). The plain step is `step_seconds` in
+    ``regime`` (by default the profile's own)."""
+    regime = regime_of(profile) if regime is None else regime
+    units = with_adapters(profile.units, spec, batch_size, context_length, regime.lora_rank)
+    units = at_rates(spec, units, 1 / flops_per_s, 1 / bytes_per_s)
+    units = with_recasts(units, spec, regime, bytes_per_s)
+    kept = sum(plain_keeps(spec, profile.units)[u] for u, _ in leaf_units(spec, {}))
+    step = step_seconds(spec, batch_size, context_length, regime, kept, flops_per_s, bytes_per_s)
     return replace(profile, units=units, flops_per_s=flops_per_s, step_time_s=step)

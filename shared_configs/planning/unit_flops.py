@@ -1,27 +1,146 @@
-"""Forward FLOPs of every plan unit, counted from the spec (no framework).
+"""Forward FLOPs of every plan unit, and a training step's FLOPs in a regime, counted from the spec
+(no framework).
 
 The counting convention is `torch.utils.flop_counter`'s (2 per multiply-add; conv, matmul and
 attention only; biases, norms and elementwise ops uncounted), so the figures equal what
-`FlopCounterMode` counts on the torch model (`tests/test_plan_model.py` checks it). The JAX profile
-and the shapes-only estimates take their FLOPs from here.
+`FlopCounterMode` counts on the torch model (`tests/test_plan_model.py` checks the forward,
+`tests/test_time_model.py` the step). The JAX profile and the shapes-only estimates take their
+FLOPs from here.
+
+The step (`step_flops`) follows what autograd runs. A conv or matmul's backward is up to two
+products of its forward's size: its input's gradient, computed when that input needs one (the
+hidden states from the first trained weight on; never the latents, the sinusoids or the text
+context), and its weight's, computed when the weight is trained. Attention's backward is 2.5 of its
+forward (the fused kernels recompute the scores: `sdpa_backward_flop_count`). Rank-R LoRA adds to
+each adapted projection (rows x in -> out) the matmuls rows x in -> R -> out, forward and backward.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from shared_configs.arch import down_blocks, up_blocks
 from shared_configs.spec import UNetSpec
 
 Flops = dict[str, float]  # op class (conv, matmul, attention) -> FLOPs
 
+# What an op reads: the hidden states, the text context, the time embedding, the step's own inputs
+# (latents, sinusoids: never a gradient).
+HIDDEN, CONTEXT, TEMB, INPUT = "hidden", "context", "temb", "input"
+ATTENTION_BACKWARD = 2.5  # attention's backward FLOPs per forward FLOP (scores recomputed, 5 products for 2)
 
-def _conv(b: int, cin: int, cout: int, k: int, hw: int) -> Flops:
-    return {"conv": 2.0 * b * cin * cout * k * k * hw * hw}
+
+@dataclass(frozen=True)
+class Op:
+    """One conv, matmul or attention of the forward, in forward order.
+
+    ``rows``/``fan_in``/``fan_out``: a weighted op's product (conv: b*h*w rows, cin*k*k in);
+    ``branch``: its output feeds an attention (q, k, v) or the time embedding, not the hidden
+    states; ``adapted``: a LoRA target (the attention projections)."""
+
+    cls: str
+    flops: float
+    source: str = HIDDEN
+    rows: int = 0
+    fan_in: int = 0
+    fan_out: int = 0
+    branch: bool = False
+    adapted: bool = False
+
+    @property
+    def weights(self) -> int:
+        return self.fan_in * self.fan_out
 
 
-def _mm(rows: int, cin: int, cout: int) -> Flops:
-    return {"matmul": 2.0 * rows * cin * cout}
+def _conv(b: int, cin: int, cout: int, k: int, hw: int, source: str = HIDDEN) -> Op:
+    rows = b * hw * hw
+    return Op("conv", 2.0 * rows * cin * k * k * cout, source, rows, cin * k * k, cout)
+
+
+def _mm(rows: int, cin: int, cout: int, source: str = HIDDEN, branch: bool = False, adapted: bool = False) -> Op:
+    return Op("matmul", 2.0 * rows * cin * cout, source, rows, cin, cout, branch, adapted)
+
+
+def _attention(b: int, tokens: int, keys: int, ch: int) -> Op:
+    return Op("attention", 4.0 * b * tokens * keys * ch)
+
+
+def _resnet(spec: UNetSpec, b: int, cin: int, cout: int, hw: int) -> list[Op]:
+    temb_out = cout * (2 if spec.resnet_time_scale_shift == "scale_shift" else 1)
+    ops = [_conv(b, cin, cout, 3, hw), _mm(b, spec.time_embed_dim, temb_out, TEMB), _conv(b, cout, cout, 3, hw)]
+    if cin != cout:
+        ops.append(_conv(b, cin, cout, 1, hw))
+    return ops
+
+
+def _projections(rows: int, ch: int, kv_rows: int, kv_dim: int, source: str) -> list[Op]:
+    """q from the hidden states, k and v from ``source`` (themselves or the context): LoRA targets."""
+    q = _mm(rows, ch, ch, branch=True, adapted=True)
+    return [q] + [_mm(kv_rows, kv_dim, ch, source, branch=True, adapted=True) for _ in "kv"]
+
+
+def _self_attention(b: int, ch: int, hw: int) -> list[Op]:
+    t = hw * hw
+    return [*_projections(b * t, ch, b * t, ch, HIDDEN), _attention(b, t, t, ch), _mm(b * t, ch, ch, adapted=True)]
+
+
+def _transformer(spec: UNetSpec, b: int, ch: int, hw: int, level: int, context_length: int) -> list[Op]:
+    t = hw * hw
+    proj = _mm(b * t, ch, ch) if spec.use_linear_projection else _conv(b, ch, ch, 1, hw)
+    ops = [proj]
+    for _ in range(spec.transformer_depth(level)):
+        ops += [*_projections(b * t, ch, b * t, ch, HIDDEN), _attention(b, t, t, ch), _mm(b * t, ch, ch, adapted=True)]
+        if spec.cross_attention_dim is not None:
+            ctx, keys = spec.cross_attention_dim, context_length
+            ops += _projections(b * t, ch, b * keys, ctx, CONTEXT)
+            ops += [_attention(b, t, keys, ch), _mm(b * t, ch, ch, adapted=True)]
+        ops += [_mm(b * t, ch, 8 * ch), _mm(b * t, 4 * ch, ch)]  # GEGLU feed-forward
+    return [*ops, proj]
+
+
+def _attn(spec: UNetSpec, kind: str, b: int, ch: int, hw: int, level: int, context_length: int) -> list[Op]:
+    if kind == "self":
+        return _self_attention(b, ch, hw)
+    return _transformer(spec, b, ch, hw, level, context_length)
+
+
+def unit_ops(spec: UNetSpec, batch_size: int, context_length: int = 77) -> dict[str, list[Op]]:
+    """Every leaf unit's ops, the units in forward order: stem, layers and samplers, head."""
+    b, size, chans, ctx = batch_size, spec.sample_size, spec.block_out_channels, context_length
+    temb = spec.time_embed_dim
+    stem = [_mm(b, chans[0], temb, INPUT, branch=True), _mm(b, temb, temb, TEMB, branch=True)]
+    out: dict[str, list[Op]] = {"stem": [*stem, _conv(b, spec.in_channels, chans[0], 3, size, INPUT)]}
+    for blk in down_blocks(spec):
+        hw = size >> blk.level
+        for j in range(spec.layers_per_block):
+            out[f"{blk.name}.resnets.{j}"] = _resnet(spec, b, blk.in_ch if j == 0 else blk.out_ch, blk.out_ch, hw)
+            if blk.attention != "none":
+                out[f"{blk.name}.attentions.{j}"] = _attn(spec, blk.attention, b, blk.out_ch, hw, blk.level, ctx)
+        if blk.downsample_padding is not None:
+            out[f"{blk.name}.downsample"] = [_conv(b, blk.out_ch, blk.out_ch, 3, hw // 2)]
+    deep, hw = chans[-1], size >> (spec.num_levels - 1)
+    out["mid.resnets.0"] = _resnet(spec, b, deep, deep, hw)
+    if spec.mid_attention != "none":
+        out["mid.attentions.0"] = _attn(spec, spec.mid_attention, b, deep, hw, -1, ctx)
+    out["mid.resnets.1"] = _resnet(spec, b, deep, deep, hw)
+    for blk in up_blocks(spec):
+        hw = size >> blk.level
+        ins = [blk.in_ch] + [blk.out_ch] * (len(blk.skip_channels) - 1)
+        for j, (cin, skip) in enumerate(zip(ins, blk.skip_channels, strict=True)):
+            out[f"{blk.name}.resnets.{j}"] = _resnet(spec, b, cin + skip, blk.out_ch, hw)
+            if blk.attention != "none":
+                out[f"{blk.name}.attentions.{j}"] = _attn(spec, blk.attention, b, blk.out_ch, hw, blk.level, ctx)
+        if blk.upsample:
+            out[f"{blk.name}.upsample"] = [_conv(b, blk.out_ch, blk.out_ch, 3, hw * 2)]
+    out["head"] = [_conv(b, chans[0], spec.out_channels, 3, size)]
+    return out
+
+
+def _adapter(op: Op, rank: int) -> tuple[float, float]:
+    """The FLOPs of a rank-``rank`` adapter on ``op``'s product: (rows x in -> R, rows x R -> out)."""
+    return 2.0 * op.rows * op.fan_in * rank, 2.0 * op.rows * rank * op.fan_out
 
 
 def _add(*parts: Flops) -> Flops:
@@ -32,73 +151,106 @@ def _add(*parts: Flops) -> Flops:
     return dict(out)
 
 
-def _resnet(spec: UNetSpec, b: int, cin: int, cout: int, hw: int) -> Flops:
-    temb_out = cout * (2 if spec.resnet_time_scale_shift == "scale_shift" else 1)
-    parts = [_conv(b, cin, cout, 3, hw), _mm(b, spec.time_embed_dim, temb_out), _conv(b, cout, cout, 3, hw)]
-    if cin != cout:
-        parts.append(_conv(b, cin, cout, 1, hw))
-    return _add(*parts)
+def _forward(ops: list[Op], lora_rank: int | None) -> Flops:
+    out: dict[str, float] = defaultdict(float)
+    for op in ops:
+        out[op.cls] += op.flops
+        if lora_rank is not None and op.adapted:
+            out["matmul"] += sum(_adapter(op, lora_rank))
+    return dict(out)
 
 
-def _attention(b: int, tokens: int, keys: int, ch: int) -> Flops:
-    return {"attention": 4.0 * b * tokens * keys * ch}
+def _blocks(spec: UNetSpec) -> list[str]:
+    return [d.name for d in down_blocks(spec)] + ["mid"] + [u.name for u in up_blocks(spec)]
 
 
-def _self_attention(b: int, ch: int, hw: int) -> Flops:
-    t = hw * hw
-    return _add(_mm(b * t, ch, ch), _mm(b * t, ch, ch), _mm(b * t, ch, ch), _attention(b, t, t, ch), _mm(b * t, ch, ch))
-
-
-def _transformer(spec: UNetSpec, b: int, ch: int, hw: int, level: int, context_length: int) -> Flops:
-    t = hw * hw
-    proj = _mm(b * t, ch, ch) if spec.use_linear_projection else _conv(b, ch, ch, 1, hw)
-    parts = [proj, proj]
-    for _ in range(spec.transformer_depth(level)):
-        parts += [_mm(b * t, ch, ch)] * 4 + [_attention(b, t, t, ch)]  # attn1: q, k, v, out
-        if spec.cross_attention_dim is not None:
-            ctx, keys = spec.cross_attention_dim, context_length
-            parts += [_mm(b * t, ch, ch), _mm(b * keys, ctx, ch), _mm(b * keys, ctx, ch), _mm(b * t, ch, ch)]
-            parts.append(_attention(b, t, keys, ch))
-        parts += [_mm(b * t, ch, 8 * ch), _mm(b * t, 4 * ch, ch)]  # GEGLU feed-forward
-    return _add(*parts)
-
-
-def _attn(spec: UNetSpec, kind: str, b: int, ch: int, hw: int, level: int, context_length: int) -> Flops:
-    if kind == "self":
-        return _self_attention(b, ch, hw)
-    return _transformer(spec, b, ch, hw, level, context_length)
-
-
-def unit_flops(spec: UNetSpec, batch_size: int, context_length: int = 77) -> dict[str, Flops]:
-    """Forward FLOPs by op class of every unit: layers, samplers, blocks (their sum), stem, head."""
-    b, size, chans, ctx = batch_size, spec.sample_size, spec.block_out_channels, context_length
-    temb = spec.time_embed_dim
-    stem = _add(_mm(b, chans[0], temb), _mm(b, temb, temb), _conv(b, spec.in_channels, chans[0], 3, size))
-    out: dict[str, Flops] = {"stem": stem, "head": _conv(b, chans[0], spec.out_channels, 3, size)}
-    for blk in down_blocks(spec):
-        hw = size >> blk.level
-        for j in range(spec.layers_per_block):
-            out[f"{blk.name}.resnets.{j}"] = _resnet(spec, b, blk.in_ch if j == 0 else blk.out_ch, blk.out_ch, hw)
-            if blk.attention != "none":
-                out[f"{blk.name}.attentions.{j}"] = _attn(spec, blk.attention, b, blk.out_ch, hw, blk.level, ctx)
-        if blk.downsample_padding is not None:
-            out[f"{blk.name}.downsample"] = _conv(b, blk.out_ch, blk.out_ch, 3, hw // 2)
-    deep, hw = chans[-1], size >> (spec.num_levels - 1)
-    out["mid.resnets.0"] = out["mid.resnets.1"] = _resnet(spec, b, deep, deep, hw)
-    if spec.mid_attention != "none":
-        out["mid.attentions.0"] = _attn(spec, spec.mid_attention, b, deep, hw, -1, ctx)
-    for blk in up_blocks(spec):
-        hw = size >> blk.level
-        ins = [blk.in_ch] + [blk.out_ch] * (len(blk.skip_channels) - 1)
-        for j, (cin, skip) in enumerate(zip(ins, blk.skip_channels, strict=True)):
-            out[f"{blk.name}.resnets.{j}"] = _resnet(spec, b, cin + skip, blk.out_ch, hw)
-            if blk.attention != "none":
-                out[f"{blk.name}.attentions.{j}"] = _attn(spec, blk.attention, b, blk.out_ch, hw, blk.level, ctx)
-        if blk.upsample:
-            out[f"{blk.name}.upsample"] = _conv(b, blk.out_ch, blk.out_ch, 3, hw * 2)
-    for block in [d.name for d in down_blocks(spec)] + ["mid"] + [u.name for u in up_blocks(spec)]:
+def unit_flops(
+    spec: UNetSpec, batch_size: int, context_length: int = 77, lora_rank: int | None = None
+) -> dict[str, Flops]:
+    """Forward FLOPs by op class of every unit: layers, samplers, blocks (their sum), stem, head;
+    with ``lora_rank``: the adapters' matmuls included."""
+    out = {u: _forward(ops, lora_rank) for u, ops in unit_ops(spec, batch_size, context_length).items()}
+    for block in _blocks(spec):
         out[block] = _add(*(v for k, v in out.items() if k.startswith(block + ".")))
     return out
+
+
+def unit_weights(spec: UNetSpec) -> dict[str, Flops]:
+    """The conv/matmul weights of every unit by op class (as `unit_flops`: layers, samplers,
+    blocks, stem, head): what a recompute in mixed precision casts again."""
+    out: dict[str, Flops] = {}
+    for unit, ops in unit_ops(spec, 1, 1).items():
+        per: dict[str, float] = defaultdict(float)
+        for op in ops:
+            per[op.cls] += op.weights
+        out[unit] = dict(per)
+    for block in _blocks(spec):
+        out[block] = _add(*(v for k, v in out.items() if k.startswith(block + ".")))
+    return out
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """A plain training step's FLOPs, by what computes them (`step_flops`)."""
+
+    forward: float  # the base network's forward
+    input_grads: float  # the backward's gradients of activations (attention's whole backward included)
+    weight_grads: float  # the backward's gradients of trained base weights
+    adapters: float  # LoRA's own matmuls, forward and backward
+    trained_weights: int  # conv/matmul weights trained (biases and norms, under 0.5%, left out)
+    weights: int  # every conv/matmul weight
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.input_grads + self.weight_grads + self.adapters
+
+
+def walk(spec: UNetSpec, batch_size: int, context_length: int = 77, lora_rank: int | None = None) -> Iterator[
+    tuple[str, Op, bool]
+]:  # fmt: skip
+    """Each op in forward order with whether its input needs a gradient: the hidden states do from
+    the first trained weight on (all trained: the stem's conv; LoRA: the first adapter; an
+    attention's q/k/v feed the attention, which passes it on); the time embedding does when the
+    base is trained; the context and the step's inputs never."""
+    trained = lora_rank is None
+    live, pending = False, False  # the hidden states need a gradient; a branch since the last op on them does
+    for unit, ops in unit_ops(spec, batch_size, context_length).items():
+        for op in ops:
+            needs = {HIDDEN: live, TEMB: trained, CONTEXT: False, INPUT: False}[op.source]
+            if op.cls == "attention":
+                needs = live or pending
+            yield unit, op, needs
+            out_grad = needs or (trained if op.cls != "attention" else False) or (op.adapted and not trained)
+            if op.branch:
+                pending = pending or (out_grad and op.source != TEMB and op.source != INPUT)
+            else:
+                live, pending = live or out_grad or pending, False
+
+
+def step_flops(spec: UNetSpec, batch_size: int, context_length: int = 77, lora_rank: int | None = None) -> StepFlops:
+    """The plain step's FLOPs with every weight trained (``lora_rank`` None) or rank-R adapters on a
+    frozen base: the forward; the backward's input gradients (a weighted op's forward FLOPs where
+    its input needs one, attention's `ATTENTION_BACKWARD` times its forward); weight gradients (a
+    weighted op's forward FLOPs, trained weights only); the adapters' matmuls (forward, their
+    weight gradients, and input gradients as for their op)."""
+    fwd = grads = wgrads = adapters = 0.0
+    trained = weights = 0
+    for _, op, needs in walk(spec, batch_size, context_length, lora_rank):
+        fwd += op.flops
+        if op.cls == "attention":
+            grads += ATTENTION_BACKWARD * op.flops if needs else 0.0
+            continue
+        weights += op.weights
+        grads += op.flops if needs else 0.0
+        if lora_rank is None:
+            wgrads += op.flops
+            trained += op.weights
+        elif op.adapted:
+            down, up = _adapter(op, lora_rank)
+            # forward; B's weight and input gradients; A's weight gradient, and its input's if needed
+            adapters += down + up + 2 * up + down + (down if needs else 0.0)
+            trained += lora_rank * (op.fan_in + op.fan_out)
+    return StepFlops(fwd, grads, wgrads, adapters, trained, weights)
 
 
 def recompute_flops(per_class: Flops, choice: str) -> float:
