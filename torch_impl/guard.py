@@ -125,6 +125,7 @@ class BudgetGuard:
             except torch.OutOfMemoryError:
                 if self.plan == FULL:
                     self._failed_under_full()
+                    self._free()
                     raise
             # Out of the handler: the error's traceback, and the failed step's tensors it held, are gone.
             self._free()

@@ -1,0 +1,267 @@
+"""`torch_impl.BudgetGuard` on this CPU, each case against a reference the guard does not compute:
+
+* a step that holds an extra buffer beyond the model's step (budget and buffer sized from the
+  predicted peaks of `none` and `full`) goes over budget under the planner's first plan and is
+  within it after at most 3 guarded steps, both as PyTorch's ``MemTracker`` measures the step
+  outside the guard; for our U-Net and for diffusers' ``UNet2DConditionModel``; it is measured only
+  in the first steps and after the change;
+* a step that holds less than the profiled one (SGD: no optimizer state) loosens once;
+* an out-of-memory error inside the step: the same step runs once more under a plan that recomputes
+  more, and returns what an unguarded plain step returns (loss and gradients compared);
+* one that fails even under `full`: one line, re-raised.
+
+Profiles are measured once per spec into a temporary cache (tens of seconds each). The
+extra-buffer and loosening cases plan with the planner's own check of each plan; the
+out-of-memory cases stand the check in by the profile's prediction (their budgets do not matter).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks.backends.diffusers_bench import DiffusersForward
+from shared_configs import UNetSpec, spec_from_dict
+from shared_configs.planning import planner
+from shared_configs.planning.planner import CACHE_ENV, Workload, predict_policy
+from shared_configs.regime import Regime
+from shared_configs.training.data import example_batch
+from tests.diffusers_utils import diffusers_pair
+from tests.utils import rel_err, variant
+from torch_impl import BudgetGuard, UNet
+from torch_impl import guard as guard_module
+from torch_impl.memory import memtracker
+from torch_impl.train import as_tensors
+
+BATCH = 4
+SIZE = 16  # 16x16: activations about twice the weights, gradients and AdamW state (none 12 MiB, full 6.5 MiB)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plan_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One profile cache for the module: each spec is profiled once."""
+    path = tmp_path_factory.mktemp("plan-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(path))
+        yield path
+
+
+@pytest.fixture
+def check_by_prediction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's check of a plan's peak (a fake-tensor step in a worker) stood in for by the
+    profile's prediction; profiles are still measured."""
+    real = planner.run_worker
+
+    def run_worker(request: dict) -> dict:
+        if request["kind"] != "peaks":
+            return real(request)
+        work = Workload(spec_from_dict(request["spec"]), request["batch_size"], Regime(**request["regime"]),
+                        request["context_length"])  # fmt: skip
+        return {"peaks": {p: _predicted(work, p) for p in request["policies"]}}
+
+    monkeypatch.setattr(planner, "run_worker", run_worker)
+
+
+def _predicted(work: Workload, policy: str) -> int:
+    return predict_policy(work, policy)[0].prediction.peak_bytes
+
+
+class Case:
+    """A model (ours or diffusers'), the net the step calls, AdamW (after a warm-up step), a batch,
+    and a user step that holds ``extra`` bytes through forward, backward and the optimizer step."""
+
+    def __init__(self, spec: UNetSpec, diffusers: bool, optimizer: str = "adamw") -> None:
+        ours, theirs = diffusers_pair(spec) if diffusers else (UNet(spec), None)
+        self.model = theirs if diffusers else ours
+        self.net = DiffusersForward(theirs) if diffusers else ours
+        params = list(self.model.parameters())
+        sgd = optimizer == "sgd"
+        self.optimizer = torch.optim.SGD(params, lr=1e-4) if sgd else torch.optim.AdamW(params, lr=1e-4, weight_decay=0)
+        noisy, t, noise, conditioning = as_tensors(example_batch(spec, BATCH, 77, seed=0))
+        self.inputs = {"x": noisy, "t": t, **{k: v for k, v in conditioning.items() if v is not None}}
+        self.noise = noise
+        self.workload = Workload.of(spec if not diffusers else _spec_of(theirs), batch_size=BATCH)
+        self.step()  # a warm-up, as the planner's profile has: AdamW's state exists from here on
+
+    def step(self, extra: int = 0) -> float:
+        """The user's training step: zero the gradients, hold ``extra`` bytes, forward, backward, update."""
+        self.optimizer.zero_grad(set_to_none=True)
+        held = torch.zeros(extra // 4)  # a teacher's features, a second batch, ...
+        loss = F.mse_loss(self.net(**self.inputs), self.noise)
+        loss.backward()
+        self.optimizer.step()
+        del held
+        return loss.item()
+
+    def independent_peak(self, extra: int) -> int:
+        """The step's peak by PyTorch's ``MemTracker`` (model, AdamW state, the inputs), outside any guard."""
+        with memtracker(self.model, self.optimizer, [*self.inputs.values(), self.noise]) as found:
+            self.step(extra)
+        return found["peak"]
+
+
+def _spec_of(model: torch.nn.Module) -> UNetSpec:
+    from torch_impl.diffusers_plan import diffusers_spec
+
+    return diffusers_spec(model)
+
+
+def _sizes(work: Workload) -> tuple[int, int]:
+    """Budget 60% of the way from `full`'s predicted peak to `none`'s; an extra buffer of a quarter of that gap."""
+    none, full = _predicted(work, "none"), _predicted(work, "full")
+    assert full < none
+    return full + 6 * (none - full) // 10, (none - full) // 4
+
+
+SPECS: dict[str, Callable[[], tuple[UNetSpec, bool]]] = {
+    "ours": lambda: (variant("tiny", sample_size=SIZE), False),
+    "diffusers": lambda: (variant("sdxl_style", sample_size=SIZE, dropout=0.0), True),  # UNet2DConditionModel
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SPECS))
+def test_an_extra_buffer_is_kept_within_budget_after_at_most_3_steps(
+    name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    case = Case(*SPECS[name]())
+    budget, extra = _sizes(case.workload)
+    entered: list[int] = []
+    monkeypatch.setattr(guard_module, "MemTracker", _counting(entered))
+    guard = BudgetGuard(case.model, budget, batch_size=BATCH)
+    first = guard.plan
+    assert first not in ("none", "full")
+    capsys.readouterr()
+    # The reference: the first plan in the user's step, by MemTracker outside the guard, is over budget.
+    over = case.independent_peak(extra)
+    assert over > budget, (over, budget)
+    for _ in range(5):  # the step's optimizer is in its closure: the guard spots it stepping
+        guard.run(case.step, extra)
+    changes = [r for r in guard.history if r.measured is None]
+    assert [r.action for r in changes] == ["planned", "tightened"] and changes[-1].step <= 3, guard.history
+    tight = changes[-1]
+    assert tight.plan == guard.plan != first and tight.predicted < changes[0].predicted
+    over_record = guard.history[guard.history.index(tight) - 1]
+    assert over_record.action == "over budget" and over_record.measured > budget
+    assert tight.outside == over_record.measured - over_record.predicted  # the excess it re-planned for
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"guard: step {tight.step}: peaked at ") and "over the" in lines[0]
+    # Measured in the first 2 steps and the 2 after the change only, never in the steady state.
+    measured = [r for r in guard.history if r.measured is not None]
+    assert [r.step for r in measured] == sorted({1, 2, tight.step + 1, tight.step + 2})
+    assert len(entered) == len(measured)
+    # The check: the plan now in force, in the user's step, by MemTracker outside the guard.
+    final = case.independent_peak(extra)
+    assert final <= budget, (final, budget, guard.history)
+    _report(name, first, tight, over, final, budget)
+
+
+def _counting(entered: list[int]) -> type:
+    class Counting(guard_module.MemTracker):  # type: ignore[name-defined, misc]
+        def __enter__(self) -> Any:
+            entered.append(1)
+            return super().__enter__()
+
+    return Counting
+
+
+def _report(name: str, first: str, tight: Any, over: int, final: int, budget: int) -> None:
+    mib = 2**20
+    print(f"\n{name}: first {first} (independent {over / mib:.2f} MiB), excess {tight.outside / mib:.2f} MiB, "
+          f"then {tight.plan}: independent {final / mib:.2f} MiB vs budget {budget / mib:.2f} MiB")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_step_holding_less_than_the_profiled_one_loosens_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """SGD (no optimizer state) under a plan for AdamW's step: the first window peaks over 10% under
+    the budget, so the guard re-plans once for budget - (measured - predicted), recomputing less;
+    the step stays within budget (MemTracker, outside the guard)."""
+    torch.manual_seed(0)
+    case = Case(*SPECS["ours"](), optimizer="sgd")
+    budget, _ = _sizes(case.workload)
+    guard = BudgetGuard(case.model, budget, batch_size=BATCH)
+    first = guard.history[-1]
+    for _ in range(4):
+        guard.run(case.step)
+    actions = [r.action for r in guard.history]
+    assert actions == ["planned", "measured", "measured", "loosened", "measured", "measured"], guard.history
+    loose = guard.history[3]
+    assert loose.predicted > first.predicted and loose.outside < 0
+    assert "recomputes less" in capsys.readouterr().err
+    assert case.independent_peak(0) <= budget
+
+
+class FailingStep:
+    """A user step that raises ``torch.OutOfMemoryError`` after its forward on its first ``fails``
+    calls (as a GPU would), noting the plan and the predicted peak in force at each call."""
+
+    def __init__(self, case: Case, guard: BudgetGuard, fails: int) -> None:
+        self.case, self.guard, self.fails, self.plans = case, guard, fails, []
+
+    def __call__(self) -> float:
+        self.plans.append((self.guard.plan, self.guard.history[-1].predicted))
+        if len(self.plans) > self.fails:
+            return self.case.step()
+        self.case.optimizer.zero_grad(set_to_none=True)
+        out = self.case.net(**self.case.inputs)
+        F.mse_loss(out, self.case.noise).backward(retain_graph=True)  # gradients and activations left behind
+        raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("check_by_prediction")
+def test_out_of_memory_runs_the_same_step_again_recomputing_more(capsys: pytest.CaptureFixture[str]) -> None:
+    """The step fails once: it runs again (the same arguments, the same dropout draws) under a plan of
+    lower predicted peak, and returns the loss and gradients of an unguarded plain step on the same batch."""
+    torch.manual_seed(0)
+    case = Case(*SPECS["ours"]())  # tiny: dropout 0.1, so the retry must draw the same masks
+    reference = copy.deepcopy(case)
+    none, full = _predicted(case.workload, "none"), _predicted(case.workload, "full")
+    guard = BudgetGuard(case.model, full + 9 * (none - full) // 10, batch_size=BATCH)
+    step = FailingStep(case, guard, fails=1)
+    capsys.readouterr()
+    torch.manual_seed(1)
+    loss = guard.run(step)
+    torch.manual_seed(1)
+    expected = reference.step()  # no plan, no guard
+    assert loss == pytest.approx(expected, rel=1e-6)
+    for (n, p), q in zip(case.model.named_parameters(), reference.model.parameters(), strict=True):
+        assert rel_err(p.grad, q.grad) < 1e-5, n
+    (failed, p0), (retried, p1) = step.plans
+    assert retried != failed and p1 < p0 and guard.plan == retried
+    assert [r.action for r in guard.history] == ["planned", "out of memory", "recompute more", "measured"]
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("guard: step 1: ran out of memory under") and "running it again" in line
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("check_by_prediction")
+def test_out_of_memory_even_under_full_is_one_line_and_re_raised(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every attempt fails: the guard steps to plans of lower predicted peak up to `full`, then says
+    so in one line and re-raises the step's own error."""
+    torch.manual_seed(0)
+    case = Case(*SPECS["ours"]())
+    none, full = _predicted(case.workload, "none"), _predicted(case.workload, "full")
+    guard = BudgetGuard(case.model, full + 9 * (none - full) // 10, batch_size=BATCH)
+    step = FailingStep(case, guard, fails=100)
+    capsys.readouterr()
+    with pytest.raises(torch.OutOfMemoryError, match="raised by the test"):
+        guard.run(step)
+    predicted = [p for _, p in step.plans]
+    assert step.plans[-1][0] == "full" and 2 <= len(step.plans) <= 2 + guard_module.OOM_HALVINGS
+    assert all(b < a for a, b in itertools.pairwise(predicted)), step.plans
+    assert guard.history[-1].action == "full failed"
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == len(step.plans) and lines[-1] == (
+        f"guard: step 1: ran out of memory under full (predicted {full / 2**20:.1f} MiB), which recomputes the "
+        "most: the step does not fit this device; re-raising"
+    )
+    assert all(p.grad is None for p in case.model.parameters())  # what the failed attempts left is freed
