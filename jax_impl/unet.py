@@ -9,6 +9,7 @@ tree is identical for every plan and mirrors the torch ``state_dict`` (``down.1`
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ from shared_configs.arch import (
     resnet_args,
     up_blocks,
 )
+from shared_configs.controlnet import add_residuals
 from shared_configs.inputs import check_inputs, input_specs
 
 Array = jax.Array
@@ -61,9 +63,115 @@ def abstract_inputs(
     return {k: None if v is None else jax.ShapeDtypeStruct(v.shape, jnp.dtype(v.dtype)) for k, v in specs.items()}
 
 
-class UNet(nn.Module):
+class UNetTrunk(nn.Module):
+    """What the U-Net and the ControlNet share, built from one `UNetSpec` under the same names:
+    ``conv_in``, the time (and class, text_time) embeddings, the ``down`` path and the ``mid``
+    block. Subclasses give `trunk_spec`, ``plan``, ``attention_chunk`` and ``lora_rank``, and call
+    `_setup_trunk` in their ``setup()``."""
+
+    @property
+    def trunk_spec(self) -> UNetSpec:
+        raise NotImplementedError
+
+    @nn.nowrap
+    def _setup_trunk(self, plan: CheckpointPlan) -> None:
+        spec = self.trunk_spec
+        chunk = self.attention_chunk
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise ValueError(f"attention_chunk: expected a positive number of queries or None, got {chunk!r}")
+        chans = spec.block_out_channels
+        self.conv_in = conv3x3(chans[0])
+        self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim)
+        args = class_embedding_args(spec)
+        self.class_embedding = None if args is None else CLASS_EMBEDDING[args.kind](args)
+        add = spec.addition_embedding
+        self.add_embedding = None if add is None else TimestepEmbedding(add.input_dim, spec.time_embed_dim)
+        self.down = self._down_path(plan)
+        scale = spec.mid_block_scale_factor
+        self.mid = remat_class(MidBlock, "mid", plan)(
+            chans[-1],
+            self._resnet_factory(scale),
+            self._attention_factory(spec.mid_attention, -1, "mid", scale),
+            unit="mid",
+            plan=plan,
+        )
+
+    @nn.nowrap
+    def _down_path(self, plan: CheckpointPlan) -> list[DownBlock]:
+        spec = self.trunk_spec
+        return [
+            remat_class(DownBlock, b.name, plan)(
+                b.in_ch,
+                b.out_ch,
+                spec.layers_per_block,
+                self._resnet_factory(1.0),
+                self._attention_factory(b.attention, b.level, b.name),
+                b.downsample_padding,
+                unit=b.name,
+                plan=plan,
+            )
+            for b in down_blocks(spec)
+        ]
+
+    @nn.nowrap
+    def _resnet_factory(self, output_scale: float) -> functools.partial:
+        return functools.partial(ResnetBlock, **kwargs(resnet_args(self.trunk_spec, output_scale)))
+
+    @nn.nowrap
+    def _attention_factory(
+        self, kind: str, level: int, block: str, output_scale: float = 1.0
+    ) -> AttentionFactory | None:
+        if kind == "none":
+            return None
+        args = attention_args(self.trunk_spec, kind, level, block, output_scale)
+        return functools.partial(
+            ATTENTION[kind], **kwargs(args), query_chunk=self.attention_chunk, lora_rank=self.lora_rank
+        )
+
+    def _encode(
+        self, x: Array, temb: Array, context: Array | None, train: bool, hint: Array | None = None
+    ) -> tuple[Array, list[Array]]:
+        """``conv_in`` (plus ``hint``, the ControlNet's conditioning), the down path and the middle
+        block: the middle block's output and the skips, in the order they were pushed."""
+        h = self.conv_in(x)
+        if hint is not None:
+            h = h + hint
+        skips = [h]
+        for block in self.down:
+            skips += block(h, temb, context, train)  # positional: `train` is static under remat
+            h = skips[-1]
+        return self.mid(h, temb, context, train), skips
+
+    def _sinusoids(self, values: Array, dim: int) -> Array:
+        te = self.trunk_spec.time_embedding
+        return timestep_embedding(values, dim, te.flip_sin_to_cos, te.freq_shift, te.max_period)
+
+    def _embedding(
+        self, x: Array, t: Array | float, class_labels: Array | None, text_embeds: Array | None,
+        time_ids: Array | None,
+    ) -> Array:  # fmt: skip
+        """The embedding every ResNet receives: time, plus class and text_time conditioning as diffusers adds them."""
+        s, dtype = self.trunk_spec, x.dtype
+        t = jnp.broadcast_to(jnp.asarray(t), (x.shape[0],))
+        # The sinusoids are float32 whatever ``t`` is; in x's dtype (a no-op for float32), so that a
+        # bf16 forward stays bf16: float32 temb added to bf16 activations would promote the rest.
+        temb = self.time_embedding(self._sinusoids(t, s.block_out_channels[0]).astype(dtype))
+        if (ce := s.class_embedding) is not None:
+            labels = class_labels
+            if ce.kind == "timestep":
+                labels = self._sinusoids(labels, s.block_out_channels[0]).astype(dtype)
+            class_emb = (labels if self.class_embedding is None else self.class_embedding(labels)).astype(dtype)
+            temb = jnp.concatenate([temb, class_emb], axis=-1) if ce.concat else temb + class_emb
+        if (add := s.addition_embedding) is not None:
+            ids = self._sinusoids(time_ids.reshape(-1), add.time_id_dim).reshape(x.shape[0], -1)  # (B, N * dim)
+            temb = temb + self.add_embedding(jnp.concatenate([text_embeds, ids], axis=-1).astype(dtype))
+        return temb
+
+
+class UNet(UNetTrunk):
     """Diffusion U-Net on NHWC input: ``apply(variables, x, t, context=None, class_labels=None,
-    text_embeds=None, time_ids=None, train=False)`` (`shared_configs.inputs`: which inputs a spec takes).
+    text_embeds=None, time_ids=None, down_block_additional_residuals=None, mid_block_additional_residual=None,
+    train=False)`` (`shared_configs.inputs`: which inputs a spec takes).
 
     Attributes:
         spec: the architecture, a `UNetSpec` or a preset name (``"tiny"``).
@@ -95,47 +203,16 @@ class UNet(nn.Module):
         works on an unbound module."""
         return resolve_plan(self.resolved_spec, self.policy)
 
-    def setup(self) -> None:
-        spec, plan = self.resolved_spec, self.plan
-        chunk = self.attention_chunk
-        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
-            raise ValueError(f"attention_chunk: expected a positive number of queries or None, got {chunk!r}")
-        chans = spec.block_out_channels
-        self.conv_in = conv3x3(chans[0])
-        self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim)
-        args = class_embedding_args(spec)
-        self.class_embedding = None if args is None else CLASS_EMBEDDING[args.kind](args)
-        add = spec.addition_embedding
-        self.add_embedding = None if add is None else TimestepEmbedding(add.input_dim, spec.time_embed_dim)
-        self.down = self._down_path(plan)
-        scale = spec.mid_block_scale_factor
-        self.mid = remat_class(MidBlock, "mid", plan)(
-            chans[-1],
-            self._resnet_factory(scale),
-            self._attention_factory(spec.mid_attention, -1, "mid", scale),
-            unit="mid",
-            plan=plan,
-        )
-        self.up = self._up_path(plan)
-        self.conv_norm_out = norm_layer(chans[0], **kwargs(norm_args(spec)))
-        self.conv_out = conv3x3(spec.out_channels)
+    @property
+    def trunk_spec(self) -> UNetSpec:
+        return self.resolved_spec
 
-    @nn.nowrap
-    def _down_path(self, plan: CheckpointPlan) -> list[DownBlock]:
+    def setup(self) -> None:
         spec = self.resolved_spec
-        return [
-            remat_class(DownBlock, b.name, plan)(
-                b.in_ch,
-                b.out_ch,
-                spec.layers_per_block,
-                self._resnet_factory(1.0),
-                self._attention_factory(b.attention, b.level, b.name),
-                b.downsample_padding,
-                unit=b.name,
-                plan=plan,
-            )
-            for b in down_blocks(spec)
-        ]
+        self._setup_trunk(self.plan)
+        self.up = self._up_path(self.plan)
+        self.conv_norm_out = norm_layer(spec.block_out_channels[0], **kwargs(norm_args(spec)))
+        self.conv_out = conv3x3(spec.out_channels)
 
     @nn.nowrap
     def _up_path(self, plan: CheckpointPlan) -> list[UpBlock]:
@@ -153,21 +230,6 @@ class UNet(nn.Module):
             for b in up_blocks(self.resolved_spec)
         ]
 
-    @nn.nowrap
-    def _resnet_factory(self, output_scale: float) -> functools.partial:
-        return functools.partial(ResnetBlock, **kwargs(resnet_args(self.resolved_spec, output_scale)))
-
-    @nn.nowrap
-    def _attention_factory(
-        self, kind: str, level: int, block: str, output_scale: float = 1.0
-    ) -> AttentionFactory | None:
-        if kind == "none":
-            return None
-        args = attention_args(self.resolved_spec, kind, level, block, output_scale)
-        return functools.partial(
-            ATTENTION[kind], **kwargs(args), query_chunk=self.attention_chunk, lora_rank=self.lora_rank
-        )
-
     def __call__(
         self,
         x: Array,
@@ -176,55 +238,32 @@ class UNet(nn.Module):
         class_labels: Array | None = None,
         text_embeds: Array | None = None,
         time_ids: Array | None = None,
+        down_block_additional_residuals: Sequence[Array] | None = None,
+        mid_block_additional_residual: Array | None = None,
         train: bool = False,
     ) -> Array:
         """Predict the noise (or whatever the spec was trained on) for NHWC ``x`` at timesteps ``t``.
 
         ``t``: a scalar or (B,). ``context`` (B, L, cross_attention_dim), ``class_labels``,
         ``text_embeds`` and ``time_ids``: exactly those the spec takes (`shared_configs.inputs`);
-        anything else is a one-line `ValueError`. ``train=True`` (by keyword) turns dropout on (rng
-        ``"dropout"``) and, with ``norm_kind: batch``, normalises with batch statistics and updates
-        ``"batch_stats"`` (pass ``mutable=["batch_stats"]``).
+        anything else is a one-line `ValueError`. ``down_block_additional_residuals`` (NHWC, one per
+        skip, a ControlNet's) are added to the skips after the down path and
+        ``mid_block_additional_residual`` to the middle block's output, as diffusers adds them.
+        ``train=True`` (by keyword) turns dropout on (rng ``"dropout"``) and, with ``norm_kind:
+        batch``, normalises with batch statistics and updates ``"batch_stats"`` (pass
+        ``mutable=["batch_stats"]``).
         """
+        spec = self.resolved_spec
         conditioning = {"context": context, "class_labels": class_labels, "text_embeds": text_embeds}
-        check_inputs(self.resolved_spec, "NHWC", x, t, **conditioning, time_ids=time_ids)
+        check_inputs(spec, "NHWC", x, t, **conditioning, time_ids=time_ids)
         temb = self._embedding(x, t, class_labels, text_embeds, time_ids)
-        h = self.conv_in(x)
-        skips = [h]
-        for block in self.down:
-            skips += block(h, temb, context, train)  # positional: `train` is static under remat
-            h = skips[-1]
-        h = self.mid(h, temb, context, train)
+        h, skips = self._encode(x, temb, context, train)
+        h, skips = add_residuals(spec, h, skips, down_block_additional_residuals, mid_block_additional_residual)
         for block in self.up:
             count = len(block.skip_channels)
             h = block(h, tuple(skips[-count:]), temb, context, train)
             del skips[-count:]
         return self.conv_out(norm_act(self.conv_norm_out, h, train, silu=True))
-
-    def _sinusoids(self, values: Array, dim: int) -> Array:
-        te = self.resolved_spec.time_embedding
-        return timestep_embedding(values, dim, te.flip_sin_to_cos, te.freq_shift, te.max_period)
-
-    def _embedding(
-        self, x: Array, t: Array | float, class_labels: Array | None, text_embeds: Array | None,
-        time_ids: Array | None,
-    ) -> Array:  # fmt: skip
-        """The embedding every ResNet receives: time, plus class and text_time conditioning as diffusers adds them."""
-        s, dtype = self.resolved_spec, x.dtype
-        t = jnp.broadcast_to(jnp.asarray(t), (x.shape[0],))
-        # The sinusoids are float32 whatever ``t`` is; in x's dtype (a no-op for float32), so that a
-        # bf16 forward stays bf16: float32 temb added to bf16 activations would promote the rest.
-        temb = self.time_embedding(self._sinusoids(t, s.block_out_channels[0]).astype(dtype))
-        if (ce := s.class_embedding) is not None:
-            labels = class_labels
-            if ce.kind == "timestep":
-                labels = self._sinusoids(labels, s.block_out_channels[0]).astype(dtype)
-            class_emb = (labels if self.class_embedding is None else self.class_embedding(labels)).astype(dtype)
-            temb = jnp.concatenate([temb, class_emb], axis=-1) if ce.concat else temb + class_emb
-        if (add := s.addition_embedding) is not None:
-            ids = self._sinusoids(time_ids.reshape(-1), add.time_id_dim).reshape(x.shape[0], -1)  # (B, N * dim)
-            temb = temb + self.add_embedding(jnp.concatenate([text_embeds, ids], axis=-1).astype(dtype))
-        return temb
 
     @nn.nowrap
     def block_names(self, layers: bool = False) -> list[str]:

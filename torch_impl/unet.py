@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from shared_configs.arch import (
     resnet_args,
     up_blocks,
 )
+from shared_configs.controlnet import add_residuals
 from shared_configs.inputs import check_inputs
 from shared_configs.plan import Policy
 from torch_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
@@ -36,18 +38,17 @@ from torch_impl.layers import (
 Tensor = torch.Tensor
 
 
-class UNet(nn.Module):
-    """Diffusion U-Net on NCHW input: ``forward(x, t, context=None, class_labels=None, text_embeds=None,
-    time_ids=None)`` (see `shared_configs.inputs` for which inputs a spec takes).
+class UNetTrunk(nn.Module):
+    """What the U-Net and the ControlNet share, built from one `UNetSpec` under the same names:
+    ``conv_in``, the time (and class, text_time) embeddings, the ``down`` path and the ``mid``
+    block. Subclasses say which spec that is (`trunk_spec`) and add their own heads."""
 
-    ``policy`` (a policy string, block names or a `CheckpointPlan`; ``None``: the spec's own
-    ``checkpoint`` field) is applied at construction, as ``jax_impl.UNet(policy=...)`` does;
-    `enable_gradient_checkpointing` / `disable_gradient_checkpointing` change it.
-    """
+    @property
+    def trunk_spec(self) -> UNetSpec:
+        raise NotImplementedError
 
-    def __init__(self, spec: UNetSpec | str, policy: Policy | CheckpointPlan = None) -> None:
-        super().__init__()
-        self.spec = spec = load_spec(spec) if isinstance(spec, str) else spec
+    def _build_trunk(self) -> None:
+        spec = self.trunk_spec
         chans = spec.block_out_channels
         self.conv_in = nn.Conv2d(spec.in_channels, chans[0], 3, padding=1)
         self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim)
@@ -68,74 +69,41 @@ class UNet(nn.Module):
         self.mid = MidBlock(
             chans[-1], self._resnet_factory(scale), self._attention_factory(spec.mid_attention, -1, "mid", scale)
         )
-        self.up = nn.ModuleList(
-            UpBlock(
-                b.in_ch,
-                b.out_ch,
-                b.skip_channels,
-                resnet,
-                self._attention_factory(b.attention, b.level, b.name),
-                b.upsample,
-            )
-            for b in up_blocks(spec)
-        )
-        self.conv_norm_out = norm_layer(chans[0], **kwargs(norm_args(spec)))
-        self.conv_out = nn.Conv2d(chans[0], spec.out_channels, 3, padding=1)
-        self.plan = resolve_plan(spec, policy)
-        if self.plan.recompute:
-            apply_plan(self, self.plan)
 
     def _conditioning_layers(self) -> None:
         """Class and text_time embeddings, under diffusers' names (only when the spec has them)."""
-        if (args := class_embedding_args(self.spec)) is not None:
+        if (args := class_embedding_args(self.trunk_spec)) is not None:
             self.class_embedding = CLASS_EMBEDDING[args.kind](args)
-        if (add := self.spec.addition_embedding) is not None:
-            self.add_embedding = TimestepEmbedding(add.input_dim, self.spec.time_embed_dim)
+        if (add := self.trunk_spec.addition_embedding) is not None:
+            self.add_embedding = TimestepEmbedding(add.input_dim, self.trunk_spec.time_embed_dim)
 
     def _resnet_factory(self, output_scale: float) -> functools.partial:
-        return functools.partial(ResnetBlock, **kwargs(resnet_args(self.spec, output_scale)))
+        return functools.partial(ResnetBlock, **kwargs(resnet_args(self.trunk_spec, output_scale)))
 
     def _attention_factory(
         self, kind: str, level: int, block: str, output_scale: float = 1.0
     ) -> AttentionFactory | None:
         if kind == "none":
             return None
-        return functools.partial(ATTENTION[kind], **kwargs(attention_args(self.spec, kind, level, block, output_scale)))
+        args = attention_args(self.trunk_spec, kind, level, block, output_scale)
+        return functools.partial(ATTENTION[kind], **kwargs(args))
 
-    def forward(
-        self,
-        x: Tensor,
-        t: Tensor | float,
-        context: Tensor | None = None,
-        class_labels: Tensor | None = None,
-        text_embeds: Tensor | None = None,
-        time_ids: Tensor | None = None,
-    ) -> Tensor:
-        """Predict the noise (or whatever the spec was trained on) for NCHW ``x`` at timesteps ``t``.
-
-        ``t``: a scalar or (B,). ``context`` (B, L, cross_attention_dim), ``class_labels``,
-        ``text_embeds`` and ``time_ids``: exactly those the spec takes (`shared_configs.inputs`);
-        anything else is a one-line `ValueError`.
-        """
-        check_inputs(
-            self.spec, "NCHW", x, t, context=context, class_labels=class_labels, text_embeds=text_embeds,
-            time_ids=time_ids,
-        )  # fmt: skip
-        temb = self._embedding(x, t, class_labels, text_embeds, time_ids)
+    def _encode(
+        self, x: Tensor, temb: Tensor, context: Tensor | None, hint: Tensor | None = None
+    ) -> tuple[Tensor, list[Tensor]]:
+        """``conv_in`` (plus ``hint``, the ControlNet's conditioning), the down path and the middle
+        block: the middle block's output and the skips, in the order they were pushed."""
         h = self.conv_in(x)
+        if hint is not None:
+            h = h + hint
         skips = [h]
         for block in self.down:
             skips += block(h, temb, context)
             h = skips[-1]
-        h = self.mid(h, temb, context)
-        for block in self.up:
-            count = len(block.resnets)
-            h = block(h, skips[-count:], temb, context)
-            del skips[-count:]
-        return self.conv_out(F.silu(self.conv_norm_out(h)))
+        return self.mid(h, temb, context), skips
 
     def _sinusoids(self, values: Tensor, dim: int) -> Tensor:
-        te = self.spec.time_embedding
+        te = self.trunk_spec.time_embedding
         return timestep_embedding(values, dim, te.flip_sin_to_cos, te.freq_shift, te.max_period)
 
     def _embedding(
@@ -143,7 +111,7 @@ class UNet(nn.Module):
         time_ids: Tensor | None,
     ) -> Tensor:  # fmt: skip
         """The embedding every ResNet receives: time, plus class and text_time conditioning as diffusers adds them."""
-        s, dtype = self.spec, x.dtype
+        s, dtype = self.trunk_spec, x.dtype
         t = torch.as_tensor(t, device=x.device).expand(x.shape[0])
         temb = self.time_embedding(self._sinusoids(t, s.block_out_channels[0]).to(dtype))  # sinusoids in float32
         if (ce := s.class_embedding) is not None:
@@ -156,6 +124,76 @@ class UNet(nn.Module):
             ids = self._sinusoids(time_ids.flatten(), add.time_id_dim).reshape(x.shape[0], -1)  # (B, N * time_id_dim)
             temb = temb + self.add_embedding(torch.cat([text_embeds, ids], dim=-1).to(dtype))
         return temb
+
+
+class UNet(UNetTrunk):
+    """Diffusion U-Net on NCHW input: ``forward(x, t, context=None, class_labels=None, text_embeds=None,
+    time_ids=None, down_block_additional_residuals=None, mid_block_additional_residual=None)`` (see
+    `shared_configs.inputs` for which inputs a spec takes).
+
+    ``policy`` (a policy string, block names or a `CheckpointPlan`; ``None``: the spec's own
+    ``checkpoint`` field) is applied at construction, as ``jax_impl.UNet(policy=...)`` does;
+    `enable_gradient_checkpointing` / `disable_gradient_checkpointing` change it.
+    """
+
+    def __init__(self, spec: UNetSpec | str, policy: Policy | CheckpointPlan = None) -> None:
+        super().__init__()
+        self.spec = spec = load_spec(spec) if isinstance(spec, str) else spec
+        self._build_trunk()
+        self.up = nn.ModuleList(
+            UpBlock(
+                b.in_ch,
+                b.out_ch,
+                b.skip_channels,
+                self._resnet_factory(1.0),
+                self._attention_factory(b.attention, b.level, b.name),
+                b.upsample,
+            )
+            for b in up_blocks(spec)
+        )
+        chans = spec.block_out_channels
+        self.conv_norm_out = norm_layer(chans[0], **kwargs(norm_args(spec)))
+        self.conv_out = nn.Conv2d(chans[0], spec.out_channels, 3, padding=1)
+        self.plan = resolve_plan(spec, policy)
+        if self.plan.recompute:
+            apply_plan(self, self.plan)
+
+    @property
+    def trunk_spec(self) -> UNetSpec:
+        return self.spec
+
+    def forward(
+        self,
+        x: Tensor,
+        t: Tensor | float,
+        context: Tensor | None = None,
+        class_labels: Tensor | None = None,
+        text_embeds: Tensor | None = None,
+        time_ids: Tensor | None = None,
+        down_block_additional_residuals: Sequence[Tensor] | None = None,
+        mid_block_additional_residual: Tensor | None = None,
+    ) -> Tensor:
+        """Predict the noise (or whatever the spec was trained on) for NCHW ``x`` at timesteps ``t``.
+
+        ``t``: a scalar or (B,). ``context`` (B, L, cross_attention_dim), ``class_labels``,
+        ``text_embeds`` and ``time_ids``: exactly those the spec takes (`shared_configs.inputs`);
+        anything else is a one-line `ValueError`. ``down_block_additional_residuals`` (one per skip,
+        in diffusers' order: a ControlNet's down residuals) are added to the skips after the down
+        path, ``mid_block_additional_residual`` to the middle block's output, as diffusers'
+        ``UNet2DConditionModel`` adds them.
+        """
+        check_inputs(
+            self.spec, "NCHW", x, t, context=context, class_labels=class_labels, text_embeds=text_embeds,
+            time_ids=time_ids,
+        )  # fmt: skip
+        temb = self._embedding(x, t, class_labels, text_embeds, time_ids)
+        h, skips = self._encode(x, temb, context)
+        h, skips = add_residuals(self.spec, h, skips, down_block_additional_residuals, mid_block_additional_residual)
+        for block in self.up:
+            count = len(block.resnets)
+            h = block(h, skips[-count:], temb, context)
+            del skips[-count:]
+        return self.conv_out(F.silu(self.conv_norm_out(h)))
 
     @classmethod
     def from_diffusers(

@@ -1,0 +1,125 @@
+"""A ControlNet, framework-free: its spec, its plan vocabulary, and the residuals it hands a U-Net.
+
+A ControlNet (diffusers' ``ControlNetModel``) is the encoder half of a U-Net: ``conv_in``, the time
+(and class, text_time) embeddings, the down path and the middle block, built from the same
+`UNetSpec` under the same names, plus its own parts:
+
+* the conditioning embedding: the conditioning image (``conditioning_channels``, at
+  ``2 ** (len(conditioning_embedding_out_channels) - 1)`` times the sample's size) through a 3x3
+  conv, then per stage a 3x3 conv and a strided 3x3 conv, SiLU after each, and a zero-initialised
+  3x3 conv to ``block_out_channels[0]``; it is added to ``conv_in``'s output;
+* one zero-initialised 1x1 convolution per skip (``controlnet_down_blocks``) and one on the middle
+  block's output (``controlnet_mid_block``): their outputs, times ``conditioning_scale``, are the
+  residuals a U-Net adds to its skips and to its middle block's output
+  (``down_block_additional_residuals`` / ``mid_block_additional_residual``, diffusers' names);
+* ``global_pool_conditions``: each residual is averaged over its spatial positions.
+
+Only the U-Net spec's encoder and middle block matter; its up path and ``out_channels`` are not
+part of the ControlNet. Checkpoint plans name the ControlNet's units as the U-Net's (``down.0``,
+``mid``, ``down.1.resnets.0``, ...): `resolve_controlnet_plan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar
+
+from pydantic import Field, model_validator
+
+from shared_configs.plan import CheckpointPlan, Policy, block_names, layer_names, resolve_plan
+from shared_configs.spec import Bool, Int, SpecError, UNetSpec, _Frozen
+
+A = TypeVar("A")
+
+CONDITIONING_CHANNEL_ORDERS: tuple[str, ...] = ("rgb", "bgr")
+
+
+class ControlNetSpec(_Frozen):
+    """A ControlNet on the encoder and middle block of ``unet`` (see the module doc)."""
+
+    name: str = "controlnet"
+    unet: UNetSpec
+    conditioning_channels: Int = Field(default=3, gt=0, description="channels of the conditioning image")
+    conditioning_embedding_out_channels: tuple[Int, ...] = Field(
+        default=(16, 32, 96, 256), min_length=1, description="conditioning embedding widths, one per stage"
+    )
+    global_pool_conditions: Bool = Field(default=False, description="average each residual over H, W")
+    conditioning_channel_order: Literal["rgb", "bgr"] = Field(
+        default="rgb", description="bgr: the conditioning image's channels are reversed first (diffusers' option)"
+    )
+
+    @property
+    def conditioning_factor(self) -> int:
+        """How many times larger than the sample the conditioning image is (each side)."""
+        return 2 ** (len(self.conditioning_embedding_out_channels) - 1)
+
+    @model_validator(mode="after")
+    def _check(self) -> ControlNetSpec:
+        if any(c <= 0 for c in self.conditioning_embedding_out_channels):
+            raise SpecError("conditioning_embedding_out_channels: must be positive")
+        return self
+
+
+def residual_shapes(spec: UNetSpec, batch: int, size: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """NCHW shapes of the residuals a U-Net takes on a ``size`` x ``size`` sample: one per skip its down
+    path pushes (conv_in's, each ResNet's, each downsample's), and the middle block's."""
+    chans, n = spec.block_out_channels, spec.num_levels
+    down = [(batch, chans[0], size, size)]
+    for level, ch in enumerate(chans):
+        side = size // 2**level
+        down += [(batch, ch, side, side)] * spec.layers_per_block
+        if level < n - 1:
+            down.append((batch, ch, side // 2, side // 2))
+    side = size // 2 ** (n - 1)
+    return down, (batch, chans[-1], side, side)
+
+
+def add_residuals(spec: UNetSpec, h: A, skips: list[A], down: Sequence[A] | None, mid: A | None) -> tuple[A, list[A]]:
+    """``(h + mid, [skip + residual, ...])`` as diffusers' ``UNet2DConditionModel`` adds a ControlNet's
+    residuals (after the down path; the middle block ran on the plain skip). Works on torch and jax
+    arrays alike; residuals broadcast (``global_pool_conditions`` gives (B, C, 1, 1))."""
+    if down is not None:
+        if len(down) != len(skips):
+            raise ValueError(
+                f"down_block_additional_residuals: expected {len(skips)} tensors (one per skip: conv_in, each ResNet, "
+                f"each downsample of spec {spec.name!r}), got {len(down)}"
+            )
+        skips = [s + r for s, r in zip(skips, down, strict=True)]
+    if mid is not None:
+        h = h + mid
+    return h, skips
+
+
+def controlnet_names(spec: ControlNetSpec | UNetSpec, layers: bool = False) -> list[str]:
+    """The units a ControlNet's plan can name: the U-Net's ``down.*`` and ``mid`` (blocks, or layers)."""
+    unet = spec.unet if isinstance(spec, ControlNetSpec) else spec
+    names = layer_names(unet) if layers else block_names(unet)
+    return [n for n in names if not n.startswith("up.")]
+
+
+def resolve_controlnet_plan(spec: ControlNetSpec, policy: Policy | CheckpointPlan = None) -> CheckpointPlan:
+    """A plan for the ControlNet: resolved as for its U-Net (every policy string, save sets and ``;``
+    groups), keeping the units the ControlNet has. ``full`` is every down block and ``mid``,
+    ``layers`` their layers; a unit named explicitly that the ControlNet lacks (``up.0``) is refused."""
+    plan = resolve_plan(spec.unet, policy if policy is not None else "none")
+    named = _named_units(policy)
+    missing = [n for n in named if n.startswith("up.") or n == "up"]
+    if missing:
+        raise SpecError(f"policy: a ControlNet has no unit {missing[0]!r} (it has down.* and mid)")
+    keep = tuple(n for n in plan.recompute if not n.startswith("up."))
+    unit_save = tuple((n, ops) for n, ops in plan.unit_save if not n.startswith("up."))
+    if keep == plan.recompute:
+        return plan
+    return CheckpointPlan(plan.policy, keep, plan.save, plan.offload, unit_save)
+
+
+def _named_units(policy: Any) -> list[str]:
+    """Unit names written out in a policy (a list, or a string's comma-separated names)."""
+    if isinstance(policy, CheckpointPlan):
+        return list(policy.recompute)
+    if policy is None:
+        return []
+    if not isinstance(policy, str):
+        return [str(n) for n in policy]
+    parts = [p.split("/")[0] for p in policy.split(";")]
+    return [n.strip() for p in parts for n in p.split(",") if "." in n or n.strip() in ("mid", "up")]

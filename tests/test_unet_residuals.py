@@ -1,0 +1,119 @@
+"""Our U-Nets take a ControlNet's residuals (``down_block_additional_residuals``,
+``mid_block_additional_residual``) as diffusers' ``UNet2DConditionModel`` does: same outputs given
+the same residuals (torch and Flax), gradients unchanged under every checkpoint policy.
+
+Reference: diffusers' U-Net with our weights (`tests.diffusers_utils.diffusers_pair`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jax_impl import UNet as FlaxUNet
+from jax_impl.convert import torch_to_flax
+from shared_configs.controlnet import residual_shapes
+from shared_configs.inputs import example_inputs
+from tests.diffusers_utils import diffusers_pair
+from tests.utils import as_flax, as_torch, randomize_, rel_err, variant
+from torch_impl import UNet
+
+SIZE = 8
+
+
+def _case(name: str) -> tuple[Any, dict[str, Any], list[np.ndarray], np.ndarray]:
+    spec = variant(name, dropout=0.0)
+    inputs = example_inputs(spec, np.random.default_rng(2), batch=2, context_len=3)
+    inputs["t"] = np.array([11.0, 860.0], dtype=np.float32)
+    rng = np.random.default_rng(5)
+    down_shapes, mid_shape = residual_shapes(spec, 2, SIZE)
+    down = [rng.standard_normal(s).astype(np.float32) for s in down_shapes]
+    return spec, inputs, down, rng.standard_normal(mid_shape).astype(np.float32)
+
+
+@pytest.mark.slow_for("sd_linear_proj")
+@pytest.mark.parametrize("name", ["sd_linear_proj", "sdxl_style"])
+def test_residuals_match_diffusers_in_both_frameworks(name: str) -> None:
+    spec, inputs, down, mid = _case(name)
+    ours, theirs = diffusers_pair(spec)
+    randomize_(ours, seed=4)
+    theirs.load_state_dict(ours.to_diffusers_state_dict(), strict=True)
+    named = as_torch(inputs)
+    down_t, mid_t = [torch.from_numpy(r) for r in down], torch.from_numpy(mid)
+    extra: dict[str, Any] = {}
+    if named.get("text_embeds") is not None:
+        extra["added_cond_kwargs"] = {"text_embeds": named["text_embeds"], "time_ids": named["time_ids"]}
+    with torch.no_grad():
+        ref = theirs(
+            named["x"], named["t"], named["context"], down_block_additional_residuals=tuple(down_t),
+            mid_block_additional_residual=mid_t, **extra,
+        ).sample  # fmt: skip
+        plain = theirs(named["x"], named["t"], named["context"], **extra).sample
+        out = ours.eval()(
+            **named, down_block_additional_residuals=down_t, mid_block_additional_residual=mid_t
+        )  # fmt: skip
+    assert rel_err(ref, plain) > 1e-2  # the residuals change the output
+    assert rel_err(out, ref) <= 1e-5
+    params = torch_to_flax(ours.state_dict(), spec)
+    flax_out = FlaxUNet(spec=spec).apply(
+        {"params": params}, **as_flax(inputs), down_block_additional_residuals=[r.transpose(0, 2, 3, 1) for r in down],
+        mid_block_additional_residual=mid.transpose(0, 2, 3, 1),
+    )  # fmt: skip
+    assert rel_err(np.asarray(flax_out).transpose(0, 3, 1, 2), ref) <= 1e-5
+
+
+def _torch_grads(spec: Any, inputs: dict[str, Any], down: list, mid: np.ndarray, policy: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = UNet(spec, policy=policy).train()
+    randomize_(model, seed=4)
+    down_t = [torch.from_numpy(r).requires_grad_() for r in down]
+    mid_t = torch.from_numpy(mid).requires_grad_()
+    out = model(**as_torch(inputs), down_block_additional_residuals=down_t, mid_block_additional_residual=mid_t)
+    out.square().mean().backward()
+    return [p.grad for p in model.parameters()] + [r.grad for r in down_t] + [mid_t.grad]
+
+
+@pytest.mark.parametrize("policy", ["full", "layers", "down.1,mid/save=conv"])
+def test_torch_gradients_unchanged_under_plans(policy: str) -> None:
+    spec, inputs, down, mid = _case("sd_linear_proj")
+    plain = _torch_grads(spec, inputs, down, mid, "none")
+    planned = _torch_grads(spec, inputs, down, mid, policy)
+    assert all(g is not None for g in plain)
+    for a, b in zip(plain, planned, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_flax_gradients_unchanged_under_plans() -> None:
+    spec, inputs, down, mid = _case("sd_linear_proj")
+    named = as_flax(inputs)
+    res = ([jnp.asarray(r.transpose(0, 2, 3, 1)) for r in down], jnp.asarray(mid.transpose(0, 2, 3, 1)))
+    params = FlaxUNet(spec=spec).init(jax.random.key(0), **named)["params"]
+
+    def grads(policy: str) -> list[np.ndarray]:
+        model = FlaxUNet(spec=spec, policy=policy)
+
+        def loss(p: dict, r: tuple) -> jax.Array:
+            out = model.apply(
+                {"params": p}, **named, down_block_additional_residuals=r[0], mid_block_additional_residual=r[1]
+            )
+            return jnp.mean(out**2)
+
+        return [np.asarray(g) for g in jax.tree.leaves(jax.grad(loss, argnums=(0, 1))(params, res))]
+
+    plain = grads("none")
+    for policy in ("full", "layers"):  # whole blocks; each layer alone
+        for a, b in zip(plain, grads(policy), strict=True):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_wrong_number_of_residuals_is_one_line() -> None:
+    spec, inputs, down, _ = _case("sd_linear_proj")
+    wanted = rf"down_block_additional_residuals: expected {len(down)} tensors .* got {len(down) - 1}"
+    with pytest.raises(ValueError, match=wanted):
+        UNet(spec)(**as_torch(inputs), down_block_additional_residuals=[torch.from_numpy(r) for r in down[:-1]])
