@@ -161,7 +161,7 @@ def test_an_extra_buffer_is_kept_within_budget_after_at_most_3_steps(
     # The check: the plan now in force, in the user's step, by MemTracker outside the guard.
     final = case.independent_peak(extra)
     assert final <= budget, (final, budget, guard.history)
-    _report(name, first, tight, over, final, budget)
+    _report(name, guard, over, final)
 
 
 def _counting(entered: list[int]) -> type:
@@ -173,10 +173,16 @@ def _counting(entered: list[int]) -> type:
     return Counting
 
 
-def _report(name: str, first: str, tight: Any, over: int, final: int, budget: int) -> None:
-    mib = 2**20
-    print(f"\n{name}: first {first} (independent {over / mib:.2f} MiB), excess {tight.outside / mib:.2f} MiB, "
-          f"then {tight.plan}: independent {final / mib:.2f} MiB vs budget {budget / mib:.2f} MiB")  # fmt: skip
+def _report(name: str, guard: BudgetGuard, over: int, final: int) -> None:
+    """The run in one line (``pytest -s``): docs/guard.md's table."""
+    mib, h = 2**20, guard.history
+    first, tight = h[0], next(r for r in h if r.action == "tightened")
+    before = max(r.measured for r in h if r.measured is not None and r.plan == first.plan)
+    after = max(r.measured for r in h if r.measured is not None and r.plan == tight.plan)
+    print(f"\n{name}: budget {guard.budget / mib:.2f} MiB | first {first.plan} (predicted "
+          f"{first.predicted / mib:.2f}; guard {before / mib:.2f}; MemTracker {over / mib:.2f}) | excess "
+          f"{tight.outside / mib:.2f} at step {tight.step} | then {tight.plan} (predicted {tight.predicted / mib:.2f};"
+          f" guard {after / mib:.2f}; MemTracker {final / mib:.2f})")  # fmt: skip
 
 
 @pytest.mark.slow
