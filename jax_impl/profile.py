@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_impl import regime as jregime
 from jax_impl import train as jt
 from jax_impl import xla_dump
 from jax_impl.memory import FAST_COMPILE
@@ -64,8 +65,8 @@ def setup(
     spec: UNetSpec, batch_size: int, context_length: int, chunk: int | None, run: bool, regime: Regime = DEFAULT
 ) -> dict[str, Any]:
     """The step's arguments in ``regime``: real arrays (``run``) or shapes only, and the optimizer."""
-    jt.check_regime(regime)
-    tx = jt.make_optimizer(1e-4, 0.0, regime)
+    jregime.check_regime(regime)
+    tx = jregime.make_optimizer(1e-4, 0.0, regime)
     model = unet({"spec": spec, "chunk": chunk, "regime": regime}, "none")
     init = functools.partial(jt.init_state, model, tx, 0, regime)
     # Shapes only: the state's abstract tree; else the training loop's own init (compiled fast:
@@ -88,7 +89,7 @@ def compiled_step(s: dict[str, Any], policy: str, dump: str | None = None, fast:
 
     ``fast``: LLVM at -O0, for compiles that are only read (memory), never timed.
     """
-    options = jt.step_options(s["regime"])
+    options = jregime.step_options(s["regime"])
     step = jax.jit(functools.partial(jt.train_step, model=unet(s, policy), tx=s["tx"], **options), donate_argnums=(0,))
     compiler: dict[str, Any] = {**BARRIERS, **FAST} if fast else dict(BARRIERS)
     if dump is not None:
@@ -126,7 +127,7 @@ def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
     params = nbytes(state.params)
     block = max(nbytes(state.params[b.replace(".", "_")]) for b in block_names(s["spec"]))
     static = params + nbytes(state.opt_state) + nbytes(state.ema)  # ema: None (no leaves) without one
-    trained = jt.trained_leaves(state.params, s["regime"])
+    trained = jregime.trained_leaves(state.params, s["regime"])
     return {"static_bytes": static, "grad_bytes": nbytes(trained), "block_param_bytes": block}
 
 
@@ -134,7 +135,7 @@ def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
     """For a regime profiled in another (`Regime.profiled`): the state bytes it holds beyond it."""
     if regime.profiled == regime:
         return {}
-    leaves = jt.trained_leaves(s["args"][0].params, s["regime"])
+    leaves = jregime.trained_leaves(s["args"][0].params, s["regime"])
     numels = [int(np.prod(x.shape)) for x in leaves]
     delta = modelled_state_delta(regime, numels, np.dtype(leaves[0].dtype).itemsize)
     return {"modelled_state_bytes": delta, "modelled": STATE_MODEL}

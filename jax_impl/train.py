@@ -3,7 +3,7 @@
 A thin loop over an importable, jitted step. To put this U-Net in your own loop::
 
     model = UNet(spec=spec, policy="full")            # nn.remat applied inside, per the plan
-    tx = make_optimizer(lr=1e-3, weight_decay=0.0)    # optax.adamw, hyperparameters explicit
+    tx = make_optimizer(lr=1e-3, weight_decay=0.0)    # jax_impl.regime: optax.adamw by default
     state = init_state(model, tx, seed=0)              # TrainState: params, opt_state, batch_stats
     state, loss = train_step(state, arrays(batch), key, model=model, tx=tx)
     # bf16 mixed precision: float32 params and optimizer state, bf16 forward, float32 loss
@@ -23,10 +23,11 @@ framework-free (`shared_configs.training.loop`).
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import flax.struct
@@ -38,34 +39,70 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jax.typing import DTypeLike
 
 from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, abstract_target, load_checkpoint, save_checkpoint
-from jax_impl.layers import LORA_LEAVES
 from jax_impl.parallel import make_mesh, shard, state_shardings
+from jax_impl.regime import (
+    apply_regime,
+    cast_floating,
+    check_regime,
+    init_ema,
+    make_optimizer,
+    step_options,
+    update_ema,
+)
 from jax_impl.unet import UNet
-from shared_configs import load_spec, resolve_plan
-from shared_configs.defaults import device_of, resolve_chunk
+from shared_configs import load_spec
+from shared_configs.cli import cache_dir
+from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, device_of, jax_cache_dir, resolve_chunk
 from shared_configs.inputs import input_specs
 from shared_configs.planning.workers import XLA_CPU_OPTIONS
-from shared_configs.regime import DEFAULT, Regime, check_planned
-from shared_configs.spec import SpecError
-from shared_configs.training.budget import RunPlan, plan_run, report
-from shared_configs.training.config import TrainConfig, cli_main, used
+from shared_configs.regime import DEFAULT, Regime
+from shared_configs.training import config
+from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
 from shared_configs.training.data import CONDITIONING, Batch, Dataset, check_conditioning, load_dataset, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
+from shared_configs.training.run_plan import RunPlan, report, resolve_run
 
 # (noisy, t, noise, context, class_labels, text_embeds, time_ids): the conditioning in the forward's
 # order (`shared_configs.training.data.CONDITIONING`), None where the spec takes none of it.
 Arrays = tuple[jax.Array | None, ...]
-# The regime's dtype names (`Regime.compute_dtype`, `Regime.param_dtype`); None computes in the
-# params' own dtype (no casts at all).
-DTYPES: dict[str | None, DTypeLike | None] = {
-    None: None, "float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16
-}
-# fp16-mixed: the loss is scaled by this before the backward and the gradients back (a static scale;
-# a step whose gradients still overflow is skipped by `optax.apply_if_finite`).
-LOSS_SCALE = 2.0**12
-EMA_DECAY = 0.9999
+
+
+@dataclass(frozen=True)
+class JaxOptions:
+    """The flags only ``jax_impl.train`` has (`shared_configs.training.config.Options`): torch's CPU
+    attention is fused already (nothing to chunk), and torch keeps no XLA cache."""
+
+    # UNet(attention_chunk=...); "auto": the device's (`shared_configs.defaults`), resolved by `on_device`
+    attention_chunk: int | str | None = AUTO
+    jax_cache: str | None = field(default_factory=jax_cache_dir)  # the persistent compilation cache; None: off
+
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser) -> None:
+        d = cls()
+        parser.add_argument("--attention-chunk", type=chunk_arg, default=d.attention_chunk, metavar="N",
+                            help=CHUNK_HELP)  # fmt: skip
+        parser.add_argument("--jax-cache", type=cache_dir, default=d.jax_cache or "none", metavar="DIR",
+                            help="JAX's persistent compilation cache folder (%(default)s; 'none': off)")  # fmt: skip
+
+    def check(self, cfg: TrainConfig) -> None:
+        pass  # every mix of the JAX flags runs
+
+
+CLI = FrameworkCLI("jax", JaxOptions)
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """The flags of ``python -m jax_impl.train`` (`shared_configs.training.config.parse_args`)."""
+    return config.parse_args(argv, CLI)
+
+
+def run_settings(cfg: TrainConfig, device: str) -> str:
+    """What the run uses on ``device`` (`shared_configs.training.config.used`): its attention chunk,
+    dtype and compilation cache."""
+    own = options_of(cfg, JaxOptions)
+    return used(cfg, device, attention_chunk=resolve_chunk(own.attention_chunk, device), jax_cache=own.jax_cache)
 
 
 @flax.struct.dataclass
@@ -81,18 +118,8 @@ class TrainState:
     def create(cls, variables: Any, tx: optax.GradientTransformation, regime: Regime = DEFAULT) -> TrainState:
         """From Flax ``variables`` (``model.init``'s, or `jax_impl.convert.torch_to_flax_variables`'s),
         in ``regime``: params cast to its weight dtype, an EMA copy when it keeps one."""
-        params = variables["params"]
-        if regime.param_dtype != "float32":
-            params = cast_floating(params, DTYPES[regime.param_dtype])
-        # A copy: params already in float32 would otherwise share their buffers (donated twice).
-        # Under LoRA only the adapters are averaged; a frozen weight holds an empty array.
-        trained = trained_mask(params, regime)
-        ema = (
-            jax.tree.map(lambda a, t: jnp.array(a if t else a[:0], jnp.float32, copy=True), params, trained)
-            if regime.ema
-            else None
-        )
-        return cls(params, tx.init(params), variables.get("batch_stats", {}), ema)
+        params = apply_regime(variables["params"], regime)
+        return cls(params, tx.init(params), variables.get("batch_stats", {}), init_ema(params, regime))
 
     def variables(self) -> dict[str, Any]:
         return flax_variables(self.params, self.batch_stats)
@@ -101,42 +128,6 @@ class TrainState:
 def flax_variables(params: Any, batch_stats: Any) -> dict[str, Any]:
     """What ``model.apply`` takes; no empty ``batch_stats`` collection for a GroupNorm spec."""
     return {"params": params} | ({"batch_stats": batch_stats} if batch_stats else {})
-
-
-@functools.cache  # one object per hyperparameters, so the jitted step (tx is static) compiles once
-def make_optimizer(lr: float, weight_decay: float, regime: Regime = DEFAULT) -> optax.GradientTransformation:
-    """``regime.optimizer``: ``optax.adamw`` matching torch's AdamW (weight_decay explicit: optax
-    defaults to 1e-4) or ``optax.adafactor``; under loss scaling, steps with non-finite gradients
-    are skipped (`optax.apply_if_finite`)."""
-    if regime.optimizer == "adamw8bit":
-        raise SpecError("optimizer: adamw8bit has no JAX implementation (optax has no 8-bit AdamW); use adamw or "
-                        "adafactor, or plan its state bytes with python -m benchmarks.plan --shapes")  # fmt: skip
-    if regime.optimizer == "adafactor":
-        tx = optax.adafactor(lr, weight_decay_rate=weight_decay or None)
-    else:
-        tx = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
-    if regime.lora_rank is not None:  # the adapters train; the rest gets no update and no state
-        labels = functools.partial(_labels, regime=regime)
-        tx = optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
-    return optax.apply_if_finite(tx, max_consecutive_errors=10) if regime.loss_scaling else tx
-
-
-def trained_mask(params: Any, regime: Regime = DEFAULT) -> Any:
-    """True for each parameter ``regime`` trains: all, or under LoRA the adapters' (`LoRADense`)."""
-    if regime.lora_rank is None:
-        return jax.tree.map(lambda _: True, params)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: any(getattr(k, "key", None) in LORA_LEAVES for k in path), params
-    )
-
-
-def trained_leaves(params: Any, regime: Regime = DEFAULT) -> list[Any]:
-    """The parameters ``regime`` trains (`trained_mask`), as a list of leaves."""
-    return [x for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(trained_mask(params, regime)), strict=True) if t]
-
-
-def _labels(params: Any, regime: Regime) -> Any:
-    return jax.tree.map(lambda t: "trained" if t else "frozen", trained_mask(params, regime))
 
 
 def arrays(batch: Batch) -> Arrays:
@@ -158,11 +149,6 @@ def init_state(model: UNet, tx: optax.GradientTransformation, seed: int, regime:
     inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in wanted.items()}
     rngs = {"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1)}
     return TrainState.create(jax.jit(model.init)(rngs, **inputs), tx, regime)
-
-
-def cast_floating(tree: Any, dtype: DTypeLike) -> Any:
-    """Every floating leaf of ``tree`` cast to ``dtype``; integer leaves and None stay as they are."""
-    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
 def loss_fn(
@@ -232,11 +218,7 @@ def train_step(
         grads = jax.tree.map(lambda g: g / scale, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    ema = state.ema
-    if ema is not None:  # an empty leaf: a frozen weight (LoRA), not averaged
-        ema = jax.tree.map(lambda e, p: e if e.size == 0 else e + (1.0 - EMA_DECAY) * (p.astype(jnp.float32) - e),
-                           ema, params)  # fmt: skip
-    return TrainState(params, opt_state, batch_stats, ema), loss
+    return TrainState(params, opt_state, batch_stats, update_ema(state.ema, params)), loss
 
 
 def generate(model: UNet, state: TrainState, schedule: Schedule, dataset: Dataset, cfg: TrainConfig) -> np.ndarray:
@@ -262,16 +244,6 @@ def compiled_peak(compiled: jax.stages.Compiled) -> int:
     return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
-def check_regime(regime: Regime) -> None:
-    """Refuse, in one line, a regime the Flax loop cannot train on this machine."""
-    check_planned(regime, "jax", device_of(jax.devices()[0].platform))
-
-
-def step_options(regime: Regime) -> dict[str, Any]:
-    """`train_step`'s static regime arguments: the forward's compute dtype and the loss scale."""
-    return {"compute_dtype": DTYPES[regime.compute_dtype], "loss_scale": LOSS_SCALE if regime.loss_scaling else None}
-
-
 def make_step(
     cfg: TrainConfig,
     model: UNet,
@@ -285,7 +257,8 @@ def make_step(
 
     With a ``mesh`` (`jax_impl.parallel.make_mesh`) the state is placed as
     ``cfg.distributed`` says (replicated, or FSDP-sharded) and the batch split over the devices;
-    the regime's precision picks the forward's compute dtype (`DTYPES`) and the loss scale. With a
+    the regime's precision picks the forward's compute dtype and the loss scale
+    (`jax_impl.regime.step_options`). With a
     ``budget`` the step is compiled ahead of the first one as the planner compiled it (XLA:CPU
     keeping remat's barriers, without which a plan saves nothing on CPU) and its compiled peak
     printed beside the prediction.
@@ -361,29 +334,32 @@ def start_state(
     return jax.jit(lambda: init_state(model, tx, cfg.seed, cfg.regime), out_shardings=placement)()
 
 
+def on_device(cfg: TrainConfig, device: str) -> tuple[TrainConfig, JaxOptions]:
+    """``cfg`` with its attention chunk resolved on ``device`` ("auto": this device's; the plan
+    profiles it too), and its options; JAX's compilation cache turned on where it names one."""
+    own = options_of(cfg, JaxOptions)
+    own = replace(own, attention_chunk=resolve_chunk(own.attention_chunk, device))
+    if own.jax_cache is not None:  # a repeated run loads its compiled steps
+        jax.config.update("jax_compilation_cache_dir", own.jax_cache)
+    return replace(cfg, options=own), own
+
+
 def train(cfg: TrainConfig) -> list[float]:
     """Run (or resume) training as ``cfg`` says; returns the loss of every step from step 0.
 
-    Everything that can refuse the run (spec, objective, policy, devices, run folder, resume
-    record) is checked before the model is initialised.
+    Everything that can refuse the run (spec, objective, regime, devices, run folder, resume
+    record, policy or budget) is checked before the model is initialised.
     """
     spec = load_spec(cfg.config)
     check_objective(spec)
-    plan = resolve_plan(spec, cfg.policy)  # once: a bad policy is refused here; None: the spec's own
     check_regime(cfg.regime)
-    device = device_of(jax.devices()[0].platform)  # "auto" attention: this device's (the plan profiles it too)
-    cfg = replace(cfg, attention_chunk=resolve_chunk(cfg.attention_chunk, device))
-    if cfg.jax_cache is not None:  # a repeated run loads its compiled steps
-        jax.config.update("jax_compilation_cache_dir", cfg.jax_cache)
+    device = device_of(jax.devices()[0].platform)
+    cfg, own = on_device(cfg, device)
     mesh = make_mesh(cfg.batch_size) if cfg.distributed else None
     with open_run(cfg, spec, FRAMEWORK, LAYOUT) as run:
-        budget = None
-        if cfg.budget_mib is not None:
-            budget = plan_run(cfg, spec, "jax", mesh.size if mesh else 1, run.manifest and run.manifest.run)
-            cfg, plan = replace(cfg, policy=budget.policy), resolve_plan(spec, budget.policy)  # recorded
-            report(budget.plan_line("jax"))
-        model, policy = UNet(spec=spec, policy=plan, attention_chunk=cfg.attention_chunk,
-                             lora_rank=cfg.regime.lora_rank), plan.policy
+        ranks, chunk = mesh.size if mesh else 1, own.attention_chunk
+        cfg, plan, budget = resolve_run(cfg, spec, CLI.name, ranks, run, attention_chunk=chunk)
+        model = UNet(spec=spec, policy=plan, attention_chunk=chunk, lora_rank=cfg.regime.lora_rank)
         tx = make_optimizer(cfg.lr, cfg.weight_decay, cfg.regime)
         state = start_state(model, tx, cfg, run, mesh)
         dataset, schedule = load_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
@@ -393,15 +369,15 @@ def train(cfg: TrainConfig) -> list[float]:
 
         losses = run.losses
         step = make_step(cfg, model, tx, dataset, schedule, mesh, budget)
-        state = run_loop(cfg, state, losses, step, save_fn, f"jax {spec.name} {policy}",
-                         settings=used(cfg, "jax_impl", device))  # fmt: skip
+        state = run_loop(cfg, state, losses, step, save_fn, f"jax {spec.name} {plan.policy}",
+                         settings=run_settings(cfg, device))  # fmt: skip
         samples = generate(model, state, schedule, dataset, cfg) if cfg.sample_steps > 0 else None
-        write_outputs(cfg.out, losses, samples, f"jax_impl {spec.name}, policy {policy}")
+        write_outputs(cfg.out, losses, samples, f"jax_impl {spec.name}, policy {plan.policy}")
     return losses
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli_main(train, argv, "jax_impl")
+    return cli_main(train, argv, CLI)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ import pytest
 from flax import traverse_util
 
 from jax_impl import UNet
+from jax_impl import train as jtrain
 from shared_configs import spec_from_dict
-from shared_configs.training.config import parse_args
 from tests.parity_utils import flax_out, parity_inputs, parity_pair, torch_out
 from tests.utils import FAST_COMPILE, TINY, rel_err
+from torch_impl import train as ttrain
 
 
 @pytest.mark.slow_for("tiny", "sd_linear_proj")
@@ -77,8 +78,8 @@ def test_chunks_keep_the_scores_out_of_memory() -> None:
 
 
 def test_attention_chunk_is_a_jax_train_flag_only(capsys: pytest.CaptureFixture[str]) -> None:
-    assert parse_args(["--attention-chunk", "256"], "jax_impl").attention_chunk == 256
-    assert parse_args([], "jax_impl").attention_chunk == "auto"  # shared_configs.defaults decides per device
+    assert jtrain.parse_args(["--attention-chunk", "256"]).options.attention_chunk == 256
+    assert jtrain.parse_args([]).options.attention_chunk == "auto"  # shared_configs.defaults decides per device
     with pytest.raises(SystemExit):
-        parse_args(["--attention-chunk", "256"], "torch_impl")  # torch's CPU attention is fused already
+        ttrain.parse_args(["--attention-chunk", "256"])  # torch's CPU attention is fused already
     assert "unrecognized arguments: --attention-chunk" in capsys.readouterr().err

@@ -22,7 +22,6 @@ import torch._dynamo
 
 from benchmarks import compare
 from shared_configs import SpecError
-from shared_configs.training.config import parse_args
 from shared_configs.training.data import example_batch
 from tests.utils import rel_err, variant
 from torch_impl import UNet, apply_plan, checkpointing
@@ -156,12 +155,14 @@ def test_train_cli_compile_full_trains(tmp_path: Path, capsys: pytest.CaptureFix
 @pytest.mark.parametrize("other", [["--distributed"], ["--budget-mib", "100"]])
 def test_train_compile_refuses_what_it_cannot_do_in_one_line(other: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
-        parse_args(["--compile", *other], "torch_impl")
+        ttrain.parse_args(["--compile", *other])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--compile: not with " + other[0] in err
+    from jax_impl import train as jtrain
+
     with pytest.raises(SystemExit):  # a torch-only flag: the JAX step is always compiled
-        parse_args(["--compile"], "jax_impl")
+        jtrain.parse_args(["--compile"])
 
 
 @pytest.mark.parametrize(

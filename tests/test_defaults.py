@@ -13,6 +13,7 @@ import pytest
 from benchmarks import compare, max_batch, saved
 from benchmarks import plan as plan_cli
 from benchmarks.reports import report
+from jax_impl import train as jtrain
 from shared_configs import load_spec
 from shared_configs.defaults import (
     AUTO,
@@ -24,9 +25,10 @@ from shared_configs.defaults import (
     resolve_chunk,
 )
 from shared_configs.planning.planner import DEVICE, Workload
-from shared_configs.regime import regime_of
-from shared_configs.training.budget import workload_of
-from shared_configs.training.config import TrainConfig, parse_args, used
+from shared_configs.regime import Regime, regime_of
+from shared_configs.training.config import TrainConfig, options_of
+from shared_configs.training.run_plan import workload_of
+from torch_impl import train as ttrain
 
 SPEC = load_spec("tiny")
 
@@ -64,10 +66,12 @@ def test_every_tool_resolves_to_the_same_defaults(cache_env: str | None) -> None
                                                                        cpu.steps)  # fmt: skip
     s = saved.build_parser().parse_args([])
     assert (resolve_chunk(s.attention_chunk, "cpu"), s.context_length) == (cpu.attention_chunk, cpu.context_length)
-    for cfg in (parse_args([], "jax_impl"), TrainConfig(), parse_args([], "torch_impl")):  # fp32: float32 compute
-        assert (resolve_chunk(cfg.attention_chunk, "cpu"), cfg.regime.compute_dtype or "float32", cfg.jax_cache) == (
+    for cfg in (jtrain.parse_args([]), TrainConfig()):  # fp32: float32 compute
+        own = options_of(cfg, jtrain.JaxOptions)  # a config built in code (None): the defaults
+        assert (resolve_chunk(own.attention_chunk, "cpu"), cfg.regime.compute_dtype or "float32", own.jax_cache) == (
             cpu.attention_chunk, cpu.dtype, cpu.jax_cache
         )  # fmt: skip
+    assert (ttrain.parse_args([]).regime.compute_dtype or "float32") == cpu.dtype  # torch: no chunk, no XLA cache
     # training to a budget plans the workload the run trains (its own context length: one token)
     assert workload_of(TrainConfig(config="tiny"), SPEC, 1).attention_chunk == cpu.attention_chunk
 
@@ -94,8 +98,9 @@ def test_each_tool_says_what_it_used(monkeypatch: pytest.MonkeyPatch) -> None:
         "/somewhere"
     )
     assert Workload.of("tiny", batch_size=2).used(("torch",)) == "cpu: float32, context 77 tokens"
-    assert used(TrainConfig(precision="bf16-mixed"), "torch_impl", "cpu") == "cpu: bfloat16, torch attention SDPA"
-    assert used(TrainConfig(attention_chunk=AUTO), "jax_impl", "gpu") == (
+    bf16 = TrainConfig(regime=Regime(precision="bf16-mixed"))
+    assert ttrain.run_settings(bf16, "cpu") == "cpu: bfloat16, torch attention SDPA"
+    assert jtrain.run_settings(TrainConfig(options=jtrain.JaxOptions(attention_chunk=AUTO)), "gpu") == (
         "gpu: jax attention unchunked, float32, jax compilation cache /somewhere"
     )
 

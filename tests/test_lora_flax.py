@@ -13,8 +13,10 @@ import torch
 from flax import traverse_util
 
 from jax_impl import UNet as FlaxUNet
+from jax_impl import regime as jregime
 from jax_impl import train as jt
 from jax_impl.convert import _split, flax_to_torch, torch_to_flax
+from jax_impl.layers import LORA_LEAVES
 from shared_configs.regime import Regime
 from tests.parity_utils import parity_inputs
 from tests.utils import as_flax, as_torch, randomize_, rel_err, variant
@@ -68,7 +70,7 @@ def test_flax_lora_params_load_into_peft_model(pair: tuple) -> None:
     U-Net under peft's names, which then gives the Flax model's outputs."""
     _, params = pair
     flat = traverse_util.flatten_dict(params)
-    changed = traverse_util.unflatten_dict({k: v * 1.5 if k[-2] in jt.LORA_LEAVES else v for k, v in flat.items()})
+    changed = traverse_util.unflatten_dict({k: v * 1.5 if k[-2] in LORA_LEAVES else v for k, v in flat.items()})
     state = flax_to_torch(changed, SPEC, lora_rank=RANK)
     torch.manual_seed(1)
     model = add_lora(TorchUNet(SPEC), RANK)
@@ -85,11 +87,11 @@ def test_flax_lora_params_load_into_peft_model(pair: tuple) -> None:
 def test_only_the_adapters_train_and_hold_state(pair: tuple) -> None:
     _, params = pair
     regime = Regime(trainable=f"lora:{RANK}", ema=True)
-    tx = jt.make_optimizer(1e-2, 0.01, regime)
+    tx = jregime.make_optimizer(1e-2, 0.01, regime)
     state = jt.TrainState.create({"params": params}, tx, regime)
-    mask = traverse_util.flatten_dict(jt.trained_mask(params, regime))
+    mask = traverse_util.flatten_dict(jregime.trained_mask(params, regime))
     adapters = {k for k, trained in mask.items() if trained}
-    assert adapters and all(k[-2] in jt.LORA_LEAVES for k in adapters)
+    assert adapters and all(k[-2] in LORA_LEAVES for k in adapters)
     adapter_bytes = sum(traverse_util.flatten_dict(params)[k].nbytes for k in adapters)
     moments = sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if np.ndim(x) > 0)
     assert moments == 2 * adapter_bytes  # AdamW's two moments, of the adapters only
@@ -104,9 +106,7 @@ def test_only_the_adapters_train_and_hold_state(pair: tuple) -> None:
 
 @pytest.mark.slow
 def test_jax_training_cli_trains_lora(tmp_path) -> None:
-    from shared_configs.training.config import parse_args
-
-    cfg = parse_args(["--config", "tiny", "--steps", "3", "--batch-size", "2", "--trainable", f"lora:{RANK}",
-                      "--policy", "full", "--sample-steps", "0", "--out", str(tmp_path)], "jax_impl")  # fmt: skip
+    cfg = jt.parse_args(["--config", "tiny", "--steps", "3", "--batch-size", "2", "--trainable", f"lora:{RANK}",
+                      "--policy", "full", "--sample-steps", "0", "--out", str(tmp_path)])  # fmt: skip
     losses = jt.train(cfg)
     assert len(losses) == 3 and all(np.isfinite(losses))

@@ -18,13 +18,13 @@ import torch
 
 from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
-from shared_configs.training.config import TrainConfig, parse_args
+from shared_configs.training.config import TrainConfig
 from shared_configs.training.data import load_dataset, step_seed
 from shared_configs.training.run_folder import RunFolderError
 from tests.train_utils import CFG, SCHEDULE
 from tests.utils import rel_err, variant
 from torch_impl import train as ttrain
-from torch_impl.regime import EMA, add_lora, apply_regime, autocast_dtype, loss_scaler, make_optimizer
+from torch_impl.regime import EMA, StepTools, add_lora, apply_regime, autocast_dtype, loss_scaler, make_optimizer
 
 SPEC = variant("tiny", dropout=0.0)
 
@@ -38,11 +38,12 @@ def test_bad_regimes_are_one_line_naming_the_field_and_the_choices(capsys: pytes
         with pytest.raises(SpecError, match=words):
             Regime(**kwargs)
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(["--trainable", "lora:x"], "torch_impl")
+        ttrain.parse_args(["--trainable", "lora:x"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "--trainable: expected all or lora:R" in err
-    cfg = parse_args(["--precision", "bf16-mixed", "--trainable", "lora:8", "--optimizer", "adafactor", "--ema"],
-                     "jax_impl")  # fmt: skip
+    from jax_impl import train as jtrain
+
+    cfg = jtrain.parse_args(["--precision", "bf16-mixed", "--trainable", "lora:8", "--optimizer", "adafactor", "--ema"])
     assert cfg.regime == Regime("bf16-mixed", "lora:8", "adafactor", True) and cfg.regime.lora_rank == 8
 
 
@@ -100,18 +101,18 @@ def test_ema_follows_its_recurrence_in_float64() -> None:
     reference = [p.detach().double().clone() for p in model.parameters()]
     data = load_dataset("digits", SPEC)
     for step in range(3):
-        ttrain.train_step(model, optimizer, data.batch(step, 2, SCHEDULE, 0), ema=ema)
+        ttrain.train_step(model, optimizer, data.batch(step, 2, SCHEDULE, 0), tools=StepTools(ema=ema))
         reference = [0.9 * r + 0.1 * p.detach().double() for r, p in zip(reference, model.parameters(), strict=True)]
     assert all(rel_err(s.double(), r) <= 1e-6 for s, r in zip(ema.shadow, reference, strict=True))
 
 
 def _curve(regime: Regime, policy: str, steps: int = 3) -> list[float]:
-    cfg = dataclasses.replace(CFG, config="tiny", **regime.as_dict())
+    cfg = dataclasses.replace(CFG, config="tiny", regime=regime)
     model = apply_regime(_model(policy), regime)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, regime)
-    tools = (autocast_dtype(regime), loss_scaler(regime, torch.device("cpu")), None)
+    tools = StepTools(autocast_dtype(regime), loss_scaler(regime, torch.device("cpu")))
     data = load_dataset("digits", SPEC)
-    return [ttrain.train_step(model, optimizer, data.batch(s, 4, SCHEDULE, 0), *tools) for s in range(steps)]
+    return [ttrain.train_step(model, optimizer, data.batch(s, 4, SCHEDULE, 0), tools=tools) for s in range(steps)]
 
 
 @pytest.mark.parametrize(
@@ -160,31 +161,33 @@ def _nbytes(value: torch.Tensor) -> int:
 @pytest.mark.slow
 def test_a_resumed_run_in_a_regime_continues_the_curve(tmp_path: Path) -> None:
     """The EMA copy and the optimizer state of a regime are checkpointed: resume = uninterrupted."""
-    base = TrainConfig(config="tiny", steps=4, checkpoint_every=2, sample_steps=0, batch_size=4, trainable="lora:4",
-                       optimizer="adafactor", ema=True)  # fmt: skip
+    base = TrainConfig(config="tiny", steps=4, checkpoint_every=2, sample_steps=0, batch_size=4,
+                       regime=Regime(trainable="lora:4", optimizer="adafactor", ema=True))  # fmt: skip
     whole = ttrain.train(dataclasses.replace(base, out=str(tmp_path / "whole")))
     ttrain.train(dataclasses.replace(base, steps=2, out=str(tmp_path / "half")))
     resumed = ttrain.train(dataclasses.replace(base, out=str(tmp_path / "half"), resume=True))
     assert resumed == whole
     with pytest.raises(RunFolderError, match="--optimizer adamw"):  # a regime field is part of the curve
-        ttrain.train(dataclasses.replace(base, steps=6, optimizer="adamw", out=str(tmp_path / "half"), resume=True))
+        adamw = dataclasses.replace(base.regime, optimizer="adamw")
+        ttrain.train(dataclasses.replace(base, steps=6, regime=adamw, out=str(tmp_path / "half"), resume=True))
 
 
 def test_jax_refuses_what_it_does_not_have_in_one_line() -> None:
-    from jax_impl import train as jtrain
+    from jax_impl import regime as jregime
 
     with pytest.raises(SpecError, match="optimizer: adamw8bit has no JAX implementation"):
-        jtrain.make_optimizer(1e-3, 0.0, Regime(optimizer="adamw8bit"))
+        jregime.make_optimizer(1e-3, 0.0, Regime(optimizer="adamw8bit"))
 
 
 def _jax_run(regime: Regime, policy: str) -> tuple[object, object, object]:
+    from jax_impl import regime as jregime
     from jax_impl import train as jtrain
     from jax_impl.unet import UNet as FlaxUNet
 
-    tx = jtrain.make_optimizer(CFG.lr, CFG.weight_decay, regime)
+    tx = jregime.make_optimizer(CFG.lr, CFG.weight_decay, regime)
     model = FlaxUNet(spec=SPEC, policy=policy)
-    scale = jtrain.LOSS_SCALE if regime.loss_scaling else None
-    step = functools.partial(jtrain.train_step, model=model, tx=tx, compute_dtype=jtrain.DTYPES[regime.compute_dtype],
+    scale = jregime.LOSS_SCALE if regime.loss_scaling else None
+    step = functools.partial(jtrain.train_step, model=model, tx=tx, compute_dtype=jregime.DTYPES[regime.compute_dtype],
                              loss_scale=scale)  # fmt: skip
     return model, tx, step
 

@@ -5,6 +5,7 @@ so nothing is profiled; the planner's check is stood in for by the profile's pre
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from dataclasses import replace
@@ -18,9 +19,8 @@ from shared_configs.planning import planner
 from shared_configs.planning.budget import assignment_of, predict
 from shared_configs.planning.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs.planning.solver import smallest_peak
-from shared_configs.training.budget import MEASURED_STEPS, RunPlan
-from shared_configs.training.config import parse_args
 from shared_configs.training.run_folder import checkpoints
+from shared_configs.training.run_plan import MEASURED_STEPS, RunPlan
 from shared_configs.units import MIB
 from tests.utils import random_profile
 
@@ -30,7 +30,7 @@ BATCH = 4
 WORKLOAD = Workload.of("tiny", batch_size=BATCH, context_length=1)
 
 
-@pytest.mark.parametrize("framework", ["torch_impl", "jax_impl"])
+@pytest.mark.parametrize("framework", ["torch", "jax"])
 @pytest.mark.parametrize(
     ("flags", "match"),
     [
@@ -42,10 +42,10 @@ def test_bad_budget_flags_are_one_line(
     framework: str, flags: list[str], match: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_:
-        parse_args(flags, framework)
+        importlib.import_module(f"{framework}_impl.train").parse_args(flags)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"python -m {framework}.train: error: ") and match in err and err.count("\n") == 1
+    assert err.startswith(f"python -m {framework}_impl.train: error: ") and match in err and err.count("\n") == 1
 
 
 def _seed(framework: str, factor: int = 1) -> int:

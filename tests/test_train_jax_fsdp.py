@@ -22,6 +22,7 @@ from tests.utils import train_argv
 JAX_MESHES = """
 import json, sys, jax
 from dataclasses import replace
+from jax_impl import regime as jregime
 from jax_impl import train as jtrain
 from jax_impl.parallel import make_mesh, device_bytes
 from jax_impl.unet import UNet
@@ -30,7 +31,7 @@ from shared_configs.training.data import load_dataset
 from tests.train_utils import CFG, SCHEDULE
 policy, modes = sys.argv[1], sys.argv[2].split(",")
 spec, mesh = load_spec("tiny"), make_mesh(CFG.batch_size)
-model, tx = UNet(spec=spec, policy=policy), jtrain.make_optimizer(CFG.lr, CFG.weight_decay)
+model, tx = UNet(spec=spec, policy=policy), jregime.make_optimizer(CFG.lr, CFG.weight_decay)
 state, data = jtrain.init_state(model, tx, seed=0), load_dataset("digits", spec)
 result = {"devices": len(jax.devices())}
 for mode in modes:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from jax_impl import checkpoint_io as jio
+from jax_impl import regime as jregime
 from jax_impl import train as jtrain
 from jax_impl.checkpoint_io import abstract_target
 from jax_impl.convert import torch_to_flax_variables
@@ -68,7 +69,7 @@ def torch_curve(spec: UNetSpec, policy: str, steps: int) -> list[float]:
 def jax_setup(spec: UNetSpec, policy: str) -> tuple[FlaxUNet, object, jtrain.TrainState]:
     """The Flax model, optimizer, and train state (params, opt_state, batch_stats) converted from
     the seeded torch model."""
-    model, tx = FlaxUNet(spec=spec, policy=policy), jtrain.make_optimizer(CFG.lr, CFG.weight_decay)
+    model, tx = FlaxUNet(spec=spec, policy=policy), jregime.make_optimizer(CFG.lr, CFG.weight_decay)
     variables = torch_to_flax_variables(torch_model(spec).state_dict(), spec)
     return model, tx, jtrain.TrainState.create(jax.tree.map(jax.numpy.asarray, variables), tx)
 

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import numpy as np
 import yaml
 
 from shared_configs import UNetSpec, spec_from_dict
-from shared_configs.training.config import JAX_ONLY, TrainConfig
+from shared_configs.training.config import TrainConfig, flags_of
 
 # XLA:CPU spends seconds optimising each gradient program; these tests check values, not speed,
 # so compile with backend optimisation off (about 4x faster; the computation is unchanged).
@@ -199,11 +198,11 @@ def rows_of(doc: dict[str, Any], framework: str) -> dict[str, dict[str, Any]]:
 
 
 def train_argv(cfg: TrainConfig) -> list[str]:
-    """The ``torch_impl.train`` flags that reproduce ``cfg`` (each field is a flag of the same name;
-    the JAX-only ones are not torch's flags)."""
+    """The ``{torch_impl,jax_impl}.train`` flags that reproduce ``cfg`` (each flag is named as its
+    field, the regime's and the framework's own options' flattened in; options None: none given)."""
     argv: list[str] = []
-    for f in (f for f in fields(cfg) if f.name not in JAX_ONLY):
-        value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+    for name, value in flags_of(cfg).items():
+        flag = "--" + name.replace("_", "-")
         if value is True:
             argv.append(flag)
         elif value is not None and value is not False:

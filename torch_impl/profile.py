@@ -64,7 +64,7 @@ from shared_configs.planning.workers import serve
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 from shared_configs.training.data import batch_bytes, example_batch, step_arrays
 from torch_impl.memory import AllocatorPeak, StepTracker, state_tensors, storage_bytes
-from torch_impl.regime import DTYPE, add_lora, apply_regime, make_optimizer, regime_tools, trained_parameters
+from torch_impl.regime import DTYPE, add_lora, apply_regime, make_optimizer, step_tools, trained_parameters
 from torch_impl.train import step_loss, train_step
 from torch_impl.unet import UNet
 
@@ -218,17 +218,17 @@ def setup(
     model = fake_regime(model, regime, mode) if shapes else apply_regime(model, regime)
     with mode:
         opt = make_optimizer(model, lr=1e-4, weight_decay=0.0, regime=regime)
-        tools = regime_tools(model, regime, scaler=not shapes)
+        tools = step_tools(model, regime, scaler=not shapes)
         batch = example_batch(spec, batch_size, context_length)
         run = step_loss if shapes else train_step
-        step: Callable[[], Any] = functools.partial(run, model, opt, batch, *tools)
+        step: Callable[[], Any] = functools.partial(run, model, opt, batch, tools=tools)
         step()
     return {"model": model, "opt": opt, "batch": batch, "step": step, "mode": mode, "shapes": shapes, "tools": tools}
 
 
 def existing(s: dict[str, Any]) -> list[torch.Tensor]:
     """Tensors alive before a step: parameters, last step's gradients, AdamW state, the inputs."""
-    model, opt, ema = s["model"], s["opt"], s["tools"][2]
+    model, opt, ema = s["model"], s["opt"], s["tools"].ema
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     inputs = [torch.from_numpy(a) for a in step_arrays(s["batch"])]
     shadow = [] if ema is None else ema.shadow
@@ -239,7 +239,7 @@ def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
     """What FSDP would shard (`shared_configs.planning.budget.per_rank`): parameters, optimizer state
     and an EMA copy; the gradients (of the trained parameters only); the largest block's parameters
     (counted by size: fake tensors have no storage)."""
-    model, ema = s["model"], s["tools"][2]
+    model, ema = s["model"], s["tools"].ema
 
     def nbytes(tensors: Iterable[torch.Tensor]) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -408,7 +408,7 @@ def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
 def tracked_peak(s: dict[str, Any]) -> int:
     """One step's peak as the benchmark measures it (`torch_impl.memory.StepTracker`, the
     numpy batch counted as input): the instrument the profile itself does not use."""
-    ema = s["tools"][2]
+    ema = s["tools"].ema
     tracker = StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]), [] if ema is None else ema.shadow)
     # Eager: compiled code (torchao's 8-bit AdamW step) cannot run under a tensor-tracking mode.
     with torch.compiler.set_stance("force_eager"), tracker:

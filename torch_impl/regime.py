@@ -8,11 +8,16 @@
 - the optimizer over the trained parameters only (`make_optimizer`): ``torch.optim.AdamW``,
   ``torch.optim.Adafactor``, torchao's ``AdamW8bit``.
 - ``--ema``: a float32 copy of the trained parameters, moved toward them after every step (`EMA`).
+
+`step_tools` gathers what `torch_impl.train.train_step` needs of the regime into one `StepTools`.
+`jax_impl.regime` is the JAX twin.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,14 +83,28 @@ def make_optimizer(
     return AdamW8bit(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
 
 
-def regime_tools(
-    model: nn.Module, regime: Regime, scaler: bool = True
-) -> tuple[torch.dtype | None, torch.amp.GradScaler | None, EMA | None]:
-    """`torch_impl.train.train_step`'s regime arguments for ``model``: the autocast dtype, the loss
-    scaler (``scaler=False``: none, for steps whose values cannot be read) and the EMA copy."""
+@dataclass(frozen=True)
+class StepTools:
+    """`torch_impl.train.train_step`'s regime pieces; the default: fp32, no EMA (a plain step)."""
+
+    autocast_dtype: torch.dtype | None = None  # the forward under torch.autocast in this dtype (mixed precision)
+    scaler: torch.amp.GradScaler | None = None  # float16: the loss scaled before the backward
+    ema: EMA | None = None  # moved toward the trained parameters after each step
+
+    def state(self) -> dict[str, Any]:
+        """The pieces with a state to checkpoint beside the model's and optimizer's, by name."""
+        return {k: v for k, v in (("scaler", self.scaler), ("ema", self.ema)) if v is not None}
+
+
+PLAIN_STEP = StepTools()
+
+
+def step_tools(model: nn.Module, regime: Regime, scaler: bool = True) -> StepTools:
+    """The `StepTools` of ``regime`` for ``model``: the autocast dtype, the loss scaler
+    (``scaler=False``: none, for steps whose values cannot be read) and the EMA copy."""
     device = next(model.parameters()).device
     scale = loss_scaler(regime, device) if scaler else None
-    return autocast_dtype(regime), scale, EMA(trained_parameters(model)) if regime.ema else None
+    return StepTools(autocast_dtype(regime), scale, EMA(trained_parameters(model)) if regime.ema else None)
 
 
 class EMA:

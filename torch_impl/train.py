@@ -19,12 +19,13 @@ run folder, resume checks and NaN guard are framework-free (`shared_configs.trai
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,22 +33,58 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from shared_configs import CheckpointPlan, UNetSpec, load_spec, resolve_plan
-from shared_configs.training.budget import MEASURED_STEPS, RunPlan, plan_run, report
-from shared_configs.training.config import TrainConfig, cli_main, used
+from shared_configs import CheckpointPlan, UNetSpec, load_spec
+from shared_configs.training import config
+from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
 from shared_configs.training.data import Batch, Dataset, check_conditioning, load_dataset, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
+from shared_configs.training.run_plan import MEASURED_STEPS, RunPlan, report, resolve_run
 from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, current_comm, load_checkpoint, save_checkpoint
 from torch_impl.parallel import launch, wrap
-from torch_impl.regime import EMA, apply_regime, make_optimizer, regime_tools
+from torch_impl.regime import EMA, PLAIN_STEP, StepTools, apply_regime, make_optimizer, step_tools
 from torch_impl.unet import UNet
 
 PEAK_INSTRUMENTS = {
     "cpu": "PyTorch's MemTracker: live tensors, the batch included",
     "cuda": "torch.cuda.max_memory_allocated",
 }
+COMPILE_HELP = (
+    "train torch.compile(model) (the plan's checkpoints traced into the graph; docs/compile.md); "
+    "the first step's seconds, compile included, are printed apart"
+)
+
+
+@dataclass(frozen=True)
+class TorchOptions:
+    """The flags only ``torch_impl.train`` has (`shared_configs.training.config.Options`)."""
+
+    compile: bool = False  # the step's model is torch.compile(model) (the JAX step is always jitted)
+
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+
+    def check(self, cfg: TrainConfig) -> None:
+        if self.compile and (cfg.distributed or cfg.budget_mib is not None):
+            other = "--distributed (DDP/FSDP2 under torch.compile is not tested here)" if cfg.distributed else (
+                "--budget-mib (the planner profiles and checks eager steps)")  # fmt: skip
+            raise ValueError(f"--compile: not with {other}; drop one of them")
+
+
+CLI = FrameworkCLI("torch", TorchOptions)
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """The flags of ``python -m torch_impl.train`` (`shared_configs.training.config.parse_args`)."""
+    return config.parse_args(argv, CLI)
+
+
+def run_settings(cfg: TrainConfig, device: str) -> str:
+    """What the run uses on ``device`` (`shared_configs.training.config.used`): its dtype; torch's
+    SDPA attention has nothing to choose."""
+    return used(cfg, device) + ", torch attention SDPA"
 
 
 def as_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor | None]]:
@@ -62,33 +99,23 @@ def model_spec(model: torch.nn.Module) -> UNetSpec | None:
 
 
 def train_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    autocast_dtype: torch.dtype | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    ema: EMA | None = None,
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, *, tools: StepTools = PLAIN_STEP
 ) -> float:
     """One DDPM step: predict the noise in ``batch.noisy`` at ``batch.t``, MSE, backward, update.
 
     ``model`` is a `UNet` (optionally with gradient checkpointing enabled, or wrapped in DDP);
     every conditioning input the batch carries (context, class_labels, text_embeds, time_ids) is
     passed by name, and a batch without one the spec takes is refused in one line. The regime's
-    pieces (`torch_impl.regime`): ``autocast_dtype`` runs the forward in that mixed precision
-    (weights, loss and optimizer stay float32), ``scaler`` scales the loss (float16), ``ema`` is
-    updated after the step; a model cast to bfloat16 gets its floating inputs in bfloat16.
-    Returns the loss as a Python float.
+    pieces (``tools``, `torch_impl.regime.step_tools`): ``autocast_dtype`` runs the forward in that
+    mixed precision (weights, loss and optimizer stay float32), ``scaler`` scales the loss
+    (float16), ``ema`` is updated after the step; a model cast to bfloat16 gets its floating inputs
+    in bfloat16. Returns the loss as a Python float.
     """
-    return step_loss(model, optimizer, batch, autocast_dtype, scaler, ema).item()
+    return step_loss(model, optimizer, batch, tools=tools).item()
 
 
 def step_loss(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    autocast_dtype: torch.dtype | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    ema: EMA | None = None,
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, *, tools: StepTools = PLAIN_STEP
 ) -> torch.Tensor:
     """`train_step` without reading the loss: the planner's profile runs it on fake tensors, which
     have no values (nor can a ``GradScaler`` read one: pass none there)."""
@@ -106,7 +133,8 @@ def step_loss(
     conditioning = {
         k: None if v is None else _to(v, device, dtype if k != "time_ids" else v.dtype) for k, v in conditioning.items()
     }
-    with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+    mixed, scaler = tools.autocast_dtype, tools.scaler
+    with torch.autocast(device.type, dtype=mixed or torch.bfloat16, enabled=mixed is not None):
         pred = model(noisy, t, **conditioning)
     loss = F.mse_loss(pred.float(), noise)
     if scaler is None:
@@ -116,8 +144,8 @@ def step_loss(
         scaler.scale(loss).backward()
         scaler.step(optimizer)  # skipped where the scaled gradients overflowed; the scale then drops
         scaler.update()
-    if ema is not None:
-        ema.update()
+    if tools.ema is not None:
+        tools.ema.update()
     return loss.detach()
 
 
@@ -143,7 +171,7 @@ def generate(model: UNet, schedule: Schedule, dataset: Dataset, cfg: TrainConfig
 def build(
     cfg: TrainConfig, plan: CheckpointPlan | None = None
 ) -> tuple[UNet, torch.nn.Module, torch.optim.Optimizer]:
-    """The model (seeded init, ``plan`` applied; None: ``cfg.policy``), the module to train and its optimizer.
+    """The model (seeded init, ``plan`` applied; None: ``cfg.policy``'s), the module to train and its optimizer.
 
     The module to train is the model, its DDP wrapper (``--distributed ddp``), or the model sharded
     in place (``fsdp``: the same object, its class swapped by `fully_shard`).
@@ -237,14 +265,16 @@ def _peak_meter(
     return measured
 
 
-def distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, tools: tuple) -> float:
+def distributed_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, tools: StepTools = PLAIN_STEP
+) -> float:
     """`train_step` on this rank's shard of the global batch; returns the global mean loss.
 
     DDP all-reduces and FSDP2 reduce-scatters the gradients as means over ranks, so with equal
     shards the update equals a single process's on the whole batch (dropout masks differ, being
     drawn per shard).
     """
-    loss = train_step(model, optimizer, batch.shard(dist.get_rank(), dist.get_world_size()), *tools)
+    loss = train_step(model, optimizer, batch.shard(dist.get_rank(), dist.get_world_size()), tools=tools)
     total = torch.tensor([loss], dtype=torch.float64)
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()
@@ -253,20 +283,15 @@ def distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
 def train(cfg: TrainConfig) -> list[float]:
     """Run (or resume) training as ``cfg`` says; returns the loss of every step from step 0.
 
-    Everything that can refuse the run (spec, objective, policy, launch, run folder, resume
-    record) is checked before the model is built.
+    Everything that can refuse the run (spec, objective, launch, run folder, resume record,
+    policy or budget) is checked before the model is built.
     """
     spec = load_spec(cfg.config)
     check_objective(spec)
-    plan = resolve_plan(spec, cfg.policy)  # once: a bad policy is refused here; None: the spec's own
     rank = launch(cfg)
     with open_run(cfg, spec, FRAMEWORK, LAYOUT, owner=rank == 0) as run:
-        budget = None
-        if cfg.budget_mib is not None:  # every rank plans: the profile cache's lock lets one profile
-            budget = plan_run(cfg, spec, "torch", world_size(cfg), run.manifest and run.manifest.run)
-            cfg, plan = replace(cfg, policy=budget.policy), resolve_plan(spec, budget.policy)  # recorded
-            if rank == 0:
-                report(budget.plan_line("torch"))
+        # every rank plans a budget: the profile cache's lock lets one profile
+        cfg, plan, budget = resolve_run(cfg, spec, CLI.name, world_size(cfg), run, show=rank == 0)
         model, trained, optimizer = build(cfg, plan)
         try:
             losses, samples = _train(cfg, run, model, trained, optimizer, budget)
@@ -292,16 +317,16 @@ def _train(
 ) -> tuple[list[float], np.ndarray | None]:
     """The steps from the run's start (resumed, its checkpoint checked first), then the samples;
     with a ``budget``, the peak of the first steps measured and printed beside its prediction."""
-    tools = regime_tools(model, cfg.regime)  # train_step's regime arguments
-    _, scaler, ema = tools
-    extra = {k: v for k, v in (("scaler", scaler), ("ema", ema)) if v is not None}
+    tools = step_tools(model, cfg.regime)  # train_step's regime pieces
+    extra = tools.state()
     if run.checkpoint is not None:
         load_checkpoint(run.checkpoint, model, optimizer, extra)
     dataset, schedule = load_dataset(cfg.data, model.spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
-    measured = _peak_meter(cfg, model, optimizer, budget, first=len(run.losses), ema=ema)
+    measured = _peak_meter(cfg, model, optimizer, budget, first=len(run.losses), ema=tools.ema)
     # --compile: only the step runs compiled (the plan's checkpoints traced into its graph);
     # checkpoints and samples use the model itself, which shares the compiled one's parameters.
-    stepped = torch.compile(model) if cfg.compile else model
+    compiled = options_of(cfg, TorchOptions).compile
+    stepped = torch.compile(model) if compiled else model
     first = len(run.losses)
 
     def step_fn(state: None, step: int) -> tuple[None, float]:
@@ -310,8 +335,8 @@ def _train(
         if cfg.distributed:
             return state, measured(step, batch, lambda: distributed_step(trained, optimizer, batch, tools))
         start = time.perf_counter()
-        loss = measured(step, batch, lambda: train_step(stepped, optimizer, batch, *tools))
-        if cfg.compile and step == first:  # (--compile is one process)
+        loss = measured(step, batch, lambda: train_step(stepped, optimizer, batch, tools=tools))
+        if compiled and step == first:  # (--compile is one process)
             report(f"torch.compile: first step {time.perf_counter() - start:.1f} s (compile included)")
         return state, loss
 
@@ -320,7 +345,7 @@ def _train(
 
     losses = run.losses
     rank = dist.get_rank() if cfg.distributed else 0
-    settings = "" if rank else used(cfg, "torch_impl", "cpu")
+    settings = "" if rank else run_settings(cfg, "cpu")
     title = f"torch {model.spec.name} {model.plan.policy}"
     run_loop(cfg, None, losses, step_fn, save_fn, title, current_comm(), settings)
     # Under FSDP2 each forward all-gathers from every rank: all sample while the group lives.
@@ -332,7 +357,7 @@ def _train(
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli_main(train, argv, "torch_impl")
+    return cli_main(train, argv, CLI)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from benchmarks.backends.torch_bench import (
 from benchmarks.harness.job import OPTIMIZER, Job, job_spec, policy_arg, timing_stats
 from shared_configs.training.data import batch_bytes, example_batch
 from torch_impl.memory import AllocatorPeak, SavedBytesCounter, state_tensors, storage_bytes
-from torch_impl.regime import make_optimizer, regime_tools
+from torch_impl.regime import make_optimizer, step_tools
 from torch_impl.train import train_step
 
 __all__ = [
@@ -92,7 +92,7 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dic
     functorch_config.activation_memory_budget = ratio
     try:
         compiled = torch.compile(model)
-        step = functools.partial(train_step, compiled, optimizer, batch, *regime_tools(model, job.regime))
+        step = functools.partial(train_step, compiled, optimizer, batch, tools=step_tools(model, job.regime))
         compile_s = timed_steps(step, device, 1)[0]  # forward and backward graphs compiled here
         warm_s = timed_steps(step, device, 1)[0]
         row = _memory(model, optimizer, batch, step, device)

@@ -34,6 +34,7 @@ from benchmarks.harness.job import (
     timing_stats,
 )
 from jax_impl import UNet
+from jax_impl import regime as jregime
 from jax_impl import train as jt
 from jax_impl.memory import FAST_COMPILE, compile_with_plan
 from jax_impl.parallel import make_mesh, shard, state_shardings
@@ -124,8 +125,8 @@ def _initial_state(config: str, sample_size: int | None, source: str, regime: Re
     """The TrainState every row starts from, on the host (each row donates its device copy):
     `jax_impl.train.init_state` (seed 0) or a diffusers folder's weights, in ``regime``. The same
     for every policy: the parameter tree does not depend on the plan."""
-    jt.check_regime(regime)
-    tx = jt.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay, regime)
+    jregime.check_regime(regime)
+    tx = jregime.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay, regime)
     if source == "diffusers":
         from jax_impl.diffusers_io import from_diffusers
 
@@ -150,7 +151,7 @@ def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[s
     regime = job.regime
     model = UNet(spec=spec, policy=policy_arg(policy), attention_chunk=attention_chunk(job, device),
                  lora_rank=regime.lora_rank)  # fmt: skip
-    tx = jt.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay, regime)
+    tx = jregime.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay, regime)
     state, mesh = _abstract_state(spec, tx, regime), None
     rank_batch = jt.arrays(example_batch(spec, batch_size, job.context_length))
     if job.world_size == 1:
@@ -168,8 +169,8 @@ def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[s
         "state": state,
         "batch": batch,
         "key": key,
-        "options": jt.step_options(regime),  # the step's compute dtype and loss scale
-        "dtype": jt.step_options(regime)["compute_dtype"],
+        "options": jregime.step_options(regime),  # the step's compute dtype and loss scale
+        "dtype": jregime.step_options(regime)["compute_dtype"],
         "mesh": mesh,
         "rank_batch": rank_batch,
     }

@@ -41,7 +41,7 @@ from torch_impl.memory import (
     StepTracker,
     memtracker,
 )
-from torch_impl.regime import DIFFUSERS_LORA_TARGETS, apply_regime, make_optimizer, regime_tools
+from torch_impl.regime import DIFFUSERS_LORA_TARGETS, apply_regime, make_optimizer, step_tools
 from torch_impl.train import train_step
 
 Builder = Callable[[Job, Any, str], torch.nn.Module]
@@ -208,9 +208,9 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
     model = torch_ranks.shard(job, in_regime(build(job, spec, policy), job.regime).to(device))
     optimizer = make_optimizer(model, OPTIMIZER.lr, OPTIMIZER.weight_decay, job.regime)
     batch = torch_ranks.rank_batch(spec, batch_size, job)
-    tools = regime_tools(model, job.regime)
-    step = functools.partial(train_step, model, optimizer, batch, *tools)
-    held = [] if tools[2] is None else tools[2].shadow
+    tools = step_tools(model, job.regime)
+    step = functools.partial(train_step, model, optimizer, batch, tools=tools)
+    held = [] if tools.ema is None else tools.ema.shadow
     # warm-up: makes the optimizer state (and the gradients the next step's zero_grad frees)
     first, flops = (timed_steps(step, device, 1)[0], None) if job.peak_only else counted_step(step, device)
     row: dict[str, Any] = {"flops": flops, **memory_step(model, optimizer, step, device, batch, held)}

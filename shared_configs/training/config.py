@@ -1,7 +1,10 @@
 """A training run's configuration: the shared CLI of ``python -m {torch_impl,jax_impl}.train``.
 
-`TrainConfig` holds every flag; `parse_args` validates them all before any work (numbers finite
-and in range, the schedule's betas in (0, 1)); `run_record` is what a checkpoint remembers of the
+`TrainConfig` holds every flag: the regime's four as one `Regime`, and the flags only one framework
+has (``--compile``; ``--attention-chunk``, ``--jax-cache``) as that framework's own options object,
+which its ``train.py`` registers through `FrameworkCLI`. `parse_args` validates them all before any
+work (numbers finite and in range, the schedule's betas in (0, 1)); `run_record` is what a checkpoint
+remembers of the
 run, and `resume_differences` what a ``--resume`` command line changes of it. `cli_main` turns
 the loops' errors into one line: exit 2 for bad input (flags, spec, run folder, checkpoint), 1
 for a run that fails (a non-finite loss, an OS error, a checkpoint that could not be written),
@@ -14,26 +17,28 @@ No torch or jax import.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Protocol, TypeVar
 
-from shared_configs.cli import OneLineParser, cache_dir, nonnegative, positive, positive_mib
-from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, jax_cache_dir, resolve_chunk
-from shared_configs.regime import Regime, add_regime_arguments
+from shared_configs.cli import OneLineParser, nonnegative, positive, positive_mib
+from shared_configs.defaults import FIELDS, defaults
+from shared_configs.regime import DEFAULT, Regime, add_regime_arguments, regime_of
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.data import DATASETS
 from shared_configs.training.ddpm import SCHEDULES, make_schedule
 from shared_configs.training.manifest import CheckpointWriteError
 from shared_configs.training.preemption import Stopped, exit_status, resume_command
+from shared_configs.units import MIB
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything a training run depends on (the CLI flags, one for one)."""
+    """Everything a training run depends on (the CLI flags; the regime's four as one value)."""
 
     config: str = "tiny"
     policy: str | None = None  # None: the spec's own `checkpoint:` field ("none" if it has none)
@@ -43,10 +48,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     seed: int = 0
-    precision: str = "fp32"  # the regime (shared_configs.regime): precision, what is trained,
-    trainable: str = "all"  # the optimizer, an EMA copy
-    optimizer: str = "adamw"
-    ema: bool = False
+    regime: Regime = DEFAULT  # --precision, --trainable, --optimizer, --ema (`shared_configs.regime`)
     out: str = "runs/train"
     resume: bool = False
     overwrite: bool = False
@@ -57,25 +59,61 @@ class TrainConfig:
     num_samples: int = 20
     checkpoint_every: int = 100
     distributed: str | None = None  # None: one process; else a key of DISTRIBUTED[framework]
-    compile: bool = False  # torch_impl only: the step's model is torch.compile(model) (jax always jits)
-    # jax_impl only: UNet(attention_chunk=...); "auto": the device's (`shared_configs.defaults`)
-    attention_chunk: int | str | None = AUTO
-    jax_cache: str | None = field(default_factory=jax_cache_dir)  # jax_impl only: persistent compilation cache
+    options: Options | None = None  # the framework's own flags (`FrameworkCLI.options`); None: their defaults
 
     @property
-    def regime(self) -> Regime:
-        return Regime(self.precision, self.trainable, self.optimizer, self.ema)
+    def budget_bytes(self) -> int | None:
+        """``--budget-mib`` in bytes: the one place the MiB a user gives become bytes."""
+        return None if self.budget_mib is None else int(self.budget_mib * MIB)
 
 
-# The fields only jax_impl.train has flags for (torch's SDPA attention has no chunking; no XLA cache).
-JAX_ONLY: tuple[str, ...] = ("attention_chunk", "jax_cache")
-# The fields only torch_impl.train has flags for (the JAX step is always compiled: jax.jit).
-TORCH_ONLY: tuple[str, ...] = ("compile",)
+class Options(Protocol):
+    """The flags only one framework has (its ``train.py``'s): a frozen dataclass, one field per flag."""
+
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser) -> None:
+        """Register the flags (named as the fields, their defaults the dataclass's)."""
+
+    def check(self, cfg: TrainConfig) -> None:
+        """Raise ValueError, one line, for a mix of flags the framework refuses."""
+
+
+@dataclass(frozen=True)
+class FrameworkCLI:
+    """What one framework's ``train.py`` brings to the shared CLI: its name and its own flags."""
+
+    name: str  # "torch" or "jax", as the planner spells them
+    options: type[Options]
+
+    @property
+    def package(self) -> str:
+        return f"{self.name}_impl"
+
+    @property
+    def module(self) -> str:
+        return f"{self.package}.train"
+
+    @property
+    def prog(self) -> str:
+        return f"python -m {self.module}"
+
+
+Opts = TypeVar("Opts", bound=Options)
+
+
+def options_of(cfg: TrainConfig, kind: type[Opts]) -> Opts:
+    """``cfg``'s framework options, of ``kind`` (a config built in code, without them: the defaults)."""
+    if cfg.options is None:
+        return kind()
+    if not isinstance(cfg.options, kind):
+        raise TypeError(f"options: expected {kind.__name__}, got {type(cfg.options).__name__}")
+    return cfg.options
+
 
 # --distributed modes per framework. ddp: the batch split over processes (torch DDP) or devices
 # (JAX), parameters replicated; fsdp: parameters, gradients and optimizer state sharded too
 # (torch FSDP2; JAX sharding annotations over the same mesh axis as the batch).
-DISTRIBUTED: dict[str, tuple[str, ...]] = {"torch_impl": ("ddp", "fsdp"), "jax_impl": ("ddp", "fsdp")}
+DISTRIBUTED: dict[str, tuple[str, ...]] = {"torch": ("ddp", "fsdp"), "jax": ("ddp", "fsdp")}
 
 # The fields that shape the loss curve: a resumed run must keep them (with the spec). The rest
 # (steps, policy, sampling, checkpoint interval, sharding, attention chunking) may change.
@@ -85,14 +123,18 @@ CURVE_FIELDS = (
 )  # fmt: skip
 
 
+# The regime's flags (`shared_configs.regime.add_regime_arguments`), one `TrainConfig.regime` once parsed.
+REGIME_FIELDS = tuple(f.name for f in fields(Regime))
+
+
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite: the run stops at that step, its last good checkpoint kept."""
 
 
-def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
-    """Parse the shared CLI of ``python -m {torch_impl,jax_impl}.train``."""
+def parse_args(argv: list[str] | None, framework: FrameworkCLI) -> TrainConfig:
+    """Parse the CLI of ``python -m {torch_impl,jax_impl}.train``: the shared flags and ``framework``'s own."""
     d = TrainConfig()
-    p = OneLineParser(prog=_prog(framework), description="DDPM noise-prediction training.")
+    p = OneLineParser(prog=framework.prog, description="DDPM noise-prediction training.")
     p.add_argument("--config", default=d.config, help="preset name or YAML path (default: tiny)")
     plan = p.add_mutually_exclusive_group()
     plan.add_argument(
@@ -116,7 +158,7 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
     add_regime_arguments(p)
     p.add_argument(
         "--out",
-        default=f"runs/{framework}",
+        default=f"runs/{framework.package}",
         help="run folder (checkpoint, losses.json, plots); owned by one run at a time",
     )
     start = p.add_mutually_exclusive_group()
@@ -132,54 +174,58 @@ def parse_args(argv: list[str] | None, framework: str) -> TrainConfig:
     p.add_argument("--sample-steps", type=nonnegative(int), default=d.sample_steps, help="sampler steps; 0: none")
     p.add_argument("--num-samples", type=positive(int), default=d.num_samples)
     p.add_argument("--checkpoint-every", type=positive(int), default=d.checkpoint_every)
-    modes = DISTRIBUTED[framework]
-    p.add_argument(
-        "--distributed", nargs="?", const="ddp", default=d.distributed, choices=modes, help=DISTRIBUTED_HELP[framework]
-    )
-    if framework == "torch_impl":
-        p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
-    if framework == "jax_impl":  # torch's CPU attention kernel is fused already: no twin
-        p.add_argument("--attention-chunk", type=chunk_arg, default=d.attention_chunk, metavar="N", help=CHUNK_HELP)
-        p.add_argument("--jax-cache", type=cache_dir, default=d.jax_cache or "none", metavar="DIR",
-                       help="JAX's persistent compilation cache folder (%(default)s; 'none': off)")  # fmt: skip
+    p.add_argument("--distributed", nargs="?", const="ddp", default=d.distributed,
+                   choices=DISTRIBUTED[framework.name], help=DISTRIBUTED_HELP[framework.name])  # fmt: skip
+    framework.options.add_flags(p)
     args = p.parse_args(argv)
     try:
         make_schedule(args.schedule, args.timesteps)
     except ValueError as err:
         p.error(f"--{err}")
-    if getattr(args, "compile", False) and (args.distributed or args.budget_mib is not None):
-        other = "--distributed (DDP/FSDP2 under torch.compile is not tested here)" if args.distributed else (
-            "--budget-mib (the planner profiles and checks eager steps)")  # fmt: skip
-        p.error(f"--compile: not with {other}; drop one of them")
-    return TrainConfig(**vars(args))
+    own = [f.name for f in fields(framework.options)]  # type: ignore[arg-type]
+    options = framework.options(**{name: getattr(args, name) for name in own})
+    shared = {k: v for k, v in vars(args).items() if k not in (*REGIME_FIELDS, *own)}
+    cfg = TrainConfig(**shared, regime=regime_of(args), options=options)  # the regime validated here, once
+    try:
+        options.check(cfg)
+    except ValueError as err:
+        p.error(str(err))
+    return cfg
 
-
-COMPILE_HELP = (
-    "train torch.compile(model) (the plan's checkpoints traced into the graph; docs/compile.md); "
-    "the first step's seconds, compile included, are printed apart"
-)
 
 DISTRIBUTED_HELP = {
-    "torch_impl": "ddp (what --distributed alone means): DDP over gloo; fsdp: FSDP2, one shard unit per U-Net "
+    "torch": "ddp (what --distributed alone means): DDP over gloo; fsdp: FSDP2, one shard unit per U-Net "
     "block, checkpoints sharded (torch.distributed.checkpoint). Launch with torchrun",
-    "jax_impl": "ddp (what --distributed alone means): the batch split over all devices, state replicated; fsdp: "
+    "jax": "ddp (what --distributed alone means): the batch split over all devices, state replicated; fsdp: "
     "parameters, gradients and optimizer state sharded over the same devices (jax.sharding)",
 }
 
 
-def used(cfg: TrainConfig, framework: str, device: str) -> str:
-    """What the run uses on ``device``, as every tool says it (`shared_configs.defaults.Defaults.describe`)."""
-    dtype = cfg.regime.compute_dtype or "float32"  # the forward's (the regime's precision says the rest)
-    if framework == "torch_impl":  # torch's SDPA attention: nothing to choose
-        return replace(defaults(device), dtype=dtype).describe(("dtype",)) + ", torch attention SDPA"
-    chunk = resolve_chunk(cfg.attention_chunk, device)
-    run = replace(defaults(device), dtype=dtype, attention_chunk=chunk, jax_cache=cfg.jax_cache)
-    return run.describe(("attention_chunk", "dtype", "jax_cache"))
+def used(cfg: TrainConfig, device: str, **settings: Any) -> str:
+    """What the run uses on ``device``, as every tool says it (`shared_configs.defaults.Defaults.describe`):
+    the forward's dtype (the regime's precision says the rest) and the framework's ``settings``
+    (`shared_configs.defaults.Defaults` fields, e.g. JAX's ``attention_chunk``)."""
+    run = replace(defaults(device), dtype=cfg.regime.compute_dtype or "float32", **settings)
+    return run.describe(tuple(f for f in FIELDS if f == "dtype" or f in settings))
+
+
+def flags_of(cfg: TrainConfig) -> dict[str, Any]:
+    """``cfg`` flag by flag (field names): the regime's four and the framework's own flattened in."""
+    flat: dict[str, Any] = {}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == "regime":
+            flat |= value.as_dict()
+        elif f.name == "options":
+            flat |= {} if value is None else asdict(value)
+        else:
+            flat[f.name] = value
+    return flat
 
 
 def run_record(cfg: TrainConfig, spec: UNetSpec) -> dict[str, Any]:
     """What a checkpoint remembers of its run: every flag but resume/overwrite, and the spec."""
-    config = {k: v for k, v in asdict(cfg).items() if k not in ("resume", "overwrite")}
+    config = {k: v for k, v in flags_of(cfg).items() if k not in ("resume", "overwrite")}
     return {"config": config, "spec": spec.model_dump(mode="json")}
 
 
@@ -205,7 +251,7 @@ def check_finite(loss: float, step: int, total: int, last_saved: str) -> None:
         raise NonFiniteLoss(f"step {step + 1} of {total}: the loss is {loss}; stopped there. {last_saved}")
 
 
-def cli_main(train: Callable[[TrainConfig], list[float]], argv: list[str] | None, framework: str) -> int:
+def cli_main(train: Callable[[TrainConfig], list[float]], argv: list[str] | None, framework: FrameworkCLI) -> int:
     """Run ``train`` from the command line; an error is one line: status 2 for bad input, 1 for a
     failed run, 128 + signal number for a run a signal stopped (its line says how to resume).
 
@@ -215,7 +261,7 @@ def cli_main(train: Callable[[TrainConfig], list[float]], argv: list[str] | None
     """
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv, framework)
-    rank, prog = int(os.environ.get("RANK", "0")), _prog(framework)
+    rank, prog = int(os.environ.get("RANK", "0")), framework.prog
     try:
         train(cfg)
     except (SpecError, ValueError, FileNotFoundError, NotImplementedError) as err:
@@ -226,17 +272,13 @@ def cli_main(train: Callable[[TrainConfig], list[float]], argv: list[str] | None
         return _report(prog, err, 1, True, f"rank {rank}: " if rank else "")
     except Stopped as stop:
         if rank == 0:
-            print(f"{prog}: {stop.line(resume_command(f'{framework}.train', argv))}", file=sys.stderr)
+            print(f"{prog}: {stop.line(resume_command(framework.module, argv))}", file=sys.stderr)
         return exit_status(stop.signum)
     except KeyboardInterrupt:  # outside the steps (loading, sampling): the checkpoints are as they were
         if rank == 0:
             print(f"{prog}: interrupted outside the steps; the checkpoints in {cfg.out} are kept", file=sys.stderr)
         return exit_status(signal.SIGINT)
     return 0
-
-
-def _prog(framework: str) -> str:
-    return f"python -m {framework}.train"
 
 
 def _report(prog: str, err: Exception, code: int, show: bool, prefix: str = "") -> int:

@@ -1,25 +1,30 @@
-"""Training to a memory budget (``--budget-mib N``): the run's plan, and its predicted peak beside the measured one.
+"""A run's checkpoint plan, resolved once: ``--policy``'s, or under ``--budget-mib N`` the planner's.
 
-`plan_run` plans for the run itself, through the planner's library call
-(`shared_configs.planning.planner.plan`): the run's spec at its sample size, the batch each rank (or
-device) trains, its regime, the one-token context the training data gives, JAX's attention chunk, the world
-size and ``--distributed`` mode. A resume with the budget its run was planned for keeps the run's
-own plan (its record holds the resolved policy), so the profile cache changing in between changes
-nothing. The frameworks' loops measure the peak of their first `MEASURED_STEPS` steps with their
-own instrument and print `RunPlan.peak_line`. No torch or jax import.
+`resolve_run` is the run's preamble, the same for both training loops: without a budget it resolves
+``--policy`` (None: the spec's own ``checkpoint:`` field); with one it plans for the run itself
+through the planner's library call (`shared_configs.planning.planner.plan`): the run's spec at its
+sample size, the batch each rank (or device) trains, its regime, the one-token context the training
+data gives, JAX's attention chunk, the world size and ``--distributed`` mode. The solver's answer is
+handed over as a `CheckpointPlan` built from its assignment (`plan_of`); the run records its policy
+string. A resume with the budget its run was planned for keeps the run's own plan (its record holds
+the policy), so the profile cache changing in between changes nothing. The frameworks' loops
+measure the peak of their first `MEASURED_STEPS` steps with their own instrument and print
+`RunPlan.peak_line`. No torch or jax import.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
-from shared_configs.defaults import resolve_chunk
-from shared_configs.planning.planner import DEVICE, Workload, plan, predict_policy
+from shared_configs.plan import CheckpointPlan, resolve_plan
+from shared_configs.planning.budget import FULL, PLAIN
+from shared_configs.planning.planner import Workload, plan, predict_policy
+from shared_configs.planning.solver import Solution
 from shared_configs.spec import UNetSpec
 from shared_configs.training.config import TrainConfig
+from shared_configs.training.loop import RunStart
 from shared_configs.units import MIB
 
 # The first step makes AdamW's state; the second runs with it, as the profile's steps did.
@@ -32,13 +37,17 @@ TRAIN_CONTEXT_LENGTH = 1
 class RunPlan:
     """The run's plan under its budget and what the planner's profile predicts of it (per rank)."""
 
-    policy: str
+    plan: CheckpointPlan
     budget_bytes: int
     predicted_peak_bytes: int
     peak_at: str
     world_size: int
     distributed: str
     kept: bool  # the run's own plan, read from its record on resume (not planned again)
+
+    @property
+    def policy(self) -> str:
+        return self.plan.policy
 
     def plan_line(self, framework: str) -> str:
         how = "the run's own plan, kept on resume" if self.kept else "planned for this run"
@@ -53,30 +62,81 @@ class RunPlan:
                 f"(prediction {100 * err:+.1f}%)")  # fmt: skip
 
 
-def workload_of(cfg: TrainConfig, spec: UNetSpec, world_size: int) -> Workload:
+class ResolvedRun(NamedTuple):
+    """What `resolve_run` settled: the config the run records (its policy the planned one under a
+    budget), the checkpoint plan the model is built with, and the budget's `RunPlan` (None: none)."""
+
+    cfg: TrainConfig
+    plan: CheckpointPlan
+    budget: RunPlan | None = None
+
+
+def resolve_run(
+    cfg: TrainConfig,
+    spec: UNetSpec,
+    framework: str,
+    world_size: int,
+    run: RunStart,
+    show: bool = True,
+    attention_chunk: int | None = Workload.attention_chunk,
+) -> ResolvedRun:
+    """The plan of a run of ``spec`` in ``framework`` ("torch" or "jax") over ``world_size`` ranks,
+    resolved once: ``cfg.policy``'s, or under ``--budget-mib`` the planner's (the line saying so on
+    stderr where ``show``). ``run``: where the run starts (a resumed run's record); ``attention_chunk``:
+    JAX's, as its loop resolved it on its device."""
+    if cfg.budget_bytes is None:
+        return ResolvedRun(cfg, resolve_plan(spec, cfg.policy))  # a bad policy is refused here
+    saved = run.manifest.run if run.manifest is not None else {}
+    budget = plan_run(cfg, spec, framework, world_size, saved, attention_chunk)
+    if show:
+        report(budget.plan_line(framework))
+    return ResolvedRun(replace(cfg, policy=budget.policy), budget.plan, budget)  # the policy recorded
+
+
+def workload_of(
+    cfg: TrainConfig, spec: UNetSpec, world_size: int, attention_chunk: int | None = Workload.attention_chunk
+) -> Workload:
     """What the run's step trains, per rank: its spec, its share of the batch, its regime, its inputs."""
     context = TRAIN_CONTEXT_LENGTH if spec.cross_attention_dim is not None else Workload.context_length
-    chunk = resolve_chunk(cfg.attention_chunk, DEVICE)  # jax_impl.train resolved "auto" on its device already
-    return Workload(spec, cfg.batch_size // world_size, cfg.regime, context_length=context, attention_chunk=chunk)
+    return Workload(spec, cfg.batch_size // world_size, cfg.regime, context_length=context,
+                    attention_chunk=attention_chunk)  # fmt: skip
 
 
 def plan_run(
-    cfg: TrainConfig, spec: UNetSpec, framework: str, world_size: int, saved: Mapping[str, Any] | None
+    cfg: TrainConfig,
+    spec: UNetSpec,
+    framework: str,
+    world_size: int,
+    saved: dict,
+    attention_chunk: int | None = Workload.attention_chunk,
 ) -> RunPlan:
-    """The plan of a ``--budget-mib`` run in ``framework`` ("torch" or "jax"); ``saved``: the record
-    of the run being resumed (`shared_configs.training.config.run_record`), if any."""
-    if cfg.budget_mib is None:
+    """The plan of a ``--budget-mib`` run; ``saved``: the record of the run being resumed
+    (`shared_configs.training.config.run_record`), empty for a fresh run."""
+    budget = cfg.budget_bytes
+    if budget is None:
         raise ValueError("--budget-mib: required to plan a run")
-    work, mode = workload_of(cfg, spec, world_size), cfg.distributed or "ddp"
-    budget = int(cfg.budget_mib * MIB)
-    then = (saved or {}).get("config", {})
+    work, mode = workload_of(cfg, spec, world_size, attention_chunk), cfg.distributed or "ddp"
+    then = saved.get("config", {})
     kept = then.get("budget_mib") == cfg.budget_mib and then.get("policy") is not None
     if kept:
         solution = predict_policy(work, then["policy"], framework, world_size, mode)[0]
     else:
         solution = plan(work, budget, framework, world_size, mode).solution
     pred = solution.prediction
-    return RunPlan(solution.policy, budget, pred.peak_bytes, pred.peak_unit, world_size, mode, kept)
+    return RunPlan(plan_of(spec, solution), budget, pred.peak_bytes, pred.peak_unit, world_size, mode, kept)
+
+
+def plan_of(spec: UNetSpec, solution: Solution) -> CheckpointPlan:
+    """The solver's plan as a value, from its assignment (its policy string is not parsed again):
+    each recomputed unit with the op classes it keeps (`shared_configs.planning.budget.choice_of`)."""
+    chosen = {name: choice for name, choice in solution.assignment.items() if choice != PLAIN}
+    unit_save = tuple((name, _saved_ops(choice)) for name, choice in chosen.items() if choice != FULL)
+    return resolve_plan(spec, CheckpointPlan(solution.policy, tuple(chosen), unit_save=unit_save))
+
+
+def _saved_ops(choice: str) -> tuple[str, ...]:
+    """The op classes a recompute choice keeps: ``save=conv,matmul``, as `choice_of` spells them."""
+    return tuple(choice.removeprefix("save=").split(","))
 
 
 def report(line: str) -> None:

@@ -1,0 +1,113 @@
+"""A training regime (`shared_configs.regime.Regime`) in JAX/Flax + optax: `torch_impl.regime`'s twin.
+
+- precision: ``bf16`` casts the params to bfloat16 (`apply_regime`; gradients and optimizer state
+  follow); the ``*-mixed`` ones keep float32 params and cast them and the inputs for the forward
+  (`step_options`: the step's compute dtype), ``fp16-mixed`` with a static loss scale (`LOSS_SCALE`).
+- ``lora:R``: the U-Net's own adapters (``UNet(lora_rank=R)``, `jax_impl.layers.LoRADense`); the
+  optimizer updates only them (`trained_mask`), every other weight gets no update and no state.
+- the optimizer (`make_optimizer`): ``optax.adamw``, ``optax.adafactor``; no 8-bit AdamW (refused).
+- ``--ema``: a float32 copy of the trained params (`init_ema`), moved toward them after every step
+  (`update_ema`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import DTypeLike
+
+from jax_impl.layers import LORA_LEAVES
+from shared_configs.defaults import device_of
+from shared_configs.regime import DEFAULT, Regime, check_planned
+from shared_configs.spec import SpecError
+
+# The regime's dtype names (`Regime.compute_dtype`, `Regime.param_dtype`); None computes in the
+# params' own dtype (no casts at all).
+DTYPES: dict[str | None, DTypeLike | None] = {
+    None: None, "float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16
+}  # fmt: skip
+# fp16-mixed: the loss is scaled by this before the backward and the gradients back (a static scale;
+# a step whose gradients still overflow is skipped by `optax.apply_if_finite`).
+LOSS_SCALE = 2.0**12
+EMA_DECAY = 0.9999
+
+
+def check_regime(regime: Regime) -> None:
+    """Refuse, in one line, a regime the Flax loop cannot train on this machine."""
+    check_planned(regime, "jax", device_of(jax.devices()[0].platform))
+
+
+def step_options(regime: Regime) -> dict[str, Any]:
+    """`jax_impl.train.train_step`'s static regime arguments: the forward's compute dtype and the loss scale."""
+    return {"compute_dtype": DTYPES[regime.compute_dtype], "loss_scale": LOSS_SCALE if regime.loss_scaling else None}
+
+
+def cast_floating(tree: Any, dtype: DTypeLike) -> Any:
+    """Every floating leaf of ``tree`` cast to ``dtype``; integer leaves and None stay as they are."""
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def apply_regime(params: Any, regime: Regime) -> Any:
+    """``params`` in ``regime``'s weight dtype (pure bf16 casts them; the others keep float32)."""
+    return params if regime.param_dtype == "float32" else cast_floating(params, DTYPES[regime.param_dtype])
+
+
+@functools.cache  # one object per hyperparameters, so the jitted step (tx is static) compiles once
+def make_optimizer(lr: float, weight_decay: float, regime: Regime = DEFAULT) -> optax.GradientTransformation:
+    """``regime.optimizer``: ``optax.adamw`` matching torch's AdamW (weight_decay explicit: optax
+    defaults to 1e-4) or ``optax.adafactor``; under loss scaling, steps with non-finite gradients
+    are skipped (`optax.apply_if_finite`)."""
+    if regime.optimizer == "adamw8bit":
+        raise SpecError("optimizer: adamw8bit has no JAX implementation (optax has no 8-bit AdamW); use adamw or "
+                        "adafactor, or plan its state bytes with python -m benchmarks.plan --shapes")  # fmt: skip
+    if regime.optimizer == "adafactor":
+        tx = optax.adafactor(lr, weight_decay_rate=weight_decay or None)
+    else:
+        tx = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+    if regime.lora_rank is not None:  # the adapters train; the rest gets no update and no state
+        labels = functools.partial(_labels, regime=regime)
+        tx = optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
+    return optax.apply_if_finite(tx, max_consecutive_errors=10) if regime.loss_scaling else tx
+
+
+def trained_mask(params: Any, regime: Regime = DEFAULT) -> Any:
+    """True for each parameter ``regime`` trains: all, or under LoRA the adapters' (`LoRADense`)."""
+    if regime.lora_rank is None:
+        return jax.tree.map(lambda _: True, params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: any(getattr(k, "key", None) in LORA_LEAVES for k in path), params
+    )
+
+
+def trained_leaves(params: Any, regime: Regime = DEFAULT) -> list[Any]:
+    """The parameters ``regime`` trains (`trained_mask`), as a list of leaves (torch: `trained_parameters`)."""
+    return [x for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(trained_mask(params, regime)), strict=True) if t]
+
+
+def _labels(params: Any, regime: Regime) -> Any:
+    return jax.tree.map(lambda t: "trained" if t else "frozen", trained_mask(params, regime))
+
+
+def init_ema(params: Any, regime: Regime) -> Any:
+    """``regime``'s EMA copy of ``params`` (float32), or None when it keeps none. A copy: params
+    already in float32 would otherwise share their buffers (donated twice). Under LoRA only the
+    adapters are averaged; a frozen weight holds an empty array."""
+    if not regime.ema:
+        return None
+
+    def copy(param: jax.Array, trained: bool) -> jax.Array:
+        return jnp.array(param if trained else param[:0], jnp.float32, copy=True)
+
+    return jax.tree.map(copy, params, trained_mask(params, regime))
+
+
+def update_ema(ema: Any, params: Any) -> Any:
+    """``ema`` moved toward ``params`` (`EMA_DECAY`); None stays None, an empty leaf (a frozen weight) as it is."""
+    if ema is None:
+        return None
+    return jax.tree.map(lambda e, p: e if e.size == 0 else e + (1.0 - EMA_DECAY) * (p.astype(jnp.float32) - e),
+                        ema, params)  # fmt: skip
