@@ -2,6 +2,7 @@
 the planner's call for it: ``plan_for_budget(spec, batch_size, budget_bytes, sample_size=None, ...)``
 returns the policy string of the cheapest plan whose JAX step fits the budget."""
 
+from jax_impl.diffusers_io import controlnet_from_diffusers as controlnet_from_diffusers
 from jax_impl.diffusers_io import from_diffusers
 from jax_impl.unet import UNet
 from shared_configs.planning.planner import for_framework

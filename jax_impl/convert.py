@@ -31,9 +31,12 @@ from flax import traverse_util
 
 from jax_impl.layers import LORA_A, LORA_LEAVES
 from shared_configs import UNetSpec
+from shared_configs.controlnet import ControlNetSpec
+
+Spec = UNetSpec | ControlNetSpec  # a U-Net's, or a ControlNet's (`jax_impl.controlnet`): the same conversion
 
 # Attributes that hold lists of modules (torch ModuleList <-> Flax list in setup()).
-LIST_ATTRS = ("down", "up", "resnets", "attentions", "transformer_blocks")
+LIST_ATTRS = ("down", "up", "resnets", "attentions", "transformer_blocks", "blocks", "controlnet_down_blocks")
 _LIST_RE = re.compile(rf"^({'|'.join(LIST_ATTRS)})_(\d+)$")
 
 
@@ -43,7 +46,7 @@ COUNTER = "num_batches_tracked"
 EMBEDDING = "embedding"  # nn.Embed's table, (rows, width) as torch's nn.Embedding weight
 
 
-def torch_to_flax(state_dict: Mapping[str, Any], spec: UNetSpec, lora_rank: int | None = None) -> dict:
+def torch_to_flax(state_dict: Mapping[str, Any], spec: Spec, lora_rank: int | None = None) -> dict:
     """A torch `state_dict` (tensors or arrays) -> Flax ``params`` for ``jax_impl.UNet(spec)``.
 
     BatchNorm buffers are not parameters and are left out (`torch_to_flax_variables` keeps them);
@@ -58,7 +61,7 @@ def torch_to_flax(state_dict: Mapping[str, Any], spec: UNetSpec, lora_rank: int 
     return traverse_util.unflatten_dict(params)
 
 
-def torch_to_flax_variables(state_dict: Mapping[str, Any], spec: UNetSpec) -> dict:
+def torch_to_flax_variables(state_dict: Mapping[str, Any], spec: Spec) -> dict:
     """A torch `state_dict` -> Flax variables ``{"params": ..., "batch_stats": ...}``.
 
     ``batch_stats`` is present when the spec has BatchNorms (``norm_kind: batch``).
@@ -74,7 +77,7 @@ def torch_to_flax_variables(state_dict: Mapping[str, Any], spec: UNetSpec) -> di
 
 def flax_to_torch(
     params: Mapping[str, Any],
-    spec: UNetSpec,
+    spec: Spec,
     batch_stats: Mapping[str, Any] | None = None,
     num_batches_tracked: int = 0,
     lora_rank: int | None = None,
@@ -114,9 +117,9 @@ def flax_to_torch(
     return out
 
 
-def _embeddings(spec: UNetSpec) -> frozenset[str]:
+def _embeddings(spec: Spec) -> frozenset[str]:
     """Torch module names holding an embedding table (their ``weight`` is a Flax ``embedding``)."""
-    ce = spec.class_embedding
+    ce = (spec.unet if isinstance(spec, ControlNetSpec) else spec).class_embedding
     return frozenset({"class_embedding"} if ce is not None and ce.kind == "embedding" else ())
 
 
@@ -199,7 +202,7 @@ def _to_torch_layout(array: np.ndarray) -> np.ndarray:
 
 
 def _check_tree(
-    flat: Mapping[tuple[str, ...], Any], spec: UNetSpec, collection: str = "params", lora_rank: int | None = None
+    flat: Mapping[tuple[str, ...], Any], spec: Spec, collection: str = "params", lora_rank: int | None = None
 ) -> None:
     """Raise a one-line error unless ``flat`` has exactly the paths and shapes the spec implies."""
     tree = _variable_shapes(spec, lora_rank).get(collection, {})
@@ -220,7 +223,7 @@ def _check_tree(
             )
 
 
-def torch_shapes(spec: UNetSpec) -> dict[str, tuple[int, ...]]:
+def torch_shapes(spec: Spec) -> dict[str, tuple[int, ...]]:
     """The torch ``state_dict`` names and shapes of ``spec``, from the Flax tree (shapes only)."""
     variables = _variable_shapes(spec)
     out = {}
@@ -237,19 +240,23 @@ def torch_shapes(spec: UNetSpec) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def param_shapes(spec: UNetSpec) -> dict:
+def param_shapes(spec: Spec) -> dict:
     """The Flax parameter tree of ``spec`` as shape structs, without allocating weights."""
     return _variable_shapes(spec)["params"]
 
 
 @functools.lru_cache(maxsize=16)
-def _variable_shapes(spec: UNetSpec, lora_rank: int | None = None) -> dict:
+def _variable_shapes(spec: Spec, lora_rank: int | None = None) -> dict:
     """All Flax variable collections of ``spec`` (params, batch_stats) as shape structs.
 
     Cached per (frozen, hashable) spec: each conversion checks against it, once or twice.
     """
+    from jax_impl.controlnet import ControlNet, abstract_controlnet_inputs
     from jax_impl.unet import UNet, abstract_inputs
 
-    model = UNet(spec=spec, lora_rank=lora_rank)
     rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    if isinstance(spec, ControlNetSpec):
+        net = ControlNet(spec=spec, lora_rank=lora_rank)
+        return jax.eval_shape(net.init, rngs, **abstract_controlnet_inputs(spec))
+    model = UNet(spec=spec, lora_rank=lora_rank)
     return jax.eval_shape(model.init, rngs, **abstract_inputs(spec))

@@ -16,19 +16,21 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl.convert import flax_to_torch, torch_shapes, torch_to_flax
+from jax_impl.controlnet import ControlNet
+from jax_impl.convert import Spec, flax_to_torch, torch_shapes, torch_to_flax
 from jax_impl.unet import PolicyArg, UNet
 from shared_configs import UNetSpec
+from shared_configs.controlnet import ControlNetSpec
 from shared_configs.diffusers.folders import check_weights, read_source
 from shared_configs.diffusers.folders import ours_to_diffusers as _ours_to_diffusers
 
-Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model
+Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model / ControlNetModel
 
 
 def read_diffusers(
     source: Source, variant: str | None = None, *, subfolder: str | None = None, revision: str | None = None
-) -> tuple[UNetSpec, dict[str, Any]]:
-    """The spec and the state_dict (in our torch names; arrays or tensors) of a diffusers U-Net."""
+) -> tuple[UNetSpec | ControlNetSpec, dict[str, Any]]:
+    """The spec and the state_dict (in our torch names; arrays or tensors) of a diffusers U-Net or ControlNet."""
     return read_source(source, variant, _read_file, subfolder, revision)
 
 
@@ -49,19 +51,45 @@ def from_diffusers(
     ``module.apply({"params": params}, x_nhwc, t, context, ...)``.
     """
     spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
+    if isinstance(spec, ControlNetSpec):
+        raise ValueError(f"{_what(source)} is a diffusers ControlNetModel: load it with controlnet_from_diffusers")
+    return UNet(spec=spec, policy=policy), _params(spec, state, dtype)
+
+
+def controlnet_from_diffusers(
+    source: Source,
+    policy: PolicyArg = None,
+    variant: str | None = None,
+    *,
+    subfolder: str | None = None,
+    dtype: Any = None,
+    revision: str | None = None,
+) -> tuple[ControlNet, dict]:
+    """``(module, params)``: our Flax `ControlNet` (with checkpoint ``policy``) and ``params`` of a
+    diffusers ``ControlNetModel``; ``source`` as for `from_diffusers` (in a pipeline folder,
+    ``subfolder="controlnet"``). Use as ``module.apply({"params": params}, x_nhwc, t, context, cond_nhwc)``."""
+    spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
+    if not isinstance(spec, ControlNetSpec):
+        raise ValueError(f"{_what(source)} is a diffusers U-Net, not a ControlNetModel: use from_diffusers")
+    return ControlNet(spec=spec, policy=policy), _params(spec, state, dtype)
+
+
+def _what(source: Source) -> str:
+    return str(source) if isinstance(source, str | os.PathLike) else type(source).__name__
+
+
+def _params(spec: Spec, state: dict[str, Any], dtype: Any) -> dict:
     check_weights({k: tuple(np.shape(v)) for k, v in state.items()}, torch_shapes(spec), spec)
     params = torch_to_flax(state, spec)
-    if dtype is not None:
-        params = _cast(params, jnp.dtype(dtype))
-    return UNet(spec=spec, policy=policy), params
+    return params if dtype is None else _cast(params, jnp.dtype(dtype))
 
 
 def _cast(tree: dict, dtype: np.dtype) -> dict:
     return {k: _cast(v, dtype) if isinstance(v, dict) else np.asarray(v).astype(dtype) for k, v in tree.items()}
 
 
-def to_diffusers_state_dict(params: dict, spec: UNetSpec) -> dict[str, Any]:
-    """Flax ``params`` -> torch tensors in diffusers' names (needs torch)."""
+def to_diffusers_state_dict(params: dict, spec: Spec) -> dict[str, Any]:
+    """Flax ``params`` of a U-Net or a ControlNet -> torch tensors in diffusers' names (needs torch)."""
     return _ours_to_diffusers(flax_to_torch(params, spec))
 
 

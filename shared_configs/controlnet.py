@@ -90,6 +90,28 @@ def add_residuals(spec: UNetSpec, h: A, skips: list[A], down: Sequence[A] | None
     return h, skips
 
 
+def residual_scales(spec: ControlNetSpec, count: int, scale: float, guess_mode: bool) -> list[float]:
+    """One factor per down residual, then the middle's: ``scale``, or under ``guess_mode`` (unless
+    pooled, as diffusers) ``logspace(-1, 0, count + 1) * scale``."""
+    if guess_mode and not spec.global_pool_conditions:
+        return [scale * 10.0 ** (-1 + i / count) for i in range(count + 1)]
+    return [scale] * (count + 1)
+
+
+def check_conditioning(spec: ControlNetSpec, sample: tuple[int, ...], cond: tuple[int, ...], layout: str) -> None:
+    """A conditioning image of the wrong shape is one `ValueError` naming what the spec expects."""
+    f, c = spec.conditioning_factor, spec.conditioning_channels
+    if layout == "NCHW":
+        want = (sample[0], c, sample[2] * f, sample[3] * f)
+    else:
+        want = (sample[0], sample[1] * f, sample[2] * f, c)
+    if tuple(cond) != want:
+        raise ValueError(
+            f"controlnet_cond: expected {layout} shape {want} ({c} channels at {f}x the sample's size), "
+            f"got {tuple(cond)}"
+        )
+
+
 def controlnet_names(spec: ControlNetSpec | UNetSpec, layers: bool = False) -> list[str]:
     """The units a ControlNet's plan can name: the U-Net's ``down.*`` and ``mid`` (blocks, or layers)."""
     unet = spec.unet if isinstance(spec, ControlNetSpec) else spec
@@ -101,7 +123,7 @@ def resolve_controlnet_plan(spec: ControlNetSpec, policy: Policy | CheckpointPla
     """A plan for the ControlNet: resolved as for its U-Net (every policy string, save sets and ``;``
     groups), keeping the units the ControlNet has. ``full`` is every down block and ``mid``,
     ``layers`` their layers; a unit named explicitly that the ControlNet lacks (``up.0``) is refused."""
-    plan = resolve_plan(spec.unet, policy if policy is not None else "none")
+    plan = resolve_plan(spec.unet, policy)  # None: the U-Net spec's own `checkpoint`
     named = _named_units(policy)
     missing = [n for n in named if n.startswith("up.") or n == "up"]
     if missing:

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from shared_configs.planning.planner import for_framework
+from torch_impl.controlnet import ControlNet as ControlNet
 from torch_impl.diffusers_plan import apply_plan, diffusers_spec, remove_plan
 from torch_impl.guard import BudgetGuard
 from torch_impl.unet import UNet

@@ -17,19 +17,23 @@ from typing import Any
 import torch
 
 from shared_configs import UNetSpec
+from shared_configs.controlnet import ControlNetSpec
+from shared_configs.diffusers.controlnet import controlnet_to_diffusers_config
 from shared_configs.diffusers.export import to_diffusers_config
 from shared_configs.diffusers.folders import check_weights, is_path, read_source
 from shared_configs.diffusers.folders import ours_to_diffusers as _ours_to_diffusers
 from shared_configs.files import atomic_write
+from torch_impl.controlnet import ControlNet
 from torch_impl.unet import UNet
 
-Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model
+Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model / ControlNetModel
+Model = UNet | ControlNet
 
 
 def read_diffusers(
     source: Source, variant: str | None = None, *, subfolder: str | None = None, revision: str | None = None
-) -> tuple[UNetSpec, dict[str, torch.Tensor]]:
-    """The spec and the state_dict (in our names, as stored: dtype unchanged) of a diffusers U-Net."""
+) -> tuple[UNetSpec | ControlNetSpec, dict[str, torch.Tensor]]:
+    """The spec and the state_dict (in our names, as stored: dtype unchanged) of a diffusers U-Net or ControlNet."""
     return read_source(source, variant, _read_file, subfolder, revision)
 
 
@@ -48,10 +52,39 @@ def from_diffusers(
     is built on the meta device and takes the loaded tensors, so the weights are held once.
     """
     spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
+    if isinstance(spec, ControlNetSpec):
+        raise ValueError(f"{_what(source)} is a diffusers ControlNetModel: load it with ControlNet.from_diffusers")
+    return _build(UNet, spec, state, source, dtype)
+
+
+def controlnet_from_diffusers(
+    source: Source,
+    variant: str | None = None,
+    *,
+    subfolder: str | None = None,
+    dtype: torch.dtype | None = None,
+    revision: str | None = None,
+) -> ControlNet:
+    """Our `ControlNet` (in ``dtype``, default float32; eval mode) with a diffusers ``ControlNetModel``'s
+    weights; ``source`` as for `from_diffusers` (in a pipeline folder, ``subfolder="controlnet"``)."""
+    spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
+    if not isinstance(spec, ControlNetSpec):
+        raise ValueError(
+            f"{_what(source)} is a diffusers U-Net, not a ControlNetModel: load it with UNet.from_diffusers"
+        )
+    return _build(ControlNet, spec, state, source, dtype)
+
+
+def _what(source: Source) -> str:
+    return str(source) if is_path(source) else type(source).__name__
+
+
+def _build(cls: type[Model], spec: Any, state: dict[str, torch.Tensor], source: Source, dtype: Any) -> Model:
+    """``cls(spec)`` built on the meta device, taking the loaded tensors (so the weights are held once)."""
     if not is_path(source):  # a live module's tensors: copy, or both models would share them
         state = {k: v.detach().clone() for k, v in state.items()}
     with torch.device("meta"):
-        model = UNet(spec)
+        model = cls(spec)
     check_weights({k: tuple(v.shape) for k, v in state.items()}, _shapes(model), spec)
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(dtype or torch.float32).eval()
@@ -61,21 +94,23 @@ def _shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def to_diffusers_state_dict(model: UNet) -> dict[str, torch.Tensor]:
+def to_diffusers_state_dict(model: Model) -> dict[str, torch.Tensor]:
     """Our state_dict in diffusers' names: ``load_state_dict(strict=True)`` into the diffusers model."""
     return _ours_to_diffusers(model.state_dict())
 
 
-def save_diffusers(model: UNet, folder: str | os.PathLike[str]) -> Path:
+def save_diffusers(model: Model, folder: str | os.PathLike[str]) -> Path:
     """Write a diffusers model folder (``config.json`` + ``diffusion_pytorch_model.safetensors``).
 
-    diffusers loads it with ``UNet2D(Condition)Model.from_pretrained(folder)``; so do our
+    diffusers loads it with ``UNet2D(Condition)Model.from_pretrained(folder)`` (a `ControlNet`:
+    ``ControlNetModel.from_pretrained``); so do our
     `from_diffusers` readers. Each file is written atomically. Raises `SpecError` when the spec
     has no diffusers equivalent (see `shared_configs.diffusers.export`).
     """
     from safetensors.torch import save
 
-    config = to_diffusers_config(model.spec)
+    spec = model.spec
+    config = controlnet_to_diffusers_config(spec) if isinstance(spec, ControlNetSpec) else to_diffusers_config(spec)
     state = {k: v.detach().contiguous() for k, v in to_diffusers_state_dict(model).items()}
     root = Path(folder)
     atomic_write(root / "diffusion_pytorch_model.safetensors", save(state, metadata={"format": "pt"}))

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from shared_configs.controlnet import ControlNetSpec
 from shared_configs.diffusers.config import from_diffusers_config
+from shared_configs.diffusers.controlnet import spec_from_config
 from shared_configs.spec import UNetSpec
 
 __all__ = ["DiffusersFolder", "check_weights", "find_folder", "from_diffusers_config", "read_source"]
@@ -198,16 +200,17 @@ def read_source(
     read_file: Callable[[Path], Mapping[str, V]],
     subfolder: str | None = None,
     revision: str | None = None,
-) -> tuple[UNetSpec, dict[str, V]]:
-    """The spec and state_dict (in our names) of a diffusers folder, cached repo id or live module.
+) -> tuple[UNetSpec | ControlNetSpec, dict[str, V]]:
+    """The spec and state_dict (in our names) of a diffusers folder, cached repo id or live module
+    (a U-Net, or a ``ControlNetModel``: a `ControlNetSpec`).
 
     ``read_file`` reads one weight file in the caller's framework (torch tensors or arrays); a file
     it cannot read is one `ValueError` naming the file. A live module's ``state_dict()`` is taken as is.
     """
     if not is_path(source):
-        return from_diffusers_config(live_config(source)), diffusers_to_ours(dict(source.state_dict()))
+        return spec_from_config(live_config(source)), diffusers_to_ours(dict(source.state_dict()))
     folder = find_folder(source, variant, subfolder, revision)
-    spec = from_diffusers_config(folder.config, name=_model_name(source, folder.root))
+    spec = spec_from_config(folder.config, name=_model_name(source, folder.root))
     state: dict[str, V] = {}
     for file in folder.weight_files:
         try:
@@ -223,7 +226,9 @@ def _model_name(source: str | os.PathLike[str], root: Path) -> str:
     return root.name if Path(source).exists() else str(source).rsplit("/", 1)[-1]
 
 
-def check_weights(got: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], spec: UNetSpec) -> None:
+def check_weights(
+    got: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], spec: UNetSpec | ControlNetSpec
+) -> None:
     """One line listing every missing, unexpected and mis-shaped weight (diffusers' names), else nothing.
 
     ``got`` and ``expected`` map our state_dict names to shapes (torch layout).

@@ -1,0 +1,144 @@
+"""The Flax ControlNet: the U-Net's encoder and middle block (`UNetTrunk`, the same code and names),
+a conditioning embedding and zero convolutions (`shared_configs.controlnet`). Mirrors
+`torch_impl/controlnet.py`, on NHWC input; the parameter tree is the same for every plan (names
+come from the ``setup()`` attributes) and mirrors the torch state_dict, so `jax_impl.convert`
+converts it as the U-Net's.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from jax_impl.layers import PAD_1, Conv, conv3x3
+from jax_impl.unet import PolicyArg, UNetTrunk
+from shared_configs import CheckpointPlan, UNetSpec
+from shared_configs.controlnet import (
+    ControlNetSpec,
+    check_conditioning,
+    controlnet_names,
+    residual_scales,
+    residual_shapes,
+    resolve_controlnet_plan,
+)
+from shared_configs.inputs import check_inputs
+
+Array = jax.Array
+
+
+def zero_conv(features: int, kernel: int = 1) -> Conv:
+    """A convolution whose kernel and bias start at zero: a fresh ControlNet changes nothing."""
+    pad = ((kernel // 2,) * 2,) * 2
+    zeros = nn.initializers.zeros
+    return Conv(features, (kernel, kernel), padding=pad, kernel_init=zeros, bias_init=zeros)
+
+
+class ConditioningEmbedding(nn.Module):
+    """The conditioning image -> ``out_ch`` channels at the sample's size (diffusers'
+    ``ControlNetConditioningEmbedding``): a 3x3 conv, per further stage a 3x3 conv and a strided 3x3
+    conv, SiLU after each, then a zero-initialised 3x3 conv."""
+
+    out_ch: int
+    widths: tuple[int, ...]
+
+    def setup(self) -> None:
+        self.conv_in = conv3x3(self.widths[0])
+        blocks = []
+        for a, b in itertools.pairwise(self.widths):
+            blocks += [conv3x3(a), Conv(b, (3, 3), strides=(2, 2), padding=PAD_1)]
+        self.blocks = blocks
+        self.conv_out = zero_conv(self.out_ch, 3)
+
+    def __call__(self, cond: Array) -> Array:
+        h = nn.silu(self.conv_in(cond))
+        for conv in self.blocks:
+            h = nn.silu(conv(h))
+        return self.conv_out(h)
+
+
+class ControlNet(UNetTrunk):
+    """ControlNet on NHWC input: ``apply(variables, sample, timestep, context, controlnet_cond,
+    conditioning_scale=1.0, class_labels=None, text_embeds=None, time_ids=None, guess_mode=False,
+    train=False)`` returns ``(down_residuals, mid_residual)`` (NHWC) for ``jax_impl.UNet``'s
+    ``down_block_additional_residuals`` / ``mid_block_additional_residual``, in diffusers' order.
+
+    Attributes as `jax_impl.UNet`'s; ``policy`` names units as the U-Net's (``down.1``, ``mid``,
+    ``down.0.resnets.1``; ``full`` is every down block and ``mid``).
+    """
+
+    spec: ControlNetSpec
+    policy: PolicyArg = None
+    attention_chunk: int | None = None
+    lora_rank: int | None = None
+
+    @property
+    def trunk_spec(self) -> UNetSpec:
+        return self.spec.unet
+
+    @functools.cached_property
+    def plan(self) -> CheckpointPlan:
+        """The resolved checkpoint plan (`shared_configs.controlnet.resolve_controlnet_plan`)."""
+        return resolve_controlnet_plan(self.spec, self.policy)
+
+    def setup(self) -> None:
+        unet = self.spec.unet
+        self._setup_trunk(self.plan)
+        self.controlnet_cond_embedding = ConditioningEmbedding(
+            unet.block_out_channels[0], tuple(self.spec.conditioning_embedding_out_channels)
+        )
+        down, mid = residual_shapes(unet, 1, 2 ** (unet.num_levels - 1))
+        self.controlnet_down_blocks = [zero_conv(shape[1]) for shape in down]
+        self.controlnet_mid_block = zero_conv(mid[1])
+
+    def __call__(
+        self,
+        sample: Array,
+        timestep: Array | float,
+        context: Array | None,
+        controlnet_cond: Array,
+        conditioning_scale: float = 1.0,
+        class_labels: Array | None = None,
+        text_embeds: Array | None = None,
+        time_ids: Array | None = None,
+        guess_mode: bool = False,
+        train: bool = False,
+    ) -> tuple[list[Array], Array]:
+        """The residuals for ``sample`` under the NHWC conditioning image ``controlnet_cond`` (B,
+        H x f, W x f, conditioning_channels), f = `ControlNetSpec.conditioning_factor`."""
+        unet = self.spec.unet
+        conditioning = {"context": context, "class_labels": class_labels, "text_embeds": text_embeds}
+        check_inputs(unet, "NHWC", sample, timestep, **conditioning, time_ids=time_ids)
+        check_conditioning(self.spec, tuple(sample.shape), tuple(controlnet_cond.shape), "NHWC")
+        if self.spec.conditioning_channel_order == "bgr":
+            controlnet_cond = controlnet_cond[..., ::-1]
+        temb = self._embedding(sample, timestep, class_labels, text_embeds, time_ids)
+        hint = self.controlnet_cond_embedding(controlnet_cond)
+        h, skips = self._encode(sample, temb, context, train, hint=hint)
+        down = [conv(s) for conv, s in zip(self.controlnet_down_blocks, skips, strict=True)]
+        scales = residual_scales(self.spec, len(down), conditioning_scale, guess_mode)
+        down = [r * s for r, s in zip(down, scales, strict=False)]
+        mid = self.controlnet_mid_block(h) * scales[-1]
+        if self.spec.global_pool_conditions:
+            down = [jnp.mean(r, axis=(1, 2), keepdims=True) for r in down]
+            mid = jnp.mean(mid, axis=(1, 2), keepdims=True)
+        return down, mid
+
+    @nn.nowrap
+    def block_names(self, layers: bool = False) -> list[str]:
+        """Names a checkpoint plan can use: ``down.*`` and ``mid``, or with ``layers=True`` their layers."""
+        return controlnet_names(self.spec, layers)
+
+
+def abstract_controlnet_inputs(spec: ControlNetSpec, batch: int = 1) -> dict[str, jax.ShapeDtypeStruct | None]:
+    """Shape structs of every input of ``spec``'s ControlNet (NHWC), by name, at the smallest sizes."""
+    from jax_impl.unet import abstract_inputs
+
+    inputs = abstract_inputs(spec.unet, batch)
+    size = inputs["x"].shape[1] * spec.conditioning_factor
+    cond = jax.ShapeDtypeStruct((batch, size, size, spec.conditioning_channels), jnp.float32)
+    named = {"sample": inputs.pop("x"), "timestep": inputs.pop("t"), "context": inputs.pop("context")}
+    return named | {"controlnet_cond": cond} | inputs

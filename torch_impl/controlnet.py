@@ -1,0 +1,177 @@
+"""The PyTorch ControlNet: the U-Net's encoder and middle block (`UNetTrunk`, the same code and
+names), a conditioning embedding and zero convolutions (`shared_configs.controlnet`). Mirrored in
+`jax_impl/controlnet.py`; diffusers' ``ControlNetModel`` loads into it and back
+(`torch_impl.diffusers_io`), and its state_dict keys are diffusers' under the U-Net's renames.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared_configs import CheckpointPlan, UNetSpec
+from shared_configs.controlnet import (
+    ControlNetSpec,
+    check_conditioning,
+    controlnet_names,
+    residual_scales,
+    residual_shapes,
+    resolve_controlnet_plan,
+)
+from shared_configs.inputs import check_inputs
+from shared_configs.plan import Policy
+from torch_impl.checkpointing import apply_plan, remove_plan
+from torch_impl.unet import UNet, UNetTrunk
+
+Tensor = torch.Tensor
+
+
+def zero_conv(in_ch: int, out_ch: int, kernel: int = 1) -> nn.Conv2d:
+    """A convolution whose weights and bias start at zero: a fresh ControlNet changes nothing."""
+    conv = nn.Conv2d(in_ch, out_ch, kernel, padding=kernel // 2)
+    nn.init.zeros_(conv.weight)
+    nn.init.zeros_(conv.bias)
+    return conv
+
+
+class ConditioningEmbedding(nn.Module):
+    """The conditioning image -> ``out_ch`` channels at the sample's size (diffusers'
+    ``ControlNetConditioningEmbedding``): a 3x3 conv, per further stage a 3x3 conv and a strided 3x3
+    conv, SiLU after each, then a zero-initialised 3x3 conv."""
+
+    def __init__(self, in_ch: int, out_ch: int, widths: Sequence[int]) -> None:
+        super().__init__()
+        self.conv_in = nn.Conv2d(in_ch, widths[0], 3, padding=1)
+        self.blocks = nn.ModuleList()
+        for a, b in itertools.pairwise(widths):
+            self.blocks.append(nn.Conv2d(a, a, 3, padding=1))
+            self.blocks.append(nn.Conv2d(a, b, 3, padding=1, stride=2))
+        self.conv_out = zero_conv(widths[-1], out_ch, 3)
+
+    def forward(self, cond: Tensor) -> Tensor:
+        h = F.silu(self.conv_in(cond))
+        for conv in self.blocks:
+            h = F.silu(conv(h))
+        return self.conv_out(h)
+
+
+class ControlNet(UNetTrunk):
+    """ControlNet on NCHW input: ``forward(sample, timestep, context, controlnet_cond,
+    conditioning_scale=1.0, class_labels=None, text_embeds=None, time_ids=None, guess_mode=False)``
+    returns ``(down_residuals, mid_residual)`` for ``UNet(..., down_block_additional_residuals=,
+    mid_block_additional_residual=)``, in diffusers' order.
+
+    ``policy`` names units as the U-Net's (``down.1``, ``mid``, ``down.0.resnets.1``; ``full`` is
+    every down block and ``mid``), applied at construction like `UNet`'s.
+    """
+
+    def __init__(self, spec: ControlNetSpec, policy: Policy | CheckpointPlan = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self._build_trunk()
+        unet = spec.unet
+        self.controlnet_cond_embedding = ConditioningEmbedding(
+            spec.conditioning_channels, unet.block_out_channels[0], spec.conditioning_embedding_out_channels
+        )
+        down, mid = residual_shapes(unet, 1, 2 ** (unet.num_levels - 1))
+        self.controlnet_down_blocks = nn.ModuleList(zero_conv(shape[1], shape[1]) for shape in down)
+        self.controlnet_mid_block = zero_conv(mid[1], mid[1])
+        self.enable_gradient_checkpointing(policy)
+
+    @property
+    def trunk_spec(self) -> UNetSpec:
+        return self.spec.unet
+
+    @classmethod
+    def from_unet(cls, unet: UNet, **options: object) -> ControlNet:
+        """A ControlNet on ``unet``'s spec with its encoder's weights (diffusers' ``from_unet``);
+        ``options``: the `ControlNetSpec` fields beside ``unet``."""
+        model = cls(ControlNetSpec(name=f"{unet.spec.name}_controlnet", unet=unet.spec, **options))
+        trunk = {k: v for k, v in unet.state_dict().items() if not k.startswith(("up.", "conv_norm_out", "conv_out"))}
+        model.load_state_dict(trunk, strict=False)
+        return model
+
+    def forward(
+        self,
+        sample: Tensor,
+        timestep: Tensor | float,
+        context: Tensor | None,
+        controlnet_cond: Tensor,
+        conditioning_scale: float = 1.0,
+        class_labels: Tensor | None = None,
+        text_embeds: Tensor | None = None,
+        time_ids: Tensor | None = None,
+        guess_mode: bool = False,
+    ) -> tuple[list[Tensor], Tensor]:
+        """The residuals for ``sample`` under the NCHW conditioning image ``controlnet_cond`` (B,
+        conditioning_channels, H x f, W x f), f = `ControlNetSpec.conditioning_factor`.
+
+        ``guess_mode`` scales the residuals from 0.1 (first) to 1 (the middle's), as diffusers does.
+        """
+        unet = self.spec.unet
+        check_inputs(
+            unet, "NCHW", sample, timestep, context=context, class_labels=class_labels, text_embeds=text_embeds,
+            time_ids=time_ids,
+        )  # fmt: skip
+        check_conditioning(self.spec, tuple(sample.shape), tuple(controlnet_cond.shape), "NCHW")
+        if self.spec.conditioning_channel_order == "bgr":
+            controlnet_cond = torch.flip(controlnet_cond, dims=[1])
+        temb = self._embedding(sample, timestep, class_labels, text_embeds, time_ids)
+        h, skips = self._encode(sample, temb, context, hint=self.controlnet_cond_embedding(controlnet_cond))
+        down = [conv(s) for conv, s in zip(self.controlnet_down_blocks, skips, strict=True)]
+        scales = residual_scales(self.spec, len(down), conditioning_scale, guess_mode)
+        down = [r * s for r, s in zip(down, scales, strict=False)]
+        mid = self.controlnet_mid_block(h) * scales[-1]
+        if self.spec.global_pool_conditions:
+            down, mid = [r.mean(dim=(2, 3), keepdim=True) for r in down], mid.mean(dim=(2, 3), keepdim=True)
+        return down, mid
+
+    @classmethod
+    def from_diffusers(
+        cls,
+        source: object,
+        variant: str | None = None,
+        *,
+        subfolder: str | None = None,
+        dtype: torch.dtype | None = None,
+        revision: str | None = None,
+    ) -> ControlNet:
+        """Build from a diffusers ``ControlNetModel`` folder, a repo id in the local Hugging Face cache
+        (``subfolder="controlnet"`` in a pipeline), or a live ``ControlNetModel``."""
+        from torch_impl.diffusers_io import controlnet_from_diffusers
+
+        return controlnet_from_diffusers(source, variant, subfolder=subfolder, dtype=dtype, revision=revision)
+
+    def to_diffusers_state_dict(self) -> dict[str, Tensor]:
+        """This model's state_dict in diffusers' ``ControlNetModel`` key names."""
+        from torch_impl.diffusers_io import to_diffusers_state_dict
+
+        return to_diffusers_state_dict(self)
+
+    def save_diffusers(self, folder: str | os.PathLike[str]) -> Path:
+        """Write a folder ``ControlNetModel.from_pretrained`` reads (see `torch_impl.diffusers_io.save_diffusers`)."""
+        from torch_impl.diffusers_io import save_diffusers
+
+        return save_diffusers(self, folder)
+
+    def block_names(self, layers: bool = False) -> list[str]:
+        """Names a checkpoint plan can use: ``down.*`` and ``mid``, or with ``layers=True`` their layers."""
+        return controlnet_names(self.spec, layers)
+
+    def enable_gradient_checkpointing(
+        self, policy: Policy | CheckpointPlan = "full", preserve_rng_state: bool = True
+    ) -> CheckpointPlan:
+        """Recompute the units the policy names in the backward pass; returns the plan."""
+        self.plan = resolve_controlnet_plan(self.spec, policy)
+        apply_plan(self, self.plan, preserve_rng_state)
+        return self.plan
+
+    def disable_gradient_checkpointing(self) -> None:
+        remove_plan(self)
+        self.plan = resolve_controlnet_plan(self.spec, "none")
