@@ -1,6 +1,7 @@
-"""A checkpoint plan on diffusers' own U-Net, from the outside: diffusers is not edited.
+"""A checkpoint plan on diffusers' own U-Net or ControlNet, from the outside: diffusers is not edited.
 
-``apply_plan(unet, "layers")`` takes a live ``UNet2DConditionModel`` or ``UNet2DModel``, reads its
+``apply_plan(unet, "layers")`` takes a live ``UNet2DConditionModel``, ``UNet2DModel`` or
+``ControlNetModel`` (its units named as its U-Net's: ``down.*``, ``mid``, their layers), reads its
 spec from its config (`shared_configs.from_diffusers_config`), resolves the plan against it
 (every policy string `shared_configs.resolve_plan` takes, op-level save sets and ``;`` groups
 included) and checkpoints exactly the plan's units with `torch_impl.checkpointing`'s machinery,
@@ -19,12 +20,16 @@ from __future__ import annotations
 from torch import nn
 
 from shared_configs import CheckpointPlan, UNetSpec, all_names, from_diffusers_config, resolve_plan
+from shared_configs.controlnet import ControlNetSpec, controlnet_names, resolve_controlnet_plan
+from shared_configs.diffusers.controlnet import controlnet_from_diffusers_config
 from shared_configs.diffusers.folders import live_config
 from shared_configs.plan import Policy
 from torch_impl import checkpointing
+from torch_impl.controlnet import ControlNet
 from torch_impl.unet import UNet
 
-DIFFUSERS_CLASSES: tuple[str, ...] = ("UNet2DModel", "UNet2DConditionModel")
+UNET_CLASSES: tuple[str, ...] = ("UNet2DModel", "UNet2DConditionModel")
+DIFFUSERS_CLASSES: tuple[str, ...] = (*UNET_CLASSES, "ControlNetModel")
 # The plan's block lists -> diffusers' attribute names (the rest of a name is the same path).
 _BLOCKS = {"down": "down_blocks", "mid": "mid_block", "up": "up_blocks"}
 
@@ -38,17 +43,30 @@ def diffusers_path(name: str) -> str:
 def diffusers_spec(model: nn.Module) -> UNetSpec:
     """The spec of a live diffusers U-Net (`SpecError` naming the option we cannot plan for)."""
     cls = type(model).__name__
-    if cls not in DIFFUSERS_CLASSES:
-        raise TypeError(
-            f"model: apply_plan takes diffusers' {' or '.join(DIFFUSERS_CLASSES)} or a torch_impl.UNet, not {cls}"
-        )
+    if cls not in UNET_CLASSES:
+        raise TypeError(f"model: expected diffusers' {' or '.join(UNET_CLASSES)}, not {cls}")
     return from_diffusers_config(live_config(model))
 
 
-def unit_modules(model: nn.Module, spec: UNetSpec) -> dict[str, nn.Module]:
+def _any_spec(model: nn.Module) -> UNetSpec | ControlNetSpec:
+    cls = type(model).__name__
+    if cls == "ControlNetModel":
+        return controlnet_from_diffusers_config(live_config(model))
+    if cls not in DIFFUSERS_CLASSES:
+        raise TypeError(
+            f"model: apply_plan takes diffusers' {' or '.join(DIFFUSERS_CLASSES)}, a torch_impl.UNet or "
+            f"torch_impl.ControlNet, not {cls}"
+        )
+    return diffusers_spec(model)
+
+
+def unit_modules(model: nn.Module, spec: UNetSpec | ControlNetSpec) -> dict[str, nn.Module]:
     """Every name a plan for ``spec`` can use -> the diffusers module it checkpoints."""
     modules: dict[str, nn.Module] = {}
-    for name in all_names(spec):
+    names = (
+        controlnet_names(spec) + controlnet_names(spec, True) if isinstance(spec, ControlNetSpec) else all_names(spec)
+    )
+    for name in names:
         path = diffusers_path(name)
         try:
             modules[name] = model.get_submodule(path)
@@ -62,25 +80,26 @@ def apply_plan(
 ) -> CheckpointPlan:
     """Recompute exactly ``plan``'s units of ``model`` in the backward pass; returns the resolved plan.
 
-    ``model``: a diffusers ``UNet2DConditionModel`` / ``UNet2DModel`` (or our `UNet`, whose
-    ``enable_gradient_checkpointing`` this calls). A plan already applied is replaced.
+    ``model``: a diffusers ``UNet2DConditionModel`` / ``UNet2DModel`` / ``ControlNetModel`` (or our
+    `UNet` / `ControlNet`, whose ``enable_gradient_checkpointing`` this calls). A plan already
+    applied is replaced. A ControlNet's plan names the U-Net's units it has (`resolve_controlnet_plan`).
     """
-    if isinstance(model, UNet):
+    if isinstance(model, UNet | ControlNet):
         return model.enable_gradient_checkpointing(plan, preserve_rng_state)
-    spec = diffusers_spec(model)
+    spec = _any_spec(model)
     if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
         raise ValueError(
             "gradient_checkpointing: diffusers' own checkpointing is on, and a plan would recompute the same "
             "layers twice; call model.disable_gradient_checkpointing() first"
         )
-    resolved = resolve_plan(spec, plan)
+    resolved = resolve_controlnet_plan(spec, plan) if isinstance(spec, ControlNetSpec) else resolve_plan(spec, plan)
     checkpointing.apply_plan(model, resolved, preserve_rng_state, modules=unit_modules(model, spec))
     return resolved
 
 
 def remove_plan(model: nn.Module) -> None:
     """Undo `apply_plan`: every unit runs its plain forward again."""
-    if isinstance(model, UNet):
+    if isinstance(model, UNet | ControlNet):
         model.disable_gradient_checkpointing()
     else:
         checkpointing.remove_plan(model)
