@@ -271,3 +271,8 @@ def test_out_of_memory_even_under_full_is_one_line_and_re_raised(capsys: pytest.
         "most: the step does not fit this device; re-raising"
     )
     assert all(p.grad is None for p in case.model.parameters())  # what the failed attempts left is freed
+
+
+def test_a_model_that_is_not_a_u_net_is_refused_before_planning() -> None:
+    with pytest.raises(TypeError, match=r"UNet2DModel or UNet2DConditionModel or a torch_impl\.UNet, not Linear"):
+        BudgetGuard(torch.nn.Linear(2, 2), 1 << 20, batch_size=1)

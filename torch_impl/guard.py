@@ -10,8 +10,8 @@ teacher's features, an EMA, the CUDA allocator's cache). The guard closes the lo
 * **Measures** the step's peak over its first `MEASURED_STEPS` steps and the `MEASURED_STEPS` after
   every change, never otherwise. CUDA: the allocator's peak, ``max_memory_reserved`` (judged; it is
   what the device holds) beside ``max_memory_allocated``. CPU: PyTorch's ``MemTracker`` following
-  the model, its optimizer(s) (among ``step_fn``'s arguments, or seen stepping the model's
-  parameters) and the tensors among ``step_fn``'s arguments: memory the step holds beyond them
+  the model, its optimizer(s) (among ``step_fn``'s arguments, found among live objects, or seen
+  stepping the model's parameters) and the tensors among ``step_fn``'s arguments: memory the step holds beyond them
   (made inside the step) is seen, tensors alive before it and out of its reach are not.
 * **Over budget** (measured > budget): re-plans for ``budget - (measured - predicted)``, the budget
   less what the step holds beyond the model's step; the plan is on before the next step; one line.
@@ -50,9 +50,9 @@ from torch.utils._pytree import tree_leaves
 
 from shared_configs.planning import planner
 from shared_configs.planning.planner import Workload
-from shared_configs.planning.solver import Infeasible
 from shared_configs.regime import DEFAULT as DEFAULT_REGIME
 from shared_configs.regime import Regime
+from shared_configs.spec import SpecError
 from shared_configs.units import MIB
 from torch_impl.diffusers_plan import apply_plan, diffusers_spec
 from torch_impl.unet import UNet
@@ -111,6 +111,7 @@ class BudgetGuard:
         self._step, self._left, self._window = 0, 0, []  # measured steps left, their peaks
         self._may_loosen = True
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._scanned = False  # live objects searched for the model's optimizers (`_find_optimizers`)
         planned = planner.plan(self._workload, self.budget, "torch", **self._plan_options)
         self._switch(planned.policy, planned.solution.prediction.peak_bytes, "planned", 0)
 
@@ -162,9 +163,7 @@ class BudgetGuard:
         from torch_impl.train import skip_frozen_grad_hooks  # here: `import torch_impl` stays light
 
         leaves = tree_leaves((args, kwargs))
-        for opt in leaves:
-            if isinstance(opt, torch.optim.Optimizer) and opt not in self._optimizers:
-                self._optimizers.append(opt)
+        self._find_optimizers(leaves)
         tracker = MemTracker()
         tracker.track_external(self.model, *self._optimizers, *(t for t in leaves if isinstance(t, torch.Tensor)))
         skip_frozen_grad_hooks(tracker, self.model)
@@ -172,15 +171,27 @@ class BudgetGuard:
             yield found
         found["measured"] = int(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
 
+    def _find_optimizers(self, leaves: list[Any]) -> None:
+        """The optimizers whose state the tracker counts: those among ``step_fn``'s arguments, and
+        at the first measurement those over the model's parameters among all live objects (one
+        scan of the garbage collector's objects: an optimizer in ``step_fn``'s closure)."""
+        found = [x for x in leaves if isinstance(x, torch.optim.Optimizer)]
+        if not self._scanned:
+            self._scanned = True
+            found += [x for x in gc.get_objects() if isinstance(x, torch.optim.Optimizer) and self._steps_model(x)]
+        self._optimizers += [x for x in found if x not in self._optimizers]
+
+    def _steps_model(self, opt: torch.optim.Optimizer) -> bool:
+        params = {id(p) for p in self.model.parameters()}
+        return any(id(p) in params for g in opt.param_groups for p in g["params"])
+
     @contextlib.contextmanager
     def _spotting_optimizers(self) -> Iterator[None]:
-        """Note each optimizer that steps the model's parameters (one in a closure): the next
-        measurement counts its state."""
-        params = {id(p) for p in self.model.parameters()}
+        """Note each optimizer that steps the model's parameters (one made after the scan): the
+        next measurement counts its state."""
 
         def spot(opt: torch.optim.Optimizer, *_: Any) -> None:
-            mine = any(id(p) in params for g in opt.param_groups for p in g["params"])
-            if mine and opt not in self._optimizers:
+            if opt not in self._optimizers and self._steps_model(opt):
                 self._optimizers.append(opt)
 
         handle = register_optimizer_step_pre_hook(spot)
@@ -273,12 +284,13 @@ class BudgetGuard:
     # -- the planner ---------------------------------------------------------------------------
 
     def _plan_for(self, budget: int) -> tuple[str, int] | None:
-        """The planner's plan for ``budget`` and its predicted peak; None if no plan fits. Its
+        """The planner's plan for ``budget`` and its predicted peak; None if no plan fits (or none
+        passes the planner's check: `shared_configs.planning.planner.fit_checked`). Its
         progress lines are kept off stderr (the profile is cached): the guard says one line."""
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 planned = planner.plan(self._workload, budget, "torch", **self._plan_options)
-        except Infeasible:
+        except SpecError:  # `Infeasible`, or no plan checked under the budget
             return None
         return planned.policy, planned.solution.prediction.peak_bytes
 
