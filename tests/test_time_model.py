@@ -6,7 +6,6 @@ matmuls), and a plan's recompute costs more of a LoRA step than of a full one.""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from shared_configs.planning.budget import PLAIN, Cost, Profile, assignment_of, leaf_units, predict
 from shared_configs.planning.recompute_time import (
@@ -20,26 +19,33 @@ from shared_configs.planning.unit_flops import recompute_flops, unit_flops, unit
 from shared_configs.planning.unit_flops import step_flops as counted
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
-from tests.utils import count_flops, variant
+from tests.utils import variant
 
 BATCH, CONTEXT = 2, 5
 
 
 def _counted_step(name: str, regime: Regime) -> tuple[int, int]:
     """`FlopCounterMode`'s (forward, forward + backward) FLOPs of ``name`` trained in ``regime``."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from torch_impl.flops import register_cpu_attention_flops
     from torch_impl.regime import apply_regime
     from torch_impl.unet import UNet
 
+    register_cpu_attention_flops()
     torch.manual_seed(0)
     spec = variant(name)
     model = apply_regime(UNet(spec), regime)
     ctx = None if spec.cross_attention_dim is None else torch.randn(BATCH, CONTEXT, spec.cross_attention_dim)
-    inputs = (torch.randn(BATCH, spec.in_channels, 8, 8), torch.tensor([1.0, 2.0]), ctx)
-    forward, _ = count_flops(model, inputs, backward=False)
-    total, _ = count_flops(model, inputs, backward=True)
-    return forward, total
+    with FlopCounterMode(display=False) as forward:
+        out = model(torch.randn(BATCH, spec.in_channels, 8, 8), torch.tensor([1.0, 2.0]), ctx)
+    with FlopCounterMode(display=False) as backward:
+        out.sum().backward()
+    return forward.get_total_flops(), forward.get_total_flops() + backward.get_total_flops()
 
 
+@pytest.mark.slow  # a real training step per regime under FlopCounterMode: seconds each on 2 shared cores
 @pytest.mark.parametrize("name", ["tiny", "sd_linear_proj", "transformer_no_cross"])
 @pytest.mark.parametrize("trainable", ["all", "lora:4"])
 def test_step_flops_equal_flop_counter(name: str, trainable: str) -> None:
@@ -66,6 +72,7 @@ def test_step_flops_equal_flop_counter(name: str, trainable: str) -> None:
         assert backward == pytest.approx(mine.input_grads + mine.adapters - adapters_forward, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_trained_weights_match_the_model() -> None:
     """The conv/matmul weights the spec counts are the model's (biases and norms aside), and under
     LoRA the adapters' parameters exactly."""
@@ -78,6 +85,20 @@ def test_trained_weights_match_the_model() -> None:
     assert counted(spec, 1, CONTEXT).weights == weights
     lora = apply_regime(UNet(spec), Regime("fp32", "lora:4"))
     assert counted(spec, 1, CONTEXT, 4).trained_weights == sum(p.numel() for p in trained_parameters(lora))
+
+
+def test_sd15_step_counts() -> None:
+    """SD 1.5 at 64x64, batch 1: its U-Net's 859.1M conv/matmul weights (diffusers counts 859.5M
+    parameters, norms and biases included); every weight trained, a step is about three forwards,
+    with rank-16 LoRA about two and 3.19M adapter weights."""
+    from shared_configs.loader import load_spec, spec_from_dict
+
+    spec = spec_from_dict({**load_spec("sd15").model_dump(), "sample_size": 64})
+    full, lora = counted(spec, 1), counted(spec, 1, lora_rank=16)
+    assert full.weights == full.trained_weights == 859_077_120 and lora.trained_weights == 3_188_736
+    assert full.forward == lora.forward and lora.weight_grads == 0 and lora.adapters < 0.02 * lora.forward
+    assert 3.0 < full.total / full.forward < 3.1 and 2.2 < lora.total / lora.forward < 2.25
+    assert lora.input_grads < full.input_grads  # no backward before the first adapter
 
 
 def test_update_and_cast_bytes() -> None:
