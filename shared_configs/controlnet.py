@@ -21,10 +21,11 @@ part of the ControlNet. Checkpoint plans name the ControlNet's units as the U-Ne
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from shared_configs.plan import CheckpointPlan, Policy, block_names, layer_names, resolve_plan
 from shared_configs.spec import Bool, Int, SpecError, UNetSpec, _Frozen
@@ -35,7 +36,8 @@ CONDITIONING_CHANNEL_ORDERS: tuple[str, ...] = ("rgb", "bgr")
 
 
 class ControlNetSpec(_Frozen):
-    """A ControlNet on the encoder and middle block of ``unet`` (see the module doc)."""
+    """A ControlNet on the encoder and middle block of ``unet`` (see the module doc): a `UNetSpec`, its
+    fields as a mapping, or a preset name (``ControlNetSpec(unet="sd_narrow")``; in YAML ``unet: sd_narrow``)."""
 
     name: str = "controlnet"
     unet: UNetSpec
@@ -48,6 +50,16 @@ class ControlNetSpec(_Frozen):
         default="rgb", description="bgr: the conditioning image's channels are reversed first (diffusers' option)"
     )
 
+    @field_validator("unet", mode="before")
+    @classmethod
+    def _preset(cls, value: Any) -> Any:
+        """``unet: sd_narrow`` (a preset name or a spec file) in YAML or code."""
+        if isinstance(value, str):
+            from shared_configs.loader import load_spec
+
+            return load_spec(value)
+        return value
+
     @property
     def conditioning_factor(self) -> int:
         """How many times larger than the sample the conditioning image is (each side)."""
@@ -58,6 +70,25 @@ class ControlNetSpec(_Frozen):
         if any(c <= 0 for c in self.conditioning_embedding_out_channels):
             raise SpecError("conditioning_embedding_out_channels: must be positive")
         return self
+
+
+def load_controlnet_spec(source: str | Path | Mapping[str, Any]) -> ControlNetSpec:
+    """A `ControlNetSpec` from a YAML file or a mapping (``unet:`` a preset name, a file, or the fields);
+    a bad one is a `SpecError` naming the field."""
+    data = source
+    if not isinstance(source, Mapping):
+        import yaml
+
+        from shared_configs.loader import _Loader  # YAML 1.2 floats, as the U-Net specs are read
+
+        data = yaml.load(Path(source).read_text(), Loader=_Loader)
+    try:
+        return ControlNetSpec.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise SpecError(f"{where}: {message}" if where else message) from None
 
 
 def residual_shapes(spec: UNetSpec, batch: int, size: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:

@@ -22,7 +22,7 @@ from jax_impl.controlnet import ControlNet as FlaxControlNet
 from jax_impl.convert import torch_to_flax
 from jax_impl.diffusers_io import to_diffusers_state_dict
 from shared_configs import SpecError, to_diffusers_config
-from shared_configs.controlnet import ControlNetSpec, resolve_controlnet_plan
+from shared_configs.controlnet import ControlNetSpec, load_controlnet_spec, resolve_controlnet_plan
 from shared_configs.diffusers.controlnet import controlnet_to_diffusers_config
 from shared_configs.inputs import example_inputs
 from tests.utils import as_flax, as_torch, randomize_, rel_err, variant
@@ -236,7 +236,7 @@ def test_residuals_drive_our_unet_as_diffusers(folder: tuple[Path, Any]) -> None
 
     root, net = folder
     model = ControlNet.from_diffusers(root)
-    unet = UNet(model.spec.unet.model_copy(update={"out_channels": 4})).eval()
+    unet = UNet(model.spec.unet).eval()
     randomize_(unet, seed=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -266,6 +266,17 @@ def test_from_unet_copies_the_encoder_and_starts_at_zero() -> None:
     with torch.no_grad():
         down, mid = _ours(model, _inputs(model.spec))
     assert all(not r.any() for r in down) and not mid.any()
+
+
+def test_spec_takes_a_preset_and_refuses_what_diffusers_cannot_build() -> None:
+    spec = load_controlnet_spec({"unet": "sd_narrow", "conditioning_embedding_out_channels": [16, 32]})
+    assert spec.unet.name == "sd_narrow" and spec.conditioning_factor == 2
+    with pytest.raises(SpecError, match=r"has no diffusers equivalent: dropout="):
+        controlnet_to_diffusers_config(ControlNetSpec(unet=variant("sd_linear_proj", dropout=0.1)))
+    with pytest.raises(SpecError, match=r"^conditioning_embedding_out_channels: must be positive$"):
+        load_controlnet_spec({"unet": "tiny", "conditioning_embedding_out_channels": [8, 0]})
+    with pytest.raises(SpecError, match=r"^global_pool_conditions: Input should be a valid boolean"):
+        load_controlnet_spec({"unet": "tiny", "global_pool_conditions": "yes"})
 
 
 def test_wrong_sources_and_inputs_are_one_line(folder: tuple[Path, Any]) -> None:
