@@ -14,12 +14,13 @@ LoRA's own matmuls), ``kept`` the bytes the plain forward keeps (written, then r
 backward), ``update`` the optimizer's and the EMA's bytes per trained weight (`update_bytes`),
 ``casts`` autocast's copies of the float32 weights in a mixed-precision forward (`cast_bytes`).
 A plan's overhead is its recompute seconds (FLOPs, the bytes it no longer keeps written and read,
-and in mixed precision its weights cast again: `with_recasts`) over that step, so under LoRA, whose backward is about
-one forward, the same recompute costs more of the step than with every weight trained.
+and in mixed precision its weights cast again: `with_recasts`) over that step, so under LoRA,
+whose backward is about one forward, the same recompute costs more of the step than with every
+weight trained.
 
-The shapes-only profile takes the rates as stated (`at_stated_rates`); the JAX
-profile takes FLOPs at its plain step's own throughput and no byte term (`jax_impl.profile`
-says why its measured steps price nothing).
+The shapes-only profile takes the rates as stated (`at_stated_rates`); the JAX profile takes
+FLOPs at its plain step's own throughput, the measured step over `step_flops` in its regime, and
+no byte term (`jax_impl.profile` says why its measured steps price nothing).
 """
 
 from __future__ import annotations
