@@ -51,6 +51,9 @@ def spec_from_config(config: Mapping[str, Any], *, name: str | None = None) -> U
     """The spec of a diffusers U-Net or ControlNet config, by its ``_class_name``."""
     if is_controlnet_config(config):
         return controlnet_from_diffusers_config(config, name=name)
+    if (cls := config.get("_class_name")) not in CLASS_DEFAULTS:
+        supported = ", ".join([*CLASS_DEFAULTS, CLASS])
+        raise SpecError(f"_class_name: unsupported diffusers model {cls!r} (supported: {supported})")
     return from_diffusers_config(config, name=name)
 
 
