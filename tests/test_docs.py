@@ -109,6 +109,20 @@ def test_readme_is_short() -> None:
     assert len((ROOT / "README.md").read_text(encoding="utf-8")) <= README_MAX_CHARS
 
 
+SETUP = (
+    'pip install "torch==2.13.0" -e ".[dev]" && python -m benchmarks.compare --framework both',
+    "python -m pytest -n 2",
+)
+
+
+def test_readme_setup_is_what_ci_runs() -> None:
+    """The README's two set-up commands, verbatim in one block; CI runs the second as its last step."""
+    blocks = [m.group(0).splitlines() for m in FENCE.finditer((ROOT / "README.md").read_text(encoding="utf-8"))]
+    assert any(list(SETUP) == [line.strip() for line in block[1:-1]] for block in blocks)
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert ci[-1] == SETUP[1]
+
+
 def code(markdown: str) -> str:
     """The fenced blocks and code spans: where docs quote modules and paths."""
     fenced = [m.group(0) for m in FENCE.finditer(markdown)]
