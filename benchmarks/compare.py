@@ -203,6 +203,9 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
     policies = list(dict.fromkeys(["none", *policies]))
     device = _check_world(args.world_size, args.framework, args.device)
     _check_frameworks(args.framework, spec, source)
+    if regime_of(args).keep_grads and "jax" in args.framework:
+        raise SpecError("--keep-grads: a jitted JAX step's gradients are temporaries of the step (its state donated), "
+                        "none live between steps to keep; use --framework torch")  # fmt: skip
     common = {
         "config": config,
         "source": source,

@@ -37,6 +37,8 @@ REGIMES: dict[str, Regime] = {
     "bf16-mixed+lora:8": Regime("bf16-mixed", "lora:8"),
     "bf16-mixed+adamw8bit": Regime("bf16-mixed", optimizer="adamw8bit"),
     "bf16-mixed+adafactor": Regime("bf16-mixed", optimizer="adafactor"),
+    # diffusers' DreamBooth default: the gradients stay allocated between steps (zeroed in place)
+    "bf16-mixed+adamw8bit+keep-grads": Regime("bf16-mixed", optimizer="adamw8bit", keep_grads=True),
 }
 DEFAULT_REGIMES = ("fp32", "bf16-mixed", "bf16-mixed+lora:8", "bf16-mixed+adamw8bit")
 DIFFUSERS_STYLE = "layers"

@@ -8,7 +8,7 @@ the static memory. So the regime is one value, spelled the same on every CLI
 of every profile's cache key. The defaults are float32, every weight trained, AdamW, no EMA.
 
     --precision {fp32,bf16-mixed,fp16-mixed,bf16}   --trainable {all,lora:R}
-    --optimizer {adamw,adafactor,adamw8bit}         --ema
+    --optimizer {adamw,adafactor,adamw8bit}         --ema   --keep-grads
 
 - ``fp32``: float32 weights, compute and optimizer state.
 - ``bf16-mixed``: float32 master weights and optimizer state, bfloat16 compute (torch autocast;
@@ -18,6 +18,11 @@ of every profile's cache key. The defaults are float32, every weight trained, Ad
 - ``lora:R``: rank-R adapters on every attention's query, key, value and output projection (the set
   diffusers' LoRA scripts train), the rest frozen.
 - ``adamw8bit``: 8-bit AdamW state (torchao's ``AdamW8bit`` in torch; JAX has none and refuses).
+- ``keep_grads``: the gradients stay allocated between steps and are zeroed in place
+  (``optimizer.zero_grad(set_to_none=False)``, the default of diffusers' DreamBooth and ControlNet
+  scripts): they sit beside the forward's activations, so the peak moves to the end of the
+  forward. Torch only: a jitted JAX step's gradients are temporaries of the step (its state
+  donated), there is nothing to keep, and JAX refuses it in one line.
 
 No torch or jax import.
 """
@@ -45,12 +50,14 @@ PARAM_DTYPE = {"fp32": "float32", "bf16-mixed": "float32", "fp16-mixed": "float3
 
 @dataclass(frozen=True)
 class Regime:
-    """How a step trains: `PRECISIONS`, ``trainable`` ("all" or "lora:R"), `OPTIMIZERS`, ``ema``."""
+    """How a step trains: `PRECISIONS`, ``trainable`` ("all" or "lora:R"), `OPTIMIZERS`, ``ema``,
+    ``keep_grads`` (gradients kept allocated between steps, zeroed in place)."""
 
     precision: str = "fp32"
     trainable: str = "all"
     optimizer: str = "adamw"
     ema: bool = False
+    keep_grads: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -59,8 +66,9 @@ class Regime:
             raise SpecError(f"trainable: expected {TRAINABLE}, got {self.trainable!r}")
         if self.optimizer not in OPTIMIZERS:
             raise SpecError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if not isinstance(self.ema, bool):
-            raise SpecError(f"ema: expected true or false, got {self.ema!r}")
+        for name in ("ema", "keep_grads"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name}: expected true or false, got {getattr(self, name)!r}")
 
     @property
     def lora_rank(self) -> int | None:
@@ -84,9 +92,10 @@ class Regime:
         return self.precision == "fp16-mixed"
 
     def describe(self) -> str:
-        """One line: ``fp32, all weights trained, adamw`` / ``bf16-mixed, lora:8, adafactor, EMA``."""
+        """One line: ``fp32, all weights trained, adamw`` / ``bf16-mixed, lora:8, adafactor, EMA, grads kept``."""
         trained = "all weights trained" if self.lora_rank is None else self.trainable
-        return ", ".join([self.precision, trained, self.optimizer] + (["EMA"] if self.ema else []))
+        extras = (["EMA"] if self.ema else []) + (["grads kept"] if self.keep_grads else [])
+        return ", ".join([self.precision, trained, self.optimizer, *extras])
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,6 +113,9 @@ def check_planned(regime: Regime, framework: str, device: str = "cpu") -> None:
     cannot run on ``device``."""
     if framework != "jax":
         return
+    if regime.keep_grads:
+        raise SpecError("keep_grads: a jitted JAX step's gradients are temporaries of the step (its state donated), "
+                        "none live between steps to keep; use --framework torch")  # fmt: skip
     if regime.precision == "fp16-mixed" and device == "cpu":
         raise SpecError("precision: fp16-mixed has no XLA:CPU matmul (dot_general F16_F16_F32 is not supported on "
                         "CPU); use bf16-mixed, or --framework torch")  # fmt: skip
@@ -141,7 +153,7 @@ DEFAULT = Regime()
 
 
 def add_regime_arguments(parser: argparse.ArgumentParser) -> None:
-    """The four regime flags, the same on every CLI (their defaults: `DEFAULT`)."""
+    """The regime flags, the same on every CLI (their defaults: `DEFAULT`)."""
     group = parser.add_argument_group("training regime")
     group.add_argument(
         "--precision",
@@ -164,11 +176,17 @@ def add_regime_arguments(parser: argparse.ArgumentParser) -> None:
         help="adamw; adafactor (factored second moments); adamw8bit (torchao) (default %(default)s)",
     )
     group.add_argument("--ema", action="store_true", help="keep an EMA copy (float32) of the trained weights")
+    group.add_argument(
+        "--keep-grads",
+        action="store_true",
+        help="gradients stay allocated between steps, zeroed in place (zero_grad(set_to_none=False), diffusers' "
+        "DreamBooth/ControlNet default); torch only",
+    )
 
 
 def regime_of(args: argparse.Namespace) -> Regime:
     """The `Regime` the parsed flags of `add_regime_arguments` give."""
-    return Regime(args.precision, args.trainable, args.optimizer, args.ema)
+    return Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads)
 
 
 def _trainable(text: str) -> str:

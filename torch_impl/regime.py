@@ -90,6 +90,7 @@ class StepTools:
     autocast_dtype: torch.dtype | None = None  # the forward under torch.autocast in this dtype (mixed precision)
     scaler: torch.amp.GradScaler | None = None  # float16: the loss scaled before the backward
     ema: EMA | None = None  # moved toward the trained parameters after each step
+    keep_grads: bool = False  # zero_grad(set_to_none=False): the gradients stay allocated between steps
 
     def state(self) -> dict[str, Any]:
         """The pieces with a state to checkpoint beside the model's and optimizer's, by name."""
@@ -101,10 +102,12 @@ PLAIN_STEP = StepTools()
 
 def step_tools(model: nn.Module, regime: Regime, scaler: bool = True) -> StepTools:
     """The `StepTools` of ``regime`` for ``model``: the autocast dtype, the loss scaler
-    (``scaler=False``: none, for steps whose values cannot be read) and the EMA copy."""
+    (``scaler=False``: none, for steps whose values cannot be read), the EMA copy, whether the
+    gradients are kept between steps."""
     device = next(model.parameters()).device
     scale = loss_scaler(regime, device) if scaler else None
-    return StepTools(autocast_dtype(regime), scale, EMA(trained_parameters(model)) if regime.ema else None)
+    ema = EMA(trained_parameters(model)) if regime.ema else None
+    return StepTools(autocast_dtype(regime), scale, ema, regime.keep_grads)
 
 
 class EMA:

@@ -123,8 +123,9 @@ def step_loss(
         check_conditioning(spec, batch.conditioning())
     model.train()
     # First, as PyTorch's examples do: the previous step's gradients are freed (set_to_none, the
-    # default) before this forward, so they never sit beside its activations.
-    optimizer.zero_grad(set_to_none=True)
+    # default) before this forward, so they never sit beside its activations; a regime that keeps
+    # them (diffusers' DreamBooth default) zeroes them in place, and they do.
+    optimizer.zero_grad(set_to_none=not tools.keep_grads)
     first = next(model.parameters())
     device, dtype = first.device, first.dtype
     noisy, t, noise, conditioning = as_tensors(batch)

@@ -56,13 +56,14 @@ class Job:
     jax_cache: str | None = None  # jax: the persistent compilation cache folder (None: off)
     world_size: int = 1  # ranks: torch FSDP2 processes / jax devices, each with a batch of batch_size
     done: tuple[tuple[str, int], ...] = field(default=())  # rows already reported, skipped
-    trainable: str = "all"  # ... what it trains, its optimizer, an EMA copy
+    trainable: str = "all"  # ... what it trains, its optimizer, an EMA copy, gradients kept between steps
     optimizer: str = "adamw"
     ema: bool = False
+    keep_grads: bool = False
 
     @property
     def regime(self) -> Regime:
-        return Regime(self.precision, self.trainable, self.optimizer, self.ema)
+        return Regime(self.precision, self.trainable, self.optimizer, self.ema, self.keep_grads)
 
     def rows(self) -> list[tuple[str, int]]:
         return [(p, b) for b in self.batch_sizes for p in self.policies if (p, b) not in self.done]

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 from collections.abc import Callable, Iterable
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +246,8 @@ def used(document: dict[str, Any]) -> str:
     elif "dtype" in s:
         fields["dtype"] = s["dtype"]
     line = "settings " + Defaults(kind, resolve_chunk(s["attention_chunk"], kind), **fields).describe()
-    regime = Regime(s["precision"], s["trainable"], s["optimizer"], s["ema"]) if "precision" in s else DEFAULT
+    given = {f.name: s[f.name] for f in dataclass_fields(Regime) if f.name in s}  # older documents lack some
+    regime = Regime(**given) if "precision" in s else DEFAULT
     if regime != DEFAULT:
         line += "; regime " + regime.describe()
     return line
