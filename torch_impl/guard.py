@@ -178,7 +178,9 @@ class BudgetGuard:
         found = [x for x in leaves if isinstance(x, torch.optim.Optimizer)]
         if not self._scanned:
             self._scanned = True
-            found += [x for x in gc.get_objects() if isinstance(x, torch.optim.Optimizer) and self._steps_model(x)]
+            # type(), not isinstance: some live objects warn when their __class__ is read (torch.distributed.reduce_op)
+            live = (x for x in gc.get_objects() if issubclass(type(x), torch.optim.Optimizer))
+            found += [x for x in live if self._steps_model(x)]
         self._optimizers += [x for x in found if x not in self._optimizers]
 
     def _steps_model(self, opt: torch.optim.Optimizer) -> bool:
