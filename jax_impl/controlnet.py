@@ -142,3 +142,17 @@ def abstract_controlnet_inputs(spec: ControlNetSpec, batch: int = 1) -> dict[str
     cond = jax.ShapeDtypeStruct((batch, size, size, spec.conditioning_channels), jnp.float32)
     named = {"sample": inputs.pop("x"), "timestep": inputs.pop("t"), "context": inputs.pop("context")}
     return named | {"controlnet_cond": cond} | inputs
+
+
+def controlnet_from_unet(
+    unet_params: dict, spec: UNetSpec, rng: jax.Array | None = None, policy: PolicyArg = None, **options: object
+) -> tuple[ControlNet, dict]:
+    """``(module, params)``: a ControlNet on ``spec`` with the U-Net's encoder parameters (diffusers'
+    ``from_unet``, torch's ``ControlNet.from_unet``); the conditioning embedding freshly initialised
+    from ``rng``, the zero convolutions at zero. ``options``: the `ControlNetSpec` fields beside ``unet``."""
+    cspec = ControlNetSpec(name=f"{spec.name}_controlnet", unet=spec, **options)
+    module = ControlNet(spec=cspec, policy=policy)
+    shapes = abstract_controlnet_inputs(cspec)
+    inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
+    fresh = module.init(rng if rng is not None else jax.random.key(0), **inputs)["params"]
+    return module, {k: unet_params.get(k, v) for k, v in fresh.items()}  # the trunk's names are the U-Net's

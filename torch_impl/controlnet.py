@@ -94,7 +94,8 @@ class ControlNet(UNetTrunk):
         ``options``: the `ControlNetSpec` fields beside ``unet``."""
         model = cls(ControlNetSpec(name=f"{unet.spec.name}_controlnet", unet=unet.spec, **options))
         trunk = {k: v for k, v in unet.state_dict().items() if not k.startswith(("up.", "conv_norm_out", "conv_out"))}
-        model.load_state_dict(trunk, strict=False)
+        unexpected = model.load_state_dict(trunk, strict=False).unexpected_keys
+        assert not unexpected, f"from_unet: the trunk has no {unexpected[0]}"  # the names are the U-Net's
         return model
 
     def forward(
