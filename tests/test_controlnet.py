@@ -26,6 +26,7 @@ from shared_configs import SpecError, to_diffusers_config
 from shared_configs.controlnet import ControlNetSpec, load_controlnet_spec, resolve_controlnet_plan
 from shared_configs.diffusers.controlnet import controlnet_to_diffusers_config
 from shared_configs.inputs import example_inputs
+from tests.diffusers_utils import cache_repo
 from tests.utils import as_flax, as_torch, randomize_, rel_err, variant
 from torch_impl import ControlNet, UNet
 
@@ -298,6 +299,20 @@ def test_spec_takes_a_preset_and_refuses_what_diffusers_cannot_build() -> None:
         load_controlnet_spec({"unet": "tiny", "conditioning_embedding_out_channels": [8, 0]})
     with pytest.raises(SpecError, match=r"^global_pool_conditions: Input should be a valid boolean"):
         load_controlnet_spec({"unet": "tiny", "global_pool_conditions": "yes"})
+
+
+def test_loads_from_a_cached_pipeline_repo(
+    folder: tuple[Path, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repo id in the local Hugging Face cache, its ControlNet in ``controlnet/`` (as pipelines save it)."""
+    root, net = folder
+    cache_repo(tmp_path / "hub", "org/sd-controlnet", root, subfolder="controlnet")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    model = ControlNet.from_diffusers("org/sd-controlnet", subfolder="controlnet")
+    assert model.spec.name == "sd-controlnet"
+    inputs = _inputs(model.spec)
+    with torch.no_grad():
+        assert _worst(_ours(model, inputs), _theirs(net, inputs)) <= 1e-5
 
 
 def test_wrong_sources_and_inputs_are_one_line(folder: tuple[Path, Any]) -> None:
