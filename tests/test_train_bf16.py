@@ -34,6 +34,7 @@ from tests.train_utils import (
     torch_curve,
 )
 from torch_impl import train as ttrain
+from torch_impl.regime import StepTools
 
 STEPS = 10
 # bf16 keeps 8 significant bits (unit roundoff 2^-9 = 0.2%), but the loss averages 1024 squared
@@ -49,11 +50,12 @@ import dataclasses, json, sys, jax
 from jax_impl import train as jtrain
 from jax_impl.parallel import make_mesh
 from shared_configs import spec_from_dict
+from shared_configs.regime import Regime
 from shared_configs.training.data import load_dataset
 from tests.train_utils import CFG, SCHEDULE, TINY_NO_DROPOUT, float_dtypes, jax_setup
 spec, STEPS = spec_from_dict(TINY_NO_DROPOUT), int(sys.argv[1])
 model, tx, state = jax_setup(spec, "full")
-cfg, losses, data = dataclasses.replace(CFG, precision="bf16-mixed"), [], load_dataset("digits", spec)
+cfg, losses, data = dataclasses.replace(CFG, regime=Regime("bf16-mixed")), [], load_dataset("digits", spec)
 mesh = make_mesh(cfg.batch_size)
 state = jtrain.run_steps(state, losses, data, SCHEDULE, cfg, STEPS, model, tx, mesh=mesh)
 print(json.dumps({"devices": len(jax.devices()), "losses": losses, "state_dtypes": float_dtypes(state)}))
@@ -114,7 +116,7 @@ def test_bf16_curve_tracks_float32_and_state_stays_float32(bf16_run: dict) -> No
 @pytest.mark.slow
 def test_bf16_curve_matches_torch_autocast(bf16_run: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same converted weights and batches; torch casts per op (autocast), JAX casts the inputs."""
-    autocast = functools.partial(ttrain.train_step, autocast_dtype=torch.bfloat16)
+    autocast = functools.partial(ttrain.train_step, tools=StepTools(autocast_dtype=torch.bfloat16))
     monkeypatch.setattr(ttrain, "train_step", autocast)  # what `torch_curve` calls
     autocast_curve = torch_curve(spec_from_dict(TINY_NO_DROPOUT), "none", STEPS)
     np.testing.assert_allclose(bf16_run["losses"], autocast_curve, rtol=BF16_RTOL)

@@ -15,8 +15,9 @@ measure the peak of their first `MEASURED_STEPS` steps with their own instrument
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from shared_configs.plan import CheckpointPlan, resolve_plan
 from shared_configs.planning.budget import FULL, PLAIN
@@ -107,7 +108,7 @@ def plan_run(
     spec: UNetSpec,
     framework: str,
     world_size: int,
-    saved: dict,
+    saved: Mapping[str, Any],
     attention_chunk: int | None = Workload.attention_chunk,
 ) -> RunPlan:
     """The plan of a ``--budget-mib`` run; ``saved``: the record of the run being resumed
