@@ -50,7 +50,7 @@ class Backend(Protocol):
 
 
 def load_backend(framework: str) -> Backend:
-    return cast(Backend, importlib.import_module(f"benchmarks.{framework}_bench"))
+    return cast(Backend, importlib.import_module(f"benchmarks.backends.{framework}_bench"))
 
 
 def run_row(backend: Backend, job: Job, policy: str, batch_size: int, device: Any) -> dict[str, Any]:
