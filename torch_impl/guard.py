@@ -67,7 +67,7 @@ _PLAN_OPTIONS = ("world_size", "distributed", "candidates", "rounds")  # `planne
 @dataclass(frozen=True)
 class GuardRecord:
     """One measurement or one change: a measurement has ``measured``; a change (``action``
-    "planned", "tightened", "loosened", "recompute more") has the new plan and its prediction, and
+    "planned", "given", "tightened", "loosened", "recompute more") has the new plan and its prediction, and
     as ``outside`` the bytes it was planned to leave for the rest of the step."""
 
     step: int  # the guarded step (1 = the first `BudgetGuard.run`; 0: construction)
@@ -87,6 +87,8 @@ class BudgetGuard:
     (`shared_configs.regime.Regime`; default fp32 AdamW), ``sample_size`` and ``planner_options``
     (``context_length``, ``world_size``, ``distributed``, ``candidates``, ...) describe the step
     to the planner as `torch_impl.plan_for_budget` takes them; the model is not changed by them.
+    ``policy``: start from this plan instead of planning (a resumed run's last plan, or one its
+    preamble already made); it is measured and corrected like a planned one.
     Raises `shared_configs.planning.solver.Infeasible` when no plan fits the budget at all.
     """
 
@@ -98,6 +100,7 @@ class BudgetGuard:
         batch_size: int,
         regime: Regime | None = None,
         sample_size: int | None = None,
+        policy: str | None = None,
         **planner_options: Any,
     ) -> None:
         spec = model.spec if isinstance(model, UNet) else diffusers_spec(model)
@@ -112,6 +115,9 @@ class BudgetGuard:
         self._may_loosen = True
         self._optimizers: list[torch.optim.Optimizer] = []
         self._scanned = False  # live objects searched for the model's optimizers (`_find_optimizers`)
+        if policy is not None:  # a plan already made for this step (a resumed run's last one): predicted only
+            self._switch(policy, self._predict(policy), "given", None)
+            return
         planned = planner.plan(self._workload, self.budget, "torch", **self._plan_options)
         self._switch(planned.policy, planned.solution.prediction.peak_bytes, "planned", 0)
 
