@@ -120,8 +120,10 @@ def test_torch_trains_to_a_budget_and_resumes_its_plan(
     seen: list[int], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The plan is `plan_for_budget`'s for the run's workload; the measured peak is the benchmark
-    tracker's within 1%; a resume with the same budget keeps the plan though the profile changed
-    so that no plan fits now, and one with another budget plans again (and says none fits)."""
+    tracker's within 1%; the run's `BudgetGuard` corrects the plan against that measurement (this
+    profile is random: its predictions are not the step's), its history and last plan go into the
+    run's record, and a resume with the same budget starts from that plan though the profile changed
+    so that no plan fits now; one with another budget plans again (and says none fits)."""
     from torch_impl import train as ttrain
 
     budget, out = _seed("torch"), tmp_path / "run"
@@ -132,14 +134,25 @@ def test_torch_trains_to_a_budget_and_resumes_its_plan(
     assert f"policy {policy} (planned for this run); torch predicted peak {predicted / MIB:.1f} MiB" in err
     assert len(seen) == 1 and "MemTracker" in err and "max of steps 1-2" in err
     assert math.isclose(max(seen), _torch_tracker_peak(policy), rel_tol=0.01)
-    assert _record(out)["policy"] == policy
+    history = _history(out)
+    assert (history[0]["plan"], history[0]["action"]) == (policy, "given")
+    measured = [r for r in history if r["measured"] is not None]
+    assert [r["step"] for r in measured] == [1, 2] and max(r["measured"] for r in measured) == seen[0]
+    last, changes = history[-1]["plan"], [r for r in history[1:] if r["measured"] is None]
+    assert _record(out)["policy"] == last and ("guard: step" in err) == bool(changes)
 
     _seed("torch", factor=100)  # the cache changes: planning again could not fit the budget
     assert ttrain.main(_argv(out, 3, budget, "--resume")) == 0
-    assert f"policy {policy} (the run's own plan, kept on resume)" in capsys.readouterr().err
-    assert _record(out)["policy"] == policy and len(seen) == 2  # its one step measured and reported
+    assert f"policy {last} (the run's own plan, kept on resume)" in capsys.readouterr().err
+    assert _record(out)["policy"] == last and len(seen) == 2  # its one step measured and reported
+    assert len(_history(out)) > len(history)  # the resumed run's guard adds to the run's history
     assert ttrain.main(_argv(out, 4, budget + MIB, "--resume")) == 2
     assert "budget: no plan fits" in capsys.readouterr().err
+
+
+def _history(out: Path) -> list[dict]:
+    manifest = checkpoints(out)[-1][1] / "manifest.json"
+    return json.loads(manifest.read_text())["run"]["guard"]
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -40,15 +40,16 @@ from shared_configs.training.data import Batch, Dataset, check_conditioning, loa
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
-from shared_configs.training.run_plan import MEASURED_STEPS, RunPlan, report, resolve_run
+from shared_configs.training.run_plan import MEASURED_STEPS, RunPlan, report, resolve_run, workload_of
 from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, current_comm, load_checkpoint, save_checkpoint
+from torch_impl.guard import BudgetGuard
 from torch_impl.parallel import launch, wrap
 from torch_impl.regime import EMA, PLAIN_STEP, StepTools, apply_regime, make_optimizer, step_tools
 from torch_impl.unet import UNet
 
 PEAK_INSTRUMENTS = {
     "cpu": "PyTorch's MemTracker: live tensors, the batch included",
-    "cuda": "torch.cuda.max_memory_allocated",
+    "cuda": "torch.cuda.max_memory_reserved in one process (the guard's), max_memory_allocated per rank",
 }
 COMPILE_HELP = (
     "train torch.compile(model) (the plan's checkpoints traced into the graph; docs/compile.md); "
@@ -238,32 +239,52 @@ def world_size(cfg: TrainConfig) -> int:
 
 
 def _peak_meter(
-    cfg: TrainConfig,
-    model: UNet,
-    optimizer: torch.optim.Optimizer,
-    budget: RunPlan | None,
-    first: int,
-    ema: EMA | None = None,
-) -> Callable[[int, Batch, Callable[[], float]], float]:
+    cfg: TrainConfig, model: UNet, opt: torch.optim.Optimizer, budget: RunPlan | None, first: int, tools: StepTools
+) -> tuple[Callable[[int, Batch, Callable[[], float]], float], BudgetGuard | None]:
     """``measured(step, batch, run_step)``: runs the step; with a ``budget``, the first
-    `MEASURED_STEPS` from ``first`` under `measured_peak`, then rank 0 prints their peak beside the
-    prediction (each rank measures its own share of the batch)."""
+    `MEASURED_STEPS` from ``first`` measured, then rank 0 prints their peak beside the prediction.
+
+    One process: the steps run under a `BudgetGuard` (returned too), which measures the first steps
+    and those after each change, re-plans when the step holds more than the model's and runs a step
+    that ran out of memory again under a plan that recomputes more. Under ``--distributed`` each
+    rank measures its own share of the batch under `measured_peak` (the ranks would have to agree
+    on a new plan: not done), and prints nothing but the peak."""
     rank, world, peaks = dist.get_rank() if cfg.distributed else 0, world_size(cfg), []
+    guard = None
+    if budget is not None and not cfg.distributed:
+        context = workload_of(cfg, model.spec, 1).context_length
+        guard = BudgetGuard(model, budget.budget_bytes, batch_size=cfg.batch_size, regime=cfg.regime,
+                            policy=budget.policy, context_length=context)  # fmt: skip
+
+    def measure(batch: Batch, run_step: Callable[[], float]) -> tuple[float, list[int]]:
+        if guard is not None:  # the tensors the step reads, for its CPU tracker (as `measured_peak` counts them)
+            seen = len(guard.history)
+            loss = guard.run(lambda _reads: run_step(), _reads(batch, tools.ema))
+            return loss, [r.measured for r in guard.history[seen:] if r.measured is not None]
+        with measured_peak(model, opt, batch.shard(rank, world), tools.ema) as found:
+            loss = run_step()
+        return loss, [found["peak"]]
 
     def measured(step: int, batch: Batch, run_step: Callable[[], float]) -> float:
-        if budget is None or step >= first + MEASURED_STEPS:
+        if budget is None or (guard is None and step >= first + MEASURED_STEPS):
             return run_step()
-        with measured_peak(model, optimizer, batch.shard(rank, world), ema) as found:
-            loss = run_step()
-        peaks.append(found["peak"])
-        if rank == 0 and (len(peaks) == MEASURED_STEPS or step + 1 == cfg.steps):
+        loss, new = measure(batch, run_step)
+        done = len(peaks) >= MEASURED_STEPS
+        peaks.extend(new)
+        if rank == 0 and not done and new and (len(peaks) >= MEASURED_STEPS or step + 1 == cfg.steps):
             where = f"max of steps {first + 1}-{step + 1}" if step > first else f"step {step + 1}"
             ranks = f", rank 0 of {world}" if cfg.distributed else ""
             how = PEAK_INSTRUMENTS[next(model.parameters()).device.type]
-            report(budget.peak_line(max(peaks), f"{how}; {where}{ranks}"))
+            report(budget.peak_line(max(peaks[:MEASURED_STEPS]), f"{how}; {where}{ranks}"))
         return loss
 
-    return measured
+    return measured, guard
+
+
+def _reads(batch: Batch, ema: EMA | None) -> list[torch.Tensor]:
+    """The tensors a step reads but does not make: the batch's arrays (shared, not copied) and an EMA copy."""
+    noisy, t, noise, conditioning = as_tensors(batch)
+    return [noisy, t, noise, *(c for c in conditioning.values() if c is not None), *([] if ema is None else ema.shadow)]
 
 
 def distributed_step(
@@ -323,7 +344,7 @@ def _train(
     if run.checkpoint is not None:
         load_checkpoint(run.checkpoint, model, optimizer, extra)
     dataset, schedule = load_dataset(cfg.data, model.spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
-    measured = _peak_meter(cfg, model, optimizer, budget, first=len(run.losses), ema=tools.ema)
+    measured, guard = _peak_meter(cfg, model, optimizer, budget, len(run.losses), tools)
     # --compile: only the step runs compiled (the plan's checkpoints traced into its graph);
     # checkpoints and samples use the model itself, which shares the compiled one's parameters.
     compiled = options_of(cfg, TorchOptions).compile
@@ -342,7 +363,13 @@ def _train(
         return state, loss
 
     def save_fn(state: None, losses: list[float]) -> None:
-        save_checkpoint(run.out, model, optimizer, manifest_for(cfg, model.spec, FRAMEWORK, LAYOUT, losses), extra)
+        # under a guard: its plan in force (a resume starts from it) and its history, in the record
+        now = cfg if guard is None else replace(cfg, policy=guard.plan)
+        manifest = manifest_for(now, model.spec, FRAMEWORK, LAYOUT, losses)
+        if guard is not None:  # steps counted from the run's start (the guard counts its own from 1)
+            earlier = run.manifest.run.get("guard", []) if run.manifest is not None else []
+            manifest.run["guard"] = [*earlier, *({**asdict(r), "step": first + r.step} for r in guard.history)]
+        save_checkpoint(run.out, model, optimizer, manifest, extra)
 
     losses = run.losses
     rank = dist.get_rank() if cfg.distributed else 0
