@@ -238,7 +238,8 @@ def checked_solve(
     return fit_checked(sol, profiles, workload, budget, margin, frameworks, world_size)[0]
 
 
-def fit_checked(    sol: Solution,
+def fit_checked(
+    sol: Solution,
     profiles: list[Profile],
     workload: Workload,
     budget: int,
