@@ -5,8 +5,11 @@ regime, the shapes-only planner (PyTorch's step on fake tensors: nothing allocat
 CPU kernels choose the attention a GPU runs too, fused, no N x N probabilities kept) predicts the
 peak of the plain step, of diffusers-style checkpointing (`layers`: every ResNet and transformer
 layer, as diffusers' ``enable_gradient_checkpointing()``), and the planner's plan at each budget
-with its predicted step-time cost (FLOPs at the stated rates, not a measurement). The table is
-written as JSON and Markdown into ``--out``. Profiles are cached (`shared_configs.planning.planner`),
+with its predicted step-time cost (FLOPs at the stated rates, not a measurement). With ``--device
+cuda`` (the default here; ``cpu`` leaves it out) each row also has the GPU flavour of the `none` and
+diffusers-style peaks (`shared_configs.planning.gpu`: what ``max_memory_allocated`` and ``nvidia-smi``
+would read). The table is written as JSON and Markdown into ``--out``, the JSON again after every
+row (atomically: an interrupted run leaves the rows done). Profiles are cached (`shared_configs.planning.planner`),
 so a second run only solves.
 """
 
@@ -20,6 +23,8 @@ from typing import Any
 
 from benchmarks.reports.report import atomic_write, write_json
 from shared_configs.cli import OneLineParser, cli_errors, positive_int, stopping
+from shared_configs.planning import gpu
+from shared_configs.planning.budget import assignment_of
 from shared_configs.planning.planner import Workload, plan, predict_policy, progress
 from shared_configs.planning.solver import Infeasible
 from shared_configs.regime import Regime
@@ -40,14 +45,20 @@ REGIMES: dict[str, Regime] = {
     # diffusers' DreamBooth default: the gradients stay allocated between steps (zeroed in place)
     "bf16-mixed+adamw8bit+keep-grads": Regime("bf16-mixed", optimizer="adamw8bit", keep_grads=True),
 }
-DEFAULT_REGIMES = ("fp32", "bf16-mixed", "bf16-mixed+lora:8", "bf16-mixed+adamw8bit")
+DEFAULT_REGIMES = ("fp32", "bf16-mixed", "bf16-mixed+lora:8", "bf16-mixed+adamw8bit", "bf16-mixed+adamw8bit+keep-grads")
+DEVICES = ("cpu", *gpu.DEVICES)
 DIFFUSERS_STYLE = "layers"
 
 
-def _entry(workload: Workload, policy: str) -> dict[str, Any]:
+def _entry(workload: Workload, policy: str, device: str = "cpu") -> dict[str, Any]:
     sol, profiles = predict_policy(workload, policy, "torch")
     pred, profile = sol.predictions[0], profiles[0]
-    return {"peak_bytes": pred.peak_bytes, "overhead": pred.overhead(profile)}
+    entry = {"peak_bytes": pred.peak_bytes, "overhead": pred.overhead(profile)}
+    if device != "cpu":
+        flavour = gpu.estimate(profile, workload.spec, workload.regime, assignment_of(workload.spec, policy),
+                               gpu.DEVICES[device])  # fmt: skip
+        entry[device] = flavour.as_dict()
+    return entry
 
 
 def _planned(workload: Workload, budget: int, none_peak: int) -> dict[str, Any]:
@@ -61,17 +72,18 @@ def _planned(workload: Workload, budget: int, none_peak: int) -> dict[str, Any]:
     return {"policy": found.policy, "peak_bytes": pred.peak_bytes, "overhead": pred.overhead(found.profiles[0])}
 
 
-def row(config: str, batch: int, regime_name: str, budgets_gib: tuple[float, ...]) -> dict[str, Any]:
+def row(config: str, batch: int, regime_name: str, budgets_gib: tuple[float, ...], device: str = "cpu"
+        ) -> dict[str, Any]:  # fmt: skip
     """One line of the table: ``config`` at its own sample size, ``batch``, the named regime."""
     workload = Workload.of(config, batch_size=batch, regime=REGIMES[regime_name], shapes=True)
-    none = _entry(workload, "none")
+    none = _entry(workload, "none", device)
     return {
         "config": config,
         "sample_size": workload.spec.sample_size,
         "batch_size": batch,
         "regime": regime_name,
         "none": none,
-        "diffusers_style": _entry(workload, DIFFUSERS_STYLE),
+        "diffusers_style": _entry(workload, DIFFUSERS_STYLE, device),
         "plans": {f"{gib:g}": _planned(workload, int(gib * GIB), none["peak_bytes"]) for gib in budgets_gib},
     }
 
@@ -88,17 +100,25 @@ def _cell(entry: dict[str, Any]) -> str:
     return f"{_gib(entry)} GiB, {100 * entry['overhead']:+.0f}%"
 
 
+def _on_gpu(entry: dict[str, Any], device: str) -> str:
+    g = entry[device]
+    return f"{g['allocated_bytes'] / GIB:.1f} / {g['device_bytes'] / GIB:.1f}"
+
+
 def markdown(doc: dict[str, Any]) -> str:
-    """The table: peaks in GiB, costs as predicted step-time overhead over the plain step."""
-    budgets = list(doc["budgets_gib"])
-    head = ["config", "batch", "regime", "none GiB", "diffusers-style GiB (cost)",
+    """The table: peaks in GiB, costs as predicted step-time overhead over the plain step; with a
+    GPU flavour, its allocated / nvidia-smi peaks of none and diffusers-style."""
+    budgets, device = list(doc["budgets_gib"]), doc.get("device", "cpu")
+    gpu_head = [f"{device}: none GiB (allocated / device)", f"{device}: diffusers-style GiB"] * (device != "cpu")
+    head = ["config", "batch", "regime", "none GiB", "diffusers-style GiB (cost)", *gpu_head,
             *(f"plan @ {b:g} GiB" for b in budgets)]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in doc["rows"]:
         ds = r["diffusers_style"]
         plans = [_cell(r["plans"][f"{b:g}"]) for b in budgets]
+        on_gpu = [_on_gpu(r["none"], device), _on_gpu(ds, device)] if device != "cpu" else []
         cells = [f"{r['config']} {r['sample_size']}²", str(r["batch_size"]), r["regime"], _gib(r["none"]),
-                 f"{_gib(ds)} ({100 * ds['overhead']:+.0f}%)", *plans]  # fmt: skip
+                 f"{_gib(ds)} ({100 * ds['overhead']:+.0f}%)", *on_gpu, *plans]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + doc["method"] + "\n"
 
@@ -110,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--regimes", type=_names(REGIMES), default=list(DEFAULT_REGIMES),
                    help=f"regimes, from {', '.join(REGIMES)} (default: {','.join(DEFAULT_REGIMES)})")  # fmt: skip
     p.add_argument("--budgets-gib", type=_ints, default=list(BUDGETS_GIB), help="budgets, GiB (default 12,16,24,40,80)")
+    p.add_argument("--device", choices=DEVICES, default="cuda",
+                   help="add the GPU flavour of the none and diffusers-style peaks (cuda: before Hopper; "
+                   "cuda-sm90: Hopper's workspaces; cpu: none; default cuda)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("estimates"), help="folder for estimates.json and estimates.md")
     return p
 
@@ -133,27 +156,39 @@ def _names(allowed: dict[str, Any] | None) -> Any:
     return parse
 
 
+METHOD = (
+    "Predicted by `python -m benchmarks.estimates` (PyTorch's step on fake tensors; peaks of live tensors, step-time "
+    "cost from recompute FLOPs at 100 TFLOP/s and elementwise bytes at 2 TB/s, the step counted in its regime; "
+    "adamw8bit's state modelled from torchao's layout). Plans are checked below the budget on fake tensors."
+)
+GPU_METHOD = (
+    " GPU flavour (`shared_configs.planning.gpu`, {device}): allocated = the CPU estimate with CUDA autocast's float32 "
+    "norms, the cuBLAS/cuBLASLt workspaces and a 512-byte rounding bound; device = allocated x 1.11 "
+    "(fragmentation) + the CUDA context, what nvidia-smi shows."
+)
+
+
+def _document(args: argparse.Namespace, rows: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    method = METHOD + (GPU_METHOD.format(device=args.device) if args.device != "cpu" else "")
+    return {"budgets_gib": args.budgets_gib, "device": args.device, "rows": rows, "seconds": round(seconds, 1),
+            "method": method}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with cli_errors("benchmarks.estimates"), stopping("nothing written (profiles made stay cached)"):
         rows, start = [], time.perf_counter()
         cases = [(c, b, r) for c in args.configs for b in args.batches for r in args.regimes]
+        args.out.mkdir(parents=True, exist_ok=True)
         for i, (config, batch, regime) in enumerate(cases, start=1):
-            progress(f"estimates {i}/{len(cases)}: {config}, batch {batch}, {regime}")
+            progress(f"estimates {i}/{len(cases)}: {config}, batch {batch}, {regime} "
+                     f"({time.perf_counter() - start:.0f} s so far)")  # fmt: skip
             try:
-                rows.append(row(config, batch, regime, tuple(args.budgets_gib)))
+                rows.append(row(config, batch, regime, tuple(args.budgets_gib), args.device))
             except SpecError as err:
                 raise SpecError(f"{config}, batch {batch}, {regime}: {err}") from None
-        doc = {
-            "budgets_gib": args.budgets_gib,
-            "rows": rows,
-            "seconds": round(time.perf_counter() - start, 1),
-            "method": "Predicted by `python -m benchmarks.estimates` (PyTorch's step on fake tensors; peaks of live "
-            "tensors, step-time cost from recompute FLOPs at 100 TFLOP/s and elementwise bytes at 2 TB/s; "
-            "adamw8bit's state modelled from torchao's layout). Plans are checked below the budget on fake tensors.",
-        }
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_json(args.out / "estimates.json", doc)
+            doc = _document(args, rows, time.perf_counter() - start)
+            write_json(args.out / "estimates.json", doc)  # after every row: a cut run keeps what it did
         atomic_write(args.out / "estimates.md", markdown(doc).encode())
         print(markdown(doc))
         print(f"wrote {args.out / 'estimates.json'}, {args.out / 'estimates.md'}")

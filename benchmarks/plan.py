@@ -36,8 +36,8 @@ from shared_configs.cli import (
     stopping,
 )
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, resolve_chunk
-from shared_configs.planning import candidates
-from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile
+from shared_configs.planning import candidates, gpu
+from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile, assignment_of
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS
 from shared_configs.planning.planner import (
     DEFAULT_BYTES_PER_S,
@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_BYTES_PER_S,
         help="--shapes: memory bandwidth for elementwise recompute (default %(default).0e B/s)",
     )
+    p.add_argument("--device", choices=("cpu", *gpu.DEVICES), default="cpu",
+                   help="cuda: also predict what a CUDA GPU holds for the policy (torch: autocast's float32 norms, "
+                   "workspaces, the allocator, the context; docs/regimes.md); cuda-sm90: Hopper's workspaces; "
+                   "the plan is solved on the CPU figures (default cpu)")  # fmt: skip
     add_regime_arguments(p)
     d = defaults(DEVICE)
     p.add_argument("--attention-chunk", type=chunk_arg, default=AUTO, metavar="N", help=CHUNK_HELP)
@@ -158,6 +162,9 @@ def _check(args: argparse.Namespace) -> None:
     if sharded and (args.verify or args.candidates or args.sweep is not None):
         raise SpecError("--world-size with --distributed fsdp: --verify, --candidates and --sweep measure one process "
                         "only")  # fmt: skip
+    if args.device != "cpu" and (args.framework == "jax" or args.sweep is not None):
+        raise SpecError(f"--device {args.device}: the GPU flavour is torch's step (CUDA autocast, its caching "
+                        "allocator), for a plan or --policy; not with --framework jax or --sweep")  # fmt: skip
 
 
 def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
@@ -210,6 +217,10 @@ def _framework_entry(
     }
     if profile.meta.get("modelled"):  # a part not measured (adamw8bit's state): said beside the figure
         entry["modelled"] = profile.meta["modelled"]
+    if args.device != "cpu" and fw == "torch":
+        assignment = assignment_of(workload.spec, policy)
+        flavour = gpu.estimate(profile, workload.spec, workload.regime, assignment, gpu.DEVICES[args.device])
+        entry["gpu"] = {"device": args.device} | flavour.as_dict()
     if report and report["chosen"]:  # measured already, in the race
         entry |= _from_race(report, fw)
     elif args.verify:
@@ -263,9 +274,19 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
                      f"overhead {100 * d['measured_overhead']:+.1f}% (round by round: "
                      f"{paired_text(d['measured_overhead_paired'])})")  # fmt: skip
         lines.append(line)
+        if "gpu" in d:
+            lines.append(gpu_line(d["gpu"]))
     if doc.get("candidates"):
         lines.append(candidates.table(doc["candidates"]))
     return "\n".join(lines)
+
+
+def gpu_line(g: dict[str, Any]) -> str:
+    """The GPU flavour's figures and its terms, MiB (docs/regimes.md: each term's source)."""
+    terms = ", ".join(f"{name} {v / MIB:.1f}" for name, v in g["terms"].items())
+    return (f"  {g['device']}: max_memory_allocated {g['allocated_bytes'] / MIB:.1f} MiB (at {g['peak_at']}), "
+            f"max_memory_reserved {g['reserved_bytes'] / MIB:.1f} MiB, nvidia-smi {g['device_bytes'] / MIB:.1f} MiB "
+            f"[CPU estimate {g['cpu_peak_bytes'] / MIB:.1f} MiB; terms, MiB: {terms}]")  # fmt: skip
 
 
 def workload_of(args: argparse.Namespace) -> Workload:

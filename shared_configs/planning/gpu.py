@@ -1,0 +1,277 @@
+"""What a CUDA training step holds that a CPU shapes profile does not: the ``--device cuda`` flavour.
+
+A `--shapes` profile is PyTorch's step on fake CPU tensors: its bytes are the step's live tensors
+as CPU kernels and CPU autocast make them. The same step on a GPU holds more, term by term (each
+with its source, docs/regimes.md "What a GPU holds"):
+
+* **autocast's float32 norms** (``bf16-mixed``, ``fp16-mixed``): CUDA autocast runs ``group_norm``
+  and ``layer_norm`` in float32 (its "ops that can autocast to float32" list); CPU autocast lists
+  neither, so the CPU profile keeps them in the compute dtype. Each norm then saves a float32 copy
+  of its input (+2 B per element over the half-precision one), and where SiLU follows it (the
+  ResNets' two norms, the head's) SiLU saves the float32 output (+2 B per element). Kept by a
+  plain unit for its backward; a recomputed unit has them alive only while its backward runs.
+  Softmax adds nothing: the attention is fused (no softmax op on either device).
+* **fused attention's saved tensors**: flash / memory-efficient SDPA keep the logsumexp,
+  B x heads x queries float32, instead of the probabilities. The CPU profile's fused kernel
+  (``_scaled_dot_product_flash_attention_for_cpu``) keeps the same logsumexp, so the difference is
+  the memory-efficient kernel's padding of the queries to a multiple of 32 (float32 runs it: flash
+  takes only half precision), none for SD's token counts. The philox seed and offset are host
+  tensors unless the step is captured in a CUDA graph (dropout 0): no device bytes.
+* **workspaces**: one cuBLAS workspace per handle and stream (the step runs on one stream), sized by
+  PyTorch's default ``CUBLAS_WORKSPACE_CONFIG=:4096:2:16:8`` (8 MiB + 128 KiB) before Hopper and
+  32 MiB on Hopper; cuBLASLt's counted again at the same size (a bound: recent releases may share
+  the cuBLAS one). Allocated through the caching allocator on first use and never freed.
+  cuDNN's convolution workspaces are per call, chosen with the algorithm, freed after it: not
+  modelled (stated).
+* **the caching allocator**: every block is rounded up to 512 B. The profile's per-unit bytes are
+  sums, so rounding is applied as a bound: at most 511 B for each tensor alive at the peak
+  (`tensor_count`). Reserved memory (``max_memory_reserved``, what ``nvidia-smi`` adds the context
+  to) is the allocated peak times `FRAGMENTATION`, a measured ratio, not a model of the segments.
+* **the CUDA context**: a constant outside the allocator, seen only by ``nvidia-smi``.
+
+No torch or jax import.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from shared_configs.arch import down_blocks, up_blocks
+from shared_configs.planning.budget import CHOICES, PLAIN, Cost, Profile, block_layers, predict, with_static_bytes
+from shared_configs.planning.unit_flops import HIDDEN, Op, unit_ops
+from shared_configs.regime import Regime
+from shared_configs.spec import UNetSpec
+
+KIB, MIB = 1024, 1024 * 1024
+
+# c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, kSmallSize, kSmallBuffer, kMinLargeAlloc,
+# kLargeBuffer, kRoundLarge (PyTorch's "CUDA semantics" notes describe the same pools).
+MIN_BLOCK = 512
+SMALL_SIZE = 1 * MIB
+SMALL_BUFFER = 2 * MIB
+MIN_LARGE_ALLOC = 10 * MIB
+LARGE_BUFFER = 20 * MIB
+ROUND_LARGE = 2 * MIB
+# Peak reserved over peak allocated, pytorch/pytorch#40989 (two training runs: 16726/15006 MiB,
+# 19354/17402 MiB): one workload's figure, the order of what cached, split blocks add.
+FRAGMENTATION = 1.11
+# aten/src/ATen/cuda/CublasHandlePool.cpp: ":4096:2:16:8" = 2 x 4096 KiB + 8 x 16 KiB
+# (pytorch/pytorch#89027); 32 MiB on compute capability 9 (#89027, #120925; #182669 keeps it to 9.x).
+CUBLAS_WORKSPACE = 2 * 4096 * KIB + 8 * 16 * KIB
+CUBLAS_WORKSPACE_HOPPER = 32 * MIB
+# pytorch/pytorch#86509: cudaMemGetInfo's used bytes after one 6.4 MB tensor, 287,047,680 with lazy
+# module loading (PyTorch's default since 1.13) and 666,632,192 without; less the 20 MiB segment
+# that tensor took (`segment_size`).
+CONTEXT_LAZY = 287_047_680 - LARGE_BUFFER
+CONTEXT_EAGER = 666_632_192 - LARGE_BUFFER
+LSE_BYTES = 4  # the logsumexp is float32 whatever the compute dtype
+MEM_EFFICIENT_QUERY_BLOCK = 32  # the memory-efficient kernel pads its logsumexp's queries to this
+AUTOCAST_EXTRA = 2  # float32 (4 B) where CPU autocast keeps 2-byte bfloat16/float16
+MIXED = ("bf16-mixed", "fp16-mixed")
+
+
+def round_size(size: int) -> int:
+    """The bytes the caching allocator hands out for a request (what ``memory_allocated`` counts)."""
+    return max(MIN_BLOCK, MIN_BLOCK * math.ceil(size / MIN_BLOCK))
+
+
+def segment_size(size: int) -> int:
+    """The ``cudaMalloc`` a request makes when no cached block fits: small ones share 2 MiB
+    segments, 1-10 MiB ones 20 MiB segments, larger ones their size rounded up to 2 MiB."""
+    size = round_size(size)
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * math.ceil(size / ROUND_LARGE)
+
+
+def allocated(sizes: Iterable[int]) -> int:
+    """Bytes the allocator counts for tensors of ``sizes`` alive together."""
+    return sum(round_size(s) for s in sizes)
+
+
+def _heads(spec: UNetSpec, unit: str) -> int:
+    """Attention heads of an attention unit (``down.1.attentions.0``, ``mid.attentions.0``)."""
+    block = unit.split(".attentions.")[0]
+    levels = {b.name: b.level for b in (*down_blocks(spec), *up_blocks(spec))}
+    return spec.attention_shape(block, levels.get(block, -1))[0]
+
+
+def _attention_shapes(spec: UNetSpec, batch_size: int, context_length: int) -> Iterable[tuple[str, int, int]]:
+    """(unit, heads, queries per sample) of every attention: its query projection (three ops
+    before it, `unit_flops._projections`) has batch x queries rows."""
+    for unit, ops in unit_ops(spec, batch_size, context_length).items():
+        for i, op in enumerate(ops):
+            if op.cls == "attention":
+                yield unit, _heads(spec, unit), ops[i - 3].rows // batch_size
+
+
+def logsumexp_bytes(spec: UNetSpec, batch_size: int, context_length: int = 77, block: int = 1) -> dict[str, int]:
+    """Per unit, the float32 logsumexp its fused attentions keep: batch x heads x queries, the
+    queries padded to a multiple of ``block`` (32: the memory-efficient kernel)."""
+    out: dict[str, int] = {}
+    for unit, heads, queries in _attention_shapes(spec, batch_size, context_length):
+        out[unit] = out.get(unit, 0) + LSE_BYTES * batch_size * heads * block * math.ceil(queries / block)
+    return out
+
+
+def _norms(unit: str, ops: list[Op]) -> Iterable[tuple[int, bool]]:
+    """(input elements, SiLU follows) of each GroupNorm/LayerNorm of a unit, read off the op that
+    consumes it (`unit_flops.unit_ops`' order): a ResNet's two 3x3 convs and the head's conv follow
+    norm + SiLU; an attention unit's first op, when it is not a projection, is proj_in after its
+    GroupNorm; every query projection and the feed-forward's first matmul follow a norm."""
+    if ".resnets." in unit:
+        yield from ((op.rows * op.fan_in // 9, True) for op in (ops[0], ops[2]))
+    elif unit == "head":
+        yield ops[0].rows * ops[0].fan_in // 9, True
+    elif ".attentions." in unit:
+        for i, op in enumerate(ops):
+            first_of_qkv = op.branch and op.adapted and op.source == HIDDEN and not (i and ops[i - 1].branch)
+            proj_in = i == 0 and not op.branch
+            feed_forward = op.cls == "matmul" and op.fan_out == 8 * op.fan_in
+            if first_of_qkv or proj_in or feed_forward:
+                yield op.rows * op.fan_in, False
+
+
+def autocast_bytes(spec: UNetSpec, batch_size: int, context_length: int = 77) -> dict[str, int]:
+    """Per leaf unit, what CUDA autocast's float32 norms keep beyond CPU autocast's half-precision
+    ones: 2 B per element of each norm's input, and of its output where SiLU saves it."""
+    out: dict[str, int] = {}
+    for unit, ops in unit_ops(spec, batch_size, context_length).items():
+        extra = sum(AUTOCAST_EXTRA * n * (2 if silu else 1) for n, silu in _norms(unit, ops))
+        if extra:
+            out[unit] = extra
+    return out
+
+
+def _add_into(out: dict[str, int], part: dict[str, int]) -> None:
+    for k, v in part.items():
+        out[k] = out.get(k, 0) + v
+
+
+def kept_bytes(spec: UNetSpec, batch_size: int, regime: Regime, context_length: int = 77) -> dict[str, int]:
+    """Per leaf unit, the bytes a plain unit keeps on a GPU beyond the CPU profile: autocast's
+    float32 norms (mixed precision) and, in float32 (the memory-efficient kernel), the logsumexp's
+    padding of the queries to 32."""
+    out: dict[str, int] = {}
+    if regime.precision in MIXED:
+        _add_into(out, autocast_bytes(spec, batch_size, context_length))
+    if regime.precision == "fp32":
+        padded = logsumexp_bytes(spec, batch_size, context_length, MEM_EFFICIENT_QUERY_BLOCK)
+        plain = logsumexp_bytes(spec, batch_size, context_length)
+        _add_into(out, {u: padded[u] - plain[u] for u in padded if padded[u] > plain[u]})
+    return out
+
+
+def workspace_bytes(hopper: bool = False) -> int:
+    """cuBLAS's workspace and cuBLASLt's (counted at the same size: a bound), one stream."""
+    return 2 * (CUBLAS_WORKSPACE_HOPPER if hopper else CUBLAS_WORKSPACE)
+
+
+# State tensors per trained parameter tensor: AdamW's two moments; 8-bit AdamW's two code tensors
+# and their two scale tensors; Adafactor's row and column factors (a bound for its vectors).
+STATE_TENSORS = {"adamw": 2, "adamw8bit": 4, "adafactor": 2}
+SAVED_PER_OP = 4  # a bound on what one conv/matmul/attention/norm keeps or holds (input, cast, stats)
+
+
+def tensor_count(spec: UNetSpec, regime: Regime) -> int:
+    """A bound on the tensors alive at a step's peak: weights and biases of every conv/matmul,
+    weight and bias of every norm, a gradient and the optimizer's state per trained tensor (LoRA:
+    A and B per adapted projection), an EMA copy, and `SAVED_PER_OP` per op and norm."""
+    ops = unit_ops(spec, 1, 1)
+    weighted = sum(op.cls != "attention" for unit_ops_ in ops.values() for op in unit_ops_)
+    norms = sum(1 for unit, unit_ops_ in ops.items() for _ in _norms(unit, unit_ops_))
+    params = 2 * (weighted + norms)
+    adapted = sum(op.adapted for unit_ops_ in ops.values() for op in unit_ops_)
+    trained = params if regime.lora_rank is None else 2 * adapted
+    per_trained = 1 + STATE_TENSORS[regime.optimizer] + (1 if regime.ema else 0)
+    every_op = sum(len(unit_ops_) for unit_ops_ in ops.values()) + norms
+    return params + trained + trained * per_trained + SAVED_PER_OP * every_op
+
+
+def rounding_bound(spec: UNetSpec, regime: Regime) -> int:
+    """What the 512-byte rounding can add at the peak: at most 511 B per tensor (`tensor_count`).
+    The profile's per-unit bytes are sums, so the rounding of each tensor is not known; SD's
+    activations are multiples of 512 B, so the bound is mostly the small tensors'."""
+    return (MIN_BLOCK - 1) * tensor_count(spec, regime)
+
+
+@dataclass(frozen=True)
+class Device:
+    """The GPU a flavour is for: Hopper (compute capability 9) has 32 MiB cuBLAS workspaces;
+    ``lazy_loading`` is PyTorch's default (CUDA_MODULE_LOADING=LAZY)."""
+
+    hopper: bool = False
+    lazy_loading: bool = True
+
+    @property
+    def context(self) -> int:
+        return CONTEXT_LAZY if self.lazy_loading else CONTEXT_EAGER
+
+
+DEVICES = {"cuda": Device(), "cuda-sm90": Device(hopper=True)}
+
+
+def _unit_delta(unit: str, leaves: dict[str, int], blocks: dict[str, tuple[str, ...]]) -> int:
+    if unit in blocks:  # a whole block: its layers and samplers
+        return sum(v for k, v in leaves.items() if k.startswith(unit + "."))
+    return leaves.get(unit, 0)
+
+
+def gpu_profile(profile: Profile, spec: UNetSpec, regime: Regime, device: Device = Device()) -> Profile:
+    """``profile`` as the step holds it on ``device`` (``max_memory_allocated``'s view): each unit's
+    `kept_bytes` kept when plain (in its own peaks too) and alive during its backward when
+    recomputed; the workspaces and the rounding bound alive throughout."""
+    leaves = kept_bytes(spec, profile.batch_size, regime, profile.context_length)
+    blocks = block_layers(spec)
+    units: dict[str, dict[str, Cost]] = {}
+    for unit, per in profile.units.items():
+        d = _unit_delta(unit, leaves, blocks)
+        units[unit] = {
+            c: replace(v, keep=v.keep + d, fwd_peak=v.fwd_peak + d, bwd_peak=v.bwd_peak + d)
+            if c == PLAIN
+            else replace(v, bwd_peak=v.bwd_peak + d)
+            for c, v in per.items()
+            if c in CHOICES
+        }
+    flavoured = replace(profile, units=units)
+    return with_static_bytes(flavoured, workspace_bytes(device.hopper) + rounding_bound(spec, regime))
+
+
+@dataclass(frozen=True)
+class GpuEstimate:
+    """A policy's peak on a GPU: what ``max_memory_allocated``, ``max_memory_reserved`` and
+    ``nvidia-smi`` would read, and each term beside the CPU estimate."""
+
+    cpu_peak: int
+    allocated: int
+    reserved: int
+    device_total: int
+    peak_unit: str
+    terms: dict[str, int]
+
+    def as_dict(self) -> dict[str, object]:
+        return {"cpu_peak_bytes": self.cpu_peak, "allocated_bytes": self.allocated, "reserved_bytes": self.reserved,
+                "device_bytes": self.device_total, "peak_at": self.peak_unit, "terms": self.terms}  # fmt: skip
+
+
+def estimate(profile: Profile, spec: UNetSpec, regime: Regime, assignment: dict[str, str],
+             device: Device = Device()) -> GpuEstimate:  # fmt: skip
+    """``assignment``'s peak on ``device``: the flavoured profile's prediction (allocated), times
+    `FRAGMENTATION` (reserved), plus the CUDA context (what ``nvidia-smi`` shows)."""
+    cpu = predict(profile, spec, assignment)
+    gpu = predict(gpu_profile(profile, spec, regime, device), spec, assignment)
+    reserved = round(gpu.peak_bytes * FRAGMENTATION)
+    static = round(profile.scale * (workspace_bytes(device.hopper) + rounding_bound(spec, regime)))
+    terms = {
+        # at the flavour's peak, which may sit at another unit than the CPU estimate's
+        "activations (autocast norms, attention padding)": gpu.peak_bytes - cpu.peak_bytes - static,
+        "cuBLAS + cuBLASLt workspaces": workspace_bytes(device.hopper),
+        "rounding (bound)": rounding_bound(spec, regime),
+        "fragmentation (reserved - allocated)": reserved - gpu.peak_bytes,
+        "CUDA context": device.context,
+    }
+    return GpuEstimate(cpu.peak_bytes, gpu.peak_bytes, reserved, reserved + device.context, gpu.peak_unit, terms)
