@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import estimates
 from shared_configs import load_spec
-from shared_configs.planning import planner
+from shared_configs.planning import gpu, planner
 from shared_configs.planning.budget import assignment_of, predict
 from shared_configs.planning.planner import CACHE_ENV, Workload, profile_path
 from shared_configs.units import MIB
@@ -53,11 +53,15 @@ def test_the_table_is_the_planners_predictions(tmp_path: Path, monkeypatch: pyte
         work, profile = profiles[row["regime"]]
         assert row["none"]["peak_bytes"] == predict(profile, SPEC, {}).peak_bytes
         assert row["diffusers_style"]["peak_bytes"] == predict(profile, SPEC, assignment_of(SPEC, "layers")).peak_bytes
+        # the GPU flavour (the default --device cuda): the same policy on the flavoured profile
+        flavour = gpu.estimate(profile, SPEC, work.regime, {})
+        assert row["none"]["cuda"] == flavour.as_dict() and flavour.allocated > row["none"]["peak_bytes"]
     planned = doc["rows"][0]["plans"]
     assert planned[str(high)]["policy"] == "none"
     assert planned[str(mid)]["policy"] not in (None, "none") and planned[str(mid)]["peak_bytes"] <= mid * MIB
     assert planned[str(mid)]["policy"] == planner.plan(profiles["fp32"][0], mid * MIB).policy
     assert "| tiny 8² | 2 | fp32 |" in (out / "estimates.md").read_text()
+    assert "cuda: none GiB (allocated / device)" in (out / "estimates.md").read_text()
 
 
 @pytest.mark.parametrize(

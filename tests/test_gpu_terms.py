@@ -1,0 +1,155 @@
+"""The GPU flavour's terms (`shared_configs.planning.gpu`), each against a count made another way:
+the allocator's rounding over a list of sizes, the logsumexp and autocast bytes from the shapes by
+hand (and torch's CPU kernels keeping what the model says the CPU profile keeps), the workspace
+from PyTorch's config string, the flavour's peak as the CPU estimate plus the terms."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks import plan as cli
+from shared_configs import load_spec
+from shared_configs.planning import gpu
+from shared_configs.planning.budget import PLAIN, Cost, Profile, assignment_of, block_layers, predict
+from shared_configs.regime import Regime
+from tests.utils import random_profile
+
+MIB = 2**20
+SD15 = load_spec("sd15")  # 64x64 latents, 8 heads, one transformer layer per attention
+TINY = load_spec("tiny")  # a "self" attention at level 0, a transformer at level 1 and in the middle
+
+
+def test_rounding_against_a_direct_computation() -> None:
+    sizes = [1, 511, 512, 513, 4096 * 320 * 2, MIB, MIB + 1, 10 * MIB - 1, 10 * MIB, 13 * MIB + 1]
+    by_hand = [512, 512, 512, 1024, 4096 * 320 * 2, MIB, MIB + 512, 10 * MIB, 10 * MIB, 13 * MIB + 512]
+    assert [gpu.round_size(s) for s in sizes] == by_hand
+    assert gpu.allocated(sizes) == sum(by_hand)
+    # small requests share 2 MiB segments, 1-10 MiB ones take 20 MiB, larger ones round up to 2 MiB
+    # (10 MiB - 1 is rounded to 10 MiB first: a large segment of its own)
+    segments = [2 * MIB] * 4 + [20 * MIB, 2 * MIB, 20 * MIB, 10 * MIB, 10 * MIB, 14 * MIB]
+    assert [gpu.segment_size(s) for s in sizes] == segments
+
+
+def test_workspaces_from_pytorchs_config_string() -> None:
+    config = ":4096:2:16:8"  # CUBLAS_WORKSPACE_CONFIG's default: KiB per chunk, chunks
+    numbers = [int(x) for x in config.strip(":").split(":")]
+    per_handle = sum(kib * 1024 * n for kib, n in zip(numbers[::2], numbers[1::2], strict=True))
+    assert per_handle == gpu.CUBLAS_WORKSPACE == 8 * MIB + 128 * 1024
+    assert gpu.workspace_bytes() == 2 * per_handle  # cuBLAS and cuBLASLt
+    assert gpu.workspace_bytes(hopper=True) == 64 * MIB
+    # PR #86509's measurement less the 20 MiB segment its 6.4 MB tensor took
+    assert gpu.segment_size(20 * 16 * 50 * 100 * 4) == 20 * MIB
+    assert gpu.CONTEXT_LAZY == 287_047_680 - 20 * MIB
+
+
+def test_logsumexp_from_shapes_by_hand() -> None:
+    # sd15: 8 heads; a self and a cross attention per transformer; 5 transformers at 64x64 (down.0 x2,
+    # up.3 x3), 5 at 32x32, 5 at 16x16, the middle one at 8x8
+    per_attention = 2 * 4 * 8  # two attentions, float32, 8 heads: bytes per query
+    for batch in (1, 8):
+        by_hand = batch * per_attention * (5 * 64**2 + 5 * 32**2 + 5 * 16**2 + 8**2)
+        lse = gpu.logsumexp_bytes(SD15, batch)
+        assert sum(lse.values()) == by_hand
+        assert lse["down.0.attentions.0"] == batch * per_attention * 64**2
+        # the memory-efficient kernel's padding to 32 queries adds nothing for SD's token counts
+        assert gpu.logsumexp_bytes(SD15, batch, block=32) == lse
+    # tiny's 8x8 level: 64 queries; its 4x4 level's 16 pad to 32
+    padded, plain = gpu.logsumexp_bytes(TINY, 1, block=32), gpu.logsumexp_bytes(TINY, 1)
+    assert sum(padded.values()) > sum(plain.values())
+
+
+def _saving(saved: list[torch.Tensor]) -> torch.autograd.graph.saved_tensors_hooks:
+    """Every tensor autograd saves for the backward, appended to ``saved``."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+
+
+def test_the_cpu_kernel_keeps_the_same_logsumexp() -> None:
+    """What the model leaves to the CPU profile: torch's fused CPU attention keeps B x heads x queries float32."""
+    saved: list[torch.Tensor] = []
+    q = torch.randn(2, 8, 64, 40, requires_grad=True)
+    with _saving(saved), torch.autocast("cpu", dtype=torch.bfloat16):
+        F.scaled_dot_product_attention(q, q, q)
+    lse = [t for t in saved if t.dtype == torch.float32]
+    assert [tuple(t.shape) for t in lse] == [(2, 8, 64)]
+
+
+def test_autocast_bytes_from_shapes_by_hand() -> None:
+    terms = gpu.autocast_bytes(SD15, 1)
+    elems = 320 * 64**2  # level 0's activations
+    # a ResNet: GroupNorm + SiLU twice, float32 input copy and SiLU-saved output, 2 B each over bf16
+    assert terms["down.0.resnets.0"] == 2 * elems * (2 + 2)
+    # a transformer: proj_in's GroupNorm and three LayerNorms, their inputs only (a linear casts the output)
+    assert terms["down.0.attentions.0"] == 4 * elems * 2
+    assert terms["head"] == elems * (2 + 2)
+    assert "down.0.downsample" not in terms and "stem" not in terms
+    assert gpu.autocast_bytes(SD15, 8)["down.0.resnets.0"] == 8 * terms["down.0.resnets.0"]
+    # tiny's level-0 "self" attention: one GroupNorm before q, k, v
+    assert gpu.autocast_bytes(TINY, 2)["down.0.attentions.0"] == 2 * 16 * 8**2 * 2
+
+
+def test_cpu_autocast_keeps_norms_in_bfloat16() -> None:
+    """The other side of the autocast term: on CPU, GroupNorm's output (saved by SiLU) is bfloat16."""
+    saved: list[torch.Tensor] = []
+    x = torch.randn(2, 64, 8, 8, requires_grad=True)
+    with _saving(saved), torch.autocast("cpu", dtype=torch.bfloat16):
+        F.silu(torch.nn.GroupNorm(32, 64)(x.to(torch.bfloat16)))
+    activations = [t for t in saved if t.shape == x.shape]
+    assert activations and all(t.dtype == torch.bfloat16 for t in activations)
+
+
+def test_the_regime_decides_the_kept_terms() -> None:
+    assert gpu.kept_bytes(SD15, 1, Regime("bf16-mixed")) == gpu.autocast_bytes(SD15, 1)
+    assert gpu.kept_bytes(SD15, 1, Regime("fp32")) == {}  # no autocast; no padding at SD's token counts
+    assert gpu.kept_bytes(SD15, 1, Regime("bf16")) == {}  # no autocast at all
+    assert gpu.kept_bytes(TINY, 1, Regime("fp32"))  # tiny's 16 queries pad to 32
+
+
+def _zero_profile(spec: object, batch: int) -> Profile:
+    """A profile whose units keep nothing and peak at nothing: the flavour's peak is its terms alone."""
+    base = random_profile(TINY, 0, framework="torch")
+    units = {u: {c: Cost(0, 0, 0) for c in per} for u, per in base.units.items()}
+    return dataclasses.replace(base, units=units, opt_peak=0, scale=1.0, batch_size=batch)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_flavours_peak_is_the_cpu_estimate_plus_the_terms(batch: int) -> None:
+    regime, profile = Regime("bf16-mixed"), _zero_profile(TINY, batch)
+    static = gpu.workspace_bytes() + gpu.rounding_bound(TINY, regime)
+    kept = gpu.kept_bytes(TINY, batch, regime)
+    # all plain: by the last unit's backward every unit's float32 norms are alive
+    flavour = gpu.estimate(profile, TINY, regime, {})
+    assert flavour.cpu_peak == 0 and flavour.allocated == sum(kept.values()) + static
+    assert flavour.reserved == round(flavour.allocated * gpu.FRAGMENTATION)
+    assert flavour.device_total == flavour.reserved + gpu.CONTEXT_LAZY
+    assert sum(v for k, v in flavour.terms.items() if "context" not in k and "fragmentation" not in k) == (
+        flavour.allocated - flavour.cpu_peak
+    )
+    # every block recomputed: a block's norms are alive only in its own backward; the head stays plain
+    blocks = block_layers(TINY)
+    per_block = [sum(v for u, v in kept.items() if u.startswith(b + ".")) for b in blocks]
+    full = gpu.estimate(profile, TINY, regime, assignment_of(TINY, "full"))
+    assert full.allocated == max(*per_block, kept["head"]) + static
+
+
+def test_a_real_profile_gains_exactly_the_static_terms_at_the_optimizer() -> None:
+    regime = Regime("fp32")  # tiny's padding is kept by plain units; at the optimizer it is gone
+    profile = dataclasses.replace(random_profile(TINY, 3, framework="torch"), opt_peak=10**10, scale=1.0)
+    flavoured = gpu.gpu_profile(profile, TINY, regime)
+    static = gpu.workspace_bytes() + gpu.rounding_bound(TINY, regime)
+    assert predict(flavoured, TINY, {}).peak_bytes == predict(profile, TINY, {}).peak_bytes + static
+    unit = "down.1.attentions.0"  # the 4x4 level's: 16 queries padded to 32
+    extra = gpu.kept_bytes(TINY, profile.batch_size, regime)[unit]
+    assert flavoured.units[unit][PLAIN].keep == profile.units[unit][PLAIN].keep + extra
+    assert flavoured.units[unit]["full"].keep == profile.units[unit]["full"].keep  # recomputed: nothing kept
+
+
+def test_plan_refuses_the_flavour_for_jax_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--config", "tiny", "--batch-size", "2", "--shapes", "--policy", "layers", "--framework", "jax"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "--device cuda" in err
