@@ -117,7 +117,8 @@ def test_json_document_and_one_plan_for_both(cache: dict, tmp_path: Path) -> Non
     doc = json.loads(out.read_text())
     assert set(doc) == {"plan", "budget_bytes", "frameworks", "margin", "solve_seconds", "world_size", "distributed",
                         "settings", "regime"}
-    assert doc["regime"] == {"precision": "fp32", "trainable": "all", "optimizer": "adamw", "ema": False}
+    assert doc["regime"] == {"precision": "fp32", "trainable": "all", "optimizer": "adamw", "ema": False,
+                             "keep_grads": False}  # fmt: skip
     assert set(doc["frameworks"]) == {"torch", "jax"}
     for fw, entry in doc["frameworks"].items():
         assert {"predicted_peak_bytes", "predicted_overhead", "recompute_flops"} <= set(entry)
