@@ -6,6 +6,8 @@ from PyTorch's config string, the flavour's peak as the CPU estimate plus the te
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from benchmarks import plan as cli
 from shared_configs import load_spec
 from shared_configs.planning import gpu
 from shared_configs.planning.budget import PLAIN, Cost, Profile, assignment_of, block_layers, predict
+from shared_configs.planning.planner import CACHE_ENV, Workload, profile_path
 from shared_configs.regime import Regime
 from tests.utils import random_profile
 
@@ -145,6 +148,23 @@ def test_a_real_profile_gains_exactly_the_static_terms_at_the_optimizer() -> Non
     extra = gpu.kept_bytes(TINY, profile.batch_size, regime)[unit]
     assert flavoured.units[unit][PLAIN].keep == profile.units[unit][PLAIN].keep + extra
     assert flavoured.units[unit]["full"].keep == profile.units[unit]["full"].keep  # recomputed: nothing kept
+
+
+def test_plan_device_cuda_adds_the_flavour(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``plan --device cuda``: torch's entry carries the flavour of the policy, printed beside the CPU figure."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    profile = random_profile(TINY, 0, framework="torch")
+    path = profile_path("torch", Workload.of("tiny", batch_size=2))
+    path.parent.mkdir(parents=True)
+    profile.save(path)
+    out = tmp_path / "p.json"
+    argv = ["--config", "tiny", "--batch-size", "2", "--policy", "layers", "--framework", "torch", "--json", str(out)]
+    assert cli.main([*argv, "--device", "cuda"]) == 0
+    want = gpu.estimate(profile, TINY, Regime(), assignment_of(TINY, "layers")).as_dict()
+    assert json.loads(out.read_text())["frameworks"]["torch"]["gpu"] == {"device": "cuda"} | want
+    assert f"cuda: max_memory_allocated {want['allocated_bytes'] / MIB:.1f} MiB" in capsys.readouterr().out
 
 
 def test_plan_refuses_the_flavour_for_jax_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch_impl
 from benchmarks import plan as cli
 from shared_configs import SpecError, load_spec, resolve_plan
-from shared_configs.planning import gpu, planner, stepclock
+from shared_configs.planning import planner, stepclock
 from shared_configs.planning.budget import SAFETY, Profile, assignment_of, per_rank, predict, safety_margin
 from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
@@ -413,15 +413,3 @@ def test_plan_for_a_diffusers_folder_and_a_cached_repo(
             assert entry["predicted_peak_bytes"] == expected
     assert "bf16-mixed, all weights trained, adafactor" in capsys.readouterr().out
 
-
-def test_device_cuda_adds_the_gpu_flavour(cache: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--device cuda: torch's entry carries the flavour of the same policy (`shared_configs.planning.gpu`),
-    printed beside the CPU figure; JAX's entry none."""
-    out = tmp_path / "p.json"
-    argv = ["--config", "tiny", "--batch-size", "2", "--policy", "layers", "--framework", "both", "--json", str(out)]
-    assert cli.main([*argv, "--device", "cuda"]) == 0
-    doc = json.loads(out.read_text())
-    want = gpu.estimate(cache["torch"], SPEC, Regime(), assignment_of(SPEC, "layers")).as_dict()
-    assert doc["frameworks"]["torch"]["gpu"] == {"device": "cuda"} | want
-    assert "gpu" not in doc["frameworks"]["jax"]
-    assert f"cuda: max_memory_allocated {want['allocated_bytes'] / MIB:.1f} MiB" in capsys.readouterr().out
