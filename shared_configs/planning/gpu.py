@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from shared_configs.arch import down_blocks, up_blocks
-from shared_configs.planning.budget import CHOICES, PLAIN, Cost, Profile, block_layers, predict, with_static_bytes
+from shared_configs.planning.budget import PLAIN, Cost, Profile, block_layers, predict, with_static_bytes
 from shared_configs.planning.unit_flops import HIDDEN, Op, unit_ops
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
@@ -235,7 +235,6 @@ def gpu_profile(profile: Profile, spec: UNetSpec, regime: Regime, device: Device
             if c == PLAIN
             else replace(v, bwd_peak=v.bwd_peak + d)
             for c, v in per.items()
-            if c in CHOICES
         }
     flavoured = replace(profile, units=units)
     return with_static_bytes(flavoured, workspace_bytes(device.hopper) + rounding_bound(spec, regime))
