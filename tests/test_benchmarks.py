@@ -300,7 +300,8 @@ def test_compare_measures_a_training_regime(tmp_path: Path) -> None:
         peaks[name] = {p: r["peak_bytes"] for p, r in rows_of(doc, "torch").items()}
         for row in doc["rows"]:
             assert abs(row["peak_bytes"] / row["memtracker_peak_bytes"] - 1) < 0.01, (name, row["policy"])
-    assert doc["regime"] == {"precision": "bf16-mixed", "trainable": "lora:4", "optimizer": "adamw", "ema": True}
+    assert doc["regime"] == {"precision": "bf16-mixed", "trainable": "lora:4", "optimizer": "adamw", "ema": True,
+                             "keep_grads": False}  # fmt: skip
     assert "regime bf16-mixed, lora:4, adamw, EMA" in proc.stdout
     for policy in ("none", "full"):
         assert peaks["lora"][policy] < peaks["fp32"][policy]

@@ -105,10 +105,12 @@ def test_jax_profile_in_a_regime_predicts_the_compiled_peak() -> None:
 
 
 def test_the_regime_keys_the_profile_cache() -> None:
-    paths = {profile_path("torch", Workload(SPEC, BATCH, r)) for r in [Regime(), *REGIMES.values()]}
-    assert len(paths) == 1 + len(REGIMES)
+    regimes = [Regime(), Regime(keep_grads=True), *REGIMES.values()]
+    paths = {profile_path("torch", Workload(SPEC, BATCH, r)) for r in regimes}
+    assert len(paths) == len(regimes)
     request = Workload(SPEC, BATCH, REGIMES["lora"]).request("torch", "profile")
-    assert request["regime"] == {"precision": "bf16-mixed", "trainable": "lora:8", "optimizer": "adamw", "ema": False}
+    assert request["regime"] == {"precision": "bf16-mixed", "trainable": "lora:8", "optimizer": "adamw", "ema": False,
+                                 "keep_grads": False}  # fmt: skip
 
 
 def test_a_regime_jax_cannot_run_here_is_refused_before_any_worker(monkeypatch: pytest.MonkeyPatch) -> None:
