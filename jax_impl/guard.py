@@ -1,0 +1,140 @@
+"""`plan_for_step`: a plan whose compiled *user* step fits the budget, judged by XLA (docs/guard.md).
+
+The planner is exact on the step it profiles, the model's own; the user's step may hold more (a
+teacher's features, a doubled batch, an extra array). In JAX the whole step is one compiled program,
+so its peak is known before anything runs: XLA's ``memory_analysis()`` of the compiled step::
+
+    def build_step(policy):              # the user's own jitted step, for a plan
+        model = UNet(spec=spec, policy=policy)
+        return jax.jit(functools.partial(my_step, model=model), donate_argnums=(0,))
+
+    sp = plan_for_step(build_step, (state, batch, key), 2 << 30, spec=spec, batch_size=8)
+    step = build_step(sp.plan)
+
+The rule: plan for the budget (`shared_configs.planning.planner.plan`); compile the user's step for
+that plan; when its compiled peak is over the budget, re-plan for ``budget - excess``, the excess
+being the compiled peak less the planner's prediction of the model's step, up to ``rounds`` times,
+then `full`. Nothing runs; each round costs one compile of the user's step (seconds on the tiny
+U-Net on this CPU) and one solve (the profile is cached). On XLA:CPU the step is compiled with
+remat's barriers kept (`XLA_CPU_OPTIONS`), as the planner compiles it: without them a plan saves
+nothing there.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from shared_configs.planning import planner
+from shared_configs.planning.planner import Workload
+from shared_configs.planning.solver import Infeasible
+from shared_configs.planning.workers import XLA_CPU_OPTIONS
+from shared_configs.regime import DEFAULT as DEFAULT_REGIME
+from shared_configs.regime import Regime
+from shared_configs.spec import UNetSpec
+from shared_configs.units import MIB
+
+FULL = "full"
+DEFAULT_ROUNDS = 3  # re-plans before `full`
+_PLAN_OPTIONS = ("world_size", "distributed")  # `planner.plan`'s; the rest of ``planner_options``: `Workload`'s
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One compile of the user's step (as `torch_impl.guard.GuardRecord`, the step being the round)."""
+
+    round: int  # 0: the first plan's compile
+    plan: str  # the policy compiled
+    predicted: int  # the planner's peak of ``plan`` for the model's own step (bytes)
+    compiled: int  # XLA's peak of the user's compiled step (bytes)
+    outside: int  # what the user's step holds beyond the model's step: compiled - predicted
+    action: str  # "fits", "re-planned", "full", "full failed"
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The plan in force, its compiled peak and prediction, and every compile that led to it."""
+
+    plan: str
+    compiled: int
+    predicted: int
+    budget: int
+    history: list[StepRecord] = field(default_factory=list)
+
+
+def compiled_peak(compiled: Any) -> int:
+    """XLA's peak of a compiled step: arguments + outputs - aliased (donated) + temporaries."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def compile_for(build_step: Callable[[str], Any], policy: str, example_args: Sequence[Any]) -> Any:
+    """The user's step for ``policy``, lowered and compiled for ``example_args`` (arrays or
+    ``jax.ShapeDtypeStruct``s); jitted here if ``build_step`` returned a plain function."""
+    step = build_step(policy)
+    if not hasattr(step, "lower"):
+        step = jax.jit(step)
+    options = XLA_CPU_OPTIONS if jax.default_backend() == "cpu" else {}
+    return step.lower(*example_args).compile(compiler_options=options)
+
+
+def plan_for_step(
+    build_step: Callable[[str], Any],
+    example_args: Sequence[Any],
+    budget_bytes: int,
+    *,
+    spec: UNetSpec | str,
+    batch_size: int,
+    regime: Regime | None = None,
+    sample_size: int | None = None,
+    rounds: int = DEFAULT_ROUNDS,
+    **planner_options: Any,
+) -> StepPlan:
+    """A plan whose compiled user step (``build_step(plan)`` on ``example_args``) fits
+    ``budget_bytes`` (module docstring). ``spec``, ``batch_size``, ``regime``, ``sample_size`` and
+    ``planner_options`` (``context_length``, ``attention_chunk``, ``world_size``, ...) describe the
+    model's step to the planner. Raises `Infeasible` (one line) when even `full` is over budget."""
+    plan_opts = {k: v for k, v in planner_options.items() if k in _PLAN_OPTIONS}
+    work = Workload.of(spec, sample_size, batch_size=batch_size, regime=regime or DEFAULT_REGIME,
+                       **{k: v for k, v in planner_options.items() if k not in _PLAN_OPTIONS})  # fmt: skip
+    budget = int(budget_bytes)
+    planned = planner.plan(work, budget, "jax", **plan_opts)
+    policy, predicted = planned.policy, planned.solution.prediction.peak_bytes
+    history: list[StepRecord] = []
+    for rnd in range(rounds + 1):
+        peak = compiled_peak(compile_for(build_step, policy, example_args))
+        outside = peak - predicted
+        if peak <= budget:
+            history.append(StepRecord(rnd, policy, predicted, peak, outside, "fits"))
+            return StepPlan(policy, peak, predicted, budget, history)
+        if policy == FULL:
+            history.append(StepRecord(rnd, policy, predicted, peak, outside, "full failed"))
+            raise Infeasible(budget, peak)
+        policy_next, predicted_next = _replan(work, budget - outside, rnd == rounds, plan_opts)
+        history.append(StepRecord(rnd, policy, predicted, peak, outside,
+                                  "full" if policy_next == FULL else "re-planned"))  # fmt: skip
+        _say(f"plan_for_step: {policy} compiles to {peak / MIB:.1f} MiB, over the {budget / MIB:.1f} MiB budget "
+             f"({outside / MIB:+.1f} MiB beyond the model's step); now {policy_next}")  # fmt: skip
+        policy, predicted = policy_next, predicted_next
+    raise AssertionError("unreachable: the last round moves to `full`, which fits or raises")
+
+
+def _replan(work: Workload, target: int, last: bool, plan_opts: dict[str, Any]) -> tuple[str, int]:
+    """The plan for ``target`` (the budget less the step's excess), or `full` after the last round or
+    when nothing fits ``target``: `full` recomputes the most, so it is the last thing to try."""
+    if not last and target > 0:
+        try:
+            planned = planner.plan(work, target, "jax", **plan_opts)
+            return planned.policy, planned.solution.prediction.peak_bytes
+        except Infeasible:
+            pass  # no plan is predicted to fit what is left: try `full`, the least memory there is
+    solution, _ = planner.predict_policy(work, FULL, "jax", **plan_opts)
+    return FULL, solution.prediction.peak_bytes
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
