@@ -92,18 +92,24 @@ def plan_for_step(
     regime: Regime | None = None,
     sample_size: int | None = None,
     rounds: int = DEFAULT_ROUNDS,
+    policy: str | None = None,
     **planner_options: Any,
 ) -> StepPlan:
     """A plan whose compiled user step (``build_step(plan)`` on ``example_args``) fits
     ``budget_bytes`` (module docstring). ``spec``, ``batch_size``, ``regime``, ``sample_size`` and
     ``planner_options`` (``context_length``, ``attention_chunk``, ``world_size``, ...) describe the
-    model's step to the planner. Raises `Infeasible` (one line) when even `full` is over budget."""
+    model's step to the planner. ``policy``: start from this plan instead of planning (a resumed
+    run's own); it is compiled and corrected like a planned one. Raises `Infeasible` (one line)
+    when even `full` is over budget."""
     plan_opts = {k: v for k, v in planner_options.items() if k in _PLAN_OPTIONS}
     work = Workload.of(spec, sample_size, batch_size=batch_size, regime=regime or DEFAULT_REGIME,
                        **{k: v for k, v in planner_options.items() if k not in _PLAN_OPTIONS})  # fmt: skip
     budget = int(budget_bytes)
-    planned = planner.plan(work, budget, "jax", **plan_opts)
-    policy, predicted = planned.policy, planned.solution.prediction.peak_bytes
+    if policy is None:
+        planned = planner.plan(work, budget, "jax", **plan_opts)
+        policy, predicted = planned.policy, planned.solution.prediction.peak_bytes
+    else:
+        predicted = planner.predict_policy(work, policy, "jax", **plan_opts)[0].prediction.peak_bytes
     history: list[StepRecord] = []
     for rnd in range(rounds + 1):
         peak = compiled_peak(compile_for(build_step, policy, example_args))

@@ -27,7 +27,7 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import flax.struct
@@ -39,6 +39,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jax.typing import DTypeLike
 
 from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, abstract_target, load_checkpoint, save_checkpoint
+from jax_impl.guard import StepPlan, plan_for_step
 from jax_impl.parallel import make_mesh, shard, state_shardings
 from jax_impl.regime import (
     apply_regime,
@@ -54,15 +55,18 @@ from shared_configs import load_spec
 from shared_configs.cli import cache_dir
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, device_of, jax_cache_dir, resolve_chunk
 from shared_configs.inputs import input_specs
+from shared_configs.plan import resolve_plan
 from shared_configs.planning.workers import XLA_CPU_OPTIONS
 from shared_configs.regime import DEFAULT, Regime
+from shared_configs.spec import UNetSpec
 from shared_configs.training import config
 from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
 from shared_configs.training.data import CONDITIONING, Batch, Dataset, check_conditioning, load_dataset, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
-from shared_configs.training.run_plan import RunPlan, report, resolve_run
+from shared_configs.training.run_plan import RunPlan, report, resolve_run, workload_of
+from shared_configs.units import MIB
 
 # (noisy, t, noise, context, class_labels, text_embeds, time_ids): the conditioning in the forward's
 # order (`shared_configs.training.data.CONDITIONING`), None where the spec takes none of it.
@@ -186,9 +190,7 @@ def loss_fn(
 
 # The state is donated: the new params and optimizer state reuse its buffers (a step holds one copy
 # of each, not two). Do not use a state after passing it in; keep the one returned.
-@functools.partial(
-    jax.jit, static_argnames=("model", "tx", "compute_dtype", "loss_scale"), donate_argnames=("state",)
-)
+@functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype", "loss_scale"), donate_argnames=("state",))
 def train_step(
     state: TrainState,
     batch: Arrays,
@@ -290,6 +292,43 @@ def compile_step(step_fn: functools.partial, *args: Any) -> jax.stages.Compiled:
     return step_fn.func.lower(*args, **step_fn.keywords).compile(compiler_options=options)
 
 
+def guard_step(
+    cfg: TrainConfig,
+    spec: UNetSpec,
+    model: UNet,
+    tx: optax.GradientTransformation,
+    data: tuple[TrainState, Dataset, Schedule],
+    budget: RunPlan,
+    first: int,
+) -> StepPlan:
+    """`jax_impl.plan_for_step` on this loop's own step (`train_step`, its regime's options, the run's
+    state and the batch of step ``first``, as shapes): the preamble's plan, corrected by what the
+    compiled step holds beyond the planner's model step. Only compiled; one line per change."""
+    options, (state, dataset, schedule) = step_options(cfg.regime), data
+    batch = arrays(dataset.batch(first, cfg.batch_size, schedule, cfg.seed))
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (state, batch, jax.random.key(0)))
+
+    def build(policy: str) -> Any:
+        planned = model.clone(policy=policy)  # the same model under ``policy``
+        return jax.jit(functools.partial(train_step.__wrapped__, model=planned, tx=tx, **options),
+                       donate_argnums=(0,))  # fmt: skip
+
+    work = workload_of(cfg, spec, 1, model.attention_chunk)
+    sp = plan_for_step(build, args, budget.budget_bytes, spec=work.spec, batch_size=work.batch_size,
+                       regime=cfg.regime, policy=budget.policy, context_length=work.context_length,
+                       attention_chunk=work.attention_chunk)  # fmt: skip
+    report(f"guard: the loop's compiled step under {sp.plan} is {sp.compiled / MIB:.1f} MiB of the "
+           f"{sp.budget / MIB:.1f} MiB budget ({len(sp.history)} compile(s))")  # fmt: skip
+    return sp
+
+
+def _corrected(budget: RunPlan, spec: UNetSpec, sp: StepPlan) -> RunPlan:
+    """``budget`` with the guard's plan and its prediction (unchanged where the first plan fitted)."""
+    if sp.plan == budget.policy:
+        return budget
+    return replace(budget, plan=resolve_plan(spec, sp.plan), predicted_peak_bytes=sp.predicted, kept=False)
+
+
 def _barriers() -> str:
     return "; XLA:CPU with cse_barrier_expander off, as planned" if jax.default_backend() == "cpu" else ""
 
@@ -363,9 +402,18 @@ def train(cfg: TrainConfig) -> list[float]:
         tx = make_optimizer(cfg.lr, cfg.weight_decay, cfg.regime)
         state = start_state(model, tx, cfg, run, mesh)
         dataset, schedule = load_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
+        guarded = None
+        if budget is not None and mesh is None:  # the plan judged by the loop's own compiled step
+            guarded = guard_step(cfg, spec, model, tx, (state, dataset, schedule), budget, len(run.losses))
+            cfg, budget = replace(cfg, policy=guarded.plan), _corrected(budget, spec, guarded)
+            model = UNet(spec=spec, policy=budget.plan, attention_chunk=chunk, lora_rank=cfg.regime.lora_rank)
 
         def save_fn(state: TrainState, losses: list[float]) -> None:
-            save_checkpoint(run.out, state, manifest_for(cfg, spec, FRAMEWORK, LAYOUT, losses))
+            manifest = manifest_for(cfg, spec, FRAMEWORK, LAYOUT, losses)  # cfg.policy: the plan in force
+            if guarded is not None:  # every compile judged, this run's after those of the run it resumes
+                earlier = run.manifest.run.get("guard", []) if run.manifest is not None else []
+                manifest.run["guard"] = [*earlier, *(asdict(r) for r in guarded.history)]
+            save_checkpoint(run.out, state, manifest)
 
         losses = run.losses
         step = make_step(cfg, model, tx, dataset, schedule, mesh, budget)

@@ -171,6 +171,10 @@ def test_jax_trains_to_a_budget_reporting_the_compiled_peak_the_planner_checks(
     assert f"policy {policy} (planned for this run); jax predicted peak" in err
     assert "memory_analysis()" in err and "cse_barrier_expander off" in err
     assert len(seen) == 1 and _record(tmp_path / "run")["policy"] == policy
+    # The loop's own compiled step is judged before training (`jax_impl.plan_for_step`): the model's
+    # step and nothing more, so the planned policy fits as it is, in one compile, kept in the record.
+    assert [(r["plan"], r["action"]) for r in _history(tmp_path / "run")] == [(policy, "fits")]
+    assert "guard: the loop's compiled step under" in err
     # The loop's attention is the device default's (query-chunked on CPU), as the planner's workload is.
     checked = peaks(SPEC, BATCH, [policy], context_length=1, attention_chunk=defaults("cpu").attention_chunk)
     assert math.isclose(seen[0], checked["peaks"][policy], rel_tol=0.01)
