@@ -8,7 +8,10 @@ stopped and reported, the others still run):
    measure on the CPU, one thread each, as everywhere);
 3. the estimates table for `sd15` at batch 1, 2 and 4, fp32 and bf16-mixed + LoRA
    (`benchmarks.estimates`, from shapes);
-4. `sd15` at 64x64, batch 1, 2 and 4, measured on the GPU: `none`, `layers` (diffusers-style) and
+4. `torch_impl.BudgetGuard` on `sd15` batch 1 on the GPU (`benchmarks.guard_check`): a budget below
+   the plain step's peak, an extra buffer held through the step; predicted against measured
+   (``max_memory_reserved``) at the first step and after each correction;
+5. `sd15` at 64x64, batch 1, 2 and 4, measured on the GPU: `none`, `layers` (diffusers-style) and
    `full`, float32 and bfloat16 mixed precision, beside step 3's predictions.
 
 It writes ``DIR/gpu_check.md`` (every step's command, exit status, seconds and output) and
@@ -53,13 +56,16 @@ class Step:
 
 # name, module, arguments, limit in seconds; OUT/name is each step's folder.
 GPU_SD15 = "--config sd15 --sample-size 64 --batch-size 1 2 4 --policies layers,full --steps 3 --timeline off"
+# The limits add up to 8 minutes; the guard's 70 s were taken from the others (not yet timed on a GPU).
 GPU_STEPS = (
-    ("compare", "benchmarks.compare", "--framework both", 120),
+    ("compare", "benchmarks.compare", "--framework both", 105),
     # the planner's workers profile and measure on the CPU, one thread each: a small workload
-    ("sweep", "benchmarks.plan", "--config tiny --sample-size 32 --batch-size 4 --verify --budgets 3 --sweep", 90),
-    ("estimates", "benchmarks.estimates", "--configs sd15 --batches 1,2,4 --regimes fp32,bf16-mixed+lora:8", 150),
-    ("measured", "benchmarks.compare", f"{GPU_SD15} --framework torch --device gpu", 60),
-    ("measured_bf16", "benchmarks.compare", f"{GPU_SD15} --framework torch --device gpu --precision bf16-mixed", 60),
+    ("sweep", "benchmarks.plan", "--config tiny --sample-size 32 --batch-size 4 --verify --budgets 3 --sweep", 80),
+    ("estimates", "benchmarks.estimates", "--configs sd15 --batches 1,2,4 --regimes fp32,bf16-mixed+lora:8", 130),
+    # after `estimates`: its sd15 batch-1 fp32 profile from shapes is the guard's, cached
+    ("guard", "benchmarks.guard_check", "--config sd15 --batch-size 1 --device cuda --shapes --steps 3", 70),
+    ("measured", "benchmarks.compare", f"{GPU_SD15} --framework torch --device gpu", 50),
+    ("measured_bf16", "benchmarks.compare", f"{GPU_SD15} --framework torch --device gpu --precision bf16-mixed", 45),
 )  # fmt: skip
 TINY = "--config tiny --batch-size 2"
 CPU_STEPS = (
@@ -67,6 +73,7 @@ CPU_STEPS = (
     ("sweep", "benchmarks.plan", f"{TINY} --verify --budgets 2 --steps 1 --sweep", 400),
     ("estimates", "benchmarks.estimates", "--configs tiny --batches 1,2 --regimes fp32,bf16-mixed --budgets-gib 1",
      200),
+    ("guard", "benchmarks.guard_check", "--config tiny --sample-size 16 --batch-size 2 --device cpu --steps 3", 300),
     ("measured", "benchmarks.compare", f"--framework torch {TINY} --policies layers --steps 1 --timeline off", 200),
 )
 

@@ -18,7 +18,9 @@ from benchmarks.gpu_check import Step
 @pytest.mark.parametrize("cuda", [True, False], ids=["gpu", "cpu"])
 def test_every_step_is_a_command_its_cli_accepts(cuda: bool, tmp_path: Path) -> None:
     steps = gpu_check.steps(cuda, tmp_path)
-    assert {s.name for s in steps} >= {"compare", "sweep", "estimates", "measured"}
+    assert {s.name for s in steps} >= {"compare", "sweep", "estimates", "guard", "measured"}
+    names = [s.name for s in steps]
+    assert names.index("estimates") < names.index("guard")  # the guard's sd15 profile is the estimates' own
     for step in steps:
         assert step.argv[:2] == [sys.executable, "-m"]
         parser = importlib.import_module(step.argv[2]).build_parser()
