@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.reports.report import write_json
-from shared_configs import load_spec
+from shared_configs import load_spec, spec_from_dict
 from shared_configs.cli import cli_errors
 from shared_configs.planning.planner import Workload, predict_policy
-from shared_configs.spec import UNetSpec, spec_from_dict
+from shared_configs.spec import UNetSpec
 from shared_configs.units import MIB
 
 
