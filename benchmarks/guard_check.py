@@ -46,7 +46,7 @@ def guarded_run(spec: UNetSpec, batch_size: int, steps: int, device: str, shapes
     budget, extra = sizes(work)
     model = UNet(spec).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0)
-    noisy, t, noise, cond = (as_tensors(example_batch(spec, batch_size, work.context_length, seed=0)))
+    noisy, t, noise, cond = as_tensors(example_batch(spec, batch_size, work.context_length, seed=0))
     inputs = {"x": noisy, "t": t, **{k: v for k, v in cond.items() if v is not None}}
     inputs, noise = {k: v.to(device) for k, v in inputs.items()}, noise.to(device)
 

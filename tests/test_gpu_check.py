@@ -45,3 +45,21 @@ def test_a_step_over_its_limit_is_stopped_and_a_failed_check_exits_1(
     assert "started" in by_name["slow"]["output"] and "stopped at its 2 s limit" in by_name["slow"]["output"]
     assert by_name["failing"]["rc"] == 3
     assert "## slow: stopped at its limit" in (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_guard_step_keeps_an_extra_buffer_within_budget_and_reports_each_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CPU's `guard` step as it runs (`tiny` 16x16 batch 2, 3 steps): the first measured step is
+    over budget (the extra buffer), the guard tightens, and the last measured step fits."""
+    (step,) = [s for s in gpu_check.steps(False, tmp_path) if s.name == "guard"]
+    from benchmarks import guard_check
+
+    assert guard_check.main(step.argv[3:]) == 0
+    doc = json.loads((tmp_path / "guard" / "guard.json").read_text())
+    measured = [r for r in doc["history"] if r["measured"] is not None]
+    assert measured[0]["measured"] > doc["budget"] >= measured[-1]["measured"]
+    assert any(r["action"] == "tightened" for r in doc["history"])
+    out = capsys.readouterr().out
+    assert out.count("step ") == len(doc["history"]) and "over budget" in out
