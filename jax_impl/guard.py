@@ -111,7 +111,7 @@ def plan_for_step(
     else:
         predicted = planner.predict_policy(work, policy, "jax", **plan_opts)[0].prediction.peak_bytes
     history: list[StepRecord] = []
-    for rnd in range(rounds + 1):
+    for rnd in range(rounds + 2):  # the first plan, ``rounds`` re-plans, then `full`
         peak = compiled_peak(compile_for(build_step, policy, example_args))
         outside = peak - predicted
         if peak <= budget:
@@ -119,8 +119,10 @@ def plan_for_step(
             return StepPlan(policy, peak, predicted, budget, history)
         if policy == FULL:
             history.append(StepRecord(rnd, policy, predicted, peak, outside, "full failed"))
-            raise Infeasible(budget, peak)
-        policy_next, predicted_next = _replan(work, budget - outside, rnd == rounds, plan_opts)
+            err = Infeasible(budget, peak)
+            err.history = history  # type: ignore[attr-defined]  # what was compiled, for a caller's record
+            raise err
+        policy_next, predicted_next = _replan(work, budget - outside, rnd >= rounds, plan_opts)
         history.append(StepRecord(rnd, policy, predicted, peak, outside,
                                   "full" if policy_next == FULL else "re-planned"))  # fmt: skip
         _say(f"plan_for_step: {policy} compiles to {peak / MIB:.1f} MiB, over the {budget / MIB:.1f} MiB budget "
