@@ -26,7 +26,6 @@ from shared_configs.controlnet import (
 )
 from shared_configs.inputs import check_inputs
 from shared_configs.plan import Policy
-from torch_impl.checkpointing import apply_plan, remove_plan
 from torch_impl.unet import UNet, UNetTrunk
 
 Tensor = torch.Tensor
@@ -165,14 +164,6 @@ class ControlNet(UNetTrunk):
         """Names a checkpoint plan can use: ``down.*`` and ``mid``, or with ``layers=True`` their layers."""
         return controlnet_names(self.spec, layers)
 
-    def enable_gradient_checkpointing(
-        self, policy: Policy | CheckpointPlan = "full", preserve_rng_state: bool = True
-    ) -> CheckpointPlan:
-        """Recompute the units the policy names in the backward pass; returns the plan."""
-        self.plan = resolve_controlnet_plan(self.spec, policy)
-        apply_plan(self, self.plan, preserve_rng_state)
-        return self.plan
-
-    def disable_gradient_checkpointing(self) -> None:
-        remove_plan(self)
-        self.plan = resolve_controlnet_plan(self.spec, "none")
+    def resolve(self, policy: Policy | CheckpointPlan) -> CheckpointPlan:
+        """Units as the U-Net's: ``down.*`` and ``mid`` (and their layers); ``up.*`` is refused."""
+        return resolve_controlnet_plan(self.spec, policy)

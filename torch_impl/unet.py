@@ -41,11 +41,28 @@ Tensor = torch.Tensor
 class UNetTrunk(nn.Module):
     """What the U-Net and the ControlNet share, built from one `UNetSpec` under the same names:
     ``conv_in``, the time (and class, text_time) embeddings, the ``down`` path and the ``mid``
-    block. Subclasses say which spec that is (`trunk_spec`) and add their own heads."""
+    block. Subclasses say which spec that is (`trunk_spec`), how a policy names their units
+    (`resolve`), and add their own heads; checkpointing is applied the same way to both."""
 
     @property
     def trunk_spec(self) -> UNetSpec:
         raise NotImplementedError
+
+    def resolve(self, policy: Policy | CheckpointPlan) -> CheckpointPlan:
+        """``policy`` as a plan over this model's units (a bad name is one line)."""
+        raise NotImplementedError
+
+    def enable_gradient_checkpointing(
+        self, policy: Policy | CheckpointPlan = "full", preserve_rng_state: bool = True
+    ) -> CheckpointPlan:
+        """Recompute the units the policy names in the backward pass; returns the plan."""
+        self.plan = self.resolve(policy)
+        apply_plan(self, self.plan, preserve_rng_state)
+        return self.plan
+
+    def disable_gradient_checkpointing(self) -> None:
+        remove_plan(self)
+        self.plan = self.resolve("none")
 
     def _build_trunk(self) -> None:
         spec = self.trunk_spec
@@ -227,14 +244,5 @@ class UNet(UNetTrunk):
         """Names a checkpoint plan can use: blocks, or with ``layers=True`` ResNets/attentions."""
         return layer_names(self.spec) if layers else block_names(self.spec)
 
-    def enable_gradient_checkpointing(
-        self, policy: Policy | CheckpointPlan = "full", preserve_rng_state: bool = True
-    ) -> CheckpointPlan:
-        """Recompute the blocks the policy names in the backward pass; returns the plan."""
-        self.plan = resolve_plan(self.spec, policy)
-        apply_plan(self, self.plan, preserve_rng_state)
-        return self.plan
-
-    def disable_gradient_checkpointing(self) -> None:
-        remove_plan(self)
-        self.plan = resolve_plan(self.spec, "none")
+    def resolve(self, policy: Policy | CheckpointPlan) -> CheckpointPlan:
+        return resolve_plan(self.spec, policy)
