@@ -63,7 +63,7 @@ def make_optimizer(lr: float, weight_decay: float, regime: Regime = DEFAULT) -> 
     are skipped (`optax.apply_if_finite`)."""
     if regime.optimizer == "adamw8bit":
         raise SpecError("optimizer: adamw8bit has no JAX implementation (optax has no 8-bit AdamW); use adamw or "
-                        "adafactor, or plan its state bytes with python -m benchmarks.plan --shapes")  # fmt: skip
+                        "adafactor, or plan its state bytes from shapes (the plan command's --shapes)")  # fmt: skip
     if regime.optimizer == "adafactor":
         tx = optax.adafactor(lr, weight_decay_rate=weight_decay or None)
     else:

@@ -1,7 +1,7 @@
 """One set of defaults per device, for every tool and library call.
 
-`benchmarks.compare`, `benchmarks.max_batch`, `benchmarks.plan` (and `plan_for_budget`'s
-`Workload`), `benchmarks.saved` and both training CLIs take their attention, dtype, context
+The benchmark's commands (compare, max_batch, plan, saved), `plan_for_budget`'s `Workload`
+and both training CLIs take their attention, dtype, context
 length, timed steps and JAX compilation cache from `defaults` (tests/test_defaults.py holds them
 equal), and each prints the line `Defaults.describe` writes of what it used. So a step benchmarked
 with one tool is the step another tool plans or trains: before, the benchmark ran JAX with

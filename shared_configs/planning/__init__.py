@@ -3,7 +3,7 @@
 pipeline from a workload and a budget to a checked plan (`planner`: profile, cached, solve, check).
 
 Training code calls `torch_impl.plan_for_budget` or `jax_impl.plan_for_budget` (or this package's,
-with ``framework=``); ``python -m benchmarks.plan`` is the CLI over the same `planner.plan`.
+with ``framework=``); the benchmark's plan command is the CLI over the same `planner.plan`.
 """
 
 from shared_configs.planning.planner import Planned, Workload, plan, plan_for_budget

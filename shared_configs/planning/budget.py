@@ -22,7 +22,7 @@ order::
     peak  = scale * max(optimizer peak, max over u of max(K(u) + H(u) + fwd_peak(u), K(u) + bwd_peak(u)))
 
 It is exact for the uniform plans it was measured on and assumes that a unit's own figures do not
-depend on its neighbours' choices; `benchmarks.plan --verify` measures how far that holds.
+depend on its neighbours' choices; the plan command's ``--verify`` measures how far that holds.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     model.enable_gradient_checkpointing(policy)         # torch
     UNet(spec=spec, policy=policy)                       # JAX
 
-`plan` is the one pipeline: `plan_for_budget` and ``python -m benchmarks.plan`` both call it.
+`plan` is the one pipeline: `plan_for_budget` and the benchmark's plan command both call it.
 The profile of a (spec, batch, sample size, framework) is measured in a worker process that imports
 only that framework (``python -m torch_impl.profile`` / ``jax_impl.profile``, started by
 `shared_configs.planning.workers`; this module imports neither framework), and cached as JSON
