@@ -142,8 +142,8 @@ def get_profile(framework: str, workload: Workload, repeats: int | None = None, 
     profile = cached_profile(path, expect, make, refresh=not cache)
     if not workload.shapes:
         return profile
-    w = workload
-    return at_stated_rates(profile, w.spec, w.batch_size, w.context_length, w.flops_per_s, w.bytes_per_s)
+    w = workload  # its regime as given, not read back from the profile's describe line
+    return at_stated_rates(profile, w.spec, w.batch_size, w.context_length, w.flops_per_s, w.bytes_per_s, w.regime)
 
 
 def progress(message: str) -> None:
