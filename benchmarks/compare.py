@@ -45,7 +45,7 @@ from benchmarks.reports import plot, report
 from shared_configs import NAMED_POLICIES, SpecError, UNetSpec, resolve_plan, to_diffusers_config
 from shared_configs.cli import Interrupted, OneLineParser, cache_dir, check_out_dir, cli_errors, positive_int
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults
-from shared_configs.regime import add_regime_arguments, regime_of
+from shared_configs.regime import JAX_KEEPS_NO_GRADS, add_regime_arguments, regime_of
 
 DEFAULT_CONFIG = "sd_narrow"  # activation-dominated, as diffusion training is (docs/benchmark.md)
 DEFAULT_POLICIES = "none,full,layers"
@@ -204,8 +204,7 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
     device = _check_world(args.world_size, args.framework, args.device)
     _check_frameworks(args.framework, spec, source)
     if regime_of(args).keep_grads and "jax" in args.framework:
-        raise SpecError("--keep-grads: a jitted JAX step's gradients are temporaries of the step (its state donated), "
-                        "none live between steps to keep; use --framework torch")  # fmt: skip
+        raise SpecError(f"--keep-grads: {JAX_KEEPS_NO_GRADS}")
     common = {
         "config": config,
         "source": source,

@@ -108,14 +108,18 @@ class Regime:
         return replace(self, optimizer="adamw") if self.optimizer == "adamw8bit" else self
 
 
+# Why JAX refuses ``keep_grads`` (the planner here; the compare command before its workers start).
+JAX_KEEPS_NO_GRADS = ("a jitted JAX step's gradients are temporaries of the step (its state donated), none live "
+                      "between steps to keep; use --framework torch")  # fmt: skip
+
+
 def check_planned(regime: Regime, framework: str, device: str = "cpu") -> None:
     """Refuse, in one line (and in the planner before any worker starts), a regime ``framework``
     cannot run on ``device``."""
     if framework != "jax":
         return
     if regime.keep_grads:
-        raise SpecError("keep_grads: a jitted JAX step's gradients are temporaries of the step (its state donated), "
-                        "none live between steps to keep; use --framework torch")  # fmt: skip
+        raise SpecError(f"keep_grads: {JAX_KEEPS_NO_GRADS}")
     if regime.precision == "fp16-mixed" and device == "cpu":
         raise SpecError("precision: fp16-mixed has no XLA:CPU matmul (dot_general F16_F16_F32 is not supported on "
                         "CPU); use bf16-mixed, or --framework torch")  # fmt: skip

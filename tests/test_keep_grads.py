@@ -97,3 +97,13 @@ def test_the_flag_is_part_of_the_regime() -> None:
     assert regime.as_dict()["keep_grads"] is True  # hence in every profile's cache key
     with pytest.raises(SpecError, match="keep_grads: expected true or false"):
         Regime(keep_grads="yes")  # type: ignore[arg-type]
+
+
+def test_compare_refuses_kept_gradients_for_jax_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import compare
+
+    with pytest.raises(SystemExit) as exit_:
+        compare.main(["--framework", "jax", "--config", "tiny", "--keep-grads", "--steps", "1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--keep-grads: a jitted JAX step's gradients are temporaries" in err
