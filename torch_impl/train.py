@@ -208,10 +208,8 @@ def measured_peak(
         yield found
         found["peak"] = torch.cuda.max_memory_allocated(device)
         return
-    noisy, t, noise, conditioning = as_tensors(batch)
     tracker = MemTracker()
-    extra = [*(c for c in conditioning.values() if c is not None), *([] if ema is None else ema.shadow)]
-    tracker.track_external(model, optimizer, noisy, t, noise, *extra)
+    tracker.track_external(model, optimizer, *_reads(batch, ema))
     skip_frozen_grad_hooks(tracker, model)
     with torch.compiler.set_stance("force_eager"), tracker:
         yield found
