@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
@@ -166,16 +165,15 @@ class BudgetGuard:
             found["measured"] = torch.cuda.max_memory_reserved(device)
             found["allocated"] = torch.cuda.max_memory_allocated(device)
             return
-        from torch_impl.train import skip_frozen_grad_hooks  # here: `import torch_impl` stays light
+        from torch_impl.memory import memtracker  # here: `import torch_impl` stays light
 
         leaves = tree_leaves((args, kwargs))
         self._find_optimizers(leaves)
-        tracker = MemTracker()
-        tracker.track_external(self.model, *self._optimizers, *(t for t in leaves if isinstance(t, torch.Tensor)))
-        skip_frozen_grad_hooks(tracker, self.model)
-        with self._spotting_optimizers(), torch.compiler.set_stance("force_eager"), tracker:
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        eager = torch.compiler.set_stance("force_eager")
+        with self._spotting_optimizers(), eager, memtracker(self.model, self._optimizers, tensors) as tracked:
             yield found
-        found["measured"] = int(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
+        found["measured"] = tracked["peak"]
 
     def _find_optimizers(self, leaves: list[Any]) -> None:
         """The optimizers whose state the tracker counts: those among ``step_fn``'s arguments, and

@@ -288,16 +288,20 @@ class StepTracker(TorchDispatchMode):
 
 @contextlib.contextmanager
 def memtracker(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: Iterable[torch.Tensor] = ()
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    inputs: Iterable[torch.Tensor] = (),
 ) -> Iterator[dict[str, Any]]:
     """The block under PyTorch's own ``MemTracker``; the dict it yields gets, at exit, ``peak`` (bytes)
     and ``parts`` (its kinds at the peak).
 
-    ``inputs``: tensors standing for memory the step reads but torch does not allocate (tracked as
-    MemTracker's "Other"), so that the peak is comparable with `StepTracker`'s.
+    ``optimizer``: one, or several (their states all counted). ``inputs``: tensors standing for
+    memory the step reads but torch does not allocate (tracked as MemTracker's "Other"), so that
+    the peak is comparable with `StepTracker`'s.
     """
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     tracker = MemTracker()
-    tracker.track_external(model, optimizer, *inputs)
+    tracker.track_external(model, *optimizers, *inputs)
     skip_frozen_grad_hooks(tracker, model)
     found: dict[str, Any] = {}
     with tracker:

@@ -208,12 +208,11 @@ def measured_peak(
         yield found
         found["peak"] = torch.cuda.max_memory_allocated(device)
         return
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer, *_reads(batch, ema))
-    skip_frozen_grad_hooks(tracker, model)
-    with torch.compiler.set_stance("force_eager"), tracker:
+    from torch_impl.memory import memtracker  # it imports this module (skip_frozen_grad_hooks)
+
+    with torch.compiler.set_stance("force_eager"), memtracker(model, optimizer, _reads(batch, ema)) as tracked:
         yield found
-    found["peak"] = int(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
+    found["peak"] = tracked["peak"]
 
 
 class _NoHook:
