@@ -1,12 +1,8 @@
-"""Planning to a memory budget, framework-free: the units, the per-unit profile, the peak model.
+"""Planning to a memory budget, framework-free: the per-unit profile and the peak model.
 
-A plan gives each *unit* a choice. Units are the plan's own names: blocks (``down.1``, ``mid``)
-and, inside a block that is not recomputed as a whole, its layers (``down.1.resnets.0``). Choices
-(`CHOICES`): ``plain`` (autograd keeps what it keeps), ``full`` (recompute, keep only the inputs),
-``save=conv,matmul`` (recompute, keep the conv/matmul outputs). Pseudo-units that are always
-plain fill the gaps so that every byte of the step belongs to one unit: ``stem`` (time embedding,
-``conv_in``), the samplers of a block taken layer by layer (``down.0.downsample``), ``head``
-(output norm, ``conv_out``, the loss).
+A plan gives each *unit* a choice (`shared_configs.planning.units`, re-exported here: blocks,
+their layers, the always-plain ``stem``, samplers and ``head``; `CHOICES` ``plain``, ``full``,
+``save=conv,matmul``; for the ControlNet step, both networks' units).
 
 The profile (`Profile`, JSON) holds, per unit and choice, figures measured in a real step whose
 units all have that choice (`Cost`): the bytes the unit's forward leaves alive for the backward
@@ -30,24 +26,33 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from shared_configs.arch import down_blocks, up_blocks
 from shared_configs.files import atomic_write, locked
-from shared_configs.plan import CheckpointPlan, block_names, resolve_plan
-from shared_configs.spec import SpecError, UNetSpec
+from shared_configs.planning.units import CHOICES as CHOICES
+from shared_configs.planning.units import FULL as FULL
+from shared_configs.planning.units import HEAD as HEAD
+from shared_configs.planning.units import PLAIN as PLAIN
+from shared_configs.planning.units import RECOMPUTE_CHOICES as RECOMPUTE_CHOICES
+from shared_configs.planning.units import SELECTIVE as SELECTIVE
+from shared_configs.planning.units import SELECTIVE_OPS as SELECTIVE_OPS
+from shared_configs.planning.units import STEM as STEM
+from shared_configs.planning.units import Assignment as Assignment
+from shared_configs.planning.units import StepSpec as StepSpec
+from shared_configs.planning.units import assignment_of as assignment_of
+from shared_configs.planning.units import block_layers as block_layers
+from shared_configs.planning.units import choice_of as choice_of
+from shared_configs.planning.units import is_pseudo as is_pseudo
+from shared_configs.planning.units import leaf_units as leaf_units
+from shared_configs.planning.units import policy_string as policy_string
+from shared_configs.planning.units import uniform as uniform
+from shared_configs.spec import SpecError
 
-PLAIN, FULL = "plain", "full"
-SELECTIVE_OPS: tuple[str, ...] = ("conv", "matmul")
-SELECTIVE = "save=" + ",".join(SELECTIVE_OPS)
-CHOICES: tuple[str, ...] = (PLAIN, FULL, SELECTIVE)
-RECOMPUTE_CHOICES: tuple[str, ...] = (FULL, SELECTIVE)
-STEM, HEAD = "stem", "head"
 # The uniform plans a profile measures, (choice, level): together they give every (unit, choice).
 PROFILE_RUNS: tuple[tuple[str, str], ...] = (
     (PLAIN, "layers"),
@@ -59,7 +64,6 @@ PROFILE_RUNS: tuple[tuple[str, str], ...] = (
 # 2: torch frees last step's gradients first; conditioning inputs. 3: JAX runs timed in turn. 4: `Cost.hold`.
 # 5: torch's runs timed in turn.
 SCHEMA = 5
-Assignment = Mapping[str, str]  # unit name -> choice; units left out are plain
 
 
 @dataclass(frozen=True)
@@ -190,82 +194,10 @@ class Prediction:
         return self.time_s / profile.step_time_s if profile.step_time_s else float("nan")
 
 
-# ---- units -------------------------------------------------------------------------------------
-
-
-def block_layers(spec: UNetSpec) -> dict[str, tuple[str, ...]]:
-    """Per block, its leaf units in forward order when it is not recomputed as a whole."""
-    out: dict[str, tuple[str, ...]] = {}
-    for b in down_blocks(spec):
-        out[b.name] = _pairs(b.name, spec.layers_per_block, b.attention) + (
-            (f"{b.name}.downsample",) if b.downsample_padding is not None else ()
-        )
-    mid = ["mid.resnets.0"] + (["mid.attentions.0"] if spec.mid_attention != "none" else []) + ["mid.resnets.1"]
-    out["mid"] = tuple(mid)
-    for b in up_blocks(spec):
-        sampler = (f"{b.name}.upsample",) if b.upsample else ()
-        out[b.name] = _pairs(b.name, len(b.skip_channels), b.attention) + sampler
-    return out
-
-
-def _pairs(block: str, count: int, attention: str) -> tuple[str, ...]:
-    names: list[str] = []
-    for j in range(count):
-        names += [f"{block}.resnets.{j}"] + ([f"{block}.attentions.{j}"] if attention != "none" else [])
-    return tuple(names)
-
-
-def is_pseudo(unit: str) -> bool:
-    """Units no plan can name (always plain): stem, head, samplers."""
-    return unit in (STEM, HEAD) or unit.endswith((".downsample", ".upsample"))
-
-
-def leaf_units(spec: UNetSpec, assignment: Assignment) -> Iterator[tuple[str, str]]:
-    """(unit, choice) in forward order: a recomputed block is one unit, a plain one its layers."""
-    yield STEM, PLAIN
-    for block, layers in block_layers(spec).items():
-        choice = assignment.get(block, PLAIN)
-        if choice != PLAIN:
-            yield block, choice
-        else:
-            yield from ((name, assignment.get(name, PLAIN)) for name in layers)
-    yield HEAD, PLAIN
-
-
-def uniform(spec: UNetSpec, choice: str, level: str) -> dict[str, str]:
-    """Every block (``level="blocks"``) or every layer (``"layers"``) under ``choice``."""
-    if level == "blocks":
-        return {b: choice for b in block_names(spec)}
-    return {n: choice for layers in block_layers(spec).values() for n in layers if not is_pseudo(n)}
-
-
-# ---- plans <-> assignments ---------------------------------------------------------------------
-
-
-def choice_of(save: tuple[str, ...]) -> str:
-    return "save=" + ",".join(save) if save else FULL
-
-
-def assignment_of(spec: UNetSpec, policy: str | CheckpointPlan) -> dict[str, str]:
-    """The assignment a policy (any form `resolve_plan` takes) stands for."""
-    plan = resolve_plan(spec, policy)
-    return {name: choice_of(plan.save_for(name)) for name in plan.recompute}
-
-
-def policy_string(assignment: Assignment) -> str:
-    """The policy `resolve_plan` (hence both U-Nets and a spec's ``checkpoint:``) accepts for it."""
-    groups: dict[str, list[str]] = {}
-    for name, choice in assignment.items():
-        if choice != PLAIN:
-            groups.setdefault(choice, []).append(name)
-    parts = [",".join(names) + ("" if c == FULL else "/" + c) for c, names in sorted(groups.items())]
-    return ";".join(parts) or "none"
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
 
-def predict(profile: Profile, spec: UNetSpec, assignment: Assignment) -> Prediction:
+def predict(profile: Profile, spec: StepSpec, assignment: Assignment) -> Prediction:
     """Peak bytes, recompute seconds and FLOPs of ``assignment`` (see the module doc)."""
     kept, held, peak, where, seconds, flops = 0, 0, profile.opt_peak, "optimizer", 0.0, 0.0
     for unit, choice in leaf_units(spec, assignment):
@@ -324,7 +256,7 @@ def per_rank(profile: Profile, world_size: int = 1, distributed: str = "ddp") ->
     return replace(profile, units=units, opt_peak=opt_peak)
 
 
-def extra_seconds(spec: UNetSpec, seconds: Mapping[str, float], plain: Mapping[str, float]) -> dict[str, float]:
+def extra_seconds(spec: StepSpec, seconds: Mapping[str, float], plain: Mapping[str, float]) -> dict[str, float]:
     """What each unit of a run takes beyond the plain step's same work: ``seconds`` (unit -> its
     forward + backward in the run), ``plain`` (layer, sampler, stem, head -> theirs in the plain
     step); a block is compared with its layers and sampler. Never below 0 (noise, not a gain)."""
@@ -339,7 +271,7 @@ def extra_seconds(spec: UNetSpec, seconds: Mapping[str, float], plain: Mapping[s
 SAFETY = 0.005  # beyond what the profile's own steps show: plans it never ran may be off a little more
 
 
-def safety_margin(profile: Profile, spec: UNetSpec) -> float:
+def safety_margin(profile: Profile, spec: StepSpec) -> float:
     """How far below a budget to plan so that the measured peak fits: the model's largest
     under-prediction on the profile's own steps (``meta["runs"]``: measured peak per policy), plus
     `SAFETY`. Torch's tracker is reproduced exactly (0.5%); JAX's packing factor is a mean over
@@ -351,7 +283,7 @@ def safety_margin(profile: Profile, spec: UNetSpec) -> float:
     return worst + SAFETY
 
 
-def random_assignment(spec: UNetSpec, rng: np.random.Generator, choices: tuple[str, ...] = CHOICES) -> dict[str, str]:
+def random_assignment(spec: StepSpec, rng: np.random.Generator, choices: tuple[str, ...] = CHOICES) -> dict[str, str]:
     """A random plan: each block recomputed whole (one of the recompute choices) or per layer."""
     out: dict[str, str] = {}
     recompute = [c for c in choices if c != PLAIN]

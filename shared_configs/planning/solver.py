@@ -32,18 +32,16 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from shared_configs.planning.budget import (
-    HEAD,
     PLAIN,
-    STEM,
     Assignment,
     Prediction,
     Profile,
-    block_layers,
     is_pseudo,
     policy_string,
     predict,
 )
-from shared_configs.spec import SpecError, UNetSpec
+from shared_configs.planning.units import StepSpec, segments
+from shared_configs.spec import SpecError
 from shared_configs.units import MIB
 
 Expr = dict[int, float]  # column -> coefficient (MiB), with the constant under key -1
@@ -80,7 +78,7 @@ class Infeasible(SpecError):
 class _Programme:
     """Columns (unit, choice) and, per profile, the rows ``K(u) + M * x[u, c] <= limit - peak + M``."""
 
-    def __init__(self, profiles: Sequence[Profile], spec: UNetSpec) -> None:
+    def __init__(self, profiles: Sequence[Profile], spec: StepSpec) -> None:
         self.profiles, self.spec = profiles, spec
         self.cols: list[tuple[str, str]] = []
         self.eq: list[Expr] = []  # expressions == 1
@@ -108,13 +106,12 @@ class _Programme:
     def _build(self) -> None:
         nf = len(self.profiles)
         # Per profile, K(u) and H(u) (`shared_configs.planning.budget.predict`) as expressions.
-        kept: list[Expr] = [{-1: self._mib(f, STEM, PLAIN, "keep")} for f in range(nf)]
-        held: list[Expr] = [{-1: self._mib(f, STEM, PLAIN, "hold")} for f in range(nf)]
-        for f in range(nf):
-            self._rows(f, {-1: 0.0}, {}, STEM, PLAIN, None)
-        for block, layers in block_layers(self.spec).items():
-            whole = {c: self._col(block, c) for c in self._choices(block) if c != PLAIN}
-            self.le1.append(dict.fromkeys(whole.values(), 1.0))
+        kept: list[Expr] = [{-1: 0.0} for _ in range(nf)]
+        held: list[Expr] = [{} for _ in range(nf)]
+        for block, layers in segments(self.spec):  # a pseudo-unit (stem, head) is a block of one, never whole
+            whole = {} if is_pseudo(block) else {c: self._col(block, c) for c in self._choices(block) if c != PLAIN}
+            if whole:
+                self.le1.append(dict.fromkeys(whole.values(), 1.0))
             for f in range(nf):
                 for c, col in whole.items():
                     self._rows(f, kept[f], held[f], block, c, col)
@@ -126,8 +123,6 @@ class _Programme:
                 for c, col in whole.items():
                     for expr, field in ((kept[f], "keep"), (held[f], "hold")):
                         expr[col] = expr.get(col, 0.0) + self._mib(f, block, c, field)
-        for f in range(nf):
-            self._rows(f, kept[f], held[f], HEAD, PLAIN, None)
 
     def _layer(self, name: str, whole: dict[str, int], inner: list[tuple[Expr, Expr]]) -> None:
         """A layer (or sampler) of a block: active when no ``whole`` block column is set."""
@@ -230,7 +225,7 @@ def _list(profiles: Profile | Sequence[Profile]) -> list[Profile]:
 
 
 def _cheapest(
-    profiles: list[Profile], spec: UNetSpec, budget_bytes: int, exclude: Sequence[Assignment] = ()
+    profiles: list[Profile], spec: StepSpec, budget_bytes: int, exclude: Sequence[Assignment] = ()
 ) -> dict[str, str] | None:
     """The least-cost assignment whose predicted peaks are all at most ``budget_bytes``, other than
     those in ``exclude``; None if there is none."""
@@ -253,7 +248,7 @@ def _cheapest(
     raise RuntimeError("solver: the programme's answer keeps overshooting the budget")  # pragma: no cover
 
 
-def solve(profiles: Profile | Sequence[Profile], spec: UNetSpec, budget_bytes: int, margin: float = 0.0) -> Solution:
+def solve(profiles: Profile | Sequence[Profile], spec: StepSpec, budget_bytes: int, margin: float = 0.0) -> Solution:
     """The plan of least recompute time whose predicted peak fits ``budget_bytes`` less a fraction
     ``margin`` (room for the model's error: `shared_configs.planning.budget.safety_margin`), in every profile.
 
@@ -268,7 +263,7 @@ def solve(profiles: Profile | Sequence[Profile], spec: UNetSpec, budget_bytes: i
 
 
 def next_best(
-    profiles: Profile | Sequence[Profile], spec: UNetSpec, budget_bytes: int, margin: float, first: Solution, count: int
+    profiles: Profile | Sequence[Profile], spec: StepSpec, budget_bytes: int, margin: float, first: Solution, count: int
 ) -> list[Solution]:
     """Up to ``count`` plans after ``first`` (`solve`'s answer at the same budget and ``margin``),
     each the cheapest that fits other than those before it: the programme re-solved with each
@@ -283,7 +278,7 @@ def next_best(
     return found[1:]
 
 
-def smallest_peak(profiles: Profile | Sequence[Profile], spec: UNetSpec) -> Solution:
+def smallest_peak(profiles: Profile | Sequence[Profile], spec: StepSpec) -> Solution:
     """The plan of least predicted peak (the largest over the profiles); of those, the cheapest."""
     profiles = _list(profiles)
     prog = _Programme(profiles, spec)
@@ -296,7 +291,7 @@ def smallest_peak(profiles: Profile | Sequence[Profile], spec: UNetSpec) -> Solu
     return solution(profiles, spec, assignment)
 
 
-def solution(profiles: Sequence[Profile], spec: UNetSpec, assignment: Assignment) -> Solution:
+def solution(profiles: Sequence[Profile], spec: StepSpec, assignment: Assignment) -> Solution:
     """``assignment`` as a `Solution`: its policy string and what each profile predicts of it."""
     predictions = tuple(predict(p, spec, assignment) for p in profiles)
     return Solution(dict(assignment), predictions, policy_string(assignment))

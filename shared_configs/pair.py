@@ -1,0 +1,182 @@
+"""The ControlNet training step, framework-free: its two networks, their units, one plan over both.
+
+diffusers' ``train_controlnet.py`` trains a ControlNet (`shared_configs.controlnet`, made from the
+U-Net as ``ControlNetModel.from_unet`` makes it) against a frozen U-Net: both run forward, the loss
+is the U-Net's noise-prediction MSE, and it flows back through the U-Net (no weight gradients
+there) into the ControlNet's residuals and weights. `ControlNetPairSpec` is that step's model.
+
+One checkpoint plan covers both networks. Its names are the U-Net's plan names (`shared_configs.plan`)
+for the U-Net's units and the same names behind ``controlnet.`` for the ControlNet's::
+
+    controlnet.down.0, controlnet.down.1.resnets.0, controlnet.mid, down.0, mid, up.1.attentions.0
+
+A pair policy is the U-Net grammar over those names:
+
+* a named policy (``none``, ``full``, ``balanced``, ``layers``, ``every:N``, ``save_convs``, with
+  ``/save=OPS`` and ``/offload``) means that policy on both networks (on the ControlNet, over the
+  units it has: `shared_configs.controlnet.resolve_controlnet_plan`);
+* names, comma-separated, each routed to its network by the prefix;
+* ``;`` groups, each either of the above, with its own save set:
+  ``controlnet.down.0,up.1;controlnet.mid,up.0/save=conv,matmul``.
+
+`split_pair_plan` turns a pair policy into the U-Net's plan and the ControlNet's (`PairPlan`);
+`pair_policy` writes the two back as one string. No torch or jax import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from shared_configs.controlnet import ControlNetSpec, controlnet_names, resolve_controlnet_plan
+from shared_configs.loader import load_spec, spec_from_dict
+from shared_configs.plan import CheckpointPlan, all_names, resolve_plan
+from shared_configs.spec import SpecError, UNetSpec, _Frozen
+from shared_configs.training.data import Batch, example_batch
+
+CONTROLNET = "controlnet."  # the prefix of the ControlNet's unit names in a pair plan
+COND_SEED = 7  # the example conditioning image's own seed: the batch's numbers stay as they are
+
+
+class ControlNetPairSpec(_Frozen):
+    """The ControlNet training step's model: ``controlnet`` (trained) on its ``unet`` (frozen)."""
+
+    controlnet: ControlNetSpec
+
+    @property
+    def unet(self) -> UNetSpec:
+        return self.controlnet.unet
+
+    @property
+    def name(self) -> str:
+        return f"{self.unet.name}+controlnet"
+
+    @property
+    def sample_size(self) -> int:
+        return self.unet.sample_size
+
+    def with_sample_size(self, size: int) -> ControlNetPairSpec:
+        unet = spec_from_dict({**self.unet.model_dump(), "sample_size": size})
+        return ControlNetPairSpec(controlnet=self.controlnet.model_copy(update={"unet": unet}))
+
+
+def controlnet_pair(unet: UNetSpec | str, **options: Any) -> ControlNetPairSpec:
+    """The pair of ``unet`` and the ControlNet made from it (``options``: the `ControlNetSpec` fields
+    beside ``unet``, diffusers' ``from_unet`` defaults otherwise)."""
+    spec = load_spec(unet) if isinstance(unet, str) else unet
+    return ControlNetPairSpec(controlnet=ControlNetSpec(name=f"{spec.name}_controlnet", unet=spec, **options))
+
+
+def workload_spec(data: Mapping[str, Any]) -> UNetSpec | ControlNetPairSpec:
+    """A U-Net spec or a pair spec from its ``model_dump`` (a planner worker's request)."""
+    return ControlNetPairSpec.model_validate(data) if "controlnet" in data else spec_from_dict(dict(data))
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """A pair policy resolved: the policy string, the U-Net's plan and the ControlNet's."""
+
+    policy: str
+    unet: CheckpointPlan
+    controlnet: CheckpointPlan
+
+    @property
+    def recompute(self) -> tuple[str, ...]:
+        """Every recomputed unit under its pair name, ControlNet first (forward order)."""
+        return (*(CONTROLNET + n for n in self.controlnet.recompute), *self.unet.recompute)
+
+    def save_for(self, name: str) -> tuple[str, ...]:
+        """The op classes the recomputed unit ``name`` (a pair name) keeps."""
+        if name.startswith(CONTROLNET):
+            return self.controlnet.save_for(name.removeprefix(CONTROLNET))
+        return self.unet.save_for(name)
+
+
+def pair_names(spec: ControlNetPairSpec) -> list[str]:
+    """Every unit a pair plan can name, in forward order: the ControlNet's blocks and layers, then
+    the U-Net's (`shared_configs.plan.all_names`)."""
+    cn = controlnet_names(spec.unet) + controlnet_names(spec.unet, layers=True)
+    return [CONTROLNET + n for n in cn] + all_names(spec.unet)
+
+
+def split_pair_plan(spec: ControlNetPairSpec, policy: str | PairPlan | None = None) -> PairPlan:
+    """A pair policy (see the module doc) as the U-Net's plan and the ControlNet's. An unknown name
+    is one `SpecError` listing the names allowed."""
+    if isinstance(policy, PairPlan):
+        return policy
+    text = (policy or "none").strip()
+    allowed = pair_names(spec)
+    unet_groups, cn_groups = [], []
+    for group in (g.strip() for g in text.split(";") if g.strip()):
+        if _named(group):  # a named policy: on both networks
+            unet_groups.append(group)
+            cn_groups.append(group)
+            continue
+        base, sep, mods = group.partition("/")
+        names = [n.strip() for n in base.split(",") if n.strip()]
+        for name in names:
+            if name not in allowed:
+                raise SpecError(f"policy: unknown unit {name!r} in {text!r} (allowed: a named policy for both "
+                                f"networks, or {', '.join(allowed)})")  # fmt: skip
+        mine = [n for n in names if not n.startswith(CONTROLNET)]
+        theirs = [n.removeprefix(CONTROLNET) for n in names if n.startswith(CONTROLNET)]
+        unet_groups += [",".join(mine) + sep + mods] if mine else []
+        cn_groups += [",".join(theirs) + sep + mods] if theirs else []
+    unet = resolve_plan(spec.unet, ";".join(unet_groups) or "none")
+    try:
+        controlnet = resolve_controlnet_plan(spec.controlnet, ";".join(cn_groups) or "none")
+    except SpecError as err:  # its names are written without the prefix there
+        raise SpecError(f"{err} (in the ControlNet's units, {CONTROLNET}* here)") from None
+    return PairPlan(pair_policy(unet, controlnet), unet, controlnet)
+
+
+def _named(group: str) -> bool:
+    """Whether a ``;`` group is a named policy (``full``, ``layers/save=conv``), not unit names."""
+    base = group.partition("/")[0].strip()
+    return "," not in base and "." not in base and base != "mid"
+
+
+def pair_policy(unet: CheckpointPlan, controlnet: CheckpointPlan) -> str:
+    """The one pair policy for the two plans: their named policy when it is the same on both, else
+    each recomputed unit by its pair name, grouped by the ops it saves (the ControlNet's first)."""
+    if unet.policy == controlnet.policy and all(_named(g) for g in unet.policy.split(";")):
+        return unet.policy
+    groups: dict[tuple[tuple[str, ...], bool], list[str]] = {}
+    for plan, prefix in ((controlnet, CONTROLNET), (unet, "")):
+        for name in plan.recompute:
+            save = plan.save_for(name)
+            groups.setdefault((save, plan.offload and bool(save)), []).append(prefix + name)
+    parts = [",".join(names) + (f"/save={','.join(save)}" if save else "") + ("/offload" if offload else "")
+             for (save, offload), names in groups.items()]  # fmt: skip
+    return ";".join(parts) or "none"
+
+
+# ---- the batch ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ControlNetBatch(Batch):
+    """A training `Batch` and the conditioning image the ControlNet reads (NCHW float32 in [-1, 1]:
+    ``conditioning_channels`` at `ControlNetSpec.conditioning_factor` times the sample's size)."""
+
+    controlnet_cond: np.ndarray | None = None
+
+    def conditioning(self) -> dict[str, np.ndarray | None]:
+        """The pair's inputs after (x, t), by name: the U-Net's, then ``controlnet_cond``."""
+        return {**super().conditioning(), "controlnet_cond": self.controlnet_cond}
+
+
+def example_pair_batch(spec: ControlNetPairSpec, batch_size: int, context_length: int = 77) -> ControlNetBatch:
+    """The U-Net's example batch (`shared_configs.training.data.example_batch`) and a seeded
+    conditioning image: the inputs the planner and the benchmark train the pair on."""
+    batch = example_batch(spec.unet, batch_size, context_length)
+    side = spec.sample_size * spec.controlnet.conditioning_factor
+    shape = (batch_size, spec.controlnet.conditioning_channels, side, side)
+    cond = np.random.default_rng(COND_SEED).uniform(-1.0, 1.0, shape).astype(np.float32)
+    return ControlNetBatch(**{f.name: getattr(batch, f.name) for f in fields(batch)}, controlnet_cond=cond)

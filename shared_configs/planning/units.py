@@ -1,0 +1,123 @@
+"""The units of a training step a plan chooses for, and plans <-> per-unit assignments.
+
+A *unit* is one of the plan's own names: a block (``down.1``, ``mid``) and, inside a block not
+recomputed as a whole, its layers (``down.1.resnets.0``). Choices (`CHOICES`): ``plain``
+(autograd keeps what it keeps), ``full`` (recompute, keep only the inputs), ``save=conv,matmul``
+(recompute, keep the conv/matmul outputs). Pseudo-units that are always plain fill the gaps so that
+every byte of the step belongs to one unit: ``stem`` (time embedding, ``conv_in``), the samplers of
+a block taken layer by layer (``down.0.downsample``), ``head`` (output norm, ``conv_out``, the loss).
+
+The ControlNet step (`shared_configs.pair.ControlNetPairSpec`) runs the ControlNet, then the
+U-Net: its units are the ControlNet's (``controlnet.stem``: its embeddings and conditioning
+embedding; its down blocks and middle block under ``controlnet.``; ``controlnet.head``: its zero
+convolutions) followed by the U-Net's. The backward runs them in reverse, as for one U-Net.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from shared_configs.arch import down_blocks, up_blocks
+from shared_configs.pair import CONTROLNET, ControlNetPairSpec, PairPlan, split_pair_plan
+from shared_configs.plan import CheckpointPlan, resolve_plan
+from shared_configs.spec import UNetSpec
+
+PLAIN, FULL = "plain", "full"
+SELECTIVE_OPS: tuple[str, ...] = ("conv", "matmul")
+SELECTIVE = "save=" + ",".join(SELECTIVE_OPS)
+CHOICES: tuple[str, ...] = (PLAIN, FULL, SELECTIVE)
+RECOMPUTE_CHOICES: tuple[str, ...] = (FULL, SELECTIVE)
+STEM, HEAD = "stem", "head"
+Assignment = Mapping[str, str]  # unit name -> choice; units left out are plain
+StepSpec = UNetSpec | ControlNetPairSpec  # what a step trains: one U-Net, or the ControlNet pair
+
+
+def block_layers(spec: StepSpec) -> dict[str, tuple[str, ...]]:
+    """Per block, its leaf units in forward order when it is not recomputed as a whole."""
+    if isinstance(spec, ControlNetPairSpec):
+        encoder = {b: layers for b, layers in block_layers(spec.unet).items() if not b.startswith("up.")}
+        mine = {CONTROLNET + b: tuple(CONTROLNET + n for n in layers) for b, layers in encoder.items()}
+        return mine | block_layers(spec.unet)
+    out: dict[str, tuple[str, ...]] = {}
+    for b in down_blocks(spec):
+        out[b.name] = _pairs(b.name, spec.layers_per_block, b.attention) + (
+            (f"{b.name}.downsample",) if b.downsample_padding is not None else ()
+        )
+    mid = ["mid.resnets.0"] + (["mid.attentions.0"] if spec.mid_attention != "none" else []) + ["mid.resnets.1"]
+    out["mid"] = tuple(mid)
+    for b in up_blocks(spec):
+        sampler = (f"{b.name}.upsample",) if b.upsample else ()
+        out[b.name] = _pairs(b.name, len(b.skip_channels), b.attention) + sampler
+    return out
+
+
+def _pairs(block: str, count: int, attention: str) -> tuple[str, ...]:
+    names: list[str] = []
+    for j in range(count):
+        names += [f"{block}.resnets.{j}"] + ([f"{block}.attentions.{j}"] if attention != "none" else [])
+    return tuple(names)
+
+
+def segments(spec: StepSpec) -> list[tuple[str, tuple[str, ...]]]:
+    """The step in forward order: (block, its layers) per block, (pseudo-unit, (itself,)) for the
+    always-plain units between blocks (stem, head; the ControlNet's too)."""
+    blocks = block_layers(spec)
+    if not isinstance(spec, ControlNetPairSpec):
+        return [(STEM, (STEM,)), *blocks.items(), (HEAD, (HEAD,))]
+    mine = [(b, layers) for b, layers in blocks.items() if b.startswith(CONTROLNET)]
+    theirs = [(b, layers) for b, layers in blocks.items() if not b.startswith(CONTROLNET)]
+    ends = [(CONTROLNET + STEM,), (CONTROLNET + HEAD,), (STEM,), (HEAD,)]
+    return [(ends[0][0], ends[0]), *mine, (ends[1][0], ends[1]), (STEM, ends[2]), *theirs, (HEAD, ends[3])]
+
+
+def is_pseudo(unit: str) -> bool:
+    """Units no plan can name (always plain): stem, head, samplers (the ControlNet's too)."""
+    return unit.removeprefix(CONTROLNET) in (STEM, HEAD) or unit.endswith((".downsample", ".upsample"))
+
+
+def leaf_units(spec: StepSpec, assignment: Assignment) -> Iterator[tuple[str, str]]:
+    """(unit, choice) in forward order: a recomputed block is one unit, a plain one its layers."""
+    for block, layers in segments(spec):
+        choice = assignment.get(block, PLAIN)
+        if choice != PLAIN:
+            yield block, choice
+        else:
+            yield from ((name, assignment.get(name, PLAIN)) for name in layers)
+
+
+def uniform(spec: StepSpec, choice: str, level: str) -> dict[str, str]:
+    """Every block (``level="blocks"``) or every layer (``"layers"``) under ``choice``."""
+    if level == "blocks":
+        return dict.fromkeys(block_layers(spec), choice)
+    return {n: choice for layers in block_layers(spec).values() for n in layers if not is_pseudo(n)}
+
+
+# ---- plans <-> assignments ---------------------------------------------------------------------
+
+
+def choice_of(save: tuple[str, ...]) -> str:
+    return "save=" + ",".join(save) if save else FULL
+
+
+def resolve(spec: StepSpec, policy: str | CheckpointPlan | PairPlan) -> CheckpointPlan | PairPlan:
+    """``policy`` resolved over ``spec``'s units: `resolve_plan`, or for the pair `split_pair_plan`."""
+    if isinstance(spec, ControlNetPairSpec):
+        return split_pair_plan(spec, policy)  # type: ignore[arg-type]
+    return resolve_plan(spec, policy)  # type: ignore[arg-type]
+
+
+def assignment_of(spec: StepSpec, policy: str | CheckpointPlan | PairPlan) -> dict[str, str]:
+    """The assignment a policy (any form `resolve_plan`, or for the pair `split_pair_plan`, takes) stands for."""
+    plan = resolve(spec, policy)
+    return {name: choice_of(plan.save_for(name)) for name in plan.recompute}
+
+
+def policy_string(assignment: Assignment) -> str:
+    """The policy `resolve_plan` (hence both U-Nets and a spec's ``checkpoint:``) accepts for it;
+    for the pair's units, the pair policy `split_pair_plan` takes."""
+    groups: dict[str, list[str]] = {}
+    for name, choice in assignment.items():
+        if choice != PLAIN:
+            groups.setdefault(choice, []).append(name)
+    parts = [",".join(names) + ("" if c == FULL else "/" + c) for c, names in sorted(groups.items())]
+    return ";".join(parts) or "none"
