@@ -28,21 +28,24 @@ from jax.ad_checkpoint import checkpoint_name
 Array = jax.Array
 
 
-def attention(q: Array, k: Array, v: Array, heads: int, scale: float, query_chunk: int | None = None) -> Array:
-    """Multi-head attention on (B, T, heads*D) tensors.
+def attention(
+    q: Array, k: Array, v: Array, heads: int, scale: float, query_chunk: int | None = None, bias: Array | None = None
+) -> Array:
+    """Multi-head attention on (B, T, heads*D) tensors; ``bias`` (B, 1, 1, S) is added to the scores
+    (a context mask, `jax_impl.layers.mask_bias`).
 
     ``query_chunk``: `jax_impl.attention.chunked_attention`, ``query_chunk`` queries at a time (all
     T at once when T <= query_chunk): the backward recomputes the probabilities chunk by chunk, so
     neither pass holds more than a (chunk x keys) slice of the scores. XLA:CPU runs
     `jax.nn.dot_product_attention` unfused, materialising all (T x keys) scores per head and keeping
     the probabilities; torch's CPU SDPA kernel is fused and never does. Same result up to float
-    rounding; used only when the chunk divides T (else the plain call).
+    rounding; used only when the chunk divides T and there is no ``bias`` (else the plain call).
     """
     q, k, v = (a.reshape(*a.shape[:2], heads, -1) for a in (q, k, v))  # (B, T, N, D)
     batch, tokens = q.shape[:2]
     chunk = None if query_chunk is None else min(query_chunk, tokens)
-    if chunk is None or tokens % chunk:
-        out = jax.nn.dot_product_attention(q, k, v, scale=scale)
+    if chunk is None or tokens % chunk or bias is not None:
+        out = jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale)
     else:
         out = chunked_attention(q, k, v, scale, chunk)
     return checkpoint_name(out, "attention").reshape(batch, tokens, -1)  # (B, T, N*D)

@@ -19,10 +19,11 @@ from jax_impl.checkpointing import build
 from jax_impl.layers import Downsample, Upsample
 from shared_configs.plan import CheckpointPlan
 
-ResnetFactory = Callable[[int, int], nn.Module]  # (in_ch, out_ch) -> ResnetBlock
-AttentionFactory = Callable[[int], nn.Module]  # ch -> SelfAttention | Transformer2D
+ResnetFactory = Callable[..., nn.Module]  # (in_ch, out_ch, resample="none") -> ResnetBlock
+AttentionFactory = Callable[[int], nn.Module]  # ch -> SelfAttention | Transformer2D | SimpleCrossAttention
 Array = jax.Array
 Context = Array | None
+Mask = Array | None  # the context mask as a score bias (`jax_impl.layers.mask_bias`)
 
 
 def _layer(block: nn.Module, kind: str, j: int, factory: Callable[..., nn.Module], *args: int) -> nn.Module:
@@ -37,7 +38,8 @@ def _attentions(block: nn.Module, factory: AttentionFactory | None, ch: int, cou
 
 
 class DownBlock(nn.Module):
-    """``layers`` ResNets (each followed by attention if any), then an optional downsample."""
+    """``layers`` ResNets (each followed by attention if any), then an optional downsample: a strided
+    conv, or with ``resnet_resample`` a ResNet that pools (diffusers' ResnetDownsample blocks)."""
 
     in_ch: int
     out_ch: int
@@ -45,6 +47,7 @@ class DownBlock(nn.Module):
     make_resnet: ResnetFactory
     make_attention: AttentionFactory | None
     downsample_padding: int | None
+    resnet_resample: bool = False
     unit: str = ""
     plan: CheckpointPlan | None = None
 
@@ -54,19 +57,23 @@ class DownBlock(nn.Module):
             for j in range(self.layers)
         ]
         self.attentions = _attentions(self, self.make_attention, self.out_ch, self.layers)
-        pad = self.downsample_padding
-        self.downsample = Downsample(self.out_ch, pad) if pad is not None else None
+        pad, ch = self.downsample_padding, self.out_ch
+        self.downsample = None
+        if pad is not None:
+            self.downsample = self.make_resnet(ch, ch, resample="down") if self.resnet_resample else Downsample(ch, pad)
 
-    def __call__(self, x: Array, temb: Array, context: Context, train: bool = False) -> tuple[Array, ...]:
+    def __call__(
+        self, x: Array, temb: Array, context: Context, mask: Mask = None, train: bool = False
+    ) -> tuple[Array, ...]:
         """Returns the skips of this level; the last one is the block's output."""
         skips = []
         for j, resnet in enumerate(self.resnets):
             x = resnet(x, temb, train)
             if self.attentions is not None:
-                x = self.attentions[j](x, context)
+                x = self.attentions[j](x, context, mask)
             skips.append(x)
         if self.downsample is not None:
-            skips.append(self.downsample(x))
+            skips.append(self.downsample(x, temb, train))
         return tuple(skips)
 
 
@@ -83,15 +90,16 @@ class MidBlock(nn.Module):
         self.resnets = [_layer(self, "resnets", j, self.make_resnet, self.ch, self.ch) for j in range(2)]
         self.attentions = _attentions(self, self.make_attention, self.ch, 1)
 
-    def __call__(self, x: Array, temb: Array, context: Context, train: bool = False) -> Array:
+    def __call__(self, x: Array, temb: Array, context: Context, mask: Mask = None, train: bool = False) -> Array:
         x = self.resnets[0](x, temb, train)
         if self.attentions is not None:
-            x = self.attentions[0](x, context)
+            x = self.attentions[0](x, context, mask)
         return self.resnets[1](x, temb, train)
 
 
 class UpBlock(nn.Module):
-    """One ResNet per skip it consumes (input concatenated with the skip), then upsample."""
+    """One ResNet per skip it consumes (input concatenated with the skip), then upsample: nearest and a
+    conv, or with ``resnet_resample`` a ResNet that upsamples (diffusers' ResnetUpsample blocks)."""
 
     in_ch: int
     out_ch: int
@@ -99,6 +107,7 @@ class UpBlock(nn.Module):
     make_resnet: ResnetFactory
     make_attention: AttentionFactory | None
     add_upsample: bool  # torch's `upsample` argument; here that name is the submodule's
+    resnet_resample: bool = False
     unit: str = ""
     plan: CheckpointPlan | None = None
 
@@ -109,12 +118,17 @@ class UpBlock(nn.Module):
             for j, (i, s) in enumerate(zip(ins, self.skip_channels, strict=True))
         ]
         self.attentions = _attentions(self, self.make_attention, self.out_ch, len(self.skip_channels))
-        self.upsample = Upsample(self.out_ch) if self.add_upsample else None
+        self.upsample = None
+        if self.add_upsample:
+            ch = self.out_ch
+            self.upsample = self.make_resnet(ch, ch, resample="up") if self.resnet_resample else Upsample(ch)
 
-    def __call__(self, x: Array, skips: Sequence[Array], temb: Array, context: Context, train: bool = False) -> Array:
+    def __call__(
+        self, x: Array, skips: Sequence[Array], temb: Array, context: Context, mask: Mask = None, train: bool = False
+    ) -> Array:
         """``skips`` in the order they were produced; consumed last first."""
         for j, resnet in enumerate(self.resnets):
             x = resnet(jnp.concatenate([x, skips[-1 - j]], axis=-1), temb, train)
             if self.attentions is not None:
-                x = self.attentions[j](x, context)
-        return self.upsample(x) if self.upsample is not None else x
+                x = self.attentions[j](x, context, mask)
+        return self.upsample(x, temb, train) if self.upsample is not None else x

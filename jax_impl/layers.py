@@ -18,9 +18,20 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_impl.attention import attention
+from jax_impl.lora import LORA_A as LORA_A  # re-exported: the adapters lived here first
+from jax_impl.lora import LORA_B as LORA_B
+from jax_impl.lora import LORA_LEAVES as LORA_LEAVES
+from jax_impl.lora import LoRADense
+from jax_impl.norms import NORM as NORM  # re-exported: the norms lived here first
+from jax_impl.norms import GroupNorm as GroupNorm
+from jax_impl.norms import LayerNorm as LayerNorm
+from jax_impl.norms import apply_norm as apply_norm
+from jax_impl.norms import batch_norm as batch_norm
+from jax_impl.norms import group_norm, layer_norm, norm_act, norm_layer
 from shared_configs.arch import ClassEmbeddingArgs, timestep_frequencies
 
 Array = jax.Array
+Mask = Array | None  # a context mask as a score bias (`mask_bias`)
 
 # Torch pads 3x3 convs by 1 on each side; Flax's "SAME" would agree at stride 1 but not at
 # stride 2 (it pads bottom/right only), so padding is always spelled out.
@@ -55,115 +66,9 @@ class Dense(nn.Dense):
         return checkpoint_name(super().__call__(inputs), "matmul")
 
 
-LORA_A, LORA_B = "lora_A", "lora_B"  # the adapters' module names (peft's, less ``.default``)
-LORA_LEAVES = (LORA_A, LORA_B)
-
-
-class LoRADense(nn.Module):
-    """A Dense layer with a rank-``rank`` LoRA adapter, as peft's ``lora.Linear`` with ``lora_alpha``
-    equal to the rank: ``x @ kernel + bias + (x @ lora_A) @ lora_B``. The base ``kernel``/``bias``
-    keep the plain Dense's names (the same converted weights); ``lora_B`` starts at zero, so the
-    outputs do not change until it trains. Output tagged ``"matmul"``."""
-
-    features: int
-    rank: int
-    use_bias: bool = True
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
-        y = jnp.matmul(x, kernel)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,))
-        # peft's init: A as torch's Linear default (uniform, bound 1/sqrt(fan_in)), B zero
-        a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
-        low = nn.Dense(self.rank, use_bias=False, kernel_init=a_init, name=LORA_A)(x)
-        y = y + nn.Dense(self.features, use_bias=False, kernel_init=nn.initializers.zeros_init(), name=LORA_B)(low)
-        return checkpoint_name(y, "matmul")
-
-
 def projection(lora_rank: int | None) -> Callable[..., nn.Module]:
     """The attention projections' layer: `Dense`, or `LoRADense` of that rank."""
     return Dense if lora_rank is None else functools.partial(LoRADense, rank=lora_rank)
-
-
-class GroupNorm(nn.GroupNorm):
-    """`nn.GroupNorm` with its output tagged ``"norm"``."""
-
-    def __call__(self, x: Array, *args: object, **kwargs: object) -> Array:
-        return checkpoint_name(super().__call__(x, *args, **kwargs), "norm")
-
-
-class LayerNorm(nn.LayerNorm):
-    """`nn.LayerNorm` with its output tagged ``"norm"``."""
-
-    def __call__(self, x: Array, *args: object, **kwargs: object) -> Array:
-        return checkpoint_name(super().__call__(x, *args, **kwargs), "norm")
-
-
-def group_norm(groups: int, eps: float) -> nn.GroupNorm:
-    # use_fast_variance=False: E[(x - mean)^2] as torch, not E[x^2] - mean^2 (cancels badly).
-    return GroupNorm(num_groups=groups, epsilon=eps, use_fast_variance=False)
-
-
-def batch_norm(eps: float, momentum: float) -> nn.BatchNorm:
-    # ``momentum`` is torch's (weight of the new batch); Flax's is the weight of the old average.
-    # Running statistics live in the "batch_stats" collection; train mode is chosen per call.
-    return nn.BatchNorm(momentum=1.0 - momentum, epsilon=eps, use_fast_variance=False)
-
-
-# Norm kinds of the spec -> constructor (groups, eps, momentum); the same keys as in torch.
-NORM: dict[str, Callable[[int, float, float], nn.Module]] = {
-    "group": lambda groups, eps, momentum: group_norm(groups, eps),
-    "batch": lambda groups, eps, momentum: batch_norm(eps, momentum),
-}
-
-
-def norm_layer(ch: int, norm: str, groups: int, eps: float, momentum: float) -> nn.Module:
-    """The ResNet / output norm of kind ``norm`` (``shared_configs.arch.norm_kwargs``).
-
-    ``ch`` is inferred by Flax from the input; it stays in the signature to mirror torch.
-    """
-    del ch
-    return NORM[norm](groups, eps, momentum)
-
-
-def apply_norm(norm: nn.Module, x: Array, train: bool) -> Array:
-    """Call a `norm_layer`: a BatchNorm normalises with batch statistics (and updates its
-    running ones) in train mode, with the running statistics otherwise; a GroupNorm ignores
-    ``train``."""
-    if isinstance(norm, nn.BatchNorm):
-        return norm(x, use_running_average=not train)
-    return norm(x)
-
-
-def norm_act(
-    norm: nn.Module, x: Array, train: bool = False, silu: bool = False, film: tuple[Array, Array] | None = None
-) -> Array:
-    """``norm(x)``, then ``* (1 + scale) + shift`` with ``film=(scale, shift)``, then SiLU if
-    ``silu``; the backward pass recomputes all of it from ``x`` instead of keeping it.
-
-    A norm's backward needs only its input and a few numbers per group, but autodiff keeps more
-    (x - mean, for the variance; the SiLU's input and sigmoid), and XLA:CPU kept three or four
-    full-size arrays per norm where torch's autograd keeps two (the norm's input and output). Under
-    `nn.checkpoint` with no policy only ``x`` is kept: one more pass of elementwise work and a
-    reduction per norm in the backward, beside convolutions and matmuls. The parameter tree is
-    unchanged (the norm's own scope), and a plan's ``save=norm`` still keeps the tagged output
-    inside (an enclosing remat's policy decides for the ones nested in it). Figures:
-    docs/remat_vs_checkpoint.md.
-    """
-
-    def f(module: nn.Module, y: Array, film: tuple[Array, Array] | None) -> Array:
-        y = apply_norm(module, y, train)
-        if film is not None:
-            y = y * (1 + film[0]) + film[1]
-        return nn.silu(y) if silu else y
-
-    return nn.checkpoint(f, prevent_cse=True)(norm, x, film)
-
-
-def layer_norm(eps: float) -> nn.LayerNorm:
-    return LayerNorm(epsilon=eps, use_fast_variance=False)
 
 
 def conv3x3(features: int) -> nn.Conv:
@@ -175,16 +80,21 @@ def conv1x1(features: int) -> nn.Conv:
 
 
 class TimestepEmbedding(nn.Module):
-    """Two-layer MLP on the sinusoidal features."""
+    """Two-layer MLP on the sinusoidal features; with ``cond_dim``, ``cond`` (LCM's guidance
+    embedding, ``timestep_cond``) is projected onto the features first (no bias, as diffusers)."""
 
     in_dim: int
     dim: int
+    cond_dim: int | None = None
 
     def setup(self) -> None:
         self.linear_1 = Dense(self.dim)
+        self.cond_proj = Dense(self.in_dim, use_bias=False) if self.cond_dim else None
         self.linear_2 = Dense(self.dim)
 
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, cond: Array | None = None) -> Array:
+        if cond is not None and self.cond_proj is not None:
+            x = x + self.cond_proj(cond)
         return self.linear_2(nn.silu(self.linear_1(x)))
 
 
@@ -200,10 +110,23 @@ CLASS_EMBEDDING: dict[str, Callable[[ClassEmbeddingArgs], nn.Module | None]] = {
 }
 
 
+def _resample(x: Array, resample: str) -> Array:
+    """A resampling ResNet's (diffusers' ``down=True`` / ``up=True``): 2x2 average pool or nearest 2x (NHWC)."""
+    if resample == "down":
+        b, h, w, c = x.shape
+        return x.reshape(b, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4))
+    if resample == "up":
+        return jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+    return x
+
+
 class ResnetBlock(nn.Module):
     """Norm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip.
 
-    ``train`` is positional so that `nn.remat` can mark it static (see `checkpointing.py`).
+    ``resample`` ``"down"`` / ``"up"``: the block is a resampler (diffusers' ResnetDownsample
+    blocks): both paths are pooled / upsampled after the first norm. ``skip_time_act``: the
+    embedding enters the projection without SiLU. ``train`` is positional so that `nn.remat` can
+    mark it static (see `checkpointing.py`).
     """
 
     in_ch: int
@@ -216,6 +139,8 @@ class ResnetBlock(nn.Module):
     output_scale: float = 1.0
     norm: str = "group"
     momentum: float = 0.1
+    skip_time_act: bool = False
+    resample: str = "none"
 
     def setup(self) -> None:
         self.norm1 = norm_layer(self.in_ch, self.norm, self.groups, self.eps, self.momentum)
@@ -227,8 +152,10 @@ class ResnetBlock(nn.Module):
         self.conv_shortcut = conv1x1(self.out_ch) if self.in_ch != self.out_ch else None
 
     def __call__(self, x: Array, temb: Array, train: bool = False) -> Array:
-        h = self.conv1(norm_act(self.norm1, x, train, silu=True))
-        t = self.time_emb_proj(nn.silu(temb))[:, None, None, :]  # (B, 1, 1, C): broadcast over H, W
+        h = norm_act(self.norm1, x, train, silu=True)
+        x, h = _resample(x, self.resample), _resample(h, self.resample)
+        h = self.conv1(h)
+        t = self.time_emb_proj(temb if self.skip_time_act else nn.silu(temb))[:, None, None, :]  # (B, 1, 1, C)
         if self.scale_shift:
             h = norm_act(self.norm2, h, train, silu=True, film=tuple(jnp.split(t, 2, axis=-1)))
         else:
@@ -265,8 +192,8 @@ class SelfAttention(nn.Module):
         self.to_q, self.to_k, self.to_v = (dense(inner) for _ in range(3))
         self.to_out = dense(self.ch)
 
-    def __call__(self, x: Array, context: Array | None = None) -> Array:
-        del context  # same call signature as Transformer2D; plain self-attention ignores it
+    def __call__(self, x: Array, context: Array | None = None, mask: Mask = None) -> Array:
+        del context, mask  # same call signature as Transformer2D; plain self-attention ignores them
         scale = self.scale or self.head_dim**-0.5
         h = _tokens(x if self.group_norm is None else norm_act(self.group_norm, x))
         h = attention(self.to_q(h), self.to_k(h), self.to_v(h), self.heads, scale, self.query_chunk)
@@ -291,11 +218,13 @@ class CrossAttention(nn.Module):
         self.to_v = dense(self.dim, use_bias=False)
         self.to_out = dense(self.dim)
 
-    def __call__(self, x: Array, context: Array | None = None) -> Array:
+    def __call__(self, x: Array, context: Array | None = None, mask: Mask = None) -> Array:
+        """``mask``: a (B, 1, 1, L) score bias over the context (`mask_bias`); only with ``context``."""
         ctx = x if context is None else context
         scale = self.scale or (self.dim // self.heads) ** -0.5
         q, k, v = self.to_q(x), self.to_k(ctx), self.to_v(ctx)
-        return self.to_out(attention(q, k, v, self.heads, scale, self.query_chunk))
+        bias = mask if context is not None else None
+        return self.to_out(attention(q, k, v, self.heads, scale, self.query_chunk, bias))
 
 
 class FeedForward(nn.Module):
@@ -351,10 +280,10 @@ class TransformerBlock(nn.Module):
         self.norm3 = layer_norm(self.eps)
         self.ff = FeedForward(self.dim)
 
-    def __call__(self, x: Array, context: Array | None) -> Array:
+    def __call__(self, x: Array, context: Array | None, mask: Mask = None) -> Array:
         x = self.attn1(norm_act(self.norm1, x)) + x
         if self.attn2 is not None:
-            x = self.attn2(norm_act(self.norm2, x), context) + x
+            x = self.attn2(norm_act(self.norm2, x), context, mask) + x
         return self.ff(norm_act(self.norm3, x)) + x
 
 
@@ -392,11 +321,11 @@ class Transformer2D(nn.Module):
         ]
         self.proj_out = project(self.ch)
 
-    def __call__(self, x: Array, context: Array | None) -> Array:
+    def __call__(self, x: Array, context: Array | None, mask: Mask = None) -> Array:
         # In NHWC the projections commute with flattening, so one order serves both variants.
         h = _tokens(self.proj_in(norm_act(self.norm, x)))  # (B, H*W, inner)
         for block in self.transformer_blocks:
-            h = block(h, context)
+            h = block(h, context, mask)
         return self.proj_out(h.reshape(*x.shape[:3], -1)) + x  # (B, H, W, inner) -> (B, H, W, C)
 
 
@@ -409,7 +338,8 @@ class Downsample(nn.Module):
     def setup(self) -> None:
         self.conv = Conv(self.ch, (3, 3), strides=(2, 2), padding=PAD_1 if self.padding == 1 else "VALID")
 
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, temb: Array | None = None, train: bool = False) -> Array:
+        del temb, train  # the call signature of a resampling ResnetBlock
         if self.padding == 0:
             x = jnp.pad(x, ((0, 0), (0, 1), (0, 1), (0, 0)))
         return self.conv(x)
@@ -423,10 +353,19 @@ class Upsample(nn.Module):
     def setup(self) -> None:
         self.conv = conv3x3(self.ch)
 
-    def __call__(self, x: Array) -> Array:
-        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)  # (B, 2H, 2W, C)
-        return self.conv(x)
+    def __call__(self, x: Array, temb: Array | None = None, train: bool = False) -> Array:
+        del temb, train  # the call signature of a resampling ResnetBlock
+        return self.conv(_resample(x, "up"))  # (B, 2H, 2W, C)
 
 
-# Attention kinds of the spec -> layer class; the same keys as in `torch_impl/layers.py`.
+def mask_bias(mask: Array | None, dtype: jnp.dtype) -> Array | None:
+    """A (B, L) context mask (1 keep, 0 drop; bool or float) -> the (B, 1, 1, L) score bias diffusers
+    adds, ``(1 - mask) * -10000`` (not -inf: a fully masked row stays finite, as there)."""
+    if mask is None:
+        return None
+    return ((1 - mask.astype(dtype)) * -10000.0)[:, None, None, :]
+
+
+# Attention kinds of the spec -> layer class; the same keys as in `torch_impl/layers.py` (the U-Net adds
+# ``simple_cross``, `jax_impl.added_layers.SimpleCrossAttention`).
 ATTENTION: dict[str, type[nn.Module]] = {"self": SelfAttention, "transformer": Transformer2D}

@@ -15,14 +15,17 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jax_impl.added_layers import ImageProjection, ImageTimeEmbedding, SimpleCrossAttention
 from jax_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
 from jax_impl.checkpointing import remat_class
 from jax_impl.layers import (
     ATTENTION,
     CLASS_EMBEDDING,
+    Dense,
     ResnetBlock,
     TimestepEmbedding,
     conv3x3,
+    mask_bias,
     norm_act,
     norm_layer,
     timestep_embedding,
@@ -30,11 +33,11 @@ from jax_impl.layers import (
 from shared_configs import CheckpointPlan, UNetSpec, block_names, layer_names, load_spec, resolve_plan
 from shared_configs.arch import (
     attention_args,
+    block_resnet_args,
     class_embedding_args,
     down_blocks,
     kwargs,
     norm_args,
-    resnet_args,
     up_blocks,
 )
 from shared_configs.controlnet import add_residuals
@@ -42,6 +45,8 @@ from shared_configs.inputs import check_inputs, input_specs
 
 Array = jax.Array
 PolicyArg = str | tuple[str, ...] | CheckpointPlan | None
+# Attention kinds of the spec -> layer class; the same keys as in `torch_impl/unet.py`.
+ATTENTION_LAYERS: dict[str, type[nn.Module]] = {**ATTENTION, "simple_cross": SimpleCrossAttention}
 
 
 @functools.cache
@@ -81,20 +86,34 @@ class UNetTrunk(nn.Module):
             raise ValueError(f"attention_chunk: expected a positive number of queries or None, got {chunk!r}")
         chans = spec.block_out_channels
         self.conv_in = conv3x3(chans[0])
-        self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim)
-        args = class_embedding_args(spec)
-        self.class_embedding = None if args is None else CLASS_EMBEDDING[args.kind](args)
-        add = spec.addition_embedding
-        self.add_embedding = None if add is None else TimestepEmbedding(add.input_dim, spec.time_embed_dim)
+        self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim, spec.time_embedding.cond_dim)
+        self._conditioning_layers()
         self.down = self._down_path(plan)
         scale = spec.mid_block_scale_factor
         self.mid = remat_class(MidBlock, "mid", plan)(
             chans[-1],
-            self._resnet_factory(scale),
+            self._resnet_factory("mid"),
             self._attention_factory(spec.mid_attention, -1, "mid", scale),
             unit="mid",
             plan=plan,
         )
+
+    @nn.nowrap
+    def _conditioning_layers(self) -> None:
+        """Class, text_time and image embeddings and the context's projection, under diffusers' names."""
+        spec, img = self.trunk_spec, self.trunk_spec.image_embedding
+        args = class_embedding_args(spec)
+        self.class_embedding = None if args is None else CLASS_EMBEDDING[args.kind](args)
+        add, self.add_embedding, self.encoder_hid_proj = spec.addition_embedding, None, None
+        if add is not None:
+            self.add_embedding = TimestepEmbedding(add.input_dim, spec.time_embed_dim)
+        if img is not None and img.add_to_time:
+            self.add_embedding = ImageTimeEmbedding(img.input_dim, spec.time_embed_dim, img.norm_eps)
+        if img is not None and img.context_tokens is not None:
+            self.encoder_hid_proj = ImageProjection(img.input_dim, spec.cross_attention_dim, img.context_tokens,
+                                                    img.norm_eps)  # fmt: skip
+        elif spec.context_proj_dim is not None:
+            self.encoder_hid_proj = Dense(spec.cross_attention_dim)
 
     @nn.nowrap
     def _down_path(self, plan: CheckpointPlan) -> list[DownBlock]:
@@ -104,9 +123,10 @@ class UNetTrunk(nn.Module):
                 b.in_ch,
                 b.out_ch,
                 spec.layers_per_block,
-                self._resnet_factory(1.0),
+                self._resnet_factory(b.name),
                 self._attention_factory(b.attention, b.level, b.name),
                 b.downsample_padding,
+                b.resnet_resample,
                 unit=b.name,
                 plan=plan,
             )
@@ -114,8 +134,8 @@ class UNetTrunk(nn.Module):
         ]
 
     @nn.nowrap
-    def _resnet_factory(self, output_scale: float) -> functools.partial:
-        return functools.partial(ResnetBlock, **kwargs(resnet_args(self.trunk_spec, output_scale)))
+    def _resnet_factory(self, block: str) -> functools.partial:
+        return functools.partial(ResnetBlock, **kwargs(block_resnet_args(self.trunk_spec, block)))
 
     @nn.nowrap
     def _attention_factory(
@@ -125,22 +145,32 @@ class UNetTrunk(nn.Module):
             return None
         args = attention_args(self.trunk_spec, kind, level, block, output_scale)
         return functools.partial(
-            ATTENTION[kind], **kwargs(args), query_chunk=self.attention_chunk, lora_rank=self.lora_rank
+            ATTENTION_LAYERS[kind], **kwargs(args), query_chunk=self.attention_chunk, lora_rank=self.lora_rank
         )
 
     def _encode(
-        self, x: Array, temb: Array, context: Array | None, train: bool, hint: Array | None = None
-    ) -> tuple[Array, list[Array]]:
+        self, x: Array, temb: Array, context: Array | None, train: bool, hint: Array | None = None,
+        mask: Array | None = None,
+    ) -> tuple[Array, list[Array]]:  # fmt: skip
         """``conv_in`` (plus ``hint``, the ControlNet's conditioning), the down path and the middle
-        block: the middle block's output and the skips, in the order they were pushed."""
+        block: the middle block's output and the skips, in the order they were pushed. ``mask``: the
+        context's score bias (`jax_impl.layers.mask_bias`)."""
         h = self.conv_in(x)
         if hint is not None:
             h = h + hint
         skips = [h]
         for block in self.down:
-            skips += block(h, temb, context, train)  # positional: `train` is static under remat
+            skips += block(h, temb, context, mask, train)  # positional: `train` is static under remat
             h = skips[-1]
-        return self.mid(h, temb, context, train), skips
+        return self.mid(h, temb, context, mask, train), skips
+
+    def _context(self, context: Array | None, image_embeds: Array | None) -> Array | None:
+        """The cross-attention context: the input, projected (``context_proj_dim``), or made from
+        ``image_embeds`` (``image_embedding.context_tokens``), as diffusers' ``encoder_hid_proj``."""
+        img = self.trunk_spec.image_embedding
+        if img is not None and img.context_tokens is not None:
+            return self.encoder_hid_proj(image_embeds)
+        return context if self.trunk_spec.context_proj_dim is None else self.encoder_hid_proj(context)
 
     def _sinusoids(self, values: Array, dim: int) -> Array:
         te = self.trunk_spec.time_embedding
@@ -148,14 +178,15 @@ class UNetTrunk(nn.Module):
 
     def _embedding(
         self, x: Array, t: Array | float, class_labels: Array | None, text_embeds: Array | None,
-        time_ids: Array | None,
+        time_ids: Array | None, timestep_cond: Array | None = None, image_embeds: Array | None = None,
     ) -> Array:  # fmt: skip
-        """The embedding every ResNet receives: time, plus class and text_time conditioning as diffusers adds them."""
+        """The embedding every ResNet receives: time (with LCM's ``timestep_cond``), plus class, text_time
+        and image conditioning as diffusers adds them."""
         s, dtype = self.trunk_spec, x.dtype
         t = jnp.broadcast_to(jnp.asarray(t), (x.shape[0],))
         # The sinusoids are float32 whatever ``t`` is; in x's dtype (a no-op for float32), so that a
         # bf16 forward stays bf16: float32 temb added to bf16 activations would promote the rest.
-        temb = self.time_embedding(self._sinusoids(t, s.block_out_channels[0]).astype(dtype))
+        temb = self.time_embedding(self._sinusoids(t, s.block_out_channels[0]).astype(dtype), timestep_cond)
         if (ce := s.class_embedding) is not None:
             labels = class_labels
             if ce.kind == "timestep":
@@ -165,13 +196,16 @@ class UNetTrunk(nn.Module):
         if (add := s.addition_embedding) is not None:
             ids = self._sinusoids(time_ids.reshape(-1), add.time_id_dim).reshape(x.shape[0], -1)  # (B, N * dim)
             temb = temb + self.add_embedding(jnp.concatenate([text_embeds, ids], axis=-1).astype(dtype))
+        if (img := s.image_embedding) is not None and img.add_to_time:
+            temb = temb + self.add_embedding(image_embeds)
         return temb
 
 
 class UNet(UNetTrunk):
     """Diffusion U-Net on NHWC input: ``apply(variables, x, t, context=None, class_labels=None,
     text_embeds=None, time_ids=None, down_block_additional_residuals=None, mid_block_additional_residual=None,
-    train=False)`` (`shared_configs.inputs`: which inputs a spec takes).
+    timestep_cond=None, image_embeds=None, encoder_attention_mask=None, train=False)``
+    (`shared_configs.inputs`: which inputs a spec takes).
 
     Attributes:
         spec: the architecture, a `UNetSpec` or a preset name (``"tiny"``).
@@ -221,9 +255,10 @@ class UNet(UNetTrunk):
                 b.in_ch,
                 b.out_ch,
                 b.skip_channels,
-                self._resnet_factory(1.0),
+                self._resnet_factory(b.name),
                 self._attention_factory(b.attention, b.level, b.name),
                 add_upsample=b.upsample,
+                resnet_resample=b.resnet_resample,
                 unit=b.name,
                 plan=plan,
             )
@@ -240,6 +275,9 @@ class UNet(UNetTrunk):
         time_ids: Array | None = None,
         down_block_additional_residuals: Sequence[Array] | None = None,
         mid_block_additional_residual: Array | None = None,
+        timestep_cond: Array | None = None,
+        image_embeds: Array | None = None,
+        encoder_attention_mask: Array | None = None,
         train: bool = False,
     ) -> Array:
         """Predict the noise (or whatever the spec was trained on) for NHWC ``x`` at timesteps ``t``.
@@ -249,19 +287,23 @@ class UNet(UNetTrunk):
         anything else is a one-line `ValueError`. ``down_block_additional_residuals`` (NHWC, one per
         skip, a ControlNet's) are added to the skips after the down path and
         ``mid_block_additional_residual`` to the middle block's output, as diffusers adds them.
-        ``train=True`` (by keyword) turns dropout on (rng ``"dropout"``) and, with ``norm_kind:
-        batch``, normalises with batch statistics and updates ``"batch_stats"`` (pass
-        ``mutable=["batch_stats"]``).
+        ``timestep_cond``, ``image_embeds`` and ``encoder_attention_mask`` (B, L: 1 keeps a context
+        token, 0 masks it) are diffusers' inputs of the same names. ``train=True`` (by keyword) turns
+        dropout on (rng ``"dropout"``) and, with ``norm_kind: batch``, normalises with batch statistics
+        and updates ``"batch_stats"`` (pass ``mutable=["batch_stats"]``).
         """
         spec = self.resolved_spec
         conditioning = {"context": context, "class_labels": class_labels, "text_embeds": text_embeds}
-        check_inputs(spec, "NHWC", x, t, **conditioning, time_ids=time_ids)
-        temb = self._embedding(x, t, class_labels, text_embeds, time_ids)
-        h, skips = self._encode(x, temb, context, train)
+        added = {"timestep_cond": timestep_cond, "image_embeds": image_embeds}
+        check_inputs(spec, "NHWC", x, t, **conditioning, time_ids=time_ids, **added,
+                     encoder_attention_mask=encoder_attention_mask)  # fmt: skip
+        temb = self._embedding(x, t, class_labels, text_embeds, time_ids, timestep_cond, image_embeds)
+        context, mask = self._context(context, image_embeds), mask_bias(encoder_attention_mask, x.dtype)
+        h, skips = self._encode(x, temb, context, train, mask=mask)
         h, skips = add_residuals(spec, h, skips, down_block_additional_residuals, mid_block_additional_residual)
         for block in self.up:
             count = len(block.skip_channels)
-            h = block(h, tuple(skips[-count:]), temb, context, train)
+            h = block(h, tuple(skips[-count:]), temb, context, mask, train)
             del skips[-count:]
         return self.conv_out(norm_act(self.conv_norm_out, h, train, silu=True))
 

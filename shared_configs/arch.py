@@ -24,11 +24,12 @@ class BlockArgs:
     name: str  # the plan's name: "down.1", "up.0", ...
     in_ch: int
     out_ch: int
-    attention: str  # "none" | "self" | "transformer"
+    attention: str  # "none" | "self" | "transformer" | "simple_cross"
     level: int  # resolution level (0 = full); selects the number of heads
     skip_channels: tuple[int, ...] = ()  # up blocks: skips in the order they are consumed
     downsample_padding: int | None = None  # down blocks: None on the deepest level
     upsample: bool = False
+    resnet_resample: bool = False  # a ResNet down/upsamples (spec.resampler == "resnet"), not a conv
 
 
 def down_blocks(spec: UNetSpec) -> list[BlockArgs]:
@@ -41,6 +42,7 @@ def down_blocks(spec: UNetSpec) -> list[BlockArgs]:
             attn,
             i,
             downsample_padding=None if i == n - 1 else spec.downsample_padding,
+            resnet_resample=spec.resampler == "resnet",
         )
         for i, attn in enumerate(spec.down_attention)
     ]
@@ -56,7 +58,14 @@ def up_blocks(spec: UNetSpec) -> list[BlockArgs]:
         mine, skips = skips[-count:], skips[:-count]
         blocks.append(
             BlockArgs(
-                f"up.{i}", prev, chans[level], attn, level, skip_channels=tuple(reversed(mine)), upsample=level > 0
+                f"up.{i}",
+                prev,
+                chans[level],
+                attn,
+                level,
+                skip_channels=tuple(reversed(mine)),
+                upsample=level > 0,
+                resnet_resample=spec.resampler == "resnet",
             )
         )
         prev = chans[level]
@@ -93,6 +102,7 @@ class ResnetArgs:
     dropout_rate: float
     scale_shift: bool
     output_scale: float
+    skip_time_act: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,21 @@ class TransformerArgs:
     linear_projection: bool
 
 
+ADDED_KV_NORM_EPS = 1e-5  # diffusers' Attention builds its GroupNorms with this eps, whatever norm_eps is
+
+
+@dataclass(frozen=True)
+class SimpleCrossAttentionArgs:
+    """``SimpleCrossAttention``'s arguments after the channels (diffusers' added-KV ``Attention``)."""
+
+    heads: int
+    head_dim: int
+    groups: int
+    eps: float
+    context_dim: int
+    context_groups: int | None  # GroupNorm over the context (None: none)
+
+
 @dataclass(frozen=True)
 class ClassEmbeddingArgs:
     """The class embedding layer (`shared_configs.spec.ClassEmbeddingSpec`), into width ``dim``."""
@@ -133,7 +158,7 @@ class ClassEmbeddingArgs:
     input_dim: int | None
 
 
-LayerArgs = NormArgs | ResnetArgs | SelfAttentionArgs | TransformerArgs
+LayerArgs = NormArgs | ResnetArgs | SelfAttentionArgs | TransformerArgs | SimpleCrossAttentionArgs
 
 
 def kwargs(args: LayerArgs) -> dict[str, Any]:
@@ -145,7 +170,19 @@ def norm_args(spec: UNetSpec) -> NormArgs:
     return NormArgs(spec.norm_kind, spec.norm_num_groups, spec.norm_eps, spec.norm_momentum)
 
 
-def resnet_args(spec: UNetSpec, output_scale: float = 1.0) -> ResnetArgs:
+def block_resnet_args(spec: UNetSpec, block: str) -> ResnetArgs:
+    """The ResNets of ``block`` (``down.1``, ``mid``, ``up.0``): diffusers' ResnetDownsample / SimpleCrossAttn
+    blocks give theirs ``resnet_out_scale_factor`` and ``resnet_skip_time_act``, a SimpleCrossAttn middle
+    block the latter; other middle blocks divide by ``mid_block_scale_factor``."""
+    if block == "mid":
+        skip = spec.resnet_skip_time_act and spec.mid_attention == "simple_cross"
+        return resnet_args(spec, spec.mid_block_scale_factor, skip)
+    if spec.resampler == "resnet":
+        return resnet_args(spec, spec.resnet_out_scale_factor, spec.resnet_skip_time_act)
+    return resnet_args(spec)
+
+
+def resnet_args(spec: UNetSpec, output_scale: float = 1.0, skip_time_act: bool = False) -> ResnetArgs:
     norm = norm_args(spec)
     return ResnetArgs(
         temb_dim=spec.block_temb_dim,
@@ -156,14 +193,20 @@ def resnet_args(spec: UNetSpec, output_scale: float = 1.0) -> ResnetArgs:
         dropout_rate=spec.dropout,
         scale_shift=spec.resnet_time_scale_shift == "scale_shift",
         output_scale=output_scale,
+        skip_time_act=skip_time_act,
     )
 
 
 def attention_args(
     spec: UNetSpec, kind: str, level: int, block: str, output_scale: float = 1.0
-) -> SelfAttentionArgs | TransformerArgs:
+) -> SelfAttentionArgs | TransformerArgs | SimpleCrossAttentionArgs:
     """The attention layer ``kind`` of ``block`` (``"down.1"``, ``"mid"``, ...) at ``level`` (``-1``: the middle)."""
     heads, head_dim = spec.attention_shape(block, level)
+    if kind == "simple_cross":
+        assert spec.cross_attention_dim is not None  # the spec requires it
+        return SimpleCrossAttentionArgs(
+            heads, head_dim, spec.norm_num_groups, ADDED_KV_NORM_EPS, spec.cross_attention_dim, spec.context_norm_groups
+        )
     if kind == "self":
         groups = spec.norm_num_groups
         if level == -1 and spec.mid_attention_norm_groups is not None:

@@ -69,6 +69,18 @@ class ControlNetSpec(_Frozen):
     def _check(self) -> ControlNetSpec:
         if any(c <= 0 for c in self.conditioning_embedding_out_channels):
             raise SpecError("conditioning_embedding_out_channels: must be positive")
+        unet = self.unet
+        kinds = (*unet.down_attention, unet.mid_attention)
+        unsupported = {  # U-Net options diffusers' ControlNetModel has no counterpart of
+            "time_embedding.cond_dim": unet.time_embedding.cond_dim is not None,
+            "image_embedding": unet.image_embedding is not None,
+            "context_proj_dim": unet.context_proj_dim is not None,
+            "resampler": unet.resampler != "conv",
+            "down_attention/mid_attention": "simple_cross" in kinds,
+        }
+        for field, used in unsupported.items():
+            if used:
+                raise SpecError(f"unet.{field}: not supported in a ControlNet (diffusers' ControlNetModel has none)")
         return self
 
 

@@ -2,8 +2,8 @@
 
 Both U-Nets take the same inputs, by the same names, in the same order (`INPUT_NAMES`)::
 
-    torch_impl.UNet.forward(x, t, context=None, class_labels=None, text_embeds=None, time_ids=None)
-    jax_impl.UNet.__call__(x, t, context=None, class_labels=None, text_embeds=None, time_ids=None, train=False)
+    torch_impl.UNet.forward(x, t, context=None, class_labels=None, text_embeds=None, time_ids=None, ...)
+    jax_impl.UNet.__call__(x, t, context=None, class_labels=None, text_embeds=None, time_ids=None, ..., train=False)
 
 ``x`` is NCHW for torch and NHWC for Flax; every other input is the same in both. Which inputs a spec
 takes (None where it takes none):
@@ -13,12 +13,22 @@ input          shape                                  taken when
 =============  =====================================  ==============================================
 x              (B, C, H, W) / (B, H, W, C)            always; H and W divisible by 2**(levels-1)
 t              (B,) or a scalar                       always (timesteps; float or int)
-context        (B, L, cross_attention_dim)            ``cross_attention_dim`` is set
+context        (B, L, cross_attention_dim), or        ``cross_attention_dim`` is set, unless
+               (B, L, context_proj_dim)               ``image_embedding.context_tokens`` makes it
 class_labels   (B,) integers, or (B, D) vectors       ``class_embedding`` (ids for ``embedding`` /
                                                       ``timestep``; vectors for the other kinds)
 text_embeds    (B, D)                                 ``addition_embedding`` (SDXL ``text_time``)
 time_ids       (B, N), D + N * time_id_dim = input_dim  ``addition_embedding``
 =============  =====================================  ==============================================
+
+Beside these, diffusers' inputs of LCM and Kandinsky 2.2 keep their names (`EXTRA_INPUT_NAMES`, in
+`input_specs` only for the specs that take them, after `INPUT_NAMES`), and a context mask:
+
+======================  ==========================  ============================================
+timestep_cond           (B, time_embedding.cond_dim)  optional where ``time_embedding.cond_dim`` is set
+image_embeds            (B, input_dim)              ``image_embedding``
+encoder_attention_mask  (B, L), 1 keep / 0 mask     optional wherever an attention reads a context
+======================  ==========================  ============================================
 
 `input_specs` gives the shapes and dtypes (e.g. for ``jax.eval_shape`` / a meta-device model),
 `example_inputs` random arrays from a numpy Generator, `check_inputs` the one-line `ValueError`
@@ -35,6 +45,7 @@ import numpy as np
 from shared_configs.spec import UNetSpec
 
 INPUT_NAMES: tuple[str, ...] = ("x", "t", "context", "class_labels", "text_embeds", "time_ids")
+EXTRA_INPUT_NAMES: tuple[str, ...] = ("timestep_cond", "image_embeds")  # present only where the spec takes them
 LAYOUTS: tuple[str, ...] = ("NCHW", "NHWC")
 NUM_TIMESTEPS = 1000  # example timesteps (and `timestep` class ids) are drawn from [0, NUM_TIMESTEPS)
 
@@ -50,7 +61,8 @@ class InputSpec:
 def input_specs(
     spec: UNetSpec, batch: int = 1, sample_size: int | None = None, context_len: int = 77, layout: str = "NCHW"
 ) -> dict[str, InputSpec | None]:
-    """Every forward input of ``spec``, in `INPUT_NAMES` order; None for the ones it takes none of.
+    """Every forward input of ``spec``, in `INPUT_NAMES` order (None for the ones it takes none of), then
+    the `EXTRA_INPUT_NAMES` it takes.
 
     ``sample_size`` defaults to the spec's; ``context_len`` is the context's token count (77 for CLIP).
     """
@@ -60,14 +72,18 @@ def input_specs(
     x = (batch, spec.in_channels, size, size) if layout == "NCHW" else (batch, size, size, spec.in_channels)
     specs: dict[str, InputSpec | None] = dict.fromkeys(INPUT_NAMES)
     specs["x"], specs["t"] = InputSpec(x, f32), InputSpec((batch,), f32)
-    if spec.cross_attention_dim is not None:
-        specs["context"] = InputSpec((batch, context_len, spec.cross_attention_dim), f32)
+    if (width := spec.context_input_dim) is not None:
+        specs["context"] = InputSpec((batch, context_len, width), f32)
     if spec.class_embedding is not None:
         width = class_label_width(spec)
         specs["class_labels"] = InputSpec((batch,), "int32") if width is None else InputSpec((batch, width), f32)
     if (add := spec.addition_embedding) is not None:
         specs["text_embeds"] = InputSpec((batch, add.text_embeds_dim), f32)
         specs["time_ids"] = InputSpec((batch, add.num_time_ids), f32)
+    if (cond := spec.time_embedding.cond_dim) is not None:
+        specs["timestep_cond"] = InputSpec((batch, cond), f32)
+    if (img := spec.image_embedding) is not None:
+        specs["image_embeds"] = InputSpec((batch, img.input_dim), f32)
     return specs
 
 
@@ -132,10 +148,12 @@ def check_inputs(spec: UNetSpec, layout: str, x: Any, t: Any, **conditioning: An
     """Raise one `ValueError` naming the input, what ``spec`` expects and what came.
 
     Shapes only (cheap, and static under ``jit``): arrays of either framework, or Python numbers
-    for ``t``. ``conditioning``: context, class_labels, text_embeds, time_ids (None when absent).
+    for ``t``. ``conditioning``: context, class_labels, text_embeds, time_ids, and timestep_cond,
+    image_embeds, encoder_attention_mask (None when absent).
     """
     for name, value in {"x": x, **conditioning}.items():
-        if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "bool":  # `train` given positionally?
+        is_bool = isinstance(value, bool) or str(getattr(value, "dtype", "")) == "bool"
+        if is_bool and name != "encoder_attention_mask":  # `train` given positionally?
             raise ValueError(f"{name}: got a bool; pass train by keyword: apply(variables, x, t, ..., train=True)")
         if value is not None and not hasattr(value, "shape"):
             raise ValueError(f"{name}: expected an array, got {type(value).__name__} {value!r}")
@@ -144,10 +162,11 @@ def check_inputs(spec: UNetSpec, layout: str, x: Any, t: Any, **conditioning: An
     if t_shape not in ((), (batch,), (1,)):
         raise ValueError(f"t: expected a scalar or shape ({batch},) (one timestep per sample), got {t_shape}")
     wanted = input_specs(spec, batch, context_len=1)  # context length is free: checked below without it
-    for name in INPUT_NAMES[2:]:
-        _check_optional(spec, name, wanted[name], conditioning.get(name))
+    for name in INPUT_NAMES[2:] + EXTRA_INPUT_NAMES:
+        _check_optional(spec, name, wanted.get(name), conditioning.get(name))
     if spec.addition_embedding is not None:
         _check_text_time(spec, conditioning["text_embeds"].shape, conditioning["time_ids"].shape)
+    _check_mask(spec, batch, conditioning.get("context"), conditioning.get("encoder_attention_mask"))
 
 
 def _check_x(spec: UNetSpec, layout: str, shape: tuple[int, ...]) -> int:
@@ -176,7 +195,10 @@ _NEEDS = {
     "class_labels": ("class_embedding", "a class embedding"),
     "text_embeds": ("addition_embedding", "text_time conditioning"),
     "time_ids": ("addition_embedding", "text_time conditioning"),
+    "timestep_cond": ("time_embedding.cond_dim", "a timestep condition"),
+    "image_embeds": ("image_embedding", "image conditioning"),
 }
+OPTIONAL = ("timestep_cond",)  # taken, but may be None (diffusers then adds nothing)
 # Dimensions an input may size freely (named as in the messages): the context's token count, and
 # text_embeds / time_ids widths, which are checked together (`_check_text_time`).
 _FREE: dict[str, dict[int, str]] = {"context": {1: "L"}, "text_embeds": {1: "D"}, "time_ids": {1: "N"}}
@@ -185,8 +207,12 @@ _FREE: dict[str, dict[int, str]] = {"context": {1: "L"}, "text_embeds": {1: "D"}
 def _check_optional(spec: UNetSpec, name: str, want: InputSpec | None, value: Any) -> None:
     field, what = _NEEDS[name]
     if want is None and value is not None:
-        raise ValueError(f"{name}: spec {spec.name!r} takes none ({field} is not set); pass {name}=None")
-    if want is None:
+        if name == "context" and spec.cross_attention_dim is not None:
+            field = "image_embedding.context_tokens makes it from image_embeds"
+        else:
+            field += " is not set"
+        raise ValueError(f"{name}: spec {spec.name!r} takes none ({field}); pass {name}=None")
+    if want is None or (value is None and name in OPTIONAL):
         return
     free = _FREE.get(name, {})
     shape = "(" + ", ".join(["B", *(free.get(i, str(s)) for i, s in enumerate(want.shape) if i)]) + ")"
@@ -202,6 +228,21 @@ def _check_optional(spec: UNetSpec, name: str, want: InputSpec | None, value: An
     dtype = str(value.dtype).removeprefix("torch.")  # torch.int64 / numpy and jax int64 alike
     if want.dtype == "int32" and "int" not in dtype:
         raise ValueError(f"{name}: expected integer class ids of shape {shape}, got dtype {dtype}")
+
+
+def _check_mask(spec: UNetSpec, batch: int, context: Any, mask: Any) -> None:
+    """``encoder_attention_mask``: (B, L) over the context's L tokens, where an attention reads one."""
+    if mask is None:
+        return
+    if not spec.reads_context:
+        raise ValueError(f"encoder_attention_mask: spec {spec.name!r} has no attention over a context; pass None")
+    img = spec.image_embedding
+    tokens = img.context_tokens if img is not None and img.context_tokens is not None else context.shape[1]
+    if tuple(mask.shape) != (batch, tokens):
+        raise ValueError(
+            f"encoder_attention_mask: expected shape ({batch}, {tokens}) (one entry per context token), "
+            f"got {tuple(mask.shape)}"
+        )
 
 
 def _check_text_time(spec: UNetSpec, text: tuple[int, ...], ids: tuple[int, ...]) -> None:

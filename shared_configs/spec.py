@@ -33,8 +33,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
-AttentionKind = Literal["none", "self", "transformer"]
-ATTENTION_KINDS: tuple[str, ...] = ("none", "self", "transformer")
+# simple_cross: diffusers' SimpleCrossAttn blocks (Kandinsky 2.2, DeepFloyd IF, UnCLIP): one attention over
+# the context's added key/value projections and the block's own tokens.
+AttentionKind = Literal["none", "self", "transformer", "simple_cross"]
+ATTENTION_KINDS: tuple[str, ...] = ("none", "self", "transformer", "simple_cross")
+CONTEXT_KINDS: tuple[str, ...] = ("transformer", "simple_cross")  # the attentions that read the context
 NormKind = Literal["group", "batch"]
 NORM_KINDS: tuple[str, ...] = ("group", "batch")
 ClassEmbeddingKind = Literal["embedding", "timestep", "identity", "projection", "simple_projection"]
@@ -58,6 +61,9 @@ class TimeEmbeddingSpec(_Frozen):
     freq_shift: Float = 0.0
     max_period: Float = Field(default=10000.0, gt=0)
     dim: Int | None = Field(default=None, gt=0, description="MLP width; default 4 * channels[0]")
+    cond_dim: Int | None = Field(
+        default=None, gt=0, description="width of timestep_cond, projected onto the sinusoids (LCM; time_cond_proj_dim)"
+    )
 
 
 class ClassEmbeddingSpec(_Frozen):
@@ -120,6 +126,27 @@ class AdditionEmbeddingSpec(_Frozen):
         return self
 
 
+class ImageEmbeddingSpec(_Frozen):
+    """Conditioning on an image embedding ``image_embeds`` (B, ``input_dim``), as Kandinsky 2.2's decoder:
+
+    * ``add_to_time`` (diffusers ``addition_embed_type: image``): a Linear to the time embedding's
+      width and a LayerNorm, added to the time embedding;
+    * ``context_tokens`` (``encoder_hid_dim_type: image_proj``): a Linear to ``context_tokens`` x
+      ``cross_attention_dim`` and a LayerNorm make the cross-attention context (no ``context`` input then).
+    """
+
+    input_dim: Int = Field(gt=0, description="width of image_embeds (diffusers encoder_hid_dim)")
+    add_to_time: Bool = True
+    context_tokens: Int | None = Field(default=32, gt=0, description="None: the context is an input")
+    norm_eps: Float = Field(default=1e-5, gt=0, description="both LayerNorms")
+
+    @model_validator(mode="after")
+    def _check_use(self) -> ImageEmbeddingSpec:
+        _require(self.add_to_time or self.context_tokens is not None, "image_embedding", "neither used: set "
+                 "add_to_time or context_tokens")  # fmt: skip
+        return self
+
+
 class UNetSpec(_Frozen):
     """A diffusion U-Net, level by level. Lists run from the highest resolution down."""
 
@@ -166,6 +193,22 @@ class UNetSpec(_Frozen):
     layer_norm_eps: Float = Field(default=1e-5, gt=0, description="LayerNorms in transformers")
     dropout: Float = Field(default=0.0, ge=0.0, lt=1.0)
     resnet_time_scale_shift: Literal["default", "scale_shift"] = "default"
+    resampler: Literal["conv", "resnet"] = Field(
+        default="conv", description="resnet: a ResNet down/upsamples between levels (diffusers' ResnetDownsample, "
+        "SimpleCrossAttn blocks)",
+    )  # fmt: skip
+    resnet_skip_time_act: Bool = Field(default=False, description="no SiLU on the embedding in the resampler="
+                                       "resnet blocks' and a simple_cross middle block's ResNets")  # fmt: skip
+    resnet_out_scale_factor: Float = Field(default=1.0, gt=0, description="output divisor of resampler=resnet "
+                                           "blocks' ResNets")  # fmt: skip
+    context_norm_groups: Int | None = Field(
+        default=None, gt=0, description="simple_cross: GroupNorm of this many groups over the context (diffusers "
+        "cross_attention_norm: group_norm, 32)",
+    )  # fmt: skip
+    context_proj_dim: Int | None = Field(
+        default=None, gt=0, description="context input width, projected to cross_attention_dim by a Linear "
+        "(diffusers encoder_hid_dim_type: text_proj)",
+    )  # fmt: skip
     downsample_padding: Int = Field(default=1, ge=0, le=1)
     mid_block_scale_factor: Float = Field(default=1.0, gt=0)
     time_embedding: TimeEmbeddingSpec = TimeEmbeddingSpec()
@@ -173,6 +216,7 @@ class UNetSpec(_Frozen):
     addition_embedding: AdditionEmbeddingSpec | None = Field(
         default=None, description="SDXL text_time conditioning (text_embeds, time_ids)"
     )
+    image_embedding: ImageEmbeddingSpec | None = Field(default=None, description="image_embeds conditioning")
     checkpoint: str | tuple[str, ...] | None = Field(
         default=None, description="default checkpoint policy (see shared_configs.plan)"
     )
@@ -190,6 +234,21 @@ class UNetSpec(_Frozen):
         """Width of the embedding the ResNets receive: doubled when class embeddings are concatenated."""
         concat = self.class_embedding is not None and self.class_embedding.concat
         return self.time_embed_dim * (2 if concat else 1)
+
+    @property
+    def reads_context(self) -> bool:
+        """Whether any attention reads a cross-attention context."""
+        kinds = (*self.down_attention, *self.up_attention_resolved, self.mid_attention)
+        return self.cross_attention_dim is not None and any(k in CONTEXT_KINDS for k in kinds)
+
+    @property
+    def context_input_dim(self) -> int | None:
+        """The width of the ``context`` input: None when the spec takes none (no cross-attention
+        width, or the context is made from ``image_embeds``)."""
+        img = self.image_embedding
+        if self.cross_attention_dim is None or (img is not None and img.context_tokens is not None):
+            return None
+        return self.context_proj_dim or self.cross_attention_dim
 
     @property
     def up_attention_resolved(self) -> tuple[str, ...]:
@@ -261,7 +320,35 @@ class UNetSpec(_Frozen):
             if level in self.attention_levels:
                 self._check_heads(level, ch)
         self._check_conditioning()
+        self._check_added_options()
         return self
+
+    def _check_added_options(self) -> None:
+        """The options of diffusers' Kandinsky / IF / LCM U-Nets: each only where something reads it."""
+        kinds = (*self.down_attention, *self.up_attention_resolved, self.mid_attention)
+        simple = "simple_cross" in kinds
+        _require(not simple or self.cross_attention_dim is not None, "cross_attention_dim", "required by simple_cross")
+        skip_readers = self.resampler == "resnet" or self.mid_attention == "simple_cross"
+        _require(not self.resnet_skip_time_act or skip_readers, "resnet_skip_time_act",
+                 "only read with resampler: resnet or mid_attention: simple_cross")  # fmt: skip
+        _require(self.resnet_out_scale_factor == 1.0 or self.resampler == "resnet", "resnet_out_scale_factor",
+                 "only read with resampler: resnet")  # fmt: skip
+        if (groups := self.context_norm_groups) is not None:
+            _require(simple, "context_norm_groups", "only read by simple_cross attention")
+            _require(self.cross_attention_dim % groups == 0, "context_norm_groups",
+                     f"cross_attention_dim={self.cross_attention_dim} is not divisible by {groups} groups")  # fmt: skip
+        img = self.image_embedding
+        makes_context = img is not None and img.context_tokens is not None
+        projects = self.context_proj_dim is not None
+        for field, used in (("context_proj_dim", projects), ("image_embedding", makes_context)):
+            _require(not used or self.cross_attention_dim is not None, field, "needs cross_attention_dim")
+        _require(not (makes_context and projects), "context_proj_dim",
+                 "cannot be combined with image_embedding.context_tokens (one context projection)")  # fmt: skip
+        if img is not None and img.add_to_time:
+            _require(self.addition_embedding is None, "image_embedding.add_to_time",
+                     "cannot be combined with addition_embedding (one addition embedding)")  # fmt: skip
+            _require(self.class_embedding is None or not self.class_embedding.concat, "class_embedding.concat",
+                     "cannot be combined with image_embedding.add_to_time")  # fmt: skip
 
     def _check_block_heads(self) -> None:
         n, names = self.num_levels, [name for name, _, _ in self.block_heads]

@@ -167,6 +167,10 @@ def diffusers_forward(model: Any, inputs: dict[str, Any]) -> Any:
         kwargs["encoder_hidden_states"] = inputs.get("context")
         if inputs.get("text_embeds") is not None:
             kwargs["added_cond_kwargs"] = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]}
+        if inputs.get("image_embeds") is not None:
+            kwargs["added_cond_kwargs"] = {"image_embeds": inputs["image_embeds"]}
+        for name in ("timestep_cond", "encoder_attention_mask"):
+            kwargs[name] = inputs.get(name)
     with torch.no_grad():
         return model(inputs["x"], inputs["t"], **kwargs).sample
 

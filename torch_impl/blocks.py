@@ -13,13 +13,15 @@ from torch import nn
 
 from torch_impl.layers import Downsample, Upsample
 
-ResnetFactory = Callable[[int, int], nn.Module]  # (in_ch, out_ch) -> ResnetBlock
-AttentionFactory = Callable[[int], nn.Module]  # ch -> SelfAttention | Transformer2D
+ResnetFactory = Callable[..., nn.Module]  # (in_ch, out_ch, resample="none") -> ResnetBlock
+AttentionFactory = Callable[[int], nn.Module]  # ch -> SelfAttention | Transformer2D | SimpleCrossAttention
 Context = torch.Tensor | None
+Mask = torch.Tensor | None  # the context mask as a score bias (`torch_impl.layers.mask_bias`)
 
 
 class DownBlock(nn.Module):
-    """``layers`` ResNets (each followed by attention if any), then an optional downsample."""
+    """``layers`` ResNets (each followed by attention if any), then an optional downsample: a strided
+    conv, or with ``resnet_resample`` a ResNet that pools (diffusers' ResnetDownsample blocks)."""
 
     def __init__(
         self,
@@ -29,22 +31,28 @@ class DownBlock(nn.Module):
         make_resnet: ResnetFactory,
         make_attention: AttentionFactory | None,
         downsample_padding: int | None,
+        resnet_resample: bool = False,
     ) -> None:
         super().__init__()
         self.resnets = nn.ModuleList(make_resnet(in_ch if j == 0 else out_ch, out_ch) for j in range(layers))
         self.attentions = nn.ModuleList(make_attention(out_ch) for _ in range(layers)) if make_attention else None
-        self.downsample = Downsample(out_ch, downsample_padding) if downsample_padding is not None else None
+        self.downsample = None
+        if downsample_padding is not None:
+            pad, resnet = downsample_padding, resnet_resample
+            self.downsample = make_resnet(out_ch, out_ch, resample="down") if resnet else Downsample(out_ch, pad)
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, context: Context) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, x: torch.Tensor, temb: torch.Tensor, context: Context, mask: Mask = None
+    ) -> tuple[torch.Tensor, ...]:
         """Returns the skips of this level; the last one is the block's output."""
         skips = []
         for j, resnet in enumerate(self.resnets):
             x = resnet(x, temb)
             if self.attentions is not None:
-                x = self.attentions[j](x, context)
+                x = self.attentions[j](x, context, mask)
             skips.append(x)
         if self.downsample is not None:
-            skips.append(self.downsample(x))
+            skips.append(self.downsample(x, temb))
         return tuple(skips)
 
 
@@ -56,15 +64,16 @@ class MidBlock(nn.Module):
         self.resnets = nn.ModuleList([make_resnet(ch, ch), make_resnet(ch, ch)])
         self.attentions = nn.ModuleList([make_attention(ch)]) if make_attention else None
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, context: Context) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, context: Context, mask: Mask = None) -> torch.Tensor:
         x = self.resnets[0](x, temb)
         if self.attentions is not None:
-            x = self.attentions[0](x, context)
+            x = self.attentions[0](x, context, mask)
         return self.resnets[1](x, temb)
 
 
 class UpBlock(nn.Module):
-    """One ResNet per skip it consumes (input concatenated with the skip), then upsample."""
+    """One ResNet per skip it consumes (input concatenated with the skip), then upsample: nearest and a
+    conv, or with ``resnet_resample`` a ResNet that upsamples (diffusers' ResnetUpsample blocks)."""
 
     def __init__(
         self,
@@ -74,19 +83,22 @@ class UpBlock(nn.Module):
         make_resnet: ResnetFactory,
         make_attention: AttentionFactory | None,
         upsample: bool,
+        resnet_resample: bool = False,
     ) -> None:
         super().__init__()
         ins = [in_ch] + [out_ch] * (len(skip_channels) - 1)
         self.resnets = nn.ModuleList(make_resnet(i + s, out_ch) for i, s in zip(ins, skip_channels, strict=True))
         self.attentions = nn.ModuleList(make_attention(out_ch) for _ in skip_channels) if make_attention else None
-        self.upsample = Upsample(out_ch) if upsample else None
+        self.upsample = None
+        if upsample:
+            self.upsample = make_resnet(out_ch, out_ch, resample="up") if resnet_resample else Upsample(out_ch)
 
     def forward(
-        self, x: torch.Tensor, skips: Sequence[torch.Tensor], temb: torch.Tensor, context: Context
+        self, x: torch.Tensor, skips: Sequence[torch.Tensor], temb: torch.Tensor, context: Context, mask: Mask = None
     ) -> torch.Tensor:
         """``skips`` in the order they were produced; consumed last first."""
         for j, resnet in enumerate(self.resnets):
             x = resnet(torch.cat([x, skips[-1 - j]], dim=1), temb)
             if self.attentions is not None:
-                x = self.attentions[j](x, context)
-        return self.upsample(x) if self.upsample is not None else x
+                x = self.attentions[j](x, context, mask)
+        return self.upsample(x, temb) if self.upsample is not None else x

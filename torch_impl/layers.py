@@ -5,6 +5,7 @@ Each layer takes only the numbers it needs; the U-Net assembly (`unet.py`) reads
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -13,6 +14,8 @@ from einops import rearrange
 from torch import nn
 
 from shared_configs.arch import ClassEmbeddingArgs, timestep_frequencies
+
+Mask = torch.Tensor | None  # a context mask as a score bias (`mask_bias`)
 
 
 def timestep_embedding(
@@ -46,14 +49,18 @@ def norm_layer(ch: int, norm: str, groups: int, eps: float, momentum: float) -> 
 
 
 class TimestepEmbedding(nn.Module):
-    """Two-layer MLP on the sinusoidal features."""
+    """Two-layer MLP on the sinusoidal features; with ``cond_dim``, ``cond`` (LCM's guidance
+    embedding, ``timestep_cond``) is projected onto the features first (no bias, as diffusers)."""
 
-    def __init__(self, in_dim: int, dim: int) -> None:
+    def __init__(self, in_dim: int, dim: int, cond_dim: int | None = None) -> None:
         super().__init__()
         self.linear_1 = nn.Linear(in_dim, dim)
+        self.cond_proj = nn.Linear(cond_dim, in_dim, bias=False) if cond_dim else None
         self.linear_2 = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
+        if cond is not None and self.cond_proj is not None:
+            x = x + self.cond_proj(cond)
         return self.linear_2(F.silu(self.linear_1(x)))
 
 
@@ -69,10 +76,22 @@ CLASS_EMBEDDING: dict[str, Callable[[ClassEmbeddingArgs], nn.Module | None]] = {
 }
 
 
+def _resampler(resample: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A ResNet that resamples (diffusers' ``down=True`` / ``up=True``): 2x2 average pool or nearest 2x."""
+    if resample == "down":
+        return functools.partial(F.avg_pool2d, kernel_size=2, stride=2)
+    if resample == "up":
+        return functools.partial(F.interpolate, scale_factor=2.0, mode="nearest")
+    return None
+
+
 class ResnetBlock(nn.Module):
     """Norm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip.
 
     The norm is a GroupNorm (``norm="group"``) or a BatchNorm (``norm="batch"``, see `NORM`).
+    ``resample`` ``"down"`` / ``"up"``: the block is a resampler (diffusers' ResnetDownsample
+    blocks): both paths are pooled / upsampled after the first norm. ``skip_time_act``: the
+    embedding enters the projection without SiLU.
     """
 
     def __init__(
@@ -87,9 +106,12 @@ class ResnetBlock(nn.Module):
         output_scale: float = 1.0,
         norm: str = "group",
         momentum: float = 0.1,
+        skip_time_act: bool = False,
+        resample: str = "none",
     ) -> None:
         super().__init__()
-        self.scale_shift, self.output_scale = scale_shift, output_scale
+        self.scale_shift, self.output_scale, self.skip_time_act = scale_shift, output_scale, skip_time_act
+        self.resample = _resampler(resample)
         self.norm1 = norm_layer(in_ch, norm, groups, eps, momentum)
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
         self.time_emb_proj = nn.Linear(temb_dim, out_ch * (2 if scale_shift else 1))
@@ -99,8 +121,11 @@ class ResnetBlock(nn.Module):
         self.conv_shortcut = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else None
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
-        t = self.time_emb_proj(F.silu(temb))[:, :, None, None]
+        h = F.silu(self.norm1(x))
+        if self.resample is not None:
+            x, h = self.resample(x), self.resample(h)
+        h = self.conv1(h)
+        t = self.time_emb_proj(temb if self.skip_time_act else F.silu(temb))[:, :, None, None]
         if self.scale_shift:
             scale, shift = t.chunk(2, dim=1)
             h = self.norm2(h) * (1 + scale) + shift
@@ -111,10 +136,13 @@ class ResnetBlock(nn.Module):
         return (skip + h) / self.output_scale
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
-    """Multi-head attention on (B, T, heads*D) tensors."""
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, scale: float, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Multi-head attention on (B, T, heads*D) tensors; ``bias`` (B, 1, 1, S) is added to the scores
+    (a context mask, `mask_bias`)."""
     q, k, v = (rearrange(a, "b t (n d) -> b n t d", n=heads) for a in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     return rearrange(out, "b n t d -> b t (n d)")
 
 
@@ -142,8 +170,8 @@ class SelfAttention(nn.Module):
         self.to_q, self.to_k, self.to_v = (nn.Linear(ch, inner) for _ in range(3))
         self.to_out = nn.Linear(inner, ch)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        del context  # same call signature as Transformer2D; plain self-attention ignores it
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, mask: Mask = None) -> torch.Tensor:
+        del context, mask  # same call signature as Transformer2D; plain self-attention ignores them
         height = x.shape[2]
         h = x if self.group_norm is None else self.group_norm(x)
         h = rearrange(h, "b c h w -> b (h w) c")
@@ -165,9 +193,11 @@ class CrossAttention(nn.Module):
         self.to_v = nn.Linear(kv_dim, dim, bias=False)
         self.to_out = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, mask: Mask = None) -> torch.Tensor:
+        """``mask``: a (B, 1, 1, L) score bias over the context (`mask_bias`); only with ``context``."""
         ctx = x if context is None else context
-        return self.to_out(attention(self.to_q(x), self.to_k(ctx), self.to_v(ctx), self.heads, self.scale))
+        q, k, v = self.to_q(x), self.to_k(ctx), self.to_v(ctx)
+        return self.to_out(attention(q, k, v, self.heads, self.scale, mask if context is not None else None))
 
 
 class FeedForward(nn.Module):
@@ -195,10 +225,10 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim, eps=eps)
         self.ff = FeedForward(dim)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None, mask: Mask = None) -> torch.Tensor:
         x = self.attn1(self.norm1(x)) + x
         if self.attn2 is not None:
-            x = self.attn2(self.norm2(x), context) + x
+            x = self.attn2(self.norm2(x), context, mask) + x
         return self.ff(self.norm3(x)) + x
 
 
@@ -231,7 +261,7 @@ class Transformer2D(nn.Module):
         )
         self.proj_out = nn.Linear(inner, ch) if linear_projection else nn.Conv2d(inner, ch, 1)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None, mask: Mask = None) -> torch.Tensor:
         height = x.shape[2]
         h = self.norm(x)
         if not self.linear_projection:
@@ -240,7 +270,7 @@ class Transformer2D(nn.Module):
         if self.linear_projection:
             h = self.proj_in(h)
         for block in self.transformer_blocks:
-            h = block(h, context)
+            h = block(h, context, mask)
         if self.linear_projection:
             h = self.proj_out(h)
         h = rearrange(h, "b (h w) c -> b c h w", h=height)
@@ -257,7 +287,8 @@ class Downsample(nn.Module):
         self.padding = padding
         self.conv = nn.Conv2d(ch, ch, 3, stride=2, padding=padding)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, temb: torch.Tensor | None = None) -> torch.Tensor:
+        del temb  # the call signature of a resampling ResnetBlock
         if self.padding == 0:
             x = F.pad(x, (0, 1, 0, 1))
         return self.conv(x)
@@ -270,9 +301,19 @@ class Upsample(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(ch, ch, 3, padding=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, temb: torch.Tensor | None = None) -> torch.Tensor:
+        del temb  # the call signature of a resampling ResnetBlock
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
-# Attention kinds of the spec -> layer class; the same keys as in `jax_impl/layers.py`.
+def mask_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A (B, L) context mask (1 keep, 0 drop; bool or float) -> the (B, 1, 1, L) score bias diffusers
+    adds, ``(1 - mask) * -10000`` (not -inf: a fully masked row stays finite, as there)."""
+    if mask is None:
+        return None
+    return ((1 - mask.to(dtype)) * -10000.0)[:, None, None, :]
+
+
+# Attention kinds of the spec -> layer class; the same keys as in `jax_impl/layers.py` (the U-Net adds
+# ``simple_cross``, `torch_impl.added_layers.SimpleCrossAttention`).
 ATTENTION: dict[str, type[nn.Module]] = {"self": SelfAttention, "transformer": Transformer2D}

@@ -14,16 +14,17 @@ from torch import nn
 from shared_configs import CheckpointPlan, UNetSpec, block_names, layer_names, load_spec, resolve_plan
 from shared_configs.arch import (
     attention_args,
+    block_resnet_args,
     class_embedding_args,
     down_blocks,
     kwargs,
     norm_args,
-    resnet_args,
     up_blocks,
 )
 from shared_configs.controlnet import add_residuals
 from shared_configs.inputs import check_inputs
 from shared_configs.plan import Policy
+from torch_impl.added_layers import ImageProjection, ImageTimeEmbedding, SimpleCrossAttention
 from torch_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
 from torch_impl.checkpointing import apply_plan, remove_plan
 from torch_impl.layers import (
@@ -31,11 +32,14 @@ from torch_impl.layers import (
     CLASS_EMBEDDING,
     ResnetBlock,
     TimestepEmbedding,
+    mask_bias,
     norm_layer,
     timestep_embedding,
 )
 
 Tensor = torch.Tensor
+# Attention kinds of the spec -> layer class; the same keys as in `jax_impl/unet.py`.
+ATTENTION_LAYERS: dict[str, type[nn.Module]] = {**ATTENTION, "simple_cross": SimpleCrossAttention}
 
 
 class UNetTrunk(nn.Module):
@@ -68,34 +72,43 @@ class UNetTrunk(nn.Module):
         spec = self.trunk_spec
         chans = spec.block_out_channels
         self.conv_in = nn.Conv2d(spec.in_channels, chans[0], 3, padding=1)
-        self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim)
+        self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim, spec.time_embedding.cond_dim)
         self._conditioning_layers()
-        resnet = self._resnet_factory(1.0)
         self.down = nn.ModuleList(
             DownBlock(
                 b.in_ch,
                 b.out_ch,
                 spec.layers_per_block,
-                resnet,
+                self._resnet_factory(b.name),
                 self._attention_factory(b.attention, b.level, b.name),
                 b.downsample_padding,
+                b.resnet_resample,
             )
             for b in down_blocks(spec)
         )
         scale = spec.mid_block_scale_factor
         self.mid = MidBlock(
-            chans[-1], self._resnet_factory(scale), self._attention_factory(spec.mid_attention, -1, "mid", scale)
+            chans[-1], self._resnet_factory("mid"), self._attention_factory(spec.mid_attention, -1, "mid", scale)
         )
 
     def _conditioning_layers(self) -> None:
-        """Class and text_time embeddings, under diffusers' names (only when the spec has them)."""
-        if (args := class_embedding_args(self.trunk_spec)) is not None:
+        """Class, text_time and image embeddings and the context's projection, under diffusers' names
+        (only when the spec has them)."""
+        spec = self.trunk_spec
+        if (args := class_embedding_args(spec)) is not None:
             self.class_embedding = CLASS_EMBEDDING[args.kind](args)
-        if (add := self.trunk_spec.addition_embedding) is not None:
-            self.add_embedding = TimestepEmbedding(add.input_dim, self.trunk_spec.time_embed_dim)
+        if (add := spec.addition_embedding) is not None:
+            self.add_embedding = TimestepEmbedding(add.input_dim, spec.time_embed_dim)
+        if (img := spec.image_embedding) is not None and img.add_to_time:
+            self.add_embedding = ImageTimeEmbedding(img.input_dim, spec.time_embed_dim, img.norm_eps)
+        if img is not None and img.context_tokens is not None:
+            self.encoder_hid_proj = ImageProjection(img.input_dim, spec.cross_attention_dim, img.context_tokens,
+                                                    img.norm_eps)  # fmt: skip
+        elif spec.context_proj_dim is not None:
+            self.encoder_hid_proj = nn.Linear(spec.context_proj_dim, spec.cross_attention_dim)
 
-    def _resnet_factory(self, output_scale: float) -> functools.partial:
-        return functools.partial(ResnetBlock, **kwargs(resnet_args(self.trunk_spec, output_scale)))
+    def _resnet_factory(self, block: str) -> functools.partial:
+        return functools.partial(ResnetBlock, **kwargs(block_resnet_args(self.trunk_spec, block)))
 
     def _attention_factory(
         self, kind: str, level: int, block: str, output_scale: float = 1.0
@@ -103,21 +116,30 @@ class UNetTrunk(nn.Module):
         if kind == "none":
             return None
         args = attention_args(self.trunk_spec, kind, level, block, output_scale)
-        return functools.partial(ATTENTION[kind], **kwargs(args))
+        return functools.partial(ATTENTION_LAYERS[kind], **kwargs(args))
 
     def _encode(
-        self, x: Tensor, temb: Tensor, context: Tensor | None, hint: Tensor | None = None
+        self, x: Tensor, temb: Tensor, context: Tensor | None, hint: Tensor | None = None, mask: Tensor | None = None
     ) -> tuple[Tensor, list[Tensor]]:
         """``conv_in`` (plus ``hint``, the ControlNet's conditioning), the down path and the middle
-        block: the middle block's output and the skips, in the order they were pushed."""
+        block: the middle block's output and the skips, in the order they were pushed. ``mask``: the
+        context's score bias (`torch_impl.layers.mask_bias`)."""
         h = self.conv_in(x)
         if hint is not None:
             h = h + hint
         skips = [h]
         for block in self.down:
-            skips += block(h, temb, context)
+            skips += block(h, temb, context, mask)
             h = skips[-1]
-        return self.mid(h, temb, context), skips
+        return self.mid(h, temb, context, mask), skips
+
+    def _context(self, context: Tensor | None, image_embeds: Tensor | None) -> Tensor | None:
+        """The cross-attention context: the input, projected (``context_proj_dim``), or made from
+        ``image_embeds`` (``image_embedding.context_tokens``), as diffusers' ``encoder_hid_proj``."""
+        img = self.trunk_spec.image_embedding
+        if img is not None and img.context_tokens is not None:
+            return self.encoder_hid_proj(image_embeds)
+        return context if self.trunk_spec.context_proj_dim is None else self.encoder_hid_proj(context)
 
     def _sinusoids(self, values: Tensor, dim: int) -> Tensor:
         te = self.trunk_spec.time_embedding
@@ -125,12 +147,14 @@ class UNetTrunk(nn.Module):
 
     def _embedding(
         self, x: Tensor, t: Tensor | float, class_labels: Tensor | None, text_embeds: Tensor | None,
-        time_ids: Tensor | None,
+        time_ids: Tensor | None, timestep_cond: Tensor | None = None, image_embeds: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
-        """The embedding every ResNet receives: time, plus class and text_time conditioning as diffusers adds them."""
+        """The embedding every ResNet receives: time (with LCM's ``timestep_cond``), plus class, text_time
+        and image conditioning as diffusers adds them."""
         s, dtype = self.trunk_spec, x.dtype
         t = torch.as_tensor(t, device=x.device).expand(x.shape[0])
-        temb = self.time_embedding(self._sinusoids(t, s.block_out_channels[0]).to(dtype))  # sinusoids in float32
+        sinusoids = self._sinusoids(t, s.block_out_channels[0]).to(dtype)  # computed in float32
+        temb = self.time_embedding(sinusoids, timestep_cond)
         if (ce := s.class_embedding) is not None:
             labels = class_labels
             if ce.kind == "timestep":
@@ -140,13 +164,16 @@ class UNetTrunk(nn.Module):
         if (add := s.addition_embedding) is not None:
             ids = self._sinusoids(time_ids.flatten(), add.time_id_dim).reshape(x.shape[0], -1)  # (B, N * time_id_dim)
             temb = temb + self.add_embedding(torch.cat([text_embeds, ids], dim=-1).to(dtype))
+        if (img := s.image_embedding) is not None and img.add_to_time:
+            temb = temb + self.add_embedding(image_embeds)
         return temb
 
 
 class UNet(UNetTrunk):
     """Diffusion U-Net on NCHW input: ``forward(x, t, context=None, class_labels=None, text_embeds=None,
-    time_ids=None, down_block_additional_residuals=None, mid_block_additional_residual=None)`` (see
-    `shared_configs.inputs` for which inputs a spec takes).
+    time_ids=None, down_block_additional_residuals=None, mid_block_additional_residual=None,
+    timestep_cond=None, image_embeds=None, encoder_attention_mask=None)`` (see `shared_configs.inputs`
+    for which inputs a spec takes).
 
     ``policy`` (a policy string, block names or a `CheckpointPlan`; ``None``: the spec's own
     ``checkpoint`` field) is applied at construction, as ``jax_impl.UNet(policy=...)`` does;
@@ -162,9 +189,10 @@ class UNet(UNetTrunk):
                 b.in_ch,
                 b.out_ch,
                 b.skip_channels,
-                self._resnet_factory(1.0),
+                self._resnet_factory(b.name),
                 self._attention_factory(b.attention, b.level, b.name),
                 b.upsample,
+                b.resnet_resample,
             )
             for b in up_blocks(spec)
         )
@@ -189,6 +217,9 @@ class UNet(UNetTrunk):
         time_ids: Tensor | None = None,
         down_block_additional_residuals: Sequence[Tensor] | None = None,
         mid_block_additional_residual: Tensor | None = None,
+        timestep_cond: Tensor | None = None,
+        image_embeds: Tensor | None = None,
+        encoder_attention_mask: Tensor | None = None,
     ) -> Tensor:
         """Predict the noise (or whatever the spec was trained on) for NCHW ``x`` at timesteps ``t``.
 
@@ -197,18 +228,22 @@ class UNet(UNetTrunk):
         anything else is a one-line `ValueError`. ``down_block_additional_residuals`` (one per skip,
         in diffusers' order: a ControlNet's down residuals) are added to the skips after the down
         path, ``mid_block_additional_residual`` to the middle block's output, as diffusers'
-        ``UNet2DConditionModel`` adds them.
+        ``UNet2DConditionModel`` adds them. ``timestep_cond`` (B, time_embedding.cond_dim; optional, as
+        in diffusers), ``image_embeds`` (B, image_embedding.input_dim) and ``encoder_attention_mask``
+        (B, L: 1 keeps a context token, 0 masks it) are diffusers' inputs of the same names.
         """
         check_inputs(
             self.spec, "NCHW", x, t, context=context, class_labels=class_labels, text_embeds=text_embeds,
-            time_ids=time_ids,
+            time_ids=time_ids, timestep_cond=timestep_cond, image_embeds=image_embeds,
+            encoder_attention_mask=encoder_attention_mask,
         )  # fmt: skip
-        temb = self._embedding(x, t, class_labels, text_embeds, time_ids)
-        h, skips = self._encode(x, temb, context)
+        temb = self._embedding(x, t, class_labels, text_embeds, time_ids, timestep_cond, image_embeds)
+        context, mask = self._context(context, image_embeds), mask_bias(encoder_attention_mask, x.dtype)
+        h, skips = self._encode(x, temb, context, mask=mask)
         h, skips = add_residuals(self.spec, h, skips, down_block_additional_residuals, mid_block_additional_residual)
         for block in self.up:
             count = len(block.resnets)
-            h = block(h, skips[-count:], temb, context)
+            h = block(h, skips[-count:], temb, context, mask)
             del skips[-count:]
         return self.conv_out(F.silu(self.conv_norm_out(h)))
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shared_configs.diffusers.conditioning import conditioning_fields
 from shared_configs.loader import spec_from_dict
 from shared_configs.spec import SpecError, UNetSpec
 
@@ -60,35 +61,25 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
 FIXED: dict[str, tuple[Any, ...]] = {
     "center_input_sample": (False,), "time_embedding_type": ("positional",), "act_fn": ("silu",),
     "downsample_type": ("conv",), "upsample_type": ("conv",), "only_cross_attention": (False,),
-    "reverse_transformer_layers_per_block": (None,), "encoder_hid_dim": (None,), "encoder_hid_dim_type": (None,),
-    "num_attention_heads": (None,), "dual_cross_attention": (False,), "addition_embed_type": (None, "text_time"),
-    "time_embedding_act_fn": (None,), "timestep_post_act": (None,), "time_cond_proj_dim": (None,),
-    "conv_in_kernel": (3,), "conv_out_kernel": (3,), "attention_type": ("default",),
+    "reverse_transformer_layers_per_block": (None,), "num_attention_heads": (None,), "dual_cross_attention": (False,),
+    "time_embedding_act_fn": (None,), "timestep_post_act": (None,), "conv_in_kernel": (3,), "conv_out_kernel": (3,),
+    "attention_type": ("default",),
 }  # fmt: skip
 
-# Options only the blocks we refuse read (ResnetDownsample/SimpleCrossAttn blocks, the learned
-# time embedding, the text-conditioning head, UNetMidBlock2DSimpleCrossAttn): any value is fine.
-# (addition_time_embed_dim and projection_class_embeddings_input_dim are read only by the
-# embeddings that use them.)
-INERT: frozenset[str] = frozenset({
-    "resnet_skip_time_act", "resnet_out_scale_factor", "cross_attention_norm", "mid_block_only_cross_attention",
-    "addition_embed_type_num_heads", "num_train_timesteps",
-})  # fmt: skip
+# Options only layers we refuse or do not build read (the learned time embedding, the text-conditioning
+# head): any value is fine. (addition_time_embed_dim, projection_class_embeddings_input_dim and the
+# options of SimpleCrossAttn / ResnetDownsample blocks are read only where those are built, see `_family`.)
+INERT: frozenset[str] = frozenset({"addition_embed_type_num_heads", "num_train_timesteps"})
 
-# class_embed_type -> our kind, per class (diffusers builds no class embedding for any other value).
-CLASS_KINDS: dict[str, dict[str, str]] = {
-    "UNet2DModel": {"timestep": "timestep", "identity": "identity"},
-    "UNet2DConditionModel": {
-        "timestep": "timestep", "identity": "identity", "projection": "projection",
-        "simple_projection": "simple_projection",
-    },
-}  # fmt: skip
-SDXL_TIME_IDS = 6  # (original size, crop offset, target size) x (h, w): example inputs' split of text_time
+CONTEXT_NORM_GROUPS = 32  # diffusers' cross_attention_norm: group_norm (cross_attention_norm_num_groups, fixed)
 DOWN_BLOCKS: dict[str, str] = {"DownBlock2D": "none", "AttnDownBlock2D": "self", "CrossAttnDownBlock2D": "transformer"}
 UP_BLOCKS: dict[str, str] = {"UpBlock2D": "none", "AttnUpBlock2D": "self", "CrossAttnUpBlock2D": "transformer"}
+# The blocks whose resamplers are ResNets (Kandinsky 2.2, DeepFloyd IF, UnCLIP): spec `resampler: resnet`.
+RESNET_DOWN_BLOCKS: dict[str, str] = {"ResnetDownsampleBlock2D": "none", "SimpleCrossAttnDownBlock2D": "simple_cross"}
+RESNET_UP_BLOCKS: dict[str, str] = {"ResnetUpsampleBlock2D": "none", "SimpleCrossAttnUpBlock2D": "simple_cross"}
 MID_BLOCKS: dict[str, dict[str, str]] = {
     "UNet2DModel": {"UNetMidBlock2D": "self"},  # "none" with add_attention=False
-    "UNet2DConditionModel": {"UNetMidBlock2DCrossAttn": "transformer"},
+    "UNet2DConditionModel": {"UNetMidBlock2DCrossAttn": "transformer", "UNetMidBlock2DSimpleCrossAttn": "simple_cross"},
 }
 
 
@@ -114,10 +105,15 @@ def from_diffusers_config(config: Mapping[str, Any], *, name: str | None = None)
 def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
     """The spec fields, as a plain dict for `spec_from_dict` to validate."""
     n = len(cfg["block_out_channels"])
-    down, up = _kinds(cfg, "down_block_types", DOWN_BLOCKS, n), _kinds(cfg, "up_block_types", UP_BLOCKS, n)
+    resampler = _resampler(cfg, cls)
+    resnet = resampler == "resnet"
+    down = _kinds(cfg, "down_block_types", RESNET_DOWN_BLOCKS if resnet else DOWN_BLOCKS, n)
+    up = _kinds(cfg, "up_block_types", RESNET_UP_BLOCKS if resnet else UP_BLOCKS, n)
     mid, mid_groups = _mid(cfg, cls)
     if cls == "UNet2DModel" and "transformer" in (*down, *up):
         raise SpecError("down_block_types/up_block_types: CrossAttn*Block2D needs a UNet2DConditionModel")
+    conditioning = conditioning_fields(cfg, cls)
+    cond_dim = conditioning.pop("time_embedding_cond_dim", None)
     data: dict[str, Any] = {
         "in_channels": cfg["in_channels"],
         "out_channels": cfg["out_channels"],
@@ -139,9 +135,10 @@ def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
             "flip_sin_to_cos": cfg["flip_sin_to_cos"],
             "freq_shift": cfg["freq_shift"],
             "dim": cfg["time_embedding_dim"],
+            "cond_dim": cond_dim,
         },
-        "class_embedding": _class_embedding(cfg, cls),
-        "addition_embedding": _addition_embedding(cfg),
+        **conditioning,
+        **_family(cfg, resampler, mid),
     }
     if cls == "UNet2DConditionModel":
         data["cross_attention_dim"] = _uniform(cfg, "cross_attention_dim", n)
@@ -184,6 +181,46 @@ def _refuse_unsupported(cfg: Mapping[str, Any]) -> None:
         )
 
 
+def _resampler(cfg: Mapping[str, Any], cls: str) -> str:
+    """``resnet`` when every down and up block is a ResnetDownsample / SimpleCrossAttn block (diffusers'
+    ``resnet_out_scale_factor`` and ``resnet_skip_time_act`` then apply to them all), else ``conv``."""
+    types = [*cfg["down_block_types"], *cfg["up_block_types"]]
+    family = [t in RESNET_DOWN_BLOCKS or t in RESNET_UP_BLOCKS for t in types]
+    if not any(family):
+        return "conv"
+    if cls != "UNet2DConditionModel" or not all(family):
+        raise SpecError(
+            "down_block_types/up_block_types: ResnetDownsample/ResnetUpsample/SimpleCrossAttn blocks are supported "
+            f"in a UNet2DConditionModel whose blocks are all of them, got {types}"
+        )
+    return "resnet"
+
+
+def _family(cfg: Mapping[str, Any], resampler: str, mid: str) -> dict[str, Any]:
+    """The options only ResnetDownsample / SimpleCrossAttn blocks read, where they are built (else inert)."""
+    out: dict[str, Any] = {"resampler": resampler}
+    if resampler == "resnet":
+        out["resnet_out_scale_factor"] = float(cfg["resnet_out_scale_factor"])
+    if resampler == "resnet" or mid == "simple_cross":
+        out["resnet_skip_time_act"] = cfg["resnet_skip_time_act"]
+    simple = "simple_cross" in (*_plain_kinds(cfg), mid)  # only a UNet2DConditionModel builds them
+    if simple and cfg["cross_attention_norm"] not in (None, "group_norm"):
+        raise SpecError(
+            f"cross_attention_norm: {cfg['cross_attention_norm']!r} unsupported for SimpleCrossAttn blocks "
+            "(supported: None, 'group_norm')"
+        )
+    if simple and cfg["cross_attention_norm"] == "group_norm":
+        out["context_norm_groups"] = CONTEXT_NORM_GROUPS
+    if mid == "simple_cross" and cfg["mid_block_only_cross_attention"]:
+        raise SpecError("mid_block_only_cross_attention: True unsupported (supported: None, False)")
+    return out
+
+
+def _plain_kinds(cfg: Mapping[str, Any]) -> list[str | None]:
+    tables = {**DOWN_BLOCKS, **UP_BLOCKS, **RESNET_DOWN_BLOCKS, **RESNET_UP_BLOCKS}
+    return [tables.get(t) for t in (*cfg["down_block_types"], *cfg["up_block_types"])]
+
+
 def _kinds(cfg: Mapping[str, Any], key: str, table: dict[str, str], n: int) -> list[str]:
     types = list(cfg[key])
     if len(types) != n:
@@ -209,55 +246,6 @@ def _mid(cfg: Mapping[str, Any], cls: str) -> tuple[str, int | None]:
     if groups is None:
         groups = cfg["norm_num_groups"] if cfg["resnet_time_scale_shift"] == "default" else 0
     return "self", None if groups == cfg["norm_num_groups"] else groups
-
-
-def _class_embedding(cfg: Mapping[str, Any], cls: str) -> dict[str, Any] | None:
-    """diffusers' class embedding: ``num_class_embeds`` alone is a table; ``class_embed_type`` wins over it."""
-    name, concat = cfg["class_embed_type"], cfg.get("class_embeddings_concat", False)
-    if name is None:
-        kind = None if cfg["num_class_embeds"] is None else "embedding"
-    else:
-        kind = CLASS_KINDS[cls].get(name)
-        if kind is None:
-            warnings.warn(
-                f"class_embed_type={name!r}: diffusers' {cls} builds no class embedding for it; neither do we",
-                stacklevel=4,
-            )
-    if kind is None:
-        if concat:
-            raise SpecError(
-                "class_embeddings_concat: True without a class embedding (diffusers sizes the ResNets for a "
-                "concatenated embedding that never comes, and fails in the forward)"
-            )
-        return None
-    data: dict[str, Any] = {"kind": kind, "concat": concat}
-    if kind == "embedding":
-        data["num_classes"] = cfg["num_class_embeds"]
-    if kind in ("projection", "simple_projection"):
-        data["input_dim"] = _required(cfg, "projection_class_embeddings_input_dim", f"class_embed_type={name!r}")
-    return data
-
-
-def _addition_embedding(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
-    """SDXL's text_time embedding; how example inputs split its input width (SDXL: 6 time ids) is ours."""
-    if cfg.get("addition_embed_type") is None:  # UNet2DModel has none
-        return None
-    why = "addition_embed_type='text_time'"
-    time_dim = _required(cfg, "addition_time_embed_dim", why)
-    width = _required(cfg, "projection_class_embeddings_input_dim", why)
-    count = min(SDXL_TIME_IDS, (width - 1) // time_dim)
-    if count < 1:
-        raise SpecError(
-            f"projection_class_embeddings_input_dim: {width} leaves no text_embeds width beside one time id of "
-            f"addition_time_embed_dim={time_dim}"
-        )
-    return {"kind": "text_time", "time_id_dim": time_dim, "input_dim": width, "num_time_ids": count}
-
-
-def _required(cfg: Mapping[str, Any], key: str, why: str) -> Any:
-    if cfg[key] is None:
-        raise SpecError(f"{key}: required by {why}")
-    return cfg[key]
 
 
 def _uniform(cfg: Mapping[str, Any], key: str, n: int) -> int:
@@ -323,7 +311,7 @@ def _head_shape(cfg: Mapping[str, Any], cls: str, kind: str, ch: int, level: int
     head for its Attn*Block2D, which (a diffusers quirk) read the un-reversed list in the up path."""
     value = cfg["attention_head_dim"]
     per_level = list(value) if isinstance(value, list | tuple) else [value] * len(cfg["block_out_channels"])
-    if cls == "UNet2DConditionModel" and kind == "transformer":
+    if cls == "UNet2DConditionModel" and kind == "transformer":  # (SimpleCrossAttn blocks read head sizes)
         heads = per_level[level]
         if heads is None or ch // heads == 0:
             raise SpecError(f"attention_head_dim: {ch} channels do not make {heads} heads")

@@ -63,6 +63,8 @@ def controlnet_from_diffusers_config(config: Mapping[str, Any], *, name: str | N
     unknown = sorted(k for k in options if k not in OWN and k not in SHARED)
     if unknown:
         raise SpecError(f"{unknown[0]}: unknown {CLASS} option (not in diffusers 0.42's signature); refusing it")
+    if options.get("encoder_hid_dim") is not None or options.get("encoder_hid_dim_type") is not None:
+        raise SpecError(f"encoder_hid_dim(_type): a context projection is not supported for {CLASS}")
     if options.get("class_embed_type") not in CLASS_EMBED_TYPES:
         raise SpecError(
             f"class_embed_type: {options['class_embed_type']!r} unsupported for {CLASS} "

@@ -13,11 +13,25 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from shared_configs.diffusers.config import from_diffusers_config
-from shared_configs.spec import SpecError, UNetSpec
+from shared_configs.diffusers.conditioning import IMAGE_PROJ_TOKENS
+from shared_configs.diffusers.config import (
+    DOWN_BLOCKS,
+    MID_BLOCKS,
+    RESNET_DOWN_BLOCKS,
+    RESNET_UP_BLOCKS,
+    UP_BLOCKS,
+    from_diffusers_config,
+)
+from shared_configs.spec import CONTEXT_KINDS, SpecError, UNetSpec
 
-DOWN_TYPES = {"none": "DownBlock2D", "self": "AttnDownBlock2D", "transformer": "CrossAttnDownBlock2D"}
-UP_TYPES = {"none": "UpBlock2D", "self": "AttnUpBlock2D", "transformer": "CrossAttnUpBlock2D"}
+
+# (resampler, attention kind) -> diffusers' block type: the inverse of config's tables.
+def _inverse(conv: dict[str, str], resnet: dict[str, str]) -> dict[tuple[str, str], str]:
+    return {("conv", k): t for t, k in conv.items()} | {("resnet", k): t for t, k in resnet.items()}
+
+
+DOWN_TYPES, UP_TYPES = _inverse(DOWN_BLOCKS, RESNET_DOWN_BLOCKS), _inverse(UP_BLOCKS, RESNET_UP_BLOCKS)
+MID_TYPES = {k: t for t, k in MID_BLOCKS["UNet2DConditionModel"].items()}
 DIFFUSERS_VERSION = "0.42.1"  # the diffusers whose signatures `shared_configs.diffusers.folders` mirrors
 
 
@@ -26,7 +40,9 @@ def to_diffusers_config(spec: UNetSpec) -> dict[str, Any]:
 
     Raises `SpecError` naming the first spec field diffusers cannot express.
     """
-    conditional = "transformer" in (*spec.down_attention, *spec.up_attention_resolved, spec.mid_attention)
+    kinds = (*spec.down_attention, *spec.up_attention_resolved, spec.mid_attention)
+    only_conditional = spec.time_embedding.cond_dim, spec.image_embedding, spec.context_proj_dim, spec.resampler
+    conditional = any(k in CONTEXT_KINDS for k in kinds) or only_conditional != (None, None, None, "conv")
     config = _conditional(spec) if conditional else _pixel(spec)
     _check_round_trip(spec, config)
     return config
@@ -41,8 +57,8 @@ def _common(spec: UNetSpec, cls: str) -> dict[str, Any]:
         "sample_size": spec.sample_size,
         "block_out_channels": list(spec.block_out_channels),
         "layers_per_block": spec.layers_per_block,
-        "down_block_types": [DOWN_TYPES[k] for k in spec.down_attention],
-        "up_block_types": [UP_TYPES[k] for k in spec.up_attention_resolved],
+        "down_block_types": [_block_type(DOWN_TYPES, spec, k) for k in spec.down_attention],
+        "up_block_types": [_block_type(UP_TYPES, spec, k) for k in spec.up_attention_resolved],
         "norm_num_groups": spec.norm_num_groups,
         "norm_eps": spec.norm_eps,
         "dropout": spec.dropout,
@@ -54,6 +70,12 @@ def _common(spec: UNetSpec, cls: str) -> dict[str, Any]:
         "time_embedding_dim": spec.time_embedding.dim,
         **_conditioning(spec),
     }
+
+
+def _block_type(table: dict[tuple[str, str], str], spec: UNetSpec, kind: str) -> str:
+    """The block type of ``kind`` among ``spec.resampler``'s blocks; a pair diffusers lacks takes the other
+    resampler's type (the round trip then refuses it, naming the field)."""
+    return table.get((spec.resampler, kind)) or table[("resnet" if spec.resampler == "conv" else "conv", kind)]
 
 
 def _conditioning(spec: UNetSpec) -> dict[str, Any]:
@@ -72,6 +94,34 @@ def _conditioning(spec: UNetSpec) -> dict[str, Any]:
         out["addition_embed_type"] = add.kind
         out["addition_time_embed_dim"] = add.time_id_dim
         out["projection_class_embeddings_input_dim"] = add.input_dim
+    return out
+
+
+def _added_options(spec: UNetSpec) -> dict[str, Any]:
+    """LCM's timestep condition, the context projection and image conditioning (Kandinsky 2.2), and the
+    options of the ResNet-resampled blocks, in diffusers' names (only those set)."""
+    out: dict[str, Any] = {}
+    if spec.time_embedding.cond_dim is not None:
+        out["time_cond_proj_dim"] = spec.time_embedding.cond_dim
+    if spec.context_proj_dim is not None:
+        out |= {"encoder_hid_dim_type": "text_proj", "encoder_hid_dim": spec.context_proj_dim}
+    if (img := spec.image_embedding) is not None:
+        out["encoder_hid_dim"] = img.input_dim
+        if img.add_to_time:
+            out["addition_embed_type"] = "image"
+        if img.context_tokens is not None:
+            out["encoder_hid_dim_type"] = "image_proj"
+            if img.context_tokens != IMAGE_PROJ_TOKENS:
+                raise SpecError(
+                    f"spec {spec.name!r} has no diffusers equivalent: image_embedding.context_tokens="
+                    f"{img.context_tokens} (diffusers' ImageProjection makes {IMAGE_PROJ_TOKENS})"
+                )
+    if spec.resnet_skip_time_act:
+        out["resnet_skip_time_act"] = True
+    if spec.resnet_out_scale_factor != 1.0:
+        out["resnet_out_scale_factor"] = spec.resnet_out_scale_factor
+    if spec.context_norm_groups is not None:
+        out["cross_attention_norm"] = "group_norm"  # CONTEXT_NORM_GROUPS: other counts fail the round trip
     return out
 
 
@@ -100,13 +150,14 @@ def _mid_groups(spec: UNetSpec) -> int | None:
 
 def _conditional(spec: UNetSpec) -> dict[str, Any]:
     """UNet2DConditionModel: per-level heads for transformers; channels per head for Attn*Block2D."""
-    if spec.mid_attention != "transformer":
+    if spec.mid_attention not in MID_TYPES:
         raise SpecError(
             f"mid_attention: {spec.mid_attention!r} beside Transformer2D levels has no diffusers equivalent "
-            "(UNet2DConditionModel's middle block is UNetMidBlock2DCrossAttn: mid_attention 'transformer')"
+            "(UNet2DConditionModel's middle blocks: UNetMidBlock2DCrossAttn, mid_attention 'transformer'; "
+            "UNetMidBlock2DSimpleCrossAttn, 'simple_cross')"
         )
-    return _common(spec, "UNet2DConditionModel") | {
-        "mid_block_type": "UNetMidBlock2DCrossAttn",
+    return _common(spec, "UNet2DConditionModel") | _added_options(spec) | {
+        "mid_block_type": MID_TYPES[spec.mid_attention],
         "attention_head_dim": _plain(_conditional_heads(spec)),
         "cross_attention_dim": spec.cross_attention_dim,
         "transformer_layers_per_block": _plain(spec.transformer_layers_per_block),

@@ -1,0 +1,92 @@
+"""Norms of the Flax U-Net: GroupNorm / LayerNorm with their outputs tagged ``"norm"`` for remat
+policies (see `jax_impl.layers`), the spec's ResNet norm kinds, and `norm_act`, a norm recomputed in
+the backward pass. Re-exported by `jax_impl.layers`, whose layers use them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
+
+Array = jax.Array
+
+
+class GroupNorm(nn.GroupNorm):
+    """`nn.GroupNorm` with its output tagged ``"norm"``."""
+
+    def __call__(self, x: Array, *args: object, **kwargs: object) -> Array:
+        return checkpoint_name(super().__call__(x, *args, **kwargs), "norm")
+
+
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` with its output tagged ``"norm"``."""
+
+    def __call__(self, x: Array, *args: object, **kwargs: object) -> Array:
+        return checkpoint_name(super().__call__(x, *args, **kwargs), "norm")
+
+
+def group_norm(groups: int, eps: float) -> nn.GroupNorm:
+    # use_fast_variance=False: E[(x - mean)^2] as torch, not E[x^2] - mean^2 (cancels badly).
+    return GroupNorm(num_groups=groups, epsilon=eps, use_fast_variance=False)
+
+
+def batch_norm(eps: float, momentum: float) -> nn.BatchNorm:
+    # ``momentum`` is torch's (weight of the new batch); Flax's is the weight of the old average.
+    # Running statistics live in the "batch_stats" collection; train mode is chosen per call.
+    return nn.BatchNorm(momentum=1.0 - momentum, epsilon=eps, use_fast_variance=False)
+
+
+# Norm kinds of the spec -> constructor (groups, eps, momentum); the same keys as in torch.
+NORM: dict[str, Callable[[int, float, float], nn.Module]] = {
+    "group": lambda groups, eps, momentum: group_norm(groups, eps),
+    "batch": lambda groups, eps, momentum: batch_norm(eps, momentum),
+}
+
+
+def norm_layer(ch: int, norm: str, groups: int, eps: float, momentum: float) -> nn.Module:
+    """The ResNet / output norm of kind ``norm`` (``shared_configs.arch.norm_kwargs``).
+
+    ``ch`` is inferred by Flax from the input; it stays in the signature to mirror torch.
+    """
+    del ch
+    return NORM[norm](groups, eps, momentum)
+
+
+def apply_norm(norm: nn.Module, x: Array, train: bool) -> Array:
+    """Call a `norm_layer`: a BatchNorm normalises with batch statistics (and updates its
+    running ones) in train mode, with the running statistics otherwise; a GroupNorm ignores
+    ``train``."""
+    if isinstance(norm, nn.BatchNorm):
+        return norm(x, use_running_average=not train)
+    return norm(x)
+
+
+def norm_act(
+    norm: nn.Module, x: Array, train: bool = False, silu: bool = False, film: tuple[Array, Array] | None = None
+) -> Array:
+    """``norm(x)``, then ``* (1 + scale) + shift`` with ``film=(scale, shift)``, then SiLU if
+    ``silu``; the backward pass recomputes all of it from ``x`` instead of keeping it.
+
+    A norm's backward needs only its input and a few numbers per group, but autodiff keeps more
+    (x - mean, for the variance; the SiLU's input and sigmoid), and XLA:CPU kept three or four
+    full-size arrays per norm where torch's autograd keeps two (the norm's input and output). Under
+    `nn.checkpoint` with no policy only ``x`` is kept: one more pass of elementwise work and a
+    reduction per norm in the backward, beside convolutions and matmuls. The parameter tree is
+    unchanged (the norm's own scope), and a plan's ``save=norm`` still keeps the tagged output
+    inside (an enclosing remat's policy decides for the ones nested in it). Figures:
+    docs/remat_vs_checkpoint.md.
+    """
+
+    def f(module: nn.Module, y: Array, film: tuple[Array, Array] | None) -> Array:
+        y = apply_norm(module, y, train)
+        if film is not None:
+            y = y * (1 + film[0]) + film[1]
+        return nn.silu(y) if silu else y
+
+    return nn.checkpoint(f, prevent_cse=True)(norm, x, film)
+
+
+def layer_norm(eps: float) -> nn.LayerNorm:
+    return LayerNorm(epsilon=eps, use_fast_variance=False)
