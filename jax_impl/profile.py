@@ -40,10 +40,21 @@ from jax_impl import regime as jregime
 from jax_impl import train as jt
 from jax_impl import xla_dump
 from jax_impl.memory import FAST_COMPILE
+from jax_impl.pair import ControlNetPair, init_pair, pair_arrays
+from jax_impl.pair import train_step as pair_step
 from jax_impl.unet import UNet
-from shared_configs import UNetSpec, block_names
 from shared_configs.defaults import jax_cache_dir
-from shared_configs.planning.budget import PLAIN, PROFILE_RUNS, Cost, leaf_units, policy_string, uniform
+from shared_configs.pair import CONTROLNET, ControlNetPairSpec, example_pair_batch
+from shared_configs.planning.budget import (
+    PLAIN,
+    PROFILE_RUNS,
+    Cost,
+    StepSpec,
+    block_layers,
+    leaf_units,
+    policy_string,
+    uniform,
+)
 from shared_configs.planning.recompute_time import at_rates, step_flops
 from shared_configs.planning.stepclock import contenders, measured_rounds, times
 from shared_configs.planning.timeline import Timeline, unit_costs
@@ -56,28 +67,35 @@ BARRIERS = XLA_CPU_OPTIONS  # remat's barriers survive on XLA:CPU
 FAST = FAST_COMPILE
 
 
-def unet(s: dict[str, Any], policy: str) -> UNet:
-    """The model the profile's steps train under ``policy``."""
+def unet(s: dict[str, Any], policy: str) -> UNet | ControlNetPair:
+    """The model the profile's steps train under ``policy``: the U-Net, or the ControlNet pair."""
+    if isinstance(s["spec"], ControlNetPairSpec):
+        return ControlNetPair(spec=s["spec"], policy=policy, attention_chunk=s["chunk"])
     return UNet(spec=s["spec"], policy=policy, attention_chunk=s["chunk"], lora_rank=s["regime"].lora_rank)
 
 
 def setup(
-    spec: UNetSpec, batch_size: int, context_length: int, chunk: int | None, run: bool, regime: Regime = DEFAULT
+    spec: StepSpec, batch_size: int, context_length: int, chunk: int | None, run: bool, regime: Regime = DEFAULT
 ) -> dict[str, Any]:
-    """The step's arguments in ``regime``: real arrays (``run``) or shapes only, and the optimizer."""
+    """The step's arguments in ``regime``: real arrays (``run``) or shapes only, and the optimizer.
+    The ControlNet step's: its state, then the frozen U-Net's parameters (`jax_impl.pair.train_step`)."""
     jregime.check_regime(regime)
     tx = jregime.make_optimizer(1e-4, 0.0, regime)
     model = unet({"spec": spec, "chunk": chunk, "regime": regime}, "none")
-    init = functools.partial(jt.init_state, model, tx, 0, regime)
+    pair = isinstance(spec, ControlNetPairSpec)
+    init = functools.partial(init_pair if pair else jt.init_state, model, tx, 0, regime)
     # Shapes only: the state's abstract tree; else the training loop's own init (compiled fast:
     # the values only seed the timing runs).
     state = jax.jit(init, compiler_options=FAST)() if run else jax.eval_shape(init)
-    args: tuple = (state, *_batch_and_key(spec, batch_size, context_length, run))
+    args: tuple = (*(state if pair else (state,)), *_batch_and_key(spec, batch_size, context_length, run))
     return {"spec": spec, "tx": tx, "args": args, "chunk": chunk, "run": run, "regime": regime}
 
 
-def _batch_and_key(spec: UNetSpec, batch_size: int, context_length: int, run: bool) -> tuple[Any, Any]:
-    batch = jt.arrays(example_batch(spec, batch_size, context_length))
+def _batch_and_key(spec: StepSpec, batch_size: int, context_length: int, run: bool) -> tuple[Any, Any]:
+    if isinstance(spec, ControlNetPairSpec):
+        batch = pair_arrays(example_pair_batch(spec, batch_size, context_length))
+    else:
+        batch = jt.arrays(example_batch(spec, batch_size, context_length))
     key = jax.random.key(2)
     if run:
         return batch, key
@@ -90,7 +108,8 @@ def compiled_step(s: dict[str, Any], policy: str, dump: str | None = None, fast:
     ``fast``: LLVM at -O0, for compiles that are only read (memory), never timed.
     """
     options = jregime.step_options(s["regime"])
-    step = jax.jit(functools.partial(jt.train_step, model=unet(s, policy), tx=s["tx"], **options), donate_argnums=(0,))
+    train_step = pair_step if isinstance(s["spec"], ControlNetPairSpec) else jt.train_step
+    step = jax.jit(functools.partial(train_step, model=unet(s, policy), tx=s["tx"], **options), donate_argnums=(0,))
     compiler: dict[str, Any] = {**BARRIERS, **FAST} if fast else dict(BARRIERS)
     if dump is not None:
         compiler |= {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "train_step"}
@@ -104,7 +123,7 @@ def compiled_peak(compiled: Any) -> int:
 
 def timeline_of(plan: xla_dump.MemoryPlan, leaves: list[str]) -> Timeline:
     """XLA's schedule as a `Timeline`: positions are instructions, buffers its live ranges."""
-    where = xla_dump.segments(plan, set(leaves))
+    where = xla_dump.segments(plan, set(leaves), first=leaves[0])
     b = plan.buffers
     return Timeline(
         units=[u for u, _ in where],
@@ -120,12 +139,18 @@ def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
     """What FSDP would shard (`shared_configs.planning.budget.per_rank`): parameters + optimizer state, the
     gradients, the largest block's parameters (from shapes: the state may be abstract)."""
     state = s["args"][0]
+    pair = isinstance(s["spec"], ControlNetPairSpec)
+    frozen = s["args"][1] if pair else {}  # the ControlNet step's U-Net
 
     def nbytes(tree: Any) -> int:
         return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
-    params = nbytes(state.params)
-    block = max(nbytes(state.params[b.replace(".", "_")]) for b in block_names(s["spec"]))
+    def block_params(unit: str) -> Any:
+        own = unit.startswith(CONTROLNET) or not pair
+        return (state.params if own else frozen)[unit.removeprefix(CONTROLNET).replace(".", "_")]
+
+    params = nbytes(state.params) + nbytes(frozen)
+    block = max(nbytes(block_params(b)) for b in block_layers(s["spec"]))
     static = params + nbytes(state.opt_state) + nbytes(state.ema)  # ema: None (no leaves) without one
     trained = jregime.trained_leaves(state.params, s["regime"])
     return {"static_bytes": static, "grad_bytes": nbytes(trained), "block_param_bytes": block}
@@ -178,7 +203,7 @@ def timed(
 
 
 def profile(
-    spec: UNetSpec,
+    spec: StepSpec,
     batch_size: int,
     context_length: int = 77,
     shapes: bool = False,
@@ -233,7 +258,7 @@ def profile(
 
 
 def peaks(
-    spec: UNetSpec,
+    spec: StepSpec,
     batch_size: int,
     policies: list[str],
     context_length: int = 77,
@@ -248,7 +273,7 @@ def peaks(
 
 
 def measure(
-    spec: UNetSpec,
+    spec: StepSpec,
     batch_size: int,
     policies: list[str],
     context_length: int = 77,

@@ -17,10 +17,15 @@ from pathlib import Path
 
 from jax_impl.memory import read_dump
 
+_OWN = r"controlnet_cond_embedding|controlnet_down_blocks_\d+|controlnet_mid_block"  # a ControlNet's own modules
 _MODULE = re.compile(r"(down|up)_\d+|mid|resnets_\d+|attentions_\d+|downsample|upsample|conv_in|time_embedding|"
-                     r"conv_norm_out|conv_out")  # fmt: skip
-_TOP = re.compile(r"(down|up)_\d+|mid|conv_in|time_embedding|conv_norm_out|conv_out")
-GLUE = {"conv_in": "stem", "time_embedding": "stem", "conv_norm_out": "head", "conv_out": "head"}
+                     r"conv_norm_out|conv_out|" + _OWN)  # fmt: skip
+_TOP = re.compile(r"(down|up)_\d+|mid|conv_in|time_embedding|conv_norm_out|conv_out|" + _OWN)
+GLUE = {"conv_in": "stem", "time_embedding": "stem", "conv_norm_out": "head", "conv_out": "head",
+        "controlnet_cond_embedding": "stem", "controlnet_mid_block": "head"}  # fmt: skip
+# The ControlNet step's two networks (`jax_impl.pair.ControlNetPair`): the ControlNet's units are
+# named with this prefix (`shared_configs.pair`), the U-Net's as they are.
+_NETWORK = re.compile(r"controlnet|unet")
 
 
 @dataclass(frozen=True)
@@ -60,14 +65,18 @@ def unit_of(op_name: str, units: set[str]) -> str | None:
     The module path is the run of module names from the last top-level one on
     (``.../up_0/jvp(UNet)/up_0/checkpoint/rematted_computation/resnets_1/conv1`` -> up.0, resnets.1).
     """
-    mods = [seg for seg in re.split(r"[/]", op_name) if _MODULE.fullmatch(seg)]
+    segs = op_name.split("/")
+    networks = [seg for seg in segs if _NETWORK.fullmatch(seg)]
+    prefix = "controlnet." if networks and networks[-1] == "controlnet" else ""
+    mods = [seg for seg in segs if _MODULE.fullmatch(seg)]
     tops = [i for i, seg in enumerate(mods) if _TOP.fullmatch(seg)]
     if not tops:
         return None
     path = mods[tops[-1] :]
-    if path[0] in GLUE:
-        return GLUE[path[0]]
-    block = path[0].replace("_", ".")
+    top = "head" if path[0].startswith("controlnet_down_blocks_") else GLUE.get(path[0])
+    if top is not None:
+        return prefix + top
+    block = prefix + path[0].replace("_", ".")
     if len(path) > 1:
         inner = f"{block}.{path[1].replace('_', '.')}"
         if inner in units:
@@ -84,11 +93,11 @@ def backward_start(plan: MemoryPlan) -> int:
     return first if first is not None else next((i for i, op in enumerate(names) if "transpose(" in op), len(names))
 
 
-def segments(plan: MemoryPlan, units: set[str]) -> list[tuple[str, str]]:
+def segments(plan: MemoryPlan, units: set[str], first: str = "stem") -> list[tuple[str, str]]:
     """(unit, phase) of each schedule position: the unit its ``op_name`` names (positions outside any
-    unit carry the last one); the phase by position, before or after `backward_start`."""
+    unit carry the last one, ``first`` before any); the phase by position, before or after `backward_start`."""
     split = backward_start(plan)
-    current = "stem"
+    current = first
     out = []
     for i, name in enumerate(plan.sequence):
         unit = unit_of(plan.op_names.get(name, ""), units)

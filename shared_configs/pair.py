@@ -34,6 +34,7 @@ import numpy as np
 from shared_configs.controlnet import ControlNetSpec, controlnet_names, resolve_controlnet_plan
 from shared_configs.loader import load_spec, spec_from_dict
 from shared_configs.plan import CheckpointPlan, all_names, resolve_plan
+from shared_configs.regime import Regime
 from shared_configs.spec import SpecError, UNetSpec, _Frozen
 from shared_configs.training.data import Batch, example_batch
 
@@ -68,6 +69,16 @@ def controlnet_pair(unet: UNetSpec | str, **options: Any) -> ControlNetPairSpec:
     beside ``unet``, diffusers' ``from_unet`` defaults otherwise)."""
     spec = load_spec(unet) if isinstance(unet, str) else unet
     return ControlNetPairSpec(controlnet=ControlNetSpec(name=f"{spec.name}_controlnet", unet=spec, **options))
+
+
+def check_pair_workload(shapes: bool, regime: Regime) -> None:
+    """Refuse, in one line, what the ControlNet step is not planned for."""
+    if shapes:
+        raise SpecError("--shapes: the ControlNet step is planned from measured profiles only (its two networks "
+                        "have no shapes-only time model); drop --shapes or --controlnet")  # fmt: skip
+    if regime.lora_rank is not None:
+        raise SpecError(f"--trainable: the ControlNet step trains the whole ControlNet (diffusers' "
+                        f"train_controlnet), not {regime.trainable}; use --trainable all")  # fmt: skip
 
 
 def workload_spec(data: Mapping[str, Any]) -> UNetSpec | ControlNetPairSpec:

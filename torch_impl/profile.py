@@ -45,13 +45,14 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from shared_configs import UNetSpec, block_names
+from shared_configs import UNetSpec
 from shared_configs.planning.budget import (
-    HEAD,
     PLAIN,
     PROFILE_RUNS,
     STEM,
     Cost,
+    StepSpec,
+    block_layers,
     extra_seconds,
     leaf_units,
     policy_string,
@@ -62,8 +63,9 @@ from shared_configs.planning.timeline import BWD, FWD, Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from shared_configs.planning.workers import serve
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
-from shared_configs.training.data import batch_bytes, example_batch, step_arrays
+from shared_configs.training.data import batch_bytes, step_arrays
 from torch_impl.memory import AllocatorPeak, StepTracker, state_tensors, storage_bytes
+from torch_impl.pair import ControlNetPair, step_batch, step_model, unit_modules
 from torch_impl.regime import DTYPE, add_lora, apply_regime, make_optimizer, step_tools, trained_parameters
 from torch_impl.train import step_loss, train_step
 from torch_impl.unet import UNet
@@ -131,23 +133,15 @@ class Recorder(TorchDispatchMode):
                         np.array(self.sizes, np.int64), np.array(self.static, bool))  # fmt: skip
 
 
-def _modules(model: UNet, unit: str, phase: str) -> list[torch.nn.Module]:
-    """The modules whose hooks mark ``unit``'s segment in ``phase``."""
-    if unit == STEM:
-        return [model.time_embedding, model.conv_in]
-    if unit == HEAD:
-        return [model.conv_norm_out] if phase == "fwd" else [model.conv_out]
-    return [model.get_submodule(unit)]
-
-
 @contextmanager
-def hooks(model: UNet, opt: torch.optim.Optimizer, units: list[str], on: Callable[[str, str], None]) -> Iterator[None]:
+def hooks(model: UNet | ControlNetPair, opt: torch.optim.Optimizer, units: list[str], on: Callable[[str, str], None]
+          ) -> Iterator[None]:  # fmt: skip
     """Call ``on(unit, phase)`` when ``unit``'s forward or backward starts, and on the optimizer step."""
     handles = [opt.register_step_pre_hook(lambda *_: on(OPTIMIZER, "opt"))]
     for unit in units:
-        for m in _modules(model, unit, "fwd"):
+        for m in unit_modules(model, unit, "fwd"):
             handles.append(m.register_forward_pre_hook(lambda *_, u=unit: on(u, "fwd")))
-        for m in _modules(model, unit, "bwd"):
+        for m in unit_modules(model, unit, "bwd"):
             handles.append(m.register_full_backward_pre_hook(lambda *_, u=unit: on(u, "bwd")))
     try:
         yield
@@ -202,7 +196,7 @@ def fake_regime(model: torch.nn.Module, regime: Regime, mode: ShapesOnly) -> tor
 
 
 def setup(
-    spec: UNetSpec, batch_size: int, context_length: int, shapes: bool = False, regime: Regime = DEFAULT
+    spec: StepSpec, batch_size: int, context_length: int, shapes: bool = False, regime: Regime = DEFAULT
 ) -> dict[str, Any]:
     """Model, optimizer and inputs in ``regime`` and a step function, after a warm-up step (the
     gradients and the optimizer state exist).
@@ -214,16 +208,17 @@ def setup(
     mode: Any = ShapesOnly() if shapes else contextlib.nullcontext()
     torch.manual_seed(0)
     with mode:
-        model = UNet(spec)
+        model = step_model(spec)  # the U-Net, or the ControlNet pair (`torch_impl.pair`)
     model = fake_regime(model, regime, mode) if shapes else apply_regime(model, regime)
     with mode:
         opt = make_optimizer(model, lr=1e-4, weight_decay=0.0, regime=regime)
         tools = step_tools(model, regime, scaler=not shapes)
-        batch = example_batch(spec, batch_size, context_length)
+        batch = step_batch(spec, batch_size, context_length)
         run = step_loss if shapes else train_step
         step: Callable[[], Any] = functools.partial(run, model, opt, batch, tools=tools)
         step()
-    return {"model": model, "opt": opt, "batch": batch, "step": step, "mode": mode, "shapes": shapes, "tools": tools}
+    return {"spec": spec, "model": model, "opt": opt, "batch": batch, "step": step, "mode": mode, "shapes": shapes,
+            "tools": tools}  # fmt: skip
 
 
 def existing(s: dict[str, Any]) -> list[torch.Tensor]:
@@ -248,15 +243,14 @@ def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
     state = nbytes(v for st in s["opt"].state.values() for v in st.values() if isinstance(v, torch.Tensor))
     state += 0 if ema is None else nbytes(ema.shadow)
     grads = nbytes(trained_parameters(model))
-    block = max(nbytes(model.get_submodule(b).parameters()) for b in block_names(model.spec))
+    block = max(nbytes(p for m in unit_modules(model, b, FWD) for p in m.parameters()) for b in block_layers(s["spec"]))
     return {"static_bytes": params + state, "grad_bytes": grads, "block_param_bytes": block}
 
 
 def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, Cost], int, int]:
     """One step under ``assignment``: per-unit bytes, the optimizer's peak, the step's peak."""
-    spec = s["model"].spec
     s["model"].enable_gradient_checkpointing(policy_string(assignment))
-    units = [u for u, _ in leaf_units(spec, assignment)]
+    units = [u for u, _ in leaf_units(s["spec"], assignment)]
     # No list of the existing tensors is kept: it would keep last step's gradients alive through a
     # step whose first act is to free them (train_step's zero_grad).
     recorder = Recorder(existing(s))
@@ -270,7 +264,7 @@ def timed_step(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str,
     included) take, from one unit hook to the next; and the step's seconds."""
     model = s["model"]
     model.enable_gradient_checkpointing(policy_string(assignment))
-    units = [u for u, _ in leaf_units(model.spec, assignment)]
+    units = [u for u, _ in leaf_units(s["spec"], assignment)]
     marks: list[tuple[float, str, str]] = []
     with hooks(model, s["opt"], units, lambda unit, phase: marks.append((clock(), unit, phase))):
         t0 = clock()
@@ -301,7 +295,7 @@ def timing_runs(
 
 
 def profile(
-    spec: UNetSpec,
+    spec: StepSpec,
     batch_size: int,
     context_length: int = 77,
     shapes: bool = False,
@@ -353,7 +347,7 @@ def profile(
 
 
 def measure(
-    spec: UNetSpec,
+    spec: StepSpec,
     batch_size: int,
     policies: list[str],
     context_length: int = 77,
@@ -381,7 +375,7 @@ def measure(
 
 
 def peaks(
-    spec: UNetSpec, batch_size: int, policies: list[str], context_length: int = 77, regime: Regime = DEFAULT
+    spec: StepSpec, batch_size: int, policies: list[str], context_length: int = 77, regime: Regime = DEFAULT
 ) -> dict:
     """Per policy, `tracked_peak` (what `measure` reports) of a step of fake tensors: nothing is
     allocated. Up to 0.04% under the real step's (64 KiB for every policy in float32, 160-400 KiB in

@@ -30,6 +30,7 @@ from typing import Any
 
 from shared_configs.defaults import defaults
 from shared_configs.loader import load_spec, spec_from_dict
+from shared_configs.pair import ControlNetPairSpec, check_pair_workload, controlnet_pair
 from shared_configs.planning.budget import (
     SAFETY,
     SCHEMA,
@@ -64,10 +65,11 @@ _DEFAULTS = defaults(DEVICE)
 
 @dataclass(frozen=True)
 class Workload:
-    """What is profiled: the spec at a sample size, the batch, the training regime, the inputs, the
-    JAX attention chunking (by default those of every tool on the device, `shared_configs.defaults`)."""
+    """What is profiled: the spec at a sample size (a U-Net's step, or with a `ControlNetPairSpec` the
+    ControlNet step: `shared_configs.pair`), the batch, the training regime, the inputs, the JAX
+    attention chunking (by default those of every tool on the device, `shared_configs.defaults`)."""
 
-    spec: UNetSpec
+    spec: UNetSpec | ControlNetPairSpec
     batch_size: int
     regime: Regime = DEFAULT_REGIME  # how the step trains (precision, what is trained, optimizer, EMA)
     context_length: int = _DEFAULTS.context_length
@@ -76,11 +78,24 @@ class Workload:
     flops_per_s: float = DEFAULT_FLOPS_PER_S  # shapes only: the throughput conv/matmul/attention run at
     bytes_per_s: float = DEFAULT_BYTES_PER_S  # shapes only: the memory bandwidth elementwise recompute runs at
 
+    def __post_init__(self) -> None:
+        if isinstance(self.spec, ControlNetPairSpec):
+            check_pair_workload(self.shapes, self.regime)
+
     @classmethod
-    def of(cls, spec: UNetSpec | str, sample_size: int | None = None, **kwargs: Any) -> Workload:
+    def of(
+        cls, spec: UNetSpec | ControlNetPairSpec | str, sample_size: int | None = None, controlnet: bool = False,
+        **kwargs: Any,
+    ) -> Workload:  # fmt: skip
+        """``controlnet``: the ControlNet step on this U-Net (`shared_configs.pair.controlnet_pair`)."""
         spec = load_spec(spec) if isinstance(spec, str) else spec
         if sample_size is not None and sample_size != spec.sample_size:
-            spec = spec_from_dict({**spec.model_dump(), "sample_size": sample_size})
+            if isinstance(spec, ControlNetPairSpec):
+                spec = spec.with_sample_size(sample_size)
+            else:
+                spec = spec_from_dict({**spec.model_dump(), "sample_size": sample_size})
+        if controlnet and isinstance(spec, UNetSpec):
+            spec = controlnet_pair(spec)
         return cls(spec=spec, **kwargs)
 
     def used(self, frameworks: tuple[str, ...], cache: bool = True) -> str:

@@ -28,8 +28,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from shared_configs.planning.budget import PLAIN, Cost, Profile, block_layers, leaf_units
-from shared_configs.planning.unit_flops import recompute_flops, unit_flops, unit_weights
+from shared_configs.pair import ControlNetPairSpec
+from shared_configs.planning.budget import PLAIN, Cost, Profile, StepSpec, block_layers, leaf_units
+from shared_configs.planning.unit_flops import pair_step_flops, recompute_flops, unit_flops, unit_weights
 from shared_configs.planning.unit_flops import step_flops as counted_step_flops
 from shared_configs.regime import DEFAULT, OPTIMIZERS, Regime
 from shared_configs.spec import UNetSpec
@@ -64,9 +65,14 @@ def cast_bytes(regime: Regime, weights: int) -> float:
     return 6.0 * weights if regime.compute_dtype is not None and regime.param_dtype == "float32" else 0.0
 
 
-def step_flops(spec: UNetSpec, batch_size: int, context_length: int = 77, regime: Regime = DEFAULT) -> float:
+def step_flops(
+    spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int = 77, regime: Regime = DEFAULT
+) -> float:
     """The plain step's FLOPs in ``regime`` (`unit_flops.step_flops`): about three forwards with
-    every weight trained, about two under LoRA (no weight gradients for the frozen base)."""
+    every weight trained, about two under LoRA (no weight gradients for the frozen base); the
+    ControlNet step's (`unit_flops.pair_step_flops`)."""
+    if isinstance(spec, ControlNetPairSpec):
+        return pair_step_flops(spec, batch_size, context_length)
     return counted_step_flops(spec, batch_size, context_length, regime.lora_rank).total
 
 
@@ -86,7 +92,7 @@ def step_seconds(
     return counted.total / flops_per_s + nbytes / bytes_per_s
 
 
-def plain_keeps(spec: UNetSpec, units: Units) -> dict[str, int]:
+def plain_keeps(spec: StepSpec, units: Units) -> dict[str, int]:
     """What each unit keeps when plain (a block: its layers and sampler)."""
     out = {u: per[PLAIN].keep for u, per in units.items() if PLAIN in per}
     for block, layers in block_layers(spec).items():
@@ -99,7 +105,7 @@ def work(cost: Cost, plain_keep: int) -> tuple[float, float]:
     return cost.flops, 2.0 * max(plain_keep - cost.keep, 0)
 
 
-def at_rates(spec: UNetSpec, units: Units, per_flop: float, per_byte: float) -> dict[str, dict[str, Cost]]:
+def at_rates(spec: StepSpec, units: Units, per_flop: float, per_byte: float) -> dict[str, dict[str, Cost]]:
     """``units`` with each choice's ``time_s`` its work at the given seconds per FLOP and per byte."""
     plain = plain_keeps(spec, units)
 

@@ -17,11 +17,14 @@ each adapted projection (rows x in -> out) the matmuls rows x in -> R -> out, fo
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shared_configs.arch import down_blocks, up_blocks
+from shared_configs.controlnet import residual_shapes
+from shared_configs.pair import CONTROLNET, ControlNetPairSpec
 from shared_configs.spec import UNetSpec
 
 Flops = dict[str, float]  # op class (conv, matmul, attention) -> FLOPs
@@ -165,10 +168,13 @@ def _blocks(spec: UNetSpec) -> list[str]:
 
 
 def unit_flops(
-    spec: UNetSpec, batch_size: int, context_length: int = 77, lora_rank: int | None = None
+    spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int = 77, lora_rank: int | None = None
 ) -> dict[str, Flops]:
     """Forward FLOPs by op class of every unit: layers, samplers, blocks (their sum), stem, head;
-    with ``lora_rank``: the adapters' matmuls included."""
+    with ``lora_rank``: the adapters' matmuls included. The ControlNet step: both networks' units
+    (`pair_unit_flops`)."""
+    if isinstance(spec, ControlNetPairSpec):
+        return pair_unit_flops(spec, batch_size, context_length)
     out = {u: _forward(ops, lora_rank) for u, ops in unit_ops(spec, batch_size, context_length).items()}
     for block in _blocks(spec):
         out[block] = _add(*(v for k, v in out.items() if k.startswith(block + ".")))
@@ -259,3 +265,53 @@ def recompute_flops(per_class: Flops, choice: str) -> float:
         return 0.0
     kept = choice.removeprefix("save=").split(",") if choice.startswith("save=") else []
     return float(sum(n for cls, n in per_class.items() if cls not in kept))
+
+
+# ---- the ControlNet step -----------------------------------------------------------------------
+
+
+def controlnet_ops(spec: ControlNetPairSpec, batch_size: int) -> dict[str, list[Op]]:
+    """The ControlNet's own convolutions: ``stem``, the conditioning embedding (from the image, at
+    `ControlNetSpec.conditioning_factor` times the sample's size, down to it); ``head``, one 1x1
+    zero convolution per residual."""
+    cn, b = spec.controlnet, batch_size
+    widths, side = cn.conditioning_embedding_out_channels, spec.sample_size * cn.conditioning_factor
+    stem = [_conv(b, cn.conditioning_channels, widths[0], 3, side, INPUT)]
+    for a, c in itertools.pairwise(widths):
+        stem += [_conv(b, a, a, 3, side), _conv(b, a, c, 3, side // 2)]
+        side //= 2
+    stem.append(_conv(b, widths[-1], spec.unet.block_out_channels[0], 3, side))
+    down, mid = residual_shapes(spec.unet, b, spec.sample_size)
+    head = [_conv(b, shape[1], shape[1], 1, shape[2]) for shape in (*down, mid)]
+    return {"stem": stem, "head": head}
+
+
+def pair_unit_flops(spec: ControlNetPairSpec, batch_size: int, context_length: int = 77) -> dict[str, Flops]:
+    """Forward FLOPs of the ControlNet step's units: the ControlNet's (its encoder's are the
+    U-Net's; its stem adds the conditioning embedding, its head is its zero convolutions), then the U-Net's."""
+    unet = unit_flops(spec.unet, batch_size, context_length)
+    own = {u: _forward(ops, None) for u, ops in controlnet_ops(spec, batch_size).items()}
+    mine = {u: f for u, f in unet.items() if not u.startswith("up.") and u != "head"}
+    mine |= {"stem": _add(unet["stem"], own["stem"]), "head": own["head"]}
+    return {CONTROLNET + u: f for u, f in mine.items()} | unet
+
+
+def pair_step_flops(spec: ControlNetPairSpec, batch_size: int, context_length: int = 77) -> float:
+    """The ControlNet step's FLOPs as autograd runs them: the ControlNet trained (its encoder as
+    `walk` walks a trained U-Net's, its own convolutions with input gradients past the image); the
+    frozen U-Net's forward, and the backward of its up path and head for their inputs only (the loss
+    reaches the residuals through them; its encoder needs no backward)."""
+    total = 0.0
+
+    def backward(op: Op, needs: bool, weights: bool) -> float:
+        if op.cls == "attention":
+            return ATTENTION_BACKWARD * op.flops if needs else 0.0
+        return (op.flops if needs else 0.0) + (op.flops if weights else 0.0)
+
+    for unit, op, needs in walk(spec.unet, batch_size, context_length):
+        encoder = not unit.startswith("up.") and unit != "head"
+        total += op.flops * (1 + encoder)  # forward: in both networks, or in the U-Net only
+        total += backward(op, needs, weights=True) if encoder else backward(op, op.source == HIDDEN, weights=False)
+    for ops in controlnet_ops(spec, batch_size).values():
+        total += sum(op.flops + backward(op, op.source == HIDDEN, weights=True) for op in ops)
+    return total

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from shared_configs.cli import BenchmarkError
 from shared_configs.files import atomic_write
-from shared_configs.loader import spec_from_dict
+from shared_configs.pair import workload_spec
 from shared_configs.processes import worker_group
 from shared_configs.regime import Regime
 
@@ -73,7 +73,7 @@ def run_worker(request: dict[str, Any]) -> dict[str, Any]:
 
 def answer(backend: Backend, request: dict[str, Any]) -> dict[str, Any]:
     """The worker's side: ``request`` (`planner.Workload.request`) answered by ``backend``."""
-    spec = spec_from_dict(request["spec"])
+    spec = workload_spec(request["spec"])  # a U-Net's, or the ControlNet step's pair
     extra: dict[str, Any] = {"regime": Regime(**request["regime"])}
     if request["framework"] == "jax":  # torch's attention is not chunked
         extra["attention_chunk"] = request["attention_chunk"]

@@ -1,0 +1,137 @@
+"""The ControlNet training step in JAX/Flax: `torch_impl/pair.py`'s twin.
+
+`ControlNetPair` holds the U-Net (``unet``) and the ControlNet (``controlnet``) under one parameter
+tree, each under one pair plan's units (`shared_configs.pair`). The step trains the ControlNet only:
+its parameters are the `jax_impl.train.TrainState`'s (donated, updated), the U-Net's a separate
+argument the step reads and never differentiates (diffusers' ``unet.requires_grad_(False)``), so
+XLA computes no weight gradient there and the loss still flows back through it. The U-Net runs
+without dropout (diffusers keeps it in eval mode), the ControlNet with it::
+
+    pair = ControlNetPair(spec=controlnet_pair("sd_narrow"), policy="full")
+    state, unet_params = init_pair(pair, tx, seed=0)
+    state, loss = train_step(state, unet_params, pair_arrays(example_pair_batch(pair.spec, 4)), key,
+                             model=pair, tx=tx)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+from jax.typing import DTypeLike
+
+from jax_impl import train as jt
+from jax_impl.controlnet import ControlNet, abstract_controlnet_inputs
+from jax_impl.regime import apply_regime, cast_floating, update_ema
+from jax_impl.unet import UNet
+from shared_configs.pair import ControlNetBatch, ControlNetPairSpec, PairPlan, split_pair_plan
+from shared_configs.regime import DEFAULT, Regime
+
+Array = jax.Array
+
+
+class ControlNetPair(nn.Module):
+    """The U-Net and the ControlNet made from it: ``apply(variables, x, t, context, class_labels,
+    text_embeds, time_ids, controlnet_cond, train=False)`` (NHWC) returns the U-Net's prediction.
+    ``policy``: a pair policy (`shared_configs.pair.split_pair_plan`)."""
+
+    spec: ControlNetPairSpec
+    policy: str | None = None
+    attention_chunk: int | None = None
+
+    @functools.cached_property
+    def plan(self) -> PairPlan:
+        return split_pair_plan(self.spec, self.policy)
+
+    def setup(self) -> None:
+        chunk = self.attention_chunk
+        self.unet = UNet(spec=self.spec.unet, policy=self.plan.unet, attention_chunk=chunk)
+        self.controlnet = ControlNet(spec=self.spec.controlnet, policy=self.plan.controlnet, attention_chunk=chunk)
+
+    def __call__(
+        self,
+        x: Array,
+        t: Array | float,
+        context: Array | None,
+        class_labels: Array | None,
+        text_embeds: Array | None,
+        time_ids: Array | None,
+        controlnet_cond: Array,
+        train: bool = False,
+    ) -> Array:
+        conditioning = {"class_labels": class_labels, "text_embeds": text_embeds, "time_ids": time_ids}
+        down, mid = self.controlnet(x, t, context, controlnet_cond, **conditioning, train=train)
+        return self.unet(x, t, context, **conditioning, down_block_additional_residuals=down,
+                         mid_block_additional_residual=mid)  # fmt: skip
+
+
+def init_pair(
+    pair: ControlNetPair, tx: optax.GradientTransformation, seed: int, regime: Regime = DEFAULT
+) -> tuple[jt.TrainState, Any]:
+    """The ControlNet's `TrainState` (its encoder's parameters the U-Net's, as diffusers'
+    ``from_unet``; the conditioning embedding fresh, the zero convolutions zero) and the U-Net's
+    parameters, both in ``regime``'s weight dtype."""
+    shapes = abstract_controlnet_inputs(pair.spec.controlnet)
+    inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
+    names = ("sample", "timestep", "context", "class_labels", "text_embeds", "time_ids", "controlnet_cond")
+    args = [inputs.get(n) for n in names]
+    params = pair.init({"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1)}, *args)["params"]
+    unet = params["unet"]
+    # The trunk's names are the U-Net's; copies, not the same buffers: the state is donated, the U-Net's are not.
+    controlnet = {k: jax.tree.map(jnp.copy, unet[k]) if k in unet else v for k, v in params["controlnet"].items()}
+    return jt.TrainState.create({"params": controlnet}, tx, regime), apply_regime(unet, regime)
+
+
+def pair_arrays(batch: ControlNetBatch) -> tuple:
+    """`jax_impl.train.arrays` of the batch, the conditioning image last (NCHW -> NHWC)."""
+    *arrays, cond = jt.arrays(batch)
+    return (*arrays, jnp.asarray(batch.controlnet_cond.transpose(0, 2, 3, 1)) if cond is not None else None)
+
+
+def loss_fn(
+    params: Any, unet_params: Any, model: ControlNetPair, batch: tuple, key: Array, compute_dtype: DTypeLike = None
+) -> Array:
+    """The U-Net's noise-prediction MSE, in float32; with ``compute_dtype`` the parameters and the
+    floating inputs are cast as `jax_impl.train.loss_fn` casts them (the timesteps stay float32)."""
+    noisy, t, noise, context, class_labels, text_embeds, time_ids, cond = batch
+    variables = {"params": {"controlnet": params, "unet": unet_params}}
+    if compute_dtype is not None:
+        variables, noisy, context, class_labels, text_embeds, cond = cast_floating(
+            (variables, noisy, context, class_labels, text_embeds, cond), compute_dtype
+        )
+    pred = model.apply(variables, noisy, t, context, class_labels, text_embeds, time_ids, cond, train=True,
+                       rngs={"dropout": key})  # fmt: skip
+    return jnp.mean((pred.astype(jnp.float32) - noise) ** 2)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype", "loss_scale"), donate_argnames=("state",))
+def train_step(
+    state: jt.TrainState,
+    unet_params: Any,
+    batch: tuple,
+    dropout_key: Array,
+    *,
+    model: ControlNetPair,
+    tx: optax.GradientTransformation,
+    compute_dtype: DTypeLike | None = None,
+    loss_scale: float | None = None,
+) -> tuple[jt.TrainState, Array]:
+    """One ControlNet step: loss and the ControlNet's gradients (through both networks' remat
+    plans), optax update; ``unet_params`` read, not differentiated. Static arguments and the
+    regime's as `jax_impl.train.train_step`'s. Returns (new state, loss)."""
+    scale = 1.0 if loss_scale is None else loss_scale
+
+    def scaled(params: Any) -> tuple[Array, Array]:
+        loss = loss_fn(params, unet_params, model, batch, dropout_key, compute_dtype)
+        return loss * scale, loss
+
+    (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(state.params)
+    if loss_scale is not None:
+        grads = jax.tree.map(lambda g: g / scale, grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    return jt.TrainState(params, opt_state, state.batch_stats, update_ema(state.ema, params)), loss

@@ -1,0 +1,116 @@
+"""The ControlNet training step in PyTorch: a frozen `UNet` and the `ControlNet` trained on it.
+
+As diffusers' ``train_controlnet.py``: the ControlNet is made from the U-Net
+(``ControlNet.from_unet``), the U-Net's weights are frozen (``requires_grad_(False)``, eval mode:
+no dropout), the ControlNet trains. The loss is the U-Net's noise-prediction MSE and flows back
+through the U-Net into the ControlNet's residuals. One pair plan (`shared_configs.pair`) covers the
+units of both networks::
+
+    pair = ControlNetPair(controlnet_pair("sd_narrow"), "controlnet.down.1,up.0;controlnet.mid/save=conv")
+    optimizer = make_optimizer(pair, lr=1e-5, weight_decay=0.0)   # the ControlNet's parameters only
+    loss = train_step(pair, optimizer, example_pair_batch(pair.pair_spec, 4))
+
+`train_step` is `torch_impl.train.train_step` itself: the pair is called like a U-Net, the
+conditioning image among the batch's inputs (`shared_configs.pair.ControlNetBatch`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared_configs import UNetSpec
+from shared_configs.pair import CONTROLNET, ControlNetPairSpec, PairPlan, example_pair_batch, split_pair_plan
+from shared_configs.planning.units import HEAD, STEM
+from shared_configs.training.data import Batch, example_batch
+from torch_impl.controlnet import ControlNet
+from torch_impl.train import step_loss, train_step
+from torch_impl.unet import UNet
+
+Tensor = torch.Tensor
+__all__ = ["ControlNetPair", "step_batch", "step_loss", "step_model", "train_step", "unit_modules"]
+
+
+class ControlNetPair(nn.Module):
+    """The frozen ``unet`` and the trained ``controlnet`` of ``pair_spec``, called as a U-Net with
+    the conditioning image: ``forward(x, t, context=None, class_labels=None, text_embeds=None,
+    time_ids=None, controlnet_cond=..., conditioning_scale=1.0)`` returns the U-Net's prediction.
+
+    ``spec`` is the U-Net's (the inputs the pair takes besides the image, as a training step checks
+    them); ``pair_spec`` names the units a pair plan chooses for. ``policy``: a pair policy.
+    """
+
+    def __init__(self, pair_spec: ControlNetPairSpec, policy: str | PairPlan | None = None) -> None:
+        super().__init__()
+        self.pair_spec = pair_spec
+        self.unet = UNet(pair_spec.unet)
+        options = pair_spec.controlnet.model_dump(exclude={"name", "unet"})
+        self.controlnet = ControlNet.from_unet(self.unet, **options)
+        self.unet.requires_grad_(False)
+        self.enable_gradient_checkpointing(policy)
+
+    @property
+    def spec(self) -> UNetSpec:
+        return self.pair_spec.unet
+
+    def enable_gradient_checkpointing(self, policy: str | PairPlan | None = "full") -> PairPlan:
+        """Recompute the units the pair policy names, in either network; returns the split plan."""
+        self.plan = split_pair_plan(self.pair_spec, policy)
+        self.unet.enable_gradient_checkpointing(self.plan.unet)
+        self.controlnet.enable_gradient_checkpointing(self.plan.controlnet)
+        return self.plan
+
+    def train(self, mode: bool = True) -> ControlNetPair:
+        """The ControlNet trains; the frozen U-Net stays in eval mode (diffusers loads it so)."""
+        super().train(mode)
+        self.unet.eval()
+        return self
+
+    def forward(
+        self,
+        x: Tensor,
+        t: Tensor | float,
+        context: Tensor | None = None,
+        class_labels: Tensor | None = None,
+        text_embeds: Tensor | None = None,
+        time_ids: Tensor | None = None,
+        controlnet_cond: Tensor | None = None,
+        conditioning_scale: float = 1.0,
+    ) -> Tensor:
+        if controlnet_cond is None:
+            raise ValueError("controlnet_cond: the ControlNet step needs its conditioning image (NCHW)")
+        conditioning = {"class_labels": class_labels, "text_embeds": text_embeds, "time_ids": time_ids}
+        down, mid = self.controlnet(x, t, context, controlnet_cond, conditioning_scale, **conditioning)
+        return self.unet(x, t, context, **conditioning, down_block_additional_residuals=down,
+                         mid_block_additional_residual=mid)  # fmt: skip
+
+
+def unit_modules(model: UNet | ControlNetPair, unit: str, phase: str) -> list[nn.Module]:
+    """The modules whose hooks mark ``unit``'s segment in ``phase`` ("fwd", "bwd"): a U-Net's unit,
+    or a pair's (its ``controlnet.`` units in the ControlNet, the others in the U-Net)."""
+    if isinstance(model, ControlNetPair):
+        if not unit.startswith(CONTROLNET):
+            return unit_modules(model.unet, unit, phase)
+        cn, unit = model.controlnet, unit.removeprefix(CONTROLNET)
+        if unit == STEM:
+            return [cn.time_embedding, cn.controlnet_cond_embedding, cn.conv_in]
+        if unit == HEAD:
+            return [*cn.controlnet_down_blocks, cn.controlnet_mid_block]
+        return [cn.get_submodule(unit)]
+    if unit == STEM:
+        return [model.time_embedding, model.conv_in]
+    if unit == HEAD:
+        return [model.conv_norm_out] if phase == "fwd" else [model.conv_out]
+    return [model.get_submodule(unit)]
+
+
+def step_model(spec: UNetSpec | ControlNetPairSpec) -> UNet | ControlNetPair:
+    """What a step trains: the U-Net of ``spec``, or the ControlNet pair."""
+    return ControlNetPair(spec) if isinstance(spec, ControlNetPairSpec) else UNet(spec)
+
+
+def step_batch(spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int) -> Batch:
+    """The example batch it trains on (the pair's with its conditioning image)."""
+    if isinstance(spec, ControlNetPairSpec):
+        return example_pair_batch(spec, batch_size, context_length)
+    return example_batch(spec, batch_size, context_length)
