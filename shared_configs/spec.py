@@ -29,9 +29,20 @@ only the running variance each framework accumulates differs, by that factor on 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import Field, model_validator
+
+from shared_configs.embedding_specs import CLASS_EMBEDDING_KINDS as CLASS_EMBEDDING_KINDS  # re-exported
+from shared_configs.embedding_specs import (
+    AdditionEmbeddingSpec,
+    ClassEmbeddingSpec,
+    ImageEmbeddingSpec,
+    TimeEmbeddingSpec,
+)
+from shared_configs.embedding_specs import ClassEmbeddingKind as ClassEmbeddingKind
+from shared_configs.spec_base import Bool as Bool
+from shared_configs.spec_base import Float, Int, SpecError, _Frozen, _require
 
 # simple_cross: diffusers' SimpleCrossAttn blocks (Kandinsky 2.2, DeepFloyd IF, UnCLIP): one attention over
 # the context's added key/value projections and the block's own tokens.
@@ -40,112 +51,6 @@ ATTENTION_KINDS: tuple[str, ...] = ("none", "self", "transformer", "simple_cross
 CONTEXT_KINDS: tuple[str, ...] = ("transformer", "simple_cross")  # the attentions that read the context
 NormKind = Literal["group", "batch"]
 NORM_KINDS: tuple[str, ...] = ("group", "batch")
-ClassEmbeddingKind = Literal["embedding", "timestep", "identity", "projection", "simple_projection"]
-CLASS_EMBEDDING_KINDS: tuple[str, ...] = ("embedding", "timestep", "identity", "projection", "simple_projection")
-
-# Strict scalars: `in_channels: true` or `norm_eps: "1e-5"` is an error, never coerced. A float
-# field takes an int (YAML `1` for `1.0`), not a bool; non-finite floats are refused model-wide.
-Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]
-Bool = Annotated[bool, Strict()]
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class TimeEmbeddingSpec(_Frozen):
-    """Sinusoidal timestep projection followed by a 2-layer MLP (diffusers ``positional``)."""
-
-    flip_sin_to_cos: Bool = True
-    freq_shift: Float = 0.0
-    max_period: Float = Field(default=10000.0, gt=0)
-    dim: Int | None = Field(default=None, gt=0, description="MLP width; default 4 * channels[0]")
-    cond_dim: Int | None = Field(
-        default=None, gt=0, description="width of timestep_cond, projected onto the sinusoids (LCM; time_cond_proj_dim)"
-    )
-
-
-class ClassEmbeddingSpec(_Frozen):
-    """Class conditioning, added to (or concatenated with) the timestep embedding.
-
-    diffusers' ``class_embed_type`` / ``num_class_embeds``; ``class_labels`` in the forward is:
-
-    * ``embedding``: class ids (B,) into a learned table of ``num_classes`` rows;
-    * ``timestep``: ids (B,) through the timestep sinusoids and a 2-layer MLP of their own;
-    * ``identity``: vectors (B, time embedding width) added as they are;
-    * ``projection``: vectors (B, ``input_dim``) through a 2-layer MLP;
-    * ``simple_projection``: vectors (B, ``input_dim``) through one linear layer.
-    """
-
-    kind: ClassEmbeddingKind
-    num_classes: Int | None = Field(default=None, gt=0, description="embedding: rows of the table")
-    input_dim: Int | None = Field(default=None, gt=0, description="projection kinds: width of class_labels")
-    concat: Bool = Field(default=False, description="concatenate with the time embedding (blocks see twice the width)")
-
-    @model_validator(mode="after")
-    def _check_kind(self) -> ClassEmbeddingSpec:
-        needs = {"embedding": "num_classes", "projection": "input_dim", "simple_projection": "input_dim"}
-        for field in ("num_classes", "input_dim"):
-            wanted = needs.get(self.kind) == field
-            if wanted and getattr(self, field) is None:
-                raise SpecError(f"{field}: required by kind {self.kind!r}")
-            if not wanted and getattr(self, field) is not None:
-                raise SpecError(f"{field}: not used by kind {self.kind!r} (remove it)")
-        return self
-
-
-class AdditionEmbeddingSpec(_Frozen):
-    """SDXL's ``text_time`` conditioning (diffusers ``addition_embed_type: text_time``).
-
-    ``time_ids`` (B, N) each become ``time_id_dim`` sinusoids (the timestep's options); with
-    ``text_embeds`` (B, D) they are concatenated and a 2-layer MLP from ``input_dim = D + N *
-    time_id_dim`` (diffusers' ``projection_class_embeddings_input_dim``) is added to the time
-    embedding. Only the sum is part of the network; ``num_time_ids`` is how example inputs split it
-    (SDXL base: 6 ids and D = 1280; the refiner passes 5 ids and the same D).
-    """
-
-    kind: Literal["text_time"] = "text_time"
-    time_id_dim: Int = Field(gt=0, description="sinusoid width per time id (addition_time_embed_dim)")
-    input_dim: Int = Field(gt=0, description="MLP input: text_embeds width + num_time_ids * time_id_dim")
-    num_time_ids: Int = Field(default=6, gt=0, description="time ids per sample in example inputs")
-
-    @property
-    def text_embeds_dim(self) -> int:
-        """Width of ``text_embeds`` beside ``num_time_ids`` time ids."""
-        return self.input_dim - self.num_time_ids * self.time_id_dim
-
-    @model_validator(mode="after")
-    def _check_split(self) -> AdditionEmbeddingSpec:
-        _require(
-            self.text_embeds_dim > 0,
-            "num_time_ids",
-            f"{self.num_time_ids} time ids x {self.time_id_dim} leave no text_embeds width "
-            f"in input_dim={self.input_dim}",
-        )
-        return self
-
-
-class ImageEmbeddingSpec(_Frozen):
-    """Conditioning on an image embedding ``image_embeds`` (B, ``input_dim``), as Kandinsky 2.2's decoder:
-
-    * ``add_to_time`` (diffusers ``addition_embed_type: image``): a Linear to the time embedding's
-      width and a LayerNorm, added to the time embedding;
-    * ``context_tokens`` (``encoder_hid_dim_type: image_proj``): a Linear to ``context_tokens`` x
-      ``cross_attention_dim`` and a LayerNorm make the cross-attention context (no ``context`` input then).
-    """
-
-    input_dim: Int = Field(gt=0, description="width of image_embeds (diffusers encoder_hid_dim)")
-    add_to_time: Bool = True
-    context_tokens: Int | None = Field(default=32, gt=0, description="None: the context is an input")
-    norm_eps: Float = Field(default=1e-5, gt=0, description="both LayerNorms")
-
-    @model_validator(mode="after")
-    def _check_use(self) -> ImageEmbeddingSpec:
-        _require(self.add_to_time or self.context_tokens is not None, "image_embedding", "neither used: set "
-                 "add_to_time or context_tokens")  # fmt: skip
-        return self
-
 
 class UNetSpec(_Frozen):
     """A diffusion U-Net, level by level. Lists run from the highest resolution down."""
@@ -405,12 +310,3 @@ class UNetSpec(_Frozen):
 
 def _per_level(value: int | tuple[int, ...], level: int, n: int) -> int:
     return value[level % n] if isinstance(value, tuple) else value
-
-
-class SpecError(ValueError):
-    """A spec or policy problem, reported as one line naming the field."""
-
-
-def _require(ok: bool, field: str, message: str) -> None:
-    if not ok:
-        raise SpecError(f"{field}: {message}")
