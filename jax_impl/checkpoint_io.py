@@ -4,8 +4,10 @@ Every run, one device or a mesh, replicated or FSDP-sharded, saves the `TrainSta
 orbax's `StandardCheckpointer` (each array written from its shards, no gather onto one device),
 and `shared_configs.training.run_folder` hashes the files and commits the folder with its manifest.
 Restoring takes a target of `jax.ShapeDtypeStruct` leaves carrying the shardings wanted now, so a
-run resumes onto the same mesh, another one, or a single device. The mirror of
-`torch_impl.checkpoint_io`.
+run resumes onto the same mesh, another one, or a single device. Over several processes each
+writes (and reads) the shards of its own devices: the files hold global arrays, whatever the
+layout, so N processes' checkpoint resumes in one process with N x k devices, and the other way.
+The mirror of `torch_impl.checkpoint_io`.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ import jax
 import orbax.checkpoint as ocp
 
 from shared_configs.training.manifest import Manifest
-from shared_configs.training.run_folder import STATE, read_checkpoint, save, verify
+from shared_configs.training.run_folder import SOLO, STATE, Comm, read_checkpoint, save, verify
 
 FRAMEWORK, LAYOUT = "jax_impl", "orbax"
 
 
-def save_checkpoint(out: Path, state: Any, manifest: Manifest) -> Path:
-    """Save ``state`` (a pytree of arrays, e.g. a `TrainState`) as the checkpoint of ``manifest.step``."""
+def save_checkpoint(out: Path, state: Any, manifest: Manifest, comm: Comm = SOLO) -> Path:
+    """Save ``state`` (a pytree of arrays, e.g. a `TrainState`) as the checkpoint of ``manifest.step``;
+    over several processes (``comm``: `jax_impl.processes.current_comm`) every one calls it and
+    writes the shards its devices hold."""
 
     def write(folder: Path) -> None:
         try:
@@ -38,7 +42,7 @@ def save_checkpoint(out: Path, state: Any, manifest: Manifest) -> Path:
             _settle(folder.parent)  # so that the partial folder can be removed
             raise
 
-    return save(out, manifest, write, nbytes=sum(leaf.nbytes for leaf in jax.tree.leaves(state)))
+    return save(out, manifest, write, comm, nbytes=sum(leaf.nbytes for leaf in jax.tree.leaves(state)))
 
 
 def abstract_target(abstract_state: Any, shardings: Any) -> Any:
@@ -47,11 +51,12 @@ def abstract_target(abstract_state: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
 
 
-def load_checkpoint(path: Path, target: Any) -> tuple[Any, Manifest]:
-    """Check the checkpoint folder ``path`` against its manifest, then restore it onto ``target``
-    (see `abstract_target`). Returns (state, manifest)."""
+def load_checkpoint(path: Path, target: Any, comm: Comm = SOLO) -> tuple[Any, Manifest]:
+    """Check the checkpoint folder ``path`` against its manifest (each process of ``comm`` a share of
+    the files), then restore it onto ``target`` (see `abstract_target`; over several processes each
+    reads the shards its devices hold). Returns (state, manifest)."""
     manifest = read_checkpoint(path, FRAMEWORK, LAYOUT)
-    verify(path, manifest)
+    verify(path, manifest, comm)
     with ocp.StandardCheckpointer() as checkpointer:
         return checkpointer.restore((path / STATE).absolute(), target), manifest
 

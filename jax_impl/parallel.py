@@ -8,8 +8,11 @@ of its axes that the device count divides; small or indivisible leaves stay repl
 all-gathers each parameter where the forward and backward use it and reduce-scatters its gradient.
 No wrapper, no hand-written communication: the step function is the same for every mode.
 
-On CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` gives N devices. The mirror of
-`torch_impl.parallel` (DDP, FSDP2).
+On CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` gives N devices. Over several
+processes (`jax_impl.processes`) the mesh spans every process's devices, each process's a
+contiguous block of the axis, and each process places only its own rows of the global batch
+(`jax.make_array_from_process_local_data`): the global batch is the one a single process with all
+the devices would see. The mirror of `torch_impl.parallel` (DDP, FSDP2).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ MIN_SHARDED = 1024  # elements: smaller leaves (biases, norm scales, the step co
 
 
 def make_mesh(batch_size: int) -> Mesh:
-    """A 1-D mesh over every device, axis ``data``; the batch must split evenly over it."""
-    devices = jax.devices()
+    """A 1-D mesh over every device of every process, axis ``data``, process by process; the batch
+    must split evenly over it."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if batch_size % len(devices):
         raise ValueError(f"--batch-size {batch_size}: does not split evenly over {len(devices)} devices")
     return Mesh(np.array(devices), (AXIS,))
@@ -52,12 +56,33 @@ def state_shardings(mesh: Mesh, state: Any, mode: str | None) -> Any:
 
 
 def shard(mesh: Mesh, state: Any, batch: tuple, mode: str | None = "ddp") -> tuple[Any, tuple]:
-    """Place the state as ``mode`` says (see `state_shardings`), the batch split along its first
-    axis. BatchNorm then normalises with global-batch statistics: jit inserts the reductions.
-    Placing an array where it already is costs nothing, so this runs before every step."""
+    """Place the state as ``mode`` says (see `state_shardings`), the global ``batch`` split along its
+    first axis, this process placing only its rows (`place_batch`). BatchNorm then normalises with
+    global-batch statistics: jit inserts the reductions. Placing an array where it already is costs
+    nothing, so this runs before every step."""
+    return jax.device_put(state, state_shardings(mesh, state, mode)), place_batch(mesh, batch)
+
+
+def place_batch(mesh: Mesh, batch: tuple) -> tuple:
+    """``batch`` (global arrays, host or device; None kept) as global arrays split along the first
+    axis over ``mesh``, each process supplying only the rows its devices hold."""
     split = NamedSharding(mesh, P(AXIS))
-    placed = tuple(None if a is None else jax.device_put(a, split) for a in batch)
-    return jax.device_put(state, state_shardings(mesh, state, mode)), placed
+
+    def place(a: Any) -> jax.Array:
+        rows = local_rows(split, len(a))
+        return jax.make_array_from_process_local_data(split, np.asarray(a[rows]), a.shape)
+
+    return tuple(None if a is None else place(a) for a in batch)
+
+
+def local_rows(sharding: NamedSharding, n: int) -> slice:
+    """The rows of an ``n``-row array split by ``sharding`` that this process's devices hold (one
+    contiguous block, as `make_mesh` orders the devices)."""
+    spans = {index[0].indices(n)[:2] for index in sharding.addressable_devices_indices_map((n,)).values()}
+    start, stop = min(s for s, _ in spans), max(e for _, e in spans)
+    if sum(e - s for s, e in spans) != stop - start:
+        raise ValueError(f"mesh: this process's devices hold rows {sorted(spans)} of the batch, not one block")
+    return slice(start, stop)
 
 
 def device_bytes(tree: Any, device: jax.Device) -> int:

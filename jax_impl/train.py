@@ -16,8 +16,9 @@ The dropout key of step ``s`` is derived from (seed, s), so a resumed run replay
 A ``norm_kind: batch`` spec carries its BatchNorm running statistics in ``state.batch_stats``
 (updated once per step, remat or not); a GroupNorm spec's ``batch_stats`` is an empty dict.
 
-``--distributed`` runs over every device, data-parallel or FSDP (`jax_impl.parallel`); checkpoints
-are orbax folders (`jax_impl.checkpoint_io`). The run folder, resume checks and NaN guard are
+``--distributed`` runs over every device, data-parallel or FSDP (`jax_impl.parallel`), of one
+process or of several joined by `jax.distributed` (`jax_impl.processes`); checkpoints are orbax
+folders (`jax_impl.checkpoint_io`). The run folder, resume checks and NaN guard are
 framework-free (`shared_configs.training.loop`).
 """
 
@@ -35,9 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from jax.typing import DTypeLike
 
+from jax_impl import processes
 from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, abstract_target, load_checkpoint, save_checkpoint
 from jax_impl.guard import StepPlan, plan_for_step
 from jax_impl.parallel import make_mesh, shard, state_shardings
@@ -65,6 +67,7 @@ from shared_configs.training.data import CONDITIONING, Batch, Dataset, check_con
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
+from shared_configs.training.run_folder import SOLO, Comm
 from shared_configs.training.run_plan import RunPlan, report, resolve_run, workload_of
 from shared_configs.units import MIB
 
@@ -81,6 +84,9 @@ class JaxOptions:
     # UNet(attention_chunk=...); "auto": the device's (`shared_configs.defaults`), resolved by `on_device`
     attention_chunk: int | str | None = AUTO
     jax_cache: str | None = field(default_factory=jax_cache_dir)  # the persistent compilation cache; None: off
+    coordinator: str | None = None  # jax.distributed (`jax_impl.processes`); the three None: detected, else one process
+    num_processes: int | None = None
+    process_id: int | None = None
 
     @classmethod
     def add_flags(cls, parser: argparse.ArgumentParser) -> None:
@@ -89,12 +95,13 @@ class JaxOptions:
                             help=CHUNK_HELP)  # fmt: skip
         parser.add_argument("--jax-cache", type=cache_dir, default=d.jax_cache or "none", metavar="DIR",
                             help="JAX's persistent compilation cache folder (%(default)s; 'none': off)")  # fmt: skip
+        processes.add_flags(parser)
 
     def check(self, cfg: TrainConfig) -> None:
-        pass  # every mix of the JAX flags runs
+        processes.check_flags(self.coordinator, self.num_processes, self.process_id, cfg.distributed)
 
 
-CLI = FrameworkCLI("jax", JaxOptions)
+CLI = FrameworkCLI("jax", JaxOptions, rank=processes.process_rank)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -137,10 +144,13 @@ def flax_variables(params: Any, batch_stats: Any) -> dict[str, Any]:
 def arrays(batch: Batch) -> Arrays:
     """(noisy, t, noise, context, class_labels, text_embeds, time_ids) as jax arrays (None kept),
     images NCHW -> NHWC."""
+    return tuple(None if a is None else jnp.asarray(a) for a in host_arrays(batch))
+
+
+def host_arrays(batch: Batch) -> tuple[np.ndarray | None, ...]:
+    """`arrays` in numpy, on the host (to be placed over a mesh: `jax_impl.parallel.shard`)."""
     nhwc = (0, 2, 3, 1)
-    conditioning = (None if a is None else jnp.asarray(a) for a in batch.conditioning().values())
-    return (jnp.asarray(batch.noisy.transpose(nhwc)), jnp.asarray(batch.t), jnp.asarray(batch.noise.transpose(nhwc)),
-            *conditioning)  # fmt: skip
+    return (batch.noisy.transpose(nhwc), batch.t, batch.noise.transpose(nhwc), *batch.conditioning().values())
 
 
 def init_state(model: UNet, tx: optax.GradientTransformation, seed: int, regime: Regime = DEFAULT) -> TrainState:
@@ -223,12 +233,15 @@ def train_step(
     return TrainState(params, opt_state, batch_stats, update_ema(state.ema, params)), loss
 
 
-def generate(model: UNet, state: TrainState, schedule: Schedule, dataset: Dataset, cfg: TrainConfig) -> np.ndarray:
+def generate(model: UNet, state: TrainState, schedule: Schedule, dataset: Dataset, cfg: TrainConfig,
+             mesh: Mesh | None = None) -> np.ndarray:  # fmt: skip
     """A grid of samples (NCHW) from the short ancestral sampler (eval mode: dropout off, BatchNorm
-    with its running statistics)."""
+    with its running statistics). With a ``mesh`` (the state sharded over it, maybe over several
+    processes) every process runs it and gets the whole grid."""
     spec = model.resolved_spec
     shape = (cfg.num_samples, spec.in_channels, spec.sample_size, spec.sample_size)
-    apply = jax.jit(lambda x, t, c: model.apply(state.variables(), x, t, **c))
+    whole = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+    apply = jax.jit(lambda x, t, c: model.apply(state.variables(), x, t, **c), out_shardings=whole)
 
     def eps_fn(x: np.ndarray, t: np.ndarray, conditioning: dict[str, np.ndarray | None]) -> np.ndarray:
         out = apply(jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(t), conditioning)
@@ -269,16 +282,19 @@ def make_step(
     compiled: list[jax.stages.Compiled] = []  # with a budget: the one executable every step runs
 
     def step(state: TrainState, index: int) -> tuple[TrainState, float]:
-        batch = arrays(dataset.batch(index, cfg.batch_size, schedule, cfg.seed))
-        if mesh is not None:
-            state, batch = shard(mesh, state, batch, cfg.distributed)
+        batch = dataset.batch(index, cfg.batch_size, schedule, cfg.seed)  # the global batch, in every process
+        if mesh is None:
+            batch = arrays(batch)
+        else:
+            state, batch = shard(mesh, state, host_arrays(batch), cfg.distributed)
         key = jax.random.key(step_seed(cfg.seed, index))  # dropout masks depend on (seed, step) only
         if budget is None:
             state, loss = step_fn(state, batch, key)
             return state, float(loss)
         if not compiled:
             compiled.append(compile_step(step_fn, state, batch, key))
-            report(budget.peak_line(compiled_peak(compiled[0]), f"{PEAK_INSTRUMENT}{_barriers()}"))
+            if processes.process_rank() == 0:  # per device: every process compiled the same step
+                report(budget.peak_line(compiled_peak(compiled[0]), f"{PEAK_INSTRUMENT}{_barriers()}"))
         state, loss = compiled[0](state, batch, key)
         return state, float(loss)
 
@@ -355,9 +371,8 @@ def run_steps(
     return state
 
 
-def start_state(
-    model: UNet, tx: optax.GradientTransformation, cfg: TrainConfig, run: RunStart, mesh: Mesh | None
-) -> TrainState:
+def start_state(model: UNet, tx: optax.GradientTransformation, cfg: TrainConfig, run: RunStart, mesh: Mesh | None,
+                comm: Comm = SOLO) -> TrainState:  # fmt: skip
     """The run's first state, placed as ``cfg.distributed`` says: restored from the run's checkpoint
     (checked first; onto this mesh, whatever mesh wrote it), or initialised from the seed (under
     FSDP straight into its shards: jit's ``out_shardings``, no full copy on one device)."""
@@ -369,7 +384,7 @@ def start_state(
     else:
         placement = state_shardings(mesh, abstract, cfg.distributed)
     if run.checkpoint is not None:
-        return load_checkpoint(run.checkpoint, abstract_target(abstract, placement))[0]
+        return load_checkpoint(run.checkpoint, abstract_target(abstract, placement), comm)[0]
     return jax.jit(lambda: init_state(model, tx, cfg.seed, cfg.regime), out_shardings=placement)()
 
 
@@ -389,18 +404,28 @@ def train(cfg: TrainConfig) -> list[float]:
     Everything that can refuse the run (spec, objective, regime, devices, run folder, resume
     record, policy or budget) is checked before the model is initialised.
     """
+    own = options_of(cfg, JaxOptions)
+    joined = processes.join(own.coordinator, own.num_processes, own.process_id)  # before JAX's backend starts
+    if joined is not None and joined.processes > 1:
+        processes.check_distributed(joined.processes, cfg.distributed)
     spec = load_spec(cfg.config)
     check_objective(spec)
     check_regime(cfg.regime)
+    with processes.lost_processes():
+        return _train(cfg, spec)
+
+
+def _train(cfg: TrainConfig, spec: UNetSpec) -> list[float]:
     device = device_of(jax.devices()[0].platform)
     cfg, own = on_device(cfg, device)
     mesh = make_mesh(cfg.batch_size) if cfg.distributed else None
-    with open_run(cfg, spec, FRAMEWORK, LAYOUT) as run:
-        ranks, chunk = mesh.size if mesh else 1, own.attention_chunk
-        cfg, plan, budget = resolve_run(cfg, spec, CLI.name, ranks, run, attention_chunk=chunk)
+    comm = processes.current_comm()  # one process, or every process of the run: the run folder's collectives
+    with open_run(cfg, spec, FRAMEWORK, LAYOUT, owner=comm.rank == 0) as run:
+        ranks, chunk, first = mesh.size if mesh else 1, own.attention_chunk, comm.rank == 0
+        cfg, plan, budget = resolve_run(cfg, spec, CLI.name, ranks, run, first, attention_chunk=chunk)
         model = UNet(spec=spec, policy=plan, attention_chunk=chunk, lora_rank=cfg.regime.lora_rank)
         tx = make_optimizer(cfg.lr, cfg.weight_decay, cfg.regime)
-        state = start_state(model, tx, cfg, run, mesh)
+        state = start_state(model, tx, cfg, run, mesh, comm)
         dataset, schedule = load_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
         guarded = None
         if budget is not None and mesh is None:  # the plan judged by the loop's own compiled step
@@ -413,19 +438,20 @@ def train(cfg: TrainConfig) -> list[float]:
             if guarded is not None:  # every compile judged, this run's after those of the run it resumes
                 earlier = run.manifest.run.get("guard", []) if run.manifest is not None else []
                 manifest.run["guard"] = [*earlier, *(asdict(r) for r in guarded.history)]
-            save_checkpoint(run.out, state, manifest)
+            save_checkpoint(run.out, state, manifest, comm)
 
         losses = run.losses
         step = make_step(cfg, model, tx, dataset, schedule, mesh, budget)
-        state = run_loop(cfg, state, losses, step, save_fn, f"jax {spec.name} {plan.policy}",
-                         settings=run_settings(cfg, device))  # fmt: skip
-        samples = generate(model, state, schedule, dataset, cfg) if cfg.sample_steps > 0 else None
-        write_outputs(cfg.out, losses, samples, f"jax_impl {spec.name}, policy {plan.policy}")
+        state = run_loop(cfg, state, losses, step, save_fn, f"jax {spec.name} {plan.policy}", comm,
+                         run_settings(cfg, device))  # fmt: skip
+        samples = generate(model, state, schedule, dataset, cfg, mesh) if cfg.sample_steps > 0 else None
+        if first:  # the logs and plots: process 0's
+            write_outputs(cfg.out, losses, samples, f"jax_impl {spec.name}, policy {plan.policy}")
     return losses
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli_main(train, argv, CLI)
+    return processes.leave(cli_main(train, argv, CLI))  # several processes: each leaves as its status allows
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Protocol, TypeVar
 
 from shared_configs.cli import OneLineParser, nonnegative, positive, positive_mib
@@ -84,6 +84,7 @@ class FrameworkCLI:
 
     name: str  # "torch" or "jax", as the planner spells them
     options: type[Options]
+    rank: Callable[[], int] = field(default=lambda: int(os.environ.get("RANK", "0")))  # torchrun's; JAX's process
 
     @property
     def package(self) -> str:
@@ -255,27 +256,29 @@ def cli_main(train: Callable[[TrainConfig], list[float]], argv: list[str] | None
     """Run ``train`` from the command line; an error is one line: status 2 for bad input, 1 for a
     failed run, 128 + signal number for a run a signal stopped (its line says how to resume).
 
-    Under torchrun every rank meets the same bad input (the checks read the same flags and files),
-    the same non-finite global loss, the same stop step and the same failed checkpoint write (the
-    ranks agree on each), so only rank 0 prints those; any rank prints its other OS errors.
+    Under torchrun (or over several JAX processes: ``framework.rank``) every rank meets the same bad
+    input (the checks read the same flags and files), the same non-finite global loss, the same
+    stop step and the same failed checkpoint write (the ranks agree on each), so only rank 0 prints
+    those; any rank prints its other OS errors.
     """
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv, framework)
-    rank, prog = int(os.environ.get("RANK", "0")), framework.prog
+    prog = framework.prog
     try:
         train(cfg)
     except (SpecError, ValueError, FileNotFoundError, NotImplementedError) as err:
-        return _report(prog, err, 2, rank == 0)
+        return _report(prog, err, 2, framework.rank() == 0)
     except (NonFiniteLoss, CheckpointWriteError) as err:
-        return _report(prog, err, 1, rank == 0)
+        return _report(prog, err, 1, framework.rank() == 0)
     except OSError as err:
+        rank = framework.rank()
         return _report(prog, err, 1, True, f"rank {rank}: " if rank else "")
     except Stopped as stop:
-        if rank == 0:
+        if framework.rank() == 0:
             print(f"{prog}: {stop.line(resume_command(framework.module, argv))}", file=sys.stderr)
         return exit_status(stop.signum)
     except KeyboardInterrupt:  # outside the steps (loading, sampling): the checkpoints are as they were
-        if rank == 0:
+        if framework.rank() == 0:
             print(f"{prog}: interrupted outside the steps; the checkpoints in {cfg.out} are kept", file=sys.stderr)
         return exit_status(signal.SIGINT)
     return 0

@@ -81,7 +81,7 @@ def run_loop(
 ) -> State:
     """Steps ``len(losses) .. cfg.steps - 1``: ``step_fn(state, step) -> (state, loss)``, each loss
     appended to ``losses``; ``save_fn(state, losses)`` at every checkpoint boundary. Returns the state.
-    ``settings`` (what the run used) ends the speed line printed at the end, on stderr.
+    ``settings`` (what the run used) ends the speed line rank 0 prints at the end, on stderr.
 
     A NaN or infinite loss raises `NonFiniteLoss` naming the step; the checkpoint on disk stays.
     A stop signal (`shared_configs.training.preemption.STOP_SIGNALS`) to any rank of ``comm`` lets
@@ -90,7 +90,8 @@ def run_loop(
     ranks of the signal number, 0 for none), so they all stop after the same step.
     """
     saved = len(losses)
-    with StopSignals() as signals, progress_bar(cfg.steps, len(losses), title, settings) as update:
+    shown = progress_bar(cfg.steps, len(losses), title, settings, show=comm.rank == 0)  # the logs are rank 0's
+    with StopSignals() as signals, shown as update:
         for step in range(len(losses), cfg.steps):
             state, loss = step_fn(state, step)
             kept = f"The checkpoint of step {saved} in {cfg.out} is the last good one." if saved else "No checkpoint."

@@ -19,17 +19,20 @@ from shared_configs.files import atomic_write
 
 
 @contextmanager
-def progress_bar(total: int, start: int, title: str, settings: str = "") -> Iterator[Callable[[float], None]]:
+def progress_bar(
+    total: int, start: int, title: str, settings: str = "", show: bool = True
+) -> Iterator[Callable[[float], None]]:
     """A rich progress bar; the yielded ``update(loss)`` advances it and shows the running loss.
 
     On exit it prints the training speed (`speed_line`) and ``settings`` (what the run used:
     `shared_configs.training.config.used`), one line on stderr (a failed run's error stays one line).
+    Nothing is shown unless ``show`` (the other ranks of a run over several processes).
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                TextColumn("loss {task.fields[loss]}"))  # fmt: skip
-    with Progress(*columns, transient=False, disable=not sys.stderr.isatty()) as bar:
+    with Progress(*columns, transient=False, disable=not (show and sys.stderr.isatty())) as bar:
         task = bar.add_task(title, total=total, completed=start, loss="-")
         running: list[float] = []
         stamps = [time.perf_counter()]
@@ -40,7 +43,7 @@ def progress_bar(total: int, start: int, title: str, settings: str = "") -> Iter
             bar.update(task, advance=1, loss=f"{np.mean(running[-20:]):.4f}")
 
         yield update
-    if len(stamps) > 1:
+    if show and len(stamps) > 1:
         print(speed_line(title, np.diff(stamps)) + (f"; settings {settings}" if settings else ""), file=sys.stderr)
 
 

@@ -1,0 +1,231 @@
+"""One training run over several JAX processes: joining them, agreeing between them, leaving.
+
+``jax_impl.train`` runs as one process with all its devices, or as N processes (one per host, or
+one per GPU as SLURM lays them out) joined by `jax.distributed.initialize` into one set of global
+devices; the mesh (`jax_impl.parallel.make_mesh`) spans them all and jit runs the same step on
+each. What happens where:
+
+* `join`: ``--coordinator HOST:PORT --num-processes N --process-id I`` (all three), or none of them
+  in a cluster that `jax.distributed` detects from the environment (SLURM, Open MPI, ...); neither:
+  one process, as always. On CPU the cross-process collectives are gloo
+  (``jax_cpu_collectives_implementation``).
+* `ProcessComm`: the run folder's collectives (`shared_configs.training.run_folder.Comm`: who saves
+  what, the agreed stop step) as small jitted all-gathers over every device, so that they fail
+  fast, like the step's own, when a process is gone.
+* `lost_processes`: a collective that fails because another process died becomes one line
+  (`ProcessLost`, exit 1) instead of XLA's message; `leave` then exits without JAX's shutdown
+  barrier, which would wait for the dead process until the heartbeat times out and abort.
+
+A process killed while the others wait outside a collective (orbax's barriers, the key-value
+store) is noticed by the coordination service after `HEARTBEAT_S` seconds without its heartbeat,
+and JAX ends the others itself ("Terminating process because the JAX distributed service detected
+fatal errors"); a killed process 0 (it hosts the service) ends the others at once that way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import re
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from shared_configs.cli import nonnegative, positive
+from shared_configs.training.run_folder import SOLO, Comm
+
+CPU_COLLECTIVES = "gloo"  # jax_cpu_collectives_implementation: gloo over TCP (the other choice, mpi, needs MPI)
+HEARTBEAT_S = 30  # a process silent this long is taken for dead (JAX's default, 100 s, holds a failed run longer)
+JOIN_TIMEOUT_S = 300  # how long process 0 waits for the others to start (JAX's default)
+LEAVE_WAIT_S = 5.0  # how long process 0, which hosts the coordination service, waits for the others to go
+LEAVING = "unet-remat/leaving/"  # the key-value store's folder where each other process says it leaves
+
+
+def coordinator_address(text: str) -> str:
+    """An argparse ``type``: ``HOST:PORT`` with a port in 1..65535."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (a port in 1..65535), got {text!r}")
+    return text
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """``--coordinator``, ``--num-processes``, ``--process-id`` (`check_flags` says what goes together)."""
+    parser.add_argument("--coordinator", type=coordinator_address, default=None, metavar="HOST:PORT",
+                        help="jax.distributed: process 0's address and a free port there, the same for every "
+                        "process; with --num-processes and --process-id (none of the three: what "
+                        "jax.distributed detects, e.g. SLURM, else one process)")  # fmt: skip
+    parser.add_argument("--num-processes", type=positive(int), default=None, metavar="N",
+                        help="jax.distributed: how many processes the run has")  # fmt: skip
+    parser.add_argument("--process-id", type=nonnegative(int), default=None, metavar="I",
+                        help="jax.distributed: this process's number, 0 .. N-1 (process 0 writes logs)")  # fmt: skip
+
+
+def check_flags(coordinator: str | None, num_processes: int | None, process_id: int | None,
+                distributed: str | None) -> None:  # fmt: skip
+    """Refuse (one-line ValueError) a partial or inconsistent set of the three flags, and several
+    processes without ``--distributed`` (each would train a model of its own)."""
+    given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
+    missing = [flag for flag, value in given.items() if value is None]
+    if missing and len(missing) < len(given):
+        raise ValueError(f"{', '.join(missing)}: needed with {', '.join(f for f in given if f not in missing)} "
+                         "(give all three, or none to let jax.distributed detect the cluster)")  # fmt: skip
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        expected = f"expected 0 .. {num_processes - 1} (--num-processes {num_processes})"
+        raise ValueError(f"--process-id {process_id}: {expected}")
+    if (num_processes or 1) > 1:
+        check_distributed(num_processes, distributed)  # type: ignore[arg-type]
+
+
+def check_distributed(processes: int, distributed: str | None) -> None:
+    if distributed is None:
+        raise ValueError(f"--distributed: needed over {processes} processes (ddp or fsdp)")
+
+
+@dataclass(frozen=True)
+class Joined:
+    """This process's place in the run and how it was found."""
+
+    process_id: int
+    processes: int
+    via: str  # "--coordinator HOST:PORT" or the cluster JAX detected, e.g. "SlurmCluster"
+
+    def line(self) -> str:
+        devices = jax.devices()
+        return (f"jax.distributed: {self.processes} processes via {self.via}, {len(devices)} {devices[0].platform} "
+                f"devices in all ({jax.local_device_count()} here); CPU collectives: {CPU_COLLECTIVES}")  # fmt: skip
+
+
+_joined: Joined | None = None
+
+
+def join(coordinator: str | None, num_processes: int | None, process_id: int | None) -> Joined | None:
+    """Join the run's processes (before any JAX computation), once per interpreter; None: one
+    process (no flags, no cluster detected). Process 0 prints which it used."""
+    global _joined
+    if _joined is not None:
+        return _joined
+    via = f"--coordinator {coordinator}" if coordinator else detected_cluster()
+    if via is None:
+        return None
+    jax.config.update("jax_cpu_collectives_implementation", CPU_COLLECTIVES)
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id, heartbeat_timeout_seconds=HEARTBEAT_S,
+                                   initialization_timeout=JOIN_TIMEOUT_S)  # fmt: skip
+    except (RuntimeError, ValueError) as err:  # JaxRuntimeError is a RuntimeError
+        raise ConnectionError(f"jax.distributed via {via}: {_first_line(err)}") from None
+    _joined = Joined(jax.process_index(), jax.process_count(), via)
+    if _joined.process_id == 0:
+        print(_joined.line(), file=sys.stderr, flush=True)
+    return _joined
+
+
+def detected_cluster() -> str | None:
+    """The cluster `jax.distributed.initialize()` would detect from the environment (its class
+    name, e.g. "SlurmCluster"), or None. JAX keeps the list private; its absence means none."""
+    try:
+        from jax._src.clusters import ClusterEnv
+    except ImportError:
+        return None
+    kinds = getattr(ClusterEnv, "_cluster_types", [])
+    found = next((k for k in kinds if not k.opt_in_only_method and k.is_env_present()), None)
+    return None if found is None else found.__name__
+
+
+def process_rank() -> int:
+    """This process's number (0 before or without `join`): who prints the CLI's shared lines."""
+    return 0 if _joined is None else _joined.process_id
+
+
+@dataclass(frozen=True)
+class ProcessComm:
+    """`shared_configs.training.run_folder.Comm` over JAX's processes: tiny all-gathers over every
+    device (gloo on CPU), compiled once per shape."""
+
+    rank: int
+    world: int
+
+    def barrier(self) -> None:
+        self.max(0)
+
+    def max(self, value: int) -> int:
+        return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+
+    def gather(self, obj: Any) -> list[Any]:
+        data = np.frombuffer(pickle.dumps(obj), np.uint8)
+        sizes = multihost_utils.process_allgather(np.int32(data.size))
+        width = 1 << int(max(sizes) - 1).bit_length()  # powers of two: a few shapes, a few compiles
+        rows = multihost_utils.process_allgather(np.pad(data, (0, width - data.size)))
+        return [pickle.loads(row[:n].tobytes()) for row, n in zip(rows, sizes, strict=True)]
+
+
+def current_comm() -> Comm:
+    """The joined processes, or `SOLO` for one."""
+    return SOLO if jax.process_count() == 1 else ProcessComm(jax.process_index(), jax.process_count())
+
+
+class ProcessLost(ConnectionError):
+    """A collective failed because another process of the run is gone (killed, crashed, or failed)."""
+
+
+_GLOO_FAILURE = re.compile(r"Gloo [\w-]+ failed")
+
+
+@contextmanager
+def lost_processes() -> Iterator[None]:
+    """Turn a collective that failed for want of another process into one line (`ProcessLost`)."""
+    try:
+        yield
+    except (RuntimeError, ValueError) as err:  # XLA raises gloo's failures as either
+        if _joined is None or not _GLOO_FAILURE.search(str(err)):
+            raise
+        cause = _first_line(err).rsplit("] ", 1)[-1]  # gloo's reason, without its source location
+        raise ProcessLost(f"another process of the run is gone (a collective failed: {cause}); its own "
+                          "output says why") from None  # fmt: skip
+
+
+def leave(code: int) -> int:
+    """End this process's part in the run with exit status ``code``.
+
+    0: JAX's shutdown barrier (every process reaches it). Otherwise a process may be gone or still
+    inside a collective, and the barrier would wait for it until the heartbeat times out: exit
+    now (`os._exit`), process 0 last, as the others need its coordination service to exit cleanly.
+    """
+    if _joined is None:
+        return code
+    if code == 0:
+        jax.distributed.shutdown()
+        return code
+    _wait_for_the_others(_joined)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _wait_for_the_others(joined: Joined) -> None:
+    """Process 0: wait (at most `LEAVE_WAIT_S`) until every other process has said it leaves."""
+    from jax._src import distributed  # the coordination service's key-value store: JAX has no public handle
+
+    client = distributed.global_state.client
+    try:
+        if joined.process_id != 0:
+            client.key_value_set(f"{LEAVING}{joined.process_id}", "1")
+            return
+        deadline = time.monotonic() + LEAVE_WAIT_S
+        while time.monotonic() < deadline and len(client.key_value_dir_get(LEAVING)) < joined.processes - 1:
+            time.sleep(0.05)
+    except Exception:  # the service is gone (process 0 died): nothing to wait for
+        return
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
