@@ -13,7 +13,7 @@ import torch
 from flax import traverse_util
 
 from jax_impl.convert import flax_to_torch, torch_to_flax
-from shared_configs.arch import NormArgs, ResnetArgs, SelfAttentionArgs, TransformerArgs
+from shared_configs.arch import NormArgs, ResnetArgs, SelfAttentionArgs, SimpleCrossAttentionArgs, TransformerArgs
 from tests.parity_utils import flax_out, parity_inputs, parity_pair, torch_out
 from tests.utils import VARIANTS, rel_err
 from torch_impl import UNet as TorchUNet
@@ -86,17 +86,21 @@ def test_conversion_rejects_mismatched_weights() -> None:
 
 def test_layer_arguments_are_both_constructors_parameters() -> None:
     """`shared_configs.arch`'s typed arguments name exactly what each framework's layer takes after its channels."""
+    from jax_impl import added_layers as flax_added
     from jax_impl import layers as flax_layers
+    from torch_impl import added_layers as torch_added
     from torch_impl import layers as torch_layers
 
-    channels = {"ch", "in_ch", "out_ch"}
+    channels = {"ch", "in_ch", "out_ch", "resample"}  # what a block passes per layer (a resampler's direction)
     # Flax: the chunked attention switch, the LoRA adapters (torch adds peft's from the outside:
     # torch_impl.regime.add_lora), linen's own fields
     flax_only = {"query_chunk", "lora_rank", "parent", "name"}
     pairs = [(NormArgs, "norm_layer"), (ResnetArgs, "ResnetBlock"), (SelfAttentionArgs, "SelfAttention")]
-    for args, layer in [*pairs, (TransformerArgs, "Transformer2D")]:
+    for args, layer in [*pairs, (TransformerArgs, "Transformer2D"), (SimpleCrossAttentionArgs, "SimpleCrossAttention")]:
         names = {f.name for f in dataclasses.fields(args)}
-        torch_params = set(inspect.signature(getattr(torch_layers, layer)).parameters) - channels
-        flax_layer = getattr(flax_layers, layer)
+        added = hasattr(torch_added, layer)
+        torch_module, flax_module = (torch_added, flax_added) if added else (torch_layers, flax_layers)
+        torch_params = set(inspect.signature(getattr(torch_module, layer)).parameters) - channels
+        flax_layer = getattr(flax_module, layer)
         flax_params = set(inspect.signature(flax_layer).parameters) - channels - flax_only
         assert names == torch_params == flax_params, layer
