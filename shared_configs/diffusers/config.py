@@ -5,7 +5,8 @@ into the `UNetSpec` of the network diffusers builds from it, settings diffusers 
 settings included (a middle attention without GroupNorm, head counts that do not divide the
 channels, an unknown ``class_embed_type`` that builds no class embedding). Every option is one of:
 
-* mapped onto a spec field (block types, widths, heads, norms, time, class and text_time embeddings);
+* mapped onto a spec field (block types, widths, heads, norms, time, class, text_time and image
+  embeddings, the context's projection: `shared_configs.diffusers.conditioning`);
 * fixed: our spec cannot express it, so only the listed values (diffusers' default first) are
   accepted and any other is refused with a `SpecError` naming the option;
 * inert: it only configures layers we refuse or that the config does not build;
