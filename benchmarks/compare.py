@@ -4,6 +4,7 @@
     python -m benchmarks.compare --framework torch,diffusers --policies full,layers   # vs diffusers' own
     python -m benchmarks.compare --diffusers path/to/unet_folder                      # a local diffusers model
     python -m benchmarks.compare --world-size 2 --batch-size 4                         # per rank, under FSDP
+    python -m benchmarks.compare --controlnet                                          # the ControlNet step
 
 Each framework runs in its own subprocess (`benchmarks.backends.worker`); this process imports neither.
 Prints a table, and writes ``<out>/<run>.json``, ``.csv``, ``.png`` (memory reduction against
@@ -27,7 +28,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from benchmarks.harness import compiled
+from benchmarks.harness import compiled, pair_compare
 from benchmarks.harness.job import (
     DIFFUSERS,
     DIFFUSERS_POLICIES,
@@ -185,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(the 'XLA:CPU default' column)",
     )
     compiled.add_arguments(p)
+    pair_compare.add_arguments(p)
     p.add_argument("--verbose", action="store_true", help="show the workers' stderr")
     return p
 
@@ -195,6 +197,8 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
     default_config = source == "spec" and config == DEFAULT_CONFIG
     batch_sizes = tuple(dict.fromkeys(args.batch_size or (DEFAULT_BATCH_SIZES if default_config else (1,))))
     spec = load_benchmark_spec(config, args.sample_size, source)
+    if args.budget_mib is not None:
+        raise SpecError("--budget-mib: only with --controlnet (the budget its planned row is solved for)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise SpecError("policies: none given")
@@ -373,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     # A table this wide wraps unreadably at 80 columns: when not on a terminal, print it wide.
     console = Console() if sys.stdout.isatty() else Console(width=200)
     with cli_errors("benchmarks.compare"):
+        if args.controlnet:
+            return pair_compare.main(args, console, DEFAULT_BATCH_SIZES[0])
         jobs = make_jobs(args)
         check_out_dir(args.out)
         clock, results = cpu_snapshot(), []

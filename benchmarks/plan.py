@@ -6,6 +6,7 @@
     python -m benchmarks.plan --config sd15 --sample-size 64 --batch-size 8 --budget-mib 24576 --shapes
     python -m benchmarks.plan --config sd15 --sample-size 64 --batch-size 8 --policy layers --shapes
     python -m benchmarks.plan --diffusers path/to/unet --batch-size 4 --budget-mib 8192 --trainable lora:8
+    python -m benchmarks.plan --config sd_narrow --batch-size 8 --budget-mib 700 --controlnet --verify
 
 Prints the plan as the policy string `UNet.enable_gradient_checkpointing` and
 `jax_impl.UNet(policy=...)` accept (and a spec's ``checkpoint:`` YAML line), its predicted peak
@@ -36,6 +37,7 @@ from shared_configs.cli import (
     stopping,
 )
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, resolve_chunk
+from shared_configs.pair import ControlNetPairSpec
 from shared_configs.planning import candidates, gpu
 from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile, assignment_of
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS
@@ -84,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a diffusers UNet2D(Condition)Model folder, a pipeline folder with unet/, or a repo id in "
                         "the local Hugging Face cache: plan for its config (torch_impl.apply_plan applies the plan "
                         "to that model)")  # fmt: skip
+    p.add_argument("--controlnet", action="store_true",
+                   help="plan diffusers' ControlNet training step: the U-Net frozen, the ControlNet made from it "
+                   "trained; plans name the ControlNet's units controlnet.down.0, controlnet.mid, ... and the "
+                   "U-Net's as they are (shared_configs.pair)")  # fmt: skip
     p.add_argument("--sample-size", type=positive_int, help="the side of the (latent) image (default: the spec's)")
     p.add_argument("--batch-size", type=positive_int, required=True, help="the training batch")
     p.add_argument("--budget-mib", type=positive_mib, help="the step's memory budget, MiB (required but for --sweep)")
@@ -162,6 +168,9 @@ def _check(args: argparse.Namespace) -> None:
     if sharded and (args.verify or args.candidates or args.sweep is not None):
         raise SpecError("--world-size with --distributed fsdp: --verify, --candidates and --sweep measure one process "
                         "only")  # fmt: skip
+    if args.controlnet and (args.sweep is not None or args.device != "cpu" or args.world_size > 1):
+        raise SpecError("--controlnet: plans and measures one process's step on the CPU figures; not with --sweep, "
+                        "--device or --world-size")  # fmt: skip
     if args.device != "cpu" and (args.framework == "jax" or args.sweep is not None):
         raise SpecError(f"--device {args.device}: the GPU flavour is torch's step (CUDA autocast, its caching "
                         "allocator), for a plan or --policy; not with --framework jax or --sweep")  # fmt: skip
@@ -260,8 +269,9 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
         head,
         f"  settings: {doc['settings']}",
         f"  policy: {doc['plan']}",
-        f"  yaml:   checkpoint: {json.dumps(doc['plan'])}",
     ]
+    if not isinstance(spec, ControlNetPairSpec):  # a pair plan goes to both networks (torch_impl.pair), not a spec
+        lines.append(f"  yaml:   checkpoint: {json.dumps(doc['plan'])}")
     for fw, d in doc["frameworks"].items():
         line = (f"  {fw}: predicted peak {d['predicted_peak_bytes'] / MIB:.1f} MiB (at {d['peak_at']}), "
                 f"overhead {100 * d['predicted_overhead']:+.1f}% ({d['time_method']}), "
@@ -295,6 +305,7 @@ def workload_of(args: argparse.Namespace) -> Workload:
     return Workload.of(
         load_benchmark_spec(source[1], None, source[0]),
         args.sample_size,
+        controlnet=args.controlnet,
         batch_size=args.batch_size,
         context_length=args.context_length,
         attention_chunk=resolve_chunk(args.attention_chunk, DEVICE),

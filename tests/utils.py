@@ -237,12 +237,14 @@ def random_profile(spec: UNetSpec, seed: int, framework: str = "test") -> Any:
     """A `shared_configs.planning.budget.Profile` of ``spec`` with random per-unit figures (MiB scale,
     forward holds on recompute choices): for solver and CLI tests that need a profile but not a measurement."""
     from shared_configs.planning.budget import CHOICES, PLAIN, Cost, Profile, block_layers, is_pseudo
+    from shared_configs.planning.units import segments
 
     mib = 2**20
     rng = np.random.default_rng(seed)
     holds = np.random.default_rng(seed + 1000)  # its own draws: the other figures stay as they were
     units: dict[str, dict[str, Cost]] = {}
-    names = ["stem", "head"] + [n for b, layers in block_layers(spec).items() for n in (b, *layers)]
+    ends = [b for b, _ in segments(spec) if is_pseudo(b)]  # stem, head (and a ControlNet pair's own)
+    names = ends[:1] + ends[-1:] + ends[1:-1] + [n for b, layers in block_layers(spec).items() for n in (b, *layers)]
     for name in names:
         block = name in block_layers(spec)
         choices = (PLAIN,) if is_pseudo(name) else CHOICES[1:] if block else CHOICES

@@ -1,0 +1,140 @@
+"""``benchmarks.compare --controlnet``: diffusers' ControlNet training step, per framework x policy.
+
+The step is `torch_impl.pair` / `jax_impl.pair`'s (the U-Net frozen, the ControlNet made from it
+trained; `shared_configs.pair`), measured by the planner's own workers in one process per framework
+(`shared_configs.planning.planner.measure`: torch's `StepTracker` peak, JAX's compiled
+``memory_analysis()``, CPU seconds of single-threaded steps taken in turn). The rows are ``none``,
+``--policies`` (each on both networks) and a plan the planner solves for a budget: ``--budget-mib``,
+or by default halfway between the smallest feasible peak and ``none``'s (predicted; one plan
+that fits every framework measured), raised to the smallest budget the planner's margin allows.
+No torch or jax import here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.job import DIFFUSERS, load_benchmark_spec, policy_arg
+from benchmarks.reports.report import write_json
+from shared_configs import SpecError
+from shared_configs.cli import check_out_dir, positive_mib
+from shared_configs.defaults import resolve_chunk
+from shared_configs.pair import split_pair_plan
+from shared_configs.planning.budget import assignment_of, predict
+from shared_configs.planning.planner import DEVICE, Workload, get_profile, measure, plan
+from shared_configs.planning.solver import Infeasible, smallest_peak
+from shared_configs.regime import regime_of
+from shared_configs.units import MIB
+
+PLANNED = "planned"  # the planned row's label (its policy string is printed beside the table)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--controlnet", action="store_true",
+                   help="diffusers' ControlNet training step (the U-Net frozen, the ControlNet made from it trained): "
+                   "none, --policies and a planned policy per framework (benchmarks.harness.pair_compare)")  # fmt: skip
+    p.add_argument("--budget-mib", type=positive_mib, metavar="MIB",
+                   help="--controlnet: the budget the planned row is solved for (default: halfway between the "
+                   "smallest feasible peak and none's)")  # fmt: skip
+
+
+def main(args: argparse.Namespace, console: Any, default_batch: int) -> int:
+    """Measure, print the table, write the JSON (``console``: compare's rich console)."""
+    check_out_dir(args.out)
+    doc = run(args, args.framework, default_batch)
+    console.print(table(doc), highlight=False)
+    console.print(f"wrote {write(doc, args.out)}")
+    return 0
+
+
+def check(args: argparse.Namespace, frameworks: tuple[str, ...]) -> None:
+    """Refuse, in one line, what the ControlNet step's benchmark does not measure."""
+    if DIFFUSERS in frameworks or args.world_size > 1 or args.device == "gpu" or args.compile or args.xla_default:
+        raise SpecError("--controlnet: measures the torch and jax steps in one CPU process each; not with "
+                        "--framework diffusers, --world-size, --device gpu, --compile or --xla-default")  # fmt: skip
+    if args.batch_size is not None and len(args.batch_size) > 1:
+        raise SpecError("--controlnet: one --batch-size at a time")
+
+
+def workload(args: argparse.Namespace, default_batch: int) -> Workload:
+    source, config = ("diffusers", str(args.diffusers)) if args.diffusers else ("spec", args.config)
+    return Workload.of(
+        load_benchmark_spec(config, args.sample_size, source),
+        controlnet=True,
+        batch_size=(args.batch_size or [default_batch])[0],
+        context_length=args.context_length,
+        attention_chunk=resolve_chunk(args.jax_attention_chunk, DEVICE),
+        regime=regime_of(args),
+    )
+
+
+def default_budget(work: Workload, frameworks: tuple[str, ...]) -> int:
+    """Halfway between the smallest feasible predicted peak and ``none``'s, the highest over ``frameworks``."""
+    profiles = [get_profile(fw, work) for fw in frameworks]
+    floor = max(smallest_peak(profiles, work.spec).predictions, key=lambda p: p.peak_bytes).peak_bytes
+    top = max(predict(p, work.spec, {}).peak_bytes for p in profiles)
+    return (floor + top) // 2
+
+
+def run(args: argparse.Namespace, frameworks: tuple[str, ...], default_batch: int) -> dict[str, Any]:
+    """Plan, then measure every row in each framework: the JSON document."""
+    check(args, frameworks)
+    work = workload(args, default_batch)
+    given = [policy_arg(p.strip()) for p in args.policies.split(",") if p.strip()]
+    for policy in given:
+        split_pair_plan(work.spec, policy)  # a bad one is refused before anything runs
+    fw_arg = "both" if len(frameworks) == 2 else frameworks[0]
+    budget = int(args.budget_mib * MIB) if args.budget_mib is not None else default_budget(work, frameworks)
+    for attempt in range(3):
+        try:
+            planned = plan(work, budget, fw_arg)
+            break
+        except Infeasible as err:  # the default lies below the model's margin: the smallest budget it plans for
+            if args.budget_mib is not None or attempt == 2:
+                raise
+            budget = err.smallest
+    policies = list(dict.fromkeys(["none", *given, planned.policy]))
+    measured = {fw: measure(fw, work, policies, args.steps)["rows"] for fw in frameworks}
+    predicted = {p.framework: {pol: predict(p, work.spec, assignment_of(work.spec, pol)).peak_bytes for pol in policies}
+                 for p in planned.profiles}  # fmt: skip
+    return {
+        "config": work.spec.name,
+        "batch_size": work.batch_size,
+        "regime": work.regime.as_dict(),
+        "settings": work.used(frameworks),
+        "budget_bytes": budget,
+        "planned": planned.policy,
+        "policies": policies,
+        "predicted_peak_bytes": predicted,
+        "rows": measured,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def table(doc: dict[str, Any]) -> str:
+    """Markdown: per policy and framework, the measured peak (vs none) and the step's median seconds (vs none)."""
+    fws = list(doc["rows"])
+    head = "| policy | " + " | ".join(f"{fw} peak MiB | {fw} step" for fw in fws) + " |"
+    lines = [head, "|---|" + "---|---|" * len(fws)]
+    for policy in doc["policies"]:
+        label = PLANNED if policy == doc["planned"] and policy != "none" else f"`{policy}`"
+        cells = []
+        for fw in fws:
+            row, none = doc["rows"][fw][policy], doc["rows"][fw]["none"]
+            peak = row["peak_bytes"] / MIB
+            change = f" ({100 * (row['peak_bytes'] / none['peak_bytes'] - 1):+.0f}%)" if policy != "none" else ""
+            ratio = statistics.median(row["rounds_s"]) / statistics.median(none["rounds_s"])
+            cells.append(f"{peak:.1f}{change} | {row['step_time_s']:.2f} s ({ratio:.2f}x)")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append(f"\n{PLANNED}: `{doc['planned']}` (budget {doc['budget_bytes'] / MIB:.1f} MiB); {doc['settings']}")
+    return "\n".join(lines)
+
+
+def write(doc: dict[str, Any], out: Path) -> Path:
+    path = out / f"compare-{doc['config']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    write_json(path, doc)
+    return path
