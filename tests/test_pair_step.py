@@ -99,3 +99,29 @@ def test_xla_op_names_are_filed_under_each_networks_units() -> None:
     assert unit_of(f"{base}/controlnet/time_embedding/linear_1/dot", units) == "controlnet.stem"
     back = "jit(train_step)/transpose(jvp(ControlNetPair))/unet/up_0/jvp(ControlNetPair)/unet/up_0/checkpoint/x"
     assert unit_of(back, units) == "up.0"
+
+
+@pytest.mark.slow
+def test_plan_for_budget_takes_the_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch_impl.plan_for_budget on a `ControlNetPair` (or a spec with controlnet=True) plans its step:
+    a random profile of the pair cached, the peak check stood in for by the profile's prediction."""
+    import torch_impl
+    from shared_configs.planning import planner
+    from shared_configs.planning.budget import assignment_of, predict
+    from tests.utils import random_profile
+
+    monkeypatch.setenv(planner.CACHE_ENV, str(tmp_path))
+    work = planner.Workload.of(PAIR, batch_size=2)
+    profile = random_profile(PAIR, 4, framework="torch")
+    profile.save(planner.profile_path("torch", work))
+
+    def run_worker(request: dict) -> dict:
+        (policy,) = request["policies"]
+        return {"peaks": {policy: predict(profile, PAIR, assignment_of(PAIR, policy)).peak_bytes}}
+
+    monkeypatch.setattr(planner, "run_worker", run_worker)
+    budget = predict(profile, PAIR, {}).peak_bytes * 9 // 10
+    pair = torch_impl.ControlNetPair(PAIR)
+    policy = torch_impl.plan_for_budget(pair, 2, budget)
+    assert pair.enable_gradient_checkpointing(policy).recompute  # a pair policy, something recomputed
+    assert predict(profile, PAIR, assignment_of(PAIR, policy)).peak_bytes <= budget
