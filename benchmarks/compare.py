@@ -197,8 +197,8 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
     default_config = source == "spec" and config == DEFAULT_CONFIG
     batch_sizes = tuple(dict.fromkeys(args.batch_size or (DEFAULT_BATCH_SIZES if default_config else (1,))))
     spec = load_benchmark_spec(config, args.sample_size, source)
-    if args.budget_mib is not None:
-        raise SpecError("--budget-mib: only with --controlnet (the budget its planned row is solved for)")
+    if args.plan_budget_mib is not None:
+        raise SpecError("--plan-budget-mib: only with --controlnet (the budget its planned row is solved for)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise SpecError("policies: none given")

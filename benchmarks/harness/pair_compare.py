@@ -4,7 +4,7 @@ The step is `torch_impl.pair` / `jax_impl.pair`'s (the U-Net frozen, the Control
 trained; `shared_configs.pair`), measured by the planner's own workers in one process per framework
 (`shared_configs.planning.planner.measure`: torch's `StepTracker` peak, JAX's compiled
 ``memory_analysis()``, CPU seconds of single-threaded steps taken in turn). The rows are ``none``,
-``--policies`` (each on both networks) and a plan the planner solves for a budget: ``--budget-mib``,
+``--policies`` (each on both networks) and a plan the planner solves for a budget: ``--plan-budget-mib``,
 or by default halfway between the smallest feasible peak and ``none``'s (predicted; one plan
 that fits every framework measured), raised to the smallest budget the planner's margin allows.
 No torch or jax import here.
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--controlnet", action="store_true",
                    help="diffusers' ControlNet training step (the U-Net frozen, the ControlNet made from it trained): "
                    "none, --policies and a planned policy per framework (benchmarks.harness.pair_compare)")  # fmt: skip
-    p.add_argument("--budget-mib", type=positive_mib, metavar="MIB",
+    p.add_argument("--plan-budget-mib", type=positive_mib, metavar="MIB",
                    help="--controlnet: the budget the planned row is solved for (default: halfway between the "
                    "smallest feasible peak and none's)")  # fmt: skip
 
@@ -88,13 +88,13 @@ def run(args: argparse.Namespace, frameworks: tuple[str, ...], default_batch: in
     for policy in given:
         split_pair_plan(work.spec, policy)  # a bad one is refused before anything runs
     fw_arg = "both" if len(frameworks) == 2 else frameworks[0]
-    budget = int(args.budget_mib * MIB) if args.budget_mib is not None else default_budget(work, frameworks)
+    budget = int(args.plan_budget_mib * MIB) if args.plan_budget_mib is not None else default_budget(work, frameworks)
     for attempt in range(3):
         try:
             planned = plan(work, budget, fw_arg)
             break
         except Infeasible as err:  # the default lies below the model's margin: the smallest budget it plans for
-            if args.budget_mib is not None or attempt == 2:
+            if args.plan_budget_mib is not None or attempt == 2:
                 raise
             budget = err.smallest
     policies = list(dict.fromkeys(["none", *given, planned.policy]))
