@@ -1,5 +1,6 @@
 """Framework-free core: the U-Net spec (`spec`), its YAML loader and presets (`loader`, ``*.yaml``),
-checkpoint plans and their grammar (`plan`), the architecture both frameworks assemble (`arch`), the
+checkpoint plans and their grammar (`plan`), a ControlNet (`controlnet`) and its training step's
+one plan over both networks (`pair`), the architecture both frameworks assemble (`arch`), the
 inputs a spec's forward takes (`inputs`), every tool's defaults per device (`defaults`), and what
 every CLI shares (`cli`, `files`, `units`, `processes`).
 
