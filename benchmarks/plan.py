@@ -6,7 +6,7 @@
     python -m benchmarks.plan --config sd15 --sample-size 64 --batch-size 8 --budget-mib 24576 --shapes
     python -m benchmarks.plan --config sd15 --sample-size 64 --batch-size 8 --policy layers --shapes
     python -m benchmarks.plan --diffusers path/to/unet --batch-size 4 --budget-mib 8192 --trainable lora:8
-    python -m benchmarks.plan --config sd_narrow --batch-size 8 --budget-mib 700 --controlnet --verify
+    python -m benchmarks.plan --config sd_narrow --batch-size 8 --budget-mib 360 --controlnet --verify
 
 Prints the plan as the policy string `UNet.enable_gradient_checkpointing` and
 `jax_impl.UNet(policy=...)` accept (and a spec's ``checkpoint:`` YAML line), its predicted peak

@@ -15,7 +15,7 @@ errors (`torch_impl.guard`, docs/guard.md).
 diffusers' ControlNet training step (a frozen U-Net, the ControlNet made from it trained) plans with
 one policy over both networks' units (``controlnet.down.1``, ``up.0``; `shared_configs.pair`)::
 
-    policy = torch_impl.plan_for_budget("sd_narrow", 8, 700 << 20, controlnet=True)
+    policy = torch_impl.plan_for_budget("sd_narrow", 8, 360 << 20, controlnet=True)
     pair = ControlNetPair(controlnet_pair("sd_narrow"), policy)   # or pair.enable_gradient_checkpointing(policy)
 """
 
