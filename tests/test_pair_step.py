@@ -28,7 +28,6 @@ def _torch_grads(pair: torch.nn.Module, policy: str) -> tuple[float, list[torch.
     return loss.item(), [p.grad.clone() for p in pair.controlnet.parameters()]
 
 
-@pytest.mark.slow
 def test_torch_pair_gradients_are_unchanged_by_a_mixed_plan() -> None:
     from torch_impl.pair import ControlNetPair
 
@@ -101,7 +100,6 @@ def test_xla_op_names_are_filed_under_each_networks_units() -> None:
     assert unit_of(back, units) == "up.0"
 
 
-@pytest.mark.slow
 def test_plan_for_budget_takes_the_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch_impl.plan_for_budget on a `ControlNetPair` (or a spec with controlnet=True) plans its step:
     a random profile of the pair cached, the peak check stood in for by the profile's prediction."""
