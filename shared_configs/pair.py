@@ -71,8 +71,11 @@ def controlnet_pair(unet: UNetSpec | str, **options: Any) -> ControlNetPairSpec:
     return ControlNetPairSpec(controlnet=ControlNetSpec(name=f"{spec.name}_controlnet", unet=spec, **options))
 
 
-def check_pair_workload(shapes: bool, regime: Regime) -> None:
+def check_pair_workload(spec: ControlNetPairSpec, shapes: bool, regime: Regime) -> None:
     """Refuse, in one line, what the ControlNet step is not planned for."""
+    if spec.unet.norm_kind != "group":
+        raise SpecError(f"norm_kind: the ControlNet step is planned for GroupNorm U-Nets (diffusers' ControlNet "
+                        f"has no {spec.unet.norm_kind} norm); spec {spec.unet.name!r}")  # fmt: skip
     if shapes:
         raise SpecError("--shapes: the ControlNet step is planned from measured profiles only (its two networks "
                         "have no shapes-only time model); drop --shapes or --controlnet")  # fmt: skip

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from benchmarks import plan as cli
-from shared_configs import SpecError
+from shared_configs import SpecError, spec_from_dict
 from shared_configs.pair import CONTROLNET, controlnet_pair, pair_names, split_pair_plan, workload_spec
 from shared_configs.planning.budget import assignment_of, leaf_units, policy_string, random_assignment
 from shared_configs.planning.planner import Workload
@@ -87,6 +87,9 @@ def test_a_workload_of_the_pair_round_trips_and_refuses_what_it_does_not_plan() 
         Workload.of("tiny", controlnet=True, batch_size=2, shapes=True)
     with pytest.raises(SpecError, match=r"^--trainable: the ControlNet step trains the whole ControlNet"):
         Workload.of("tiny", controlnet=True, batch_size=2, regime=Regime(trainable="lora:4"))
+    batch_norm = spec_from_dict({**PAIR.unet.model_dump(), "norm_kind": "batch"})
+    with pytest.raises(SpecError, match=r"^norm_kind: the ControlNet step is planned for GroupNorm U-Nets"):
+        Workload.of(batch_norm, controlnet=True, batch_size=2)
 
 
 @pytest.mark.parametrize(
