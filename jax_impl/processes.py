@@ -105,6 +105,7 @@ class Joined:
 
 
 _joined: Joined | None = None
+_lost = False  # a collective failed for want of another process: nobody to wait for when leaving
 
 
 def join(coordinator: str | None, num_processes: int | None, process_id: int | None) -> Joined | None:
@@ -187,6 +188,8 @@ def lost_processes() -> Iterator[None]:
     except (RuntimeError, ValueError) as err:  # XLA raises gloo's failures as either
         if _joined is None or not _GLOO_FAILURE.search(str(err)):
             raise
+        global _lost
+        _lost = True
         cause = _first_line(err).rsplit("] ", 1)[-1]  # gloo's reason, without its source location
         raise ProcessLost(f"another process of the run is gone (a collective failed: {cause}); its own "
                           "output says why") from None  # fmt: skip
@@ -204,7 +207,8 @@ def leave(code: int) -> int:
     if code == 0:
         jax.distributed.shutdown()
         return code
-    _wait_for_the_others(_joined)
+    if not _lost:
+        _wait_for_the_others(_joined)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
