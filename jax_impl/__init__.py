@@ -4,6 +4,7 @@ returns the policy string of the cheapest plan whose JAX step fits the budget.""
 
 from jax_impl.diffusers_io import controlnet_from_diffusers as controlnet_from_diffusers
 from jax_impl.diffusers_io import from_diffusers
+from jax_impl.guard import GuardedStep as GuardedStep
 from jax_impl.guard import plan_for_step as plan_for_step
 from jax_impl.unet import UNet
 from shared_configs.planning.planner import for_framework

@@ -22,6 +22,8 @@ nothing there.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ from shared_configs.units import MIB
 
 FULL = "full"
 DEFAULT_ROUNDS = 3  # re-plans before `full`
+OOM_HALVINGS = 2  # after an out-of-memory error: plans halfway to `full`'s peak before `full` (as torch's guard)
 _PLAN_OPTIONS = ("world_size", "distributed")  # `planner.plan`'s; the rest of ``planner_options``: `Workload`'s
 
 
@@ -47,12 +50,12 @@ _PLAN_OPTIONS = ("world_size", "distributed")  # `planner.plan`'s; the rest of `
 class StepRecord:
     """One compile of the user's step (as `torch_impl.guard.GuardRecord`, the step being the round)."""
 
-    round: int  # 0: the first plan's compile
+    round: int  # plan_for_step: the compile's round, 0 the first plan's; GuardedStep: the step that ran out
     plan: str  # the policy compiled
     predicted: int  # the planner's peak of ``plan`` for the model's own step (bytes)
     compiled: int  # XLA's peak of the user's compiled step (bytes)
     outside: int  # what the user's step holds beyond the model's step: compiled - predicted
-    action: str  # "fits", "re-planned", "full", "full failed"
+    action: str  # "fits", "re-planned", "full", "full failed"; GuardedStep: "out of memory", "consumed"
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,9 @@ class StepPlan:
     predicted: int
     budget: int
     history: list[StepRecord] = field(default_factory=list)
+    # What the planner was asked, for `GuardedStep`'s re-plans after an out-of-memory error.
+    workload: Workload | None = field(default=None, repr=False, compare=False)
+    plan_options: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 def compiled_peak(compiled: Any) -> int:
@@ -116,7 +122,7 @@ def plan_for_step(
         outside = peak - predicted
         if peak <= budget:
             history.append(StepRecord(rnd, policy, predicted, peak, outside, "fits"))
-            return StepPlan(policy, peak, predicted, budget, history)
+            return StepPlan(policy, peak, predicted, budget, history, work, plan_opts)
         if policy == FULL:
             history.append(StepRecord(rnd, policy, predicted, peak, outside, "full failed"))
             err = Infeasible(budget, peak)
@@ -142,6 +148,77 @@ def _replan(work: Workload, target: int, last: bool, plan_opts: dict[str, Any]) 
             pass  # no plan is predicted to fit what is left: try `full`, the least memory there is
     solution, _ = planner.predict_policy(work, FULL, "jax", **plan_opts)
     return FULL, solution.prediction.peak_bytes
+
+
+class GuardedStep:
+    """The user's compiled step under ``sp.plan`` (from `plan_for_step`), run again under a plan that
+    recomputes more when XLA runs out of device memory (``RESOURCE_EXHAUSTED``), as
+    `torch_impl.BudgetGuard` does: halfway to `full`'s predicted peak, twice, then `full`; under
+    `full` it says so in one line and re-raises. The retry takes the same arguments, so no batch is
+    skipped and none applied twice. A step that donates its arguments (``donate_argnums``) may have
+    consumed them when it failed: then nothing is left to run again, and it says so and re-raises.
+    ``plan`` is the policy in force, ``predicted`` its predicted peak; ``history`` extends
+    ``sp.history`` with a record per error."""
+
+    def __init__(self, build_step: Callable[[str], Any], sp: StepPlan, example_args: Sequence[Any]) -> None:
+        if sp.workload is None:
+            raise ValueError("GuardedStep: sp must come from plan_for_step (it carries the planner's workload)")
+        self._build, self._work, self._opts = build_step, sp.workload, sp.plan_options
+        self.plan, self.predicted, self.history = sp.plan, sp.predicted, list(sp.history)
+        self._compiled = compile_for(build_step, sp.plan, example_args)
+        self._step = 0
+
+    def __call__(self, *args: Any) -> Any:
+        self._step += 1
+        for rung in range(OOM_HALVINGS + 2):  # the halvings, `full`, and the failure under `full`
+            try:
+                return self._compiled(*args)
+            except jax.errors.JaxRuntimeError as err:
+                if not is_out_of_memory(err):
+                    raise
+                self._record("out of memory")
+                if _consumed(args):
+                    self._record("consumed")
+                    _say(f"GuardedStep: step {self._step} ran out of memory under {self.plan} after consuming "
+                         "its donated arguments: nothing is left to run again; re-raising")  # fmt: skip
+                    raise
+                if self.plan == FULL:
+                    _say(f"GuardedStep: step {self._step} ran out of memory under {FULL}, which recomputes "
+                         "the most: the step does not fit this device; re-raising")  # fmt: skip
+                    raise
+            # Out of the handler: the error and what the failed run held are gone before the retry.
+            self._recompute_more(rung, args)
+        raise AssertionError("unreachable: the last rung is `full`, which re-raises")
+
+    def _recompute_more(self, rung: int, args: tuple) -> None:
+        # The planner's progress lines are kept off stderr (the profile is cached): one line is said.
+        with contextlib.redirect_stderr(io.StringIO()):
+            full = planner.predict_policy(self._work, FULL, "jax", **self._opts)[0].prediction.peak_bytes
+            policy, predicted = FULL, full
+            if rung < OOM_HALVINGS:
+                policy, predicted = _replan(self._work, (self.predicted + full) // 2, False, self._opts)
+                if predicted >= self.predicted:
+                    policy, predicted = FULL, full
+        _say(f"GuardedStep: step {self._step} ran out of memory under {self.plan} (predicted "
+             f"{self.predicted / MIB:.1f} MiB); running it again under {policy} "
+             f"(predicted {predicted / MIB:.1f} MiB)")  # fmt: skip
+        self._compiled = compile_for(self._build, policy, args)
+        self.plan, self.predicted = policy, predicted
+
+    def _record(self, action: str) -> None:
+        peak = compiled_peak(self._compiled)
+        self.history.append(StepRecord(self._step, self.plan, self.predicted, peak, peak - self.predicted, action))
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """XLA's out-of-memory error, as the runtime raises it (a ``JaxRuntimeError`` whose status is
+    ``RESOURCE_EXHAUSTED``; the status is only in the message)."""
+    return isinstance(err, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(err)
+
+
+def _consumed(args: Sequence[Any]) -> bool:
+    """Whether a failed run deleted any of its arguments' buffers (donated ones)."""
+    return any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(args))
 
 
 def _say(line: str) -> None:
