@@ -88,7 +88,7 @@ def compile_with_plan(
         dump = Path(folder)
         if plan is None and not _dumped(dump):  # loaded from the persistent cache: compile it again
             dump = dump / "again"  # new options: not JAX's in-memory cache either
-            compiled = _compile_uncached(lowered, {"xla_dump_to": str(dump), **options})
+            compiled = compile_uncached(lowered, {"xla_dump_to": str(dump), **options})
         if plan is None:
             plan = _parse(dump, compiled.memory_analysis())
             _write(cache_dir, key, plan)
@@ -99,17 +99,18 @@ def _dumped(folder: Path) -> bool:
     return any(folder.glob("*jit_train_step*after_optimizations-live-range.txt"))
 
 
-def _compile_uncached(lowered: Any, options: dict[str, Any]) -> Any:
+def compile_uncached(lowered: Any, options: dict[str, Any]) -> Any:
     """Compile ``lowered`` past JAX's persistent cache (a cache hit dumps nothing)."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
+    enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
     try:
         return lowered.compile(compiler_options=options)
     finally:
-        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_enable_compilation_cache", enabled)
         compilation_cache.reset_cache()
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from jax_impl import regime as jregime
 from jax_impl import train as jt
 from jax_impl import xla_dump
-from jax_impl.memory import FAST_COMPILE
+from jax_impl.memory import FAST_COMPILE, compile_uncached
 from jax_impl.pair import ControlNetPair, init_pair, pair_arrays
 from jax_impl.pair import train_step as pair_step
 from jax_impl.unet import UNet
@@ -111,8 +111,9 @@ def compiled_step(s: dict[str, Any], policy: str, dump: str | None = None, fast:
     train_step = pair_step if isinstance(s["spec"], ControlNetPairSpec) else jt.train_step
     step = jax.jit(functools.partial(train_step, model=unet(s, policy), tx=s["tx"], **options), donate_argnums=(0,))
     compiler: dict[str, Any] = {**BARRIERS, **FAST} if fast else dict(BARRIERS)
-    if dump is not None:
+    if dump is not None:  # past the persistent cache, if one is on: a cache hit would dump nothing
         compiler |= {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "train_step"}
+        return compile_uncached(step.lower(*s["args"]), compiler)
     return step.lower(*s["args"]).compile(compiler_options=compiler)
 
 
