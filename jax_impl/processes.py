@@ -61,8 +61,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """``--coordinator``, ``--num-processes``, ``--process-id`` (`check_flags` says what goes together)."""
     parser.add_argument("--coordinator", type=coordinator_address, default=None, metavar="HOST:PORT",
                         help="jax.distributed: process 0's address and a free port there, the same for every "
-                        "process; with --num-processes and --process-id (none of the three: what "
-                        "jax.distributed detects, e.g. SLURM, else one process)")  # fmt: skip
+                        "process, given with the next two flags (none of the three: what jax.distributed "
+                        "detects, e.g. SLURM, else one process)")  # fmt: skip
     parser.add_argument("--num-processes", type=positive(int), default=None, metavar="N",
                         help="jax.distributed: how many processes the run has")  # fmt: skip
     parser.add_argument("--process-id", type=nonnegative(int), default=None, metavar="I",

@@ -24,11 +24,10 @@ framework-free (`shared_configs.training.loop`).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import flax.struct
@@ -52,17 +51,17 @@ from jax_impl.regime import (
     step_options,
     update_ema,
 )
+from jax_impl.train_options import CLI, JaxOptions, on_device, run_settings
 from jax_impl.unet import UNet
 from shared_configs import load_spec
-from shared_configs.cli import cache_dir
-from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, device_of, jax_cache_dir, resolve_chunk
+from shared_configs.defaults import device_of
 from shared_configs.inputs import input_specs
 from shared_configs.plan import resolve_plan
 from shared_configs.planning.workers import XLA_CPU_OPTIONS
 from shared_configs.regime import DEFAULT, Regime
 from shared_configs.spec import UNetSpec
 from shared_configs.training import config
-from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
+from shared_configs.training.config import TrainConfig, cli_main, options_of
 from shared_configs.training.data import CONDITIONING, Batch, Dataset, check_conditioning, load_dataset, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
@@ -76,44 +75,9 @@ from shared_configs.units import MIB
 Arrays = tuple[jax.Array | None, ...]
 
 
-@dataclass(frozen=True)
-class JaxOptions:
-    """The flags only ``jax_impl.train`` has (`shared_configs.training.config.Options`): torch's CPU
-    attention is fused already (nothing to chunk), and torch keeps no XLA cache."""
-
-    # UNet(attention_chunk=...); "auto": the device's (`shared_configs.defaults`), resolved by `on_device`
-    attention_chunk: int | str | None = AUTO
-    jax_cache: str | None = field(default_factory=jax_cache_dir)  # the persistent compilation cache; None: off
-    coordinator: str | None = None  # jax.distributed (`jax_impl.processes`); the three None: detected, else one process
-    num_processes: int | None = None
-    process_id: int | None = None
-
-    @classmethod
-    def add_flags(cls, parser: argparse.ArgumentParser) -> None:
-        d = cls()
-        parser.add_argument("--attention-chunk", type=chunk_arg, default=d.attention_chunk, metavar="N",
-                            help=CHUNK_HELP)  # fmt: skip
-        parser.add_argument("--jax-cache", type=cache_dir, default=d.jax_cache or "none", metavar="DIR",
-                            help="JAX's persistent compilation cache folder (%(default)s; 'none': off)")  # fmt: skip
-        processes.add_flags(parser)
-
-    def check(self, cfg: TrainConfig) -> None:
-        processes.check_flags(self.coordinator, self.num_processes, self.process_id, cfg.distributed)
-
-
-CLI = FrameworkCLI("jax", JaxOptions, rank=processes.process_rank)
-
-
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """The flags of ``python -m jax_impl.train`` (`shared_configs.training.config.parse_args`)."""
     return config.parse_args(argv, CLI)
-
-
-def run_settings(cfg: TrainConfig, device: str) -> str:
-    """What the run uses on ``device`` (`shared_configs.training.config.used`): its attention chunk,
-    dtype and compilation cache."""
-    own = options_of(cfg, JaxOptions)
-    return used(cfg, device, attention_chunk=resolve_chunk(own.attention_chunk, device), jax_cache=own.jax_cache)
 
 
 @flax.struct.dataclass
@@ -386,16 +350,6 @@ def start_state(model: UNet, tx: optax.GradientTransformation, cfg: TrainConfig,
     if run.checkpoint is not None:
         return load_checkpoint(run.checkpoint, abstract_target(abstract, placement), comm)[0]
     return jax.jit(lambda: init_state(model, tx, cfg.seed, cfg.regime), out_shardings=placement)()
-
-
-def on_device(cfg: TrainConfig, device: str) -> tuple[TrainConfig, JaxOptions]:
-    """``cfg`` with its attention chunk resolved on ``device`` ("auto": this device's; the plan
-    profiles it too), and its options; JAX's compilation cache turned on where it names one."""
-    own = options_of(cfg, JaxOptions)
-    own = replace(own, attention_chunk=resolve_chunk(own.attention_chunk, device))
-    if own.jax_cache is not None:  # a repeated run loads its compiled steps
-        jax.config.update("jax_compilation_cache_dir", own.jax_cache)
-    return replace(cfg, options=own), own
 
 
 def train(cfg: TrainConfig) -> list[float]:

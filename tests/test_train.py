@@ -124,7 +124,8 @@ def test_the_docs_flag_table_is_the_help(framework: str, capsys: pytest.CaptureF
     docs = (Path(__file__).parents[1] / "docs" / "training.md").read_text()
     table = {line.split("`")[1] for line in docs.splitlines() if line.startswith("| `--")}
     jax_only, torch_only = _flags(jtrain.JaxOptions), _flags(ttrain.TorchOptions)
-    assert jax_only == {"--attention-chunk", "--jax-cache"} and torch_only == {"--compile"}
+    launch = {"--coordinator", "--num-processes", "--process-id"}
+    assert jax_only == {"--attention-chunk", "--jax-cache", *launch} and torch_only == {"--compile"}
     assert flags == (table - torch_only if framework == "jax" else table - jax_only)
 
 

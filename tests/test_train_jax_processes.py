@@ -32,15 +32,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jax_impl import train as jtrain
 from jax_impl.processes import HEARTBEAT_S
-from jax_impl.train import JaxOptions
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.manifest import CheckpointError, read_manifest
 from shared_configs.training.run_folder import checkpoints
 from tests.train_utils import CFG, finish, jax_on_two_devices, start
 from tests.utils import FAST_COMPILE, train_argv
-
-pytestmark = pytest.mark.slow
 
 RUN = replace(CFG, steps=1000, checkpoint_every=1, distributed="fsdp")
 STEPS = 8  # the uninterrupted curve: the pair is killed after its first checkpoint (step 3, or a few more)
@@ -64,7 +62,7 @@ def start_pair(cfg: TrainConfig, cache: Path, *extra: str) -> list[subprocess.Po
     port = free_port()
     procs = []
     for i in range(2):
-        own = JaxOptions(jax_cache=str(cache), coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=i)
+        own = jtrain.JaxOptions(jax_cache=str(cache), coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=i)
         procs.append(start([*PROGRAM, *train_argv(replace(cfg, options=own)), *extra], one_device_env()))
     return procs
 
@@ -117,7 +115,7 @@ print(json.dumps({"devices": len(jax.devices()), "losses": losses}))
 def one_process(out: str, steps: int) -> TrainConfig:
     """A run in one process (the persistent compilation cache next to ``out``: the second compiles nothing)."""
     cache = str(Path(out).parent / "jax-cache-one")
-    return replace(RUN, steps=steps, checkpoint_every=100, out=out, options=JaxOptions(jax_cache=cache))
+    return replace(RUN, steps=steps, checkpoint_every=100, out=out, options=jtrain.JaxOptions(jax_cache=cache))
 
 
 @dataclass
@@ -151,21 +149,25 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
                 time.monotonic() - began)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_checkpoint_holds_both_processes_shards(runs: Runs) -> None:
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(runs.state_files), runs.state_files
 
 
+@pytest.mark.slow
 def test_two_processes_train_the_curve_of_one_process_with_two_devices(runs: Runs) -> None:
     """The pair resumed one process's checkpoint of step 2 and trained on: one process's curve."""
     assert 2 < runs.stopped < STEPS, runs.pair_losses
     np.testing.assert_allclose(runs.pair_losses, runs.whole[: runs.stopped], rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_the_pairs_checkpoint_resumes_in_one_process_on_the_uninterrupted_curve(runs: Runs) -> None:
     assert runs.resumed[: runs.stopped] == runs.pair_losses
     np.testing.assert_allclose(runs.resumed, runs.whole, rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_a_killed_process_is_reported_not_waited_for(runs: Runs) -> None:
     """Process 1 SIGKILLed mid-run: process 0 exits non-zero within the bound, with one line when a
     collective noticed (the usual case), or JAX's own fatal error when it waited at orbax's barrier."""
@@ -203,6 +205,7 @@ except Stopped as stop:
 """
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path: Path) -> None:
     """The preemption rule over processes (`ProcessComm.max` after every step): SIGTERM to process 1
     alone; both save after the same step and exit 143, process 0 writing ``losses.json``."""
@@ -214,3 +217,20 @@ def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path: Path) 
         said = [json.loads(line) for line in lines if line.startswith("{")]
         assert said == [{"rank": rank, "step": 3, "saves": [3]}], lines
     assert json.loads((tmp_path / "losses.json").read_text()) == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        ("--coordinator 10.0.0.1", "argument --coordinator: expected HOST:PORT (a port in 1..65535), got '10.0.0.1'"),
+        ("--coordinator h:1 --num-processes 2", "--process-id: needed with --coordinator, --num-processes (give all"),
+        ("--coordinator h:1 --num-processes 2 --process-id 2 --distributed", "--process-id 2: expected 0 .. 1"),
+        ("--coordinator h:1 --num-processes 2 --process-id 1", "--distributed: needed over 2 processes (ddp or fsdp)"),
+    ],
+)
+def test_launch_flags_are_refused_in_one_line(flags: str, error: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        jtrain.parse_args(flags.split())
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"python -m jax_impl.train: error: {error}"), err
