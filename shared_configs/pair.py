@@ -36,10 +36,11 @@ from shared_configs.loader import load_spec, spec_from_dict
 from shared_configs.plan import CheckpointPlan, all_names, resolve_plan
 from shared_configs.regime import Regime
 from shared_configs.spec import SpecError, UNetSpec, _Frozen
-from shared_configs.training.data import Batch, example_batch
+from shared_configs.training.data import Batch, Dataset, example_batch, load_dataset
 
 CONTROLNET = "controlnet."  # the prefix of the ControlNet's unit names in a pair plan
 COND_SEED = 7  # the example conditioning image's own seed: the batch's numbers stay as they are
+EDGE_THRESHOLD = 0.5  # an edge: a jump of a quarter of the images' [-1, 1] range between neighbouring pixels
 
 
 class ControlNetPairSpec(_Frozen):
@@ -194,3 +195,54 @@ def example_pair_batch(spec: ControlNetPairSpec, batch_size: int, context_length
     shape = (batch_size, spec.controlnet.conditioning_channels, side, side)
     cond = np.random.default_rng(COND_SEED).uniform(-1.0, 1.0, shape).astype(np.float32)
     return ControlNetBatch(**{f.name: getattr(batch, f.name) for f in fields(batch)}, controlnet_cond=cond)
+
+
+# ---- the training data -------------------------------------------------------------------------
+
+
+def control_image(images: np.ndarray, spec: ControlNetSpec) -> np.ndarray:
+    """Each sample's conditioning image: its edge map. (B, C, S, S) images in [-1, 1] -> (B,
+    ``conditioning_channels``, S f, S f) in {0, 1} (f: `ControlNetSpec.conditioning_factor`), 1 where
+    the first channel jumps by more than `EDGE_THRESHOLD` to its right or lower neighbour, upsampled
+    (nearest) and repeated over the channels: a binary map in [0, 1], as a Canny map is in diffusers'
+    ``train_controlnet.py`` (its conditioning images are not normalised to [-1, 1])."""
+    x = images[:, 0].astype(np.float64)
+    dx, dy = np.zeros_like(x), np.zeros_like(x)
+    dx[:, :, :-1] = np.abs(np.diff(x, axis=2))
+    dy[:, :-1, :] = np.abs(np.diff(x, axis=1))
+    edges = (np.maximum(dx, dy) > EDGE_THRESHOLD).astype(np.float32)
+    f = spec.conditioning_factor
+    edges = edges.repeat(f, axis=1).repeat(f, axis=2)  # (B, S f, S f)
+    return np.repeat(edges[:, None], spec.conditioning_channels, axis=1)
+
+
+@dataclass(frozen=True)
+class ControlNetDataset(Dataset):
+    """The training data of a ``--controlnet`` run: each batch a `ControlNetBatch` whose
+    conditioning image is each sample's edge map (`control_image`); the sampler, which conditions
+    on classes, gets the edge map of each class's first image."""
+
+    controlnet: ControlNetSpec | None = None
+
+    def _of_images(self, batch: Batch, idx: np.ndarray) -> ControlNetBatch:
+        arrays = {f.name: getattr(batch, f.name) for f in fields(batch)}
+        return ControlNetBatch(**arrays, controlnet_cond=control_image(self.images[idx], self._spec()))
+
+    def conditioning(self, labels: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, Any]:
+        """`Dataset.conditioning`; for the sampler (no ``rng``) with ``controlnet_cond`` too."""
+        out = super().conditioning(labels, rng)
+        if rng is None:
+            first = np.array([np.flatnonzero(self.labels == label)[0] for label in labels])
+            out["controlnet_cond"] = control_image(self.images[first], self._spec())
+        return out
+
+    def _spec(self) -> ControlNetSpec:
+        if self.controlnet is None:
+            raise ValueError("controlnet: a ControlNetDataset needs the ControlNet's spec")
+        return self.controlnet
+
+
+def load_pair_dataset(kind: str, spec: ControlNetPairSpec, seed: int = 0) -> ControlNetDataset:
+    """`shared_configs.training.data.load_dataset` for the U-Net, with each sample's conditioning image."""
+    data = load_dataset(kind, spec.unet, seed)
+    return ControlNetDataset(data.images, data.labels, data.conditioner, controlnet=spec.controlnet)

@@ -47,13 +47,15 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
+from shared_configs.pair import ControlNetPairSpec
 from shared_configs.planning import planner
 from shared_configs.planning.planner import Workload
 from shared_configs.regime import DEFAULT as DEFAULT_REGIME
 from shared_configs.regime import Regime
-from shared_configs.spec import SpecError
+from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.units import MIB
 from torch_impl.diffusers_plan import apply_plan, diffusers_spec
+from torch_impl.pair import ControlNetPair
 from torch_impl.unet import UNet
 
 MEASURED_STEPS = 2  # steps measured at the start and after every change (the first one makes AdamW's state)
@@ -82,7 +84,8 @@ class BudgetGuard:
     """Plan ``model`` for ``budget_bytes`` and keep its training step within it (module docstring).
 
     ``model``: a `torch_impl.UNet` or diffusers' ``UNet2DConditionModel`` / ``UNet2DModel`` (the
-    U-Net itself; ``step_fn`` may call it through a wrapper). ``batch_size``, ``regime``
+    U-Net itself; ``step_fn`` may call it through a wrapper), or a `torch_impl.ControlNetPair`
+    (the ControlNet step: planned as the pair's workload, pair plans put on both networks). ``batch_size``, ``regime``
     (`shared_configs.regime.Regime`; default fp32 AdamW), ``sample_size`` and ``planner_options``
     (``context_length``, ``world_size``, ``distributed``, ``candidates``, ...) describe the step
     to the planner as `torch_impl.plan_for_budget` takes them; the model is not changed by them.
@@ -102,7 +105,7 @@ class BudgetGuard:
         policy: str | None = None,
         **planner_options: Any,
     ) -> None:
-        spec = model.spec if isinstance(model, UNet) else diffusers_spec(model)
+        spec = _step_spec(model)
         self.model, self.budget = model, int(budget_bytes)
         self._plan_options = {k: v for k, v in planner_options.items() if k in _PLAN_OPTIONS}
         workload = {k: v for k, v in planner_options.items() if k not in _PLAN_OPTIONS}
@@ -272,7 +275,7 @@ class BudgetGuard:
 
     def _switch(self, policy: str, predicted: int, action: str, outside: int | None) -> None:
         """Put ``policy`` on the model; measure the next `MEASURED_STEPS` steps."""
-        apply_plan(self.model, policy)
+        _apply(self.model, policy)
         self.plan, self._predicted = policy, predicted
         self._left, self._window = MEASURED_STEPS, []
         if self._device().type == "cuda":
@@ -306,6 +309,21 @@ class BudgetGuard:
 
     def _say(self, message: str) -> None:
         print(f"guard: step {self._step}: {message}", file=sys.stderr, flush=True)
+
+
+def _step_spec(model: nn.Module) -> UNetSpec | ControlNetPairSpec:
+    """What the planner plans for ``model``'s step: a U-Net's spec, or a ControlNet pair's."""
+    if isinstance(model, ControlNetPair):
+        return model.pair_spec
+    return model.spec if isinstance(model, UNet) else diffusers_spec(model)
+
+
+def _apply(model: nn.Module, policy: str) -> None:
+    """Put ``policy`` on ``model``: a pair plan on both networks of a pair, else `apply_plan`."""
+    if isinstance(model, ControlNetPair):
+        model.enable_gradient_checkpointing(policy)
+    else:
+        apply_plan(model, policy)
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -10,8 +10,9 @@ units of both networks::
     optimizer = make_optimizer(pair, lr=1e-5, weight_decay=0.0)   # the ControlNet's parameters only
     loss = train_step(pair, optimizer, example_pair_batch(pair.pair_spec, 4))
 
-`train_step` is `torch_impl.train.train_step` itself: the pair is called like a U-Net, the
-conditioning image among the batch's inputs (`shared_configs.pair.ControlNetBatch`).
+``train_step`` is `torch_impl.train.train_step` itself: the pair is called like a U-Net, the
+conditioning image among the batch's inputs (`shared_configs.pair.ControlNetBatch`). This module
+does not import `torch_impl.train` (whose loop builds pairs).
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from shared_configs.pair import CONTROLNET, ControlNetPairSpec, PairPlan, exampl
 from shared_configs.planning.units import HEAD, STEM
 from shared_configs.training.data import Batch, example_batch
 from torch_impl.controlnet import ControlNet
-from torch_impl.train import step_loss, train_step
 from torch_impl.unet import UNet
 
 Tensor = torch.Tensor
-__all__ = ["ControlNetPair", "step_batch", "step_loss", "step_model", "train_step", "unit_modules"]
+__all__ = ["ControlNetPair", "step_batch", "step_model", "trained_module", "unit_modules"]
 
 
 class ControlNetPair(nn.Module):
@@ -102,6 +102,12 @@ def unit_modules(model: UNet | ControlNetPair, unit: str, phase: str) -> list[nn
     if unit == HEAD:
         return [model.conv_norm_out] if phase == "fwd" else [model.conv_out]
     return [model.get_submodule(unit)]
+
+
+def trained_module(model: nn.Module) -> nn.Module:
+    """The module a step trains and a checkpoint holds: a pair's ControlNet (its U-Net is frozen
+    at the run's seeded init, made again on resume), else ``model`` itself."""
+    return model.controlnet if isinstance(model, ControlNetPair) else model
 
 
 def step_model(spec: UNetSpec | ControlNetPairSpec) -> UNet | ControlNetPair:

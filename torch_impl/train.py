@@ -15,6 +15,10 @@ Under torchrun, ``--distributed`` (DDP) or ``--distributed fsdp`` (FSDP2, one un
 block) splits the global batch over processes (gloo, CPU). Checkpoints are DCP folders, each rank
 writing its shards (`torch_impl.checkpoint_io`), so a run resumes on any number of processes. The
 run folder, resume checks and NaN guard are framework-free (`shared_configs.training.loop`).
+
+``--controlnet`` trains a ControlNet on the spec's U-Net (`torch_impl.pair.ControlNetPair`, the U-Net
+frozen at its seeded init) with the same step, each sample's edge map as the conditioning image
+(`shared_configs.pair.ControlNetDataset`); the checkpoints hold the ControlNet (and its optimizer).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from shared_configs import CheckpointPlan, UNetSpec, load_spec
+from shared_configs import UNetSpec, load_spec
+from shared_configs.pair import ControlNetPairSpec, PairPlan, check_pair_workload, controlnet_pair, load_pair_dataset
+from shared_configs.plan import CheckpointPlan
 from shared_configs.training import config
 from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
 from shared_configs.training.data import Batch, Dataset, check_conditioning, load_dataset, step_seed
@@ -43,6 +49,7 @@ from shared_configs.training.outputs import write_outputs
 from shared_configs.training.run_plan import MEASURED_STEPS, RunPlan, report, resolve_run, workload_of
 from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, current_comm, load_checkpoint, save_checkpoint
 from torch_impl.guard import BudgetGuard
+from torch_impl.pair import ControlNetPair, trained_module
 from torch_impl.parallel import launch, wrap
 from torch_impl.regime import EMA, PLAIN_STEP, StepTools, apply_regime, make_optimizer, step_tools
 from torch_impl.unet import UNet
@@ -68,9 +75,10 @@ class TorchOptions:
         parser.add_argument("--compile", action="store_true", help=COMPILE_HELP)
 
     def check(self, cfg: TrainConfig) -> None:
-        if self.compile and (cfg.distributed or cfg.budget_mib is not None):
+        if self.compile and (cfg.distributed or cfg.budget_mib is not None or cfg.controlnet):
             other = "--distributed (DDP/FSDP2 under torch.compile is not tested here)" if cfg.distributed else (
-                "--budget-mib (the planner profiles and checks eager steps)")  # fmt: skip
+                "--budget-mib (the planner profiles and checks eager steps)" if cfg.budget_mib is not None
+                else "--controlnet (the compiled pair is not tested here)")  # fmt: skip
             raise ValueError(f"--compile: not with {other}; drop one of them")
 
 
@@ -157,8 +165,9 @@ def _to(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.
 
 
 @torch.no_grad()
-def generate(model: UNet, schedule: Schedule, dataset: Dataset, cfg: TrainConfig) -> np.ndarray:
-    """A grid of samples from the short ancestral sampler (dropout off)."""
+def generate(model: UNet | ControlNetPair, schedule: Schedule, dataset: Dataset, cfg: TrainConfig) -> np.ndarray:
+    """A grid of samples from the short ancestral sampler (dropout off); a pair's conditioned on
+    each class's edge map (`shared_configs.pair.ControlNetDataset`)."""
     model.eval()
     spec = model.spec
     shape = (cfg.num_samples, spec.in_channels, spec.sample_size, spec.sample_size)
@@ -170,16 +179,32 @@ def generate(model: UNet, schedule: Schedule, dataset: Dataset, cfg: TrainConfig
     return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)
 
 
+def step_spec(cfg: TrainConfig, spec: UNetSpec) -> UNetSpec | ControlNetPairSpec:
+    """What the run's step trains: ``spec``'s U-Net, or under ``--controlnet`` the pair made from it
+    (refused in one line where the ControlNet step is not planned: a BatchNorm U-Net)."""
+    if not cfg.controlnet:
+        return spec
+    pair = controlnet_pair(spec)
+    check_pair_workload(pair, False, cfg.regime)
+    return pair
+
+
 def build(
-    cfg: TrainConfig, plan: CheckpointPlan | None = None
-) -> tuple[UNet, torch.nn.Module, torch.optim.Optimizer]:
+    cfg: TrainConfig, plan: CheckpointPlan | PairPlan | None = None
+) -> tuple[UNet | ControlNetPair, torch.nn.Module, torch.optim.Optimizer]:
     """The model (seeded init, ``plan`` applied; None: ``cfg.policy``'s), the module to train and its optimizer.
 
     The module to train is the model, its DDP wrapper (``--distributed ddp``), or the model sharded
-    in place (``fsdp``: the same object, its class swapped by `fully_shard`).
+    in place (``fsdp``: the same object, its class swapped by `fully_shard`). ``--controlnet``: the
+    `ControlNetPair` (the seed makes the U-Net, then the ControlNet's conditioning embedding), its
+    optimizer over the ControlNet's parameters.
     """
     torch.manual_seed(cfg.seed)
-    model = UNet(load_spec(cfg.config), cfg.policy if plan is None else plan)  # policy None: the spec's own
+    spec = step_spec(cfg, load_spec(cfg.config))
+    if isinstance(spec, ControlNetPairSpec):
+        pair = apply_regime(ControlNetPair(spec, plan if plan is not None else cfg.policy), cfg.regime)  # weights cast
+        return pair, pair, make_optimizer(pair, cfg.lr, cfg.weight_decay, cfg.regime)
+    model = UNet(spec, cfg.policy if plan is None else plan)  # policy None: the spec's own
     model = apply_regime(model, cfg.regime)  # adapters (lora), weights cast (pure bf16)
     # Plan first, then DDP/FSDP2: torchtitan's order, which its checkpoint *wrapper* needs (inside
     # the FSDP unit). Our shadowed forwards work in either order (see shard_blocks, tested both
@@ -236,7 +261,12 @@ def world_size(cfg: TrainConfig) -> int:
 
 
 def _peak_meter(
-    cfg: TrainConfig, model: UNet, opt: torch.optim.Optimizer, budget: RunPlan | None, first: int, tools: StepTools
+    cfg: TrainConfig,
+    model: UNet | ControlNetPair,
+    opt: torch.optim.Optimizer,
+    budget: RunPlan | None,
+    first: int,
+    tools: StepTools,
 ) -> tuple[Callable[[int, Batch, Callable[[], float]], float], BudgetGuard | None]:
     """``measured(step, batch, run_step)``: runs the step; with a ``budget``, the first
     `MEASURED_STEPS` from ``first`` measured, then rank 0 prints their peak beside the prediction.
@@ -249,7 +279,7 @@ def _peak_meter(
     rank, world, peaks = dist.get_rank() if cfg.distributed else 0, world_size(cfg), []
     guard = None
     if budget is not None and not cfg.distributed:
-        context = workload_of(cfg, model.spec, 1).context_length
+        context = workload_of(cfg, step_spec(cfg, model.spec), 1).context_length
         guard = BudgetGuard(model, budget.budget_bytes, batch_size=cfg.batch_size, regime=cfg.regime,
                             policy=budget.policy, context_length=context)  # fmt: skip
 
@@ -307,10 +337,11 @@ def train(cfg: TrainConfig) -> list[float]:
     """
     spec = load_spec(cfg.config)
     check_objective(spec)
+    trains = step_spec(cfg, spec)  # the U-Net, or the ControlNet pair
     rank = launch(cfg)
     with open_run(cfg, spec, FRAMEWORK, LAYOUT, owner=rank == 0) as run:
         # every rank plans a budget: the profile cache's lock lets one profile
-        cfg, plan, budget = resolve_run(cfg, spec, CLI.name, world_size(cfg), run, show=rank == 0)
+        cfg, plan, budget = resolve_run(cfg, trains, CLI.name, world_size(cfg), run, show=rank == 0)
         model, trained, optimizer = build(cfg, plan)
         try:
             losses, samples = _train(cfg, run, model, trained, optimizer, budget)
@@ -322,14 +353,14 @@ def train(cfg: TrainConfig) -> list[float]:
                 del trained
                 dist.destroy_process_group()
         if rank == 0:
-            write_outputs(cfg.out, losses, samples, f"torch_impl {spec.name}, policy {plan.policy}")
+            write_outputs(cfg.out, losses, samples, f"torch_impl {trains.name}, policy {plan.policy}")
     return losses
 
 
 def _train(
     cfg: TrainConfig,
     run: RunStart,
-    model: UNet,
+    model: UNet | ControlNetPair,
     trained: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     budget: RunPlan | None = None,
@@ -338,9 +369,10 @@ def _train(
     with a ``budget``, the peak of the first steps measured and printed beside its prediction."""
     tools = step_tools(model, cfg.regime)  # train_step's regime pieces
     extra = tools.state()
+    held = trained_module(model)  # what a checkpoint holds: the model, or a pair's ControlNet
     if run.checkpoint is not None:
-        load_checkpoint(run.checkpoint, model, optimizer, extra)
-    dataset, schedule = load_dataset(cfg.data, model.spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
+        load_checkpoint(run.checkpoint, held, optimizer, extra)
+    dataset, schedule = _dataset(cfg, model), make_schedule(cfg.schedule, cfg.timesteps)
     measured, guard = _peak_meter(cfg, model, optimizer, budget, len(run.losses), tools)
     # --compile: only the step runs compiled (the plan's checkpoints traced into its graph);
     # checkpoints and samples use the model itself, which shares the compiled one's parameters.
@@ -366,12 +398,13 @@ def _train(
         if guard is not None:  # steps counted from the run's start (the guard counts its own from 1)
             earlier = run.manifest.run.get("guard", []) if run.manifest is not None else []
             manifest.run["guard"] = [*earlier, *({**asdict(r), "step": first + r.step} for r in guard.history)]
-        save_checkpoint(run.out, model, optimizer, manifest, extra)
+        save_checkpoint(run.out, held, optimizer, manifest, extra)
 
     losses = run.losses
     rank = dist.get_rank() if cfg.distributed else 0
     settings = "" if rank else run_settings(cfg, "cpu")
-    title = f"torch {model.spec.name} {model.plan.policy}"
+    name = model.pair_spec.name if isinstance(model, ControlNetPair) else model.spec.name
+    title = f"torch {name} {model.plan.policy}"
     run_loop(cfg, None, losses, step_fn, save_fn, title, current_comm(), settings)
     # Under FSDP2 each forward all-gathers from every rank: all sample while the group lives.
     sampling = cfg.sample_steps > 0 and (rank == 0 or cfg.distributed == "fsdp")
@@ -379,6 +412,13 @@ def _train(
     if cfg.distributed:
         dist.barrier()
     return losses, samples
+
+
+def _dataset(cfg: TrainConfig, model: UNet | ControlNetPair) -> Dataset:
+    """The run's data; a pair's with each sample's conditioning image."""
+    if isinstance(model, ControlNetPair):
+        return load_pair_dataset(cfg.data, model.pair_spec, cfg.seed)
+    return load_dataset(cfg.data, model.spec, cfg.seed)
 
 
 def main(argv: list[str] | None = None) -> int:

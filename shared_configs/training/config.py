@@ -59,6 +59,7 @@ class TrainConfig:
     num_samples: int = 20
     checkpoint_every: int = 100
     distributed: str | None = None  # None: one process; else a key of DISTRIBUTED[framework]
+    controlnet: bool = False  # train a ControlNet on the spec's U-Net, frozen (`shared_configs.pair`)
     options: Options | None = None  # the framework's own flags (`FrameworkCLI.options`); None: their defaults
 
     @property
@@ -120,8 +121,10 @@ DISTRIBUTED: dict[str, tuple[str, ...]] = {"torch": ("ddp", "fsdp"), "jax": ("dd
 # (steps, policy, sampling, checkpoint interval, sharding, attention chunking) may change.
 CURVE_FIELDS = (
     "batch_size", "lr", "weight_decay", "seed", "precision", "trainable", "optimizer", "ema", "data", "schedule",
-    "timesteps",
+    "timesteps", "controlnet",
 )  # fmt: skip
+# Curve fields that runs recorded before the flag existed lack: their value then.
+ADDED_FIELDS = {"controlnet": False}
 
 
 # The regime's flags (`shared_configs.regime.add_regime_arguments`), one `TrainConfig.regime` once parsed.
@@ -177,6 +180,7 @@ def parse_args(argv: list[str] | None, framework: FrameworkCLI) -> TrainConfig:
     p.add_argument("--checkpoint-every", type=positive(int), default=d.checkpoint_every)
     p.add_argument("--distributed", nargs="?", const="ddp", default=d.distributed,
                    choices=DISTRIBUTED[framework.name], help=DISTRIBUTED_HELP[framework.name])  # fmt: skip
+    p.add_argument("--controlnet", action="store_true", help=CONTROLNET_HELP)
     framework.options.add_flags(p)
     args = p.parse_args(argv)
     try:
@@ -188,10 +192,29 @@ def parse_args(argv: list[str] | None, framework: FrameworkCLI) -> TrainConfig:
     shared = {k: v for k, v in vars(args).items() if k not in (*REGIME_FIELDS, *own)}
     cfg = TrainConfig(**shared, regime=regime_of(args), options=options)  # the regime validated here, once
     try:
+        check_controlnet(cfg)
         options.check(cfg)
     except ValueError as err:
         p.error(str(err))
     return cfg
+
+
+CONTROLNET_HELP = (
+    "train a ControlNet (made from the U-Net as diffusers' ControlNetModel.from_unet) against the U-Net, frozen "
+    "at its seeded init, on each sample's edge map; --policy and --budget-mib plan both networks (controlnet.down.0, "
+    "up.1, ...)"
+)
+
+
+def check_controlnet(cfg: TrainConfig) -> None:
+    """Refuse, in one line, what a ``--controlnet`` run does not combine with."""
+    if not cfg.controlnet:
+        return
+    if cfg.regime.lora_rank is not None:
+        raise ValueError(f"--trainable: --controlnet trains the whole ControlNet (diffusers' train_controlnet), not "
+                         f"{cfg.regime.trainable}; use --trainable all or drop --controlnet")  # fmt: skip
+    if cfg.distributed:
+        raise ValueError("--distributed: --controlnet trains in one process; drop one of them")
 
 
 DISTRIBUTED_HELP = {
@@ -233,10 +256,11 @@ def run_record(cfg: TrainConfig, spec: UNetSpec) -> dict[str, Any]:
 def resume_differences(saved: dict[str, Any], cfg: TrainConfig, spec: UNetSpec) -> list[str]:
     """``--flag now (run: then)`` for each curve field and spec field that a resume would change."""
     now = run_record(cfg, spec)
+    then = {**ADDED_FIELDS, **saved["config"]}
     diffs = [
-        f"--{name.replace('_', '-')} {now['config'][name]} (run: {saved['config'].get(name)})"
+        f"--{name.replace('_', '-')} {now['config'][name]} (run: {then.get(name)})"
         for name in CURVE_FIELDS
-        if saved["config"].get(name) != now["config"][name]
+        if then.get(name) != now["config"][name]
     ]
     spec_then, spec_now = saved["spec"], now["spec"]
     keys = sorted(set(spec_then) | set(spec_now))

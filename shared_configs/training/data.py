@@ -199,7 +199,13 @@ class Dataset:
         # A stream of its own: the images, timesteps and noise of a seed stay what they were.
         conditioning = self.conditioning(labels, np.random.default_rng([seed, step, 2]))
         f32 = np.float32
-        return Batch(noisy.astype(f32), t.astype(f32), noise.astype(f32), labels=labels, **conditioning)
+        return self._of_images(Batch(noisy.astype(f32), t.astype(f32), noise.astype(f32), labels=labels,
+                                     **conditioning), idx)  # fmt: skip
+
+    def _of_images(self, batch: Batch, idx: np.ndarray) -> Batch:
+        """``batch`` made of images ``idx``, with what a subclass derives from them (none here;
+        `shared_configs.pair.ControlNetDataset`: the conditioning image)."""
+        return batch
 
 
 def load_dataset(kind: str, spec: UNetSpec, seed: int = 0) -> Dataset:

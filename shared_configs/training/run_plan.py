@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
+from shared_configs.pair import ControlNetPairSpec, PairPlan, split_pair_plan
 from shared_configs.plan import CheckpointPlan, resolve_plan
 from shared_configs.planning.budget import FULL, PLAIN
 from shared_configs.planning.planner import Workload, plan, predict_policy
@@ -38,7 +39,7 @@ TRAIN_CONTEXT_LENGTH = 1
 class RunPlan:
     """The run's plan under its budget and what the planner's profile predicts of it (per rank)."""
 
-    plan: CheckpointPlan
+    plan: CheckpointPlan | PairPlan
     budget_bytes: int
     predicted_peak_bytes: int
     peak_at: str
@@ -68,13 +69,13 @@ class ResolvedRun(NamedTuple):
     budget), the checkpoint plan the model is built with, and the budget's `RunPlan` (None: none)."""
 
     cfg: TrainConfig
-    plan: CheckpointPlan
+    plan: CheckpointPlan | PairPlan
     budget: RunPlan | None = None
 
 
 def resolve_run(
     cfg: TrainConfig,
-    spec: UNetSpec,
+    spec: UNetSpec | ControlNetPairSpec,
     framework: str,
     world_size: int,
     run: RunStart,
@@ -84,9 +85,10 @@ def resolve_run(
     """The plan of a run of ``spec`` in ``framework`` ("torch" or "jax") over ``world_size`` ranks,
     resolved once: ``cfg.policy``'s, or under ``--budget-mib`` the planner's (the line saying so on
     stderr where ``show``). ``run``: where the run starts (a resumed run's record); ``attention_chunk``:
-    JAX's, as its loop resolved it on its device."""
+    JAX's, as its loop resolved it on its device. ``spec``: a `ControlNetPairSpec` for a
+    ``--controlnet`` run, whose plan is a pair plan (`shared_configs.pair.split_pair_plan`)."""
     if cfg.budget_bytes is None:
-        return ResolvedRun(cfg, resolve_plan(spec, cfg.policy))  # a bad policy is refused here
+        return ResolvedRun(cfg, resolve_any(spec, cfg.policy))  # a bad policy is refused here
     saved = run.manifest.run if run.manifest is not None else {}
     budget = plan_run(cfg, spec, framework, world_size, saved, attention_chunk)
     if show:
@@ -94,18 +96,27 @@ def resolve_run(
     return ResolvedRun(replace(cfg, policy=budget.policy), budget.plan, budget)  # the policy recorded
 
 
+def resolve_any(spec: UNetSpec | ControlNetPairSpec, policy: str | None) -> CheckpointPlan | PairPlan:
+    """``policy`` resolved for a U-Net's step, or for the ControlNet step (a pair plan; None: none)."""
+    return split_pair_plan(spec, policy) if isinstance(spec, ControlNetPairSpec) else resolve_plan(spec, policy)
+
+
 def workload_of(
-    cfg: TrainConfig, spec: UNetSpec, world_size: int, attention_chunk: int | None = Workload.attention_chunk
+    cfg: TrainConfig,
+    spec: UNetSpec | ControlNetPairSpec,
+    world_size: int,
+    attention_chunk: int | None = Workload.attention_chunk,
 ) -> Workload:
     """What the run's step trains, per rank: its spec, its share of the batch, its regime, its inputs."""
-    context = TRAIN_CONTEXT_LENGTH if spec.cross_attention_dim is not None else Workload.context_length
+    unet = spec.unet if isinstance(spec, ControlNetPairSpec) else spec
+    context = TRAIN_CONTEXT_LENGTH if unet.cross_attention_dim is not None else Workload.context_length
     return Workload(spec, cfg.batch_size // world_size, cfg.regime, context_length=context,
                     attention_chunk=attention_chunk)  # fmt: skip
 
 
 def plan_run(
     cfg: TrainConfig,
-    spec: UNetSpec,
+    spec: UNetSpec | ControlNetPairSpec,
     framework: str,
     world_size: int,
     saved: Mapping[str, Any],
@@ -127,9 +138,12 @@ def plan_run(
     return RunPlan(plan_of(spec, solution), budget, pred.peak_bytes, pred.peak_unit, world_size, mode, kept)
 
 
-def plan_of(spec: UNetSpec, solution: Solution) -> CheckpointPlan:
+def plan_of(spec: UNetSpec | ControlNetPairSpec, solution: Solution) -> CheckpointPlan | PairPlan:
     """The solver's plan as a value, from its assignment (its policy string is not parsed again):
-    each recomputed unit with the op classes it keeps (`shared_configs.planning.budget.choice_of`)."""
+    each recomputed unit with the op classes it keeps (`shared_configs.planning.budget.choice_of`).
+    A pair's plan is split from its policy string (both networks' plans)."""
+    if isinstance(spec, ControlNetPairSpec):
+        return split_pair_plan(spec, solution.policy)
     chosen = {name: choice for name, choice in solution.assignment.items() if choice != PLAIN}
     unit_save = tuple((name, _saved_ops(choice)) for name, choice in chosen.items() if choice != FULL)
     return resolve_plan(spec, CheckpointPlan(solution.policy, tuple(chosen), unit_save=unit_save))
