@@ -40,7 +40,7 @@ from jax.typing import DTypeLike
 
 from jax_impl import processes
 from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, abstract_target, load_checkpoint, save_checkpoint
-from jax_impl.guard import StepPlan, plan_for_step
+from jax_impl.guard import StepPlan, compiled_peak, plan_for_step
 from jax_impl.parallel import make_mesh, shard, state_shardings
 from jax_impl.regime import (
     apply_regime,
@@ -56,7 +56,7 @@ from jax_impl.unet import UNet
 from shared_configs import load_spec
 from shared_configs.defaults import device_of
 from shared_configs.inputs import input_specs
-from shared_configs.plan import resolve_plan
+from shared_configs.pair import ControlNetPairSpec
 from shared_configs.planning.workers import XLA_CPU_OPTIONS
 from shared_configs.regime import DEFAULT, Regime
 from shared_configs.spec import UNetSpec
@@ -67,7 +67,7 @@ from shared_configs.training.ddpm import Schedule, check_objective, make_schedul
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
 from shared_configs.training.run_folder import SOLO, Comm
-from shared_configs.training.run_plan import RunPlan, report, resolve_run, workload_of
+from shared_configs.training.run_plan import RunPlan, report, resolve_any, resolve_run, workload_of
 from shared_configs.units import MIB
 
 # (noisy, t, noise, context, class_labels, text_embeds, time_ids): the conditioning in the forward's
@@ -217,12 +217,6 @@ def generate(model: UNet, state: TrainState, schedule: Schedule, dataset: Datase
 PEAK_INSTRUMENT = "XLA's memory_analysis() of the compiled step this loop runs"
 
 
-def compiled_peak(compiled: jax.stages.Compiled) -> int:
-    """The compiled step's peak bytes (per device): arguments + outputs - aliased (donated) + temporaries."""
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-
-
 def make_step(
     cfg: TrainConfig,
     model: UNet,
@@ -258,7 +252,7 @@ def make_step(
         if not compiled:
             compiled.append(compile_step(step_fn, state, batch, key))
             if processes.process_rank() == 0:  # per device: every process compiled the same step
-                report(budget.peak_line(compiled_peak(compiled[0]), f"{PEAK_INSTRUMENT}{_barriers()}"))
+                report(budget.peak_line(compiled_peak(compiled[0]), peak_instrument()))
         state, loss = compiled[0](state, batch, key)
         return state, float(loss)
 
@@ -293,7 +287,20 @@ def guard_step(
         return jax.jit(functools.partial(train_step.__wrapped__, model=planned, tx=tx, **options),
                        donate_argnums=(0,))  # fmt: skip
 
-    work = workload_of(cfg, spec, 1, model.attention_chunk)
+    return judge_step(cfg, spec, build, args, budget, model.attention_chunk)
+
+
+def judge_step(
+    cfg: TrainConfig,
+    spec: UNetSpec | ControlNetPairSpec,
+    build: Callable[[str], Any],
+    args: Any,
+    budget: RunPlan,
+    attention_chunk: int | None,
+) -> StepPlan:
+    """`jax_impl.plan_for_step` on a loop's step, ``build(policy)``, for ``args`` (shapes), from the
+    preamble's plan; ``spec``: a U-Net's or the ControlNet pair's. One line: the plan in force."""
+    work = workload_of(cfg, spec, 1, attention_chunk)
     sp = plan_for_step(build, args, budget.budget_bytes, spec=work.spec, batch_size=work.batch_size,
                        regime=cfg.regime, policy=budget.policy, context_length=work.context_length,
                        attention_chunk=work.attention_chunk)  # fmt: skip
@@ -302,15 +309,17 @@ def guard_step(
     return sp
 
 
-def _corrected(budget: RunPlan, spec: UNetSpec, sp: StepPlan) -> RunPlan:
+def corrected(budget: RunPlan, spec: UNetSpec | ControlNetPairSpec, sp: StepPlan) -> RunPlan:
     """``budget`` with the guard's plan and its prediction (unchanged where the first plan fitted)."""
     if sp.plan == budget.policy:
         return budget
-    return replace(budget, plan=resolve_plan(spec, sp.plan), predicted_peak_bytes=sp.predicted, kept=False)
+    return replace(budget, plan=resolve_any(spec, sp.plan), predicted_peak_bytes=sp.predicted, kept=False)
 
 
-def _barriers() -> str:
-    return "; XLA:CPU with cse_barrier_expander off, as planned" if jax.default_backend() == "cpu" else ""
+def peak_instrument() -> str:
+    """How a budgeted run's compiled peak is read, as its line says."""
+    cpu = "; XLA:CPU with cse_barrier_expander off, as planned" if jax.default_backend() == "cpu" else ""
+    return PEAK_INSTRUMENT + cpu
 
 
 def run_steps(
@@ -365,6 +374,10 @@ def train(cfg: TrainConfig) -> list[float]:
     spec = load_spec(cfg.config)
     check_objective(spec)
     check_regime(cfg.regime)
+    if cfg.controlnet:  # one process (`check_controlnet`)
+        from jax_impl.pair_train import train_pair  # here: it imports this module
+
+        return train_pair(cfg, spec)
     with processes.lost_processes():
         return _train(cfg, spec)
 
@@ -384,7 +397,7 @@ def _train(cfg: TrainConfig, spec: UNetSpec) -> list[float]:
         guarded = None
         if budget is not None and mesh is None:  # the plan judged by the loop's own compiled step
             guarded = guard_step(cfg, spec, model, tx, (state, dataset, schedule), budget, len(run.losses))
-            cfg, budget = replace(cfg, policy=guarded.plan), _corrected(budget, spec, guarded)
+            cfg, budget = replace(cfg, policy=guarded.plan), corrected(budget, spec, guarded)
             model = UNet(spec=spec, policy=budget.plan, attention_chunk=chunk, lora_rank=cfg.regime.lora_rank)
 
         def save_fn(state: TrainState, losses: list[float]) -> None:
