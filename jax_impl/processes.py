@@ -110,12 +110,13 @@ _lost = False  # a collective failed for want of another process: nobody to wait
 
 def join(coordinator: str | None, num_processes: int | None, process_id: int | None) -> Joined | None:
     """Join the run's processes (before any JAX computation), once per interpreter; None: one
-    process (no flags, no cluster detected). Process 0 prints which it used."""
+    process (no flags, and no cluster detected or JAX already running in this interpreter, as in
+    a caller's own code). Process 0 prints which it used."""
     global _joined
     if _joined is not None:
         return _joined
     via = f"--coordinator {coordinator}" if coordinator else detected_cluster()
-    if via is None:
+    if via is None or (coordinator is None and _backend_started()):  # a caller whose JAX runs already: as it is
         return None
     jax.config.update("jax_cpu_collectives_implementation", CPU_COLLECTIVES)
     try:
@@ -139,6 +140,12 @@ def detected_cluster() -> str | None:
     kinds = getattr(ClusterEnv, "_cluster_types", [])
     found = next((k for k in kinds if not k.opt_in_only_method and k.is_env_present()), None)
     return None if found is None else found.__name__
+
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge  # JAX says whether its backends exist only here
+
+    return bool(getattr(xla_bridge, "backends_are_initialized", lambda: False)())
 
 
 def process_rank() -> int:
