@@ -98,7 +98,7 @@ def test_torch_shapes_only_profile_equals_the_real_one(torch_profile: Profile) -
 
 @pytest.mark.slow
 def test_jax_predictions_match_memory_analysis() -> None:
-    """Shapes-only JAX profile (five compiles, none run) against three more plans' compiled peaks."""
+    """Shapes-only JAX profile (five compiles, none run) against a mixed plan's compiled peak."""
     from jax_impl import profile as profile_jax
 
     spec = variant("tiny", sample_size=16, dropout=0.0)
@@ -108,12 +108,10 @@ def test_jax_predictions_match_memory_analysis() -> None:
         predicted = predict(profile, spec, assignment_of(spec, policy)).peak_bytes
         assert abs(predicted / run["peak_bytes"] - 1) <= 0.02, policy  # exact up to the packing factor
     s = profile_jax.setup(spec, BATCH, CONTEXT, None, run=False)
-    rng = np.random.default_rng(2)
-    for _ in range(3):
-        assignment = random_assignment(spec, rng)
-        peak = profile_jax.compiled_peak(profile_jax.compiled_step(s, policy_string(assignment)))
-        predicted = predict(profile, spec, assignment).peak_bytes
-        assert abs(predicted / peak - 1) <= TOLERANCE, (policy_string(assignment), predicted, peak)
+    assignment = random_assignment(spec, np.random.default_rng(2))  # a plan the profile never compiled
+    peak = profile_jax.compiled_peak(profile_jax.compiled_step(s, policy_string(assignment)))
+    predicted = predict(profile, spec, assignment).peak_bytes
+    assert abs(predicted / peak - 1) <= TOLERANCE, (policy_string(assignment), predicted, peak)
     # The planner's compile check (-O0, nothing allocated) gives the figure --verify measures.
     policy = policy_string(assignment)
     checked = profile_jax.peaks(spec, BATCH, [policy], CONTEXT)["peaks"][policy]
