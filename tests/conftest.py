@@ -50,12 +50,17 @@ def _one_torch_thread() -> Iterator[None]:
 # about 2 s or more each on a 2-core box (XLA compiles of whole gradient programs, mostly). A
 # parametrized test whose cases differ marks the slow ones by id, ``@pytest.mark.slow_for("sd", ...)``;
 # an id that names no case of its test fails the collection, so a rename cannot drop a mark.
+# `heavy` marks the longest checks (minutes each on 2 cores) whose ground a cheaper test in the
+# default run also covers: `python -m pytest -n 2` leaves them out (pyproject's addopts), and
+# `python -m pytest -n 2 -m heavy` runs them.
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     declared: dict[tuple[str, str], set[str]] = {}
     seen: dict[tuple[str, str], set[str]] = {}
     for item in items:
+        if item.get_closest_marker("heavy"):  # the inner loop leaves them out too
+            item.add_marker(pytest.mark.slow)
         mark = item.get_closest_marker("slow_for")
         if mark is None:
             continue
@@ -65,7 +70,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         seen.setdefault(key, set()).add(case)
         if case in mark.args:
             item.add_marker(pytest.mark.slow)
-    _slow_first(items)
     if any("::" in arg for arg in config.args):  # a selection of cases: the rest were not collected
         return
     for (path, name), ids in declared.items():
@@ -73,9 +77,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             cases = sorted(seen[(path, name)])
             raise pytest.UsageError(f"{path}::{name}: slow_for names no case {unknown}; its cases: {cases}")
 
-
-def _slow_first(items: list[pytest.Item]) -> None:
-    """The slow tests run first, in their files' order: with ``-n 2`` the long ones then overlap the
-    short ones instead of running alone at the end (the inner loop's order is unchanged). Every
-    worker sorts the same collection the same way, as xdist needs."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

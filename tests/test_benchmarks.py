@@ -77,7 +77,7 @@ def _check_schema(proc: Any, doc: dict[str, Any], out: Path) -> None:
     assert "tiny @ 8x8, float32" in proc.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_batch_norm_spec_benchmarks_in_jax(tmp_path: Path) -> None:
     """The JAX step carries BatchNorm statistics (TrainState): a batch-norm spec is measured."""
     path = tmp_path / "bn.yaml"

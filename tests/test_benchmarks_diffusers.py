@@ -16,7 +16,7 @@ from tests.utils import rows_of, run_compare, variant
 from torch_impl import UNet
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_diffusers_folder_in_every_framework(tmp_path: Path) -> None:
     torch.manual_seed(0)
     spec = variant("sd_linear_proj")

@@ -15,7 +15,7 @@ from tests.utils import rows_of, run_compare
 TINY_ROW = ["--config", "tiny", "--policies", "none", "--batch-size", "4", "--steps", "1", "--device", "cpu"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_two_ranks_halve_the_static_memory_and_keep_the_activations(tmp_path: Path) -> None:
     docs = {}
     for world in (1, 2):

@@ -188,7 +188,7 @@ def test_fsdp_verify_is_refused_in_one_line(cache: dict, capsys: pytest.CaptureF
     assert "--verify, --candidates and --sweep measure one process only" in err and err.count("\n") == 1
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_verify_measures_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """End to end on torch (profile and measurement in subprocesses): the plan fits when measured."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))

@@ -142,7 +142,7 @@ def test_torch_profiles_specs_with_conditioning_inputs(name: str) -> None:
     assert real.static_bytes > real.grad_bytes > real.block_param_bytes > 0
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_jax_profiles_sdxl_style_inputs() -> None:
     """SDXL's text embeddings and time ids through the loop's own jitted step."""
     from jax_impl import profile as profile_jax

@@ -87,7 +87,7 @@ def test_adamw8bit_state_model_matches_torchao() -> None:
     assert state_bytes("adamw8bit", numels, 4) < 0.6 * state_bytes("adamw", numels, 4)  # tiny: many small tensors
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_jax_profile_in_a_regime_predicts_the_compiled_peak() -> None:
     """JAX in bfloat16 mixed precision, LoRA adapters on a frozen base, Adafactor and an EMA copy:
     the profile (XLA's live ranges) predicts the compiled step's ``memory_analysis()`` peak within

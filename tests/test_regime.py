@@ -214,7 +214,7 @@ def test_jax_state_keeps_the_regimes_dtypes(regime: Regime) -> None:
     assert all(str(x.dtype) == "float32" for x in jax.tree.leaves(after.ema))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_jax_plan_keeps_the_curve_with_adafactor_and_ema() -> None:
     import jax
 

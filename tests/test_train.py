@@ -49,8 +49,9 @@ def test_loss_halves_on_digits(tmp_path: Path) -> None:
     assert names == {".lock", "checkpoint-00000080", "loss.png", "samples.png", "losses.json"}
 
 
-# The whole loop in-process; JAX's compiles its init and step from scratch (minutes on a loaded box).
-@pytest.mark.parametrize("framework", [ttrain, pytest.param(jtrain, marks=pytest.mark.slow)], ids=["torch", "jax"])
+# The whole loop in-process; JAX's compiles its init and step from scratch (minutes on a loaded box):
+# heavy, JAX's resume being checked in the default run by tests/test_train_jax_processes.py.
+@pytest.mark.parametrize("framework", [ttrain, pytest.param(jtrain, marks=pytest.mark.heavy)], ids=["torch", "jax"])
 def test_resume_continues_the_curve(framework, tmp_path: Path) -> None:
     """Through the whole loop: a checkpoint (DCP / orbax) at step 2, resumed to 4, equals 4 straight."""
     cfg = replace(CFG, steps=4, checkpoint_every=2)

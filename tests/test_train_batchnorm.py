@@ -139,7 +139,7 @@ def test_jax_batchnorm_resume_continues_the_curve(jax_run: tuple, tmp_path: Path
         np.testing.assert_array_equal(value, _flat(whole.batch_stats)[key], err_msg=key)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_jax_batchnorm_data_parallel_matches_one_device() -> None:
     """2 CPU devices, batch split: BatchNorm normalises with global-batch statistics (jit inserts
     the reductions), so the loss curve and the running statistics equal one device's."""

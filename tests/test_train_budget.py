@@ -155,7 +155,7 @@ def _history(out: Path) -> list[dict]:
     return json.loads(manifest.read_text())["run"]["guard"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_jax_trains_to_a_budget_reporting_the_compiled_peak_the_planner_checks(
     seen: list[int], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -47,7 +47,7 @@ print(json.dumps(result))
 """
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_jax_data_parallel_and_fsdp_match_one_device() -> None:
     """2 CPU devices, batch split: replicated (ddp) or sharded (fsdp) state gives one device's loss
     curve (dropout on, `balanced` remat), and under fsdp each device holds about half of the params
@@ -85,7 +85,7 @@ print(json.dumps({"devices": len(jax.devices()), "whole": whole, "part": part, "
 """
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_jax_fsdp_stopped_by_sigint_resumes_on_the_same_mesh_exactly_and_on_one_device(tmp_path: Path) -> None:
     """The CLI stopped by SIGINT after step 1 or 2 writes the sharded state (orbax); restored onto the
     same mesh the curve goes on bit for bit, onto a single device (another sharding) within the
