@@ -1,31 +1,9 @@
 """The GPU check, one command: ``python -m benchmarks.gpu_check --out DIR``.
 
-On a CUDA machine, in at most ~8 minutes (each step has its own time limit, and a step over it is
-stopped and reported, the others still run):
-
-1. the default benchmark, ``python -m benchmarks.compare --framework both`` (GPU);
-2. a planner sweep with ``--verify`` on `tiny` 32x32 batch 4 (the planner's workers profile and
-   measure on the CPU, one thread each, as everywhere);
-3. the estimates table for `sd15` at batch 1, 2 and 4, fp32 and bf16-mixed + LoRA
-   (`benchmarks.estimates`, from shapes);
-4. `torch_impl.BudgetGuard` on `sd15` batch 1 on the GPU (`benchmarks.guard_check`): a budget below
-   the plain step's peak, an extra buffer held through the step; predicted against measured
-   (``max_memory_reserved``) at the first step and after each correction;
-5. `sd15` at 64x64, batch 1, 2 and 4, measured on the GPU: `none`, `layers` (diffusers-style) and
-   `full`, float32 and bfloat16 mixed precision, beside step 3's predictions.
-
-It writes ``DIR/gpu_check.md`` (every step's command, exit status, seconds and output) and
-``DIR/gpu_check.json``; each step's own files go under ``DIR/<step>/``. Without CUDA it runs the
-same steps on `tiny` with small settings (what the tests run).
-
-A GPU machine may hold PyTorch, JAX, Flax, optax, orbax and peft but not pydantic or diffusers,
-and may have no network. Bring them as wheels, made on a machine with one::
-
-    pip download pydantic diffusers rich einops -d wheels/          # their dependencies come along
-    # on the GPU machine, in the repository root:
-    pip install --no-index --find-links wheels/ pydantic diffusers rich einops
-    pip install --no-deps -e .
-    python -m benchmarks.gpu_check --out gpu_results
+On a CUDA machine: the default benchmark, a planner sweep with ``--verify``, the sd15 estimates,
+`torch_impl.BudgetGuard` on sd15 and sd15 measured per policy and precision, each step time-limited;
+it writes ``DIR/gpu_check.md`` and ``DIR/gpu_check.json``. Without CUDA the same steps run on `tiny`.
+What each step does, and how to bring the wheels a GPU machine lacks: docs/regimes.md "The GPU check".
 """
 
 from __future__ import annotations

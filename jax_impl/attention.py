@@ -1,20 +1,9 @@
 """Multi-head attention for the Flax U-Net, query-chunked with its own backward pass on request.
 
-Torch's CPU attention (`F.scaled_dot_product_attention`) is one fused kernel that never holds a
-(queries x keys) score matrix; XLA:CPU runs `jax.nn.dot_product_attention` unfused, so the plain
-call materialises the scores of every head and keeps the probabilities for the backward. With a
-chunk size the queries go ``chunk`` at a time (Rabe & Staats 2021, "Self-attention does not need
-O(n^2) memory"): the forward keeps only q, k and v; the backward recomputes one chunk's
-probabilities at a time and takes that chunk's `jax.vjp`, so each chunk's gradient is what
-autodiff computes for it.
-
-Why a `jax.custom_vjp` rather than ``lax.map(jax.checkpoint(...))`` (what this replaced): autodiff
-of a loop starts every loop buffer from a constant (zeros for the stacked outputs; for the key and
-value gradients the transposed loop accumulates). XLA:CPU shares one such constant between loops
-and schedules each loop's copy of it at the start of the step, where it stays until its loop runs.
-Here every loop buffer starts from data (the first chunk's result, padded or accumulated), and the
-backward's inputs pass one `lax.optimization_barrier` with the cotangent, so that no part of the
-backward is computed, and then held, during the forward. Figures: docs/remat_vs_checkpoint.md.
+XLA:CPU runs attention unfused and keeps every head's scores; with a chunk size the queries go
+``chunk`` at a time and a `jax.custom_vjp` recomputes one chunk's probabilities at a time in the
+backward (why not ``lax.map(jax.checkpoint(...))``: docs/remat_vs_checkpoint.md "Remat inside attention").
+Torch needs no twin: its CPU kernel never holds the score matrix.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Apply a framework-free `CheckpointPlan` to the Flax U-Net, as a class transform.
 
-Mirrors `torch_impl/checkpointing.py`. Where torch shadows a built module's ``forward``, Flax
-chooses the *class* before construction: a recomputed block or layer is an instance of
-``nn.remat(Cls)`` instead of ``Cls``. Its name comes from the ``setup()`` attribute it is assigned
-to, so the parameter tree is the same for every plan.
-
-Two places use this module, and only these: the U-Net assembly picks each block's class with
-`remat_class`, and a block builds its ResNets/attentions with `build`. Both ask the plan itself (a
-frozen, hashable `CheckpointPlan`, carried by every block as an attribute) about a unit's full name.
-
-Op-level plans (``plan.save_for(name)``, per unit) become the remat ``policy``: the layers tag
-their outputs with ``checkpoint_name`` (``"conv"``, ``"matmul"``, ``"attention"``, ``"norm"``, see
-`layers.py`) and `remat_policy` keeps exactly the named ones:
-`jax.checkpoint_policies.save_only_these_names`, or with ``offload``
-`save_and_offload_only_these_names` (device -> pinned host).
+Where torch shadows a built module's ``forward``, Flax picks the class before construction: a
+recomputed unit is an ``nn.remat(Cls)``, named by its ``setup()`` attribute, so the parameter tree is
+the same for every plan. The U-Net assembly calls `remat_class`, a block `build`; save sets become
+``checkpoint_name`` tags and `remat_policy`. Mirror: `torch_impl/checkpointing.py`.
+Docs: docs/spec_and_plans.md, docs/remat_vs_checkpoint.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Weight conversion between the PyTorch and Flax U-Nets, both directions, every layer type.
 
-The two module trees are mirrored name for name, so conversion is mechanical:
-
-* a torch ModuleList index ``down.1`` is the Flax list attribute ``down_1``;
-* ``weight`` of a conv (OIHW) is a Flax ``kernel`` (HWIO), of a linear (out, in) a ``kernel``
-  (in, out), of a norm (1-D) a ``scale``; ``bias`` stays ``bias``;
-* the ``weight`` of an embedding table (``class_embedding`` of kind ``embedding``, (rows, width)
-  in both) is a Flax ``embedding``, untransposed.
-
-BatchNorm (``norm_kind: batch``): its ``weight``/``bias`` are Flax ``scale``/``bias`` params as for
-GroupNorm; the buffers ``running_mean``/``running_var`` are the Flax ``batch_stats`` ``mean``/``var``.
-`torch_to_flax` returns params only; `torch_to_flax_variables` returns both collections.
-``num_batches_tracked`` has no Flax twin: it is dropped going to Flax and set from an argument
-(default 0) coming back. Note the variance convention differs (see `shared_configs.spec`).
-
-Both directions check the result against the variable tree the spec implies, so a mismatch is a
-clear error naming the parameter instead of a silent wrong model.
+The trees mirror name for name (``down.1`` is ``down_1``; conv OIHW <-> HWIO ``kernel``, linear
+transposed, norm ``weight`` <-> ``scale``, BatchNorm's running stats <-> ``batch_stats``), and both
+directions check the result against the tree the spec implies, naming any mismatched parameter.
+Docs: docs/remat_vs_checkpoint.md, docs/diffusers.md.
 """
 
 from __future__ import annotations

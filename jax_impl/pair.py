@@ -1,16 +1,9 @@
 """The ControlNet training step in JAX/Flax: `torch_impl/pair.py`'s twin.
 
-`ControlNetPair` holds the U-Net (``unet``) and the ControlNet (``controlnet``) under one parameter
-tree, each under one pair plan's units (`shared_configs.pair`). The step trains the ControlNet only:
-its parameters are the `jax_impl.train.TrainState`'s (donated, updated), the U-Net's a separate
-argument the step reads and never differentiates (diffusers' ``unet.requires_grad_(False)``), so
-XLA computes no weight gradient there and the loss still flows back through it. The U-Net runs
-without dropout (diffusers keeps it in eval mode), the ControlNet with it::
-
-    pair = ControlNetPair(spec=controlnet_pair("sd_narrow"), policy="full")
-    state, unet_params = init_pair(pair, tx, seed=0)
-    state, loss = train_step(state, unet_params, pair_arrays(example_pair_batch(pair.spec, 4)), key,
-                             model=pair, tx=tx)
+`ControlNetPair` holds the frozen U-Net (``unet``) and the trained ControlNet (``controlnet``) under
+one pair plan's units (`shared_configs.pair`). The step differentiates the ControlNet's parameters
+only; the U-Net's are an argument it reads (no weight gradient there) and runs without dropout, as
+diffusers does. Docs: docs/training.md "Training a ControlNet", docs/planning.md "The ControlNet step".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Data parallelism and FSDP in JAX: one mesh axis, sharding annotations, jit does the rest.
 
-``--distributed ddp``: the batch is split along the mesh axis ``data``, the train state
-replicated; jit's sharding propagation inserts the gradient all-reduce. ``--distributed fsdp``
-(ZeRO-3, as MaxText's ``fsdp`` axis): the same axis also shards every large leaf of the state
-(parameters, AdamW moments; the gradients follow, being combined with them elementwise) along one
-of its axes that the device count divides; small or indivisible leaves stay replicated. jit then
-all-gathers each parameter where the forward and backward use it and reduce-scatters its gradient.
-No wrapper, no hand-written communication: the step function is the same for every mode.
-
-On CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` gives N devices. Over several
-processes (`jax_impl.processes`) the mesh spans every process's devices, each process's a
-contiguous block of the axis, and each process places only its own rows of the global batch
-(`jax.make_array_from_process_local_data`): the global batch is the one a single process with all
-the devices would see. The mirror of `torch_impl.parallel` (DDP, FSDP2).
+``ddp`` splits the batch along the mesh axis ``data`` and replicates the state; ``fsdp`` (ZeRO-3,
+as MaxText's ``fsdp`` axis) also shards every large state leaf along that axis. No wrapper, no
+hand-written communication: the step is the same for every mode. Over several processes the mesh
+spans every process's devices (`jax_impl.processes`). Mirror: `torch_impl.parallel` (DDP, FSDP2).
+Docs: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """One training run over several JAX processes: joining them, agreeing between them, leaving.
 
-``jax_impl.train`` runs as one process with all its devices, or as N processes (one per host, or
-one per GPU as SLURM lays them out) joined by `jax.distributed.initialize` into one set of global
-devices; the mesh (`jax_impl.parallel.make_mesh`) spans them all and jit runs the same step on
-each. What happens where:
-
-* `join`: ``--coordinator HOST:PORT --num-processes N --process-id I`` (all three), or none of them
-  in a cluster that `jax.distributed` detects from the environment (SLURM, Open MPI, ...); neither:
-  one process, as always. On CPU the cross-process collectives are gloo
-  (``jax_cpu_collectives_implementation``).
-* `ProcessComm`: the run folder's collectives (`shared_configs.training.run_folder.Comm`: who saves
-  what, the agreed stop step) as small jitted all-gathers over every device, so that they fail
-  fast, like the step's own, when a process is gone.
-* `lost_processes`: a collective that fails because another process died becomes one line
-  (`ProcessLost`, exit 1) instead of XLA's message; `leave` then exits without JAX's shutdown
-  barrier, which would wait for the dead process until the heartbeat times out and abort.
-
-A process killed while the others wait outside a collective (orbax's barriers, the key-value
-store) is noticed by the coordination service after `HEARTBEAT_S` seconds without its heartbeat,
-and JAX ends the others itself ("Terminating process because the JAX distributed service detected
-fatal errors"); a killed process 0 (it hosts the service) ends the others at once that way.
+`join` starts `jax.distributed` from ``--coordinator/--num-processes/--process-id`` or a cluster JAX
+detects (gloo collectives on CPU); `ProcessComm` gives the run folder's collectives (who saves what,
+the agreed stop step) as small jitted all-gathers; `lost_processes` turns a collective failed by a
+dead process into one line (`ProcessLost`). No torch mirror: torchrun does this for torch.
+docs/training.md "JAX over several processes".
 """
 
 from __future__ import annotations

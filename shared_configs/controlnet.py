@@ -1,22 +1,9 @@
 """A ControlNet, framework-free: its spec, its plan vocabulary, and the residuals it hands a U-Net.
 
-A ControlNet (diffusers' ``ControlNetModel``) is the encoder half of a U-Net: ``conv_in``, the time
-(and class, text_time) embeddings, the down path and the middle block, built from the same
-`UNetSpec` under the same names, plus its own parts:
-
-* the conditioning embedding: the conditioning image (``conditioning_channels``, at
-  ``2 ** (len(conditioning_embedding_out_channels) - 1)`` times the sample's size) through a 3x3
-  conv, then per stage a 3x3 conv and a strided 3x3 conv, SiLU after each, and a zero-initialised
-  3x3 conv to ``block_out_channels[0]``; it is added to ``conv_in``'s output;
-* one zero-initialised 1x1 convolution per skip (``controlnet_down_blocks``) and one on the middle
-  block's output (``controlnet_mid_block``): their outputs, times ``conditioning_scale``, are the
-  residuals a U-Net adds to its skips and to its middle block's output
-  (``down_block_additional_residuals`` / ``mid_block_additional_residual``, diffusers' names);
-* ``global_pool_conditions``: each residual is averaged over its spatial positions.
-
-Only the U-Net spec's encoder and middle block matter; its up path and ``out_channels`` are not
-part of the ControlNet. Checkpoint plans name the ControlNet's units as the U-Net's (``down.0``,
-``mid``, ``down.1.resnets.0``, ...): `resolve_controlnet_plan`.
+A ControlNet (diffusers' ``ControlNetModel``) is the U-Net spec's encoder and middle block under the
+same names, plus a conditioning embedding and one zero-initialised 1x1 conv per skip and on the
+middle block's output. Plans name its units as the U-Net's (`resolve_controlnet_plan`). Built by
+`torch_impl/controlnet.py` and `jax_impl/controlnet.py`; docs/diffusers.md, docs/planning.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,9 @@
 """The U-Net's inputs, framework-free: their shapes for a spec, example arrays, and the edge checks.
 
-Both U-Nets take the same inputs, by the same names, in the same order (`INPUT_NAMES`)::
-
-    torch_impl.UNet.forward(x, t, context=None, class_labels=None, text_embeds=None, time_ids=None, ...)
-    jax_impl.UNet.__call__(x, t, context=None, class_labels=None, text_embeds=None, time_ids=None, ..., train=False)
-
-``x`` is NCHW for torch and NHWC for Flax; every other input is the same in both. Which inputs a spec
-takes (None where it takes none):
-
-=============  =====================================  ==============================================
-input          shape                                  taken when
-=============  =====================================  ==============================================
-x              (B, C, H, W) / (B, H, W, C)            always; H and W divisible by 2**(levels-1)
-t              (B,) or a scalar                       always (timesteps; float or int)
-context        (B, L, cross_attention_dim), or        ``cross_attention_dim`` is set, unless
-               (B, L, context_proj_dim)               ``image_embedding.context_tokens`` makes it
-class_labels   (B,) integers, or (B, D) vectors       ``class_embedding`` (ids for ``embedding`` /
-                                                      ``timestep``; vectors for the other kinds)
-text_embeds    (B, D)                                 ``addition_embedding`` (SDXL ``text_time``)
-time_ids       (B, N), D + N * time_id_dim = input_dim  ``addition_embedding``
-=============  =====================================  ==============================================
-
-Beside these, diffusers' inputs of LCM and Kandinsky 2.2 keep their names (`EXTRA_INPUT_NAMES`, in
-`input_specs` only for the specs that take them, after `INPUT_NAMES`), and a context mask:
-
-======================  ==========================  ============================================
-timestep_cond           (B, time_embedding.cond_dim)  optional where ``time_embedding.cond_dim`` is set
-image_embeds            (B, input_dim)              ``image_embedding``
-encoder_attention_mask  (B, L), 1 keep / 0 mask     optional wherever an attention reads a context
-======================  ==========================  ============================================
-
-`input_specs` gives the shapes and dtypes (e.g. for ``jax.eval_shape`` / a meta-device model),
-`example_inputs` random arrays from a numpy Generator, `check_inputs` the one-line `ValueError`
-each U-Net raises at the top of its forward when an input does not fit.
+Both U-Nets take the same inputs by the same names and order (`INPUT_NAMES`, then diffusers' LCM and
+Kandinsky 2.2 extras in `EXTRA_INPUT_NAMES`); ``x`` is NCHW in torch and NHWC in Flax. `input_specs`
+gives shapes and dtypes, `example_inputs` random arrays, `check_inputs` the one-line `ValueError`
+each forward raises. The table of inputs and when a spec takes each: docs/spec_and_plans.md "Inputs".
 """
 
 from __future__ import annotations

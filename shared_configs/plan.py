@@ -1,32 +1,10 @@
-"""Framework-free checkpoint plans: which named blocks are recomputed in the backward pass.
+"""Framework-free checkpoint plans: which named blocks are recomputed, and what they still save.
 
-Block names are the plan's vocabulary and are identical in PyTorch, Flax and YAML:
-
-* blocks: ``down.0 … down.{n-1}``, ``mid``, ``up.0 … up.{n-1}`` (``up.0`` is the deepest);
-* layers, one level finer: ``down.1.resnets.0``, ``down.1.attentions.0``, ``mid.resnets.1``,
-  ``up.2.attentions.1``, ...
-
-A policy is a name (``none``, ``full``, ``balanced``, ``layers``, ``every:N``), a list of block
-or layer names, or a comma-separated string of names. `resolve_plan` turns it into a
-`CheckpointPlan`, which each framework applies with its own mechanism.
-
-Op-level (selective) policies say which operation outputs a recomputed block still *saves*; the
-rest of the block is recomputed. The op vocabulary, `OP_CLASSES`, is the same in both frameworks
-(torch maps it onto aten ops, JAX onto ``checkpoint_name`` tags)::
-
-    full/save=conv,matmul          recompute every block, but keep conv and matmul outputs
-    balanced/save=conv+matmul      '+' and ',' both separate ops ('+' survives the CLI's comma split)
-    full/save=conv,matmul/offload  ... and keep those outputs in host memory instead of the device
-    save_convs                     a preset: full/save=conv,matmul
-    offload_convs                  a preset: full/save=conv,matmul/offload
-
-A plan can give different units different save sets: groups separated by ``;``, each one of the
-forms above, over disjoint names. The planner (`shared_configs.planning.budget`) writes such plans::
-
-    down.0,up.2;down.1,mid/save=conv,matmul    down.0 and up.2 fully recomputed, down.1 and mid selective
-
-From code: ``resolve_plan(spec, "full", save=("conv",), offload=False)``; in YAML the spec's
-``checkpoint`` field takes the same strings.
+Block and layer names (``down.1``, ``mid``, ``up.2.attentions.1``) are the plan's vocabulary in
+PyTorch, Flax and YAML. A policy (a name such as ``full`` or ``layers``, a list of names, op-level
+``/save=conv,matmul[/offload]``, ``;``-separated groups) resolves to a `CheckpointPlan` via
+`resolve_plan`; each framework applies it with its own mechanism. The grammar, with examples:
+docs/spec_and_plans.md "Checkpoint plans".
 """
 
 from __future__ import annotations

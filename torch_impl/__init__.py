@@ -1,22 +1,8 @@
-"""PyTorch U-Net built from a shared spec, with per-block gradient checkpointing, and the planner's
-call for it: ``plan_for_budget(spec, batch_size, budget_bytes, sample_size=None, ...)`` returns the
-policy string of the cheapest plan whose torch step fits the budget. ``apply_plan(model, plan)`` /
-``remove_plan(model)`` put a plan on diffusers' own U-Nets too (`torch_impl.diffusers_plan`), and
-``plan_for_budget`` takes such a model in place of a spec: a diffusers training script gains a plan
-in two lines::
+"""PyTorch U-Net and ControlNet built from a shared spec, per-block checkpoint plans, and the planner.
 
-    policy = torch_impl.plan_for_budget(unet, 4, 20 << 30, regime=Regime("bf16-mixed", "lora:8"))
-    torch_impl.apply_plan(unet, policy)
-
-``BudgetGuard(unet, budget_bytes, batch_size=4)`` does the same and then keeps the budget in the
-user's own step: ``guard.run(step_fn, *args)`` measures it, re-plans, recovers from out-of-memory
-errors (`torch_impl.guard`, docs/guard.md).
-
-diffusers' ControlNet training step (a frozen U-Net, the ControlNet made from it trained) plans with
-one policy over both networks' units (``controlnet.down.1``, ``up.0``; `shared_configs.pair`)::
-
-    policy = torch_impl.plan_for_budget("sd_narrow", 8, 360 << 20, controlnet=True)
-    pair = ControlNetPair(controlnet_pair("sd_narrow"), policy)   # or pair.enable_gradient_checkpointing(policy)
+``plan_for_budget(spec_or_model, batch_size, budget_bytes, ...)`` returns the cheapest plan whose torch
+step fits; ``apply_plan`` / ``remove_plan`` put a plan on diffusers' own models; ``BudgetGuard`` keeps
+a budget in the user's own step. Mirror: `jax_impl`. Docs: README.md, docs/planning.md, docs/guard.md.
 """
 
 from typing import Any

@@ -1,21 +1,10 @@
 """Apply a framework-free `CheckpointPlan` to a PyTorch module tree, from the outside.
 
-A recomputed block keeps its place (and its `state_dict` keys): only its instance ``forward``
-is shadowed by one that runs the class's forward under `torch.utils.checkpoint.checkpoint`
-(non-reentrant, RNG state stashed and replayed so dropout masks match on recompute).
-
-Op-level plans (``plan.save_for(block)``, per block) use selective activation checkpointing: the checkpoint's
-``context_fn`` is `create_selective_checkpoint_contexts` with a policy over aten ops
-(`ATEN_OPS`, the same op classes as `shared_configs.plan.OP_CLASSES` and the JAX tags).
-`context_fn` is built in one place, `make_context_fn`, so further contexts (BatchNorm's) compose in.
-
-Under `torch.compile` the wrapped forward decides at call time (`torch.compiler.is_compiling`),
-so one module runs eager or compiled: Dynamo traces a ``context_fn`` only as a partial over
-constants, so a compiled recompute passes none (not even torch's noop, which Dynamo refuses) and a
-compiled save set passes `compiled_context_fn`, whose policy closes over tuples and bools only (no
-observers, no warning). AOTAutograd's partitioner then honours the policy's save/recompute tags; it
-has no offload decision, so ``offload`` saves in place there. BatchNorm needs no freeze under
-compile: the running-stat update becomes a functional input mutation applied once (tested).
+A recomputed block keeps its place and its `state_dict` keys: only its instance ``forward`` is
+shadowed by one under `torch.utils.checkpoint.checkpoint` (non-reentrant, RNG replayed); save sets
+use selective checkpointing (`make_context_fn`), and the wrapped forward checks
+`torch.compiler.is_compiling` at call time. Mirror: `jax_impl/checkpointing.py`. Docs:
+docs/spec_and_plans.md, docs/compile.md "How a plan is traced".
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """A diffusers U-Net's ``config.json`` -> our spec (framework-free: no torch, jax or diffusers).
 
-`from_diffusers_config` turns the config of a diffusers ``UNet2DModel`` or ``UNet2DConditionModel``
-into the `UNetSpec` of the network diffusers builds from it, settings diffusers derives from other
-settings included (a middle attention without GroupNorm, head counts that do not divide the
-channels, an unknown ``class_embed_type`` that builds no class embedding). Every option is one of:
-
-* mapped onto a spec field (block types, widths, heads, norms, time, class, text_time and image
-  embeddings, the context's projection: `shared_configs.diffusers.conditioning`);
-* fixed: our spec cannot express it, so only the listed values (diffusers' default first) are
-  accepted and any other is refused with a `SpecError` naming the option;
-* inert: it only configures layers we refuse or that the config does not build;
-* ``upcast_attention``: a precision hint, accepted with a warning (a no-op in float32).
-
-Keys we do not know are refused too: an option is never silently ignored.
+`from_diffusers_config` turns a ``UNet2DModel`` / ``UNet2DConditionModel`` config into the
+`UNetSpec` of the network diffusers builds from it. Every option is mapped onto a spec field, fixed
+(only listed values accepted), inert, or refused by name: none is silently ignored. The table of
+options: docs/diffusers.md "What loads".
 """
 
 from __future__ import annotations

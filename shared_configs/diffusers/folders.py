@@ -1,19 +1,9 @@
 """diffusers U-Nets on disk -> our spec and state_dict (framework-free: no torch, jax or diffusers).
 
-A source is one of, tried in this order:
-
-* a local model folder (``config.json`` + ``diffusion_pytorch_model[.VARIANT].safetensors`` or
-  ``.bin``, or their sharded ``.index[.VARIANT].json``), or a pipeline folder holding ``unet/``;
-* a repo id (``"org/name"``) in the local Hugging Face cache: ``huggingface_hub`` resolves
-  ``models--org--name/refs/<revision>`` to ``snapshots/<commit>/`` under ``HF_HUB_CACHE`` (else
-  ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``), read when called. Local files only: nothing
-  is ever downloaded;
-* a live diffusers module (its ``config`` and ``state_dict()``).
-
-The state_dict names differ from ours by a few renames (`KEY_RENAMES`), applied segment-wise in
-either direction; `LEGACY_KEY_RENAMES` also reads the pre-0.14 DDPM attention names
-(``query/key/value/proj_attn``) that some hub folders still store. Every problem is one line naming
-the file (and, for weights, every mismatched key). The config mapping is in `diffusers_config`.
+A source is a local model or pipeline folder, a repo id in the local Hugging Face cache (nothing is
+ever downloaded), or a live diffusers module. State-dict names differ from ours by segment renames
+(`KEY_RENAMES`; `LEGACY_KEY_RENAMES` reads pre-0.14 DDPM attention names). Every problem is one line
+naming the file. The config mapping: `shared_configs.diffusers.config`. Docs: docs/diffusers.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """One training step's memory over time, filed by unit: the measurement the profile is made of.
 
-Both profilers reduce what they see to a `Timeline`: a sequence of positions (torch: each tensor
-allocation and each unit boundary; JAX: each instruction of XLA's schedule), the unit and phase
-running at each, and every buffer with the first and last position it is alive at and its size.
-`unit_costs` turns it into the per-unit figures of `shared_configs.planning.budget.Cost`, one definition
-for both frameworks:
-
-* the backward starts at the first backward position (the split); every later position counts as
-  backward, whatever ran there (XLA may compute a forward value late, right before its use);
-* a unit *keeps* the buffers alive across the split whose last use falls in its backward: they
-  are freed there, so during the backward of any unit before them they are still alive;
-* a unit *holds* the buffers its forward makes that are still alive when the last unit's forward
-  starts but are freed before the split: alive through the rest of the forward only (torch
-  autocast's cache of half-precision weight copies, which a recomputed unit does not keep for its
-  backward but which live until autocast exits);
-* K(u) and H(u) are the keep and the hold of the units before u in forward order; ``fwd_peak`` is
-  the highest live bytes at u's forward positions minus K(u) + H(u), ``bwd_peak`` at its backward
-  positions minus K(u) (by then every hold is freed);
-* buffers that exist before the step (parameters, optimizer state, inputs: ``static``) or live to
-  its end (its outputs) belong to no unit: they sit inside every peak.
-
-`shared_configs.memory` is the benchmark's picture of a step (levels per kind, thinned for a
-figure); it keeps no buffer, so it cannot attribute bytes to units, and this cannot draw.
+Both profilers reduce what they see to a `Timeline` (positions, the unit and phase at each, every
+buffer's first and last position and size); `unit_costs` turns it into the per-unit figures of
+`shared_configs.planning.budget.Cost`, one definition for both frameworks. What a unit *keeps* and
+*holds*, K(u), H(u), ``fwd_peak`` and ``bwd_peak``: docs/planning.md "The profile", "The peak model".
 """
 
 from __future__ import annotations
