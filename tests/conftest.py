@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.utils import FAST_COMPILE
+from tests.helpers.specs import FAST_COMPILE
 
 
 def _fast_xla_environment() -> None:

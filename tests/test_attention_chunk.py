@@ -17,8 +17,9 @@ from flax import traverse_util
 from jax_impl import UNet
 from jax_impl import train as jtrain
 from shared_configs import spec_from_dict
-from tests.parity_utils import flax_out, parity_inputs, parity_pair, torch_out
-from tests.utils import FAST_COMPILE, TINY, rel_err
+from tests.helpers.parity import flax_out, parity_inputs, parity_pair, torch_out
+from tests.helpers.specs import FAST_COMPILE, TINY
+from tests.helpers.tensors import rel_err
 from torch_impl import train as ttrain
 
 

@@ -1,6 +1,6 @@
 """The benchmark CLI: output schema end to end, OOM handling, bad input, the report and the pictures.
 
-End-to-end runs use the tiny preset at batch 1 with one timed step (`tests.utils.run_compare`:
+End-to-end runs use the tiny preset at batch 1 with one timed step (`tests.helpers.processes.run_compare`:
 LLVM at -O0, which changes no memory figure). The instruments themselves are checked in
 tests/test_benchmarks_memory.py.
 """
@@ -23,7 +23,8 @@ from benchmarks.backends.worker import run_row
 from benchmarks.harness.job import KILL_SIM_ENV, OOM_SIM_ENV, Job, cpu_snapshot, one_line, other_cpu_share
 from benchmarks.reports import plot, report
 from shared_configs.memory import CATEGORIES, block_marks, timeline
-from tests.utils import TINY, rows_of, run_compare
+from tests.helpers.processes import rows_of, run_compare
+from tests.helpers.specs import TINY
 
 FAST = ["--config", "tiny", "--batch-size", "1", "--steps", "1", "--device", "cpu"]
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.utils import rows_of, run_compare, variant
+from tests.helpers.processes import rows_of, run_compare
+from tests.helpers.specs import variant
 from torch_impl import UNet
 
 

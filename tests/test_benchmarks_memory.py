@@ -21,7 +21,7 @@ from jax_impl import memory as jax_memory
 from jax_impl import train as jt
 from shared_configs import block_names, load_spec
 from shared_configs.memory import CATEGORIES, OUTSIDE
-from tests.utils import FAST_COMPILE
+from tests.helpers.specs import FAST_COMPILE
 from torch_impl.memory import AllocatorPeak, SavedBytesCounter, StepTracker, memtracker
 
 

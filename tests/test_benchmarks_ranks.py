@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import compare
-from tests.utils import rows_of, run_compare
+from tests.helpers.processes import rows_of, run_compare
 
 TINY_ROW = ["--config", "tiny", "--policies", "none", "--batch-size", "4", "--steps", "1", "--device", "cpu"]
 

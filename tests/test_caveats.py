@@ -23,7 +23,8 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from jax_impl import UNet as FlaxUNet
 from jax_impl.convert import flax_to_torch, torch_to_flax, torch_to_flax_variables
-from tests.utils import FAST_COMPILE, randomize_, rel_err, variant
+from tests.helpers.specs import FAST_COMPILE, variant
+from tests.helpers.tensors import randomize_, rel_err
 from torch_impl import UNet as TorchUNet
 from torch_impl.batchnorm import RUNNING_BUFFERS, with_frozen_running_stats
 

@@ -23,7 +23,8 @@ import torch._dynamo
 from benchmarks import compare
 from shared_configs import SpecError
 from shared_configs.training.data import example_batch
-from tests.utils import rel_err, variant
+from tests.helpers.specs import variant
+from tests.helpers.tensors import rel_err
 from torch_impl import UNet, apply_plan, checkpointing
 from torch_impl import train as ttrain
 
@@ -125,7 +126,7 @@ def test_inductor_batchnorm_plan_updates_running_stats_once(tmp_path: Path) -> N
 def test_apply_plan_on_diffusers_compiles_with_equal_gradients() -> None:
     pytest.importorskip("diffusers")
     from benchmarks.backends.diffusers_bench import DiffusersForward
-    from tests.diffusers_utils import diffusers_pair
+    from tests.helpers.diffusers_ref import diffusers_pair
     from torch_impl.train import as_tensors
 
     spec = variant("sdxl_style", dropout=0.0)  # a UNet2DConditionModel with SDXL's text_time conditioning

@@ -26,8 +26,9 @@ from shared_configs import SpecError, to_diffusers_config
 from shared_configs.controlnet import ControlNetSpec, load_controlnet_spec, resolve_controlnet_plan
 from shared_configs.diffusers.controlnet import controlnet_to_diffusers_config
 from shared_configs.inputs import example_inputs
-from tests.diffusers_utils import cache_repo
-from tests.utils import as_flax, as_torch, randomize_, rel_err, variant
+from tests.helpers.diffusers_ref import cache_repo
+from tests.helpers.specs import variant
+from tests.helpers.tensors import as_flax, as_torch, randomize_, rel_err
 from torch_impl import ControlNet, UNet
 
 WIDTHS = (8, 16)  # the conditioning embedding: the image at 2x the sample's size

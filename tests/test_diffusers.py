@@ -26,16 +26,9 @@ from shared_configs import SpecError, from_diffusers_config, load_spec
 from shared_configs.diffusers.config import CLASS_DEFAULTS
 from shared_configs.diffusers.folders import live_config, ours_to_diffusers
 from shared_configs.inputs import example_inputs
-from tests.utils import (
-    FAST_COMPILE,
-    HUB_CONFIGS,
-    as_flax,
-    as_torch,
-    diffusers_forward,
-    public_options,
-    randomize_,
-    rel_err,
-)
+from tests.helpers.diffusers_ref import diffusers_forward
+from tests.helpers.specs import FAST_COMPILE, HUB_CONFIGS, public_options
+from tests.helpers.tensors import as_flax, as_torch, randomize_, rel_err
 from torch_impl import UNet
 
 TOL = 1e-5

@@ -24,7 +24,8 @@ from jax_impl.diffusers_io import to_diffusers_state_dict
 from shared_configs import SpecError, UNetSpec, from_diffusers_config, to_diffusers_config
 from shared_configs.controlnet import load_controlnet_spec
 from shared_configs.inputs import example_inputs
-from tests.utils import as_flax, as_torch, diffusers_forward, randomize_, rel_err
+from tests.helpers.diffusers_ref import diffusers_forward
+from tests.helpers.tensors import as_flax, as_torch, randomize_, rel_err
 from torch_impl import UNet, apply_plan
 
 TINY = {"_class_name": "UNet2DConditionModel", "block_out_channels": [32, 64], "norm_num_groups": 8,

@@ -23,8 +23,8 @@ from diffusers import UNet2DConditionModel
 from jax_impl import diffusers_io as jax_io
 from shared_configs.diffusers.folders import find_folder
 from shared_configs.inputs import example_inputs
-from tests.diffusers_utils import COMMIT, cache_repo
-from tests.utils import as_torch, diffusers_forward, randomize_, rel_err
+from tests.helpers.diffusers_ref import COMMIT, cache_repo, diffusers_forward
+from tests.helpers.tensors import as_torch, randomize_, rel_err
 from torch_impl import UNet
 
 CONFIG = {  # a tiny SDXL-like U-Net: text_time conditioning

@@ -16,8 +16,9 @@ import torch
 from diffusers import UNet2DConditionModel, UNet2DModel
 
 from shared_configs import SpecError, from_diffusers_config, load_spec, to_diffusers_config
-from tests.diffusers_utils import outputs, seeded_variant
-from tests.utils import HUB_CONFIGS, public_options, rel_err, variant
+from tests.helpers.diffusers_ref import outputs, seeded_variant
+from tests.helpers.specs import HUB_CONFIGS, public_options, variant
+from tests.helpers.tensors import rel_err
 from torch_impl import UNet
 
 CLASSES = {"UNet2DModel": UNet2DModel, "UNet2DConditionModel": UNet2DConditionModel}

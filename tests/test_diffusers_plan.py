@@ -21,8 +21,9 @@ from benchmarks.backends.diffusers_bench import DiffusersForward
 from benchmarks.harness.job import load_benchmark_spec
 from shared_configs import SpecError, UNetSpec, block_names, layer_names
 from shared_configs.training.data import example_batch
-from tests.diffusers_utils import diffusers_pair
-from tests.utils import count_flops, rel_err, variant
+from tests.helpers.diffusers_ref import diffusers_pair
+from tests.helpers.specs import variant
+from tests.helpers.tensors import count_flops, rel_err
 from torch_impl import UNet, apply_plan, remove_plan
 from torch_impl.checkpointing import checkpointed_names
 from torch_impl.diffusers_plan import diffusers_path, diffusers_spec

@@ -14,7 +14,8 @@ import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from shared_configs import SpecError, to_diffusers_config
-from tests.utils import count_flops, randomize_, variant
+from tests.helpers.specs import variant
+from tests.helpers.tensors import count_flops, randomize_
 from torch_impl import apply_plan, remove_plan
 from torch_impl.checkpointing import checkpointed_names
 

@@ -24,7 +24,9 @@ from jax_impl import diffusers_io as jax_io
 from shared_configs import from_diffusers_config
 from shared_configs.diffusers.folders import live_config
 from shared_configs.inputs import example_inputs
-from tests.utils import FAST_COMPILE, as_flax, as_torch, diffusers_forward, randomize_, rel_err
+from tests.helpers.diffusers_ref import diffusers_forward
+from tests.helpers.specs import FAST_COMPILE
+from tests.helpers.tensors import as_flax, as_torch, randomize_, rel_err
 from torch_impl import UNet
 
 TOL = 1e-5

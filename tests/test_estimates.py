@@ -15,7 +15,7 @@ from shared_configs.planning import gpu, planner
 from shared_configs.planning.budget import assignment_of, predict
 from shared_configs.planning.planner import CACHE_ENV, Workload, profile_path
 from shared_configs.units import MIB
-from tests.utils import random_profile
+from tests.helpers.specs import random_profile
 
 SPEC = load_spec("tiny")
 

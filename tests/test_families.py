@@ -3,7 +3,7 @@ spec's own ``checkpoint`` policy honoured the same way by both U-Nets.
 
 The reference is the un-checkpointed model: each policy must give its loss and gradients, with
 dropout on (torch replays the RNG state; JAX takes dropout keys as inputs). Torch-vs-Flax parity of
-these variants after weight conversion is in `test_parity.py` (they are in `tests.utils.VARIANTS`).
+these variants after weight conversion is in `test_parity.py` (they are in `tests.helpers.specs.VARIANTS`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from jax_impl import UNet as FlaxUNet
 from jax_impl.unet import abstract_inputs
 from shared_configs import resolve_plan
 from shared_configs.inputs import example_inputs
-from tests.utils import FAST_COMPILE, as_flax, as_torch, rel_err, variant
+from tests.helpers.specs import FAST_COMPILE, variant
+from tests.helpers.tensors import as_flax, as_torch, rel_err
 from torch_impl import UNet as TorchUNet
 
 FAMILIES = ("sdxl_style", "sd21_style", "class_cond", "class_timestep_concat")

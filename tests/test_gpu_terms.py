@@ -19,7 +19,7 @@ from shared_configs.planning import gpu
 from shared_configs.planning.budget import PLAIN, Cost, Profile, assignment_of, block_layers, predict
 from shared_configs.planning.planner import CACHE_ENV, Workload, profile_path
 from shared_configs.regime import Regime
-from tests.utils import random_profile
+from tests.helpers.specs import random_profile
 
 MIB = 2**20
 SD15 = load_spec("sd15")  # 64x64 latents, 8 heads, one transformer layer per attention

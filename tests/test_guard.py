@@ -35,8 +35,9 @@ from shared_configs.planning import planner
 from shared_configs.planning.planner import CACHE_ENV, Workload, predict_policy
 from shared_configs.regime import Regime
 from shared_configs.training.data import example_batch
-from tests.diffusers_utils import diffusers_pair
-from tests.utils import rel_err, variant
+from tests.helpers.diffusers_ref import diffusers_pair
+from tests.helpers.specs import variant
+from tests.helpers.tensors import rel_err
 from torch_impl import BudgetGuard, ControlNetPair, UNet
 from torch_impl import guard as guard_module
 from torch_impl import memory as memory_module

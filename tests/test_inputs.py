@@ -17,7 +17,8 @@ import torch
 from jax_impl import UNet as FlaxUNet
 from shared_configs import UNetSpec, load_spec, spec_from_dict
 from shared_configs.inputs import INPUT_NAMES, example_inputs, input_specs
-from tests.utils import TINY, VARIANTS, as_flax, as_torch, variant
+from tests.helpers.specs import TINY, VARIANTS, variant
+from tests.helpers.tensors import as_flax, as_torch
 from torch_impl import UNet as TorchUNet
 
 # tiny, with every conditioning input: context (B, L, 12), class ids, text_embeds (B, 18) + time_ids (B, 3)

@@ -17,7 +17,7 @@ from jax_impl.profile import setup, unet
 from shared_configs.planning.planner import Workload
 from shared_configs.planning.solver import Infeasible
 from shared_configs.planning.workers import XLA_CPU_OPTIONS
-from tests.utils import variant
+from tests.helpers.specs import variant
 
 SPEC = variant("tiny", sample_size=16)
 BATCH = 2

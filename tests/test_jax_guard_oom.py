@@ -18,7 +18,7 @@ from jax_impl import guard
 from jax_impl import train as jt
 from jax_impl.profile import setup, unet
 from shared_configs.planning.planner import Workload
-from tests.utils import variant
+from tests.helpers.specs import variant
 
 SPEC = variant("tiny", sample_size=16)
 BATCH = 2

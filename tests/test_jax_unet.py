@@ -18,7 +18,7 @@ from flax import traverse_util
 from jax_impl import UNet
 from jax_impl.unet import abstract_inputs
 from shared_configs import CheckpointPlan, UNetSpec, layer_names, load_spec, resolve_plan
-from tests.utils import FAST_COMPILE
+from tests.helpers.specs import FAST_COMPILE
 from torch_impl import UNet as TorchUNet
 
 POLICIES = ("full", "balanced", "layers", "every:2")

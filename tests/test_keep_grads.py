@@ -16,7 +16,7 @@ import pytest
 from shared_configs.planning.budget import Profile, assignment_of, predict
 from shared_configs.regime import Regime, add_regime_arguments, check_planned, regime_of
 from shared_configs.spec import SpecError
-from tests.utils import variant
+from tests.helpers.specs import variant
 
 SPEC = variant("tiny", sample_size=8, dropout=0.0)
 BATCH, CONTEXT = 1, 5

@@ -18,8 +18,9 @@ from jax_impl import train as jt
 from jax_impl.convert import _split, flax_to_torch, torch_to_flax
 from jax_impl.layers import LORA_LEAVES
 from shared_configs.regime import Regime
-from tests.parity_utils import parity_inputs
-from tests.utils import as_flax, as_torch, randomize_, rel_err, variant
+from tests.helpers.parity import parity_inputs
+from tests.helpers.specs import variant
+from tests.helpers.tensors import as_flax, as_torch, randomize_, rel_err
 from torch_impl import UNet as TorchUNet
 from torch_impl.regime import add_lora
 

@@ -11,8 +11,8 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from shared_configs import SpecError, to_diffusers_config
-from tests.diffusers_utils import outputs, seeded_variant
-from tests.utils import rel_err
+from tests.helpers.diffusers_ref import outputs, seeded_variant
+from tests.helpers.tensors import rel_err
 from torch_impl.lora_io import LORA_WEIGHTS, load_lora_weights, lora_state_dict, save_lora_weights
 from torch_impl.regime import add_lora
 

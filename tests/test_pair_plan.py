@@ -13,7 +13,7 @@ from shared_configs.planning.budget import assignment_of, leaf_units, policy_str
 from shared_configs.planning.planner import Workload
 from shared_configs.planning.solver import solve
 from shared_configs.regime import Regime
-from tests.utils import random_profile
+from tests.helpers.specs import random_profile
 
 PAIR = controlnet_pair("tiny")
 

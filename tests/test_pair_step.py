@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shared_configs.pair import controlnet_pair, example_pair_batch
-from tests.utils import randomize_
+from tests.helpers.tensors import randomize_
 
 PAIR = controlnet_pair("tiny", conditioning_embedding_out_channels=(8, 16))  # the image at 2x the sample
 MIXED = "controlnet.down.0,up.1;controlnet.mid.resnets.1,controlnet.down.1.attentions.0,up.0/save=conv,matmul"
@@ -106,7 +106,7 @@ def test_plan_for_budget_takes_the_pair(tmp_path: Path, monkeypatch: pytest.Monk
     import torch_impl
     from shared_configs.planning import planner
     from shared_configs.planning.budget import assignment_of, predict
-    from tests.utils import random_profile
+    from tests.helpers.specs import random_profile
 
     monkeypatch.setenv(planner.CACHE_ENV, str(tmp_path))
     work = planner.Workload.of(PAIR, batch_size=2)

@@ -14,8 +14,9 @@ from flax import traverse_util
 
 from jax_impl.convert import flax_to_torch, torch_to_flax
 from shared_configs.arch import NormArgs, ResnetArgs, SelfAttentionArgs, SimpleCrossAttentionArgs, TransformerArgs
-from tests.parity_utils import flax_out, parity_inputs, parity_pair, torch_out
-from tests.utils import VARIANTS, rel_err
+from tests.helpers.parity import flax_out, parity_inputs, parity_pair, torch_out
+from tests.helpers.specs import VARIANTS
+from tests.helpers.tensors import rel_err
 from torch_impl import UNet as TorchUNet
 
 

@@ -19,7 +19,7 @@ from shared_configs import load_spec
 from shared_configs.planning import planner
 from shared_configs.planning.budget import Profile
 from shared_configs.planning.planner import CACHE_ENV, Workload, get_profile, profile_path
-from tests.utils import random_profile
+from tests.helpers.specs import random_profile
 
 WORKLOAD = Workload.of("tiny", batch_size=2)
 GOOD = random_profile(load_spec("tiny"), 0, framework="torch")  # tiny at batch 2, as WORKLOAD
@@ -89,7 +89,7 @@ import sys, time
 from pathlib import Path
 from shared_configs import load_spec
 from shared_configs.planning.budget import cached_profile
-from tests.utils import random_profile
+from tests.helpers.specs import random_profile
 path, log = Path(sys.argv[1]), Path(sys.argv[2])
 
 def make():

@@ -24,7 +24,7 @@ from shared_configs.planning.planner import CACHE_ENV, Workload, plan_for_budget
 from shared_configs.planning.solver import smallest_peak, solve
 from shared_configs.regime import Regime
 from shared_configs.units import MIB
-from tests.utils import random_profile
+from tests.helpers.specs import random_profile
 
 SPEC = load_spec("tiny")
 
@@ -381,8 +381,8 @@ def test_plan_for_a_diffusers_folder_and_a_cached_repo(
     """``--diffusers`` plans for the model's own config (read from its folder, or from the Hugging
     Face cache by repo id, a pipeline's unet/ found in either), for both frameworks, in a regime."""
     from shared_configs.diffusers.folders import find_folder
-    from tests.diffusers_utils import cache_repo
-    from tests.utils import variant
+    from tests.helpers.diffusers_ref import cache_repo
+    from tests.helpers.specs import variant
     from torch_impl.unet import UNet
 
     ours = variant("sd_linear_proj")  # a spec diffusers' classes can express

@@ -16,8 +16,8 @@ import pytest
 
 from benchmarks import saved as insp
 from shared_configs import SpecError, load_spec, resolve_plan
-from tests.grads import jax_policy_grads, torch_policy_grads
-from tests.utils import rel_err
+from tests.helpers.policies import jax_policy_grads, torch_policy_grads
+from tests.helpers.tensors import rel_err
 
 MIXED = "down.0,up.1;down.1,mid/save=conv,matmul"
 LAYERS = "down.1.resnets.0;down.1.attentions.0,mid.resnets.1/save=conv+matmul;up.0.attentions.1/save=norm"

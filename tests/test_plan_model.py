@@ -21,7 +21,7 @@ from shared_configs.planning.budget import (
     random_assignment,
     safety_margin,
 )
-from tests.utils import variant
+from tests.helpers.specs import variant
 
 SPEC = variant("tiny", sample_size=32, dropout=0.0)
 BATCH, CONTEXT = 4, 5

@@ -13,7 +13,7 @@ import pytest
 from shared_configs.planning.budget import Profile, assignment_of, policy_string, predict, random_assignment
 from shared_configs.planning.planner import Workload, profile_path
 from shared_configs.regime import Regime, state_bytes
-from tests.utils import variant
+from tests.helpers.specs import variant
 
 SPEC = variant("tiny", sample_size=32, dropout=0.0)
 BATCH, CONTEXT = 4, 5

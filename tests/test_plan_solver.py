@@ -32,7 +32,7 @@ from shared_configs.planning.budget import (
 from shared_configs.planning.recompute_time import at_rates
 from shared_configs.planning.solver import Infeasible, next_best, smallest_peak, solve
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
-from tests.utils import random_profile, variant
+from tests.helpers.specs import random_profile, variant
 
 
 def _small_spec():

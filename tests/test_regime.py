@@ -21,8 +21,9 @@ from shared_configs.spec import SpecError
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.data import load_dataset, step_seed
 from shared_configs.training.run_folder import RunFolderError
-from tests.train_utils import CFG, SCHEDULE
-from tests.utils import rel_err, variant
+from tests.helpers.specs import variant
+from tests.helpers.tensors import rel_err
+from tests.helpers.training import CFG, SCHEDULE
 from torch_impl import train as ttrain
 from torch_impl.regime import EMA, StepTools, add_lora, apply_regime, autocast_dtype, loss_scaler, make_optimizer
 

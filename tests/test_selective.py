@@ -13,8 +13,9 @@ import torch
 from benchmarks import saved as insp
 from shared_configs import load_spec, resolve_plan
 from shared_configs.plan import OP_CLASSES
-from tests.grads import jax_policy_grads, torch_policy_grads
-from tests.utils import rel_err, variant
+from tests.helpers.policies import jax_policy_grads, torch_policy_grads
+from tests.helpers.specs import variant
+from tests.helpers.tensors import rel_err
 
 
 @pytest.fixture(scope="module")

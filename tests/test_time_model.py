@@ -19,7 +19,7 @@ from shared_configs.planning.unit_flops import recompute_flops, unit_flops, unit
 from shared_configs.planning.unit_flops import step_flops as counted
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
-from tests.utils import variant
+from tests.helpers.specs import variant
 
 BATCH, CONTEXT = 2, 5
 

@@ -8,7 +8,8 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
 from shared_configs import resolve_plan
-from tests.utils import rel_err, variant
+from tests.helpers.specs import variant
+from tests.helpers.tensors import rel_err
 from torch_impl import UNet
 from torch_impl.flops import register_cpu_attention_flops
 

@@ -1,7 +1,7 @@
 """Training loops: checkpointing leaves the loss curve unchanged, torch == JAX, learning, resume, CLI.
 
 Kept fast: the tiny spec, batch 4, one thread for torch, JAX parameters converted from a seeded
-torch model (see `tests.train_utils`). Run folders, checkpoints and their faults: test_train_runs.py.
+torch model (see `tests.helpers.training`). Run folders, checkpoints and their faults: test_train_runs.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from shared_configs import load_spec, spec_from_dict
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.ddpm import make_schedule
 from shared_configs.training.outputs import speed_line
-from tests.train_utils import CFG, TINY_NO_DROPOUT, jax_curve, torch_curve
-from tests.utils import torchrun_train
+from tests.helpers.processes import torchrun_train
+from tests.helpers.training import CFG, TINY_NO_DROPOUT, jax_curve, torch_curve
 from torch_impl import train as ttrain
 
 

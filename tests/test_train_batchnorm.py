@@ -20,17 +20,9 @@ from jax_impl.convert import flax_to_torch
 from shared_configs import spec_from_dict
 from shared_configs.training.data import load_dataset
 from shared_configs.training.loop import manifest_for
-from tests.train_utils import (
-    CFG,
-    SCHEDULE,
-    TINY_BN,
-    jax_on_two_devices,
-    jax_restore_target,
-    jax_setup,
-    jax_train,
-    torch_train,
-)
-from tests.utils import rel_err
+from tests.helpers.processes import jax_on_two_devices
+from tests.helpers.tensors import rel_err
+from tests.helpers.training import CFG, SCHEDULE, TINY_BN, jax_restore_target, jax_setup, jax_train, torch_train
 from torch_impl import train as ttrain
 from torch_impl.unet import UNet as TorchUNet
 
@@ -45,7 +37,7 @@ from jax_impl import train as jtrain
 from jax_impl.parallel import make_mesh
 from shared_configs import spec_from_dict
 from shared_configs.training.data import load_dataset
-from tests.train_utils import CFG, SCHEDULE, TINY_BN, jax_setup
+from tests.helpers.training import CFG, SCHEDULE, TINY_BN, jax_setup
 SPEC, STEPS = spec_from_dict(TINY_BN), int(sys.argv[1])
 model, tx, state = jax_setup(SPEC, "none")
 result, data = {"devices": len(jax.devices())}, load_dataset("digits", SPEC)

@@ -24,15 +24,8 @@ from jax import lax
 from jax_impl import train as jtrain
 from shared_configs import load_spec, spec_from_dict
 from shared_configs.training.data import load_dataset
-from tests.train_utils import (
-    CFG,
-    SCHEDULE,
-    TINY_NO_DROPOUT,
-    float_dtypes,
-    jax_on_two_devices,
-    jax_setup,
-    torch_curve,
-)
+from tests.helpers.processes import jax_on_two_devices
+from tests.helpers.training import CFG, SCHEDULE, TINY_NO_DROPOUT, float_dtypes, jax_setup, torch_curve
 from torch_impl import train as ttrain
 from torch_impl.regime import StepTools
 
@@ -52,7 +45,7 @@ from jax_impl.parallel import make_mesh
 from shared_configs import spec_from_dict
 from shared_configs.regime import Regime
 from shared_configs.training.data import load_dataset
-from tests.train_utils import CFG, SCHEDULE, TINY_NO_DROPOUT, float_dtypes, jax_setup
+from tests.helpers.training import CFG, SCHEDULE, TINY_NO_DROPOUT, float_dtypes, jax_setup
 spec, STEPS = spec_from_dict(TINY_NO_DROPOUT), int(sys.argv[1])
 model, tx, state = jax_setup(spec, "full")
 cfg, losses, data = dataclasses.replace(CFG, regime=Regime("bf16-mixed")), [], load_dataset("digits", spec)

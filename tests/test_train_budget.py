@@ -22,7 +22,7 @@ from shared_configs.planning.solver import smallest_peak
 from shared_configs.training.run_folder import checkpoints
 from shared_configs.training.run_plan import MEASURED_STEPS, RunPlan
 from shared_configs.units import MIB
-from tests.utils import random_profile
+from tests.helpers.specs import random_profile
 
 SPEC = load_spec("tiny")
 BATCH = 4
@@ -100,7 +100,7 @@ def _record(out: Path) -> dict:
 def _torch_tracker_peak(policy: str) -> int:
     """The benchmark's `StepTracker` over the first two steps of a fresh run under ``policy``."""
     from shared_configs.training.data import batch_bytes, load_dataset
-    from tests.train_utils import SCHEDULE, torch_model
+    from tests.helpers.training import SCHEDULE, torch_model
     from torch_impl import train as ttrain
     from torch_impl.memory import StepTracker
 

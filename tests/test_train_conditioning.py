@@ -20,8 +20,10 @@ from jax_impl import train as jtrain
 from shared_configs import UNetSpec
 from shared_configs.inputs import input_specs
 from shared_configs.training.data import CONDITIONING, load_dataset
-from tests.train_utils import CFG, SCHEDULE, jax_curve, jax_setup, torch_curve, torch_model
-from tests.utils import rel_err, rows_of, run_compare, variant
+from tests.helpers.processes import rows_of, run_compare
+from tests.helpers.specs import variant
+from tests.helpers.tensors import rel_err
+from tests.helpers.training import CFG, SCHEDULE, jax_curve, jax_setup, torch_curve, torch_model
 from torch_impl import train as ttrain
 
 # Trainable tiny variants: dropout off (torch and JAX draw different masks); the class-conditional

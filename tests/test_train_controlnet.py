@@ -19,7 +19,7 @@ import yaml
 
 from shared_configs.pair import control_image, controlnet_pair, load_pair_dataset
 from shared_configs.training.run_folder import checkpoints
-from tests.train_utils import CFG, SCHEDULE, TINY_NO_DROPOUT, argv, assert_one_line, cli
+from tests.helpers.training import CFG, SCHEDULE, TINY_NO_DROPOUT, assert_one_line, cli, train_argv
 from torch_impl import train as ttrain
 
 PAIR_CFG = replace(CFG, controlnet=True, steps=4, checkpoint_every=2)
@@ -78,7 +78,7 @@ def test_a_controlnet_run_does_not_resume_a_u_net_run(tmp_path: Path, capsys: py
     cfg = replace(CFG, steps=1, out=str(tmp_path))
     ttrain.train(cfg)
     capsys.readouterr()
-    code, err = cli("torch", argv(replace(cfg, steps=2), "--controlnet", "--resume"), capsys)
+    code, err = cli("torch", train_argv(replace(cfg, steps=2), "--controlnet", "--resume"), capsys)
     assert_one_line(code, err, 2, "the command line differs from the run", ": --controlnet True (run: False)")
 
 

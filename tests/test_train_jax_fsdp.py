@@ -2,7 +2,7 @@
 1/N of the state per device, orbax checkpoints resumed onto the same mesh (exactly) or another.
 
 Each test is a subprocess on 2 forced CPU devices (the resume test: after the CLI, stopped by
-SIGINT), compiled with backend optimisation off (`tests.utils.FAST_COMPILE`: values unchanged, ~4x
+SIGINT), compiled with backend optimisation off (`tests.helpers.specs.FAST_COMPILE`: values unchanged, ~4x
 faster), tiny spec, batch 4, dropout on.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.train_utils import CFG, finish, jax_on_two_devices, signal_at_first_checkpoint, start, two_devices_env
-from tests.utils import train_argv
+from tests.helpers.processes import finish, jax_on_two_devices, signal_at_first_checkpoint, start, two_devices_env
+from tests.helpers.training import CFG, train_argv
 
 JAX_MESHES = """
 import json, sys, jax
@@ -28,7 +28,7 @@ from jax_impl.parallel import make_mesh, device_bytes
 from jax_impl.unet import UNet
 from shared_configs import load_spec
 from shared_configs.training.data import load_dataset
-from tests.train_utils import CFG, SCHEDULE
+from tests.helpers.training import CFG, SCHEDULE
 policy, modes = sys.argv[1], sys.argv[2].split(",")
 spec, mesh = load_spec("tiny"), make_mesh(CFG.batch_size)
 model, tx = UNet(spec=spec, policy=policy), jregime.make_optimizer(CFG.lr, CFG.weight_decay)
@@ -73,7 +73,7 @@ from dataclasses import replace
 from pathlib import Path
 import jax
 from jax_impl import train as jtrain
-from tests.train_utils import CFG
+from tests.helpers.training import CFG
 out = Path(sys.argv[1])
 cfg = replace(CFG, steps=3, checkpoint_every=1, distributed="fsdp")
 whole = jtrain.train(replace(cfg, out=str(out / "whole")))

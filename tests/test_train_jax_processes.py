@@ -37,8 +37,9 @@ from jax_impl.processes import HEARTBEAT_S
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.manifest import CheckpointError, read_manifest
 from shared_configs.training.run_folder import checkpoints
-from tests.train_utils import CFG, finish, jax_on_two_devices, start
-from tests.utils import FAST_COMPILE, train_argv
+from tests.helpers.processes import finish, jax_on_two_devices, start
+from tests.helpers.specs import FAST_COMPILE
+from tests.helpers.training import CFG, train_argv
 
 RUN = replace(CFG, steps=1000, checkpoint_every=1, distributed="fsdp")
 STEPS = 8  # the uninterrupted curve: the pair is killed after its first checkpoint (step 3, or a few more)

@@ -34,8 +34,8 @@ from shared_configs.training.config import TrainConfig
 from shared_configs.training.loop import manifest_for
 from shared_configs.training.manifest import MANIFEST, CheckpointWriteError, Manifest
 from shared_configs.training.run_folder import LOCK, checkpoints, owned
-from tests.train_utils import LOSSES, MAINS, RUN, argv, assert_one_line, cli, jax_setup, saved_run, snapshot
-from tests.utils import TINY
+from tests.helpers.specs import TINY
+from tests.helpers.training import LOSSES, MAINS, RUN, assert_one_line, cli, jax_setup, saved_run, snapshot, train_argv
 from torch_impl import train as ttrain
 
 
@@ -55,7 +55,7 @@ def run(request: pytest.FixtureRequest, saved: dict[str, Path], tmp_path: Path) 
 def test_a_fresh_run_does_not_replace_a_checkpoint(run: tuple[str, Path], capsys) -> None:
     framework, out = run
     before = snapshot(out)
-    code, err = cli(framework, argv(replace(RUN, out=str(out))), capsys)
+    code, err = cli(framework, train_argv(replace(RUN, out=str(out))), capsys)
     assert_one_line(code, err, 2, "holds a checkpoint (checkpoint-00000002)", "--resume", "--overwrite")
     assert snapshot(out) == before
 
@@ -71,7 +71,7 @@ def test_overwrite_starts_afresh_and_replaces_it_at_its_first_checkpoint(saved: 
 @pytest.mark.parametrize("framework", list(MAINS))
 def test_a_second_run_on_a_folder_refuses_naming_the_holder(framework: str, tmp_path: Path, capsys) -> None:
     with owned(tmp_path):  # this process holds the lock, as a running run would
-        code, err = cli(framework, argv(replace(RUN, out=str(tmp_path))), capsys)
+        code, err = cli(framework, train_argv(replace(RUN, out=str(tmp_path))), capsys)
     assert_one_line(code, err, 2, "in use by another run", f"pid {os.getpid()} on {socket.gethostname()}")
     assert not checkpoints(tmp_path)
 
@@ -145,7 +145,7 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(run: tuple[str, Path],
     framework, out = run
     target = _damage(fault, out)
     before = snapshot(out)
-    code, err = cli(framework, argv(replace(RUN, out=str(out)), "--resume"), capsys)
+    code, err = cli(framework, train_argv(replace(RUN, out=str(out)), "--resume"), capsys)
     assert_one_line(code, err, 2, str(target), FAULTS[fault])
     assert snapshot(out) == before  # nothing written, nothing removed
 
@@ -153,23 +153,23 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(run: tuple[str, Path],
 def test_a_checkpoint_of_the_other_framework_is_refused(saved: dict[str, Path], tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
     shutil.copytree(saved["jax"], out)
-    code, err = cli("torch", argv(replace(RUN, out=str(out)), "--resume"), capsys)
+    code, err = cli("torch", train_argv(replace(RUN, out=str(out)), "--resume"), capsys)
     assert_one_line(code, err, 2, "written by jax_impl (orbax)", "torch_impl.train reads torch.distributed.checkpoint")
 
 
 @pytest.mark.parametrize("framework, legacy", [("torch", "checkpoint.pt"), ("jax", "checkpoint.msgpack")])
 def test_a_single_file_checkpoint_of_an_earlier_version_is_refused(framework, legacy, tmp_path, capsys) -> None:
     (tmp_path / legacy).write_bytes(b"an old checkpoint")
-    code, err = cli(framework, argv(replace(RUN, out=str(tmp_path)), "--resume"), capsys)
+    code, err = cli(framework, train_argv(replace(RUN, out=str(tmp_path)), "--resume"), capsys)
     assert_one_line(code, err, 2, f"{tmp_path / legacy}: a single-file checkpoint", "--overwrite")
-    code, err = cli(framework, argv(replace(RUN, out=str(tmp_path))), capsys)
+    code, err = cli(framework, train_argv(replace(RUN, out=str(tmp_path))), capsys)
     assert_one_line(code, err, 2, f"holds a checkpoint ({legacy})")
 
 
 def test_resume_refuses_a_changed_curve_listing_the_values(run: tuple[str, Path], capsys) -> None:
     framework, out = run
     changed = replace(RUN, out=str(out), batch_size=8, lr=0.01, seed=3)
-    code, err = cli(framework, [*argv(changed, "--resume"), "--schedule", "cosine"], capsys)
+    code, err = cli(framework, [*train_argv(changed, "--resume"), "--schedule", "cosine"], capsys)
     diffs = (
         "--batch-size 8 (run: 4)",
         "--lr 0.01 (run: 0.001)",
@@ -181,14 +181,14 @@ def test_resume_refuses_a_changed_curve_listing_the_values(run: tuple[str, Path]
 
 def test_resume_refuses_steps_already_done(run: tuple[str, Path], capsys) -> None:
     framework, out = run
-    code, err = cli(framework, argv(replace(RUN, out=str(out), steps=2), "--resume"), capsys)
+    code, err = cli(framework, train_argv(replace(RUN, out=str(out), steps=2), "--resume"), capsys)
     assert_one_line(code, err, 2, "--steps 2: the run in", "is already at step 2")
 
 
 @pytest.mark.parametrize("framework", list(MAINS))
 def test_an_output_folder_that_cannot_be_made_is_refused_first(framework: str, tmp_path: Path, capsys) -> None:
     (tmp_path / "file").write_text("")
-    code, err = cli(framework, argv(replace(RUN, out=str(tmp_path / "file" / "run"))), capsys)
+    code, err = cli(framework, train_argv(replace(RUN, out=str(tmp_path / "file" / "run"))), capsys)
     assert_one_line(code, err, 2, "--out", "cannot create it")
 
 
@@ -196,13 +196,14 @@ def test_an_output_folder_that_cannot_be_made_is_refused_first(framework: str, t
 def test_the_objective_refuses_out_channels_unlike_in_channels(framework: str, tmp_path: Path, capsys) -> None:
     config = tmp_path / "in1_out4.yaml"
     config.write_text(yaml.safe_dump({**TINY, "name": "in1_out4", "in_channels": 1, "out_channels": 4}))
-    code, err = cli(framework, [*argv(replace(RUN, out=str(tmp_path / "run"))), "--config", str(config)], capsys)
+    code, err = cli(framework, [*train_argv(replace(RUN, out=str(tmp_path / "run"))), "--config", str(config)], capsys)
     assert_one_line(code, err, 2, "out_channels", "needs out_channels == in_channels")
     assert not (tmp_path / "run").exists()  # refused before the run folder was made
 
 
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path: Path, capsys) -> None:
-    code, err = cli("torch", argv(replace(RUN, out=str(tmp_path), lr=1e30)), capsys)  # step 1 blows the weights up
+    # lr 1e30: step 1 blows the weights up
+    code, err = cli("torch", train_argv(replace(RUN, out=str(tmp_path), lr=1e30)), capsys)
     assert_one_line(code, err, 1, "step 2 of 4: the loss is nan", f"checkpoint of step 1 in {tmp_path}")
     assert [step for step, _ in checkpoints(tmp_path)] == [1]
     assert not (tmp_path / "losses.json").exists()
@@ -256,7 +257,7 @@ def test_a_failed_checkpoint_write_is_one_line_and_leaves_the_last_checkpoint(fa
     before = snapshot(out)
     code, limit, says = WRITE_FAULTS[fault]
     monkeypatch.setattr(FileSystem, "create_stream", failing_streams(code, limit))
-    status, err = cli("torch", argv(replace(RUN, out=str(out), steps=3), "--resume"), capsys)
+    status, err = cli("torch", train_argv(replace(RUN, out=str(out), steps=3), "--resume"), capsys)
     where = f"writing the checkpoint of step 3: {out / '.checkpoint-00000003.tmp'}"
     assert_one_line(status, err, 1, where, says, "the checkpoint of step 2 is kept; the partial write was removed")
     assert snapshot(out) == before  # step 2 as it was, no temp file left

@@ -27,8 +27,8 @@ from shared_configs.training.manifest import CheckpointWriteError, Manifest, rea
 from shared_configs.training.preemption import STOP_SIGNALS, Stopped, resume_command
 from shared_configs.training.run_folder import SOLO, Solo, checkpoints, save, verify
 from shared_configs.training.write_faults import Fault
-from tests.train_utils import CFG, argv, finish, signal_at_first_checkpoint, start
-from tests.utils import train_argv
+from tests.helpers.processes import finish, signal_at_first_checkpoint, start
+from tests.helpers.training import CFG, train_argv
 from torch_impl import checkpoint_io as tio
 from torch_impl import train as ttrain
 
@@ -158,7 +158,7 @@ def test_torch_stops_on_a_signal_and_resumes_on_the_uninterrupted_curve(tmp_path
 
     monkeypatch.setattr(ttrain, "train_step", step)
     monkeypatch.setattr(tio.dcp, "save", dcp_save)
-    args = argv(replace(cfg, out=str(out)))
+    args = train_argv(replace(cfg, out=str(out)))
     assert ttrain.main(args) == 128 + signal.SIGUSR1
     note, line = capfd.readouterr().err.strip().splitlines()
     assert note.startswith("note: SIGTERM again: still finishing the step and its checkpoint")

@@ -2,7 +2,7 @@
 ``mid_block_additional_residual``) as diffusers' ``UNet2DConditionModel`` does: same outputs given
 the same residuals (torch and Flax), gradients unchanged under every checkpoint policy.
 
-Reference: diffusers' U-Net with our weights (`tests.diffusers_utils.diffusers_pair`).
+Reference: diffusers' U-Net with our weights (`tests.helpers.diffusers_ref.diffusers_pair`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from jax_impl import UNet as FlaxUNet
 from jax_impl.convert import torch_to_flax
 from shared_configs.controlnet import residual_shapes
 from shared_configs.inputs import example_inputs
-from tests.diffusers_utils import diffusers_pair
-from tests.utils import as_flax, as_torch, randomize_, rel_err, variant
+from tests.helpers.diffusers_ref import diffusers_pair
+from tests.helpers.specs import variant
+from tests.helpers.tensors import as_flax, as_torch, randomize_, rel_err
 from torch_impl import UNet
 
 SIZE = 8

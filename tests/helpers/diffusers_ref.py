@@ -1,5 +1,5 @@
-"""Test helpers around diffusers: our U-Net beside diffusers' own with the same weights, a seeded
-exportable variant and its outputs, and a Hugging Face hub cache laid out in a temp folder."""
+"""Diffusers as the reference: its forward on our named inputs, our U-Net beside diffusers' own with the
+same weights, a seeded exportable variant and its outputs, a Hugging Face hub cache laid out in a folder."""
 
 from __future__ import annotations
 
@@ -14,10 +14,28 @@ import torch
 
 from shared_configs import UNetSpec, to_diffusers_config
 from shared_configs.inputs import example_inputs
-from tests.utils import as_torch, diffusers_forward, randomize_, variant
+from tests.helpers.specs import variant
+from tests.helpers.tensors import as_torch, randomize_
 from torch_impl import UNet
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the cached repos' one snapshot
+
+
+def diffusers_forward(model: Any, inputs: dict[str, Any]) -> Any:
+    """A diffusers ``UNet2DModel`` / ``UNet2DConditionModel`` on our named torch inputs (`as_torch`), no grad."""
+    import torch
+
+    kwargs: dict[str, Any] = {"class_labels": inputs.get("class_labels")}
+    if type(model).__name__ == "UNet2DConditionModel":
+        kwargs["encoder_hidden_states"] = inputs.get("context")
+        if inputs.get("text_embeds") is not None:
+            kwargs["added_cond_kwargs"] = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]}
+        if inputs.get("image_embeds") is not None:
+            kwargs["added_cond_kwargs"] = {"image_embeds": inputs["image_embeds"]}
+        for name in ("timestep_cond", "encoder_attention_mask"):
+            kwargs[name] = inputs.get(name)
+    with torch.no_grad():
+        return model(inputs["x"], inputs["t"], **kwargs).sample
 
 
 def diffusers_pair(spec: UNetSpec) -> tuple[UNet, torch.nn.Module]:
@@ -35,7 +53,7 @@ def diffusers_pair(spec: UNetSpec) -> tuple[UNet, torch.nn.Module]:
 
 
 def seeded_variant(name: str) -> UNet:
-    """A `tests.utils.variant` U-Net in eval mode with random (seeded) weights, biases included."""
+    """A `tests.helpers.specs.variant` U-Net in eval mode with random (seeded) weights, biases included."""
     torch.manual_seed(0)
     model = UNet(variant(name)).eval()
     randomize_(model, seed=3)

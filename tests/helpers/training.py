@@ -1,4 +1,4 @@
-"""Helpers of the training tests (a plain module, not a test module): seeded models, short curves.
+"""Training in the test process: seeded models, short curves, the CLIs' flags, run folders.
 
 Kept fast: the tiny spec, batch 4, one thread for torch, and the JAX parameters converted from a
 seeded torch model (a jitted Flax init costs as much as compiling the step). The JAX tests share
@@ -7,12 +7,6 @@ one compiled step per (model, optimizer) pair: `make_optimizer` is cached, model
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,12 +21,13 @@ from jax_impl.checkpoint_io import abstract_target
 from jax_impl.convert import torch_to_flax_variables
 from jax_impl.unet import UNet as FlaxUNet
 from shared_configs import UNetSpec, load_spec
-from shared_configs.training.config import TrainConfig
+from shared_configs.training.config import TrainConfig, flags_of
 from shared_configs.training.data import load_dataset, step_seed
 from shared_configs.training.ddpm import make_schedule
 from shared_configs.training.loop import manifest_for
-from shared_configs.training.run_folder import LOCK, checkpoints
-from tests.utils import FAST_COMPILE, TINY, count_flops
+from shared_configs.training.run_folder import LOCK
+from tests.helpers.specs import TINY
+from tests.helpers.tensors import count_flops
 from torch_impl import checkpoint_io as tio
 from torch_impl import train as ttrain
 from torch_impl.unet import UNet as TorchUNet
@@ -86,7 +81,7 @@ def jax_curve(spec: UNetSpec, policy: str, steps: int) -> list[float]:
 
 
 def step_flops(model: TorchUNet, backward: bool) -> tuple[int, dict[str, int]]:
-    """`tests.utils.count_flops` on a training batch of 2."""
+    """`tests.helpers.tensors.count_flops` on a training batch of 2."""
     noisy, t, _, conditioning = ttrain.as_tensors(load_dataset("digits", model.spec).batch(0, 2, SCHEDULE, 0))
     return count_flops(model, (noisy, t, *conditioning.values()), backward)
 
@@ -101,21 +96,18 @@ def jax_restore_target(state: object) -> object:
     return abstract_target(state, jax.tree.map(lambda a: a.sharding, state))
 
 
-def two_devices_env() -> dict[str, str]:
-    """This environment with 2 forced CPU devices and XLA's backend optimisation off (`FAST_COMPILE`)."""
-    flags = [f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items()]
-    return {**os.environ, "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=2", *flags])}
-
-
-def jax_on_two_devices(script: str, *args: str) -> dict:
-    """``python -c script *args`` on 2 forced CPU devices, compiled with backend optimisation off
-    (`FAST_COMPILE`: values unchanged, ~4x faster); its last stdout line, parsed as JSON."""
-    cmd, root = [sys.executable, "-c", script, *args], Path(__file__).parents[1]
-    out = subprocess.run(cmd, env=two_devices_env(), cwd=root, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 2
-    return result
+def train_argv(cfg: TrainConfig, *extra: str) -> list[str]:
+    """The ``{torch_impl,jax_impl}.train`` flags that reproduce ``cfg`` (each flag is named as its
+    field, the regime's and the framework's own options' flattened in; options None: none given),
+    then ``extra`` (a flag given again there wins: argparse keeps the last)."""
+    argv: list[str] = []
+    for name, value in flags_of(cfg).items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:
+            argv += [flag, str(value)]
+    return [*argv, *extra]
 
 
 # ---- run folders: the training CLIs in this process, and saved runs ----
@@ -123,13 +115,6 @@ def jax_on_two_devices(script: str, *args: str) -> dict:
 MAINS = {"torch": ttrain.main, "jax": jtrain.main}
 RUN = replace(CFG, steps=4, checkpoint_every=1)  # the flags of every run below, as a command line
 LOSSES = [1.0, 0.5]  # the saved runs are at step 2
-
-
-def argv(cfg: TrainConfig, *extra: str) -> list[str]:
-    """The training CLI's flags for ``cfg`` (no sampling), then ``extra``."""
-    flags = ["--batch-size", cfg.batch_size, "--lr", cfg.lr, "--weight-decay", cfg.weight_decay, "--seed", cfg.seed]
-    flags += ["--steps", cfg.steps, "--checkpoint-every", cfg.checkpoint_every, "--sample-steps", 0, "--out", cfg.out]
-    return [str(f) for f in flags] + list(extra)
 
 
 def cli(framework: str, args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -162,43 +147,3 @@ def assert_one_line(code: int, err: str, status: int, *parts: str) -> None:
     assert err.startswith("python -m ") and ".train: error: " in err and "\n" not in err and "Traceback" not in err, err
     for part in parts:
         assert part in err, (part, err)
-
-
-# ---- real runs in their own process, signalled from outside ----
-
-
-def start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """A training run in a process group of its own (killed as a group if the test fails)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-
-
-def signal_at_first_checkpoint(proc: subprocess.Popen[str], out: Path, sig: int, rank: int | None = None) -> None:
-    """Send ``sig`` to ``proc`` (or to its child of torchrun rank ``rank``) once ``out`` holds a
-    checkpoint or one being written: the loop runs (so the stop is after step 1, or 2 if missed)."""
-    deadline = time.monotonic() + 300
-    while not (checkpoints(out) or list(out.glob(".checkpoint-*.tmp"))):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError(f"no checkpoint in {out}: {proc.communicate()[1][-2000:]}")
-        time.sleep(0.02)
-    os.kill(proc.pid if rank is None else rank_pid(proc.pid, rank), sig)
-
-
-def rank_pid(launcher: int, rank: int) -> int:
-    """The pid of torchrun's worker of ``rank`` (its environment says RANK)."""
-    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    environ = {int(c): Path(f"/proc/{c}/environ").read_bytes().split(b"\0") for c in children}
-    (pid,) = [c for c, env in environ.items() if f"RANK={rank}".encode() in env]
-    return pid
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = 300) -> tuple[int, list[str]]:
-    """(exit status, the non-blank lines of stderr) of a run `start` started."""
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    return proc.returncode, [line for line in err.splitlines() if line.strip()]

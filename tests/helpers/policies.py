@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.utils import variant
+from tests.helpers.specs import variant
 
 
 def torch_policy_grads(policy: str) -> tuple[float, list[Any]]:

@@ -1,12 +1,8 @@
-"""Shared test helpers: tiny spec variants, deterministic weights, relative errors, torchrun."""
+"""Spec variants for the tests: `tiny` and random variants of it, the hub configs the presets equal,
+random planner profiles, and the XLA options of a fast compile. Frameworks are not imported here."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +10,6 @@ import numpy as np
 import yaml
 
 from shared_configs import UNetSpec, spec_from_dict
-from shared_configs.training.config import TrainConfig, flags_of
 
 # XLA:CPU spends seconds optimising each gradient program; these tests check values, not speed,
 # so compile with backend optimisation off (about 4x faster; the computation is unchanged).
@@ -24,7 +19,7 @@ FAST_COMPILE = {
     "xla_cpu_use_fusion_emitters": False,
 }
 
-TINY: dict[str, Any] = yaml.safe_load((Path(__file__).parents[1] / "shared_configs" / "tiny.yaml").read_text())
+TINY: dict[str, Any] = yaml.safe_load((Path(__file__).parents[2] / "shared_configs" / "tiny.yaml").read_text())
 
 # Random variants of `tiny` that together exercise every architectural option.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -137,102 +132,6 @@ def variant(name: str, **overrides: Any) -> UNetSpec:
     return spec_from_dict({**TINY, "name": name, **VARIANTS[name], **overrides})
 
 
-def rel_err(a: Any, b: Any) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def as_torch(inputs: dict[str, Any]) -> dict[str, Any]:
-    """`shared_configs.inputs.example_inputs` (NCHW numpy) -> torch tensors, by name (None kept)."""
-    import torch
-
-    return {k: None if v is None else torch.from_numpy(v) for k, v in inputs.items()}
-
-
-def as_flax(inputs: dict[str, Any]) -> dict[str, Any]:
-    """`shared_configs.inputs.example_inputs` (NCHW numpy) -> jax arrays with x in NHWC, by name (None kept)."""
-    import jax.numpy as jnp
-
-    out = {k: None if v is None else jnp.asarray(v) for k, v in inputs.items()}
-    out["x"] = jnp.asarray(inputs["x"].transpose(0, 2, 3, 1))
-    return out
-
-
-def diffusers_forward(model: Any, inputs: dict[str, Any]) -> Any:
-    """A diffusers ``UNet2DModel`` / ``UNet2DConditionModel`` on our named torch inputs (`as_torch`), no grad."""
-    import torch
-
-    kwargs: dict[str, Any] = {"class_labels": inputs.get("class_labels")}
-    if type(model).__name__ == "UNet2DConditionModel":
-        kwargs["encoder_hidden_states"] = inputs.get("context")
-        if inputs.get("text_embeds") is not None:
-            kwargs["added_cond_kwargs"] = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]}
-        if inputs.get("image_embeds") is not None:
-            kwargs["added_cond_kwargs"] = {"image_embeds": inputs["image_embeds"]}
-        for name in ("timestep_cond", "encoder_attention_mask"):
-            kwargs[name] = inputs.get(name)
-    with torch.no_grad():
-        return model(inputs["x"], inputs["t"], **kwargs).sample
-
-
-def randomize_(model: Any, seed: int = 0, scale: float = 0.2) -> None:
-    """Perturb every torch parameter (norm scales and biases too) so no layout mistake hides."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen))
-
-
-def run_compare(args: list[str], out: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict[str, Any] | None]:
-    """``python -m benchmarks.compare ARGS --out OUT`` (LLVM at -O0: compile time halves, buffer
-    assignment comes before code generation, so memory figures do not change; torch on one thread,
-    as tests/conftest.py sets in-process; no JAX compilation cache); the process and the JSON document it wrote."""
-    environ = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "OMP_NUM_THREADS": "1", **env}
-    cmd = [sys.executable, "-m", "benchmarks.compare", *args, "--out", str(out), "--jax-cache", "none"]
-    proc = subprocess.run(cmd, cwd=Path(__file__).parents[1], env=environ, capture_output=True, text=True, timeout=600)
-    files = sorted(out.glob("*.json"))
-    return proc, json.loads(files[-1].read_text()) if files else None
-
-
-def rows_of(doc: dict[str, Any], framework: str) -> dict[str, dict[str, Any]]:
-    """A compare document's rows of one framework, by policy."""
-    return {r["policy"]: r for r in doc["rows"] if r["framework"] == framework}
-
-
-def train_argv(cfg: TrainConfig) -> list[str]:
-    """The ``{torch_impl,jax_impl}.train`` flags that reproduce ``cfg`` (each flag is named as its
-    field, the regime's and the framework's own options' flattened in; options None: none given)."""
-    argv: list[str] = []
-    for name, value in flags_of(cfg).items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is not None and value is not False:
-            argv += [flag, str(value)]
-    return argv
-
-
-def torchrun_train(cfg: TrainConfig, nproc: int = 2, timeout: float = 300) -> list[float]:
-    """``torchrun -m torch_impl.train`` on ``nproc`` CPU processes, one thread each; the losses it wrote.
-
-    The launcher leads its own process group (`start_new_session`), killed whole on timeout: no rank outlives the test.
-    """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "torch_impl.train", *train_argv(cfg)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:  # fmt: skip
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except BaseException:  # the timeout, or the test run interrupted
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-    assert proc.returncode == 0, err[-2000:]
-    return json.loads((Path(cfg.out) / "losses.json").read_text())
-
-
 def random_profile(spec: UNetSpec, seed: int, framework: str = "test") -> Any:
     """A `shared_configs.planning.budget.Profile` of ``spec`` with random per-unit figures (MiB scale,
     forward holds on recompute choices): for solver and CLI tests that need a profile but not a measurement."""
@@ -258,20 +157,3 @@ def random_profile(spec: UNetSpec, seed: int, framework: str = "test") -> Any:
             fwd = int(peak * holds.uniform(0.5, 1.0))
             units[name][c] = Cost(keep, fwd, peak, seconds, 1e9 * seconds, hold=hold)
     return Profile(framework, spec.name, spec.sample_size, 2, units, opt_peak=20 * mib, step_time_s=1.0, scale=1.03)
-
-
-def count_flops(model: Any, inputs: tuple, backward: bool) -> tuple[int, dict[str, int]]:
-    """FLOPs of ``model(*inputs)`` (and of ``.sum().backward()``), total and per module, named by
-    path below ``model`` (``down.0``, ...). CPU attention counted too (`torch_impl.flops`)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from torch_impl.flops import register_cpu_attention_flops
-
-    register_cpu_attention_flops()
-    with FlopCounterMode(display=False) as counter:
-        out = model(*inputs)
-        if backward:
-            out.sum().backward()
-    root = type(model).__name__ + "."
-    per_module = {k.removeprefix(root): sum(v.values()) for k, v in counter.get_flop_counts().items()}
-    return counter.get_total_flops(), per_module

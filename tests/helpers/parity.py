@@ -1,4 +1,4 @@
-"""Plain helpers shared by the torch <-> Flax parity tests (a module, not a test file)."""
+"""The torch <-> Flax parity pair: a randomised torch variant, its Flax twin, their inputs and outputs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from jax_impl import UNet as FlaxUNet
 from jax_impl.convert import torch_to_flax
 from shared_configs import UNetSpec
 from shared_configs.inputs import example_inputs
-from tests.utils import as_flax, as_torch, randomize_, variant
+from tests.helpers.specs import variant
+from tests.helpers.tensors import as_flax, as_torch, randomize_
 from torch_impl import UNet as TorchUNet
 
 
