@@ -20,6 +20,7 @@ from shared_configs.planning.budget import PLAIN, Cost, Profile, assignment_of, 
 from shared_configs.planning.planner import CACHE_ENV, Workload, profile_path
 from shared_configs.regime import Regime
 from tests.helpers.specs import random_profile
+from torch_impl.unet import UNet
 
 MIB = 2**20
 SD15 = load_spec("sd15")  # 64x64 latents, 8 heads, one transformer layer per attention
@@ -138,12 +139,21 @@ def test_the_flavours_peak_is_the_cpu_estimate_plus_the_terms(batch: int) -> Non
     assert full.allocated == max(*per_block, kept["head"]) + static
 
 
-def test_a_real_profile_gains_exactly_the_static_terms_at_the_optimizer() -> None:
+def test_a_real_profile_gains_the_static_terms_and_the_optimizers_at_the_optimizer() -> None:
     regime = Regime("fp32")  # tiny's padding is kept by plain units; at the optimizer it is gone
-    profile = dataclasses.replace(random_profile(TINY, 3, framework="torch"), opt_peak=10**10, scale=1.0)
+    params = list(UNet(TINY).parameters())  # the trained tensors, from the torch model itself
+    trained_bytes, largest = 4 * sum(p.numel() for p in params), max(p.numel() for p in params)
+    profile = dataclasses.replace(random_profile(TINY, 3, framework="torch"), opt_peak=10**10, scale=1.0,
+                                  grad_bytes=trained_bytes)  # fmt: skip
     flavoured = gpu.gpu_profile(profile, TINY, regime)
     static = gpu.workspace_bytes() + gpu.rounding_bound(TINY, regime)
-    assert predict(flavoured, TINY, {}).peak_bytes == predict(profile, TINY, {}).peak_bytes + static
+    # CUDA's foreach AdamW: one more copy of the trained weights, where the CPU's loop held two of the largest
+    foreach = trained_bytes - 2 * 4 * largest
+    assert predict(flavoured, TINY, {}).peak_bytes == predict(profile, TINY, {}).peak_bytes + static + foreach
+    fused = gpu.gpu_profile(profile, TINY, regime, optimizer_impl="fused")
+    assert predict(fused, TINY, {}).peak_bytes == predict(profile, TINY, {}).peak_bytes + static - 2 * 4 * largest
+    terms = gpu.estimate(profile, TINY, regime, {}).terms
+    assert terms["optimizer step (foreach, over the CPU's per-parameter loop)"] == foreach
     unit = "down.1.attentions.0"  # the 4x4 level's: 16 queries padded to 32
     extra = gpu.kept_bytes(TINY, profile.batch_size, regime)[unit]
     assert flavoured.units[unit][PLAIN].keep == profile.units[unit][PLAIN].keep + extra

@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from shared_configs import UNetSpec
+from shared_configs.planning import optimizer_step
 from shared_configs.planning.budget import (
     PLAIN,
     PROFILE_RUNS,
@@ -341,6 +342,8 @@ def profile(
             "units' in the plain step, the runs timed in turn",
             "versions": {"torch": torch.__version__},
             "regime": regime.describe(),
+            # torch's CPU default (foreach runs on CUDA only): shared_configs.planning.optimizer_step
+            "optimizer_step": optimizer_step.describe(regime.profiled.optimizer, "per-parameter"),
             **modelled_state(s, regime),
         },
     }

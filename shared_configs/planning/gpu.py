@@ -1,35 +1,11 @@
 """What a CUDA training step holds that a CPU shapes profile does not: the ``--device cuda`` flavour.
 
-A `--shapes` profile is PyTorch's step on fake CPU tensors: its bytes are the step's live tensors
-as CPU kernels and CPU autocast make them. The same step on a GPU holds more, term by term (each
-with its source, docs/regimes.md "What a GPU holds"):
-
-* **autocast's float32 norms** (``bf16-mixed``, ``fp16-mixed``): CUDA autocast runs ``group_norm``
-  and ``layer_norm`` in float32 (its "ops that can autocast to float32" list); CPU autocast lists
-  neither, so the CPU profile keeps them in the compute dtype. Each norm then saves a float32 copy
-  of its input (+2 B per element over the half-precision one), and where SiLU follows it (the
-  ResNets' two norms, the head's) SiLU saves the float32 output (+2 B per element). Kept by a
-  plain unit for its backward; a recomputed unit has them alive only while its backward runs.
-  Softmax adds nothing: the attention is fused (no softmax op on either device).
-* **fused attention's saved tensors**: flash / memory-efficient SDPA keep the logsumexp,
-  B x heads x queries float32, instead of the probabilities. The CPU profile's fused kernel
-  (``_scaled_dot_product_flash_attention_for_cpu``) keeps the same logsumexp, so the difference is
-  the memory-efficient kernel's padding of the queries to a multiple of 32 (float32 runs it: flash
-  takes only half precision), none for SD's token counts. The philox seed and offset are host
-  tensors unless the step is captured in a CUDA graph (dropout 0): no device bytes.
-* **workspaces**: one cuBLAS workspace per handle and stream (the step runs on one stream), sized by
-  PyTorch's default ``CUBLAS_WORKSPACE_CONFIG=:4096:2:16:8`` (8 MiB + 128 KiB) before Hopper and
-  32 MiB on Hopper; cuBLASLt's counted again at the same size (a bound: recent releases may share
-  the cuBLAS one). Allocated through the caching allocator on first use and never freed.
-  cuDNN's convolution workspaces are per call, chosen with the algorithm, freed after it: not
-  modelled (stated).
-* **the caching allocator**: every block is rounded up to 512 B. The profile's per-unit bytes are
-  sums, so rounding is applied as a bound: at most 511 B for each tensor alive at the peak
-  (`tensor_count`). Reserved memory (``max_memory_reserved``, what ``nvidia-smi`` adds the context
-  to) is the allocated peak times `FRAGMENTATION`, a measured ratio, not a model of the segments.
-* **the CUDA context**: a constant outside the allocator, seen only by ``nvidia-smi``.
-
-No torch or jax import.
+A `--shapes` profile is PyTorch's step on fake CPU tensors. The same step on a GPU holds more, term
+by term: CUDA autocast's float32 norms, fused attention's padded logsumexp, the cuBLAS/cuBLASLt
+workspaces, the caching allocator's rounding and fragmentation, the CUDA context, and the optimizer's
+multi-tensor temporaries (`shared_configs.planning.optimizer_step`). Each term, its formula and its
+source: docs/regimes.md "What a GPU holds". `device_budget` turns a card's memory into the allocated
+bytes a plan may peak at. No torch or jax import.
 """
 
 from __future__ import annotations
@@ -39,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from shared_configs.arch import down_blocks, up_blocks
+from shared_configs.planning import optimizer_step
 from shared_configs.planning.budget import PLAIN, Cost, Profile, block_layers, predict, with_static_bytes
 from shared_configs.planning.unit_flops import HIDDEN, Op, unit_ops
 from shared_configs.regime import Regime
@@ -221,10 +198,21 @@ def _unit_delta(unit: str, leaves: dict[str, int], blocks: dict[str, tuple[str, 
     return leaves.get(unit, 0)
 
 
-def gpu_profile(profile: Profile, spec: UNetSpec, regime: Regime, device: Device = Device()) -> Profile:
+def optimizer_delta(profile: Profile, spec: UNetSpec, regime: Regime, chosen: str | None = None) -> int:
+    """What the optimizer step's temporaries on CUDA (torch's default there, or ``chosen``) add to
+    the CPU profile's, which ran the per-parameter loop (`shared_configs.planning.optimizer_step`)."""
+    trained = optimizer_step.trained_of(spec, regime, profile.grad_bytes)
+    cpu = optimizer_step.temporaries(regime.profiled.optimizer, "per-parameter", trained)
+    name = optimizer_step.implementation(regime.optimizer, "cuda", chosen)
+    return optimizer_step.temporaries(regime.optimizer, name, trained) - cpu
+
+
+def gpu_profile(profile: Profile, spec: UNetSpec, regime: Regime, device: Device = Device(),
+                optimizer_impl: str | None = None) -> Profile:  # fmt: skip
     """``profile`` as the step holds it on ``device`` (``max_memory_allocated``'s view): each unit's
     `kept_bytes` kept when plain (in its own peaks too) and alive during its backward when
-    recomputed; the workspaces and the rounding bound alive throughout."""
+    recomputed; the optimizer's CUDA temporaries at its step (`optimizer_delta`); the workspaces and
+    the rounding bound alive throughout."""
     leaves = kept_bytes(spec, profile.batch_size, regime, profile.context_length)
     blocks = block_layers(spec)
     units: dict[str, dict[str, Cost]] = {}
@@ -236,7 +224,8 @@ def gpu_profile(profile: Profile, spec: UNetSpec, regime: Regime, device: Device
             else replace(v, bwd_peak=v.bwd_peak + d)
             for c, v in per.items()
         }
-    flavoured = replace(profile, units=units)
+    opt_peak = profile.opt_peak + optimizer_delta(profile, spec, regime, optimizer_impl) if profile.opt_peak else 0
+    flavoured = replace(profile, units=units, opt_peak=max(opt_peak, 0))
     return with_static_bytes(flavoured, workspace_bytes(device.hopper) + rounding_bound(spec, regime))
 
 
@@ -258,19 +247,28 @@ class GpuEstimate:
 
 
 def estimate(profile: Profile, spec: UNetSpec, regime: Regime, assignment: dict[str, str],
-             device: Device = Device()) -> GpuEstimate:  # fmt: skip
+             device: Device = Device(), optimizer_impl: str | None = None) -> GpuEstimate:  # fmt: skip
     """``assignment``'s peak on ``device``: the flavoured profile's prediction (allocated), times
     `FRAGMENTATION` (reserved), plus the CUDA context (what ``nvidia-smi`` shows)."""
     cpu = predict(profile, spec, assignment)
-    gpu = predict(gpu_profile(profile, spec, regime, device), spec, assignment)
+    gpu = predict(gpu_profile(profile, spec, regime, device, optimizer_impl), spec, assignment)
     reserved = round(gpu.peak_bytes * FRAGMENTATION)
     static = round(profile.scale * (workspace_bytes(device.hopper) + rounding_bound(spec, regime)))
+    name = optimizer_step.implementation(regime.optimizer, "cuda", optimizer_impl)
+    at_step = optimizer_delta(profile, spec, regime, optimizer_impl) if gpu.peak_unit == "optimizer" else 0
     terms = {
         # at the flavour's peak, which may sit at another unit than the CPU estimate's
-        "activations (autocast norms, attention padding)": gpu.peak_bytes - cpu.peak_bytes - static,
+        "activations (autocast norms, attention padding)": gpu.peak_bytes - cpu.peak_bytes - static - at_step,
+        f"optimizer step ({name}, over the CPU's per-parameter loop)": at_step,
         "cuBLAS + cuBLASLt workspaces": workspace_bytes(device.hopper),
         "rounding (bound)": rounding_bound(spec, regime),
         "fragmentation (reserved - allocated)": reserved - gpu.peak_bytes,
         "CUDA context": device.context,
     }
     return GpuEstimate(cpu.peak_bytes, gpu.peak_bytes, reserved, reserved + device.context, gpu.peak_unit, terms)
+
+
+def device_budget(budget: int, device: Device = Device()) -> int:
+    """The allocated peak (``max_memory_allocated``) a step may reach to fit ``budget`` bytes of
+    device memory as ``nvidia-smi`` counts it: less the context, over `FRAGMENTATION`."""
+    return int((budget - device.context) / FRAGMENTATION)

@@ -1,0 +1,96 @@
+"""The optimizer step's temporaries: what each implementation allocates beyond the state it keeps.
+
+An implementation is chosen by torch per device: AdamW runs ``foreach`` (multi-tensor) on CUDA and
+the per-parameter loop on CPU (`torch.optim.optimizer._default_to_fused_or_foreach`), so the CPU
+profile holds the loop's temporaries and a GPU step holds the multi-tensor ones. Each figure's source
+is in `SOURCES` and docs/regimes.md ("The optimizer's temporaries"); `tests/test_optimizer_step.py`
+holds them against the CPU allocator running torch's own implementations. No torch or jax import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared_configs.planning.unit_flops import unit_ops
+from shared_configs.regime import Regime
+from shared_configs.spec import SpecError, UNetSpec
+
+FLOAT32 = 4
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+IMPLEMENTATIONS = ("per-parameter", "foreach", "fused", "torchao")
+
+# Where each figure comes from (torch 2.x, torchao 0.x source).
+SOURCES = {
+    ("adamw", "per-parameter"): "torch/optim/adam.py _single_tensor_adam: `denom = (exp_avg_sq.sqrt() / "
+    "bias_correction2_sqrt).add_(eps)`: the sqrt and the quotient of one tensor alive together",
+    ("adamw", "foreach"): "torch/optim/adam.py _multi_tensor_adam: `exp_avg_sq_sqrt = "
+    "torch._foreach_sqrt(device_exp_avg_sqs)` for every trained tensor at once, alive to `_foreach_addcdiv_`: one "
+    "more copy of the trained weights (the Adafactor docs: 'foreach ... uses ~ sizeof(params) more peak memory')",
+    ("adamw", "fused"): "torch/optim/adam.py _fused_adam: `torch._fused_adamw_` updates weights and moments in place",
+    ("adamw8bit", "torchao"): "torchao/optim/adam.py single_param_adam (compiled per tensor): the two moments "
+    "dequantized to float32 (`exp_avg.float().lerp(...)`, `exp_avg_sq.float().lerp(...)`), read by the quantizing "
+    "copy and the update: a bound, inductor may fuse them away",
+    ("adafactor", "per-parameter"): "torch/optim/_adafactor.py _single_tensor_adafactor (its default on every "
+    "device): `var_estimate = row_var @ col_var`, one tensor's size, then updated in place",
+    ("adafactor", "foreach"): "torch/optim/_adafactor.py _multi_tensor_adafactor: `var_estimates` of every tensor "
+    "at once (only with foreach=True)",
+}
+DEFAULT = {  # torch's choice per (optimizer, device kind)
+    ("adamw", "cpu"): "per-parameter",
+    ("adamw", "cuda"): "foreach",
+    ("adafactor", "cpu"): "per-parameter",
+    ("adafactor", "cuda"): "per-parameter",
+    ("adamw8bit", "cpu"): "torchao",
+    ("adamw8bit", "cuda"): "torchao",
+}
+
+
+@dataclass(frozen=True)
+class Trained:
+    """The trained tensors as the optimizer sees them: their values in all, the largest one's, and
+    the bytes of one value (the weights' dtype: the state's and the gradients')."""
+
+    numel: int
+    largest: int
+    itemsize: int = FLOAT32
+
+
+def implementation(optimizer: str, device: str, chosen: str | None = None) -> str:
+    """``chosen``, checked against ``optimizer``, or torch's default on ``device`` ("cpu"/"cuda")."""
+    name = chosen or DEFAULT[(optimizer, "cpu" if device == "cpu" else "cuda")]
+    if (optimizer, name) not in SOURCES:
+        allowed = ", ".join(i for o, i in SOURCES if o == optimizer)
+        raise SpecError(f"optimizer implementation: {optimizer} runs as one of {allowed}, got {name!r}")
+    return name
+
+
+def temporaries(optimizer: str, name: str, trained: Trained) -> int:
+    """The peak bytes the step allocates beyond weights, gradients and state (`SOURCES`)."""
+    implementation(optimizer, "cpu", name)
+    if name == "fused":
+        return 0
+    if name == "foreach":
+        return trained.numel * trained.itemsize
+    if optimizer == "adamw8bit":
+        return 2 * trained.largest * FLOAT32
+    per_tensor = 2 if optimizer == "adamw" else 1
+    return per_tensor * trained.largest * trained.itemsize
+
+
+def describe(optimizer: str, name: str) -> str:
+    """One line for a report: the implementation and where its figure comes from."""
+    return f"{optimizer} as {name} ({SOURCES[(optimizer, name)].split(':')[0]})"
+
+
+def trained_of(spec: UNetSpec, regime: Regime, trained_bytes: int) -> Trained:
+    """`Trained` of a U-Net step whose trained weights take ``trained_bytes`` (a profile's
+    ``grad_bytes``): the largest tensor from the spec's convs and matmuls (under LoRA: an adapter,
+    rank x the wider side of its projection)."""
+    itemsize = DTYPE_BYTES[regime.param_dtype]
+    ops = [op for per in unit_ops(spec, 1, 1).values() for op in per if op.cls != "attention"]
+    rank = regime.lora_rank
+    if rank is None:
+        sizes = [op.weights for op in ops]
+    else:
+        sizes = [rank * max(op.fan_in, op.fan_out) for op in ops if op.adapted]
+    return Trained(trained_bytes // itemsize, max(sizes, default=0), itemsize)

@@ -1,0 +1,58 @@
+"""The optimizer step's temporaries (`shared_configs.planning.optimizer_step`) against the CPU
+allocator running torch's own implementations: the per-parameter loop, foreach and fused AdamW,
+Adafactor's loop and foreach (the code CUDA runs, run here on CPU tensors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared_configs.planning import optimizer_step as opt_step
+from shared_configs.spec import SpecError
+from torch_impl.memory import AllocatorPeak
+
+CASES = [
+    ("adamw", "per-parameter", lambda p: torch.optim.AdamW(p, foreach=False)),
+    ("adamw", "foreach", lambda p: torch.optim.AdamW(p, foreach=True)),
+    ("adamw", "fused", lambda p: torch.optim.AdamW(p, fused=True)),
+    ("adafactor", "per-parameter", lambda p: torch.optim.Adafactor(p)),
+    ("adafactor", "foreach", lambda p: torch.optim.Adafactor(p, foreach=True)),
+]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 384), torch.nn.Linear(384, 8))
+
+
+def _step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """The allocator's peak above its level during the second step (the first makes the state)."""
+    for _ in range(2):
+        model(torch.randn(4, 256)).sum().backward()
+        with AllocatorPeak() as allocator:
+            opt.step()
+    return allocator.peak
+
+
+def test_each_implementations_temporaries_as_torch_allocates_them() -> None:
+    for optimizer, name, make in CASES:
+        model = _model()
+        params = list(model.parameters())
+        trained = opt_step.Trained(sum(p.numel() for p in params), max(p.numel() for p in params))
+        measured = _step_peak(model, make(params))
+        want = opt_step.temporaries(optimizer, name, trained)
+        # beyond the figure: scalars, Adafactor's row and column means and its vectors' squares (< 8 KiB here)
+        assert want <= measured <= want + 8192, (optimizer, name, measured, want)
+
+
+def test_torchs_defaults_per_device() -> None:
+    assert opt_step.implementation("adamw", "cpu") == "per-parameter"
+    assert opt_step.implementation("adamw", "cuda-sm90") == "foreach"
+    assert opt_step.implementation("adafactor", "cuda") == "per-parameter"  # Adafactor's documented default
+    trained = opt_step.Trained(numel=1000, largest=300)
+    # foreach: one more copy of the trained weights; the loop: two of the largest tensor
+    assert opt_step.temporaries("adamw", "foreach", trained) == 4000
+    assert opt_step.temporaries("adamw", "per-parameter", trained) == 2400
+    assert opt_step.temporaries("adamw8bit", "torchao", opt_step.Trained(1000, 300, itemsize=2)) == 2400  # float32
+    with pytest.raises(SpecError, match="adamw8bit runs as one of torchao, got 'fused'"):
+        opt_step.implementation("adamw8bit", "cuda", "fused")
