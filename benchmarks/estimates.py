@@ -1,16 +1,10 @@
 """What fine-tuning Stable Diffusion's U-Nets needs, predicted from shapes: ``python -m benchmarks.estimates``.
 
-For each preset (`sd15` at 64x64 latents, `sd21` at 96x96, `sdxl` at 128x128), batch and training
-regime, the shapes-only planner (PyTorch's step on fake tensors: nothing allocated, nothing run;
-CPU kernels choose the attention a GPU runs too, fused, no N x N probabilities kept) predicts the
-peak of the plain step, of diffusers-style checkpointing (`layers`: every ResNet and transformer
-layer, as diffusers' ``enable_gradient_checkpointing()``), and the planner's plan at each budget
-with its predicted step-time cost (FLOPs at the stated rates, not a measurement). With ``--device
-cuda`` (the default here; ``cpu`` leaves it out) each row also has the GPU flavour of the `none` and
-diffusers-style peaks (`shared_configs.planning.gpu`: what ``max_memory_allocated`` and ``nvidia-smi``
-would read). The table is written as JSON and Markdown into ``--out``, the JSON again after every
-row (atomically: an interrupted run leaves the rows done). Profiles are cached (`shared_configs.planning.planner`),
-so a second run only solves.
+Per preset (at its own sample size), batch and regime: the plain step's peak, diffusers-style
+checkpointing's (`layers`), the planner's plan at each budget with its predicted time cost, and with
+``--device cuda`` (the default) the GPU flavour (`shared_configs.planning.gpu`). Written as JSON and
+Markdown into ``--out``, the JSON after every row (atomically; ``complete`` false until the last).
+Profiles are cached, so a second run only solves. Method and table: docs/regimes.md.
 """
 
 from __future__ import annotations
@@ -168,30 +162,44 @@ GPU_METHOD = (
 )
 
 
-def _document(args: argparse.Namespace, rows: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+def _document(args: argparse.Namespace, rows: list[dict[str, Any]], seconds: float, cases: int) -> dict[str, Any]:
+    """The JSON: ``complete`` false (and ``rows`` of ``cases``) until the last row is in."""
     method = METHOD + (GPU_METHOD.format(device=args.device) if args.device != "cpu" else "")
-    return {"budgets_gib": args.budgets_gib, "device": args.device, "rows": rows, "seconds": round(seconds, 1),
-            "method": method}  # fmt: skip
+    return {"complete": len(rows) == cases, "cases": cases, "budgets_gib": args.budgets_gib, "device": args.device,
+            "rows": rows, "seconds": round(seconds, 1), "method": method}  # fmt: skip
+
+
+def _kept(out: Path, rows: int, cases: int) -> str:
+    """What a stopped run leaves behind, in words."""
+    if not rows:
+        return "nothing written (profiles made stay cached)"
+    return (f"{rows} of {cases} rows written to {out / 'estimates.json'}, marked incomplete (\"complete\": false); "
+            "estimates.md not written (profiles made stay cached)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    with cli_errors("benchmarks.estimates"), stopping("nothing written (profiles made stay cached)"):
-        rows, start = [], time.perf_counter()
-        cases = [(c, b, r) for c in args.configs for b in args.batches for r in args.regimes]
-        args.out.mkdir(parents=True, exist_ok=True)
-        for i, (config, batch, regime) in enumerate(cases, start=1):
-            progress(f"estimates {i}/{len(cases)}: {config}, batch {batch}, {regime} "
-                     f"({time.perf_counter() - start:.0f} s so far)")  # fmt: skip
-            try:
-                rows.append(row(config, batch, regime, tuple(args.budgets_gib), args.device))
-            except SpecError as err:
-                raise SpecError(f"{config}, batch {batch}, {regime}: {err}") from None
-            doc = _document(args, rows, time.perf_counter() - start)
-            write_json(args.out / "estimates.json", doc)  # after every row: a cut run keeps what it did
+    rows: list[dict[str, Any]] = []
+    cases = [(c, b, r) for c in args.configs for b in args.batches for r in args.regimes]
+    with cli_errors("benchmarks.estimates"):
+        try:
+            start = time.perf_counter()
+            args.out.mkdir(parents=True, exist_ok=True)
+            for i, (config, batch, regime) in enumerate(cases, start=1):
+                progress(f"estimates {i}/{len(cases)}: {config}, batch {batch}, {regime} "
+                         f"({time.perf_counter() - start:.0f} s so far)")  # fmt: skip
+                try:
+                    rows.append(row(config, batch, regime, tuple(args.budgets_gib), args.device))
+                except SpecError as err:
+                    raise SpecError(f"{config}, batch {batch}, {regime}: {err}") from None
+                doc = _document(args, rows, time.perf_counter() - start, len(cases))
+                write_json(args.out / "estimates.json", doc)  # after every row: a cut run keeps what it did
+        except KeyboardInterrupt as stop:
+            with stopping(_kept(args.out, len(rows), len(cases))):
+                raise stop from None
         atomic_write(args.out / "estimates.md", markdown(doc).encode())
         print(markdown(doc))
-        print(f"wrote {args.out / 'estimates.json'}, {args.out / 'estimates.md'}")
+        print(f"wrote {args.out / 'estimates.json'}, {args.out / 'estimates.md'} ({len(rows)} rows)")
     return 0
 
 

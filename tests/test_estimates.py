@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 from pathlib import Path
 
 import pytest
 
 from benchmarks import estimates
 from shared_configs import load_spec
+from shared_configs.cli import Interrupted
 from shared_configs.planning import gpu, planner
 from shared_configs.planning.budget import assignment_of, predict
 from shared_configs.planning.planner import CACHE_ENV, Workload, profile_path
@@ -48,7 +50,7 @@ def test_the_table_is_the_planners_predictions(tmp_path: Path, monkeypatch: pyte
     argv = ["--configs", "tiny", "--batches", "2", "--regimes", "fp32,bf16-mixed+lora:8", "--out", str(out)]
     assert estimates.main([*argv, "--budgets-gib", f"{mid},{high}"]) == 0
     doc = json.loads((out / "estimates.json").read_text())
-    assert [r["regime"] for r in doc["rows"]] == ["fp32", "bf16-mixed+lora:8"]
+    assert doc["complete"] is True and [r["regime"] for r in doc["rows"]] == ["fp32", "bf16-mixed+lora:8"]
     for row in doc["rows"]:
         work, profile = profiles[row["regime"]]
         assert row["none"]["peak_bytes"] == predict(profile, SPEC, {}).peak_bytes
@@ -76,3 +78,26 @@ def test_bad_input_is_one_line(flag: str, value: str, match: str, capsys: pytest
         estimates.main([flag, value])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and match in err
+
+
+def test_a_stopped_run_says_what_it_wrote_and_marks_it_incomplete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    done: list[str] = []
+
+    def row(config: str, batch: int, regime: str, budgets: tuple, device: str) -> dict:
+        if done:  # the second case: stopped as by Ctrl-C
+            raise Interrupted(signal.SIGINT)
+        done.append(regime)
+        return {"config": config, "batch_size": batch, "regime": regime}
+
+    monkeypatch.setattr(estimates, "row", row)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        estimates.main(["--configs", "tiny", "--batches", "1,2", "--regimes", "fp32", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 128 + signal.SIGINT
+    assert f"1 of 2 rows written to {out / 'estimates.json'}, marked incomplete" in err and "nothing written" not in err
+    doc = json.loads((out / "estimates.json").read_text())
+    assert doc["complete"] is False and doc["cases"] == 2 and len(doc["rows"]) == 1
+    assert not (out / "estimates.md").exists()
