@@ -42,6 +42,7 @@ from benchmarks.harness.job import (
     policy_arg,
 )
 from benchmarks.harness.runner import Event, run_job
+from benchmarks.report import WIDE_HELP, console_for, show
 from benchmarks.reports import plot, report
 from shared_configs import NAMED_POLICIES, SpecError, UNetSpec, resolve_plan, to_diffusers_config
 from shared_configs.cli import Interrupted, OneLineParser, cache_dir, check_out_dir, cli_errors, positive_int
@@ -187,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compiled.add_arguments(p)
     pair_compare.add_arguments(p)
+    p.add_argument("--wide", action="store_true", help=WIDE_HELP)
     p.add_argument("--verbose", action="store_true", help="show the workers' stderr")
     return p
 
@@ -344,13 +346,7 @@ def write_outputs(document: dict[str, Any], out: Path) -> list[Path]:
     paths = [out / f"{stem}.json", out / f"{stem}.csv"]
     report.write_json(paths[0], document)
     report.write_csv(paths[1], document["rows"])
-    device = next((d["name"] for fw, d in document["device"].items() if fw != "requested"), "?")
-    title = f"{report.title(document)}\n{device}"
-    if plot.plot(document["rows"], out / f"{stem}.png", title):
-        paths.append(out / f"{stem}.png")
-    if plot.plot_timelines(document["timelines"], out / f"{stem}-timeline.png", report.title(document)):
-        paths.append(out / f"{stem}-timeline.png")
-    return paths
+    return paths + plot.write_plots(document, out, stem)
 
 
 def keep_measured(
@@ -374,8 +370,7 @@ def keep_measured(
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # A table this wide wraps unreadably at 80 columns: when not on a terminal, print it wide.
-    console = Console() if sys.stdout.isatty() else Console(width=200)
+    console = console_for(args.wide)
     with cli_errors("benchmarks.compare"):
         if args.controlnet:
             return pair_compare.main(args, console, DEFAULT_BATCH_SIZES[0])
@@ -387,9 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt as stop:
             raise keep_measured("compare", args, jobs, results, clock, stop) from None
         document = build_document(args, jobs, results, clock)
-        console.print(report.table(document["rows"], report.title(document)))
-        for line in report.notes(document) + compiled.comparison(document["rows"]):
-            console.print(line, highlight=False)
+        show(console, document, args.wide)
         for path in write_outputs(document, args.out):
             console.print(f"wrote {path}")
     errors = [r for r in document["rows"] if r["status"] == "error"]

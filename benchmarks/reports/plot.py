@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
+from benchmarks.reports import report
 from benchmarks.reports.report import Row
 from shared_configs.files import atomic_write
 from shared_configs.memory import CATEGORIES
@@ -36,30 +37,45 @@ def _plottable(rows: list[Row]) -> list[Row]:
     ]
 
 
-def _panel(ax: Any, rows: list[Row], batch_size: int) -> None:
+def _labels(points: list[tuple[str, float, float]], ax: Any) -> None:
+    """Each point's policy beside it, pushed up where it would print over an earlier label."""
+    placed: list[tuple[float, float]] = []
+    x_span = max(abs(ax.get_xlim()[1] - ax.get_xlim()[0]), 1e-9)
+    y_span = max(abs(ax.get_ylim()[1] - ax.get_ylim()[0]), 1e-9)
+    for text, x, y in sorted(points, key=lambda p: (p[2], p[1])):
+        dy = 4
+        # a label is about 0.12 of the axes wide and 0.05 high at fontsize 8 in this figure
+        while any(abs(x - px) / x_span < 0.12 and abs(y + dy * y_span / 300 - py) / y_span < 0.05 for px, py in placed):
+            dy += 10
+        placed.append((x, y + dy * y_span / 300))
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(5, dy), fontsize=8)
+
+
+def _panel(ax: Any, rows: list[Row], batch_size: int, unreliable: float | None) -> None:
+    points = []
     for fw in sorted({r["framework"] for r in rows}):
         mine = [r for r in rows if r["framework"] == fw]
         xs = [r["time_overhead"] for r in mine]
         ys = [100 * r["peak_reduction"] for r in mine]
-        ax.scatter(xs, ys, c=COLORS.get(fw, "gray"), marker=MARKERS.get(fw, "^"), label=fw, zorder=3)
-        for r, x, y in zip(mine, xs, ys, strict=True):
-            ax.annotate(r["policy"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        color = COLORS.get(fw, "gray")
+        # timings the run judged unreliable: hollow markers, said in the legend
+        face = "none" if unreliable is not None else color
+        ax.scatter(xs, ys, facecolors=face, edgecolors=color, marker=MARKERS.get(fw, "^"), label=fw, zorder=3)
+        points += [(r["policy"], x, y) for r, x, y in zip(mine, xs, ys, strict=True)]
         front = pareto_front(list(zip(xs, ys, strict=True)))
-        ax.step(
-            [p[0] for p in front],
-            [p[1] for p in front],
-            where="post",
-            color=COLORS.get(fw, "gray"),
-            alpha=0.6,
-            linestyle="--",
-            label=f"{fw} Pareto front",
-        )
+        if len(front) > 1:  # a front of one point draws no line: nothing to put in the legend
+            ax.step([p[0] for p in front], [p[1] for p in front], where="post", color=color, alpha=0.6,
+                    linestyle="--", label=f"{fw} Pareto front")  # fmt: skip
     ax.axhline(0, color="black", linewidth=0.5)
     ax.axvline(1, color="black", linewidth=0.5)
+    _labels(points, ax)
     ax.set_xlabel("step-time overhead vs none (x)")
     ax.set_ylabel("peak-memory reduction vs none (%)")
     ax.set_title(f"batch {batch_size}")
     ax.grid(alpha=0.3)
+    if unreliable is not None:
+        ax.text(0.5, 0.02, f"hollow: timings unreliable (other processes used {unreliable:.0%} of the cores)",
+                transform=ax.transAxes, ha="center", fontsize=7, color="tab:red")  # fmt: skip
     ax.legend(fontsize=8, loc="best")
 
 
@@ -148,15 +164,28 @@ def _save(fig: Any, path: Path) -> bool:
     return True
 
 
-def plot(rows: list[Row], path: Path, title: str) -> bool:
-    """Write the PNG (atomically); False when no row has both figures to plot."""
+def plot(rows: list[Row], path: Path, title: str, unreliable: float | None = None) -> bool:
+    """Write the PNG (atomically); False when no row has both figures to plot. ``unreliable``: the
+    share of the cores other processes took, when the run judged its timings unreliable."""
     rows = _plottable(rows)
     if not rows:
         return False
     batches = sorted({r["batch_size"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
     for ax, b in zip(axes[0], batches, strict=True):
-        _panel(ax, [r for r in rows if r["batch_size"] == b], b)
+        _panel(ax, [r for r in rows if r["batch_size"] == b], b, unreliable)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def write_plots(document: dict[str, Any], out: Path, stem: str) -> list[Path]:
+    """A run's pictures, ``<out>/<stem>.png`` (the Pareto plot) and ``-timeline.png``: those drawn."""
+    device = next((d["name"] for fw, d in document["device"].items() if fw != "requested"), "?")
+    paths = []
+    share = report.unreliable_share(document)
+    if plot(document["rows"], out / f"{stem}.png", f"{report.title(document)}\n{device}", share):
+        paths.append(out / f"{stem}.png")
+    if plot_timelines(document.get("timelines", []), out / f"{stem}-timeline.png", report.title(document)):
+        paths.append(out / f"{stem}-timeline.png")
+    return paths

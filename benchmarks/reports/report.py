@@ -1,4 +1,6 @@
-"""Rows into results: derived columns, the JSON/CSV files (written atomically), the rich table."""
+"""Rows into results: derived columns, the JSON/CSV files (written atomically), the rich tables (the
+compact one a person reads at 100 columns, and the wide one with every figure) and the lines under them.
+Printed by `benchmarks.compare` and reprinted from a saved run by `benchmarks.report`."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from shared_configs.regime import DEFAULT, Regime
 from shared_configs.units import MIB
 
 Row = dict[str, Any]
+UNRELIABLE_SHARE = 0.1  # other processes' share of the cores above which a run's times are not trusted
 
 # Every row has every column (None where it does not apply); CSV columns follow this order.
 # The peak's parts (f"{kind}_bytes" for kind in common.CATEGORIES) add up to peak_bytes.
@@ -150,7 +153,7 @@ COLUMNS_SHOWN: tuple[tuple[str, Callable[[Row], str]], ...] = (
     ("+ inputs", lambda r: _mib(r["input_bytes"])),
     ("+ activations", lambda r: _cell_bytes(r, "activation_bytes", "activation_reduction")),
     ("+ temps", lambda r: _mib(r["temporary_bytes"])),
-    ("step s: median [min-max]", _cell_time),
+    (r"step s: median \[min-max]", _cell_time),
     ("overhead", lambda r: "-" if r["time_overhead"] is None else f"{r['time_overhead']:.2f}x"),
     ("compile s", lambda r: "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"),
     ("GFLOP (+recompute)", _cell_flops),
@@ -158,14 +161,52 @@ COLUMNS_SHOWN: tuple[tuple[str, Callable[[Row], str]], ...] = (
 )
 
 
-def table(rows: list[Row], title: str) -> Table:
-    """The terminal table: memory in MiB (change against ``none``), times in seconds."""
+def _cell_saved(row: Row) -> str:
+    if row["policy"] == "none" or row["peak_reduction"] is None:
+        return "-"
+    return f"{100 * row['peak_reduction']:.0f}%"
+
+
+def _cell_ratio(row: Row, unreliable: bool) -> str:
+    if row["time_overhead"] is None:
+        return "-"
+    return f"{row['time_overhead']:.2f}x" + (" ?" if unreliable and row["policy"] != "none" else "")
+
+
+FITS = {"ok": "yes", "oom": "[red]OOM[/red]", "error": "[red]error[/red]"}
+
+# The table a person reads (fits 100 columns): the peak, what checkpointing saved, the time it cost.
+COMPACT: tuple[tuple[str, Callable[[Row], str]], ...] = (
+    ("framework", lambda r: r["framework"]),
+    ("policy", lambda r: r["policy"]),
+    ("batch", lambda r: str(r["batch_size"])),
+    ("peak\nMiB", lambda r: _mib(r["peak_bytes"])),
+    ("saved\nvs none", _cell_saved),
+    ("activations\nMiB", lambda r: _mib(r["activation_bytes"])),
+)
+
+
+def _ranks_columns(shown: list, at: int, compact: bool = False) -> None:
+    """--world-size: per-rank figures (rank 0's peak and parts) and the largest peak over the ranks
+    (the compact table's title says how many ranks)."""
+    sep = "\n" if compact else " "
+    ranks = [] if compact else [("ranks", lambda r: str(r["world_size"]))]
+    shown[at : at + 1] = [*ranks, (f"rank 0{sep}peak MiB", shown[at][1]),
+                          (f"max rank{sep}MiB", lambda r: _mib(r["max_rank_peak_bytes"]))]  # fmt: skip
+
+
+def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = False) -> Table:
+    """The terminal table: memory in MiB (saved against ``none``), times against ``none``'s. ``wide``:
+    every figure (the peak's parts, seconds, compile, FLOPs). ``unreliable``: the run judged its
+    timings unreliable (other processes took the cores): the ratios are marked ``?``."""
+    ranked = any((r["world_size"] or 1) > 1 for r in rows)
+    if not wide:
+        return _compact(rows, title, unreliable, ranked)
     shown = [c for c in COLUMNS_SHOWN if c[0] != "XLA:CPU default peak MiB"]
     if any(r["xla_default_peak_bytes"] is not None for r in rows):  # only with --xla-default
         shown = list(COLUMNS_SHOWN)
-    if any((r["world_size"] or 1) > 1 for r in rows):  # --world-size: per-rank figures, rank 0's parts
-        shown[3:4] = [("ranks", lambda r: str(r["world_size"])), ("rank 0 peak MiB", shown[3][1]),
-                      ("max over ranks MiB", lambda r: _mib(r["max_rank_peak_bytes"]))]  # fmt: skip
+    if ranked:
+        _ranks_columns(shown, 3)
     t = Table(title=title, title_justify="left", header_style="bold")
     for i, (name, _) in enumerate(shown):
         t.add_column(name, justify="left" if i < 2 else "right")
@@ -176,6 +217,28 @@ def table(rows: list[Row], title: str) -> Table:
             status = "[red]OOM[/red]" if row["status"] == "oom" else "[red]error[/red]"
             t.add_row(row["framework"], row["policy"], str(row["batch_size"]), status, row["error"] or "")
     return t
+
+
+def _compact(rows: list[Row], title: str, unreliable: bool, ranked: bool) -> Table:
+    shown = list(COMPACT)
+    shown.append(("step time\nvs none", lambda r: _cell_ratio(r, unreliable)))
+    if ranked:
+        _ranks_columns(shown, 3, compact=True)
+    t = Table(title=title, title_justify="left", header_style="bold")
+    for i, (name, _) in enumerate([*shown, ("fits", None)]):
+        # headers break where written; only a long policy string folds onto the next line (never cut)
+        t.add_column(name, justify="left" if i < 2 else "right", overflow="fold", no_wrap=i != 1)
+    for row in rows:
+        ok = row["status"] == "ok"
+        cells = [cell(row) if ok or i < 3 else "-" for i, (_, cell) in enumerate(shown)]
+        t.add_row(*cells, FITS.get(row["status"], row["status"]))
+    return t
+
+
+def errors(rows: list[Row]) -> list[str]:
+    """One line per failed row (the compact table says only that it failed)."""
+    return [f"[red]{r['framework']} {r['policy']} @ batch {r['batch_size']}: {r['status']}[/red]: {r['error'] or ''}"
+            for r in rows if r["status"] != "ok"]  # fmt: skip
 
 
 def regime(rows: list[Row]) -> list[str]:
@@ -253,14 +316,21 @@ def used(document: dict[str, Any]) -> str:
     return line
 
 
+def unreliable_share(document: dict[str, Any]) -> float | None:
+    """The share of the cores other processes took during the run, when it makes the run's step times
+    and ratios unreliable (over 10%: noise larger than the recompute costs here); else None."""
+    share = document.get("other_cpu_share")
+    return share if share is not None and share > UNRELIABLE_SHARE else None
+
+
 def notes(document: dict[str, Any]) -> list[str]:
     """Lines under the table: devices, versions, and which method produced each figure."""
     devices = ", ".join(f"{fw}: {d['kind']} ({d['name']})" for fw, d in document["device"].items() if fw != "requested")
     versions = ", ".join(f"{k} {v}" for k, v in document["versions"].items())
     wall = ", ".join(f"{k} {v:.0f} s" for k, v in document["wall_s"].items())
     lines = [f"devices: {devices}", f"versions: {versions}", f"wall time: {wall}", used(document)]
-    share = document.get("other_cpu_share")
-    if share is not None and share > 0.1:  # noise: times and ratios are not trustworthy
+    share = unreliable_share(document)
+    if share is not None:
         lines.append(f"[bold red]warning: other processes used {share:.0%} of the cores during the run: "
                      "step times and ratios are unreliable[/]")  # fmt: skip
     labels = {
