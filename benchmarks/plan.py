@@ -38,7 +38,7 @@ from shared_configs.cli import (
 )
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, resolve_chunk
 from shared_configs.pair import ControlNetPairSpec
-from shared_configs.planning import candidates, gpu
+from shared_configs.planning import candidates, gpu, whole
 from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile, assignment_of
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS
 from shared_configs.planning.planner import (
@@ -124,9 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="--shapes: memory bandwidth for elementwise recompute (default %(default).0e B/s)",
     )
     p.add_argument("--device", choices=("cpu", *gpu.DEVICES), default="cpu",
-                   help="cuda: also predict what a CUDA GPU holds for the policy (torch: autocast's float32 norms, "
-                   "workspaces, the allocator, the context; docs/regimes.md); cuda-sm90: Hopper's workspaces; "
-                   "the plan is solved on the CPU figures (default cpu)")  # fmt: skip
+                   help="cuda: plan for a CUDA GPU: the step as the card holds it (torch: autocast's float32 norms, "
+                   "the optimizer's foreach temporaries, workspaces, the allocator, the context; docs/regimes.md), "
+                   "--budget-mib being the card's memory as nvidia-smi counts it; cuda-sm90: Hopper's workspaces "
+                   "(default cpu)")  # fmt: skip
+    p.add_argument("--with-encoders", action="store_true",
+                   help="torch: the whole step of a diffusers script: the family's frozen VAE encoding each batch "
+                   "and its text encoder(s) beside the U-Net, from their configs on fake tensors (nothing "
+                   "downloaded); a peak inside one is named")  # fmt: skip
+    p.add_argument("--cached-latents", action="store_true", help="with --with-encoders: no VAE (latents cached)")
+    p.add_argument("--train-text-encoder", action="store_true",
+                   help="torch: the text encoder trained too (float32, its gradients and optimizer state)")  # fmt: skip
     add_regime_arguments(p)
     d = defaults(DEVICE)
     p.add_argument("--attention-chunk", type=chunk_arg, default=AUTO, metavar="N", help=CHUNK_HELP)
@@ -226,10 +234,14 @@ def _framework_entry(
     }
     if profile.meta.get("modelled"):  # a part not measured (adamw8bit's state): said beside the figure
         entry["modelled"] = profile.meta["modelled"]
-    if args.device != "cpu" and fw == "torch":
+    if args.device != "cpu" and fw == "torch":  # the profile is the card's: its readings from the U-Net's own
         assignment = assignment_of(workload.spec, policy)
-        flavour = gpu.estimate(profile, workload.spec, workload.regime, assignment, gpu.DEVICES[args.device])
+        alone = get_profile(fw, whole.raw(workload))
+        flavour = gpu.estimate(alone, workload.spec, workload.regime, assignment, gpu.DEVICES[args.device],
+                               extend=whole.extender(workload))  # fmt: skip
         entry["gpu"] = {"device": args.device} | flavour.as_dict()
+    if profile.phases:
+        entry["phases"] = profile.phases
     if report and report["chosen"]:  # measured already, in the race
         entry |= _from_race(report, fw)
     elif args.verify:
@@ -273,7 +285,8 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
     if not isinstance(spec, ControlNetPairSpec):  # a pair plan goes to both networks (torch_impl.pair), not a spec
         lines.append(f"  yaml:   checkpoint: {json.dumps(doc['plan'])}")
     for fw, d in doc["frameworks"].items():
-        line = (f"  {fw}: predicted peak {d['predicted_peak_bytes'] / MIB:.1f} MiB (at {d['peak_at']}), "
+        on = f" on {workload.device}, allocated" if workload.device != "cpu" and fw == "torch" else ""
+        line = (f"  {fw}: predicted peak{on} {d['predicted_peak_bytes'] / MIB:.1f} MiB (at {d['peak_at']}), "
                 f"overhead {100 * d['predicted_overhead']:+.1f}% ({d['time_method']}), "
                 f"recompute {d['recompute_flops'] / 1e9:.1f} GFLOP")  # fmt: skip
         if "modelled" in d:
@@ -313,6 +326,10 @@ def workload_of(args: argparse.Namespace) -> Workload:
         flops_per_s=args.flops_per_s,
         bytes_per_s=args.bytes_per_s,
         regime=regime_of(args),
+        device=args.device,
+        with_encoders=args.with_encoders,
+        cached_latents=args.cached_latents,
+        train_text_encoder=args.train_text_encoder,
     )
 
 

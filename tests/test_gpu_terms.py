@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from benchmarks import plan as cli
 from shared_configs import load_spec
-from shared_configs.planning import gpu
+from shared_configs.planning import gpu, planner
 from shared_configs.planning.budget import PLAIN, Cost, Profile, assignment_of, block_layers, predict
 from shared_configs.planning.planner import CACHE_ENV, Workload, profile_path
 from shared_configs.regime import Regime
@@ -183,3 +183,27 @@ def test_plan_refuses_the_flavour_for_jax_in_one_line(capsys: pytest.CaptureFixt
         cli.main([*argv, "--device", "cuda"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "--device cuda" in err
+
+
+def test_a_plan_for_a_card_fits_the_card_where_the_cpu_models_would_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--device cuda --budget-mib B``: solved against the flavour, so B is the card's memory as
+    nvidia-smi counts it; the plan solved on the CPU figures at the same B would not fit that card."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    profile = random_profile(TINY, 0, framework="torch")
+    path = profile_path("torch", Workload.of("tiny", batch_size=2))
+    path.parent.mkdir(parents=True)
+    profile.save(path)
+
+    def run_worker(request: dict) -> dict:  # the fit check: the CPU model's own prediction
+        (policy,) = request["policies"]
+        return {"peaks": {policy: predict(profile, TINY, assignment_of(TINY, policy)).peak_bytes}}
+
+    monkeypatch.setattr(planner, "run_worker", run_worker)
+    budget = 600 * MIB
+    on_card = planner.plan(Workload.of("tiny", batch_size=2, device="cuda"), budget)
+    card = gpu.estimate(profile, TINY, Regime(), on_card.solution.assignment)
+    assert card.device_total <= budget and on_card.solution.predictions[0].peak_bytes == card.allocated
+    on_cpu = planner.plan(Workload.of("tiny", batch_size=2), budget)
+    assert gpu.estimate(profile, TINY, Regime(), on_cpu.solution.assignment).device_total > budget

@@ -457,6 +457,13 @@ def measure_compiled(
             "allocator-level peak (torch.profiler memory events) around train_step"}  # fmt: skip
 
 
+def encoders(request: dict[str, Any]) -> dict[str, Any]:
+    """The models beside the U-Net, from shapes (`torch_impl.encoders`)."""
+    from torch_impl.encoders import encoders as measured
+
+    return measured(request)
+
+
 if __name__ == "__main__":  # the planner's torch worker (shared_configs.planning.workers)
     single_threaded()
     sys.exit(serve(sys.modules[__name__], sys.argv[1:]))

@@ -101,6 +101,9 @@ class Profile:
     grad_bytes: int = 0
     block_param_bytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)  # method, versions, load, profile runs
+    # Peaks outside the units that no plan changes, by name ("optimizer", "vae encode", ...): `opt_peak`
+    # is their largest (`shared_configs.planning.encoders.whole_step`); empty: the optimizer's alone.
+    phases: dict[str, int] = field(default_factory=dict)
 
     def cost(self, unit: str, choice: str) -> Cost:
         try:
@@ -199,7 +202,8 @@ class Prediction:
 
 def predict(profile: Profile, spec: StepSpec, assignment: Assignment) -> Prediction:
     """Peak bytes, recompute seconds and FLOPs of ``assignment`` (see the module doc)."""
-    kept, held, peak, where, seconds, flops = 0, 0, profile.opt_peak, "optimizer", 0.0, 0.0
+    where = max(profile.phases, key=profile.phases.__getitem__) if profile.phases else "optimizer"
+    kept, held, peak, seconds, flops = 0, 0, profile.opt_peak, 0.0, 0.0
     for unit, choice in leaf_units(spec, assignment):
         c = profile.cost(unit, choice)
         here = kept + max(held + c.fwd_peak, c.bwd_peak)
@@ -222,7 +226,8 @@ def with_static_bytes(profile: Profile, delta: int) -> Profile:
         for u, per in profile.units.items()
     }
     opt_peak = profile.opt_peak + delta if profile.opt_peak else 0
-    return replace(profile, units=units, opt_peak=opt_peak, static_bytes=profile.static_bytes + delta)
+    phases = {k: v + delta for k, v in profile.phases.items()}
+    return replace(profile, units=units, opt_peak=opt_peak, static_bytes=profile.static_bytes + delta, phases=phases)
 
 
 DISTRIBUTED: tuple[str, ...] = ("ddp", "fsdp")

@@ -11,7 +11,7 @@ bytes a plan may peak at. No torch or jax import.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from shared_configs.arch import down_blocks, up_blocks
@@ -247,15 +247,22 @@ class GpuEstimate:
 
 
 def estimate(profile: Profile, spec: UNetSpec, regime: Regime, assignment: dict[str, str],
-             device: Device = Device(), optimizer_impl: str | None = None) -> GpuEstimate:  # fmt: skip
+             device: Device = Device(), optimizer_impl: str | None = None,
+             extend: Callable[[Profile, str], Profile] | None = None) -> GpuEstimate:  # fmt: skip
     """``assignment``'s peak on ``device``: the flavoured profile's prediction (allocated), times
-    `FRAGMENTATION` (reserved), plus the CUDA context (what ``nvidia-smi`` shows)."""
-    cpu = predict(profile, spec, assignment)
-    gpu = predict(gpu_profile(profile, spec, regime, device, optimizer_impl), spec, assignment)
+    `FRAGMENTATION` (reserved), plus the CUDA context (what ``nvidia-smi`` shows). ``extend`` adds
+    what runs beside the U-Net to a profile, on "cpu" or "cuda" (`shared_configs.planning.whole`)."""
+    extend = extend or (lambda p, _kind: p)
+    on_cpu = extend(profile, "cpu")
+    flavoured = extend(gpu_profile(profile, spec, regime, device, optimizer_impl), "cuda")
+    cpu, gpu = predict(on_cpu, spec, assignment), predict(flavoured, spec, assignment)
     reserved = round(gpu.peak_bytes * FRAGMENTATION)
     static = round(profile.scale * (workspace_bytes(device.hopper) + rounding_bound(spec, regime)))
     name = optimizer_step.implementation(regime.optimizer, "cuda", optimizer_impl)
-    at_step = optimizer_delta(profile, spec, regime, optimizer_impl) if gpu.peak_unit == "optimizer" else 0
+    at_step = 0
+    if gpu.peak_unit == "optimizer":
+        step = [p.phases.get("optimizer", p.opt_peak) for p in (flavoured, on_cpu)]
+        at_step = round(profile.scale * (step[0] - step[1])) - static
     terms = {
         # at the flavour's peak, which may sit at another unit than the CPU estimate's
         "activations (autocast norms, attention padding)": gpu.peak_bytes - cpu.peak_bytes - static - at_step,

@@ -31,6 +31,7 @@ from typing import Any
 from shared_configs.defaults import defaults
 from shared_configs.loader import load_spec, spec_from_dict
 from shared_configs.pair import ControlNetPairSpec, check_pair_workload, controlnet_pair
+from shared_configs.planning import whole
 from shared_configs.planning.budget import (
     SAFETY,
     SCHEMA,
@@ -77,6 +78,12 @@ class Workload:
     shapes: bool = False  # profile from shapes only (nothing allocated, nothing run)
     flops_per_s: float = DEFAULT_FLOPS_PER_S  # shapes only: the throughput conv/matmul/attention run at
     bytes_per_s: float = DEFAULT_BYTES_PER_S  # shapes only: the memory bandwidth elementwise recompute runs at
+    # The whole step (torch; `shared_configs.planning.whole`): a GPU flavour to solve against (cuda, cuda-sm90),
+    # the family's VAE and text encoder(s) beside the U-Net, latents cached (no VAE), the text encoder trained.
+    device: str = "cpu"
+    with_encoders: bool = False
+    cached_latents: bool = False
+    train_text_encoder: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.spec, ControlNetPairSpec):
@@ -109,8 +116,11 @@ class Workload:
 
     def request(self, framework: str, kind: str, **extra: Any) -> dict[str, Any]:
         """The worker's instructions (JSON)."""
-        data = {k: v for k, v in asdict(self).items() if k not in ("spec", "flops_per_s", "bytes_per_s")}
+        data = {k: v for k, v in asdict(self).items() if k not in ("spec", "flops_per_s", "bytes_per_s", *WHOLE_STEP)}
         return {"kind": kind, "framework": framework, "spec": self.spec.model_dump(mode="json"), **data, **extra}
+
+
+WHOLE_STEP = ("device", "with_encoders", "cached_latents", "train_text_encoder")  # applied to the profile, not profiled
 
 
 def cache_dir() -> Path:
@@ -145,6 +155,7 @@ def profile_path(framework: str, workload: Workload, repeats: int | None = None)
 def get_profile(framework: str, workload: Workload, repeats: int | None = None, cache: bool = True) -> Profile:
     """The profile of ``workload`` in ``framework``: from the cache, or measured (and cached)."""
     check_planned(workload.regime, framework, DEVICE)
+    whole.check(workload, framework)
     repeats = PROFILE_REPEATS[framework] if repeats is None else repeats
     path = profile_path(framework, workload, repeats)
     # One process measures; the others (the ranks of one training run, two plans at once) wait for
@@ -155,10 +166,11 @@ def get_profile(framework: str, workload: Workload, repeats: int | None = None, 
               "regime": workload.regime.describe()}  # fmt: skip
     make = functools.partial(_measure_profile, framework, workload, repeats, path)
     profile = cached_profile(path, expect, make, refresh=not cache)
-    if not workload.shapes:
-        return profile
-    w = workload  # its regime as given, not read back from the profile's describe line
-    return at_stated_rates(profile, w.spec, w.batch_size, w.context_length, w.flops_per_s, w.bytes_per_s, w.regime)
+    if workload.shapes:
+        w = workload  # its regime as given, not read back from the profile's describe line
+        profile = at_stated_rates(profile, w.spec, w.batch_size, w.context_length, w.flops_per_s, w.bytes_per_s,
+                                  w.regime)  # fmt: skip
+    return whole.on_device(workload, framework, profile)
 
 
 def progress(message: str) -> None:
@@ -274,7 +286,8 @@ def fit_checked(
         peaks = {}
         for fw in frameworks:
             progress(f"{fw}: {CHECK_HOW[fw]} to check the plan's peak (nothing allocated) ...")
-            peaks[fw] = run_worker(workload.request(fw, "peaks", policies=[sol.policy]))["peaks"][sol.policy]
+            checked = run_worker(workload.request(fw, "peaks", policies=[sol.policy]))["peaks"][sol.policy]
+            peaks[fw] = whole.checked_peak(workload, fw, checked, sol.assignment, profiles[frameworks.index(fw)])
         fw, peak = max(peaks.items(), key=lambda kv: kv[1])
         peak = round(peak * (1 + CHECK_SLACK))
         if peak <= budget:
@@ -321,6 +334,7 @@ def plan(
     that fits is returned (`shared_configs.planning.candidates`): minutes, where the default is
     seconds. ``Planned.candidates`` is then the report."""
     frameworks = checked_frameworks(framework, workload)
+    budget_bytes = whole.device_budget(workload, budget_bytes)  # on a GPU: the allocated peak its memory allows
     measured = [get_profile(fw, workload) for fw in frameworks]
     # The margin comes from the one-process profile: its runs are what was measured.
     margin = max(safety_margin(p, workload.spec) for p in measured)

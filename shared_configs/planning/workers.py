@@ -73,6 +73,8 @@ def run_worker(request: dict[str, Any]) -> dict[str, Any]:
 
 def answer(backend: Backend, request: dict[str, Any]) -> dict[str, Any]:
     """The worker's side: ``request`` (`planner.Workload.request`) answered by ``backend``."""
+    if request["kind"] == "encoders":  # the models beside the U-Net (shared_configs.planning.whole)
+        return backend.encoders(request)  # type: ignore[attr-defined]
     spec = workload_spec(request["spec"])  # a U-Net's, or the ControlNet step's pair
     extra: dict[str, Any] = {"regime": Regime(**request["regime"])}
     if request["framework"] == "jax":  # torch's attention is not chunked

@@ -1,0 +1,183 @@
+"""The whole training step beside the U-Net: the VAE that encodes each batch and the text encoder(s).
+
+A diffusers fine-tuning script keeps its family's frozen VAE and text encoder(s) on the card (in the
+weight dtype of its mixed precision), encodes every batch unless its latents are cached, and may
+train the text encoder (float32 weights, gradients, optimizer state). `family` names the models
+by the U-Net's cross-attention width, with their configs as diffusers / transformers write them;
+`torch_impl.encoders` measures them from shapes; `whole_step` adds them to a U-Net profile,
+each encoder's own peak as a named phase. No torch or jax import; docs/regimes.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from shared_configs.planning.budget import Profile, with_static_bytes
+from shared_configs.planning.optimizer_step import Trained, implementation, temporaries
+from shared_configs.regime import Regime, state_bytes
+from shared_configs.spec import SpecError, UNetSpec
+
+VAE = {  # AutoencoderKL of SD 1.x, 2.x and SDXL (stable-diffusion-v1-5/vae/config.json)
+    "in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2, "norm_num_groups": 32, "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+}  # fmt: skip
+_CLIP = {"vocab_size": 49408, "max_position_embeddings": 77}
+CLIP_L = {**_CLIP, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+          "num_attention_heads": 12, "hidden_act": "quick_gelu", "projection_dim": 768}  # fmt: skip
+OPENCLIP_H = {**_CLIP, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 23,
+              "num_attention_heads": 16, "hidden_act": "gelu", "projection_dim": 512}  # fmt: skip
+OPENCLIP_BIGG = {**_CLIP, "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+                 "num_attention_heads": 20, "hidden_act": "gelu", "projection_dim": 1280}  # fmt: skip
+# By the U-Net's cross_attention_dim: (family, its text encoders as (name, kind, config)).
+FAMILIES: dict[int, tuple[str, tuple[tuple[str, str, dict[str, Any]], ...]]] = {
+    768: ("SD 1.x", (("text_encoder", "clip", CLIP_L),)),
+    1024: ("SD 2.x", (("text_encoder", "clip", OPENCLIP_H),)),
+    2048: ("SDXL", (("text_encoder", "clip", CLIP_L), ("text_encoder_2", "clip-projection", OPENCLIP_BIGG))),
+}
+LATENT_SCALE = 8  # the VAE's image side over the latent side
+WEIGHT_DTYPE = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """One model beside the U-Net: ``kind`` vae | clip | clip-projection, its config (JSON text),
+    the dtype of its weights, whether it is trained, the image side (VAE) or tokens (text)."""
+
+    name: str
+    kind: str
+    config: str
+    dtype: str
+    trained: bool = False
+    image_size: int = 512
+    tokens: int = 77
+    hidden_states: bool = False  # SDXL's scripts take the penultimate hidden state: every layer's is returned
+
+    @property
+    def config_dict(self) -> dict[str, Any]:
+        return json.loads(self.config)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Encoder:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What the step runs beside the U-Net: its encoders, the VAE left out when latents are
+    cached, the text encoder trained."""
+
+    with_encoders: bool = False
+    cached_latents: bool = False
+    train_text_encoder: bool = False
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)  # a pipeline folder's own, by name
+
+    @property
+    def any(self) -> bool:
+        return self.with_encoders or self.train_text_encoder
+
+
+def family(spec: UNetSpec) -> tuple[str, tuple[tuple[str, str, dict[str, Any]], ...]]:
+    """The family of ``spec`` by its cross-attention width; a one-line error for any other."""
+    width = spec.cross_attention_dim
+    if width not in FAMILIES:
+        known = ", ".join(f"{w} ({FAMILIES[w][0]})" for w in FAMILIES)
+        raise SpecError(f"--with-encoders: no known text encoders for cross_attention_dim {width} (known: {known}); "
+                        "plan from a diffusers pipeline folder, which names its own")  # fmt: skip
+    return FAMILIES[width]
+
+
+def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[Encoder]:
+    """The models ``options`` put beside ``spec``'s U-Net: frozen ones in the mixed precision's
+    weight dtype (diffusers' ``weight_dtype``; SDXL's VAE float32, as its scripts keep it), a
+    trained text encoder in float32."""
+    if not options.any:
+        return []
+    name, texts = family(spec) if not options.configs else ("folder", _folder_texts(options.configs))
+    dtype = WEIGHT_DTYPE[regime.precision]
+    out = []
+    if not options.cached_latents:
+        vae_dtype = "float32" if name == "SDXL" else dtype
+        vae = options.configs.get("vae", VAE)
+        image = LATENT_SCALE * spec.sample_size
+        out.append(Encoder("vae", "vae", json.dumps(_vae_fields(vae)), vae_dtype, image_size=image))
+    for text_name, kind, config in texts:
+        trained = options.train_text_encoder and text_name == "text_encoder"
+        out.append(Encoder(text_name, kind, json.dumps(config), "float32" if trained else dtype, trained,
+                           hidden_states=name == "SDXL" or len(texts) > 1))  # fmt: skip
+    return out
+
+
+def _vae_fields(config: dict[str, Any]) -> dict[str, Any]:
+    keep = ("in_channels", "out_channels", "latent_channels", "block_out_channels", "layers_per_block",
+            "norm_num_groups", "down_block_types", "up_block_types")  # fmt: skip
+    return {k: config[k] for k in keep if k in config}
+
+
+def _folder_texts(configs: dict[str, dict[str, Any]]) -> tuple[tuple[str, str, dict[str, Any]], ...]:
+    keep = ("vocab_size", "max_position_embeddings", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "hidden_act", "projection_dim")  # fmt: skip
+    out = []
+    for name in ("text_encoder", "text_encoder_2"):
+        if name in configs:
+            kind = "clip-projection" if "WithProjection" in str(configs[name].get("architectures")) else "clip"
+            out.append((name, kind, {k: configs[name][k] for k in keep if k in configs[name]}))
+    return tuple(out)
+
+
+def input_bytes(encoder: Encoder, batch_size: int) -> int:
+    """What an encoder reads: the batch's images in its dtype, or the token ids (int64)."""
+    if encoder.kind == "vae":
+        itemsize = 4 if encoder.dtype == "float32" else 2
+        return batch_size * 3 * encoder.image_size**2 * itemsize
+    return batch_size * encoder.tokens * 8
+
+
+def whole_step(profile: Profile, regime: Regime, encoders: list[Encoder], measured: dict[str, dict[str, int]],
+               device: str = "cpu", optimizer_impl: str | None = None) -> Profile:  # fmt: skip
+    """``profile`` (the U-Net's step) with ``encoders`` beside it (``measured``: `torch_impl.encoders`).
+
+    Throughout: every encoder's weights; a trained one's optimizer state too, and what its forward
+    keeps through the U-Net's forward and backward. Phases no plan changes: each encoder's forward
+    before the U-Net's (the step's weights, state and EMA alive: ``static_bytes``), a trained
+    encoder's backward after the U-Net's (the U-Net's gradients alive), and the optimizer step with
+    the trained encoder's gradients and, on ``device`` "cuda" under foreach, their temporaries."""
+    if not encoders:
+        return profile
+    trained = [e for e in encoders if e.trained]
+    state = sum(state_bytes(_state_optimizer(regime), [measured[e.name]["params"]], 4) for e in trained)
+    grads = sum(measured[e.name]["weights"] for e in trained)  # float32, as their weights
+    static = sum(measured[e.name]["weights"] for e in encoders) + state + (grads if regime.keep_grads else 0)
+    out = with_static_bytes(profile, static)
+    keep = sum(measured[e.name]["keep"] for e in trained)
+    units = {u: {c: replace(v, fwd_peak=v.fwd_peak + keep, bwd_peak=v.bwd_peak + keep) for c, v in per.items()}
+             for u, per in out.units.items()}  # fmt: skip
+    base = out.static_bytes + (profile.grad_bytes if regime.keep_grads else 0)
+    batch = profile.batch_size
+    phases = {"optimizer": out.opt_peak + (0 if regime.keep_grads else grads) + _temporaries(
+        regime, trained, measured, device, optimizer_impl)}  # fmt: skip
+    for e in encoders:
+        m = measured[e.name]
+        phases[f"{e.name} forward"] = base + input_bytes(e, batch) + m["peak"]
+        if e.trained:  # after the U-Net's backward: its gradients alive, whatever zero_grad does
+            unet_grads = 0 if regime.keep_grads else profile.grad_bytes
+            phases[f"{e.name} backward"] = base + unet_grads + input_bytes(e, batch) + m["backward_peak"]
+    seconds = profile.step_time_s + (sum(measured[e.name].get("flops", 0) for e in encoders) /
+                                     profile.flops_per_s if profile.flops_per_s else 0.0)  # fmt: skip
+    return replace(out, units=units, opt_peak=max(phases.values()), phases=phases, step_time_s=seconds)
+
+
+def _state_optimizer(regime: Regime) -> str:
+    return "adamw8bit" if regime.optimizer == "adamw8bit" else "adamw"  # Adafactor's factored state: not modelled
+
+
+def _temporaries(regime: Regime, trained: list[Encoder], measured: dict[str, dict[str, int]], device: str,
+                 chosen: str | None) -> int:  # fmt: skip
+    """The trained encoders' share of the optimizer step's temporaries: under foreach a copy of
+    their weights; a per-tensor loop's are the U-Net's largest tensor's, already counted."""
+    name = implementation(regime.optimizer, device, chosen)
+    if name != "foreach":
+        return 0
+    return sum(temporaries(regime.optimizer, name, Trained(measured[e.name]["params"], 0)) for e in trained)

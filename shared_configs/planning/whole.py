@@ -1,0 +1,118 @@
+"""The step a planner solves for beyond the U-Net's profile: its encoders and the device it names.
+
+`on_device` turns a U-Net profile into the profile of the whole step on the workload's device: the
+GPU flavour (`shared_configs.planning.gpu`) for ``device`` cuda / cuda-sm90, then the encoders
+(`shared_configs.planning.encoders`), measured from shapes by the torch worker and cached beside the
+profiles. `device_budget` is the allocated peak a card's memory allows. No torch or jax import;
+docs/regimes.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING
+
+from shared_configs.files import atomic_write, locked
+from shared_configs.pair import ControlNetPairSpec
+from shared_configs.planning import gpu
+from shared_configs.planning.budget import Profile, predict
+from shared_configs.planning.encoders import Encoder, StepOptions, encoders_of, whole_step
+from shared_configs.planning.workers import run_worker
+from shared_configs.spec import SpecError
+
+if TYPE_CHECKING:
+    from shared_configs.planning.planner import Workload
+
+ENCODER_SCHEMA = 1
+
+
+def options(workload: Workload) -> StepOptions:
+    return StepOptions(workload.with_encoders, workload.cached_latents, workload.train_text_encoder)
+
+
+def raw(workload: Workload) -> Workload:
+    """``workload``'s U-Net step alone, as the CPU profile holds it."""
+    return replace(workload, device="cpu", with_encoders=False, cached_latents=False, train_text_encoder=False)
+
+
+def check(workload: Workload, framework: str) -> None:
+    """Refuse, in one line, what the whole step is not modelled for."""
+    extra = options(workload).any
+    if framework == "jax" and (extra or workload.device != "cpu"):
+        raise SpecError(f"--device {workload.device}, --with-encoders, --train-text-encoder: the GPU flavour and the "
+                        "encoders are torch's step; use --framework torch")  # fmt: skip
+    if workload.device not in ("cpu", *gpu.DEVICES):
+        raise SpecError(f"device: expected one of cpu, {', '.join(gpu.DEVICES)}, got {workload.device!r}")
+    if workload.cached_latents and not workload.with_encoders:
+        raise SpecError("--cached-latents: leaves the VAE out of --with-encoders; give --with-encoders too")
+
+
+def _unet(workload: Workload) -> object:
+    spec = workload.spec
+    return spec.unet if isinstance(spec, ControlNetPairSpec) else spec
+
+
+def extender(workload: Workload) -> Callable[[Profile, str], Profile]:
+    """A function adding ``workload``'s encoders to a profile, on "cpu" or "cuda"."""
+    encoders = encoders_of(_unet(workload), workload.regime, options(workload))  # type: ignore[arg-type]
+    if not encoders:
+        return lambda profile, device: profile
+    measured = measured_encoders(encoders, workload)
+    return lambda profile, device: whole_step(profile, workload.regime, encoders, measured, device)
+
+
+def on_device(workload: Workload, framework: str, profile: Profile) -> Profile:
+    """``profile`` as the workload's whole step holds it on its device (see the module doc)."""
+    if framework != "torch" or (workload.device == "cpu" and not options(workload).any):
+        return profile
+    spec = _unet(workload)
+    if workload.device != "cpu":
+        profile = gpu.gpu_profile(profile, spec, workload.regime, gpu.DEVICES[workload.device])  # type: ignore[arg-type]
+    return extender(workload)(profile, "cpu" if workload.device == "cpu" else "cuda")
+
+
+def device_budget(workload: Workload, budget: int) -> int:
+    """The allocated peak a plan may reach: ``budget`` itself on the CPU, the card's memory less
+    the context over fragmentation on a GPU (`gpu.device_budget`)."""
+    return budget if workload.device == "cpu" else gpu.device_budget(budget, gpu.DEVICES[workload.device])
+
+
+def measured_encoders(encoders: list[Encoder], workload: Workload) -> dict[str, dict[str, int]]:
+    """`torch_impl.encoders.measure` of each of ``encoders`` at the workload's batch, cached."""
+    from shared_configs.planning.planner import _versions, cache_dir, progress
+
+    autocast = workload.regime.compute_dtype if workload.regime.precision.endswith("-mixed") else None
+    request = {"framework": "torch", "kind": "encoders", "batch_size": workload.batch_size, "autocast": autocast,
+               "encoders": [asdict(e) for e in encoders]}  # fmt: skip
+    key = hashlib.sha256(json.dumps([ENCODER_SCHEMA, request, _versions("torch")], sort_keys=True).encode())
+    path = cache_dir() / f"encoders-{key.hexdigest()[:16]}.json"
+    with locked(path):
+        if path.is_file():
+            try:
+                return json.loads(path.read_text())["encoders"]
+            except (OSError, ValueError, KeyError):
+                pass
+        names = ", ".join(e.name for e in encoders)
+        progress(f"measuring {names} at batch {workload.batch_size} from shapes (fake tensors) ...")
+        found = run_worker(request)
+        atomic_write(path, json.dumps(found, indent=1).encode())
+        return found["encoders"]
+
+
+def checked_peak(workload: Workload, framework: str, checked: int, assignment: dict[str, str], profile: Profile
+                 ) -> int:  # fmt: skip
+    """A plan's peak checked on the U-Net's step alone (fake tensors, CPU), as the whole step holds
+    it: plus what the whole step's ``profile`` predicts beyond the U-Net's own profile."""
+    if workload == raw(workload):
+        return checked
+    from shared_configs.planning.planner import get_profile
+
+    alone = get_profile(framework, raw(workload))
+    return (
+        checked
+        + predict(profile, workload.spec, assignment).peak_bytes
+        - predict(alone, workload.spec, assignment).peak_bytes
+    )

@@ -1,0 +1,88 @@
+"""The models beside the U-Net in a diffusers training step (VAE, text encoders), measured from shapes.
+
+Each is built from its diffusers / transformers config (`shared_configs.planning.encoders`) on fake
+tensors (`torch_impl.profile.ShapesOnly`: nothing allocated, nothing downloaded) and run as the
+training scripts run it: the VAE's encode of a batch of images and a frozen text encoder under
+``no_grad``; a trained text encoder's forward and backward. The bytes come from the profile's own
+live-tensor `Recorder`. No JAX mirror (the JAX loop trains on latents); docs/regimes.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from shared_configs.planning.encoders import Encoder
+from torch_impl.profile import Recorder, ShapesOnly
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def build(encoder: Encoder, mode: ShapesOnly) -> torch.nn.Module:
+    """``encoder``'s model on fake tensors, its weights in ``encoder.dtype``."""
+    with mode:
+        if encoder.kind == "vae":
+            from diffusers import AutoencoderKL
+
+            model: torch.nn.Module = AutoencoderKL(**encoder.config_dict)
+        else:
+            from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+            cls = CLIPTextModelWithProjection if encoder.kind == "clip-projection" else CLIPTextModel
+            model = cls(CLIPTextConfig(**encoder.config_dict))
+        dtype = DTYPES[encoder.dtype]
+        for module in model.modules():  # tensor by tensor: Module.to cannot swap fake parameters
+            for name, t in module._parameters.items():
+                if t is not None:
+                    module._parameters[name] = torch.nn.Parameter(t.to(dtype), requires_grad=encoder.trained)
+    return model
+
+
+def measure(encoder: Encoder, batch_size: int, autocast: str | None = None) -> dict[str, int]:
+    """``encoder``'s bytes at ``batch_size``: its weights, the peak its use adds above them and its
+    input (``peak``); trained: what its forward leaves for the backward beyond its output (``keep``)
+    and the peak of its backward above the weights and input, the weights' gradients included."""
+    mode = ShapesOnly()
+    torch.manual_seed(0)
+    model = build(encoder, mode)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with mode:
+        if encoder.kind == "vae":
+            size = encoder.image_size
+            x = torch.randn(batch_size, 3, size, size, dtype=DTYPES[encoder.dtype])
+        else:
+            x = torch.zeros(batch_size, encoder.tokens, dtype=torch.long)
+    cast = torch.autocast("cpu", dtype=DTYPES[autocast]) if autocast and encoder.trained else contextlib.nullcontext()
+    grad = torch.enable_grad() if encoder.trained else torch.no_grad()
+    recorder = Recorder([*model.parameters(), x])
+    flops = FlopCounterMode(display=False)
+    with mode, recorder, flops:
+        with grad, cast:
+            if encoder.kind == "vae":
+                out = model.encode(x).latent_dist.sample()
+            else:
+                out = model(x, output_hidden_states=encoder.hidden_states).last_hidden_state
+        forward_end = len(recorder.units)
+        if encoder.trained:
+            out.float().sum().backward()
+    levels = recorder.timeline().levels() - (weights + x.numel() * x.element_size())
+    params = sum(p.numel() for p in model.parameters())
+    result = {"weights": weights, "params": params, "peak": int(levels[:forward_end].max()),
+              "flops": int(flops.get_total_flops())}  # fmt: skip
+    if encoder.trained:
+        result["keep"] = int(levels[forward_end - 1]) - out.numel() * out.element_size()
+        result["backward_peak"] = int(levels[forward_end:].max())
+        result["largest"] = max(p.numel() for p in model.parameters())
+    return result
+
+
+def encoders(request: dict[str, Any]) -> dict[str, Any]:
+    """The worker's answer: `measure` of each encoder in ``request["encoders"]``."""
+    found = {}
+    for data in request["encoders"]:
+        encoder = Encoder.from_json(data)
+        found[encoder.name] = measure(encoder, request["batch_size"], request.get("autocast"))
+    return {"encoders": found}
