@@ -176,9 +176,8 @@ def _check(args: argparse.Namespace) -> None:
     if sharded and (args.verify or args.candidates or args.sweep is not None):
         raise SpecError("--world-size with --distributed fsdp: --verify, --candidates and --sweep measure one process "
                         "only")  # fmt: skip
-    if args.controlnet and (args.sweep is not None or args.device != "cpu" or args.world_size > 1):
-        raise SpecError("--controlnet: plans and measures one process's step on the CPU figures; not with --sweep, "
-                        "--device or --world-size")  # fmt: skip
+    if args.controlnet and (args.sweep is not None or args.world_size > 1):
+        raise SpecError("--controlnet: plans and measures one process's step; not with --sweep or --world-size")
     if args.device != "cpu" and (args.framework == "jax" or args.sweep is not None):
         raise SpecError(f"--device {args.device}: the GPU flavour is torch's step (CUDA autocast, its caching "
                         "allocator), for a plan or --policy; not with --framework jax or --sweep")  # fmt: skip

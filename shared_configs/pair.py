@@ -16,7 +16,10 @@ A pair policy is the U-Net grammar over those names:
   ``/save=OPS`` and ``/offload``) means that policy on both networks (on the ControlNet, over the
   units it has: `shared_configs.controlnet.resolve_controlnet_plan`);
 * names, comma-separated, each routed to its network by the prefix;
-* ``;`` groups, each either of the above, with its own save set:
+* ``controlnet:P`` / ``unet:P``: the named policy P on that network only (diffusers'
+  ``train_controlnet.py`` checkpoints the ControlNet alone: ``controlnet:layers``;
+  ``train_controlnet_sdxl.py`` both: ``layers``);
+* ``;`` groups, each any of the above, with its own save set:
   ``controlnet.down.0,up.1;controlnet.mid,up.0/save=conv,matmul``.
 
 `split_pair_plan` turns a pair policy into the U-Net's plan and the ControlNet's (`PairPlan`);
@@ -39,6 +42,7 @@ from shared_configs.spec import SpecError, UNetSpec, _Frozen
 from shared_configs.training.data import Batch, Dataset, example_batch, load_dataset
 
 CONTROLNET = "controlnet."  # the prefix of the ControlNet's unit names in a pair plan
+NETWORKS = ("controlnet", "unet")  # `controlnet:P`, `unet:P`: the named policy P on that network only
 COND_SEED = 7  # the example conditioning image's own seed: the batch's numbers stay as they are
 EDGE_THRESHOLD = 0.5  # an edge: a jump of a quarter of the images' [-1, 1] range between neighbouring pixels
 
@@ -77,9 +81,6 @@ def check_pair_workload(spec: ControlNetPairSpec, shapes: bool, regime: Regime) 
     if spec.unet.norm_kind != "group":
         raise SpecError(f"norm_kind: the ControlNet step is planned for GroupNorm U-Nets (diffusers' ControlNet "
                         f"has no {spec.unet.norm_kind} norm); spec {spec.unet.name!r}")  # fmt: skip
-    if shapes:
-        raise SpecError("--shapes: the ControlNet step is planned from measured profiles only (its two networks "
-                        "have no shapes-only time model); drop --shapes or --controlnet")  # fmt: skip
     if regime.lora_rank is not None:
         raise SpecError(f"--trainable: the ControlNet step trains the whole ControlNet (diffusers' "
                         f"train_controlnet), not {regime.trainable}; use --trainable all")  # fmt: skip
@@ -129,6 +130,10 @@ def split_pair_plan(spec: ControlNetPairSpec, policy: str | PairPlan | None = No
     allowed = pair_names(spec)
     unet_groups, cn_groups = [], []
     for group in (g.strip() for g in text.split(";") if g.strip()):
+        network, colon, rest = group.partition(":")
+        if colon and network.strip() in NETWORKS:  # `controlnet:layers`: a policy on one network only
+            (cn_groups if network.strip() == "controlnet" else unet_groups).append(rest.strip())
+            continue
         if _named(group):  # a named policy: on both networks
             unet_groups.append(group)
             cn_groups.append(group)
@@ -162,6 +167,9 @@ def pair_policy(unet: CheckpointPlan, controlnet: CheckpointPlan) -> str:
     each recomputed unit by its pair name, grouped by the ops it saves (the ControlNet's first)."""
     if unet.policy == controlnet.policy and all(_named(g) for g in unet.policy.split(";")):
         return unet.policy
+    for plan, other, network in ((controlnet, unet, "controlnet"), (unet, controlnet, "unet")):
+        if not other.recompute and all(_named(g) for g in plan.policy.split(";")):
+            return f"{network}:{plan.policy}"
     groups: dict[tuple[tuple[str, ...], bool], list[str]] = {}
     for plan, prefix in ((controlnet, CONTROLNET), (unet, "")):
         for name in plan.recompute:

@@ -83,8 +83,6 @@ def test_a_workload_of_the_pair_round_trips_and_refuses_what_it_does_not_plan() 
     work = Workload.of("tiny", 16, controlnet=True, batch_size=2)
     assert work.spec.name == "tiny+controlnet" and work.spec.sample_size == 16
     assert workload_spec(work.request("torch", "profile")["spec"]) == work.spec
-    with pytest.raises(SpecError, match=r"^--shapes: the ControlNet step is planned from measured profiles only"):
-        Workload.of("tiny", controlnet=True, batch_size=2, shapes=True)
     with pytest.raises(SpecError, match=r"^--trainable: the ControlNet step trains the whole ControlNet"):
         Workload.of("tiny", controlnet=True, batch_size=2, regime=Regime(trainable="lora:4"))
     batch_norm = spec_from_dict({**PAIR.unet.model_dump(), "norm_kind": "batch"})
@@ -95,8 +93,7 @@ def test_a_workload_of_the_pair_round_trips_and_refuses_what_it_does_not_plan() 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--shapes", "--budget-mib", "100"], "--shapes: the ControlNet step is planned from measured profiles only"),
-        (["--sweep", "out"], "--controlnet: plans and measures one process's step on the CPU figures"),
+        (["--sweep", "out"], "--controlnet: plans and measures one process's step; not with --sweep"),
         (["--budget-mib", "100", "--policy", "controlnet.up.0"], "policy: unknown unit 'controlnet.up.0'"),
     ],
 )

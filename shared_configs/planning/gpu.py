@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from shared_configs.arch import down_blocks, up_blocks
+from shared_configs.pair import CONTROLNET, ControlNetPairSpec
 from shared_configs.planning import optimizer_step
-from shared_configs.planning.budget import PLAIN, Cost, Profile, block_layers, predict, with_static_bytes
+from shared_configs.planning.budget import PLAIN, Cost, Profile, StepSpec, block_layers, predict, with_static_bytes
 from shared_configs.planning.unit_flops import HIDDEN, Op, unit_ops
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
@@ -129,10 +130,15 @@ def _add_into(out: dict[str, int], part: dict[str, int]) -> None:
         out[k] = out.get(k, 0) + v
 
 
-def kept_bytes(spec: UNetSpec, batch_size: int, regime: Regime, context_length: int = 77) -> dict[str, int]:
+def kept_bytes(spec: StepSpec, batch_size: int, regime: Regime, context_length: int = 77) -> dict[str, int]:
     """Per leaf unit, the bytes a plain unit keeps on a GPU beyond the CPU profile: autocast's
     float32 norms (mixed precision) and, in float32 (the memory-efficient kernel), the logsumexp's
-    padding of the queries to 32."""
+    padding of the queries to 32. The ControlNet step: the ControlNet's units as the U-Net's, and of
+    the frozen U-Net only the up path and head (its encoder keeps nothing for a backward)."""
+    if isinstance(spec, ControlNetPairSpec):
+        unet = kept_bytes(spec.unet, batch_size, regime, context_length)
+        encoder = {u: v for u, v in unet.items() if not u.startswith("up.") and u != "head"}
+        return {CONTROLNET + u: v for u, v in encoder.items()} | {u: v for u, v in unet.items() if u not in encoder}
     out: dict[str, int] = {}
     if regime.precision in MIXED:
         _add_into(out, autocast_bytes(spec, batch_size, context_length))
@@ -169,10 +175,13 @@ def tensor_count(spec: UNetSpec, regime: Regime) -> int:
     return params + trained + trained * per_trained + SAVED_PER_OP * every_op
 
 
-def rounding_bound(spec: UNetSpec, regime: Regime) -> int:
+def rounding_bound(spec: StepSpec, regime: Regime) -> int:
     """What the 512-byte rounding can add at the peak: at most 511 B per tensor (`tensor_count`).
     The profile's per-unit bytes are sums, so the rounding of each tensor is not known; SD's
-    activations are multiples of 512 B, so the bound is mostly the small tensors'."""
+    activations are multiples of 512 B, so the bound is mostly the small tensors'. The ControlNet
+    step: twice the U-Net's (a bound: the ControlNet is its encoder's copy)."""
+    if isinstance(spec, ControlNetPairSpec):
+        return 2 * rounding_bound(spec.unet, regime)
     return (MIN_BLOCK - 1) * tensor_count(spec, regime)
 
 
@@ -198,7 +207,7 @@ def _unit_delta(unit: str, leaves: dict[str, int], blocks: dict[str, tuple[str, 
     return leaves.get(unit, 0)
 
 
-def optimizer_delta(profile: Profile, spec: UNetSpec, regime: Regime, chosen: str | None = None) -> int:
+def optimizer_delta(profile: Profile, spec: StepSpec, regime: Regime, chosen: str | None = None) -> int:
     """What the optimizer step's temporaries on CUDA (torch's default there, or ``chosen``) add to
     the CPU profile's, which ran the per-parameter loop (`shared_configs.planning.optimizer_step`)."""
     trained = optimizer_step.trained_of(spec, regime, profile.grad_bytes)
@@ -207,7 +216,7 @@ def optimizer_delta(profile: Profile, spec: UNetSpec, regime: Regime, chosen: st
     return optimizer_step.temporaries(regime.optimizer, name, trained) - cpu
 
 
-def gpu_profile(profile: Profile, spec: UNetSpec, regime: Regime, device: Device = Device(),
+def gpu_profile(profile: Profile, spec: StepSpec, regime: Regime, device: Device = Device(),
                 optimizer_impl: str | None = None) -> Profile:  # fmt: skip
     """``profile`` as the step holds it on ``device`` (``max_memory_allocated``'s view): each unit's
     `kept_bytes` kept when plain (in its own peaks too) and alive during its backward when
@@ -246,7 +255,7 @@ class GpuEstimate:
                 "device_bytes": self.device_total, "peak_at": self.peak_unit, "terms": self.terms}  # fmt: skip
 
 
-def estimate(profile: Profile, spec: UNetSpec, regime: Regime, assignment: dict[str, str],
+def estimate(profile: Profile, spec: StepSpec, regime: Regime, assignment: dict[str, str],
              device: Device = Device(), optimizer_impl: str | None = None,
              extend: Callable[[Profile, str], Profile] | None = None) -> GpuEstimate:  # fmt: skip
     """``assignment``'s peak on ``device``: the flavoured profile's prediction (allocated), times

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared_configs.pair import ControlNetPairSpec
 from shared_configs.planning.unit_flops import unit_ops
 from shared_configs.regime import Regime
 from shared_configs.spec import SpecError, UNetSpec
@@ -82,11 +83,12 @@ def describe(optimizer: str, name: str) -> str:
     return f"{optimizer} as {name} ({SOURCES[(optimizer, name)].split(':')[0]})"
 
 
-def trained_of(spec: UNetSpec, regime: Regime, trained_bytes: int) -> Trained:
-    """`Trained` of a U-Net step whose trained weights take ``trained_bytes`` (a profile's
+def trained_of(spec: UNetSpec | ControlNetPairSpec, regime: Regime, trained_bytes: int) -> Trained:
+    """`Trained` of a step whose trained weights take ``trained_bytes`` (a profile's
     ``grad_bytes``): the largest tensor from the spec's convs and matmuls (under LoRA: an adapter,
-    rank x the wider side of its projection)."""
+    rank x the wider side of its projection; the ControlNet step: the U-Net's, a bound)."""
     itemsize = DTYPE_BYTES[regime.param_dtype]
+    spec = spec.unet if isinstance(spec, ControlNetPairSpec) else spec
     ops = [op for per in unit_ops(spec, 1, 1).values() for op in per if op.cls != "attention"]
     rank = regime.lora_rank
     if rank is None:

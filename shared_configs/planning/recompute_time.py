@@ -30,7 +30,13 @@ from dataclasses import replace
 
 from shared_configs.pair import ControlNetPairSpec
 from shared_configs.planning.budget import PLAIN, Cost, Profile, StepSpec, block_layers, leaf_units
-from shared_configs.planning.unit_flops import pair_step_flops, recompute_flops, unit_flops, unit_weights
+from shared_configs.planning.unit_flops import (
+    pair_step_flops,
+    pair_weights,
+    recompute_flops,
+    unit_flops,
+    unit_weights,
+)
 from shared_configs.planning.unit_flops import step_flops as counted_step_flops
 from shared_configs.regime import DEFAULT, OPTIMIZERS, Regime
 from shared_configs.spec import UNetSpec
@@ -77,7 +83,7 @@ def step_flops(
 
 
 def step_seconds(
-    spec: UNetSpec,
+    spec: UNetSpec | ControlNetPairSpec,
     batch_size: int,
     context_length: int,
     regime: Regime,
@@ -86,7 +92,12 @@ def step_seconds(
     bytes_per_s: float,
 ) -> float:
     """The plain step's seconds at the stated rates (the module's formula); ``kept``: the bytes its
-    forward keeps for the backward."""
+    forward keeps for the backward. The ControlNet step: its FLOPs (`pair_step_flops`), the
+    ControlNet's weights updated, both networks' cast."""
+    if isinstance(spec, ControlNetPairSpec):
+        trained, weights = pair_weights(spec)
+        nbytes = 2 * kept + update_bytes(regime, trained) + cast_bytes(regime, weights)
+        return pair_step_flops(spec, batch_size, context_length) / flops_per_s + nbytes / bytes_per_s
     counted = counted_step_flops(spec, batch_size, context_length, regime.lora_rank)
     nbytes = 2 * kept + update_bytes(regime, counted.trained_weights) + cast_bytes(regime, counted.weights)
     return counted.total / flops_per_s + nbytes / bytes_per_s
@@ -136,7 +147,9 @@ def with_adapters(units: Units, spec: UNetSpec, batch_size: int, context_length:
     }
 
 
-def with_recasts(units: Units, spec: UNetSpec, regime: Regime, bytes_per_s: float) -> dict[str, dict[str, Cost]]:
+def with_recasts(
+    units: Units, spec: UNetSpec | ControlNetPairSpec, regime: Regime, bytes_per_s: float
+) -> dict[str, dict[str, Cost]]:
     """``units`` whose recomputes in mixed precision also pay `cast_bytes` for the weights they
     use again: a recompute runs under a fresh autocast, whose cache of weight casts is empty."""
     if not cast_bytes(regime, 1):
@@ -153,7 +166,7 @@ def with_recasts(units: Units, spec: UNetSpec, regime: Regime, bytes_per_s: floa
 
 def at_stated_rates(
     profile: Profile,
-    spec: UNetSpec,
+    spec: UNetSpec | ControlNetPairSpec,
     batch_size: int,
     context_length: int,
     flops_per_s: float,

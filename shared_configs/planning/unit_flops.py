@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from shared_configs.arch import down_blocks, up_blocks
@@ -181,9 +181,12 @@ def unit_flops(
     return out
 
 
-def unit_weights(spec: UNetSpec) -> dict[str, Flops]:
+def unit_weights(spec: UNetSpec | ControlNetPairSpec) -> dict[str, Flops]:
     """The conv/matmul weights of every unit by op class (as `unit_flops`: layers, samplers,
-    blocks, stem, head): what a recompute in mixed precision casts again."""
+    blocks, stem, head): what a recompute in mixed precision casts again. The ControlNet step:
+    both networks' units, as `pair_unit_flops` names them."""
+    if isinstance(spec, ControlNetPairSpec):
+        return _pair_units(unit_weights(spec.unet), controlnet_ops(spec, 1), lambda ops: {"conv": _weights(ops)})
     out: dict[str, Flops] = {}
     for unit, ops in unit_ops(spec, 1, 1).items():
         per: dict[str, float] = defaultdict(float)
@@ -290,10 +293,29 @@ def pair_unit_flops(spec: ControlNetPairSpec, batch_size: int, context_length: i
     """Forward FLOPs of the ControlNet step's units: the ControlNet's (its encoder's are the
     U-Net's; its stem adds the conditioning embedding, its head is its zero convolutions), then the U-Net's."""
     unet = unit_flops(spec.unet, batch_size, context_length)
-    own = {u: _forward(ops, None) for u, ops in controlnet_ops(spec, batch_size).items()}
+    return _pair_units(unet, controlnet_ops(spec, batch_size), lambda ops: _forward(ops, None))
+
+
+def _pair_units(unet: dict[str, Flops], own_ops: dict[str, list[Op]], of: Callable[[list[Op]], Flops]
+                ) -> dict[str, Flops]:  # fmt: skip
+    """The pair's units from the U-Net's: the ControlNet's encoder as the U-Net's, its stem with the
+    conditioning embedding (``own_ops``, each measured by ``of``), its head its zero convolutions."""
+    own = {u: of(ops) for u, ops in own_ops.items()}
     mine = {u: f for u, f in unet.items() if not u.startswith("up.") and u != "head"}
     mine |= {"stem": _add(unet["stem"], own["stem"]), "head": own["head"]}
     return {CONTROLNET + u: f for u, f in mine.items()} | unet
+
+
+def _weights(ops: list[Op]) -> float:
+    return float(sum(op.weights for op in ops if op.cls != "attention"))
+
+
+def pair_weights(spec: ControlNetPairSpec) -> tuple[int, int]:
+    """(the ControlNet's conv/matmul weights, both networks'): what the step updates, and casts."""
+    unet = {u: _weights(ops) for u, ops in unit_ops(spec.unet, 1, 1).items()}
+    encoder = sum(w for u, w in unet.items() if not u.startswith("up.") and u != "head")
+    trained = encoder + sum(_weights(ops) for ops in controlnet_ops(spec, 1).values())
+    return round(trained), round(trained + sum(unet.values()))
 
 
 def pair_step_flops(spec: ControlNetPairSpec, batch_size: int, context_length: int = 77) -> float:

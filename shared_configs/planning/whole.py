@@ -68,9 +68,8 @@ def on_device(workload: Workload, framework: str, profile: Profile) -> Profile:
     """``profile`` as the workload's whole step holds it on its device (see the module doc)."""
     if framework != "torch" or (workload.device == "cpu" and not options(workload).any):
         return profile
-    spec = _unet(workload)
     if workload.device != "cpu":
-        profile = gpu.gpu_profile(profile, spec, workload.regime, gpu.DEVICES[workload.device])  # type: ignore[arg-type]
+        profile = gpu.gpu_profile(profile, workload.spec, workload.regime, gpu.DEVICES[workload.device])
     return extender(workload)(profile, "cpu" if workload.device == "cpu" else "cuda")
 
 
