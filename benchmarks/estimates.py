@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import cards
 from benchmarks.reports.report import atomic_write, write_json
 from shared_configs.cli import OneLineParser, cli_errors, positive_int, stopping
 from shared_configs.planning import gpu
@@ -119,7 +120,8 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m benchmarks.estimates", description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", type=_names(None), default=list(CONFIGS), help="presets (default: sd15,sd21,sdxl)")
+    p.add_argument("--configs", "--config", type=_names(None), default=list(CONFIGS),
+                   help="presets (default: sd15,sd21,sdxl)")  # fmt: skip
     p.add_argument("--batches", type=_ints, default=list(BATCHES), help="batch sizes (default: 1,2,4,8)")
     p.add_argument("--regimes", type=_names(REGIMES), default=list(DEFAULT_REGIMES),
                    help=f"regimes, from {', '.join(REGIMES)} (default: {','.join(DEFAULT_REGIMES)})")  # fmt: skip
@@ -127,7 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICES, default="cuda",
                    help="add the GPU flavour of the none and diffusers-style peaks (cuda: before Hopper; "
                    "cuda-sm90: Hopper's workspaces; cpu: none; default cuda)")  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path("estimates"), help="folder for estimates.json and estimates.md")
+    p.add_argument("--gpu-gib", type=_floats, default=[],
+                   help="the card table instead: per preset and regime, the largest of --batches that fits each of "
+                   "these cards (GiB, as nvidia-smi counts with --device cuda), plain and with a plan")  # fmt: skip
+    p.add_argument("--with-encoders", action="store_true", help="--gpu-gib: the VAE and text encoders beside the U-Net")
+    p.add_argument("--cached-latents", action="store_true", help="--gpu-gib --with-encoders: no VAE")
+    p.add_argument("--train-text-encoder", action="store_true", help="--gpu-gib: the text encoder trained too")
+    p.add_argument("--out", type=Path, default=Path("estimates"),
+                   help="folder for estimates.json and .md (cards.json and .md with --gpu-gib)")  # fmt: skip
     return p
 
 
@@ -136,6 +145,16 @@ def _ints(text: str) -> list[int]:
         values = [positive_int(x) for x in text.split(",")]
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
+    return values
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas, got {text!r}")
     return values
 
 
@@ -164,42 +183,66 @@ GPU_METHOD = (
 
 def _document(args: argparse.Namespace, rows: list[dict[str, Any]], seconds: float, cases: int) -> dict[str, Any]:
     """The JSON: ``complete`` false (and ``rows`` of ``cases``) until the last row is in."""
+    head = {"complete": len(rows) == cases, "cases": cases, "device": args.device}
+    if args.gpu_gib:
+        method = cards.method(args.device, args.batches, _step(args))
+        return head | {"cards_gib": args.gpu_gib, "rows": rows, "seconds": round(seconds, 1), "method": method}
     method = METHOD + (GPU_METHOD.format(device=args.device) if args.device != "cpu" else "")
-    return {"complete": len(rows) == cases, "cases": cases, "budgets_gib": args.budgets_gib, "device": args.device,
-            "rows": rows, "seconds": round(seconds, 1), "method": method}  # fmt: skip
+    return head | {"budgets_gib": args.budgets_gib, "rows": rows, "seconds": round(seconds, 1), "method": method}
 
 
-def _kept(out: Path, rows: int, cases: int) -> str:
+def _step(args: argparse.Namespace) -> dict[str, bool]:
+    return {k: getattr(args, k) for k in ("with_encoders", "cached_latents", "train_text_encoder")}
+
+
+def _kept(out: Path, name: str, rows: int, cases: int) -> str:
     """What a stopped run leaves behind, in words."""
     if not rows:
         return "nothing written (profiles made stay cached)"
-    return (f"{rows} of {cases} rows written to {out / 'estimates.json'}, marked incomplete (\"complete\": false); "
-            "estimates.md not written (profiles made stay cached)")  # fmt: skip
+    return (f"{rows} of {cases} rows written to {out / (name + '.json')}, marked incomplete (\"complete\": false); "
+            f"{name}.md not written (profiles made stay cached)")  # fmt: skip
+
+
+def _cases(args: argparse.Namespace) -> list[tuple[Any, ...]]:
+    if args.gpu_gib:  # a row per preset and regime, over every batch
+        return [(c, r) for c in args.configs for r in args.regimes]
+    if any(_step(args).values()):
+        raise SpecError("--with-encoders, --cached-latents, --train-text-encoder: for the card table (--gpu-gib)")
+    return [(c, b, r) for c in args.configs for b in args.batches for r in args.regimes]
+
+
+def _row(args: argparse.Namespace, case: tuple[Any, ...]) -> dict[str, Any]:
+    if args.gpu_gib:
+        config, regime = case
+        return cards.card_row(config, regime, REGIMES[regime], args.batches, args.gpu_gib, args.device, _step(args))
+    config, batch, regime = case
+    return row(config, batch, regime, tuple(args.budgets_gib), args.device)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rows: list[dict[str, Any]] = []
-    cases = [(c, b, r) for c in args.configs for b in args.batches for r in args.regimes]
+    name, render = ("cards", cards.markdown) if args.gpu_gib else ("estimates", markdown)
     with cli_errors("benchmarks.estimates"):
+        cases = _cases(args)
         try:
             start = time.perf_counter()
             args.out.mkdir(parents=True, exist_ok=True)
-            for i, (config, batch, regime) in enumerate(cases, start=1):
-                progress(f"estimates {i}/{len(cases)}: {config}, batch {batch}, {regime} "
-                         f"({time.perf_counter() - start:.0f} s so far)")  # fmt: skip
+            for i, case in enumerate(cases, start=1):
+                what = ", ".join(str(c) if not isinstance(c, int) else f"batch {c}" for c in case)
+                progress(f"{name} {i}/{len(cases)}: {what} ({time.perf_counter() - start:.0f} s so far)")
                 try:
-                    rows.append(row(config, batch, regime, tuple(args.budgets_gib), args.device))
+                    rows.append(_row(args, case))
                 except SpecError as err:
-                    raise SpecError(f"{config}, batch {batch}, {regime}: {err}") from None
+                    raise SpecError(f"{what}: {err}") from None
                 doc = _document(args, rows, time.perf_counter() - start, len(cases))
-                write_json(args.out / "estimates.json", doc)  # after every row: a cut run keeps what it did
+                write_json(args.out / f"{name}.json", doc)  # after every row: a cut run keeps what it did
         except KeyboardInterrupt as stop:
-            with stopping(_kept(args.out, len(rows), len(cases))):
+            with stopping(_kept(args.out, name, len(rows), len(cases))):
                 raise stop from None
-        atomic_write(args.out / "estimates.md", markdown(doc).encode())
-        print(markdown(doc))
-        print(f"wrote {args.out / 'estimates.json'}, {args.out / 'estimates.md'} ({len(rows)} rows)")
+        atomic_write(args.out / f"{name}.md", render(doc).encode())
+        print(render(doc))
+        print(f"wrote {args.out / (name + '.json')}, {args.out / (name + '.md')} ({len(rows)} rows)")
     return 0
 
 

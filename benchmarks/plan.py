@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cached-latents", action="store_true", help="with --with-encoders: no VAE (latents cached)")
     p.add_argument("--train-text-encoder", action="store_true",
                    help="torch: the text encoder trained too (float32, its gradients and optimizer state)")  # fmt: skip
+    p.add_argument("--unfused-attention", action="store_true",
+                   help="with --device: attention that keeps its probabilities (diffusers' AttnProcessor without "
+                   "SDPA or xformers: torch before 2.0)")  # fmt: skip
     add_regime_arguments(p)
     d = defaults(DEVICE)
     p.add_argument("--attention-chunk", type=chunk_arg, default=AUTO, metavar="N", help=CHUNK_HELP)
@@ -236,7 +239,7 @@ def _framework_entry(
     if args.device != "cpu" and fw == "torch":  # the profile is the card's: its readings from the U-Net's own
         assignment = assignment_of(workload.spec, policy)
         alone = get_profile(fw, whole.raw(workload))
-        flavour = gpu.estimate(alone, workload.spec, workload.regime, assignment, gpu.DEVICES[args.device],
+        flavour = gpu.estimate(alone, workload.spec, workload.regime, assignment, whole.card(workload),
                                extend=whole.extender(workload))  # fmt: skip
         entry["gpu"] = {"device": args.device} | flavour.as_dict()
     if profile.phases:
@@ -329,6 +332,7 @@ def workload_of(args: argparse.Namespace) -> Workload:
         with_encoders=args.with_encoders,
         cached_latents=args.cached_latents,
         train_text_encoder=args.train_text_encoder,
+        unfused_attention=args.unfused_attention,
     )
 
 

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import estimates
+from benchmarks import cards, estimates
 from shared_configs import load_spec
 from shared_configs.cli import Interrupted
 from shared_configs.planning import gpu, planner
 from shared_configs.planning.budget import assignment_of, predict
 from shared_configs.planning.planner import CACHE_ENV, Workload, profile_path
+from shared_configs.regime import Regime
 from shared_configs.units import MIB
 from tests.helpers.specs import random_profile
 
@@ -101,3 +102,32 @@ def test_a_stopped_run_says_what_it_wrote_and_marks_it_incomplete(
     doc = json.loads((out / "estimates.json").read_text())
     assert doc["complete"] is False and doc["cases"] == 2 and len(doc["rows"]) == 1
     assert not (out / "estimates.md").exists()
+
+
+def test_the_card_table_is_the_largest_batch_that_fits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--gpu-gib``: per card, the largest batch whose plain peak fits, and the largest with a
+    plan, each against the card's memory as nvidia-smi counts it (the GPU flavour's reading)."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    profiles = {}
+    for batch in (1, 2):
+        work = Workload.of("tiny", batch_size=batch, shapes=True)
+        profile = dataclasses.replace(random_profile(SPEC, batch, framework="torch"), mode="shapes", batch_size=batch)
+        path = profile_path("torch", work)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profile.save(path)
+        profiles[batch] = profile
+    card_mib = 700
+    monkeypatch.setattr(cards, "GIB", MIB)  # tiny's figures are far below a GiB: cards in MiB here
+    out = tmp_path / "out"
+    argv = ["--config", "tiny", "--batches", "1,2", "--regimes", "fp32", "--device", "cuda", "--out", str(out)]
+    assert estimates.main([*argv, "--gpu-gib", str(card_mib)]) == 0
+    doc = json.loads((out / "cards.json").read_text())
+    cell = doc["rows"][0]["cards"][str(card_mib)]
+    on_card = {b: gpu.estimate(p, SPEC, Regime(), {}).device_total for b, p in profiles.items()}  # plain, on the card
+    fits = [b for b, total in on_card.items() if total <= card_mib * MIB]
+    assert (cell["none"] or {}).get("batch") == max(fits, default=None)
+    plan = cell["plan"]
+    assert plan["device_bytes"] <= card_mib * MIB
+    flavour = gpu.estimate(profiles[plan["batch"]], SPEC, Regime(), assignment_of(SPEC, plan["policy"]))
+    assert flavour.device_total == plan["device_bytes"]
+    assert "| tiny 8² | fp32 |" in (out / "cards.md").read_text()

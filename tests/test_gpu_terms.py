@@ -153,7 +153,7 @@ def test_a_real_profile_gains_the_static_terms_and_the_optimizers_at_the_optimiz
     fused = gpu.gpu_profile(profile, TINY, regime, optimizer_impl="fused")
     assert predict(fused, TINY, {}).peak_bytes == predict(profile, TINY, {}).peak_bytes + static - 2 * 4 * largest
     terms = gpu.estimate(profile, TINY, regime, {}).terms
-    assert terms["optimizer step (foreach, over the CPU's per-parameter loop)"] == foreach
+    assert terms["optimizer step (foreach, over the CPU's peak)"] == foreach
     unit = "down.1.attentions.0"  # the 4x4 level's: 16 queries padded to 32
     extra = gpu.kept_bytes(TINY, profile.batch_size, regime)[unit]
     assert flavoured.units[unit][PLAIN].keep == profile.units[unit][PLAIN].keep + extra
@@ -207,3 +207,20 @@ def test_a_plan_for_a_card_fits_the_card_where_the_cpu_models_would_not(
     assert card.device_total <= budget and on_card.solution.predictions[0].peak_bytes == card.allocated
     on_cpu = planner.plan(Workload.of("tiny", batch_size=2), budget)
     assert gpu.estimate(profile, TINY, Regime(), on_cpu.solution.assignment).device_total > budget
+
+
+def test_unfused_attention_keeps_its_probabilities() -> None:
+    """``--unfused-attention``: by hand from the shapes, and what autograd saves when the attention
+    runs as diffusers' ``AttnProcessor`` does (baddbmm, softmax, bmm): the softmax's output."""
+    lse = gpu.logsumexp_bytes(SD15, 1)["down.0.attentions.0"]
+    by_hand = 8 * 4096 * (4096 + 77)  # 8 heads, 4096 queries, a self (4096 keys) and a cross (77) attention
+    assert gpu.probabilities_bytes(SD15, 1, Regime("fp32"))["down.0.attentions.0"] == 4 * by_hand - lse
+    assert gpu.probabilities_bytes(SD15, 1, Regime("bf16-mixed"))["down.0.attentions.0"] == 6 * by_hand - lse
+    assert gpu.kept_bytes(SD15, 1, Regime("fp32"), unfused=True) == gpu.probabilities_bytes(SD15, 1, Regime("fp32"))
+    saved: list[torch.Tensor] = []
+    q = torch.randn(2 * 8, 64, 40, requires_grad=True)  # (batch x heads, queries, head dim)
+    with _saving(saved):
+        scores = torch.baddbmm(torch.empty(16, 64, 64), q, q.transpose(1, 2), beta=0, alpha=40**-0.5)
+        torch.bmm(scores.softmax(dim=-1), q)
+    kept = {t.data_ptr(): t for t in saved if tuple(t.shape) == (16, 64, 64)}
+    assert [t.dtype for t in kept.values()] == [torch.float32]  # the probabilities, once; the scores are not kept

@@ -96,6 +96,23 @@ def logsumexp_bytes(spec: UNetSpec, batch_size: int, context_length: int = 77, b
     return out
 
 
+def probabilities_bytes(spec: UNetSpec, batch_size: int, regime: Regime, context_length: int = 77) -> dict[str, int]:
+    """Per unit, what an unfused attention (diffusers' ``AttnProcessor``: baddbmm, softmax, bmm)
+    keeps beyond a fused one: the softmax's float32 output, B x heads x queries x keys (softmax is
+    on CUDA autocast's float32 list), and in mixed precision its half-precision cast, which the
+    second bmm saves; less the fused kernel's logsumexp, which it does not keep."""
+    per_element = 4 + (2 if regime.precision in MIXED else 0)
+    out: dict[str, int] = {}
+    for unit, ops in unit_ops(spec, batch_size, context_length).items():
+        for i, op in enumerate(ops):
+            if op.cls == "attention":
+                queries, keys = ops[i - 3].rows // batch_size, ops[i - 2].rows // batch_size
+                heads = _heads(spec, unit)
+                extra = batch_size * heads * queries * (per_element * keys - LSE_BYTES)
+                out[unit] = out.get(unit, 0) + extra
+    return out
+
+
 def _norms(unit: str, ops: list[Op]) -> Iterable[tuple[int, bool]]:
     """(input elements, SiLU follows) of each GroupNorm/LayerNorm of a unit, read off the op that
     consumes it (`unit_flops.unit_ops`' order): a ResNet's two 3x3 convs and the head's conv follow
@@ -130,13 +147,15 @@ def _add_into(out: dict[str, int], part: dict[str, int]) -> None:
         out[k] = out.get(k, 0) + v
 
 
-def kept_bytes(spec: StepSpec, batch_size: int, regime: Regime, context_length: int = 77) -> dict[str, int]:
+def kept_bytes(spec: StepSpec, batch_size: int, regime: Regime, context_length: int = 77, unfused: bool = False
+               ) -> dict[str, int]:  # fmt: skip
     """Per leaf unit, the bytes a plain unit keeps on a GPU beyond the CPU profile: autocast's
     float32 norms (mixed precision) and, in float32 (the memory-efficient kernel), the logsumexp's
-    padding of the queries to 32. The ControlNet step: the ControlNet's units as the U-Net's, and of
-    the frozen U-Net only the up path and head (its encoder keeps nothing for a backward)."""
+    padding of the queries to 32; ``unfused``: the attention probabilities (`probabilities_bytes`).
+    The ControlNet step: the ControlNet's units as the U-Net's, and of the frozen U-Net only the up
+    path and head (its encoder keeps nothing for a backward)."""
     if isinstance(spec, ControlNetPairSpec):
-        unet = kept_bytes(spec.unet, batch_size, regime, context_length)
+        unet = kept_bytes(spec.unet, batch_size, regime, context_length, unfused)
         encoder = {u: v for u, v in unet.items() if not u.startswith("up.") and u != "head"}
         return {CONTROLNET + u: v for u, v in encoder.items()} | {u: v for u, v in unet.items() if u not in encoder}
     out: dict[str, int] = {}
@@ -146,6 +165,8 @@ def kept_bytes(spec: StepSpec, batch_size: int, regime: Regime, context_length: 
         padded = logsumexp_bytes(spec, batch_size, context_length, MEM_EFFICIENT_QUERY_BLOCK)
         plain = logsumexp_bytes(spec, batch_size, context_length)
         _add_into(out, {u: padded[u] - plain[u] for u in padded if padded[u] > plain[u]})
+    if unfused:
+        _add_into(out, probabilities_bytes(spec, batch_size, regime, context_length))
     return out
 
 
@@ -192,6 +213,7 @@ class Device:
 
     hopper: bool = False
     lazy_loading: bool = True
+    unfused_attention: bool = False  # the step's attention keeps its probabilities (no SDPA, no xformers)
 
     @property
     def context(self) -> int:
@@ -222,7 +244,7 @@ def gpu_profile(profile: Profile, spec: StepSpec, regime: Regime, device: Device
     `kept_bytes` kept when plain (in its own peaks too) and alive during its backward when
     recomputed; the optimizer's CUDA temporaries at its step (`optimizer_delta`); the workspaces and
     the rounding bound alive throughout."""
-    leaves = kept_bytes(spec, profile.batch_size, regime, profile.context_length)
+    leaves = kept_bytes(spec, profile.batch_size, regime, profile.context_length, device.unfused_attention)
     blocks = block_layers(spec)
     units: dict[str, dict[str, Cost]] = {}
     for unit, per in profile.units.items():
@@ -268,14 +290,12 @@ def estimate(profile: Profile, spec: StepSpec, regime: Regime, assignment: dict[
     reserved = round(gpu.peak_bytes * FRAGMENTATION)
     static = round(profile.scale * (workspace_bytes(device.hopper) + rounding_bound(spec, regime)))
     name = optimizer_step.implementation(regime.optimizer, "cuda", optimizer_impl)
-    at_step = 0
-    if gpu.peak_unit == "optimizer":
-        step = [p.phases.get("optimizer", p.opt_peak) for p in (flavoured, on_cpu)]
-        at_step = round(profile.scale * (step[0] - step[1])) - static
+    # the peak moved to (or stayed at) the optimizer step: all it adds over the CPU's peak is that step's
+    at_step = gpu.peak_bytes - cpu.peak_bytes - static if gpu.peak_unit == "optimizer" else 0
     terms = {
         # at the flavour's peak, which may sit at another unit than the CPU estimate's
-        "activations (autocast norms, attention padding)": gpu.peak_bytes - cpu.peak_bytes - static - at_step,
-        f"optimizer step ({name}, over the CPU's per-parameter loop)": at_step,
+        "activations (autocast norms, attention)": gpu.peak_bytes - cpu.peak_bytes - static - at_step,
+        f"optimizer step ({name}, over the CPU's peak)": at_step,
         "cuBLAS + cuBLASLt workspaces": workspace_bytes(device.hopper),
         "rounding (bound)": rounding_bound(spec, regime),
         "fragmentation (reserved - allocated)": reserved - gpu.peak_bytes,

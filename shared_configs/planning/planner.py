@@ -84,6 +84,7 @@ class Workload:
     with_encoders: bool = False
     cached_latents: bool = False
     train_text_encoder: bool = False
+    unfused_attention: bool = False  # on a GPU: attention keeping its probabilities (no SDPA, no xformers)
 
     def __post_init__(self) -> None:
         if isinstance(self.spec, ControlNetPairSpec):
@@ -120,7 +121,8 @@ class Workload:
         return {"kind": kind, "framework": framework, "spec": self.spec.model_dump(mode="json"), **data, **extra}
 
 
-WHOLE_STEP = ("device", "with_encoders", "cached_latents", "train_text_encoder")  # applied to the profile, not profiled
+# Applied to the profile, not profiled: not in the workers' requests nor the cache key.
+WHOLE_STEP = ("device", "with_encoders", "cached_latents", "train_text_encoder", "unfused_attention")
 
 
 def cache_dir() -> Path:

@@ -35,7 +35,8 @@ def options(workload: Workload) -> StepOptions:
 
 def raw(workload: Workload) -> Workload:
     """``workload``'s U-Net step alone, as the CPU profile holds it."""
-    return replace(workload, device="cpu", with_encoders=False, cached_latents=False, train_text_encoder=False)
+    return replace(workload, device="cpu", with_encoders=False, cached_latents=False, train_text_encoder=False,
+                   unfused_attention=False)  # fmt: skip
 
 
 def check(workload: Workload, framework: str) -> None:
@@ -46,6 +47,8 @@ def check(workload: Workload, framework: str) -> None:
                         "encoders are torch's step; use --framework torch")  # fmt: skip
     if workload.device not in ("cpu", *gpu.DEVICES):
         raise SpecError(f"device: expected one of cpu, {', '.join(gpu.DEVICES)}, got {workload.device!r}")
+    if workload.unfused_attention and workload.device == "cpu":
+        raise SpecError("--unfused-attention: what a GPU's unfused attention keeps; give --device cuda too")
     if workload.cached_latents and not workload.with_encoders:
         raise SpecError("--cached-latents: leaves the VAE out of --with-encoders; give --with-encoders too")
 
@@ -69,8 +72,13 @@ def on_device(workload: Workload, framework: str, profile: Profile) -> Profile:
     if framework != "torch" or (workload.device == "cpu" and not options(workload).any):
         return profile
     if workload.device != "cpu":
-        profile = gpu.gpu_profile(profile, workload.spec, workload.regime, gpu.DEVICES[workload.device])
+        profile = gpu.gpu_profile(profile, workload.spec, workload.regime, card(workload))
     return extender(workload)(profile, "cpu" if workload.device == "cpu" else "cuda")
+
+
+def card(workload: Workload) -> gpu.Device:
+    """The GPU flavour's `gpu.Device` of a workload on a GPU: its attention as the workload says."""
+    return replace(gpu.DEVICES[workload.device], unfused_attention=workload.unfused_attention)
 
 
 def device_budget(workload: Workload, budget: int) -> int:
