@@ -17,7 +17,6 @@ policy given instead of solving for one. The method is in docs/planning.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 from benchmarks.harness import plan_sweep
 from benchmarks.harness.job import load_benchmark_spec
+from benchmarks.reports import plan_text
 from benchmarks.reports.report import write_json
 from shared_configs import SpecError
 from shared_configs.cli import (
@@ -37,8 +37,7 @@ from shared_configs.cli import (
     stopping,
 )
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, resolve_chunk
-from shared_configs.pair import ControlNetPairSpec
-from shared_configs.planning import candidates, gpu, whole
+from shared_configs.planning import gpu, whole
 from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile, assignment_of
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS
 from shared_configs.planning.planner import (
@@ -52,7 +51,7 @@ from shared_configs.planning.planner import (
     plan,
     predict_policy,
 )
-from shared_configs.planning.stepclock import paired, paired_text
+from shared_configs.planning.stepclock import paired
 from shared_configs.regime import add_regime_arguments, regime_of
 from shared_configs.units import MIB
 
@@ -229,6 +228,7 @@ def _framework_entry(
         "predicted_overhead": pred.overhead(profile),
         "recompute_flops": pred.flops,
         "peak_at": pred.peak_unit,
+        "reference_peak_bytes": plan_text.references(profile, workload),  # none's and full's, to read it against
         "time_method": "measured"
         if profile.mode == "measured"
         else f"estimated: FLOPs at {profile.flops_per_s:.3g} FLOP/s + elementwise bytes at "
@@ -262,56 +262,6 @@ def _from_race(report: dict[str, Any], framework: str) -> dict[str, Any]:
     return {"measured_peak_bytes": chosen["measured_peak_bytes"],
             "measured_overhead": statistics.median(chosen["rounds_s"]) / statistics.median(none) - 1,
             "measured_overhead_paired": chosen["measured_overhead"]}  # fmt: skip
-
-
-def _ranks(doc: dict[str, Any]) -> str:
-    n = doc.get("world_size", 1)
-    return f" per rank of {n} ({doc['distributed']})" if n > 1 else ""
-
-
-def render(doc: dict[str, Any], workload: Workload) -> str:
-    spec = workload.spec
-    what = (f"{spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size}{_ranks(doc)}, "
-            f"{workload.regime.describe()}")  # fmt: skip
-    if doc["budget_bytes"] is None:
-        head = f"the policy given, for {what} (predicted from the profile, not solved):"
-    else:
-        head = (f"plan for {what}, budget {doc['budget_bytes'] / MIB:.1f} MiB, planned {100 * doc['margin']:.1f}% "
-                f"below it (the model's error on its profile steps and 0.5%, more where its checked peak was over "
-                f"it; solved in {doc['solve_seconds']:.2f} s):")  # fmt: skip
-    lines = [
-        head,
-        f"  settings: {doc['settings']}",
-        f"  policy: {doc['plan']}",
-    ]
-    if not isinstance(spec, ControlNetPairSpec):  # a pair plan goes to both networks (torch_impl.pair), not a spec
-        lines.append(f"  yaml:   checkpoint: {json.dumps(doc['plan'])}")
-    for fw, d in doc["frameworks"].items():
-        on = f" on {workload.device}, allocated" if workload.device != "cpu" and fw == "torch" else ""
-        line = (f"  {fw}: predicted peak{on} {d['predicted_peak_bytes'] / MIB:.1f} MiB (at {d['peak_at']}), "
-                f"overhead {100 * d['predicted_overhead']:+.1f}% ({d['time_method']}), "
-                f"recompute {d['recompute_flops'] / 1e9:.1f} GFLOP")  # fmt: skip
-        if "modelled" in d:
-            line += f" [{d['modelled']}]"
-        if "measured_peak_bytes" in d:
-            err = d["predicted_peak_bytes"] / d["measured_peak_bytes"] - 1
-            line += (f"; measured peak {d['measured_peak_bytes'] / MIB:.1f} MiB (prediction {100 * err:+.1f}%), "
-                     f"overhead {100 * d['measured_overhead']:+.1f}% (round by round: "
-                     f"{paired_text(d['measured_overhead_paired'])})")  # fmt: skip
-        lines.append(line)
-        if "gpu" in d:
-            lines.append(gpu_line(d["gpu"]))
-    if doc.get("candidates"):
-        lines.append(candidates.table(doc["candidates"]))
-    return "\n".join(lines)
-
-
-def gpu_line(g: dict[str, Any]) -> str:
-    """The GPU flavour's figures and its terms, MiB (docs/regimes.md: each term's source)."""
-    terms = ", ".join(f"{name} {v / MIB:.1f}" for name, v in g["terms"].items())
-    return (f"  {g['device']}: max_memory_allocated {g['allocated_bytes'] / MIB:.1f} MiB (at {g['peak_at']}), "
-            f"max_memory_reserved {g['reserved_bytes'] / MIB:.1f} MiB, nvidia-smi {g['device_bytes'] / MIB:.1f} MiB "
-            f"[CPU estimate {g['cpu_peak_bytes'] / MIB:.1f} MiB; terms, MiB: {terms}]")  # fmt: skip
 
 
 def workload_of(args: argparse.Namespace) -> Workload:
@@ -370,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{fw}:\n" + plan_sweep.efficiency_table(plan_sweep.efficiency(get_profile(fw, workload), workload))
                 )
         doc = plan_document(args, workload)
-        print(render(doc, workload))
+        print(plan_text.render(doc, workload))
         if args.json is not None:
             write_json(args.json, doc)
     return 0

@@ -60,6 +60,7 @@ from shared_configs.planning.stepclock import contenders, measured_rounds, times
 from shared_configs.planning.timeline import Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from shared_configs.planning.workers import XLA_CPU_OPTIONS, serve
+from shared_configs.progress import tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 from shared_configs.training.data import example_batch
 
@@ -220,7 +221,7 @@ def profile(
     units: dict[str, dict[str, Cost]] = {}
     runs: dict[str, Any] = {}
     compiled: dict[str, Any] = {}
-    for choice, level in PROFILE_RUNS:
+    for choice, level in tracked(PROFILE_RUNS, "compiles", " ".join):
         assignment = {} if choice == PLAIN else uniform(spec, choice, level)
         costs, live_peak, peak, compiled[policy_string(assignment)] = memory_run(s, assignment, fast=not timing)
         runs[policy_string(assignment)] = {"peak_bytes": peak, "live_peak_bytes": live_peak}
@@ -270,7 +271,7 @@ def peaks(
     compile at -O0 with nothing allocated and nothing run (buffer assignment precedes codegen)."""
     s = setup(spec, batch_size, context_length, attention_chunk, run=False, regime=regime.profiled)
     delta = modelled_state(s, regime).get("modelled_state_bytes", 0)
-    return {"peaks": {p: compiled_peak(compiled_step(s, p)) + delta for p in policies}}
+    return {"peaks": {p: compiled_peak(compiled_step(s, p)) + delta for p in tracked(policies, "compiles")}}
 
 
 def measure(
@@ -286,7 +287,7 @@ def measure(
     """Per policy: the compiled step's ``memory_analysis()`` peak, its step times (``rounds_s``, taken
     in turn) and their median; ``race_to``: raced (`shared_configs.planning.stepclock.measured_rounds`)."""
     s = setup(spec, batch_size, context_length, attention_chunk, run=True, regime=regime)
-    compiled = {p: compiled_step(s, p, fast=False) for p in policies}
+    compiled = {p: compiled_step(s, p, fast=False) for p in tracked(policies, "compiles")}
     rounds = timed(s, compiled, steps, {p: compiled_peak(c) for p, c in compiled.items()}, race_to)
     rows = {p: {"peak_bytes": compiled_peak(c)} | times(rounds[p]) for p, c in compiled.items()}
     return {

@@ -1,5 +1,5 @@
 """What every CLI shares: a parser whose errors are one line, number types, the output-folder check
-and the exit codes.
+and the exit codes; the library's progress on stderr (`shared_configs.progress`).
 
 Bad input is one line on stderr, ``<prog>: error: <flag>: <what is wrong>``, and exit status 2; a
 framework that cannot be measured 1; SIGINT or SIGTERM 128 + the signal's number (130, 143), with
@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
+from shared_configs.progress import cli_logging
 from shared_configs.spec import SpecError
 
 Number = int | float
@@ -105,6 +106,7 @@ def cli_errors(module: str) -> Iterator[None]:
     the way out (`shared_configs.processes.worker_group`), and a second signal does not cut that short.
     """
     prog = f"python -m {module}"
+    cli_logging()  # the library's progress on stderr: a live line on a terminal, plain lines in a log
     try:
         with _interrupts():
             yield

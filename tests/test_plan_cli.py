@@ -16,12 +16,14 @@ import pytest
 
 import torch_impl
 from benchmarks import plan as cli
+from benchmarks.reports import plan_text
 from shared_configs import SpecError, load_spec, resolve_plan
 from shared_configs.planning import planner, stepclock
 from shared_configs.planning.budget import SAFETY, Profile, assignment_of, per_rank, predict, safety_margin
 from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs.planning.solver import smallest_peak, solve
+from shared_configs.planning.units import block_layers
 from shared_configs.regime import Regime
 from shared_configs.units import MIB
 from tests.helpers.specs import random_profile
@@ -352,7 +354,8 @@ def test_policy_is_predicted_not_solved(
         entry = doc["frameworks"][fw]
         assert (entry["predicted_peak_bytes"], entry["peak_at"]) == (pred.peak_bytes, pred.peak_unit)
         assert entry["predicted_overhead"] == pytest.approx(pred.time_s / profile.step_time_s)
-        assert f"{fw}: predicted peak {pred.peak_bytes / MIB:.1f} MiB (at {pred.peak_unit})" in printed
+        assert f"{fw}: predicted peak {pred.peak_bytes / MIB:,.1f} MiB: " in printed
+        assert f"peak at {pred.peak_unit};" in printed
     if world > 1:  # sharding took something off
         assert doc["frameworks"]["torch"]["predicted_peak_bytes"] < predict(cache["torch"], SPEC, {}).peak_bytes
 
@@ -413,3 +416,43 @@ def test_plan_for_a_diffusers_folder_and_a_cached_repo(
             assert entry["predicted_peak_bytes"] == expected
     assert "bf16-mixed, all weights trained, adafactor" in capsys.readouterr().out
 
+
+
+def test_the_answer_names_none_and_full_and_lists_each_block(cache: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """Beside the policy string: a link to its grammar, none's and full's predicted peaks, the plan's
+    saving and time cost, and per block what is recomputed, with which op classes saved, and kept."""
+    none, full = (predict(cache["torch"], SPEC, assignment_of(SPEC, p)).peak_bytes for p in ("none", "full"))
+    budget = (none + full) / 2
+    assert cli.main(["--config", "tiny", "--batch-size", "2", "--budget-mib", str(budget / MIB)]) == 0
+    out = capsys.readouterr().out
+    policy = next(line for line in out.splitlines() if line.startswith("  policy: "))
+    assert "docs/spec_and_plans.md#checkpoint-plans" in policy
+    plan = policy.split()[1]
+    peak = predict(cache["torch"], SPEC, assignment_of(SPEC, plan)).peak_bytes
+    assert f"saves {1 - peak / none:.0%} of none's peak (none {none / MIB:,.1f} MiB, full {full / MIB:,.1f} MiB)" in out
+    listing = out.split("per block:")[1].splitlines()[1:]
+    assignment = assignment_of(SPEC, plan)
+    assert [line.split(":")[0].strip() for line in listing] == list(block_layers(SPEC))
+    for line in listing:
+        block, text = (part.strip() for part in line.split(":", 1))
+        for layer in block_layers(SPEC)[block]:
+            name = layer.removeprefix(block + ".")
+            choice = assignment.get(block, assignment.get(layer, "plain"))
+            if block in assignment:
+                assert text.startswith("recomputed whole") and (choice == "full") == ("saving" not in text)
+            elif choice == "plain":
+                assert text == "kept" or name in text.split("kept ")[1]
+            else:
+                assert name in text.split("kept ")[0]
+
+
+def test_the_block_listing() -> None:
+    spec_layers = ("down.1.resnets.0", "down.1.attentions.0", "down.1.downsample")
+    assignment = {"down.1.resnets.0": "full", "down.1.attentions.0": "save=conv,matmul"}
+    assert plan_text.block_line("down.1", spec_layers, assignment) == (
+        "down.1: recomputed resnets.0 | saving conv, matmul: attentions.0 | kept downsample"
+    )
+    assert plan_text.block_line("mid", ("mid.resnets.0",), {"mid": "save=conv"}) == (
+        "mid: recomputed whole, saving conv outputs"
+    )
+    assert plan_text.block_line("up.0", ("up.0.resnets.0",), {}) == "up.0: kept"

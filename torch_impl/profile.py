@@ -63,6 +63,7 @@ from shared_configs.planning.stepclock import clock, measured_rounds, round_robi
 from shared_configs.planning.timeline import BWD, FWD, Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from shared_configs.planning.workers import serve
+from shared_configs.progress import tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 from shared_configs.training.data import batch_bytes, step_arrays
 from torch_impl.memory import AllocatorPeak, StepTracker, state_tensors, storage_bytes
@@ -285,7 +286,7 @@ def timing_runs(
     timed one run after another that drift fell on the plain run, timed first, and made every
     recompute look cheaper than a later process measures it."""
     samples: list[list[tuple[dict[str, tuple[float, float]], float]]] = [[] for _ in assignments]
-    for _ in range(repeats):
+    for _ in tracked(range(repeats), "timing rounds", lambda r: f"{len(assignments)} steps"):
         for i, assignment in enumerate(assignments):
             samples[i].append(timed_step(s, assignment))
     out = []
@@ -312,7 +313,8 @@ def profile(
     opt_peak, step_time = 0, 0.0
     plain: dict[str, float] = {}  # seconds of each unit's forward + backward in the plain step
     assignments = [{} if choice == PLAIN else uniform(spec, choice, level) for choice, level in PROFILE_RUNS]
-    measured = [memory_run(s, a) for a in assignments]  # each also warms its plan up
+    named = tracked(zip(PROFILE_RUNS, assignments, strict=True), "memory runs", lambda run: " ".join(run[0]))
+    measured = [memory_run(s, a) for _, a in named]  # each also warms its plan up
     timings = [({}, 0.0)] * len(assignments) if shapes or not repeats else timing_runs(s, assignments, repeats)
     for (choice, _), assignment, (costs, run_opt, peak), (timed, seconds) in zip(
         PROFILE_RUNS, assignments, measured, timings, strict=True

@@ -20,7 +20,6 @@ import functools
 import hashlib
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -47,6 +46,7 @@ from shared_configs.planning.candidates import DEFAULT_ROUNDS, REFERENCE, measur
 from shared_configs.planning.recompute_time import at_stated_rates
 from shared_configs.planning.solver import Solution, solve
 from shared_configs.planning.workers import run_worker
+from shared_configs.progress import note
 from shared_configs.regime import DEFAULT as DEFAULT_REGIME
 from shared_configs.regime import Regime, check_planned
 from shared_configs.spec import SpecError, UNetSpec
@@ -176,8 +176,8 @@ def get_profile(framework: str, workload: Workload, repeats: int | None = None, 
 
 
 def progress(message: str) -> None:
-    """One line on stderr for work that takes minutes (stdout stays the result)."""
-    print(f"plan: {message}", file=sys.stderr, flush=True)
+    """A line through logging (`shared_configs.progress.note`) for work that takes minutes."""
+    note(f"plan: {message}")
 
 
 def _measure_profile(framework: str, workload: Workload, repeats: int, path: Path) -> Profile:

@@ -22,6 +22,7 @@ from shared_configs.cli import BenchmarkError
 from shared_configs.files import atomic_write
 from shared_configs.pair import workload_spec
 from shared_configs.processes import worker_group
+from shared_configs.progress import Relay, worker_logging
 from shared_configs.regime import Regime
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -62,8 +63,13 @@ def run_worker(request: dict[str, Any]) -> dict[str, Any]:
         out = Path(folder) / "result.json"
         cmd = [sys.executable, "-m", WORKERS[request["framework"]], json.dumps(request), str(out)]
         env = worker_env(request["framework"])
+        relay = Relay(f"{request['framework']} {request['kind']}")  # its progress lines, logged here
         with worker_group(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True) as proc:
-            stderr = proc.communicate()[1]
+            for line in proc.stderr:  # type: ignore[union-attr]
+                relay.feed(line)
+            proc.wait()
+        relay.close()
+        stderr = relay.text
         if proc.returncode != 0 or not out.is_file():
             lines = [ln for ln in stderr.splitlines() if ln.strip()]
             why = lines[-1] if lines else f"exit {proc.returncode}"
@@ -96,6 +102,7 @@ def answer(backend: Backend, request: dict[str, Any]) -> dict[str, Any]:
 
 def serve(backend: Backend, argv: list[str]) -> int:
     """``python -m {torch,jax}_impl.profile REQUEST_JSON OUT_PATH``: answer, write the JSON atomically."""
+    worker_logging()  # progress as lines on stderr, for run_worker's Relay
     result = answer(backend, json.loads(argv[0]))
     plain = json.loads(json.dumps(result, default=asdict))  # the profile's `Cost` dataclasses as dicts
     atomic_write(Path(argv[1]), json.dumps(plain, indent=2, allow_nan=False).encode())

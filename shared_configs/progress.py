@@ -1,0 +1,186 @@
+"""Progress of long waits, through stdlib logging (the ``unet_remat`` logger).
+
+`progress(what, total)` reports ``what: done/total, detail, elapsed, about N s left`` at INFO. A
+library call stays quiet unless its caller turned logging on, or the wait passes `QUIET_S` seconds
+(then it speaks on stderr). A CLI calls `cli_logging()` once: a live line on a terminal (tqdm's and
+rich's habit), plain lines in a log. A worker process calls `worker_logging()`; the parent reading
+its stderr passes the lines on with `Relay`. Used by the planner, its workers and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import IO, TypeVar
+
+LOGGER = logging.getLogger("unet_remat")
+QUIET_S = 5.0  # a library call's wait shorter than this says nothing unless logging is on
+T = TypeVar("T")
+MARK = "unet_remat progress: "  # a worker's progress line on its stderr, for the parent to pass on
+
+
+class LiveHandler(logging.StreamHandler):
+    """Progress records overwrite one live line on a terminal; every record is a plain line otherwise."""
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        super().__init__(stream if stream is not None else sys.stderr)
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._pending = False  # a live line is on screen, without its newline
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record)
+            if self.live and getattr(record, "progress", False):
+                self.stream.write("\r\x1b[2K" + text)
+                self._pending = True
+            else:
+                self.stream.write(("\r\x1b[2K" if self._pending else "") + text + "\n")
+                self._pending = False
+            self.flush()
+        except Exception:  # logging's contract: a broken stream never breaks the program
+            self.handleError(record)
+
+
+_fallback: LiveHandler | None = None
+
+
+def _speaks(logger: logging.Logger) -> bool:
+    """Whether the caller turned logging on for ``logger`` (a handler anywhere up, INFO enabled)."""
+    return logger.isEnabledFor(logging.INFO) and logger.hasHandlers()
+
+
+def _emit(logger: logging.Logger, text: str, live: bool, started: float, quiet_s: float) -> bool:
+    """Log ``text``; with logging off, say it on stderr once the wait passes ``quiet_s``. Whether it was said."""
+    if _speaks(logger):
+        logger.info(text, extra={"progress": live})
+        return True
+    if time.monotonic() - started < quiet_s:
+        return False
+    global _fallback
+    if _fallback is None or _fallback.stream is not sys.stderr:  # one live line per stderr
+        _fallback = LiveHandler()
+    _fallback.handle(logger.makeRecord(logger.name, logging.INFO, "", 0, text, None, None, extra={"progress": live}))
+    return True
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+class Progress:
+    """One long wait: ``advance`` after each piece of work, ``note`` what is under way."""
+
+    def __init__(self, what: str, total: int | None = None, logger: logging.Logger = LOGGER,
+                 quiet_s: float = QUIET_S) -> None:  # fmt: skip
+        self.what, self.total, self.logger, self.quiet_s = what, total, logger, quiet_s
+        self.done, self.detail, self.shown = 0, "", False
+        self.started = time.monotonic()
+
+    def line(self) -> str:
+        """``what: done/total, detail, 12 s, about 30 s left`` (the estimate from the pace so far)."""
+        elapsed = time.monotonic() - self.started
+        parts = [f"{self.what}: {self.done}/{self.total}" if self.total else self.what]
+        parts += [self.detail] if self.detail else []
+        parts.append(_seconds(elapsed))
+        if self.total and 0 < self.done < self.total:
+            parts.append(f"about {_seconds(elapsed / self.done * (self.total - self.done))} left")
+        return ", ".join(parts)
+
+    def note(self, detail: str) -> None:
+        self.detail = detail
+        self.shown |= _emit(self.logger, self.line(), True, self.started, self.quiet_s)
+
+    def advance(self, n: int = 1, detail: str | None = None) -> None:
+        self.done += n
+        self.note(self.detail if detail is None else detail)
+
+    def close(self) -> None:
+        """The final line (only where something was said, or logging is on)."""
+        if self.shown or _speaks(self.logger):
+            self.detail = f"done in {_seconds(time.monotonic() - self.started)}"
+            parts = [f"{self.what}: {self.done}/{self.total}" if self.total else self.what, self.detail]
+            _emit(self.logger, ", ".join(parts), False, self.started, 0.0)
+
+
+@contextmanager
+def progress(what: str, total: int | None = None, logger: logging.Logger = LOGGER) -> Iterator[Progress]:
+    """A `Progress` closed on the way out (its final line says how long the wait took)."""
+    p = Progress(what, total, logger)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def tracked(items: Iterable[T], what: str, label: Callable[[T], str] = str) -> Iterator[T]:
+    """tqdm's ``tqdm(items)``: each item in turn, the wait reported as `progress`, a line per item
+    (``label`` names the item under way)."""
+    items = list(items)
+    with progress(what, len(items)) as p:
+        for i, item in enumerate(items):
+            if i == 0:
+                p.note(label(item))
+            yield item
+            p.advance(detail=label(items[i + 1]) if i + 1 < len(items) else "")
+
+
+def note(text: str) -> None:
+    """A line for whoever turned logging on (a CLI does): what a long wait is about to do."""
+    if _speaks(LOGGER):
+        LOGGER.info(text)
+
+
+class Relay:
+    """The parent's side of a worker's progress: its `MARK` lines logged here as ``what: line`` (under
+    this process's quiet rule), every other line kept (the error message's)."""
+
+    def __init__(self, what: str, logger: logging.Logger = LOGGER) -> None:
+        self.what, self.logger, self.shown = what, logger, False
+        self.kept: list[str] = []
+        self.started = time.monotonic()
+
+    def feed(self, line: str) -> None:
+        if line.startswith(MARK):
+            text = f"{self.what}: {line[len(MARK) :].rstrip()}"
+            self.shown |= _emit(self.logger, text, True, self.started, QUIET_S)
+        else:
+            self.kept.append(line)
+
+    def close(self) -> None:
+        """With logging off, a final line under the progress said (with it on, the caller's next line
+        says the work is done)."""
+        if self.shown and not _speaks(self.logger):
+            _emit(self.logger, f"{self.what}: done in {_seconds(time.monotonic() - self.started)}", False, 0.0, 0.0)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.kept)
+
+
+def worker_logging(stream: IO[str] | None = None) -> None:
+    """In a worker process: progress as `MARK` lines on stderr (flushed), for the parent's `Relay`."""
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(logging.Formatter(MARK + "%(message)s"))
+    LOGGER.addHandler(handler)
+    LOGGER.setLevel(logging.INFO)
+    LOGGER.propagate = False
+
+
+_cli_handler: LiveHandler | None = None
+
+
+def cli_logging(verbose: bool = False, stream: IO[str] | None = None) -> LiveHandler:
+    """In a command: the library's progress and notes on stderr (a live line on a terminal); a
+    second call replaces the first's handler (a command run twice in one process)."""
+    global _cli_handler
+    if _cli_handler is not None:
+        LOGGER.removeHandler(_cli_handler)
+    _cli_handler = LiveHandler(stream)
+    LOGGER.addHandler(_cli_handler)
+    LOGGER.setLevel(logging.DEBUG if verbose else logging.INFO)
+    LOGGER.propagate = False
+    return _cli_handler
