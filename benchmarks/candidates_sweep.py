@@ -19,7 +19,7 @@ import json
 import sys
 from typing import Any
 
-from shared_configs.cli import cli_errors, positive, stopping
+from shared_configs.cli import cli_errors, config_help, positive, stopping
 from shared_configs.files import atomic_write
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, HAND_POLICIES
 from shared_configs.planning.paired import paired, paired_text
@@ -31,7 +31,7 @@ CHECK_ROUNDS = 12
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.candidates_sweep", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="a preset name or a spec YAML")
+    p.add_argument("--config", required=True, help=config_help())
     p.add_argument("--batch-size", type=positive(int), default=8)
     p.add_argument("--sample-size", type=positive(int), help="latent size (default: the spec's)")
     p.add_argument("--framework", choices=("torch", "jax"), default="torch")

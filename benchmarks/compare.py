@@ -45,7 +45,15 @@ from benchmarks.harness.runner import Event, run_job
 from benchmarks.report import WIDE_HELP, console_for, show
 from benchmarks.reports import plot, report
 from shared_configs import NAMED_POLICIES, SpecError, UNetSpec, resolve_plan, to_diffusers_config
-from shared_configs.cli import Interrupted, OneLineParser, cache_dir, check_out_dir, cli_errors, positive_int
+from shared_configs.cli import (
+    Interrupted,
+    OneLineParser,
+    cache_dir,
+    check_out_dir,
+    cli_errors,
+    config_help,
+    positive_int,
+)
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults
 from shared_configs.regime import JAX_KEEPS_NO_GRADS, add_regime_arguments, regime_of
 
@@ -112,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "with its enable_gradient_checkpointing() and the same plans, on the same weights)",
     )
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--config", default=DEFAULT_CONFIG, help="preset name or spec YAML path (default: %(default)s)")
+    source.add_argument("--config", default=DEFAULT_CONFIG, help=config_help(DEFAULT_CONFIG))
     source.add_argument(
         "--diffusers",
         type=Path,

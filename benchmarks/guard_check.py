@@ -20,7 +20,7 @@ from typing import Any
 
 from benchmarks.reports.report import write_json
 from shared_configs import load_spec, spec_from_dict
-from shared_configs.cli import cli_errors
+from shared_configs.cli import cli_errors, config_help
 from shared_configs.planning.planner import Workload, predict_policy
 from shared_configs.spec import UNetSpec
 from shared_configs.units import MIB
@@ -81,7 +81,7 @@ def lines(doc: dict[str, Any]) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.guard_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="sd15", help="the spec (%(default)s)")
+    p.add_argument("--config", default="sd15", help=config_help("sd15"))
     p.add_argument("--sample-size", type=int, default=None, help="the spec's sample size (its own)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="guarded steps (%(default)s)")

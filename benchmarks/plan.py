@@ -30,6 +30,7 @@ from shared_configs import SpecError
 from shared_configs.cli import (
     OneLineParser,
     cli_errors,
+    config_help,
     nonnegative,
     positive_float,
     positive_int,
@@ -80,7 +81,7 @@ def _ratios(text: str) -> list[float]:
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m benchmarks.plan", description=__doc__.split("\n\n")[0])
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--config", help="a preset name (small, sd15, ...) or a spec YAML path")
+    source.add_argument("--config", help=config_help())
     source.add_argument("--diffusers", metavar="PATH|REPO_ID",
                         help="a diffusers UNet2D(Condition)Model folder, a pipeline folder with unet/, or a repo id in "
                         "the local Hugging Face cache: plan for its config (torch_impl.apply_plan applies the plan "

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from shared_configs import SpecError, block_names, load_spec, resolve_plan
-from shared_configs.cli import OneLineParser, cli_errors, positive_int
+from shared_configs.cli import OneLineParser, cli_errors, config_help, positive_int
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, device_of, resolve_chunk
 from shared_configs.memory import OUTSIDE, block_of
 
@@ -233,7 +233,7 @@ PROG = "python -m benchmarks.saved"
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="tiny", help="preset name or spec YAML path (%(default)s)")
+    p.add_argument("--config", default="tiny", help=config_help("tiny"))
     p.add_argument("--policy", default="save_convs", help="a checkpoint policy, e.g. full/save=conv,matmul")
     p.add_argument("--framework", choices=["both", "torch", "jax"], default="both", help="(%(default)s)")
     p.add_argument("--block", default=None, help="only this block (down.0, mid, ...)")

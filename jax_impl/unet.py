@@ -226,6 +226,10 @@ class UNet(UNetTrunk):
     attention_chunk: int | None = None
     lora_rank: int | None = None
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _ = self.plan  # a bad spec or policy fails here, at construction (as torch's UNet), not at init
+
     @property
     def resolved_spec(self) -> UNetSpec:
         """``spec`` as a `UNetSpec` (a preset name loaded); works on an unbound module."""

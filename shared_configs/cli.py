@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
+from shared_configs.loader import preset_names
 from shared_configs.progress import cli_logging
 from shared_configs.spec import SpecError
 
@@ -69,6 +70,12 @@ def nonnegative(kind: type, unit: str = "") -> Callable[[str], Number]:
 positive_int = positive(int)  # an integer >= 1
 positive_float = positive(float)  # a finite number > 0
 positive_mib = positive(float, " of MiB")  # a finite number of MiB above zero
+
+
+def config_help(default: str | None = None) -> str:
+    """``--config``'s help: the presets by name (and the default, if any)."""
+    tail = f" (default: {default})" if default else ""
+    return f"a preset ({', '.join(preset_names())}) or a spec YAML path{tail}"
 
 
 def check_out_dir(path: Path, flag: str = "--out") -> None:

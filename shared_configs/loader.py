@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Any, get_args
@@ -55,15 +56,32 @@ def spec_from_dict(data: dict[str, Any]) -> UNetSpec:
 
 
 def _one_line(err: ValidationError) -> str:
-    first = err.errors()[0]
-    msg = first["msg"].removeprefix("Value error, ")
-    loc = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p))
-    if first["type"] == "extra_forbidden":
-        allowed = ", ".join(sorted(_model_at(first["loc"][:-1]).model_fields))
-        return f"{loc}: unknown field (allowed: {allowed})"
+    """The first problem in one line; an unknown field first of all, with its nearest allowed name,
+    and a required field missing beside it named in the same line (the unknown one is often its misspelling)."""
+    errors = err.errors()
+    unknown = [e for e in errors if e["type"] == "extra_forbidden"]
+    if unknown:
+        missing = [_where(e) for e in errors if e["type"] == "missing"]
+        also = f"; missing: {', '.join(missing)}" if missing else ""
+        return _unknown(unknown[0]) + also
+    first = errors[0]
+    msg, loc = first["msg"].removeprefix("Value error, "), _where(first)
     if loc and re.match(r"^\w+: ", msg):  # a nested model's own check names its field: join the paths
         return f"{loc}.{msg}"
     return f"{loc}: {msg}" if loc else msg
+
+
+def _where(error: Any) -> str:
+    return ".".join(str(p) for p in error["loc"] if not _is_type_tag(p))
+
+
+def _unknown(error: Any) -> str:
+    """``colour: unknown field 'colour' (did you mean 'color'?; allowed: ...)``."""
+    fields = sorted(_model_at(error["loc"][:-1]).model_fields)
+    name = str(error["loc"][-1])
+    near = difflib.get_close_matches(name, fields, n=1)
+    hint = f"did you mean {near[0]!r}?; " if near else ""
+    return f"{_where(error)}: unknown field {name!r} ({hint}allowed: {', '.join(fields)})"
 
 
 def _is_type_tag(part: object) -> bool:

@@ -6,6 +6,7 @@ Torch <-> Flax output parity after weight conversion lives in `test_parity.py`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.extend.core
@@ -17,7 +18,7 @@ from flax import traverse_util
 
 from jax_impl import UNet
 from jax_impl.unet import abstract_inputs
-from shared_configs import CheckpointPlan, UNetSpec, layer_names, load_spec, resolve_plan
+from shared_configs import CheckpointPlan, SpecError, UNetSpec, layer_names, load_spec, resolve_plan
 from tests.helpers.specs import FAST_COMPILE
 from torch_impl import UNet as TorchUNet
 
@@ -238,3 +239,10 @@ def tiny() -> dict:
             rng.standard_normal((2, spec.sample_size, spec.sample_size, spec.out_channels), dtype=np.float32)
         ),
     }
+
+
+@pytest.mark.parametrize(("policy", "spec"), [("nosuch", "tiny"), (["down.9"], "tiny"), ("full", "nosuch")])
+def test_a_bad_policy_or_spec_fails_at_construction(policy: Any, spec: str) -> None:
+    """As torch's UNet: a one-line SpecError when the module is made, not later at init."""
+    with pytest.raises(SpecError, match=r"policy: |config: unknown preset"):
+        UNet(spec=spec, policy=policy)

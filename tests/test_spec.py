@@ -36,7 +36,7 @@ def test_shared_configs_imports_no_framework() -> None:
 
 # (override of the tiny spec, text that must appear in the one-line error)
 BAD_SPECS = [
-    ({"colour": "red"}, "colour: unknown field (allowed:"),
+    ({"colour": "red"}, "colour: unknown field 'colour' (allowed:"),
     ({"block_out_channels": "wide"}, "block_out_channels"),
     ({"layers_per_block": 0}, "layers_per_block: Input should be greater than 0"),
     ({"dropout": 1.5}, "dropout: Input should be less than 1"),
@@ -48,7 +48,7 @@ BAD_SPECS = [
     ({"num_attention_heads": 3, "attention_head_dim": None}, "num_attention_heads: block_out_channels[0]=16 does"),
     ({"num_attention_heads": 0}, "num_attention_heads: must be positive"),
     ({"sample_size": 9}, "sample_size: 9 is not divisible by the downsampling factor 2"),
-    ({"time_embedding": {"flip": True}}, "time_embedding.flip: unknown field (allowed: cond_dim, dim, flip_sin_to_cos"),
+    ({"time_embedding": {"flip": True}}, "time_embedding.flip: unknown field 'flip' (allowed: cond_dim, dim, flip_"),
     ({"resnet_time_scale_shift": "film"}, "resnet_time_scale_shift: Input should be 'default' or 'scale_shift'"),
     ({"in_channels": "four"}, "in_channels: Input should be a valid integer"),
     ({"up_attention": ["none"]}, "up_attention: needs 2 entries"),
@@ -76,7 +76,7 @@ BAD_SPECS = [
     ({"class_embedding": {"kind": "embedding"}}, "class_embedding.num_classes: required by kind 'embedding'"),
     ({"class_embedding": {"kind": "identity", "num_classes": 3}}, "class_embedding.num_classes: not used by kind"),
     ({"class_embedding": {"kind": "onehot"}}, "class_embedding.kind: Input should be 'embedding', 'timestep'"),
-    ({"class_embedding": {"kind": "timestep", "size": 3}}, "class_embedding.size: unknown field (allowed: concat"),
+    ({"class_embedding": {"kind": "timestep", "size": 3}}, "class_embedding.size: unknown field 'size' (allowed"),
     ({"addition_embedding": {"time_id_dim": 4, "input_dim": 24}}, "addition_embedding.num_time_ids: 6 time ids x 4"),
     ({"addition_embedding": {"kind": "text", "time_id_dim": 4, "input_dim": 40}}, "addition_embedding.kind"),
     ({"mid_attention_norm_groups": 3}, "mid_attention_norm_groups: only for mid_attention: self"),
@@ -91,6 +91,18 @@ def test_bad_spec_gives_one_clear_line(override: dict, message: str) -> None:
     text = str(info.value)
     assert message in text
     assert "\n" not in text
+
+
+def test_a_misspelt_required_key_is_named_beside_the_missing_one(tmp_path: Path) -> None:
+    """The unknown key, its nearest field and the required field it left missing, in one line."""
+    spec = {k: v for k, v in TINY.items() if k != "block_out_channels"} | {"block_out_chanels": [32, 64]}
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    text = str(info.value)
+    assert text.startswith("block_out_chanels: unknown field 'block_out_chanels' (did you mean 'block_out_channels'?")
+    assert text.endswith("; missing: block_out_channels") and "\n" not in text
 
 
 @pytest.mark.parametrize(
