@@ -56,3 +56,22 @@ def test_torchs_defaults_per_device() -> None:
     assert opt_step.temporaries("adamw8bit", "torchao", opt_step.Trained(1000, 300, itemsize=2)) == 2400  # float32
     with pytest.raises(SpecError, match="adamw8bit runs as one of torchao, got 'fused'"):
         opt_step.implementation("adamw8bit", "cuda", "fused")
+
+
+def test_the_safety_margin_reads_the_runs_in_the_modelled_state() -> None:
+    """adamw8bit's profile runs AdamW and holds 8-bit state (``modelled_state_bytes`` < 0): its runs'
+    peaks, AdamW's, are compared with the prediction in the same state, not read as an error."""
+    import dataclasses
+
+    from shared_configs import load_spec
+    from shared_configs.planning.budget import SAFETY, assignment_of, predict, safety_margin, with_static_bytes
+    from tests.helpers.specs import random_profile
+
+    spec = load_spec("tiny")
+    base = dataclasses.replace(random_profile(spec, 2, framework="torch"), scale=1.0)
+    runs = {p: {"peak_bytes": predict(base, spec, assignment_of(spec, p)).peak_bytes} for p in ("none", "full")}
+    delta = -(10 << 20)  # the 8-bit state 10 MiB below AdamW's
+    profile = with_static_bytes(dataclasses.replace(base, meta={"runs": runs, "modelled_state_bytes": delta}), delta)
+    assert safety_margin(profile, spec) == pytest.approx(SAFETY)
+    unmodelled = dataclasses.replace(profile, meta={"runs": runs})  # read as AdamW's: 10 MiB over, an error
+    assert safety_margin(unmodelled, spec) > SAFETY

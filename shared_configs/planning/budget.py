@@ -282,9 +282,11 @@ def safety_margin(profile: Profile, spec: StepSpec) -> float:
     `SAFETY`. Torch's tracker is reproduced exactly (0.5%); JAX's packing factor is a mean over
     the steps (about 2.8% on ``small``)."""
     worst = 0.0
+    # the runs held the profiled regime's state; the profile holds the modelled one (adamw8bit's)
+    modelled = profile.meta.get("modelled_state_bytes", 0)
     for policy, run in profile.meta.get("runs", {}).items():
         predicted = predict(profile, spec, assignment_of(spec, policy)).peak_bytes
-        worst = max(worst, run["peak_bytes"] / predicted - 1)
+        worst = max(worst, (run["peak_bytes"] + modelled) / predicted - 1)
     return worst + SAFETY
 
 
