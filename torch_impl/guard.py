@@ -1,35 +1,12 @@
 """`BudgetGuard`: keep a memory budget in the user's own training step, on the user's own device.
 
 A plan is exact on the step the planner profiled; the user's step holds more (text encoders, a
-teacher's features, an EMA, the CUDA allocator's cache). The guard closes the loop (docs/guard.md)::
-
-    guard = BudgetGuard(unet, 20 << 30, batch_size=4)        # plans, and puts the plan on the model
-    for batch in loader:
-        loss = guard.run(train_step, unet, optimizer, batch)  # the user's whole step
-
-* **Measures** the step's peak over its first `MEASURED_STEPS` steps and the `MEASURED_STEPS` after
-  every change, never otherwise. CUDA: the allocator's peak, ``max_memory_reserved`` (judged; it is
-  what the device holds) beside ``max_memory_allocated``. CPU: PyTorch's ``MemTracker`` following
-  the model, its optimizer(s) (among ``step_fn``'s arguments, found among live objects, or seen
-  stepping the model's parameters) and the tensors among ``step_fn``'s arguments: memory the step holds beyond them
-  (made inside the step) is seen, tensors alive before it and out of its reach are not.
-* **Over budget** (measured > budget): re-plans for ``budget - (measured - predicted)``, the budget
-  less what the step holds beyond the model's step; the plan is on before the next step; one line.
-* **Far under budget**: once, after the first window, if no step went over budget or out of memory,
-  the window's peak is more than `LOOSEN_BELOW` under the budget and the plan recomputes something,
-  re-plans for the same ``budget - (measured - predicted)``, taken only if it recomputes less.
-* **Out of memory** in ``step_fn``: frees what the failed step left (gradients set to None, the
-  CUDA cache emptied), moves to a plan that recomputes more (planned halfway between the failed
-  plan's predicted peak and `full`'s, at most `OOM_HALVINGS` times a step, then `full`) and runs
-  the same step again: same arguments, torch's random generators restored. Under `full` it says so
-  in one line and re-raises. ``step_fn`` must therefore be retryable up to its optimizer step.
-
-Cost (this 2-core CPU, one thread, medians of 5 interleaved steps; docs/guard.md): an unmeasured
-guarded step is the plain step (0.99x-1.01x: a counter, torch's RNG state kept for a retry); a
-measured CPU step, under ``MemTracker``'s per-op bookkeeping, takes 6x a plain one on sd_narrow
-32x32 batch 8 (4.8 s against 0.79 s) and 30x on the tiny U-Net, whose ops are tiny; on CUDA
-measuring is two counter reads and a reset. A run with one change measures 4 steps. A re-plan takes
-seconds to tens of seconds (the planner's fake-tensor check in a worker process; the profile is cached).
+teacher's features, an EMA, the CUDA allocator's cache). The guard plans, puts the plan on the
+model, measures the step's peak over whole optimizer steps (the first `MEASURED_STEPS` and the
+`MEASURED_STEPS` after each change), re-plans for ``budget - (measured - predicted)`` when over,
+loosens once when far under, and after an out-of-memory error runs the same micro-step again under a
+plan that recomputes more (`torch_impl.guard_retry` restores what the attempt changed). The models it
+takes: `torch_impl.guard_model`. The rules and the measured runs: docs/guard.md.
 """
 
 from __future__ import annotations
@@ -38,6 +15,7 @@ import contextlib
 import gc
 import io
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,16 +25,16 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
-from shared_configs.pair import ControlNetPairSpec
 from shared_configs.planning import planner
 from shared_configs.planning.planner import Workload
 from shared_configs.regime import DEFAULT as DEFAULT_REGIME
 from shared_configs.regime import Regime
-from shared_configs.spec import SpecError, UNetSpec
+from shared_configs.spec import SpecError
 from shared_configs.units import MIB
-from torch_impl.diffusers_plan import apply_plan, diffusers_spec
+from torch_impl.diffusers_plan import apply_plan
+from torch_impl.guard_model import step_spec, take_over_checkpointing, unwrap
+from torch_impl.guard_retry import RetryPoint, accelerators_among, base_optimizer, why_not_retry
 from torch_impl.pair import ControlNetPair
-from torch_impl.unet import UNet
 
 MEASURED_STEPS = 2  # steps measured at the start and after every change (the first one makes AdamW's state)
 LOOSEN_BELOW = 0.10  # loosen once when the first window's peak is this fraction or more under the budget
@@ -83,14 +61,15 @@ class GuardRecord:
 class BudgetGuard:
     """Plan ``model`` for ``budget_bytes`` and keep its training step within it (module docstring).
 
-    ``model``: a `torch_impl.UNet` or diffusers' ``UNet2DConditionModel`` / ``UNet2DModel`` (the
-    U-Net itself; ``step_fn`` may call it through a wrapper), or a `torch_impl.ControlNetPair`
-    (the ControlNet step: planned as the pair's workload, pair plans put on both networks). ``batch_size``, ``regime``
-    (`shared_configs.regime.Regime`; default fp32 AdamW), ``sample_size`` and ``planner_options``
-    (``context_length``, ``world_size``, ``distributed``, ``candidates``, ...) describe the step
-    to the planner as `torch_impl.plan_for_budget` takes them; the model is not changed by them.
-    ``policy``: start from this plan instead of planning (a resumed run's last plan, or one its
-    preamble already made); it is measured and corrected like a planned one.
+    ``model``: a `torch_impl.UNet` or diffusers' ``UNet2DConditionModel`` / ``UNet2DModel`` (peft
+    adapters or not), or a `torch_impl.ControlNetPair` (``ControlNetPair.of(unet, controlnet)``: the
+    pair's workload, pair plans on both networks); wrapped ones are unwrapped (DDP, accelerate's,
+    ``torch.compile``'s), diffusers' own gradient checkpointing is replaced by the plan (one line).
+    ``batch_size``, ``regime`` (`shared_configs.regime.Regime`; default fp32 AdamW), ``sample_size``
+    and ``planner_options`` (``context_length``, ``world_size``, ``distributed``, ``candidates``, ...)
+    describe the step to the planner as `torch_impl.plan_for_budget` takes them.
+    ``policy``: start from this plan instead of planning (a resumed run's last plan); it is measured
+    and corrected like a planned one.
     Raises `shared_configs.planning.solver.Infeasible` when no plan fits the budget at all.
     """
 
@@ -105,18 +84,26 @@ class BudgetGuard:
         policy: str | None = None,
         **planner_options: Any,
     ) -> None:
-        spec = _step_spec(model)
-        self.model, self.budget = model, int(budget_bytes)
+        self._step = 0
+        self.model, self.budget = unwrap(model), int(budget_bytes)
+        self._compiled = type(model).__name__ == "OptimizedModule" or _holds_compiled(model)
+        spec = step_spec(self.model)
         self._plan_options = {k: v for k, v in planner_options.items() if k in _PLAN_OPTIONS}
         workload = {k: v for k, v in planner_options.items() if k not in _PLAN_OPTIONS}
         regime = regime or DEFAULT_REGIME
         self._workload = Workload.of(spec, sample_size, batch_size=batch_size, regime=regime, **workload)
         self.history: list[GuardRecord] = []
         self.plan, self._predicted = NONE, 0
-        self._step, self._left, self._window = 0, 0, []  # measured steps left, their peaks
+        self._left, self._window, self._pending = 0, [], []  # optimizer steps to measure; their peaks; this one's
         self._may_loosen = True
+        self._params = {id(p) for p in self.model.parameters()}
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._scanned = False  # live objects searched for the model's optimizers (`_find_optimizers`)
+        self._accelerators: list[Any] = []
+        self._scanned = False  # live objects searched for the model's optimizers and accelerate's Accelerator
+        self._stepped = False  # an optimizer over the model's parameters began a step (since the last look)
+        self._hook = _spot_optimizers(self)
+        if taken := take_over_checkpointing(self.model):
+            self._say(f"{' and '.join(taken)}: its own gradient checkpointing is off; the guard's plan replaces it")
         if policy is not None:  # a plan already made for this step (a resumed run's last one): predicted only
             self._switch(policy, self._predict(policy), "given", None)
             return
@@ -127,30 +114,63 @@ class BudgetGuard:
 
     def run(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``step_fn(*args, **kwargs)`` under the plan in force; returns what it returns. Measured
-        when due; after an out-of-memory error, run again under a plan that recomputes more."""
+        when due; after an out-of-memory error, run again under a plan that recomputes more, from
+        the state it started from (`torch_impl.guard_retry.RetryPoint`), or re-raised with one
+        line saying why it cannot be."""
         self._step += 1
-        rng = _rng_state(self._device())
+        if self._stepped:  # the optimizer stepped outside ``step_fn`` since the last call
+            self._optimizer_stepped()
+        self._find_optimizers(tree_leaves((args, kwargs)))
+        point = RetryPoint(self._retried_params(), self._device(), self._accelerators)
         for rung in range(OOM_HALVINGS + 2):  # the halvings, `full`, and the failure under `full`
+            self._stepped = False
             try:
                 return self._attempt(step_fn, args, kwargs)
             except torch.OutOfMemoryError:
-                if self.plan == FULL:
-                    self._failed_under_full()
+                why = why_not_retry(self._stepped)
+                if self.plan == FULL or why:
+                    self._cannot_retry(why)
+                    point.restore()
                     self._free()
                     raise
             # Out of the handler: the error's traceback, and the failed step's tensors it held, are gone.
+            point.restore()
             self._free()
             self._recompute_more(rung)
-            _set_rng_state(self._device(), rng)
         raise AssertionError("unreachable: the last rung is `full`, which re-raises")
+
+    def step(self, context: Callable[..., Any] | None = None, *context_args: Any) -> Callable[[Callable[[], Any]], Any]:
+        """A decorator that runs the function it decorates at once, as `run` does, inside
+        ``context(*context_args)`` entered afresh for each attempt (``accelerator.accumulate, unet``),
+        and binds its name to what it returns: a script's loop body becomes the guarded step by
+        its ``with`` line turned into two lines (docs/guard.md's recipes)."""
+
+        def body(fn: Callable[[], Any]) -> Any:
+            if context is None:
+                return fn()
+            with context(*context_args):
+                return fn()
+
+        return lambda fn: self.run(body, fn)
 
     def _attempt(self, step_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if self._left <= 0:
-            return step_fn(*args, **kwargs)
-        with self._measured(args, kwargs) as found:
             out = step_fn(*args, **kwargs)
-        self._judge(found)
+        else:
+            with self._measured(args, kwargs) as found:
+                out = step_fn(*args, **kwargs)
+            self._pending.append(found)
+        if self._stepped:
+            self._optimizer_stepped()
         return out
+
+    def _optimizer_stepped(self) -> None:
+        """One optimizer step ended: judge the peak over its micro-steps, if they were measured."""
+        self._stepped = False
+        if self._pending:
+            found = max(self._pending, key=lambda f: f["measured"])
+            self._pending = []
+            self._judge(found)
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -170,44 +190,42 @@ class BudgetGuard:
             return
         from torch_impl.memory import memtracker  # here: `import torch_impl` stays light
 
-        leaves = tree_leaves((args, kwargs))
-        self._find_optimizers(leaves)
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         eager = torch.compiler.set_stance("force_eager")
-        with self._spotting_optimizers(), eager, memtracker(self.model, self._optimizers, tensors) as tracked:
+        with eager, memtracker(self.model, self._optimizers, tensors) as tracked:
             yield found
         found["measured"] = tracked["peak"]
 
     def _find_optimizers(self, leaves: list[Any]) -> None:
-        """The optimizers whose state the tracker counts: those among ``step_fn``'s arguments, and
-        at the first measurement those over the model's parameters among all live objects (one
-        scan of the garbage collector's objects: an optimizer in ``step_fn``'s closure)."""
-        found = [x for x in leaves if isinstance(x, torch.optim.Optimizer)]
+        """The optimizers whose state the tracker counts and whose parameters a retry restores:
+        those among ``step_fn``'s arguments, at the first call those over the model's parameters
+        among all live objects (one scan of the garbage collector's objects: an optimizer in
+        ``step_fn``'s closure; accelerate's ``Accelerator`` too), and any seen stepping them."""
+        found = [base_optimizer(x) for x in leaves if isinstance(x, torch.optim.Optimizer)]
         if not self._scanned:
             self._scanned = True
             # type(), not isinstance: some live objects warn when their __class__ is read (torch.distributed.reduce_op)
-            live = (x for x in gc.get_objects() if issubclass(type(x), torch.optim.Optimizer))
-            found += [x for x in live if self._steps_model(x)]
-        self._optimizers += [x for x in found if x not in self._optimizers]
+            live = [x for x in gc.get_objects() if issubclass(type(x), torch.optim.Optimizer)]
+            found += [base_optimizer(x) for x in live if self._steps_model(x)]
+            self._accelerators = accelerators_among(gc.get_objects())
+        self._optimizers += [x for x in dict.fromkeys(found) if x not in self._optimizers]
 
     def _steps_model(self, opt: torch.optim.Optimizer) -> bool:
-        params = {id(p) for p in self.model.parameters()}
-        return any(id(p) in params for g in opt.param_groups for p in g["params"])
+        return any(id(p) in self._params for g in opt.param_groups for p in g["params"])
 
-    @contextlib.contextmanager
-    def _spotting_optimizers(self) -> Iterator[None]:
-        """Note each optimizer that steps the model's parameters (one made after the scan): the
-        next measurement counts its state."""
-
-        def spot(opt: torch.optim.Optimizer, *_: Any) -> None:
-            if opt not in self._optimizers and self._steps_model(opt):
+    def _spot(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer began a step: note it if it steps the model's parameters."""
+        opt = base_optimizer(opt)
+        if opt in self._optimizers or self._steps_model(opt):
+            self._stepped = True
+            if opt not in self._optimizers:
                 self._optimizers.append(opt)
 
-        handle = register_optimizer_step_pre_hook(spot)
-        try:
-            yield
-        finally:
-            handle.remove()
+    def _retried_params(self) -> list[nn.Parameter]:
+        """The parameters whose gradients a retry restores: the model's and its optimizers'."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        params += [p for o in self._optimizers for g in o.param_groups for p in g["params"]]
+        return list({id(p): p for p in params}.values())
 
     def _judge(self, found: dict[str, int]) -> None:
         """Record a measurement; tighten when over budget, loosen once when far under (module docstring)."""
@@ -268,24 +286,28 @@ class BudgetGuard:
                   f"under {found[0]} (predicted {_mib(found[1])})")  # fmt: skip
         self._switch(*found, "recompute more", None)
 
-    def _failed_under_full(self) -> None:
-        self.history.append(GuardRecord(self._step, FULL, self._predicted, None, None, "full failed"))
-        self._say(f"ran out of memory under {FULL} (predicted {_mib(self._predicted)}), which recomputes "
-                  "the most: the step does not fit this device; re-raising")  # fmt: skip
+    def _cannot_retry(self, why: str | None) -> None:
+        if why is None:
+            self.history.append(GuardRecord(self._step, FULL, self._predicted, None, None, "full failed"))
+            self._say(f"ran out of memory under {FULL} (predicted {_mib(self._predicted)}), which recomputes "
+                      "the most: the step does not fit this device; re-raising")  # fmt: skip
+            return
+        self.history.append(GuardRecord(self._step, self.plan, self._predicted, None, None, "not retried"))
+        self._say(f"ran out of memory under {self.plan}; not run again: {why}; re-raising")
 
     def _switch(self, policy: str, predicted: int, action: str, outside: int | None) -> None:
         """Put ``policy`` on the model; measure the next `MEASURED_STEPS` steps."""
         _apply(self.model, policy)
+        if self._compiled:  # compiled code traced the old plan's forwards
+            torch.compiler.reset()
         self.plan, self._predicted = policy, predicted
-        self._left, self._window = MEASURED_STEPS, []
+        self._left, self._window, self._pending = MEASURED_STEPS, [], []
         if self._device().type == "cuda":
             torch.cuda.empty_cache()  # the old plan's cached blocks: the next peak is the new plan's
         self.history.append(GuardRecord(self._step, policy, predicted, None, outside, action))
 
     def _free(self) -> None:
-        """What a failed step left: the model's gradients, unreachable tensors, CUDA's cache."""
-        for p in self.model.parameters():
-            p.grad = None
+        """What a failed step left (its gradients restored already): unreachable tensors, CUDA's cache."""
         gc.collect()
         if self._device().type == "cuda":
             torch.cuda.empty_cache()
@@ -311,13 +333,6 @@ class BudgetGuard:
         print(f"guard: step {self._step}: {message}", file=sys.stderr, flush=True)
 
 
-def _step_spec(model: nn.Module) -> UNetSpec | ControlNetPairSpec:
-    """What the planner plans for ``model``'s step: a U-Net's spec, or a ControlNet pair's."""
-    if isinstance(model, ControlNetPair):
-        return model.pair_spec
-    return model.spec if isinstance(model, UNet) else diffusers_spec(model)
-
-
 def _apply(model: nn.Module, policy: str) -> None:
     """Put ``policy`` on ``model``: a pair plan on both networks of a pair, else `apply_plan`."""
     if isinstance(model, ControlNetPair):
@@ -326,15 +341,23 @@ def _apply(model: nn.Module, policy: str) -> None:
         apply_plan(model, policy)
 
 
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """torch's CPU generator, and the device's on CUDA: a retried step draws the same numbers."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+def _spot_optimizers(guard: BudgetGuard) -> Any:
+    """A hook on every optimizer's step for ``guard``'s life (`BudgetGuard._spot`); removed with it."""
+    ref = weakref.ref(guard)
+
+    def spot(opt: torch.optim.Optimizer, *_: Any) -> None:
+        if (live := ref()) is not None:
+            live._spot(opt)
+
+    handle = register_optimizer_step_pre_hook(spot)
+    weakref.finalize(guard, handle.remove)
+    return handle
 
 
-def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
+def _holds_compiled(model: nn.Module) -> bool:
+    """A wrapper (DDP, accelerate's) around a ``torch.compile``d model."""
+    inner = getattr(model, "module", None)
+    return isinstance(inner, nn.Module) and type(inner).__name__ == "OptimizedModule"
 
 
 def _mib(n: int) -> str:

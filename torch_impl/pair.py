@@ -21,10 +21,14 @@ import torch
 from torch import nn
 
 from shared_configs import UNetSpec
+from shared_configs.controlnet import ControlNetSpec
+from shared_configs.diffusers.controlnet import controlnet_from_diffusers_config
+from shared_configs.diffusers.folders import live_config
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec, PairPlan, example_pair_batch, split_pair_plan
 from shared_configs.planning.units import HEAD, STEM
 from shared_configs.training.data import Batch, example_batch
 from torch_impl.controlnet import ControlNet
+from torch_impl.diffusers_plan import apply_plan, diffusers_spec
 from torch_impl.unet import UNet
 
 Tensor = torch.Tensor
@@ -49,6 +53,22 @@ class ControlNetPair(nn.Module):
         self.unet.requires_grad_(False)
         self.enable_gradient_checkpointing(policy)
 
+    @classmethod
+    def of(cls, unet: nn.Module, controlnet: nn.Module) -> ControlNetPair:
+        """The pair of a training script's live networks, not copied: our `UNet` and `ControlNet`, or
+        diffusers' ``UNet2DConditionModel`` and ``ControlNetModel`` (wrappers taken off: DDP,
+        accelerate's, ``torch.compile``'s). Their weights, ``requires_grad`` and modes are left as
+        the script set them; its ``pair_spec`` is read from them (`ValueError` if they do not match)."""
+        from torch_impl.guard_model import unwrap  # it imports this module
+
+        unet, controlnet = unwrap(unet), unwrap(controlnet)
+        pair = cls.__new__(cls)
+        nn.Module.__init__(pair)
+        pair.pair_spec = _live_pair_spec(unet, controlnet)
+        pair.unet, pair.controlnet = unet, controlnet
+        pair.plan = split_pair_plan(pair.pair_spec, None)
+        return pair
+
     @property
     def spec(self) -> UNetSpec:
         return self.pair_spec.unet
@@ -56,8 +76,8 @@ class ControlNetPair(nn.Module):
     def enable_gradient_checkpointing(self, policy: str | PairPlan | None = "full") -> PairPlan:
         """Recompute the units the pair policy names, in either network; returns the split plan."""
         self.plan = split_pair_plan(self.pair_spec, policy)
-        self.unet.enable_gradient_checkpointing(self.plan.unet)
-        self.controlnet.enable_gradient_checkpointing(self.plan.controlnet)
+        apply_plan(self.unet, self.plan.unet)  # ours, or diffusers' (a pair made by `of`)
+        apply_plan(self.controlnet, self.plan.controlnet)
         return self.plan
 
     def train(self, mode: bool = True) -> ControlNetPair:
@@ -83,6 +103,28 @@ class ControlNetPair(nn.Module):
         down, mid = self.controlnet(x, t, context, controlnet_cond, conditioning_scale, **conditioning)
         return self.unet(x, t, context, **conditioning, down_block_additional_residuals=down,
                          mid_block_additional_residual=mid)  # fmt: skip
+
+
+def _live_pair_spec(unet: nn.Module, controlnet: nn.Module) -> ControlNetPairSpec:
+    """The pair spec of a live U-Net and the ControlNet on it: the U-Net's spec, the ControlNet's own fields."""
+    if isinstance(unet, UNet) and isinstance(controlnet, ControlNet):
+        unet_spec, cn_spec = unet.spec, controlnet.spec
+    else:
+        unet_spec, cn_spec = diffusers_spec(unet), _diffusers_controlnet_spec(controlnet)
+    mine = cn_spec.unet
+    for field in ("in_channels", "block_out_channels", "layers_per_block", "down_attention", "cross_attention_dim"):
+        if getattr(mine, field) != getattr(unet_spec, field):
+            theirs = getattr(unet_spec, field)
+            raise ValueError(f"controlnet: its {field} {getattr(mine, field)!r} is not the U-Net's {theirs!r}; "
+                             "a ControlNet is made from its U-Net (from_unet)")  # fmt: skip
+    return ControlNetPairSpec(controlnet=cn_spec.model_copy(update={"unet": unet_spec}))
+
+
+def _diffusers_controlnet_spec(model: nn.Module) -> ControlNetSpec:
+    if type(model).__name__ != "ControlNetModel":
+        raise TypeError(f"controlnet: expected diffusers' ControlNetModel or a torch_impl.ControlNet, not "
+                        f"{type(model).__name__}")  # fmt: skip
+    return controlnet_from_diffusers_config(live_config(model))
 
 
 def unit_modules(model: UNet | ControlNetPair, unit: str, phase: str) -> list[nn.Module]:

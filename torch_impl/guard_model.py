@@ -1,0 +1,58 @@
+"""What `torch_impl.BudgetGuard` plans for: the trained model as a training script holds it.
+
+`unwrap` takes off the wrappers a script's model may wear (DDP, accelerate's prepared module,
+``torch.compile``'s ``OptimizedModule``, FSDP1); `step_spec` reads the spec of our `UNet`, a diffusers
+U-Net (peft adapters or not) or a `ControlNetPair`; `take_over_checkpointing` turns diffusers' own
+gradient checkpointing off so that the guard's plan replaces it. docs/guard.md has the rules.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shared_configs.pair import ControlNetPairSpec
+from shared_configs.spec import UNetSpec
+from torch_impl.controlnet import ControlNet
+from torch_impl.diffusers_plan import diffusers_spec
+from torch_impl.pair import ControlNetPair
+from torch_impl.unet import UNet
+
+# Wrappers whose ``.module`` is the model they run (torch's DDP, DataParallel and FSDP1).
+_HOLDERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """``model`` without its wrappers: ``torch.compile``'s ``_orig_mod``, DDP's / FSDP1's ``module``
+    (accelerate's ``prepare`` returns one of these, or the model itself with its forward wrapped)."""
+    while True:
+        if type(model).__name__ == "OptimizedModule":
+            model = model._orig_mod
+        elif type(model).__name__ in _HOLDERS and isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            return model
+
+
+def step_spec(model: nn.Module) -> UNetSpec | ControlNetPairSpec:
+    """What the planner plans for ``model``'s step (unwrapped): a U-Net's spec, or a ControlNet pair's."""
+    if isinstance(model, ControlNetPair):
+        return model.pair_spec
+    return model.spec if isinstance(model, UNet) else diffusers_spec(model)
+
+
+def networks(model: nn.Module) -> list[nn.Module]:
+    """The networks a plan goes on: a pair's two, else the model."""
+    return [model.unet, model.controlnet] if isinstance(model, ControlNetPair) else [model]
+
+
+def take_over_checkpointing(model: nn.Module) -> list[str]:
+    """Turn off diffusers' own gradient checkpointing (``enable_gradient_checkpointing()``) in each
+    network of ``model`` that has it on; returns their class names (the guard says one line)."""
+    taken = []
+    for net in networks(model):
+        ours = isinstance(net, UNet | ControlNet)  # ours has no checkpointing but its plan
+        if ours or not any(getattr(m, "gradient_checkpointing", False) for m in net.modules()):
+            continue
+        net.disable_gradient_checkpointing()
+        taken.append(type(net).__name__)
+    return taken

@@ -1,0 +1,69 @@
+"""What a retried step must find as its failed attempt found it (`torch_impl.BudgetGuard`'s retry).
+
+`RetryPoint` keeps, before each guarded call, torch's random generators, the trained parameters'
+gradients (a host copy, only where some exist: accumulated micro-steps, kept gradients) and
+accelerate's accumulation counter; `RetryPoint.restore` puts them back after an out-of-memory error.
+`why_not_retry` names what no restore can undo (an optimizer step begun, other processes' collectives).
+docs/guard.md says what a step may do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RetryPoint:
+    """The state a guarded call starts from, restorable after its attempt failed."""
+
+    def __init__(self, params: Iterable[nn.Parameter], device: torch.device, accelerators: Iterable[Any]) -> None:
+        self.device = device
+        self.rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        # The gradients earlier micro-steps accumulated (or kept, zeroed): on the host, out of the device's way.
+        self.grads = [(p, None if p.grad is None else p.grad.detach().to("cpu", copy=True)) for p in params]
+        self.accelerators = [(a, a.step, a.gradient_state.sync_gradients) for a in accelerators]
+
+    def restore(self) -> None:
+        """The generators, the gradients and accelerate's counters as they were before the attempt."""
+        torch.set_rng_state(self.rng[0])
+        if self.rng[1] is not None:
+            torch.cuda.set_rng_state(self.rng[1], self.device)
+        for p, saved in self.grads:
+            if saved is None:
+                p.grad = None
+            elif p.grad is None or p.grad.shape != saved.shape:
+                p.grad = saved.to(p.device)
+            else:
+                p.grad.copy_(saved)
+        for accelerator, step, sync in self.accelerators:  # accelerate.Accelerator.accumulate counts entries
+            accelerator.step = step
+            accelerator.gradient_state._set_sync_gradients(sync)
+
+
+def why_not_retry(stepped: bool) -> str | None:
+    """Why a failed attempt cannot run again, or None: an optimizer step had begun (some weights
+    may be updated already), or other processes wait in the step's collectives."""
+    if stepped:
+        return "the optimizer step had begun (some weights may be updated already)"
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and (n := dist.get_world_size()) > 1:
+        return f"{n} processes run this step, and the others wait in its collectives"
+    return None
+
+
+def accelerators_among(objects: Iterable[Any]) -> list[Any]:
+    """accelerate's ``Accelerator`` objects among ``objects`` (none when accelerate is not imported)."""
+    import sys
+
+    module = sys.modules.get("accelerate")
+    if module is None:
+        return []
+    return [x for x in objects if issubclass(type(x), module.Accelerator)]
+
+
+def base_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """accelerate's ``AcceleratedOptimizer`` is a wrapper: the optimizer it steps."""
+    return opt.optimizer if type(opt).__name__ == "AcceleratedOptimizer" else opt
