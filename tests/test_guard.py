@@ -267,6 +267,7 @@ def test_out_of_memory_even_under_full_is_one_line_and_re_raised(capsys: pytest.
     guard = BudgetGuard(case.model, full + 9 * (none - full) // 10, batch_size=BATCH)
     step = FailingStep(case, guard, fails=100)
     capsys.readouterr()
+    before = [p.grad.clone() for p in case.model.parameters()]  # the warm-up step's
     with pytest.raises(torch.OutOfMemoryError, match="raised by the test"):
         guard.run(step)
     predicted = [p for _, p in step.plans]
@@ -278,7 +279,8 @@ def test_out_of_memory_even_under_full_is_one_line_and_re_raised(capsys: pytest.
         f"guard: step 1: ran out of memory under full (predicted {full / 2**20:.1f} MiB), which recomputes the "
         "most: the step does not fit this device; re-raising"
     )
-    assert all(p.grad is None for p in case.model.parameters())  # what the failed attempts left is freed
+    for p, grad in zip(case.model.parameters(), before, strict=True):  # as the call found them
+        assert torch.equal(p.grad, grad)
 
 
 def test_a_model_that_is_not_a_u_net_is_refused_before_planning() -> None:

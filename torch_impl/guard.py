@@ -27,12 +27,11 @@ from torch.utils._pytree import tree_leaves
 
 from shared_configs.planning import planner
 from shared_configs.planning.planner import Workload
-from shared_configs.regime import DEFAULT as DEFAULT_REGIME
 from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from shared_configs.units import MIB
 from torch_impl.diffusers_plan import apply_plan
-from torch_impl.guard_model import step_spec, take_over_checkpointing, unwrap
+from torch_impl.guard_model import regime_seen, step_spec, take_over_checkpointing, unwrap
 from torch_impl.guard_retry import RetryPoint, accelerators_among, base_optimizer, why_not_retry
 from torch_impl.pair import ControlNetPair
 
@@ -65,7 +64,7 @@ class BudgetGuard:
     adapters or not), or a `torch_impl.ControlNetPair` (``ControlNetPair.of(unet, controlnet)``: the
     pair's workload, pair plans on both networks); wrapped ones are unwrapped (DDP, accelerate's,
     ``torch.compile``'s), diffusers' own gradient checkpointing is replaced by the plan (one line).
-    ``batch_size``, ``regime`` (`shared_configs.regime.Regime`; default fp32 AdamW), ``sample_size``
+    ``batch_size``, ``regime`` (`shared_configs.regime.Regime`; default: what the model shows), ``sample_size``
     and ``planner_options`` (``context_length``, ``world_size``, ``distributed``, ``candidates``, ...)
     describe the step to the planner as `torch_impl.plan_for_budget` takes them.
     ``policy``: start from this plan instead of planning (a resumed run's last plan); it is measured
@@ -90,7 +89,10 @@ class BudgetGuard:
         spec = step_spec(self.model)
         self._plan_options = {k: v for k, v in planner_options.items() if k in _PLAN_OPTIONS}
         workload = {k: v for k, v in planner_options.items() if k not in _PLAN_OPTIONS}
-        regime = regime or DEFAULT_REGIME
+        if regime is None:
+            regime, notes = regime_seen(self.model)
+            for note in notes:
+                self._say(note)
         self._workload = Workload.of(spec, sample_size, batch_size=batch_size, regime=regime, **workload)
         self.history: list[GuardRecord] = []
         self.plan, self._predicted = NONE, 0
@@ -101,6 +103,7 @@ class BudgetGuard:
         self._accelerators: list[Any] = []
         self._scanned = False  # live objects searched for the model's optimizers and accelerate's Accelerator
         self._stepped = False  # an optimizer over the model's parameters began a step (since the last look)
+        self._fresh = False  # the last call ended with an optimizer step: no gradient accumulated since
         self._hook = _spot_optimizers(self)
         if taken := take_over_checkpointing(self.model):
             self._say(f"{' and '.join(taken)}: its own gradient checkpointing is off; the guard's plan replaces it")
@@ -119,9 +122,10 @@ class BudgetGuard:
         line saying why it cannot be."""
         self._step += 1
         if self._stepped:  # the optimizer stepped outside ``step_fn`` since the last call
+            self._fresh = True
             self._optimizer_stepped()
         self._find_optimizers(tree_leaves((args, kwargs)))
-        point = RetryPoint(self._retried_params(), self._device(), self._accelerators)
+        point = RetryPoint(self._retried_params(), self._device(), self._accelerators, self._fresh)
         for rung in range(OOM_HALVINGS + 2):  # the halvings, `full`, and the failure under `full`
             self._stepped = False
             try:
@@ -160,6 +164,7 @@ class BudgetGuard:
             with self._measured(args, kwargs) as found:
                 out = step_fn(*args, **kwargs)
             self._pending.append(found)
+        self._fresh = self._stepped  # else the next micro-step accumulates into this one's gradients
         if self._stepped:
             self._optimizer_stepped()
         return out

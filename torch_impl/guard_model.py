@@ -3,18 +3,22 @@
 `unwrap` takes off the wrappers a script's model may wear (DDP, accelerate's prepared module,
 ``torch.compile``'s ``OptimizedModule``, FSDP1); `step_spec` reads the spec of our `UNet`, a diffusers
 U-Net (peft adapters or not) or a `ControlNetPair`; `take_over_checkpointing` turns diffusers' own
-gradient checkpointing off so that the guard's plan replaces it. docs/guard.md has the rules.
+gradient checkpointing off so that the guard's plan replaces it; `regime_seen` reads what is trained
+and in which dtype. docs/guard.md has the rules.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from shared_configs.pair import ControlNetPairSpec
+from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
 from torch_impl.controlnet import ControlNet
 from torch_impl.diffusers_plan import diffusers_spec
 from torch_impl.pair import ControlNetPair
+from torch_impl.regime import DIFFUSERS_LORA_TARGETS
 from torch_impl.unet import UNet
 
 # Wrappers whose ``.module`` is the model they run (torch's DDP, DataParallel and FSDP1).
@@ -56,3 +60,27 @@ def take_over_checkpointing(model: nn.Module) -> list[str]:
         net.disable_gradient_checkpointing()
         taken.append(type(net).__name__)
     return taken
+
+
+def regime_seen(model: nn.Module) -> tuple[Regime, list[str]]:
+    """The regime ``model``'s parameters show (what is trained, in which dtype; the optimizer and
+    autocast are seen in the step, `torch_impl.guard_regime`), and the lines to say about it."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if not trained:
+        raise ValueError("model: no parameter requires a gradient; the guard plans a training step")
+    notes, rank = [], lora_rank(model)
+    adapters = rank is not None and not isinstance(model, ControlNetPair)
+    if not adapters and any("lora_" in n for n, p in model.named_parameters() if p.requires_grad):
+        notes.append("LoRA adapters without one rank (peft_config): planned as all weights trained")
+    half = {p.dtype for p in trained} == {torch.bfloat16}
+    return Regime(precision="bf16" if half else "fp32", trainable=f"lora:{rank}" if adapters else "all"), notes
+
+
+def lora_rank(model: nn.Module) -> int | None:
+    """The rank of the peft adapters ``model`` trains (diffusers' ``add_adapter``: ``peft_config``),
+    if they are one adapter on the projections the planner adapts."""
+    configs = list(getattr(model, "peft_config", {}).values())
+    if len(configs) != 1:
+        return None
+    targets = {str(t) for t in (configs[0].target_modules or ())}
+    return configs[0].r if targets == set(DIFFUSERS_LORA_TARGETS) else None

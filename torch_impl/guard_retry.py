@@ -1,8 +1,8 @@
 """What a retried step must find as its failed attempt found it (`torch_impl.BudgetGuard`'s retry).
 
 `RetryPoint` keeps, before each guarded call, torch's random generators, the trained parameters'
-gradients (a host copy, only where some exist: accumulated micro-steps, kept gradients) and
-accelerate's accumulation counter; `RetryPoint.restore` puts them back after an out-of-memory error.
+gradients (a host copy of those earlier micro-steps accumulated; after an optimizer step, only which
+exist: a retry zeroes them) and accelerate's accumulation counter; `RetryPoint.restore` puts them back.
 `why_not_retry` names what no restore can undo (an optimizer step begun, other processes' collectives).
 docs/guard.md says what a step may do.
 """
@@ -19,11 +19,15 @@ from torch import nn
 class RetryPoint:
     """The state a guarded call starts from, restorable after its attempt failed."""
 
-    def __init__(self, params: Iterable[nn.Parameter], device: torch.device, accelerators: Iterable[Any]) -> None:
+    def __init__(
+        self, params: Iterable[nn.Parameter], device: torch.device, accelerators: Iterable[Any], fresh: bool
+    ) -> None:
+        """``fresh``: an optimizer step ended since the gradients were last accumulated into, so those
+        alive are zeros or stale ones the step zeroes first (none is copied, a retry zeroes them)."""
         self.device = device
         self.rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        # The gradients earlier micro-steps accumulated (or kept, zeroed): on the host, out of the device's way.
-        self.grads = [(p, None if p.grad is None else p.grad.detach().to("cpu", copy=True)) for p in params]
+        # Gradients earlier micro-steps accumulated: copied to the host, out of the device's way.
+        self.grads = [(p, _kept(p.grad, fresh)) for p in params]
         self.accelerators = [(a, a.step, a.gradient_state.sync_gradients) for a in accelerators]
 
     def restore(self) -> None:
@@ -34,6 +38,9 @@ class RetryPoint:
         for p, saved in self.grads:
             if saved is None:
                 p.grad = None
+            elif saved is ZEROS:
+                if p.grad is not None:
+                    p.grad.zero_()
             elif p.grad is None or p.grad.shape != saved.shape:
                 p.grad = saved.to(p.device)
             else:
@@ -41,6 +48,15 @@ class RetryPoint:
         for accelerator, step, sync in self.accelerators:  # accelerate.Accelerator.accumulate counts entries
             accelerator.step = step
             accelerator.gradient_state._set_sync_gradients(sync)
+
+
+ZEROS: Any = object()  # a gradient a retry zeroes (after an optimizer step), not copied
+
+
+def _kept(grad: torch.Tensor | None, fresh: bool) -> Any:
+    if grad is None:
+        return None
+    return ZEROS if fresh else grad.detach().to("cpu", copy=True)
 
 
 def why_not_retry(stepped: bool) -> str | None:

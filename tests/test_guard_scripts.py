@@ -1,0 +1,240 @@
+"""`torch_impl.BudgetGuard` in a step shaped as diffusers' training scripts hold theirs, built from the
+libraries themselves (nothing downloaded): accelerate's ``prepare`` / ``accumulate`` / ``backward``,
+peft LoRA through ``unet.add_adapter``, a frozen ``AutoencoderKL`` and ``CLIPTextModel`` from tiny
+configs, ``cast_training_params``; and diffusers' ``ControlNetModel`` beside its frozen U-Net.
+
+Each guarded run is held against the same run unguarded (weights compared), and its peak after the
+guard's last change against the budget. One profile per model, in the module's cache; the planner's
+worker check of each plan is stood in for by the profile's prediction (`tests.test_guard`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared_configs import to_diffusers_config
+from shared_configs.planning.planner import Workload, predict_policy
+from shared_configs.regime import Regime
+from tests.test_guard import check_by_prediction, plan_cache  # noqa: F401 (fixtures)
+from tests.utils import variant
+from torch_impl import BudgetGuard, ControlNetPair
+from torch_impl import memory as memory_module
+from torch_impl.guard_model import regime_seen, step_spec, unwrap
+from torch_impl.train import skip_frozen_grad_hooks
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("check_by_prediction")]
+SPEC = variant("tiny", down_attention=["transformer", "none"], sample_size=8, dropout=0.0)  # SD-shaped, 8x8 latents
+BATCH, TOKENS, RANK = 2, 8, 4
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+class Script:
+    """What a script holds after ``accelerator.prepare``: the trained model (the U-Net's LoRA
+    adapters, or a ControlNet), the frozen VAE, text encoder (and U-Net), the optimizer, batches."""
+
+    def __init__(self, controlnet: bool = False, accumulation: int = 1) -> None:
+        import diffusers
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+        from diffusers.training_utils import cast_training_params
+        from peft import LoraConfig
+        from transformers import CLIPTextConfig, CLIPTextModel
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.unet = diffusers.UNet2DConditionModel.from_config(to_diffusers_config(SPEC))
+            self.vae = diffusers.AutoencoderKL(
+                down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4, sample_size=16,
+            )  # fmt: skip
+            self.text = CLIPTextModel(CLIPTextConfig(
+                vocab_size=64, hidden_size=12, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                max_position_embeddings=TOKENS, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+            ))  # fmt: skip
+        for module in (self.unet, self.vae, self.text):
+            module.requires_grad_(False)
+        self.controlnet = None
+        if controlnet:  # train_controlnet.py: a ControlNet from the U-Net, trained whole
+            widths = {"conditioning_embedding_out_channels": (8, 16)}  # the image at 2x the latents: 16x16
+            self.controlnet = diffusers.ControlNetModel.from_unet(self.unet, **widths)
+            self.controlnet.train()
+        else:  # train_text_to_image_lora.py
+            self.unet.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian",
+                                             target_modules=LORA_TARGETS))  # fmt: skip
+            cast_training_params(self.unet, dtype=torch.float32)
+        self.accelerator = Accelerator(gradient_accumulation_steps=accumulation, cpu=True)
+        trained = self.controlnet if controlnet else self.unet
+        optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=1e-3)
+        self.trained, self.optimizer = self.accelerator.prepare(trained, optimizer)
+        self.scheduler = diffusers.DDPMScheduler(num_train_timesteps=1000)
+        g = torch.Generator().manual_seed(1)
+        self.batches = [(torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, 64, (BATCH, TOKENS), generator=g))
+                        for _ in range(8)]  # fmt: skip
+        self.fail: Callable[[], bool] = lambda: False  # an out-of-memory error after the backward, when true
+
+    def body(self, pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The body of the scripts' ``with accelerator.accumulate(model):``."""
+        latents = self.vae.encode(pixels).latent_dist.sample() * self.vae.config.scaling_factor
+        context = self.text(ids, return_dict=False)[0]
+        noise = torch.randn_like(latents)
+        t = torch.randint(0, 1000, (latents.shape[0],)).long()
+        noisy = self.scheduler.add_noise(latents, noise, t)
+        residuals = {}
+        if self.controlnet is not None:
+            down, mid = self.trained(noisy, t, context, controlnet_cond=pixels, return_dict=False)
+            residuals = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+        pred = self.unet(noisy, t, context, **residuals, return_dict=False)[0]
+        loss = F.mse_loss(pred.float(), noise.float())
+        self.accelerator.backward(loss)
+        if self.fail():
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss.detach()
+
+    def guarded_model(self) -> torch.nn.Module:
+        return ControlNetPair.of(self.unet, self.trained) if self.controlnet is not None else self.trained
+
+    def weights(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.trained.parameters() if p.requires_grad]
+
+
+@pytest.fixture(autouse=True)
+def frozen_modules_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU measurement hooks every module the step runs: the frozen VAE's and text encoder's
+    parameters (no gradient) are marked as hooked, as the guarded model's frozen ones are."""
+
+    def skip(tracker: Any, model: torch.nn.Module) -> None:
+        for module in [model, *Script.frozen]:
+            skip_frozen_grad_hooks(tracker, module)
+
+    monkeypatch.setattr(memory_module, "skip_frozen_grad_hooks", skip)
+
+
+Script.frozen = []  # the frozen modules of the scripts built so far (the fixture above marks them)
+
+
+def run(script: Script, guard: BudgetGuard | None, steps: int) -> list[float]:
+    """``steps`` micro-steps of the script's loop, guarded as docs/guard.md's recipe patches it."""
+    Script.frozen += [script.vae, script.text, script.unet]
+    torch.manual_seed(5)
+    losses = []
+    for pixels, ids in script.batches[:steps]:
+        if guard is None:
+            with script.accelerator.accumulate(script.trained):
+                loss = script.body(pixels, ids)
+        else:
+
+            @guard.step(script.accelerator.accumulate, script.trained)
+            def loss() -> torch.Tensor:
+                return script.body(pixels, ids)  # noqa: B023 (run at once)
+
+        losses.append(float(loss))
+    return losses
+
+
+def sizes(model: torch.nn.Module) -> int:
+    """The budget 60% of the way from `full`'s predicted peak to `none`'s, in the regime the model shows."""
+    model = unwrap(model)
+    work = Workload.of(step_spec(model), batch_size=BATCH, regime=regime_seen(model)[0], context_length=TOKENS)
+    none, full = (predict_policy(work, p)[0].prediction.peak_bytes for p in ("none", "full"))
+    return full + 6 * (none - full) // 10
+
+
+def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("controlnet", [False, True], ids=["lora", "controlnet"])
+def test_a_script_step_keeps_the_budget_and_the_unguarded_weights(controlnet: bool) -> None:
+    """No regime given: the guard reads it (LoRA rank 4 / the ControlNet trained whole), plans,
+    re-plans on what the VAE and text encoder hold, and from the step after its last change the
+    step's peak is within budget; the weights are the unguarded run's."""
+    plain = Script(controlnet)
+    run(plain, None, 6)
+    script = Script(controlnet)
+    budget = sizes(script.guarded_model())
+    guard = BudgetGuard(script.guarded_model(), budget, batch_size=BATCH, context_length=TOKENS)
+    assert guard._workload.regime == Regime(trainable="all" if controlnet else f"lora:{RANK}")
+    run(script, guard, 6)
+    last = max(i for i, r in enumerate(guard.history) if r.measured is None)
+    after = [r.measured for r in guard.history[last:] if r.measured is not None]
+    assert after and max(after) <= budget, guard.history
+    assert largest_difference(script.weights(), plain.weights()) == 0.0
+    print(f"\n{'controlnet' if controlnet else 'lora'}: budget {budget / 2**20:.3f} MiB;",
+          *(f"{r.step} {r.action} {r.plan} {r.predicted / 2**20:.3f}/{(r.measured or 0) / 2**20:.3f}"
+            for r in guard.history), sep="\n  ")  # fmt: skip
+
+
+@pytest.mark.parametrize("failing", [1, 2], ids=["micro-step-1", "micro-step-2"])
+def test_out_of_memory_in_a_micro_step_retries_it_as_the_unguarded_run_has_it(
+    failing: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Gradient accumulation 2, an out-of-memory error after the backward of micro-step ``failing``
+    (the gradients of micro-step 1 accumulated, accelerate's counter advanced): the micro-step runs
+    again and every weight equals the unguarded run's."""
+    plain = Script(accumulation=2)
+    expected = run(plain, None, 4)
+    script = Script(accumulation=2)
+    guard = BudgetGuard(script.trained, sizes(script.trained), batch_size=BATCH, context_length=TOKENS)
+    calls = iter(range(1, 100))
+    script.fail = lambda: next(calls) == failing
+    capsys.readouterr()
+    losses = run(script, guard, 4)
+    difference = largest_difference(script.weights(), plain.weights())
+    print(f"\nout of memory in micro-step {failing}: largest weight difference {difference}")
+    assert difference == 0.0 and losses == expected
+    assert [r.action for r in guard.history].count("out of memory") == 1
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("guard:")]
+    assert any(f"step {failing}: ran out of memory under" in x and "running it again" in x for x in lines), lines
+
+
+def test_out_of_memory_inside_the_optimizer_step_is_not_retried(capsys: pytest.CaptureFixture[str]) -> None:
+    """Once the optimizer step has begun some weights may be updated: one line, the error re-raised."""
+    script = Script()
+    guard = BudgetGuard(script.trained, sizes(script.trained), batch_size=BATCH, context_length=TOKENS)
+
+    def failing_step(opt: torch.optim.Optimizer, *_: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+    handle = script.optimizer.optimizer.register_step_pre_hook(failing_step)
+    capsys.readouterr()
+    with pytest.raises(torch.OutOfMemoryError, match="raised by the test"):
+        run(script, guard, 1)
+    handle.remove()
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("guard:")]
+    assert line.startswith("guard: step 1: ran out of memory under ") and "not run again: the optimizer step" in line
+
+
+def test_wrapped_models_are_unwrapped_and_own_checkpointing_is_taken_over(capsys: pytest.CaptureFixture[str]) -> None:
+    """DDP (gloo, one process), ``torch.compile``'s module and accelerate's prepared one: the guard
+    plans and puts its plan on the U-Net inside. diffusers' own checkpointing, on: turned off, one line."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    script = Script()
+    unet = script.unet
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrapped = {"ddp": DistributedDataParallel(unet), "compiled": torch.compile(unet), "accelerate": script.trained}
+        for name, model in wrapped.items():
+            guard = BudgetGuard(model, 1 << 30, batch_size=BATCH, context_length=TOKENS, policy="full")
+            assert guard.model is unet and guard.plan == "full", name
+    finally:
+        dist.destroy_process_group()
+    unet.enable_gradient_checkpointing()
+    capsys.readouterr()
+    guard = BudgetGuard(torch.compile(unet), 1 << 30, batch_size=BATCH, context_length=TOKENS, policy="none")
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in unet.modules())
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == ("guard: step 0: UNet2DConditionModel: its own gradient checkpointing is off; the guard's plan "
+                    "replaces it")  # fmt: skip
