@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from shared_configs import to_diffusers_config
 from shared_configs.planning.planner import Workload, predict_policy
 from shared_configs.regime import Regime
+from tests.helpers.specs import variant
 from tests.test_guard import check_by_prediction, plan_cache  # noqa: F401 (fixtures)
-from tests.utils import variant
 from torch_impl import BudgetGuard, ControlNetPair
 from torch_impl import memory as memory_module
 from torch_impl.guard_model import regime_seen, step_spec, unwrap
