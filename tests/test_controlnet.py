@@ -27,6 +27,12 @@ from shared_configs.controlnet import ControlNetSpec, load_controlnet_spec, reso
 from shared_configs.diffusers.controlnet import controlnet_to_diffusers_config
 from shared_configs.inputs import example_inputs
 from tests.helpers.diffusers_ref import cache_repo
+from tests.helpers.policies import (
+    LossAndGrads,
+    assert_plans_keep_loss_and_grads,
+    jax_loss_and_grads,
+    torch_loss_and_grads,
+)
 from tests.helpers.specs import variant
 from tests.helpers.tensors import as_flax, as_torch, randomize_, rel_err
 from torch_impl import ControlNet, UNet
@@ -164,20 +170,18 @@ def _ramp(shape: tuple[int, ...]) -> jax.Array:
     return jnp.linspace(-1, 1, int(np.prod(shape))).reshape(shape)
 
 
-def _grads(spec: ControlNetSpec, policy: str) -> list[torch.Tensor]:
+def _step(spec: ControlNetSpec, policy: str) -> LossAndGrads:
     torch.manual_seed(0)
     model = ControlNet(spec, policy=policy).train()
     randomize_(model, seed=2)
-    _loss(*_ours(model, _inputs(spec))).backward()
-    return [p.grad for p in model.parameters()]
+    return torch_loss_and_grads(lambda **kw: _ours(model, kw), _inputs(spec), loss=lambda out: _loss(*out),
+                                wrt=dict(model.named_parameters()))  # fmt: skip
 
 
 @pytest.mark.parametrize("policy", ["full", "layers", "down.0;down.1.resnets.0,mid/save=conv,matmul"])
 def test_torch_plans_leave_gradients_unchanged(policy: str) -> None:
     spec = ControlNetSpec(unet=variant("sd_linear_proj", dropout=0.0), conditioning_embedding_out_channels=WIDTHS)
-    plain = _grads(spec, "none")
-    for a, b in zip(plain, _grads(spec, policy), strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    assert_plans_keep_loss_and_grads(lambda p: _step(spec, p), [policy])  # bit for bit
 
 
 def test_plans_name_the_units_as_the_unets() -> None:
@@ -200,22 +204,22 @@ def test_flax_parameter_tree_and_gradients_are_the_same_under_plans() -> None:
     named = as_flax(inputs)
     args = (named["x"], named["t"], named["context"], jnp.asarray(inputs["cond"].transpose(0, 2, 3, 1)))
     params = FlaxControlNet(spec=spec).init(jax.random.key(0), *args)["params"]
+    keys = iter(jax.random.split(jax.random.key(2), len(jax.tree.leaves(params))))
+    params = jax.tree.map(lambda p: p + 0.2 * jax.random.normal(next(keys), p.shape), params)  # zero convs too
 
-    def grads(policy: str) -> list[np.ndarray]:
+    def step(policy: str) -> LossAndGrads:
         module = FlaxControlNet(spec=spec, policy=policy)
-        tree = module.init(jax.random.key(0), *args)["params"]
+        tree = jax.eval_shape(module.init, jax.random.key(0), *args)["params"]
         assert jax.tree.structure(tree) == jax.tree.structure(params)
 
         def loss(p: dict) -> jax.Array:
             down, mid = module.apply({"params": p}, *args)
             return sum(jnp.sum(r * _ramp(r.shape)) for r in [*down, mid])
 
-        return [np.asarray(g) for g in jax.tree.leaves(jax.grad(loss)(params))]
+        return jax_loss_and_grads(loss, params)
 
-    plain = grads("none")
-    for policy in ("full", "down.0;down.1.resnets.0,mid/save=conv,matmul"):
-        for a, b in zip(plain, grads(policy), strict=True):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    policies = ("full", "down.0;down.1.resnets.0,mid/save=conv,matmul")
+    assert_plans_keep_loss_and_grads(step, policies, tol=1e-5, atol=1e-6, loss_tol=1e-6)
 
 
 @pytest.mark.slow

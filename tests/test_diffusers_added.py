@@ -25,6 +25,12 @@ from shared_configs import SpecError, UNetSpec, from_diffusers_config, to_diffus
 from shared_configs.controlnet import load_controlnet_spec
 from shared_configs.inputs import example_inputs
 from tests.helpers.diffusers_ref import diffusers_forward
+from tests.helpers.policies import (
+    LossAndGrads,
+    assert_plans_keep_loss_and_grads,
+    jax_loss_and_grads,
+    torch_loss_and_grads,
+)
 from tests.helpers.tensors import as_flax, as_torch, randomize_, rel_err
 from torch_impl import UNet, apply_plan
 
@@ -90,17 +96,19 @@ def test_both_frameworks_load_and_match_diffusers(saved: dict[str, Any], tmp_pat
     back.load_state_dict(to_diffusers_state_dict(params, module.resolved_spec), strict=True)
 
 
-def _torch_grads(model: torch.nn.Module, inputs: dict[str, Any], diffusers: bool = False) -> list[torch.Tensor]:
-    model.zero_grad(set_to_none=True)
+def _torch_step(model: torch.nn.Module, inputs: dict[str, Any], diffusers: bool = False) -> LossAndGrads:
+    forward = model
     if diffusers:
         kwargs = {"encoder_hidden_states": inputs["context"], "timestep_cond": inputs.get("timestep_cond"),
                   "encoder_attention_mask": inputs["encoder_attention_mask"],
                   "added_cond_kwargs": {"image_embeds": inputs["image_embeds"]}}  # fmt: skip
-        out = model(inputs["x"], inputs["t"], **kwargs).sample
-    else:
-        out = model(**inputs)
-    out.square().mean().backward()
-    return [p.grad.clone() for p in model.parameters()]
+        inputs = {"x": inputs["x"], "t": inputs["t"]}
+
+        def forward(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return model(x, t, **kwargs).sample
+
+    wrt = dict(model.named_parameters())
+    return torch_loss_and_grads(forward, inputs, loss=lambda out: out.square().mean(), wrt=wrt)
 
 
 # Kandinsky-style with a Transformer2D middle block: every new layer kind, the mask through both attentions
@@ -113,18 +121,23 @@ def test_plans_leave_gradients_unchanged_in_torch_and_on_diffusers() -> None:
     ours = UNet(spec)
     randomize_(ours, seed=4)
     inputs = as_torch(_inputs(spec))
-    plain = _torch_grads(ours, inputs)
-    for policy in ("full", "layers", "down.0,up.1;mid,down.1/save=conv+matmul"):
+
+    def ours_step(policy: str) -> LossAndGrads:
         ours.enable_gradient_checkpointing(policy)
-        assert max(rel_err(a, b) for a, b in zip(_torch_grads(ours, inputs), plain, strict=True)) <= 1e-6, policy
+        return _torch_step(ours, inputs)
+
+    assert_plans_keep_loss_and_grads(ours_step, ("full", "layers", "down.0,up.1;mid,down.1/save=conv+matmul"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = UNet2DConditionModel.from_config(to_diffusers_config(spec))
     theirs.load_state_dict(ours.to_diffusers_state_dict(), strict=True)
-    reference = _torch_grads(theirs, inputs, diffusers=True)
-    apply_plan(theirs, "layers")
-    planned = _torch_grads(theirs, inputs, diffusers=True)
-    assert max(rel_err(a, b) for a, b in zip(planned, reference, strict=True)) <= 1e-6
+
+    def theirs_step(policy: str) -> LossAndGrads:
+        if policy != "none":
+            apply_plan(theirs, policy)
+        return _torch_step(theirs, inputs, diffusers=True)
+
+    assert_plans_keep_loss_and_grads(theirs_step, ["layers"])  # bit for bit, both
 
 
 @pytest.mark.slow
@@ -133,12 +146,12 @@ def test_plans_leave_gradients_unchanged_in_flax() -> None:
     inputs = as_flax(_inputs(spec))
     params = jax_impl.UNet(spec=spec).init(jax.random.key(0), **inputs)
 
-    def grads(policy: str) -> list[np.ndarray]:
+    def step(policy: str) -> LossAndGrads:
         model = jax_impl.UNet(spec=spec, policy=policy)
-        return jax.tree.leaves(jax.jit(jax.grad(lambda p: jnp.mean(model.apply(p, **inputs) ** 2)))(params))
+        return jax_loss_and_grads(lambda p: jnp.mean(model.apply(p, **inputs) ** 2), params)
 
     # every layer its own remat (the blocks' own recompute is the same transform, tested on `tiny`)
-    assert max(rel_err(a, b) for a, b in zip(grads("layers"), grads("none"), strict=True)) <= 1e-5
+    assert_plans_keep_loss_and_grads(step, ["layers"], tol=1e-5)
 
 
 SPEC_BASE = {"name": "s", "in_channels": 4, "out_channels": 4, "sample_size": 8, "block_out_channels": [32, 64],

@@ -22,8 +22,9 @@ from benchmarks.harness.job import load_benchmark_spec
 from shared_configs import SpecError, UNetSpec, block_names, layer_names
 from shared_configs.training.data import example_batch
 from tests.helpers.diffusers_ref import diffusers_pair
+from tests.helpers.policies import assert_same_loss_and_grads, torch_loss_and_grads
 from tests.helpers.specs import variant
-from tests.helpers.tensors import count_flops, rel_err
+from tests.helpers.tensors import count_flops
 from torch_impl import UNet, apply_plan, remove_plan
 from torch_impl.checkpointing import checkpointed_names
 from torch_impl.diffusers_plan import diffusers_path, diffusers_spec
@@ -53,15 +54,8 @@ def case(request: pytest.FixtureRequest) -> dict[str, Any]:
     noisy, t, _, conditioning = as_tensors(example_batch(spec, 2, CONTEXT))
     model = DiffusersForward(unet)
     inputs = (noisy, t, *conditioning.values())
-    return {"spec": spec, "unet": unet, "model": model, "inputs": inputs, "plain": _loss_and_grads(model, inputs)}
-
-
-def _loss_and_grads(model: torch.nn.Module, inputs: tuple) -> tuple[float, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    out = model(*inputs)
-    loss = (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).mean()
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    plain = torch_loss_and_grads(model, inputs)
+    return {"spec": spec, "unet": unet, "model": model, "inputs": inputs, "plain": plain}
 
 
 def test_every_plan_name_is_the_diffusers_module_of_that_role(case: dict[str, Any]) -> None:
@@ -92,13 +86,10 @@ def test_gradients_equal_the_plain_models(case: dict[str, Any], policy: str) -> 
     plan = apply_plan(unet, policy)
     try:
         assert set(checkpointed_names(unet)) == {diffusers_path(n) for n in plan.recompute} != set()
-        loss, grads = _loss_and_grads(model, case["inputs"])
+        got = torch_loss_and_grads(model, case["inputs"])
     finally:
         remove_plan(unet)
-    ref_loss, ref = case["plain"]
-    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
-    for name, g in grads.items():
-        assert rel_err(g, ref[name]) <= 1e-6, name
+    assert_same_loss_and_grads(got, case["plain"])  # bit for bit
 
 
 @pytest.mark.slow_for("sd_narrow-full", "sdxl_tiny-full", "ddpm_tiny-layers")
@@ -140,8 +131,7 @@ def test_remove_restores_the_forward_that_was_there(case: dict[str, Any]) -> Non
     assert block.forward is hooked and checkpointed_names(unet) == []
     del block.forward
     assert all("forward" not in m.__dict__ for m in unet.modules())
-    loss, grads = _loss_and_grads(model, inputs)
-    assert loss == case["plain"][0] and all(torch.equal(g, case["plain"][1][n]) for n, g in grads.items())
+    assert_same_loss_and_grads(torch_loss_and_grads(model, inputs), case["plain"])  # bit for bit
 
 
 def test_refusals_are_one_line(case: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from shared_configs import SpecError, to_diffusers_config
+from tests.helpers.policies import LossAndGrads, assert_same_loss_and_grads, torch_loss_and_grads
 from tests.helpers.specs import variant
 from tests.helpers.tensors import count_flops, randomize_
 from torch_impl import apply_plan, remove_plan
@@ -48,13 +49,11 @@ def case() -> dict[str, Any]:
     inputs = (torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([5.0, 700.0]), torch.randn(2, 3, 12, generator=gen),
               torch.randn(2, 3, 16, 16, generator=gen))  # fmt: skip
     model = _Loss(net.train())
-    return {"net": net, "model": model, "inputs": inputs, "plain": _grads(model, inputs)}
+    return {"net": net, "model": model, "inputs": inputs, "plain": _step(model, inputs)}
 
 
-def _grads(model: torch.nn.Module, inputs: tuple) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    model(*inputs).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+def _step(model: torch.nn.Module, inputs: tuple) -> LossAndGrads:
+    return torch_loss_and_grads(model, inputs, loss=lambda out: out)  # `_Loss` gives the loss
 
 
 @pytest.mark.parametrize("policy", ["full", "layers", MIXED])
@@ -63,13 +62,12 @@ def test_gradients_unchanged_under_a_plan(case: dict[str, Any], policy: str) -> 
     plan = apply_plan(net, policy)
     try:
         assert checkpointed_names(net) and all(not n.startswith("up_blocks") for n in checkpointed_names(net))
-        got = _grads(model, case["inputs"])
+        got = _step(model, case["inputs"])
     finally:
         remove_plan(net)
     assert checkpointed_names(net) == []
-    assert plan.recompute and set(got) == set(case["plain"])
-    for name, g in got.items():
-        torch.testing.assert_close(g, case["plain"][name], rtol=1e-5, atol=1e-6, msg=name)
+    assert plan.recompute
+    assert_same_loss_and_grads(got, case["plain"])  # bit for bit
 
 
 @pytest.mark.slow

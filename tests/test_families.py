@@ -8,21 +8,24 @@ these variants after weight conversion is in `test_parity.py` (they are in `test
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import traverse_util
 
 from jax_impl import UNet as FlaxUNet
 from jax_impl.unet import abstract_inputs
 from shared_configs import resolve_plan
 from shared_configs.inputs import example_inputs
-from tests.helpers.specs import FAST_COMPILE, variant
-from tests.helpers.tensors import as_flax, as_torch, rel_err
+from tests.helpers.policies import (
+    LossAndGrads,
+    assert_plans_keep_loss_and_grads,
+    jax_loss_and_grads,
+    torch_loss_and_grads,
+)
+from tests.helpers.specs import variant
+from tests.helpers.tensors import as_flax, as_torch
 from torch_impl import UNet as TorchUNet
 
 FAMILIES = ("sdxl_style", "sd21_style", "class_cond", "class_timestep_concat")
@@ -32,28 +35,17 @@ TORCH_POLICIES = ("full", "balanced", "layers", "every:2", "save_convs")
 FLAX_CASES = ("sdxl_style", "class_timestep_concat")
 
 
-def _torch_loss_and_grads(model: TorchUNet, inputs: dict[str, Any]) -> tuple[float, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(0)  # the same dropout masks for every policy
-    out = model(**inputs)
-    loss = (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).mean()
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_torch_policies_give_the_plain_gradients(family: str) -> None:
     torch.manual_seed(0)
     model = TorchUNet(variant(family, dropout=0.2)).train()
     inputs = as_torch(example_inputs(model.spec, np.random.default_rng(1), batch=2, context_len=3))
-    ref_loss, ref = _torch_loss_and_grads(model, inputs)
-    for policy in TORCH_POLICIES:
-        assert model.enable_gradient_checkpointing(policy).recompute
-        loss, grads = _torch_loss_and_grads(model, inputs)
-        model.disable_gradient_checkpointing()
-        assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), policy
-        for name, g in grads.items():
-            assert rel_err(g, ref[name]) <= 1e-5, (policy, name)
+
+    def step(policy: str) -> LossAndGrads:
+        assert bool(model.enable_gradient_checkpointing(policy).recompute) == (policy != "none")
+        return torch_loss_and_grads(model, inputs, seed=0)  # the same dropout masks for every policy
+
+    assert_plans_keep_loss_and_grads(step, TORCH_POLICIES)  # bit for bit
 
 
 @pytest.mark.slow
@@ -68,21 +60,16 @@ def test_flax_remat_gives_the_plain_gradients(family: str) -> None:
         rng = np.random.default_rng(2)
         params = jax.tree.map(lambda s: jnp.asarray(0.2 * rng.standard_normal(s.shape)), shapes)
 
-        def grads(policy: str) -> Any:
+        def step(policy: str) -> LossAndGrads:
             def loss(p: dict) -> jax.Array:
                 out = FlaxUNet(spec=spec, policy=policy).apply(
                     {"params": p}, **inputs, train=True, rngs={"dropout": jax.random.key(5)}
                 )
                 return jnp.mean(out * jnp.linspace(-1, 1, out.size).reshape(out.shape))
 
-            return jax.value_and_grad(loss)(params)
+            return jax_loss_and_grads(loss, params)
 
-        step = jax.jit(lambda: (grads("none"), grads("full"))).lower().compile(FAST_COMPILE)
-        (ref_loss, ref), (loss, got) = jax.tree.map(np.asarray, step())
-    assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss)
-    ref = traverse_util.flatten_dict(ref)
-    for key, g in traverse_util.flatten_dict(got).items():
-        assert np.linalg.norm(g - ref[key]) <= 1e-10 * max(np.linalg.norm(ref[key]), 1e-30) + 1e-14, key
+        assert_plans_keep_loss_and_grads(step, ["full"], tol=1e-10, atol=1e-14, loss_tol=1e-12)
 
 
 def test_the_spec_checkpoint_policy_is_honoured_by_both() -> None:

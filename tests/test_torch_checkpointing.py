@@ -8,8 +8,8 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
 from shared_configs import resolve_plan
+from tests.helpers.policies import LossAndGrads, assert_plans_keep_loss_and_grads, torch_loss_and_grads
 from tests.helpers.specs import variant
-from tests.helpers.tensors import rel_err
 from torch_impl import UNet
 from torch_impl.flops import register_cpu_attention_flops
 
@@ -27,14 +27,13 @@ def _inputs(model: UNet, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor, to
     return x, t, ctx
 
 
-def _loss_and_grads(model: UNet, seed: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    x, t, ctx = _inputs(model)
-    torch.manual_seed(seed)  # same dropout masks for every policy
-    out = model(x, t, ctx)
-    loss = (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).mean()
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+def _step(model: UNet, policy: object, seed: int = 0) -> LossAndGrads:
+    """Loss and gradients under ``policy``, the dropout masks drawn from ``seed``."""
+    if policy == "none":
+        model.disable_gradient_checkpointing()
+    else:
+        assert model.enable_gradient_checkpointing(policy).recompute
+    return torch_loss_and_grads(model, _inputs(model), seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +46,9 @@ def model() -> UNet:
 
 @pytest.mark.parametrize("policy", POLICIES, ids=str)
 def test_gradients_equal_plain_with_dropout(model: UNet, policy: object) -> None:
+    ref_loss, _ = assert_plans_keep_loss_and_grads(lambda p: _step(model, p), [policy])  # bit for bit
     model.disable_gradient_checkpointing()
-    ref_loss, ref = _loss_and_grads(model)
-    other_loss, _ = _loss_and_grads(model, seed=1)
-    assert other_loss != ref_loss  # dropout is really on: another seed gives another loss
-    plan = model.enable_gradient_checkpointing(policy)
-    assert plan.recompute
-    loss, grads = _loss_and_grads(model)
-    model.disable_gradient_checkpointing()
-    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
-    for name, g in grads.items():
-        assert rel_err(g, ref[name]) <= 1e-6, name
+    assert _step(model, "none", seed=1)[0] != ref_loss  # dropout is really on: another seed gives another loss
 
 
 def test_state_dict_keys_unchanged(model: UNet) -> None:
