@@ -24,7 +24,7 @@ torch's ``running_var`` takes the *unbiased* batch variance (times n/(n-1), n = 
 ``batch_stats["var"]`` the *biased* one; Flax's own BatchNorm offers no switch. Outputs in train
 mode (batch statistics, biased in both) and in eval mode from the same running statistics agree;
 only the running variance each framework accumulates differs, by that factor on the batch term
-(tested in ``tests/test_caveats.py``). Checkpointing BatchNorm: see ``torch_impl/batchnorm.py``.
+(tested in ``tests/test_checkpointing_caveats.py``). Checkpointing BatchNorm: see ``torch_impl/batchnorm.py``.
 """
 
 from __future__ import annotations

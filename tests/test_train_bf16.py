@@ -4,7 +4,7 @@ Cheap by construction: the dtype check traces the step (no compile), and the tra
 from one subprocess that compiles the bf16 step once, with backend optimisation off, on two CPU
 devices (the ``--distributed`` mesh) under the ``full`` remat policy: the three paths at once.
 Its float32 reference is torch's float32 curve from the same converted weights and batches, which
-`test_train.test_torch_and_jax_loss_curves_agree` pins to JAX's float32 curve within 1e-4 (one
+`test_train_curves.test_torch_and_jax_loss_curves_agree` pins to JAX's float32 curve within 1e-4 (one
 JAX compile fewer). The bf16 tolerance is far looser than that, so the stand-in costs nothing.
 """
 
