@@ -2,16 +2,12 @@
 
     python -m benchmarks.compare --framework both                                      # the default run
     python -m benchmarks.compare --framework torch,diffusers --policies full,layers   # vs diffusers' own
-    python -m benchmarks.compare --diffusers path/to/unet_folder                      # a local diffusers model
     python -m benchmarks.compare --world-size 2 --batch-size 4                         # per rank, under FSDP
-    python -m benchmarks.compare --controlnet                                          # the ControlNet step
 
 Each framework runs in its own subprocess (`benchmarks.backends.worker`); this process imports neither.
-Prints a table, and writes ``<out>/<run>.json``, ``.csv``, ``.png`` (memory reduction against
-time overhead, with the Pareto front) and ``-timeline.png`` (memory over the step). See
-`benchmarks.backends.torch_bench` and `benchmarks.backends.jax_bench` for how each figure is measured.
+Prints a table that fits 100 columns (``--wide``: every column; `benchmarks.report` reprints a run) and
+writes ``<out>/<run>.json``, ``.csv`` and the plots. The method: docs/benchmark.md.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -60,6 +56,9 @@ from shared_configs.regime import JAX_KEEPS_NO_GRADS, add_regime_arguments, regi
 DEFAULT_CONFIG = "sd_narrow"  # activation-dominated, as diffusion training is (docs/benchmark.md)
 DEFAULT_POLICIES = "none,full,layers"
 DEFAULT_BATCH_SIZES = (8,)
+# Per preset, a batch where activations outweigh the weights and optimizer state, so that
+# checkpointing visibly saves (docs/benchmark.md); other presets and spec files: 1.
+PRESET_BATCH = {DEFAULT_CONFIG: DEFAULT_BATCH_SIZES[0], "small": 4}
 
 
 def _frameworks(text: str) -> tuple[str, ...]:
@@ -150,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help=f"one or more batch sizes, per rank with --world-size (global batch = N x it) "
-        f"(default: {DEFAULT_BATCH_SIZES[0]} for the default config, else 1)",
+        f"(default: {', '.join(f'{b} for {c}' for c, b in PRESET_BATCH.items())}, else 1)",
     )
     p.add_argument(
         "--world-size",
@@ -204,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
 def make_jobs(args: argparse.Namespace) -> list[Job]:
     """Validate the arguments (SpecError on bad input) and turn them into worker jobs."""
     source, config = ("diffusers", str(args.diffusers)) if args.diffusers else ("spec", args.config)
-    default_config = source == "spec" and config == DEFAULT_CONFIG
-    batch_sizes = tuple(dict.fromkeys(args.batch_size or (DEFAULT_BATCH_SIZES if default_config else (1,))))
+    preset_batch = PRESET_BATCH.get(config, 1) if source == "spec" else 1
+    batch_sizes = tuple(dict.fromkeys(args.batch_size or (preset_batch,)))
     spec = load_benchmark_spec(config, args.sample_size, source)
     if args.plan_budget_mib is not None:
         raise SpecError("--plan-budget-mib: only with --controlnet (the budget its planned row is solved for)")

@@ -2,18 +2,13 @@
 
     python -m benchmarks.plan --config small --sample-size 32 --batch-size 4 --budget-mib 1200
     python -m benchmarks.plan ... --framework both --verify --json plan.json
-    python -m benchmarks.plan --config small --sample-size 32 --batch-size 4 --sweep out/ --verify
-    python -m benchmarks.plan --config sd15 --sample-size 64 --batch-size 8 --budget-mib 24576 --shapes
     python -m benchmarks.plan --config sd15 --sample-size 64 --batch-size 8 --policy layers --shapes
     python -m benchmarks.plan --diffusers path/to/unet --batch-size 4 --budget-mib 8192 --trainable lora:8
-    python -m benchmarks.plan --config sd_narrow --batch-size 8 --budget-mib 360 --controlnet --verify
 
-Prints the plan as the policy string `UNet.enable_gradient_checkpointing` and
-`jax_impl.UNet(policy=...)` accept (and a spec's ``checkpoint:`` YAML line), its predicted peak
-and step-time overhead per framework; ``--policy P`` predicts (and with --verify measures) the
-policy given instead of solving for one. The method is in docs/planning.md.
+Prints the policy string both U-Nets accept beside none's and full's peaks, the plan's saving and
+cost per framework and a per-block listing (`benchmarks.reports.plan_text`); ``--policy P``
+predicts (--verify measures) a policy given. The method: docs/planning.md.
 """
-
 from __future__ import annotations
 
 import argparse

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,7 @@ from shared_configs.planning import planner
 from shared_configs.planning.planner import Workload
 from shared_configs.planning.solver import Infeasible
 from shared_configs.planning.workers import XLA_CPU_OPTIONS
+from shared_configs.progress import say
 from shared_configs.regime import DEFAULT as DEFAULT_REGIME
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
@@ -222,4 +222,4 @@ def _consumed(args: Sequence[Any]) -> bool:
 
 
 def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    say(line)  # through logging when it is on

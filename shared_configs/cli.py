@@ -113,9 +113,8 @@ def cli_errors(module: str) -> Iterator[None]:
     the way out (`shared_configs.processes.worker_group`), and a second signal does not cut that short.
     """
     prog = f"python -m {module}"
-    cli_logging()  # the library's progress on stderr: a live line on a terminal, plain lines in a log
-    try:
-        with _interrupts():
+    try:  # the library's progress on stderr: a live line on a terminal, plain lines in a log
+        with cli_logging(), _interrupts():
             yield
     except (SpecError, BenchmarkError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 `progress(what, total)` reports ``what: done/total, detail, elapsed, about N s left`` at INFO. A
 library call stays quiet unless its caller turned logging on, or the wait passes `QUIET_S` seconds
-(then it speaks on stderr). A CLI calls `cli_logging()` once: a live line on a terminal (tqdm's and
+(then it speaks on stderr). A CLI runs inside `cli_logging()`: a live line on a terminal (tqdm's and
 rich's habit), plain lines in a log. A worker process calls `worker_logging()`; the parent reading
 its stderr passes the lines on with `Relay`. Used by the planner, its workers and the benchmarks.
 """
@@ -26,10 +26,19 @@ class LiveHandler(logging.StreamHandler):
     """Progress records overwrite one live line on a terminal; every record is a plain line otherwise."""
 
     def __init__(self, stream: IO[str] | None = None) -> None:
-        super().__init__(stream if stream is not None else sys.stderr)
+        self._own = stream  # None: whatever sys.stderr is when a record comes (as logging's lastResort)
+        super().__init__(stream)
         self.setFormatter(logging.Formatter("%(message)s"))
         self.live = bool(getattr(self.stream, "isatty", lambda: False)())
         self._pending = False  # a live line is on screen, without its newline
+
+    @property  # type: ignore[override]
+    def stream(self) -> IO[str]:
+        return self._own if self._own is not None else sys.stderr
+
+    @stream.setter
+    def stream(self, value: IO[str]) -> None:
+        self._own = value if value is not sys.stderr else self._own
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -61,7 +70,7 @@ def _emit(logger: logging.Logger, text: str, live: bool, started: float, quiet_s
     if time.monotonic() - started < quiet_s:
         return False
     global _fallback
-    if _fallback is None or _fallback.stream is not sys.stderr:  # one live line per stderr
+    if _fallback is None:
         _fallback = LiveHandler()
     _fallback.handle(logger.makeRecord(logger.name, logging.INFO, "", 0, text, None, None, extra={"progress": live}))
     return True
@@ -134,6 +143,15 @@ def note(text: str) -> None:
         LOGGER.info(text)
 
 
+def say(text: str) -> None:
+    """A line the user must see (a re-plan, a retry after out-of-memory): a WARNING record when
+    logging is on, else a line on stderr."""
+    if _speaks(LOGGER):
+        LOGGER.warning(text)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
 class Relay:
     """The parent's side of a worker's progress: its `MARK` lines logged here as ``what: line`` (under
     this process's quiet rule), every other line kept (the error message's)."""
@@ -170,17 +188,16 @@ def worker_logging(stream: IO[str] | None = None) -> None:
     LOGGER.propagate = False
 
 
-_cli_handler: LiveHandler | None = None
-
-
-def cli_logging(verbose: bool = False, stream: IO[str] | None = None) -> LiveHandler:
-    """In a command: the library's progress and notes on stderr (a live line on a terminal); a
-    second call replaces the first's handler (a command run twice in one process)."""
-    global _cli_handler
-    if _cli_handler is not None:
-        LOGGER.removeHandler(_cli_handler)
-    _cli_handler = LiveHandler(stream)
-    LOGGER.addHandler(_cli_handler)
+@contextmanager
+def cli_logging(verbose: bool = False, stream: IO[str] | None = None) -> Iterator[LiveHandler]:
+    """In a command, while it runs: the library's progress and notes on stderr (a live line on a
+    terminal); the logger as it was afterwards (a command run in a test leaves nothing behind)."""
+    saved = (list(LOGGER.handlers), LOGGER.level, LOGGER.propagate)
+    handler = LiveHandler(stream)
+    LOGGER.handlers[:] = [handler]
     LOGGER.setLevel(logging.DEBUG if verbose else logging.INFO)
     LOGGER.propagate = False
-    return _cli_handler
+    try:
+        yield handler
+    finally:
+        LOGGER.handlers[:], LOGGER.level, LOGGER.propagate = saved

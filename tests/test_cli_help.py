@@ -51,3 +51,12 @@ def test_what_readme_commands_write_is_ignored_by_git() -> None:
         written += [Path(getattr(parsed, k)) for k in ("out", "json", "sweep") if getattr(parsed, k, None)]
     assert written and not any(p.is_absolute() for p in written)
     assert [p for p in written if not ignored(p)] == []
+
+
+@pytest.mark.parametrize(("argv", "batch"), [([], 8), (["--config", "small"], 4), (["--config", "tiny"], 1),
+                                             (["--config", "small", "--batch-size", "2"], 2)])  # fmt: skip
+def test_compare_runs_each_preset_at_a_batch_where_checkpointing_shows(argv: list[str], batch: int) -> None:
+    from benchmarks import compare
+
+    jobs = compare.make_jobs(compare.build_parser().parse_args(["--framework", "torch", *argv]))
+    assert [job.batch_sizes for job in jobs] == [(batch,)]

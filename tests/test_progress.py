@@ -59,11 +59,11 @@ class Terminal(io.StringIO):
 
 def test_a_terminal_gets_one_live_line_a_log_plain_lines() -> None:
     for stream, live in ((Terminal(), True), (io.StringIO(), False)):
-        pg.cli_logging(stream=stream)
-        run()
-        pg.LOGGER.info("a note")
+        with pg.cli_logging(stream=stream):
+            run()
+            pg.LOGGER.info("a note")
+        assert pg.LOGGER.level == logging.NOTSET and pg.LOGGER.handlers == []  # as it was
         text = stream.getvalue()
-        pg.LOGGER.handlers.clear()
         assert text.count("\n") == (2 if live else 5)  # live: the final line and the note
         assert ("\r\x1b[2K" in text) == live
 
@@ -89,3 +89,13 @@ def test_tracked_yields_every_item_and_says_which_is_next(caplog: pytest.LogCapt
     messages = [r.getMessage().split(", ")[:2] for r in caplog.records if r.name == "unet_remat"]
     assert messages == [["compiles: 0/2", "none"], ["compiles: 1/2", "full"], ["compiles: 2/2", "0 s"],
                         ["compiles: 2/2", "done in 0 s"]]  # fmt: skip
+
+
+def test_what_the_user_must_see_goes_to_stderr_or_through_logging(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    pg.say("guard: step 3: re-planned")
+    assert capsys.readouterr().err == "guard: step 3: re-planned\n"
+    caplog.set_level(logging.INFO, logger="unet_remat")
+    pg.say("guard: step 4: re-planned")
+    assert capsys.readouterr().err == "" and [r.levelname for r in caplog.records] == ["WARNING"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
-import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 from shared_configs.planning import planner
 from shared_configs.planning.planner import Workload
+from shared_configs.progress import say
 from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from shared_configs.units import MIB
@@ -335,7 +335,7 @@ class BudgetGuard:
         return planner.predict_policy(self._workload, policy, "torch", **options)[0].prediction.peak_bytes
 
     def _say(self, message: str) -> None:
-        print(f"guard: step {self._step}: {message}", file=sys.stderr, flush=True)
+        say(f"guard: step {self._step}: {message}")  # through logging when it is on
 
 
 def _apply(model: nn.Module, policy: str) -> None:
