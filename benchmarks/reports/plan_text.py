@@ -81,7 +81,7 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
         head = (f"plan for {what}, budget {doc['budget_bytes'] / MIB:,.1f} MiB, planned {100 * doc['margin']:.1f}% "
                 f"below it (the model's error on its profile steps and 0.5%, more where its checked peak was over "
                 f"it; solved in {doc['solve_seconds']:.2f} s):")  # fmt: skip
-    lines = [head, f"  settings: {doc['settings']}", f"  policy: {doc['plan']}   (grammar: {GRAMMAR})"]
+    lines = [f"{head} (the policy's grammar: {GRAMMAR})", f"  settings: {doc['settings']}", f"  policy: {doc['plan']}"]
     if not isinstance(spec, ControlNetPairSpec):  # a pair plan goes to both networks (torch_impl.pair), not a spec
         lines.append(f"  yaml:   checkpoint: {json.dumps(doc['plan'])}")
     for fw, d in doc["frameworks"].items():
