@@ -36,6 +36,7 @@ from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, resol
 from shared_configs.planning import gpu, whole
 from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile, assignment_of
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS
+from shared_configs.planning.encoders import pipeline_configs
 from shared_configs.planning.planner import (
     DEFAULT_BYTES_PER_S,
     DEFAULT_FLOPS_PER_S,
@@ -279,6 +280,7 @@ def workload_of(args: argparse.Namespace) -> Workload:
         cached_latents=args.cached_latents,
         train_text_encoder=args.train_text_encoder,
         unfused_attention=args.unfused_attention,
+        encoder_configs=pipeline_configs(args.diffusers) if args.diffusers else None,
     )
 
 

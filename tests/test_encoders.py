@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from shared_configs import load_spec
 from shared_configs.planning import encoders as enc
+from shared_configs.planning import whole
 from shared_configs.planning.budget import predict
+from shared_configs.planning.planner import Workload
 from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from tests.helpers.specs import random_profile
@@ -98,3 +101,23 @@ def test_the_whole_step_term_by_term() -> None:
     assert out.phases["optimizer"] == 10**6 + static + 40 + 40
     assert predict(out, spec, {}).peak_unit == "vae forward" and out.opt_peak == out.phases["vae forward"]
     assert out.step_time_s == 2.0  # the VAE's FLOPs at the profile's rate
+
+
+def test_a_pipeline_folder_names_its_own_encoders(tmp_path: Path) -> None:
+    (tmp_path / "unet").mkdir()
+    (tmp_path / "unet" / "config.json").write_text("{}")
+    assert enc.pipeline_configs(str(tmp_path / "unet")) is None  # nothing beside it yet
+    for name, config in (("vae", VAE), ("text_encoder", {**CLIP, "architectures": ["CLIPTextModel"]}),
+                         ("text_encoder_2", {**CLIP, "architectures": ["CLIPTextModelWithProjection"]})):  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    found = enc.pipeline_configs(str(tmp_path))
+    work = Workload.of("sd15", batch_size=1, with_encoders=True, encoder_configs=found)
+    encoders = enc.encoders_of(work.spec, Regime("bf16-mixed"), whole.options(work))
+    assert [(e.name, e.kind, e.dtype) for e in encoders] == [
+        ("vae", "vae", "float32"),  # two text encoders: SDXL's scripts keep the VAE in float32
+        ("text_encoder", "clip", "bfloat16"),
+        ("text_encoder_2", "clip-projection", "bfloat16"),
+    ]
+    assert encoders[1].config_dict["hidden_size"] == 32 and encoders[0].config_dict["block_out_channels"] == [8, 16]
+    assert work.request("torch", "profile") == Workload.of("sd15", batch_size=1).request("torch", "profile")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from shared_configs.planning.budget import Profile, with_static_bytes
@@ -79,6 +80,21 @@ class StepOptions:
         return self.with_encoders or self.train_text_encoder
 
 
+def pipeline_configs(source: str) -> str | None:
+    """The configs of the VAE and text encoder(s) a local diffusers pipeline folder holds beside its
+    ``unet/``, as JSON text (a `Workload` field); None for a U-Net folder or a repo id."""
+    root = Path(source)
+    pipeline = root if (root / "unet").is_dir() else root.parent if root.name == "unet" else None
+    if pipeline is None:
+        return None
+    found = {}
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        path = pipeline / name / "config.json"
+        if path.is_file():
+            found[name] = json.loads(path.read_text())
+    return json.dumps(found, sort_keys=True) if found else None
+
+
 def family(spec: UNetSpec) -> tuple[str, tuple[tuple[str, str, dict[str, Any]], ...]]:
     """The family of ``spec`` by its cross-attention width; a one-line error for any other."""
     width = spec.cross_attention_dim
@@ -97,16 +113,17 @@ def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[En
         return []
     name, texts = family(spec) if not options.configs else ("folder", _folder_texts(options.configs))
     dtype = WEIGHT_DTYPE[regime.precision]
+    sdxl = name == "SDXL" or len(texts) > 1
     out = []
     if not options.cached_latents:
-        vae_dtype = "float32" if name == "SDXL" else dtype
+        vae_dtype = "float32" if sdxl else dtype
         vae = options.configs.get("vae", VAE)
         image = LATENT_SCALE * spec.sample_size
         out.append(Encoder("vae", "vae", json.dumps(_vae_fields(vae)), vae_dtype, image_size=image))
     for text_name, kind, config in texts:
         trained = options.train_text_encoder and text_name == "text_encoder"
         out.append(Encoder(text_name, kind, json.dumps(config), "float32" if trained else dtype, trained,
-                           hidden_states=name == "SDXL" or len(texts) > 1))  # fmt: skip
+                           hidden_states=sdxl))  # fmt: skip
     return out
 
 

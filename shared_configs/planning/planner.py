@@ -85,6 +85,7 @@ class Workload:
     cached_latents: bool = False
     train_text_encoder: bool = False
     unfused_attention: bool = False  # on a GPU: attention keeping its probabilities (no SDPA, no xformers)
+    encoder_configs: str | None = None  # a pipeline folder's VAE and text encoder configs (JSON): its own encoders
 
     def __post_init__(self) -> None:
         if isinstance(self.spec, ControlNetPairSpec):
@@ -122,7 +123,8 @@ class Workload:
 
 
 # Applied to the profile, not profiled: not in the workers' requests nor the cache key.
-WHOLE_STEP = ("device", "with_encoders", "cached_latents", "train_text_encoder", "unfused_attention")
+WHOLE_STEP = ("device", "with_encoders", "cached_latents", "train_text_encoder", "unfused_attention",
+              "encoder_configs")  # fmt: skip
 
 
 def cache_dir() -> Path:

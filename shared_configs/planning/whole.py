@@ -30,13 +30,14 @@ ENCODER_SCHEMA = 1
 
 
 def options(workload: Workload) -> StepOptions:
-    return StepOptions(workload.with_encoders, workload.cached_latents, workload.train_text_encoder)
+    configs = json.loads(workload.encoder_configs) if workload.encoder_configs else {}
+    return StepOptions(workload.with_encoders, workload.cached_latents, workload.train_text_encoder, configs)
 
 
 def raw(workload: Workload) -> Workload:
     """``workload``'s U-Net step alone, as the CPU profile holds it."""
     return replace(workload, device="cpu", with_encoders=False, cached_latents=False, train_text_encoder=False,
-                   unfused_attention=False)  # fmt: skip
+                   unfused_attention=False, encoder_configs=None)  # fmt: skip
 
 
 def check(workload: Workload, framework: str) -> None:
