@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shared_configs.planning.paired import paired, paired_text
+from shared_configs.progress import tracked
 
 __all__ = ["clock", "contenders", "in_turn", "measured_rounds", "paired", "paired_text", "race", "round_robin", "times"]
 
@@ -26,7 +27,7 @@ clock = time.process_time
 def in_turn(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
     """CPU seconds per policy of ``rounds`` steps taken in turn (each policy warmed up already)."""
     samples: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
+    for _ in tracked(range(rounds), "timing rounds", lambda _: f"{len(steps)} steps each"):
         for name, step in steps.items():
             t0 = clock()
             step()
@@ -44,7 +45,8 @@ def race(
     others' first ones."""
     samples: dict[str, list[float]] = {name: [] for name in steps}
     alive = [name for name in steps if name != reference]
-    for done in range(1, rounds + 1):
+    left = lambda _: f"{len(alive)} candidate(s) left"  # noqa: E731 (reads alive as the race goes)
+    for done in tracked(range(1, rounds + 1), "race rounds", left):
         for name in (n for n in steps if n in alive or n == reference):
             t0 = clock()
             steps[name]()
