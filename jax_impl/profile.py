@@ -1,26 +1,11 @@
 """The JAX per-unit profile for `shared_configs.planning.budget`, and the plain measurement of a plan.
 
-Every figure comes from the training loop's own step, the jitted `jax_impl.train.train_step` with
-its `TrainState` donated, compiled with XLA's ``cse_barrier_expander`` disabled (without it remat
-saves nothing on XLA:CPU, see docs/remat_vs_checkpoint.md):
-
-* bytes: one compile per uniform plan (as in `torch_impl.profile`), dumped; XLA's own
-  schedule and buffer live ranges (`jax_impl.xla_dump`) give the live bytes at each step of the
-  schedule, filed by the unit each instruction's ``op_name`` names. ``Profile.scale`` carries the
-  ratio of the compiled ``memory_analysis()`` peak (what the benchmark reports: buffers as packed
-  into allocations) to that live-byte peak;
-* seconds: a choice costs its recompute FLOPs at the plain step's own throughput (its FLOPs over
-  its CPU seconds). The five compiled steps are also run, in turn (`shared_configs.planning.stepclock.in_turn`),
-  and their rounds kept in ``meta.runs``, but they price nothing: on XLA:CPU a step's time follows
-  what it allocates (page faults of fresh buffers) as much as its FLOPs, one program's rounds vary
-  by up to 30% within a process, and in two profiles every remat run measured 26-36% above the
-  plain step while the same programs measured -6..+12% in `measure`'s process. Per-op traces
-  (``jax.profiler``) split a few percent of a step between units as noise;
-* FLOPs: `shared_configs.planning.unit_flops` (the same network as torch's; counted from the spec).
-
-With ``run=False`` (shapes only) the step is lowered and compiled but never run: no parameter is
-allocated, and time is left to FLOPs. `measure` is the verification: the compiled step's
-``memory_analysis()`` (the benchmark's figure) and the median step time.
+Every figure comes from the jitted `jax_impl.train.train_step` (state donated), compiled with XLA's
+``cse_barrier_expander`` disabled (docs/remat_vs_checkpoint.md): bytes from one compile per uniform
+plan, XLA's schedule and live ranges dumped (`jax_impl.xla_dump`) and filed by unit; seconds from the
+plain step alone, recompute priced as its FLOPs at that step's throughput (on XLA:CPU a remat step's
+time follows what it allocates as much as its FLOPs: docs/planning.md#the-time-model). Shapes only
+(``run=False``): compiled, never run. `measure` is the verification. Mirror: `torch_impl.profile`.
 """
 
 from __future__ import annotations
@@ -223,20 +208,21 @@ def profile(
     compiled: dict[str, Any] = {}
     for choice, level in tracked(PROFILE_RUNS, "compiles", " ".join):
         assignment = {} if choice == PLAIN else uniform(spec, choice, level)
-        costs, live_peak, peak, compiled[policy_string(assignment)] = memory_run(s, assignment, fast=not timing)
-        runs[policy_string(assignment)] = {"peak_bytes": peak, "live_peak_bytes": live_peak}
+        run = timing and choice == PLAIN  # only the plain step is run: its throughput prices recompute
+        costs, live_peak, peak, step = memory_run(s, assignment, fast=not run)
+        compiled |= {policy_string(assignment): step} if run else {}
+        runs[policy_string(assignment)] = {"peak_bytes": peak, "live_peak_bytes": live_peak, "step_time_s": None}
         for unit, cost in costs.items():
             mine = assignment.get(unit, PLAIN)
             if mine == choice:
                 flop = recompute_flops(flops[unit], mine)
                 units.setdefault(unit, {})[mine] = replace(cost, flops=flop)
-    # In turn, not one after the other: a drift over the run would land on whichever plan ran first.
     samples = timed(s, compiled, repeats) if timing else {}
     del compiled
-    for policy, run in runs.items():  # shapes only: no step was run
-        run |= times(samples[policy]) if timing else {"step_time_s": 0.0}
-    step_time = runs[policy_string({})]["step_time_s"]
-    if timing:  # the measured extras stay in meta.runs: see the module's docstring for why they price nothing
+    for policy, seconds in samples.items():
+        runs[policy] |= times(seconds)
+    step_time = runs[policy_string({})]["step_time_s"] or 0.0  # shapes only: no step was run
+    if timing:
         units = at_rates(spec, units, step_time / step_flops(spec, batch_size, context_length, regime), 0.0)
     return {
         "framework": "jax",
@@ -251,7 +237,7 @@ def profile(
             "runs": runs,
             "method": "XLA's buffer live ranges over its schedule (xla_dump_to), filed by the op_name's Flax module; "
             "compiled with cse_barrier_expander disabled; recompute seconds: the unit's recompute FLOPs at the "
-            "plain step's throughput (the process's CPU seconds; the uniform runs' own steps, timed in turn, in runs)",
+            "plain step's throughput (the process's CPU seconds); the remat runs compiled at -O0, not run",
             "versions": {"jax": jax.__version__},
             "regime": regime.describe(),
             **modelled_state(s, regime),

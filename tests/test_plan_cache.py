@@ -17,7 +17,7 @@ import pytest
 from jax_impl.memory import MemoryPlan, _read, _write
 from shared_configs import load_spec
 from shared_configs.planning import planner
-from shared_configs.planning.budget import Profile
+from shared_configs.planning.budget import SCHEMA, Profile
 from shared_configs.planning.planner import CACHE_ENV, Workload, get_profile, profile_path
 from tests.helpers.specs import random_profile
 
@@ -49,7 +49,7 @@ NOTES = {
     "truncated": "unreadable (",  # where the JSON breaks off decides the parser's words
     "empty": "unreadable (Expecting value",
     "edited": "damaged (its contents do not match its own SHA-256)",
-    "other_schema": "profile schema 2, this version reads 5",
+    "other_schema": f"profile schema 2, this version reads {SCHEMA}",
     "other_workload": "the profile of another workload: batch_size 4 (wanted 2)",
     "not_a_profile": "unreadable (not a JSON object)",
 }

@@ -54,12 +54,12 @@ from shared_configs.planning.budget import (
     Cost,
     StepSpec,
     block_layers,
-    extra_seconds,
     leaf_units,
     policy_string,
     uniform,
 )
-from shared_configs.planning.stepclock import clock, measured_rounds, round_robin, times
+from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops, work
+from shared_configs.planning.stepclock import clock, fitted_rates, measured_rounds, round_robin, times
 from shared_configs.planning.timeline import BWD, FWD, Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from shared_configs.planning.workers import serve
@@ -301,7 +301,7 @@ def profile(
     batch_size: int,
     context_length: int = 77,
     shapes: bool = False,
-    repeats: int = 2,
+    repeats: int = 1,
     regime: Regime = DEFAULT,
 ) -> dict:
     """The `shared_configs.planning.budget.Profile` fields of ``spec`` at ``batch_size`` trained in
@@ -310,38 +310,34 @@ def profile(
     flops = unit_flops(spec, batch_size, context_length)
     units: dict[str, dict[str, Cost]] = {}
     runs: dict[str, Any] = {}
-    opt_peak, step_time = 0, 0.0
-    plain: dict[str, float] = {}  # seconds of each unit's forward + backward in the plain step
+    opt_peak = 0
     assignments = [{} if choice == PLAIN else uniform(spec, choice, level) for choice, level in PROFILE_RUNS]
     named = tracked(zip(PROFILE_RUNS, assignments, strict=True), "memory runs", lambda run: " ".join(run[0]))
     measured = [memory_run(s, a) for _, a in named]  # each also warms its plan up
-    timings = [({}, 0.0)] * len(assignments) if shapes or not repeats else timing_runs(s, assignments, repeats)
-    for (choice, _), assignment, (costs, run_opt, peak), (timed, seconds) in zip(
-        PROFILE_RUNS, assignments, measured, timings, strict=True
-    ):
-        runs[policy_string(assignment)] = {"peak_bytes": peak, "step_time_s": seconds}
-        if choice == PLAIN:
-            opt_peak, step_time = run_opt, seconds
-            plain = {u: sum(t) for u, t in timed.items()}
-        extra = extra_seconds(spec, {u: sum(t) for u, t in timed.items()}, plain)
+    for (choice, _), assignment, (costs, run_opt, peak) in zip(PROFILE_RUNS, assignments, measured, strict=True):
+        runs[policy_string(assignment)] = {"peak_bytes": peak, "step_time_s": None}
+        opt_peak = run_opt if choice == PLAIN else opt_peak
         for unit, cost in costs.items():
             mine = assignment.get(unit, PLAIN)
             if mine == choice:
-                time_s, flop = extra.get(unit, 0.0), recompute_flops(flops[unit], mine)
-                fwd_s = timed.get(unit, (0.0, 0.0))[0]
-                units.setdefault(unit, {})[mine] = replace(cost, time_s=time_s, flops=flop, fwd_time_s=fwd_s)
+                units.setdefault(unit, {})[mine] = replace(cost, flops=recompute_flops(flops[unit], mine))
+    timing = not shapes and repeats > 0
+    plain_flops = step_flops(spec, batch_size, context_length, regime.profiled)
+    units, step_time, rates = priced(s, units, assignments, repeats, runs, plain_flops) if timing else (units, 0.0, {})
     return {
         "framework": "torch",
         "units": units,
         "opt_peak": opt_peak,
         **sharded_bytes(s),
         "step_time_s": step_time,
-        "mode": "shapes" if shapes or not repeats else "measured",
+        "mode": "measured" if timing else "shapes",
         "meta": {
             "runs": runs,
             "method": "live tensor-storage bytes filed by unit (module hooks) in torch_impl.train.train_step; "
-            "recompute seconds: the unit's forward + backward CPU seconds (single thread) minus the same "
-            "units' in the plain step, the runs timed in turn",
+            "recompute seconds: FLOPs and bytes no longer kept at the rates fitted to the per-layer runs' "
+            "measured extras (each layer's forward + backward CPU seconds, single thread, minus the plain "
+            "step's), the runs timed in turn",
+            "time_rates": rates,
             "versions": {"torch": torch.__version__},
             "regime": regime.describe(),
             # torch's CPU default (foreach runs on CUDA only): shared_configs.planning.optimizer_step
@@ -349,6 +345,40 @@ def profile(
             **modelled_state(s, regime),
         },
     }
+
+
+# The runs timed: the plain step and the per-layer plans, whose recomputed units are single layers
+# (their seconds from unit hook to unit hook are the layer's own). Every (unit, choice), blocks
+# included, is then priced at the rates those seconds give (`stepclock.fitted_rates`).
+TIMED_LEVEL = "layers"
+
+
+def priced(
+    s: dict[str, Any], units: dict[str, dict[str, Cost]], assignments: list[dict[str, str]], repeats: int,
+    runs: dict[str, Any], plain_flops: float,
+) -> tuple[dict[str, dict[str, Cost]], float, dict[str, float]]:  # fmt: skip
+    """``units`` with recompute seconds (``time_s``) at the rates fitted to `timing_runs` of the
+    per-layer runs (``repeats`` rounds; each run's median step filed in ``runs``), the plain step's
+    seconds and the rates; ``plain_flops``: the plain step's FLOPs, for when no extra is measured."""
+    timed = [a for (_, level), a in zip(PROFILE_RUNS, assignments, strict=True) if level == TIMED_LEVEL]
+    results = timing_runs(s, timed, repeats)
+    plain_keep = plain_keeps(s["spec"], units)
+    plain = {u: sum(t) for u, t in results[0][0].items()}  # the plain run is PROFILE_RUNS' first
+    samples = []
+    for assignment, (per_unit, seconds) in zip(timed, results, strict=True):
+        runs[policy_string(assignment)]["step_time_s"] = seconds
+        for unit, (fwd, bwd) in per_unit.items():
+            choice = assignment.get(unit, PLAIN)
+            if choice == PLAIN and not assignment:
+                units[unit][PLAIN] = replace(units[unit][PLAIN], fwd_time_s=fwd)
+            elif choice != PLAIN:  # the extra unclamped: the fit averages the noise out
+                units[unit][choice] = replace(units[unit][choice], fwd_time_s=fwd)
+                samples.append((*work(units[unit][choice], plain_keep[unit]), fwd + bwd - plain[unit]))
+    step_time = results[0][1]
+    per_flop, per_byte = fitted_rates(samples)
+    if not per_flop and not per_byte:  # nothing measured above noise: FLOPs at the plain step's throughput
+        per_flop = step_time / plain_flops
+    return at_rates(s["spec"], units, per_flop, per_byte), step_time, {"per_flop_s": per_flop, "per_byte_s": per_byte}
 
 
 def measure(

@@ -62,8 +62,8 @@ PROFILE_RUNS: tuple[tuple[str, str], ...] = (
     (SELECTIVE, "layers"),
 )
 # 2: torch frees last step's gradients first; conditioning inputs. 3: JAX runs timed in turn. 4: `Cost.hold`.
-# 5: torch's runs timed in turn.
-SCHEMA = 5
+# 5: torch's runs timed in turn. 6: torch's recompute at fitted rates; JAX times the plain step only.
+SCHEMA = 6
 
 
 @dataclass(frozen=True)

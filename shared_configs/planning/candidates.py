@@ -1,16 +1,11 @@
 """Choosing a plan by measuring candidates: the solver's best plans and the hand policies that fit.
 
-The time model ranks plans only roughly (torch's mixed plans within ~5 points of measured; near
-the optimum many plans are that close; JAX's FLOP pricing over-predicts), so a measured profile's
-answer is picked among candidates measured in one process, round by round: the solver's optimum,
-the next distinct best plans (`shared_configs.planning.solver.next_best`), and the hand policies.
-Each candidate's peak is checked with nothing allocated first; those that fit race
-(`shared_configs.planning.stepclock.race`: a candidate leaves once another is faster than it at 90%, round by
-round), and the fastest whose measured peak fits is returned. So the answer is never slower than
-a fitting hand policy beyond the interval stated with it.
-
-Framework-free: `shared_configs.planning.planner.plan` runs the workers; this module proposes the
-candidates (`propose`), decides among the measured ones (`decide`) and writes the report (`table`).
+The time model ranks plans only roughly (docs/candidates.md), so a measured profile's answer can be
+picked among candidates measured in one process, round by round: the solver's optimum, its next
+distinct best plans (`solver.next_best`) and the hand policies. Each one's peak is checked with
+nothing allocated; those that fit race (`stepclock.race`), and the fastest whose measured peak fits
+is returned (`decide`). Framework-free: `planner.plan` runs the workers; this module proposes
+(`propose`), decides (`decide`) and reports (`table`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ def paired(a: list[float], b: list[float], confidence: float = 0.9) -> dict[str,
     """``a`` against ``b``, round by round (both from one `in_turn`): the median of ``a_i / b_i - 1``,
     its distribution-free confidence interval (the sign test's, `scipy.stats.quantile_test`), and
     the rounds ``a`` was faster in. Pairing by round cancels what a round shares (the neighbours, a
-    drift), which moves whole medians by 15-20 points between processes on this machine."""
+    drift), which moves whole medians between processes more than policies differ (docs/planning.md#checks)."""
     if len(a) != len(b) or not a:
         raise ValueError(f"paired: {len(a)} and {len(b)} rounds; need the same number, at least one")
     ratios = np.asarray(a) / np.asarray(b) - 1

@@ -1,17 +1,12 @@
 """Plan to a memory budget, from training code or the CLI: profile once (cached), solve, check.
 
-    from torch_impl import plan_for_budget              # or jax_impl's; this module's takes framework=
     policy = plan_for_budget("small", batch_size=8, budget_bytes=3 << 30, sample_size=32)
-    model.enable_gradient_checkpointing(policy)         # torch
-    UNet(spec=spec, policy=policy)                       # JAX
 
-`plan` is the one pipeline: `plan_for_budget` and the benchmark's plan command both call it.
-The profile of a (spec, batch, sample size, framework) is measured in a worker process that imports
-only that framework (``python -m torch_impl.profile`` / ``jax_impl.profile``, started by
-`shared_configs.planning.workers`; this module imports neither framework), and cached as JSON
-under ``$UNET_REMAT_PLAN_CACHE`` (default ``~/.cache/unet-remat/plan``) keyed by everything it
-depends on. ``shapes=True`` profiles without allocating (fake tensors; XLA compiled, never run):
-time is then FLOPs at ``flops_per_s``.
+`plan` is the one pipeline (`plan_for_budget` and the plan command call it). Profiles are measured
+in a worker process per framework (`shared_configs.planning.workers`; this module imports neither
+framework) and cached as JSON under ``$UNET_REMAT_PLAN_CACHE`` (default ``~/.cache/unet-remat/plan``).
+``shapes=True`` profiles without allocating; time is then FLOPs at ``flops_per_s``.
+torch_impl and jax_impl export `for_framework`'s; docs/planning.md.
 """
 
 from __future__ import annotations
@@ -142,10 +137,10 @@ def _versions(framework: str) -> dict[str, str]:
     return out
 
 
-# Timed steps per profile run: torch files each unit's recompute seconds from hook to hook, and a
-# median of 2 let one slow step decide a unit (a profile of `small` gave a ResNet's norms 0.11 s,
-# the one before 0.007 s); JAX's steps only give the plain step's throughput.
-PROFILE_REPEATS = {"torch": 5, "jax": 2}
+# Rounds of timed steps per profile: torch's one round of the per-layer runs prices every unit from
+# two fitted rates (`stepclock.fitted_rates`), which pool the noise of all its units; JAX times
+# only the plain step (its throughput prices recompute FLOPs).
+PROFILE_REPEATS = {"torch": 1, "jax": 2}
 
 
 def profile_path(framework: str, workload: Workload, repeats: int | None = None) -> Path:
@@ -185,7 +180,8 @@ def progress(message: str) -> None:
 def _measure_profile(framework: str, workload: Workload, repeats: int, path: Path) -> Profile:
     load, start = _loadavg(), time.perf_counter()
     spec = workload.spec
-    how = "from shapes" if workload.shapes else f"{repeats} timed steps each"
+    timed = {"torch": "the plain and per-layer steps timed", "jax": "the plain step timed"}[framework]
+    how = "from shapes" if workload.shapes else f"{timed} {repeats}x"
     kind = "compiled" if framework == "jax" else "traced"
     progress(f"profiling {spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size} in "
              f"{framework} ({workload.used((framework,), cache=False)}; 5 {kind} steps, {how}; "
@@ -256,8 +252,8 @@ def frameworks_of(framework: str) -> tuple[str, ...]:
     return FRAMEWORKS if framework == "both" else (framework,)
 
 
-# The checked peak's distance below the measured one: torch's fake-tensor step runs up to 0.04% under
-# the real step (64 KiB in float32, 400 KiB in bf16-mixed on `small`); XLA's is exact.
+# The checked peak's distance below the measured one: torch's fake-tensor step runs a little under
+# the real step (docs/planning.md#checks); XLA's is exact.
 CHECK_SLACK = 0.001
 
 
@@ -281,9 +277,9 @@ def fit_checked(
     """``sol``'s peak where `measure` would take it, with nothing allocated: JAX compiles the step
     (XLA's ``memory_analysis()``, -O0), torch runs it on fake tensors under the benchmark's tracker.
     While either is over the budget, plan lower by the excess and solve again (the peak model
-    under-predicts some mixed plans: by up to ~7% in JAX, where XLA reschedules them; torch's
-    within 1.4% on `small`), its peak taken `CHECK_SLACK` high. Several ranks: not checked (one
-    process cannot run a rank's step as the ranks run it). Returns the solution and the margin it was planned at."""
+    under-predicts some mixed plans, most in JAX, where XLA reschedules them: docs/planning.md#checks),
+    its peak taken `CHECK_SLACK` high. Several ranks: not checked (one process cannot run a rank's
+    step as the ranks run it). Returns the solution and the margin it was planned at."""
     if world_size != 1:
         return sol, margin
     for _ in range(CHECKS):

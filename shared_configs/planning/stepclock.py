@@ -16,10 +16,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+from scipy.optimize import nnls
+
 from shared_configs.planning.paired import paired, paired_text
 from shared_configs.progress import tracked
 
-__all__ = ["clock", "contenders", "in_turn", "measured_rounds", "paired", "paired_text", "race", "round_robin", "times"]
+__all__ = ["clock", "contenders", "fitted_rates", "in_turn", "measured_rounds", "paired", "paired_text", "race",
+           "round_robin", "times"]  # fmt: skip
 
 clock = time.process_time
 
@@ -87,3 +91,18 @@ def round_robin(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, 
 def times(samples: list[float]) -> dict[str, Any]:
     """A measured row's timing fields: the median step (None: not timed) and the rounds it is the median of."""
     return {"step_time_s": statistics.median(samples) if samples else None, "rounds_s": samples}
+
+
+def fitted_rates(samples: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Seconds per FLOP and per byte that best explain measured recompute seconds: ``samples`` of
+    (FLOPs, bytes, seconds) per recomputed unit (`shared_configs.planning.recompute_time.work`),
+    least squares with neither rate below 0. One timed round of many units prices every unit
+    from two figures, where one unit's own seconds from one round are mostly noise."""
+    if not samples:
+        return 0.0, 0.0
+    work = np.array([s[:2] for s in samples], float)
+    scale = work.max(axis=0)
+    scale[scale == 0] = 1.0  # a column of zeros (no bytes freed anywhere): its rate stays 0
+    rates, _ = nnls(work / scale, np.array([s[2] for s in samples], float))
+    per_flop, per_byte = rates / scale
+    return float(per_flop), float(per_byte)
