@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from scipy.stats import quantile_test
 
 
 def paired(a: list[float], b: list[float], confidence: float = 0.9) -> dict[str, Any]:
@@ -18,6 +17,8 @@ def paired(a: list[float], b: list[float], confidence: float = 0.9) -> dict[str,
     its distribution-free confidence interval (the sign test's, `scipy.stats.quantile_test`), and
     the rounds ``a`` was faster in. Pairing by round cancels what a round shares (the neighbours, a
     drift), which moves whole medians between processes more than policies differ (docs/planning.md#checks)."""
+    from scipy.stats import quantile_test  # here: scipy.stats takes seconds to import, and a profile never pairs
+
     if len(a) != len(b) or not a:
         raise ValueError(f"paired: {len(a)} and {len(b)} rounds; need the same number, at least one")
     ratios = np.asarray(a) / np.asarray(b) - 1

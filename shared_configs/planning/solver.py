@@ -29,7 +29,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from shared_configs.planning.budget import (
     PLAIN,
@@ -184,6 +183,8 @@ class _Programme:
                 a.append(row)
                 lo.append(low)
                 hi.append(1.0)
+        from scipy.optimize import Bounds, LinearConstraint, milp  # here: the workers import this module, never solve
+
         integrality = np.r_[np.ones(len(self.cols)), np.zeros(int(peak_col))]
         upper = np.r_[np.ones(len(self.cols)), np.full(int(peak_col), np.inf)]
         with _quiet_stdout():

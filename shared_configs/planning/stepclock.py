@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from scipy.optimize import nnls
 
 from shared_configs.planning.paired import paired, paired_text
 from shared_configs.progress import tracked
@@ -98,6 +97,8 @@ def fitted_rates(samples: list[tuple[float, float, float]]) -> tuple[float, floa
     (FLOPs, bytes, seconds) per recomputed unit (`shared_configs.planning.recompute_time.work`),
     least squares with neither rate below 0. One timed round of many units prices every unit
     from two figures, where one unit's own seconds from one round are mostly noise."""
+    from scipy.optimize import nnls  # here: only a torch profile fits
+
     if not samples:
         return 0.0, 0.0
     work = np.array([s[:2] for s in samples], float)
