@@ -10,11 +10,10 @@ the gradients and AdamW's state:
   `StepTracker` that also notes which unit is running at each allocation (module hooks:
   forward pre-hooks, full backward pre-hooks, the optimizer's step pre-hook): a
   `shared_configs.planning.timeline.Timeline`, turned into per-unit figures there;
-* seconds: the same steps without the tracker, timing each unit's forward and backward from one
-  unit hook to the next (median over ``repeats``); a choice costs what its unit takes beyond the
-  same layers in the plain step (`shared_configs.planning.budget.extra_seconds`): recompute, selective
-  checkpointing's own forward work, the bookkeeping; CPU seconds of a single-threaded step
-  (`shared_configs.planning.stepclock`), which load on a shared machine does not inflate;
+* seconds: the plain and per-layer steps again without the tracker, each unit timed from one unit
+  hook to the next (CPU seconds, single thread: `shared_configs.planning.stepclock`); every choice
+  is priced at the seconds per FLOP and per byte no longer kept that best explain the layers'
+  extras over the plain step (`priced`);
 * FLOPs: `shared_configs.planning.unit_flops` (counted from the spec, as `FlopCounterMode` counts).
 
 With ``shapes=True`` nothing is allocated: the same steps run on fake tensors (`FakeTensorMode`,

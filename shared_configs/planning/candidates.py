@@ -168,4 +168,3 @@ def table(report: dict[str, Any]) -> str:
                 line += f"; chosen vs this: {paired_text(f['chosen_vs_this'])}"
             lines.append(line)
     return "\n".join(lines)
-
