@@ -1,26 +1,12 @@
 """The PyTorch per-unit profile for `shared_configs.planning.budget`, and the plain measurement of a plan.
 
-Every figure comes from the training loop's own step, `torch_impl.train.train_step` (PyTorch's
-default ``zero_grad(set_to_none=True)``, first in the step: last step's gradients are freed before
-the forward), after one warm-up step has made
-the gradients and AdamW's state:
-
-* bytes: one step per uniform plan (``none``, ``full``, ``full/save=conv,matmul``, ``layers``,
-  ``layers/save=conv,matmul``) under `Recorder`, a live-tensor tracker like the benchmark's
-  `StepTracker` that also notes which unit is running at each allocation (module hooks:
-  forward pre-hooks, full backward pre-hooks, the optimizer's step pre-hook): a
-  `shared_configs.planning.timeline.Timeline`, turned into per-unit figures there;
-* seconds: the plain and per-layer steps again without the tracker, each unit timed from one unit
-  hook to the next (CPU seconds, single thread: `shared_configs.planning.stepclock`); every choice
-  is priced at the seconds per FLOP and per byte no longer kept that best explain the layers'
-  extras over the plain step (`priced`);
-* FLOPs: `shared_configs.planning.unit_flops` (counted from the spec, as `FlopCounterMode` counts).
-
-With ``shapes=True`` nothing is allocated: the same steps run on fake tensors (`FakeTensorMode`,
-which picks the same CPU kernels as real tensors; `example_step` mirrors ``train_step`` without
-reading the loss), and time is left to FLOPs (`Profile.mode` "shapes").
-`measure` is the verification: `torch_impl.memory.StepTracker` (the benchmark's own
-instrument) around one ``train_step``, and the median step time.
+Every figure comes from the training loop's own `torch_impl.train.train_step`, after a warm-up step
+has made the gradients and AdamW's state: bytes from one traced step per uniform plan (`Recorder`, a
+live-tensor tracker that notes the unit running at each allocation: a `timeline.Timeline`); seconds
+from the plain and per-layer steps timed unit hook to unit hook, every choice priced at two fitted
+rates (`priced`); FLOPs from the spec (`unit_flops`). ``shapes=True``: the same steps on fake tensors,
+nothing allocated, time left to FLOPs. `measure` is the verification (the benchmark's `StepTracker`
+and the median step). Mirror: `jax_impl.profile`; docs/planning.md#the-profile.
 """
 
 from __future__ import annotations
