@@ -1,23 +1,11 @@
 """`plan_for_step`: a plan whose compiled *user* step fits the budget, judged by XLA (docs/guard.md).
 
-The planner is exact on the step it profiles, the model's own; the user's step may hold more (a
-teacher's features, a doubled batch, an extra array). In JAX the whole step is one compiled program,
-so its peak is known before anything runs: XLA's ``memory_analysis()`` of the compiled step::
-
-    def build_step(policy):              # the user's own jitted step, for a plan
-        model = UNet(spec=spec, policy=policy)
-        return jax.jit(functools.partial(my_step, model=model), donate_argnums=(0,))
-
-    sp = plan_for_step(build_step, (state, batch, key), 2 << 30, spec=spec, batch_size=8)
-    step = build_step(sp.plan)
-
-The rule: plan for the budget (`shared_configs.planning.planner.plan`); compile the user's step for
-that plan; when its compiled peak is over the budget, re-plan for ``budget - excess``, the excess
-being the compiled peak less the planner's prediction of the model's step, up to ``rounds`` times,
-then `full`. Nothing runs; each round costs one compile of the user's step (seconds on the tiny
-U-Net on this CPU) and one solve (the profile is cached). On XLA:CPU the step is compiled with
-remat's barriers kept (`XLA_CPU_OPTIONS`), as the planner compiles it: without them a plan saves
-nothing there.
+The user's step may hold more than the model's (a teacher's features, a doubled batch). In JAX the
+whole step is one compiled program, so its peak is known before anything runs: plan for the budget
+(`shared_configs.planning.planner.plan`), compile the user's step for that plan, and when its
+``memory_analysis()`` peak is over the budget re-plan for ``budget - excess``, up to ``rounds``
+times, then `full`. On XLA:CPU the step compiles with remat's barriers kept (`XLA_CPU_OPTIONS`).
+Its torch twin is `torch_impl.guard.BudgetGuard`, which measures instead.
 """
 
 from __future__ import annotations
