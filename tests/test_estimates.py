@@ -72,11 +72,13 @@ def test_the_table_is_the_planners_predictions(tmp_path: Path, monkeypatch: pyte
     [
         ("--regimes", "fp32,bf17", "--regimes: expected names from fp32, bf16-mixed"),
         ("--batches", "1,0", "--batches: expected positive integers separated by commas, got '1,0'"),
+        ("--gpu-gib", "12,0", "--gpu-gib: expected positive numbers separated by commas, got '12,0'"),
+        ("--with-encoders", None, "--with-encoders, --cached-latents, --train-text-encoder: for the card table"),
     ],
 )
-def test_bad_input_is_one_line(flag: str, value: str, match: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_one_line(flag: str, value: str | None, match: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        estimates.main([flag, value])
+        estimates.main([flag] if value is None else [flag, value])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and match in err
 

@@ -177,6 +177,22 @@ def test_plan_device_cuda_adds_the_flavour(
     assert f"cuda: max_memory_allocated {want['allocated_bytes'] / MIB:.1f} MiB" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--unfused-attention"], "--unfused-attention: what a GPU's unfused attention keeps; give --device cuda too"),
+        (["--cached-latents"], "--cached-latents: leaves the VAE out of --with-encoders"),
+        (["--with-encoders"], "--with-encoders: no known text encoders for cross_attention_dim 12"),
+    ],
+)
+def test_plan_refuses_whole_step_flags_in_one_line(extra: list[str], message: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--config", "tiny", "--batch-size", "2", "--shapes", "--policy", "layers", *extra])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
 def test_plan_refuses_the_flavour_for_jax_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--config", "tiny", "--batch-size", "2", "--shapes", "--policy", "layers", "--framework", "jax"]
     with pytest.raises(SystemExit) as exit_info:

@@ -19,7 +19,7 @@ from shared_configs.files import atomic_write, locked
 from shared_configs.pair import ControlNetPairSpec
 from shared_configs.planning import gpu
 from shared_configs.planning.budget import Profile, predict
-from shared_configs.planning.encoders import Encoder, StepOptions, encoders_of, whole_step
+from shared_configs.planning.encoders import Encoder, StepOptions, encoders_of, family, whole_step
 from shared_configs.planning.workers import run_worker
 from shared_configs.spec import SpecError
 
@@ -50,6 +50,8 @@ def check(workload: Workload, framework: str) -> None:
         raise SpecError(f"device: expected one of cpu, {', '.join(gpu.DEVICES)}, got {workload.device!r}")
     if workload.unfused_attention and workload.device == "cpu":
         raise SpecError("--unfused-attention: what a GPU's unfused attention keeps; give --device cuda too")
+    if extra and not workload.encoder_configs:
+        family(_unet(workload))  # type: ignore[arg-type]  # a width with no known encoders: before any profile
     if workload.cached_latents and not workload.with_encoders:
         raise SpecError("--cached-latents: leaves the VAE out of --with-encoders; give --with-encoders too")
 
