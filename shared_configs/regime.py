@@ -15,6 +15,9 @@ of every profile's cache key. The defaults are float32, every weight trained, Ad
   JAX casts the parameters and inputs for the forward).
 - ``fp16-mixed``: the same in float16, with loss scaling (torch ``GradScaler``; JAX a static scale).
 - ``bf16``: bfloat16 weights and optimizer state; compute in bfloat16.
+- ``bf16-frozen`` / ``fp16-frozen``: the frozen weights in bfloat16 / float16, the trained ones (and
+  their gradients and optimizer state) in float32, compute under autocast: diffusers' LoRA and
+  ControlNet scripts under ``--mixed_precision`` (``weight_dtype``, ``cast_training_params``). Torch only.
 - ``lora:R``: rank-R adapters on every attention's query, key, value and output projection (the set
   diffusers' LoRA scripts train), the rest frozen.
 - ``adamw8bit``: 8-bit AdamW state (torchao's ``AdamW8bit`` in torch; JAX has none and refuses).
@@ -36,7 +39,7 @@ from typing import Any
 
 from shared_configs.spec import SpecError
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16-frozen", "fp16-frozen")
 OPTIMIZERS = ("adamw", "adafactor", "adamw8bit")
 # The attention projections LoRA adapts, by the module names both U-Nets use (diffusers' ``to_out``
 # is a list whose first entry is the projection: ``to_out.0`` there).
@@ -44,8 +47,10 @@ LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out")
 _LORA = re.compile(r"lora:([1-9][0-9]*)")
 TRAINABLE = "all or lora:R (R a positive rank, e.g. lora:8)"
 # The dtype each precision computes in (None: float32, no casts) and keeps the weights in.
-COMPUTE_DTYPE = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16"}
-PARAM_DTYPE = {"fp32": "float32", "bf16-mixed": "float32", "fp16-mixed": "float32", "bf16": "bfloat16"}
+COMPUTE_DTYPE = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16",
+                 "bf16-frozen": "bfloat16", "fp16-frozen": "float16"}  # fmt: skip
+PARAM_DTYPE = {"fp32": "float32", "bf16-mixed": "float32", "fp16-mixed": "float32", "bf16": "bfloat16",
+               "bf16-frozen": "float32", "fp16-frozen": "float32"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -87,9 +92,19 @@ class Regime:
         return PARAM_DTYPE[self.precision]
 
     @property
+    def frozen_dtype(self) -> str:
+        """The dtype the frozen weights are kept in (the ``*-frozen`` precisions' half one)."""
+        return self.compute_dtype if self.precision.endswith("-frozen") else self.param_dtype
+
+    @property
+    def autocast(self) -> bool:
+        """The forward runs under autocast (float32 weights, or float32 trained ones, beside half compute)."""
+        return self.precision.endswith(("-mixed", "-frozen"))
+
+    @property
     def loss_scaling(self) -> bool:
         """float16's narrow exponent: the loss is scaled up before the backward, gradients down."""
-        return self.precision == "fp16-mixed"
+        return self.precision in ("fp16-mixed", "fp16-frozen")
 
     def describe(self) -> str:
         """One line: ``fp32, all weights trained, adamw`` / ``bf16-mixed, lora:8, adafactor, EMA, grads kept``."""
@@ -120,6 +135,9 @@ def check_planned(regime: Regime, framework: str, device: str = "cpu") -> None:
         return
     if regime.keep_grads:
         raise SpecError(f"keep_grads: {JAX_KEEPS_NO_GRADS}")
+    if regime.precision.endswith("-frozen"):
+        raise SpecError(f"precision: {regime.precision} (half frozen weights, float32 trained ones under autocast) "
+                        "is planned in torch only; use bf16-mixed, or --framework torch")  # fmt: skip
     if regime.precision == "fp16-mixed" and device == "cpu":
         raise SpecError("precision: fp16-mixed has no XLA:CPU matmul (dot_general F16_F16_F32 is not supported on "
                         "CPU); use bf16-mixed, or --framework torch")  # fmt: skip
@@ -164,7 +182,8 @@ def add_regime_arguments(parser: argparse.ArgumentParser) -> None:
         choices=PRECISIONS,
         default=DEFAULT.precision,
         help="fp32; bf16-mixed / fp16-mixed: float32 master weights, half-precision compute (fp16 with loss "
-        "scaling); bf16: bfloat16 weights and state (default %(default)s)",
+        "scaling); bf16: bfloat16 weights and state; bf16-frozen / fp16-frozen: half frozen weights, float32 "
+        "trained ones, autocast (torch) (default %(default)s)",
     )
     group.add_argument(
         "--trainable",

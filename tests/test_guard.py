@@ -62,7 +62,11 @@ def plan_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def check_by_prediction(monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's check of a plan's peak (a fake-tensor step in a worker) stood in for by the
     profile's prediction; profiles are still measured."""
-    real = planner.run_worker
+    monkeypatch.setattr(planner, "run_worker", checking_by_prediction(planner.run_worker))
+
+
+def checking_by_prediction(real: Callable[[dict], dict]) -> Callable[[dict], dict]:
+    """``real`` (the planner's worker call) with its "peaks" requests answered by the profile's prediction."""
 
     def run_worker(request: dict) -> dict:
         if request["kind"] != "peaks":
@@ -71,7 +75,7 @@ def check_by_prediction(monkeypatch: pytest.MonkeyPatch) -> None:
                         request["context_length"])  # fmt: skip
         return {"peaks": {p: _predicted(work, p) for p in request["policies"]}}
 
-    monkeypatch.setattr(planner, "run_worker", run_worker)
+    return run_worker
 
 
 def _predicted(work: Workload, policy: str) -> int:

@@ -12,6 +12,7 @@ takes: `torch_impl.guard_model`. The rules and the measured runs: docs/guard.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import io
 import weakref
@@ -31,7 +32,9 @@ from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from shared_configs.units import MIB
 from torch_impl.diffusers_plan import apply_plan
-from torch_impl.guard_model import regime_seen, step_spec, take_over_checkpointing, unwrap
+from torch_impl.guard_model import compiled, step_spec, take_over_checkpointing, unwrap
+from torch_impl.guard_ranks import agreed_peak, from_rank0, processes
+from torch_impl.guard_regime import RegimeWatch, regime_seen
 from torch_impl.guard_retry import RetryPoint, accelerators_among, base_optimizer, why_not_retry
 from torch_impl.pair import ControlNetPair
 
@@ -45,7 +48,7 @@ _PLAN_OPTIONS = ("world_size", "distributed", "candidates", "rounds")  # `planne
 @dataclass(frozen=True)
 class GuardRecord:
     """One measurement or one change: a measurement has ``measured``; a change (``action``
-    "planned", "given", "tightened", "loosened", "recompute more") has the new plan and its prediction, and
+    "planned", "given", "tightened", "loosened", "recompute more", "regime") has the new plan and its prediction, and
     as ``outside`` the bytes it was planned to leave for the rest of the step."""
 
     step: int  # the guarded step (1 = the first `BudgetGuard.run`; 0: construction)
@@ -53,7 +56,7 @@ class GuardRecord:
     predicted: int  # the planner's peak of ``plan`` for the model's own step (bytes)
     measured: int | None  # the step's peak (CUDA: max reserved; CPU: MemTracker); None for a change
     outside: int | None  # bytes the step held beyond the model's step (measured - predicted)
-    action: str  # "measured", "over budget", "out of memory", "full failed", or a change's
+    action: str  # "measured", "over budget", "out of memory", "full failed", "not retried", or a change's
     allocated: int | None = None  # CUDA only: max_memory_allocated over the step
 
 
@@ -85,10 +88,11 @@ class BudgetGuard:
     ) -> None:
         self._step = 0
         self.model, self.budget = unwrap(model), int(budget_bytes)
-        self._compiled = type(model).__name__ == "OptimizedModule" or _holds_compiled(model)
+        self._compiled = compiled(model)
         spec = step_spec(self.model)
         self._plan_options = {k: v for k, v in planner_options.items() if k in _PLAN_OPTIONS}
         workload = {k: v for k, v in planner_options.items() if k not in _PLAN_OPTIONS}
+        self._regime_given, self._watch, self._optimizer_steps = regime is not None, RegimeWatch(self.model), 0
         if regime is None:
             regime, notes = regime_seen(self.model)
             for note in notes:
@@ -110,8 +114,12 @@ class BudgetGuard:
         if policy is not None:  # a plan already made for this step (a resumed run's last one): predicted only
             self._switch(policy, self._predict(policy), "given", None)
             return
+        policy, predicted = from_rank0(self._first_plan)  # every rank puts on rank 0's plan
+        self._switch(policy, predicted, "planned", 0)
+
+    def _first_plan(self) -> tuple[str, int]:
         planned = planner.plan(self._workload, self.budget, "torch", **self._plan_options)
-        self._switch(planned.policy, planned.solution.prediction.peak_bytes, "planned", 0)
+        return planned.policy, planned.solution.prediction.peak_bytes
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -170,12 +178,38 @@ class BudgetGuard:
         return out
 
     def _optimizer_stepped(self) -> None:
-        """One optimizer step ended: judge the peak over its micro-steps, if they were measured."""
+        """One optimizer step ended: judge the peak over its micro-steps, if they were measured
+        (after the first, the regime it showed: re-planned once if it is not the one planned for)."""
         self._stepped = False
+        self._optimizer_steps += 1
+        if self._optimizer_steps == 1 and self._regime_differs():
+            return
         if self._pending:
             found = max(self._pending, key=lambda f: f["measured"])
             self._pending = []
-            self._judge(found)
+            self._judge({**found, "measured": agreed_peak(found["measured"], self._device())})
+
+    def _regime_differs(self) -> bool:
+        """The regime the first optimizer step showed (`torch_impl.guard_regime.RegimeWatch`): one line
+        on a mismatch with a given regime; a guessed one is replaced, and the step re-planned."""
+        planned = self._workload.regime
+        if not self._watch.forwarded:
+            return False
+        seen, notes = self._watch.seen(planned, self._optimizers)
+        if seen == planned:
+            return False
+        if self._regime_given:
+            self._say(f"the step runs in {seen.describe()}, not in the regime given ({planned.describe()}); "
+                      "planned for the one given")  # fmt: skip
+            return False
+        for note in notes:
+            self._say(note)
+        self._workload = dataclasses.replace(self._workload, regime=seen)
+        policy, predicted = self._plan_for(self.budget) or (FULL, self._predict(FULL))
+        self._say(f"the step runs in {seen.describe()}, not in {planned.describe()} as guessed from the model; "
+                  f"re-planned for it: {policy} (predicted {_mib(predicted)})")  # fmt: skip
+        self._switch(policy, predicted, "regime", 0)
+        return True
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -320,6 +354,9 @@ class BudgetGuard:
     # -- the planner ---------------------------------------------------------------------------
 
     def _plan_for(self, budget: int) -> tuple[str, int] | None:
+        return from_rank0(lambda: self._plan_here(budget))  # every rank puts on rank 0's plan
+
+    def _plan_here(self, budget: int) -> tuple[str, int] | None:
         """The planner's plan for ``budget`` and its predicted peak; None if no plan fits (or none
         passes the planner's check: `shared_configs.planning.planner.fit_checked`). Its
         progress lines are kept off stderr (the profile is cached): the guard says one line."""
@@ -332,10 +369,12 @@ class BudgetGuard:
 
     def _predict(self, policy: str) -> int:
         options = {k: v for k, v in self._plan_options.items() if k in ("world_size", "distributed")}
-        return planner.predict_policy(self._workload, policy, "torch", **options)[0].prediction.peak_bytes
+        found = from_rank0(lambda: planner.predict_policy(self._workload, policy, "torch", **options))
+        return found[0].prediction.peak_bytes
 
     def _say(self, message: str) -> None:
-        say(f"guard: step {self._step}: {message}")  # through logging when it is on
+        rank = f"rank {torch.distributed.get_rank()}: " if processes() > 1 else ""
+        say(f"guard: {rank}step {self._step}: {message}")  # through logging when it is on
 
 
 def _apply(model: nn.Module, policy: str) -> None:
@@ -357,12 +396,6 @@ def _spot_optimizers(guard: BudgetGuard) -> Any:
     handle = register_optimizer_step_pre_hook(spot)
     weakref.finalize(guard, handle.remove)
     return handle
-
-
-def _holds_compiled(model: nn.Module) -> bool:
-    """A wrapper (DDP, accelerate's) around a ``torch.compile``d model."""
-    inner = getattr(model, "module", None)
-    return isinstance(inner, nn.Module) and type(inner).__name__ == "OptimizedModule"
 
 
 def _mib(n: int) -> str:

@@ -3,17 +3,15 @@
 `unwrap` takes off the wrappers a script's model may wear (DDP, accelerate's prepared module,
 ``torch.compile``'s ``OptimizedModule``, FSDP1); `step_spec` reads the spec of our `UNet`, a diffusers
 U-Net (peft adapters or not) or a `ControlNetPair`; `take_over_checkpointing` turns diffusers' own
-gradient checkpointing off so that the guard's plan replaces it; `regime_seen` reads what is trained
-and in which dtype. docs/guard.md has the rules.
+gradient checkpointing off so that the guard's plan replaces it; `lora_rank` reads the rank of peft
+adapters. docs/guard.md has the rules.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from shared_configs.pair import ControlNetPairSpec
-from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
 from torch_impl.controlnet import ControlNet
 from torch_impl.diffusers_plan import diffusers_spec
@@ -35,6 +33,12 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model.module
         else:
             return model
+
+
+def compiled(model: nn.Module) -> bool:
+    """``model`` is ``torch.compile``'s, or a wrapper (DDP, accelerate's) around one."""
+    inner = getattr(model, "module", None)
+    return "OptimizedModule" in (type(model).__name__, type(inner).__name__)
 
 
 def step_spec(model: nn.Module) -> UNetSpec | ControlNetPairSpec:
@@ -60,20 +64,6 @@ def take_over_checkpointing(model: nn.Module) -> list[str]:
         net.disable_gradient_checkpointing()
         taken.append(type(net).__name__)
     return taken
-
-
-def regime_seen(model: nn.Module) -> tuple[Regime, list[str]]:
-    """The regime ``model``'s parameters show (what is trained, in which dtype; the optimizer and
-    autocast are seen in the step, `torch_impl.guard_regime`), and the lines to say about it."""
-    trained = [p for p in model.parameters() if p.requires_grad]
-    if not trained:
-        raise ValueError("model: no parameter requires a gradient; the guard plans a training step")
-    notes, rank = [], lora_rank(model)
-    adapters = rank is not None and not isinstance(model, ControlNetPair)
-    if not adapters and any("lora_" in n for n, p in model.named_parameters() if p.requires_grad):
-        notes.append("LoRA adapters without one rank (peft_config): planned as all weights trained")
-    half = {p.dtype for p in trained} == {torch.bfloat16}
-    return Regime(precision="bf16" if half else "fp32", trainable=f"lora:{rank}" if adapters else "all"), notes
 
 
 def lora_rank(model: nn.Module) -> int | None:

@@ -53,7 +53,15 @@ from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_d
 from shared_configs.training.data import batch_bytes, step_arrays
 from torch_impl.memory import AllocatorPeak, StepTracker, state_tensors, storage_bytes
 from torch_impl.pair import ControlNetPair, step_batch, step_model, unit_modules
-from torch_impl.regime import DTYPE, add_lora, apply_regime, make_optimizer, step_tools, trained_parameters
+from torch_impl.regime import (
+    DTYPE,
+    add_lora,
+    apply_regime,
+    make_optimizer,
+    step_tools,
+    trained_parameters,
+    weight_dtype,
+)
 from torch_impl.train import step_loss, train_step
 from torch_impl.unet import UNet
 
@@ -169,7 +177,6 @@ def fake_regime(model: torch.nn.Module, regime: Regime, mode: ShapesOnly) -> tor
     made fake; the weights are cast tensor by tensor, as ``Module.to`` would, for the same reason."""
     if regime.lora_rank is not None:
         add_lora(model, regime.lora_rank)
-    dtype = DTYPE[regime.param_dtype]
     with mode.fake:
         for module in model.modules():
             for table in (module._parameters, module._buffers):
@@ -177,6 +184,8 @@ def fake_regime(model: torch.nn.Module, regime: Regime, mode: ShapesOnly) -> tor
                     if t is None:
                         continue
                     new = t if isinstance(t, FakeTensor) else mode.fake.from_tensor(t)
+                    weight = table is module._parameters
+                    dtype = weight_dtype(regime, t.requires_grad) if weight else DTYPE[regime.param_dtype]
                     new = new.to(dtype) if new.is_floating_point() else new
                     table[name] = torch.nn.Parameter(new, t.requires_grad) if table is module._parameters else new
     return model

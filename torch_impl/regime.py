@@ -2,7 +2,8 @@
 
 - precision: ``bf16`` casts the model to bfloat16 (weights, gradients and optimizer state follow);
   the ``*-mixed`` ones keep float32 weights and run the forward under ``torch.autocast``
-  (`autocast_dtype`), ``fp16-mixed`` with a ``torch.amp.GradScaler`` (`loss_scaler`).
+  (`autocast_dtype`), float16 with a ``torch.amp.GradScaler`` (`loss_scaler`); the ``*-frozen`` ones
+  cast the frozen weights to half precision, the trained ones stay float32, under autocast.
 - ``lora:R``: peft's adapters, as diffusers adds them (`add_lora`: ``inject_adapter_in_model`` with a
   ``LoraConfig`` on the attention projections), every other weight frozen.
 - the optimizer over the trained parameters only (`make_optimizer`): ``torch.optim.AdamW``,
@@ -32,7 +33,7 @@ DIFFUSERS_LORA_TARGETS = tuple("to_out.0" if t == "to_out" else t for t in LORA_
 
 def autocast_dtype(regime: Regime) -> torch.dtype | None:
     """The ``torch.autocast`` dtype of a mixed regime; None for fp32 and pure bf16 (no autocast)."""
-    return DTYPE[regime.compute_dtype] if regime.precision.endswith("-mixed") else None
+    return DTYPE[regime.compute_dtype] if regime.autocast else None
 
 
 def loss_scaler(regime: Regime, device: torch.device) -> torch.amp.GradScaler | None:
@@ -53,12 +54,19 @@ def add_lora(model: nn.Module, rank: int, targets: Iterable[str] = LORA_TARGETS)
 
 
 def apply_regime(model: nn.Module, regime: Regime, targets: Iterable[str] = LORA_TARGETS) -> nn.Module:
-    """``model`` in ``regime``: adapters added (lora), weights cast (pure bf16). Returns it."""
+    """``model`` in ``regime``: adapters added (lora), weights cast (bf16; *-frozen: the frozen ones). Returns it."""
     if regime.lora_rank is not None:
         model = add_lora(model, regime.lora_rank, targets)
     if regime.param_dtype != "float32":
         model = model.to(DTYPE[regime.param_dtype])
+    for param in model.parameters():  # *-frozen: the frozen weights in half precision (diffusers' weight_dtype)
+        param.data = param.data.to(weight_dtype(regime, param.requires_grad))
     return model
+
+
+def weight_dtype(regime: Regime, trained: bool) -> torch.dtype:
+    """The dtype ``regime`` keeps a trained or a frozen weight in."""
+    return DTYPE[regime.param_dtype if trained else regime.frozen_dtype]
 
 
 def trained_parameters(model: nn.Module) -> list[nn.Parameter]:

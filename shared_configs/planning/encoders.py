@@ -39,7 +39,8 @@ FAMILIES: dict[int, tuple[str, tuple[tuple[str, str, dict[str, Any]], ...]]] = {
     2048: ("SDXL", (("text_encoder", "clip", CLIP_L), ("text_encoder_2", "clip-projection", OPENCLIP_BIGG))),
 }
 LATENT_SCALE = 8  # the VAE's image side over the latent side
-WEIGHT_DTYPE = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16"}
+WEIGHT_DTYPE = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16",
+                "bf16-frozen": "bfloat16", "fp16-frozen": "float16"}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ CONTEXT_EAGER = 666_632_192 - LARGE_BUFFER
 LSE_BYTES = 4  # the logsumexp is float32 whatever the compute dtype
 MEM_EFFICIENT_QUERY_BLOCK = 32  # the memory-efficient kernel pads its logsumexp's queries to this
 AUTOCAST_EXTRA = 2  # float32 (4 B) where CPU autocast keeps 2-byte bfloat16/float16
-MIXED = ("bf16-mixed", "fp16-mixed")
+MIXED = ("bf16-mixed", "fp16-mixed", "bf16-frozen", "fp16-frozen")  # autocast's float32 norms
 
 
 def round_size(size: int) -> int:
