@@ -42,7 +42,7 @@ from torch_impl import BudgetGuard, ControlNetPair, UNet
 from torch_impl import guard as guard_module
 from torch_impl import memory as memory_module
 from torch_impl.diffusers_plan import diffusers_spec
-from torch_impl.memory import memtracker
+from torch_impl.memory import memtracker, step_peak
 from torch_impl.train import as_tensors
 
 BATCH = 4
@@ -146,9 +146,8 @@ def test_an_extra_buffer_is_kept_within_budget_after_at_most_3_steps(
     case = Case(*SPECS[name]())
     budget, extra = _sizes(case.workload)
     entered: list[int] = []
-    # the guard's measurements (it takes `memtracker` from its module when it measures; this test's
-    # own reference measurements use the name imported above, uncounted)
-    monkeypatch.setattr(memory_module, "memtracker", _counting(entered))
+    # the guard's measurements (it takes `step_peak` from its module when it measures)
+    monkeypatch.setattr(memory_module, "step_peak", _counting(entered))
     guard = BudgetGuard(case.model, budget, batch_size=BATCH)
     first = guard.plan
     assert first not in ("none", "full")
@@ -180,7 +179,7 @@ def test_an_extra_buffer_is_kept_within_budget_after_at_most_3_steps(
 def _counting(entered: list[int]) -> Callable[..., Any]:
     def counting(*args: Any, **kwargs: Any) -> Any:
         entered.append(1)
-        return memtracker(*args, **kwargs)
+        return step_peak(*args, **kwargs)
 
     return counting
 

@@ -227,11 +227,10 @@ class BudgetGuard:
             found["measured"] = torch.cuda.max_memory_reserved(device)
             found["allocated"] = torch.cuda.max_memory_allocated(device)
             return
-        from torch_impl.memory import memtracker  # here: `import torch_impl` stays light
+        from torch_impl.memory import step_peak  # here: `import torch_impl` stays light
 
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        eager = torch.compiler.set_stance("force_eager")
-        with eager, memtracker(self.model, self._optimizers, tensors) as tracked:
+        with step_peak(self.model, self._optimizers, tensors) as tracked:
             yield found
         found["measured"] = tracked["peak"]
 

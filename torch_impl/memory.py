@@ -1,28 +1,12 @@
-"""Tensor-level memory accounting for a PyTorch training step (CPU has no allocator statistics).
+"""The one PyTorch memory instrument on CPU, and its cross-checks (mirror: `jax_impl.profile`'s
+compiled memory analysis; docs/memory.md).
 
-* `StepTracker`: every tensor storage made or freed during the step, in order, with its kind
-  (parameters, optimizer state, gradients, activations, temporaries), the U-Net block it was
-  made in (from `torch.distributed._tools.mod_tracker.ModTracker`) and the phase (forward,
-  backward, optimizer). From that log: the peak of live bytes, its breakdown at the peak (parts
-  that add up to it, none negative) and the timeline picture's data. Kinds: a storage made in the
-  forward, or while a checkpointed block is recomputed in the backward, is an activation; one
-  made in the backward or the optimizer is a temporary, unless it ends the step as a parameter's
-  ``.grad`` (gradient) or in the optimizer's state. The same kinds as PyTorch's ``MemTracker``.
-  Under FSDP2 it counts this rank's memory only: parameters, gradients and optimizer state are
-  DTensors, counted by their local shards (DTensor ops are let through to their local ops, which
-  the mode then sees); the full parameters a block all-gathers for its forward and backward are
-  this rank's memory too, counted as ``params`` while gathered (FSDP2 allocates and frees them by
-  resizing storages, which no dispatch mode sees: ``UntypedStorage.resize_`` is watched, as
-  PyTorch's ``MemTracker`` does); the flat all-gather and reduce-scatter buffers are temporaries.
-* `memtracker`: the same step measured at the same time by PyTorch's own
-  ``torch.distributed._tools.mem_tracker.MemTracker``, an independent implementation: the check on
-  `StepTracker`'s figures.
-* `AllocatorPeak`: one level lower, the CPU allocator's own events (``torch.profiler``): it also
-  sees kernels' private scratch space (im2col buffers, attention workspaces) that no tensor-level
-  view can.
-* `SavedBytesCounter`: the bytes autograd keeps for backward (``saved_tensors_hooks``, distinct
-  storages, parameters excluded), plus the outputs a selective plan keeps (``MUST_SAVE``, which the
-  checkpoint's own hooks hide; seen through `torch_impl.checkpointing.observe_saves`).
+* `StepTracker`: every tensor storage a step makes or frees (a dispatch mode, frees by weakref):
+  the peak, and on request its parts by kind and block, or the planner's per-unit `Timeline`.
+* `measure_step`: one step under it (on CUDA, the allocator's counters), as a benchmark row and the
+  planner's "measure this plan"; `step_peak`: the peak alone, for the guard and the training loop.
+* `memtracker` (PyTorch's own ``MemTracker``), `AllocatorPeak` (the allocator's events, kernel
+  scratch included), `SavedBytesCounter` (bytes saved for backward): checks and side views.
 """
 
 from __future__ import annotations
@@ -45,8 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_map_only
 
 from shared_configs.memory import CATEGORIES, OUTSIDE, block_of, timeline
+from shared_configs.planning.timeline import FWD, Timeline
+from shared_configs.planning.units import STEM
 from torch_impl.checkpointing import observe_saves
-from torch_impl.train import skip_frozen_grad_hooks
 
 TRACKER_METHOD = (
     "live tensor storages over the step (TorchDispatchMode), kinds as MemTracker's: made in the forward or a "
@@ -101,34 +86,48 @@ class StepMemory:
 
 
 class StepTracker(TorchDispatchMode):
-    """``with StepTracker(model, optimizer, input_bytes) as tracker: step()``; then ``tracker.result``.
+    """``with StepTracker(model, optimizer) as tracker: step()``; then ``tracker.result``.
 
-    ``input_bytes``: memory the step reads but torch did not allocate (the numpy batch), counted
-    as ``input`` throughout. Storages alive at entry (parameters, buffers, gradients, optimizer
-    state, and ``held``: other training state such as an EMA copy, counted as ``optimizer``) are
-    the starting level.
+    Storages alive at entry are the starting level: parameters, buffers, gradients, optimizer
+    state (one optimizer or several), ``held`` (an EMA copy, counted as ``optimizer``), ``inputs``
+    and ``input_bytes`` (memory the step reads but torch did not allocate: the numpy batch).
+    ``reads``: a storage an op reads that was not made in the step nor is one of those (a frozen
+    VAE's weights) joins the starting level. ``detail``: kinds by phase and blocks (ModTracker)
+    for the breakdown and timeline; without it every storage made counts as an activation, and
+    only the peak and `timeline` mean anything. `mark` files what follows under a unit.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
         input_bytes: int = 0,
         held: Iterable[torch.Tensor] = (),
+        *,
+        inputs: Iterable[torch.Tensor] = (),
+        reads: bool = False,
+        detail: bool = True,
     ) -> None:
         super().__init__()
-        self._model, self._optimizer, self._held = model, optimizer, list(held)
+        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        self._model, self._optimizers, self._held, self._inputs = model, optimizers, list(held), list(inputs)
+        self._reads, self._detail = reads, detail
         self._sizes: list[int] = []  # per storage ever seen
         self._kinds: list[str] = []
         self._live: dict[int, int] = {}  # id(storage) -> index into _sizes
         self._refs: dict[int, weakref.ref] = {}  # keeps the free callbacks alive
         self._events: list[tuple[int, int, str]] = []  # (storage index, +1 made / -1 freed, block)
+        self._entry: list[int] = []  # indices of the storages of the starting level
+        self._entry_ptrs: set[int] = set()  # their addresses: a numpy array's fresh tensor is no new memory
+        self._marks: list[tuple[int, str, str]] = [(0, STEM, FWD)]  # (event index, unit, phase)
+        self._ended = 0  # events up to the exit
+        self._input_bytes = input_bytes
         self._baseline = dict.fromkeys(CATEGORIES, 0) | {"input": input_bytes}
         self._mods = ModTracker()
         # The U-Net's blocks by module; the blocks running, innermost (forward) or latest reached
         # (backward) last. ModTracker's own `parents` set is unordered: in the backward it holds
         # several blocks at once (a block is left once all its inputs' gradients exist).
-        self._block_modules = {m: n for n, m in model.named_modules() if n and block_of(n) == n}
+        self._block_modules = {m: n for n, m in model.named_modules() if n and block_of(n) == n} if detail else {}
         self._running: list[str] = []
         self._last = OUTSIDE  # the block entered last
         self._in_optimizer = False
@@ -156,8 +155,22 @@ class StepTracker(TorchDispatchMode):
         self._refs[key] = weakref.ref(st, functools.partial(self._freed, key, index))
         if at_entry:
             self._baseline[kind] += st.nbytes()
+            self._entry.append(index)
+            self._entry_ptrs.add(st.data_ptr())
         else:
             self._events.append((index, 1, self._block()))
+
+    def _read(self, args: Any) -> None:
+        """Storages read that no step made and none of the starting level holds: alive before the step."""
+        for a in args:
+            for t in a if isinstance(a, list | tuple) else (a,):
+                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                    for part in plain(t):
+                        st = part.untyped_storage()
+                        key = id(st)
+                        known = key in self._live and self._refs[key]() is st
+                        if not known and part.device.type != "meta" and st.data_ptr() not in self._entry_ptrs:
+                            self._add_storage(st, "params", at_entry=True)
 
     def _resized(self, st: torch.UntypedStorage, size: int) -> None:
         """FSDP2 gathers a parameter into a storage it grows, and frees it by shrinking it to 0:
@@ -192,16 +205,26 @@ class StepTracker(TorchDispatchMode):
         self._phases.setdefault(name, len(self._events))
         return name
 
+    def mark(self, unit: str, phase: str) -> None:
+        """What follows runs in ``unit``'s ``phase`` (fwd, bwd, opt): the planner's module hooks."""
+        self._marks.append((len(self._events), unit, phase))
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if DTensor in types:  # let DTensor run its local ops, which this mode sees (FSDP2's shards)
             return NotImplemented
+        if self._reads:
+            self._read(args)
         out = func(*args, **(kwargs or {}))
-        phase = self._phase()
-        recomputing = phase == "backward" and self._recompute_depth > 0
-        kind = "activation" if phase == "forward" or recomputing else "temporary"
-        if func.namespace in _COMM_NAMESPACES:
-            kind = "temporary"
-        tree_map_only(torch.Tensor, lambda t: self._add(t, kind), out)
+        kind = "activation"
+        if self._detail:
+            phase = self._phase()
+            recomputing = phase == "backward" and self._recompute_depth > 0
+            if (phase != "forward" and not recomputing) or func.namespace in _COMM_NAMESPACES:
+                kind = "temporary"
+        if isinstance(out, torch.Tensor):
+            self._add(out, kind)
+        else:
+            tree_map_only(torch.Tensor, lambda t: self._add(t, kind), out)
         return out
 
     # -- entry and exit ------------------------------------------------------------------------
@@ -212,14 +235,17 @@ class StepTracker(TorchDispatchMode):
         for p in self._model.parameters():
             if p.grad is not None:
                 self._add(p.grad, "grads", at_entry=True)
-        for t in [*state_tensors(self._optimizer), *self._held]:
+        for t in [*(x for opt in self._optimizers for x in state_tensors(opt)), *self._held]:
             self._add(t, "optimizer", at_entry=True)
-        self._mods.register_user_hooks(self._pre_forward, self._post_forward, self._enter_block, self._leave_block)
-        self._hooks = [
-            register_optimizer_step_pre_hook(lambda *a: setattr(self, "_in_optimizer", True)),
-            register_optimizer_step_post_hook(lambda *a: setattr(self, "_in_optimizer", False)),
-        ]
-        self._mods.__enter__()
+        for t in self._inputs:
+            self._add(t, "input", at_entry=True)
+        if self._detail:
+            self._mods.register_user_hooks(self._pre_forward, self._post_forward, self._enter_block, self._leave_block)
+            self._hooks = [
+                register_optimizer_step_pre_hook(lambda *a: setattr(self, "_in_optimizer", True)),
+                register_optimizer_step_post_hook(lambda *a: setattr(self, "_in_optimizer", False)),
+            ]
+            self._mods.__enter__()
         self._resize = torch.UntypedStorage.resize_
 
         def resize_(st: torch.UntypedStorage, size: int) -> None:  # a function: bound to the storage
@@ -253,23 +279,25 @@ class StepTracker(TorchDispatchMode):
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
-        self._mods.__exit__(*exc)
-        self._mods.clear_user_hooks()
-        for hook in self._hooks:
-            hook.remove()
+        if self._detail:
+            self._mods.__exit__(*exc)
+            self._mods.clear_user_hooks()
+            for hook in self._hooks:
+                hook.remove()
         # What the step leaves behind decides the kind: its gradients and (new) optimizer state.
         for kind, tensors in (("grads", [p.grad for p in self._model.parameters()]),
-                              ("optimizer", state_tensors(self._optimizer))):  # fmt: skip
+                              ("optimizer", [x for opt in self._optimizers for x in state_tensors(opt)])):  # fmt: skip
             for t in tensors:
                 index = None if t is None else self._live.get(id(local(t).untyped_storage()))
                 if index is not None:
                     self._kinds[index] = kind
+        self._ended = len(self._events)
         self.result = self._summary()
 
     def _summary(self) -> StepMemory:
         kinds = {k: i for i, k in enumerate(CATEGORIES)}
-        delta = np.zeros((len(CATEGORIES), len(self._events)), dtype=np.int64)
-        for i, (index, sign, _) in enumerate(self._events):
+        delta = np.zeros((len(CATEGORIES), self._ended), dtype=np.int64)
+        for i, (index, sign, _) in enumerate(self._events[: self._ended]):
             delta[kinds[self._kinds[index]], i] = sign * self._sizes[index]
         base = np.array([self._baseline[c] for c in CATEGORIES], dtype=np.int64)[:, None]
         live = base + np.cumsum(delta, axis=1)
@@ -277,38 +305,103 @@ class StepTracker(TorchDispatchMode):
             live = base
         top = int(np.argmax(live.sum(axis=0)))
         series = {c: live[i] for i, c in enumerate(CATEGORIES)}
-        blocks = [b for _, _, b in self._events] or [OUTSIDE]
+        blocks = [b for _, _, b in self._events[: self._ended]] or [OUTSIDE]
         return StepMemory(
             peak=int(live[:, top].sum()),
             baseline=int(base.sum()),
             breakdown={c: int(live[i, top]) for i, c in enumerate(CATEGORIES)},
-            timeline=timeline(series, blocks, self._phases, TRACKER_METHOD),
+            timeline=timeline(series, blocks, self._phases, TRACKER_METHOD) if self._detail else {},
         )
+
+    def unit_timeline(self) -> Timeline:
+        """The step as the planner's `Timeline`: a position per storage made and per `mark`, each
+        storage alive from the position that made it to the last one before it was freed; the
+        starting level (and ``input_bytes``, as one buffer) static."""
+        units, phases = [STEM], [FWD]
+        starts = np.zeros(len(self._sizes) + 1, np.int64)
+        ends = np.full(len(self._sizes) + 1, -1, np.int64)
+        marks = iter(self._marks[1:])
+        mark = next(marks, None)
+        for i, (index, sign, _) in enumerate([*self._events[: self._ended], (-1, 0, "")]):
+            while mark is not None and mark[0] == i:
+                units.append(mark[1]), phases.append(mark[2])
+                mark = next(marks, None)
+            if sign > 0:  # a new position: the level after this allocation
+                units.append(units[-1]), phases.append(phases[-1])
+                starts[index] = len(units) - 1
+            elif sign < 0:
+                ends[index] = len(units) - 1
+        static = np.zeros(len(self._sizes) + 1, bool)
+        static[[*self._entry, -1]] = True
+        sizes = np.array([*self._sizes, self._input_bytes], np.int64)
+        return Timeline(units, phases, starts, np.where(ends < 0, len(units) - 1, ends), sizes, static)
+
+
+@contextlib.contextmanager
+def step_peak(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    inputs: Iterable[torch.Tensor] = (),
+) -> Iterator[dict[str, int]]:
+    """The peak bytes of the step run in the block (``found["peak"]`` at exit): on CUDA the allocator's
+    ``max_memory_allocated`` (``found["reserved"]``: its ``max_memory_reserved``); on CPU `StepTracker`,
+    peak only, counting every storage the step reads (frozen encoders, a teacher) beside ``model``,
+    its optimizer(s) and ``inputs`` (the tensors standing for the batch it reads). The step runs
+    eagerly: compiled code (torchao's 8-bit AdamW step) cannot run under a dispatch mode."""
+    found: dict[str, int] = {}
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        yield found
+        found.update(peak=torch.cuda.max_memory_allocated(device), reserved=torch.cuda.max_memory_reserved(device))
+        return
+    tracker = StepTracker(model, optimizer, inputs=inputs, reads=True, detail=False)
+    with torch.compiler.set_stance("force_eager"), tracker:
+        yield found
+    assert tracker.result is not None
+    found["peak"] = tracker.result.peak
 
 
 @contextlib.contextmanager
 def memtracker(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
-    inputs: Iterable[torch.Tensor] = (),
+    inputs: Iterable[torch.Tensor | torch.nn.Module] = (),
 ) -> Iterator[dict[str, Any]]:
-    """The block under PyTorch's own ``MemTracker``; the dict it yields gets, at exit, ``peak`` (bytes)
-    and ``parts`` (its kinds at the peak).
+    """The block under PyTorch's own ``MemTracker`` (the independent check on `StepTracker`); the
+    dict it yields gets, at exit, ``peak`` (bytes) and ``parts`` (its kinds at the peak).
 
     ``optimizer``: one, or several (their states all counted). ``inputs``: tensors standing for
-    memory the step reads but torch does not allocate (tracked as MemTracker's "Other"), so that
-    the peak is comparable with `StepTracker`'s.
+    memory the step reads but torch does not allocate (tracked as MemTracker's "Other"), and other
+    modules the step runs (frozen encoders), so that the peak is comparable with `step_peak`'s.
     """
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    inputs = list(inputs)
     tracker = MemTracker()
     tracker.track_external(model, *optimizers, *inputs)
-    skip_frozen_grad_hooks(tracker, model)
+    for module in [model, *(m for m in inputs if isinstance(m, torch.nn.Module))]:
+        skip_frozen_grad_hooks(tracker, module)
     found: dict[str, Any] = {}
     with tracker:
         yield found
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     parts = {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
     found.update(peak=parts.pop("Total", 0), parts=parts)
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def skip_frozen_grad_hooks(tracker: MemTracker, model: torch.nn.Module) -> None:
+    """Let ``MemTracker`` watch a model with frozen weights (LoRA, a frozen encoder): it registers a
+    gradient hook on every parameter a module's forward reads, which a tensor without
+    ``requires_grad`` refuses. Marking those parameters as hooked already (its own table, private:
+    torch 2.13's) skips them; they get no gradient to count anyway."""
+    for param in model.parameters():
+        if not param.requires_grad:
+            tracker._param_to_grad_hook_handles.setdefault(param, (_NoHook(), _NoHook()))
 
 
 @dataclass

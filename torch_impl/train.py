@@ -35,7 +35,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from shared_configs import UNetSpec, load_spec
 from shared_configs.pair import ControlNetPairSpec, PairPlan, check_pair_workload, controlnet_pair, load_pair_dataset
@@ -55,7 +54,7 @@ from torch_impl.regime import EMA, PLAIN_STEP, StepTools, apply_regime, make_opt
 from torch_impl.unet import UNet
 
 PEAK_INSTRUMENTS = {
-    "cpu": "PyTorch's MemTracker: live tensors, the batch included",
+    "cpu": "live tensor storages (torch_impl.memory.step_peak), the batch included",
     "cuda": "torch.cuda.max_memory_reserved in one process (the guard's), max_memory_allocated per rank",
 }
 COMPILE_HELP = (
@@ -218,41 +217,12 @@ def build(
 def measured_peak(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, ema: EMA | None = None
 ) -> Iterator[dict[str, int]]:
-    """The peak bytes of the step run in the block (``found["peak"]`` at exit), by `PEAK_INSTRUMENTS`.
+    """The peak bytes of the step run in the block (``found["peak"]`` at exit): `torch_impl.memory.step_peak`,
+    the numpy batch (read, not allocated, by the step) and an EMA copy counted as the planner's profile counts them."""
+    from torch_impl.memory import step_peak  # here: `import torch_impl` stays light
 
-    On CPU the allocator keeps no statistics and a process's RSS counts pages it reused, not bytes
-    live at once: PyTorch's ``MemTracker`` follows every tensor storage (the numpy batch, which the
-    step reads without allocating it, and an EMA copy, as external tensors, as the planner's profile
-    counts them). The step runs eagerly there: compiled code (torchao's 8-bit AdamW step) cannot
-    run under a tensor-tracking mode.
-    """
-    found: dict[str, int] = {}
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    with step_peak(model, optimizer, _reads(batch, ema)) as found:
         yield found
-        found["peak"] = torch.cuda.max_memory_allocated(device)
-        return
-    from torch_impl.memory import memtracker  # it imports this module (skip_frozen_grad_hooks)
-
-    with torch.compiler.set_stance("force_eager"), memtracker(model, optimizer, _reads(batch, ema)) as tracked:
-        yield found
-    found["peak"] = tracked["peak"]
-
-
-class _NoHook:
-    def remove(self) -> None:
-        pass
-
-
-def skip_frozen_grad_hooks(tracker: MemTracker, model: torch.nn.Module) -> None:
-    """Let ``MemTracker`` watch a model with frozen weights (LoRA): it registers a gradient hook on
-    every parameter a module's forward reads, which a tensor without ``requires_grad`` refuses.
-    Marking those parameters as hooked already (its own table, private: torch 2.13's) skips them;
-    they get no gradient to count anyway."""
-    for param in model.parameters():
-        if not param.requires_grad:
-            tracker._param_to_grad_hook_handles.setdefault(param, (_NoHook(), _NoHook()))
 
 
 def world_size(cfg: TrainConfig) -> int:
