@@ -156,7 +156,8 @@ class StepTracker(TorchDispatchMode):
         if at_entry:
             self._baseline[kind] += st.nbytes()
             self._entry.append(index)
-            self._entry_ptrs.add(st.data_ptr())
+            if self._reads:  # (a fake tensor has no address)
+                self._entry_ptrs.add(st.data_ptr())
         else:
             self._events.append((index, 1, self._block()))
 

@@ -1,12 +1,12 @@
-"""The PyTorch per-unit profile for `shared_configs.planning.budget`, and the plain measurement of a plan.
+"""The PyTorch measuring half of planning (mirror: `jax_impl.profile`; docs/planning.md).
 
 Every figure comes from the training loop's own `torch_impl.train.train_step`, after a warm-up step
-has made the gradients and AdamW's state: bytes from one traced step per uniform plan (`Recorder`, a
-live-tensor tracker that notes the unit running at each allocation: a `timeline.Timeline`); seconds
-from the plain and per-layer steps timed unit hook to unit hook, every choice priced at two fitted
-rates (`priced`); FLOPs from the spec (`unit_flops`). ``shapes=True``: the same steps on fake tensors,
-nothing allocated, time left to FLOPs. `measure` is the verification (the benchmark's `StepTracker`
-and the median step). Mirror: `jax_impl.profile`; docs/planning.md#the-profile.
+has made the gradients and AdamW's state: bytes from one traced step per uniform plan under
+`torch_impl.memory.StepTracker` marked at unit boundaries by module hooks (a `timeline.Timeline`);
+seconds from the plain and per-layer steps timed unit hook to unit hook, every choice priced at two
+fitted rates (`priced`); FLOPs from the spec (`unit_flops`). ``shapes=True``: the same steps on fake
+tensors, nothing allocated, time left to FLOPs. `measure_step` is the one measurement of a step (the
+planner's `measure`, the benchmark's rows); `peaks` the same peak on fake tensors.
 """
 
 from __future__ import annotations
@@ -17,25 +17,21 @@ import itertools
 import statistics
 import sys
 import time
-import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 
 from shared_configs import UNetSpec
 from shared_configs.planning import optimizer_step
 from shared_configs.planning.budget import (
     PLAIN,
     PROFILE_RUNS,
-    STEM,
     Cost,
     StepSpec,
     block_layers,
@@ -45,13 +41,13 @@ from shared_configs.planning.budget import (
 )
 from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops, work
 from shared_configs.planning.stepclock import clock, fitted_rates, measured_rounds, round_robin, times
-from shared_configs.planning.timeline import BWD, FWD, Timeline, unit_costs
+from shared_configs.planning.timeline import BWD, FWD, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from shared_configs.planning.workers import serve
 from shared_configs.progress import tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
-from shared_configs.training.data import batch_bytes, step_arrays
-from torch_impl.memory import AllocatorPeak, StepTracker, state_tensors, storage_bytes
+from shared_configs.training.data import Batch, batch_bytes, step_arrays
+from torch_impl.memory import AllocatorPeak, SavedBytesCounter, StepTracker, memtracker, state_tensors, storage_bytes
 from torch_impl.pair import ControlNetPair, step_batch, step_model, unit_modules
 from torch_impl.regime import (
     DTYPE,
@@ -71,61 +67,6 @@ OPTIMIZER = "optimizer"
 def single_threaded() -> None:
     """One intra-op thread: CPU seconds then add up to the work, whatever else runs on the machine."""
     torch.set_num_threads(1)
-
-
-class Recorder(TorchDispatchMode):
-    """Live tensor storages as a `Timeline`: a position per allocation and per unit boundary, each
-    storage alive from the position that allocated it to the last one before it was freed."""
-
-    def __init__(self, existing: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.units: list[str] = []
-        self.phases: list[str] = []
-        self.starts: list[int] = []
-        self.ends: list[int] = []  # -1 while alive
-        self.sizes: list[int] = []
-        self.static: list[bool] = []
-        self._index: dict[int, int] = {}  # id(storage) -> buffer
-        self._refs: dict[int, weakref.ref] = {}
-        self.enter((STEM, FWD))
-        for t in existing:
-            self._track(t, static=True)
-
-    def enter(self, segment: tuple[str, str]) -> None:
-        self.segment = segment
-        self.units.append(segment[0])
-        self.phases.append(segment[1])
-
-    def _track(self, t: torch.Tensor, static: bool = False) -> None:
-        st = t.untyped_storage()
-        key = id(st)
-        if key in self._index and self._refs[key]() is st:
-            return
-        if not static:
-            self.enter(self.segment)  # a new position: the level after this allocation
-        self._index[key] = len(self.sizes)
-        self._refs[key] = weakref.ref(st, lambda _ref, key=key: self._release(key))
-        self.starts.append(len(self.units) - 1)
-        self.ends.append(-1)
-        self.sizes.append(st.nbytes())
-        self.static.append(static)
-
-    def _release(self, key: int) -> None:
-        index = self._index.pop(key, None)
-        self._refs.pop(key, None)
-        if index is not None:
-            self.ends[index] = len(self.units) - 1
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self._track, out)
-        return out
-
-    def timeline(self) -> Timeline:
-        last = len(self.units) - 1
-        ends = np.array([last if e < 0 else e for e in self.ends], np.int64)
-        return Timeline(self.units, self.phases, np.array(self.starts, np.int64), ends,
-                        np.array(self.sizes, np.int64), np.array(self.static, bool))  # fmt: skip
 
 
 @contextmanager
@@ -217,15 +158,6 @@ def setup(
             "tools": tools}  # fmt: skip
 
 
-def existing(s: dict[str, Any]) -> list[torch.Tensor]:
-    """Tensors alive before a step: parameters, last step's gradients, AdamW state, the inputs."""
-    model, opt, ema = s["model"], s["opt"], s["tools"].ema
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    inputs = [torch.from_numpy(a) for a in step_arrays(s["batch"])]
-    shadow = [] if ema is None else ema.shadow
-    return [*model.parameters(), *model.buffers(), *grads, *state_tensors(opt), *shadow, *inputs]
-
-
 def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
     """What FSDP would shard (`shared_configs.planning.budget.per_rank`): parameters, optimizer state
     and an EMA copy; the gradients (of the trained parameters only); the largest block's parameters
@@ -247,12 +179,16 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str,
     """One step under ``assignment``: per-unit bytes, the optimizer's peak, the step's peak."""
     s["model"].enable_gradient_checkpointing(policy_string(assignment))
     units = [u for u, _ in leaf_units(s["spec"], assignment)]
-    # No list of the existing tensors is kept: it would keep last step's gradients alive through a
-    # step whose first act is to free them (train_step's zero_grad).
-    recorder = Recorder(existing(s))
-    with s["mode"], hooks(s["model"], s["opt"], units, lambda unit, phase: recorder.enter((unit, phase))), recorder:
+    tracker = _tracker(s, detail=False)
+    with s["mode"], hooks(s["model"], s["opt"], units, tracker.mark), tracker:
         s["step"]()
-    return unit_costs(recorder.timeline(), units)
+    return unit_costs(tracker.unit_timeline(), units)
+
+
+def _tracker(s: dict[str, Any], detail: bool = True) -> StepTracker:
+    """`StepTracker` over the set-up step: its model, optimizer, EMA copy and numpy batch (read, not allocated)."""
+    ema = s["tools"].ema
+    return StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]), [] if ema is None else ema.shadow, detail=detail)
 
 
 def timed_step(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, tuple[float, float]], float]:
@@ -384,15 +320,16 @@ def measure(
     race_to: dict[str, Any] | None = None,
     regime: Regime = DEFAULT,
 ) -> dict:
-    """Per policy: the step's peak (the benchmark's `StepTracker`), its allocator-level peak
-    (`allocator_peak`, the instrument torch.compile rows need), its step times (``rounds_s``, taken
-    in turn) and their median; ``race_to``: raced (`shared_configs.planning.stepclock.measured_rounds`)."""
+    """Per policy: `measure_step`'s peak and allocator-level peak (``allocator_peak_bytes``, the
+    figure torch.compile rows have too), the step times (``rounds_s``, taken in turn) and their
+    median; ``race_to``: raced (`shared_configs.planning.stepclock.measured_rounds`)."""
     s = setup(spec, batch_size, context_length, regime=regime)
     peaks = {}
     for policy in policies:
         s["model"].enable_gradient_checkpointing(policy)
         s["step"]()  # warm-up under this plan
-        peaks[policy] = {"peak_bytes": tracked_peak(s), "allocator_peak_bytes": allocator_peak(s, s["step"])}
+        row = measure_step(s["model"], s["opt"], s["step"], s["batch"], _held(s))
+        peaks[policy] = {k: row[k] for k in ("peak_bytes", "allocator_peak_bytes")}
 
     def under(policy: str) -> Callable[[], None]:
         return lambda: (s["model"].enable_gradient_checkpointing(policy), s["step"]())
@@ -400,7 +337,83 @@ def measure(
     rounds = measured_rounds({p: under(p) for p in policies}, {p: r["peak_bytes"] for p, r in peaks.items()}, steps,
                              race_to)  # fmt: skip
     rows = {p: peaks[p] | times(rounds[p]) for p in policies}
-    return {"framework": "torch", "rows": rows, "method": "torch_impl.memory.StepTracker around train_step"}
+    return {"framework": "torch", "rows": rows, "method": "torch_impl.profile.measure_step around train_step"}
+
+
+def measure_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: Callable[[], Any],
+    batch: Batch,
+    held: list[torch.Tensor] | None = None,
+    check: bool = False,
+    tracked: bool = True,
+) -> dict[str, Any]:
+    """One step under the memory instruments, all watching it: `StepTracker` (the peak, its parts
+    and timeline), the allocator (``allocator_peak_bytes``: `allocator_level` on CPU, kernel scratch
+    included; ``max_memory_allocated`` on CUDA, where it is the peak, what tensors do not explain
+    counted as temporaries) and the bytes saved for backward. ``check``: PyTorch's ``MemTracker``
+    too (CPU). ``tracked=False``: the allocator only, for torch.compile (a dispatch mode would run it
+    eagerly); else the step runs eagerly (torchao's compiled 8-bit AdamW step included).
+
+    The numpy batch is host memory the step reads: part of the peak on CPU; on a GPU the step's
+    copies of it are made in the forward. ``held``: other training state alive throughout (an EMA).
+    """
+    held, device = held or [], next(model.parameters()).device
+    saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
+    tracker = StepTracker(model, optimizer, batch_bytes(batch) if device.type == "cpu" else 0, held)
+    tracking = [torch.compiler.set_stance("force_eager"), tracker] if tracked else []
+    found: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            allocator = stack.enter_context(AllocatorPeak())
+            if check:  # the numpy batch stood in for by tensors sharing its memory
+                stand_ins = [torch.from_numpy(a) for a in step_arrays(batch)] + held
+                found = stack.enter_context(memtracker(model, optimizer, stand_ins))
+        for context in [*tracking, saved]:
+            stack.enter_context(context)
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        allocated = torch.cuda.max_memory_allocated(device)
+    else:
+        allocated = allocator_level(model, optimizer, batch, held, allocator.peak)
+    row = {"allocator_peak_bytes": allocated, "saved_bytes": saved.bytes}
+    if not tracked:
+        return row | {"peak_bytes": allocated}
+    result = tracker.result
+    assert result is not None
+    breakdown = dict(result.breakdown)
+    if device.type == "cuda":
+        breakdown["temporary"] += max(0, allocated - result.peak)
+    return row | {
+        "peak_bytes": max(result.peak, allocated) if device.type == "cuda" else result.peak,
+        "tracker_peak_bytes": result.peak,
+        "memtracker_peak_bytes": found.get("peak"),
+        "timeline": result.timeline,
+        **{f"{kind}_bytes": value for kind, value in breakdown.items()},
+    }
+
+
+def allocator_level(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, held: list[torch.Tensor], above: int
+) -> int:
+    """A CPU step's peak from the allocator's events (`AllocatorPeak`: kernel scratch included), which
+    show the blocks the step allocates, not the frees of older ones: ``above`` them sits what persists
+    (parameters, buffers, optimizer state, ``held``, the numpy batch), unless the step's start (the
+    previous gradients still alive) is higher."""
+    persistent = storage_bytes([*model.parameters(), *model.buffers(), *state_tensors(optimizer), *held])
+    persistent += batch_bytes(batch)
+    grads = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    return max(persistent + grads, persistent + above)
+
+
+def _held(s: dict[str, Any]) -> list[torch.Tensor]:
+    ema = s["tools"].ema
+    return [] if ema is None else ema.shadow
 
 
 def peaks(
@@ -429,10 +442,8 @@ def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
 
 
 def tracked_peak(s: dict[str, Any]) -> int:
-    """One step's peak as the benchmark measures it (`torch_impl.memory.StepTracker`, the
-    numpy batch counted as input): the instrument the profile itself does not use."""
-    ema = s["tools"].ema
-    tracker = StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]), [] if ema is None else ema.shadow)
+    """One step's peak by `StepTracker` as `measure_step` takes it; runs on fake tensors too."""
+    tracker = _tracker(s)
     # Eager: compiled code (torchao's 8-bit AdamW step) cannot run under a tensor-tracking mode.
     with torch.compiler.set_stance("force_eager"), tracker:
         s["step"]()
@@ -440,23 +451,12 @@ def tracked_peak(s: dict[str, Any]) -> int:
     return tracker.result.peak
 
 
-def allocator_peak(s: dict[str, Any], step: Callable[[], Any]) -> int:
-    """The bytes alive before the step plus the CPU allocator's peak above them during it
-    (`torch_impl.memory.AllocatorPeak`: kernel scratch included). Unlike a dispatch mode it
-    leaves torch.compile on: dynamo runs a model eagerly while a `TorchDispatchMode` is active."""
-    inputs = existing(s)
-    base = storage_bytes(inputs)
-    with AllocatorPeak() as allocator:
-        step()
-    return base + allocator.peak
-
-
 def measure_compiled(
     spec: UNetSpec, batch_size: int, ratios: list[float], context_length: int = 77, steps: int = 3
 ) -> dict:
     """torch.compile's own planner: the model compiled with ``activation_memory_budget`` = each ratio
     (AOTAutograd's knapsack over the joint graph), trained by the same `train_step` and measured
-    at the allocator level (`allocator_peak`: the tensor tracker would turn compilation off). Compile
+    at the allocator level (`allocator_level`, as `measure_step` reports it beside the tracker's). Compile
     seconds are reported apart (on CPU: minutes per ratio)."""
     import torch._dynamo
     import torch._functorch.config as functorch_config
@@ -472,7 +472,7 @@ def measure_compiled(
         compile_s = time.perf_counter() - start
         step = functools.partial(train_step, compiled, s["opt"], s["batch"])
         step()
-        peak = allocator_peak(s, step)
+        peak = measure_step(s["model"], s["opt"], step, s["batch"], _held(s), tracked=False)["allocator_peak_bytes"]
         rows[f"torch.compile:{ratio:g}"] = {
             "allocator_peak_bytes": peak,
             "step_time_s": round_robin({"compiled": step}, steps)["compiled"],

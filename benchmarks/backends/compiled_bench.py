@@ -39,8 +39,9 @@ from benchmarks.backends.torch_bench import (
     versions,
 )
 from benchmarks.harness.job import OPTIMIZER, Job, job_spec, policy_arg, timing_stats
-from shared_configs.training.data import batch_bytes, example_batch
-from torch_impl.memory import AllocatorPeak, SavedBytesCounter, state_tensors, storage_bytes
+from shared_configs.training.data import example_batch
+from torch_impl.memory import state_tensors, storage_bytes
+from torch_impl.profile import measure_step
 from torch_impl.regime import make_optimizer, step_tools
 from torch_impl.train import train_step
 
@@ -95,7 +96,7 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dic
         step = functools.partial(train_step, compiled, optimizer, batch, tools=step_tools(model, job.regime))
         compile_s = timed_steps(step, device, 1)[0]  # forward and backward graphs compiled here
         warm_s = timed_steps(step, device, 1)[0]
-        row = _memory(model, optimizer, batch, step, device)
+        row = measure_step(model, optimizer, step, batch, tracked=False)
         row.update(timing_stats(timed_steps(step, device, job.steps)))
     finally:
         functorch_config.activation_memory_budget = 1.0
@@ -110,25 +111,3 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dic
         "peak_method": f"torch.compile(model), default inductor; {PEAK_METHOD[device.type]}",
         "saved_method": "torch.autograd.graph.saved_tensors_hooks around the compiled step (params excluded)",
     }
-
-
-def _memory(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, step: Any, device: torch.device
-) -> dict[str, Any]:
-    """One step's allocator-level peak and saved bytes (the eager rows' ``allocator_peak_bytes`` twin)."""
-    saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        with saved:
-            step()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        keeps = storage_bytes([*model.parameters(), *model.buffers(), *state_tensors(optimizer)])
-        keeps += batch_bytes(batch)
-        at_start = keeps + storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
-        with AllocatorPeak() as allocator, saved:
-            step()
-        peak = max(at_start, keeps + allocator.peak)
-    return {"peak_bytes": peak, "allocator_peak_bytes": peak, "saved_bytes": saved.bytes}

@@ -1,12 +1,10 @@
-"""The PyTorch training step, measured: `torch_impl.train.train_step`, the function a user's loop
-calls (``zero_grad()`` first, forward, MSE, backward, AdamW). Imported by the worker.
+"""The PyTorch backend of the benchmark's worker (mirror: `benchmarks.backends.jax_bench`; docs/benchmark.md).
 
-Per row: a warm-up step under `FlopCounterMode` (it also makes the optimizer state), one step
-under the memory instruments (`torch_impl.memory`: the peak, its breakdown and timeline,
-the allocator's peak, the bytes saved for backward), on CPU one step under PyTorch's own
-``MemTracker`` (the independent check), then ``steps`` timed, uninstrumented steps. FLOPs are
-counted apart from memory because `FlopCounterMode`'s module tracking keeps tensors inside
-checkpointed blocks alive, which would inflate their peak.
+A row trains `torch_impl.train.train_step`, the function a user's loop calls: a warm-up step under
+`FlopCounterMode` (it also makes the optimizer state), one step under `torch_impl.profile.measure_step`
+(the planner's own measurement; on CPU with PyTorch's ``MemTracker`` as the check), then ``steps``
+timed, uninstrumented steps. FLOPs are counted apart from memory: `FlopCounterMode`'s module
+tracking keeps tensors inside checkpointed blocks alive, which would inflate their peak.
 """
 
 from __future__ import annotations
@@ -30,17 +28,10 @@ from benchmarks.harness.job import (
     timing_stats,
 )
 from shared_configs.regime import DEFAULT, LORA_TARGETS, Regime
-from shared_configs.training.data import batch_bytes, step_arrays
 from torch_impl import UNet
 from torch_impl.flops import register_cpu_attention_flops
-from torch_impl.memory import (
-    FSDP_METHOD,
-    TRACKER_METHOD,
-    AllocatorPeak,
-    SavedBytesCounter,
-    StepTracker,
-    memtracker,
-)
+from torch_impl.memory import FSDP_METHOD, TRACKER_METHOD
+from torch_impl.profile import measure_step
 from torch_impl.regime import DIFFUSERS_LORA_TARGETS, apply_regime, make_optimizer, step_tools
 from torch_impl.train import train_step
 
@@ -146,60 +137,6 @@ def counted_step(step: Callable[[], Any], device: torch.device) -> tuple[float, 
     return seconds, flops.get_total_flops()
 
 
-def memory_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step: Callable[[], Any],
-    device: torch.device,
-    batch: Any,
-    held: list[torch.Tensor] | None = None,
-) -> dict[str, Any]:
-    """One step under the memory instruments: the peak, its parts and timeline; on CPU also the
-    allocator's peak and PyTorch's MemTracker (the check), all watching the same step.
-
-    The numpy batch is host memory the step reads: part of the peak on CPU; on a GPU the step's
-    copies of it are device memory made in the forward (counted as activations). ``held``: other
-    training state alive throughout (an EMA copy). The step runs eagerly: compiled code (torchao's
-    8-bit AdamW step) cannot run under a tensor-tracking mode.
-    """
-    held = held or []
-    saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
-    tracker = StepTracker(model, optimizer, batch_bytes(batch) if device.type == "cpu" else 0, held)
-    eager = torch.compiler.set_stance("force_eager")
-    if device.type == "cuda":
-        _sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        with eager, tracker, saved:
-            step()
-        _sync(device)
-        allocator_peak, check = torch.cuda.max_memory_allocated(device), {}
-    else:
-        stand_ins = [torch.from_numpy(a) for a in step_arrays(batch)] + held
-        with eager, AllocatorPeak() as allocator, memtracker(model, optimizer, stand_ins) as check, tracker, saved:
-            step()
-        # The allocator's events show the blocks the step allocates, not the frees of older ones:
-        # its peak sits on what persists (parameters, optimizer state, the batch), unless the step's
-        # start (the previous gradients still alive) is higher.
-        held = tracker.result.breakdown
-        persistent = held["params"] + held["optimizer"] + held["input"]
-        allocator_peak = max(tracker.result.baseline, persistent + allocator.peak)
-    result = tracker.result
-    breakdown = dict(result.breakdown)
-    peak = result.peak
-    if device.type == "cuda":  # the allocator's peak is the figure; what tensors do not explain is scratch
-        breakdown["temporary"] += max(0, allocator_peak - peak)
-        peak = max(peak, allocator_peak)
-    return {
-        "peak_bytes": peak,
-        "tracker_peak_bytes": result.peak,
-        "allocator_peak_bytes": allocator_peak,
-        "memtracker_peak_bytes": check.get("peak"),
-        "saved_bytes": saved.bytes,
-        "timeline": result.timeline,
-        **{f"{kind}_bytes": value for kind, value in breakdown.items()},
-    }
-
-
 def measure(job: Job, policy: str, batch_size: int, device: torch.device, build: Builder = build) -> dict[str, Any]:
     """Every measured figure of one (policy, batch size) row of the model ``build`` makes."""
     spec = job_spec(job)
@@ -213,7 +150,7 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
     held = [] if tools.ema is None else tools.ema.shadow
     # warm-up: makes the optimizer state (and the gradients the next step's zero_grad frees)
     first, flops = (timed_steps(step, device, 1)[0], None) if job.peak_only else counted_step(step, device)
-    row: dict[str, Any] = {"flops": flops, **memory_step(model, optimizer, step, device, batch, held)}
+    row: dict[str, Any] = {"flops": flops, **measure_step(model, optimizer, step, batch, held, check=True)}
     if policy not in job.timeline:
         row.pop("timeline")
     if not job.peak_only:

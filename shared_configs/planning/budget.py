@@ -63,7 +63,8 @@ PROFILE_RUNS: tuple[tuple[str, str], ...] = (
 )
 # 2: torch frees last step's gradients first; conditioning inputs. 3: JAX runs timed in turn. 4: `Cost.hold`.
 # 5: torch's runs timed in turn. 6: torch's recompute at fitted rates; JAX times the plain step only.
-SCHEMA = 6
+# 7: torch's profile counts the numpy batch the step reads.
+SCHEMA = 7
 
 
 @dataclass(frozen=True)
