@@ -4,7 +4,7 @@
     python -m benchmarks.compare --framework torch,diffusers --policies full,layers   # vs diffusers' own
     python -m benchmarks.compare --world-size 2 --batch-size 4                         # per rank, under FSDP
 
-Each framework runs in its own subprocess (`benchmarks.backends.worker`); this process imports neither.
+Each framework runs in its own worker (`benchmarks.harness.runner`); this process imports neither.
 Prints a table that fits 100 columns (``--wide``: every column; `benchmarks.report` reprints a run) and
 writes ``<out>/<run>.json``, ``.csv`` and the plots. The method: docs/benchmark.md.
 """

@@ -1,4 +1,4 @@
-"""The JAX per-unit profile for `shared_configs.planning.budget`, and the plain measurement of a plan.
+"""The JAX measuring half of planning (mirror: `torch_impl.profile`; docs/planning.md).
 
 Every figure comes from the jitted `jax_impl.train.train_step` (state donated), compiled with XLA's
 ``cse_barrier_expander`` disabled (docs/remat_vs_checkpoint.md): bytes from one compile per uniform
@@ -11,8 +11,6 @@ time follows what it allocates as much as its FLOPs: docs/planning.md#the-time-m
 from __future__ import annotations
 
 import functools
-import json
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import replace
@@ -44,7 +42,7 @@ from shared_configs.planning.recompute_time import at_rates, step_flops
 from shared_configs.planning.stepclock import contenders, measured_rounds, times
 from shared_configs.planning.timeline import Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
-from shared_configs.planning.workers import XLA_CPU_OPTIONS, serve
+from shared_configs.planning.workers import XLA_CPU_OPTIONS
 from shared_configs.progress import tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 from shared_configs.training.data import example_batch
@@ -283,15 +281,9 @@ def measure(
     }
 
 
-def main(argv: list[str]) -> int:
-    """The planner's JAX worker (`shared_configs.planning.workers`); XLA's flags are already set.
-    Measured and checked steps persist in the compilation cache; a profile does not use it (it
-    reads XLA's dumps, which a cache hit would not write)."""
-    request = json.loads(argv[0])
+def start_worker(request: dict[str, Any]) -> None:
+    """In the planner's worker (`shared_configs.planning.workers`), XLA's flags already set: measured
+    and checked steps persist in the compilation cache; a profile does not use it (it reads XLA's
+    dumps, which a cache hit would not write)."""
     if request["kind"] != "profile" and jax_cache_dir() is not None:
         jax.config.update("jax_compilation_cache_dir", jax_cache_dir())
-    return serve(sys.modules[__name__], argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -3,8 +3,8 @@
 Each is built from its diffusers / transformers config (`shared_configs.planning.encoders`) on fake
 tensors (`torch_impl.profile.ShapesOnly`: nothing allocated, nothing downloaded) and run as the
 training scripts run it: the VAE's encode of a batch of images and a frozen text encoder under
-``no_grad``; a trained text encoder's forward and backward. The bytes come from the profile's own
-live-tensor `Recorder`. No JAX mirror (the JAX loop trains on latents); docs/regimes.md.
+``no_grad``; a trained text encoder's forward and backward. The bytes come from the one torch
+instrument, `torch_impl.memory.StepTracker`. No JAX mirror (the JAX loop trains on latents); docs/regimes.md.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from shared_configs.planning.encoders import Encoder
-from torch_impl.profile import Recorder, ShapesOnly
+from shared_configs.planning.timeline import BWD
+from torch_impl.memory import StepTracker
+from torch_impl.profile import ShapesOnly
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -57,18 +59,21 @@ def measure(encoder: Encoder, batch_size: int, autocast: str | None = None) -> d
             x = torch.zeros(batch_size, encoder.tokens, dtype=torch.long)
     cast = torch.autocast("cpu", dtype=DTYPES[autocast]) if autocast and encoder.trained else contextlib.nullcontext()
     grad = torch.enable_grad() if encoder.trained else torch.no_grad()
-    recorder = Recorder([*model.parameters(), x])
+    tracker = StepTracker(model, [], inputs=[x], detail=False)
     flops = FlopCounterMode(display=False)
-    with mode, recorder, flops:
+    with mode, tracker, flops:
         with grad, cast:
             if encoder.kind == "vae":
                 out = model.encode(x).latent_dist.sample()
             else:
                 out = model(x, output_hidden_states=encoder.hidden_states).last_hidden_state
-        forward_end = len(recorder.units)
+        tracker.mark("backward", BWD)
         if encoder.trained:
             out.float().sum().backward()
-    levels = recorder.timeline().levels() - (weights + x.numel() * x.element_size())
+    timeline = tracker.unit_timeline()
+    forward_end = timeline.split()
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    levels = timeline.levels() - (weights + buffers + x.numel() * x.element_size())
     params = sum(p.numel() for p in model.parameters())
     result = {"weights": weights, "params": params, "peak": int(levels[:forward_end].max()),
               "flops": int(flops.get_total_flops())}  # fmt: skip

@@ -6,7 +6,8 @@ has made the gradients and AdamW's state: bytes from one traced step per uniform
 seconds from the plain and per-layer steps timed unit hook to unit hook, every choice priced at two
 fitted rates (`priced`); FLOPs from the spec (`unit_flops`). ``shapes=True``: the same steps on fake
 tensors, nothing allocated, time left to FLOPs. `measure_step` is the one measurement of a step (the
-planner's `measure`, the benchmark's rows); `peaks` the same peak on fake tensors.
+planner's `measure`, the benchmark's rows); `peaks` the same peak on fake tensors. The planner's worker
+(`shared_configs.planning.workers`) calls these.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import contextlib
 import functools
 import itertools
 import statistics
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -43,7 +43,6 @@ from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_f
 from shared_configs.planning.stepclock import clock, fitted_rates, measured_rounds, round_robin, times
 from shared_configs.planning.timeline import BWD, FWD, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
-from shared_configs.planning.workers import serve
 from shared_configs.progress import tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 from shared_configs.training.data import Batch, batch_bytes, step_arrays
@@ -64,8 +63,9 @@ from torch_impl.unet import UNet
 OPTIMIZER = "optimizer"
 
 
-def single_threaded() -> None:
-    """One intra-op thread: CPU seconds then add up to the work, whatever else runs on the machine."""
+def start_worker(request: dict[str, Any]) -> None:
+    """In the planner's worker (`shared_configs.planning.workers`): one intra-op thread, so that CPU
+    seconds add up to the work, whatever else runs on the machine."""
     torch.set_num_threads(1)
 
 
@@ -488,8 +488,3 @@ def encoders(request: dict[str, Any]) -> dict[str, Any]:
     from torch_impl.encoders import encoders as measured
 
     return measured(request)
-
-
-if __name__ == "__main__":  # the planner's torch worker (shared_configs.planning.workers)
-    single_threaded()
-    sys.exit(serve(sys.modules[__name__], sys.argv[1:]))

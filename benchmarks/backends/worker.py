@@ -1,13 +1,11 @@
-"""Measure one framework's rows in this process: ``python -m benchmarks.backends.worker JOB_JSON``.
+"""The benchmark's rows in a worker of `shared_configs.planning.workers` (the one worker protocol).
 
-Started by `benchmarks.harness.runner`, one process per framework, with the environment already set
-(``XLA_FLAGS`` must be in place before jax is imported). Talks to the parent through event
-lines on stdout (see `benchmarks.harness.job.emit`): ``env`` once, then ``start`` and ``row`` per
-row. A row that fails is reported (``oom`` or ``error``) and the next row runs.
-
-Testing hooks (environment): ``BENCHMARKS_SIMULATE_OOM=framework:policy:batch,...`` raises the
-framework's own out-of-memory error at that row; ``BENCHMARKS_SIMULATE_KILL`` (same syntax)
-SIGKILLs this process there, as the kernel's OOM killer would.
+`serve` answers a ``rows`` request (``env`` once, then ``start`` and ``row`` per row: a row that
+fails is reported, ``oom`` or ``error``, and the next row runs) or a ``floor`` request, with one
+framework's backend (`torch_bench`, `jax_bench`, `compiled_bench`, `diffusers_bench`). Testing
+hooks (environment): ``BENCHMARKS_SIMULATE_OOM=framework:policy:batch,...`` raises the framework's
+own out-of-memory error at that row; ``BENCHMARKS_SIMULATE_KILL`` (same syntax) SIGKILLs the
+worker there, as the kernel's OOM killer would.
 """
 
 from __future__ import annotations
@@ -19,7 +17,8 @@ import sys
 import traceback
 from typing import Any, Protocol, cast
 
-from benchmarks.harness.job import KILL_SIM_ENV, OOM_SIM_ENV, Job, emit, is_oom_message, one_line, parse_sim
+from benchmarks.harness.job import KILL_SIM_ENV, OOM_SIM_ENV, Job, is_oom_message, one_line, parse_sim
+from shared_configs.planning.workers import emit
 
 
 class Backend(Protocol):
@@ -74,13 +73,14 @@ def run_row(backend: Backend, job: Job, policy: str, batch_size: int, device: An
     return {"framework": job.framework, "policy": policy, "batch_size": batch_size, **row}
 
 
-def main(argv: list[str]) -> int:
-    if argv[0] == "--floor":  # benchmarks.max_batch: the least any step can need, from shapes
+def serve(request: dict[str, Any]) -> int:
+    """A worker's answer to ``request`` (``kind`` rows or floor, ``job`` a `Job`'s JSON), as events."""
+    job = Job.from_json(request["job"])
+    if request["kind"] == "floor":  # benchmarks.max_batch: the least any step can need, from shapes
         from benchmarks.backends.torch_bench import static_floor
 
-        emit("floor", **static_floor(Job.from_json(argv[1])))
+        emit("floor", **static_floor(job))
         return 0
-    job = Job.from_json(argv[0])
     backend = load_backend(job.framework)
     try:
         device = backend.resolve_device(job.device)
@@ -105,7 +105,3 @@ def main(argv: list[str]) -> int:
         if backend.one_row_per_process(device):
             break  # the parent starts a fresh process for the next row
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -12,10 +12,8 @@ import platform
 import resource
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from shared_configs import SpecError, UNetSpec, from_diffusers_config, load_spec, spec_from_dict
 from shared_configs.diffusers.folders import find_folder
@@ -29,7 +27,6 @@ FRAMEWORKS: tuple[str, ...] = ("torch", "jax")  # what --framework both runs
 DIFFUSERS = "diffusers"
 DIFFUSERS_OWN = "enable_gradient_checkpointing"
 DIFFUSERS_POLICIES: tuple[str, ...] = ("none", DIFFUSERS_OWN)
-EVENT_PREFIX = "@@bench "  # worker stdout lines carrying an event start with this
 OOM_SIM_ENV = "BENCHMARKS_SIMULATE_OOM"  # "torch:full:2,jax:none:1": raise the framework's OOM there
 KILL_SIM_ENV = "BENCHMARKS_SIMULATE_KILL"  # same syntax: SIGKILL the worker there (a host OOM kill)
 
@@ -181,20 +178,6 @@ def other_cpu_share(start: tuple[float, float | None, float], end: tuple[float, 
         return None
     others = (end[1] - start[1]) - (end[2] - start[2])
     return max(0.0, others / ((end[0] - start[0]) * (os.cpu_count() or 1)))
-
-
-def emit(event: str, **payload: Any) -> None:
-    """Write one event line for the parent (workers only; under torchrun, rank 0 only)."""
-    if os.environ.get("RANK", "0") != "0":
-        return
-    sys.stdout.write(EVENT_PREFIX + json.dumps({"event": event, **payload}, default=_json_default) + "\n")
-    sys.stdout.flush()
-
-
-def _json_default(value: Any) -> Any:
-    if hasattr(value, "item"):
-        return value.item()
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 def cpu_name() -> str:

@@ -1,31 +1,28 @@
-"""Run framework workers as subprocesses and collect their rows (the parent side).
+"""The benchmark's parent side: its framework workers' rows (`shared_configs.planning.workers`).
 
-Each framework runs in its own process (two runtimes in one process skew each other). A worker
-that dies mid-row (the kernel's OOM killer, a segfault) costs only that row: it is reported as
-``oom`` (killed) or ``error`` and a fresh worker carries on with the rows left. Workers run in
-their own process group, stopped with the parent (`shared_configs.processes.worker_group`).
+Each framework runs in its own worker. A worker that dies mid-row (the kernel's OOM killer, a
+segfault) costs only that row: it is reported as ``oom`` (killed) or ``error`` and a fresh worker
+carries on with the rows left. Workers are stopped with the parent (`shared_configs.processes`).
 """
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from subprocess import PIPE
 from typing import Any
 
-from benchmarks.harness.job import EVENT_PREFIX, REPO_ROOT, Job, worker_env
+from benchmarks.harness.job import Job, worker_env
 from shared_configs.cli import BenchmarkError
-from shared_configs.processes import worker_group
+from shared_configs.planning import workers
 
 Event = dict[str, Any]
 KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
+BACKEND = "benchmarks.backends.worker"  # what answers the rows in the worker
 
 
 def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbose: bool = False) -> list[Event]:
@@ -52,60 +49,43 @@ def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbos
 def static_floor(job: Job) -> dict[str, int]:
     """The least memory any step of ``job``'s model can need (see `benchmarks.backends.torch_bench.static_floor`),
     from a short worker that builds the model on the meta device."""
-    cmd = [sys.executable, "-m", "benchmarks.backends.worker", "--floor", job.to_json()]
-    with worker_group(cmd, cwd=REPO_ROOT, env=worker_env(job), stdout=PIPE, stderr=PIPE, text=True) as proc:
-        out, err = proc.communicate()
-    for line in out.splitlines():
-        if line.startswith(EVENT_PREFIX):
-            return json.loads(line[len(EVENT_PREFIX) :])
-    tail = [ln for ln in err.splitlines() if ln.strip()]
-    raise BenchmarkError(f"could not build the model to size it: {tail[-1] if tail else 'no output'}")
+    done = workers.run({"kind": "floor", "backend": BACKEND, "job": job.to_json()}, worker_env(job))
+    floor = next((e for e in done.events if e["event"] == "floor"), None)
+    if floor is None:
+        raise BenchmarkError(f"could not build the model to size it: {done.stderr_tail or 'no output'}")
+    return {k: v for k, v in floor.items() if k != "event"}
 
 
 def _run_worker(
     job: Job, events: list[Event], on_event: Callable[[Event], None], verbose: bool
 ) -> tuple[tuple[str, int] | None, list[tuple[str, int]], int, str]:
     """One worker process; returns (row it died in, rows it finished, exit code, stderr tail)."""
-    cmd = [sys.executable, "-m", "benchmarks.backends.worker", job.to_json()]
-    if job.framework != "jax" and job.world_size > 1:  # torch's ranks are processes; jax's, devices of one
-        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(job.world_size)]
-    since = time.time()
-    with tempfile.TemporaryFile("w+") as err:
-        try:
-            with worker_group(cmd, cwd=REPO_ROOT, env=worker_env(job), stdout=PIPE, stderr=None if verbose else err,
-                              text=True) as proc:  # fmt: skip
-                started, finished = _read_events(proc.stdout, events, on_event)
-        except BaseException:  # stopped: it may have been writing a compilation cache entry
-            check_jax_cache(job, since)
-            raise
-        if proc.returncode in KILLED:
-            check_jax_cache(job, since)
-        err.seek(0)
-        lines = [ln.strip() for ln in err.read().splitlines() if ln.strip()]
-    return started, finished, proc.returncode, lines[-1] if lines else ""
+    # torch's ranks are processes (torchrun); jax's, devices of one
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(job.world_size)]
+    ranks = job.framework != "jax" and job.world_size > 1
+    since, started, finished = time.time(), [None], []
 
-
-def _read_events(
-    stdout: Any, events: list[Event], on_event: Callable[[Event], None]
-) -> tuple[tuple[str, int] | None, list[tuple[str, int]]]:
-    """A worker's event lines until it exits: (the row it started last and did not finish, rows finished)."""
-    started: tuple[str, int] | None = None
-    finished: list[tuple[str, int]] = []
-    for line in stdout:
-        if not line.startswith(EVENT_PREFIX):
-            continue
-        event = json.loads(line[len(EVENT_PREFIX) :])
-        kind = event["event"]
-        if kind == "fatal":
+    def seen(event: Event) -> None:
+        if event["event"] == "fatal":
             raise BenchmarkError(event["message"])
-        if kind == "start":
-            started = (event["policy"], event["batch_size"])
-        elif kind == "row":
-            finished.append((event["policy"], event["batch_size"]))
-            started = None
+        key = event.get("policy"), event.get("batch_size")
+        if event["event"] == "start":
+            started[0] = key
+        elif event["event"] == "row":
+            finished.append(key)
+            started[0] = None
         events.append(event)
         on_event(event)
-    return started, finished
+
+    request = {"kind": "rows", "backend": BACKEND, "job": job.to_json()}
+    try:
+        done = workers.run(request, worker_env(job), seen, launcher if ranks else None, verbose)
+    except BaseException:  # stopped: it may have been writing a compilation cache entry
+        check_jax_cache(job, since)
+        raise
+    if done.returncode in KILLED:
+        check_jax_cache(job, since)
+    return started[0], finished, done.returncode, done.stderr_tail
 
 
 def check_jax_cache(job: Job, since: float) -> None:

@@ -1,44 +1,49 @@
-"""The planner's worker processes: a profile, a peak check or a measurement, in one framework.
+"""The one worker protocol, both frameworks: the planner's profile, peaks and measure, the benchmark's rows.
 
-The parent (`run_worker`, no torch or jax import here) starts ``python -m torch_impl.profile`` or
-``python -m jax_impl.profile`` in an environment set before that framework is imported (XLA's
-flags); the worker hands the request to `serve` with its own module as the backend, and `serve`
-writes the JSON result. One framework per process: two runtimes in one process skew each other's
-memory and time.
+A worker is ``python -m shared_configs.planning.workers REQUEST_JSON`` in an environment set before
+its framework is imported (`worker_env`; XLA's flags), one framework per process: two runtimes in
+one process skew each other's memory and time. It answers through event lines on stdout (`emit`):
+``result`` for the planner's kinds (its framework's `BACKENDS` module answers), any other event for
+a request naming its own ``backend`` module (the benchmark's rows, docs/benchmark.md); its progress
+goes to stderr (`shared_configs.progress`). `run` is the parent's side.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
-import tempfile
-from dataclasses import asdict
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from shared_configs.cli import BenchmarkError
-from shared_configs.files import atomic_write
 from shared_configs.pair import workload_spec
 from shared_configs.processes import worker_group
-from shared_configs.progress import Relay, worker_logging
+from shared_configs.progress import MARK, Relay, worker_logging
 from shared_configs.regime import Regime
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-WORKERS = {"torch": "torch_impl.profile", "jax": "jax_impl.profile"}  # the measuring half, per framework
+BACKENDS = {"torch": "torch_impl.profile", "jax": "jax_impl.profile"}  # the planner's measuring half
+PLANNER_KINDS = ("profile", "peaks", "measure", "encoders")
+EVENT_PREFIX = "@@bench "  # worker stdout lines carrying an event start with this
 # XLA:CPU drops remat's optimization barriers unless this pass is off (docs/remat_vs_checkpoint.md).
 XLA_CPU_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
 XLA_CPU_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}  # the same, as jit's compiler_options
-
-
 # XLA:CPU single-threaded, as torch in the worker: CPU seconds then add up to the step's work.
 XLA_SINGLE_THREAD = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
+
+Event = dict[str, Any]
 
 
 class Backend(Protocol):
     """What `torch_impl.profile` and `jax_impl.profile` provide (the planner's measuring half)."""
 
+    def start_worker(self, request: dict[str, Any]) -> None: ...
     def profile(self, spec: Any, batch_size: int, context_length: int, shapes: bool, repeats: int,
                 **extra: Any) -> dict: ...  # fmt: skip
     def peaks(self, spec: Any, batch_size: int, policies: list[str], context_length: int, **extra: Any) -> dict: ...
@@ -47,6 +52,7 @@ class Backend(Protocol):
 
 
 def worker_env(framework: str) -> dict[str, str]:
+    """The planner's workers' environment: JAX on the CPU, its remat barriers kept, single-threaded."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if framework == "jax":  # the barrier option is also passed to each compile; set here for any other
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
@@ -57,28 +63,83 @@ def worker_env(framework: str) -> dict[str, str]:
     return env
 
 
+# -- the parent's side ---------------------------------------------------------------------------
+
+
+@dataclass
+class Finished:
+    """A worker that has exited: its events, its exit code, the last line of its stderr."""
+
+    events: list[Event]
+    returncode: int
+    stderr_tail: str
+
+
+def run(
+    request: dict[str, Any],
+    env: dict[str, str],
+    on_event: Callable[[Event], None] = lambda e: None,
+    launcher: list[str] | None = None,
+    on_stderr: Callable[[str], None] = lambda line: None,
+) -> Finished:
+    """Start a worker for ``request`` (under ``launcher``: torchrun's arguments), calling ``on_event``
+    as each event arrives and ``on_stderr`` with each line of its stderr."""
+    cmd = [sys.executable, *(launcher or []), "-m", __name__, json.dumps(request)]
+    events: list[Event] = []
+    said: list[str] = []  # stderr's lines, progress left out
+
+    def read(stream: Any) -> None:
+        for line in stream:
+            on_stderr(line)
+            if line.strip() and not line.startswith(MARK):
+                said[-20:] = [*said[-19:], line.strip()]
+
+    with worker_group(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True) as proc:  # fmt: skip
+        reader = threading.Thread(target=read, args=(proc.stderr,), daemon=True)
+        reader.start()
+        for line in proc.stdout or ():
+            if line.startswith(EVENT_PREFIX):
+                events.append(json.loads(line[len(EVENT_PREFIX) :]))
+                on_event(events[-1])
+        proc.wait()
+        reader.join()
+    return Finished(events, proc.returncode, said[-1] if said else "")
+
+
 def run_worker(request: dict[str, Any]) -> dict[str, Any]:
-    """Run ``request`` in its framework's worker process (`WORKERS`); its JSON result."""
-    with tempfile.TemporaryDirectory(prefix="plan-worker-") as folder:
-        out = Path(folder) / "result.json"
-        cmd = [sys.executable, "-m", WORKERS[request["framework"]], json.dumps(request), str(out)]
-        env = worker_env(request["framework"])
-        relay = Relay(f"{request['framework']} {request['kind']}")  # its progress lines, logged here
-        with worker_group(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True) as proc:
-            for line in proc.stderr:  # type: ignore[union-attr]
-                relay.feed(line)
-            proc.wait()
-        relay.close()
-        stderr = relay.text
-        if proc.returncode != 0 or not out.is_file():
-            lines = [ln for ln in stderr.splitlines() if ln.strip()]
-            why = lines[-1] if lines else f"exit {proc.returncode}"
-            raise BenchmarkError(f"{request['framework']} planner worker failed: {why}")
-        return json.loads(out.read_text())
+    """The planner's request (`planner.Workload.request`) answered in its framework's worker."""
+    relay = Relay(f"{request['framework']} {request['kind']}")  # its progress lines, logged here
+    done = run(request, worker_env(request["framework"]), on_stderr=relay.feed)
+    relay.close()
+    result = next((e for e in done.events if e["event"] == "result"), None)
+    if done.returncode != 0 or result is None:
+        why = done.stderr_tail or f"exit {done.returncode}"
+        raise BenchmarkError(f"{request['framework']} planner worker failed: {why}")
+    return {k: v for k, v in result.items() if k != "event"}
+
+
+# -- the worker's side ---------------------------------------------------------------------------
+
+
+def emit(event: str, **payload: Any) -> None:
+    """Write one event line for the parent (workers only; under torchrun, rank 0 only)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    sys.stdout.write(EVENT_PREFIX + json.dumps({"event": event, **payload}, default=_json_default) + "\n")
+    sys.stdout.flush()
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy and torch scalars
+        return value.item()
+    if hasattr(value, "__dataclass_fields__"):  # the profile's `Cost`s
+        return asdict(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 def answer(backend: Backend, request: dict[str, Any]) -> dict[str, Any]:
-    """The worker's side: ``request`` (`planner.Workload.request`) answered by ``backend``."""
+    """The planner's ``request`` answered by ``backend``."""
     if request["kind"] == "encoders":  # the models beside the U-Net (shared_configs.planning.whole)
         return backend.encoders(request)  # type: ignore[attr-defined]
     spec = workload_spec(request["spec"])  # a U-Net's, or the ControlNet step's pair
@@ -100,10 +161,16 @@ def answer(backend: Backend, request: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def serve(backend: Backend, argv: list[str]) -> int:
-    """``python -m {torch,jax}_impl.profile REQUEST_JSON OUT_PATH``: answer, write the JSON atomically."""
-    worker_logging()  # progress as lines on stderr, for run_worker's Relay
-    result = answer(backend, json.loads(argv[0]))
-    plain = json.loads(json.dumps(result, default=asdict))  # the profile's `Cost` dataclasses as dicts
-    atomic_write(Path(argv[1]), json.dumps(plain, indent=2, allow_nan=False).encode())
+def main(argv: list[str]) -> int:
+    request = json.loads(argv[0])
+    worker_logging()  # progress as lines on stderr, for the parent's Relay
+    if request["kind"] not in PLANNER_KINDS:
+        return importlib.import_module(request["backend"]).serve(request)
+    backend = importlib.import_module(BACKENDS[request["framework"]])
+    backend.start_worker(request)
+    emit("result", **answer(backend, request))  # type: ignore[arg-type]
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
