@@ -1,21 +1,12 @@
-"""The PyTorch training step under ``torch.compile``: the rows of ``benchmarks.compare --compile``.
+"""The PyTorch step under ``torch.compile``: the rows of ``benchmarks.compare --compile`` (docs/compile.md).
 
-Framework ``compiled`` in the worker (`benchmarks.backends.worker`), beside the eager ``torch`` rows, in its
-own process. Per row: our U-Net with the row's plan (its checkpoints traced into the graph,
-`torch_impl.checkpointing`), ``torch.compile(model)``, trained by the same
-`torch_impl.train.train_step`. The first step compiles (``compile_s``: its seconds, compile
-included), a second warms up, one step runs under the memory instruments, then ``steps`` timed steps.
-
-Memory: the tensor-level tracker of the eager rows is a dispatch mode, under which Dynamo runs the
-model eagerly; so the peak here is the allocator's (`torch_impl.memory.AllocatorPeak` on CPU,
-``max_memory_allocated`` on a GPU), the instrument the eager rows also report as
-``allocator_peak_bytes``. ``saved_bytes``: what the compiled graph saves for backward (its
-``save_for_backward`` goes through ``saved_tensors_hooks``, parameters left out).
-
-A row ``budget@P`` is the model without a plan, compiled with AOTAutograd's own
-``activation_memory_budget`` set to land at plan P's saved bytes: the budget is a fraction of the
-activations between recompute-everything and the default partition, so the ratio taken is P's
-compiled ``saved_bytes`` over compiled ``none``'s (both measured earlier in this process).
+Framework ``compiled``, beside the eager ``torch`` rows, in its own worker: our U-Net with the row's
+plan traced into the graph, ``torch.compile(model)``, trained by `torch_impl.train.train_step`. The
+first step compiles (``compile_s``), a second warms up, one runs under
+`torch_impl.profile.measure_step` without the tensor tracker (a dispatch mode would make Dynamo run
+the model eagerly): the allocator's peak, as the eager rows' ``allocator_peak_bytes``. A row
+``budget@P``: no plan, AOTAutograd's ``activation_memory_budget`` at P's compiled saved bytes over
+``none``'s (both measured earlier in this process).
 """
 
 from __future__ import annotations
