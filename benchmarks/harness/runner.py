@@ -79,7 +79,8 @@ def _run_worker(
 
     request = {"kind": "rows", "backend": BACKEND, "job": job.to_json()}
     try:
-        done = workers.run(request, worker_env(job), seen, launcher if ranks else None, verbose)
+        echo = sys.stderr.write if verbose else (lambda line: None)
+        done = workers.run(request, worker_env(job), seen, launcher if ranks else None, echo)
     except BaseException:  # stopped: it may have been writing a compilation cache entry
         check_jax_cache(job, since)
         raise
