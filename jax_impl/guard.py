@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from jax_impl.memory import compiled_peak
 from shared_configs.planning import planner
 from shared_configs.planning.planner import Workload
 from shared_configs.planning.solver import Infeasible
@@ -58,12 +59,6 @@ class StepPlan:
     # What the planner was asked, for `GuardedStep`'s re-plans after an out-of-memory error.
     workload: Workload | None = field(default=None, repr=False, compare=False)
     plan_options: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-
-def compiled_peak(compiled: Any) -> int:
-    """XLA's peak of a compiled step: arguments + outputs - aliased (donated) + temporaries."""
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
 def compile_for(build_step: Callable[[str], Any], policy: str, example_args: Sequence[Any]) -> Any:

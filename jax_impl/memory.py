@@ -73,6 +73,12 @@ class MemoryPlan:
     timeline: dict[str, Any] = field(repr=False)
 
 
+def compiled_peak(compiled: Any) -> int:
+    """XLA's peak of a compiled step: arguments + outputs - aliased (donated) + temporaries."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
 def compile_with_plan(
     lowered: Any, cache_dir: str | None, options: dict[str, Any] | None = None
 ) -> tuple[Any, MemoryPlan, float]:
@@ -90,7 +96,7 @@ def compile_with_plan(
             dump = dump / "again"  # new options: not JAX's in-memory cache either
             compiled = compile_uncached(lowered, {"xla_dump_to": str(dump), **options})
         if plan is None:
-            plan = _parse(dump, compiled.memory_analysis())
+            plan = _parse(dump, compiled_peak(compiled))
             _write(cache_dir, key, plan)
     return compiled, plan, seconds
 
@@ -162,19 +168,13 @@ def read_dump(folder: str | Path) -> Dump:
     return Dump(sequence, ranges, allocations, _Hlo((folder / f"{stem}.txt").read_text()), live_range)
 
 
-def _parse(folder: Path, analysis: Any) -> MemoryPlan:
-    """The plan from one dump (the files of the module named ``jit_train_step``)."""
+def _parse(folder: Path, total: int) -> MemoryPlan:
+    """The plan from one dump (the files of the module named ``jit_train_step``) of a step peaking at ``total``."""
     dump = read_dump(folder)
     sequence, ranges, allocations, hlo, live_range = (
         dump.sequence, dump.ranges, dump.allocations, dump.hlo, dump.live_range_text
     )  # fmt: skip
     series, live = _live_bytes(allocations, ranges, hlo, len(sequence))
-    total = (
-        analysis.argument_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-        + analysis.temp_size_in_bytes
-    )
     top = int(np.argmax(sum(series.values())))
     parts = {c: int(series[c][top]) for c in CATEGORIES}
     fragmentation = total - sum(parts.values())  # the temp allocation's bytes free at the peak position

@@ -22,7 +22,7 @@ import numpy as np
 from jax_impl import regime as jregime
 from jax_impl import train as jt
 from jax_impl import xla_dump
-from jax_impl.memory import FAST_COMPILE, compile_uncached
+from jax_impl.memory import FAST_COMPILE, compile_uncached, compiled_peak
 from jax_impl.pair import ControlNetPair, init_pair, pair_arrays
 from jax_impl.pair import train_step as pair_step
 from jax_impl.unet import UNet
@@ -99,11 +99,6 @@ def compiled_step(s: dict[str, Any], policy: str, dump: str | None = None, fast:
         compiler |= {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "train_step"}
         return compile_uncached(step.lower(*s["args"]), compiler)
     return step.lower(*s["args"]).compile(compiler_options=compiler)
-
-
-def compiled_peak(compiled: Any) -> int:
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
 def timeline_of(plan: xla_dump.MemoryPlan, leaves: list[str]) -> Timeline:

@@ -36,7 +36,7 @@ from benchmarks.harness.job import (
 from jax_impl import UNet
 from jax_impl import regime as jregime
 from jax_impl import train as jt
-from jax_impl.memory import FAST_COMPILE, compile_with_plan
+from jax_impl.memory import FAST_COMPILE, compile_with_plan, compiled_peak
 from jax_impl.parallel import make_mesh, shard, state_shardings
 from shared_configs.defaults import device_of, resolve_chunk
 from shared_configs.regime import Regime
@@ -211,11 +211,6 @@ def _flops(compiled: Any) -> float | None:
     return None if not cost or "flops" not in cost else float(cost["flops"])
 
 
-def _compiled_total(compiled: Any) -> int:
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-
-
 def _default_passes_peak(lowered: Any) -> int:
     """Peak of the same step compiled with XLA:CPU's default passes (never run, so -O0)."""
     kept = [p for p in _disabled_passes() if p != "cse_barrier_expander"]
@@ -225,7 +220,7 @@ def _default_passes_peak(lowered: Any) -> int:
         "xla_backend_optimization_level": 0,
         "xla_llvm_disable_expensive_passes": True,
     }
-    return _compiled_total(lowered.compile(compiler_options=options))
+    return compiled_peak(lowered.compile(compiler_options=options))
 
 
 def _disabled_passes() -> list[str]:
