@@ -30,10 +30,8 @@ from shared_configs.regime import Regime
 from tests.helpers.specs import variant
 from tests.test_guard import check_by_prediction, checking_by_prediction, plan_cache  # noqa: F401 (fixtures)
 from torch_impl import BudgetGuard, ControlNetPair
-from torch_impl import memory as memory_module
 from torch_impl.guard_model import step_spec, unwrap
 from torch_impl.guard_regime import regime_seen
-from torch_impl.train import skip_frozen_grad_hooks
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("check_by_prediction")]
 SPEC = variant("tiny", down_attention=["transformer", "none"], sample_size=8, dropout=0.0)  # SD-shaped, 8x8 latents
@@ -119,24 +117,8 @@ class Script:
         return [p.detach().clone() for p in self.trained.parameters() if p.requires_grad]
 
 
-@pytest.fixture(autouse=True)
-def frozen_modules_measured(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU measurement hooks every module the step runs: the frozen VAE's and text encoder's
-    parameters (no gradient) are marked as hooked, as the guarded model's frozen ones are."""
-    monkeypatch.setattr(memory_module, "skip_frozen_grad_hooks", _skip_frozen)
-
-
-def _skip_frozen(tracker: Any, model: torch.nn.Module) -> None:
-    for module in [model, *Script.frozen]:
-        skip_frozen_grad_hooks(tracker, module)
-
-
-Script.frozen = []  # the frozen modules of the scripts built so far (the fixture above marks them)
-
-
 def run(script: Script, guard: BudgetGuard | None, steps: int) -> list[float]:
     """``steps`` micro-steps of the script's loop, guarded as docs/guard.md's recipe patches it."""
-    Script.frozen += [script.vae, script.text, script.unet]
     torch.manual_seed(5)
     losses = []
     for pixels, ids in script.batches[:steps]:
@@ -306,7 +288,6 @@ def _rank_main(out: str) -> None:
     from torch_impl.guard_ranks import from_rank0
 
     planner.run_worker = checking_by_prediction(planner.run_worker)
-    memory_module.skip_frozen_grad_hooks = _skip_frozen
     torch.set_num_threads(1)
     script = Script()  # accelerate joins the torchrun group (gloo) and wraps the U-Net in DDP
     rank = torch.distributed.get_rank()
