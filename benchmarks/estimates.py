@@ -37,6 +37,7 @@ REGIMES: dict[str, Regime] = {
     "bf16-mixed+lora:8": Regime("bf16-mixed", "lora:8"),
     "bf16-mixed+adamw8bit": Regime("bf16-mixed", optimizer="adamw8bit"),
     "bf16-mixed+adafactor": Regime("bf16-mixed", optimizer="adafactor"),
+    "bf16+adamw8bit": Regime("bf16", optimizer="adamw8bit"),  # weights in bfloat16 too (kohya's --full_bf16)
     # diffusers' DreamBooth default: the gradients stay allocated between steps (zeroed in place)
     "bf16-mixed+adamw8bit+keep-grads": Regime("bf16-mixed", optimizer="adamw8bit", keep_grads=True),
 }
