@@ -54,7 +54,7 @@ class GuardRecord:
     step: int  # the guarded step (1 = the first `BudgetGuard.run`; 0: construction)
     plan: str  # the policy measured, or put on
     predicted: int  # the planner's peak of ``plan`` for the model's own step (bytes)
-    measured: int | None  # the step's peak (CUDA: max reserved; CPU: MemTracker); None for a change
+    measured: int | None  # the step's peak (CUDA: max reserved; CPU: step_peak); None for a change
     outside: int | None  # bytes the step held beyond the model's step (measured - predicted)
     action: str  # "measured", "over budget", "out of memory", "full failed", "not retried", or a change's
     allocated: int | None = None  # CUDA only: max_memory_allocated over the step
