@@ -30,10 +30,12 @@ from shared_configs.regime import Regime
 from tests.helpers.specs import variant
 from tests.test_guard import check_by_prediction, checking_by_prediction, plan_cache  # noqa: F401 (fixtures)
 from torch_impl import BudgetGuard, ControlNetPair
-from torch_impl.guard_model import step_spec, unwrap
+from torch_impl.guard_model import compiled, step_spec, take_over_checkpointing, unwrap
 from torch_impl.guard_regime import regime_seen
+from torch_impl.guard_retry import RetryPoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("check_by_prediction")]
+heavy = pytest.mark.heavy  # a profile of its own each (about a minute of CPU): left out of the default run
 SPEC = variant("tiny", down_attention=["transformer", "none"], sample_size=8, dropout=0.0)  # SD-shaped, 8x8 latents
 BATCH, TOKENS, RANK = 2, 8, 4
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -147,6 +149,54 @@ def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
 
+def test_the_model_is_read_as_the_script_holds_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """No planning: wrappers taken off, the regime the weights show, diffusers' own checkpointing
+    turned off in one line, `ControlNetPair.of` over the live networks (no copy)."""
+    script = Script()
+    assert unwrap(torch.compile(script.trained)) is script.unet and compiled(torch.compile(script.trained))
+    assert regime_seen(script.unet)[0] == Regime(trainable=f"lora:{RANK}")
+    script.unet.enable_gradient_checkpointing()
+    assert take_over_checkpointing(script.unet) == ["UNet2DConditionModel"]
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in script.unet.modules())
+    bf16 = Script(weight_dtype=torch.bfloat16)
+    assert regime_seen(bf16.unet)[0] == Regime("bf16-frozen", f"lora:{RANK}")
+    pair = Script(controlnet=True)
+    both = ControlNetPair.of(pair.unet, torch.compile(pair.trained))
+    assert both.unet is pair.unet and both.controlnet is pair.controlnet
+    assert {id(p) for p in both.parameters()} == {id(p) for m in (pair.unet, pair.controlnet) for p in m.parameters()}
+    assert regime_seen(both)[0] == Regime()  # the ControlNet trained whole, float32
+    assert step_spec(both).controlnet.conditioning_embedding_out_channels == (8, 16)
+    with pytest.raises(ValueError, match=r"^controlnet: its block_out_channels .* is not the U-Net's"):
+        ControlNetPair.of(bf16.unet.__class__.from_config({**bf16.unet.config, "block_out_channels": (16, 48)}),
+                          pair.controlnet)  # fmt: skip
+
+
+def test_a_retry_point_puts_back_accumulated_gradients_and_accelerates_counter() -> None:
+    """Without planning: micro-step 2 of an accumulation of 2 fails after its backward; the retry
+    point restores micro-step 1's gradients and accelerate's counter, and the run ends as the
+    unguarded one (weights equal)."""
+    plain, script = Script(accumulation=2), Script(accumulation=2)
+    run(plain, None, 2)
+    torch.manual_seed(5)
+    params = [p for p in script.trained.parameters() if p.requires_grad]
+    for i, (pixels, ids) in enumerate(script.batches[:2]):
+        point = RetryPoint(params, torch.device("cpu"), [script.accelerator], fresh=i == 0)
+        if i == 1:
+            before = [p.grad.clone() for p in params]
+            script.fail = lambda: True
+            with pytest.raises(torch.OutOfMemoryError), script.accelerator.accumulate(script.trained):
+                script.body(pixels, ids)
+            assert script.accelerator.sync_gradients  # the failed attempt advanced the counter
+            point.restore()
+            assert not script.accelerator.sync_gradients
+            assert all(torch.equal(p.grad, g) for p, g in zip(params, before, strict=True))
+            script.fail = lambda: False
+        with script.accelerator.accumulate(script.trained):
+            script.body(pixels, ids)
+    assert largest_difference(script.weights(), plain.weights()) == 0.0
+
+
+@heavy
 @pytest.mark.parametrize("controlnet", [False, True], ids=["lora", "controlnet"])
 def test_a_script_step_keeps_the_budget_and_the_unguarded_weights(controlnet: bool) -> None:
     """No regime given: the guard reads it (LoRA rank 4 / the ControlNet trained whole), plans,
@@ -168,6 +218,7 @@ def test_a_script_step_keeps_the_budget_and_the_unguarded_weights(controlnet: bo
             for r in guard.history), sep="\n  ")  # fmt: skip
 
 
+@heavy
 @pytest.mark.parametrize("failing", [1, 2], ids=["micro-step-1", "micro-step-2"])
 def test_out_of_memory_in_a_micro_step_retries_it_as_the_unguarded_run_has_it(
     failing: int, capsys: pytest.CaptureFixture[str]
@@ -191,6 +242,7 @@ def test_out_of_memory_in_a_micro_step_retries_it_as_the_unguarded_run_has_it(
     assert any(f"step {failing}: ran out of memory under" in x and "running it again" in x for x in lines), lines
 
 
+@heavy
 def test_out_of_memory_inside_the_optimizer_step_is_not_retried(capsys: pytest.CaptureFixture[str]) -> None:
     """Once the optimizer step has begun some weights may be updated: one line, the error re-raised."""
     script = Script()
@@ -208,6 +260,7 @@ def test_out_of_memory_inside_the_optimizer_step_is_not_retried(capsys: pytest.C
     assert line.startswith("guard: step 1: ran out of memory under ") and "not run again: the optimizer step" in line
 
 
+@heavy
 def test_wrapped_models_are_unwrapped_and_own_checkpointing_is_taken_over(capsys: pytest.CaptureFixture[str]) -> None:
     """DDP (gloo, one process), ``torch.compile``'s module and accelerate's prepared one: the guard
     plans and puts its plan on the U-Net inside. diffusers' own checkpointing, on: turned off, one line."""
@@ -233,6 +286,7 @@ def test_wrapped_models_are_unwrapped_and_own_checkpointing_is_taken_over(capsys
                     "replaces it")  # fmt: skip
 
 
+@heavy
 def test_a_bf16_base_with_fp32_lora_is_read_from_the_step_and_predicted_within_5_percent(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -267,6 +321,7 @@ def test_a_bf16_base_with_fp32_lora_is_read_from_the_step_and_predicted_within_5
                     f"(bf16-frozen, lora:{RANK}, adamw8bit); planned for the one given")  # fmt: skip
 
 
+@heavy
 def test_two_processes_re_plan_together(tmp_path: Path) -> None:
     """torchrun, 2 CPU processes (gloo, accelerate's DDP): rank 1's step holds 0.4 MiB more; both
     ranks judge the larger peak (one all-reduce) and put on rank 0's plan before the same step."""

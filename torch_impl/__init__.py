@@ -11,8 +11,10 @@ from torch import nn
 
 from shared_configs.planning.planner import for_framework
 from torch_impl.controlnet import ControlNet as ControlNet
-from torch_impl.diffusers_plan import apply_plan, diffusers_spec, remove_plan
+from torch_impl.diffusers_plan import apply_plan, remove_plan
 from torch_impl.guard import BudgetGuard
+from torch_impl.guard_model import step_spec, unwrap
+from torch_impl.guard_regime import regime_seen
 from torch_impl.pair import ControlNetPair
 from torch_impl.unet import UNet
 
@@ -21,12 +23,15 @@ _plan_for_budget = for_framework("torch")
 
 def plan_for_budget(spec: Any, batch_size: int, budget_bytes: int, sample_size: int | None = None, **kw: Any) -> str:
     """`shared_configs.planning.planner.plan_for_budget` for the torch step; ``spec``: a spec, a
-    preset name, a spec file, our `UNet`, a live diffusers ``UNet2D(Condition)Model`` (its config),
-    or a `ControlNetPair` (its step; ``controlnet=True`` with a U-Net spec: the same)."""
-    if isinstance(spec, ControlNetPair):
-        spec = spec.pair_spec
-    elif isinstance(spec, nn.Module):
-        spec = spec.spec if isinstance(spec, UNet) else diffusers_spec(spec)
+    preset name, a spec file, our `UNet`, a live diffusers ``UNet2D(Condition)Model`` (its config;
+    peft adapters or not), or a `ControlNetPair` (its step; ``controlnet=True`` with a U-Net spec:
+    the same); a model may be wrapped (DDP, accelerate's, ``torch.compile``'s). A model given
+    without ``regime``: the regime its weights show (`torch_impl.guard_regime.regime_seen`)."""
+    if isinstance(spec, nn.Module):
+        model = unwrap(spec)
+        spec = step_spec(model)
+        if "regime" not in kw:
+            kw["regime"] = regime_seen(model)[0]
     return _plan_for_budget(spec, batch_size, budget_bytes, sample_size, **kw)
 
 
