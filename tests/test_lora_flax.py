@@ -19,7 +19,7 @@ from jax_impl.convert import _split, flax_to_torch, torch_to_flax
 from jax_impl.layers import LORA_LEAVES
 from shared_configs.regime import Regime
 from tests.helpers.parity import parity_inputs
-from tests.helpers.specs import variant
+from tests.helpers.specs import FAST_COMPILE, variant
 from tests.helpers.tensors import as_flax, as_torch, randomize_, rel_err
 from torch_impl import UNet as TorchUNet
 from torch_impl.regime import add_lora
@@ -59,7 +59,7 @@ def test_flax_lora_matches_peft(pair: tuple, policy: str) -> None:
         out = flax_model.apply({"params": p}, **as_flax(inputs))
         return jnp.mean(out.astype(jnp.float32) ** 2)
 
-    loss_j, grads_j = jax.value_and_grad(loss_fn)(params)
+    loss_j, grads_j = jax.jit(jax.value_and_grad(loss_fn)).lower(params).compile(FAST_COMPILE)(params)  # one compile
     assert abs(float(loss_j) / loss_t - 1) < 1e-5
     flat = traverse_util.flatten_dict(grads_j)
     for path, g in grads_t.items():
@@ -80,7 +80,7 @@ def test_flax_lora_params_load_into_peft_model(pair: tuple) -> None:
     inputs = parity_inputs(SPEC)
     with torch.no_grad():
         out_t = model.eval()(**as_torch(inputs)).numpy()
-    out_j = FlaxUNet(spec=SPEC, lora_rank=RANK).apply({"params": changed}, **as_flax(inputs))
+    out_j = jax.jit(FlaxUNet(spec=SPEC, lora_rank=RANK).apply)({"params": changed}, **as_flax(inputs))
     assert np.abs(out_t).mean() > 1e-2
     assert rel_err(np.asarray(out_j).transpose(0, 3, 1, 2), out_t) < 1e-5
 
@@ -98,8 +98,8 @@ def test_only_the_adapters_train_and_hold_state(pair: tuple) -> None:
     assert moments == 2 * adapter_bytes  # AdamW's two moments, of the adapters only
     assert sum(x.nbytes for x in jax.tree.leaves(state.ema)) == adapter_bytes
     grads = jax.tree.map(jnp.ones_like, params)
-    updates, _ = tx.update(grads, state.opt_state, params)
-    new = traverse_util.flatten_dict(optax.apply_updates(params, updates))
+    updates, _ = jax.jit(tx.update)(grads, state.opt_state, params)  # one compile, not one per leaf and op
+    new = traverse_util.flatten_dict(jax.jit(optax.apply_updates)(params, updates))
     old = traverse_util.flatten_dict(params)
     for key in old:
         assert np.array_equal(new[key], old[key]) != (key in adapters), key
