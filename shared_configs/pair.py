@@ -1,29 +1,13 @@
 """The ControlNet training step, framework-free: its two networks, their units, one plan over both.
 
 diffusers' ``train_controlnet.py`` trains a ControlNet (`shared_configs.controlnet`, made from the
-U-Net as ``ControlNetModel.from_unet`` makes it) against a frozen U-Net: both run forward, the loss
-is the U-Net's noise-prediction MSE, and it flows back through the U-Net (no weight gradients
-there) into the ControlNet's residuals and weights. `ControlNetPairSpec` is that step's model.
-
-One checkpoint plan covers both networks. Its names are the U-Net's plan names (`shared_configs.plan`)
-for the U-Net's units and the same names behind ``controlnet.`` for the ControlNet's::
-
-    controlnet.down.0, controlnet.down.1.resnets.0, controlnet.mid, down.0, mid, up.1.attentions.0
-
-A pair policy is the U-Net grammar over those names:
-
-* a named policy (``none``, ``full``, ``balanced``, ``layers``, ``every:N``, ``save_convs``, with
-  ``/save=OPS`` and ``/offload``) means that policy on both networks (on the ControlNet, over the
-  units it has: `shared_configs.controlnet.resolve_controlnet_plan`);
-* names, comma-separated, each routed to its network by the prefix;
-* ``controlnet:P`` / ``unet:P``: the named policy P on that network only (diffusers'
-  ``train_controlnet.py`` checkpoints the ControlNet alone: ``controlnet:layers``;
-  ``train_controlnet_sdxl.py`` both: ``layers``);
-* ``;`` groups, each any of the above, with its own save set:
-  ``controlnet.down.0,up.1;controlnet.mid,up.0/save=conv,matmul``.
-
-`split_pair_plan` turns a pair policy into the U-Net's plan and the ControlNet's (`PairPlan`);
-`pair_policy` writes the two back as one string. No torch or jax import.
+U-Net as ``ControlNetModel.from_unet`` makes it) against a frozen U-Net; `ControlNetPairSpec` is
+that step's model. One checkpoint plan covers both networks: the U-Net's plan names for its units,
+the same names behind ``controlnet.`` for the ControlNet's; a named policy means it on both,
+``controlnet:P`` / ``unet:P`` on one (diffusers' ``train_controlnet.py``: ``controlnet:layers``),
+``;`` groups keep their own save sets. `split_pair_plan` turns a pair policy into the two plans
+(`PairPlan`), `pair_policy` writes them back. The grammar with examples: docs/planning.md "The
+ControlNet step". No torch or jax import.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Planning to a memory budget, framework-free: the per-unit profile and the peak model.
 
-A plan gives each *unit* a choice (`shared_configs.planning.units`, re-exported here: blocks,
-their layers, the always-plain ``stem``, samplers and ``head``; `CHOICES` ``plain``, ``full``,
-``save=conv,matmul``; for the ControlNet step, both networks' units).
+A plan gives each *unit* (`shared_configs.planning.units`, re-exported here) a choice. The profile
+(`Profile`, JSON) holds per unit and choice the bytes measured in a step whose units all had it
+(`Cost`: ``keep``, ``hold``, ``fwd_peak``, ``bwd_peak``), and the peaks no plan changes (the
+optimizer's; with the whole step, each encoder's: ``phases``). The peak model (`predict`) walks a
+plan's units in forward order::
 
-The profile (`Profile`, JSON) holds, per unit and choice, figures measured in a real step whose
-units all have that choice (`Cost`): the bytes the unit's forward leaves alive for the backward
-(``keep``), the bytes it leaves alive to the end of the forward only (``hold``: torch autocast
-caches a recomputed unit's half-precision weight copies until autocast exits), and the highest live
-bytes of the step while the unit's forward or backward runs (recompute included) minus what the
-units before it keep (and, forward, hold) (``fwd_peak``, ``bwd_peak``).
-Static memory, gradients and the optimizer's temporaries are inside those peaks, because they were
-alive when the peaks were measured. The peak model (`predict`) walks a plan's units in forward
-order::
+    peak = scale * max(optimizer and phase peaks, max over u of max(K(u) + H(u) + fwd_peak(u), K(u) + bwd_peak(u)))
 
-    K(u)  = sum of keep over the units before u,  H(u) = sum of hold over them
-    peak  = scale * max(optimizer peak, max over u of max(K(u) + H(u) + fwd_peak(u), K(u) + bwd_peak(u)))
-
-It is exact for the uniform plans it was measured on and assumes that a unit's own figures do not
-depend on its neighbours' choices; the plan command's ``--verify`` measures how far that holds.
+K(u) and H(u) the keep and hold of the units before u. What each term means and how far the model
+holds: docs/planning.md "The profile", "The peak model".
 """
 
 from __future__ import annotations

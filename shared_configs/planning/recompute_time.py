@@ -1,26 +1,11 @@
 """Recompute seconds from FLOPs and bytes, at stated rates, and the plain step they are set against.
 
-A recompute redoes its unit's conv/matmul/attention FLOPs and, for the elementwise work those
-FLOPs do not count (norms, activations), writes the bytes the unit no longer keeps and reads them
-back. So a choice costs ``flops * per_flop + 2 * (plain keep - keep) * per_byte`` seconds.
-
-The plain step follows the regime (`step_seconds`; docs/regimes.md states it):
-
-    step = (forward + input grads + weight grads + adapters) / flops_per_s
-           + (2 * kept + update + casts) / bytes_per_s
-
-the FLOPs as autograd runs them (`unit_flops.step_flops`: no weight gradients for a frozen base,
-LoRA's own matmuls), ``kept`` the bytes the plain forward keeps (written, then read by the
-backward), ``update`` the optimizer's and the EMA's bytes per trained weight (`update_bytes`),
-``casts`` autocast's copies of the float32 weights in a mixed-precision forward (`cast_bytes`).
-A plan's overhead is its recompute seconds (FLOPs, the bytes it no longer keeps written and read,
-and in mixed precision its weights cast again: `with_recasts`) over that step, so under LoRA,
-whose backward is about one forward, the same recompute costs more of the step than with every
-weight trained.
-
-The shapes-only profile takes the rates as stated (`at_stated_rates`); the JAX profile takes
-FLOPs at its plain step's own throughput, the measured step over `step_flops` in its regime, and
-no byte term (`jax_impl.profile` says why its measured steps price nothing).
+A choice costs ``flops * per_flop + 2 * (plain keep - keep) * per_byte`` seconds (and, in mixed
+precision, its weights cast again: `with_recasts`); the plain step follows the regime
+(`step_seconds`: the FLOPs as autograd runs them, the kept bytes, the optimizer's update, autocast's
+casts; the ControlNet step's as `unit_flops.pair_step_flops` counts it). The shapes-only profile
+takes the rates as stated (`at_stated_rates`); the JAX profile its plain step's own throughput.
+The formula and what it leaves out: docs/regimes.md "A step's time follows its regime".
 """
 
 from __future__ import annotations

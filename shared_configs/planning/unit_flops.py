@@ -1,18 +1,10 @@
 """Forward FLOPs of every plan unit, and a training step's FLOPs in a regime, counted from the spec
-(no framework).
-
-The counting convention is `torch.utils.flop_counter`'s (2 per multiply-add; conv, matmul and
-attention only; biases, norms and elementwise ops uncounted), so the figures equal what
-`FlopCounterMode` counts on the torch model (`tests/test_plan_model.py` checks the forward,
-`tests/test_time_model.py` the step). The JAX profile and the shapes-only estimates take their
-FLOPs from here.
-
-The step (`step_flops`) follows what autograd runs. A conv or matmul's backward is up to two
-products of its forward's size: its input's gradient, computed when that input needs one (the
-hidden states from the first trained weight on; never the latents, the sinusoids or the text
-context), and its weight's, computed when the weight is trained. Attention's backward is 2.5 of its
-forward (the fused kernels recompute the scores: `sdpa_backward_flop_count`). Rank-R LoRA adds to
-each adapted projection (rows x in -> out) the matmuls rows x in -> R -> out, forward and backward.
+(no framework), in `torch.utils.flop_counter`'s convention (2 per multiply-add; conv, matmul and
+attention only), so the figures equal `FlopCounterMode`'s on the torch model (`tests/test_plan_model.py`,
+`tests/test_time_model.py`, the ControlNet step's in `tests/test_pair_estimates.py`). The step
+(`step_flops`) follows what autograd runs: input gradients where the input needs one, weight
+gradients for trained weights, attention's backward 2.5 forwards, LoRA's adapters. The JAX profile
+and the shapes-only estimates take their FLOPs from here; docs/regimes.md states the rules.
 """
 
 from __future__ import annotations
