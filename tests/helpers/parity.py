@@ -38,5 +38,5 @@ def torch_out(model: TorchUNet, inputs: dict[str, np.ndarray | None]) -> torch.T
 
 
 def flax_out(model: FlaxUNet, params: dict, inputs: dict[str, np.ndarray | None]) -> jax.Array:
-    out = model.apply({"params": params}, **as_flax(inputs))
+    out = jax.jit(model.apply)({"params": params}, **as_flax(inputs))  # one compile, not one per op
     return out.transpose(0, 3, 1, 2)  # NHWC -> NCHW
