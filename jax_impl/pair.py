@@ -1,9 +1,10 @@
-"""The ControlNet training step in JAX/Flax: `torch_impl/pair.py`'s twin.
+"""The ControlNet training step in JAX/Flax: `torch_impl/pair.py`'s mirror.
 
 `ControlNetPair` holds the frozen U-Net (``unet``) and the trained ControlNet (``controlnet``) under
 one pair plan's units (`shared_configs.pair`). The step differentiates the ControlNet's parameters
 only; the U-Net's are an argument it reads (no weight gradient there) and runs without dropout, as
-diffusers does. Docs: docs/training.md "Training a ControlNet", docs/planning.md "The ControlNet step".
+diffusers does. `pair_trainee` is what the one training loop (`jax_impl.train`) steps.
+Docs: docs/training.md "Training a ControlNet", docs/planning.md "The ControlNet step".
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import optax
 from flax import linen as nn
 from jax.typing import DTypeLike
 
-from jax_impl import train as jt
 from jax_impl.controlnet import ControlNet, abstract_controlnet_inputs
 from jax_impl.regime import apply_regime, cast_floating, update_ema
+from jax_impl.step import Trainee, TrainState
 from jax_impl.unet import UNet
-from shared_configs.pair import ControlNetBatch, ControlNetPairSpec, PairPlan, split_pair_plan
+from shared_configs.pair import ControlNetPairSpec, PairPlan, split_pair_plan
 from shared_configs.regime import DEFAULT, Regime
 
 Array = jax.Array
@@ -64,7 +65,7 @@ class ControlNetPair(nn.Module):
 
 def init_pair(
     pair: ControlNetPair, tx: optax.GradientTransformation, seed: int, regime: Regime = DEFAULT
-) -> tuple[jt.TrainState, Any]:
+) -> tuple[TrainState, Any]:
     """The ControlNet's `TrainState` (its encoder's parameters the U-Net's, as diffusers'
     ``from_unet``; the conditioning embedding fresh, the zero convolutions zero) and the U-Net's
     parameters, both in ``regime``'s weight dtype."""
@@ -76,20 +77,24 @@ def init_pair(
     unet = params["unet"]
     # The trunk's names are the U-Net's; copies, not the same buffers: the state is donated, the U-Net's are not.
     controlnet = {k: jax.tree.map(jnp.copy, unet[k]) if k in unet else v for k, v in params["controlnet"].items()}
-    return jt.TrainState.create({"params": controlnet}, tx, regime), apply_regime(unet, regime)
+    return TrainState.create({"params": controlnet}, tx, regime), apply_regime(unet, regime)
 
 
-def pair_arrays(batch: ControlNetBatch) -> tuple:
-    """`jax_impl.train.arrays` of the batch, the conditioning image last (NCHW -> NHWC)."""
-    *arrays, cond = jt.arrays(batch)
-    return (*arrays, jnp.asarray(batch.controlnet_cond.transpose(0, 2, 3, 1)) if cond is not None else None)
+def pair_variables(state: TrainState, unet_params: Any) -> dict[str, Any]:
+    """What ``ControlNetPair.apply`` takes: the state's ControlNet and the frozen U-Net."""
+    return {"params": {"controlnet": state.params, "unet": unet_params}}
+
+
+def pair_trainee(pair: ControlNetPair, unet_params: Any) -> Trainee:
+    """What the training loop steps: the pair's ControlNet (`train_step`), the U-Net's parameters frozen."""
+    return Trainee(pair, train_step, (unet_params,), pair_variables)
 
 
 def loss_fn(
     params: Any, unet_params: Any, model: ControlNetPair, batch: tuple, key: Array, compute_dtype: DTypeLike = None
 ) -> Array:
     """The U-Net's noise-prediction MSE, in float32; with ``compute_dtype`` the parameters and the
-    floating inputs are cast as `jax_impl.train.loss_fn` casts them (the timesteps stay float32)."""
+    floating inputs are cast as `jax_impl.step.loss_fn` casts them (the timesteps stay float32)."""
     noisy, t, noise, context, class_labels, text_embeds, time_ids, cond = batch
     variables = {"params": {"controlnet": params, "unet": unet_params}}
     if compute_dtype is not None:
@@ -103,7 +108,7 @@ def loss_fn(
 
 @functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype", "loss_scale"), donate_argnames=("state",))
 def train_step(
-    state: jt.TrainState,
+    state: TrainState,
     unet_params: Any,
     batch: tuple,
     dropout_key: Array,
@@ -112,10 +117,10 @@ def train_step(
     tx: optax.GradientTransformation,
     compute_dtype: DTypeLike | None = None,
     loss_scale: float | None = None,
-) -> tuple[jt.TrainState, Array]:
+) -> tuple[TrainState, Array]:
     """One ControlNet step: loss and the ControlNet's gradients (through both networks' remat
     plans), optax update; ``unet_params`` read, not differentiated. Static arguments and the
-    regime's as `jax_impl.train.train_step`'s. Returns (new state, loss)."""
+    regime's as `jax_impl.step.train_step`'s. Returns (new state, loss)."""
     scale = 1.0 if loss_scale is None else loss_scale
 
     def scaled(params: Any) -> tuple[Array, Array]:
@@ -127,4 +132,4 @@ def train_step(
         grads = jax.tree.map(lambda g: g / scale, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    return jt.TrainState(params, opt_state, state.batch_stats, update_ema(state.ema, params)), loss
+    return TrainState(params, opt_state, state.batch_stats, update_ema(state.ema, params)), loss

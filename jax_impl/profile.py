@@ -1,6 +1,6 @@
 """The JAX measuring half of planning (mirror: `torch_impl.profile`; docs/planning.md).
 
-Every figure comes from the jitted `jax_impl.train.train_step` (state donated), compiled with XLA's
+Every figure comes from the jitted `jax_impl.step.train_step` (state donated), compiled with XLA's
 ``cse_barrier_expander`` disabled (docs/remat_vs_checkpoint.md): bytes from one compile per uniform
 plan, XLA's schedule and live ranges dumped (`jax_impl.xla_dump`) and filed by unit; seconds from the
 plain step alone, recompute priced as its FLOPs at that step's throughput (on XLA:CPU a remat step's
@@ -20,10 +20,10 @@ import jax
 import numpy as np
 
 from jax_impl import regime as jregime
-from jax_impl import train as jt
+from jax_impl import step as jt
 from jax_impl import xla_dump
 from jax_impl.memory import FAST_COMPILE, compile_uncached, compiled_peak
-from jax_impl.pair import ControlNetPair, init_pair, pair_arrays
+from jax_impl.pair import ControlNetPair, init_pair
 from jax_impl.pair import train_step as pair_step
 from jax_impl.unet import UNet
 from shared_configs.defaults import jax_cache_dir
@@ -76,10 +76,8 @@ def setup(
 
 
 def _batch_and_key(spec: StepSpec, batch_size: int, context_length: int, run: bool) -> tuple[Any, Any]:
-    if isinstance(spec, ControlNetPairSpec):
-        batch = pair_arrays(example_pair_batch(spec, batch_size, context_length))
-    else:
-        batch = jt.arrays(example_batch(spec, batch_size, context_length))
+    example = example_pair_batch if isinstance(spec, ControlNetPairSpec) else example_batch
+    batch = jt.arrays(example(spec, batch_size, context_length))
     key = jax.random.key(2)
     if run:
         return batch, key

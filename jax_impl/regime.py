@@ -42,7 +42,7 @@ def check_regime(regime: Regime) -> None:
 
 
 def step_options(regime: Regime) -> dict[str, Any]:
-    """`jax_impl.train.train_step`'s static regime arguments: the forward's compute dtype and the loss scale."""
+    """`jax_impl.step.train_step`'s static regime arguments: the forward's compute dtype and the loss scale."""
     return {"compute_dtype": DTYPES[regime.compute_dtype], "loss_scale": LOSS_SCALE if regime.loss_scaling else None}
 
 

@@ -238,3 +238,20 @@ def load_pair_dataset(kind: str, spec: ControlNetPairSpec, seed: int = 0) -> Con
     """`shared_configs.training.data.load_dataset` for the U-Net, with each sample's conditioning image."""
     data = load_dataset(kind, spec.unet, seed)
     return ControlNetDataset(data.images, data.labels, data.conditioner, controlnet=spec.controlnet)
+
+
+def step_spec(spec: UNetSpec, controlnet: bool, regime: Regime) -> UNetSpec | ControlNetPairSpec:
+    """What a training loop's step trains: ``spec``'s U-Net, or (``controlnet``) the pair made from
+    it, refused in one line where the ControlNet step is not planned (a BatchNorm U-Net)."""
+    if not controlnet:
+        return spec
+    pair = controlnet_pair(spec)
+    check_pair_workload(pair, False, regime)
+    return pair
+
+
+def load_step_dataset(kind: str, spec: UNetSpec | ControlNetPairSpec, seed: int = 0) -> Dataset:
+    """The data of ``spec``'s training step: `load_dataset`'s, a pair's with each sample's conditioning image."""
+    if isinstance(spec, ControlNetPairSpec):
+        return load_pair_dataset(kind, spec, seed)
+    return load_dataset(kind, spec, seed)

@@ -18,7 +18,7 @@ from benchmarks.backends import jax_bench
 from benchmarks.backends import torch_bench as tb
 from benchmarks.harness.job import Job
 from jax_impl import memory as jax_memory
-from jax_impl import train as jt
+from jax_impl import step as jstep
 from shared_configs import block_names, load_spec
 from shared_configs.memory import CATEGORIES, OUTSIDE
 from tests.helpers.specs import FAST_COMPILE
@@ -97,7 +97,7 @@ def test_torch_rows_add_up_and_agree_with_memtracker() -> None:
 def _lowered(policy: str) -> Any:
     job = Job("jax", "tiny", None, (policy,), (1,), 1, "fp32", "cpu", 4, attention_chunk=4)
     s = jax_bench._setup(job, policy, 1, jax.devices("cpu")[0])
-    return jt.train_step.lower(s["state"], s["batch"], s["key"], model=s["model"], tx=s["tx"], compute_dtype=None)
+    return jstep.train_step.lower(s["state"], s["batch"], s["key"], model=s["model"], tx=s["tx"], compute_dtype=None)
 
 
 def _compile(lowered: Any, cache: Path | None) -> tuple[Any, jax_memory.MemoryPlan]:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from jax_impl import plan_for_step
-from jax_impl import train as jt
+from jax_impl import step as jstep
 from jax_impl.profile import setup, unet
 from shared_configs.planning.planner import Workload
 from shared_configs.planning.solver import Infeasible
@@ -26,7 +26,7 @@ CONTEXT, CHUNK = Workload.context_length, Workload.attention_chunk  # what the p
 
 def _user_step(state: Any, batch: Any, key: Any, extra: jax.Array, *, model: Any, tx: Any) -> tuple[Any, jax.Array]:
     """The model's step, plus a read of ``extra`` (a teacher's features, say): held all step long."""
-    state, loss = jt.train_step.__wrapped__(state, batch, key, model=model, tx=tx)
+    state, loss = jstep.train_step.__wrapped__(state, batch, key, model=model, tx=tx)
     return state, loss + 1e-9 * jnp.sum(extra)
 
 
@@ -42,7 +42,7 @@ def case() -> dict[str, Any]:
     s = setup(SPEC, BATCH, CONTEXT, CHUNK, run=False)
 
     def build(policy: str, with_extra: bool = True) -> Any:
-        fn = functools.partial(_user_step if with_extra else jt.train_step.__wrapped__, model=unet(s, policy),
+        fn = functools.partial(_user_step if with_extra else jstep.train_step.__wrapped__, model=unet(s, policy),
                                tx=s["tx"])  # fmt: skip
         return jax.jit(fn, donate_argnums=(0,))
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jax_impl import guard
-from jax_impl import train as jt
+from jax_impl import step as jstep
 from jax_impl.profile import setup, unet
 from shared_configs.planning.planner import Workload
 from tests.helpers.specs import variant
@@ -47,7 +47,7 @@ def step() -> dict[str, Any]:
     s = setup(SPEC, BATCH, Workload.context_length, Workload.attention_chunk, run=True)
 
     def build(policy: str, donate: bool = False) -> Any:
-        fn = functools.partial(jt.train_step.__wrapped__, model=unet(s, policy), tx=s["tx"])
+        fn = functools.partial(jstep.train_step.__wrapped__, model=unet(s, policy), tx=s["tx"])
         return jax.jit(fn, donate_argnums=(0,) if donate else ())
 
     # Starting from `none` under a budget it fits: one compile, no solve.

@@ -14,6 +14,7 @@ from flax import traverse_util
 
 from jax_impl import UNet as FlaxUNet
 from jax_impl import regime as jregime
+from jax_impl import step as jstep
 from jax_impl import train as jt
 from jax_impl.convert import _split, flax_to_torch, torch_to_flax
 from jax_impl.layers import LORA_LEAVES
@@ -89,7 +90,7 @@ def test_only_the_adapters_train_and_hold_state(pair: tuple) -> None:
     _, params = pair
     regime = Regime(trainable=f"lora:{RANK}", ema=True)
     tx = jregime.make_optimizer(1e-2, 0.01, regime)
-    state = jt.TrainState.create({"params": params}, tx, regime)
+    state = jstep.TrainState.create({"params": params}, tx, regime)
     mask = traverse_util.flatten_dict(jregime.trained_mask(params, regime))
     adapters = {k for k, trained in mask.items() if trained}
     assert adapters and all(k[-2] in LORA_LEAVES for k in adapters)

@@ -47,13 +47,14 @@ def test_torch_pair_gradients_are_unchanged_by_a_mixed_plan() -> None:
 def test_jax_pair_gradients_are_unchanged_by_a_mixed_plan() -> None:
     import jax
 
-    from jax_impl.pair import ControlNetPair, init_pair, loss_fn, pair_arrays
+    from jax_impl.pair import ControlNetPair, init_pair, loss_fn
     from jax_impl.regime import make_optimizer
+    from jax_impl.step import arrays
 
     state, unet_params = init_pair(ControlNetPair(spec=PAIR), make_optimizer(1e-4, 0.0), 0)
     keys = iter(jax.random.split(jax.random.key(6), len(jax.tree.leaves(state.params))))
     params = jax.tree.map(lambda p: p + 0.2 * jax.random.normal(next(keys), p.shape), state.params)
-    batch = pair_arrays(example_pair_batch(PAIR, 2, 3))
+    batch = arrays(example_pair_batch(PAIR, 2, 3))
 
     def step(policy: str) -> LossAndGrads:
         pair = ControlNetPair(spec=PAIR, policy=policy)

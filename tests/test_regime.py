@@ -184,13 +184,13 @@ def test_jax_refuses_what_it_does_not_have_in_one_line() -> None:
 
 def _jax_run(regime: Regime, policy: str) -> tuple[object, object, object]:
     from jax_impl import regime as jregime
-    from jax_impl import train as jtrain
+    from jax_impl import step as jstep
     from jax_impl.unet import UNet as FlaxUNet
 
     tx = jregime.make_optimizer(CFG.lr, CFG.weight_decay, regime)
     model = FlaxUNet(spec=SPEC, policy=policy)
     scale = jregime.LOSS_SCALE if regime.loss_scaling else None
-    step = functools.partial(jtrain.train_step, model=model, tx=tx, compute_dtype=jregime.DTYPES[regime.compute_dtype],
+    step = functools.partial(jstep.train_step, model=model, tx=tx, compute_dtype=jregime.DTYPES[regime.compute_dtype],
                              loss_scale=scale)  # fmt: skip
     return model, tx, step
 
@@ -204,11 +204,11 @@ def test_jax_state_keeps_the_regimes_dtypes(regime: Regime) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jax_impl import train as jtrain
+    from jax_impl import step as jstep
 
     model, tx, step = _jax_run(regime, "full")
-    state = jax.eval_shape(lambda: jtrain.init_state(model, tx, 0, regime))
-    batch = jax.eval_shape(lambda: jtrain.arrays(load_dataset("digits", SPEC).batch(0, 2, SCHEDULE, 0)))
+    state = jax.eval_shape(lambda: jstep.init_state(model, tx, 0, regime))
+    batch = jax.eval_shape(lambda: jstep.arrays(load_dataset("digits", SPEC).batch(0, 2, SCHEDULE, 0)))
     after, loss = jax.eval_shape(step, state, batch, jax.random.key(0))
     leaves = jax.tree.leaves((after.params, after.opt_state))
     floats = {str(x.dtype) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)}
@@ -221,14 +221,14 @@ def test_jax_state_keeps_the_regimes_dtypes(regime: Regime) -> None:
 def test_jax_plan_keeps_the_curve_with_adafactor_and_ema() -> None:
     import jax
 
-    from jax_impl import train as jtrain
+    from jax_impl import step as jstep
 
     regime, data, curves = Regime(optimizer="adafactor", ema=True), load_dataset("digits", SPEC), {}
     for policy in ("none", "full"):
         model, tx, step = _jax_run(regime, policy)
-        state, losses = jtrain.init_state(model, tx, 0, regime), []
+        state, losses = jstep.init_state(model, tx, 0, regime), []
         for s in range(3):
-            state, loss = step(state, jtrain.arrays(data.batch(s, 4, SCHEDULE, 0)), jax.random.key(step_seed(0, s)))
+            state, loss = step(state, jstep.arrays(data.batch(s, 4, SCHEDULE, 0)), jax.random.key(step_seed(0, s)))
             losses.append(float(loss))
         curves[policy] = np.array(losses)
     assert np.all(np.abs(curves["full"] - curves["none"]) <= 1e-5 * curves["none"]), curves

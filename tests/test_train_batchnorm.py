@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from jax_impl import step as jstep
 from jax_impl import train as jtrain
 from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, load_checkpoint, save_checkpoint
 from jax_impl.convert import flax_to_torch
@@ -33,7 +34,7 @@ DATA_PARALLEL = """
 import json, sys, numpy as np
 from flax import traverse_util
 import jax
-from jax_impl import train as jtrain
+from jax_impl import step as jstep
 from jax_impl.parallel import make_mesh
 from shared_configs import spec_from_dict
 from shared_configs.training.data import load_dataset
@@ -45,16 +46,16 @@ flat = lambda s: {"/".join(k): np.asarray(v).tolist() for k, v in traverse_util.
 for name, mesh in (("single", None), ("sharded", make_mesh(CFG.batch_size))):
     losses = []
     start = jax.tree.map(lambda a: a.copy(), state)  # each step donates the state it is given
-    first = jtrain.run_steps(start, losses, data, SCHEDULE, CFG, 1, model, tx, mesh=mesh)
+    first = jstep.run_steps(start, losses, data, SCHEDULE, CFG, 1, model, tx, mesh=mesh)
     stats = flat(first)
-    end = jtrain.run_steps(first, losses, data, SCHEDULE, CFG, STEPS, model, tx, mesh=mesh)
+    end = jstep.run_steps(first, losses, data, SCHEDULE, CFG, STEPS, model, tx, mesh=mesh)
     result[name] = {"losses": losses, "first": stats, "end": flat(end)}
 print(json.dumps(result))
 """
 
 
 @pytest.fixture(scope="module")
-def jax_run() -> tuple[jtrain.TrainState, list[float]]:
+def jax_run() -> tuple[jstep.TrainState, list[float]]:
     return jax_train(SPEC, "full", STEPS)
 
 
@@ -62,7 +63,7 @@ def _flat(tree: object) -> dict[str, np.ndarray]:
     return {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(tree).items()}
 
 
-def _assert_torch_stats(state: jtrain.TrainState, tmodel: TorchUNet, steps: int, mean_atol: float) -> None:
+def _assert_torch_stats(state: jstep.TrainState, tmodel: TorchUNet, steps: int, mean_atol: float) -> None:
     """Flax's running statistics against torch's, up to the running-variance convention.
 
     torch averages the unbiased batch variance, Flax the biased one. From var = 1, after N steps
@@ -106,7 +107,7 @@ def test_jax_batchnorm_samples_use_the_running_stats(jax_run: tuple) -> None:
     """`generate` is eval mode: torch's sampler with the same statistics (Flax's, converted) agrees."""
     state, _ = jax_run
     cfg, dataset = dataclasses.replace(CFG, sample_steps=2, num_samples=2), load_dataset("digits", SPEC)
-    samples = jtrain.generate(jax_setup(SPEC, "full")[0], state, SCHEDULE, dataset, cfg)
+    samples = jtrain.generate(jstep.Trainee(jax_setup(SPEC, "full")[0]), state, SPEC, SCHEDULE, dataset, cfg)
     tmodel = TorchUNet(SPEC)
     tmodel.load_state_dict(flax_to_torch(state.params, SPEC, state.batch_stats, num_batches_tracked=STEPS))
     ref = ttrain.generate(tmodel, SCHEDULE, dataset, cfg)
@@ -117,14 +118,14 @@ def test_jax_batchnorm_samples_use_the_running_stats(jax_run: tuple) -> None:
 def test_jax_batchnorm_resume_continues_the_curve(jax_run: tuple, tmp_path: Path) -> None:
     model, tx, state = jax_setup(SPEC, "full")  # equal to the fixture's: its compiled step is reused
     dataset, losses = load_dataset("digits", SPEC), []
-    half = jtrain.run_steps(state, losses, dataset, SCHEDULE, CFG, 2, model, tx)
+    half = jstep.run_steps(state, losses, dataset, SCHEDULE, CFG, 2, model, tx)
     path = save_checkpoint(tmp_path, half, manifest_for(CFG, SPEC, FRAMEWORK, LAYOUT, losses))
     restored, manifest = load_checkpoint(path, jax_restore_target(jax_setup(SPEC, "full")[2]))  # fresh stats
     assert (manifest.step, manifest.losses) == (2, losses)
     assert _flat(restored.batch_stats).keys() == _flat(half.batch_stats).keys()
     for key, value in _flat(restored.batch_stats).items():
         np.testing.assert_array_equal(value, _flat(half.batch_stats)[key], err_msg=key)
-    end = jtrain.run_steps(restored, losses, dataset, SCHEDULE, CFG, STEPS, model, tx)
+    end = jstep.run_steps(restored, losses, dataset, SCHEDULE, CFG, STEPS, model, tx)
     whole, whole_losses = jax_run
     assert losses == whole_losses
     for key, value in _flat(end.batch_stats).items():

@@ -21,7 +21,7 @@ import pytest
 import torch
 from jax import lax
 
-from jax_impl import train as jtrain
+from jax_impl import step as jstep
 from shared_configs import load_spec, spec_from_dict
 from shared_configs.training.data import load_dataset
 from tests.helpers.processes import jax_on_two_devices
@@ -40,7 +40,7 @@ BF16_RTOL = 1e-2
 
 BF16_RUN = """
 import dataclasses, json, sys, jax
-from jax_impl import train as jtrain
+from jax_impl import step as jstep
 from jax_impl.parallel import make_mesh
 from shared_configs import spec_from_dict
 from shared_configs.regime import Regime
@@ -50,7 +50,7 @@ spec, STEPS = spec_from_dict(TINY_NO_DROPOUT), int(sys.argv[1])
 model, tx, state = jax_setup(spec, "full")
 cfg, losses, data = dataclasses.replace(CFG, regime=Regime("bf16-mixed")), [], load_dataset("digits", spec)
 mesh = make_mesh(cfg.batch_size)
-state = jtrain.run_steps(state, losses, data, SCHEDULE, cfg, STEPS, model, tx, mesh=mesh)
+state = jstep.run_steps(state, losses, data, SCHEDULE, cfg, STEPS, model, tx, mesh=mesh)
 print(json.dumps({"devices": len(jax.devices()), "losses": losses, "state_dtypes": float_dtypes(state)}))
 """
 
@@ -83,8 +83,8 @@ def test_bf16_step_runs_every_conv_and_matmul_in_bf16() -> None:
     """
     spec = load_spec("tiny")
     model, tx, state = jax_setup(spec, "full")
-    batch = jtrain.arrays(load_dataset("digits", spec).batch(0, CFG.batch_size, SCHEDULE, CFG.seed))
-    step = functools.partial(jtrain.train_step, model=model, tx=tx, compute_dtype=jnp.bfloat16)
+    batch = jstep.arrays(load_dataset("digits", spec).batch(0, CFG.batch_size, SCHEDULE, CFG.seed))
+    step = functools.partial(jstep.train_step, model=model, tx=tx, compute_dtype=jnp.bfloat16)
     closed, out = jax.make_jaxpr(step, return_shape=True)(state, batch, jax.random.key(0))
     counts = _heavy_ops(closed.jaxpr)
     assert {dtype for _, dtype in counts} == {"bfloat16"}, counts
@@ -94,7 +94,7 @@ def test_bf16_step_runs_every_conv_and_matmul_in_bf16() -> None:
 
 @pytest.fixture(scope="module")
 def bf16_run() -> dict:  # a subprocess: the tests using it are marked slow
-    """The JAX bf16 curve: 2 CPU devices, batch split, policy ``full``, via `jtrain.run_steps`."""
+    """The JAX bf16 curve: 2 CPU devices, batch split, policy ``full``, via `jstep.run_steps`."""
     return jax_on_two_devices(BF16_RUN, str(STEPS))
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jax_impl import train as jtrain
+from jax_impl import step as jstep
 from shared_configs import UNetSpec
 from shared_configs.inputs import input_specs
 from shared_configs.training.data import CONDITIONING, load_dataset
@@ -89,7 +89,7 @@ def test_a_batch_missing_an_input_is_one_line(name: str) -> None:
     assert "\n" not in str(err.value)
     flax_model, tx, state = jax_setup(spec, "none")
     with pytest.raises(ValueError, match=f"^batch: spec '{spec.name}' takes {name} but the batch has none"):
-        jtrain.train_step(state, jtrain.arrays(batch), jax.random.key(0), model=flax_model, tx=tx)
+        jstep.train_step(state, jstep.arrays(batch), jax.random.key(0), model=flax_model, tx=tx)
 
 
 def test_an_input_the_spec_does_not_take_is_refused() -> None:

@@ -89,10 +89,11 @@ def test_torch_and_jax_controlnet_curves_agree_and_jax_resumes(tmp_path: Path) -
     continues the curve of its own init (`jax_impl.pair.init_pair`), stepped here without the CLI."""
     import jax
 
-    from jax_impl import pair_train, regime
+    from jax_impl import regime
+    from jax_impl import step as jstep
     from jax_impl import train as jtrain
     from jax_impl.convert import torch_to_flax
-    from jax_impl.pair import ControlNetPair, init_pair
+    from jax_impl.pair import ControlNetPair, init_pair, pair_trainee
     from shared_configs.defaults import defaults
     from shared_configs.training.ddpm import make_schedule
 
@@ -106,12 +107,12 @@ def test_torch_and_jax_controlnet_curves_agree_and_jax_resumes(tmp_path: Path) -
     model = ControlNetPair(spec=spec, policy="none", attention_chunk=defaults("cpu").attention_chunk)
     tx = regime.make_optimizer(cfg.lr, cfg.weight_decay, cfg.regime)
     params = torch_to_flax(pair.controlnet.state_dict(), spec.controlnet)
-    state = jtrain.TrainState.create({"params": jax.tree.map(jax.numpy.asarray, params)}, tx)
+    state = jstep.TrainState.create({"params": jax.tree.map(jax.numpy.asarray, params)}, tx)
     unet = jax.tree.map(jax.numpy.asarray, torch_to_flax(pair.unet.state_dict(), spec.unet))
     dataset, schedule = load_pair_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
 
-    def curve(state: jtrain.TrainState, unet_params: object, steps: int) -> list[float]:
-        step, losses = pair_train.make_pair_step(cfg, model, tx, unet_params, dataset, schedule), []
+    def curve(state: jstep.TrainState, unet_params: object, steps: int) -> list[float]:
+        step, losses = jstep.make_step(cfg, pair_trainee(model, unet_params), tx, dataset, schedule), []
         for index in range(steps):
             state, loss = step(state, index)
             losses.append(loss)

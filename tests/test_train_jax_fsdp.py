@@ -23,7 +23,7 @@ JAX_MESHES = """
 import json, sys, jax
 from dataclasses import replace
 from jax_impl import regime as jregime
-from jax_impl import train as jtrain
+from jax_impl import step as jstep
 from jax_impl.parallel import make_mesh, device_bytes
 from jax_impl.unet import UNet
 from shared_configs import load_spec
@@ -32,12 +32,12 @@ from tests.helpers.training import CFG, SCHEDULE
 policy, modes = sys.argv[1], sys.argv[2].split(",")
 spec, mesh = load_spec("tiny"), make_mesh(CFG.batch_size)
 model, tx = UNet(spec=spec, policy=policy), jregime.make_optimizer(CFG.lr, CFG.weight_decay)
-state, data = jtrain.init_state(model, tx, seed=0), load_dataset("digits", spec)
+state, data = jstep.init_state(model, tx, seed=0), load_dataset("digits", spec)
 result = {"devices": len(jax.devices())}
 for mode in modes:
     losses, cfg = [], replace(CFG, distributed=None if mode == "single" else mode)
     start = jax.tree.map(lambda a: a.copy(), state)  # each run donates the state it is given
-    end = jtrain.run_steps(start, losses, data, SCHEDULE, cfg, 2, model, tx, mesh=None if mode == "single" else mesh)
+    end = jstep.run_steps(start, losses, data, SCHEDULE, cfg, 2, model, tx, mesh=None if mode == "single" else mesh)
     parts = {"params": end.params, "opt_state": end.opt_state}
     bytes_ = {k: [device_bytes(v, d) for d in jax.devices()] for k, v in parts.items()}
     total = {k: sum(a.nbytes for a in jax.tree.leaves(v)) for k, v in parts.items()}

@@ -1,4 +1,4 @@
-"""The JAX training step, measured: the jitted `jax_impl.train.train_step` a user's loop calls
+"""The JAX training step, measured: the jitted `jax_impl.step.train_step` a user's loop calls
 (TrainState donated, loss, gradients through the remat plan, ``optax.adamw``). Imported by the
 worker only, after it has set ``XLA_FLAGS``.
 
@@ -35,7 +35,7 @@ from benchmarks.harness.job import (
 )
 from jax_impl import UNet
 from jax_impl import regime as jregime
-from jax_impl import train as jt
+from jax_impl import step as jt
 from jax_impl.memory import FAST_COMPILE, compile_with_plan, compiled_peak
 from jax_impl.parallel import make_mesh, shard, state_shardings
 from shared_configs.defaults import device_of, resolve_chunk
@@ -123,7 +123,7 @@ def memory_method(device: jax.Device, attention_chunk: int | None) -> str:
 @functools.cache
 def _initial_state(config: str, sample_size: int | None, source: str, regime: Regime) -> Any:
     """The TrainState every row starts from, on the host (each row donates its device copy):
-    `jax_impl.train.init_state` (seed 0) or a diffusers folder's weights, in ``regime``. The same
+    `jax_impl.step.init_state` (seed 0) or a diffusers folder's weights, in ``regime``. The same
     for every policy: the parameter tree does not depend on the plan."""
     jregime.check_regime(regime)
     tx = jregime.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay, regime)

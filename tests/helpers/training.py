@@ -16,6 +16,7 @@ import torch
 
 from jax_impl import checkpoint_io as jio
 from jax_impl import regime as jregime
+from jax_impl import step as jstep
 from jax_impl import train as jtrain
 from jax_impl.checkpoint_io import abstract_target
 from jax_impl.convert import torch_to_flax_variables
@@ -61,18 +62,18 @@ def torch_curve(spec: UNetSpec, policy: str, steps: int) -> list[float]:
     return torch_train(spec, policy, steps)[1]
 
 
-def jax_setup(spec: UNetSpec, policy: str) -> tuple[FlaxUNet, object, jtrain.TrainState]:
+def jax_setup(spec: UNetSpec, policy: str) -> tuple[FlaxUNet, object, jstep.TrainState]:
     """The Flax model, optimizer, and train state (params, opt_state, batch_stats) converted from
     the seeded torch model."""
     model, tx = FlaxUNet(spec=spec, policy=policy), jregime.make_optimizer(CFG.lr, CFG.weight_decay)
     variables = torch_to_flax_variables(torch_model(spec).state_dict(), spec)
-    return model, tx, jtrain.TrainState.create(jax.tree.map(jax.numpy.asarray, variables), tx)
+    return model, tx, jstep.TrainState.create(jax.tree.map(jax.numpy.asarray, variables), tx)
 
 
-def jax_train(spec: UNetSpec, policy: str, steps: int) -> tuple[jtrain.TrainState, list[float]]:
+def jax_train(spec: UNetSpec, policy: str, steps: int) -> tuple[jstep.TrainState, list[float]]:
     model, tx, state = jax_setup(spec, policy)
     losses: list[float] = []
-    state = jtrain.run_steps(state, losses, load_dataset("digits", spec), SCHEDULE, CFG, steps, model, tx)
+    state = jstep.run_steps(state, losses, load_dataset("digits", spec), SCHEDULE, CFG, steps, model, tx)
     return state, losses
 
 
