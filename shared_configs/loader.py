@@ -10,6 +10,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from shared_configs.plan import resolve_plan
 from shared_configs.spec import SpecError, UNetSpec
 
 PRESET_DIR = Path(__file__).resolve().parent
@@ -48,11 +49,18 @@ def load_spec(name_or_path: str | Path) -> UNetSpec:
 
 
 def spec_from_dict(data: dict[str, Any]) -> UNetSpec:
-    """Validate a plain dict; any problem becomes a one-line `SpecError` naming the field."""
+    """Validate a plain dict; any problem becomes a one-line `SpecError` naming the field. The
+    default ``checkpoint`` policy is checked here, against the spec's own block names."""
     try:
-        return UNetSpec.model_validate(data)
+        spec = UNetSpec.model_validate(data)
     except ValidationError as err:
         raise SpecError(_one_line(err)) from None
+    if spec.checkpoint is not None:
+        try:
+            resolve_plan(spec, spec.checkpoint)
+        except SpecError as err:
+            raise SpecError(f"checkpoint: {str(err).removeprefix('policy: ')}") from None
+    return spec
 
 
 def _one_line(err: ValidationError) -> str:

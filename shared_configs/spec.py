@@ -1,30 +1,11 @@
-"""The framework-free U-Net architecture spec (validated, frozen).
+"""The framework-free U-Net architecture spec (validated, frozen): `UNetSpec`, read by both frameworks.
 
-One `UNetSpec` describes both families people train:
-
-* DDPM-style pixel U-Nets (diffusers ``UNet2DModel``): ResNet blocks with a timestep
-  embedding, GroupNorm + SiLU, dropout, plain self-attention blocks (``attention: self``).
-* Stable-Diffusion-style latent U-Nets (diffusers ``UNet2DConditionModel``): the same with
-  Transformer2D blocks (``attention: transformer``): GroupNorm, projection in/out,
-  self-attention, cross-attention over ``context`` when ``cross_attention_dim`` is set,
-  GEGLU feed-forward; SD 1.x, 2.x and SDXL.
-
-Conditioning beside the timestep (class ids or vectors, SDXL's ``text_time``) changes only the
-embedding every ResNet receives, computed in the U-Net assembly (`ClassEmbeddingSpec`,
-`AdditionEmbeddingSpec`); `shared_configs.inputs` says which inputs a spec takes.
-
-Every default that differs between PyTorch and Flax (norm eps, attention scale) is a field
-here, so neither framework's default ever leaks into the model.
-
-Norms (``norm_kind``): ``group`` (the default, as diffusers) or ``batch`` for the ResNet norms
-and the output norm; attention/transformer GroupNorms stay GroupNorms. BatchNorm keeps running
-statistics, updated in train mode with weight ``norm_momentum`` on the new batch (torch's
-``momentum``; Flax's ``momentum`` is ``1 - norm_momentum``). One honest difference remains:
-torch's ``running_var`` takes the *unbiased* batch variance (times n/(n-1), n = B*H*W), Flax's
-``batch_stats["var"]`` the *biased* one; Flax's own BatchNorm offers no switch. Outputs in train
-mode (batch statistics, biased in both) and in eval mode from the same running statistics agree;
-only the running variance each framework accumulates differs, by that factor on the batch term
-(tested in ``tests/test_checkpointing_caveats.py``). Checkpointing BatchNorm: see ``torch_impl/batchnorm.py``.
+One spec describes DDPM-style pixel U-Nets (diffusers ``UNet2DModel``) and Stable-Diffusion-style
+latent U-Nets (``UNet2DConditionModel``: SD 1.x, 2.x, SDXL), their conditioning embeddings and
+their norms (``norm_kind``: ``group`` or ``batch``). Every default that differs between PyTorch and
+Flax (norm eps, attention scale) is a field here, so neither framework's default leaks into the
+model. YAML and dicts come in through `shared_configs.loader`, which also checks the ``checkpoint``
+policy. The manual: docs/spec_and_plans.md (BatchNorm's running variance: its one caveat).
 """
 
 from __future__ import annotations
@@ -42,7 +23,8 @@ from shared_configs.embedding_specs import (
 )
 from shared_configs.embedding_specs import ClassEmbeddingKind as ClassEmbeddingKind
 from shared_configs.spec_base import Bool as Bool
-from shared_configs.spec_base import Float, Int, SpecError, _Frozen, _require
+from shared_configs.spec_base import Float, Int, _Frozen, _require
+from shared_configs.spec_base import SpecError as SpecError  # re-exported
 
 # simple_cross: diffusers' SimpleCrossAttn blocks (Kandinsky 2.2, DeepFloyd IF, UnCLIP): one attention over
 # the context's added key/value projections and the block's own tokens.
@@ -273,7 +255,7 @@ class UNetSpec(_Frozen):
         _require(ch % size == 0, field, f"block_out_channels[{level}]={ch} does not split into heads of {field}={size}")
 
     def _check_conditioning(self) -> None:
-        """The middle attention's norm, the sinusoids' widths, and the checkpoint policy."""
+        """The middle attention's norm and the sinusoids' widths (the checkpoint policy: `shared_configs.loader`)."""
         groups = self.mid_attention_norm_groups
         if groups is not None:
             _require(self.mid_attention == "self", "mid_attention_norm_groups", "only for mid_attention: self")
@@ -299,13 +281,6 @@ class UNetSpec(_Frozen):
                 f"sinusoids of width {width} with freq_shift={self.time_embedding.freq_shift} divide by zero "
                 "(width // 2 must differ from freq_shift)",
             )
-        if self.checkpoint is not None:
-            from shared_configs.plan import resolve_plan  # plan imports this module
-
-            try:
-                resolve_plan(self, self.checkpoint)
-            except SpecError as err:
-                raise SpecError(f"checkpoint: {str(err).removeprefix('policy: ')}") from None
 
 
 def _per_level(value: int | tuple[int, ...], level: int, n: int) -> int:

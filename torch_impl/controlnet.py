@@ -144,9 +144,10 @@ class ControlNet(UNetTrunk):
     ) -> ControlNet:
         """Build from a diffusers ``ControlNetModel`` folder, a repo id in the local Hugging Face cache
         (``subfolder="controlnet"`` in a pipeline), or a live ``ControlNetModel``."""
-        from torch_impl.diffusers_io import controlnet_from_diffusers
+        from torch_impl.diffusers_io import from_diffusers
 
-        return controlnet_from_diffusers(source, variant, subfolder=subfolder, dtype=dtype, revision=revision)
+        kwargs = {"subfolder": subfolder, "dtype": dtype, "revision": revision}
+        return from_diffusers(cls, source, variant, **kwargs, controlnet=True)
 
     def to_diffusers_state_dict(self) -> dict[str, Tensor]:
         """This model's state_dict in diffusers' ``ControlNetModel`` key names."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -23,11 +23,15 @@ from shared_configs.diffusers.export import to_diffusers_config
 from shared_configs.diffusers.folders import check_weights, is_path, read_source
 from shared_configs.diffusers.folders import ours_to_diffusers as _ours_to_diffusers
 from shared_configs.files import atomic_write
-from torch_impl.controlnet import ControlNet
-from torch_impl.unet import UNet
+
+if TYPE_CHECKING:  # the models call this module (UNet.from_diffusers, ...): it imports neither at run time
+    from torch_impl.controlnet import ControlNet
+    from torch_impl.unet import UNet
+
+    Model = UNet | ControlNet
 
 Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model / ControlNetModel
-Model = UNet | ControlNet
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 def read_diffusers(
@@ -38,48 +42,38 @@ def read_diffusers(
 
 
 def from_diffusers(
+    cls: type[M],
     source: Source,
     variant: str | None = None,
     *,
     subfolder: str | None = None,
     dtype: torch.dtype | None = None,
     revision: str | None = None,
-) -> UNet:
-    """Our `UNet` (in ``dtype``, default float32; eval mode) with a diffusers U-Net's weights.
+    controlnet: bool = False,
+) -> M:
+    """Our ``cls`` (`torch_impl.UNet`, or with ``controlnet`` `torch_impl.ControlNet`; in ``dtype``,
+    default float32; eval mode) with the weights of a diffusers U-Net or ``ControlNetModel``.
 
-    ``source``: a folder, a pipeline folder, a cached repo id (``"org/name"``, with ``subfolder``
-    and ``revision``) or a live module; ``variant="fp16"`` reads ``*.fp16.safetensors``. The model
-    is built on the meta device and takes the loaded tensors, so the weights are held once.
+    ``source``: a folder, a pipeline folder (a ControlNet's: ``subfolder="controlnet"``), a cached
+    repo id (``"org/name"``, with ``subfolder`` and ``revision``) or a live module;
+    ``variant="fp16"`` reads ``*.fp16.safetensors``. The model is built on the meta device and takes
+    the loaded tensors, so the weights are held once.
     """
     spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
-    if isinstance(spec, ControlNetSpec):
-        raise ValueError(f"{_what(source)} is a diffusers ControlNetModel: load it with ControlNet.from_diffusers")
-    return _build(UNet, spec, state, source, dtype)
-
-
-def controlnet_from_diffusers(
-    source: Source,
-    variant: str | None = None,
-    *,
-    subfolder: str | None = None,
-    dtype: torch.dtype | None = None,
-    revision: str | None = None,
-) -> ControlNet:
-    """Our `ControlNet` (in ``dtype``, default float32; eval mode) with a diffusers ``ControlNetModel``'s
-    weights; ``source`` as for `from_diffusers` (in a pipeline folder, ``subfolder="controlnet"``)."""
-    spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
-    if not isinstance(spec, ControlNetSpec):
+    if controlnet and not isinstance(spec, ControlNetSpec):
         raise ValueError(
             f"{_what(source)} is a diffusers U-Net, not a ControlNetModel: load it with UNet.from_diffusers"
         )
-    return _build(ControlNet, spec, state, source, dtype)
+    if not controlnet and isinstance(spec, ControlNetSpec):
+        raise ValueError(f"{_what(source)} is a diffusers ControlNetModel: load it with ControlNet.from_diffusers")
+    return _build(cls, spec, state, source, dtype)
 
 
 def _what(source: Source) -> str:
     return str(source) if is_path(source) else type(source).__name__
 
 
-def _build(cls: type[Model], spec: Any, state: dict[str, torch.Tensor], source: Source, dtype: Any) -> Model:
+def _build(cls: type[M], spec: Any, state: dict[str, torch.Tensor], source: Source, dtype: Any) -> M:
     """``cls(spec)`` built on the meta device, taking the loaded tensors (so the weights are held once)."""
     if not is_path(source):  # a live module's tensors: copy, or both models would share them
         state = {k: v.detach().clone() for k, v in state.items()}

@@ -261,7 +261,7 @@ class UNet(UNetTrunk):
         diffusers U-Net (see `torch_impl.diffusers_io.from_diffusers`)."""
         from torch_impl.diffusers_io import from_diffusers
 
-        return from_diffusers(source, variant, subfolder=subfolder, dtype=dtype, revision=revision)
+        return from_diffusers(cls, source, variant, subfolder=subfolder, dtype=dtype, revision=revision)
 
     def to_diffusers_state_dict(self) -> dict[str, torch.Tensor]:
         """This model's state_dict in diffusers' key names (``UNet2D(Condition)Model``)."""
