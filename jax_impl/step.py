@@ -26,7 +26,8 @@ from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
 from jax_impl import processes
-from jax_impl.guard import StepPlan, compiled_peak, plan_for_step
+from jax_impl.guard import StepPlan, plan_for_step
+from jax_impl.memory import compiled_peak
 from jax_impl.parallel import shard
 from jax_impl.regime import apply_regime, cast_floating, init_ema, step_options, update_ema
 from jax_impl.unet import UNet
