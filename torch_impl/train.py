@@ -1,24 +1,11 @@
-"""DDPM noise-prediction training of the U-Net in PyTorch: ``python -m torch_impl.train``.
+"""``python -m torch_impl.train``: DDPM noise-prediction training in PyTorch, the CLI, its loop and step.
 
-A thin loop over an importable step. To put this U-Net in your own loop::
-
-    model = UNet("tiny", "full")
-    optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0)   # torch_impl.regime: AdamW by default
-    loss = train_step(model, optimizer, batch)   # batch: shared_configs.training.data.Batch (numpy)
-
-Batches, timesteps, noise and the conditioning inputs (context, class labels, text embeddings,
-time ids: whichever the spec takes) come from `shared_configs.training.data` (numpy), so
-`jax_impl.train` sees the very same ones for the same seed. Dropout draws from torch's global RNG,
-reseeded per step from (seed, step) so that a resumed run replays the same masks.
-
-Under torchrun, ``--distributed`` (DDP) or ``--distributed fsdp`` (FSDP2, one unit per U-Net
-block) splits the global batch over processes (gloo, CPU). Checkpoints are DCP folders, each rank
-writing its shards (`torch_impl.checkpoint_io`), so a run resumes on any number of processes. The
-run folder, resume checks and NaN guard are framework-free (`shared_configs.training.loop`).
-
-``--controlnet`` trains a ControlNet on the spec's U-Net (`torch_impl.pair.ControlNetPair`, the U-Net
-frozen at its seeded init) with the same step, each sample's edge map as the conditioning image
-(`shared_configs.pair.ControlNetDataset`); the checkpoints hold the ControlNet (and its optimizer).
+One loop over the U-Net or, with ``--controlnet``, a ControlNet on the frozen U-Net
+(`torch_impl.pair.ControlNetPair`); `train_step(model, optimizer, batch)` is the step to put in your
+own loop. Batches, noise and dropout seeds are functions of (seed, step) (`shared_configs.training.data`),
+the same as `jax_impl.train`'s, so a resumed run replays them. ``--distributed`` (DDP, FSDP2) runs
+under torchrun; checkpoints are DCP folders (`torch_impl.checkpoint_io`); the run folder, resume
+checks and NaN guard are `shared_configs.training.loop`'s. Mirror: `jax_impl/train.py`; docs/training.md.
 """
 
 from __future__ import annotations

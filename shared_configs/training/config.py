@@ -1,18 +1,11 @@
 """A training run's configuration: the shared CLI of ``python -m {torch_impl,jax_impl}.train``.
 
-`TrainConfig` holds every flag: the regime's four as one `Regime`, and the flags only one framework
-has (``--compile``; ``--attention-chunk``, ``--jax-cache``) as that framework's own options object,
-which its ``train.py`` registers through `FrameworkCLI`. `parse_args` validates them all before any
-work (numbers finite and in range, the schedule's betas in (0, 1)); `run_record` is what a checkpoint
-remembers of the
-run, and `resume_differences` what a ``--resume`` command line changes of it. `cli_main` turns
-the loops' errors into one line: exit 2 for bad input (flags, spec, run folder, checkpoint), 1
-for a run that fails (a non-finite loss, an OS error, a checkpoint that could not be written),
-128 + the signal's number for a run stopped by a signal (`shared_configs.training.preemption`).
-
-The DDPM pieces live in `shared_configs.training.ddpm` (schedule, sampler), `shared_configs.training.data` (batches)
-and `shared_configs.training.outputs` (progress, plots); the run folder in `shared_configs.training.run_folder`.
-No torch or jax import.
+`TrainConfig` holds every flag: the regime's four as one `Regime`, each framework's own flags as its
+options object (`FrameworkCLI`). `parse_args` validates them all before any work and shows every
+default in ``--help``; `run_record` is what a checkpoint remembers of the run, `resume_differences`
+what a ``--resume`` command line changes of it. `cli_main` turns the loops' errors into one line:
+exit 2 for bad input, 1 for a run that fails, 128 + the signal's number for a stopped run
+(`shared_configs.training.preemption`). No torch or jax import. Docs: docs/training.md.
 """
 
 from __future__ import annotations
@@ -58,6 +51,7 @@ class TrainConfig:
     sample_steps: int = 20
     num_samples: int = 20
     checkpoint_every: int = 100
+    log_every: int = 10  # off a terminal: a line with the running loss every this many steps
     distributed: str | None = None  # None: one process; else a key of DISTRIBUTED[framework]
     controlnet: bool = False  # train a ControlNet on the spec's U-Net, frozen (`shared_configs.pair`)
     options: Options | None = None  # the framework's own flags (`FrameworkCLI.options`); None: their defaults
@@ -135,11 +129,22 @@ class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite: the run stops at that step, its last good checkpoint kept."""
 
 
+class Defaults(argparse.HelpFormatter):
+    """Each flag's help ends with its default, where it has one (not a switch's False, nor None) and
+    the help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text, default = action.help or "", action.default
+        if "default" in text or default is None or default is False or default == argparse.SUPPRESS:
+            return action.help
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def parse_args(argv: list[str] | None, framework: FrameworkCLI) -> TrainConfig:
     """Parse the CLI of ``python -m {torch_impl,jax_impl}.train``: the shared flags and ``framework``'s own."""
     d = TrainConfig()
-    p = OneLineParser(prog=framework.prog, description="DDPM noise-prediction training.")
-    p.add_argument("--config", default=d.config, help="preset name or YAML path (default: tiny)")
+    p = OneLineParser(prog=framework.prog, description="DDPM noise-prediction training.", formatter_class=Defaults)
+    p.add_argument("--config", default=d.config, help="preset name or YAML path")
     plan = p.add_mutually_exclusive_group()
     plan.add_argument(
         "--policy",
@@ -154,11 +159,11 @@ def parse_args(argv: list[str] | None, framework: FrameworkCLI) -> TrainConfig:
         help="instead of --policy: the cheapest plan whose step is predicted to fit this many MiB (per rank), "
         "for this run's spec, batch and ranks (profiled once, cached); prints the predicted and measured peak",
     )
-    p.add_argument("--batch-size", type=positive(int), default=d.batch_size)
+    p.add_argument("--batch-size", type=positive(int), default=d.batch_size, help="the global batch")
     p.add_argument("--steps", type=positive(int), default=d.steps, help="total steps (a resumed run stops here too)")
-    p.add_argument("--lr", type=positive(float), default=d.lr)
+    p.add_argument("--lr", type=positive(float), default=d.lr, help="learning rate")
     p.add_argument("--weight-decay", type=nonnegative(float), default=d.weight_decay, help="AdamW decoupled decay")
-    p.add_argument("--seed", type=nonnegative(int), default=d.seed)
+    p.add_argument("--seed", type=nonnegative(int), default=d.seed, help="weights, batches, noise and dropout")
     add_regime_arguments(p)
     p.add_argument(
         "--out",
@@ -172,12 +177,14 @@ def parse_args(argv: list[str] | None, framework: FrameworkCLI) -> TrainConfig:
         action="store_true",
         help="start afresh in an OUT that holds a checkpoint (replaced at the new run's first checkpoint)",
     )
-    p.add_argument("--data", choices=DATASETS, default=d.data)
-    p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
+    p.add_argument("--data", choices=DATASETS, default=d.data, help="the training images")
+    p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule, help="the noise schedule")
     p.add_argument("--timesteps", type=positive(int), default=d.timesteps, help="diffusion steps T (linear: >= 21)")
     p.add_argument("--sample-steps", type=nonnegative(int), default=d.sample_steps, help="sampler steps; 0: none")
-    p.add_argument("--num-samples", type=positive(int), default=d.num_samples)
-    p.add_argument("--checkpoint-every", type=positive(int), default=d.checkpoint_every)
+    p.add_argument("--num-samples", type=positive(int), default=d.num_samples, help="images in the samples' grid")
+    p.add_argument("--checkpoint-every", type=positive(int), default=d.checkpoint_every, help="steps between saves")
+    p.add_argument("--log-every", type=positive(int), default=d.log_every, metavar="N",
+                   help="when stderr is not a terminal (a log, a pipe): the running loss every N steps")  # fmt: skip
     p.add_argument("--distributed", nargs="?", const="ddp", default=d.distributed,
                    choices=DISTRIBUTED[framework.name], help=DISTRIBUTED_HELP[framework.name])  # fmt: skip
     p.add_argument("--controlnet", action="store_true", help=CONTROLNET_HELP)

@@ -90,7 +90,7 @@ def run_loop(
     ranks of the signal number, 0 for none), so they all stop after the same step.
     """
     saved = len(losses)
-    shown = progress_bar(cfg.steps, len(losses), title, settings, show=comm.rank == 0)  # the logs are rank 0's
+    shown = progress_bar(cfg.steps, len(losses), title, settings, comm.rank == 0, cfg.log_every)  # the logs: rank 0's
     with StopSignals() as signals, shown as update:
         for step in range(len(losses), cfg.steps):
             state, loss = step_fn(state, step)

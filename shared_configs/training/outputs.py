@@ -20,11 +20,13 @@ from shared_configs.files import atomic_write
 
 @contextmanager
 def progress_bar(
-    total: int, start: int, title: str, settings: str = "", show: bool = True
+    total: int, start: int, title: str, settings: str = "", show: bool = True, log_every: int | None = None
 ) -> Iterator[Callable[[float], None]]:
     """A rich progress bar; the yielded ``update(loss)`` advances it and shows the running loss.
 
-    On exit it prints the training speed (`speed_line`) and ``settings`` (what the run used:
+    Off a terminal (stderr a log or a pipe) there is no bar: with ``log_every``, one line every
+    that many steps and at the last, the mean loss since the line before. On exit it prints the
+    training speed (`speed_line`) and ``settings`` (what the run used:
     `shared_configs.training.config.used`), one line on stderr (a failed run's error stays one line).
     Nothing is shown unless ``show`` (the other ranks of a run over several processes).
     """
@@ -32,7 +34,8 @@ def progress_bar(
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                TextColumn("loss {task.fields[loss]}"))  # fmt: skip
-    with Progress(*columns, transient=False, disable=not (show and sys.stderr.isatty())) as bar:
+    terminal = sys.stderr.isatty()
+    with Progress(*columns, transient=False, disable=not (show and terminal)) as bar:
         task = bar.add_task(title, total=total, completed=start, loss="-")
         running: list[float] = []
         stamps = [time.perf_counter()]
@@ -41,6 +44,11 @@ def progress_bar(
             stamps.append(time.perf_counter())
             running.append(loss)
             bar.update(task, advance=1, loss=f"{np.mean(running[-20:]):.4f}")
+            step = start + len(running)
+            if show and not terminal and log_every and (step % log_every == 0 or step == total):
+                recent = running[-((step - 1) % log_every + 1) :]  # the steps since the line before
+                print(f"{title}: step {step}/{total}, loss {np.mean(recent):.4f} (mean of the last {len(recent)})",
+                      file=sys.stderr, flush=True)  # fmt: skip
 
         yield update
     if show and len(stamps) > 1:
