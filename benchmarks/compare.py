@@ -51,6 +51,7 @@ from shared_configs.cli import (
     positive_int,
 )
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults
+from shared_configs.pair import controlnet_pair, split_pair_plan
 from shared_configs.regime import JAX_KEEPS_NO_GRADS, add_regime_arguments, regime_of
 
 DEFAULT_CONFIG = "sd_narrow"  # activation-dominated, as diffusion training is (docs/benchmark.md)
@@ -201,22 +202,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_jobs(args: argparse.Namespace) -> list[Job]:
-    """Validate the arguments (SpecError on bad input) and turn them into worker jobs."""
+    """Validate the arguments (SpecError on bad input) and turn them into worker jobs, one per
+    framework (and --compile's); under --controlnet, the pair's (`benchmarks.harness.pair_compare`)."""
     source, config = ("diffusers", str(args.diffusers)) if args.diffusers else ("spec", args.config)
+    if args.controlnet:  # what its benchmark does not measure, first
+        other = args.compile or args.xla_default
+        pair_compare.check(args.framework, args.world_size, args.device, other, args.batch_size)
+    elif args.plan_budget_mib is not None:
+        raise SpecError("--plan-budget-mib: only with --controlnet (the budget its planned row is solved for)")
     preset_batch = PRESET_BATCH.get(config, 1) if source == "spec" else 1
+    if args.controlnet:  # the pair's step: the default config's batch, whatever the preset
+        preset_batch = DEFAULT_BATCH_SIZES[0]
     batch_sizes = tuple(dict.fromkeys(args.batch_size or (preset_batch,)))
     spec = load_benchmark_spec(config, args.sample_size, source)
-    if args.plan_budget_mib is not None:
-        raise SpecError("--plan-budget-mib: only with --controlnet (the budget its planned row is solved for)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise SpecError("policies: none given")
-    for policy in policies:
-        resolve_plan(spec, policy_arg(policy))
-    policies = list(dict.fromkeys(["none", *policies]))
+    for policy in policies:  # a bad one is refused before anything runs
+        if args.controlnet:
+            split_pair_plan(controlnet_pair(spec), policy_arg(policy))
+        else:
+            resolve_plan(spec, policy_arg(policy))
+    policies = list(dict.fromkeys(["none", *(policy_arg(p) if args.controlnet else p for p in policies)]))
     device = _check_world(args.world_size, args.framework, args.device)
     _check_frameworks(args.framework, spec, source)
-    if regime_of(args).keep_grads and "jax" in args.framework:
+    regime = regime_of(args)
+    if regime.keep_grads and "jax" in args.framework:
         raise SpecError(f"--keep-grads: {JAX_KEEPS_NO_GRADS}")
     common = {
         "config": config,
@@ -224,7 +235,7 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
         "sample_size": spec.sample_size,
         "batch_sizes": batch_sizes,
         "steps": args.steps,
-        **regime_of(args).as_dict(),
+        **regime.as_dict(),
         "device": device,
         "context_length": args.context_length,
         "world_size": args.world_size,
@@ -236,13 +247,15 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
             policies=tuple(dict.fromkeys([*DIFFUSERS_POLICIES, *policies])) if fw == DIFFUSERS else tuple(policies),
             timeline=() if fw == DIFFUSERS else timeline,
             xla_default=args.xla_default,
-            attention_chunk=args.jax_attention_chunk if fw == "jax" else None,
+            # the pair's one workload carries the chunk (`pair_compare.workload`)
+            attention_chunk=args.jax_attention_chunk if fw == "jax" or args.controlnet else None,
             jax_cache=args.jax_cache if fw == "jax" else None,
             **common,
         )
         for fw in args.framework
     ]
-    extra = compiled.compiled_job(args, next((j for j in jobs if j.framework == "torch"), None), policies)
+    torch_job = next((j for j in jobs if j.framework == "torch"), None)
+    extra = compiled.compiled_job(args.compile, args.compile_budget_at, torch_job, policies)
     return jobs if extra is None else [*jobs, extra]
 
 
@@ -305,29 +318,29 @@ def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list
 
 
 def build_document(
-    args: argparse.Namespace, jobs: list[Job], results: list[list[Event]], clock: tuple[float, float | None, float]
+    jobs: list[Job], results: list[list[Event]], clock: tuple[float, float | None, float], device: str
 ) -> dict:
-    """The JSON document: top-level config, device, versions, rows and timelines."""
+    """The JSON document: top-level config, device (``device``: the one asked for), versions, rows and timelines."""
     events = [e for evs in results for e in evs]
     row_events = [e for e in events if e["event"] == "row"]
     rows = report.complete(row_events)
     envs = {e["framework"]: e for e in events if e["event"] == "env"}
-    spec = job_spec(jobs[0])
+    spec, jax = job_spec(jobs[0]), next((j for j in jobs if j.framework == "jax"), None)
     return {
         "config": {"name": spec.name, "source": jobs[0].config, "spec": spec.model_dump(mode="json")},
-        "device": {"requested": args.device, **{fw: env["device"] for fw, env in envs.items()}},
+        "device": {"requested": device, **{fw: env["device"] for fw, env in envs.items()}},
         "versions": {
             "python": platform.python_version(),
             **{k: v for e in envs.values() for k, v in e["versions"].items()},
         },
         "git_sha": git_sha(),
-        "dtype": regime_of(args).compute_dtype or "float32",
-        "regime": regime_of(args).as_dict(),
+        "dtype": jobs[0].regime.compute_dtype or "float32",
+        "regime": jobs[0].regime.as_dict(),
         "settings": {k: v for k, v in asdict(jobs[0]).items() if k not in ("framework", "done", "policies")}
         | {
             "policies": {job.framework: list(job.policies) for job in jobs},
-            "attention_chunk": args.jax_attention_chunk,
-            "jax_cache": args.jax_cache,
+            "attention_chunk": jax.attention_chunk if jax else None,
+            "jax_cache": jax.jax_cache if jax else None,
         },
         "xla_flags": envs["jax"]["xla_flags"] if "jax" in envs else None,
         "methods": report.methods(rows),
@@ -357,20 +370,20 @@ def write_outputs(document: dict[str, Any], out: Path) -> list[Path]:
 
 
 def keep_measured(
-    prog: str, args: argparse.Namespace, jobs: list[Job], results: list[list[Event]], clock: tuple,
+    prog: str, out: Path, device: str, jobs: list[Job], results: list[list[Event]], clock: tuple,
     stop: KeyboardInterrupt,
 ) -> Interrupted:  # fmt: skip
-    """An interrupted run of ``prog``: the rows measured so far, written as ``<prog>-*.json`` marked
-    incomplete (nothing if none was); returns the interrupt to raise, saying what was kept."""
+    """An interrupted run of ``prog``: the rows measured so far, written as ``<out>/<prog>-*.json``
+    marked incomplete (nothing if none was); returns the interrupt to raise, saying what was kept."""
     signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
     rows = [e for evs in results for e in evs if e["event"] == "row"]
     if not rows:
         return Interrupted(signum, "every worker stopped; nothing was measured, nothing written")
-    document = build_document(args, jobs, results, clock)
+    document = build_document(jobs, results, clock, device)
     total = sum(len(job.rows()) for job in jobs)  # max_batch: its probes (it adds rows as it goes)
     of_total = f" of {total}" if total >= len(rows) else ""
     document["incomplete"] = f"interrupted by {signal.Signals(signum).name} after {len(rows)}{of_total} rows"
-    path = args.out / f"{prog}-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = out / f"{prog}-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     report.write_json(path, document)
     return Interrupted(signum, f"every worker stopped; the {len(rows)} row(s) measured are in {path} (incomplete)")
 
@@ -379,16 +392,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = console_for(args.wide)
     with cli_errors("benchmarks.compare"):
-        if args.controlnet:
-            return pair_compare.main(args, console, DEFAULT_BATCH_SIZES[0])
         jobs = make_jobs(args)
         check_out_dir(args.out)
+        if args.controlnet:
+            return pair_compare.main(jobs, args.plan_budget_mib, args.out, console)
         clock, results = cpu_snapshot(), []
         try:
             run_all(jobs, console, args.verbose, results)
         except KeyboardInterrupt as stop:
-            raise keep_measured("compare", args, jobs, results, clock, stop) from None
-        document = build_document(args, jobs, results, clock)
+            raise keep_measured("compare", args.out, args.device, jobs, results, clock, stop) from None
+        document = build_document(jobs, results, clock, args.device)
         show(console, document, args.wide)
         for path in write_outputs(document, args.out):
             console.print(f"wrote {path}")

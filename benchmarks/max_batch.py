@@ -171,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 rows = measure(todo, console, args.verbose, events)
         except KeyboardInterrupt as stop:
-            raise keep_measured("max_batch", args, jobs, events, clock, stop) from None
+            raise keep_measured("max_batch", args.out, args.device, jobs, events, clock, stop) from None
         results = answer(rows, budget)
         console.print(table(results, budget))
-        document = build_document(args, jobs, events, clock)
+        document = build_document(jobs, events, clock, args.device)
         document |= {"budget_bytes": budget, "largest_batch": results}
         path = args.out / f"max_batch-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
         report.write_json(path, document)

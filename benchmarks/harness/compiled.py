@@ -35,16 +35,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def compiled_job(args: argparse.Namespace, torch_job: Job | None, policies: list[str]) -> Job | None:
-    """The compiled rows' job (None without --compile); SpecError (one line) for what it cannot measure."""
-    targets = [p.strip() for p in args.compile_budget_at.split(",") if p.strip()]
-    if not args.compile:
+def compiled_job(compile: bool, budget_at: str, torch_job: Job | None, policies: list[str]) -> Job | None:
+    """The compiled rows' job (None without ``compile``), with a row per policy of ``budget_at``
+    (``--compile-budget-at``); SpecError (one line) for what it cannot measure."""
+    targets = [p.strip() for p in budget_at.split(",") if p.strip()]
+    if not compile:
         if targets:
             raise SpecError("--compile-budget-at: needs --compile")
         return None
     if torch_job is None:
         raise SpecError("--compile: measures torch's step; add torch to --framework")
-    if args.world_size > 1:
+    if torch_job.world_size > 1:
         raise SpecError("--compile: one process only (FSDP2 under torch.compile is not measured here)")
     if torch_job.source != "spec":
         raise SpecError("--compile: measures this project's U-Net from a spec (--config), not --diffusers")

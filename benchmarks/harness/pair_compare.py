@@ -18,16 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.job import DIFFUSERS, load_benchmark_spec, policy_arg
+from benchmarks.harness.job import DIFFUSERS, Job, job_spec
 from benchmarks.reports.report import write_json
 from shared_configs import SpecError
-from shared_configs.cli import check_out_dir, positive_mib
+from shared_configs.cli import positive_mib
 from shared_configs.defaults import resolve_chunk
-from shared_configs.pair import split_pair_plan
 from shared_configs.planning.budget import assignment_of, predict
 from shared_configs.planning.planner import DEVICE, Workload, get_profile, measure, plan
 from shared_configs.planning.solver import Infeasible, smallest_peak
-from shared_configs.regime import regime_of
 from shared_configs.units import MIB
 
 PLANNED = "planned"  # the planned row's label (its policy string is printed beside the table)
@@ -42,33 +40,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "smallest feasible peak and none's)")  # fmt: skip
 
 
-def main(args: argparse.Namespace, console: Any, default_batch: int) -> int:
-    """Measure, print the table, write the JSON (``console``: compare's rich console)."""
-    check_out_dir(args.out)
-    doc = run(args, args.framework, default_batch)
+def main(jobs: list[Job], budget_mib: float | None, out: Path, console: Any) -> int:
+    """Measure ``jobs`` (`benchmarks.compare.make_jobs`'s, one per framework), print the table, write
+    the JSON (``console``: compare's rich console)."""
+    doc = run(jobs, budget_mib)
     console.print(table(doc), highlight=False)
-    console.print(f"wrote {write(doc, args.out)}")
+    console.print(f"wrote {write(doc, out)}")
     return 0
 
 
-def check(args: argparse.Namespace, frameworks: tuple[str, ...]) -> None:
-    """Refuse, in one line, what the ControlNet step's benchmark does not measure."""
-    if DIFFUSERS in frameworks or args.world_size > 1 or args.device == "gpu" or args.compile or args.xla_default:
+def check(
+    frameworks: tuple[str, ...], world_size: int, device: str, other: bool, batch_sizes: list[int] | None
+) -> None:
+    """Refuse, in one line, what the ControlNet step's benchmark does not measure (``other``:
+    --compile or --xla-default given)."""
+    if DIFFUSERS in frameworks or world_size > 1 or device == "gpu" or other:
         raise SpecError("--controlnet: measures the torch and jax steps in one CPU process each; not with "
                         "--framework diffusers, --world-size, --device gpu, --compile or --xla-default")  # fmt: skip
-    if args.batch_size is not None and len(args.batch_size) > 1:
+    if batch_sizes is not None and len(batch_sizes) > 1:
         raise SpecError("--controlnet: one --batch-size at a time")
 
 
-def workload(args: argparse.Namespace, default_batch: int) -> Workload:
-    source, config = ("diffusers", str(args.diffusers)) if args.diffusers else ("spec", args.config)
+def workload(job: Job) -> Workload:
+    """The pair's workload as ``job`` describes it (every job of a run describes the same)."""
     return Workload.of(
-        load_benchmark_spec(config, args.sample_size, source),
+        job_spec(job),
         controlnet=True,
-        batch_size=(args.batch_size or [default_batch])[0],
-        context_length=args.context_length,
-        attention_chunk=resolve_chunk(args.jax_attention_chunk, DEVICE),
-        regime=regime_of(args),
+        batch_size=job.batch_sizes[0],
+        context_length=job.context_length,
+        attention_chunk=resolve_chunk(job.attention_chunk, DEVICE),
+        regime=job.regime,
     )
 
 
@@ -80,25 +81,21 @@ def default_budget(work: Workload, frameworks: tuple[str, ...]) -> int:
     return (floor + top) // 2
 
 
-def run(args: argparse.Namespace, frameworks: tuple[str, ...], default_batch: int) -> dict[str, Any]:
-    """Plan, then measure every row in each framework: the JSON document."""
-    check(args, frameworks)
-    work = workload(args, default_batch)
-    given = [policy_arg(p.strip()) for p in args.policies.split(",") if p.strip()]
-    for policy in given:
-        split_pair_plan(work.spec, policy)  # a bad one is refused before anything runs
+def run(jobs: list[Job], budget_mib: float | None) -> dict[str, Any]:
+    """Plan (for ``budget_mib``, or `default_budget`), then measure every row in each framework: the JSON document."""
+    work, frameworks = workload(jobs[0]), tuple(job.framework for job in jobs)
     fw_arg = "both" if len(frameworks) == 2 else frameworks[0]
-    budget = int(args.plan_budget_mib * MIB) if args.plan_budget_mib is not None else default_budget(work, frameworks)
+    budget = int(budget_mib * MIB) if budget_mib is not None else default_budget(work, frameworks)
     for attempt in range(3):
         try:
             planned = plan(work, budget, fw_arg)
             break
         except Infeasible as err:  # the default lies below the model's margin: the smallest budget it plans for
-            if args.plan_budget_mib is not None or attempt == 2:
+            if budget_mib is not None or attempt == 2:
                 raise
             budget = err.smallest
-    policies = list(dict.fromkeys(["none", *given, planned.policy]))
-    measured = {fw: measure(fw, work, policies, args.steps)["rows"] for fw in frameworks}
+    policies = list(dict.fromkeys([*jobs[0].policies, planned.policy]))  # none first, then --policies
+    measured = {fw: measure(fw, work, policies, jobs[0].steps)["rows"] for fw in frameworks}
     predicted = {p.framework: {pol: predict(p, work.spec, assignment_of(work.spec, pol)).peak_bytes for pol in policies}
                  for p in planned.profiles}  # fmt: skip
     return {
