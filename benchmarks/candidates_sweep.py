@@ -44,12 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_budget(workload: Workload, framework: str, budget: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Plan at ``budget`` with candidates, then the plan against every hand policy that fits."""
-    found = plan(workload, budget, framework, candidates=args.candidates, rounds=args.rounds)
+def check_budget(
+    workload: Workload, framework: str, budget: int, candidates: int, rounds: int, check_rounds: int
+) -> dict[str, Any]:
+    """Plan at ``budget`` racing ``candidates`` for up to ``rounds``, then the plan against every hand
+    policy that fits, ``check_rounds`` rounds."""
+    found = plan(workload, budget, framework, candidates=candidates, rounds=rounds)
     chosen = found.solution.policy
     policies = list(dict.fromkeys([chosen, *HAND_POLICIES]))
-    rows = measure(framework, workload, policies, args.check_rounds)["rows"]
+    rows = measure(framework, workload, policies, check_rounds)["rows"]
     fits = {p: r["peak_bytes"] <= budget for p, r in rows.items()}
     versus = {h: paired(rows[chosen]["rounds_s"], rows[h]["rounds_s"]) for h in HAND_POLICIES
               if h != chosen and fits[h]}  # fmt: skip
@@ -81,25 +84,29 @@ def table(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with cli_errors("benchmarks.candidates_sweep"), stopping("every worker stopped; nothing written"):
-        return run(args)
+        return run(args.config, args.sample_size, args.batch_size, args.framework, args.budgets, args.json,
+                   (args.candidates, args.rounds, args.check_rounds))  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> int:
-    workload = Workload.of(args.config, args.sample_size, batch_size=args.batch_size)
-    settings = workload.used((args.framework,))
+def run(config: str, sample_size: int | None, batch_size: int, framework: str, n_budgets: int, json_path: str | None,
+        race: tuple[int, int, int]) -> int:  # fmt: skip
+    """Check ``n_budgets`` budgets between ``full``'s and ``none``'s measured peaks (`check_budget`,
+    ``race``: its candidates, rounds and check rounds); 0 when the plan holds at every one."""
+    workload = Workload.of(config, sample_size, batch_size=batch_size)
+    settings = workload.used((framework,))
     print(f"settings {settings}")
-    ends = measure(args.framework, workload, ["none", "full"], 1)["rows"]
+    ends = measure(framework, workload, ["none", "full"], 1)["rows"]
     low, high = ends["full"]["peak_bytes"], ends["none"]["peak_bytes"]
-    budgets = [round(low + (high - low) * (i + 1) / (args.budgets + 1)) for i in range(args.budgets)]
+    budgets = [round(low + (high - low) * (i + 1) / (n_budgets + 1)) for i in range(n_budgets)]
     results = []
     for i, budget in enumerate(budgets, 1):
         progress(f"budget {i} of {len(budgets)}: {budget / MIB:.1f} MiB (full {low / MIB:.1f}, none {high / MIB:.1f})")
-        results.append(check_budget(workload, args.framework, budget, args))
-    doc = {"config": workload.spec.name, "sample_size": workload.spec.sample_size, "batch_size": args.batch_size,
-           "framework": args.framework, "none_peak_bytes": high, "full_peak_bytes": low,
+        results.append(check_budget(workload, framework, budget, *race))
+    doc = {"config": workload.spec.name, "sample_size": workload.spec.sample_size, "batch_size": batch_size,
+           "framework": framework, "none_peak_bytes": high, "full_peak_bytes": low,
            "settings": settings, "results": results}  # fmt: skip
-    if args.json:
-        atomic_write(args.json, json.dumps(doc, indent=1).encode())
+    if json_path:
+        atomic_write(json_path, json.dumps(doc, indent=1).encode())
     print(table(results))
     return 0 if all(r["holds"] for r in results) else 1
 

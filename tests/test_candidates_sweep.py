@@ -3,7 +3,6 @@ measured peak fits is faster than it round by round at 90% (the measurements stu
 
 from __future__ import annotations
 
-import argparse
 from types import SimpleNamespace
 
 import pytest
@@ -33,8 +32,7 @@ def test_a_plan_holds_when_it_fits_and_no_fitting_hand_policy_beats_it(monkeypat
     found = SimpleNamespace(solution=solution, candidates={"chosen": PLAN}, profiles=[None])
     monkeypatch.setattr(cs, "plan", lambda *a, **k: found)
     monkeypatch.setattr(cs, "measure", lambda fw, w, policies, rounds: _rows(peaks, seconds))
-    args = argparse.Namespace(candidates=4, rounds=15, check_rounds=12)
-    got = cs.check_budget(None, "torch", 100, args)
+    got = cs.check_budget(None, "torch", 100, candidates=4, rounds=15, check_rounds=12)
     assert set(got["versus"]) == {"full", "layers"}  # the hand policies whose measured peak fits
     assert got["fits"] == (plan_peak <= 100) and got["holds"] is holds
     assert ("| yes |" if holds else "| NO |") in cs.table([got])
