@@ -1,21 +1,9 @@
 """XLA's own memory plan for a compiled JAX step: its peak split into kinds, and the timeline.
 
-A compile with ``xla_dump_to`` writes what XLA decided: the schedule and each value's live range
-(``*-live-range.txt``, the ``HloLiveRange`` the heap simulator packs buffers with), the buffer
-assignment (``*-buffer-assignment.txt``: which allocation and offset holds each value) and the
-optimized HLO (each instruction's ``op_name``, which names the Flax module it came from:
-``jit(train_step)/transpose(jvp(UNet))/jvp(UNet)/checkpoint/rematted_computation/up_1/...``).
-
-From those: arguments and outputs (parameters, optimizer state, inputs) are fixed for the whole
-step; the temp allocation's live bytes are counted at every schedule position, each buffer with
-its kind: made in the forward or recomputed (``rematted_computation``) = activation; made in the
-backward (``transpose(...)``) = gradient if the optimizer reads it, else temporary; made by the
-optimizer = temporary. The parts at XLA's peak position, plus the temp allocation's unused space
-(fragmentation, counted as temporary), add up to ``memory_analysis()``'s total. This is XLA's plan
-read back, not a model of it: nothing is estimated.
-
-The dump happens only when XLA compiles; a step loaded from the persistent compilation cache is
-not recompiled, so the parsed plan is cached beside it (``<cache>/xla-memory/<key>.json``).
+A compile with ``xla_dump_to`` writes the schedule, each value's live range, the buffer assignment
+and the optimized HLO (whose ``op_name`` names the Flax module); from those, the live bytes at every
+position by kind, adding up to ``memory_analysis()``'s total (`compiled_peak`). XLA's plan read back,
+not a model. Mirror: `torch_impl.memory` (live tensors). Docs: docs/benchmark.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
-"""The training regime: the precision, what is trained, the optimizer, and an EMA copy.
+"""The training regime: the precision, what is trained, the optimizer, an EMA copy, kept gradients.
 
-A plan is only right for the regime it was profiled in: autocast keeps half-precision copies of
-what it saves while norms and softmax stay float32; a frozen conv or linear keeps no input for a
-weight gradient; LoRA adds small matmuls whose inputs are kept; the optimizer and the EMA copy set
-the static memory. So the regime is one value, spelled the same on every CLI
-(`add_regime_arguments`), carried by the training loops, the benchmark and the planner, and part
-of every profile's cache key. The defaults are float32, every weight trained, AdamW, no EMA.
-
-    --precision {fp32,bf16-mixed,fp16-mixed,bf16}   --trainable {all,lora:R}
-    --optimizer {adamw,adafactor,adamw8bit}         --ema   --keep-grads
-
-- ``fp32``: float32 weights, compute and optimizer state.
-- ``bf16-mixed``: float32 master weights and optimizer state, bfloat16 compute (torch autocast;
-  JAX casts the parameters and inputs for the forward).
-- ``fp16-mixed``: the same in float16, with loss scaling (torch ``GradScaler``; JAX a static scale).
-- ``bf16``: bfloat16 weights and optimizer state; compute in bfloat16.
-- ``bf16-frozen`` / ``fp16-frozen``: the frozen weights in bfloat16 / float16, the trained ones (and
-  their gradients and optimizer state) in float32, compute under autocast: diffusers' LoRA and
-  ControlNet scripts under ``--mixed_precision`` (``weight_dtype``, ``cast_training_params``). Torch only.
-- ``lora:R``: rank-R adapters on every attention's query, key, value and output projection (the set
-  diffusers' LoRA scripts train), the rest frozen.
-- ``adamw8bit``: 8-bit AdamW state (torchao's ``AdamW8bit`` in torch; JAX has none and refuses).
-- ``keep_grads``: the gradients stay allocated between steps and are zeroed in place
-  (``optimizer.zero_grad(set_to_none=False)``, the default of diffusers' DreamBooth and ControlNet
-  scripts): they sit beside the forward's activations, so the peak moves to the end of the
-  forward. Torch only: a jitted JAX step's gradients are temporaries of the step (its state
-  donated), there is nothing to keep, and JAX refuses it in one line.
-
-No torch or jax import.
+A plan is only right for the regime it was profiled in, so the regime is one value, spelled the same
+on every CLI (`add_regime_arguments`), carried by the training loops, the benchmark and the planner,
+and part of every profile's cache key. Each value, and what it means in each framework:
+docs/regimes.md "The regime, the same four flags everywhere". No torch or jax import.
 """
 
 from __future__ import annotations

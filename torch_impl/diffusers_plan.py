@@ -1,18 +1,10 @@
 """A checkpoint plan on diffusers' own U-Net or ControlNet, from the outside: diffusers is not edited.
 
-``apply_plan(unet, "layers")`` takes a live ``UNet2DConditionModel``, ``UNet2DModel`` or
-``ControlNetModel`` (its units named as its U-Net's: ``down.*``, ``mid``, their layers), reads its
-spec from its config (`shared_configs.from_diffusers_config`), resolves the plan against it
-(every policy string `shared_configs.resolve_plan` takes, op-level save sets and ``;`` groups
-included) and checkpoints exactly the plan's units with `torch_impl.checkpointing`'s machinery,
-the one our U-Net uses. The plan's names are diffusers' module paths with the block lists
-renamed: ``down.1`` is ``down_blocks.1`` (its downsampler included, as in ours), ``mid`` is
-``mid_block``, ``up.0.attentions.1`` is ``up_blocks.0.attentions.1``. ``remove_plan`` gives every
-module its forward back.
-
-diffusers' own ``enable_gradient_checkpointing()`` is a second mechanism inside the same blocks:
-a model with it on is refused, so nothing is recomputed twice (nor should it be turned on while
-a plan is applied). diffusers itself is not imported here: the classes are told by name.
+``apply_plan(model, plan)`` reads a live ``UNet2DConditionModel``, ``UNet2DModel`` or
+``ControlNetModel``'s spec from its config, resolves any policy string against it and checkpoints
+exactly its units with `torch_impl.checkpointing` (``down.1`` is ``down_blocks.1``, ``mid`` is
+``mid_block``); ``remove_plan`` undoes it. A model with diffusers' own checkpointing on is refused in
+one line (`torch_impl.BudgetGuard` turns it off and says so). Docs: docs/diffusers.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The ControlNet training step in PyTorch: a frozen `UNet` and the `ControlNet` trained on it.
 
-As diffusers' ``train_controlnet.py``: the ControlNet is made from the U-Net
-(``ControlNet.from_unet``), the U-Net's weights are frozen (``requires_grad_(False)``, eval mode:
-no dropout), the ControlNet trains. The loss is the U-Net's noise-prediction MSE and flows back
-through the U-Net into the ControlNet's residuals. One pair plan (`shared_configs.pair`) covers the
-units of both networks::
-
-    pair = ControlNetPair(controlnet_pair("sd_narrow"), "controlnet.down.1,up.0;controlnet.mid/save=conv")
-    optimizer = make_optimizer(pair, lr=1e-5, weight_decay=0.0)   # the ControlNet's parameters only
-    loss = train_step(pair, optimizer, example_pair_batch(pair.pair_spec, 4))
-
-``train_step`` is `torch_impl.train.train_step` itself: the pair is called like a U-Net, the
-conditioning image among the batch's inputs (`shared_configs.pair.ControlNetBatch`). This module
-does not import `torch_impl.train` (whose loop builds pairs).
+As diffusers' ``train_controlnet.py``: the ControlNet made from the U-Net, the U-Net frozen (eval
+mode), the loss the U-Net's noise prediction flowing back into the ControlNet's residuals; one pair
+plan (`shared_configs.pair`) covers both networks' units, and `ControlNetPair.of` wraps two live
+networks (ours or diffusers'). ``torch_impl.train.train_step`` trains it like a U-Net.
+Mirror: `jax_impl/pair.py`. Docs: docs/training.md "Training a ControlNet", docs/guard.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""A training regime (`shared_configs.regime.Regime`) in PyTorch.
+"""A training regime (`shared_configs.regime.Regime`) in PyTorch: precision, LoRA, optimizer, EMA.
 
-- precision: ``bf16`` casts the model to bfloat16 (weights, gradients and optimizer state follow);
-  the ``*-mixed`` ones keep float32 weights and run the forward under ``torch.autocast``
-  (`autocast_dtype`), float16 with a ``torch.amp.GradScaler`` (`loss_scaler`); the ``*-frozen`` ones
-  cast the frozen weights to half precision, the trained ones stay float32, under autocast.
-- ``lora:R``: peft's adapters, as diffusers adds them (`add_lora`: ``inject_adapter_in_model`` with a
-  ``LoraConfig`` on the attention projections), every other weight frozen.
-- the optimizer over the trained parameters only (`make_optimizer`): ``torch.optim.AdamW``,
-  ``torch.optim.Adafactor``, torchao's ``AdamW8bit``.
-- ``--ema``: a float32 copy of the trained parameters, moved toward them after every step (`EMA`).
-
-`step_tools` gathers what `torch_impl.train.train_step` needs of the regime into one `StepTools`.
-`jax_impl.regime` is the JAX twin.
+Autocast and the fp16 ``GradScaler`` (`autocast_dtype`, `loss_scaler`), peft's LoRA adapters as
+diffusers adds them (`add_lora`), the optimizer over the trained parameters (`make_optimizer`:
+AdamW, Adafactor, torchao's AdamW8bit), the `EMA` copy; `step_tools` gathers what
+`torch_impl.train.train_step` needs. Mirror: `jax_impl.regime`. Docs: docs/regimes.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """The cheapest plan under a memory budget, exactly: a mixed-integer linear programme (HiGHS).
 
-The peak model (`shared_configs.planning.budget.predict`) walks the units in forward order with one running
-quantity per framework, the bytes kept so far K(u). Every term is linear in the choices:
-
-* one binary per (block, recompute choice) and per (layer, choice); a block is recomputed under at
-  most one choice, and a layer takes exactly one choice when its block is not recomputed (none
-  when it is: the block is then the unit);
-* K(u) is a constant plus the ``keep`` of each earlier unit's chosen variable (a sampler keeps its
-  bytes when its block is not recomputed), H(u) the same of ``hold``;
-* each potential unit's peaks ``K(u) + H(u) + fwd_peak <= budget / scale`` and
-  ``K(u) + bwd_peak <= budget / scale`` bind only when that unit is chosen (a big-M relaxation
-  otherwise); the optimizer's peak must fit as well.
-
-The objective is the recompute time (as a fraction of the plain step, summed over the profiles
-when there are several: one plan that fits torch and JAX), or FLOPs for a profile without times.
-`scipy.optimize.milp` solves it to optimality (relative gap 0); the answer is checked with
-`predict` (exact integers) and re-solved a byte tighter if solver tolerance let it overshoot.
-Bytes enter the programme in MiB, so the tolerances are far below a byte.
+The peak model (`shared_configs.planning.budget.predict`) is linear in one binary per unit and
+choice; `scipy.optimize.milp` minimises recompute time (or FLOPs) under it to optimality, and the
+answer is checked with `predict` in exact integers. The programme: docs/planning.md "The solver".
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The units of a training step a plan chooses for, and plans <-> per-unit assignments.
 
-A *unit* is one of the plan's own names: a block (``down.1``, ``mid``) and, inside a block not
-recomputed as a whole, its layers (``down.1.resnets.0``). Choices (`CHOICES`): ``plain``
-(autograd keeps what it keeps), ``full`` (recompute, keep only the inputs), ``save=conv,matmul``
-(recompute, keep the conv/matmul outputs). Pseudo-units that are always plain fill the gaps so that
-every byte of the step belongs to one unit: ``stem`` (time embedding, ``conv_in``), the samplers of
-a block taken layer by layer (``down.0.downsample``), ``head`` (output norm, ``conv_out``, the loss).
-
-The ControlNet step (`shared_configs.pair.ControlNetPairSpec`) runs the ControlNet, then the
-U-Net: its units are the ControlNet's (``controlnet.stem``: its embeddings and conditioning
-embedding; its down blocks and middle block under ``controlnet.``; ``controlnet.head``: its zero
-convolutions) followed by the U-Net's. The backward runs them in reverse, as for one U-Net.
+A unit is a block (``down.1``) or, inside a block not recomputed whole, a layer; each takes one of
+`CHOICES` (``plain``, ``full``, ``save=conv,matmul``). Always-plain pseudo-units (``stem``, a layered
+block's sampler, ``head``) make every byte belong to one unit; the ControlNet step's units are the
+ControlNet's (``controlnet.``) then the U-Net's. Docs: docs/planning.md "What it does".
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The training data both loops share, in numpy, so torch and JAX see the *same* batches for a seed.
 
-* `load_dataset`: scikit-learn's 8x8 digits (bundled, no download) or a synthetic set, resized or
-  padded to the spec's ``sample_size``, tiled to ``in_channels``, scaled to [-1, 1] (NCHW; the JAX
-  loop transposes to NHWC);
-* the conditioning each spec's forward takes (`Conditioner`), from the image's class: a
-  cross-attention context (one token per image, a fixed seeded table), class labels (the digit
-  itself for class ids), text embeddings (a seeded table) and SDXL's time ids; ``None`` for the
-  inputs a spec takes none of;
-* `Dataset.batch`: batch ``step`` depends only on (seed, step), so a resumed run sees the batches
-  it would have seen, and the forward process ``x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps``
-  is computed in float64, handed over as float32;
-* `step_seed`: the per-step seed of framework RNGs (dropout).
-
-No torch or jax import.
+`load_dataset` (scikit-learn's bundled 8x8 digits or a synthetic set, fitted to the spec), the
+conditioning each spec takes (`Conditioner`), `Dataset.batch` (batch ``step`` depends only on
+(seed, step), so a resumed run sees the same batches; the forward process in float64) and
+`step_seed` (framework RNGs per step). Docs: docs/training.md. No torch or jax import.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """A run folder (``--out``): owned by one run at a time, its checkpoints written whole or not at all.
 
-Layout::
-
-    OUT/.lock                  flock'ed for the run's life; names its holder (pid, host, start)
-    OUT/checkpoint-00000200/   the latest checkpoint: state/ (the framework's files) + manifest.json
-    OUT/losses.json  loss.png  samples.png
-
-A checkpoint is written into ``OUT/.checkpoint-00000200.tmp/`` (every rank its own shards), the
-manifest last (`shared_configs.training.manifest`: sizes and SHA-256 of every file, the run's record), then
-renamed into place; only then are older checkpoints removed. A kill at any moment leaves the last
-good checkpoint and, at worst, a ``.tmp`` that the next run on the folder removes when it starts.
-
-The lock is an advisory ``flock``: the kernel releases it when its process dies, so a stale lock
-(kill -9, a crash) is simply taken over. It assumes a local file system (flock is unreliable on
-some network file systems). No torch or jax import.
+An advisory ``flock`` on ``OUT/.lock`` (taken over when its holder died); each checkpoint written
+into ``OUT/.checkpoint-<step>.tmp/``, the manifest last, then renamed into place before older ones
+are removed. Layout and guarantees: docs/training.md. No torch or jax import.
 """
 
 from __future__ import annotations
