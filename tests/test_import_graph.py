@@ -96,16 +96,6 @@ def test_the_graph_reads_the_imports_there_are():
     assert "shared_configs.spec" in graph["shared_configs.loader"]
 
 
-# Circles made by a lazy import inside a function, each to be closed where it is (then dropped
-# here): the test fails on any other.
-KNOWN = [
-    ["shared_configs.planning.planner", "shared_configs.planning.whole"],
-    ["torch_impl.guard_model", "torch_impl.pair"],
-    ["torch_impl.encoders", "torch_impl.profile"],
-]
-
-
 def test_no_import_circle_in_the_library():
     found = cycles(import_graph())
-    new = [c for c in found if c not in KNOWN]
-    assert not new, "import circles: " + "; ".join(" <-> ".join(c) for c in new)
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)

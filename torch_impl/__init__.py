@@ -13,10 +13,11 @@ from shared_configs.planning.planner import for_framework
 from torch_impl.controlnet import ControlNet as ControlNet
 from torch_impl.diffusers_plan import apply_plan, remove_plan
 from torch_impl.guard import BudgetGuard
-from torch_impl.guard_model import step_spec, unwrap
+from torch_impl.guard_model import step_spec
 from torch_impl.guard_regime import regime_seen
 from torch_impl.pair import ControlNetPair
 from torch_impl.unet import UNet
+from torch_impl.wrappers import unwrap
 
 _plan_for_budget = for_framework("torch")
 

@@ -32,11 +32,12 @@ from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from shared_configs.units import MIB
 from torch_impl.diffusers_plan import apply_plan
-from torch_impl.guard_model import compiled, step_spec, take_over_checkpointing, unwrap
+from torch_impl.guard_model import step_spec, take_over_checkpointing
 from torch_impl.guard_ranks import agreed_peak, from_rank0, processes
 from torch_impl.guard_regime import RegimeWatch, regime_seen
 from torch_impl.guard_retry import RetryPoint, accelerators_among, base_optimizer, why_not_retry
 from torch_impl.pair import ControlNetPair
+from torch_impl.wrappers import compiled, unwrap
 
 MEASURED_STEPS = 2  # steps measured at the start and after every change (the first one makes AdamW's state)
 LOOSEN_BELOW = 0.10  # loosen once when the first window's peak is this fraction or more under the budget

@@ -1,10 +1,9 @@
 """What `torch_impl.BudgetGuard` plans for: the trained model as a training script holds it.
 
-`unwrap` takes off the wrappers a script's model may wear (DDP, accelerate's prepared module,
-``torch.compile``'s ``OptimizedModule``, FSDP1); `step_spec` reads the spec of our `UNet`, a diffusers
-U-Net (peft adapters or not) or a `ControlNetPair`; `take_over_checkpointing` turns diffusers' own
-gradient checkpointing off so that the guard's plan replaces it; `lora_rank` reads the rank of peft
-adapters. docs/guard.md has the rules.
+`step_spec` reads the spec of our `UNet`, a diffusers U-Net (peft adapters or not) or a
+`ControlNetPair` (wrappers taken off by `torch_impl.wrappers.unwrap`); `take_over_checkpointing`
+turns diffusers' own gradient checkpointing off so that the guard's plan replaces it; `lora_rank`
+reads the rank of peft adapters. docs/guard.md has the rules.
 """
 
 from __future__ import annotations
@@ -18,27 +17,6 @@ from torch_impl.diffusers_plan import diffusers_spec
 from torch_impl.pair import ControlNetPair
 from torch_impl.regime import DIFFUSERS_LORA_TARGETS
 from torch_impl.unet import UNet
-
-# Wrappers whose ``.module`` is the model they run (torch's DDP, DataParallel and FSDP1).
-_HOLDERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """``model`` without its wrappers: ``torch.compile``'s ``_orig_mod``, DDP's / FSDP1's ``module``
-    (accelerate's ``prepare`` returns one of these, or the model itself with its forward wrapped)."""
-    while True:
-        if type(model).__name__ == "OptimizedModule":
-            model = model._orig_mod
-        elif type(model).__name__ in _HOLDERS and isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
-        else:
-            return model
-
-
-def compiled(model: nn.Module) -> bool:
-    """``model`` is ``torch.compile``'s, or a wrapper (DDP, accelerate's) around one."""
-    inner = getattr(model, "module", None)
-    return "OptimizedModule" in (type(model).__name__, type(inner).__name__)
 
 
 def step_spec(model: nn.Module) -> UNetSpec | ControlNetPairSpec:

@@ -22,6 +22,7 @@ from shared_configs.training.data import Batch, example_batch
 from torch_impl.controlnet import ControlNet
 from torch_impl.diffusers_plan import apply_plan, diffusers_spec
 from torch_impl.unet import UNet
+from torch_impl.wrappers import unwrap
 
 Tensor = torch.Tensor
 __all__ = ["ControlNetPair", "step_batch", "step_model", "trained_module", "unit_modules"]
@@ -51,8 +52,6 @@ class ControlNetPair(nn.Module):
         diffusers' ``UNet2DConditionModel`` and ``ControlNetModel`` (wrappers taken off: DDP,
         accelerate's, ``torch.compile``'s). Their weights, ``requires_grad`` and modes are left as
         the script set them; its ``pair_spec`` is read from them (`ValueError` if they do not match)."""
-        from torch_impl.guard_model import unwrap  # it imports this module
-
         unet, controlnet = unwrap(unet), unwrap(controlnet)
         pair = cls.__new__(cls)
         nn.Module.__init__(pair)

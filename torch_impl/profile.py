@@ -482,9 +482,3 @@ def measure_compiled(
     return {"framework": "torch", "rows": rows, "method": "torch.compile(model) + activation_memory_budget; "
             "allocator-level peak (torch.profiler memory events) around train_step"}  # fmt: skip
 
-
-def encoders(request: dict[str, Any]) -> dict[str, Any]:
-    """The models beside the U-Net, from shapes (`torch_impl.encoders`)."""
-    from torch_impl.encoders import encoders as measured
-
-    return measured(request)

@@ -14,11 +14,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,8 @@ from shared_configs.planning.budget import (
     safety_margin,
     with_static_bytes,
 )
+from shared_configs.planning.cache import CACHE_ENV as CACHE_ENV
+from shared_configs.planning.cache import cache_dir, versions
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, REFERENCE, measured_choice, unmeasurable
 from shared_configs.planning.recompute_time import at_stated_rates
 from shared_configs.planning.solver import Solution, solve
@@ -47,7 +47,6 @@ from shared_configs.regime import Regime, check_planned
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.units import MIB
 
-CACHE_ENV = "UNET_REMAT_PLAN_CACHE"
 FRAMEWORKS = ("torch", "jax")
 # Shapes-only time: stated rates (a current GPU's order in float32), not measurements.
 DEFAULT_FLOPS_PER_S = 100e12
@@ -122,21 +121,6 @@ WHOLE_STEP = ("device", "with_encoders", "cached_latents", "train_text_encoder",
               "encoder_configs")  # fmt: skip
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "unet-remat" / "plan")
-
-
-def _versions(framework: str) -> dict[str, str]:
-    names = {"torch": ["torch"], "jax": ["jax", "jaxlib", "flax", "optax"]}[framework]
-    out = {}
-    for name in names:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "?"
-    return out
-
-
 # Rounds of timed steps per profile: torch's one round of the per-layer runs prices every unit from
 # two fitted rates (`stepclock.fitted_rates`), which pool the noise of all its units; JAX times
 # only the plain step (its throughput prices recompute FLOPs).
@@ -147,7 +131,7 @@ def profile_path(framework: str, workload: Workload, repeats: int | None = None)
     """Where the profile of ``workload`` is cached: keyed by the request, the schema and the versions."""
     repeats = PROFILE_REPEATS[framework] if repeats is None else repeats
     request = workload.request(framework, "profile", repeats=repeats)
-    key = hashlib.sha256(json.dumps([SCHEMA, request, _versions(framework)], sort_keys=True).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([SCHEMA, request, versions(framework)], sort_keys=True).encode()).hexdigest()
     return cache_dir() / f"{workload.spec.name}-{framework}-{key[:16]}.json"
 
 
@@ -287,7 +271,8 @@ def fit_checked(
         for fw in frameworks:
             progress(f"{fw}: {CHECK_HOW[fw]} to check the plan's peak (nothing allocated) ...")
             checked = run_worker(workload.request(fw, "peaks", policies=[sol.policy]))["peaks"][sol.policy]
-            peaks[fw] = whole.checked_peak(workload, fw, checked, sol.assignment, profiles[frameworks.index(fw)])
+            peaks[fw] = whole.checked_peak(workload, fw, checked, sol.assignment, profiles[frameworks.index(fw)],
+                                           get_profile)
         fw, peak = max(peaks.items(), key=lambda kv: kv[1])
         peak = round(peak * (1 + CHECK_SLACK))
         if peak <= budget:

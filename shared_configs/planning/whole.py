@@ -19,8 +19,10 @@ from shared_configs.files import atomic_write, locked
 from shared_configs.pair import ControlNetPairSpec
 from shared_configs.planning import gpu
 from shared_configs.planning.budget import Profile, predict
+from shared_configs.planning.cache import cache_dir, versions
 from shared_configs.planning.encoders import Encoder, StepOptions, encoders_of, family, whole_step
 from shared_configs.planning.workers import run_worker
+from shared_configs.progress import note
 from shared_configs.spec import SpecError
 
 if TYPE_CHECKING:
@@ -92,12 +94,10 @@ def device_budget(workload: Workload, budget: int) -> int:
 
 def measured_encoders(encoders: list[Encoder], workload: Workload) -> dict[str, dict[str, int]]:
     """`torch_impl.encoders.measure` of each of ``encoders`` at the workload's batch, cached."""
-    from shared_configs.planning.planner import _versions, cache_dir, progress
-
     autocast = workload.regime.compute_dtype if workload.regime.precision.endswith("-mixed") else None
     request = {"framework": "torch", "kind": "encoders", "batch_size": workload.batch_size, "autocast": autocast,
                "encoders": [asdict(e) for e in encoders]}  # fmt: skip
-    key = hashlib.sha256(json.dumps([ENCODER_SCHEMA, request, _versions("torch")], sort_keys=True).encode())
+    key = hashlib.sha256(json.dumps([ENCODER_SCHEMA, request, versions("torch")], sort_keys=True).encode())
     path = cache_dir() / f"encoders-{key.hexdigest()[:16]}.json"
     with locked(path):
         if path.is_file():
@@ -106,20 +106,18 @@ def measured_encoders(encoders: list[Encoder], workload: Workload) -> dict[str, 
             except (OSError, ValueError, KeyError):
                 pass
         names = ", ".join(e.name for e in encoders)
-        progress(f"measuring {names} at batch {workload.batch_size} from shapes (fake tensors) ...")
+        note(f"plan: measuring {names} at batch {workload.batch_size} from shapes (fake tensors) ...")
         found = run_worker(request)
         atomic_write(path, json.dumps(found, indent=1).encode())
         return found["encoders"]
 
 
-def checked_peak(workload: Workload, framework: str, checked: int, assignment: dict[str, str], profile: Profile
-                 ) -> int:  # fmt: skip
+def checked_peak(workload: Workload, framework: str, checked: int, assignment: dict[str, str], profile: Profile,
+                 get_profile: Callable[[str, Workload], Profile]) -> int:  # fmt: skip
     """A plan's peak checked on the U-Net's step alone (fake tensors, CPU), as the whole step holds
     it: plus what the whole step's ``profile`` predicts beyond the U-Net's own profile."""
     if workload == raw(workload):
         return checked
-    from shared_configs.planning.planner import get_profile
-
     alone = get_profile(framework, raw(workload))
     return (
         checked

@@ -29,6 +29,7 @@ from shared_configs.regime import Regime
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = {"torch": "torch_impl.profile", "jax": "jax_impl.profile"}  # the planner's measuring half
+ENCODERS = "torch_impl.encoders"  # the models beside the U-Net, from shapes (torch only)
 PLANNER_KINDS = ("profile", "peaks", "measure", "encoders")
 EVENT_PREFIX = "@@bench "  # worker stdout lines carrying an event start with this
 # XLA:CPU drops remat's optimization barriers unless this pass is off (docs/remat_vs_checkpoint.md).
@@ -141,7 +142,7 @@ def _json_default(value: Any) -> Any:
 def answer(backend: Backend, request: dict[str, Any]) -> dict[str, Any]:
     """The planner's ``request`` answered by ``backend``."""
     if request["kind"] == "encoders":  # the models beside the U-Net (shared_configs.planning.whole)
-        return backend.encoders(request)  # type: ignore[attr-defined]
+        return importlib.import_module(ENCODERS).encoders(request)
     spec = workload_spec(request["spec"])  # a U-Net's, or the ControlNet step's pair
     extra: dict[str, Any] = {"regime": Regime(**request["regime"])}
     if request["framework"] == "jax":  # torch's attention is not chunked
