@@ -98,7 +98,7 @@ def test_compiled_context_is_a_partial_over_constants() -> None:
     assert ctx.args[0].args == (("conv", "matmul"), True)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # minutes of CPU: left out of the default run
 def test_inductor_batchnorm_plan_updates_running_stats_once(tmp_path: Path) -> None:
     """Under compile the recompute is a graph's, and the running-stat update an input mutation
     applied once: no freeze needed. Stats and gradients equal the plain eager model's."""
@@ -141,7 +141,7 @@ def test_apply_plan_on_diffusers_compiles_with_equal_gradients() -> None:
     assert compiled["saved"] < plain["saved"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # minutes of CPU: left out of the default run
 def test_train_cli_compile_full_trains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``python -m torch_impl.train --compile --policy full`` (inductor) on tiny: finite losses, compile timed."""
     out = tmp_path / "run"

@@ -197,7 +197,7 @@ def test_plans_name_the_units_as_the_unets() -> None:
         resolve_controlnet_plan(spec, "down.1,up.0")
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # minutes of CPU: left out of the default run
 def test_flax_parameter_tree_and_gradients_are_the_same_under_plans() -> None:
     spec = ControlNetSpec(unet=variant("sd_linear_proj", dropout=0.0), conditioning_embedding_out_channels=WIDTHS)
     inputs = _inputs(spec)

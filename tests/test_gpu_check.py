@@ -47,7 +47,7 @@ def test_a_step_over_its_limit_is_stopped_and_a_failed_check_exits_1(
     assert "## slow: stopped at its limit" in (tmp_path / "gpu_check.md").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # minutes of CPU: left out of the default run
 def test_the_guard_step_keeps_an_extra_buffer_within_budget_and_reports_each_record(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

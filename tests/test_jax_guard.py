@@ -57,7 +57,7 @@ def case() -> dict[str, Any]:
             "extra": extra_bytes}  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # minutes of CPU: left out of the default run
 def test_a_step_holding_more_than_the_model_gets_a_plan_whose_compiled_peak_fits(case: dict[str, Any]) -> None:
     # Below `none`'s, above `full`'s plus the extra: the model's step alone would fit a lighter plan.
     budget = case["none"] - case["extra"] // 2

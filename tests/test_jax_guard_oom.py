@@ -68,7 +68,7 @@ def _copy(tree: Any) -> Any:
     return jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, tree)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # minutes of CPU: left out of the default run
 def test_out_of_memory_runs_the_same_step_again_under_a_plan_that_recomputes_more(
     step: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -84,7 +84,7 @@ def test_a_budget_below_the_floor_is_refused_naming_it(tmp_path: Path, capsys: p
     assert not list(tmp_path.glob("max_batch-*.json"))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # minutes of CPU: left out of the default run
 def test_end_to_end_torch(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "benchmarks.max_batch", "--framework", "torch", "--config", "tiny"]
     cmd += ["--policies", "full", "--budget-mib", "12", "--device", "cpu", "--out", str(tmp_path)]

@@ -96,7 +96,7 @@ def test_torch_shapes_only_profile_equals_the_real_one(torch_profile: Profile) -
         assert abs(fake / real - 1) <= 0.01, policy_string(assignment)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # minutes of CPU: left out of the default run
 def test_jax_predictions_match_memory_analysis() -> None:
     """Shapes-only JAX profile (five compiles, none run) against a mixed plan's compiled peak."""
     from jax_impl import profile as profile_jax

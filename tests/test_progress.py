@@ -16,6 +16,9 @@ from shared_configs import progress as pg
 @pytest.fixture(autouse=True)
 def _logger_restored() -> Iterator[None]:
     state = (list(pg.LOGGER.handlers), pg.LOGGER.level, pg.LOGGER.propagate)
+    # Each test starts with logging off, whatever an earlier test in this process (a CLI run in-process,
+    # a worker's set-up) left on the library's logger.
+    pg.LOGGER.handlers[:], pg.LOGGER.level, pg.LOGGER.propagate = [], logging.NOTSET, True
     yield
     pg.LOGGER.handlers[:], pg.LOGGER.level, pg.LOGGER.propagate = state
 

