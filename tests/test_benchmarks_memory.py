@@ -128,7 +128,7 @@ def test_xla_plan_adds_up_to_memory_analysis_and_matches_xla_own_peak() -> None:
     assert plans["full"].parts["activation"] < 0.8 * plans["none"].parts["activation"]
 
 
-@pytest.mark.slow  # two compiles
+@pytest.mark.heavy  # two compiles, a minute of CPU
 def test_a_step_loaded_from_the_persistent_cache_gets_the_same_plan(tmp_path: Path) -> None:
     """A step JAX loads from its compilation cache is not compiled, so XLA dumps nothing: the plan
     comes from the benchmark's own record, or, without one, from a compile past the cache."""

@@ -136,7 +136,10 @@ SMALL_CONDITIONING = {"conditioning_embedding_out_channels": (8, 16)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize(
+    "name",  # diffusers' U-Net: heavy, as test_guard_scripts' guarded runs (its default tests read the model)
+    [pytest.param(n, marks=pytest.mark.heavy) if n == "diffusers" else n for n in SPECS],
+)
 def test_an_extra_buffer_is_kept_within_budget_after_at_most_3_steps(
     name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
