@@ -105,6 +105,21 @@ def test_no_development_process_words() -> None:
     assert found == []
 
 
+DOC_PAGE = re.compile(r"\bdocs/[A-Za-z0-9_]+\.md\b")
+
+
+def test_pages_the_code_names_exist() -> None:
+    """A module that points its reader to a page of the manual points to one that is there."""
+    missing = [
+        f"{path.relative_to(ROOT)}: {page}"
+        for path in sources()
+        if path.suffix == ".py"
+        for page in sorted(set(DOC_PAGE.findall(path.read_text(encoding="utf-8"))))
+        if not (ROOT / page).is_file()
+    ]
+    assert missing == []
+
+
 def test_readme_is_short() -> None:
     assert len((ROOT / "README.md").read_text(encoding="utf-8")) <= README_MAX_CHARS
 

@@ -1,5 +1,5 @@
-"""The one PyTorch memory instrument on CPU, and its cross-checks (mirror: `jax_impl.profile`'s
-compiled memory analysis; docs/memory.md).
+"""The one PyTorch memory instrument on CPU, and its cross-checks (mirror: `jax_impl.memory`, XLA's
+compiled memory plan; docs/benchmark.md).
 
 * `StepTracker`: every tensor storage a step makes or frees (a dispatch mode, frees by weakref):
   the peak, and on request its parts by kind and block, or the planner's per-unit `Timeline`.
