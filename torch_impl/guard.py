@@ -220,20 +220,16 @@ class BudgetGuard:
     @contextlib.contextmanager
     def _measured(self, args: tuple, kwargs: dict) -> Iterator[dict[str, int]]:
         """The step's peak bytes in the block: ``found["measured"]`` (and CUDA's ``allocated``)."""
-        found: dict[str, int] = {}
-        device = self._device()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            yield found
-            found["measured"] = torch.cuda.max_memory_reserved(device)
-            found["allocated"] = torch.cuda.max_memory_allocated(device)
-            return
         from torch_impl.memory import step_peak  # here: `import torch_impl` stays light
 
+        found: dict[str, int] = {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         with step_peak(self.model, self._optimizers, tensors) as tracked:
             yield found
-        found["measured"] = tracked["peak"]
+        if "reserved" in tracked:  # CUDA: judged by what the device holds, the allocator's reserve
+            found.update(measured=tracked["reserved"], allocated=tracked["peak"])
+        else:
+            found["measured"] = tracked["peak"]
 
     def _find_optimizers(self, leaves: list[Any]) -> None:
         """The optimizers whose state the tracker counts and whose parameters a retry restores:
@@ -244,9 +240,10 @@ class BudgetGuard:
         if not self._scanned:
             self._scanned = True
             # type(), not isinstance: some live objects warn when their __class__ is read (torch.distributed.reduce_op)
-            live = [x for x in gc.get_objects() if issubclass(type(x), torch.optim.Optimizer)]
+            objects = gc.get_objects()
+            live = [x for x in objects if issubclass(type(x), torch.optim.Optimizer)]
             found += [base_optimizer(x) for x in live if self._steps_model(x)]
-            self._accelerators = accelerators_among(gc.get_objects())
+            self._accelerators = accelerators_among(objects)
         self._optimizers += [x for x in dict.fromkeys(found) if x not in self._optimizers]
 
     def _steps_model(self, opt: torch.optim.Optimizer) -> bool:

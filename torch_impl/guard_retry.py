@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch_impl.guard_ranks import processes
+
 
 class RetryPoint:
     """The state a guarded call starts from, restorable after its attempt failed."""
@@ -64,8 +66,7 @@ def why_not_retry(stepped: bool) -> str | None:
     may be updated already), or other processes wait in the step's collectives."""
     if stepped:
         return "the optimizer step had begun (some weights may be updated already)"
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and (n := dist.get_world_size()) > 1:
+    if (n := processes()) > 1:
         return f"{n} processes run this step, and the others wait in its collectives"
     return None
 
