@@ -89,10 +89,13 @@ class Progress:
         self.done, self.detail, self.shown = 0, "", False
         self.started = time.monotonic()
 
+    def _head(self) -> str:
+        return f"{self.what}: {self.done}/{self.total}" if self.total else self.what
+
     def line(self) -> str:
         """``what: done/total, detail, 12 s, about 30 s left`` (the estimate from the pace so far)."""
         elapsed = time.monotonic() - self.started
-        parts = [f"{self.what}: {self.done}/{self.total}" if self.total else self.what]
+        parts = [self._head()]
         parts += [self.detail] if self.detail else []
         parts.append(_seconds(elapsed))
         if self.total and 0 < self.done < self.total:
@@ -111,8 +114,7 @@ class Progress:
         """The final line (only where something was said, or logging is on)."""
         if self.shown or _speaks(self.logger):
             self.detail = f"done in {_seconds(time.monotonic() - self.started)}"
-            parts = [f"{self.what}: {self.done}/{self.total}" if self.total else self.what, self.detail]
-            _emit(self.logger, ", ".join(parts), False, self.started, 0.0)
+            _emit(self.logger, f"{self._head()}, {self.detail}", False, self.started, 0.0)
 
 
 @contextmanager
