@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from jax_impl.layers import LORA_A, LORA_LEAVES
+from jax_impl.lora import LORA_A, LORA_LEAVES
 from shared_configs import UNetSpec
 from shared_configs.controlnet import ControlNetSpec
 

@@ -1,9 +1,8 @@
 """U-Net layers in Flax linen (NHWC). Mirrors `torch_impl/layers.py` class for class, name for name.
 
-Every submodule is assigned in ``setup()`` under the torch attribute name, so the parameter tree
-reads like the torch ``state_dict``: ``resnets.0.conv1.weight`` <-> ``resnets_0/conv1/kernel``.
-Each layer takes only the numbers it needs; the U-Net assembly (`unet.py`) reads the spec.
-Norm epsilons and attention scales always come from the caller, never from Flax defaults.
+Submodules are assigned in ``setup()`` under the torch attribute names, so the parameter tree reads
+like the torch ``state_dict`` (``resnets.0.conv1.weight`` <-> ``resnets_0/conv1/kernel``). Layers take
+only the numbers they need (the U-Net assembly reads the spec), never Flax's default epsilons or scales.
 """
 
 from __future__ import annotations
@@ -18,15 +17,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_impl.attention import attention
-from jax_impl.lora import LORA_A as LORA_A  # re-exported: the adapters lived here first
-from jax_impl.lora import LORA_B as LORA_B
-from jax_impl.lora import LORA_LEAVES as LORA_LEAVES
 from jax_impl.lora import LoRADense
-from jax_impl.norms import NORM as NORM  # re-exported: the norms lived here first
-from jax_impl.norms import GroupNorm as GroupNorm
-from jax_impl.norms import LayerNorm as LayerNorm
-from jax_impl.norms import apply_norm as apply_norm
-from jax_impl.norms import batch_norm as batch_norm
 from jax_impl.norms import group_norm, layer_norm, norm_act, norm_layer
 from shared_configs.arch import ClassEmbeddingArgs, timestep_frequencies
 
@@ -98,9 +89,8 @@ class TimestepEmbedding(nn.Module):
         return self.linear_2(nn.silu(self.linear_1(x)))
 
 
-# Class embedding kinds of the spec -> the layer mapping ``class_labels`` to the time embedding's
-# width (diffusers' ``class_embedding``); the same keys as in torch. ``timestep`` runs on the labels'
-# sinusoids (the U-Net computes them); ``identity`` adds the labels as they are, with no layer.
+# Class embedding kinds of the spec -> diffusers' ``class_embedding`` layer (the same keys as torch's);
+# ``timestep`` runs on the labels' sinusoids (the U-Net computes them), ``identity`` has no layer.
 CLASS_EMBEDDING: dict[str, Callable[[ClassEmbeddingArgs], nn.Module | None]] = {
     "embedding": lambda a: nn.Embed(a.num_classes, a.dim),
     "timestep": lambda a: TimestepEmbedding(a.sinusoid_dim, a.dim),
@@ -111,7 +101,7 @@ CLASS_EMBEDDING: dict[str, Callable[[ClassEmbeddingArgs], nn.Module | None]] = {
 
 
 def _resample(x: Array, resample: str) -> Array:
-    """A resampling ResNet's (diffusers' ``down=True`` / ``up=True``): 2x2 average pool or nearest 2x (NHWC)."""
+    """2x2 average pool (``"down"``) or nearest 2x (``"up"``), as diffusers' resampling ResNets."""
     if resample == "down":
         b, h, w, c = x.shape
         return x.reshape(b, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4))
@@ -121,13 +111,8 @@ def _resample(x: Array, resample: str) -> Array:
 
 
 class ResnetBlock(nn.Module):
-    """Norm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip.
-
-    ``resample`` ``"down"`` / ``"up"``: the block is a resampler (diffusers' ResnetDownsample
-    blocks): both paths are pooled / upsampled after the first norm. ``skip_time_act``: the
-    embedding enters the projection without SiLU. ``train`` is positional so that `nn.remat` can
-    mark it static (see `checkpointing.py`).
-    """
+    """Norm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip; with ``resample``
+    both paths are pooled / upsampled after the first norm. ``train`` is positional: `nn.remat` marks it static."""
 
     in_ch: int
     out_ch: int
@@ -171,10 +156,7 @@ def _tokens(x: Array) -> Array:
 
 
 class SelfAttention(nn.Module):
-    """DDPM's spatial self-attention block: GroupNorm (none when ``groups=0``), q/k/v, attention, out, residual.
-
-    The attention is ``heads * head_dim`` wide, which diffusers lets differ from ``ch``.
-    """
+    """DDPM's spatial self-attention: GroupNorm (none when ``groups=0``), q/k/v, attention, out, residual."""
 
     ch: int
     heads: int
@@ -211,11 +193,8 @@ class CrossAttention(nn.Module):
     lora_rank: int | None = None  # LoRA adapters on q/k/v/out (`LoRADense`)
 
     def setup(self) -> None:
-        # No bias on q/k/v, as torch; the key/value input width is inferred from ``context``.
-        dense = projection(self.lora_rank)
-        self.to_q = dense(self.dim, use_bias=False)
-        self.to_k = dense(self.dim, use_bias=False)
-        self.to_v = dense(self.dim, use_bias=False)
+        dense = projection(self.lora_rank)  # no bias on q/k/v, as torch; Flax infers the context's width
+        self.to_q, self.to_k, self.to_v = (dense(self.dim, use_bias=False) for _ in range(3))
         self.to_out = dense(self.dim)
 
     def __call__(self, x: Array, context: Array | None = None, mask: Mask = None) -> Array:
@@ -242,20 +221,15 @@ class FeedForward(nn.Module):
 
 
 def gelu(x: Array) -> Array:
-    """Exact GELU as torch's ``F.gelu`` computes it, x/2 * (1 + erf(x/sqrt(2))). (Flax's default is
-    the tanh approximation; ``jax.nn.gelu(approximate=False)``, the same function written with
-    erfc, leaves XLA:CPU three more half-size arrays live in its backward.)"""
+    """Exact GELU as torch's ``F.gelu``, written with erf: ``jax.nn.gelu(approximate=False)`` uses erfc,
+    which leaves XLA:CPU more arrays live in its backward (and Flax's default is the tanh approximation)."""
     return 0.5 * x * (1.0 + jax.lax.erf(x * math.sqrt(0.5)))
 
 
 @functools.partial(jax.checkpoint, prevent_cse=True)
 def geglu(h: Array) -> Array:
-    """``value * gelu(gate)`` of ``h``'s two halves, recomputed from ``h`` in the backward pass.
-
-    Autodiff would keep the GELU's intermediates (XLA:CPU: four half-size arrays beside ``h``,
-    torch's autograd one, ``gelu(gate)``); recomputed, the backward keeps only ``h`` and the
-    product, which the output projection keeps anyway.
-    """
+    """``value * gelu(gate)`` of ``h``'s two halves, recomputed from ``h`` in the backward pass: autodiff
+    would keep the GELU's intermediates, where torch's autograd keeps only ``gelu(gate)``."""
     value, gate = jnp.split(h, 2, axis=-1)
     return value * gelu(gate)
 
@@ -288,10 +262,7 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer2D(nn.Module):
-    """SD's spatial transformer: GroupNorm, project in, transformer blocks, project out, residual.
-
-    The transformer runs ``heads * head_dim`` wide (the projections map ``ch`` to it and back).
-    """
+    """SD's spatial transformer: GroupNorm, project in (to ``heads * head_dim``), blocks, project out, residual."""
 
     ch: int
     heads: int
@@ -311,14 +282,10 @@ class Transformer2D(nn.Module):
         # when linear_projection is off, and the parameter tree must mirror torch's.
         project = Dense if self.linear_projection else conv1x1
         inner = self.heads * self.head_dim
+        block = functools.partial(TransformerBlock, inner, self.heads, self.ln_eps, self.scale, self.context_dim)
         self.norm = group_norm(self.groups, self.norm_eps)
         self.proj_in = project(inner)
-        self.transformer_blocks = [
-            TransformerBlock(
-                inner, self.heads, self.ln_eps, self.scale, self.context_dim, self.query_chunk, self.lora_rank
-            )
-            for _ in range(self.depth)
-        ]
+        self.transformer_blocks = [block(self.query_chunk, self.lora_rank) for _ in range(self.depth)]
         self.proj_out = project(self.ch)
 
     def __call__(self, x: Array, context: Array | None, mask: Mask = None) -> Array:
@@ -359,8 +326,7 @@ class Upsample(nn.Module):
 
 
 def mask_bias(mask: Array | None, dtype: jnp.dtype) -> Array | None:
-    """A (B, L) context mask (1 keep, 0 drop; bool or float) -> the (B, 1, 1, L) score bias diffusers
-    adds, ``(1 - mask) * -10000`` (not -inf: a fully masked row stays finite, as there)."""
+    """A (B, L) context mask (1 keep, 0 drop) -> diffusers' (B, 1, 1, L) score bias, finite as there."""
     if mask is None:
         return None
     return ((1 - mask.astype(dtype)) * -10000.0)[:, None, None, :]

@@ -1,6 +1,6 @@
 """Norms of the Flax U-Net: GroupNorm / LayerNorm with their outputs tagged ``"norm"`` for remat
 policies (see `jax_impl.layers`), the spec's ResNet norm kinds, and `norm_act`, a norm recomputed in
-the backward pass. Re-exported by `jax_impl.layers`, whose layers use them."""
+the backward pass; `jax_impl.layers` builds its layers from them."""
 
 from __future__ import annotations
 
@@ -46,18 +46,13 @@ NORM: dict[str, Callable[[int, float, float], nn.Module]] = {
 
 
 def norm_layer(ch: int, norm: str, groups: int, eps: float, momentum: float) -> nn.Module:
-    """The ResNet / output norm of kind ``norm`` (``shared_configs.arch.norm_kwargs``).
-
-    ``ch`` is inferred by Flax from the input; it stays in the signature to mirror torch.
-    """
-    del ch
+    """The ResNet / output norm of kind ``norm``."""
+    del ch  # Flax infers it from the input; kept to mirror torch's signature
     return NORM[norm](groups, eps, momentum)
 
 
 def apply_norm(norm: nn.Module, x: Array, train: bool) -> Array:
-    """Call a `norm_layer`: a BatchNorm normalises with batch statistics (and updates its
-    running ones) in train mode, with the running statistics otherwise; a GroupNorm ignores
-    ``train``."""
+    """Call a `norm_layer`; a BatchNorm uses (and updates) batch statistics in train mode, else its running ones."""
     if isinstance(norm, nn.BatchNorm):
         return norm(x, use_running_average=not train)
     return norm(x)
@@ -66,18 +61,10 @@ def apply_norm(norm: nn.Module, x: Array, train: bool) -> Array:
 def norm_act(
     norm: nn.Module, x: Array, train: bool = False, silu: bool = False, film: tuple[Array, Array] | None = None
 ) -> Array:
-    """``norm(x)``, then ``* (1 + scale) + shift`` with ``film=(scale, shift)``, then SiLU if
-    ``silu``; the backward pass recomputes all of it from ``x`` instead of keeping it.
-
-    A norm's backward needs only its input and a few numbers per group, but autodiff keeps more
-    (x - mean, for the variance; the SiLU's input and sigmoid), and XLA:CPU kept three or four
-    full-size arrays per norm where torch's autograd keeps two (the norm's input and output). Under
-    `nn.checkpoint` with no policy only ``x`` is kept: one more pass of elementwise work and a
-    reduction per norm in the backward, beside convolutions and matmuls. The parameter tree is
-    unchanged (the norm's own scope), and a plan's ``save=norm`` still keeps the tagged output
-    inside (an enclosing remat's policy decides for the ones nested in it). Figures:
-    docs/remat_vs_checkpoint.md.
-    """
+    """``norm(x)``, then ``* (1 + scale) + shift`` with ``film=(scale, shift)``, then SiLU if ``silu``,
+    recomputed from ``x`` in the backward pass: autodiff would keep x - mean and the SiLU's input and
+    sigmoid, where torch's autograd keeps the norm's input and output. The parameter tree is unchanged,
+    and a plan's ``save=norm`` still keeps the tagged output. Figures: docs/remat_vs_checkpoint.md."""
 
     def f(module: nn.Module, y: Array, film: tuple[Array, Array] | None) -> Array:
         y = apply_norm(module, y, train)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import DTypeLike
 
-from jax_impl.layers import LORA_LEAVES
+from jax_impl.lora import LORA_LEAVES
 from shared_configs.defaults import device_of
 from shared_configs.regime import DEFAULT, Regime, check_planned
 from shared_configs.spec import SpecError

@@ -1,9 +1,8 @@
-"""The Flax U-Net, assembled from a `UNetSpec`: the one place that reads the spec.
+"""The Flax U-Net, assembled from a `UNetSpec`: the one place that reads the spec. Mirrors `torch_impl/unet.py`.
 
-Mirrors `torch_impl/unet.py`. Checkpointing is chosen here too, once, in ``setup()``: each block
-is built from `checkpointing.remat_class` (``nn.remat(Block)`` or ``Block``) and told which of its
-layers a layer-level plan recomputes. Names come from the ``setup()`` attributes, so the parameter
-tree is identical for every plan and mirrors the torch ``state_dict`` (``down.1`` <-> ``down_1``).
+Checkpointing is chosen here too, once, in ``setup()``: each block is built from `checkpointing.remat_class`
+(``nn.remat(Block)`` or ``Block``) and told which of its layers a layer-level plan recomputes. Names come from
+the ``setup()`` attributes, so the parameter tree is the same for every plan and mirrors torch's ``state_dict``.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from jax_impl.layers import (
 )
 from shared_configs import CheckpointPlan, UNetSpec, block_names, layer_names, load_spec, resolve_plan
 from shared_configs.arch import (
+    BlockArgs,
     attention_args,
     block_resnet_args,
     class_embedding_args,
@@ -58,20 +58,16 @@ def _as_spec(spec: UNetSpec | str) -> UNetSpec:
 def abstract_inputs(
     spec: UNetSpec, batch: int = 1, sample_size: int | None = None, context_len: int = 1
 ) -> dict[str, jax.ShapeDtypeStruct | None]:
-    """Shape structs of every input of ``spec`` (NHWC; `shared_configs.inputs.input_specs`), by name.
-
-    For ``jax.eval_shape(module.init, rngs, **abstract_inputs(spec))``: the parameter tree does not
-    depend on the sizes, so the smallest ones are the default (``sample_size``: 2**(levels-1)).
-    """
+    """Shape structs of every input of ``spec`` (NHWC), by name, for ``jax.eval_shape(module.init, ...)``;
+    the smallest sizes by default, as the parameter tree does not depend on them."""
     size = sample_size or 2 ** (spec.num_levels - 1)
     specs = input_specs(spec, batch, size, context_len, layout="NHWC")
     return {k: None if v is None else jax.ShapeDtypeStruct(v.shape, jnp.dtype(v.dtype)) for k, v in specs.items()}
 
 
 class UNetTrunk(nn.Module):
-    """What the U-Net and the ControlNet share, built from one `UNetSpec` under the same names:
-    ``conv_in``, the time (and class, text_time) embeddings, the ``down`` path and the ``mid``
-    block. Subclasses give `trunk_spec`, ``plan``, ``attention_chunk`` and ``lora_rank``, and call
+    """What the U-Net and the ControlNet share, under the same names: ``conv_in``, the embeddings, ``down``
+    and ``mid``. Subclasses give `trunk_spec`, ``plan``, ``attention_chunk`` and ``lora_rank``, and call
     `_setup_trunk` in their ``setup()``."""
 
     @property
@@ -88,15 +84,21 @@ class UNetTrunk(nn.Module):
         self.conv_in = conv3x3(chans[0])
         self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim, spec.time_embedding.cond_dim)
         self._conditioning_layers()
-        self.down = self._down_path(plan)
-        scale = spec.mid_block_scale_factor
-        self.mid = remat_class(MidBlock, "mid", plan)(
-            chans[-1],
-            self._resnet_factory("mid"),
-            self._attention_factory(spec.mid_attention, -1, "mid", scale),
-            unit="mid",
-            plan=plan,
-        )
+        self.down = [
+            self._block(DownBlock, b, plan, b.in_ch, b.out_ch, spec.layers_per_block,
+                        downsample_padding=b.downsample_padding, resnet_resample=b.resnet_resample)
+            for b in down_blocks(spec)
+        ]  # fmt: skip
+        mid = BlockArgs("mid", chans[-1], chans[-1], spec.mid_attention, -1)
+        self.mid = self._block(MidBlock, mid, plan, chans[-1], output_scale=spec.mid_block_scale_factor)
+
+    @nn.nowrap
+    def _block(self, cls: type[nn.Module], b: BlockArgs, plan: CheckpointPlan, *args: object, output_scale: float = 1.0,
+               **kw: object) -> nn.Module:  # fmt: skip
+        """Block ``b`` of class ``cls`` (remat'd as ``plan`` says), given ``args``, its layers' factories and ``kw``."""
+        make_attention = self._attention_factory(b.attention, b.level, b.name, output_scale)
+        return remat_class(cls, b.name, plan)(*args, make_resnet=self._resnet_factory(b.name),
+                                              make_attention=make_attention, unit=b.name, plan=plan, **kw)  # fmt: skip
 
     @nn.nowrap
     def _conditioning_layers(self) -> None:
@@ -114,24 +116,6 @@ class UNetTrunk(nn.Module):
                                                     img.norm_eps)  # fmt: skip
         elif spec.context_proj_dim is not None:
             self.encoder_hid_proj = Dense(spec.cross_attention_dim)
-
-    @nn.nowrap
-    def _down_path(self, plan: CheckpointPlan) -> list[DownBlock]:
-        spec = self.trunk_spec
-        return [
-            remat_class(DownBlock, b.name, plan)(
-                b.in_ch,
-                b.out_ch,
-                spec.layers_per_block,
-                self._resnet_factory(b.name),
-                self._attention_factory(b.attention, b.level, b.name),
-                b.downsample_padding,
-                b.resnet_resample,
-                unit=b.name,
-                plan=plan,
-            )
-            for b in down_blocks(spec)
-        ]
 
     @nn.nowrap
     def _resnet_factory(self, block: str) -> functools.partial:
@@ -152,9 +136,8 @@ class UNetTrunk(nn.Module):
         self, x: Array, temb: Array, context: Array | None, train: bool, hint: Array | None = None,
         mask: Array | None = None,
     ) -> tuple[Array, list[Array]]:  # fmt: skip
-        """``conv_in`` (plus ``hint``, the ControlNet's conditioning), the down path and the middle
-        block: the middle block's output and the skips, in the order they were pushed. ``mask``: the
-        context's score bias (`jax_impl.layers.mask_bias`)."""
+        """``conv_in`` (plus ``hint``, the ControlNet's conditioning), down path, middle block: the middle
+        block's output and the skips in the order they were pushed. ``mask``: `jax_impl.layers.mask_bias`."""
         h = self.conv_in(x)
         if hint is not None:
             h = h + hint
@@ -202,23 +185,16 @@ class UNetTrunk(nn.Module):
 
 
 class UNet(UNetTrunk):
-    """Diffusion U-Net on NHWC input: ``apply(variables, x, t, context=None, class_labels=None,
-    text_embeds=None, time_ids=None, down_block_additional_residuals=None, mid_block_additional_residual=None,
-    timestep_cond=None, image_embeds=None, encoder_attention_mask=None, train=False)``
-    (`shared_configs.inputs`: which inputs a spec takes).
+    """Diffusion U-Net on NHWC input: ``apply(variables, x, t, ...)`` (see ``__call__``).
 
     Attributes:
         spec: the architecture, a `UNetSpec` or a preset name (``"tiny"``).
-        policy: which blocks/layers to recompute in the backward pass: a policy name (``"full"``,
-            ``"balanced"``, ``"layers"``, ``"every:2"``), a tuple of block names, or a
-            `CheckpointPlan`; ``None`` takes the spec's own ``checkpoint`` field (default none).
-        attention_chunk: compute attention this many queries at a time, each chunk's probabilities
-            recomputed in the backward (`jax_impl.attention`): on XLA:CPU, whose attention is
-            unfused, it keeps the (tokens x tokens) scores out of memory. Same parameters and
-            outputs; ``None`` is off.
-        lora_rank: rank-R LoRA adapters (`jax_impl.layers.LoRADense`) on every attention's query,
-            key, value and output projection, as torch's ``lora:R`` regime adds them through peft;
-            ``jax_impl.train.make_optimizer`` then trains only them.
+        policy: what to recompute in the backward pass: a policy name (``"full"``, ``"every:2"``), a tuple
+            of block names, or a `CheckpointPlan`; ``None`` takes the spec's own ``checkpoint`` field.
+        attention_chunk: queries per attention chunk, each chunk's probabilities recomputed in the
+            backward (`jax_impl.attention`); the same parameters and outputs; ``None`` is off.
+        lora_rank: rank-R LoRA adapters (`jax_impl.layers.LoRADense`) on every attention's q/k/v/out,
+            as torch's ``lora:R`` regime adds them through peft.
     """
 
     spec: UNetSpec | str
@@ -237,8 +213,7 @@ class UNet(UNetTrunk):
 
     @functools.cached_property
     def plan(self) -> CheckpointPlan:
-        """The resolved checkpoint plan, as torch's ``UNet.plan`` (resolved once per module instance);
-        works on an unbound module."""
+        """The resolved checkpoint plan, as torch's ``UNet.plan``; works on an unbound module."""
         return resolve_plan(self.resolved_spec, self.policy)
 
     @property
@@ -255,19 +230,10 @@ class UNet(UNetTrunk):
     @nn.nowrap
     def _up_path(self, plan: CheckpointPlan) -> list[UpBlock]:
         return [
-            remat_class(UpBlock, b.name, plan)(
-                b.in_ch,
-                b.out_ch,
-                b.skip_channels,
-                self._resnet_factory(b.name),
-                self._attention_factory(b.attention, b.level, b.name),
-                add_upsample=b.upsample,
-                resnet_resample=b.resnet_resample,
-                unit=b.name,
-                plan=plan,
-            )
+            self._block(UpBlock, b, plan, b.in_ch, b.out_ch, b.skip_channels, add_upsample=b.upsample,
+                        resnet_resample=b.resnet_resample)
             for b in up_blocks(self.resolved_spec)
-        ]
+        ]  # fmt: skip
 
     def __call__(
         self,
@@ -284,17 +250,12 @@ class UNet(UNetTrunk):
         encoder_attention_mask: Array | None = None,
         train: bool = False,
     ) -> Array:
-        """Predict the noise (or whatever the spec was trained on) for NHWC ``x`` at timesteps ``t``.
+        """Predict the noise (or whatever the spec was trained on) for NHWC ``x`` at timesteps ``t`` (scalar or (B,)).
 
-        ``t``: a scalar or (B,). ``context`` (B, L, cross_attention_dim), ``class_labels``,
-        ``text_embeds`` and ``time_ids``: exactly those the spec takes (`shared_configs.inputs`);
-        anything else is a one-line `ValueError`. ``down_block_additional_residuals`` (NHWC, one per
-        skip, a ControlNet's) are added to the skips after the down path and
-        ``mid_block_additional_residual`` to the middle block's output, as diffusers adds them.
-        ``timestep_cond``, ``image_embeds`` and ``encoder_attention_mask`` (B, L: 1 keeps a context
-        token, 0 masks it) are diffusers' inputs of the same names. ``train=True`` (by keyword) turns
-        dropout on (rng ``"dropout"``) and, with ``norm_kind: batch``, normalises with batch statistics
-        and updates ``"batch_stats"`` (pass ``mutable=["batch_stats"]``).
+        The conditioning inputs are exactly those the spec takes (`shared_configs.inputs`; anything else is a
+        one-line `ValueError`); the rest are diffusers' inputs of the same names (the residuals NHWC). ``train=True``
+        (by keyword) turns dropout on (rng ``"dropout"``) and, with ``norm_kind: batch``, normalises with batch
+        statistics and updates ``"batch_stats"`` (pass ``mutable=["batch_stats"]``).
         """
         spec = self.resolved_spec
         conditioning = {"context": context, "class_labels": class_labels, "text_embeds": text_embeds}

@@ -17,7 +17,7 @@ from jax_impl import regime as jregime
 from jax_impl import step as jstep
 from jax_impl import train as jt
 from jax_impl.convert import _split, flax_to_torch, torch_to_flax
-from jax_impl.layers import LORA_LEAVES
+from jax_impl.lora import LORA_LEAVES
 from shared_configs.regime import Regime
 from tests.helpers.parity import parity_inputs
 from tests.helpers.specs import FAST_COMPILE, variant
