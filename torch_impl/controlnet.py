@@ -7,9 +7,7 @@ names), a conditioning embedding and zero convolutions (`shared_configs.controln
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -131,35 +129,6 @@ class ControlNet(UNetTrunk):
         if self.spec.global_pool_conditions:
             down, mid = [r.mean(dim=(2, 3), keepdim=True) for r in down], mid.mean(dim=(2, 3), keepdim=True)
         return down, mid
-
-    @classmethod
-    def from_diffusers(
-        cls,
-        source: object,
-        variant: str | None = None,
-        *,
-        subfolder: str | None = None,
-        dtype: torch.dtype | None = None,
-        revision: str | None = None,
-    ) -> ControlNet:
-        """Build from a diffusers ``ControlNetModel`` folder, a repo id in the local Hugging Face cache
-        (``subfolder="controlnet"`` in a pipeline), or a live ``ControlNetModel``."""
-        from torch_impl.diffusers_io import from_diffusers
-
-        kwargs = {"subfolder": subfolder, "dtype": dtype, "revision": revision}
-        return from_diffusers(cls, source, variant, **kwargs, controlnet=True)
-
-    def to_diffusers_state_dict(self) -> dict[str, Tensor]:
-        """This model's state_dict in diffusers' ``ControlNetModel`` key names."""
-        from torch_impl.diffusers_io import to_diffusers_state_dict
-
-        return to_diffusers_state_dict(self)
-
-    def save_diffusers(self, folder: str | os.PathLike[str]) -> Path:
-        """Write a folder ``ControlNetModel.from_pretrained`` reads (see `torch_impl.diffusers_io.save_diffusers`)."""
-        from torch_impl.diffusers_io import save_diffusers
-
-        return save_diffusers(self, folder)
 
     def block_names(self, layers: bool = False) -> list[str]:
         """Names a checkpoint plan can use: ``down.*`` and ``mid``, or with ``layers=True`` their layers."""

@@ -15,11 +15,11 @@ _CPU_FORWARD = _aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+def _forward(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
     return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-def _backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+def _backward(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs) -> int:
     return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 

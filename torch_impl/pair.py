@@ -78,16 +78,10 @@ class ControlNetPair(nn.Module):
         return self
 
     def forward(
-        self,
-        x: Tensor,
-        t: Tensor | float,
-        context: Tensor | None = None,
-        class_labels: Tensor | None = None,
-        text_embeds: Tensor | None = None,
-        time_ids: Tensor | None = None,
-        controlnet_cond: Tensor | None = None,
+        self, x: Tensor, t: Tensor | float, context: Tensor | None = None, class_labels: Tensor | None = None,
+        text_embeds: Tensor | None = None, time_ids: Tensor | None = None, controlnet_cond: Tensor | None = None,
         conditioning_scale: float = 1.0,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         if controlnet_cond is None:
             raise ValueError("controlnet_cond: the ControlNet step needs its conditioning image (NCHW)")
         conditioning = {"class_labels": class_labels, "text_embeds": text_embeds, "time_ids": time_ids}

@@ -13,6 +13,7 @@ from torch import nn
 
 from shared_configs import CheckpointPlan, UNetSpec, block_names, layer_names, load_spec, resolve_plan
 from shared_configs.arch import (
+    BlockArgs,
     attention_args,
     block_resnet_args,
     class_embedding_args,
@@ -68,6 +69,31 @@ class UNetTrunk(nn.Module):
         remove_plan(self)
         self.plan = self.resolve("none")
 
+    @classmethod
+    def from_diffusers(
+        cls, source: object, variant: str | None = None, *, subfolder: str | None = None,
+        dtype: torch.dtype | None = None, revision: str | None = None,
+    ) -> UNetTrunk:  # fmt: skip
+        """Build from a diffusers folder (a pipeline's: ``subfolder="unet"`` / ``"controlnet"``), a repo id
+        in the local Hugging Face cache, or a live diffusers model (`torch_impl.diffusers_io.from_diffusers`)."""
+        from torch_impl.diffusers_io import from_diffusers
+
+        controlnet = not issubclass(cls, UNet)
+        return from_diffusers(cls, source, variant, subfolder=subfolder, dtype=dtype, revision=revision,
+                              controlnet=controlnet)  # fmt: skip
+
+    def to_diffusers_state_dict(self) -> dict[str, Tensor]:
+        """This model's state_dict in diffusers' key names (``UNet2D(Condition)Model``, ``ControlNetModel``)."""
+        from torch_impl.diffusers_io import to_diffusers_state_dict
+
+        return to_diffusers_state_dict(self)
+
+    def save_diffusers(self, folder: str | os.PathLike[str]) -> Path:
+        """Write a local diffusers model folder (`torch_impl.diffusers_io.save_diffusers`)."""
+        from torch_impl.diffusers_io import save_diffusers
+
+        return save_diffusers(self, folder)
+
     def _build_trunk(self) -> None:
         spec = self.trunk_spec
         chans = spec.block_out_channels
@@ -76,13 +102,7 @@ class UNetTrunk(nn.Module):
         self._conditioning_layers()
         self.down = nn.ModuleList(
             DownBlock(
-                b.in_ch,
-                b.out_ch,
-                spec.layers_per_block,
-                self._resnet_factory(b.name),
-                self._attention_factory(b.attention, b.level, b.name),
-                b.downsample_padding,
-                b.resnet_resample,
+                b.in_ch, b.out_ch, spec.layers_per_block, *self._factories(b), b.downsample_padding, b.resnet_resample
             )
             for b in down_blocks(spec)
         )
@@ -106,6 +126,9 @@ class UNetTrunk(nn.Module):
                                                     img.norm_eps)  # fmt: skip
         elif spec.context_proj_dim is not None:
             self.encoder_hid_proj = nn.Linear(spec.context_proj_dim, spec.cross_attention_dim)
+
+    def _factories(self, b: BlockArgs) -> tuple[functools.partial, AttentionFactory | None]:
+        return self._resnet_factory(b.name), self._attention_factory(b.attention, b.level, b.name)
 
     def _resnet_factory(self, block: str) -> functools.partial:
         return functools.partial(ResnetBlock, **kwargs(block_resnet_args(self.trunk_spec, block)))
@@ -170,30 +193,15 @@ class UNetTrunk(nn.Module):
 
 
 class UNet(UNetTrunk):
-    """Diffusion U-Net on NCHW input: ``forward(x, t, context=None, class_labels=None, text_embeds=None,
-    time_ids=None, down_block_additional_residuals=None, mid_block_additional_residual=None,
-    timestep_cond=None, image_embeds=None, encoder_attention_mask=None)`` (see `shared_configs.inputs`
-    for which inputs a spec takes).
-
-    ``policy`` (a policy string, block names or a `CheckpointPlan`; ``None``: the spec's own
-    ``checkpoint`` field) is applied at construction, as ``jax_impl.UNet(policy=...)`` does;
-    `enable_gradient_checkpointing` / `disable_gradient_checkpointing` change it.
-    """
+    """Diffusion U-Net on NCHW input. ``policy`` (a policy string, block names or a `CheckpointPlan`;
+    ``None``: the spec's own ``checkpoint`` field) is applied at construction, as in ``jax_impl.UNet``."""
 
     def __init__(self, spec: UNetSpec | str, policy: Policy | CheckpointPlan = None) -> None:
         super().__init__()
         self.spec = spec = load_spec(spec) if isinstance(spec, str) else spec
         self._build_trunk()
         self.up = nn.ModuleList(
-            UpBlock(
-                b.in_ch,
-                b.out_ch,
-                b.skip_channels,
-                self._resnet_factory(b.name),
-                self._attention_factory(b.attention, b.level, b.name),
-                b.upsample,
-                b.resnet_resample,
-            )
+            UpBlock(b.in_ch, b.out_ch, b.skip_channels, *self._factories(b), b.upsample, b.resnet_resample)
             for b in up_blocks(spec)
         )
         chans = spec.block_out_channels
@@ -246,34 +254,6 @@ class UNet(UNetTrunk):
             h = block(h, skips[-count:], temb, context, mask)
             del skips[-count:]
         return self.conv_out(F.silu(self.conv_norm_out(h)))
-
-    @classmethod
-    def from_diffusers(
-        cls,
-        source: object,
-        variant: str | None = None,
-        *,
-        subfolder: str | None = None,
-        dtype: torch.dtype | None = None,
-        revision: str | None = None,
-    ) -> UNet:
-        """Build from a diffusers folder, a repo id in the local Hugging Face cache, or a live
-        diffusers U-Net (see `torch_impl.diffusers_io.from_diffusers`)."""
-        from torch_impl.diffusers_io import from_diffusers
-
-        return from_diffusers(cls, source, variant, subfolder=subfolder, dtype=dtype, revision=revision)
-
-    def to_diffusers_state_dict(self) -> dict[str, torch.Tensor]:
-        """This model's state_dict in diffusers' key names (``UNet2D(Condition)Model``)."""
-        from torch_impl.diffusers_io import to_diffusers_state_dict
-
-        return to_diffusers_state_dict(self)
-
-    def save_diffusers(self, folder: str | os.PathLike[str]) -> Path:
-        """Write this model as a local diffusers model folder (see `torch_impl.diffusers_io.save_diffusers`)."""
-        from torch_impl.diffusers_io import save_diffusers
-
-        return save_diffusers(self, folder)
 
     def block_names(self, layers: bool = False) -> list[str]:
         """Names a checkpoint plan can use: blocks, or with ``layers=True`` ResNets/attentions."""
