@@ -1,9 +1,8 @@
 """The ControlNet training step in JAX/Flax: `torch_impl/pair.py`'s mirror.
 
-`ControlNetPair` holds the frozen U-Net (``unet``) and the trained ControlNet (``controlnet``) under
-one pair plan's units (`shared_configs.pair`). The step differentiates the ControlNet's parameters
-only; the U-Net's are an argument it reads (no weight gradient there) and runs without dropout, as
-diffusers does. `pair_trainee` is what the one training loop (`jax_impl.train`) steps.
+`ControlNetPair` holds the frozen U-Net (``unet``) and the trained ControlNet (``controlnet``) under one
+pair plan (`shared_configs.pair`). The step differentiates the ControlNet's parameters only; the U-Net's
+are an argument it reads, run without dropout as diffusers does. `pair_trainee` is what the loop steps.
 Docs: docs/training.md "Training a ControlNet", docs/planning.md "The ControlNet step".
 """
 
@@ -19,8 +18,8 @@ from flax import linen as nn
 from jax.typing import DTypeLike
 
 from jax_impl.controlnet import ControlNet, abstract_controlnet_inputs
-from jax_impl.regime import apply_regime, cast_floating, update_ema
-from jax_impl.step import Trainee, TrainState
+from jax_impl.regime import apply_regime, cast_floating
+from jax_impl.step import Trainee, TrainState, apply_gradients
 from jax_impl.unet import UNet
 from shared_configs.pair import ControlNetPairSpec, PairPlan, split_pair_plan
 from shared_configs.regime import DEFAULT, Regime
@@ -66,8 +65,7 @@ class ControlNetPair(nn.Module):
 def init_pair(
     pair: ControlNetPair, tx: optax.GradientTransformation, seed: int, regime: Regime = DEFAULT
 ) -> tuple[TrainState, Any]:
-    """The ControlNet's `TrainState` (its encoder's parameters the U-Net's, as diffusers'
-    ``from_unet``; the conditioning embedding fresh, the zero convolutions zero) and the U-Net's
+    """The ControlNet's `TrainState` (its encoder the U-Net's, as diffusers' ``from_unet``) and the U-Net's
     parameters, both in ``regime``'s weight dtype."""
     shapes = abstract_controlnet_inputs(pair.spec.controlnet)
     inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
@@ -93,8 +91,7 @@ def pair_trainee(pair: ControlNetPair, unet_params: Any) -> Trainee:
 def loss_fn(
     params: Any, unet_params: Any, model: ControlNetPair, batch: tuple, key: Array, compute_dtype: DTypeLike = None
 ) -> Array:
-    """The U-Net's noise-prediction MSE, in float32; with ``compute_dtype`` the parameters and the
-    floating inputs are cast as `jax_impl.step.loss_fn` casts them (the timesteps stay float32)."""
+    """The U-Net's noise-prediction MSE in float32; ``compute_dtype`` as in `jax_impl.step.loss_fn`."""
     noisy, t, noise, context, class_labels, text_embeds, time_ids, cond = batch
     variables = {"params": {"controlnet": params, "unet": unet_params}}
     if compute_dtype is not None:
@@ -118,18 +115,9 @@ def train_step(
     compute_dtype: DTypeLike | None = None,
     loss_scale: float | None = None,
 ) -> tuple[TrainState, Array]:
-    """One ControlNet step: loss and the ControlNet's gradients (through both networks' remat
-    plans), optax update; ``unet_params`` read, not differentiated. Static arguments and the
-    regime's as `jax_impl.step.train_step`'s. Returns (new state, loss)."""
-    scale = 1.0 if loss_scale is None else loss_scale
+    """One ControlNet step (as `jax_impl.step.train_step`): ``unet_params`` read, not differentiated."""
 
-    def scaled(params: Any) -> tuple[Array, Array]:
-        loss = loss_fn(params, unet_params, model, batch, dropout_key, compute_dtype)
-        return loss * scale, loss
+    def loss(params: Any) -> tuple[Array, Any]:
+        return loss_fn(params, unet_params, model, batch, dropout_key, compute_dtype), state.batch_stats
 
-    (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(state.params)
-    if loss_scale is not None:
-        grads = jax.tree.map(lambda g: g / scale, grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    return TrainState(params, opt_state, state.batch_stats, update_ema(state.ema, params)), loss
+    return apply_gradients(state, tx, loss_scale, loss)

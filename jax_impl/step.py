@@ -46,7 +46,6 @@ from shared_configs.units import MIB
 # inputs in its order (`shared_configs.training.data.CONDITIONING`), None where the spec takes none.
 Arrays = tuple[jax.Array | None, ...]
 Step = Callable[["TrainState", int], tuple["TrainState", float]]
-PEAK_INSTRUMENT = "XLA's memory_analysis() of the compiled step this loop runs"
 
 
 @flax.struct.dataclass
@@ -60,8 +59,7 @@ class TrainState:
 
     @classmethod
     def create(cls, variables: Any, tx: optax.GradientTransformation, regime: Regime = DEFAULT) -> TrainState:
-        """From Flax ``variables`` (``model.init``'s, or `jax_impl.convert.torch_to_flax_variables`'s),
-        in ``regime``: params cast to its weight dtype, an EMA copy when it keeps one."""
+        """From Flax ``variables`` in ``regime``: params cast to its weight dtype, an EMA copy when it keeps one."""
         params = apply_regime(variables["params"], regime)
         return cls(params, tx.init(params), variables.get("batch_stats", {}), init_ema(params, regime))
 
@@ -90,12 +88,9 @@ def nhwc(*values: np.ndarray | None) -> tuple[np.ndarray | None, ...]:
 
 
 def init_state(model: UNet, tx: optax.GradientTransformation, seed: int, regime: Regime = DEFAULT) -> TrainState:
-    """Fresh parameters (from ``seed``), their optimizer state, and initial BatchNorm statistics, in
-    ``regime`` (`TrainState.create`)."""
-    spec = model.resolved_spec
-    # Zeros of every input the spec takes (batch 1, one context token): the parameter shapes do not
-    # depend on the sizes; the spec's own sample size, as before, keeps the traced init unchanged.
-    wanted = input_specs(spec, 1, context_len=1, layout="NHWC")
+    """Fresh parameters (from ``seed``), their optimizer state and BatchNorm statistics, in ``regime``."""
+    # Batch 1, one context token, the spec's own sample size: the parameter shapes do not depend on them.
+    wanted = input_specs(model.resolved_spec, 1, context_len=1, layout="NHWC")
     inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in wanted.items()}
     rngs = {"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1)}
     return TrainState.create(jax.jit(model.init)(rngs, **inputs), tx, regime)
@@ -109,17 +104,12 @@ def loss_fn(
     dropout_key: jax.Array,
     compute_dtype: DTypeLike | None = None,
 ) -> tuple[jax.Array, Any]:
-    """MSE between the predicted and the true noise (dropout on, batch statistics), in float32.
+    """MSE between the predicted and the true noise (dropout on, batch statistics), in float32, and the
+    updated batch_stats (under remat an output of the forward: they move once per step; never cast).
 
-    Returns (loss, updated batch_stats): under remat the collection is an output of the forward,
-    so the running statistics move once per step (torch needs `torch_impl.batchnorm` for that).
-    The batch_stats are never cast: Flax computes and keeps BatchNorm statistics in float32.
-
-    With ``compute_dtype`` (``jnp.bfloat16``) the params, image and context are cast to it, so every
-    conv and matmul of the forward (and, by transposition, of the backward) runs in that dtype;
-    the gradients flow back through the casts as float32. The timesteps stay float32: bf16 keeps
-    8 significant bits, so t in [512, 1024) would round to multiples of 4; the U-Net casts its
-    sinusoidal features (bounded by 1) to the image dtype instead.
+    With ``compute_dtype`` the params and floating inputs are cast to it, so every conv and matmul runs in
+    that dtype; the gradients flow back through the casts as float32. The timesteps stay float32: bf16
+    would round t in [512, 1024) to multiples of 4 (the U-Net casts its sinusoids instead).
     """
     noisy, t, noise, *conditioning = batch
     check_conditioning(model.resolved_spec, dict(zip(CONDITIONING, conditioning, strict=True)))  # at trace time
@@ -147,33 +137,41 @@ def train_step(
     compute_dtype: DTypeLike | None = None,
     loss_scale: float | None = None,
 ) -> tuple[TrainState, jax.Array]:
-    """One DDPM step: loss and gradients (through the remat plan the model carries), optax update.
+    """One DDPM step through the remat plan the model carries: (new state, loss).
 
-    ``model``, ``tx``, ``compute_dtype`` and ``loss_scale`` are static: keep one object of each (see
-    `jax_impl.regime.make_optimizer`) to compile once. ``compute_dtype=jnp.bfloat16`` is mixed
-    precision (see `loss_fn`): params, gradients, optimizer state and loss stay float32.
-    ``loss_scale`` (float16) multiplies the loss before the backward and divides the gradients
-    after. A state with an ``ema`` moves it toward the new params. Returns (new state, loss).
+    The keyword arguments are static: keep one object of each (`jax_impl.regime.make_optimizer`) to
+    compile once. ``compute_dtype`` is mixed precision (`loss_fn`); ``loss_scale`` is float16's.
     """
+
+    def loss(params: Any) -> tuple[jax.Array, Any]:
+        return loss_fn(params, state.batch_stats, model, batch, dropout_key, compute_dtype)
+
+    return apply_gradients(state, tx, loss_scale, loss)
+
+
+def apply_gradients(
+    state: TrainState, tx: optax.GradientTransformation, loss_scale: float | None, loss: Callable[[Any], tuple]
+) -> tuple[TrainState, jax.Array]:
+    """The optax update of ``state`` by the gradients of ``loss(params) -> (loss, batch_stats)``: the loss
+    multiplied by ``loss_scale`` before the backward, the gradients divided after; the EMA moved."""
     scale = 1.0 if loss_scale is None else loss_scale
 
     def scaled(params: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
-        loss, stats = loss_fn(params, state.batch_stats, model, batch, dropout_key, compute_dtype)
-        return loss * scale, (loss, stats)
+        value, stats = loss(params)
+        return value * scale, (value, stats)
 
-    (_, (loss, batch_stats)), grads = jax.value_and_grad(scaled, has_aux=True)(state.params)
+    (_, (value, batch_stats)), grads = jax.value_and_grad(scaled, has_aux=True)(state.params)
     if loss_scale is not None:
         grads = jax.tree.map(lambda g: g / scale, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    return TrainState(params, opt_state, batch_stats, update_ema(state.ema, params)), loss
+    return TrainState(params, opt_state, batch_stats, update_ema(state.ema, params)), value
 
 
 @dataclass(frozen=True)
 class Trainee:
-    """What a loop steps: ``model`` (a `UNet`, or a `jax_impl.pair.ControlNetPair`), the jitted step
-    that trains it (``step(state, *frozen, batch, key, *, model, tx, ...)``, the state donated),
-    what that step reads and never trains (the pair's U-Net parameters), and ``variables(state,
+    """What a loop steps: ``model`` (a `UNet` or a `jax_impl.pair.ControlNetPair`), its jitted ``step(state,
+    *frozen, batch, key, *, model, tx, ...)``, what that step reads and never trains, and ``variables(state,
     *frozen)``: what ``model.apply`` takes."""
 
     model: Any
@@ -197,11 +195,8 @@ def make_step(
 ) -> Step:
     """``step(state, s) -> (state, loss)``: training step ``s`` on its batch (a function of (seed, s)).
 
-    With a ``mesh`` (`jax_impl.parallel.make_mesh`) the state is placed as ``cfg.distributed``
-    says and the batch split over the devices; the regime picks the compute dtype and the loss
-    scale (`jax_impl.regime.step_options`). With a ``budget`` the step is compiled ahead of the
-    first one as the planner compiled it (`compile_step`) and its compiled peak printed beside the
-    prediction.
+    With a ``mesh`` the state is placed as ``cfg.distributed`` says and the batch split over the devices.
+    With a ``budget`` the step is compiled as the planner compiled it and its peak printed beside the prediction.
     """
     step_fn = functools.partial(trainee.step, model=trainee.model, tx=tx, **step_options(cfg.regime))
     compiled: list[jax.stages.Compiled] = []  # with a budget: the one executable every step runs
@@ -228,8 +223,7 @@ def make_step(
 
 
 def compile_step(step_fn: functools.partial, *args: Any) -> jax.stages.Compiled:
-    """``step_fn`` (a jitted step with its static arguments) compiled for ``args``; on CPU with
-    remat's optimization barriers kept (`XLA_CPU_OPTIONS`), as the planner's profile compiles it."""
+    """``step_fn`` (a jitted step with its static arguments) compiled for ``args`` as the planner compiles it."""
     options = XLA_CPU_OPTIONS if jax.default_backend() == "cpu" else {}
     return step_fn.func.lower(*args, **step_fn.keywords).compile(compiler_options=options)
 
@@ -237,7 +231,7 @@ def compile_step(step_fn: functools.partial, *args: Any) -> jax.stages.Compiled:
 def peak_instrument() -> str:
     """How a budgeted run's compiled peak is read, as its line says."""
     cpu = "; XLA:CPU with cse_barrier_expander off, as planned" if jax.default_backend() == "cpu" else ""
-    return PEAK_INSTRUMENT + cpu
+    return "XLA's memory_analysis() of the compiled step this loop runs" + cpu
 
 
 def guard_step(
@@ -249,10 +243,8 @@ def guard_step(
     budget: RunPlan,
     first: int,
 ) -> StepPlan:
-    """`jax_impl.plan_for_step` on the loop's own step (its regime's options; the run's state, the
-    frozen arguments and the batch of step ``first``, as shapes) from the preamble's plan: the plan
-    corrected by what the compiled step holds beyond the planner's model step. Only compiled; one
-    line: the plan in force. ``spec``: the U-Net's, or the ControlNet pair's."""
+    """`jax_impl.plan_for_step` on the loop's own step (as shapes, the batch of step ``first``) from the run's
+    plan: that plan corrected by what the compiled step holds beyond the model's. Says the plan in force."""
     options, (state, dataset, schedule) = step_options(cfg.regime), data
     batch = arrays(dataset.batch(first, cfg.batch_size, schedule, cfg.seed))
     args = (state, *trainee.frozen, batch, jax.random.key(0))
