@@ -30,8 +30,7 @@ from shared_configs.regime import Regime
 from tests.helpers.specs import variant
 from tests.test_guard import check_by_prediction, checking_by_prediction, plan_cache  # noqa: F401 (fixtures)
 from torch_impl import BudgetGuard, ControlNetPair
-from torch_impl.guard_model import step_spec, take_over_checkpointing
-from torch_impl.guard_regime import regime_seen
+from torch_impl.guard_model import regime_seen, step_spec, take_over_checkpointing
 from torch_impl.guard_retry import RetryPoint
 from torch_impl.wrappers import compiled, unwrap
 

@@ -13,8 +13,7 @@ from shared_configs.planning.planner import for_framework
 from torch_impl.controlnet import ControlNet as ControlNet
 from torch_impl.diffusers_plan import apply_plan, remove_plan
 from torch_impl.guard import BudgetGuard
-from torch_impl.guard_model import step_spec
-from torch_impl.guard_regime import regime_seen
+from torch_impl.guard_model import regime_seen, step_spec
 from torch_impl.pair import ControlNetPair
 from torch_impl.unet import UNet
 from torch_impl.wrappers import unwrap
@@ -27,7 +26,7 @@ def plan_for_budget(spec: Any, batch_size: int, budget_bytes: int, sample_size: 
     preset name, a spec file, our `UNet`, a live diffusers ``UNet2D(Condition)Model`` (its config;
     peft adapters or not), or a `ControlNetPair` (its step; ``controlnet=True`` with a U-Net spec:
     the same); a model may be wrapped (DDP, accelerate's, ``torch.compile``'s). A model given
-    without ``regime``: the regime its weights show (`torch_impl.guard_regime.regime_seen`)."""
+    without ``regime``: the regime its weights show (`torch_impl.guard_model.regime_seen`)."""
     if isinstance(spec, nn.Module):
         model = unwrap(spec)
         spec = step_spec(model)

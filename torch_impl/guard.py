@@ -1,12 +1,10 @@
 """`BudgetGuard`: keep a memory budget in the user's own training step, on the user's own device.
 
-A plan is exact on the step the planner profiled; the user's step holds more (text encoders, a
-teacher's features, an EMA, the CUDA allocator's cache). The guard plans, puts the plan on the
-model, measures the step's peak over whole optimizer steps (the first `MEASURED_STEPS` and the
-`MEASURED_STEPS` after each change), re-plans for ``budget - (measured - predicted)`` when over,
-loosens once when far under, and after an out-of-memory error runs the same micro-step again under a
-plan that recomputes more (`torch_impl.guard_retry` restores what the attempt changed). The models it
-takes: `torch_impl.guard_model`. The rules and the measured runs: docs/guard.md.
+The guard plans, measures the step's peak over whole optimizer steps, re-plans for ``budget -
+(measured - predicted)`` when over, loosens once when far under, and after an out-of-memory error
+runs the micro-step again under a plan that recomputes more (`torch_impl.guard_retry`). What it reads
+from the model: `torch_impl.guard_model`; several processes: `torch_impl.guard_ranks`. Mirror:
+`jax_impl/guard.py`. The rules and the measured runs: docs/guard.md.
 """
 
 from __future__ import annotations
@@ -32,9 +30,8 @@ from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from shared_configs.units import MIB
 from torch_impl.diffusers_plan import apply_plan
-from torch_impl.guard_model import step_spec, take_over_checkpointing
+from torch_impl.guard_model import RegimeWatch, regime_seen, step_spec, take_over_checkpointing
 from torch_impl.guard_ranks import agreed_peak, from_rank0, processes
-from torch_impl.guard_regime import RegimeWatch, regime_seen
 from torch_impl.guard_retry import RetryPoint, accelerators_among, base_optimizer, why_not_retry
 from torch_impl.pair import ControlNetPair
 from torch_impl.wrappers import compiled, unwrap
@@ -48,32 +45,25 @@ _PLAN_OPTIONS = ("world_size", "distributed", "candidates", "rounds")  # `planne
 
 @dataclass(frozen=True)
 class GuardRecord:
-    """One measurement or one change: a measurement has ``measured``; a change (``action``
-    "planned", "given", "tightened", "loosened", "recompute more", "regime") has the new plan and its prediction, and
-    as ``outside`` the bytes it was planned to leave for the rest of the step."""
+    """One measurement (``measured`` set) or one change of plan (``outside``: the bytes it leaves for the rest)."""
 
     step: int  # the guarded step (1 = the first `BudgetGuard.run`; 0: construction)
     plan: str  # the policy measured, or put on
     predicted: int  # the planner's peak of ``plan`` for the model's own step (bytes)
     measured: int | None  # the step's peak (CUDA: max reserved; CPU: step_peak); None for a change
     outside: int | None  # bytes the step held beyond the model's step (measured - predicted)
-    action: str  # "measured", "over budget", "out of memory", "full failed", "not retried", or a change's
+    action: str  # "measured", "over budget", "out of memory", "full failed", "not retried", or a change:
+    # "planned", "given", "tightened", "loosened", "recompute more", "regime"
     allocated: int | None = None  # CUDA only: max_memory_allocated over the step
 
 
 class BudgetGuard:
     """Plan ``model`` for ``budget_bytes`` and keep its training step within it (module docstring).
 
-    ``model``: a `torch_impl.UNet` or diffusers' ``UNet2DConditionModel`` / ``UNet2DModel`` (peft
-    adapters or not), or a `torch_impl.ControlNetPair` (``ControlNetPair.of(unet, controlnet)``: the
-    pair's workload, pair plans on both networks); wrapped ones are unwrapped (DDP, accelerate's,
-    ``torch.compile``'s), diffusers' own gradient checkpointing is replaced by the plan (one line).
-    ``batch_size``, ``regime`` (`shared_configs.regime.Regime`; default: what the model shows), ``sample_size``
-    and ``planner_options`` (``context_length``, ``world_size``, ``distributed``, ``candidates``, ...)
-    describe the step to the planner as `torch_impl.plan_for_budget` takes them.
-    ``policy``: start from this plan instead of planning (a resumed run's last plan); it is measured
-    and corrected like a planned one.
-    Raises `shared_configs.planning.solver.Infeasible` when no plan fits the budget at all.
+    ``model``: what `torch_impl.guard_model.step_spec` reads, wrapped or not. ``batch_size``, ``regime``
+    (default: what the model shows), ``sample_size`` and ``planner_options`` describe the step as
+    `torch_impl.plan_for_budget` takes them. ``policy``: start from this plan (a resumed run's last)
+    instead of planning. Raises `shared_configs.planning.solver.Infeasible` when no plan fits at all.
     """
 
     def __init__(
@@ -109,7 +99,7 @@ class BudgetGuard:
         self._scanned = False  # live objects searched for the model's optimizers and accelerate's Accelerator
         self._stepped = False  # an optimizer over the model's parameters began a step (since the last look)
         self._fresh = False  # the last call ended with an optimizer step: no gradient accumulated since
-        self._hook = _spot_optimizers(self)
+        _spot_optimizers(self)
         if taken := take_over_checkpointing(self.model):
             self._say(f"{' and '.join(taken)}: its own gradient checkpointing is off; the guard's plan replaces it")
         if policy is not None:  # a plan already made for this step (a resumed run's last one): predicted only
@@ -125,10 +115,8 @@ class BudgetGuard:
     # -- the step ------------------------------------------------------------------------------
 
     def run(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``step_fn(*args, **kwargs)`` under the plan in force; returns what it returns. Measured
-        when due; after an out-of-memory error, run again under a plan that recomputes more, from
-        the state it started from (`torch_impl.guard_retry.RetryPoint`), or re-raised with one
-        line saying why it cannot be."""
+        """``step_fn(*args, **kwargs)`` under the plan in force, measured when due; after an out-of-memory
+        error, run again from the state it started from under a plan that recomputes more, or re-raised."""
         self._step += 1
         if self._stepped:  # the optimizer stepped outside ``step_fn`` since the last call
             self._fresh = True
@@ -153,10 +141,8 @@ class BudgetGuard:
         raise AssertionError("unreachable: the last rung is `full`, which re-raises")
 
     def step(self, context: Callable[..., Any] | None = None, *context_args: Any) -> Callable[[Callable[[], Any]], Any]:
-        """A decorator that runs the function it decorates at once, as `run` does, inside
-        ``context(*context_args)`` entered afresh for each attempt (``accelerator.accumulate, unet``),
-        and binds its name to what it returns: a script's loop body becomes the guarded step by
-        its ``with`` line turned into two lines (docs/guard.md's recipes)."""
+        """A decorator that runs the function at once as `run` does, inside ``context(*context_args)``
+        entered afresh for each attempt (``accelerator.accumulate, unet``; docs/guard.md's recipes)."""
 
         def body(fn: Callable[[], Any]) -> Any:
             if context is None:
@@ -179,8 +165,7 @@ class BudgetGuard:
         return out
 
     def _optimizer_stepped(self) -> None:
-        """One optimizer step ended: judge the peak over its micro-steps, if they were measured
-        (after the first, the regime it showed: re-planned once if it is not the one planned for)."""
+        """One optimizer step ended: judge the peak over its measured micro-steps (after the first, its regime)."""
         self._stepped = False
         self._optimizer_steps += 1
         if self._optimizer_steps == 1 and self._regime_differs():
@@ -191,8 +176,8 @@ class BudgetGuard:
             self._judge({**found, "measured": agreed_peak(found["measured"], self._device())})
 
     def _regime_differs(self) -> bool:
-        """The regime the first optimizer step showed (`torch_impl.guard_regime.RegimeWatch`): one line
-        on a mismatch with a given regime; a guessed one is replaced, and the step re-planned."""
+        """A regime the first optimizer step shows unlike the one planned: said for a given regime; a
+        guessed one is replaced, and the step re-planned."""
         planned = self._workload.regime
         if not self._watch.forwarded:
             return False
@@ -232,10 +217,8 @@ class BudgetGuard:
             found["measured"] = tracked["peak"]
 
     def _find_optimizers(self, leaves: list[Any]) -> None:
-        """The optimizers whose state the tracker counts and whose parameters a retry restores:
-        those among ``step_fn``'s arguments, at the first call those over the model's parameters
-        among all live objects (one scan of the garbage collector's objects: an optimizer in
-        ``step_fn``'s closure; accelerate's ``Accelerator`` too), and any seen stepping them."""
+        """The optimizers the tracker counts and a retry restores: among ``step_fn``'s arguments, at the
+        first call among all live objects (an optimizer in a closure; accelerate's ``Accelerator`` too)."""
         found = [base_optimizer(x) for x in leaves if isinstance(x, torch.optim.Optimizer)]
         if not self._scanned:
             self._scanned = True
@@ -250,7 +233,6 @@ class BudgetGuard:
         return any(id(p) in self._params for g in opt.param_groups for p in g["params"])
 
     def _spot(self, opt: torch.optim.Optimizer) -> None:
-        """An optimizer began a step: note it if it steps the model's parameters."""
         opt = base_optimizer(opt)
         if opt in self._optimizers or self._steps_model(opt):
             self._stepped = True
@@ -258,20 +240,18 @@ class BudgetGuard:
                 self._optimizers.append(opt)
 
     def _retried_params(self) -> list[nn.Parameter]:
-        """The parameters whose gradients a retry restores: the model's and its optimizers'."""
+        """The parameters whose gradients a retry restores."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         params += [p for o in self._optimizers for g in o.param_groups for p in g["params"]]
         return list({id(p): p for p in params}.values())
 
     def _judge(self, found: dict[str, int]) -> None:
-        """Record a measurement; tighten when over budget, loosen once when far under (module docstring)."""
+        """Record a measurement; tighten when over budget, loosen once when far under."""
         measured = found["measured"]
-        outside = measured - self._predicted
-        over = measured > self.budget
+        outside, over = measured - self._predicted, measured > self.budget
         action = "over budget" if over else "measured"
-        self.history.append(
-            GuardRecord(self._step, self.plan, self._predicted, measured, outside, action, found.get("allocated"))
-        )
+        self.history.append(GuardRecord(self._step, self.plan, self._predicted, measured, outside, action,
+                                        found.get("allocated")))  # fmt: skip
         self._left -= 1
         self._window.append(measured)
         if over:
@@ -332,8 +312,11 @@ class BudgetGuard:
         self._say(f"ran out of memory under {self.plan}; not run again: {why}; re-raising")
 
     def _switch(self, policy: str, predicted: int, action: str, outside: int | None) -> None:
-        """Put ``policy`` on the model; measure the next `MEASURED_STEPS` steps."""
-        _apply(self.model, policy)
+        """Put ``policy`` on the model (a pair plan on both networks of a pair); measure the next steps."""
+        if isinstance(self.model, ControlNetPair):
+            self.model.enable_gradient_checkpointing(policy)
+        else:
+            apply_plan(self.model, policy)
         if self._compiled:  # compiled code traced the old plan's forwards
             torch.compiler.reset()
         self.plan, self._predicted = policy, predicted
@@ -354,9 +337,8 @@ class BudgetGuard:
         return from_rank0(lambda: self._plan_here(budget))  # every rank puts on rank 0's plan
 
     def _plan_here(self, budget: int) -> tuple[str, int] | None:
-        """The planner's plan for ``budget`` and its predicted peak; None if no plan fits (or none
-        passes the planner's check: `shared_configs.planning.planner.fit_checked`). Its
-        progress lines are kept off stderr (the profile is cached): the guard says one line."""
+        """The planner's plan for ``budget`` and its predicted peak; None if none fits (or passes
+        `shared_configs.planning.planner.fit_checked`). Its progress lines are kept off stderr."""
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 planned = planner.plan(self._workload, budget, "torch", **self._plan_options)
@@ -374,15 +356,7 @@ class BudgetGuard:
         say(f"guard: {rank}step {self._step}: {message}")  # through logging when it is on
 
 
-def _apply(model: nn.Module, policy: str) -> None:
-    """Put ``policy`` on ``model``: a pair plan on both networks of a pair, else `apply_plan`."""
-    if isinstance(model, ControlNetPair):
-        model.enable_gradient_checkpointing(policy)
-    else:
-        apply_plan(model, policy)
-
-
-def _spot_optimizers(guard: BudgetGuard) -> Any:
+def _spot_optimizers(guard: BudgetGuard) -> None:
     """A hook on every optimizer's step for ``guard``'s life (`BudgetGuard._spot`); removed with it."""
     ref = weakref.ref(guard)
 
@@ -390,9 +364,7 @@ def _spot_optimizers(guard: BudgetGuard) -> Any:
         if (live := ref()) is not None:
             live._spot(opt)
 
-    handle = register_optimizer_step_pre_hook(spot)
-    weakref.finalize(guard, handle.remove)
-    return handle
+    weakref.finalize(guard, register_optimizer_step_pre_hook(spot).remove)
 
 
 def _mib(n: int) -> str:

@@ -1,22 +1,32 @@
-"""What `torch_impl.BudgetGuard` plans for: the trained model as a training script holds it.
+"""What `torch_impl.BudgetGuard` reads from the model as a training script holds it, and from its step.
 
-`step_spec` reads the spec of our `UNet`, a diffusers U-Net (peft adapters or not) or a
-`ControlNetPair` (wrappers taken off by `torch_impl.wrappers.unwrap`); `take_over_checkpointing`
-turns diffusers' own gradient checkpointing off so that the guard's plan replaces it; `lora_rank`
-reads the rank of peft adapters. docs/guard.md has the rules.
+`step_spec`: the spec of our `UNet`, a diffusers U-Net (peft adapters or not) or a `ControlNetPair`;
+`take_over_checkpointing` turns diffusers' own gradient checkpointing off (the guard's plan replaces
+it); `regime_seen` reads the regime the parameters show (what is trained, in which dtypes) and
+`RegimeWatch` the one the first optimizer step shows (autocast, the optimizer, kept gradients).
+docs/guard.md has the rules.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
+import torch
 from torch import nn
 
 from shared_configs.pair import ControlNetPairSpec
+from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
 from torch_impl.controlnet import ControlNet
 from torch_impl.diffusers_plan import diffusers_spec
 from torch_impl.pair import ControlNetPair
 from torch_impl.regime import DIFFUSERS_LORA_TARGETS
 from torch_impl.unet import UNet
+
+HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Optimizer classes by name -> the regime's optimizer (torchao's and bitsandbytes' 8-bit AdamW alike).
+OPTIMIZERS = {"AdamW": "adamw", "Adam": "adamw", "Adafactor": "adafactor", "AdamW8bit": "adamw8bit"}
 
 
 def step_spec(model: nn.Module) -> UNetSpec | ControlNetPairSpec:
@@ -52,3 +62,61 @@ def lora_rank(model: nn.Module) -> int | None:
         return None
     targets = {str(t) for t in (configs[0].target_modules or ())}
     return configs[0].r if targets == set(DIFFUSERS_LORA_TARGETS) else None
+
+
+def regime_seen(model: nn.Module, autocast: torch.dtype | None = None) -> tuple[Regime, list[str]]:
+    """The regime ``model``'s parameters show, with ``autocast`` (its dtype during the forward, None:
+    off; before the first step the guard assumes autocast when the frozen weights are half, as
+    diffusers' scripts run them), and the lines to say about what it cannot tell."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if not trained:
+        raise ValueError("model: no parameter requires a gradient; the guard plans a training step")
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    notes, rank = [], lora_rank(model)
+    adapters = rank is not None and not isinstance(model, ControlNetPair)
+    if not adapters and any("lora_" in n for n, p in model.named_parameters() if p.requires_grad):
+        notes.append("LoRA adapters without one rank on to_q, to_k, to_v, to_out.0: planned as all weights trained")
+    trainable = f"lora:{rank}" if adapters else "all"
+    return Regime(precision=_precision(trained, frozen, autocast), trainable=trainable), notes
+
+
+def _precision(trained: list[nn.Parameter], frozen: list[nn.Parameter], autocast: torch.dtype | None) -> str:
+    if {p.dtype for p in trained} <= set(HALF):
+        return "bf16"  # half trained weights: pure half precision, autocast or not
+    half_frozen = {p.dtype for p in frozen} & set(HALF)
+    if half_frozen:
+        return f"{HALF[autocast or next(iter(half_frozen))]}-frozen"
+    return f"{HALF[autocast]}-mixed" if autocast in HALF else "fp32"
+
+
+class RegimeWatch:
+    """What the first optimizer step shows: autocast at the model's forward, the optimizer, kept gradients."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.autocast: torch.dtype | None = None
+        self.forwarded = False
+        # conv_in, the first layer of every U-Net and ControlNet: inside a forward that a wrapper
+        # (accelerate's) runs under autocast; a pair's trained network, which the script calls
+        trained = model.controlnet if isinstance(model, ControlNetPair) else model
+        first = getattr(trained, "conv_in", trained)
+        self._handle = first.register_forward_pre_hook(self._forward)
+
+    def _forward(self, module: nn.Module, args: Any) -> None:
+        device = next(self.model.parameters()).device.type
+        self.forwarded = True
+        self.autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        self._handle.remove()
+
+    def seen(self, planned: Regime, optimizers: list[torch.optim.Optimizer]) -> tuple[Regime, list[str]]:
+        """After the first optimizer step: the regime the step shows (``planned``'s EMA kept: an EMA
+        is not seen), and the lines to say about what it cannot tell."""
+        regime, notes = regime_seen(self.model, self.autocast)
+        names = {type(o).__name__ for o in optimizers}
+        known = {OPTIMIZERS[n] for n in names if n in OPTIMIZERS}
+        optimizer = known.pop() if len(known) == 1 else planned.optimizer
+        if names and not known:
+            notes.append(f"optimizer {', '.join(sorted(names))}: planned as {planned.optimizer}")
+        trained = [p.grad for p in self.model.parameters() if p.requires_grad]
+        kept = all(g is not None for g in trained) and not any(bool(g.any()) for g in trained)
+        return replace(regime, optimizer=optimizer, ema=planned.ema, keep_grads=kept), notes

@@ -1,9 +1,7 @@
 """Several processes under one `torch_impl.BudgetGuard` each (torchrun, ``accelerate launch``).
 
-Every rank measures the same steps; `agreed_peak` makes their judgement one: the largest peak of
-all ranks (one all-reduce), so every rank tightens, loosens or keeps its plan alike. `from_rank0`
-makes their plans one: rank 0 plans and broadcasts the result (or its error), so all ranks put on
-the same plan before the same step. One process: both are the plain call. docs/guard.md.
+`agreed_peak` (the largest peak of all ranks) makes their judgement one, `from_rank0` (rank 0 plans
+and broadcasts) their plans: every rank puts on the same plan before the same step. docs/guard.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """What a retried step must find as its failed attempt found it (`torch_impl.BudgetGuard`'s retry).
 
-`RetryPoint` keeps, before each guarded call, torch's random generators, the trained parameters'
-gradients (a host copy of those earlier micro-steps accumulated; after an optimizer step, only which
-exist: a retry zeroes them) and accelerate's accumulation counter; `RetryPoint.restore` puts them back.
-`why_not_retry` names what no restore can undo (an optimizer step begun, other processes' collectives).
-docs/guard.md says what a step may do.
+`RetryPoint` keeps torch's random generators, the trained parameters' gradients and accelerate's
+accumulation counter; `why_not_retry` names what no restore can undo. docs/guard.md says what a
+step may do.
 """
 
 from __future__ import annotations
@@ -24,8 +22,8 @@ class RetryPoint:
     def __init__(
         self, params: Iterable[nn.Parameter], device: torch.device, accelerators: Iterable[Any], fresh: bool
     ) -> None:
-        """``fresh``: an optimizer step ended since the gradients were last accumulated into, so those
-        alive are zeros or stale ones the step zeroes first (none is copied, a retry zeroes them)."""
+        """``fresh``: an optimizer step ended since the gradients were last accumulated into (a retry
+        zeroes them: none is copied)."""
         self.device = device
         self.rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         # Gradients earlier micro-steps accumulated: copied to the host, out of the device's way.
@@ -33,7 +31,6 @@ class RetryPoint:
         self.accelerators = [(a, a.step, a.gradient_state.sync_gradients) for a in accelerators]
 
     def restore(self) -> None:
-        """The generators, the gradients and accelerate's counters as they were before the attempt."""
         torch.set_rng_state(self.rng[0])
         if self.rng[1] is not None:
             torch.cuda.set_rng_state(self.rng[1], self.device)
