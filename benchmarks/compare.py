@@ -52,7 +52,7 @@ from shared_configs.cli import (
 )
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults
 from shared_configs.pair import controlnet_pair, split_pair_plan
-from shared_configs.regime import JAX_KEEPS_NO_GRADS, add_regime_arguments, regime_of
+from shared_configs.regime import JAX_KEEPS_NO_GRADS, Regime, add_regime_arguments
 
 DEFAULT_CONFIG = "sd_narrow"  # activation-dominated, as diffusion training is (docs/benchmark.md)
 DEFAULT_POLICIES = "none,full,layers"
@@ -201,9 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_jobs(args: argparse.Namespace) -> list[Job]:
-    """Validate the arguments (SpecError on bad input) and turn them into worker jobs, one per
-    framework (and --compile's); under --controlnet, the pair's (`benchmarks.harness.pair_compare`)."""
+def parse_args(
+    argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> tuple[argparse.Namespace, list[Job]]:
+    """The flags and the worker jobs they make, one per framework (and --compile's; under --controlnet,
+    the pair's: `benchmarks.harness.pair_compare`); SpecError on bad input, before anything runs."""
+    args = (parser or build_parser()).parse_args(argv)
     source, config = ("diffusers", str(args.diffusers)) if args.diffusers else ("spec", args.config)
     if args.controlnet:  # what its benchmark does not measure, first
         other = args.compile or args.xla_default
@@ -226,7 +229,7 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
     policies = list(dict.fromkeys(["none", *(policy_arg(p) if args.controlnet else p for p in policies)]))
     device = _check_world(args.world_size, args.framework, args.device)
     _check_frameworks(args.framework, spec, source)
-    regime = regime_of(args)
+    regime = Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads)
     if regime.keep_grads and "jax" in args.framework:
         raise SpecError(f"--keep-grads: {JAX_KEEPS_NO_GRADS}")
     common = {
@@ -256,7 +259,7 @@ def make_jobs(args: argparse.Namespace) -> list[Job]:
     ]
     torch_job = next((j for j in jobs if j.framework == "torch"), None)
     extra = compiled.compiled_job(args.compile, args.compile_budget_at, torch_job, policies)
-    return jobs if extra is None else [*jobs, extra]
+    return args, jobs if extra is None else [*jobs, extra]
 
 
 def timeline_policies(requested: str | None, policies: list[str]) -> tuple[str, ...]:
@@ -389,10 +392,9 @@ def keep_measured(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    console = console_for(args.wide)
     with cli_errors("benchmarks.compare"):
-        jobs = make_jobs(args)
+        args, jobs = parse_args(argv)
+        console = console_for(args.wide)
         check_out_dir(args.out)
         if args.controlnet:
             return pair_compare.main(jobs, args.plan_budget_mib, args.out, console)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -182,18 +183,39 @@ GPU_METHOD = (
 )
 
 
-def _document(args: argparse.Namespace, rows: list[dict[str, Any]], seconds: float, cases: int) -> dict[str, Any]:
-    """The JSON: ``complete`` false (and ``rows`` of ``cases``) until the last row is in."""
-    head = {"complete": len(rows) == cases, "cases": cases, "device": args.device}
-    if args.gpu_gib:
-        method = cards.method(args.device, args.batches, _step(args))
-        return head | {"cards_gib": args.gpu_gib, "rows": rows, "seconds": round(seconds, 1), "method": method}
-    method = METHOD + (GPU_METHOD.format(device=args.device) if args.device != "cpu" else "")
-    return head | {"budgets_gib": args.budgets_gib, "rows": rows, "seconds": round(seconds, 1), "method": method}
+@dataclass(frozen=True)
+class Table:
+    """The rows a run makes: per preset, batch and regime, the plans at ``budgets_gib``; with ``cards_gib``,
+    the card table per preset and regime (`benchmarks.cards`), the step with ``step``'s encoders."""
 
+    configs: list[str]
+    batches: list[int]
+    regimes: list[str]
+    budgets_gib: list[int]
+    device: str
+    cards_gib: list[float]
+    step: dict[str, bool]
 
-def _step(args: argparse.Namespace) -> dict[str, bool]:
-    return {k: getattr(args, k) for k in ("with_encoders", "cached_latents", "train_text_encoder")}
+    def cases(self) -> list[tuple[Any, ...]]:
+        if self.cards_gib:  # a row per preset and regime, over every batch
+            return [(c, r) for c in self.configs for r in self.regimes]
+        return [(c, b, r) for c in self.configs for b in self.batches for r in self.regimes]
+
+    def row(self, case: tuple[Any, ...]) -> dict[str, Any]:
+        if self.cards_gib:
+            config, regime = case
+            return cards.card_row(config, regime, REGIMES[regime], self.batches, self.cards_gib, self.device, self.step)
+        config, batch, regime = case
+        return row(config, batch, regime, tuple(self.budgets_gib), self.device)
+
+    def document(self, rows: list[dict[str, Any]], seconds: float, cases: int) -> dict[str, Any]:
+        """The JSON: ``complete`` false (and ``rows`` of ``cases``) until the last row is in."""
+        head = {"complete": len(rows) == cases, "cases": cases, "device": self.device}
+        if self.cards_gib:
+            method = cards.method(self.device, self.batches, self.step)
+            return head | {"cards_gib": self.cards_gib, "rows": rows, "seconds": round(seconds, 1), "method": method}
+        method = METHOD + (GPU_METHOD.format(device=self.device) if self.device != "cpu" else "")
+        return head | {"budgets_gib": self.budgets_gib, "rows": rows, "seconds": round(seconds, 1), "method": method}
 
 
 def _kept(out: Path, name: str, rows: int, cases: int) -> str:
@@ -204,28 +226,20 @@ def _kept(out: Path, name: str, rows: int, cases: int) -> str:
             f"{name}.md not written (profiles made stay cached)")  # fmt: skip
 
 
-def _cases(args: argparse.Namespace) -> list[tuple[Any, ...]]:
-    if args.gpu_gib:  # a row per preset and regime, over every batch
-        return [(c, r) for c in args.configs for r in args.regimes]
-    if any(_step(args).values()):
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Table]:
+    args = build_parser().parse_args(argv)
+    step = {k: getattr(args, k) for k in ("with_encoders", "cached_latents", "train_text_encoder")}
+    if not args.gpu_gib and any(step.values()):
         raise SpecError("--with-encoders, --cached-latents, --train-text-encoder: for the card table (--gpu-gib)")
-    return [(c, b, r) for c in args.configs for b in args.batches for r in args.regimes]
-
-
-def _row(args: argparse.Namespace, case: tuple[Any, ...]) -> dict[str, Any]:
-    if args.gpu_gib:
-        config, regime = case
-        return cards.card_row(config, regime, REGIMES[regime], args.batches, args.gpu_gib, args.device, _step(args))
-    config, batch, regime = case
-    return row(config, batch, regime, tuple(args.budgets_gib), args.device)
+    return args, Table(args.configs, args.batches, args.regimes, args.budgets_gib, args.device, args.gpu_gib, step)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     rows: list[dict[str, Any]] = []
-    name, render = ("cards", cards.markdown) if args.gpu_gib else ("estimates", markdown)
     with cli_errors("benchmarks.estimates"):
-        cases = _cases(args)
+        args, table = parse_args(argv)
+        name, render = ("cards", cards.markdown) if args.gpu_gib else ("estimates", markdown)
+        cases = table.cases()
         try:
             start = time.perf_counter()
             args.out.mkdir(parents=True, exist_ok=True)
@@ -233,10 +247,10 @@ def main(argv: list[str] | None = None) -> int:
                 what = ", ".join(str(c) if not isinstance(c, int) else f"batch {c}" for c in case)
                 progress(f"{name} {i}/{len(cases)}: {what} ({time.perf_counter() - start:.0f} s so far)")
                 try:
-                    rows.append(_row(args, case))
+                    rows.append(table.row(case))
                 except SpecError as err:
                     raise SpecError(f"{what}: {err}") from None
-                doc = _document(args, rows, time.perf_counter() - start, len(cases))
+                doc = table.document(rows, time.perf_counter() - start, len(cases))
                 write_json(args.out / f"{name}.json", doc)  # after every row: a cut run keeps what it did
         except KeyboardInterrupt as stop:
             with stopping(_kept(args.out, name, len(rows), len(cases))):

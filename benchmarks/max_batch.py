@@ -23,7 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.compare import build_document, build_parser, keep_measured, make_jobs, run_all
+from benchmarks.compare import build_document, build_parser, keep_measured, parse_args, run_all
 from benchmarks.harness.job import Job, cpu_snapshot
 from benchmarks.harness.runner import static_floor
 from benchmarks.reports import report
@@ -44,6 +44,7 @@ def parser() -> argparse.ArgumentParser:
         required=True,
         help="the memory budget, MiB (required; above the floor: the parameters and AdamW state)",
     )
+    p.set_defaults(batch_size=list(DEFAULT_PROBES))
     return p
 
 
@@ -154,12 +155,11 @@ def check_budget(budget: float, job: Job) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    args.batch_size = args.batch_size or list(DEFAULT_PROBES)
-    budget = args.budget_mib * MIB
     console = Console() if sys.stdout.isatty() else Console(width=160)
     with cli_errors("benchmarks.max_batch"):
-        jobs = [replace(j, peak_only=True, steps=1, timeline=()) for j in make_jobs(args)]
+        args, made = parse_args(argv, parser())
+        budget = args.budget_mib * MIB
+        jobs = [replace(j, peak_only=True, steps=1, timeline=()) for j in made]
         check_out_dir(args.out)
         check_budget(budget, jobs[0])
         clock, events = cpu_snapshot(), []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from shared_configs.planning.planner import (
     predict_policy,
 )
 from shared_configs.planning.stepclock import paired
-from shared_configs.regime import add_regime_arguments, regime_of
+from shared_configs.regime import Regime, add_regime_arguments
 from shared_configs.units import MIB
 
 VERIFY_CANDIDATES = 4  # --candidates with --verify: the optimum and the three next best plans
@@ -164,7 +165,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check(args: argparse.Namespace) -> None:
+@dataclass(frozen=True)
+class Question:
+    """What to answer for a workload: the plan for ``budget_mib`` (racing ``candidates``), or ``policy``'s
+    prediction; ``verify``: measured too, over ``steps`` steps."""
+
+    framework: str = "torch"
+    world_size: int = 1
+    distributed: str = "ddp"
+    policy: str | None = None
+    budget_mib: float | None = None
+    candidates: int = 0
+    rounds: int = DEFAULT_ROUNDS
+    verify: bool = False
+    steps: int = defaults(DEVICE).steps
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workload, Question]:
+    """The flags, the workload they describe (the attention chunk resolved on the workers' device) and
+    the question; SpecError for a combination refused."""
+    args = build_parser().parse_args(argv)
     if args.policy is not None and (args.budget_mib is not None or args.sweep is not None or args.solve_times
                                     or args.candidates):  # fmt: skip
         raise SpecError("--policy: predicts the policy given; not with --budget-mib, --sweep, --solve-times or "
@@ -180,37 +200,59 @@ def _check(args: argparse.Namespace) -> None:
     if args.device != "cpu" and (args.framework == "jax" or args.sweep is not None):
         raise SpecError(f"--device {args.device}: the GPU flavour is torch's step (CUDA autocast, its caching "
                         "allocator), for a plan or --policy; not with --framework jax or --sweep")  # fmt: skip
+    source = ("diffusers", args.diffusers) if args.diffusers else ("spec", args.config)
+    workload = Workload.of(
+        load_benchmark_spec(source[1], None, source[0]),
+        args.sample_size,
+        controlnet=args.controlnet,
+        batch_size=args.batch_size,
+        context_length=args.context_length,
+        attention_chunk=resolve_chunk(args.attention_chunk, DEVICE),
+        shapes=args.shapes,
+        flops_per_s=args.flops_per_s,
+        bytes_per_s=args.bytes_per_s,
+        regime=Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads),
+        device=args.device,
+        with_encoders=args.with_encoders,
+        cached_latents=args.cached_latents,
+        train_text_encoder=args.train_text_encoder,
+        unfused_attention=args.unfused_attention,
+        encoder_configs=pipeline_configs(args.diffusers) if args.diffusers else None,
+    )
+    count = (VERIFY_CANDIDATES if args.verify else 0) if args.candidates is None else args.candidates
+    question = Question(args.framework, args.world_size, args.distributed, args.policy, args.budget_mib, count,
+                        args.rounds, args.verify, args.steps)  # fmt: skip
+    return args, workload, question
 
 
-def plan_document(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
+def plan_document(q: Question, workload: Workload) -> dict[str, Any]:
     """The --json document: the plan, the budget, per framework the predictions (and measurements),
     the measured candidates (--candidates). With ``--policy``: that policy's, and no budget, margin
     or solver time (null)."""
     report = None
-    if args.policy is not None:
-        sol, profiles = predict_policy(workload, args.policy, args.framework, args.world_size, args.distributed)
+    if q.policy is not None:
+        sol, profiles = predict_policy(workload, q.policy, q.framework, q.world_size, q.distributed)
         budget, margin, solve_s = None, None, None
     else:
-        budget = int(args.budget_mib * MIB)
-        count = (VERIFY_CANDIDATES if args.verify else 0) if args.candidates is None else args.candidates
-        found = plan(workload, budget, args.framework, args.world_size, args.distributed, count, args.rounds)
+        budget = int(q.budget_mib * MIB)
+        found = plan(workload, budget, q.framework, q.world_size, q.distributed, q.candidates, q.rounds)
         sol, profiles, margin, solve_s, report = (found.solution, found.profiles, found.margin, found.solve_seconds,
                                                   found.candidates)  # fmt: skip
-    frameworks = frameworks_of(args.framework)
+    frameworks = frameworks_of(q.framework)
     per_fw = {
-        fw: _framework_entry(args, workload, fw, profile, pred, sol.policy, report)
+        fw: _framework_entry(q, workload, fw, profile, pred, sol.policy, report)
         for fw, profile, pred in zip(frameworks, profiles, sol.predictions, strict=True)
     }
     doc = {"plan": sol.policy, "budget_bytes": budget, "frameworks": per_fw, "settings": workload.used(frameworks),
            "regime": workload.regime.as_dict()}  # fmt: skip
     if report is not None:
         doc["candidates"] = report
-    ranks = {"world_size": args.world_size, "distributed": args.distributed}
+    ranks = {"world_size": q.world_size, "distributed": q.distributed}
     return doc | {"margin": margin, "solve_seconds": solve_s} | ranks
 
 
 def _framework_entry(
-    args: argparse.Namespace,
+    q: Question,
     workload: Workload,
     fw: str,
     profile: Profile,
@@ -229,22 +271,22 @@ def _framework_entry(
         "time_method": "measured"
         if profile.mode == "measured"
         else f"estimated: FLOPs at {profile.flops_per_s:.3g} FLOP/s + elementwise bytes at "
-        f"{args.bytes_per_s:.3g} B/s",
+        f"{workload.bytes_per_s:.3g} B/s",
     }
     if profile.meta.get("modelled"):  # a part not measured (adamw8bit's state): said beside the figure
         entry["modelled"] = profile.meta["modelled"]
-    if args.device != "cpu" and fw == "torch":  # the profile is the card's: its readings from the U-Net's own
+    if workload.device != "cpu" and fw == "torch":  # the profile is the card's: its readings from the U-Net's own
         assignment = assignment_of(workload.spec, policy)
         alone = get_profile(fw, whole.raw(workload))
         flavour = gpu.estimate(alone, workload.spec, workload.regime, assignment, whole.card(workload),
                                extend=whole.extender(workload))  # fmt: skip
-        entry["gpu"] = {"device": args.device} | flavour.as_dict()
+        entry["gpu"] = {"device": workload.device} | flavour.as_dict()
     if profile.phases:
         entry["phases"] = profile.phases
     if report and report["chosen"]:  # measured already, in the race
         entry |= _from_race(report, fw)
-    elif args.verify:
-        rows = measure(fw, workload, list(dict.fromkeys(["none", policy])), args.steps)["rows"]
+    elif q.verify:
+        rows = measure(fw, workload, list(dict.fromkeys(["none", policy])), q.steps)["rows"]
         entry["measured_peak_bytes"] = rows[policy]["peak_bytes"]
         entry["measured_overhead"] = rows[policy]["step_time_s"] / rows["none"]["step_time_s"] - 1
         # round by round against none: the overhead's spread on this machine (--steps 5 and up bound it)
@@ -261,35 +303,10 @@ def _from_race(report: dict[str, Any], framework: str) -> dict[str, Any]:
             "measured_overhead_paired": chosen["measured_overhead"]}  # fmt: skip
 
 
-def workload_of(args: argparse.Namespace) -> Workload:
-    """The workload the flags describe (the attention chunk resolved on the workers' device)."""
-    source = ("diffusers", args.diffusers) if args.diffusers else ("spec", args.config)
-    return Workload.of(
-        load_benchmark_spec(source[1], None, source[0]),
-        args.sample_size,
-        controlnet=args.controlnet,
-        batch_size=args.batch_size,
-        context_length=args.context_length,
-        attention_chunk=resolve_chunk(args.attention_chunk, DEVICE),
-        shapes=args.shapes,
-        flops_per_s=args.flops_per_s,
-        bytes_per_s=args.bytes_per_s,
-        regime=regime_of(args),
-        device=args.device,
-        with_encoders=args.with_encoders,
-        cached_latents=args.cached_latents,
-        train_text_encoder=args.train_text_encoder,
-        unfused_attention=args.unfused_attention,
-        encoder_configs=pipeline_configs(args.diffusers) if args.diffusers else None,
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     kept = "every worker stopped; nothing written (profiles measured stay cached)"
     with cli_errors("benchmarks.plan"), stopping(kept):
-        _check(args)
-        workload = workload_of(args)
+        args, workload, question = parse_args(argv)
         if args.sweep is not None or args.solve_times:  # (a plan's header says it)
             print(f"settings {workload.used(frameworks_of(args.framework))}")
         if args.sweep is not None:
@@ -317,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{fw}:\n" + plan_sweep.efficiency_table(plan_sweep.efficiency(get_profile(fw, workload), workload))
                 )
-        doc = plan_document(args, workload)
+        doc = plan_document(question, workload)
         print(plan_text.render(doc, workload))
         if args.json is not None:
             write_json(args.json, doc)

@@ -183,11 +183,6 @@ def add_regime_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def regime_of(args: argparse.Namespace) -> Regime:
-    """The `Regime` the parsed flags of `add_regime_arguments` give."""
-    return Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads)
-
-
 def _trainable(text: str) -> str:
     if text != "all" and not _LORA.fullmatch(text):
         raise argparse.ArgumentTypeError(f"expected {TRAINABLE}, got {text!r}")

@@ -58,5 +58,5 @@ def test_what_readme_commands_write_is_ignored_by_git() -> None:
 def test_compare_runs_each_preset_at_a_batch_where_checkpointing_shows(argv: list[str], batch: int) -> None:
     from benchmarks import compare
 
-    jobs = compare.make_jobs(compare.build_parser().parse_args(["--framework", "torch", *argv]))
+    jobs = compare.parse_args(["--framework", "torch", *argv])[1]
     assert [job.batch_sizes for job in jobs] == [(batch,)]

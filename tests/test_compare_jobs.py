@@ -1,4 +1,4 @@
-"""``benchmarks.compare``'s flags become typed jobs in one place (`make_jobs`), --controlnet's too:
+"""``benchmarks.compare``'s flags become typed jobs in one place (`parse_args`), --controlnet's too:
 its refusals are one line there, before anything is measured. No framework import."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from shared_configs import SpecError
 
 
 def jobs(*argv: str) -> list:
-    return compare.make_jobs(compare.build_parser().parse_args(["--config", "tiny", *argv]))
+    return compare.parse_args(["--config", "tiny", *argv])[1]
 
 
 def test_controlnet_jobs_carry_the_pair_workload() -> None:
@@ -30,7 +30,7 @@ def test_controlnet_jobs_carry_the_pair_workload() -> None:
         (["--policies", "controlnet.up.0"], "controlnet.up.0"),
     ],
 )
-def test_controlnet_refusals_come_from_make_jobs(argv: list[str], message: str) -> None:
+def test_controlnet_refusals_come_from_parse_args(argv: list[str], message: str) -> None:
     with pytest.raises(SpecError, match=message.replace(".", r"\.").replace("-", r"\-")):
         jobs("--controlnet", *argv)
 

@@ -176,16 +176,14 @@ def test_train_compile_refuses_what_it_cannot_do_in_one_line(other: list[str], c
     ],
 )
 def test_compare_compile_refusals_are_one_line(argv: list[str], message: str) -> None:
-    args = compare.build_parser().parse_args(["--config", "tiny", *argv])
     with pytest.raises(SpecError, match=message):
-        compare.make_jobs(args)
+        compare.parse_args(["--config", "tiny", *argv])
 
 
 def test_compare_compile_adds_the_compiled_job_with_budget_rows() -> None:
-    args = compare.build_parser().parse_args(
+    _, jobs = compare.parse_args(
         ["--config", "tiny", "--framework", "torch", "--policies", "full,layers", "--compile",
          "--compile-budget-at", "layers"]
     )  # fmt: skip
-    jobs = compare.make_jobs(args)
     assert [j.framework for j in jobs] == ["torch", "compiled"]
     assert jobs[1].policies == ("none", "full", "layers", "budget@layers")

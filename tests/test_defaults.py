@@ -25,7 +25,7 @@ from shared_configs.defaults import (
     resolve_chunk,
 )
 from shared_configs.planning.planner import DEVICE, Workload
-from shared_configs.regime import Regime, regime_of
+from shared_configs.regime import Regime
 from shared_configs.training.config import TrainConfig, options_of
 from shared_configs.training.run_plan import workload_of
 from torch_impl import train as ttrain
@@ -46,7 +46,7 @@ def cache_env(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytes
 
 def _benchmark(args: argparse.Namespace, device: str) -> Defaults:
     """What `benchmarks.compare` / `max_batch` run with (the JAX worker resolves the chunk on its device)."""
-    dtype = regime_of(args).compute_dtype or "float32"  # the regime's precision sets the forward's dtype
+    dtype = Regime(args.precision).compute_dtype or "float32"  # the regime's precision sets the forward's dtype
     return Defaults(device, resolve_chunk(args.jax_attention_chunk, device), dtype, args.context_length,
                     args.steps, args.jax_cache)  # fmt: skip
 
@@ -59,8 +59,7 @@ def test_every_tool_resolves_to_the_same_defaults(cache_env: str | None) -> None
     assert _benchmark(compare.build_parser().parse_args([]), "cpu") == cpu
     assert _benchmark(max_batch.parser().parse_args(["--budget-mib", "100"]), "cpu") == cpu
     # the planner: its CLI's workload is the library's (`plan_for_budget` builds Workload.of likewise)
-    args = plan_cli.build_parser().parse_args(["--config", "tiny", "--batch-size", "2", "--budget-mib", "100"])
-    work = plan_cli.workload_of(args)
+    args, work, _ = plan_cli.parse_args(["--config", "tiny", "--batch-size", "2", "--budget-mib", "100"])
     assert DEVICE == "cpu" and work == Workload.of("tiny", batch_size=2)
     assert (work.attention_chunk, work.context_length, args.steps) == (cpu.attention_chunk, cpu.context_length,
                                                                        cpu.steps)  # fmt: skip

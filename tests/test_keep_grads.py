@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from shared_configs.planning.budget import Profile, assignment_of, predict
-from shared_configs.regime import Regime, add_regime_arguments, check_planned, regime_of
+from shared_configs.regime import Regime, add_regime_arguments, check_planned
 from shared_configs.spec import SpecError
 from tests.helpers.specs import variant
 
@@ -92,7 +92,8 @@ def test_the_flag_is_part_of_the_regime() -> None:
 
     parser = argparse.ArgumentParser()
     add_regime_arguments(parser)
-    regime = regime_of(parser.parse_args(["--keep-grads"]))
+    args = parser.parse_args(["--keep-grads"])
+    regime = Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads)
     assert regime == KEPT and regime.describe().endswith("grads kept")
     assert regime.as_dict()["keep_grads"] is True  # hence in every profile's cache key
     with pytest.raises(SpecError, match="keep_grads: expected true or false"):

@@ -371,8 +371,8 @@ def test_policy_verify_measures_it_beside_none(cache: dict, monkeypatch: pytest.
         return {"rows": rows}
 
     monkeypatch.setattr(cli, "measure", measure)
-    args = cli.build_parser().parse_args(["--config", "tiny", "--batch-size", "2", "--policy", "full", "--verify"])
-    doc = cli.plan_document(args, Workload.of("tiny", batch_size=2))
+    _, _, question = cli.parse_args(["--config", "tiny", "--batch-size", "2", "--policy", "full", "--verify"])
+    doc = cli.plan_document(question, Workload.of("tiny", batch_size=2))
     assert asked == [["none", "full"]]
     entry = doc["frameworks"]["torch"]
     assert (entry["measured_peak_bytes"], entry["measured_overhead"]) == (7 * MIB, pytest.approx(0.5))
@@ -394,7 +394,7 @@ def test_plan_for_a_diffusers_folder_and_a_cached_repo(
     cache_repo(hub, "org/tiny-pipe", tmp_path / "pipe" / "unet")
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    spec = cli.workload_of(cli.build_parser().parse_args(["--diffusers", str(tmp_path / "pipe"), "--batch-size", "2"]))
+    spec = cli.parse_args(["--diffusers", str(tmp_path / "pipe"), "--batch-size", "2", "--policy", "none"])[1]
     assert spec.spec.model_dump(exclude={"name", "checkpoint"}) == ours.model_dump(exclude={"name", "checkpoint"})
     regime = ["--precision", "bf16-mixed", "--optimizer", "adafactor"]
     profiles = {}

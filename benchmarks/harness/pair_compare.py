@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(jobs: list[Job], budget_mib: float | None, out: Path, console: Any) -> int:
-    """Measure ``jobs`` (`benchmarks.compare.make_jobs`'s, one per framework), print the table, write
+    """Measure ``jobs`` (one per framework, from `benchmarks.compare.parse_args`), print the table, write
     the JSON (``console``: compare's rich console)."""
     doc = run(jobs, budget_mib)
     console.print(table(doc), highlight=False)

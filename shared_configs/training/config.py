@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 from shared_configs.cli import OneLineParser, nonnegative, positive, positive_mib
 from shared_configs.defaults import FIELDS, defaults
-from shared_configs.regime import DEFAULT, Regime, add_regime_arguments, regime_of
+from shared_configs.regime import DEFAULT, Regime, add_regime_arguments
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.data import DATASETS
 from shared_configs.training.ddpm import SCHEDULES, make_schedule
@@ -197,7 +197,8 @@ def parse_args(argv: list[str] | None, framework: FrameworkCLI) -> TrainConfig:
     own = [f.name for f in fields(framework.options)]  # type: ignore[arg-type]
     options = framework.options(**{name: getattr(args, name) for name in own})
     shared = {k: v for k, v in vars(args).items() if k not in (*REGIME_FIELDS, *own)}
-    cfg = TrainConfig(**shared, regime=regime_of(args), options=options)  # the regime validated here, once
+    regime = Regime(**{k: getattr(args, k) for k in REGIME_FIELDS})  # validated here, once
+    cfg = TrainConfig(**shared, regime=regime, options=options)
     try:
         check_controlnet(cfg)
         options.check(cfg)
