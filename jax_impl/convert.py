@@ -32,16 +32,15 @@ _LIST_RE = re.compile(rf"^({'|'.join(LIST_ATTRS)})_(\d+)$")
 STATS_LEAVES = {"running_mean": "mean", "running_var": "var"}
 COUNTER = "num_batches_tracked"
 EMBEDDING = "embedding"  # nn.Embed's table, (rows, width) as torch's nn.Embedding weight
+# Flax layout -> torch layout by ndim: conv HWIO -> OIHW, linear (in, out) -> (out, in); the inverse below.
+TO_TORCH = {4: (3, 2, 0, 1), 2: (1, 0)}
+TO_FLAX = {4: (2, 3, 1, 0), 2: (1, 0)}
 
 
 def torch_to_flax(state_dict: Mapping[str, Any], spec: Spec, lora_rank: int | None = None) -> dict:
-    """A torch `state_dict` (tensors or arrays) -> Flax ``params`` for ``jax_impl.UNet(spec)``.
-
-    BatchNorm buffers are not parameters and are left out (`torch_to_flax_variables` keeps them);
-    a parameter-only mapping (e.g. gradients by ``named_parameters``) converts too. ``lora_rank``:
-    the model carries peft's adapters (``to_q.base_layer.weight``, ``to_q.lora_A.default.weight``),
-    for ``jax_impl.UNet(spec, lora_rank=R)`` (``to_q/kernel``, ``to_q/lora_A/kernel``).
-    """
+    """A torch `state_dict` (tensors or arrays; parameters only converts too) -> Flax ``params`` for
+    ``jax_impl.UNet(spec)``, BatchNorm buffers left out. ``lora_rank``: with peft's adapters
+    (``to_q.base_layer.weight``, ``to_q.lora_A.default.weight``), for ``UNet(spec, lora_rank=R)``."""
     params, stats = _split(state_dict, _embeddings(spec))
     _check_tree(params, spec, lora_rank=lora_rank)
     if stats:
@@ -50,10 +49,7 @@ def torch_to_flax(state_dict: Mapping[str, Any], spec: Spec, lora_rank: int | No
 
 
 def torch_to_flax_variables(state_dict: Mapping[str, Any], spec: Spec) -> dict:
-    """A torch `state_dict` -> Flax variables ``{"params": ..., "batch_stats": ...}``.
-
-    ``batch_stats`` is present when the spec has BatchNorms (``norm_kind: batch``).
-    """
+    """A torch `state_dict` -> Flax variables: ``params``, and ``batch_stats`` when the spec has BatchNorms."""
     params, stats = _split(state_dict, _embeddings(spec))
     _check_tree(params, spec)
     _check_tree(stats, spec, "batch_stats")
@@ -72,10 +68,8 @@ def flax_to_torch(
 ) -> dict[str, Any]:
     """Flax ``params`` -> a torch `state_dict`, loadable with ``load_state_dict(strict=True)``.
 
-    With BatchNorms, ``batch_stats`` gives their running statistics; without it they are torch's
-    initial ones (mean 0, var 1). ``num_batches_tracked`` (no Flax twin) is set to the given count.
-    ``lora_rank``: params of ``jax_impl.UNet(spec, lora_rank=R)``, named as peft names the torch
-    model's adapters (``to_q.base_layer.weight``, ``to_q.lora_A.default.weight``).
+    BatchNorms get ``batch_stats`` (default: torch's initial mean 0, var 1) and ``num_batches_tracked``.
+    ``lora_rank``: params of ``UNet(spec, lora_rank=R)``, named as peft names the torch model's adapters.
     """
     import torch  # only this direction needs torch
 
@@ -86,7 +80,7 @@ def flax_to_torch(
     for path, value in flat.items():
         *modules, leaf = path
         array = np.asarray(value)
-        layout = array if leaf == EMBEDDING else _to_torch_layout(array)
+        layout = array if leaf == EMBEDDING else _to_layout(array, TO_TORCH)
         name = _torch_name(modules) + _peft_suffix(tuple(modules), adapted)
         out[f"{name}.{'bias' if leaf == 'bias' else 'weight'}"] = torch.from_numpy(layout.copy())
     expected = traverse_util.flatten_dict(_variable_shapes(spec).get("batch_stats", {}))
@@ -124,7 +118,7 @@ def _split(state_dict: Mapping[str, Any], embeddings: frozenset[str] = frozenset
         elif leaf == "weight" and ".".join(path) in embeddings:
             params[(*path, EMBEDDING)] = array
         else:
-            params[(*path, _flax_leaf(leaf, array.ndim))] = _to_flax_layout(array)
+            params[(*path, _flax_leaf(leaf, array.ndim))] = _to_layout(array, TO_FLAX)
     return params, stats
 
 
@@ -139,8 +133,7 @@ PEFT_PARTS = ("base_layer", "default")
 
 
 def _peft_suffix(modules: tuple[str, ...], adapted: set[tuple[str, ...]]) -> str:
-    """What peft adds to a module's name: ``.base_layer`` to an adapted layer's own weights,
-    ``.default`` to its adapters'."""
+    """``.base_layer`` for an adapted layer's own weights, ``.default`` for its adapters' (peft's names)."""
     if modules in adapted:
         return ".base_layer"
     return ".default" if modules[:-1] in adapted and modules[-1] in LORA_LEAVES else ""
@@ -173,20 +166,8 @@ def _to_numpy(value: Any) -> np.ndarray:
     return np.array(value, copy=True)
 
 
-def _to_flax_layout(array: np.ndarray) -> np.ndarray:
-    if array.ndim == 4:  # conv OIHW -> HWIO
-        return array.transpose(2, 3, 1, 0)
-    if array.ndim == 2:  # linear (out, in) -> (in, out)
-        return array.T
-    return array
-
-
-def _to_torch_layout(array: np.ndarray) -> np.ndarray:
-    if array.ndim == 4:  # conv HWIO -> OIHW
-        return array.transpose(3, 2, 0, 1)
-    if array.ndim == 2:
-        return array.T
-    return array
+def _to_layout(array: np.ndarray, perms: dict[int, tuple[int, ...]]) -> np.ndarray:
+    return array.transpose(perms[array.ndim]) if array.ndim in perms else array
 
 
 def _check_tree(
@@ -216,11 +197,9 @@ def torch_shapes(spec: Spec) -> dict[str, tuple[int, ...]]:
     variables = _variable_shapes(spec)
     out = {}
     for (*modules, leaf), value in traverse_util.flatten_dict(variables["params"]).items():
-        shape = tuple(value.shape)
-        perm = None if leaf == EMBEDDING else {4: (3, 2, 0, 1), 2: (1, 0)}.get(len(shape))  # HWIO->OIHW, (in, out)
-        out[f"{_torch_name(modules)}.{'bias' if leaf == 'bias' else 'weight'}"] = (
-            shape if perm is None else tuple(shape[i] for i in perm)
-        )
+        perm = None if leaf == EMBEDDING else TO_TORCH.get(value.ndim)
+        shape = tuple(value.shape) if perm is None else tuple(value.shape[i] for i in perm)
+        out[f"{_torch_name(modules)}.{'bias' if leaf == 'bias' else 'weight'}"] = shape
     for (*modules, leaf), value in traverse_util.flatten_dict(variables.get("batch_stats", {})).items():
         name = _torch_name(modules)
         out[f"{name}.{'running_mean' if leaf == 'mean' else 'running_var'}"] = tuple(value.shape)
@@ -228,17 +207,9 @@ def torch_shapes(spec: Spec) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def param_shapes(spec: Spec) -> dict:
-    """The Flax parameter tree of ``spec`` as shape structs, without allocating weights."""
-    return _variable_shapes(spec)["params"]
-
-
 @functools.lru_cache(maxsize=16)
 def _variable_shapes(spec: Spec, lora_rank: int | None = None) -> dict:
-    """All Flax variable collections of ``spec`` (params, batch_stats) as shape structs.
-
-    Cached per (frozen, hashable) spec: each conversion checks against it, once or twice.
-    """
+    """All Flax variable collections of ``spec`` as shape structs (cached: each conversion checks against it)."""
     from jax_impl.controlnet import ControlNet, abstract_controlnet_inputs
     from jax_impl.unet import UNet, abstract_inputs
 

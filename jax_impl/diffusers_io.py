@@ -44,16 +44,12 @@ def from_diffusers(
     revision: str | None = None,
 ) -> tuple[UNet, dict]:
     """``(module, params)``: our Flax `UNet` (with checkpoint ``policy``) and ``params`` in ``dtype``
-    (default float32).
+    (default float32), for ``module.apply({"params": params}, x_nhwc, t, context, ...)``.
 
     ``source``: a folder, a pipeline folder, a cached repo id (``"org/name"``, with ``subfolder``
-    and ``revision``) or a live module; ``variant="fp16"`` reads ``*.fp16.safetensors``. Use as
-    ``module.apply({"params": params}, x_nhwc, t, context, ...)``.
+    and ``revision``) or a live module; ``variant="fp16"`` reads ``*.fp16.safetensors``.
     """
-    spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
-    if isinstance(spec, ControlNetSpec):
-        raise ValueError(f"{_what(source)} is a diffusers ControlNetModel: load it with controlnet_from_diffusers")
-    return UNet(spec=spec, policy=policy), _params(spec, state, dtype)
+    return _load(UNet, source, policy, variant, subfolder, dtype, revision)
 
 
 def controlnet_from_diffusers(
@@ -65,23 +61,21 @@ def controlnet_from_diffusers(
     dtype: Any = None,
     revision: str | None = None,
 ) -> tuple[ControlNet, dict]:
-    """``(module, params)``: our Flax `ControlNet` (with checkpoint ``policy``) and ``params`` of a
-    diffusers ``ControlNetModel``; ``source`` as for `from_diffusers` (in a pipeline folder,
-    ``subfolder="controlnet"``). Use as ``module.apply({"params": params}, x_nhwc, t, context, cond_nhwc)``."""
+    """As `from_diffusers`, for a diffusers ``ControlNetModel`` (in a pipeline folder, ``subfolder="controlnet"``)."""
+    return _load(ControlNet, source, policy, variant, subfolder, dtype, revision)
+
+
+def _load(cls: type[UNet | ControlNet], source: Source, policy: PolicyArg, variant: str | None,
+          subfolder: str | None, dtype: Any, revision: str | None) -> tuple[Any, dict]:  # fmt: skip
     spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
-    if not isinstance(spec, ControlNetSpec):
-        raise ValueError(f"{_what(source)} is a diffusers U-Net, not a ControlNetModel: use from_diffusers")
-    return ControlNet(spec=spec, policy=policy), _params(spec, state, dtype)
-
-
-def _what(source: Source) -> str:
-    return str(source) if isinstance(source, str | os.PathLike) else type(source).__name__
-
-
-def _params(spec: Spec, state: dict[str, Any], dtype: Any) -> dict:
+    what = str(source) if isinstance(source, str | os.PathLike) else type(source).__name__
+    if cls is UNet and isinstance(spec, ControlNetSpec):
+        raise ValueError(f"{what} is a diffusers ControlNetModel: load it with controlnet_from_diffusers")
+    if cls is ControlNet and not isinstance(spec, ControlNetSpec):
+        raise ValueError(f"{what} is a diffusers U-Net, not a ControlNetModel: use from_diffusers")
     check_weights({k: tuple(np.shape(v)) for k, v in state.items()}, torch_shapes(spec), spec)
     params = torch_to_flax(state, spec)
-    return params if dtype is None else _cast(params, jnp.dtype(dtype))
+    return cls(spec=spec, policy=policy), params if dtype is None else _cast(params, jnp.dtype(dtype))
 
 
 def _cast(tree: dict, dtype: np.dtype) -> dict:

@@ -84,12 +84,10 @@ def plan_for_step(
     policy: str | None = None,
     **planner_options: Any,
 ) -> StepPlan:
-    """A plan whose compiled user step (``build_step(plan)`` on ``example_args``) fits
-    ``budget_bytes`` (module docstring). ``spec``, ``batch_size``, ``regime``, ``sample_size`` and
-    ``planner_options`` (``context_length``, ``attention_chunk``, ``world_size``, ...) describe the
-    model's step to the planner. ``policy``: start from this plan instead of planning (a resumed
-    run's own); it is compiled and corrected like a planned one. Raises `Infeasible` (one line)
-    when even `full` is over budget."""
+    """A plan whose compiled user step (``build_step(plan)`` on ``example_args``) fits ``budget_bytes``.
+
+    The keyword arguments describe the model's step to the planner; ``policy`` starts from that plan
+    (a resumed run's own) instead of planning. Raises `Infeasible` (one line) when even `full` is over."""
     plan_opts = {k: v for k, v in planner_options.items() if k in _PLAN_OPTIONS}
     work = Workload.of(spec, sample_size, batch_size=batch_size, regime=regime or DEFAULT_REGIME,
                        **{k: v for k, v in planner_options.items() if k not in _PLAN_OPTIONS})  # fmt: skip
@@ -114,8 +112,8 @@ def plan_for_step(
         policy_next, predicted_next = _replan(work, budget - outside, rnd >= rounds, plan_opts)
         history.append(StepRecord(rnd, policy, predicted, peak, outside,
                                   "full" if policy_next == FULL else "re-planned"))  # fmt: skip
-        _say(f"plan_for_step: {policy} compiles to {peak / MIB:.1f} MiB, over the {budget / MIB:.1f} MiB budget "
-             f"({outside / MIB:+.1f} MiB beyond the model's step); now {policy_next}")  # fmt: skip
+        say(f"plan_for_step: {policy} compiles to {peak / MIB:.1f} MiB, over the {budget / MIB:.1f} MiB budget "
+            f"({outside / MIB:+.1f} MiB beyond the model's step); now {policy_next}")  # fmt: skip
         policy, predicted = policy_next, predicted_next
     raise AssertionError("unreachable: the last round moves to `full`, which fits or raises")
 
@@ -134,14 +132,10 @@ def _replan(work: Workload, target: int, last: bool, plan_opts: dict[str, Any]) 
 
 
 class GuardedStep:
-    """The user's compiled step under ``sp.plan`` (from `plan_for_step`), run again under a plan that
-    recomputes more when XLA runs out of device memory (``RESOURCE_EXHAUSTED``), as
-    `torch_impl.BudgetGuard` does: halfway to `full`'s predicted peak, twice, then `full`; under
-    `full` it says so in one line and re-raises. The retry takes the same arguments, so no batch is
-    skipped and none applied twice. A step that donates its arguments (``donate_argnums``) may have
-    consumed them when it failed: then nothing is left to run again, and it says so and re-raises.
-    ``plan`` is the policy in force, ``predicted`` its predicted peak; ``history`` extends
-    ``sp.history`` with a record per error."""
+    """The user's compiled step under ``sp.plan`` (from `plan_for_step`), run again with the same arguments
+    under a plan that recomputes more when XLA runs out of device memory, as `torch_impl.BudgetGuard`:
+    halfway to `full`'s predicted peak, twice, then `full`. Under `full`, or when the failed run consumed
+    its donated arguments, it says so in one line and re-raises. ``history`` extends ``sp.history``."""
 
     def __init__(self, build_step: Callable[[str], Any], sp: StepPlan, example_args: Sequence[Any]) -> None:
         if sp.workload is None:
@@ -162,12 +156,12 @@ class GuardedStep:
                 self._record("out of memory")
                 if _consumed(args):
                     self._record("consumed")
-                    _say(f"GuardedStep: step {self._step} ran out of memory under {self.plan} after consuming "
-                         "its donated arguments: nothing is left to run again; re-raising")  # fmt: skip
+                    say(f"GuardedStep: step {self._step} ran out of memory under {self.plan} after consuming "
+                        "its donated arguments: nothing is left to run again; re-raising")  # fmt: skip
                     raise
                 if self.plan == FULL:
-                    _say(f"GuardedStep: step {self._step} ran out of memory under {FULL}, which recomputes "
-                         "the most: the step does not fit this device; re-raising")  # fmt: skip
+                    say(f"GuardedStep: step {self._step} ran out of memory under {FULL}, which recomputes "
+                        "the most: the step does not fit this device; re-raising")  # fmt: skip
                     raise
             # Out of the handler: the error and what the failed run held are gone before the retry.
             self._recompute_more(rung, args)
@@ -182,9 +176,9 @@ class GuardedStep:
                 policy, predicted = _replan(self._work, (self.predicted + full) // 2, False, self._opts)
                 if predicted >= self.predicted:
                     policy, predicted = FULL, full
-        _say(f"GuardedStep: step {self._step} ran out of memory under {self.plan} (predicted "
-             f"{self.predicted / MIB:.1f} MiB); running it again under {policy} "
-             f"(predicted {predicted / MIB:.1f} MiB)")  # fmt: skip
+        say(f"GuardedStep: step {self._step} ran out of memory under {self.plan} (predicted "
+            f"{self.predicted / MIB:.1f} MiB); running it again under {policy} "
+            f"(predicted {predicted / MIB:.1f} MiB)")  # fmt: skip
         self._compiled = compile_for(self._build, policy, args)
         self.plan, self.predicted = policy, predicted
 
@@ -194,15 +188,10 @@ class GuardedStep:
 
 
 def is_out_of_memory(err: BaseException) -> bool:
-    """XLA's out-of-memory error, as the runtime raises it (a ``JaxRuntimeError`` whose status is
-    ``RESOURCE_EXHAUSTED``; the status is only in the message)."""
+    """XLA's out-of-memory error: a ``JaxRuntimeError`` whose message carries ``RESOURCE_EXHAUSTED``."""
     return isinstance(err, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(err)
 
 
 def _consumed(args: Sequence[Any]) -> bool:
     """Whether a failed run deleted any of its arguments' buffers (donated ones)."""
     return any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(args))
-
-
-def _say(line: str) -> None:
-    say(line)  # through logging when it is on
