@@ -1,8 +1,7 @@
 """Multi-head attention for the Flax U-Net, query-chunked with its own backward pass on request.
 
-XLA:CPU runs attention unfused and keeps every head's scores; with a chunk size the queries go
-``chunk`` at a time and a `jax.custom_vjp` recomputes one chunk's probabilities at a time in the
-backward (why not ``lax.map(jax.checkpoint(...))``: docs/remat_vs_checkpoint.md "Remat inside attention").
+XLA:CPU runs attention unfused and keeps every head's scores; chunked, a `jax.custom_vjp` recomputes one
+chunk's probabilities at a time in the backward (docs/remat_vs_checkpoint.md "Remat inside attention").
 Torch needs no twin: its CPU kernel never holds the score matrix.
 """
 
@@ -21,15 +20,8 @@ def attention(
     q: Array, k: Array, v: Array, heads: int, scale: float, query_chunk: int | None = None, bias: Array | None = None
 ) -> Array:
     """Multi-head attention on (B, T, heads*D) tensors; ``bias`` (B, 1, 1, S) is added to the scores
-    (a context mask, `jax_impl.layers.mask_bias`).
-
-    ``query_chunk``: `jax_impl.attention.chunked_attention`, ``query_chunk`` queries at a time (all
-    T at once when T <= query_chunk): the backward recomputes the probabilities chunk by chunk, so
-    neither pass holds more than a (chunk x keys) slice of the scores. XLA:CPU runs
-    `jax.nn.dot_product_attention` unfused, materialising all (T x keys) scores per head and keeping
-    the probabilities; torch's CPU SDPA kernel is fused and never does. Same result up to float
-    rounding; used only when the chunk divides T and there is no ``bias`` (else the plain call).
-    """
+    (`jax_impl.layers.mask_bias`). ``query_chunk``: `chunked_attention`, when the chunk divides T and
+    there is no ``bias``; neither pass then holds more than a (chunk x keys) slice of the scores."""
     q, k, v = (a.reshape(*a.shape[:2], heads, -1) for a in (q, k, v))  # (B, T, N, D)
     batch, tokens = q.shape[:2]
     chunk = None if query_chunk is None else min(query_chunk, tokens)
@@ -41,12 +33,8 @@ def attention(
 
 
 def _chunk(qc: Array, k: Array, v: Array, scale: float) -> Array:
-    """One chunk of queries (B, c, N, D) against all keys (B, S, N, D) -> (B, c, N, D).
-
-    The queries are scaled, not the scores: XLA:CPU fuses the score matmul with the scaling and
-    hands that fusion the scalar broadcast to the scores' full shape, a constant it then keeps for
-    the whole step, one per score shape.
-    """
+    """One chunk of queries (B, c, N, D) against all keys (B, S, N, D) -> (B, c, N, D). The queries are
+    scaled, not the scores: XLA:CPU would keep the scale broadcast to the scores' shape for the whole step."""
     return jax.nn.dot_product_attention(qc * jnp.asarray(scale, qc.dtype), k, v, scale=1.0)
 
 
@@ -55,15 +43,13 @@ def _slice(x: Array, i: Array | int, chunk: int) -> Array:
 
 
 def _padded(first: Array, tokens: int) -> Array:
-    """The first chunk's rows in a (B, tokens, ...) buffer, the rest zeros: a loop buffer that
-    starts from data (see the module docstring)."""
+    """The first chunk's rows in a (B, tokens, ...) buffer, the rest zeros: a loop buffer that starts from data."""
     return jnp.pad(first, ((0, 0), (0, tokens - first.shape[1])) + ((0, 0),) * (first.ndim - 2))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def chunked_attention(q: Array, k: Array, v: Array, scale: float, chunk: int) -> Array:
-    """Attention of q (B, T, N, D) over k, v (B, S, N, D), ``chunk`` queries at a time; ``chunk``
-    divides T. Same result as `jax.nn.dot_product_attention` up to float rounding."""
+    """Attention of q (B, T, N, D) over k, v (B, S, N, D), ``chunk`` (a divisor of T) queries at a time."""
     tokens = q.shape[1]
 
     def body(i: Array, out: Array) -> Array:

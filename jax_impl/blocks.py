@@ -1,9 +1,7 @@
-"""Down, middle and up blocks in Flax linen: the units a checkpoint plan names.
+"""Down, middle and up blocks in Flax linen: the units a checkpoint plan names. Mirrors `torch_impl/blocks.py`.
 
-Blocks receive factories for their layers from the U-Net assembly, so they know nothing of the
-spec. Mirrors `torch_impl/blocks.py`. ``unit`` is the block's plan name (``down.1``) and ``plan``
-the U-Net's `CheckpointPlan`: `checkpointing.build` asks it about each layer (``down.1.resnets.0``).
-
+Blocks get their layers' factories from the U-Net assembly and know nothing of the spec. ``unit`` is the
+block's plan name (``down.1``), ``plan`` the U-Net's: `checkpointing.build` asks it about each layer.
 Call arguments are positional with ``train`` last, so that `nn.remat` can mark it static.
 """
 
@@ -52,10 +50,8 @@ class DownBlock(nn.Module):
     plan: CheckpointPlan | None = None
 
     def setup(self) -> None:
-        self.resnets = [
-            _layer(self, "resnets", j, self.make_resnet, self.in_ch if j == 0 else self.out_ch, self.out_ch)
-            for j in range(self.layers)
-        ]
+        ins = [self.in_ch] + [self.out_ch] * (self.layers - 1)
+        self.resnets = [_layer(self, "resnets", j, self.make_resnet, i, self.out_ch) for j, i in enumerate(ins)]
         self.attentions = _attentions(self, self.make_attention, self.out_ch, self.layers)
         pad, ch = self.downsample_padding, self.out_ch
         self.downsample = None

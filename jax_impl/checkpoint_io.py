@@ -1,13 +1,8 @@
-"""JAX checkpoints: `orbax.checkpoint` folders carrying the run's manifest.
+"""JAX checkpoints: `orbax.checkpoint` folders carrying the run's manifest. Mirror: `torch_impl.checkpoint_io`.
 
-Every run, one device or a mesh, replicated or FSDP-sharded, saves the `TrainState` pytree with
-orbax's `StandardCheckpointer` (each array written from its shards, no gather onto one device),
-and `shared_configs.training.run_folder` hashes the files and commits the folder with its manifest.
-Restoring takes a target of `jax.ShapeDtypeStruct` leaves carrying the shardings wanted now, so a
-run resumes onto the same mesh, another one, or a single device. Over several processes each
-writes (and reads) the shards of its own devices: the files hold global arrays, whatever the
-layout, so N processes' checkpoint resumes in one process with N x k devices, and the other way.
-The mirror of `torch_impl.checkpoint_io`.
+Every run saves its `TrainState` with orbax's `StandardCheckpointer`, each array written from its shards
+(each process its own devices'); `shared_configs.training.run_folder` hashes and commits the folder. The
+files hold global arrays, so a run resumes onto any mesh, any number of processes, or a single device.
 """
 
 from __future__ import annotations
@@ -30,9 +25,8 @@ FRAMEWORK, LAYOUT = "jax_impl", "orbax"
 
 
 def save_checkpoint(out: Path, state: Any, manifest: Manifest, comm: Comm = SOLO) -> Path:
-    """Save ``state`` (a pytree of arrays, e.g. a `TrainState`) as the checkpoint of ``manifest.step``;
-    over several processes (``comm``: `jax_impl.processes.current_comm`) every one calls it and
-    writes the shards its devices hold."""
+    """Save ``state`` (a pytree of arrays) as the checkpoint of ``manifest.step``; over several processes
+    (``comm``) every one calls it."""
 
     def write(folder: Path) -> None:
         try:
@@ -46,15 +40,12 @@ def save_checkpoint(out: Path, state: Any, manifest: Manifest, comm: Comm = SOLO
 
 
 def abstract_target(abstract_state: Any, shardings: Any) -> Any:
-    """``abstract_state`` (e.g. from `jax.eval_shape`) as `jax.ShapeDtypeStruct` leaves placed by
-    ``shardings`` (a matching pytree of `jax.sharding.Sharding`): what `load_checkpoint` restores onto."""
+    """``abstract_state`` as `jax.ShapeDtypeStruct` leaves placed by ``shardings``: what `load_checkpoint` takes."""
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
 
 
 def load_checkpoint(path: Path, target: Any, comm: Comm = SOLO) -> tuple[Any, Manifest]:
-    """Check the checkpoint folder ``path`` against its manifest (each process of ``comm`` a share of
-    the files), then restore it onto ``target`` (see `abstract_target`; over several processes each
-    reads the shards its devices hold). Returns (state, manifest)."""
+    """(state, manifest): the folder ``path`` checked against its manifest, restored onto ``target``."""
     manifest = read_checkpoint(path, FRAMEWORK, LAYOUT)
     verify(path, manifest, comm)
     with ocp.StandardCheckpointer() as checkpointer:
@@ -65,10 +56,8 @@ def load_checkpoint(path: Path, target: Any, comm: Comm = SOLO) -> tuple[Any, Ma
 
 
 class _OrbaxEchoes(logging.Filter):
-    """Drops the tracebacks orbax's threads log of a failed write (disk full): orbax raises the
-    error itself (`shared_configs.training.run_folder.save` makes it one line), and its threads and sibling
-    coroutines would each log a copy, some after the save returned (absl), some when collected
-    (asyncio's "exception was never retrieved")."""
+    """Drops the tracebacks orbax's threads and coroutines log of a failed write: orbax raises the error
+    itself (`shared_configs.training.run_folder.save` makes it one line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         tb = record.exc_info[2] if record.exc_info else None
@@ -80,9 +69,8 @@ for _logger in ("absl", "asyncio"):
 
 
 def _quiet_closed_loops(previous: Any) -> Any:
-    """``sys.unraisablehook`` but for one case: when a write fails, tensorstore's threads go on
-    completing orbax's futures on event loops orbax has closed, and each such callback ends as an
-    "Exception ignored" traceback (RuntimeError: Event loop is closed), hundreds of them."""
+    """``sys.unraisablehook`` but for the "Event loop is closed" tracebacks of tensorstore's threads
+    completing orbax's futures after a failed write."""
 
     def hook(unraisable: Any) -> None:
         frames = traceback.extract_tb(unraisable.exc_traceback)

@@ -1,10 +1,8 @@
 """Apply a framework-free `CheckpointPlan` to the Flax U-Net, as a class transform.
 
-Where torch shadows a built module's ``forward``, Flax picks the class before construction: a
-recomputed unit is an ``nn.remat(Cls)``, named by its ``setup()`` attribute, so the parameter tree is
-the same for every plan. The U-Net assembly calls `remat_class`, a block `build`; save sets become
-``checkpoint_name`` tags and `remat_policy`. Mirror: `torch_impl/checkpointing.py`.
-Docs: docs/spec_and_plans.md, docs/remat_vs_checkpoint.md.
+Where torch shadows a built module's ``forward``, Flax picks the class before construction: a recomputed
+unit is an ``nn.remat(Cls)`` under the same ``setup()`` name, so the parameter tree is the same for every
+plan. Mirror: `torch_impl/checkpointing.py`. Docs: docs/spec_and_plans.md, docs/remat_vs_checkpoint.md.
 """
 
 from __future__ import annotations
@@ -32,10 +30,7 @@ OFFLOAD_ON_CPU = (
 
 
 def remat_policy(save: tuple[str, ...] = (), offload: bool = False) -> Callable[..., Any] | None:
-    """The ``jax.checkpoint`` policy for a plan's ``save``/``offload``; None saves nothing inside.
-
-    Callers pass ``offload`` through `_offload_here` first (CPU degrades, with a warning).
-    """
+    """The ``jax.checkpoint`` policy for a plan's ``save``/``offload`` (through `_offload_here`); None saves nothing."""
     if not save:
         return None
     if not offload:
@@ -59,13 +54,7 @@ def _offload_here(offload: bool) -> bool:
 
 @functools.cache
 def remat(cls: M, save: tuple[str, ...] = (), offload: bool = False) -> M:
-    """``nn.remat(cls)``: recompute the module's forward in the backward pass.
-
-    ``static_argnums`` is read off ``cls.__call__``'s signature (``self`` counts as 0), so a layer
-    without a ``train`` flag needs none. With ``save=()`` (policy None) nothing inside is saved:
-    every intermediate is recomputed from the block's inputs; otherwise the outputs tagged with
-    those names are kept (`remat_policy`). Cached per (class, save, offload).
-    """
+    """``nn.remat(cls)``, keeping the outputs tagged ``save``; ``static_argnums`` read off ``cls.__call__``."""
     params = list(inspect.signature(cls.__call__).parameters)
     static = tuple(i for i, p in enumerate(params) if p in STATIC_ARGS)
     return nn.remat(cls, static_argnums=static, prevent_cse=True, policy=remat_policy(save, offload))
@@ -80,9 +69,7 @@ def remat_class(cls: M, name: str, plan: CheckpointPlan | None) -> M:
 
 
 def build(factory: Callable[..., nn.Module], name: str, plan: CheckpointPlan | None, *args: Any) -> nn.Module:
-    """``factory(*args)``, its module class remat'd when ``plan`` recomputes unit ``name``
-    (``down.1.resnets.0``). ``factory`` is a Module class or a `functools.partial` of one (what the
-    assembly hands blocks)."""
+    """``factory(*args)`` (a Module class or a `functools.partial` of one), remat'd as ``plan`` says for ``name``."""
     if isinstance(factory, functools.partial):
         return functools.partial(remat_class(factory.func, name, plan), *factory.args, **factory.keywords)(*args)
     return remat_class(factory, name, plan)(*args)

@@ -1,8 +1,6 @@
-"""The Flax ControlNet: the U-Net's encoder and middle block (`UNetTrunk`, the same code and names),
-a conditioning embedding and zero convolutions (`shared_configs.controlnet`). Mirrors
-`torch_impl/controlnet.py`, on NHWC input; the parameter tree is the same for every plan (names
-come from the ``setup()`` attributes) and mirrors the torch state_dict, so `jax_impl.convert`
-converts it as the U-Net's.
+"""The Flax ControlNet: the U-Net's encoder and middle block (`UNetTrunk`, the same code and names), a
+conditioning embedding and zero convolutions (`shared_configs.controlnet`). Mirrors `torch_impl/controlnet.py`
+on NHWC input; its parameter tree mirrors torch's state_dict, so `jax_impl.convert` converts it as the U-Net's.
 """
 
 from __future__ import annotations
@@ -47,10 +45,8 @@ class ConditioningEmbedding(nn.Module):
 
     def setup(self) -> None:
         self.conv_in = conv3x3(self.widths[0])
-        blocks = []
-        for a, b in itertools.pairwise(self.widths):
-            blocks += [conv3x3(a), Conv(b, (3, 3), strides=(2, 2), padding=PAD_1)]
-        self.blocks = blocks
+        pairs = itertools.pairwise(self.widths)
+        self.blocks = [c for a, b in pairs for c in (conv3x3(a), Conv(b, (3, 3), strides=(2, 2), padding=PAD_1))]
         self.conv_out = zero_conv(self.out_ch, 3)
 
     def __call__(self, cond: Array) -> Array:
@@ -61,13 +57,9 @@ class ConditioningEmbedding(nn.Module):
 
 
 class ControlNet(UNetTrunk):
-    """ControlNet on NHWC input: ``apply(variables, sample, timestep, context, controlnet_cond,
-    conditioning_scale=1.0, class_labels=None, text_embeds=None, time_ids=None, guess_mode=False,
-    train=False)`` returns ``(down_residuals, mid_residual)`` (NHWC) for ``jax_impl.UNet``'s
-    ``down_block_additional_residuals`` / ``mid_block_additional_residual``, in diffusers' order.
-
-    Attributes as `jax_impl.UNet`'s; ``policy`` names units as the U-Net's (``down.1``, ``mid``,
-    ``down.0.resnets.1``; ``full`` is every down block and ``mid``).
+    """ControlNet on NHWC input: ``apply(variables, sample, timestep, context, controlnet_cond, ...)`` returns
+    the NHWC ``(down_residuals, mid_residual)`` for ``jax_impl.UNet``'s additional residuals, in diffusers'
+    order. Attributes as `jax_impl.UNet`'s; ``policy`` names units as the U-Net's (``full``: down and mid).
     """
 
     spec: ControlNetSpec
@@ -95,18 +87,10 @@ class ControlNet(UNetTrunk):
         self.controlnet_mid_block = zero_conv(mid[1])
 
     def __call__(
-        self,
-        sample: Array,
-        timestep: Array | float,
-        context: Array | None,
-        controlnet_cond: Array,
-        conditioning_scale: float = 1.0,
-        class_labels: Array | None = None,
-        text_embeds: Array | None = None,
-        time_ids: Array | None = None,
-        guess_mode: bool = False,
-        train: bool = False,
-    ) -> tuple[list[Array], Array]:
+        self, sample: Array, timestep: Array | float, context: Array | None, controlnet_cond: Array,
+        conditioning_scale: float = 1.0, class_labels: Array | None = None, text_embeds: Array | None = None,
+        time_ids: Array | None = None, guess_mode: bool = False, train: bool = False,
+    ) -> tuple[list[Array], Array]:  # fmt: skip
         """The residuals for ``sample`` under the NHWC conditioning image ``controlnet_cond`` (B,
         H x f, W x f, conditioning_channels), f = `ControlNetSpec.conditioning_factor`."""
         unet = self.spec.unet
@@ -148,8 +132,7 @@ def controlnet_from_unet(
     unet_params: dict, spec: UNetSpec, rng: jax.Array | None = None, policy: PolicyArg = None, **options: object
 ) -> tuple[ControlNet, dict]:
     """``(module, params)``: a ControlNet on ``spec`` with the U-Net's encoder parameters (diffusers'
-    ``from_unet``, torch's ``ControlNet.from_unet``); the conditioning embedding freshly initialised
-    from ``rng``, the zero convolutions at zero. ``options``: the `ControlNetSpec` fields beside ``unet``."""
+    ``from_unet``), the rest fresh from ``rng``. ``options``: the `ControlNetSpec` fields beside ``unet``."""
     cspec = ControlNetSpec(name=f"{spec.name}_controlnet", unet=spec, **options)
     module = ControlNet(spec=cspec, policy=policy)
     shapes = abstract_controlnet_inputs(cspec)

@@ -1,8 +1,7 @@
-"""Weight conversion between the PyTorch and Flax U-Nets, both directions, every layer type.
+"""Weight conversion between the PyTorch and Flax U-Nets (and ControlNets), both directions.
 
-The trees mirror name for name (``down.1`` is ``down_1``; conv OIHW <-> HWIO ``kernel``, linear
-transposed, norm ``weight`` <-> ``scale``, BatchNorm's running stats <-> ``batch_stats``), and both
-directions check the result against the tree the spec implies, naming any mismatched parameter.
+The trees mirror name for name (``down.1`` is ``down_1``, conv OIHW <-> HWIO ``kernel``, norm ``weight`` <->
+``scale``); both directions check the result against the spec's tree, naming any mismatched parameter.
 Docs: docs/remat_vs_checkpoint.md, docs/diffusers.md.
 """
 
@@ -23,11 +22,8 @@ from shared_configs.controlnet import ControlNetSpec
 
 Spec = UNetSpec | ControlNetSpec  # a U-Net's, or a ControlNet's (`jax_impl.controlnet`): the same conversion
 
-# Attributes that hold lists of modules (torch ModuleList <-> Flax list in setup()).
 LIST_ATTRS = ("down", "up", "resnets", "attentions", "transformer_blocks", "blocks", "controlnet_down_blocks")
-_LIST_RE = re.compile(rf"^({'|'.join(LIST_ATTRS)})_(\d+)$")
-
-
+_LIST_RE = re.compile(rf"^({'|'.join(LIST_ATTRS)})_(\d+)$")  # a list of modules: torch ModuleList, Flax list
 # torch BatchNorm buffer -> Flax batch_stats leaf; the step counter has no Flax twin.
 STATS_LEAVES = {"running_mean": "mean", "running_var": "var"}
 COUNTER = "num_batches_tracked"
@@ -53,24 +49,17 @@ def torch_to_flax_variables(state_dict: Mapping[str, Any], spec: Spec) -> dict:
     params, stats = _split(state_dict, _embeddings(spec))
     _check_tree(params, spec)
     _check_tree(stats, spec, "batch_stats")
-    variables = {"params": traverse_util.unflatten_dict(params)}
-    if stats:
-        variables["batch_stats"] = traverse_util.unflatten_dict(stats)
-    return variables
+    return {"params": traverse_util.unflatten_dict(params)} | (
+        {"batch_stats": traverse_util.unflatten_dict(stats)} if stats else {}
+    )
 
 
 def flax_to_torch(
-    params: Mapping[str, Any],
-    spec: Spec,
-    batch_stats: Mapping[str, Any] | None = None,
-    num_batches_tracked: int = 0,
-    lora_rank: int | None = None,
-) -> dict[str, Any]:
-    """Flax ``params`` -> a torch `state_dict`, loadable with ``load_state_dict(strict=True)``.
-
-    BatchNorms get ``batch_stats`` (default: torch's initial mean 0, var 1) and ``num_batches_tracked``.
-    ``lora_rank``: params of ``UNet(spec, lora_rank=R)``, named as peft names the torch model's adapters.
-    """
+    params: Mapping[str, Any], spec: Spec, batch_stats: Mapping[str, Any] | None = None,
+    num_batches_tracked: int = 0, lora_rank: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Flax ``params`` -> a torch `state_dict` for ``load_state_dict(strict=True)``; BatchNorms get ``batch_stats``
+    (default: torch's initial ones), ``lora_rank`` names the adapters as peft does."""
     import torch  # only this direction needs torch
 
     flat = traverse_util.flatten_dict(dict(params))

@@ -1,10 +1,8 @@
-"""Load diffusers U-Net weights into our Flax U-Net (and export them back in diffusers' names).
+"""Load diffusers U-Net and ControlNet weights into our Flax modules (and export them in diffusers' names).
 
-Mirrors `torch_impl/diffusers_io.py`: a source is a local model folder (``config.json`` +
-``diffusion_pytorch_model.safetensors`` or ``.bin``; sharded or ``variant`` files too; a
-pipeline folder's ``unet/`` is found), a repo id in the local Hugging Face cache (never
-downloaded), or a live diffusers module (see `shared_configs.diffusers.folders`). Reading safetensors needs
-neither torch nor diffusers; a ``.bin`` file or a live module needs torch (which they imply).
+Mirrors `torch_impl/diffusers_io.py`; a source is a model or pipeline folder, a repo id in the local Hugging
+Face cache (never downloaded) or a live module (`shared_configs.diffusers.folders`). Safetensors need neither
+torch nor diffusers; a ``.bin`` file or a live module needs torch.
 """
 
 from __future__ import annotations
@@ -35,32 +33,19 @@ def read_diffusers(
 
 
 def from_diffusers(
-    source: Source,
-    policy: PolicyArg = None,
-    variant: str | None = None,
-    *,
-    subfolder: str | None = None,
-    dtype: Any = None,
-    revision: str | None = None,
-) -> tuple[UNet, dict]:
-    """``(module, params)``: our Flax `UNet` (with checkpoint ``policy``) and ``params`` in ``dtype``
-    (default float32), for ``module.apply({"params": params}, x_nhwc, t, context, ...)``.
-
-    ``source``: a folder, a pipeline folder, a cached repo id (``"org/name"``, with ``subfolder``
-    and ``revision``) or a live module; ``variant="fp16"`` reads ``*.fp16.safetensors``.
-    """
+    source: Source, policy: PolicyArg = None, variant: str | None = None, *, subfolder: str | None = None,
+    dtype: Any = None, revision: str | None = None,
+) -> tuple[UNet, dict]:  # fmt: skip
+    """``(module, params)``: our Flax `UNet` (with checkpoint ``policy``) and ``params`` in ``dtype`` (default
+    float32). ``source``: a folder, a cached repo id (``"org/name"``) or a live module; ``variant="fp16"``
+    reads ``*.fp16.safetensors``."""
     return _load(UNet, source, policy, variant, subfolder, dtype, revision)
 
 
 def controlnet_from_diffusers(
-    source: Source,
-    policy: PolicyArg = None,
-    variant: str | None = None,
-    *,
-    subfolder: str | None = None,
-    dtype: Any = None,
-    revision: str | None = None,
-) -> tuple[ControlNet, dict]:
+    source: Source, policy: PolicyArg = None, variant: str | None = None, *, subfolder: str | None = None,
+    dtype: Any = None, revision: str | None = None,
+) -> tuple[ControlNet, dict]:  # fmt: skip
     """As `from_diffusers`, for a diffusers ``ControlNetModel`` (in a pipeline folder, ``subfolder="controlnet"``)."""
     return _load(ControlNet, source, policy, variant, subfolder, dtype, revision)
 

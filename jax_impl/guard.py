@@ -4,8 +4,7 @@ The user's step may hold more than the model's (a teacher's features, a doubled 
 whole step is one compiled program, so its peak is known before anything runs: plan for the budget
 (`shared_configs.planning.planner.plan`), compile the user's step for that plan, and when its
 ``memory_analysis()`` peak is over the budget re-plan for ``budget - excess``, up to ``rounds``
-times, then `full`. On XLA:CPU the step compiles with remat's barriers kept (`XLA_CPU_OPTIONS`).
-Its torch twin is `torch_impl.guard.BudgetGuard`, which measures instead.
+times, then `full`. Its torch twin is `torch_impl.guard.BudgetGuard`, which measures instead.
 """
 
 from __future__ import annotations
@@ -62,28 +61,21 @@ class StepPlan:
 
 
 def compile_for(build_step: Callable[[str], Any], policy: str, example_args: Sequence[Any]) -> Any:
-    """The user's step for ``policy``, lowered and compiled for ``example_args`` (arrays or
-    ``jax.ShapeDtypeStruct``s); jitted here if ``build_step`` returned a plain function."""
+    """The user's step for ``policy`` (jitted here if a plain function), compiled for ``example_args``."""
     step = build_step(policy)
-    if not hasattr(step, "lower"):
-        step = jax.jit(step)
-    options = XLA_CPU_OPTIONS if jax.default_backend() == "cpu" else {}
-    return step.lower(*example_args).compile(compiler_options=options)
+    return xla_compile((step if hasattr(step, "lower") else jax.jit(step)).lower(*example_args))
+
+
+def xla_compile(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """``lowered`` compiled as the planner compiles it: on XLA:CPU with remat's barriers kept."""
+    return lowered.compile(compiler_options=XLA_CPU_OPTIONS if jax.default_backend() == "cpu" else {})
 
 
 def plan_for_step(
-    build_step: Callable[[str], Any],
-    example_args: Sequence[Any],
-    budget_bytes: int,
-    *,
-    spec: UNetSpec | str,
-    batch_size: int,
-    regime: Regime | None = None,
-    sample_size: int | None = None,
-    rounds: int = DEFAULT_ROUNDS,
-    policy: str | None = None,
-    **planner_options: Any,
-) -> StepPlan:
+    build_step: Callable[[str], Any], example_args: Sequence[Any], budget_bytes: int, *, spec: UNetSpec | str,
+    batch_size: int, regime: Regime | None = None, sample_size: int | None = None, rounds: int = DEFAULT_ROUNDS,
+    policy: str | None = None, **planner_options: Any,
+) -> StepPlan:  # fmt: skip
     """A plan whose compiled user step (``build_step(plan)`` on ``example_args``) fits ``budget_bytes``.
 
     The keyword arguments describe the model's step to the planner; ``policy`` starts from that plan

@@ -39,10 +39,8 @@ def timestep_embedding(t: Array, dim: int, flip_sin_to_cos: bool, freq_shift: fl
     return jnp.pad(emb, ((0, 0), (0, dim % 2)))
 
 
-# Remat tags: each op class of `shared_configs.plan.OP_CLASSES` names its outputs, so that a plan's
-# ``save`` becomes `jax.checkpoint_policies.save_only_these_names(*save)` (see checkpointing.py).
-# The tagged points are the outputs torch's selective policy saves (aten convolution, mm/addmm,
-# SDPA, native_group/layer_norm), bias included as in torch's fused ops.
+# Remat tags: each op class of `shared_configs.plan.OP_CLASSES` names the outputs torch's selective policy
+# saves (bias included, as in torch's fused ops), so a plan's ``save`` becomes `save_only_these_names(*save)`.
 class Conv(nn.Conv):
     """`nn.Conv` with its output tagged ``"conv"``."""
 
@@ -71,8 +69,7 @@ def conv1x1(features: int) -> nn.Conv:
 
 
 class TimestepEmbedding(nn.Module):
-    """Two-layer MLP on the sinusoidal features; with ``cond_dim``, ``cond`` (LCM's guidance
-    embedding, ``timestep_cond``) is projected onto the features first (no bias, as diffusers)."""
+    """Two-layer MLP on the sinusoidal features, plus ``cond`` (LCM's ``timestep_cond``) projected without bias."""
 
     in_dim: int
     dim: int

@@ -14,10 +14,8 @@ LORA_LEAVES = (LORA_A, LORA_B)
 
 
 class LoRADense(nn.Module):
-    """A Dense layer with a rank-``rank`` LoRA adapter, as peft's ``lora.Linear`` with ``lora_alpha``
-    equal to the rank: ``x @ kernel + bias + (x @ lora_A) @ lora_B``. The base ``kernel``/``bias``
-    keep the plain Dense's names (the same converted weights); ``lora_B`` starts at zero, so the
-    outputs do not change until it trains. Output tagged ``"matmul"``."""
+    """``x @ kernel + bias + (x @ lora_A) @ lora_B``, as peft's ``lora.Linear`` with ``lora_alpha`` = rank; the
+    base weights keep the plain Dense's names, ``lora_B`` starts at zero. Output tagged ``"matmul"``."""
 
     features: int
     rank: int

@@ -46,16 +46,9 @@ class ControlNetPair(nn.Module):
         self.controlnet = ControlNet(spec=self.spec.controlnet, policy=self.plan.controlnet, attention_chunk=chunk)
 
     def __call__(
-        self,
-        x: Array,
-        t: Array | float,
-        context: Array | None,
-        class_labels: Array | None,
-        text_embeds: Array | None,
-        time_ids: Array | None,
-        controlnet_cond: Array,
-        train: bool = False,
-    ) -> Array:
+        self, x: Array, t: Array | float, context: Array | None, class_labels: Array | None,
+        text_embeds: Array | None, time_ids: Array | None, controlnet_cond: Array, train: bool = False,
+    ) -> Array:  # fmt: skip
         conditioning = {"class_labels": class_labels, "text_embeds": text_embeds, "time_ids": time_ids}
         down, mid = self.controlnet(x, t, context, controlnet_cond, **conditioning, train=train)
         return self.unet(x, t, context, **conditioning, down_block_additional_residuals=down,
@@ -105,16 +98,9 @@ def loss_fn(
 
 @functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype", "loss_scale"), donate_argnames=("state",))
 def train_step(
-    state: TrainState,
-    unet_params: Any,
-    batch: tuple,
-    dropout_key: Array,
-    *,
-    model: ControlNetPair,
-    tx: optax.GradientTransformation,
-    compute_dtype: DTypeLike | None = None,
-    loss_scale: float | None = None,
-) -> tuple[TrainState, Array]:
+    state: TrainState, unet_params: Any, batch: tuple, dropout_key: Array, *, model: ControlNetPair,
+    tx: optax.GradientTransformation, compute_dtype: DTypeLike | None = None, loss_scale: float | None = None,
+) -> tuple[TrainState, Array]:  # fmt: skip
     """One ControlNet step (as `jax_impl.step.train_step`): ``unet_params`` read, not differentiated."""
 
     def loss(params: Any) -> tuple[Array, Any]:

@@ -1,10 +1,8 @@
 """Data parallelism and FSDP in JAX: one mesh axis, sharding annotations, jit does the rest.
 
-``ddp`` splits the batch along the mesh axis ``data`` and replicates the state; ``fsdp`` (ZeRO-3,
-as MaxText's ``fsdp`` axis) also shards every large state leaf along that axis. No wrapper, no
-hand-written communication: the step is the same for every mode. Over several processes the mesh
-spans every process's devices (`jax_impl.processes`). Mirror: `torch_impl.parallel` (DDP, FSDP2).
-Docs: docs/training.md.
+``ddp`` splits the batch along the mesh axis ``data`` and replicates the state; ``fsdp`` (ZeRO-3) also
+shards every large state leaf along it. The step is the same for every mode; the mesh spans every
+process's devices. Mirror: `torch_impl.parallel` (DDP, FSDP2). Docs: docs/training.md.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ MIN_SHARDED = 1024  # elements: smaller leaves (biases, norm scales, the step co
 
 
 def make_mesh(batch_size: int) -> Mesh:
-    """A 1-D mesh over every device of every process, axis ``data``, process by process; the batch
-    must split evenly over it."""
+    """A 1-D mesh ``data`` over every device of every process, process by process; the batch splits evenly."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if batch_size % len(devices):
         raise ValueError(f"--batch-size {batch_size}: does not split evenly over {len(devices)} devices")
@@ -40,24 +37,20 @@ def fsdp_partition(shape: tuple[int, ...], devices: int) -> P:
 
 
 def state_shardings(mesh: Mesh, state: Any, mode: str | None) -> Any:
-    """A `NamedSharding` per leaf of ``state`` (arrays or `jax.ShapeDtypeStruct`): `fsdp_partition`
-    for ``mode == "fsdp"``, replicated otherwise."""
+    """A `NamedSharding` per leaf of ``state``: `fsdp_partition` for ``mode == "fsdp"``, replicated otherwise."""
     if mode == "fsdp":
         return jax.tree.map(lambda a: NamedSharding(mesh, fsdp_partition(a.shape, mesh.size)), state)
     return jax.tree.map(lambda _: NamedSharding(mesh, P()), state)
 
 
 def shard(mesh: Mesh, state: Any, batch: tuple, mode: str | None = "ddp") -> tuple[Any, tuple]:
-    """Place the state as ``mode`` says (see `state_shardings`), the global ``batch`` split along its
-    first axis, this process placing only its rows (`place_batch`). BatchNorm then normalises with
-    global-batch statistics: jit inserts the reductions. Placing an array where it already is costs
-    nothing, so this runs before every step."""
+    """The state placed as ``mode`` says and the global ``batch`` split along its first axis (BatchNorm then
+    uses global-batch statistics); placing an array where it already is costs nothing, so every step calls it."""
     return jax.device_put(state, state_shardings(mesh, state, mode)), place_batch(mesh, batch)
 
 
 def place_batch(mesh: Mesh, batch: tuple) -> tuple:
-    """``batch`` (global arrays, host or device; None kept) as global arrays split along the first
-    axis over ``mesh``, each process supplying only the rows its devices hold."""
+    """``batch`` (None kept) as global arrays split along the first axis, each process giving its devices' rows."""
     split = NamedSharding(mesh, P(AXIS))
 
     def place(a: Any) -> jax.Array:
@@ -68,8 +61,7 @@ def place_batch(mesh: Mesh, batch: tuple) -> tuple:
 
 
 def local_rows(sharding: NamedSharding, n: int) -> slice:
-    """The rows of an ``n``-row array split by ``sharding`` that this process's devices hold (one
-    contiguous block, as `make_mesh` orders the devices)."""
+    """The rows of an ``n``-row array split by ``sharding`` that this process's devices hold (one block)."""
     spans = {index[0].indices(n)[:2] for index in sharding.addressable_devices_indices_map((n,)).values()}
     start, stop = min(s for s, _ in spans), max(e for _, e in spans)
     if sum(e - s for s, e in spans) != stop - start:

@@ -1,10 +1,8 @@
 """One training run over several JAX processes: joining them, agreeing between them, leaving.
 
-`join` starts `jax.distributed` from ``--coordinator/--num-processes/--process-id`` or a cluster JAX
-detects (gloo collectives on CPU); `ProcessComm` gives the run folder's collectives (who saves what,
-the agreed stop step) as small jitted all-gathers; `lost_processes` turns a collective failed by a
-dead process into one line (`ProcessLost`). No torch mirror: torchrun does this for torch.
-docs/training.md "JAX over several processes".
+`join` starts `jax.distributed` from the flags or a cluster JAX detects; `ProcessComm` gives the run
+folder's collectives as small all-gathers; `lost_processes` turns a collective failed by a dead process
+into one line. No torch mirror: torchrun does this. docs/training.md "JAX over several processes".
 """
 
 from __future__ import annotations
@@ -94,9 +92,8 @@ _lost = False  # a collective failed for want of another process: nobody to wait
 
 
 def join(coordinator: str | None, num_processes: int | None, process_id: int | None) -> Joined | None:
-    """Join the run's processes (before any JAX computation), once per interpreter; None: one
-    process (no flags, and no cluster detected or JAX already running in this interpreter, as in
-    a caller's own code). Process 0 prints which it used."""
+    """Join the run's processes (before any JAX computation), once per interpreter; None: one process
+    (no flags, and no cluster detected or JAX already running). Process 0 prints which it used."""
     global _joined
     if _joined is not None:
         return _joined
@@ -116,8 +113,7 @@ def join(coordinator: str | None, num_processes: int | None, process_id: int | N
 
 
 def detected_cluster() -> str | None:
-    """The cluster `jax.distributed.initialize()` would detect from the environment (its class
-    name, e.g. "SlurmCluster"), or None. JAX keeps the list private; its absence means none."""
+    """The cluster class `jax.distributed.initialize()` would detect (e.g. "SlurmCluster"), or None."""
     try:
         from jax._src.clusters import ClusterEnv
     except ImportError:
@@ -140,8 +136,7 @@ def process_rank() -> int:
 
 @dataclass(frozen=True)
 class ProcessComm:
-    """`shared_configs.training.run_folder.Comm` over JAX's processes: tiny all-gathers over every
-    device (gloo on CPU), compiled once per shape."""
+    """`shared_configs.training.run_folder.Comm` over JAX's processes: tiny all-gathers, compiled once per shape."""
 
     rank: int
     world: int
@@ -188,12 +183,9 @@ def lost_processes() -> Iterator[None]:
 
 
 def leave(code: int) -> int:
-    """End this process's part in the run with exit status ``code``.
-
-    0: JAX's shutdown barrier (every process reaches it). Otherwise a process may be gone or still
-    inside a collective, and the barrier would wait for it until the heartbeat times out: exit
-    now (`os._exit`), process 0 last, as the others need its coordination service to exit cleanly.
-    """
+    """End this process's part in the run with exit status ``code``: 0 through JAX's shutdown barrier;
+    otherwise a process may be gone and the barrier would wait for the heartbeat, so `os._exit`,
+    process 0 last (the others need its coordination service to exit cleanly)."""
     if _joined is None:
         return code
     if code == 0:

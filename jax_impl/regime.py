@@ -1,13 +1,9 @@
 """A training regime (`shared_configs.regime.Regime`) in JAX/Flax + optax: `torch_impl.regime`'s twin.
 
-- precision: ``bf16`` casts the params to bfloat16 (`apply_regime`; gradients and optimizer state
-  follow); the ``*-mixed`` ones keep float32 params and cast them and the inputs for the forward
-  (`step_options`: the step's compute dtype), ``fp16-mixed`` with a static loss scale (`LOSS_SCALE`).
-- ``lora:R``: the U-Net's own adapters (``UNet(lora_rank=R)``, `jax_impl.layers.LoRADense`); the
-  optimizer updates only them (`trained_mask`), every other weight gets no update and no state.
-- the optimizer (`make_optimizer`): ``optax.adamw``, ``optax.adafactor``; no 8-bit AdamW (refused).
-- ``--ema``: a float32 copy of the trained params (`init_ema`), moved toward them after every step
-  (`update_ema`).
+Precision: ``bf16`` casts the params (`apply_regime`), the ``*-mixed`` ones cast params and inputs for the
+forward (`step_options`), ``fp16-mixed`` with a static loss scale. ``lora:R``: the U-Net's own adapters
+(``UNet(lora_rank=R)``), the only weights the optimizer (`make_optimizer`) updates. ``--ema``: a float32
+copy of the trained params (`init_ema`, `update_ema`).
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ from shared_configs.defaults import device_of
 from shared_configs.regime import DEFAULT, Regime, check_planned
 from shared_configs.spec import SpecError
 
-# The regime's dtype names (`Regime.compute_dtype`, `Regime.param_dtype`); None computes in the
-# params' own dtype (no casts at all).
+# The regime's dtype names; None computes in the params' own dtype (no casts at all).
 DTYPES: dict[str | None, DTypeLike | None] = {
     None: None, "float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16
 }  # fmt: skip
@@ -58,15 +53,14 @@ def apply_regime(params: Any, regime: Regime) -> Any:
 
 @functools.cache  # one object per hyperparameters, so the jitted step (tx is static) compiles once
 def make_optimizer(lr: float, weight_decay: float, regime: Regime = DEFAULT) -> optax.GradientTransformation:
-    """``regime.optimizer``: ``optax.adamw`` matching torch's AdamW (weight_decay explicit: optax
-    defaults to 1e-4) or ``optax.adafactor``; under loss scaling, steps with non-finite gradients
-    are skipped (`optax.apply_if_finite`)."""
+    """``regime.optimizer`` (``optax.adamw`` as torch's AdamW, or ``optax.adafactor``); under loss scaling,
+    steps with non-finite gradients are skipped."""
     if regime.optimizer == "adamw8bit":
         raise SpecError("optimizer: adamw8bit has no JAX implementation (optax has no 8-bit AdamW); use adamw or "
                         "adafactor, or plan its state bytes from shapes (the plan command's --shapes)")  # fmt: skip
     if regime.optimizer == "adafactor":
         tx = optax.adafactor(lr, weight_decay_rate=weight_decay or None)
-    else:
+    else:  # weight_decay explicit: optax's default is 1e-4
         tx = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
     if regime.lora_rank is not None:  # the adapters train; the rest gets no update and no state
         labels = functools.partial(_labels, regime=regime)
@@ -93,9 +87,8 @@ def _labels(params: Any, regime: Regime) -> Any:
 
 
 def init_ema(params: Any, regime: Regime) -> Any:
-    """``regime``'s EMA copy of ``params`` (float32), or None when it keeps none. A copy: params
-    already in float32 would otherwise share their buffers (donated twice). Under LoRA only the
-    adapters are averaged; a frozen weight holds an empty array."""
+    """``regime``'s float32 EMA copy of ``params`` (a copy: float32 params would share buffers, donated twice),
+    or None; under LoRA a frozen weight holds an empty array."""
     if not regime.ema:
         return None
 

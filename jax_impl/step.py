@@ -6,8 +6,7 @@ To put the U-Net in your own loop::
     state = init_state(model, tx, seed=0)             # params, opt_state, batch_stats (, ema)
     state, loss = train_step(state, arrays(batch), key, model=model, tx=tx)
 
-A `Trainee` is what `jax_impl.train`'s one loop steps: the U-Net, or the ControlNet of a
-`jax_impl.pair.ControlNetPair`. Mirror: `torch_impl/train.py`; docs/training.md.
+`Trainee` is what `jax_impl.train`'s loop steps. Mirror: `torch_impl/train.py`; docs/training.md.
 """
 
 from __future__ import annotations
@@ -26,14 +25,13 @@ from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
 from jax_impl import processes
-from jax_impl.guard import StepPlan, plan_for_step
+from jax_impl.guard import StepPlan, plan_for_step, xla_compile
 from jax_impl.memory import compiled_peak
 from jax_impl.parallel import shard
 from jax_impl.regime import apply_regime, cast_floating, init_ema, step_options, update_ema
 from jax_impl.unet import UNet
 from shared_configs.inputs import input_specs
 from shared_configs.pair import ControlNetPairSpec
-from shared_configs.planning.workers import XLA_CPU_OPTIONS
 from shared_configs.regime import DEFAULT, Regime
 from shared_configs.spec import UNetSpec
 from shared_configs.training.config import TrainConfig
@@ -97,13 +95,9 @@ def init_state(model: UNet, tx: optax.GradientTransformation, seed: int, regime:
 
 
 def loss_fn(
-    params: Any,
-    batch_stats: Any,
-    model: UNet,
-    batch: Arrays,
-    dropout_key: jax.Array,
+    params: Any, batch_stats: Any, model: UNet, batch: Arrays, dropout_key: jax.Array,
     compute_dtype: DTypeLike | None = None,
-) -> tuple[jax.Array, Any]:
+) -> tuple[jax.Array, Any]:  # fmt: skip
     """MSE between the predicted and the true noise (dropout on, batch statistics), in float32, and the
     updated batch_stats (under remat an output of the forward: they move once per step; never cast).
 
@@ -128,20 +122,11 @@ def loss_fn(
 # of each, not two). Do not use a state after passing it in; keep the one returned.
 @functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype", "loss_scale"), donate_argnames=("state",))
 def train_step(
-    state: TrainState,
-    batch: Arrays,
-    dropout_key: jax.Array,
-    *,
-    model: UNet,
-    tx: optax.GradientTransformation,
-    compute_dtype: DTypeLike | None = None,
-    loss_scale: float | None = None,
-) -> tuple[TrainState, jax.Array]:
-    """One DDPM step through the remat plan the model carries: (new state, loss).
-
-    The keyword arguments are static: keep one object of each (`jax_impl.regime.make_optimizer`) to
-    compile once. ``compute_dtype`` is mixed precision (`loss_fn`); ``loss_scale`` is float16's.
-    """
+    state: TrainState, batch: Arrays, dropout_key: jax.Array, *, model: UNet, tx: optax.GradientTransformation,
+    compute_dtype: DTypeLike | None = None, loss_scale: float | None = None,
+) -> tuple[TrainState, jax.Array]:  # fmt: skip
+    """One DDPM step through the remat plan the model carries: (new state, loss). The keyword arguments
+    are static: keep one object of each (`jax_impl.regime.make_optimizer`) to compile once."""
 
     def loss(params: Any) -> tuple[jax.Array, Any]:
         return loss_fn(params, state.batch_stats, model, batch, dropout_key, compute_dtype)
@@ -185,19 +170,11 @@ class Trainee:
 
 
 def make_step(
-    cfg: TrainConfig,
-    trainee: Trainee,
-    tx: optax.GradientTransformation,
-    dataset: Dataset,
-    schedule: Schedule,
-    mesh: Mesh | None = None,
-    budget: RunPlan | None = None,
-) -> Step:
-    """``step(state, s) -> (state, loss)``: training step ``s`` on its batch (a function of (seed, s)).
-
-    With a ``mesh`` the state is placed as ``cfg.distributed`` says and the batch split over the devices.
-    With a ``budget`` the step is compiled as the planner compiled it and its peak printed beside the prediction.
-    """
+    cfg: TrainConfig, trainee: Trainee, tx: optax.GradientTransformation, dataset: Dataset, schedule: Schedule,
+    mesh: Mesh | None = None, budget: RunPlan | None = None,
+) -> Step:  # fmt: skip
+    """``step(state, s) -> (state, loss)``: training step ``s`` on its batch, over ``mesh`` if given; with a
+    ``budget`` compiled as the planner compiled it, its peak printed beside the prediction."""
     step_fn = functools.partial(trainee.step, model=trainee.model, tx=tx, **step_options(cfg.regime))
     compiled: list[jax.stages.Compiled] = []  # with a budget: the one executable every step runs
 
@@ -209,23 +186,14 @@ def make_step(
             state, batch = shard(mesh, state, host_arrays(batch), cfg.distributed)
         key = jax.random.key(step_seed(cfg.seed, index))  # dropout masks depend on (seed, step) only
         args = (state, *trainee.frozen, batch, key)
-        if budget is None:
-            state, loss = step_fn(*args)
-            return state, float(loss)
-        if not compiled:
-            compiled.append(compile_step(step_fn, *args))
+        if budget is not None and not compiled:
+            compiled.append(xla_compile(step_fn.func.lower(*args, **step_fn.keywords)))  # as the planner did
             if processes.process_rank() == 0:  # per device: every process compiled the same step
                 report(budget.peak_line(compiled_peak(compiled[0]), peak_instrument()))
-        state, loss = compiled[0](*args)
+        state, loss = (compiled[0] if compiled else step_fn)(*args)
         return state, float(loss)
 
     return step
-
-
-def compile_step(step_fn: functools.partial, *args: Any) -> jax.stages.Compiled:
-    """``step_fn`` (a jitted step with its static arguments) compiled for ``args`` as the planner compiles it."""
-    options = XLA_CPU_OPTIONS if jax.default_backend() == "cpu" else {}
-    return step_fn.func.lower(*args, **step_fn.keywords).compile(compiler_options=options)
 
 
 def peak_instrument() -> str:
@@ -235,14 +203,9 @@ def peak_instrument() -> str:
 
 
 def guard_step(
-    cfg: TrainConfig,
-    spec: UNetSpec | ControlNetPairSpec,
-    trainee: Trainee,
-    tx: optax.GradientTransformation,
-    data: tuple[TrainState, Dataset, Schedule],
-    budget: RunPlan,
-    first: int,
-) -> StepPlan:
+    cfg: TrainConfig, spec: UNetSpec | ControlNetPairSpec, trainee: Trainee, tx: optax.GradientTransformation,
+    data: tuple[TrainState, Dataset, Schedule], budget: RunPlan, first: int,
+) -> StepPlan:  # fmt: skip
     """`jax_impl.plan_for_step` on the loop's own step (as shapes, the batch of step ``first``) from the run's
     plan: that plan corrected by what the compiled step holds beyond the model's. Says the plan in force."""
     options, (state, dataset, schedule) = step_options(cfg.regime), data
@@ -271,17 +234,10 @@ def corrected(budget: RunPlan, spec: UNetSpec | ControlNetPairSpec, sp: StepPlan
 
 
 def run_steps(
-    state: TrainState,
-    losses: list[float],
-    dataset: Dataset,
-    schedule: Schedule,
-    cfg: TrainConfig,
-    stop: int,
-    model: UNet,
-    tx: optax.GradientTransformation,
-    on_step: Callable[[float], None] | None = None,
+    state: TrainState, losses: list[float], dataset: Dataset, schedule: Schedule, cfg: TrainConfig, stop: int,
+    model: UNet, tx: optax.GradientTransformation, on_step: Callable[[float], None] | None = None,
     mesh: Mesh | None = None,
-) -> TrainState:
+) -> TrainState:  # fmt: skip
     """Steps ``len(losses) .. stop - 1`` of ``model`` (see `make_step`), appending each loss; returns the new state."""
     step = make_step(cfg, Trainee(model), tx, dataset, schedule, mesh)
     for index in range(len(losses), stop):

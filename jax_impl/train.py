@@ -1,19 +1,17 @@
 """``python -m jax_impl.train``: DDPM noise-prediction training in JAX/Flax + optax, the CLI and its loop.
 
-One loop over the U-Net or, with ``--controlnet``, a ControlNet on the frozen U-Net (`jax_impl.pair`);
-the step it runs is `jax_impl.step`'s. Batches, noise and dropout keys are functions of (seed,
-step) (`shared_configs.training.data`), the same as `torch_impl.train`'s, so a resumed run replays
-them. ``--distributed`` runs over every device (`jax_impl.parallel`), of one process or several
-(`jax_impl.processes`); checkpoints are orbax folders (`jax_impl.checkpoint_io`); the run folder,
-resume checks and NaN guard are `shared_configs.training.loop`'s. Mirror: `torch_impl/train.py`;
-docs/training.md.
+One loop over the U-Net or, with ``--controlnet``, a ControlNet on the frozen U-Net (`jax_impl.pair`),
+stepping `jax_impl.step`'s step. Batches, noise and dropout keys are functions of (seed, step), as
+torch's, so a resumed run replays them; the run folder, resume checks and NaN guard are
+`shared_configs.training.loop`'s. Mirror: `torch_impl/train.py`; docs/training.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -27,15 +25,15 @@ from jax_impl.pair import ControlNetPair, init_pair, pair_trainee
 from jax_impl.parallel import make_mesh, state_shardings
 from jax_impl.regime import check_regime, make_optimizer
 from jax_impl.step import Trainee, TrainState, corrected, guard_step, init_state, make_step, nhwc
-from jax_impl.train_options import CLI, JaxOptions, on_device, run_settings
 from jax_impl.unet import UNet
 from shared_configs import load_spec
-from shared_configs.defaults import device_of
+from shared_configs.cli import cache_dir
+from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, device_of, jax_cache_dir, resolve_chunk
 from shared_configs.pair import ControlNetPairSpec, load_step_dataset, step_spec
 from shared_configs.plan import CheckpointPlan
 from shared_configs.spec import UNetSpec
 from shared_configs.training import config
-from shared_configs.training.config import TrainConfig, cli_main, options_of
+from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
 from shared_configs.training.data import Dataset
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
@@ -44,17 +42,58 @@ from shared_configs.training.run_folder import SOLO, Comm
 from shared_configs.training.run_plan import resolve_run
 
 
+@dataclass(frozen=True)
+class JaxOptions:
+    """The flags only ``jax_impl.train`` has (`shared_configs.training.config.Options`): the attention chunk
+    (torch's CPU attention is fused already), the XLA cache, and `jax.distributed`'s (torchrun launches torch)."""
+
+    # UNet(attention_chunk=...); "auto": the device's (`shared_configs.defaults`), resolved by `on_device`
+    attention_chunk: int | str | None = AUTO
+    jax_cache: str | None = field(default_factory=jax_cache_dir)  # the persistent compilation cache; None: off
+    coordinator: str | None = None  # jax.distributed (`jax_impl.processes`); the three None: detected, else one process
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser) -> None:
+        d = cls()
+        parser.add_argument("--attention-chunk", type=chunk_arg, default=d.attention_chunk, metavar="N",
+                            help=CHUNK_HELP)  # fmt: skip
+        parser.add_argument("--jax-cache", type=cache_dir, default=d.jax_cache or "none", metavar="DIR",
+                            help="JAX's persistent compilation cache folder (%(default)s; 'none': off)")  # fmt: skip
+        processes.add_flags(parser)
+
+    def check(self, cfg: TrainConfig) -> None:
+        processes.check_flags(self.coordinator, self.num_processes, self.process_id, cfg.distributed)
+
+
+CLI = FrameworkCLI("jax", JaxOptions, rank=processes.process_rank)
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """The flags of ``python -m jax_impl.train`` (`shared_configs.training.config.parse_args`)."""
     return config.parse_args(argv, CLI)
 
 
+def run_settings(cfg: TrainConfig, device: str) -> str:
+    """What the run uses on ``device``: its attention chunk, dtype and compilation cache."""
+    own = options_of(cfg, JaxOptions)
+    return used(cfg, device, attention_chunk=resolve_chunk(own.attention_chunk, device), jax_cache=own.jax_cache)
+
+
+def on_device(cfg: TrainConfig, device: str) -> tuple[TrainConfig, JaxOptions]:
+    """``cfg`` with its attention chunk resolved on ``device``, and its options; the compilation cache turned on."""
+    own = options_of(cfg, JaxOptions)
+    own = replace(own, attention_chunk=resolve_chunk(own.attention_chunk, device))
+    if own.jax_cache is not None:  # a repeated run loads its compiled steps
+        jax.config.update("jax_compilation_cache_dir", own.jax_cache)
+    return replace(cfg, options=own), own
+
+
 def generate(trainee: Trainee, state: TrainState, spec: UNetSpec, schedule: Schedule, dataset: Dataset,
              cfg: TrainConfig, mesh: Mesh | None = None) -> np.ndarray:  # fmt: skip
-    """A grid of samples (NCHW) of ``spec``'s U-Net from the short ancestral sampler (eval mode:
-    dropout off, BatchNorm with its running statistics); a pair's conditioned on each class's edge
-    map. With a ``mesh`` (the state sharded over it, maybe over several processes) every process
-    runs it and gets the whole grid."""
+    """A grid of samples (NCHW) from the short ancestral sampler, in eval mode (a pair's conditioned on each
+    class's edge map); with a ``mesh`` every process runs it and gets the whole grid."""
     shape = (cfg.num_samples, spec.in_channels, spec.sample_size, spec.sample_size)
     whole = None if mesh is None else NamedSharding(mesh, PartitionSpec())
     variables = trainee.variables(state, *trainee.frozen)
@@ -70,9 +109,8 @@ def generate(trainee: Trainee, state: TrainState, spec: UNetSpec, schedule: Sche
 
 def start_state(init: Callable[[], TrainState], cfg: TrainConfig, run: RunStart, mesh: Mesh | None,
                 comm: Comm = SOLO) -> TrainState:  # fmt: skip
-    """The run's first state, placed as ``cfg.distributed`` says: restored from the run's checkpoint
-    (checked first; onto this mesh, whatever mesh wrote it), or ``init()`` (under FSDP straight into
-    its shards: jit's ``out_shardings``, no full copy on one device)."""
+    """The run's first state, placed as ``cfg.distributed`` says: restored from the run's checkpoint, or
+    ``init()`` (under FSDP straight into its shards, no full copy on one device)."""
     if mesh is None and run.checkpoint is None:
         return init()
     abstract = jax.eval_shape(init)
@@ -89,8 +127,8 @@ def start(
     model: UNet | ControlNetPair, tx: optax.GradientTransformation, cfg: TrainConfig, run: RunStart,
     mesh: Mesh | None, comm: Comm,
 ) -> tuple[TrainState, Trainee]:  # fmt: skip
-    """The run's first state (`start_state`) and what it steps: the U-Net, or a pair's ControlNet,
-    whose frozen U-Net is made from the seed again on resume (`jax_impl.pair.init_pair`)."""
+    """The run's first state and what it steps: the U-Net, or a pair's ControlNet (its frozen U-Net made
+    from the seed again on resume)."""
     if isinstance(model, ControlNetPair):  # one process (`check_controlnet`)
         state, unet_params = init_pair(model, tx, cfg.seed, cfg.regime)
         return start_state(lambda: state, cfg, run, mesh, comm), pair_trainee(model, unet_params)
@@ -107,11 +145,8 @@ def build(
 
 
 def train(cfg: TrainConfig) -> list[float]:
-    """Run (or resume) training as ``cfg`` says; returns the loss of every step from step 0.
-
-    Everything that can refuse the run (spec, objective, regime, devices, run folder, resume
-    record, policy or budget) is checked before the model is initialised.
-    """
+    """Run (or resume) training as ``cfg`` says; the loss of every step from step 0. Everything that
+    can refuse the run is checked before the model is initialised."""
     own = options_of(cfg, JaxOptions)
     joined = processes.join(own.coordinator, own.num_processes, own.process_id)  # before JAX's backend starts
     if joined is not None and joined.processes > 1:

@@ -1,8 +1,7 @@
 """The Flax U-Net, assembled from a `UNetSpec`: the one place that reads the spec. Mirrors `torch_impl/unet.py`.
 
-Checkpointing is chosen here too, once, in ``setup()``: each block is built from `checkpointing.remat_class`
-(``nn.remat(Block)`` or ``Block``) and told which of its layers a layer-level plan recomputes. Names come from
-the ``setup()`` attributes, so the parameter tree is the same for every plan and mirrors torch's ``state_dict``.
+Checkpointing is chosen here once, in ``setup()``: each block is ``nn.remat(Block)`` or ``Block``
+(`checkpointing.remat_class`), told which of its layers the plan recomputes; the parameter tree is the same.
 """
 
 from __future__ import annotations
@@ -66,9 +65,8 @@ def abstract_inputs(
 
 
 class UNetTrunk(nn.Module):
-    """What the U-Net and the ControlNet share, under the same names: ``conv_in``, the embeddings, ``down``
-    and ``mid``. Subclasses give `trunk_spec`, ``plan``, ``attention_chunk`` and ``lora_rank``, and call
-    `_setup_trunk` in their ``setup()``."""
+    """What the U-Net and the ControlNet share, under the same names: ``conv_in``, the embeddings, ``down``, ``mid``.
+    Subclasses give `trunk_spec`, ``plan``, ``attention_chunk`` and ``lora_rank``, and call `_setup_trunk`."""
 
     @property
     def trunk_spec(self) -> UNetSpec:
@@ -216,9 +214,7 @@ class UNet(UNetTrunk):
         """The resolved checkpoint plan, as torch's ``UNet.plan``; works on an unbound module."""
         return resolve_plan(self.resolved_spec, self.policy)
 
-    @property
-    def trunk_spec(self) -> UNetSpec:
-        return self.resolved_spec
+    trunk_spec = resolved_spec
 
     def setup(self) -> None:
         spec = self.resolved_spec
@@ -236,20 +232,12 @@ class UNet(UNetTrunk):
         ]  # fmt: skip
 
     def __call__(
-        self,
-        x: Array,
-        t: Array | float,
-        context: Array | None = None,
-        class_labels: Array | None = None,
-        text_embeds: Array | None = None,
-        time_ids: Array | None = None,
+        self, x: Array, t: Array | float, context: Array | None = None, class_labels: Array | None = None,
+        text_embeds: Array | None = None, time_ids: Array | None = None,
         down_block_additional_residuals: Sequence[Array] | None = None,
-        mid_block_additional_residual: Array | None = None,
-        timestep_cond: Array | None = None,
-        image_embeds: Array | None = None,
-        encoder_attention_mask: Array | None = None,
-        train: bool = False,
-    ) -> Array:
+        mid_block_additional_residual: Array | None = None, timestep_cond: Array | None = None,
+        image_embeds: Array | None = None, encoder_attention_mask: Array | None = None, train: bool = False,
+    ) -> Array:  # fmt: skip
         """Predict the noise (or whatever the spec was trained on) for NHWC ``x`` at timesteps ``t`` (scalar or (B,)).
 
         The conditioning inputs are exactly those the spec takes (`shared_configs.inputs`; anything else is a

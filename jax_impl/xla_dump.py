@@ -1,12 +1,9 @@
 """XLA's own memory plan of a compiled step, filed by U-Net unit: the planner's view of the dump.
 
-`jax_impl.memory` reads the dump files (``xla_dump_to``: the schedule, every value's live
-range, the buffer assignment, the instructions with their ``op_name``); this module takes its
-parse and files every position of the schedule under the plan unit whose Flax module its
-``op_name`` names (``jvp(UNet)/down_1/resnets_0/conv1/...``; ``transpose(...)`` in the backward;
-``rematted_computation`` in a recompute), one level finer than the benchmark's blocks. Every
-value with a live range is one buffer here (aliases included): the planner's live-byte peak,
-which `Profile.scale` relates to the compiled ``memory_analysis()`` total.
+`jax_impl.memory` parses the dump (``xla_dump_to``); this module files every position of the schedule
+under the plan unit whose Flax module its ``op_name`` names (``jvp(UNet)/down_1/resnets_0/conv1/...``).
+Every value with a live range is one buffer here: the planner's live-byte peak, which `Profile.scale`
+relates to the compiled ``memory_analysis()`` total.
 """
 
 from __future__ import annotations
@@ -60,11 +57,8 @@ def read(folder: str | Path) -> MemoryPlan:
 
 
 def unit_of(op_name: str, units: set[str]) -> str | None:
-    """The unit (one of ``units``, plan names) whose module the op belongs to, if any.
-
-    The module path is the run of module names from the last top-level one on
-    (``.../up_0/jvp(UNet)/up_0/checkpoint/rematted_computation/resnets_1/conv1`` -> up.0, resnets.1).
-    """
+    """The unit of ``units`` whose module the op belongs to, if any: the module path runs from the last
+    top-level name on (``.../up_0/checkpoint/rematted_computation/resnets_1/conv1`` -> up.0.resnets.1)."""
     segs = op_name.split("/")
     networks = [seg for seg in segs if _NETWORK.fullmatch(seg)]
     prefix = "controlnet." if networks and networks[-1] == "controlnet" else ""
@@ -85,9 +79,8 @@ def unit_of(op_name: str, units: set[str]) -> str | None:
 
 
 def backward_start(plan: MemoryPlan) -> int:
-    """The position of the loss's cotangent (``transpose(jvp())``, the loss outside the U-Net): the
-    backward proper starts there. XLA hoists some backward-only work (weight layouts, broadcasts)
-    into the forward, so the first ``transpose(...)`` op can come much earlier."""
+    """The position of the loss's cotangent (``transpose(jvp())``), where the backward proper starts: XLA
+    hoists some backward-only work into the forward, so the first ``transpose(...)`` op can come earlier."""
     names = [plan.op_names.get(n, "") for n in plan.sequence]
     first = next((i for i, op in enumerate(names) if "transpose(jvp())" in op), None)
     return first if first is not None else next((i for i, op in enumerate(names) if "transpose(" in op), len(names))
