@@ -1,12 +1,8 @@
 """Does the planner's measured choice hold against the hand policies? ``python -m benchmarks.candidates_sweep``.
 
-For a workload and a framework: measure `none`'s and `full`'s peaks, plan with measured candidates
-(`shared_configs.planning.planner.plan`, ``--candidates``) at budgets spread between them, then
-time the returned plan against every hand policy whose measured peak fits the budget, round by
-round in one process (`shared_configs.planning.stepclock`, ``--check-rounds`` rounds, a process of its own:
-not the race's), and say per budget whether the claim holds: the plan fits, and no fitting hand
-policy is faster than it at 90% (`shared_configs.planning.paired.paired`). Writes JSON (atomically)
-and prints a Markdown table.
+At budgets spread between `none`'s and `full`'s measured peaks: plan with measured candidates,
+time the plan against every hand policy whose measured peak fits, round by round in a process of
+its own, and say whether the claim holds (the plan fits, no fitting hand policy is faster at 90%).
 
     python -m benchmarks.candidates_sweep --config docs/data/candidates/narrow_deep.yaml --batch-size 8 \\
         --framework torch --json out.json
@@ -44,9 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_budget(
-    workload: Workload, framework: str, budget: int, candidates: int, rounds: int, check_rounds: int
-) -> dict[str, Any]:
+def check_budget(workload: Workload, framework: str, budget: int, candidates: int, rounds: int, check_rounds: int
+                 ) -> dict[str, Any]:  # fmt: skip
     """Plan at ``budget`` racing ``candidates`` for up to ``rounds``, then the plan against every hand
     policy that fits, ``check_rounds`` rounds."""
     found = plan(workload, budget, framework, candidates=candidates, rounds=rounds)
@@ -57,18 +52,13 @@ def check_budget(
     versus = {h: paired(rows[chosen]["rounds_s"], rows[h]["rounds_s"]) for h in HAND_POLICIES
               if h != chosen and fits[h]}  # fmt: skip
     return {
-        "budget_bytes": budget,
-        "plan": chosen,
-        "predicted_peak_bytes": found.solution.prediction.peak_bytes,
+        "budget_bytes": budget, "plan": chosen, "predicted_peak_bytes": found.solution.prediction.peak_bytes,
         "measured_peak_bytes": rows[chosen]["peak_bytes"],
         "predicted_overhead": found.solution.prediction.overhead(found.profiles[0]),
-        "measured_overhead": paired(rows[chosen]["rounds_s"], rows["none"]["rounds_s"]),
-        "fits": fits[chosen],
-        "hand_peaks_bytes": {h: rows[h]["peak_bytes"] for h in HAND_POLICIES},
-        "versus": versus,
-        "holds": fits[chosen] and not any(v["verdict"] == "slower" for v in versus.values()),
-        "race": found.candidates,
-    }
+        "measured_overhead": paired(rows[chosen]["rounds_s"], rows["none"]["rounds_s"]), "fits": fits[chosen],
+        "hand_peaks_bytes": {h: rows[h]["peak_bytes"] for h in HAND_POLICIES}, "versus": versus,
+        "holds": fits[chosen] and not any(v["verdict"] == "slower" for v in versus.values()), "race": found.candidates,
+    }  # fmt: skip
 
 
 def table(results: list[dict[str, Any]]) -> str:

@@ -106,94 +106,47 @@ compile (--compile): torch.compile(model) per policy (framework 'compiled'), pea
 
 def build_parser() -> argparse.ArgumentParser:
     d = defaults("cpu")  # the device-independent fields; the attention chunk is resolved per device
-    p = OneLineParser(
-        prog="python -m benchmarks.compare",
-        description=__doc__.split("\n\n")[0],
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--framework",
-        type=_frameworks,
-        default=FRAMEWORKS,
-        help="both (default: torch and jax), or a comma list of torch, jax, diffusers (diffusers' own U-Net "
-        "with its enable_gradient_checkpointing() and the same plans, on the same weights)",
-    )
+    p = OneLineParser(prog="python -m benchmarks.compare", description=__doc__.split("\n\n")[0], epilog=EPILOG,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--framework", type=_frameworks, default=FRAMEWORKS,
+                   help="both (default: torch and jax), or a comma list of torch, jax, diffusers (diffusers' own U-Net "
+                   "with its enable_gradient_checkpointing() and the same plans, on the same weights)")  # fmt: skip
     source = p.add_mutually_exclusive_group()
     source.add_argument("--config", default=DEFAULT_CONFIG, help=config_help(DEFAULT_CONFIG))
-    source.add_argument(
-        "--diffusers",
-        type=Path,
-        metavar="PATH",
-        help="a local diffusers UNet2D(Condition)Model folder (or a pipeline folder with unet/): its config "
-        "and weights, in every framework",
-    )
+    source.add_argument("--diffusers", type=Path, metavar="PATH",
+                        help="a local diffusers UNet2D(Condition)Model folder (or a pipeline folder with unet/): its "
+                        "config and weights, in every framework")  # fmt: skip
     p.add_argument("--sample-size", type=positive_int, default=None, help="override spec.sample_size")
-    p.add_argument(
-        "--policies",
-        default=DEFAULT_POLICIES,
-        help=f"comma-separated policies: {', '.join(NAMED_POLICIES)}, or block names joined with '+' "
-        "(e.g. down.1+mid), op-level forms with '+' between ops (full/save=conv+matmul, "
-        "offload_convs); 'none' is always measured, as the baseline (default: %(default)s)",
-    )
-    p.add_argument(
-        "--timeline",
-        default=None,
-        metavar="POLICY",
-        help="the checkpointed policy drawn beside none in the timeline picture (default: full if measured, "
-        "else the first policy after none); 'off' for no picture",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=positive_int,
-        nargs="+",
-        default=None,
-        metavar="N",
-        help=f"one or more batch sizes, per rank with --world-size (global batch = N x it) "
-        f"(default: {', '.join(f'{b} for {c}' for c, b in PRESET_BATCH.items())}, else 1)",
-    )
-    p.add_argument(
-        "--world-size",
-        type=positive_int,
-        default=1,
-        metavar="N",
-        help="measure each rank of an FSDP run over N ranks: torch FSDP2 in N processes (torchrun, gloo), jax's "
-        "FSDP-sharded step over N forced host devices; CPU only. --batch-size is then per rank: each rank keeps "
-        "its own activations while its static memory (params, grads, optimizer state) shrinks by N. Reports "
-        "rank 0's peak and parts, and the largest peak over the ranks (default: 1, no sharding)",
-    )
+    p.add_argument("--policies", default=DEFAULT_POLICIES,
+                   help=f"comma-separated policies: {', '.join(NAMED_POLICIES)}, or block names joined with '+' "
+                   "(e.g. down.1+mid), op-level forms with '+' between ops (full/save=conv+matmul, "
+                   "offload_convs); 'none' is always measured, as the baseline (default: %(default)s)")  # fmt: skip
+    p.add_argument("--timeline", default=None, metavar="POLICY",
+                   help="the checkpointed policy drawn beside none in the timeline picture (default: full if "
+                   "measured, else the first policy after none); 'off' for no picture")  # fmt: skip
+    p.add_argument("--batch-size", type=positive_int, nargs="+", default=None, metavar="N",
+                   help=f"one or more batch sizes, per rank with --world-size (global batch = N x it) "
+                   f"(default: {', '.join(f'{b} for {c}' for c, b in PRESET_BATCH.items())}, else 1)")  # fmt: skip
+    p.add_argument("--world-size", type=positive_int, default=1, metavar="N",
+                   help="measure each rank of an FSDP run over N ranks: torch FSDP2 in N processes (torchrun, gloo), "
+                   "jax's FSDP-sharded step over N forced host devices; CPU only. --batch-size is then per rank: "
+                   "each rank keeps its own activations while its static memory (params, grads, optimizer state) "
+                   "shrinks by N. Reports rank 0's peak and parts, and the largest peak over the ranks (default: 1, "
+                   "no sharding)")  # fmt: skip
     p.add_argument("--steps", type=positive_int, default=d.steps, help="timed steps after warm-up (%(default)s)")
     add_regime_arguments(p)  # the training loops' regime: precision, what is trained, optimizer, EMA
-    p.add_argument(
-        "--device",
-        choices=["auto", "cpu", "gpu"],
-        default="auto",
-        help="auto (default): each framework's GPU if it has one, else CPU",
-    )
+    p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
+                   help="auto (default): each framework's GPU if it has one, else CPU")  # fmt: skip
     p.add_argument("--context-length", type=positive_int, default=d.context_length,
                    help="cross-attention tokens (%(default)s)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("results"), help="folder for JSON/CSV/PNG (%(default)s)")
-    p.add_argument(
-        "--jax-attention-chunk",
-        type=chunk_arg,
-        default=AUTO,
-        metavar="N",
-        help=CHUNK_HELP,
-    )
-    p.add_argument(
-        "--jax-cache",
-        type=cache_dir,
-        default=d.jax_cache or "none",
-        metavar="DIR",
-        help="jax: JAX's persistent compilation cache folder, so a repeated run loads its compiled steps "
-        "(default: %(default)s; 'none' to compile afresh)",
-    )
-    p.add_argument(
-        "--xla-default",
-        action="store_true",
-        help="jax on CPU: also compile each step with XLA's default passes, which strip remat's barriers "
-        "(the 'XLA:CPU default' column)",
-    )
+    p.add_argument("--jax-attention-chunk", type=chunk_arg, default=AUTO, metavar="N", help=CHUNK_HELP)
+    p.add_argument("--jax-cache", type=cache_dir, default=d.jax_cache or "none", metavar="DIR",
+                   help="jax: JAX's persistent compilation cache folder, so a repeated run loads its compiled steps "
+                   "(default: %(default)s; 'none' to compile afresh)")  # fmt: skip
+    p.add_argument("--xla-default", action="store_true",
+                   help="jax on CPU: also compile each step with XLA's default passes, which strip remat's barriers "
+                   "(the 'XLA:CPU default' column)")  # fmt: skip
     compiled.add_arguments(p)
     pair_compare.add_arguments(p)
     p.add_argument("--wide", action="store_true", help=WIDE_HELP)

@@ -1,13 +1,9 @@
 """`torch_impl.BudgetGuard` on a real step: ``python -m benchmarks.guard_check --config sd15 --out DIR``.
 
-The budget is 60% of the way from `full`'s predicted peak to `none`'s (below the plain step's), and
-the user's step holds an extra buffer of a quarter of that gap through forward, backward and the
-optimizer step, as `tests/test_guard.py` sizes them. The guard plans, runs ``--steps`` steps, and
-re-plans when a measured step is over budget. It prints and writes (``DIR/guard.json``) every record:
-predicted against measured at the first step and after each correction. On CUDA the guard measures
-the allocator's peak (reserved, judged; allocated beside it); on the CPU, PyTorch's MemTracker.
-``--shapes``: the planner's profile from shapes only (`sd15` on a GPU machine: the `estimates`
-step of `benchmarks.gpu_check` has cached it).
+The budget is 60% of the way from `full`'s predicted peak to `none`'s, and the user's step holds an
+extra buffer of a quarter of that gap all step long (`sizes`). The guard plans, runs ``--steps`` steps
+and re-plans when a measured step is over budget; every record (predicted against measured) is
+printed and written to ``DIR/guard.json``. ``--shapes``: the planner's profile from shapes only.
 """
 
 from __future__ import annotations
@@ -47,17 +43,16 @@ def guarded_run(spec: UNetSpec, batch_size: int, steps: int, device: str, shapes
     model = UNet(spec).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0)
     noisy, t, noise, cond = as_tensors(example_batch(spec, batch_size, work.context_length, seed=0))
-    inputs = {"x": noisy, "t": t, **{k: v for k, v in cond.items() if v is not None}}
-    inputs, noise = {k: v.to(device) for k, v in inputs.items()}, noise.to(device)
+    inputs = {k: v.to(device) for k, v in {"x": noisy, "t": t, **cond}.items() if v is not None}
+    noise = noise.to(device)
 
     def step(hold: int) -> float:
         """The user's step: it holds ``hold`` bytes (a teacher's features, say) all step long."""
         optimizer.zero_grad(set_to_none=True)
-        held = torch.zeros(hold // 4, device=device)
+        held = torch.zeros(hold // 4, device=device)  # noqa: F841 (alive until the step returns)
         loss = F.mse_loss(model(**inputs), noise)
         loss.backward()
         optimizer.step()
-        del held
         return loss.item()
 
     step(0)  # a warm-up, as the planner's profile has: AdamW's state exists from here on

@@ -2,14 +2,10 @@
 
     python -m benchmarks.max_batch --budget-mib 2048 --config small --policies full
 
-A training step's peak is nearly affine in the batch size: parameters, gradients and optimizer
-state do not grow with it, activations grow linearly (XLA's buffer assignment adds small jumps).
-A line through the peaks at the probe batches (``--batch-size``, default 2 4) predicts the
-answer; that batch and the one above are measured, and the search goes on (interpolating within
-the bracket) until a batch that fits sits next to one measured not to: the answer is a
-measurement, not an extrapolation. Peaks are those of `benchmarks.compare` (see its --help);
-only the peak is taken (no FLOP count, no timing; on CPU, jax only compiles). Takes every option
-of `benchmarks.compare`; exits 1 when some answer is not bracketed.
+A step's peak is nearly affine in the batch: a line through the probe batches' peaks (``--batch-size``,
+default 2 4) predicts the answer, and the search measures on until a batch that fits sits next to one
+that does not: the answer is measured. Peaks are `benchmarks.compare`'s, whose options it takes;
+exits 1 when some answer is not bracketed.
 """
 
 from __future__ import annotations

@@ -108,18 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", type=Path, metavar="DIR", help="draw the frontier (PNG + JSON) with the hand policies")
     p.add_argument("--budgets", type=positive_int, default=5, help="--sweep: budgets from full's to none's peak (5)")
     p.add_argument("--shapes", action="store_true", help="profile from shapes only: nothing allocated or run")
-    p.add_argument(
-        "--flops-per-s",
-        type=positive_float,
-        default=DEFAULT_FLOPS_PER_S,
-        help="--shapes: conv/matmul/attention throughput for time (default %(default).0e FLOP/s)",
-    )
-    p.add_argument(
-        "--bytes-per-s",
-        type=positive_float,
-        default=DEFAULT_BYTES_PER_S,
-        help="--shapes: memory bandwidth for elementwise recompute (default %(default).0e B/s)",
-    )
+    p.add_argument("--flops-per-s", type=positive_float, default=DEFAULT_FLOPS_PER_S, help="--shapes: "
+                   "conv/matmul/attention throughput for time (default %(default).0e FLOP/s)")  # fmt: skip
+    p.add_argument("--bytes-per-s", type=positive_float, default=DEFAULT_BYTES_PER_S,
+                   help="--shapes: memory bandwidth for elementwise recompute (default %(default).0e B/s)")  # fmt: skip
     p.add_argument("--device", choices=("cpu", *gpu.DEVICES), default="cpu",
                    help="cuda: plan for a CUDA GPU: the step as the card holds it (torch: autocast's float32 norms, "
                    "the optimizer's foreach temporaries, workspaces, the allocator, the context; docs/regimes.md), "
@@ -141,27 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=positive_int, default=d.context_length,
                    help="cross-attention tokens (%(default)s)")  # fmt: skip
     p.add_argument("--steps", type=positive_int, default=d.steps, help="--verify: timed steps per policy (%(default)s)")
-    p.add_argument(
-        "--torch-compile",
-        type=_ratios,
-        metavar="R,R",
-        default=[],
-        help="--sweep --verify: also torch.compile at these activation_memory_budget ratios (minutes each)",
-    )
-    p.add_argument(
-        "--random-plans",
-        type=positive_int,
-        default=0,
-        metavar="N",
-        help="--sweep --verify: also measure N random per-unit plans (the peak model's error)",
-    )
+    p.add_argument("--torch-compile", type=_ratios, metavar="R,R", default=[], help="--sweep --verify: also "
+                   "torch.compile at these activation_memory_budget ratios (minutes each)")  # fmt: skip
+    p.add_argument("--random-plans", type=positive_int, default=0, metavar="N",
+                   help="--sweep --verify: also measure N random per-unit plans (the peak model's error)")  # fmt: skip
     p.add_argument("--solve-times", action="store_true",
                    help="time the solver at 13 budgets from the smallest feasible to none's peak")  # fmt: skip
-    p.add_argument(
-        "--efficiency",
-        action="store_true",
-        help="print MiB freed per recompute-second by level and unit kind (from the profile)",
-    )
+    p.add_argument("--efficiency", action="store_true",
+                   help="print MiB freed per recompute-second by level and unit kind (from the profile)")  # fmt: skip
     return p
 
 

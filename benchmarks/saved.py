@@ -48,15 +48,8 @@ def summarize(rows: list[Saved], blocks: list[str]) -> dict[str, Any]:
         per.setdefault(r.block, {"count": 0, "bytes": 0})
         per[r.block]["count"] += 1
         per[r.block]["bytes"] += r.bytes
-    return {
-        "rows": [asdict(r) for r in rows],
-        "blocks": per,
-        "total_count": len(rows),
-        "total_bytes": sum(r.bytes for r in rows),
-    }
-
-
-# --- torch ---------------------------------------------------------------------------------
+    return {"rows": [asdict(r) for r in rows], "blocks": per, "total_count": len(rows),
+            "total_bytes": sum(r.bytes for r in rows)}  # fmt: skip
 
 
 def torch_saved(config: str, policy: str, batch_size: int, context_length: int, chunk: int | None) -> list[Saved]:
@@ -66,12 +59,8 @@ def torch_saved(config: str, policy: str, batch_size: int, context_length: int, 
 
     from benchmarks.backends.saved_torch import collect
 
-    spec = load_spec(config)
     torch.manual_seed(0)
-    return [Saved(*row) for row in collect(spec, policy, batch_size, context_length)]
-
-
-# --- jax -----------------------------------------------------------------------------------
+    return [Saved(*row) for row in collect(load_spec(config), policy, batch_size, context_length)]
 
 
 def jax_saved(config: str, policy: str, batch_size: int, context_length: int, chunk: int | None) -> list[Saved]:
@@ -95,9 +84,8 @@ def jax_saved(config: str, policy: str, batch_size: int, context_length: int, ch
         return jnp.mean(model.apply(p, x, t, ctx) ** 2)
 
     leaves, tree = jax.tree.flatten((params, x, t, ctx))
-    closed, shapes = jax.make_jaxpr(
-        lambda *a: jax.vjp(lambda *b: loss(*jax.tree.unflatten(tree, b)), *a), return_shape=True
-    )(*leaves)
+    vjp = jax.make_jaxpr(lambda *a: jax.vjp(lambda *b: loss(*jax.tree.unflatten(tree, b)), *a), return_shape=True)
+    closed, shapes = vjp(*leaves)
     jaxpr = closed.jaxpr
     n_res = jax.tree.structure(shapes[1]).num_leaves
     residuals = {v for v in jaxpr.outvars[len(jaxpr.outvars) - n_res :] if not isinstance(v, Literal)}
@@ -111,11 +99,10 @@ def jax_saved(config: str, policy: str, batch_size: int, context_length: int, ch
             named = src.primitive is name_p
             block = block_of(str(eqn.source_info.name_stack))
             op = src.params["name"] if named else src.params.get("name", src.primitive.name)
-            aval = v.aval
-            nbytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+            nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * v.aval.dtype.itemsize
             # A tag outside a recomputed block is only a label: the value is saved as any other.
             kind = "policy" if named and block in recomputed else "saved"
-            rows.append(Saved(block, op, kind, tuple(aval.shape), str(aval.dtype), nbytes))
+            rows.append(Saved(block, op, kind, tuple(v.aval.shape), str(v.aval.dtype), nbytes))
     return rows
 
 
@@ -143,27 +130,15 @@ def _jax_inputs(spec: Any, batch_size: int, context_length: int) -> tuple[Any, A
 
     f32, s = jnp.float32, spec.sample_size
     x = jax.ShapeDtypeStruct((batch_size, s, s, spec.in_channels), f32)
-    t = jax.ShapeDtypeStruct((batch_size,), f32)
-    ctx = None
-    if spec.cross_attention_dim:
-        ctx = jax.ShapeDtypeStruct((batch_size, context_length, spec.cross_attention_dim), f32)
-    return x, t, ctx
+    ctx = (batch_size, context_length, spec.cross_attention_dim)
+    return x, jax.ShapeDtypeStruct((batch_size,), f32), jax.ShapeDtypeStruct(ctx, f32) if ctx[2] else None
 
-
-# --- report --------------------------------------------------------------------------------
 
 COLLECTORS: dict[str, Callable[..., list[Saved]]] = {"torch": torch_saved, "jax": jax_saved}
 
 
-def inspect_policy(
-    config: str,
-    policy: str,
-    frameworks: list[str],
-    batch_size: int,
-    block: str | None,
-    context_length: int = DEFAULTS.context_length,
-    chunk: int | str | None = AUTO,
-) -> dict:
+def inspect_policy(config: str, policy: str, frameworks: list[str], batch_size: int, block: str | None,
+                   context_length: int = DEFAULTS.context_length, chunk: int | str | None = AUTO) -> dict:  # fmt: skip
     """The JSON document: per framework the rows, per-block summary and totals; blocks that differ.
     ``context_length`` tokens of context; JAX's attention ``chunk`` ("auto": the device's default)."""
     spec = load_spec(config)
@@ -212,16 +187,11 @@ def render(doc: dict) -> str:
         mark = " !" if blk in doc["differ"] else ""
         lines.append(f"{blk:8} | " + " | ".join(cells) + mark)
         for fw in fws:
-            for r in doc["frameworks"][fw]["rows"]:
-                if r["block"] == blk:
-                    shape = "x".join(map(str, r["shape"]))
-                    lines.append(
-                        f"    {fw:5} {r['kind']:6} {r['op']:38.38} {shape:>14} {r['dtype']:8} {r['bytes']:>10}"
-                    )
-    totals = " | ".join(
-        f"{fw}: {doc['frameworks'][fw]['total_count']} tensors, {_kib(doc['frameworks'][fw]['total_bytes'])}"
-        for fw in fws
-    )
+            for r in (r for r in doc["frameworks"][fw]["rows"] if r["block"] == blk):
+                shape = "x".join(map(str, r["shape"]))
+                lines.append(f"    {fw:5} {r['kind']:6} {r['op']:38.38} {shape:>14} {r['dtype']:8} {r['bytes']:>10}")
+    totals = " | ".join(f"{fw}: {f['total_count']} tensors, {_kib(f['total_bytes'])}"
+                        for fw, f in doc["frameworks"].items())  # fmt: skip
     lines.append(f"{'total':8} | {totals}")
     if doc["differ"]:
         lines.append(f"differ (count or bytes): {', '.join(doc['differ'])}")

@@ -16,19 +16,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.backends.torch_bench import (
-    device_info,
-    in_regime,
-    one_row_per_process,
-    oom_types,
-    our_unet,
-    prepare,
-    release,
-    resolve_device,
-    simulated_oom,
-    timed_steps,
-    versions,
-)
+from benchmarks.backends import torch_bench
+from benchmarks.backends.torch_bench import in_regime, our_unet, timed_steps
 from benchmarks.harness.job import OPTIMIZER, Job, job_spec, policy_arg, timing_stats
 from shared_configs.training.data import example_batch
 from torch_impl.memory import state_tensors, storage_bytes
@@ -36,19 +25,7 @@ from torch_impl.profile import measure_step
 from torch_impl.regime import make_optimizer, step_tools
 from torch_impl.train import train_step
 
-__all__ = [
-    "BUDGET",
-    "device_info",
-    "measure",
-    "one_row_per_process",
-    "oom_types",
-    "prepare",
-    "release",
-    "resolve_device",
-    "simulated_oom",
-    "versions",
-]
-
+BASE = torch_bench  # the worker takes what this module does not define from there
 BUDGET = "budget@"  # a row "budget@P": activation_memory_budget at plan P's saved bytes
 PEAK_METHOD = {
     "cpu": "the CPU allocator's peak during the step (torch.profiler memory events) above what the step "
@@ -94,11 +71,9 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dic
     if target is None:
         _SAVED[(batch_size, policy)] = row["saved_bytes"]
     return row | {
-        "compile_s": compile_s,
-        "first_step_s": warm_s,
-        "activation_memory_budget": ratio,
+        "compile_s": compile_s, "first_step_s": warm_s, "activation_memory_budget": ratio,
         "static_bytes": storage_bytes([*model.parameters(), *model.buffers(), *state_tensors(optimizer)]),
         "param_count": sum(p.numel() for p in model.parameters()),
         "peak_method": f"torch.compile(model), default inductor; {PEAK_METHOD[device.type]}",
         "saved_method": "torch.autograd.graph.saved_tensors_hooks around the compiled step (params excluded)",
-    }
+    }  # fmt: skip

@@ -17,31 +17,12 @@ import diffusers
 import torch
 
 from benchmarks.backends import torch_bench
-from benchmarks.backends.torch_bench import (
-    device_info,
-    one_row_per_process,
-    oom_types,
-    prepare,
-    release,
-    resolve_device,
-    simulated_oom,
-)
 from benchmarks.harness.job import DIFFUSERS_OWN, Job, policy_arg
 from shared_configs import to_diffusers_config
 from shared_configs.diffusers.folders import find_folder
 from torch_impl import apply_plan
 
-__all__ = [
-    "device_info",
-    "measure",
-    "one_row_per_process",
-    "oom_types",
-    "prepare",
-    "release",
-    "resolve_device",
-    "simulated_oom",
-    "versions",
-]
+BASE = torch_bench  # the worker takes what this module does not define from there
 
 
 class DiffusersForward(torch.nn.Module):
@@ -53,15 +34,9 @@ class DiffusersForward(torch.nn.Module):
         self.unet = unet
         self.conditional = "cross_attention_dim" in unet.config
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        t: torch.Tensor,
-        context: torch.Tensor | None = None,
-        class_labels: torch.Tensor | None = None,
-        text_embeds: torch.Tensor | None = None,
-        time_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor | None = None,
+                class_labels: torch.Tensor | None = None, text_embeds: torch.Tensor | None = None,
+                time_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         kwargs: dict[str, Any] = {"class_labels": class_labels}
         if self.conditional:
             kwargs["encoder_hidden_states"] = context

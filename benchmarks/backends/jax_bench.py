@@ -1,13 +1,9 @@
-"""The JAX training step, measured: the jitted `jax_impl.step.train_step` a user's loop calls
-(TrainState donated, loss, gradients through the remat plan, ``optax.adamw``). Imported by the
-worker only, after it has set ``XLA_FLAGS``.
+"""The JAX backend of the benchmark's worker (mirror: `benchmarks.backends.torch_bench`; docs/benchmark.md).
 
-Per row: the step is lowered and compiled (timed apart) with XLA's memory plan dumped
-(`jax_impl.memory`: the peak, its parts and the timeline); ``cost_analysis()`` gives the
-FLOPs, ``saved_residuals`` what autodiff keeps; one warm-up run, then ``steps`` timed runs. With
-``--xla-default`` on CPU the same lowered step is compiled again with XLA's default pass list
-(``cse_barrier_expander`` on, LLVM at -O0 since it is never run) for the un-flagged figure.
-Compiled steps persist in the job's cache folder (JAX's persistent compilation cache).
+A row compiles the jitted `jax_impl.step.train_step` a user's loop calls, with XLA's memory plan
+dumped (`jax_impl.memory`: the peak, its parts, the timeline); ``cost_analysis()`` gives the FLOPs,
+``saved_residuals`` what autodiff keeps; one warm-up run, then ``steps`` timed runs. Imported by the
+worker only, after it has set ``XLA_FLAGS``.
 """
 
 from __future__ import annotations
@@ -76,9 +72,8 @@ _BACKGROUND: list[Future] = []  # every compile started by prepare, the initial 
 
 
 def prepare(job: Job, device: jax.Device) -> None:
-    """Start compiling every row's step, two at a time (XLA compiles on one core), and the initial
-    state; rows wait for all of it before they run, so no compile overlaps a timed step. JAX's
-    persistent compilation cache in the job's folder lets a repeated run load its steps."""
+    """Start compiling every row's step and the initial state, two at a time (XLA compiles on one core);
+    rows wait for all of it, so no compile overlaps a timed step."""
     if job.jax_cache is not None:
         jax.config.update("jax_compilation_cache_dir", job.jax_cache)
     if job.source == "diffusers":  # its weights first: if they do not fit, no row can run
@@ -106,11 +101,8 @@ def versions() -> dict[str, str]:
 
 
 def memory_method(device: jax.Device, attention_chunk: int | None) -> str:
-    attention = (
-        f"attention: query-chunked, {attention_chunk} queries per chunk (UNet(attention_chunk=...))"
-        if attention_chunk
-        else "attention: jax.nn.dot_product_attention (unchunked)"
-    )
+    attention = (f"attention: query-chunked, {attention_chunk} queries per chunk (UNet(attention_chunk=...))"
+                 if attention_chunk else "attention: jax.nn.dot_product_attention (unchunked)")  # fmt: skip
     if _on_gpu(device):
         # The counter cannot be reset, hence one process per row; it also sees the compiler's
         # autotuning scratch, counted as temporaries beside XLA's plan.
@@ -122,9 +114,7 @@ def memory_method(device: jax.Device, attention_chunk: int | None) -> str:
 
 @functools.cache
 def _initial_state(config: str, sample_size: int | None, source: str, regime: Regime) -> Any:
-    """The TrainState every row starts from, on the host (each row donates its device copy):
-    `jax_impl.step.init_state` (seed 0) or a diffusers folder's weights, in ``regime``. The same
-    for every policy: the parameter tree does not depend on the plan."""
+    """The host TrainState every row starts from (each donates its device copy), the same for every policy."""
     jregime.check_regime(regime)
     tx = jregime.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay, regime)
     if source == "diffusers":
@@ -142,11 +132,8 @@ def _initial_state(config: str, sample_size: int | None, source: str, regime: Re
 
 
 def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[str, Any]:
-    """What a row's step takes; the state abstract (shapes: enough to compile, no init needed).
-
-    With ``world_size`` N > 1: a mesh over the N (forced host) devices, the state FSDP-sharded over
-    it (`jax_impl.parallel.state_shardings`, as ``--distributed fsdp`` trains) and a global batch of
-    N x ``batch_size`` split along it; ``rank_batch`` is one device's part, unplaced."""
+    """What a row's step takes, the state abstract; over N > 1 ranks, the state FSDP-sharded as
+    ``--distributed fsdp`` trains and the global batch split (``rank_batch``: one device's part)."""
     spec = job_spec(job)
     regime = job.regime
     model = UNet(spec=spec, policy=policy_arg(policy), attention_chunk=attention_chunk(job, device),
@@ -162,18 +149,9 @@ def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[s
         state = jax.tree.map(lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p), state, placement)
         whole = jt.arrays(example_batch(spec, job.world_size * batch_size, job.context_length))
         batch = shard(mesh, {}, whole, "fsdp")[1]
-    key = jax.random.key(2)
-    return {
-        "model": model,
-        "tx": tx,
-        "state": state,
-        "batch": batch,
-        "key": key,
-        "options": jregime.step_options(regime),  # the step's compute dtype and loss scale
-        "dtype": jregime.step_options(regime)["compute_dtype"],
-        "mesh": mesh,
-        "rank_batch": rank_batch,
-    }
+    options = jregime.step_options(regime)  # the step's compute dtype and loss scale
+    return {"model": model, "tx": tx, "state": state, "batch": batch, "key": jax.random.key(2), "options": options,
+            "dtype": options["compute_dtype"], "mesh": mesh, "rank_batch": rank_batch}  # fmt: skip
 
 
 @functools.cache
@@ -214,21 +192,15 @@ def _flops(compiled: Any) -> float | None:
 def _default_passes_peak(lowered: Any) -> int:
     """Peak of the same step compiled with XLA:CPU's default passes (never run, so -O0)."""
     kept = [p for p in _disabled_passes() if p != "cse_barrier_expander"]
-    options = {
-        "xla_disable_hlo_passes": ",".join(kept),
-        # Code generation only (buffer assignment comes before it): same memory analysis, faster.
-        "xla_backend_optimization_level": 0,
-        "xla_llvm_disable_expensive_passes": True,
-    }
+    # -O0: code generation only (buffer assignment comes before it): same memory analysis, faster.
+    options = {"xla_disable_hlo_passes": ",".join(kept), "xla_backend_optimization_level": 0,
+               "xla_llvm_disable_expensive_passes": True}  # fmt: skip
     return compiled_peak(lowered.compile(compiler_options=options))
 
 
 def _disabled_passes() -> list[str]:
-    out: list[str] = []
-    for flag in os.environ.get("XLA_FLAGS", "").split():
-        if flag.startswith("--xla_disable_hlo_passes="):
-            out += [p for p in flag.split("=", 1)[1].split(",") if p]
-    return out
+    flags = [f.split("=", 1)[1] for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_disable_hlo_p")]
+    return [p for flag in flags for p in flag.split(",") if p]
 
 
 def _saved_bytes(s: dict[str, Any]) -> int:
@@ -246,13 +218,10 @@ def _saved_bytes(s: dict[str, Any]) -> int:
 def _xla_default(lowered: Any, row: dict[str, Any]) -> dict[str, Any]:
     # Without optimization barriers (no remat) the pass has nothing to strip: same program.
     has_barriers = "opt-barrier" in lowered.as_text(dialect="hlo")
-    peak = _default_passes_peak(lowered) if has_barriers else row["peak_bytes"]
-    return {
-        "xla_default_peak_bytes": peak,
-        "xla_default_method": "the same lowered step compiled again with XLA:CPU's default passes "
-        "(cse_barrier_expander on), LLVM -O0 (buffer assignment precedes code generation), never run; a step "
-        "without remat has no barriers and is not compiled twice",
-    }
+    return {"xla_default_peak_bytes": _default_passes_peak(lowered) if has_barriers else row["peak_bytes"],
+            "xla_default_method": "the same lowered step compiled again with XLA:CPU's default passes "
+            "(cse_barrier_expander on), LLVM -O0 (buffer assignment precedes code generation), never run; a step "
+            "without remat has no barriers and is not compiled twice"}  # fmt: skip
 
 
 def _run_steps(s: dict[str, Any], compiled: Any, steps: int) -> tuple[float, list[float]]:
@@ -275,17 +244,13 @@ def measure(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[
     pending = _PENDING.pop((policy, batch_size), None)
     s, lowered, compiled, plan = pending.result() if pending else _compile(job, policy, batch_size, device)
     row: dict[str, Any] = {
-        "compile_s": s["compile_s"],
-        "compiled_peak_bytes": plan.peak,
-        "peak_bytes": plan.peak,
-        "fragmentation_bytes": plan.fragmentation,
-        "live_peak_bytes": plan.live_peak,
-        "xla_live_peak_bytes": plan.xla_live_peak,
-        "flops": _flops(compiled),
+        "compile_s": s["compile_s"], "compiled_peak_bytes": plan.peak, "peak_bytes": plan.peak,
+        "fragmentation_bytes": plan.fragmentation, "live_peak_bytes": plan.live_peak,
+        "xla_live_peak_bytes": plan.xla_live_peak, "flops": _flops(compiled),
         "param_count": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(s["state"].params)),
         "static_bytes": _nbytes((s["state"].params, s["state"].batch_stats, s["state"].opt_state)),
         **{f"{kind}_bytes": value for kind, value in plan.parts.items()},
-    }
+    }  # fmt: skip
     if policy in job.timeline:
         row["timeline"] = plan.timeline
     if job.xla_default and not _on_gpu(device):
@@ -301,13 +266,13 @@ def measure(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[
         row["temporary_bytes"] += row["peak_bytes"] - plan.peak
     # SPMD: one program for every device, each holding the same shapes (its shards), so rank 0's
     # figures are every rank's; memory_analysis() and XLA's plan are per device.
-    row.update(world_size=job.world_size, max_rank_peak_bytes=row["peak_bytes"])
     row.update(
+        world_size=job.world_size, max_rank_peak_bytes=row["peak_bytes"],
         peak_method=memory_method(device, attention_chunk(job, device)),
         flops_method="XLA cost_analysis() of the compiled step (all ops, optimizer included; a loop body once)",
         saved_method="jax saved_residuals of the loss (params excluded)",
         check_method="live bytes rebuilt from XLA's dump against XLA's own count (HloLiveRange) at its peak",
-    )
+    )  # fmt: skip
     return row
 
 

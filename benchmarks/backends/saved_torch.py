@@ -1,14 +1,9 @@
 """The torch half of `benchmarks.saved`: what autograd keeps for backward, block by block.
 
-Three sources, distinct storages counted once, parameters and model inputs left out:
-
-* ``saved``: tensors packed by ``saved_tensors_hooks`` outside recomputed blocks (inside them the
-  checkpoint's own hooks take over), with the last aten op dispatched before the pack;
-* ``input``: the tensor inputs of each recomputed block, which checkpoint keeps for the recompute;
-* ``policy``: outputs a selective policy keeps (``MUST_SAVE``), from `record_saved`.
-
-Each tensor is attributed to the block whose forward produced it (a `TorchDispatchMode` notes the
-producing block of every op output).
+Three sources, distinct storages counted once, parameters and model inputs left out: ``saved``
+(``saved_tensors_hooks`` outside recomputed blocks, with the last aten op dispatched), ``input``
+(what checkpoint keeps of each recomputed block's inputs) and ``policy`` (outputs a selective
+policy keeps, from `record_saved`). Each is attributed to the block whose forward produced it.
 """
 
 from __future__ import annotations
@@ -48,17 +43,12 @@ def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _inputs(
-    spec: UNetSpec, batch_size: int, context_length: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    gen = torch.Generator().manual_seed(0)
-    s = spec.sample_size
+def _inputs(spec: UNetSpec, batch_size: int, context_length: int) -> tuple[torch.Tensor, ...]:
+    gen, s = torch.Generator().manual_seed(0), spec.sample_size
     x = torch.randn(batch_size, spec.in_channels, s, s, generator=gen)
-    t = torch.linspace(1.0, 900.0, batch_size)
-    ctx = None
-    if spec.cross_attention_dim:
-        ctx = torch.randn(batch_size, context_length, spec.cross_attention_dim, generator=gen)
-    return x, t, ctx
+    dim = spec.cross_attention_dim
+    ctx = torch.randn(batch_size, context_length, dim, generator=gen) if dim else None
+    return x, torch.linspace(1.0, 900.0, batch_size), ctx
 
 
 def _hook_blocks(model: UNet, prod: _Producers, inputs: dict[int, Row]) -> list[Any]:
@@ -98,14 +88,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def collect(spec: UNetSpec, policy: str, batch_size: int, context_length: int) -> list[Row]:
     """One forward and backward (dropout off, as the JAX side); every tensor kept for backward."""
-    model = UNet(spec)
-    model.eval()
+    model = UNet(spec).eval()
     model.enable_gradient_checkpointing(policy)
     x, t, ctx = _inputs(spec, batch_size, context_length)
     skip = {_ptr(p) for p in model.parameters()} | {_ptr(v) for v in (x, t, ctx) if v is not None}
-    prod = _Producers()
-    saved: dict[int, Row] = {}
-    inputs: dict[int, Row] = {}
+    prod, saved, inputs = _Producers(), {}, {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         ptr = _ptr(tensor)
@@ -122,11 +109,7 @@ def collect(spec: UNetSpec, policy: str, batch_size: int, context_length: int) -
     finally:
         for h in handles:
             h.remove()
-    policy_rows = [
-        (block_of(r.block), r.op_class, "policy", tuple(o.shape), _dtype(o), o.numel() * o.element_size())
-        for r in records
-        if not r.recompute
-        for o in r.outputs
-    ]
+    policy_rows = [(block_of(r.block), r.op_class, "policy", tuple(o.shape), _dtype(o), o.numel() * o.element_size())
+                   for r in records if not r.recompute for o in r.outputs]  # fmt: skip
     extra = [row for ptr, row in inputs.items() if ptr not in saved and ptr not in skip]
     return list(saved.values()) + extra + policy_rows

@@ -19,14 +19,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.backends import torch_ranks
-from benchmarks.harness.job import (
-    OPTIMIZER,
-    Job,
-    cpu_name,
-    job_spec,
-    policy_arg,
-    timing_stats,
-)
+from benchmarks.harness.job import OPTIMIZER, Job, cpu_name, job_spec, policy_arg, timing_stats
 from shared_configs.regime import DEFAULT, LORA_TARGETS, Regime
 from torch_impl import UNet
 from torch_impl.flops import register_cpu_attention_flops
@@ -70,19 +63,14 @@ def prepare(job: Job, device: torch.device) -> None:
 def memory_method(device: torch.device, world_size: int = 1) -> str:
     attention = "attention: F.scaled_dot_product_attention (fused kernel)"
     if device.type == "cuda":
-        return (
-            f"torch.cuda.max_memory_allocated (after reset_peak_memory_stats); parts from the tensor-level tracker, "
-            f"allocator overhead counted as temporaries; {attention}"
-        )
-    fsdp = FSDP_METHOD if world_size > 1 else ""
-    return f"{attention}; peak and parts: {TRACKER_METHOD}{fsdp}"
+        return (f"torch.cuda.max_memory_allocated (after reset_peak_memory_stats); parts from the tensor-level "
+                f"tracker, allocator overhead counted as temporaries; {attention}")  # fmt: skip
+    return f"{attention}; peak and parts: {TRACKER_METHOD}{FSDP_METHOD if world_size > 1 else ''}"
 
 
 def static_floor(job: Job) -> dict[str, int]:
-    """What every step's peak holds at least, from parameter shapes alone (the model built on the
-    meta device: no memory, no weights read): float32 parameters and buffers, and AdamW's two
-    moments per parameter; in another regime the weights alone, in its weight dtype (a frozen base
-    or another optimizer holds less state)."""
+    """What every step's peak holds at least, from shapes on the meta device: float32 parameters, buffers
+    and AdamW's two moments; in another regime the weights alone (a frozen base holds less state)."""
     with torch.device("meta"):
         model = UNet(job_spec(job))
     params = sum(p.numel() for p in model.parameters())
@@ -131,8 +119,7 @@ def timed_steps(step: Callable[[], Any], device: torch.device, steps: int) -> li
 def counted_step(step: Callable[[], Any], device: torch.device) -> tuple[float, int]:
     """Run one step under `FlopCounterMode`: (seconds, FLOPs of forward + backward)."""
     register_cpu_attention_flops()  # FlopCounterMode has no formula for the CPU attention kernel
-    flops = FlopCounterMode(display=False)
-    with flops:
+    with (flops := FlopCounterMode(display=False)):
         seconds = timed_steps(step, device, 1)[0]
     return seconds, flops.get_total_flops()
 
@@ -140,8 +127,8 @@ def counted_step(step: Callable[[], Any], device: torch.device) -> tuple[float, 
 def measure(job: Job, policy: str, batch_size: int, device: torch.device, build: Builder = build) -> dict[str, Any]:
     """Every measured figure of one (policy, batch size) row of the model ``build`` makes."""
     spec = job_spec(job)
-    # The plan first, then FSDP2 (--world-size), as the training loop orders them.
-    # The regime's adapters and casts, then FSDP2; the optimizer after sharding: over the shards.
+    # As the training loop orders them: the plan, the regime's adapters and casts, FSDP2 (--world-size),
+    # then the optimizer over the shards.
     model = torch_ranks.shard(job, in_regime(build(job, spec, policy), job.regime).to(device))
     optimizer = make_optimizer(model, OPTIMIZER.lr, OPTIMIZER.weight_decay, job.regime)
     batch = torch_ranks.rank_batch(spec, batch_size, job)

@@ -1,10 +1,8 @@
 """The torch rows under FSDP2 (``--world-size N``): N processes under torchrun, gloo on CPU.
 
-Each rank builds the same seeded model, applies the plan, then shards it as the training loop's
-``--distributed fsdp`` does (`torch_impl.parallel.shard_blocks`: one FSDP2 unit per U-Net block,
-then the root) and steps on its slice of a global batch of N x the per-rank batch size. Every rank
-measures its own step (`torch_impl.memory.StepTracker` counts this rank's tensors only);
-`gather` hands rank 0 the other ranks' peaks. Only rank 0 reports (`benchmarks.harness.job.emit`).
+Each rank shards the planned model as ``--distributed fsdp`` trains (`torch_impl.parallel.shard_blocks`),
+steps on its slice of the global batch and measures its own step; `gather` hands rank 0, the one
+that reports, the other ranks' peaks.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ def init(job: Job) -> None:
     """Join the process group (once per worker), after checking torchrun started ``job.world_size``."""
     if job.world_size == 1 or dist.is_initialized():
         return
-    started = int(os.environ.get("WORLD_SIZE", "1"))
-    if started != job.world_size:
+    if (started := int(os.environ.get("WORLD_SIZE", "1"))) != job.world_size:
         raise RuntimeError(f"world-size: the job asks for {job.world_size} processes, torchrun started {started}")
     dist.init_process_group("gloo")
 

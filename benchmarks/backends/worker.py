@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import traceback
+from types import SimpleNamespace
 from typing import Any, Protocol, cast
 
 from benchmarks.harness.job import KILL_SIM_ENV, OOM_SIM_ENV, Job, is_oom_message, one_line, parse_sim
@@ -49,7 +50,11 @@ class Backend(Protocol):
 
 
 def load_backend(framework: str) -> Backend:
-    return cast(Backend, importlib.import_module(f"benchmarks.backends.{framework}_bench"))
+    """``benchmarks.backends.<framework>_bench``; a variant of another backend (its ``BASE``) takes from
+    that one what it does not define."""
+    module = importlib.import_module(f"benchmarks.backends.{framework}_bench")
+    base = getattr(module, "BASE", None)
+    return cast(Backend, module if base is None else SimpleNamespace(**(vars(base) | vars(module))))
 
 
 def run_row(backend: Backend, job: Job, policy: str, batch_size: int, device: Any) -> dict[str, Any]:
@@ -92,13 +97,9 @@ def serve(request: dict[str, Any]) -> int:
     except Exception as err:  # e.g. a diffusers folder whose weights do not fit its config: no row can run
         emit("fatal", message=one_line(err))
         return 3
-    emit(
-        "env",
-        framework=job.framework,
-        versions=backend.versions(),
-        device=backend.device_info(device),
-        xla_flags=os.environ.get("XLA_FLAGS", "") if job.framework == "jax" else None,
-    )
+    xla_flags = os.environ.get("XLA_FLAGS", "") if job.framework == "jax" else None
+    emit("env", framework=job.framework, versions=backend.versions(), device=backend.device_info(device),
+         xla_flags=xla_flags)  # fmt: skip
     for policy, batch_size in job.rows():
         emit("start", policy=policy, batch_size=batch_size)
         emit("row", **run_row(backend, job, policy, batch_size, device))

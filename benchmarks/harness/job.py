@@ -102,6 +102,8 @@ def job_spec(job: Job) -> UNetSpec:
 # The optimiser's hyperparameters: the training loops' defaults, handed to each framework's own
 # make_optimizer (AdamW with the same betas and eps in both).
 OPTIMIZER = TrainConfig()
+
+
 def policy_arg(policy: str) -> str:
     """CLI policies are comma-separated, so a block list inside one is joined with '+'."""
     return policy.replace("+", ",")
@@ -109,28 +111,18 @@ def policy_arg(policy: str) -> str:
 
 def parse_sim(env_value: str | None) -> set[tuple[str, str, int]]:
     """Parse a simulation spec ``framework:policy:batch,...`` (testing hooks)."""
-    out: set[tuple[str, str, int]] = set()
-    for item in (env_value or "").split(","):
-        if item.strip():
-            fw, policy, batch = item.strip().rsplit(":", 2)
-            out.add((fw, policy, int(batch)))
-    return out
+    items = [item.strip().rsplit(":", 2) for item in (env_value or "").split(",") if item.strip()]
+    return {(fw, policy, int(batch)) for fw, policy, batch in items}
 
 
 def timing_stats(samples: list[float]) -> dict[str, float]:
     """Median and spread (min, max) of per-step wall times, in seconds."""
-    return {
-        "step_time_s": statistics.median(samples),
-        "step_time_min_s": min(samples),
-        "step_time_max_s": max(samples),
-    }
+    return {"step_time_s": statistics.median(samples), "step_time_min_s": min(samples), "step_time_max_s": max(samples)}
 
 
 def is_oom_message(message: str) -> bool:
-    text = message.lower()
-    return any(
-        s in text for s in ("out of memory", "resource_exhausted", "can't allocate memory", "cannot allocate memory")
-    )
+    oom = ("out of memory", "resource_exhausted", "can't allocate memory", "cannot allocate memory")
+    return any(s in message.lower() for s in oom)
 
 
 def one_line(err: BaseException, limit: int = 10_000) -> str:
@@ -142,17 +134,10 @@ def one_line(err: BaseException, limit: int = 10_000) -> str:
 
 
 def git_sha() -> str | None:
+    run = {"cwd": REPO_ROOT, "capture_output": True, "text": True, "timeout": 10}
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
+        out = subprocess.run(["git", "rev-parse", "HEAD"], check=True, **run)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
@@ -206,8 +191,6 @@ def worker_env(job: Job) -> dict[str, str]:
             flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count=")]
             flags.append(f"--xla_force_host_platform_device_count={job.world_size}")
         env["XLA_FLAGS"] = " ".join(flags)
-        if job.device == "cpu":
-            env["JAX_PLATFORMS"] = "cpu"
-        elif job.device == "gpu":
-            env["JAX_PLATFORMS"] = "cuda"
+        if job.device in ("cpu", "gpu"):
+            env["JAX_PLATFORMS"] = {"cpu": "cpu", "gpu": "cuda"}[job.device]
     return env

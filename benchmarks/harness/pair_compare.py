@@ -1,13 +1,9 @@
 """``benchmarks.compare --controlnet``: diffusers' ControlNet training step, per framework x policy.
 
-The step is `torch_impl.pair` / `jax_impl.pair`'s (the U-Net frozen, the ControlNet made from it
-trained; `shared_configs.pair`), measured by the planner's own workers in one process per framework
-(`shared_configs.planning.planner.measure`: torch's `StepTracker` peak, JAX's compiled
-``memory_analysis()``, CPU seconds of single-threaded steps taken in turn). The rows are ``none``,
-``--policies`` (each on both networks) and a plan the planner solves for a budget: ``--plan-budget-mib``,
-or by default halfway between the smallest feasible peak and ``none``'s (predicted; one plan
-that fits every framework measured), raised to the smallest budget the planner's margin allows.
-No torch or jax import here.
+The step is `torch_impl.pair` / `jax_impl.pair`'s (`shared_configs.pair`), measured by the planner's
+own workers (`shared_configs.planning.planner.measure`), one process per framework. The rows are
+``none``, ``--policies`` (each on both networks) and a plan solved for ``--plan-budget-mib``, by
+default halfway between the smallest feasible peak and ``none``'s. No torch or jax import here.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(jobs: list[Job], budget_mib: float | None, out: Path, console: Any) -> int:
-    """Measure ``jobs`` (one per framework, from `benchmarks.compare.parse_args`), print the table, write
-    the JSON (``console``: compare's rich console)."""
+    """Measure ``jobs`` (one per framework), print the table on ``console``, write the JSON."""
     doc = run(jobs, budget_mib)
     console.print(table(doc), highlight=False)
     console.print(f"wrote {write(doc, out)}")
@@ -98,18 +93,10 @@ def run(jobs: list[Job], budget_mib: float | None) -> dict[str, Any]:
     measured = {fw: measure(fw, work, policies, jobs[0].steps)["rows"] for fw in frameworks}
     predicted = {p.framework: {pol: predict(p, work.spec, assignment_of(work.spec, pol)).peak_bytes for pol in policies}
                  for p in planned.profiles}  # fmt: skip
-    return {
-        "config": work.spec.name,
-        "batch_size": work.batch_size,
-        "regime": work.regime.as_dict(),
-        "settings": work.used(frameworks),
-        "budget_bytes": budget,
-        "planned": planned.policy,
-        "policies": policies,
-        "predicted_peak_bytes": predicted,
-        "rows": measured,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    return {"config": work.spec.name, "batch_size": work.batch_size, "regime": work.regime.as_dict(),
+            "settings": work.used(frameworks), "budget_bytes": budget, "planned": planned.policy, "policies": policies,
+            "predicted_peak_bytes": predicted, "rows": measured,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -122,10 +109,9 @@ def table(doc: dict[str, Any]) -> str:
         cells = []
         for fw in fws:
             row, none = doc["rows"][fw][policy], doc["rows"][fw]["none"]
-            peak = row["peak_bytes"] / MIB
             change = f" ({100 * (row['peak_bytes'] / none['peak_bytes'] - 1):+.0f}%)" if policy != "none" else ""
             ratio = statistics.median(row["rounds_s"]) / statistics.median(none["rounds_s"])
-            cells.append(f"{peak:.1f}{change} | {row['step_time_s']:.2f} s ({ratio:.2f}x)")
+            cells.append(f"{row['peak_bytes'] / MIB:.1f}{change} | {row['step_time_s']:.2f} s ({ratio:.2f}x)")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append(f"\n{PLANNED}: `{doc['planned']}` (budget {doc['budget_bytes'] / MIB:.1f} MiB); {doc['settings']}")
     return "\n".join(lines)

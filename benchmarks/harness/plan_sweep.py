@@ -1,16 +1,12 @@
 """The planner's frontier (recompute cost against budget) beside the hand policies, measured.
 
-For each framework: the profile's predictions of the hand policies set the budgets (spread from
-``full``'s predicted peak to ``none``'s); the planner solves each; then one measuring process per
-framework runs every hand policy and every plan with the benchmark's instruments, so each
-overhead is a ratio to ``none`` measured in the same process. The result is a JSON document and a
-PNG (step-time overhead against peak memory: the predicted frontier, the plans measured, the hand
-policies measured).
+Per framework: budgets spread from ``full``'s predicted peak to ``none``'s, the planner's plan at
+each, then one measuring process runs every hand policy and plan, so each overhead is a ratio to
+``none`` measured in the same process. Written as JSON and a PNG (overhead against peak).
 """
 
 from __future__ import annotations
 
-import io
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +17,8 @@ import numpy as np
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
-from benchmarks.reports.report import atomic_write, write_json
+from benchmarks.reports.plot import save_png
+from benchmarks.reports.report import write_json
 from shared_configs.planning.budget import (
     Profile,
     assignment_of,
@@ -50,11 +47,8 @@ def frontier(profile: Profile, workload: Workload, points: int = 24) -> list[dic
     spec = workload.spec
     low = smallest_peak(profile, spec).prediction.peak_bytes
     high = predict(profile, spec, {}).peak_bytes
-    out = []
-    for i in range(points + 1):
-        sol = solve(profile, spec, int(low + (high - low) * i / points))
-        out.append(_predicted(profile, sol.prediction) | {"budget_bytes": int(low + (high - low) * i / points)})
-    return out
+    budgets = [int(low + (high - low) * i / points) for i in range(points + 1)]
+    return [_predicted(profile, solve(profile, spec, b).prediction) | {"budget_bytes": b} for b in budgets]
 
 
 def solve_times(profiles: list[Profile], workload: Workload, points: int = 12) -> dict[str, Any]:
@@ -76,25 +70,14 @@ def solve_times(profiles: list[Profile], workload: Workload, points: int = 12) -
 
 
 def _predicted(profile: Profile, prediction: Any) -> dict[str, Any]:
-    return {
-        "predicted_peak_bytes": prediction.peak_bytes,
-        "predicted_overhead": prediction.overhead(profile),
-        "recompute_flops": prediction.flops,
-    }
+    return {"predicted_peak_bytes": prediction.peak_bytes, "predicted_overhead": prediction.overhead(profile),
+            "recompute_flops": prediction.flops}  # fmt: skip
 
 
-def sweep(
-    workload: Workload,
-    frameworks: tuple[str, ...],
-    count: int,
-    verify: bool,
-    steps: int,
-    ratios: list[float] | None = None,
-    random_plans: int = 0,
-) -> dict[str, Any]:
-    """Per framework: budgets, the planner's plan at each (and at ``balanced``'s predicted peak), the
-    hand policies; measured if ``verify``, with torch.compile at ``ratios`` (torch) and
-    ``random_plans`` random per-unit mixes (seeded) to measure the peak model on."""
+def sweep(workload: Workload, frameworks: tuple[str, ...], count: int, verify: bool, steps: int,
+          ratios: list[float] | None = None, random_plans: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Per framework: the plans at ``count`` budgets and at ``balanced``'s predicted peak, the hand policies;
+    measured if ``verify``, with torch.compile at ``ratios`` and ``random_plans`` seeded random plans."""
     doc: dict[str, Any] = {"config": workload.spec.name, "sample_size": workload.spec.sample_size,
                            "batch_size": workload.batch_size, "frameworks": {}}  # fmt: skip
     for fw in frameworks:
@@ -134,9 +117,8 @@ def sweep(
 def _at_measured_balanced(
     fw: str, workload: Workload, profile: Profile, balanced: dict[str, Any], margin: float, steps: int
 ) -> list[dict[str, Any]]:
-    """The plan at ``balanced``'s measured peak (known only now), measured in a process of its own
-    beside ``none`` and ``balanced``: the issue's question, "what would the planner do with the
-    memory balanced uses"."""
+    """The plan at ``balanced``'s measured peak (known only now), measured beside ``none`` and
+    ``balanced`` in a process of its own: what the planner does with the memory balanced uses."""
     budget = balanced["measured_peak_bytes"]
     try:
         sol = checked_solve([profile], workload, budget, margin, (fw,))
@@ -160,15 +142,9 @@ def _pair(plans: list[dict[str, Any]], hand: dict[str, Any]) -> None:
 def _compiled(rows: dict[str, Any]) -> dict[str, Any]:
     """torch.compile rows, overheads against the eager ``none`` of the same process."""
     base = rows["none"]["step_time_s"]
-    return {
-        name: {
-            "measured_allocator_peak_bytes": r["allocator_peak_bytes"],
-            "measured_overhead": r["step_time_s"] / base - 1,
-            "compile_s": r["compile_s"],
-        }
-        for name, r in rows.items()
-        if name.startswith("torch.compile:")
-    }
+    return {name: {"measured_allocator_peak_bytes": r["allocator_peak_bytes"],
+                   "measured_overhead": r["step_time_s"] / base - 1, "compile_s": r["compile_s"]}
+            for name, r in rows.items() if name.startswith("torch.compile:")}  # fmt: skip
 
 
 def _attach(rows: dict[str, Any], hand: dict[str, Any], plans: list[dict[str, Any]]) -> None:
@@ -196,12 +172,10 @@ def table(doc: dict[str, Any]) -> str:
                 # allocator level on both sides: torch.compile runs eagerly under the tensor tracker
                 limit = p["measured_allocator_peak_bytes"]
                 best += " | torch.compile at the plan's allocator peak: " + _best_fit(data["compiled"], limit, True)
-            measured = p.get("measured_peak_bytes")
-            lines.append(
-                f"  {p['budget_bytes'] / MIB:8.1f} | {p['predicted_peak_bytes'] / MIB:8.1f} -> "
-                f"{measured / MIB if measured else float('nan'):8.1f} | {100 * p['predicted_overhead']:+6.1f}% -> "
-                f"{100 * p.get('measured_overhead', float('nan')):+6.1f}% | {best} | {p['plan']}"
-            )
+            measured, nan = p.get("measured_peak_bytes"), float("nan")
+            lines.append(f"  {p['budget_bytes'] / MIB:8.1f} | {p['predicted_peak_bytes'] / MIB:8.1f} -> "
+                         f"{measured / MIB if measured else nan:8.1f} | {100 * p['predicted_overhead']:+6.1f}% -> "
+                         f"{100 * p.get('measured_overhead', nan):+6.1f}% | {best} | {p['plan']}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -211,28 +185,22 @@ def against_balanced(doc: dict[str, Any]) -> str:
     for fw, data in doc["frameworks"].items():
         b = data["hand"]["balanced"]
         for p in (p for p in data["plans"] if p.get("at") and "measured_peak_bytes" in p):
-            lines.append(
-                f"{fw}: at {p['at']} ({p['budget_bytes'] / MIB:.1f} MiB) the planner picks {p['plan']}: "
-                f"{p['measured_peak_bytes'] / MIB:.1f} MiB, {100 * p['measured_overhead']:+.1f}%; balanced: "
-                f"{b['measured_peak_bytes'] / MIB:.1f} MiB, "
-                f"{100 * p.get('balanced_measured_overhead_here', b['measured_overhead']):+.1f}%"
-            )
+            lines.append(f"{fw}: at {p['at']} ({p['budget_bytes'] / MIB:.1f} MiB) the planner picks {p['plan']}: "
+                         f"{p['measured_peak_bytes'] / MIB:.1f} MiB, {100 * p['measured_overhead']:+.1f}%; balanced: "
+                         f"{b['measured_peak_bytes'] / MIB:.1f} MiB, "
+                         f"{100 * p.get('balanced_measured_overhead_here', b['measured_overhead']):+.1f}%")  # fmt: skip
     return "\n".join(lines)
 
 
 def against_hand(doc: dict[str, Any]) -> str:
-    """Each measured plan against every hand policy that fits its budget (measured), round by round:
-    the median of plan / hand - 1 with its 90% interval, the rounds the plan was faster in, and
-    whether the issue's claim (no slower than any hand policy that fits) holds at that confidence."""
+    """Each measured plan against every hand policy that fits its budget (measured), round by round, and
+    whether the claim (no slower than any hand policy that fits) holds at 90%."""
     lines = []
     for fw, data in doc["frameworks"].items():
         hand = data["hand"]  # measured wherever a plan is paired with it
         for p in (p for p in data["plans"] if "paired" in p):
-            fits = {
-                n: c
-                for n, c in p["paired"].items()
-                if n != "none" and hand[n]["measured_peak_bytes"] <= p["budget_bytes"]
-            }
+            fits = {n: c for n, c in p["paired"].items()
+                    if n != "none" and hand[n]["measured_peak_bytes"] <= p["budget_bytes"]}  # fmt: skip
             slower = [n for n, c in fits.items() if c["verdict"] == "slower"]
             claim = "no fitting hand policy" if not fits else f"slower than {', '.join(slower)}" if slower else "holds"
             lines.append(f"{fw} {p['budget_bytes'] / MIB:.1f} MiB ({p['plan']}): claim {claim}")
@@ -247,10 +215,9 @@ def errors(doc: dict[str, Any]) -> str:
         entries = [*data["hand"].values(), *data["plans"], *data.get("random", [])]
         errs = np.array([e["peak_error"] for e in entries if "peak_error" in e])
         if errs.size:
-            lines.append(
-                f"{fw}: peak prediction error over {errs.size} measured plans: median {100 * np.median(errs):+.2f}%, "
-                f"|error| max {100 * np.abs(errs).max():.2f}%, within 5%: {100 * np.mean(np.abs(errs) <= 0.05):.0f}%"
-            )
+            lines.append(f"{fw}: peak prediction error over {errs.size} measured plans: median "
+                         f"{100 * np.median(errs):+.2f}%, |error| max {100 * np.abs(errs).max():.2f}%, within 5%: "
+                         f"{100 * np.mean(np.abs(errs) <= 0.05):.0f}%")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -284,10 +251,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    atomic_write(path, buf.getvalue())
+    save_png(fig, path)
 
 
 def write(doc: dict[str, Any], folder: Path) -> list[Path]:
@@ -308,12 +272,8 @@ def _level(unit: str, levels: int) -> int:
 
 
 def efficiency(profile: Profile, workload: Workload) -> list[dict[str, Any]]:
-    """Bytes a recompute frees per second it costs, per level and unit kind (the lesson's rule, measured).
-
-    Per layer (ResNet, attention/transformer) and per block: freed = its plain ``keep`` minus its
-    ``keep`` under the choice; seconds = the recompute time the profile measured. "sampler" rows
-    are each block minus its layers (the down/upsampler and the block's glue).
-    """
+    """Bytes a recompute frees per second it costs, per layer and block (freed: its plain ``keep`` minus
+    its ``keep`` under the choice); "sampler" rows are each block minus its layers."""
     from shared_configs.planning.budget import FULL, PLAIN, SELECTIVE, block_layers
 
     spec, rows = workload.spec, []

@@ -90,13 +90,9 @@ def _run_worker(
 
 
 def check_jax_cache(job: Job, since: float) -> None:
-    """Remove the damaged entries a killed JAX worker may have left in its compilation cache.
-
-    JAX writes an entry in place (not to a temp file renamed into place) and never replaces an
-    entry that exists: a worker killed mid-write leaves a truncated one that every later run fails
-    to read (JAX warns and compiles again, each time). The entries written since ``since`` are
-    decompressed (zlib, JAX's format without zstandard); damaged ones are removed, one note each.
-    """
+    """Remove the damaged entries a killed JAX worker may have left in its compilation cache: JAX writes
+    an entry in place and never replaces one, so a truncated entry would fail every later run's read.
+    The entries written since ``since`` are decompressed (zlib, JAX's format without zstandard)."""
     if job.framework != "jax" or job.jax_cache is None:
         return
     for path in Path(job.jax_cache).glob("*-cache"):
@@ -117,11 +113,5 @@ def _crash_row(job: Job, key: tuple[str, int], rc: int, stderr_tail: str) -> Eve
         status, error = "oom", "worker killed (SIGKILL), most likely by the out-of-memory killer"
     else:
         status, error = "error", f"worker died (exit {rc}): {stderr_tail or 'no output'}"
-    return {
-        "event": "row",
-        "framework": job.framework,
-        "policy": policy,
-        "batch_size": batch_size,
-        "status": status,
-        "error": error,
-    }
+    return {"event": "row", "framework": job.framework, "policy": policy, "batch_size": batch_size, "status": status,
+            "error": error}  # fmt: skip

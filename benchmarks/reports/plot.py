@@ -32,9 +32,7 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
 
 
 def _plottable(rows: list[Row]) -> list[Row]:
-    return [
-        r for r in rows if r["status"] == "ok" and r["time_overhead"] is not None and r["peak_reduction"] is not None
-    ]
+    return [r for r in rows if r["status"] == "ok" and None not in (r["time_overhead"], r["peak_reduction"])]
 
 
 def _labels(points: list[tuple[str, float, float]], ax: Any) -> None:
@@ -79,22 +77,10 @@ def _panel(ax: Any, rows: list[Row], batch_size: int, unreliable: float | None) 
     ax.legend(fontsize=8, loc="best")
 
 
-KIND_COLORS = {
-    "params": "#4c72b0",
-    "optimizer": "#8172b3",
-    "grads": "#dd8452",
-    "input": "#937860",
-    "activation": "#55a868",
-    "temporary": "#c44e52",
-}
-KIND_LABELS = {
-    "params": "parameters",
-    "optimizer": "optimizer state",
-    "grads": "gradients",
-    "input": "inputs",
-    "activation": "activations",
-    "temporary": "temporaries",
-}
+# Each kind of the peak's parts: (colour, legend label).
+KINDS = {"params": ("#4c72b0", "parameters"), "optimizer": ("#8172b3", "optimizer state"),
+         "grads": ("#dd8452", "gradients"), "input": ("#937860", "inputs"), "activation": ("#55a868", "activations"),
+         "temporary": ("#c44e52", "temporaries")}  # fmt: skip
 
 
 def _timeline_panel(ax: Any, record: dict[str, Any], top: float) -> None:
@@ -102,7 +88,7 @@ def _timeline_panel(ax: Any, record: dict[str, Any], top: float) -> None:
     n = max(record["positions"] - 1, 1)
     xs = [100 * x / n for x in record["x"]]
     ys = [[v / MIB for v in record["series"][kind]] for kind in CATEGORIES]
-    ax.stackplot(xs, ys, colors=[KIND_COLORS[k] for k in CATEGORIES], labels=[KIND_LABELS[k] for k in CATEGORIES])
+    ax.stackplot(xs, ys, colors=[KINDS[k][0] for k in CATEGORIES], labels=[KINDS[k][1] for k in CATEGORIES])
     phases = record["phases"]
     if "backward" in phases:
         end = 100 * phases.get("optimizer", n) / n
@@ -135,9 +121,8 @@ def plot_timelines(records: list[dict[str, Any]], path: Path, title: str) -> boo
         return False
     frameworks = list(dict.fromkeys(r["framework"] for r in records))
     policies = list(dict.fromkeys(r["policy"] for r in records))
-    fig, axes = plt.subplots(
-        len(frameworks), len(policies), figsize=(6.5 * len(policies), 3.8 * len(frameworks)), squeeze=False
-    )
+    size = (6.5 * len(policies), 3.8 * len(frameworks))
+    fig, axes = plt.subplots(len(frameworks), len(policies), figsize=size, squeeze=False)
     for i, fw in enumerate(frameworks):
         mine = [r for r in records if r["framework"] == fw]
         top = max(sum(col) for r in mine for col in zip(*r["series"].values(), strict=True)) / MIB
@@ -145,18 +130,19 @@ def plot_timelines(records: list[dict[str, Any]], path: Path, title: str) -> boo
             record = next((r for r in mine if r["policy"] == policy), None)
             if record is None:
                 axes[i][j].axis("off")
-                continue
-            _timeline_panel(axes[i][j], record, top)
+            else:
+                _timeline_panel(axes[i][j], record, top)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7, bbox_to_anchor=(0.5, 0.02))
     methods = "; ".join(f"{fw}: {next(r['method'] for r in records if r['framework'] == fw)}" for fw in frameworks)
     fig.suptitle(f"{title}\nmemory over one training step", fontsize=10)
     fig.text(0.5, 0.005, methods, ha="center", va="bottom", fontsize=6, wrap=True)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
-def _save(fig: Any, path: Path) -> bool:
+def save_png(fig: Any, path: Path) -> bool:
+    """Write ``fig`` to ``path`` atomically and close it."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
@@ -176,16 +162,13 @@ def plot(rows: list[Row], path: Path, title: str, unreliable: float | None = Non
         _panel(ax, [r for r in rows if r["batch_size"] == b], b, unreliable)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def write_plots(document: dict[str, Any], out: Path, stem: str) -> list[Path]:
     """A run's pictures, ``<out>/<stem>.png`` (the Pareto plot) and ``-timeline.png``: those drawn."""
     device = next((d["name"] for fw, d in document["device"].items() if fw != "requested"), "?")
-    paths = []
-    share = report.unreliable_share(document)
-    if plot(document["rows"], out / f"{stem}.png", f"{report.title(document)}\n{device}", share):
-        paths.append(out / f"{stem}.png")
-    if plot_timelines(document.get("timelines", []), out / f"{stem}-timeline.png", report.title(document)):
-        paths.append(out / f"{stem}-timeline.png")
-    return paths
+    title, share = report.title(document), report.unreliable_share(document)
+    drawn = [plot(document["rows"], out / f"{stem}.png", f"{title}\n{device}", share),
+             plot_timelines(document.get("timelines", []), out / f"{stem}-timeline.png", title)]  # fmt: skip
+    return [path for path, ok in zip([out / f"{stem}.png", out / f"{stem}-timeline.png"], drawn, strict=True) if ok]

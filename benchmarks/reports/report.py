@@ -16,7 +16,6 @@ from rich.table import Table
 
 from shared_configs.defaults import Defaults, resolve_chunk
 from shared_configs.files import atomic_write
-from shared_configs.memory import CATEGORIES
 from shared_configs.regime import DEFAULT, Regime
 from shared_configs.units import MIB
 
@@ -24,54 +23,17 @@ Row = dict[str, Any]
 UNRELIABLE_SHARE = 0.1  # other processes' share of the cores above which a run's times are not trusted
 
 # Every row has every column (None where it does not apply); CSV columns follow this order.
-# The peak's parts (f"{kind}_bytes" for kind in common.CATEGORIES) add up to peak_bytes.
+# The peak's parts (f"{kind}_bytes" for kind in shared_configs.memory.CATEGORIES) add up to peak_bytes.
 COLUMNS: tuple[str, ...] = (
-    "framework",
-    "policy",
-    "batch_size",
-    "world_size",
-    "status",
-    "peak_bytes",
-    "max_rank_peak_bytes",
-    "params_bytes",
-    "optimizer_bytes",
-    "grads_bytes",
-    "input_bytes",
-    "activation_bytes",
-    "temporary_bytes",
-    "static_bytes",
-    "saved_bytes",
-    "peak_reduction",
-    "activation_reduction",
-    "saved_reduction",
-    "step_time_s",
-    "step_time_min_s",
-    "step_time_max_s",
-    "time_overhead",
-    "compile_s",
-    "activation_memory_budget",
-    "first_step_s",
-    "flops",
-    "recompute_flops",
-    "flops_ratio",
-    "memtracker_peak_bytes",
-    "tracker_peak_bytes",
-    "allocator_peak_bytes",
-    "compiled_peak_bytes",
-    "fragmentation_bytes",
-    "live_peak_bytes",
-    "xla_live_peak_bytes",
-    "xla_default_peak_bytes",
-    "xla_default_peak_reduction",
-    "param_count",
-    "peak_method",
-    "saved_method",
-    "flops_method",
-    "check_method",
-    "xla_default_method",
-    "error",
-)
-PARTS: tuple[str, ...] = tuple(f"{kind}_bytes" for kind in CATEGORIES)
+    "framework", "policy", "batch_size", "world_size", "status", "peak_bytes", "max_rank_peak_bytes", "params_bytes",
+    "optimizer_bytes", "grads_bytes", "input_bytes", "activation_bytes", "temporary_bytes", "static_bytes",
+    "saved_bytes", "peak_reduction", "activation_reduction", "saved_reduction", "step_time_s", "step_time_min_s",
+    "step_time_max_s", "time_overhead", "compile_s", "activation_memory_budget", "first_step_s", "flops",
+    "recompute_flops", "flops_ratio", "memtracker_peak_bytes", "tracker_peak_bytes", "allocator_peak_bytes",
+    "compiled_peak_bytes", "fragmentation_bytes", "live_peak_bytes", "xla_live_peak_bytes", "xla_default_peak_bytes",
+    "xla_default_peak_reduction", "param_count", "peak_method", "saved_method", "flops_method", "check_method",
+    "xla_default_method", "error"
+)  # fmt: skip
 # (column, column it is compared with, kind): reductions are 1 - x / x_none, ratios x / x_none.
 RELATIVE: tuple[tuple[str, str, str], ...] = (
     ("peak_reduction", "peak_bytes", "reduction"),
@@ -110,8 +72,7 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
 
 
 def write_csv(path: Path, rows: list[Row]) -> None:
-    text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=COLUMNS)
+    writer = csv.DictWriter(text := io.StringIO(newline=""), fieldnames=COLUMNS)
     writer.writeheader()
     writer.writerows(rows)
     atomic_write(path, text.getvalue().encode())
@@ -214,7 +175,7 @@ def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = Fa
         if row["status"] == "ok":
             t.add_row(*(cell(row) for _, cell in shown))
         else:
-            status = "[red]OOM[/red]" if row["status"] == "oom" else "[red]error[/red]"
+            status = FITS["oom" if row["status"] == "oom" else "error"]
             t.add_row(row["framework"], row["policy"], str(row["batch_size"]), status, row["error"] or "")
     return t
 
@@ -246,18 +207,12 @@ def regime(rows: list[Row]) -> list[str]:
     activations + temporaries against static memory (parameters + optimizer state)."""
     out = []
     for row in rows:
-        if (
-            row["policy"] == "none"
-            and row["status"] == "ok"
-            and row["static_bytes"]
-            and row["activation_bytes"] is not None
-        ):
+        base = row["policy"] == "none" and row["status"] == "ok"
+        if base and row["static_bytes"] and row["activation_bytes"] is not None:
             dynamic = row["activation_bytes"] + row["temporary_bytes"]
-            static = _mib(row["static_bytes"])
-            out.append(
-                f"{row['framework']} none @ batch {row['batch_size']}: activations + temps = "
-                f"{dynamic / row['static_bytes']:.1f}x static (params + optimizer state, {static} MiB)"
-            )
+            out.append(f"{row['framework']} none @ batch {row['batch_size']}: activations + temps = "
+                       f"{dynamic / row['static_bytes']:.1f}x static (params + optimizer state, "
+                       f"{_mib(row['static_bytes'])} MiB)")  # fmt: skip
     return out
 
 
@@ -292,10 +247,8 @@ def title(document: dict[str, Any]) -> str:
     s = document["settings"]
     ranks = s.get("world_size", 1)
     per_rank = f", per rank of {ranks} (FSDP; batch per rank)" if ranks > 1 else ""
-    return (
-        f"{document['config']['name']} @ {s['sample_size']}x{s['sample_size']}, {document['dtype']}{per_rank}, "
-        f"{s['steps']} timed steps after warm-up, git {(document['git_sha'] or '?')[:12]}"
-    )
+    return (f"{document['config']['name']} @ {s['sample_size']}x{s['sample_size']}, {document['dtype']}{per_rank}, "
+            f"{s['steps']} timed steps after warm-up, git {(document['git_sha'] or '?')[:12]}")  # fmt: skip
 
 
 def used(document: dict[str, Any]) -> str:
@@ -333,18 +286,10 @@ def notes(document: dict[str, Any]) -> list[str]:
     if share is not None:
         lines.append(f"[bold red]warning: other processes used {share:.0%} of the cores during the run: "
                      "step times and ratios are unreliable[/]")  # fmt: skip
-    labels = {
-        "peak_method": "peak",
-        "saved_method": "saved",
-        "flops_method": "FLOPs",
-        "check_method": "check",
-        "xla_default_method": "XLA:CPU default",
-    }
+    labels = {"peak_method": "peak", "saved_method": "saved", "flops_method": "FLOPs", "check_method": "check",
+              "xla_default_method": "XLA:CPU default"}  # fmt: skip
     for fw, found in document["methods"].items():
         lines += [f"{fw} {labels[k]}: {v}" for k, v in found.items()]
     lines += regime(document["rows"]) + checks(document["rows"])
-    lines.append(
-        "peak = params + opt state + grads + inputs + activations + temps, all at the peak's moment; "
-        "(+/-%) = change against policy none, same framework and run"
-    )
-    return lines
+    return [*lines, "peak = params + opt state + grads + inputs + activations + temps, all at the peak's moment; "
+            "(+/-%) = change against policy none, same framework and run"]  # fmt: skip
