@@ -49,8 +49,7 @@ class SimpleCrossAttention(nn.Module):
 
 
 class ImageProjection(nn.Module):
-    """``image_embeds`` (B, E) -> a context of ``tokens`` tokens (B, tokens, D): Dense, LayerNorm
-    (diffusers' ``ImageProjection``, ``encoder_hid_dim_type: image_proj``)."""
+    """diffusers' ``ImageProjection``: ``image_embeds`` (B, E) -> (B, tokens, D) context (Dense, LayerNorm)."""
 
     in_dim: int
     dim: int
@@ -66,8 +65,7 @@ class ImageProjection(nn.Module):
 
 
 class ImageTimeEmbedding(nn.Module):
-    """``image_embeds`` (B, E) -> (B, time embedding width): Dense, LayerNorm (diffusers'
-    ``ImageTimeEmbedding``, ``addition_embed_type: image``), added to the time embedding."""
+    """diffusers' ``ImageTimeEmbedding``: ``image_embeds`` (B, E) -> the time embedding's width (Dense, LayerNorm)."""
 
     in_dim: int
     dim: int

@@ -30,14 +30,11 @@ def _layer(block: nn.Module, kind: str, j: int, factory: Callable[..., nn.Module
 
 
 def _attentions(block: nn.Module, factory: AttentionFactory | None, ch: int, count: int) -> list | None:
-    if factory is None:
-        return None
-    return [_layer(block, "attentions", j, factory, ch) for j in range(count)]
+    return None if factory is None else [_layer(block, "attentions", j, factory, ch) for j in range(count)]
 
 
 class DownBlock(nn.Module):
-    """``layers`` ResNets (each followed by attention if any), then an optional downsample: a strided
-    conv, or with ``resnet_resample`` a ResNet that pools (diffusers' ResnetDownsample blocks)."""
+    """``layers`` ResNets (each followed by attention if any), then a strided conv or a pooling ResNet, if any."""
 
     in_ch: int
     out_ch: int
@@ -94,8 +91,7 @@ class MidBlock(nn.Module):
 
 
 class UpBlock(nn.Module):
-    """One ResNet per skip it consumes (input concatenated with the skip), then upsample: nearest and a
-    conv, or with ``resnet_resample`` a ResNet that upsamples (diffusers' ResnetUpsample blocks)."""
+    """One ResNet per skip (input concatenated with it), each followed by attention if any, then an upsample."""
 
     in_ch: int
     out_ch: int

@@ -25,8 +25,7 @@ FRAMEWORK, LAYOUT = "jax_impl", "orbax"
 
 
 def save_checkpoint(out: Path, state: Any, manifest: Manifest, comm: Comm = SOLO) -> Path:
-    """Save ``state`` (a pytree of arrays) as the checkpoint of ``manifest.step``; over several processes
-    (``comm``) every one calls it."""
+    """Save ``state`` as the checkpoint of ``manifest.step``; over several processes every one calls it."""
 
     def write(folder: Path) -> None:
         try:
@@ -56,8 +55,7 @@ def load_checkpoint(path: Path, target: Any, comm: Comm = SOLO) -> tuple[Any, Ma
 
 
 class _OrbaxEchoes(logging.Filter):
-    """Drops the tracebacks orbax's threads and coroutines log of a failed write: orbax raises the error
-    itself (`shared_configs.training.run_folder.save` makes it one line)."""
+    """Drops the tracebacks orbax's threads log of a failed write: orbax raises the error itself, made one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         tb = record.exc_info[2] if record.exc_info else None
@@ -69,8 +67,7 @@ for _logger in ("absl", "asyncio"):
 
 
 def _quiet_closed_loops(previous: Any) -> Any:
-    """``sys.unraisablehook`` but for the "Event loop is closed" tracebacks of tensorstore's threads
-    completing orbax's futures after a failed write."""
+    """``sys.unraisablehook`` less the "Event loop is closed" tracebacks tensorstore leaves after a failed write."""
 
     def hook(unraisable: Any) -> None:
         frames = traceback.extract_tb(unraisable.exc_traceback)

@@ -36,16 +36,12 @@ def remat_policy(save: tuple[str, ...] = (), offload: bool = False) -> Callable[
     if not offload:
         return jax.checkpoint_policies.save_only_these_names(*save)
     return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(),
-        names_which_can_be_offloaded=save,
-        offload_src="device",
-        offload_dst="pinned_host",
+        names_which_can_be_saved=(), names_which_can_be_offloaded=save, offload_src="device", offload_dst="pinned_host"
     )
 
 
 def _offload_here(offload: bool) -> bool:
-    """Offload on a CPU backend warns and degrades to plain saving: XLA:CPU would copy the saved
-    tensors to "pinned_host", i.e. into the same RAM, for nothing."""
+    """Offload on CPU warns and saves in place: XLA:CPU would copy to "pinned_host", the same RAM, for nothing."""
     if offload and jax.default_backend() == "cpu":
         warnings.warn(OFFLOAD_ON_CPU, UserWarning, stacklevel=3)
         return False
@@ -61,8 +57,7 @@ def remat(cls: M, save: tuple[str, ...] = (), offload: bool = False) -> M:
 
 
 def remat_class(cls: M, name: str, plan: CheckpointPlan | None) -> M:
-    """The class to instantiate for unit ``name`` (``down.1``, ``mid.resnets.0``, ...) under ``plan``:
-    ``cls`` itself, or its `remat` with the unit's own save set when the plan recomputes it."""
+    """``cls``, or its `remat` with the unit's own save set when ``plan`` recomputes unit ``name``."""
     if plan is None or name not in plan:
         return cls
     return remat(cls, plan.save_for(name), _offload_here(plan.offload))

@@ -36,9 +36,8 @@ def zero_conv(features: int, kernel: int = 1) -> Conv:
 
 
 class ConditioningEmbedding(nn.Module):
-    """The conditioning image -> ``out_ch`` channels at the sample's size (diffusers'
-    ``ControlNetConditioningEmbedding``): a 3x3 conv, per further stage a 3x3 conv and a strided 3x3
-    conv, SiLU after each, then a zero-initialised 3x3 conv."""
+    """diffusers' ``ControlNetConditioningEmbedding``: the conditioning image -> ``out_ch`` channels at the
+    sample's size (3x3 convs, a strided one per further stage, SiLU after each; the last zero-initialised)."""
 
     out_ch: int
     widths: tuple[int, ...]
@@ -59,8 +58,7 @@ class ConditioningEmbedding(nn.Module):
 class ControlNet(UNetTrunk):
     """ControlNet on NHWC input: ``apply(variables, sample, timestep, context, controlnet_cond, ...)`` returns
     the NHWC ``(down_residuals, mid_residual)`` for ``jax_impl.UNet``'s additional residuals, in diffusers'
-    order. Attributes as `jax_impl.UNet`'s; ``policy`` names units as the U-Net's (``full``: down and mid).
-    """
+    order. Attributes as `jax_impl.UNet`'s; ``policy`` names units as the U-Net's (``full``: down and mid)."""
 
     spec: ControlNetSpec
     policy: PolicyArg = None
@@ -91,8 +89,7 @@ class ControlNet(UNetTrunk):
         conditioning_scale: float = 1.0, class_labels: Array | None = None, text_embeds: Array | None = None,
         time_ids: Array | None = None, guess_mode: bool = False, train: bool = False,
     ) -> tuple[list[Array], Array]:  # fmt: skip
-        """The residuals for ``sample`` under the NHWC conditioning image ``controlnet_cond`` (B,
-        H x f, W x f, conditioning_channels), f = `ControlNetSpec.conditioning_factor`."""
+        """The residuals for ``sample`` under ``controlnet_cond`` (NHWC, `conditioning_factor` x as large)."""
         unet = self.spec.unet
         conditioning = {"context": context, "class_labels": class_labels, "text_embeds": text_embeds}
         check_inputs(unet, "NHWC", sample, timestep, **conditioning, time_ids=time_ids)

@@ -129,16 +129,8 @@ def _peft_suffix(modules: tuple[str, ...], adapted: set[tuple[str, ...]]) -> str
 
 
 def _torch_path(key: str) -> list[str]:
-    """``down.1.resnets.0.conv1.weight`` -> ``[down_1, resnets_0, conv1, weight]``."""
-    parts: list[str] = []
-    for part in key.split("."):
-        if part in PEFT_PARTS:
-            continue
-        if part.isdigit():
-            parts[-1] = f"{parts[-1]}_{part}"
-        else:
-            parts.append(part)
-    return parts
+    """``down.1.resnets.0.conv1.weight`` -> ``[down_1, resnets_0, conv1, weight]``, peft's parts dropped."""
+    return [part for part in re.sub(r"\.(\d+)(?=\.|$)", r"_\1", key).split(".") if part not in PEFT_PARTS]
 
 
 def _flax_leaf(leaf: str, ndim: int) -> str:

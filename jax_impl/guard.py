@@ -111,8 +111,7 @@ def plan_for_step(
 
 
 def _replan(work: Workload, target: int, last: bool, plan_opts: dict[str, Any]) -> tuple[str, int]:
-    """The plan for ``target`` (the budget less the step's excess), or `full` after the last round or
-    when nothing fits ``target``: `full` recomputes the most, so it is the last thing to try."""
+    """The plan for ``target``, or `full` (which recomputes the most) after the last round or when nothing fits."""
     if not last and target > 0:
         try:
             planned = planner.plan(work, target, "jax", **plan_opts)
@@ -124,10 +123,9 @@ def _replan(work: Workload, target: int, last: bool, plan_opts: dict[str, Any]) 
 
 
 class GuardedStep:
-    """The user's compiled step under ``sp.plan`` (from `plan_for_step`), run again with the same arguments
-    under a plan that recomputes more when XLA runs out of device memory, as `torch_impl.BudgetGuard`:
-    halfway to `full`'s predicted peak, twice, then `full`. Under `full`, or when the failed run consumed
-    its donated arguments, it says so in one line and re-raises. ``history`` extends ``sp.history``."""
+    """The user's compiled step under ``sp.plan``, run again with the same arguments under a plan that recomputes
+    more when XLA runs out of device memory (halfway to `full`'s peak, twice, then `full`), as torch's guard.
+    Under `full`, or when the failed run consumed donated arguments, it says so in one line and re-raises."""
 
     def __init__(self, build_step: Callable[[str], Any], sp: StepPlan, example_args: Sequence[Any]) -> None:
         if sp.workload is None:

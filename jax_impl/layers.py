@@ -324,9 +324,7 @@ class Upsample(nn.Module):
 
 def mask_bias(mask: Array | None, dtype: jnp.dtype) -> Array | None:
     """A (B, L) context mask (1 keep, 0 drop) -> diffusers' (B, 1, 1, L) score bias, finite as there."""
-    if mask is None:
-        return None
-    return ((1 - mask.astype(dtype)) * -10000.0)[:, None, None, :]
+    return None if mask is None else ((1 - mask.astype(dtype)) * -10000.0)[:, None, None, :]
 
 
 # Attention kinds of the spec -> layer class; the same keys as in `torch_impl/layers.py` (the U-Net adds

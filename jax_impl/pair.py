@@ -28,9 +28,8 @@ Array = jax.Array
 
 
 class ControlNetPair(nn.Module):
-    """The U-Net and the ControlNet made from it: ``apply(variables, x, t, context, class_labels,
-    text_embeds, time_ids, controlnet_cond, train=False)`` (NHWC) returns the U-Net's prediction.
-    ``policy``: a pair policy (`shared_configs.pair.split_pair_plan`)."""
+    """The U-Net and the ControlNet made from it, under a pair ``policy`` (`shared_configs.pair.split_pair_plan`):
+    ``apply(variables, x, t, ..., controlnet_cond)`` (NHWC) returns the U-Net's prediction."""
 
     spec: ControlNetPairSpec
     policy: str | None = None
@@ -58,8 +57,7 @@ class ControlNetPair(nn.Module):
 def init_pair(
     pair: ControlNetPair, tx: optax.GradientTransformation, seed: int, regime: Regime = DEFAULT
 ) -> tuple[TrainState, Any]:
-    """The ControlNet's `TrainState` (its encoder the U-Net's, as diffusers' ``from_unet``) and the U-Net's
-    parameters, both in ``regime``'s weight dtype."""
+    """The ControlNet's `TrainState` (its encoder the U-Net's) and the U-Net's params, in ``regime``."""
     shapes = abstract_controlnet_inputs(pair.spec.controlnet)
     inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
     names = ("sample", "timestep", "context", "class_labels", "text_embeds", "time_ids", "controlnet_cond")

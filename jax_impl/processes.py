@@ -54,8 +54,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def check_flags(coordinator: str | None, num_processes: int | None, process_id: int | None,
                 distributed: str | None) -> None:  # fmt: skip
-    """Refuse (one-line ValueError) a partial or inconsistent set of the three flags, and several
-    processes without ``--distributed`` (each would train a model of its own)."""
+    """Refuse a partial set of the three flags, a bad process id, or several processes without ``--distributed``."""
     given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
     missing = [flag for flag, value in given.items() if value is None]
     if missing and len(missing) < len(given):

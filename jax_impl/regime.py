@@ -53,8 +53,7 @@ def apply_regime(params: Any, regime: Regime) -> Any:
 
 @functools.cache  # one object per hyperparameters, so the jitted step (tx is static) compiles once
 def make_optimizer(lr: float, weight_decay: float, regime: Regime = DEFAULT) -> optax.GradientTransformation:
-    """``regime.optimizer`` (``optax.adamw`` as torch's AdamW, or ``optax.adafactor``); under loss scaling,
-    steps with non-finite gradients are skipped."""
+    """``regime.optimizer`` in optax; under loss scaling a step with non-finite gradients is skipped."""
     if regime.optimizer == "adamw8bit":
         raise SpecError("optimizer: adamw8bit has no JAX implementation (optax has no 8-bit AdamW); use adamw or "
                         "adafactor, or plan its state bytes from shapes (the plan command's --shapes)")  # fmt: skip

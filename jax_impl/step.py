@@ -235,14 +235,11 @@ def corrected(budget: RunPlan, spec: UNetSpec | ControlNetPairSpec, sp: StepPlan
 
 def run_steps(
     state: TrainState, losses: list[float], dataset: Dataset, schedule: Schedule, cfg: TrainConfig, stop: int,
-    model: UNet, tx: optax.GradientTransformation, on_step: Callable[[float], None] | None = None,
-    mesh: Mesh | None = None,
+    model: UNet, tx: optax.GradientTransformation, mesh: Mesh | None = None,
 ) -> TrainState:  # fmt: skip
     """Steps ``len(losses) .. stop - 1`` of ``model`` (see `make_step`), appending each loss; returns the new state."""
     step = make_step(cfg, Trainee(model), tx, dataset, schedule, mesh)
     for index in range(len(losses), stop):
         state, loss = step(state, index)
         losses.append(loss)
-        if on_step is not None:
-            on_step(loss)
     return state

@@ -44,8 +44,7 @@ from shared_configs.training.run_plan import resolve_run
 
 @dataclass(frozen=True)
 class JaxOptions:
-    """The flags only ``jax_impl.train`` has (`shared_configs.training.config.Options`): the attention chunk
-    (torch's CPU attention is fused already), the XLA cache, and `jax.distributed`'s (torchrun launches torch)."""
+    """The flags torch has no use for: the attention chunk, the XLA cache, and `jax.distributed`'s (torchrun's)."""
 
     # UNet(attention_chunk=...); "auto": the device's (`shared_configs.defaults`), resolved by `on_device`
     attention_chunk: int | str | None = AUTO
@@ -127,8 +126,7 @@ def start(
     model: UNet | ControlNetPair, tx: optax.GradientTransformation, cfg: TrainConfig, run: RunStart,
     mesh: Mesh | None, comm: Comm,
 ) -> tuple[TrainState, Trainee]:  # fmt: skip
-    """The run's first state and what it steps: the U-Net, or a pair's ControlNet (its frozen U-Net made
-    from the seed again on resume)."""
+    """The run's first state and what it steps (a pair's frozen U-Net made from the seed again on resume)."""
     if isinstance(model, ControlNetPair):  # one process (`check_controlnet`)
         state, unet_params = init_pair(model, tx, cfg.seed, cfg.regime)
         return start_state(lambda: state, cfg, run, mesh, comm), pair_trainee(model, unet_params)
@@ -145,8 +143,7 @@ def build(
 
 
 def train(cfg: TrainConfig) -> list[float]:
-    """Run (or resume) training as ``cfg`` says; the loss of every step from step 0. Everything that
-    can refuse the run is checked before the model is initialised."""
+    """Run (or resume) training as ``cfg`` says, every refusal before the model is built; every step's loss."""
     own = options_of(cfg, JaxOptions)
     joined = processes.join(own.coordinator, own.num_processes, own.process_id)  # before JAX's backend starts
     if joined is not None and joined.processes > 1:

@@ -57,8 +57,7 @@ def _as_spec(spec: UNetSpec | str) -> UNetSpec:
 def abstract_inputs(
     spec: UNetSpec, batch: int = 1, sample_size: int | None = None, context_len: int = 1
 ) -> dict[str, jax.ShapeDtypeStruct | None]:
-    """Shape structs of every input of ``spec`` (NHWC), by name, for ``jax.eval_shape(module.init, ...)``;
-    the smallest sizes by default, as the parameter tree does not depend on them."""
+    """Shape structs of every input of ``spec`` (NHWC) by name, at the smallest sizes by default (``eval_shape``)."""
     size = sample_size or 2 ** (spec.num_levels - 1)
     specs = input_specs(spec, batch, size, context_len, layout="NHWC")
     return {k: None if v is None else jax.ShapeDtypeStruct(v.shape, jnp.dtype(v.dtype)) for k, v in specs.items()}
@@ -146,8 +145,7 @@ class UNetTrunk(nn.Module):
         return self.mid(h, temb, context, mask, train), skips
 
     def _context(self, context: Array | None, image_embeds: Array | None) -> Array | None:
-        """The cross-attention context: the input, projected (``context_proj_dim``), or made from
-        ``image_embeds`` (``image_embedding.context_tokens``), as diffusers' ``encoder_hid_proj``."""
+        """The cross-attention context: as given, projected, or from ``image_embeds`` (``encoder_hid_proj``)."""
         img = self.trunk_spec.image_embedding
         if img is not None and img.context_tokens is not None:
             return self.encoder_hid_proj(image_embeds)
@@ -161,8 +159,7 @@ class UNetTrunk(nn.Module):
         self, x: Array, t: Array | float, class_labels: Array | None, text_embeds: Array | None,
         time_ids: Array | None, timestep_cond: Array | None = None, image_embeds: Array | None = None,
     ) -> Array:  # fmt: skip
-        """The embedding every ResNet receives: time (with LCM's ``timestep_cond``), plus class, text_time
-        and image conditioning as diffusers adds them."""
+        """The embedding every ResNet receives: time, class, text_time and image conditioning, as diffusers."""
         s, dtype = self.trunk_spec, x.dtype
         t = jnp.broadcast_to(jnp.asarray(t), (x.shape[0],))
         # The sinusoids are float32 whatever ``t`` is; in x's dtype (a no-op for float32), so that a
@@ -187,12 +184,10 @@ class UNet(UNetTrunk):
 
     Attributes:
         spec: the architecture, a `UNetSpec` or a preset name (``"tiny"``).
-        policy: what to recompute in the backward pass: a policy name (``"full"``, ``"every:2"``), a tuple
-            of block names, or a `CheckpointPlan`; ``None`` takes the spec's own ``checkpoint`` field.
-        attention_chunk: queries per attention chunk, each chunk's probabilities recomputed in the
-            backward (`jax_impl.attention`); the same parameters and outputs; ``None`` is off.
-        lora_rank: rank-R LoRA adapters (`jax_impl.layers.LoRADense`) on every attention's q/k/v/out,
-            as torch's ``lora:R`` regime adds them through peft.
+        policy: what to recompute in the backward: a policy name (``"full"``, ``"every:2"``), a tuple of block
+            names, or a `CheckpointPlan`; ``None`` takes the spec's own ``checkpoint`` field.
+        attention_chunk: queries per attention chunk (`jax_impl.attention`); ``None`` is off.
+        lora_rank: rank-R LoRA adapters (`jax_impl.layers.LoRADense`) on every attention's q/k/v/out.
     """
 
     spec: UNetSpec | str
