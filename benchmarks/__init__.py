@@ -1,7 +1,6 @@
 """The commands that measure: memory and time of a training step per framework and checkpoint policy.
 
-The modules here are the commands (``compare``, ``plan``, ``max_batch``, ``estimates``, ``saved``,
-``candidates_sweep``, ``gpu_check``); `benchmarks.harness` is the parent side (jobs, workers, rows;
-no torch or jax import), `benchmarks.backends` the framework workers, `benchmarks.reports` tables,
-files and plots. Docs: docs/benchmark.md.
+The modules here are the commands; `benchmarks.harness` is the parent side (no torch or jax import),
+`benchmarks.backends` the framework workers, `benchmarks.reports` tables, files and plots. Docs:
+docs/benchmark.md.
 """

@@ -42,8 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_budget(workload: Workload, framework: str, budget: int, candidates: int, rounds: int, check_rounds: int
                  ) -> dict[str, Any]:  # fmt: skip
-    """Plan at ``budget`` racing ``candidates`` for up to ``rounds``, then the plan against every hand
-    policy that fits, ``check_rounds`` rounds."""
+    """The plan at ``budget`` (a race of ``candidates``), then against every hand policy that fits."""
     found = plan(workload, budget, framework, candidates=candidates, rounds=rounds)
     chosen = found.solution.policy
     policies = list(dict.fromkeys([chosen, *HAND_POLICIES]))
@@ -80,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(config: str, sample_size: int | None, batch_size: int, framework: str, n_budgets: int, json_path: str | None,
         race: tuple[int, int, int]) -> int:  # fmt: skip
-    """Check ``n_budgets`` budgets between ``full``'s and ``none``'s measured peaks (`check_budget`,
-    ``race``: its candidates, rounds and check rounds); 0 when the plan holds at every one."""
+    """Check ``n_budgets`` budgets between ``full``'s and ``none``'s measured peaks; 0 when the plan holds at each."""
     workload = Workload.of(config, sample_size, batch_size=batch_size)
     settings = workload.used((framework,))
     print(f"settings {settings}")

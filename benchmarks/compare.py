@@ -185,17 +185,9 @@ def parse_args(
     regime = Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads)
     if regime.keep_grads and "jax" in args.framework:
         raise SpecError(f"--keep-grads: {JAX_KEEPS_NO_GRADS}")
-    common = {
-        "config": config,
-        "source": source,
-        "sample_size": spec.sample_size,
-        "batch_sizes": batch_sizes,
-        "steps": args.steps,
-        **regime.as_dict(),
-        "device": device,
-        "context_length": args.context_length,
-        "world_size": args.world_size,
-    }
+    common = {"config": config, "source": source, "sample_size": spec.sample_size, "batch_sizes": batch_sizes,
+              "steps": args.steps, **regime.as_dict(), "device": device, "context_length": args.context_length,
+              "world_size": args.world_size}  # fmt: skip
     timeline = timeline_policies(args.timeline, policies)
     jobs = [
         Job(
@@ -248,8 +240,7 @@ def _check_world(world_size: int, frameworks: tuple[str, ...], device: str) -> s
 
 
 def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list[Event]]) -> list[list[Event]]:
-    """Run the jobs one after another (never side by side: they would share the cores), each job's
-    events appended to ``results`` as they come (so an interrupted run keeps its rows)."""
+    """Run the jobs one after another (they would share the cores), events appended to ``results`` as they come."""
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
     with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
         tasks = [progress.add_task(job.framework, total=len(job.rows())) for job in jobs]
@@ -260,9 +251,8 @@ def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list
             def on_event(event: Event, task: Any = task, job: Job = job, events: list[Event] = events) -> None:
                 events.append(event)
                 if event["event"] == "start":
-                    progress.update(
-                        task, description=f"{job.framework}: {event['policy']} @ batch {event['batch_size']}"
-                    )
+                    row = f"{event['policy']} @ batch {event['batch_size']}"
+                    progress.update(task, description=f"{job.framework}: {row}")
                 elif event["event"] == "row":
                     progress.update(task, advance=1, description=f"{job.framework}: last {event['status']}")
 
@@ -273,9 +263,8 @@ def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list
     return results
 
 
-def build_document(
-    jobs: list[Job], results: list[list[Event]], clock: tuple[float, float | None, float], device: str
-) -> dict:
+def build_document(jobs: list[Job], results: list[list[Event]], clock: tuple[float, float | None, float], device: str
+                   ) -> dict:  # fmt: skip
     """The JSON document: top-level config, device (``device``: the one asked for), versions, rows and timelines."""
     events = [e for evs in results for e in evs]
     row_events = [e for e in events if e["event"] == "row"]
@@ -285,36 +274,26 @@ def build_document(
     return {
         "config": {"name": spec.name, "source": jobs[0].config, "spec": spec.model_dump(mode="json")},
         "device": {"requested": device, **{fw: env["device"] for fw, env in envs.items()}},
-        "versions": {
-            "python": platform.python_version(),
-            **{k: v for e in envs.values() for k, v in e["versions"].items()},
-        },
+        "versions": {"python": platform.python_version(),
+                     **{k: v for e in envs.values() for k, v in e["versions"].items()}},
         "git_sha": git_sha(),
         "dtype": jobs[0].regime.compute_dtype or "float32",
         "regime": jobs[0].regime.as_dict(),
         "settings": {k: v for k, v in asdict(jobs[0]).items() if k not in ("framework", "done", "policies")}
-        | {
-            "policies": {job.framework: list(job.policies) for job in jobs},
-            "attention_chunk": jax.attention_chunk if jax else None,
-            "jax_cache": jax.jax_cache if jax else None,
-        },
+        | {"policies": {job.framework: list(job.policies) for job in jobs},
+           "attention_chunk": jax.attention_chunk if jax else None, "jax_cache": jax.jax_cache if jax else None},
         "xla_flags": envs["jax"]["xla_flags"] if "jax" in envs else None,
         "methods": report.methods(rows),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "wall_s": {
-            "total": round(time.perf_counter() - clock[0], 1),
-            **{e["framework"]: round(e["seconds"], 1) for e in events if e["event"] == "wall"},
-        },
+        "wall_s": {"total": round(time.perf_counter() - clock[0], 1),
+                   **{e["framework"]: round(e["seconds"], 1) for e in events if e["event"] == "wall"}},
         # Other work on a shared machine skews times: the share of the cores it took during the run.
         "other_cpu_share": other_cpu_share(clock, cpu_snapshot()),
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "rows": rows,
-        "timelines": [
-            {"framework": e["framework"], "policy": e["policy"], "batch_size": e["batch_size"], **e["timeline"]}
-            for e in row_events
-            if e.get("timeline")
-        ],
-    }
+        "timelines": [{"framework": e["framework"], "policy": e["policy"], "batch_size": e["batch_size"],
+                       **e["timeline"]} for e in row_events if e.get("timeline")],
+    }  # fmt: skip
 
 
 def write_outputs(document: dict[str, Any], out: Path) -> list[Path]:
@@ -360,12 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         show(console, document, args.wide)
         for path in write_outputs(document, args.out):
             console.print(f"wrote {path}")
-    errors = [r for r in document["rows"] if r["status"] == "error"]
+    errors = [r["error"] for r in document["rows"] if r["status"] == "error"]
     if errors:
-        first = errors[0]["error"]
-        print(f"python -m benchmarks.compare: error: {len(errors)} row(s) failed, first: {first}", file=sys.stderr)
-        return 1
-    return 0
+        print(f"python -m benchmarks.compare: error: {len(errors)} row(s) failed, first: {errors[0]}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks import cards
 from benchmarks.reports.report import atomic_write, write_json
-from shared_configs.cli import OneLineParser, cli_errors, positive_int, stopping
+from shared_configs.cli import OneLineParser, cli_errors, number_list, stopping
 from shared_configs.planning import gpu
 from shared_configs.planning.budget import assignment_of
 from shared_configs.planning.planner import Workload, plan, predict_policy, progress
@@ -74,15 +74,10 @@ def row(config: str, batch: int, regime_name: str, budgets_gib: tuple[float, ...
     """One line of the table: ``config`` at its own sample size, ``batch``, the named regime."""
     workload = Workload.of(config, batch_size=batch, regime=REGIMES[regime_name], shapes=True)
     none = _entry(workload, "none", device)
-    return {
-        "config": config,
-        "sample_size": workload.spec.sample_size,
-        "batch_size": batch,
-        "regime": regime_name,
-        "none": none,
-        "diffusers_style": _entry(workload, DIFFUSERS_STYLE, device),
-        "plans": {f"{gib:g}": _planned(workload, int(gib * GIB), none["peak_bytes"]) for gib in budgets_gib},
-    }
+    style = _entry(workload, DIFFUSERS_STYLE, device)
+    plans = {f"{gib:g}": _planned(workload, int(gib * GIB), none["peak_bytes"]) for gib in budgets_gib}
+    return {"config": config, "sample_size": workload.spec.sample_size, "batch_size": batch, "regime": regime_name,
+            "none": none, "diffusers_style": style, "plans": plans}
 
 
 def _gib(entry: dict[str, Any]) -> str:
@@ -103,8 +98,7 @@ def _on_gpu(entry: dict[str, Any], device: str) -> str:
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    """The table: peaks in GiB, costs as predicted step-time overhead over the plain step; with a
-    GPU flavour, its allocated / nvidia-smi peaks of none and diffusers-style."""
+    """The table: peaks in GiB, costs as predicted overhead; on a GPU, allocated / nvidia-smi peaks too."""
     budgets, device = list(doc["budgets_gib"]), doc.get("device", "cpu")
     gpu_head = [f"{device}: none GiB (allocated / device)", f"{device}: diffusers-style GiB"] * (device != "cpu")
     head = ["config", "batch", "regime", "none GiB", "diffusers-style GiB (cost)", *gpu_head,
@@ -118,6 +112,9 @@ def markdown(doc: dict[str, Any]) -> str:
                  f"{_gib(ds)} ({100 * ds['overhead']:+.0f}%)", *on_gpu, *plans]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + doc["method"] + "\n"
+
+
+_ints, _floats = number_list(int, "positive integers"), number_list(float, "positive numbers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,24 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("estimates"),
                    help="folder for estimates.json and .md (cards.json and .md with --gpu-gib)")  # fmt: skip
     return p
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [positive_int(x) for x in text.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
-    return values
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or not all(0 < v < float("inf") for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas, got {text!r}")
-    return values
 
 
 def _names(allowed: dict[str, Any] | None) -> Any:
@@ -211,11 +190,12 @@ class Table:
     def document(self, rows: list[dict[str, Any]], seconds: float, cases: int) -> dict[str, Any]:
         """The JSON: ``complete`` false (and ``rows`` of ``cases``) until the last row is in."""
         head = {"complete": len(rows) == cases, "cases": cases, "device": self.device}
+        tail = {"rows": rows, "seconds": round(seconds, 1)}
         if self.cards_gib:
             method = cards.method(self.device, self.batches, self.step)
-            return head | {"cards_gib": self.cards_gib, "rows": rows, "seconds": round(seconds, 1), "method": method}
+            return head | {"cards_gib": self.cards_gib} | tail | {"method": method}
         method = METHOD + (GPU_METHOD.format(device=self.device) if self.device != "cpu" else "")
-        return head | {"budgets_gib": self.budgets_gib, "rows": rows, "seconds": round(seconds, 1), "method": method}
+        return head | {"budgets_gib": self.budgets_gib} | tail | {"method": method}
 
 
 def _kept(out: Path, name: str, rows: int, cases: int) -> str:

@@ -29,8 +29,7 @@ def sizes(work: Workload) -> tuple[int, int]:
 
 
 def guarded_run(spec: UNetSpec, batch_size: int, steps: int, device: str, shapes: bool = False) -> dict[str, Any]:
-    """Train ``spec`` for ``steps`` guarded steps (AdamW, one warm-up step first) holding the extra
-    buffer; returns the budget, the extra and the guard's history (`GuardRecord`s as dicts)."""
+    """Train ``spec`` for ``steps`` guarded steps holding the extra buffer; the budget, extra and history."""
     import torch
     import torch.nn.functional as F
 

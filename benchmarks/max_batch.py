@@ -51,11 +51,8 @@ def measure(jobs: list[Job], console: Console, verbose: bool, events: list[list[
 
 
 def fit(rows: list[dict[str, Any]]) -> tuple[float, float] | None:
-    """(fixed bytes, bytes per sample): the line through the two largest batches measured.
-
-    Local, not least squares over all: small batches can cost more per sample (kernel workspaces),
-    and a line through them would keep undershooting far away.
-    """
+    """(fixed bytes, bytes per sample): the line through the two largest batches measured (not least
+    squares over all: small batches can cost more per sample, kernel workspaces)."""
     points = sorted({(r["batch_size"], r["peak_bytes"]) for r in rows if r["status"] == "ok"})[-2:]
     if len(points) < 2:
         return None
@@ -127,15 +124,9 @@ def table(results: list[dict[str, Any]], budget: float) -> Table:
     nones = {r["framework"]: r["largest_batch"] for r in results if r["policy"] == "none"}
     for r in results:
         best, base = r["largest_batch"], nones.get(r["framework"])
-        t.add_row(
-            r["framework"],
-            r["policy"],
-            "-" if best is None else f"{best}{'' if r['bracketed'] else ' (not bracketed)'}",
-            f"{best / base:.2f}x" if best and base else "-",
-            "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / MIB:,.1f}",
-            "-" if r["bytes_per_sample"] is None else f"{r['bytes_per_sample'] / MIB:,.1f}",
-            "-" if r["fixed_bytes"] is None else f"{r['fixed_bytes'] / MIB:,.1f}",
-        )
+        mib = ["-" if r[k] is None else f"{r[k] / MIB:,.1f}" for k in ("peak_bytes", "bytes_per_sample", "fixed_bytes")]
+        shown = "-" if best is None else f"{best}{'' if r['bracketed'] else ' (not bracketed)'}"
+        t.add_row(r["framework"], r["policy"], shown, f"{best / base:.2f}x" if best and base else "-", *mib)
     return t
 
 
@@ -143,11 +134,9 @@ def check_budget(budget: float, job: Job) -> None:
     """Refuse (SpecError) a budget no batch can fit: at or below the static floor."""
     floor = static_floor(job)
     if budget <= floor["floor_bytes"]:
-        raise SpecError(
-            f"--budget-mib: {budget / MIB:,.1f} MiB is not above the floor of {floor['floor_bytes'] / MIB:,.1f} MiB "
-            f"that every step holds ({floor['param_count']:,} float32 parameters and their AdamW state); "
-            "a budget must exceed it"
-        )
+        raise SpecError(f"--budget-mib: {budget / MIB:,.1f} MiB is not above the floor of "
+                        f"{floor['floor_bytes'] / MIB:,.1f} MiB that every step holds ({floor['param_count']:,} "
+                        "float32 parameters and their AdamW state); a budget must exceed it")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

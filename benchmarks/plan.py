@@ -28,6 +28,7 @@ from shared_configs.cli import (
     cli_errors,
     config_help,
     nonnegative,
+    number_list,
     positive_float,
     positive_int,
     positive_mib,
@@ -65,14 +66,7 @@ CANDIDATES_HELP = (
 )
 
 
-def _ratios(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(0 < v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected ratios in (0, 1] separated by commas, got {text!r}")
-    return values
+_ratios = number_list(float, "ratios in (0, 1]", lambda v: 0 < v <= 1, skip_blank=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,23 +175,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workl
                         "allocator), for a plan or --policy; not with --framework jax or --sweep")  # fmt: skip
     source = ("diffusers", args.diffusers) if args.diffusers else ("spec", args.config)
     workload = Workload.of(
-        load_benchmark_spec(source[1], None, source[0]),
-        args.sample_size,
-        controlnet=args.controlnet,
-        batch_size=args.batch_size,
-        context_length=args.context_length,
-        attention_chunk=resolve_chunk(args.attention_chunk, DEVICE),
-        shapes=args.shapes,
-        flops_per_s=args.flops_per_s,
-        bytes_per_s=args.bytes_per_s,
+        load_benchmark_spec(source[1], None, source[0]), args.sample_size, controlnet=args.controlnet,
+        batch_size=args.batch_size, context_length=args.context_length,
+        attention_chunk=resolve_chunk(args.attention_chunk, DEVICE), shapes=args.shapes,
+        flops_per_s=args.flops_per_s, bytes_per_s=args.bytes_per_s,
         regime=Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads),
-        device=args.device,
-        with_encoders=args.with_encoders,
-        cached_latents=args.cached_latents,
-        train_text_encoder=args.train_text_encoder,
-        unfused_attention=args.unfused_attention,
+        device=args.device, with_encoders=args.with_encoders, cached_latents=args.cached_latents,
+        train_text_encoder=args.train_text_encoder, unfused_attention=args.unfused_attention,
         encoder_configs=pipeline_configs(args.diffusers) if args.diffusers else None,
-    )
+    )  # fmt: skip
     count = (VERIFY_CANDIDATES if args.verify else 0) if args.candidates is None else args.candidates
     question = Question(args.framework, args.world_size, args.distributed, args.policy, args.budget_mib, count,
                         args.rounds, args.verify, args.steps)  # fmt: skip
@@ -205,9 +191,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workl
 
 
 def plan_document(q: Question, workload: Workload) -> dict[str, Any]:
-    """The --json document: the plan, the budget, per framework the predictions (and measurements),
-    the measured candidates (--candidates). With ``--policy``: that policy's, and no budget, margin
-    or solver time (null)."""
+    """The --json document: the plan (``--policy``'s: no budget, margin or solver time), per framework the
+    predictions (and measurements), the measured candidates."""
     report = None
     if q.policy is not None:
         sol, profiles = predict_policy(workload, q.policy, q.framework, q.world_size, q.distributed)
@@ -218,10 +203,8 @@ def plan_document(q: Question, workload: Workload) -> dict[str, Any]:
         sol, profiles, margin, solve_s, report = (found.solution, found.profiles, found.margin, found.solve_seconds,
                                                   found.candidates)  # fmt: skip
     frameworks = frameworks_of(q.framework)
-    per_fw = {
-        fw: _framework_entry(q, workload, fw, profile, pred, sol.policy, report)
-        for fw, profile, pred in zip(frameworks, profiles, sol.predictions, strict=True)
-    }
+    per_fw = {fw: _framework_entry(q, workload, fw, profile, pred, sol.policy, report)
+              for fw, profile, pred in zip(frameworks, profiles, sol.predictions, strict=True)}  # fmt: skip
     doc = {"plan": sol.policy, "budget_bytes": budget, "frameworks": per_fw, "settings": workload.used(frameworks),
            "regime": workload.regime.as_dict()}  # fmt: skip
     if report is not None:
@@ -230,28 +213,17 @@ def plan_document(q: Question, workload: Workload) -> dict[str, Any]:
     return doc | {"margin": margin, "solve_seconds": solve_s} | ranks
 
 
-def _framework_entry(
-    q: Question,
-    workload: Workload,
-    fw: str,
-    profile: Profile,
-    pred: Prediction,
-    policy: str,
-    report: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """One framework's predictions of ``policy`` (and, with --verify, its measurement beside none's:
-    the candidates' race's, when ``report`` chose it)."""
+def _framework_entry(q: Question, workload: Workload, fw: str, profile: Profile, pred: Prediction, policy: str,
+                     report: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    """One framework's predictions of ``policy``, with --verify measured beside none (or the race's)."""
+    timed = "measured" if profile.mode == "measured" else (
+        f"estimated: FLOPs at {profile.flops_per_s:.3g} FLOP/s + elementwise bytes at {workload.bytes_per_s:.3g} B/s")
     entry: dict[str, Any] = {
-        "predicted_peak_bytes": pred.peak_bytes,
-        "predicted_overhead": pred.overhead(profile),
-        "recompute_flops": pred.flops,
-        "peak_at": pred.peak_unit,
+        "predicted_peak_bytes": pred.peak_bytes, "predicted_overhead": pred.overhead(profile),
+        "recompute_flops": pred.flops, "peak_at": pred.peak_unit,
         "reference_peak_bytes": plan_text.references(profile, workload),  # none's and full's, to read it against
-        "time_method": "measured"
-        if profile.mode == "measured"
-        else f"estimated: FLOPs at {profile.flops_per_s:.3g} FLOP/s + elementwise bytes at "
-        f"{workload.bytes_per_s:.3g} B/s",
-    }
+        "time_method": timed,
+    }  # fmt: skip
     if profile.meta.get("modelled"):  # a part not measured (adamw8bit's state): said beside the figure
         entry["modelled"] = profile.meta["modelled"]
     if workload.device != "cpu" and fw == "torch":  # the profile is the card's: its readings from the U-Net's own
@@ -290,13 +262,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"settings {workload.used(frameworks_of(args.framework))}")
         if args.sweep is not None:
             frameworks = frameworks_of(args.framework)
-            doc = plan_sweep.sweep(
-                workload, frameworks, args.budgets, args.verify, args.steps, args.torch_compile, args.random_plans
-            )
-            print(plan_sweep.table(doc))
-            print(plan_sweep.errors(doc))
-            print(plan_sweep.against_balanced(doc))
-            print(plan_sweep.against_hand(doc))
+            doc = plan_sweep.sweep(workload, frameworks, args.budgets, args.verify, args.steps, args.torch_compile,
+                                   args.random_plans)  # fmt: skip
+            for part in (plan_sweep.table, plan_sweep.errors, plan_sweep.against_balanced, plan_sweep.against_hand):
+                print(part(doc))
             for fw, data in doc["frameworks"].items():
                 print(f"{fw}: MiB freed per recompute-second\n" + plan_sweep.efficiency_table(data["efficiency"]))
             print("wrote", ", ".join(map(str, plan_sweep.write(doc, args.sweep))))
@@ -310,9 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.efficiency:
             for fw in frameworks_of(args.framework):
-                print(
-                    f"{fw}:\n" + plan_sweep.efficiency_table(plan_sweep.efficiency(get_profile(fw, workload), workload))
-                )
+                rows = plan_sweep.efficiency(get_profile(fw, workload), workload)
+                print(f"{fw}:\n" + plan_sweep.efficiency_table(rows))
         doc = plan_document(question, workload)
         print(plan_text.render(doc, workload))
         if args.json is not None:

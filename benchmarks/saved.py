@@ -53,8 +53,7 @@ def summarize(rows: list[Saved], blocks: list[str]) -> dict[str, Any]:
 
 
 def torch_saved(config: str, policy: str, batch_size: int, context_length: int, chunk: int | None) -> list[Saved]:
-    """Run one forward + backward of the torch U-Net under ``policy``; what was kept for backward
-    (``chunk`` is JAX's: torch's SDPA attention has none)."""
+    """What the torch U-Net keeps for backward under ``policy`` (``chunk``: JAX's only)."""
     import torch
 
     from benchmarks.backends.saved_torch import collect
@@ -64,8 +63,7 @@ def torch_saved(config: str, policy: str, batch_size: int, context_length: int, 
 
 
 def jax_saved(config: str, policy: str, batch_size: int, context_length: int, chunk: int | None) -> list[Saved]:
-    """The residuals of the Flax U-Net's loss under ``policy`` (arguments left out), its attention
-    ``chunk`` queries at a time (None: unchunked)."""
+    """The residuals of the Flax U-Net's loss under ``policy`` (arguments left out)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -139,8 +137,7 @@ COLLECTORS: dict[str, Callable[..., list[Saved]]] = {"torch": torch_saved, "jax"
 
 def inspect_policy(config: str, policy: str, frameworks: list[str], batch_size: int, block: str | None,
                    context_length: int = DEFAULTS.context_length, chunk: int | str | None = AUTO) -> dict:  # fmt: skip
-    """The JSON document: per framework the rows, per-block summary and totals; blocks that differ.
-    ``context_length`` tokens of context; JAX's attention ``chunk`` ("auto": the device's default)."""
+    """The JSON document: per framework the rows, per-block summary and totals; blocks that differ."""
     spec = load_spec(config)
     plan = resolve_plan(spec, policy)
     blocks = block_names(spec)

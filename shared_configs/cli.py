@@ -67,6 +67,23 @@ def nonnegative(kind: type, unit: str = "") -> Callable[[str], Number]:
     return _number(kind, 0, inclusive=True, unit=unit)
 
 
+def number_list(kind: type, what: str, ok: Callable[[Number], bool] = lambda v: 0 < v < math.inf,
+                skip_blank: bool = False) -> Callable[[str], list[Number]]:  # fmt: skip
+    """An argparse ``type``: ``kind`` values separated by commas, each ``ok`` (by default finite and > 0),
+    else the error "expected ``what`` separated by commas"; ``skip_blank``: empty items are left out."""
+
+    def parse(text: str) -> list[Number]:
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip() or not skip_blank]
+        except ValueError:
+            values = []
+        if not values or not all(ok(v) for v in values):
+            raise argparse.ArgumentTypeError(f"expected {what} separated by commas, got {text!r}")
+        return values
+
+    return parse
+
+
 positive_int = positive(int)  # an integer >= 1
 positive_float = positive(float)  # a finite number > 0
 positive_mib = positive(float, " of MiB")  # a finite number of MiB above zero

@@ -26,8 +26,7 @@ BASE = torch_bench  # the worker takes what this module does not define from the
 
 
 class DiffusersForward(torch.nn.Module):
-    """Calls a diffusers U-Net as ``model(x, t, context, class_labels, text_embeds, time_ids)``, like
-    ours (parameters unchanged)."""
+    """Calls a diffusers U-Net as ours is called, ``model(x, t, context, class_labels, text_embeds, time_ids)``."""
 
     def __init__(self, unet: torch.nn.Module) -> None:
         super().__init__()

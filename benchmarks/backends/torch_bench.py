@@ -53,8 +53,7 @@ def one_row_per_process(device: torch.device) -> bool:
 
 
 def prepare(job: Job, device: torch.device) -> None:
-    """Join the ranks' process group (``--world-size``); a diffusers folder's weights are loaded
-    once first: if they do not fit, no row can run."""
+    """Join the ranks' process group; a diffusers folder's weights first: if they do not fit, no row can run."""
     torch_ranks.init(job)
     if job.source == "diffusers":
         our_unet(job, job_spec(job))

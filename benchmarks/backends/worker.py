@@ -50,8 +50,7 @@ class Backend(Protocol):
 
 
 def load_backend(framework: str) -> Backend:
-    """``benchmarks.backends.<framework>_bench``; a variant of another backend (its ``BASE``) takes from
-    that one what it does not define."""
+    """``<framework>_bench``; a variant (its ``BASE`` set) takes from that backend what it does not define."""
     module = importlib.import_module(f"benchmarks.backends.{framework}_bench")
     base = getattr(module, "BASE", None)
     return cast(Backend, module if base is None else SimpleNamespace(**(vars(base) | vars(module))))

@@ -1,8 +1,7 @@
 """``benchmarks.compare --compile``: the parent's side of the compiled rows (no torch import here).
 
-The rows themselves are measured by `benchmarks.backends.compiled_bench` (framework ``compiled``) in its own
-process, after the eager ``torch`` job. `comparison` puts each compiled row beside the eager row of
-the same plan, by the one instrument both have: the allocator's peak.
+The rows are measured by `benchmarks.backends.compiled_bench` (framework ``compiled``) in its own process;
+`comparison` puts each beside the eager row of the same plan, by the allocator's peak both have.
 """
 
 from __future__ import annotations
@@ -20,24 +19,17 @@ BUDGET = "budget@"  # the same prefix as benchmarks.backends.compiled_bench.BUDG
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch: also measure torch.compile(model) under each policy (framework 'compiled', beside the eager "
-        "rows; peak by the allocator, compile seconds apart); docs/compile.md",
-    )
-    p.add_argument(
-        "--compile-budget-at",
-        default="",
-        metavar="POLICIES",
-        help="with --compile: for each of these measured policies, a row 'budget@POLICY': no plan, torch.compile "
-        "with activation_memory_budget set to land at that plan's compiled saved bytes",
-    )
+    p.add_argument("--compile", action="store_true",
+                   help="torch: also measure torch.compile(model) under each policy (framework 'compiled', beside "
+                   "the eager rows; peak by the allocator, compile seconds apart); docs/compile.md")  # fmt: skip
+    p.add_argument("--compile-budget-at", default="", metavar="POLICIES",
+                   help="with --compile: for each of these measured policies, a row 'budget@POLICY': no plan, "
+                   "torch.compile with activation_memory_budget set to land at that plan's compiled saved "
+                   "bytes")  # fmt: skip
 
 
 def compiled_job(compile: bool, budget_at: str, torch_job: Job | None, policies: list[str]) -> Job | None:
-    """The compiled rows' job (None without ``compile``), with a row per policy of ``budget_at``
-    (``--compile-budget-at``); SpecError (one line) for what it cannot measure."""
+    """The compiled rows' job (None without ``compile``); SpecError for what it cannot measure."""
     targets = [p.strip() for p in budget_at.split(",") if p.strip()]
     if not compile:
         if targets:
@@ -63,12 +55,9 @@ def comparison(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     for row in (r for r in ok if r["framework"] == COMPILED):
         plain = eager.get((row["policy"], row["batch_size"]))
-        cells = [
-            f"{row['policy']} @ {row['batch_size']}:",
-            f"peak {_mib(plain, 'allocator_peak_bytes')} eager / {_mib(row, 'allocator_peak_bytes')} compiled MiB,",
-            f"step {_s(plain)} / {_s(row)} s,",
-            f"compile {row['compile_s']:.0f} s",
-        ]
+        peaks = f"{_mib(plain, 'allocator_peak_bytes')} eager / {_mib(row, 'allocator_peak_bytes')} compiled MiB"
+        cells = [f"{row['policy']} @ {row['batch_size']}:", f"peak {peaks},", f"step {_s(plain)} / {_s(row)} s,",
+                 f"compile {row['compile_s']:.0f} s"]  # fmt: skip
         if row["policy"].startswith(BUDGET):
             cells.append(f"(activation_memory_budget {row['activation_memory_budget']:.3f})")
         lines.append(" ".join(cells))

@@ -78,8 +78,7 @@ class Job:
 
 
 def load_benchmark_spec(config: str, sample_size: int | None, source: str = "spec") -> UNetSpec:
-    """The preset/file spec (or a diffusers folder's, for ``source="diffusers"``), with
-    ``sample_size`` overridden (and re-validated) when given."""
+    """The preset/file spec (or a diffusers folder's), ``sample_size`` overridden when given."""
     spec = load_spec(config) if source == "spec" else diffusers_spec(config)
     if sample_size is None or sample_size == spec.sample_size:
         return spec
@@ -126,8 +125,7 @@ def is_oom_message(message: str) -> bool:
 
 
 def one_line(err: BaseException, limit: int = 10_000) -> str:
-    """A one-line description of an exception: its message's lines joined (a state-dict error lists
-    the mismatched keys on the lines after the first), cut at ``limit`` characters."""
+    """An exception in one line: its message's lines joined, cut at ``limit`` characters."""
     text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip()).replace(":;", ":")
     line = f"{type(err).__name__}: {text}".strip()
     return line if len(line) <= limit else line[: limit - 5] + " ..."

@@ -47,8 +47,7 @@ def main(jobs: list[Job], budget_mib: float | None, out: Path, console: Any) -> 
 def check(
     frameworks: tuple[str, ...], world_size: int, device: str, other: bool, batch_sizes: list[int] | None
 ) -> None:
-    """Refuse, in one line, what the ControlNet step's benchmark does not measure (``other``:
-    --compile or --xla-default given)."""
+    """Refuse, in one line, what the ControlNet step's benchmark does not measure."""
     if DIFFUSERS in frameworks or world_size > 1 or device == "gpu" or other:
         raise SpecError("--controlnet: measures the torch and jax steps in one CPU process each; not with "
                         "--framework diffusers, --world-size, --device gpu, --compile or --xla-default")  # fmt: skip

@@ -52,8 +52,7 @@ def frontier(profile: Profile, workload: Workload, points: int = 24) -> list[dic
 
 
 def solve_times(profiles: list[Profile], workload: Workload, points: int = 12) -> dict[str, Any]:
-    """Seconds the solver takes at ``points + 1`` budgets from the smallest feasible to ``none``'s
-    predicted peak (one plan for all ``profiles``), and the size of the programme."""
+    """Seconds the solver takes at ``points + 1`` budgets from the smallest feasible to ``none``'s peak."""
     spec = workload.spec
     low = max(p.peak_bytes for p in smallest_peak(profiles, spec).predictions)
     high = max(predict(p, spec, {}).peak_bytes for p in profiles)

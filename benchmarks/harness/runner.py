@@ -47,8 +47,7 @@ def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbos
 
 
 def static_floor(job: Job) -> dict[str, int]:
-    """The least memory any step of ``job``'s model can need (see `benchmarks.backends.torch_bench.static_floor`),
-    from a short worker that builds the model on the meta device."""
+    """`benchmarks.backends.torch_bench.static_floor`, from a short worker."""
     done = workers.run({"kind": "floor", "backend": BACKEND, "job": job.to_json()}, worker_env(job))
     floor = next((e for e in done.events if e["event"] == "floor"), None)
     if floor is None:

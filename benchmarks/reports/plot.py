@@ -115,8 +115,7 @@ def _timeline_panel(ax: Any, record: dict[str, Any], top: float) -> None:
 
 
 def plot_timelines(records: list[dict[str, Any]], path: Path, title: str) -> bool:
-    """Write the timeline PNG (atomically): a row per framework, a panel per policy, the same
-    memory scale along a row; False when there is nothing to draw."""
+    """The timeline PNG: a row per framework, a panel per policy; False when there is nothing to draw."""
     if not records:
         return False
     frameworks = list(dict.fromkeys(r["framework"] for r in records))
@@ -151,8 +150,7 @@ def save_png(fig: Any, path: Path) -> bool:
 
 
 def plot(rows: list[Row], path: Path, title: str, unreliable: float | None = None) -> bool:
-    """Write the PNG (atomically); False when no row has both figures to plot. ``unreliable``: the
-    share of the cores other processes took, when the run judged its timings unreliable."""
+    """The Pareto PNG; False when no row has both figures. ``unreliable``: other processes' share."""
     rows = _plottable(rows)
     if not rows:
         return False

@@ -148,8 +148,7 @@ COMPACT: tuple[tuple[str, Callable[[Row], str]], ...] = (
 
 
 def _ranks_columns(shown: list, at: int, compact: bool = False) -> None:
-    """--world-size: per-rank figures (rank 0's peak and parts) and the largest peak over the ranks
-    (the compact table's title says how many ranks)."""
+    """--world-size: rank 0's peak and the largest peak over the ranks."""
     sep = "\n" if compact else " "
     ranks = [] if compact else [("ranks", lambda r: str(r["world_size"]))]
     shown[at : at + 1] = [*ranks, (f"rank 0{sep}peak MiB", shown[at][1]),
@@ -203,8 +202,7 @@ def errors(rows: list[Row]) -> list[str]:
 
 
 def regime(rows: list[Row]) -> list[str]:
-    """Per framework, how activation-dominated the workload is: at policy none's peak,
-    activations + temporaries against static memory (parameters + optimizer state)."""
+    """Per framework, at none's peak: activations + temporaries against static memory."""
     out = []
     for row in rows:
         base = row["policy"] == "none" and row["status"] == "ok"
@@ -252,8 +250,7 @@ def title(document: dict[str, Any]) -> str:
 
 
 def used(document: dict[str, Any]) -> str:
-    """The settings this run used, as `shared_configs.defaults.Defaults.describe` writes them (on the
-    JAX device when JAX ran: the attention chunk is resolved there)."""
+    """The settings this run used, as `shared_configs.defaults.Defaults.describe` writes them."""
     s, devices = document["settings"], document["device"]
     kind = devices.get("jax", next((d for fw, d in devices.items() if fw != "requested"), {"kind": "cpu"}))["kind"]
     fields = {k: s[k] for k in ("context_length", "steps", "jax_cache") if k in s}
@@ -270,8 +267,7 @@ def used(document: dict[str, Any]) -> str:
 
 
 def unreliable_share(document: dict[str, Any]) -> float | None:
-    """The share of the cores other processes took during the run, when it makes the run's step times
-    and ratios unreliable (over 10%: noise larger than the recompute costs here); else None."""
+    """Other processes' share of the cores, when over `UNRELIABLE_SHARE`; else None."""
     share = document.get("other_cpu_share")
     return share if share is not None and share > UNRELIABLE_SHARE else None
 
