@@ -14,8 +14,7 @@ from jax_impl.layers import Dense, Mask, group_norm, layer_norm, norm_act, proje
 
 
 class SimpleCrossAttention(nn.Module):
-    """diffusers' ``Attention`` with ``added_kv_proj_dim``: the GroupNorm'd tokens attend over the context's
-    keys/values (``add_k_proj``/``add_v_proj``) followed by their own; output projection, residual."""
+    """diffusers' ``Attention`` with ``added_kv_proj_dim``: tokens attend over the context's and their own keys."""
 
     ch: int
     heads: int

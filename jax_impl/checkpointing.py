@@ -20,8 +20,7 @@ from shared_configs.plan import CheckpointPlan
 
 M = TypeVar("M", bound=type[nn.Module])
 
-# Call arguments that select Python control flow rather than carry arrays. They must be passed
-# positionally: jax.checkpoint traces keyword arguments, and `not tracer` fails.
+# Call arguments that select Python control flow, passed positionally: jax.checkpoint traces keyword arguments.
 STATIC_ARGS: tuple[str, ...] = ("train",)
 OFFLOAD_ON_CPU = (
     "offload: on CPU the pinned host is the device's own memory; saving the named outputs in place "

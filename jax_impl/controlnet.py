@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jax_impl.layers import PAD_1, Conv, conv3x3
-from jax_impl.unet import PolicyArg, UNetTrunk
+from jax_impl.unet import PolicyArg, UNetTrunk, abstract_inputs
 from shared_configs import CheckpointPlan, UNetSpec
 from shared_configs.controlnet import (
     ControlNetSpec,
@@ -56,9 +56,8 @@ class ConditioningEmbedding(nn.Module):
 
 
 class ControlNet(UNetTrunk):
-    """ControlNet on NHWC input: ``apply(variables, sample, timestep, context, controlnet_cond, ...)`` returns
-    the NHWC ``(down_residuals, mid_residual)`` for ``jax_impl.UNet``'s additional residuals, in diffusers'
-    order. Attributes as `jax_impl.UNet`'s; ``policy`` names units as the U-Net's (``full``: down and mid)."""
+    """ControlNet on NHWC input: ``apply(variables, sample, timestep, context, controlnet_cond, ...)`` -> the NHWC
+    residuals for ``jax_impl.UNet``, in diffusers' order. Attributes and plan unit names as the U-Net's."""
 
     spec: ControlNetSpec
     policy: PolicyArg = None
@@ -116,8 +115,6 @@ class ControlNet(UNetTrunk):
 
 def abstract_controlnet_inputs(spec: ControlNetSpec, batch: int = 1) -> dict[str, jax.ShapeDtypeStruct | None]:
     """Shape structs of every input of ``spec``'s ControlNet (NHWC), by name, at the smallest sizes."""
-    from jax_impl.unet import abstract_inputs
-
     inputs = abstract_inputs(spec.unet, batch)
     size = inputs["x"].shape[1] * spec.conditioning_factor
     cond = jax.ShapeDtypeStruct((batch, size, size, spec.conditioning_channels), jnp.float32)
@@ -128,8 +125,7 @@ def abstract_controlnet_inputs(spec: ControlNetSpec, batch: int = 1) -> dict[str
 def controlnet_from_unet(
     unet_params: dict, spec: UNetSpec, rng: jax.Array | None = None, policy: PolicyArg = None, **options: object
 ) -> tuple[ControlNet, dict]:
-    """``(module, params)``: a ControlNet on ``spec`` with the U-Net's encoder parameters (diffusers'
-    ``from_unet``), the rest fresh from ``rng``. ``options``: the `ControlNetSpec` fields beside ``unet``."""
+    """``(module, params)``: a ControlNet on ``spec``, its encoder the U-Net's (``from_unet``); ``options``: spec's."""
     cspec = ControlNetSpec(name=f"{spec.name}_controlnet", unet=spec, **options)
     module = ControlNet(spec=cspec, policy=policy)
     shapes = abstract_controlnet_inputs(cspec)

@@ -106,8 +106,10 @@ def _split(state_dict: Mapping[str, Any], embeddings: frozenset[str] = frozenset
             stats[(*path, STATS_LEAVES[leaf])] = array
         elif leaf == "weight" and ".".join(path) in embeddings:
             params[(*path, EMBEDDING)] = array
-        else:
-            params[(*path, _flax_leaf(leaf, array.ndim))] = _to_layout(array, TO_FLAX)
+        elif leaf == "bias":
+            params[(*path, leaf)] = array
+        else:  # a norm's 1-D weight is Flax's scale
+            params[(*path, "scale" if array.ndim == 1 else "kernel")] = _to_layout(array, TO_FLAX)
     return params, stats
 
 
@@ -116,8 +118,7 @@ def _torch_name(modules: list[str]) -> str:
     return ".".join(_LIST_RE.sub(r"\1.\2", m) for m in modules)
 
 
-# peft's wrapping names: ``to_q.base_layer.weight`` is the plain ``to_q.weight``, ``lora_A.default``
-# the adapter named "default" (the one adapter this project adds).
+# peft's wrapping names: ``to_q.base_layer.weight`` is ``to_q.weight``; "default" names the one adapter added.
 PEFT_PARTS = ("base_layer", "default")
 
 
@@ -133,17 +134,10 @@ def _torch_path(key: str) -> list[str]:
     return [part for part in re.sub(r"\.(\d+)(?=\.|$)", r"_\1", key).split(".") if part not in PEFT_PARTS]
 
 
-def _flax_leaf(leaf: str, ndim: int) -> str:
-    if leaf == "bias":
-        return "bias"
-    return "scale" if ndim == 1 else "kernel"
-
-
 def _to_numpy(value: Any) -> np.ndarray:
     if hasattr(value, "detach"):  # a torch tensor; avoid importing torch for numpy input
         value = value.detach().cpu().float().numpy() if value.dtype.is_floating_point else value.numpy()
-    # A copy: `Tensor.numpy()` shares memory, and torch updates running statistics (and an
-    # optimiser the weights) in place, which would silently change the converted tree.
+    # A copy: `Tensor.numpy()` shares memory, and torch updates running statistics and weights in place.
     return np.array(value, copy=True)
 
 

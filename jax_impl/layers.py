@@ -24,8 +24,7 @@ from shared_configs.arch import ClassEmbeddingArgs, timestep_frequencies
 Array = jax.Array
 Mask = Array | None  # a context mask as a score bias (`mask_bias`)
 
-# Torch pads 3x3 convs by 1 on each side; Flax's "SAME" would agree at stride 1 but not at
-# stride 2 (it pads bottom/right only), so padding is always spelled out.
+# Torch pads 3x3 convs by 1 on each side; Flax's "SAME" pads bottom/right only at stride 2: padding is spelled out.
 PAD_1 = ((1, 1), (1, 1))
 PAD_0 = ((0, 0), (0, 0))
 
@@ -108,8 +107,8 @@ def _resample(x: Array, resample: str) -> Array:
 
 
 class ResnetBlock(nn.Module):
-    """Norm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip; with ``resample``
-    both paths are pooled / upsampled after the first norm. ``train`` is positional: `nn.remat` marks it static."""
+    """Norm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip; with ``resample`` both paths
+    are resampled after the first norm. ``train`` is positional: `nn.remat` marks it static."""
 
     in_ch: int
     out_ch: int
@@ -275,8 +274,7 @@ class Transformer2D(nn.Module):
     lora_rank: int | None = None  # LoRA adapters on every attention's q/k/v/out
 
     def setup(self) -> None:
-        # A 1x1 conv and a Dense compute the same map in NHWC, but torch keeps 4-D conv weights
-        # when linear_projection is off, and the parameter tree must mirror torch's.
+        # The same map in NHWC, but torch keeps 4-D conv weights without linear_projection: the tree mirrors them.
         project = Dense if self.linear_projection else conv1x1
         inner = self.heads * self.head_dim
         block = functools.partial(TransformerBlock, inner, self.heads, self.ln_eps, self.scale, self.context_dim)
@@ -327,6 +325,5 @@ def mask_bias(mask: Array | None, dtype: jnp.dtype) -> Array | None:
     return None if mask is None else ((1 - mask.astype(dtype)) * -10000.0)[:, None, None, :]
 
 
-# Attention kinds of the spec -> layer class; the same keys as in `torch_impl/layers.py` (the U-Net adds
-# ``simple_cross``, `jax_impl.added_layers.SimpleCrossAttention`).
+# Attention kinds of the spec -> layer class, with torch's keys (the U-Net adds ``simple_cross``).
 ATTENTION: dict[str, type[nn.Module]] = {"self": SelfAttention, "transformer": Transformer2D}

@@ -33,8 +33,7 @@ def group_norm(groups: int, eps: float) -> nn.GroupNorm:
 
 
 def batch_norm(eps: float, momentum: float) -> nn.BatchNorm:
-    # ``momentum`` is torch's (weight of the new batch); Flax's is the weight of the old average.
-    # Running statistics live in the "batch_stats" collection; train mode is chosen per call.
+    # ``momentum`` is torch's (the new batch's weight), Flax's the old average's; train mode is chosen per call.
     return nn.BatchNorm(momentum=1.0 - momentum, epsilon=eps, use_fast_variance=False)
 
 

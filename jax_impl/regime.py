@@ -25,8 +25,7 @@ from shared_configs.spec import SpecError
 DTYPES: dict[str | None, DTypeLike | None] = {
     None: None, "float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16
 }  # fmt: skip
-# fp16-mixed: the loss is scaled by this before the backward and the gradients back (a static scale;
-# a step whose gradients still overflow is skipped by `optax.apply_if_finite`).
+# fp16-mixed's static loss scale (a step whose gradients still overflow is skipped: `optax.apply_if_finite`).
 LOSS_SCALE = 2.0**12
 EMA_DECAY = 0.9999
 

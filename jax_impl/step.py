@@ -98,13 +98,10 @@ def loss_fn(
     params: Any, batch_stats: Any, model: UNet, batch: Arrays, dropout_key: jax.Array,
     compute_dtype: DTypeLike | None = None,
 ) -> tuple[jax.Array, Any]:  # fmt: skip
-    """MSE between the predicted and the true noise (dropout on, batch statistics), in float32, and the
-    updated batch_stats (under remat an output of the forward: they move once per step; never cast).
-
-    With ``compute_dtype`` the params and floating inputs are cast to it, so every conv and matmul runs in
-    that dtype; the gradients flow back through the casts as float32. The timesteps stay float32: bf16
-    would round t in [512, 1024) to multiples of 4 (the U-Net casts its sinusoids instead).
-    """
+    """MSE between the predicted and the true noise (dropout on, batch statistics) in float32, and the updated
+    batch_stats (under remat an output of the forward: they move once per step; never cast). ``compute_dtype``
+    casts the params and floating inputs (the gradients flow back as float32); the timesteps stay float32: bf16
+    would round t in [512, 1024) to multiples of 4 (the U-Net casts its sinusoids instead)."""
     noisy, t, noise, *conditioning = batch
     check_conditioning(model.resolved_spec, dict(zip(CONDITIONING, conditioning, strict=True)))  # at trace time
     context, class_labels, text_embeds, time_ids = conditioning
@@ -118,8 +115,7 @@ def loss_fn(
     return jnp.mean((pred.astype(jnp.float32) - noise) ** 2), updates.get("batch_stats", batch_stats)
 
 
-# The state is donated: the new params and optimizer state reuse its buffers (a step holds one copy
-# of each, not two). Do not use a state after passing it in; keep the one returned.
+# The state is donated (a step holds one copy of the params and optimizer state): keep the state returned.
 @functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype", "loss_scale"), donate_argnames=("state",))
 def train_step(
     state: TrainState, batch: Arrays, dropout_key: jax.Array, *, model: UNet, tx: optax.GradientTransformation,
@@ -137,8 +133,7 @@ def train_step(
 def apply_gradients(
     state: TrainState, tx: optax.GradientTransformation, loss_scale: float | None, loss: Callable[[Any], tuple]
 ) -> tuple[TrainState, jax.Array]:
-    """The optax update of ``state`` by the gradients of ``loss(params) -> (loss, batch_stats)``: the loss
-    multiplied by ``loss_scale`` before the backward, the gradients divided after; the EMA moved."""
+    """``state`` updated by the gradients of ``loss(params) -> (loss, batch_stats)``, scaled; the EMA moved."""
     scale = 1.0 if loss_scale is None else loss_scale
 
     def scaled(params: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
@@ -155,9 +150,8 @@ def apply_gradients(
 
 @dataclass(frozen=True)
 class Trainee:
-    """What a loop steps: ``model`` (a `UNet` or a `jax_impl.pair.ControlNetPair`), its jitted ``step(state,
-    *frozen, batch, key, *, model, tx, ...)``, what that step reads and never trains, and ``variables(state,
-    *frozen)``: what ``model.apply`` takes."""
+    """What a loop steps: ``model`` (a `UNet` or a `ControlNetPair`), its jitted ``step(state, *frozen, batch, key,
+    *, model, tx, ...)``, the arguments it reads and never trains, and what ``model.apply`` takes."""
 
     model: Any
     step: Any = train_step

@@ -133,8 +133,7 @@ class UNetTrunk(nn.Module):
         self, x: Array, temb: Array, context: Array | None, train: bool, hint: Array | None = None,
         mask: Array | None = None,
     ) -> tuple[Array, list[Array]]:  # fmt: skip
-        """``conv_in`` (plus ``hint``, the ControlNet's conditioning), down path, middle block: the middle
-        block's output and the skips in the order they were pushed. ``mask``: `jax_impl.layers.mask_bias`."""
+        """``conv_in`` (plus a ControlNet's ``hint``), down path, middle block: its output and the skips, as pushed."""
         h = self.conv_in(x)
         if hint is not None:
             h = h + hint
@@ -162,8 +161,7 @@ class UNetTrunk(nn.Module):
         """The embedding every ResNet receives: time, class, text_time and image conditioning, as diffusers."""
         s, dtype = self.trunk_spec, x.dtype
         t = jnp.broadcast_to(jnp.asarray(t), (x.shape[0],))
-        # The sinusoids are float32 whatever ``t`` is; in x's dtype (a no-op for float32), so that a
-        # bf16 forward stays bf16: float32 temb added to bf16 activations would promote the rest.
+        # The float32 sinusoids in x's dtype: a float32 temb added to bf16 activations would promote the rest.
         temb = self.time_embedding(self._sinusoids(t, s.block_out_channels[0]).astype(dtype), timestep_cond)
         if (ce := s.class_embedding) is not None:
             labels = class_labels

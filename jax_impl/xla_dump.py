@@ -20,8 +20,7 @@ _MODULE = re.compile(r"(down|up)_\d+|mid|resnets_\d+|attentions_\d+|downsample|u
 _TOP = re.compile(r"(down|up)_\d+|mid|conv_in|time_embedding|conv_norm_out|conv_out|" + _OWN)
 GLUE = {"conv_in": "stem", "time_embedding": "stem", "conv_norm_out": "head", "conv_out": "head",
         "controlnet_cond_embedding": "stem", "controlnet_mid_block": "head"}  # fmt: skip
-# The ControlNet step's two networks (`jax_impl.pair.ControlNetPair`): the ControlNet's units are
-# named with this prefix (`shared_configs.pair`), the U-Net's as they are.
+# The ControlNet step's two networks: the ControlNet's units carry this prefix (`shared_configs.pair`).
 _NETWORK = re.compile(r"controlnet|unet")
 
 
