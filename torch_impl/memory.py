@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch._C._profiler import _EventType
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed._tools.mod_tracker import ModTracker
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
@@ -32,6 +30,9 @@ from shared_configs.memory import CATEGORIES, OUTSIDE, block_of, timeline
 from shared_configs.planning.timeline import FWD, Timeline
 from shared_configs.planning.units import STEM
 from torch_impl.checkpointing import observe_saves
+
+if TYPE_CHECKING:
+    from torch.distributed._tools.mem_tracker import MemTracker
 
 TRACKER_METHOD = (
     "live tensor storages over the step (TorchDispatchMode), kinds as MemTracker's: made in the forward or a "
@@ -45,9 +46,18 @@ FSDP_METHOD = (
 _COMM_NAMESPACES = ("fsdp", "c10d", "_c10d_functional")
 
 
+class _NoDTensor:
+    """DTensor while ``torch.distributed.tensor`` is not imported (its import is long): no tensor is one."""
+
+
+def dtensor() -> type:
+    module = sys.modules.get("torch.distributed.tensor")
+    return _NoDTensor if module is None else module.DTensor
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: a DTensor's local shard, any other tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, dtensor()) else t
 
 
 def plain(t: torch.Tensor) -> list[torch.Tensor]:
@@ -123,7 +133,9 @@ class StepTracker(TorchDispatchMode):
         self._ended = 0  # events up to the exit
         self._input_bytes = input_bytes
         self._baseline = dict.fromkeys(CATEGORIES, 0) | {"input": input_bytes}
-        self._mods = ModTracker()
+        self._dtensor = dtensor()
+        # (torch.distributed._tools' import is long, and only `detail` reads the modules)
+        self._mods = _mod_tracker() if detail else None
         # The U-Net's blocks by module; the blocks running, innermost (forward) or latest reached
         # (backward) last. ModTracker's own `parents` set is unordered: in the backward it holds
         # several blocks at once (a block is left once all its inputs' gradients exist).
@@ -165,7 +177,7 @@ class StepTracker(TorchDispatchMode):
         """Storages read that no step made and none of the starting level holds: alive before the step."""
         for a in args:
             for t in a if isinstance(a, list | tuple) else (a,):
-                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                if isinstance(t, torch.Tensor) and not isinstance(t, self._dtensor):
                     for part in plain(t):
                         st = part.untyped_storage()
                         key = id(st)
@@ -211,7 +223,7 @@ class StepTracker(TorchDispatchMode):
         self._marks.append((len(self._events), unit, phase))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if DTensor in types:  # let DTensor run its local ops, which this mode sees (FSDP2's shards)
+        if self._dtensor in types:  # let DTensor run its local ops, which this mode sees (FSDP2's shards)
             return NotImplemented
         if self._reads:
             self._read(args)
@@ -338,6 +350,12 @@ class StepTracker(TorchDispatchMode):
         return Timeline(units, phases, starts, np.where(ends < 0, len(units) - 1, ends), sizes, static)
 
 
+def _mod_tracker() -> Any:
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    return ModTracker()
+
+
 @contextlib.contextmanager
 def step_peak(
     model: torch.nn.Module,
@@ -376,6 +394,8 @@ def memtracker(
     memory the step reads but torch does not allocate (tracked as MemTracker's "Other"), and other
     modules the step runs (frozen encoders), so that the peak is comparable with `step_peak`'s.
     """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     inputs = list(inputs)
     tracker = MemTracker()

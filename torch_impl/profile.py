@@ -40,7 +40,7 @@ from shared_configs.planning.budget import (
     uniform,
 )
 from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops, work
-from shared_configs.planning.stepclock import clock, fitted_rates, measured_rounds, round_robin, times
+from shared_configs.planning.stepclock import clock, cpu_split, fitted_rates, measured_rounds, round_robin, times
 from shared_configs.planning.timeline import BWD, FWD, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from shared_configs.progress import tracked
@@ -87,8 +87,8 @@ def hooks(model: UNet | ControlNetPair, opt: torch.optim.Optimizer, units: list[
 
 
 class ShapesOnly:
-    """``FakeTensorMode`` (the tensors of ``.fake``), in which a value read (``.item()``) reads 1:
-    Adafactor reads its step count and norms, which set scalars, not which tensors it makes."""
+    """``FakeTensorMode`` (the tensors of ``.fake``) with the CPU's answers where shapes alone differ
+    (`_AsCPU`)."""
 
     def __init__(self) -> None:
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -97,7 +97,7 @@ class ShapesOnly:
     def __enter__(self) -> ShapesOnly:
         stack = contextlib.ExitStack()
         stack.enter_context(self.fake)
-        stack.enter_context(_ValuesReadOne())
+        stack.enter_context(_AsCPU())
         self._stacks.append(stack)
         return self
 
@@ -105,11 +105,19 @@ class ShapesOnly:
         self._stacks.pop().__exit__(*exc)
 
 
-class _ValuesReadOne(TorchDispatchMode):
+class _AsCPU(TorchDispatchMode):
+    """A value read (``.item()``) reads 1: Adafactor reads its step count and norms, which set scalars,
+    not which tensors it makes. A reduced ``mse_loss`` holds the storage the CPU kernel's does: the
+    unreduced loss's, the mean written into it (the step keeps the loss to its end)."""
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default:
             return True if args[0].dtype == torch.bool else 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.mse_loss.default and out.dim() == 0:
+            numel = torch.broadcast_shapes(args[0].shape, args[1].shape).numel()
+            return out.new_empty(numel).resize_(())
+        return out
 
 
 def fake_regime(model: torch.nn.Module, regime: Regime, mode: ShapesOnly) -> torch.nn.Module:
@@ -235,15 +243,23 @@ def profile(
     regime: Regime = DEFAULT,
 ) -> dict:
     """The `shared_configs.planning.budget.Profile` fields of ``spec`` at ``batch_size`` trained in
-    ``regime`` (``repeats=0``: bytes only; adamw8bit: see `Regime.profiled`)."""
-    s = setup(spec, batch_size, context_length, shapes, regime.profiled)
+    ``regime`` (``repeats=0``: bytes only; adamw8bit: see `Regime.profiled`). Where fake tensors give
+    the real step's bytes (`fake_is_exact`), the runs not timed are traced on them."""
+    cpu = {"start": round(clock(), 2)}  # the process's own start and imports, before this request
+    timing, exact = not shapes and repeats > 0, fake_is_exact(regime.profiled)
+    with cpu_split(cpu, "setup"):
+        real = None if shapes or (exact and not timing) else setup(spec, batch_size, context_length, False,
+                                                                   regime.profiled)  # fmt: skip
+        fake = fake_setup(spec, batch_size, context_length, regime.profiled) if shapes or exact else None
     flops = unit_flops(spec, batch_size, context_length)
     units: dict[str, dict[str, Cost]] = {}
     runs: dict[str, Any] = {}
     opt_peak = 0
     assignments = [{} if choice == PLAIN else uniform(spec, choice, level) for choice, level in PROFILE_RUNS]
     named = tracked(zip(PROFILE_RUNS, assignments, strict=True), "memory runs", lambda run: " ".join(run[0]))
-    measured = [memory_run(s, a) for _, a in named]  # each also warms its plan up
+    with cpu_split(cpu, "memory"):  # a real run also warms its plan up for the timing
+        measured = [memory_run(real if real and (not exact or level == TIMED_LEVEL) else fake, a)
+                    for (_, level), a in named]  # fmt: skip
     for (choice, _), assignment, (costs, run_opt, peak) in zip(PROFILE_RUNS, assignments, measured, strict=True):
         runs[policy_string(assignment)] = {"peak_bytes": peak, "step_time_s": None}
         opt_peak = run_opt if choice == PLAIN else opt_peak
@@ -251,9 +267,13 @@ def profile(
             mine = assignment.get(unit, PLAIN)
             if mine == choice:
                 units.setdefault(unit, {})[mine] = replace(cost, flops=recompute_flops(flops[unit], mine))
-    timing = not shapes and repeats > 0
     plain_flops = step_flops(spec, batch_size, context_length, regime.profiled)
-    units, step_time, rates = priced(s, units, assignments, repeats, runs, plain_flops) if timing else (units, 0.0, {})
+    step_time, rates = 0.0, {}
+    with cpu_split(cpu, "timing"):
+        if timing and real is not None:
+            units, step_time, rates = priced(real, units, assignments, repeats, runs, plain_flops)
+    s = fake or real
+    assert s is not None
     return {
         "framework": "torch",
         "units": units,
@@ -263,7 +283,8 @@ def profile(
         "mode": "measured" if timing else "shapes",
         "meta": {
             "runs": runs,
-            "method": "live tensor-storage bytes filed by unit (module hooks) in torch_impl.train.train_step; "
+            "method": "live tensor-storage bytes filed by unit (module hooks) in torch_impl.train.train_step "
+            f"({'the runs not timed on fake tensors, the same bytes' if exact else 'every run real'}); "
             "recompute seconds: FLOPs and bytes no longer kept at the rates fitted to the per-layer runs' "
             "measured extras (each layer's forward + backward CPU seconds, single thread, minus the plain "
             "step's), the runs timed in turn",
@@ -272,9 +293,31 @@ def profile(
             "regime": regime.describe(),
             # torch's CPU default (foreach runs on CUDA only): shared_configs.planning.optimizer_step
             "optimizer_step": optimizer_step.describe(regime.profiled.optimizer, "per-parameter"),
+            "cpu_s": cpu,
             **modelled_state(s, regime),
         },
     }
+
+
+def fake_is_exact(regime: Regime) -> bool:
+    """Whether a traced step of fake tensors files the real step's bytes to the byte (float32, every
+    optimizer, LoRA, EMA, kept gradients, the ControlNet step: tests/test_profile_fake.py); under
+    autocast the real step holds cast copies the fake one does not."""
+    return regime.precision == "fp32"
+
+
+_fake: tuple[Any, dict[str, Any]] | None = None  # the last `fake_setup`, for the same worker's next request
+
+
+def fake_setup(spec: StepSpec, batch_size: int, context_length: int, regime: Regime) -> dict[str, Any]:
+    """`setup` on fake tensors, kept for the process's next request of the same workload (a kept
+    worker's peak check after its profile)."""
+    global _fake
+    key = (spec.model_dump_json(), batch_size, context_length, regime)
+    if _fake is None or _fake[0] != key:
+        _fake = None  # the old one's memory first
+        _fake = (key, setup(spec, batch_size, context_length, shapes=True, regime=regime))
+    return _fake[1]
 
 
 # The runs timed: the plain step and the per-layer plans, whose recomputed units are single layers
@@ -420,16 +463,19 @@ def peaks(
     spec: StepSpec, batch_size: int, policies: list[str], context_length: int = 77, regime: Regime = DEFAULT
 ) -> dict:
     """Per policy, `tracked_peak` (what `measure` reports) of a step of fake tensors: nothing is
-    allocated. Up to 0.04% under the real step's (64 KiB for every policy in float32, 160-400 KiB in
-    bf16-mixed, on `small` 32x32 b4; tested on tiny: tests/test_plan_model.py)."""
-    s = setup(spec, batch_size, context_length, shapes=True, regime=regime.profiled)
+    allocated. Float32: the real step's (`fake_is_exact`); mixed precision a little under it (160-400
+    KiB in bf16-mixed on `small` 32x32 b4; tested on tiny: tests/test_plan_model.py)."""
+    cpu: dict[str, float] = {}
+    with cpu_split(cpu, "setup"):
+        s = fake_setup(spec, batch_size, context_length, regime.profiled)
     delta = modelled_state(s, regime).get("modelled_state_bytes", 0)
     out = {}
-    for policy in policies:
-        s["model"].enable_gradient_checkpointing(policy)
-        with s["mode"]:
-            out[policy] = tracked_peak(s) + delta
-    return {"peaks": out}
+    with cpu_split(cpu, "steps"):
+        for policy in policies:
+            s["model"].enable_gradient_checkpointing(policy)
+            with s["mode"]:
+                out[policy] = tracked_peak(s) + delta
+    return {"peaks": out, "cpu_s": cpu}
 
 
 def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
@@ -481,4 +527,3 @@ def measure_compiled(
     functorch_config.activation_memory_budget = 1.0
     return {"framework": "torch", "rows": rows, "method": "torch.compile(model) + activation_memory_budget; "
             "allocator-level peak (torch.profiler memory events) around train_step"}  # fmt: skip
-

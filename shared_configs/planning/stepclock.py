@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -21,10 +22,20 @@ import numpy as np
 from shared_configs.planning.paired import paired, paired_text
 from shared_configs.progress import tracked
 
-__all__ = ["clock", "contenders", "fitted_rates", "in_turn", "measured_rounds", "paired", "paired_text", "race",
-           "round_robin", "times"]  # fmt: skip
+__all__ = ["clock", "contenders", "cpu_split", "fitted_rates", "in_turn", "measured_rounds", "paired", "paired_text",
+           "race", "round_robin", "times"]  # fmt: skip
 
 clock = time.process_time
+
+
+@contextmanager
+def cpu_split(into: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the block's CPU seconds to ``into[phase]``: a worker's time split (a profile's ``meta.cpu_s``)."""
+    start = clock()
+    try:
+        yield
+    finally:
+        into[phase] = round(into.get(phase, 0.0) + clock() - start, 2)
 
 
 def in_turn(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:

@@ -5,25 +5,27 @@ its framework is imported (`worker_env`; XLA's flags), one framework per process
 one process skew each other's memory and time. It answers through event lines on stdout (`emit`):
 ``result`` for the planner's kinds (its framework's `BACKENDS` module answers), any other event for
 a request naming its own ``backend`` module (the benchmark's rows, docs/benchmark.md); its progress
-goes to stderr (`shared_configs.progress`). `run` is the parent's side.
+goes to stderr (`shared_configs.progress`). `run` is the parent's side; inside `kept_alive` a
+plan's profile and peak check share one worker per framework (``--serve``: requests on stdin).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from shared_configs.cli import BenchmarkError
 from shared_configs.pair import workload_spec
-from shared_configs.processes import worker_group
+from shared_configs.processes import stop_group, worker_group
 from shared_configs.progress import MARK, Relay, worker_logging
 from shared_configs.regime import Regime
 
@@ -31,6 +33,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = {"torch": "torch_impl.profile", "jax": "jax_impl.profile"}  # the planner's measuring half
 ENCODERS = "torch_impl.encoders"  # the models beside the U-Net, from shapes (torch only)
 PLANNER_KINDS = ("profile", "peaks", "measure", "encoders")
+KEPT_KINDS = ("profile", "peaks")  # what a kept worker answers (a measurement gets a fresh process)
+SERVE = "--serve"  # the worker's argument: answer requests read from stdin, one JSON line each
 EVENT_PREFIX = "@@bench "  # worker stdout lines carrying an event start with this
 # XLA:CPU drops remat's optimization barriers unless this pass is off (docs/remat_vs_checkpoint.md).
 XLA_CPU_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
@@ -109,15 +113,94 @@ def run(
 
 
 def run_worker(request: dict[str, Any]) -> dict[str, Any]:
-    """The planner's request (`planner.Workload.request`) answered in its framework's worker."""
+    """The planner's request (`planner.Workload.request`) answered in its framework's worker: the
+    kept one inside `kept_alive`, else a worker of its own."""
+    if _kept is not None and request["kind"] in KEPT_KINDS:
+        if request["framework"] not in _kept:
+            _kept[request["framework"]] = _Kept(request["framework"])
+        return _kept[request["framework"]].ask(request)
     relay = Relay(f"{request['framework']} {request['kind']}")  # its progress lines, logged here
     done = run(request, worker_env(request["framework"]), on_stderr=relay.feed)
     relay.close()
     result = next((e for e in done.events if e["event"] == "result"), None)
-    if done.returncode != 0 or result is None:
-        why = done.stderr_tail or f"exit {done.returncode}"
+    return _result(request, result, done.returncode, done.stderr_tail)
+
+
+def _result(request: dict[str, Any], result: Event | None, returncode: int | None, tail: str) -> dict[str, Any]:
+    if returncode or result is None:
+        why = tail or f"exit {returncode}"
         raise BenchmarkError(f"{request['framework']} planner worker failed: {why}")
     return {k: v for k, v in result.items() if k != "event"}
+
+
+_kept: dict[str, _Kept] | None = None  # framework -> its worker, while `kept_alive` is open
+
+
+@contextlib.contextmanager
+def kept_alive() -> Iterator[None]:
+    """In the block, each framework's profile and peaks requests go to one worker, started by the
+    first and kept to the block's end: the check reuses the profile's imports and set-up."""
+    global _kept
+    if _kept is not None:  # an outer block keeps them
+        yield
+        return
+    _kept = {}
+    try:
+        yield
+    except BaseException:
+        for worker in _kept.values():
+            stop_group(worker.proc)
+        raise
+    finally:
+        kept, _kept = _kept, None
+        for worker in kept.values():
+            worker.close()
+
+
+class _Kept:
+    """A ``--serve`` worker: one request at a time, its progress relayed for the request under way."""
+
+    def __init__(self, framework: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, SERVE], cwd=REPO_ROOT, env=worker_env(framework),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)  # fmt: skip
+        self.relay: Relay | None = None
+        self.said: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr or ():
+            if self.relay is not None:
+                self.relay.feed(line)
+            if line.strip() and not line.startswith(MARK):
+                self.said[-20:] = [*self.said[-19:], line.strip()]
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.relay = Relay(f"{request['framework']} {request['kind']}")
+        result = None
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            for line in self.proc.stdout:
+                event = json.loads(line[len(EVENT_PREFIX) :]) if line.startswith(EVENT_PREFIX) else {}
+                if event.get("event") == "result":
+                    result = event
+                    break
+        if result is None:  # it exited: its error is on stderr
+            self.proc.wait()
+            self.reader.join()
+        self.relay.close()
+        self.relay = None
+        return _result(request, result, self.proc.returncode, self.said[-1] if self.said else "")
+
+    def close(self) -> None:
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        self.proc.wait()
+        self.reader.join()
 
 
 # -- the worker's side ---------------------------------------------------------------------------
@@ -163,14 +246,25 @@ def answer(backend: Backend, request: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    request = json.loads(argv[0])
     worker_logging()  # progress as lines on stderr, for the parent's Relay
+    if argv[0] == SERVE:  # a kept worker: its framework's requests until stdin closes
+        backend = None
+        for line in sys.stdin:
+            request = json.loads(line)
+            backend = backend or _backend(request)
+            emit("result", **answer(backend, request))
+        return 0
+    request = json.loads(argv[0])
     if request["kind"] not in PLANNER_KINDS:
         return importlib.import_module(request["backend"]).serve(request)
+    emit("result", **answer(_backend(request), request))
+    return 0
+
+
+def _backend(request: dict[str, Any]) -> Backend:
     backend = importlib.import_module(BACKENDS[request["framework"]])
     backend.start_worker(request)
-    emit("result", **answer(backend, request))  # type: ignore[arg-type]
-    return 0
+    return backend  # type: ignore[return-value]
 
 
 if __name__ == "__main__":
