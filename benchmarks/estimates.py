@@ -4,7 +4,9 @@ Per preset (at its own sample size), batch and regime: the plain step's peak, di
 checkpointing's (`layers`), the planner's plan at each budget with its predicted time cost, and with
 ``--device cuda`` (the default) the GPU flavour (`shared_configs.planning.gpu`). Written as JSON and
 Markdown into ``--out``, the JSON after every row (atomically; ``complete`` false until the last).
-Profiles are cached, so a second run only solves. Method and table: docs/regimes.md.
+Profiles are cached, so a second run only solves. ``--gpu-gib``: the card table instead, per preset
+and regime the largest batch that fits each card, plain and with the cheapest plan solved against the
+card as ``nvidia-smi`` counts it. Method and tables: docs/regimes.md.
 """
 
 from __future__ import annotations
@@ -16,13 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cards
 from benchmarks.reports.report import atomic_write, write_json
 from shared_configs.cli import OneLineParser, cli_errors, number_list, stopping
-from shared_configs.planning import gpu
-from shared_configs.planning.budget import assignment_of
+from shared_configs.planning import gpu, whole
+from shared_configs.planning.budget import Profile, assignment_of, safety_margin
 from shared_configs.planning.planner import Workload, plan, predict_policy, progress
-from shared_configs.planning.solver import Infeasible
+from shared_configs.planning.solver import Infeasible, solve
 from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from shared_configs.units import MIB
@@ -114,6 +115,71 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n\n" + doc["method"] + "\n"
 
 
+def _reading(allocated: int, device: str) -> int:
+    """What the card's memory counts for an allocated peak (nvidia-smi), or the peak on the CPU."""
+    return allocated if device == "cpu" else round(allocated * gpu.FRAGMENTATION) + gpu.DEVICES[device].context
+
+
+def card_row(config: str, regime_name: str, regime: Regime, batches: list[int], cards_gib: list[float],
+             device: str, step: dict[str, bool]) -> dict[str, Any]:  # fmt: skip
+    """One line of the card table: per card, the largest batch that fits plain and with a plan."""
+    found: list[tuple[int, Workload, Profile, int]] = []
+    for batch in sorted(batches):
+        work = Workload.of(config, batch_size=batch, regime=regime, shapes=True, device=device, **step)
+        sol, (profile,) = predict_policy(work, "none", "torch")
+        found.append((batch, work, profile, sol.predictions[0].peak_bytes))
+    cards = {}
+    for gib in cards_gib:
+        budget = whole.device_budget(found[0][1], int(gib * GIB))
+        plain = [(b, peak) for b, _, _, peak in found if peak <= budget]
+        cell: dict[str, Any] = {"none": None, "plan": None}
+        if plain:
+            cell["none"] = {"batch": plain[-1][0], "device_bytes": _reading(plain[-1][1], device)}
+        for batch, work, profile, _ in reversed(found):
+            try:
+                sol = solve(profile, work.spec, budget, safety_margin(profile, work.spec))
+            except Infeasible:
+                continue
+            pred = sol.predictions[0]
+            cell["plan"] = {"batch": batch, "policy": sol.policy, "overhead": pred.overhead(profile),
+                            "device_bytes": _reading(pred.peak_bytes, device), "peak_at": pred.peak_unit}  # fmt: skip
+            break
+        cards[f"{gib:g}"] = cell
+    return {"config": config, "sample_size": found[0][1].spec.sample_size, "regime": regime_name, "cards": cards}
+
+
+def _card_cell(cell: dict[str, Any]) -> str:
+    none, plan = cell["none"], cell["plan"]
+    if plan is None:
+        return "none fits"
+    head = f"plain {none['batch']}" if none else "plain -"
+    if none and plan["batch"] == none["batch"]:
+        return head
+    return f"{head} · plan {plan['batch']} ({100 * plan['overhead']:+.0f}%)"
+
+
+def cards_markdown(doc: dict[str, Any]) -> str:
+    """Per card, "plain B · plan B' (+X%)": the largest batch with no checkpointing, and with the
+    cheapest plan that fits (its predicted step-time cost); "none fits": not even batch 1 planned."""
+    cards, device = doc["cards_gib"], doc["device"]
+    unit = "nvidia-smi GiB" if device != "cpu" else "GiB"
+    head = ["config", "regime", *(f"{g:g} {unit}" for g in cards)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in doc["rows"]:
+        cells = [f"{r['config']} {r['sample_size']}²", r["regime"], *(_card_cell(r["cards"][f"{g:g}"]) for g in cards)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + doc["method"] + "\n"
+
+
+def cards_method(device: str, batches: list[int], step: dict[str, bool]) -> str:
+    extra = [k.replace("_", "-") for k, v in step.items() if v]
+    listed = ",".join(map(str, batches))
+    return (f"Predicted by `python -m benchmarks.estimates --gpu-gib` from shapes at batches {listed}"
+            f" (device {device}{'; ' + ', '.join(extra) if extra else ''}): the largest of those batches whose "
+            "predicted peak fits each card, plain and with the cheapest plan solved against the card (cost: "
+            "recompute FLOPs at 100 TFLOP/s and elementwise bytes at 2 TB/s over the plain step).")  # fmt: skip
+
+
 _ints, _floats = number_list(int, "positive integers"), number_list(float, "positive numbers")
 
 
@@ -165,7 +231,7 @@ GPU_METHOD = (
 @dataclass(frozen=True)
 class Table:
     """The rows a run makes: per preset, batch and regime, the plans at ``budgets_gib``; with ``cards_gib``,
-    the card table per preset and regime (`benchmarks.cards`), the step with ``step``'s encoders."""
+    the card table per preset and regime (`card_row`), the step with ``step``'s encoders."""
 
     configs: list[str]
     batches: list[int]
@@ -183,7 +249,7 @@ class Table:
     def row(self, case: tuple[Any, ...]) -> dict[str, Any]:
         if self.cards_gib:
             config, regime = case
-            return cards.card_row(config, regime, REGIMES[regime], self.batches, self.cards_gib, self.device, self.step)
+            return card_row(config, regime, REGIMES[regime], self.batches, self.cards_gib, self.device, self.step)
         config, batch, regime = case
         return row(config, batch, regime, tuple(self.budgets_gib), self.device)
 
@@ -192,7 +258,7 @@ class Table:
         head = {"complete": len(rows) == cases, "cases": cases, "device": self.device}
         tail = {"rows": rows, "seconds": round(seconds, 1)}
         if self.cards_gib:
-            method = cards.method(self.device, self.batches, self.step)
+            method = cards_method(self.device, self.batches, self.step)
             return head | {"cards_gib": self.cards_gib} | tail | {"method": method}
         method = METHOD + (GPU_METHOD.format(device=self.device) if self.device != "cpu" else "")
         return head | {"budgets_gib": self.budgets_gib} | tail | {"method": method}
@@ -218,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with cli_errors("benchmarks.estimates"):
         args, table = parse_args(argv)
-        name, render = ("cards", cards.markdown) if args.gpu_gib else ("estimates", markdown)
+        name, render = ("cards", cards_markdown) if args.gpu_gib else ("estimates", markdown)
         cases = table.cases()
         try:
             start = time.perf_counter()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cards, estimates
+from benchmarks import estimates
 from shared_configs import load_spec
 from shared_configs.cli import Interrupted
 from shared_configs.planning import gpu, planner
@@ -119,7 +119,7 @@ def test_the_card_table_is_the_largest_batch_that_fits(tmp_path: Path, monkeypat
         profile.save(path)
         profiles[batch] = profile
     card_mib = 700
-    monkeypatch.setattr(cards, "GIB", MIB)  # tiny's figures are far below a GiB: cards in MiB here
+    monkeypatch.setattr(estimates, "GIB", MIB)  # tiny's figures are far below a GiB: cards in MiB here
     out = tmp_path / "out"
     argv = ["--config", "tiny", "--batches", "1,2", "--regimes", "fp32", "--device", "cuda", "--out", str(out)]
     assert estimates.main([*argv, "--gpu-gib", str(card_mib)]) == 0

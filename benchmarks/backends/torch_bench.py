@@ -4,26 +4,31 @@ A row trains `torch_impl.train.train_step`, the function a user's loop calls: a 
 `FlopCounterMode` (it also makes the optimizer state), one step under `torch_impl.profile.measure_step`
 (the planner's own measurement; on CPU with PyTorch's ``MemTracker`` as the check), then ``steps``
 timed, uninstrumented steps. FLOPs are counted apart from memory: `FlopCounterMode`'s module
-tracking keeps tensors inside checkpointed blocks alive, which would inflate their peak.
+tracking keeps tensors inside checkpointed blocks alive, which would inflate their peak. ``--world-size N``:
+N processes under torchrun (gloo), each sharded as ``--distributed fsdp`` trains and stepping on its slice
+of the global batch; rank 0 reports, with the largest peak over the ranks.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.backends import torch_ranks
 from benchmarks.harness.job import OPTIMIZER, Job, cpu_name, job_spec, policy_arg, timing_stats
 from shared_configs.regime import DEFAULT, LORA_TARGETS, Regime
+from shared_configs.training.data import example_batch
 from torch_impl import UNet
 from torch_impl.flops import register_cpu_attention_flops
-from torch_impl.memory import FSDP_METHOD, TRACKER_METHOD
+from torch_impl.memory import FSDP_METHOD, TRACKER_METHOD, state_tensors, storage_bytes
+from torch_impl.parallel import shard_blocks
 from torch_impl.profile import measure_step
 from torch_impl.regime import DIFFUSERS_LORA_TARGETS, apply_regime, make_optimizer, step_tools
 from torch_impl.train import train_step
@@ -54,7 +59,10 @@ def one_row_per_process(device: torch.device) -> bool:
 
 def prepare(job: Job, device: torch.device) -> None:
     """Join the ranks' process group; a diffusers folder's weights first: if they do not fit, no row can run."""
-    torch_ranks.init(job)
+    if job.world_size > 1 and not dist.is_initialized():
+        if (started := int(os.environ.get("WORLD_SIZE", "1"))) != job.world_size:
+            raise RuntimeError(f"world-size: the job asks for {job.world_size} processes, torchrun started {started}")
+        dist.init_process_group("gloo")
     if job.source == "diffusers":
         our_unet(job, job_spec(job))
 
@@ -128,9 +136,11 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
     spec = job_spec(job)
     # As the training loop orders them: the plan, the regime's adapters and casts, FSDP2 (--world-size),
     # then the optimizer over the shards.
-    model = torch_ranks.shard(job, in_regime(build(job, spec, policy), job.regime).to(device))
+    model = in_regime(build(job, spec, policy), job.regime).to(device)
+    model = shard_blocks(model) if job.world_size > 1 else model
     optimizer = make_optimizer(model, OPTIMIZER.lr, OPTIMIZER.weight_decay, job.regime)
-    batch = torch_ranks.rank_batch(spec, batch_size, job)
+    batch = example_batch(spec, job.world_size * batch_size, job.context_length)  # this rank's slice of it
+    batch = batch.shard(dist.get_rank(), job.world_size) if job.world_size > 1 else batch
     tools = step_tools(model, job.regime)
     step = functools.partial(train_step, model, optimizer, batch, tools=tools)
     held = [] if tools.ema is None else tools.ema.shadow
@@ -142,7 +152,7 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
     if not job.peak_only:
         row.update(timing_stats(timed_steps(step, device, job.steps)))
     row.update(
-        static_bytes=torch_ranks.static_bytes(model, optimizer),
+        static_bytes=storage_bytes(model.parameters()) + storage_bytes(state_tensors(optimizer)),  # this rank's
         param_count=sum(p.numel() for p in model.parameters()),  # a DTensor's numel is the whole parameter's
         first_step_s=first,  # under FlopCounterMode, so slower than a plain step
         compile_s=None,
@@ -151,7 +161,10 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
         saved_method="torch.autograd.graph.saved_tensors_hooks (distinct storages, params excluded)",
         check_method="PyTorch's own MemTracker (torch.distributed._tools.mem_tracker) watching the same step (CPU)",
     )
-    return torch_ranks.gather(job, row)
+    peaks = [row["peak_bytes"]] * job.world_size  # every rank's own step's
+    if job.world_size > 1:
+        dist.all_gather_object(peaks, row["peak_bytes"])
+    return row | {"world_size": job.world_size, "max_rank_peak_bytes": max(peaks)}
 
 
 def release(device: torch.device) -> None:
