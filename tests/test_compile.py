@@ -92,8 +92,8 @@ def test_compiled_context_is_a_partial_over_constants() -> None:
     from shared_configs import resolve_plan
 
     plan = resolve_plan(spec, "down.0,up.1;down.1,mid/save=conv+matmul/offload")
-    assert checkpointing.compiled_context_fn("down.0", plan) is None
-    ctx = checkpointing.compiled_context_fn("mid", plan)
+    assert checkpointing.make_context_fn("down.0", plan, compiled=True) is None
+    ctx = checkpointing.make_context_fn("mid", plan, compiled=True)
     assert isinstance(ctx, functools.partial) and isinstance(ctx.args[0], functools.partial)
     assert ctx.args[0].args == (("conv", "matmul"), True)
 

@@ -20,9 +20,10 @@ from shared_configs.planning.planner import Workload
 from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from tests.helpers.specs import random_profile
-from torch_impl.encoders import DTYPES, build, measure
+from torch_impl.encoders import build, measure
 from torch_impl.memory import memtracker
 from torch_impl.profile import ShapesOnly
+from torch_impl.regime import DTYPE
 
 VAE = {**enc.VAE, "block_out_channels": [8, 16], "norm_num_groups": 4, "down_block_types": ["DownEncoderBlock2D"] * 2,
        "up_block_types": ["UpDecoderBlock2D"] * 2, "layers_per_block": 1}  # fmt: skip
@@ -51,7 +52,7 @@ def test_bytes_from_shapes_as_memtracker_sees_the_real_run(encoder: enc.Encoder)
     found = measure(encoder, 2)
     model = _real(encoder)
     if encoder.kind == "vae":
-        x = torch.randn(2, 3, encoder.image_size, encoder.image_size, dtype=DTYPES[encoder.dtype])
+        x = torch.randn(2, 3, encoder.image_size, encoder.image_size, dtype=DTYPE[encoder.dtype])
     else:
         x = torch.zeros(2, encoder.tokens, dtype=torch.long)
     assert found["params"] == sum(p.numel() for p in model.parameters())

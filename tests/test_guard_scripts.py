@@ -340,7 +340,7 @@ def _rank_main(out: str) -> None:
     """One rank of `test_two_processes_re_plan_together` (``python -m tests.test_guard_scripts OUT``)."""
     import dataclasses
 
-    from torch_impl.guard_ranks import from_rank0
+    from torch_impl.guard import from_rank0
 
     planner.run_worker = checking_by_prediction(planner.run_worker)
     torch.set_num_threads(1)

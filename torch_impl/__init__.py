@@ -22,11 +22,9 @@ _plan_for_budget = for_framework("torch")
 
 
 def plan_for_budget(spec: Any, batch_size: int, budget_bytes: int, sample_size: int | None = None, **kw: Any) -> str:
-    """`shared_configs.planning.planner.plan_for_budget` for the torch step; ``spec``: a spec, a
-    preset name, a spec file, our `UNet`, a live diffusers ``UNet2D(Condition)Model`` (its config;
-    peft adapters or not), or a `ControlNetPair` (its step; ``controlnet=True`` with a U-Net spec:
-    the same); a model may be wrapped (DDP, accelerate's, ``torch.compile``'s). A model given
-    without ``regime``: the regime its weights show (`torch_impl.guard_model.regime_seen`)."""
+    """`shared_configs.planning.planner.plan_for_budget` for the torch step; ``spec``: a spec, a preset
+    name, a spec file, or a model (wrapped or not) `torch_impl.guard_model.step_spec` reads; a model
+    given without ``regime``: the regime its weights show."""
     if isinstance(spec, nn.Module):
         model = unwrap(spec)
         spec = step_spec(model)

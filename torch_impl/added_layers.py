@@ -15,11 +15,8 @@ from torch_impl.layers import Mask, attention
 
 
 class SimpleCrossAttention(nn.Module):
-    """diffusers' ``Attention`` with ``added_kv_proj_dim`` under ``AttnAddedKVProcessor``: GroupNorm on the
-    block's tokens, which attend over the context's keys/values (``add_k_proj``/``add_v_proj``, the
-    context GroupNorm'd first with ``context_groups``) followed by their own; output projection, residual.
-    The attention is ``heads * head_dim`` wide, which diffusers lets differ from ``ch``.
-    """
+    """diffusers' ``Attention`` with ``added_kv_proj_dim`` under ``AttnAddedKVProcessor``: the block's
+    tokens attend over the context's keys/values followed by their own; output projection, residual."""
 
     def __init__(
         self, ch: int, heads: int, head_dim: int, groups: int, eps: float, context_dim: int, context_groups: int | None
@@ -34,7 +31,6 @@ class SimpleCrossAttention(nn.Module):
         self.to_out = nn.Linear(inner, ch)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, mask: Mask = None) -> torch.Tensor:
-        """``mask``: the (B, 1, 1, L) score bias over the context (`torch_impl.layers.mask_bias`)."""
         height = x.shape[2]
         if self.norm_cross is not None:  # GroupNorm over the context's channels: (B, L, D) as (B, D, L)
             context = self.norm_cross(context.transpose(1, 2)).transpose(1, 2)

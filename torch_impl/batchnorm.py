@@ -1,15 +1,9 @@
 """Checkpointing BatchNorm in PyTorch without updating its running statistics twice.
 
-`torch.utils.checkpoint` recomputes a block's forward during the backward pass, in the mode the
-block is in. In train mode every BatchNorm in the block then updates ``running_mean``,
-``running_var`` and ``num_batches_tracked`` a second time (PyTorch issue 96136): the counter reads
-2 after one step and the running mean drifts. JAX has no such problem: Flax returns the
-``batch_stats`` collection as an output of the forward, so `nn.remat` updates it once.
-
-The fix here is a *recompute* context (``checkpoint(..., context_fn=...)``) that snapshots the
-BatchNorm buffers of the checkpointed module on enter and restores them on exit. The recomputed
-outputs are unaffected: in train mode BatchNorm normalises with the statistics of the batch and
-never reads the running ones. The forward context is left as it is.
+A recompute in train mode updates every BatchNorm's running statistics a second time (PyTorch issue
+96136). `with_frozen_running_stats` gives ``checkpoint`` a *recompute* context that snapshots them on
+enter and restores them on exit; the outputs are unaffected (train mode never reads them). Flax
+returns ``batch_stats`` from the forward, so `nn.remat` updates them once. Docs: docs/remat_vs_checkpoint.md.
 """
 
 from __future__ import annotations
@@ -29,7 +23,6 @@ RUNNING_BUFFERS: tuple[str, ...] = ("running_mean", "running_var", "num_batches_
 
 
 def tracking_batchnorms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
-    """The BatchNorms in ``module`` (itself included) that keep running statistics."""
     return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
 
@@ -55,13 +48,9 @@ def _nested(outer: AbstractContextManager, inner: AbstractContextManager) -> Ite
 
 
 def with_frozen_running_stats(module: nn.Module, context_fn: ContextFn = noop_context_fn) -> ContextFn:
-    """``context_fn`` for checkpointing ``module``, its recompute context freezing BatchNorm stats.
-
-    Composes with another ``context_fn`` (e.g. selective checkpointing's): its forward context is
-    kept, and its recompute context runs *inside* the freeze, so the snapshot's copies are never
-    seen by (or cached in) a selective-checkpointing dispatch mode. A module without tracking
-    BatchNorms gets ``context_fn`` back unchanged.
-    """
+    """``context_fn`` for checkpointing ``module``, its recompute context freezing BatchNorm stats (a module
+    without tracking BatchNorms gets ``context_fn`` back). ``context_fn``'s recompute context runs *inside*
+    the freeze, so the snapshot's copies are never seen by (or cached in) a selective-checkpointing mode."""
     if not tracking_batchnorms(module):
         return context_fn
 

@@ -11,12 +11,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from torch_impl.layers import Downsample, Upsample
+from torch_impl.layers import Downsample, Mask, Upsample
 
 ResnetFactory = Callable[..., nn.Module]  # (in_ch, out_ch, resample="none") -> ResnetBlock
 AttentionFactory = Callable[[int], nn.Module]  # ch -> SelfAttention | Transformer2D | SimpleCrossAttention
 Context = torch.Tensor | None
-Mask = torch.Tensor | None  # the context mask as a score bias (`torch_impl.layers.mask_bias`)
 
 
 class DownBlock(nn.Module):
@@ -24,15 +23,9 @@ class DownBlock(nn.Module):
     conv, or with ``resnet_resample`` a ResNet that pools (diffusers' ResnetDownsample blocks)."""
 
     def __init__(
-        self,
-        in_ch: int,
-        out_ch: int,
-        layers: int,
-        make_resnet: ResnetFactory,
-        make_attention: AttentionFactory | None,
-        downsample_padding: int | None,
-        resnet_resample: bool = False,
-    ) -> None:
+        self, in_ch: int, out_ch: int, layers: int, make_resnet: ResnetFactory, make_attention: AttentionFactory | None,
+        downsample_padding: int | None, resnet_resample: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.resnets = nn.ModuleList(make_resnet(in_ch if j == 0 else out_ch, out_ch) for j in range(layers))
         self.attentions = nn.ModuleList(make_attention(out_ch) for _ in range(layers)) if make_attention else None
@@ -76,15 +69,9 @@ class UpBlock(nn.Module):
     conv, or with ``resnet_resample`` a ResNet that upsamples (diffusers' ResnetUpsample blocks)."""
 
     def __init__(
-        self,
-        in_ch: int,
-        out_ch: int,
-        skip_channels: Sequence[int],
-        make_resnet: ResnetFactory,
-        make_attention: AttentionFactory | None,
-        upsample: bool,
-        resnet_resample: bool = False,
-    ) -> None:
+        self, in_ch: int, out_ch: int, skip_channels: Sequence[int], make_resnet: ResnetFactory,
+        make_attention: AttentionFactory | None, upsample: bool, resnet_resample: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         ins = [in_ch] + [out_ch] * (len(skip_channels) - 1)
         self.resnets = nn.ModuleList(make_resnet(i + s, out_ch) for i, s in zip(ins, skip_channels, strict=True))

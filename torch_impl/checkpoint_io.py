@@ -1,11 +1,8 @@
 """Torch checkpoints: `torch.distributed.checkpoint` (DCP) folders carrying the run's manifest.
 
-Every run, one process or many, DDP or FSDP2, saves the same way: `get_state_dict` gives the model
-and AdamW state keyed by parameter name (under FSDP2, each rank's shards as DTensors), `dcp.save`
-has each rank write its own shards (replicated DDP tensors once), and `shared_configs.training.run_folder`
-hashes the files and commits the folder with its manifest. `dcp.load` reshards on the way in, so a
-run resumes on any number of ranks, and one process without a process group reads whole tensors.
-The mirror of `jax_impl.checkpoint_io`.
+One process or many, DDP or FSDP2, a run saves the same way: each rank writes its own shards of the
+model and optimizer state, and `shared_configs.training.run_folder` hashes and commits the folder.
+`dcp.load` reshards on the way in, so a run resumes on any number of ranks. Mirror: `jax_impl.checkpoint_io`.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.utils._pytree import tree_leaves
 
 from shared_configs.training.manifest import Manifest
 from shared_configs.training.run_folder import SOLO, STATE, Comm, read_checkpoint, save, verify
@@ -76,8 +74,7 @@ Extra = Mapping[str, Any]  # name -> an object with state_dict() / load_state_di
 def save_checkpoint(
     out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, manifest: Manifest, extra: Extra | None = None
 ) -> Path:
-    """Save a checkpoint of ``manifest.step`` into the run folder ``out`` (every rank calls it), with
-    the state of each object in ``extra``."""
+    """Save a checkpoint of ``manifest.step`` into the run folder ``out`` (every rank calls it)."""
     state = _state(model, optimizer, extra)
 
     def write(folder: Path) -> None:
@@ -89,18 +86,14 @@ def save_checkpoint(
 
 def _nbytes(tree: Any) -> int:
     """The bytes of every tensor in ``tree`` (whole tensors: a DTensor counts all its shards)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list | tuple) else ()
-    return sum(_nbytes(v) for v in values)
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
 def load_checkpoint(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Extra | None = None
 ) -> Manifest:
-    """Check the checkpoint folder ``path`` against its manifest, then restore ``model``,
-    ``optimizer`` and each object of ``extra`` in place (every rank calls it; plain, DDP'd or
-    FSDP2-sharded). Returns the manifest."""
+    """Check the checkpoint folder ``path`` against its manifest, then restore ``model``, ``optimizer``
+    and ``extra`` in place (every rank calls it). Returns the manifest."""
     manifest = read_checkpoint(path, FRAMEWORK, LAYOUT)
     verify(path, manifest, current_comm())
     state = _state(model, optimizer, extra)

@@ -1,10 +1,8 @@
 """Apply a framework-free `CheckpointPlan` to a PyTorch module tree, from the outside.
 
 A recomputed block keeps its place and its `state_dict` keys: only its instance ``forward`` is
-shadowed by one under `torch.utils.checkpoint.checkpoint` (non-reentrant, RNG replayed); save sets
-use selective checkpointing (`make_context_fn`), and the wrapped forward checks
-`torch.compiler.is_compiling` at call time. Mirror: `jax_impl/checkpointing.py`. Docs:
-docs/spec_and_plans.md, docs/compile.md "How a plan is traced".
+shadowed by one under `torch.utils.checkpoint.checkpoint`; save sets use selective checkpointing
+(`make_context_fn`). Mirror: `jax_impl/checkpointing.py`. Docs: docs/spec_and_plans.md, docs/compile.md.
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ OFFLOAD_ON_CPU = (
 )
 
 
-# Observers of what selective policies keep (the benchmarks' instruments hook in here, so that
-# measuring lives in benchmarks/): each is called as
+# Observers of what selective policies keep (the instruments hook in here): each is called as
 # ``observer(block, op_class, op, is_recompute, args, kwargs)`` for every op a plan's ``save`` keeps.
 SaveObserver = Callable[[str, str, Any, bool, tuple, dict], None]
 _SAVE_OBSERVERS: list[SaveObserver] = []
@@ -73,19 +70,15 @@ def op_class(op: Any) -> str | None:
     return _OP_CLASS.get(getattr(op, "overloadpacket", op))
 
 
-def _tensor_device(args: tuple) -> torch.device | None:
-    return next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-
-
 def _policy_fn(
     block: str, save: tuple[str, ...], offload: bool, warned: list[bool], ctx: Any, op: Any, *args: Any, **kw: Any
 ) -> Any:
     cls = op_class(op)
-    if cls is None or cls not in save:
+    if cls not in save:
         return CheckpointPolicy.PREFER_RECOMPUTE
     decision = CheckpointPolicy.MUST_SAVE
     if offload:
-        device = _tensor_device(args)
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         if device is not None and device.type == "cpu":
             if not warned[0]:
                 warnings.warn(OFFLOAD_ON_CPU, UserWarning, stacklevel=2)
@@ -102,37 +95,25 @@ def _compiled_policy_fn(save: tuple[str, ...], offload: bool, ctx: Any, op: Any,
     return CheckpointPolicy.MUST_SAVE if op_class(op) in save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def compiled_context_fn(block: str, plan: CheckpointPlan) -> Callable[[], tuple[Any, Any]] | None:
-    """The ``context_fn`` for ``block`` under `torch.compile`: a partial over constants, which Dynamo
-    traces (`make_context_fn`'s policy closes over observers and a mutable flag); None: plain."""
+def make_context_fn(block: str, plan: CheckpointPlan, compiled: bool = False) -> Callable[[], tuple[Any, Any]] | None:
+    """The checkpoint ``context_fn`` for ``block`` under ``plan``; None keeps torch's default. ``compiled``:
+    a partial over constants, which Dynamo traces (the eager policy closes over observers and a flag)."""
     save = plan.save_for(block)
     if not save:
         return None
-    policy = functools.partial(_compiled_policy_fn, tuple(save), bool(plan.offload))
-    return functools.partial(create_selective_checkpoint_contexts, policy)
-
-
-def make_context_fn(block: str, plan: CheckpointPlan) -> Callable[[], tuple[Any, Any]] | None:
-    """The checkpoint ``context_fn`` for ``block`` under ``plan``; None keeps torch's default.
-
-    The one place checkpoint contexts are made: a second context (e.g. BatchNorm's) composes here.
-    """
-    save = plan.save_for(block)
-    if not save:
-        return None
-    policy = functools.partial(_policy_fn, block, save, plan.offload, [False])
+    if compiled:
+        policy = functools.partial(_compiled_policy_fn, tuple(save), bool(plan.offload))
+    else:
+        policy = functools.partial(_policy_fn, block, save, plan.offload, [False])
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
 def apply_plan(
-    root: nn.Module,
-    plan: CheckpointPlan,
-    preserve_rng_state: bool = True,
+    root: nn.Module, plan: CheckpointPlan, preserve_rng_state: bool = True,
     modules: Mapping[str, nn.Module] | None = None,
-) -> None:
-    """Checkpoint every unit ``plan`` recomputes: ``modules[name]``, or by default
-    ``root.get_submodule(name)`` (our U-Net's module paths are the plan's names; other models,
-    such as diffusers' U-Nets, pass the mapping from the plan's names to their own modules)."""
+) -> None:  # fmt: skip
+    """Checkpoint every unit ``plan`` recomputes: ``modules[name]`` (diffusers' models pass their own), by
+    default ``root.get_submodule(name)`` (our models' module paths are the plan's names)."""
     remove_plan(root)
     for name in plan.recompute:
         module = root.get_submodule(name) if modules is None else modules[name]
@@ -147,7 +128,7 @@ def _checkpoint_forward(module: nn.Module, name: str, plan: CheckpointPlan, pres
     eager = with_frozen_running_stats(module, make_context_fn(name, plan) or noop_context_fn)
     module.forward = functools.partial(
         _checkpointed, plain, preserve_rng_state, None if eager is noop_context_fn else eager,
-        compiled_context_fn(name, plan),
+        make_context_fn(name, plan, compiled=True),
     )  # fmt: skip
     module.__dict__[_PRIOR] = prior
 

@@ -1,8 +1,5 @@
 """The PyTorch ControlNet: the U-Net's encoder and middle block (`UNetTrunk`, the same code and
-names), a conditioning embedding and zero convolutions (`shared_configs.controlnet`). Mirrored in
-`jax_impl/controlnet.py`; diffusers' ``ControlNetModel`` loads into it and back
-(`torch_impl.diffusers_io`), and its state_dict keys are diffusers' under the U-Net's renames.
-"""
+names), a conditioning embedding and zero convolutions. Mirror: `jax_impl/controlnet.py`."""
 
 from __future__ import annotations
 
@@ -39,8 +36,7 @@ def zero_conv(in_ch: int, out_ch: int, kernel: int = 1) -> nn.Conv2d:
 
 class ConditioningEmbedding(nn.Module):
     """The conditioning image -> ``out_ch`` channels at the sample's size (diffusers'
-    ``ControlNetConditioningEmbedding``): a 3x3 conv, per further stage a 3x3 conv and a strided 3x3
-    conv, SiLU after each, then a zero-initialised 3x3 conv."""
+    ``ControlNetConditioningEmbedding``)."""
 
     def __init__(self, in_ch: int, out_ch: int, widths: Sequence[int]) -> None:
         super().__init__()
@@ -59,14 +55,8 @@ class ConditioningEmbedding(nn.Module):
 
 
 class ControlNet(UNetTrunk):
-    """ControlNet on NCHW input: ``forward(sample, timestep, context, controlnet_cond,
-    conditioning_scale=1.0, class_labels=None, text_embeds=None, time_ids=None, guess_mode=False)``
-    returns ``(down_residuals, mid_residual)`` for ``UNet(..., down_block_additional_residuals=,
-    mid_block_additional_residual=)``, in diffusers' order.
-
-    ``policy`` names units as the U-Net's (``down.1``, ``mid``, ``down.0.resnets.1``; ``full`` is
-    every down block and ``mid``), applied at construction like `UNet`'s.
-    """
+    """ControlNet on NCHW input: the residuals a `UNet` adds, in diffusers' order. ``policy`` names units
+    as the U-Net's (``full``: every down block and ``mid``), applied at construction like `UNet`'s."""
 
     def __init__(self, spec: ControlNetSpec, policy: Policy | CheckpointPlan = None) -> None:
         super().__init__()
@@ -96,17 +86,10 @@ class ControlNet(UNetTrunk):
         return model
 
     def forward(
-        self,
-        sample: Tensor,
-        timestep: Tensor | float,
-        context: Tensor | None,
-        controlnet_cond: Tensor,
-        conditioning_scale: float = 1.0,
-        class_labels: Tensor | None = None,
-        text_embeds: Tensor | None = None,
-        time_ids: Tensor | None = None,
-        guess_mode: bool = False,
-    ) -> tuple[list[Tensor], Tensor]:
+        self, sample: Tensor, timestep: Tensor | float, context: Tensor | None, controlnet_cond: Tensor,
+        conditioning_scale: float = 1.0, class_labels: Tensor | None = None, text_embeds: Tensor | None = None,
+        time_ids: Tensor | None = None, guess_mode: bool = False,
+    ) -> tuple[list[Tensor], Tensor]:  # fmt: skip
         """The residuals for ``sample`` under the NCHW conditioning image ``controlnet_cond`` (B,
         conditioning_channels, H x f, W x f), f = `ControlNetSpec.conditioning_factor`.
 

@@ -1,10 +1,8 @@
-"""Load diffusers U-Net weights into our PyTorch U-Net, and export ours in diffusers' names.
+"""Load diffusers U-Net and ControlNet weights into our PyTorch models, and export ours in diffusers' names.
 
-A source is a local model folder (``config.json`` + ``diffusion_pytorch_model.safetensors`` or
-``.bin``; sharded or ``variant`` files too; a pipeline folder's ``unet/`` is found), a repo id in
-the local Hugging Face cache (never downloaded), or a live diffusers module (see
-`shared_configs.diffusers.folders`). diffusers itself is never imported: a live module is read through its
-``config`` and ``state_dict()``. Mirrored in `jax_impl/diffusers_io.py`.
+A source is a local model folder, a repo id in the local Hugging Face cache (never downloaded), or a
+live diffusers module (`shared_configs.diffusers.folders`); diffusers itself is never imported.
+Mirror: `jax_impl/diffusers_io.py`. Docs: docs/diffusers.md.
 """
 
 from __future__ import annotations
@@ -42,35 +40,18 @@ def read_diffusers(
 
 
 def from_diffusers(
-    cls: type[M],
-    source: Source,
-    variant: str | None = None,
-    *,
-    subfolder: str | None = None,
-    dtype: torch.dtype | None = None,
-    revision: str | None = None,
-    controlnet: bool = False,
-) -> M:
-    """Our ``cls`` (`torch_impl.UNet`, or with ``controlnet`` `torch_impl.ControlNet`; in ``dtype``,
-    default float32; eval mode) with the weights of a diffusers U-Net or ``ControlNetModel``.
-
-    ``source``: a folder, a pipeline folder (a ControlNet's: ``subfolder="controlnet"``), a cached
-    repo id (``"org/name"``, with ``subfolder`` and ``revision``) or a live module;
-    ``variant="fp16"`` reads ``*.fp16.safetensors``. The model is built on the meta device and takes
-    the loaded tensors, so the weights are held once.
-    """
+    cls: type[M], source: Source, variant: str | None = None, *, subfolder: str | None = None,
+    dtype: torch.dtype | None = None, revision: str | None = None, controlnet: bool = False,
+) -> M:  # fmt: skip
+    """Our ``cls`` (`torch_impl.UNet`, or with ``controlnet`` `torch_impl.ControlNet`) in ``dtype`` (default
+    float32), eval mode, with the weights of a diffusers model; ``variant="fp16"`` reads ``*.fp16.safetensors``."""
     spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
+    what = str(source) if is_path(source) else type(source).__name__
     if controlnet and not isinstance(spec, ControlNetSpec):
-        raise ValueError(
-            f"{_what(source)} is a diffusers U-Net, not a ControlNetModel: load it with UNet.from_diffusers"
-        )
+        raise ValueError(f"{what} is a diffusers U-Net, not a ControlNetModel: load it with UNet.from_diffusers")
     if not controlnet and isinstance(spec, ControlNetSpec):
-        raise ValueError(f"{_what(source)} is a diffusers ControlNetModel: load it with ControlNet.from_diffusers")
+        raise ValueError(f"{what} is a diffusers ControlNetModel: load it with ControlNet.from_diffusers")
     return _build(cls, spec, state, source, dtype)
-
-
-def _what(source: Source) -> str:
-    return str(source) if is_path(source) else type(source).__name__
 
 
 def _build(cls: type[M], spec: Any, state: dict[str, torch.Tensor], source: Source, dtype: Any) -> M:
@@ -79,13 +60,10 @@ def _build(cls: type[M], spec: Any, state: dict[str, torch.Tensor], source: Sour
         state = {k: v.detach().clone() for k, v in state.items()}
     with torch.device("meta"):
         model = cls(spec)
-    check_weights({k: tuple(v.shape) for k, v in state.items()}, _shapes(model), spec)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    check_weights({k: tuple(v.shape) for k, v in state.items()}, shapes, spec)
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(dtype or torch.float32).eval()
-
-
-def _shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def to_diffusers_state_dict(model: Model) -> dict[str, torch.Tensor]:
@@ -94,13 +72,8 @@ def to_diffusers_state_dict(model: Model) -> dict[str, torch.Tensor]:
 
 
 def save_diffusers(model: Model, folder: str | os.PathLike[str]) -> Path:
-    """Write a diffusers model folder (``config.json`` + ``diffusion_pytorch_model.safetensors``).
-
-    diffusers loads it with ``UNet2D(Condition)Model.from_pretrained(folder)`` (a `ControlNet`:
-    ``ControlNetModel.from_pretrained``); so do our
-    `from_diffusers` readers. Each file is written atomically. Raises `SpecError` when the spec
-    has no diffusers equivalent (see `shared_configs.diffusers.export`).
-    """
+    """Write a diffusers model folder (``config.json`` + ``diffusion_pytorch_model.safetensors``, each
+    atomically) that diffusers' ``from_pretrained`` reads; `SpecError` if the spec has no diffusers equivalent."""
     from safetensors.torch import save
 
     spec = model.spec

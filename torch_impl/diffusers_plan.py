@@ -1,10 +1,8 @@
 """A checkpoint plan on diffusers' own U-Net or ControlNet, from the outside: diffusers is not edited.
 
-``apply_plan(model, plan)`` reads a live ``UNet2DConditionModel``, ``UNet2DModel`` or
-``ControlNetModel``'s spec from its config, resolves any policy string against it and checkpoints
-exactly its units with `torch_impl.checkpointing` (``down.1`` is ``down_blocks.1``, ``mid`` is
-``mid_block``); ``remove_plan`` undoes it. A model with diffusers' own checkpointing on is refused in
-one line (`torch_impl.BudgetGuard` turns it off and says so). Docs: docs/diffusers.md.
+``apply_plan(model, plan)`` reads a live diffusers model's spec from its config and checkpoints
+exactly the plan's units with `torch_impl.checkpointing` (``down.1`` is ``down_blocks.1``, ``mid`` is
+``mid_block``); ``remove_plan`` undoes it. Docs: docs/diffusers.md.
 """
 
 from __future__ import annotations
@@ -70,12 +68,8 @@ def unit_modules(model: nn.Module, spec: UNetSpec | ControlNetSpec) -> dict[str,
 def apply_plan(
     model: nn.Module, plan: Policy | CheckpointPlan = "full", preserve_rng_state: bool = True
 ) -> CheckpointPlan:
-    """Recompute exactly ``plan``'s units of ``model`` in the backward pass; returns the resolved plan.
-
-    ``model``: a diffusers ``UNet2DConditionModel`` / ``UNet2DModel`` / ``ControlNetModel`` (or our
-    `UNet` / `ControlNet`, whose ``enable_gradient_checkpointing`` this calls). A plan already
-    applied is replaced. A ControlNet's plan names the U-Net's units it has (`resolve_controlnet_plan`).
-    """
+    """Recompute exactly ``plan``'s units of ``model`` (diffusers' or ours) in the backward pass, replacing
+    any plan applied; returns the resolved plan. diffusers' own checkpointing on is refused in one line."""
     if isinstance(model, UNet | ControlNet):
         return model.enable_gradient_checkpointing(plan, preserve_rng_state)
     spec = _any_spec(model)

@@ -1,10 +1,8 @@
 """The models beside the U-Net in a diffusers training step (VAE, text encoders), measured from shapes.
 
-Each is built from its diffusers / transformers config (`shared_configs.planning.encoders`) on fake
-tensors (`torch_impl.profile.ShapesOnly`: nothing allocated, nothing downloaded) and run as the
-training scripts run it: the VAE's encode of a batch of images and a frozen text encoder under
-``no_grad``; a trained text encoder's forward and backward. The bytes come from the one torch
-instrument, `torch_impl.memory.StepTracker`. No JAX mirror (the JAX loop trains on latents); docs/regimes.md.
+Each is built from its config on fake tensors (nothing allocated, nothing downloaded) and run as the
+training scripts run it; the bytes come from `torch_impl.memory.StepTracker`. No JAX mirror (the JAX
+loop trains on latents); docs/regimes.md.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from shared_configs.planning.encoders import Encoder
 from shared_configs.planning.timeline import BWD
 from torch_impl.memory import StepTracker
 from torch_impl.profile import ShapesOnly
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from torch_impl.regime import DTYPE
 
 
 def build(encoder: Encoder, mode: ShapesOnly) -> torch.nn.Module:
@@ -35,7 +32,7 @@ def build(encoder: Encoder, mode: ShapesOnly) -> torch.nn.Module:
 
             cls = CLIPTextModelWithProjection if encoder.kind == "clip-projection" else CLIPTextModel
             model = cls(CLIPTextConfig(**encoder.config_dict))
-        dtype = DTYPES[encoder.dtype]
+        dtype = DTYPE[encoder.dtype]
         for module in model.modules():  # tensor by tensor: Module.to cannot swap fake parameters
             for name, t in module._parameters.items():
                 if t is not None:
@@ -54,10 +51,10 @@ def measure(encoder: Encoder, batch_size: int, autocast: str | None = None) -> d
     with mode:
         if encoder.kind == "vae":
             size = encoder.image_size
-            x = torch.randn(batch_size, 3, size, size, dtype=DTYPES[encoder.dtype])
+            x = torch.randn(batch_size, 3, size, size, dtype=DTYPE[encoder.dtype])
         else:
             x = torch.zeros(batch_size, encoder.tokens, dtype=torch.long)
-    cast = torch.autocast("cpu", dtype=DTYPES[autocast]) if autocast and encoder.trained else contextlib.nullcontext()
+    cast = torch.autocast("cpu", dtype=DTYPE[autocast]) if autocast and encoder.trained else contextlib.nullcontext()
     grad = torch.enable_grad() if encoder.trained else torch.no_grad()
     tracker = StepTracker(model, [], inputs=[x], detail=False)
     flops = FlopCounterMode(display=False)

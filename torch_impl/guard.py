@@ -3,8 +3,8 @@
 The guard plans, measures the step's peak over whole optimizer steps, re-plans for ``budget -
 (measured - predicted)`` when over, loosens once when far under, and after an out-of-memory error
 runs the micro-step again under a plan that recomputes more (`torch_impl.guard_retry`). What it reads
-from the model: `torch_impl.guard_model`; several processes: `torch_impl.guard_ranks`. Mirror:
-`jax_impl/guard.py`. The rules and the measured runs: docs/guard.md.
+from the model: `torch_impl.guard_model`. Several processes agree on each judgement and plan
+(`agreed_peak`, `from_rank0`). Mirror: `jax_impl/guard.py`. The rules and the measured runs: docs/guard.md.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import io
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
@@ -31,8 +32,7 @@ from shared_configs.spec import SpecError
 from shared_configs.units import MIB
 from torch_impl.diffusers_plan import apply_plan
 from torch_impl.guard_model import RegimeWatch, regime_seen, step_spec, take_over_checkpointing
-from torch_impl.guard_ranks import agreed_peak, from_rank0, processes
-from torch_impl.guard_retry import RetryPoint, accelerators_among, base_optimizer, why_not_retry
+from torch_impl.guard_retry import RetryPoint, accelerators_among, base_optimizer, processes, why_not_retry
 from torch_impl.pair import ControlNetPair
 from torch_impl.wrappers import compiled, unwrap
 
@@ -41,6 +41,7 @@ LOOSEN_BELOW = 0.10  # loosen once when the first window's peak is this fraction
 OOM_HALVINGS = 2  # plans tried between one that ran out of memory and `full`, per step
 FULL, NONE = "full", "none"
 _PLAN_OPTIONS = ("world_size", "distributed", "candidates", "rounds")  # `planner.plan`'s; the rest: `Workload`'s
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -67,16 +68,9 @@ class BudgetGuard:
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        budget_bytes: int,
-        *,
-        batch_size: int,
-        regime: Regime | None = None,
-        sample_size: int | None = None,
-        policy: str | None = None,
-        **planner_options: Any,
-    ) -> None:
+        self, model: nn.Module, budget_bytes: int, *, batch_size: int, regime: Regime | None = None,
+        sample_size: int | None = None, policy: str | None = None, **planner_options: Any,
+    ) -> None:  # fmt: skip
         self._step = 0
         self.model, self.budget = unwrap(model), int(budget_bytes)
         self._compiled = compiled(model)
@@ -105,12 +99,8 @@ class BudgetGuard:
         if policy is not None:  # a plan already made for this step (a resumed run's last one): predicted only
             self._switch(policy, self._predict(policy), "given", None)
             return
-        policy, predicted = from_rank0(self._first_plan)  # every rank puts on rank 0's plan
+        policy, predicted = from_rank0(lambda: self._planned(self.budget))  # every rank puts on rank 0's plan
         self._switch(policy, predicted, "planned", 0)
-
-    def _first_plan(self) -> tuple[str, int]:
-        planned = planner.plan(self._workload, self.budget, "torch", **self._plan_options)
-        return planned.policy, planned.solution.prediction.peak_bytes
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -145,9 +135,7 @@ class BudgetGuard:
         entered afresh for each attempt (``accelerator.accumulate, unet``; docs/guard.md's recipes)."""
 
         def body(fn: Callable[[], Any]) -> Any:
-            if context is None:
-                return fn()
-            with context(*context_args):
+            with contextlib.nullcontext() if context is None else context(*context_args):
                 return fn()
 
         return lambda fn: self.run(body, fn)
@@ -341,9 +329,12 @@ class BudgetGuard:
         `shared_configs.planning.planner.fit_checked`). Its progress lines are kept off stderr."""
         try:
             with contextlib.redirect_stderr(io.StringIO()):
-                planned = planner.plan(self._workload, budget, "torch", **self._plan_options)
+                return self._planned(budget)
         except SpecError:  # `Infeasible`, or no plan checked under the budget
             return None
+
+    def _planned(self, budget: int) -> tuple[str, int]:
+        planned = planner.plan(self._workload, budget, "torch", **self._plan_options)
         return planned.policy, planned.solution.prediction.peak_bytes
 
     def _predict(self, policy: str) -> int:
@@ -365,6 +356,33 @@ def _spot_optimizers(guard: BudgetGuard) -> None:
             live._spot(opt)
 
     weakref.finalize(guard, register_optimizer_step_pre_hook(spot).remove)
+
+
+def agreed_peak(peak: int, device: torch.device) -> int:
+    """The largest of every rank's ``peak`` (bytes)."""
+    if processes() == 1:
+        return peak
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    value = torch.tensor([peak], dtype=torch.int64, device=on)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
+def from_rank0(fn: Callable[[], T]) -> T:
+    """``fn()`` as rank 0 computes it, on every rank; rank 0's error raised on every rank."""
+    if processes() == 1:
+        return fn()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as err:  # raised below on every rank, not only on rank 0
+            box[0] = ("error", err)
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
 
 
 def _mib(n: int) -> str:

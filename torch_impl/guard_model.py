@@ -36,16 +36,11 @@ def step_spec(model: nn.Module) -> UNetSpec | ControlNetPairSpec:
     return model.spec if isinstance(model, UNet) else diffusers_spec(model)
 
 
-def networks(model: nn.Module) -> list[nn.Module]:
-    """The networks a plan goes on: a pair's two, else the model."""
-    return [model.unet, model.controlnet] if isinstance(model, ControlNetPair) else [model]
-
-
 def take_over_checkpointing(model: nn.Module) -> list[str]:
     """Turn off diffusers' own gradient checkpointing (``enable_gradient_checkpointing()``) in each
     network of ``model`` that has it on; returns their class names (the guard says one line)."""
     taken = []
-    for net in networks(model):
+    for net in [model.unet, model.controlnet] if isinstance(model, ControlNetPair) else [model]:
         ours = isinstance(net, UNet | ControlNet)  # ours has no checkpointing but its plan
         if ours or not any(getattr(m, "gradient_checkpointing", False) for m in net.modules()):
             continue

@@ -11,9 +11,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-
-from torch_impl.guard_ranks import processes
 
 
 class RetryPoint:
@@ -56,6 +55,11 @@ def _kept(grad: torch.Tensor | None, fresh: bool) -> Any:
     if grad is None:
         return None
     return ZEROS if fresh else grad.detach().to("cpu", copy=True)
+
+
+def processes() -> int:
+    """The processes of the default group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def why_not_retry(stepped: bool) -> str | None:

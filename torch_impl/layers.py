@@ -1,7 +1,4 @@
-"""U-Net layers in PyTorch (NCHW). Mirrored name for name in `jax_impl/layers.py`.
-
-Each layer takes only the numbers it needs; the U-Net assembly (`unet.py`) reads the spec.
-"""
+"""U-Net layers in PyTorch (NCHW), each taking only the numbers it needs. Mirror: `jax_impl/layers.py`."""
 
 from __future__ import annotations
 
@@ -29,18 +26,11 @@ def timestep_embedding(
     return F.pad(emb, (0, dim % 2))
 
 
-def group_norm(ch: int, groups: int, eps: float, momentum: float) -> nn.GroupNorm:
-    del momentum  # no running statistics
-    return nn.GroupNorm(groups, ch, eps=eps)
-
-
-def batch_norm(ch: int, groups: int, eps: float, momentum: float) -> nn.BatchNorm2d:
-    del groups
-    return nn.BatchNorm2d(ch, eps=eps, momentum=momentum)
-
-
 # Norm kinds of the spec -> constructor (ch, groups, eps, momentum); the same keys as in Flax.
-NORM: dict[str, Callable[[int, int, float, float], nn.Module]] = {"group": group_norm, "batch": batch_norm}
+NORM: dict[str, Callable[[int, int, float, float], nn.Module]] = {
+    "group": lambda ch, groups, eps, momentum: nn.GroupNorm(groups, ch, eps=eps),
+    "batch": lambda ch, groups, eps, momentum: nn.BatchNorm2d(ch, eps=eps, momentum=momentum),
+}
 
 
 def norm_layer(ch: int, norm: str, groups: int, eps: float, momentum: float) -> nn.Module:
@@ -64,9 +54,8 @@ class TimestepEmbedding(nn.Module):
         return self.linear_2(F.silu(self.linear_1(x)))
 
 
-# Class embedding kinds of the spec -> the layer mapping ``class_labels`` to the time embedding's
-# width (diffusers' ``class_embedding``); the same keys as in Flax. ``timestep`` runs on the labels'
-# sinusoids (the U-Net computes them); ``identity`` adds the labels as they are, with no layer.
+# Class embedding kinds of the spec -> diffusers' ``class_embedding`` layer; the same keys as in Flax.
+# ``timestep`` runs on the labels' sinusoids (the U-Net computes them); ``identity`` has no layer.
 CLASS_EMBEDDING: dict[str, Callable[[ClassEmbeddingArgs], nn.Module | None]] = {
     "embedding": lambda a: nn.Embedding(a.num_classes, a.dim),
     "timestep": lambda a: TimestepEmbedding(a.sinusoid_dim, a.dim),
@@ -76,42 +65,25 @@ CLASS_EMBEDDING: dict[str, Callable[[ClassEmbeddingArgs], nn.Module | None]] = {
 }
 
 
-def _resampler(resample: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """A ResNet that resamples (diffusers' ``down=True`` / ``up=True``): 2x2 average pool or nearest 2x."""
-    if resample == "down":
-        return functools.partial(F.avg_pool2d, kernel_size=2, stride=2)
-    if resample == "up":
-        return functools.partial(F.interpolate, scale_factor=2.0, mode="nearest")
-    return None
+# A ResNet that resamples (diffusers' ``down=True`` / ``up=True``): 2x2 average pool or nearest 2x.
+_RESAMPLE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "down": functools.partial(F.avg_pool2d, kernel_size=2, stride=2),
+    "up": functools.partial(F.interpolate, scale_factor=2.0, mode="nearest"),
+}
 
 
 class ResnetBlock(nn.Module):
-    """Norm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip.
-
-    The norm is a GroupNorm (``norm="group"``) or a BatchNorm (``norm="batch"``, see `NORM`).
-    ``resample`` ``"down"`` / ``"up"``: the block is a resampler (diffusers' ResnetDownsample
-    blocks): both paths are pooled / upsampled after the first norm. ``skip_time_act``: the
-    embedding enters the projection without SiLU.
-    """
+    """Norm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip. ``resample`` ``"down"`` /
+    ``"up"`` (diffusers' ResnetDownsample blocks): both paths pooled / upsampled after the first norm."""
 
     def __init__(
-        self,
-        in_ch: int,
-        out_ch: int,
-        temb_dim: int,
-        groups: int,
-        eps: float,
-        dropout_rate: float,
-        scale_shift: bool = False,
-        output_scale: float = 1.0,
-        norm: str = "group",
-        momentum: float = 0.1,
-        skip_time_act: bool = False,
-        resample: str = "none",
-    ) -> None:
+        self, in_ch: int, out_ch: int, temb_dim: int, groups: int, eps: float, dropout_rate: float,
+        scale_shift: bool = False, output_scale: float = 1.0, norm: str = "group", momentum: float = 0.1,
+        skip_time_act: bool = False, resample: str = "none",
+    ) -> None:  # fmt: skip
         super().__init__()
         self.scale_shift, self.output_scale, self.skip_time_act = scale_shift, output_scale, skip_time_act
-        self.resample = _resampler(resample)
+        self.resample = _RESAMPLE.get(resample)  # "none": None
         self.norm1 = norm_layer(in_ch, norm, groups, eps, momentum)
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
         self.time_emb_proj = nn.Linear(temb_dim, out_ch * (2 if scale_shift else 1))
@@ -147,21 +119,12 @@ def attention(
 
 
 class SelfAttention(nn.Module):
-    """DDPM's spatial self-attention block: GroupNorm (none when ``groups=0``), q/k/v, attention, out, residual.
-
-    The attention is ``heads * head_dim`` wide, which diffusers lets differ from ``ch``.
-    """
+    """DDPM's spatial self-attention block: GroupNorm (none when ``groups=0``), q/k/v, attention, out, residual."""
 
     def __init__(
-        self,
-        ch: int,
-        heads: int,
-        head_dim: int,
-        groups: int,
-        eps: float,
-        scale: float | None,
+        self, ch: int, heads: int, head_dim: int, groups: int, eps: float, scale: float | None,
         output_scale: float = 1.0,
-    ) -> None:
+    ) -> None:  # fmt: skip
         super().__init__()
         self.heads, self.output_scale = heads, output_scale
         self.scale = scale or head_dim**-0.5
@@ -233,24 +196,12 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer2D(nn.Module):
-    """SD's spatial transformer: GroupNorm, project in, transformer blocks, project out, residual.
-
-    The transformer runs ``heads * head_dim`` wide (the projections map ``ch`` to it and back).
-    """
+    """SD's spatial transformer: GroupNorm, project in (to ``heads * head_dim``), blocks, project out, residual."""
 
     def __init__(
-        self,
-        ch: int,
-        heads: int,
-        head_dim: int,
-        depth: int,
-        groups: int,
-        norm_eps: float,
-        ln_eps: float,
-        scale: float | None,
-        context_dim: int | None,
-        linear_projection: bool,
-    ) -> None:
+        self, ch: int, heads: int, head_dim: int, depth: int, groups: int, norm_eps: float, ln_eps: float,
+        scale: float | None, context_dim: int | None, linear_projection: bool,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.linear_projection = linear_projection
         inner = heads * head_dim

@@ -1,10 +1,8 @@
 """LoRA adapters in the format diffusers reads: ``pytorch_lora_weights.safetensors``.
 
-The adapters are peft's (`torch_impl.regime.add_lora`); their weights are saved under diffusers'
-module names with the ``unet.`` prefix that ``save_lora_weights`` writes and a pipeline's
-``load_lora_weights`` (or ``UNet2DConditionModel.load_lora_adapter(path, prefix="unet")``) reads:
-``unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_out.0.lora_A.weight``.
-Loading goes the other way, adding the adapters (rank read from the weights) where there are none.
+peft's adapters (`torch_impl.regime.add_lora`) under diffusers' module names with the ``unet.`` prefix
+a pipeline's ``load_lora_weights`` reads. Loading adds the adapters (rank read from the weights) where
+there are none. Docs: docs/training.md.
 """
 
 from __future__ import annotations

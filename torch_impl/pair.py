@@ -1,10 +1,8 @@
 """The ControlNet training step in PyTorch: a frozen `UNet` and the `ControlNet` trained on it.
 
-As diffusers' ``train_controlnet.py``: the ControlNet made from the U-Net, the U-Net frozen (eval
-mode), the loss the U-Net's noise prediction flowing back into the ControlNet's residuals; one pair
-plan (`shared_configs.pair`) covers both networks' units, and `ControlNetPair.of` wraps two live
-networks (ours or diffusers'). ``torch_impl.train.train_step`` trains it like a U-Net.
-Mirror: `jax_impl/pair.py`. Docs: docs/training.md "Training a ControlNet", docs/guard.md.
+As diffusers' ``train_controlnet.py``; one pair plan (`shared_configs.pair`) covers both networks'
+units, and ``torch_impl.train.train_step`` trains the pair like a U-Net. Mirror: `jax_impl/pair.py`.
+Docs: docs/training.md "Training a ControlNet", docs/guard.md.
 """
 
 from __future__ import annotations
@@ -29,13 +27,8 @@ __all__ = ["ControlNetPair", "step_batch", "step_model", "trained_module", "unit
 
 
 class ControlNetPair(nn.Module):
-    """The frozen ``unet`` and the trained ``controlnet`` of ``pair_spec``, called as a U-Net with
-    the conditioning image: ``forward(x, t, context=None, class_labels=None, text_embeds=None,
-    time_ids=None, controlnet_cond=..., conditioning_scale=1.0)`` returns the U-Net's prediction.
-
-    ``spec`` is the U-Net's (the inputs the pair takes besides the image, as a training step checks
-    them); ``pair_spec`` names the units a pair plan chooses for. ``policy``: a pair policy.
-    """
+    """The frozen ``unet`` and the trained ``controlnet`` of ``pair_spec``, called as a U-Net with the
+    conditioning image ``controlnet_cond``; ``spec`` is the U-Net's. ``policy``: a pair policy."""
 
     def __init__(self, pair_spec: ControlNetPairSpec, policy: str | PairPlan | None = None) -> None:
         super().__init__()
@@ -48,10 +41,8 @@ class ControlNetPair(nn.Module):
 
     @classmethod
     def of(cls, unet: nn.Module, controlnet: nn.Module) -> ControlNetPair:
-        """The pair of a training script's live networks, not copied: our `UNet` and `ControlNet`, or
-        diffusers' ``UNet2DConditionModel`` and ``ControlNetModel`` (wrappers taken off: DDP,
-        accelerate's, ``torch.compile``'s). Their weights, ``requires_grad`` and modes are left as
-        the script set them; its ``pair_spec`` is read from them (`ValueError` if they do not match)."""
+        """The pair of a training script's live networks (ours or diffusers', wrapped or not), not copied
+        nor changed; its ``pair_spec`` is read from them (`ValueError` if they do not match)."""
         unet, controlnet = unwrap(unet), unwrap(controlnet)
         pair = cls.__new__(cls)
         nn.Module.__init__(pair)
@@ -113,8 +104,7 @@ def _diffusers_controlnet_spec(model: nn.Module) -> ControlNetSpec:
 
 
 def unit_modules(model: UNet | ControlNetPair, unit: str, phase: str) -> list[nn.Module]:
-    """The modules whose hooks mark ``unit``'s segment in ``phase`` ("fwd", "bwd"): a U-Net's unit,
-    or a pair's (its ``controlnet.`` units in the ControlNet, the others in the U-Net)."""
+    """The modules whose hooks mark ``unit``'s segment in ``phase`` ("fwd", "bwd"), in a U-Net or a pair."""
     if isinstance(model, ControlNetPair):
         if not unit.startswith(CONTROLNET):
             return unit_modules(model.unet, unit, phase)
@@ -132,8 +122,8 @@ def unit_modules(model: UNet | ControlNetPair, unit: str, phase: str) -> list[nn
 
 
 def trained_module(model: nn.Module) -> nn.Module:
-    """The module a step trains and a checkpoint holds: a pair's ControlNet (its U-Net is frozen
-    at the run's seeded init, made again on resume), else ``model`` itself."""
+    """The module a step trains and a checkpoint holds: a pair's ControlNet (its frozen U-Net is made
+    again from the seed on resume), else ``model`` itself."""
     return model.controlnet if isinstance(model, ControlNetPair) else model
 
 

@@ -1,10 +1,7 @@
 """Data parallelism and FSDP in torch: DDP or FSDP2 (`fully_shard`) over gloo, launched by torchrun.
 
-``--distributed ddp`` wraps the model in `DistributedDataParallel` (parameters replicated, gradients
-all-reduced); ``--distributed fsdp`` shards parameters, gradients and AdamW state with FSDP2, one
-unit per U-Net block. Either way each rank trains on its slice of the global batch
-(`shared_configs.training.data.Batch.shard`) and the checkpoint plan is applied first. The mirror of
-`jax_impl.parallel` (one mesh axis, sharding annotations).
+``--distributed fsdp`` shards with FSDP2, one unit per U-Net block; either way each rank trains on
+its slice of the global batch, and the checkpoint plan is applied first. Mirror: `jax_impl.parallel`.
 """
 
 from __future__ import annotations
@@ -22,13 +19,11 @@ from torch_impl.unet import UNet
 
 
 def shard_blocks(model: UNet) -> UNet:
-    """FSDP2 on CPU: one unit per U-Net block (``down.0`` ... ``mid`` ... ``up.N``), then the root.
+    """FSDP2 on CPU: one unit per U-Net block, then the root (the rest).
 
-    The root unit holds the rest (conv_in/out, time embedding, final norm). Checkpointing may be
-    enabled before or after: `fully_shard` swaps the class but keeps the instance ``forward`` that
-    `apply_plan` shadows, and its all-gather/free hooks run in ``Module.__call__``, around that
-    forward. So a recompute calls the plain forward without re-gathering: FSDP's pre-backward hook
-    has already unsharded the block's parameters when autograd reaches the recompute.
+    Checkpointing may be enabled before or after: `fully_shard` keeps the instance ``forward`` that
+    `apply_plan` shadows, and its all-gather hooks run in ``Module.__call__`` around it; the
+    pre-backward hook has unsharded the block's parameters when autograd reaches the recompute.
     """
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # explicit: the default mesh follows CUDA
     for name in model.block_names():

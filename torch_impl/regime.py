@@ -1,9 +1,6 @@
 """A training regime (`shared_configs.regime.Regime`) in PyTorch: precision, LoRA, optimizer, EMA.
 
-Autocast and the fp16 ``GradScaler`` (`autocast_dtype`, `loss_scaler`), peft's LoRA adapters as
-diffusers adds them (`add_lora`), the optimizer over the trained parameters (`make_optimizer`:
-AdamW, Adafactor, torchao's AdamW8bit), the `EMA` copy; `step_tools` gathers what
-`torch_impl.train.train_step` needs. Mirror: `jax_impl.regime`. Docs: docs/regimes.md.
+`step_tools` gathers what `torch_impl.train.train_step` needs. Mirror: `jax_impl.regime`. Docs: docs/regimes.md.
 """
 
 from __future__ import annotations
@@ -66,9 +63,7 @@ def trained_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def make_optimizer(
-    model: nn.Module, lr: float, weight_decay: float, regime: Regime = DEFAULT
-) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float, regime: Regime = DEFAULT) -> torch.optim.Optimizer:
     """``regime.optimizer`` over the trained parameters, every hyperparameter explicit (torch's AdamW
     weight_decay default, 0.01, differs from optax's)."""
     params = trained_parameters(model)
@@ -101,9 +96,8 @@ PLAIN_STEP = StepTools()
 
 
 def step_tools(model: nn.Module, regime: Regime, scaler: bool = True) -> StepTools:
-    """The `StepTools` of ``regime`` for ``model``: the autocast dtype, the loss scaler
-    (``scaler=False``: none, for steps whose values cannot be read), the EMA copy, whether the
-    gradients are kept between steps."""
+    """The `StepTools` of ``regime`` for ``model`` (``scaler=False``: no loss scaler, for steps whose
+    values cannot be read)."""
     device = next(model.parameters()).device
     scale = loss_scaler(regime, device) if scaler else None
     ema = EMA(trained_parameters(model)) if regime.ema else None

@@ -1,4 +1,4 @@
-"""The PyTorch U-Net, assembled from a `UNetSpec`: the one place that reads the spec."""
+"""The PyTorch U-Net, assembled from a `UNetSpec`: the one place that reads the spec. Mirror: `jax_impl/unet.py`."""
 
 from __future__ import annotations
 
@@ -44,10 +44,8 @@ ATTENTION_LAYERS: dict[str, type[nn.Module]] = {**ATTENTION, "simple_cross": Sim
 
 
 class UNetTrunk(nn.Module):
-    """What the U-Net and the ControlNet share, built from one `UNetSpec` under the same names:
-    ``conv_in``, the time (and class, text_time) embeddings, the ``down`` path and the ``mid``
-    block. Subclasses say which spec that is (`trunk_spec`), how a policy names their units
-    (`resolve`), and add their own heads; checkpointing is applied the same way to both."""
+    """What the U-Net and the ControlNet share, under the same names: ``conv_in``, the embeddings, the
+    ``down`` path and the ``mid`` block. Subclasses give `trunk_spec` and `resolve`, and add their heads."""
 
     @property
     def trunk_spec(self) -> UNetSpec:
@@ -78,9 +76,8 @@ class UNetTrunk(nn.Module):
         in the local Hugging Face cache, or a live diffusers model (`torch_impl.diffusers_io.from_diffusers`)."""
         from torch_impl.diffusers_io import from_diffusers
 
-        controlnet = not issubclass(cls, UNet)
         return from_diffusers(cls, source, variant, subfolder=subfolder, dtype=dtype, revision=revision,
-                              controlnet=controlnet)  # fmt: skip
+                              controlnet=not issubclass(cls, UNet))  # fmt: skip
 
     def to_diffusers_state_dict(self) -> dict[str, Tensor]:
         """This model's state_dict in diffusers' key names (``UNet2D(Condition)Model``, ``ControlNetModel``)."""
@@ -144,9 +141,8 @@ class UNetTrunk(nn.Module):
     def _encode(
         self, x: Tensor, temb: Tensor, context: Tensor | None, hint: Tensor | None = None, mask: Tensor | None = None
     ) -> tuple[Tensor, list[Tensor]]:
-        """``conv_in`` (plus ``hint``, the ControlNet's conditioning), the down path and the middle
-        block: the middle block's output and the skips, in the order they were pushed. ``mask``: the
-        context's score bias (`torch_impl.layers.mask_bias`)."""
+        """``conv_in`` (plus ``hint``, the ControlNet's conditioning), the down path and the middle block:
+        the middle block's output and the skips, in the order they were pushed."""
         h = self.conv_in(x)
         if hint is not None:
             h = h + hint
@@ -207,38 +203,22 @@ class UNet(UNetTrunk):
         chans = spec.block_out_channels
         self.conv_norm_out = norm_layer(chans[0], **kwargs(norm_args(spec)))
         self.conv_out = nn.Conv2d(chans[0], spec.out_channels, 3, padding=1)
-        self.plan = resolve_plan(spec, policy)
-        if self.plan.recompute:
-            apply_plan(self, self.plan)
+        self.enable_gradient_checkpointing(policy)
 
     @property
     def trunk_spec(self) -> UNetSpec:
         return self.spec
 
     def forward(
-        self,
-        x: Tensor,
-        t: Tensor | float,
-        context: Tensor | None = None,
-        class_labels: Tensor | None = None,
-        text_embeds: Tensor | None = None,
-        time_ids: Tensor | None = None,
+        self, x: Tensor, t: Tensor | float, context: Tensor | None = None, class_labels: Tensor | None = None,
+        text_embeds: Tensor | None = None, time_ids: Tensor | None = None,
         down_block_additional_residuals: Sequence[Tensor] | None = None,
-        mid_block_additional_residual: Tensor | None = None,
-        timestep_cond: Tensor | None = None,
-        image_embeds: Tensor | None = None,
-        encoder_attention_mask: Tensor | None = None,
-    ) -> Tensor:
-        """Predict the noise (or whatever the spec was trained on) for NCHW ``x`` at timesteps ``t``.
-
-        ``t``: a scalar or (B,). ``context`` (B, L, cross_attention_dim), ``class_labels``,
-        ``text_embeds`` and ``time_ids``: exactly those the spec takes (`shared_configs.inputs`);
-        anything else is a one-line `ValueError`. ``down_block_additional_residuals`` (one per skip,
-        in diffusers' order: a ControlNet's down residuals) are added to the skips after the down
-        path, ``mid_block_additional_residual`` to the middle block's output, as diffusers'
-        ``UNet2DConditionModel`` adds them. ``timestep_cond`` (B, time_embedding.cond_dim; optional, as
-        in diffusers), ``image_embeds`` (B, image_embedding.input_dim) and ``encoder_attention_mask``
-        (B, L: 1 keeps a context token, 0 masks it) are diffusers' inputs of the same names.
+        mid_block_additional_residual: Tensor | None = None, timestep_cond: Tensor | None = None,
+        image_embeds: Tensor | None = None, encoder_attention_mask: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
+        """Predict the noise (or whatever the spec was trained on) for NCHW ``x`` at timesteps ``t`` (a
+        scalar or (B,)). The other inputs are diffusers' ``UNet2DConditionModel``'s of the same names;
+        a spec takes exactly those `shared_configs.inputs` says (anything else is a one-line `ValueError`).
         """
         check_inputs(
             self.spec, "NCHW", x, t, context=context, class_labels=class_labels, text_embeds=text_embeds,
