@@ -307,16 +307,17 @@ def _train(
             manifest.run["guard"] = [*earlier, *({**asdict(r), "step": first + r.step} for r in guard.history)]
         save_checkpoint(run.out, held, optimizer, manifest, extra)
 
+    losses = run.losses  # a fresh list each time it is read
     rank = dist.get_rank() if cfg.distributed else 0
     settings = "" if rank else run_settings(cfg, "cpu")
     name = model.pair_spec.name if isinstance(model, ControlNetPair) else model.spec.name
-    run_loop(cfg, None, run.losses, step_fn, save_fn, f"torch {name} {model.plan.policy}", current_comm(), settings)
+    run_loop(cfg, None, losses, step_fn, save_fn, f"torch {name} {model.plan.policy}", current_comm(), settings)
     # Under FSDP2 each forward all-gathers from every rank: all sample while the group lives.
     sampling = cfg.sample_steps > 0 and (rank == 0 or cfg.distributed == "fsdp")
     samples = generate(model, schedule, dataset, cfg) if sampling else None
     if cfg.distributed:
         dist.barrier()
-    return run.losses, samples
+    return losses, samples
 
 
 def _dataset(cfg: TrainConfig, model: UNet | ControlNetPair) -> Dataset:
