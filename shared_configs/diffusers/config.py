@@ -58,11 +58,6 @@ FIXED: dict[str, tuple[Any, ...]] = {
     "attention_type": ("default",),
 }  # fmt: skip
 
-# Options only layers we refuse or do not build read (the learned time embedding, the text-conditioning
-# head): any value is fine. (addition_time_embed_dim, projection_class_embeddings_input_dim and the
-# options of SimpleCrossAttn / ResnetDownsample blocks are read only where those are built, see `_family`.)
-INERT: frozenset[str] = frozenset({"addition_embed_type_num_heads", "num_train_timesteps"})
-
 CONTEXT_NORM_GROUPS = 32  # diffusers' cross_attention_norm: group_norm (cross_attention_norm_num_groups, fixed)
 DOWN_BLOCKS: dict[str, str] = {"DownBlock2D": "none", "AttnDownBlock2D": "self", "CrossAttnDownBlock2D": "transformer"}
 UP_BLOCKS: dict[str, str] = {"UpBlock2D": "none", "AttnUpBlock2D": "self", "CrossAttnUpBlock2D": "transformer"}
@@ -76,12 +71,9 @@ MID_BLOCKS: dict[str, dict[str, str]] = {
 
 
 def from_diffusers_config(config: Mapping[str, Any], *, name: str | None = None) -> UNetSpec:
-    """A diffusers ``UNet2DModel`` / ``UNet2DConditionModel`` config -> `UNetSpec`.
+    """A ``config.json`` dict (with ``_class_name``, also for a live model's config) -> `UNetSpec`.
 
-    ``config`` is a ``config.json`` as a dict (it must carry ``_class_name``), or a live model's
-    ``dict(model.config)`` with ``_class_name`` added. Raises `SpecError` naming the first option
-    we cannot honour (all of them, for fixed options).
-    """
+    Raises `SpecError` naming the first option we cannot honour (all of them, for fixed options)."""
     cls = config.get("_class_name")
     if cls not in CLASS_DEFAULTS:
         raise SpecError(f"_class_name: unsupported diffusers model {cls!r} (supported: {', '.join(CLASS_DEFAULTS)})")
@@ -106,9 +98,9 @@ def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
         raise SpecError("down_block_types/up_block_types: CrossAttn*Block2D needs a UNet2DConditionModel")
     conditioning = conditioning_fields(cfg, cls)
     cond_dim = conditioning.pop("time_embedding_cond_dim", None)
+    same = ("in_channels", "out_channels", "norm_num_groups", "norm_eps", "dropout", "resnet_time_scale_shift")
     data: dict[str, Any] = {
-        "in_channels": cfg["in_channels"],
-        "out_channels": cfg["out_channels"],
+        **{k: cfg[k] for k in (*same, "downsample_padding", "mid_block_scale_factor")},
         "sample_size": _sample_size(cfg["sample_size"], n),
         "block_out_channels": list(cfg["block_out_channels"]),
         "layers_per_block": _uniform(cfg, "layers_per_block", n),
@@ -116,13 +108,7 @@ def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
         "up_attention": None if up == down[::-1] else up,
         "mid_attention": mid,
         **_heads(cfg, cls, down, up, mid),
-        "norm_num_groups": cfg["norm_num_groups"],
         "mid_attention_norm_groups": mid_groups,
-        "norm_eps": cfg["norm_eps"],
-        "dropout": cfg["dropout"],
-        "resnet_time_scale_shift": cfg["resnet_time_scale_shift"],
-        "downsample_padding": cfg["downsample_padding"],
-        "mid_block_scale_factor": cfg["mid_block_scale_factor"],
         "time_embedding": {
             "flip_sin_to_cos": cfg["flip_sin_to_cos"],
             "freq_shift": cfg["freq_shift"],
@@ -141,12 +127,12 @@ def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
 
 def _with_defaults(config: Mapping[str, Any], cls: str) -> dict[str, Any]:
     defaults = CLASS_DEFAULTS[cls]
-    unknown = sorted(k for k in config if not k.startswith("_") and k not in defaults)
-    if unknown:
+    given = {k: v for k, v in config.items() if not k.startswith("_")}
+    if unknown := sorted(set(given) - set(defaults)):
         raise SpecError(
             f"{unknown[0]}: unknown {cls} option (not in diffusers 0.42's signature); refusing to ignore it"
         )
-    return {**defaults, **{k: v for k, v in config.items() if not k.startswith("_")}}
+    return defaults | given
 
 
 def _refuse_unsupported(cfg: Mapping[str, Any]) -> None:
@@ -217,9 +203,8 @@ def _kinds(cfg: Mapping[str, Any], key: str, table: dict[str, str], n: int) -> l
     types = list(cfg[key])
     if len(types) != n:
         raise SpecError(f"{key}: {len(types)} entries for {n} block_out_channels")
-    for t in types:
-        if t not in table:
-            raise SpecError(f"{key}: unsupported block type {t!r} (supported: {', '.join(table)})")
+    if bad := [t for t in types if t not in table]:
+        raise SpecError(f"{key}: unsupported block type {bad[0]!r} (supported: {', '.join(table)})")
     return [table[t] for t in types]
 
 
