@@ -19,8 +19,6 @@ from shared_configs.spec import Bool, Int, SpecError, UNetSpec, _Frozen
 
 A = TypeVar("A")
 
-CONDITIONING_CHANNEL_ORDERS: tuple[str, ...] = ("rgb", "bgr")
-
 
 class ControlNetSpec(_Frozen):
     """A ControlNet on the encoder and middle block of ``unet`` (see the module doc): a `UNetSpec`, its

@@ -29,10 +29,9 @@ from shared_configs.spec_base import SpecError as SpecError  # re-exported
 # simple_cross: diffusers' SimpleCrossAttn blocks (Kandinsky 2.2, DeepFloyd IF, UnCLIP): one attention over
 # the context's added key/value projections and the block's own tokens.
 AttentionKind = Literal["none", "self", "transformer", "simple_cross"]
-ATTENTION_KINDS: tuple[str, ...] = ("none", "self", "transformer", "simple_cross")
 CONTEXT_KINDS: tuple[str, ...] = ("transformer", "simple_cross")  # the attentions that read the context
 NormKind = Literal["group", "batch"]
-NORM_KINDS: tuple[str, ...] = ("group", "batch")
+
 
 class UNetSpec(_Frozen):
     """A diffusion U-Net, level by level. Lists run from the highest resolution down."""
@@ -65,7 +64,7 @@ class UNetSpec(_Frozen):
         default=1, description="transformer layers per Transformer2D block: one for all levels, or one per level"
     )
     use_linear_projection: Bool = False
-    norm_kind: NormKind = Field(default="group", description="ResNet and output norms (see NORM_KINDS)")
+    norm_kind: NormKind = Field(default="group", description="ResNet and output norms")
     norm_momentum: Float = Field(
         default=0.1, gt=0.0, lt=1.0, description="BatchNorm running-stat weight of the new batch (torch convention)"
     )

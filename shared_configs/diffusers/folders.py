@@ -82,10 +82,6 @@ class DiffusersFolder:
     config: dict[str, Any]
     weight_files: tuple[Path, ...]
 
-    @property
-    def is_safetensors(self) -> bool:
-        return self.weight_files[0].suffix == ".safetensors"
-
 
 def is_path(obj: object) -> bool:
     return isinstance(obj, str | os.PathLike)

@@ -253,18 +253,6 @@ def per_rank(profile: Profile, world_size: int = 1, distributed: str = "ddp") ->
     return replace(profile, units=units, opt_peak=opt_peak)
 
 
-def extra_seconds(spec: StepSpec, seconds: Mapping[str, float], plain: Mapping[str, float]) -> dict[str, float]:
-    """What each unit of a run takes beyond the plain step's same work: ``seconds`` (unit -> its
-    forward + backward in the run), ``plain`` (layer, sampler, stem, head -> theirs in the plain
-    step); a block is compared with its layers and sampler. Never below 0 (noise, not a gain)."""
-    layers = block_layers(spec)
-    out = {}
-    for unit, spent in seconds.items():
-        base = sum(plain.get(n, 0.0) for n in layers[unit]) if unit in layers else plain.get(unit, 0.0)
-        out[unit] = max(spent - base, 0.0)
-    return out
-
-
 SAFETY = 0.005  # beyond what the profile's own steps show: plans it never ran may be off a little more
 
 

@@ -18,7 +18,6 @@ from shared_configs.spec import SpecError, UNetSpec
 
 FLOAT32 = 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-IMPLEMENTATIONS = ("per-parameter", "foreach", "fused", "torchao")
 
 # Where each figure comes from (torch 2.x, torchao 0.x source).
 SOURCES = {
