@@ -171,9 +171,7 @@ def norm_args(spec: UNetSpec) -> NormArgs:
 
 
 def block_resnet_args(spec: UNetSpec, block: str) -> ResnetArgs:
-    """The ResNets of ``block`` (``down.1``, ``mid``, ``up.0``): diffusers' ResnetDownsample / SimpleCrossAttn
-    blocks give theirs ``resnet_out_scale_factor`` and ``resnet_skip_time_act``, a SimpleCrossAttn middle
-    block the latter; other middle blocks divide by ``mid_block_scale_factor``."""
+    """The ResNets of ``block`` (``down.1``, ``mid``, ``up.0``), with the output scale and skip_time_act it reads."""
     if block == "mid":
         skip = spec.resnet_skip_time_act and spec.mid_attention == "simple_cross"
         return resnet_args(spec, spec.mid_block_scale_factor, skip)
@@ -183,18 +181,9 @@ def block_resnet_args(spec: UNetSpec, block: str) -> ResnetArgs:
 
 
 def resnet_args(spec: UNetSpec, output_scale: float = 1.0, skip_time_act: bool = False) -> ResnetArgs:
-    norm = norm_args(spec)
-    return ResnetArgs(
-        temb_dim=spec.block_temb_dim,
-        norm=norm.norm,
-        groups=norm.groups,
-        eps=norm.eps,
-        momentum=norm.momentum,
-        dropout_rate=spec.dropout,
-        scale_shift=spec.resnet_time_scale_shift == "scale_shift",
-        output_scale=output_scale,
-        skip_time_act=skip_time_act,
-    )
+    scale_shift = spec.resnet_time_scale_shift == "scale_shift"
+    norm = (spec.norm_kind, spec.norm_num_groups, spec.norm_eps, spec.norm_momentum)
+    return ResnetArgs(spec.block_temb_dim, *norm, spec.dropout, scale_shift, output_scale, skip_time_act)
 
 
 def attention_args(
@@ -212,16 +201,10 @@ def attention_args(
         if level == -1 and spec.mid_attention_norm_groups is not None:
             groups = spec.mid_attention_norm_groups
         return SelfAttentionArgs(heads, head_dim, groups, spec.norm_eps, spec.attention_scale, output_scale)
+    eps = (spec.transformer_norm_eps, spec.layer_norm_eps)
+    depth, groups, context = spec.transformer_depth(level), spec.norm_num_groups, spec.cross_attention_dim
     return TransformerArgs(
-        heads=heads,
-        head_dim=head_dim,
-        depth=spec.transformer_depth(level),
-        groups=spec.norm_num_groups,
-        norm_eps=spec.transformer_norm_eps,
-        ln_eps=spec.layer_norm_eps,
-        scale=spec.attention_scale,
-        context_dim=spec.cross_attention_dim,
-        linear_projection=spec.use_linear_projection,
+        heads, head_dim, depth, groups, *eps, spec.attention_scale, context, spec.use_linear_projection
     )
 
 
@@ -235,13 +218,9 @@ def class_embedding_args(spec: UNetSpec) -> ClassEmbeddingArgs | None:
 def timestep_frequencies(dim: int, freq_shift: float, max_period: float) -> np.ndarray:
     """The sinusoidal embedding's frequencies, (dim // 2,) float32, as diffusers defines them.
 
-    Computed once in numpy, so both frameworks multiply by bit-identical constants: with each
-    library's own float32 ``exp``, a 1-ulp difference in a frequency times a timestep near 1000
-    moves the sinusoid's argument by ~5e-5, which the network amplifies. The exponent is rounded
-    step by step in float32 exactly as diffusers' ``get_timestep_embedding`` computes it (a
-    float64 exponent differs from it in ~60% of entries); only the ``exp`` is exact, where
-    torch's float32 ``exp`` is 1 ulp off in ~3% of entries.
-    """
+    Computed once in numpy so both frameworks multiply by bit-identical constants (a 1-ulp difference
+    times a timestep near 1000 is amplified by the network): the exponent is rounded in float32 step by
+    step as diffusers' ``get_timestep_embedding`` does, and only the ``exp`` is exact (float64)."""
     half = dim // 2
     exponent = np.float32(-math.log(max_period)) * np.arange(half, dtype=np.float32) / np.float32(half - freq_shift)
     return np.exp(exponent.astype(np.float64)).astype(np.float32)
