@@ -56,8 +56,7 @@ def round_size(size: int) -> int:
 
 
 def segment_size(size: int) -> int:
-    """The ``cudaMalloc`` a request makes when no cached block fits: small ones share 2 MiB
-    segments, 1-10 MiB ones 20 MiB segments, larger ones their size rounded up to 2 MiB."""
+    """The ``cudaMalloc`` a request makes when no cached block fits (the allocator's three segment sizes)."""
     size = round_size(size)
     if size <= SMALL_SIZE:
         return SMALL_BUFFER
@@ -78,46 +77,37 @@ def _heads(spec: UNetSpec, unit: str) -> int:
     return spec.attention_shape(block, levels.get(block, -1))[0]
 
 
-def _attention_shapes(spec: UNetSpec, batch_size: int, context_length: int) -> Iterable[tuple[str, int, int]]:
-    """(unit, heads, queries per sample) of every attention: its query projection (three ops
-    before it, `unit_flops._projections`) has batch x queries rows."""
+def _attention_shapes(spec: UNetSpec, batch_size: int, context_length: int) -> Iterable[tuple[str, int, int, int]]:
+    """(unit, heads, queries, keys per sample) of every attention, read off its query and key projections' rows
+    (three and two ops before it, `unit_flops._projections`)."""
     for unit, ops in unit_ops(spec, batch_size, context_length).items():
         for i, op in enumerate(ops):
             if op.cls == "attention":
-                yield unit, _heads(spec, unit), ops[i - 3].rows // batch_size
+                yield unit, _heads(spec, unit), ops[i - 3].rows // batch_size, ops[i - 2].rows // batch_size
 
 
 def logsumexp_bytes(spec: UNetSpec, batch_size: int, context_length: int = 77, block: int = 1) -> dict[str, int]:
     """Per unit, the float32 logsumexp its fused attentions keep: batch x heads x queries, the
     queries padded to a multiple of ``block`` (32: the memory-efficient kernel)."""
     out: dict[str, int] = {}
-    for unit, heads, queries in _attention_shapes(spec, batch_size, context_length):
+    for unit, heads, queries, _ in _attention_shapes(spec, batch_size, context_length):
         out[unit] = out.get(unit, 0) + LSE_BYTES * batch_size * heads * block * math.ceil(queries / block)
     return out
 
 
 def probabilities_bytes(spec: UNetSpec, batch_size: int, regime: Regime, context_length: int = 77) -> dict[str, int]:
-    """Per unit, what an unfused attention (diffusers' ``AttnProcessor``: baddbmm, softmax, bmm)
-    keeps beyond a fused one: the softmax's float32 output, B x heads x queries x keys (softmax is
-    on CUDA autocast's float32 list), and in mixed precision its half-precision cast, which the
-    second bmm saves; less the fused kernel's logsumexp, which it does not keep."""
+    """Per unit, what an unfused attention (diffusers' ``AttnProcessor``) keeps beyond a fused one: the
+    softmax's float32 output (and its half cast in mixed precision), less the fused kernel's logsumexp."""
     per_element = 4 + (2 if regime.precision in MIXED else 0)
     out: dict[str, int] = {}
-    for unit, ops in unit_ops(spec, batch_size, context_length).items():
-        for i, op in enumerate(ops):
-            if op.cls == "attention":
-                queries, keys = ops[i - 3].rows // batch_size, ops[i - 2].rows // batch_size
-                heads = _heads(spec, unit)
-                extra = batch_size * heads * queries * (per_element * keys - LSE_BYTES)
-                out[unit] = out.get(unit, 0) + extra
+    for unit, heads, queries, keys in _attention_shapes(spec, batch_size, context_length):
+        out[unit] = out.get(unit, 0) + batch_size * heads * queries * (per_element * keys - LSE_BYTES)
     return out
 
 
 def _norms(unit: str, ops: list[Op]) -> Iterable[tuple[int, bool]]:
-    """(input elements, SiLU follows) of each GroupNorm/LayerNorm of a unit, read off the op that
-    consumes it (`unit_flops.unit_ops`' order): a ResNet's two 3x3 convs and the head's conv follow
-    norm + SiLU; an attention unit's first op, when it is not a projection, is proj_in after its
-    GroupNorm; every query projection and the feed-forward's first matmul follow a norm."""
+    """(input elements, SiLU follows) of each GroupNorm/LayerNorm of a unit, read off the op that consumes it:
+    3x3 convs (norm + SiLU), proj_in, the first of q/k/v and the feed-forward's first matmul (a norm)."""
     if ".resnets." in unit:
         yield from ((op.rows * op.fan_in // 9, True) for op in (ops[0], ops[2]))
     elif unit == "head":
@@ -149,11 +139,8 @@ def _add_into(out: dict[str, int], part: dict[str, int]) -> None:
 
 def kept_bytes(spec: StepSpec, batch_size: int, regime: Regime, context_length: int = 77, unfused: bool = False
                ) -> dict[str, int]:  # fmt: skip
-    """Per leaf unit, the bytes a plain unit keeps on a GPU beyond the CPU profile: autocast's
-    float32 norms (mixed precision) and, in float32 (the memory-efficient kernel), the logsumexp's
-    padding of the queries to 32; ``unfused``: the attention probabilities (`probabilities_bytes`).
-    The ControlNet step: the ControlNet's units as the U-Net's, and of the frozen U-Net only the up
-    path and head (its encoder keeps nothing for a backward)."""
+    """Per leaf unit, what a plain unit keeps on a GPU beyond the CPU profile: autocast's float32 norms,
+    fp32's padded logsumexp, ``unfused``: the probabilities. ControlNet: the frozen U-Net's encoder keeps none."""
     if isinstance(spec, ControlNetPairSpec):
         unet = kept_bytes(spec.unet, batch_size, regime, context_length, unfused)
         encoder = {u: v for u, v in unet.items() if not u.startswith("up.") and u != "head"}
@@ -182,9 +169,8 @@ SAVED_PER_OP = 4  # a bound on what one conv/matmul/attention/norm keeps or hold
 
 
 def tensor_count(spec: UNetSpec, regime: Regime) -> int:
-    """A bound on the tensors alive at a step's peak: weights and biases of every conv/matmul,
-    weight and bias of every norm, a gradient and the optimizer's state per trained tensor (LoRA:
-    A and B per adapted projection), an EMA copy, and `SAVED_PER_OP` per op and norm."""
+    """A bound on the tensors alive at a step's peak: parameters, per trained tensor its gradient, optimizer
+    state and EMA copy (LoRA: A and B per adapted projection), and `SAVED_PER_OP` per op and norm."""
     ops = unit_ops(spec, 1, 1)
     weighted = sum(op.cls != "attention" for unit_ops_ in ops.values() for op in unit_ops_)
     norms = sum(1 for unit, unit_ops_ in ops.items() for _ in _norms(unit, unit_ops_))
@@ -197,10 +183,8 @@ def tensor_count(spec: UNetSpec, regime: Regime) -> int:
 
 
 def rounding_bound(spec: StepSpec, regime: Regime) -> int:
-    """What the 512-byte rounding can add at the peak: at most 511 B per tensor (`tensor_count`).
-    The profile's per-unit bytes are sums, so the rounding of each tensor is not known; SD's
-    activations are multiples of 512 B, so the bound is mostly the small tensors'. The ControlNet
-    step: twice the U-Net's (a bound: the ControlNet is its encoder's copy)."""
+    """What the 512-byte rounding can add at the peak: 511 B per tensor (`tensor_count`; the profile holds
+    sums, not tensors). The ControlNet step: twice the U-Net's."""
     if isinstance(spec, ControlNetPairSpec):
         return 2 * rounding_bound(spec.unet, regime)
     return (MIN_BLOCK - 1) * tensor_count(spec, regime)
@@ -208,8 +192,7 @@ def rounding_bound(spec: StepSpec, regime: Regime) -> int:
 
 @dataclass(frozen=True)
 class Device:
-    """The GPU a flavour is for: Hopper (compute capability 9) has 32 MiB cuBLAS workspaces;
-    ``lazy_loading`` is PyTorch's default (CUDA_MODULE_LOADING=LAZY)."""
+    """The GPU a flavour is for (Hopper: 32 MiB cuBLAS workspaces; lazy CUDA module loading: torch's default)."""
 
     hopper: bool = False
     lazy_loading: bool = True
@@ -230,8 +213,7 @@ def _unit_delta(unit: str, leaves: dict[str, int], blocks: dict[str, tuple[str, 
 
 
 def optimizer_delta(profile: Profile, spec: StepSpec, regime: Regime, chosen: str | None = None) -> int:
-    """What the optimizer step's temporaries on CUDA (torch's default there, or ``chosen``) add to
-    the CPU profile's, which ran the per-parameter loop (`shared_configs.planning.optimizer_step`)."""
+    """What the CUDA optimizer step's temporaries (its default, or ``chosen``) add to the CPU's per-parameter loop."""
     trained = optimizer_step.trained_of(spec, regime, profile.grad_bytes)
     cpu = optimizer_step.temporaries(regime.profiled.optimizer, "per-parameter", trained)
     name = optimizer_step.implementation(regime.optimizer, "cuda", chosen)
@@ -240,10 +222,8 @@ def optimizer_delta(profile: Profile, spec: StepSpec, regime: Regime, chosen: st
 
 def gpu_profile(profile: Profile, spec: StepSpec, regime: Regime, device: Device = Device(),
                 optimizer_impl: str | None = None) -> Profile:  # fmt: skip
-    """``profile`` as the step holds it on ``device`` (``max_memory_allocated``'s view): each unit's
-    `kept_bytes` kept when plain (in its own peaks too) and alive during its backward when
-    recomputed; the optimizer's CUDA temporaries at its step (`optimizer_delta`); the workspaces and
-    the rounding bound alive throughout."""
+    """``profile`` as ``max_memory_allocated`` sees it on ``device``: `kept_bytes` per unit (kept when plain,
+    alive in its backward when recomputed), `optimizer_delta` at its step, workspaces and rounding throughout."""
     leaves = kept_bytes(spec, profile.batch_size, regime, profile.context_length, device.unfused_attention)
     blocks = block_layers(spec)
     units: dict[str, dict[str, Cost]] = {}
@@ -280,9 +260,8 @@ class GpuEstimate:
 def estimate(profile: Profile, spec: StepSpec, regime: Regime, assignment: dict[str, str],
              device: Device = Device(), optimizer_impl: str | None = None,
              extend: Callable[[Profile, str], Profile] | None = None) -> GpuEstimate:  # fmt: skip
-    """``assignment``'s peak on ``device``: the flavoured profile's prediction (allocated), times
-    `FRAGMENTATION` (reserved), plus the CUDA context (what ``nvidia-smi`` shows). ``extend`` adds
-    what runs beside the U-Net to a profile, on "cpu" or "cuda" (`shared_configs.planning.whole`)."""
+    """``assignment``'s peak on ``device``: allocated, times `FRAGMENTATION` (reserved), plus the context
+    (``nvidia-smi``). ``extend`` adds what runs beside the U-Net ("cpu" or "cuda", `planning.whole`)."""
     extend = extend or (lambda p, _kind: p)
     on_cpu = extend(profile, "cpu")
     flavoured = extend(gpu_profile(profile, spec, regime, device, optimizer_impl), "cuda")
@@ -305,6 +284,5 @@ def estimate(profile: Profile, spec: StepSpec, regime: Regime, assignment: dict[
 
 
 def device_budget(budget: int, device: Device = Device()) -> int:
-    """The allocated peak (``max_memory_allocated``) a step may reach to fit ``budget`` bytes of
-    device memory as ``nvidia-smi`` counts it: less the context, over `FRAGMENTATION`."""
+    """The allocated peak a step may reach to fit ``budget`` bytes as ``nvidia-smi`` counts them."""
     return int((budget - device.context) / FRAGMENTATION)
