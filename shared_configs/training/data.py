@@ -30,11 +30,7 @@ LATENT_SCALE = 8  # SDXL's time_ids are in pixels: a latent of size s is an imag
 
 @dataclass(frozen=True)
 class Batch:
-    """One training batch, NCHW float32: the model sees (noisy, t, conditioning) and must predict noise.
-
-    The conditioning inputs are named as the forwards' (`CONDITIONING`); each is None where the spec
-    takes none of it (`shared_configs.inputs.input_specs`).
-    """
+    """One training batch, NCHW float32: (noisy, t, conditioning) -> noise; conditioning the spec lacks is None."""
 
     noisy: np.ndarray
     t: np.ndarray
@@ -60,11 +56,7 @@ class Batch:
 
 
 def check_conditioning(spec: UNetSpec, given: Mapping[str, Any]) -> None:
-    """Refuse (one-line `ValueError`) a batch whose conditioning inputs are not exactly ``spec``'s.
-
-    ``given``: name -> array or None (`Batch.conditioning`, or a framework's arrays by the same
-    names). The forwards check shapes; this names the batch as the culprit, before any compute.
-    """
+    """Refuse a batch (``given``: name -> array or None) whose conditioning inputs are not exactly ``spec``'s."""
     wanted = input_specs(spec, 1, context_len=1)
     for name in CONDITIONING:
         if wanted[name] is not None and given.get(name) is None:
@@ -78,16 +70,8 @@ def check_conditioning(spec: UNetSpec, given: Mapping[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class Conditioner:
-    """The conditioning inputs a spec takes, made from class labels (fixed seeded tables, not learned).
-
-    * ``context``: one token per image, the class's row of a (10, cross_attention_dim) table;
-    * ``class_labels``: ids for ``embedding`` / ``timestep`` class embeddings (the digit, modulo
-      ``num_classes`` when set), else the class's row of a vector table of the right width;
-    * ``text_embeds``: the class's row of a (10, D) table (what a pooled text encoder would give);
-    * ``time_ids``: SDXL's micro-conditioning, (original h, w, crop top, left, target h, w) in
-      pixels, as floats: drawn per sample in training, (S, S, 0, 0, S, S) when sampling (S = the
-      image size). A spec with N != 6 time ids takes the first N of these, cycled.
-    """
+    """The conditioning inputs a spec takes, made from class labels by fixed seeded tables (docs/training.md):
+    one context token, class ids or vectors, text_embeds, and SDXL's time_ids (drawn in training)."""
 
     context_table: np.ndarray | None = None
     class_ids: int | None = None  # modulus for class ids (0: ids as they are); None: no ids
@@ -116,8 +100,7 @@ class Conditioner:
         return cls(**kwargs)
 
     def __call__(self, labels: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, np.ndarray | None]:
-        """(B,) labels -> every conditioning input by name (None where the spec takes none).
-        ``rng``: draws the time ids (training); None: the fixed ones (sampling)."""
+        """(B,) labels -> every conditioning input by name; ``rng`` draws the time ids (None: sampling's)."""
         out: dict[str, np.ndarray | None] = dict.fromkeys(CONDITIONING)
         if self.context_table is not None:
             out["context"] = self.context_table[labels][:, None, :]  # (B, 1, D)
@@ -146,12 +129,8 @@ EXAMPLE_TIMESTEPS = 1000  # the DDPM timesteps an example batch's t are drawn fr
 
 
 def example_batch(spec: UNetSpec, batch_size: int, context_length: int = 77, seed: int = 0) -> Batch:
-    """The inputs every row trains on, the same numbers in both frameworks: a training loop's
-    `Batch` (numpy, NCHW; jax_impl.train.arrays makes it NHWC). Noise-like images and targets,
-    integer timesteps, a ``context_length``-token context when the spec cross-attends, and the
-    other conditioning the spec takes (class labels, text embeddings, time ids) as the training data
-    makes it (`Conditioner`), for random classes. The one place the benchmark's and the planner's
-    inputs are made."""
+    """The benchmark's and the planner's inputs, the same numbers in both frameworks: noise-like images and
+    targets, integer timesteps, and the conditioning the spec takes (`Conditioner`, random classes)."""
     rng = np.random.default_rng(seed)
     size = spec.sample_size
     noisy = rng.standard_normal((batch_size, spec.in_channels, size, size), dtype=np.float32)
@@ -189,13 +168,11 @@ class Dataset:
         labels = self.labels[idx]
         # A stream of its own: the images, timesteps and noise of a seed stay what they were.
         conditioning = self.conditioning(labels, np.random.default_rng([seed, step, 2]))
-        f32 = np.float32
-        return self._of_images(Batch(noisy.astype(f32), t.astype(f32), noise.astype(f32), labels=labels,
-                                     **conditioning), idx)  # fmt: skip
+        arrays = (a.astype(np.float32) for a in (noisy, t, noise))
+        return self._of_images(Batch(*arrays, labels=labels, **conditioning), idx)
 
     def _of_images(self, batch: Batch, idx: np.ndarray) -> Batch:
-        """``batch`` made of images ``idx``, with what a subclass derives from them (none here;
-        `shared_configs.pair.ControlNetDataset`: the conditioning image)."""
+        """``batch`` with what a subclass derives from images ``idx`` (`pair.ControlNetDataset`)."""
         return batch
 
 
@@ -239,8 +216,7 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def step_arrays(batch: Batch) -> list[np.ndarray]:
-    """The arrays a training step reads: images, timesteps, targets and the conditioning (labels are
-    not given to the model)."""
+    """The arrays a training step reads (not the labels)."""
     return [batch.noisy, batch.t, batch.noise, *(a for a in batch.conditioning().values() if a is not None)]
 
 
