@@ -18,7 +18,7 @@ from shared_configs.arch import down_blocks, up_blocks
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec
 from shared_configs.planning import optimizer_step
 from shared_configs.planning.budget import PLAIN, Cost, Profile, StepSpec, block_layers, predict, with_static_bytes
-from shared_configs.planning.unit_flops import HIDDEN, Op, unit_ops
+from shared_configs.planning.unit_flops import HIDDEN, Op, in_encoder, unit_ops
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
 
@@ -143,7 +143,7 @@ def kept_bytes(spec: StepSpec, batch_size: int, regime: Regime, context_length: 
     fp32's padded logsumexp, ``unfused``: the probabilities. ControlNet: the frozen U-Net's encoder keeps none."""
     if isinstance(spec, ControlNetPairSpec):
         unet = kept_bytes(spec.unet, batch_size, regime, context_length, unfused)
-        encoder = {u: v for u, v in unet.items() if not u.startswith("up.") and u != "head"}
+        encoder = {u: v for u, v in unet.items() if in_encoder(u)}
         return {CONTROLNET + u: v for u, v in encoder.items()} | {u: v for u, v in unet.items() if u not in encoder}
     out: dict[str, int] = {}
     if regime.precision in MIXED:

@@ -29,11 +29,8 @@ ATTENTION_BACKWARD = 2.5  # attention's backward FLOPs per forward FLOP (scores 
 
 @dataclass(frozen=True)
 class Op:
-    """One conv, matmul or attention of the forward, in forward order.
-
-    ``rows``/``fan_in``/``fan_out``: a weighted op's product (conv: b*h*w rows, cin*k*k in);
-    ``branch``: its output feeds an attention (q, k, v) or the time embedding, not the hidden
-    states; ``adapted``: a LoRA target (the attention projections)."""
+    """One conv, matmul or attention of the forward. ``rows``/``fan_in``/``fan_out``: a weighted op's product
+    (conv: b*h*w rows, cin*k*k in); ``branch``: it feeds q/k/v or the time embedding; ``adapted``: a LoRA target."""
 
     cls: str
     flops: float
@@ -155,39 +152,37 @@ def _forward(ops: list[Op], lora_rank: int | None) -> Flops:
     return dict(out)
 
 
-def _blocks(spec: UNetSpec) -> list[str]:
-    return [d.name for d in down_blocks(spec)] + ["mid"] + [u.name for u in up_blocks(spec)]
+def _with_blocks(spec: UNetSpec, out: dict[str, Flops]) -> dict[str, Flops]:
+    """``out`` (per leaf unit) with each block's entry: the sum of its layers' and samplers'."""
+    for block in [d.name for d in down_blocks(spec)] + ["mid"] + [u.name for u in up_blocks(spec)]:
+        out[block] = _add(*(v for k, v in out.items() if k.startswith(block + ".")))
+    return out
+
+
+def in_encoder(unit: str) -> bool:
+    """Whether a U-Net unit is in the part a ControlNet copies (not the up path or the head)."""
+    return not unit.startswith("up.") and unit != "head"
 
 
 def unit_flops(
     spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int = 77, lora_rank: int | None = None
 ) -> dict[str, Flops]:
-    """Forward FLOPs by op class of every unit: layers, samplers, blocks (their sum), stem, head;
-    with ``lora_rank``: the adapters' matmuls included. The ControlNet step: both networks' units
-    (`pair_unit_flops`)."""
+    """Forward FLOPs by op class of every unit (layers, samplers, blocks, stem, head), LoRA's adapters included."""
     if isinstance(spec, ControlNetPairSpec):
         return pair_unit_flops(spec, batch_size, context_length)
-    out = {u: _forward(ops, lora_rank) for u, ops in unit_ops(spec, batch_size, context_length).items()}
-    for block in _blocks(spec):
-        out[block] = _add(*(v for k, v in out.items() if k.startswith(block + ".")))
-    return out
+    return _with_blocks(
+        spec, {u: _forward(ops, lora_rank) for u, ops in unit_ops(spec, batch_size, context_length).items()}
+    )
 
 
 def unit_weights(spec: UNetSpec | ControlNetPairSpec) -> dict[str, Flops]:
-    """The conv/matmul weights of every unit by op class (as `unit_flops`: layers, samplers,
-    blocks, stem, head): what a recompute in mixed precision casts again. The ControlNet step:
-    both networks' units, as `pair_unit_flops` names them."""
+    """The conv/matmul weights of every unit by op class, as `unit_flops` names them: what a mixed-precision
+    recompute casts again."""
     if isinstance(spec, ControlNetPairSpec):
         return _pair_units(unit_weights(spec.unet), controlnet_ops(spec, 1), lambda ops: {"conv": _weights(ops)})
-    out: dict[str, Flops] = {}
-    for unit, ops in unit_ops(spec, 1, 1).items():
-        per: dict[str, float] = defaultdict(float)
-        for op in ops:
-            per[op.cls] += op.weights
-        out[unit] = dict(per)
-    for block in _blocks(spec):
-        out[block] = _add(*(v for k, v in out.items() if k.startswith(block + ".")))
-    return out
+    return _with_blocks(
+        spec, {u: _add(*({op.cls: op.weights} for op in ops)) for u, ops in unit_ops(spec, 1, 1).items()}
+    )
 
 
 @dataclass(frozen=True)
@@ -209,10 +204,8 @@ class StepFlops:
 def walk(spec: UNetSpec, batch_size: int, context_length: int = 77, lora_rank: int | None = None) -> Iterator[
     tuple[str, Op, bool]
 ]:  # fmt: skip
-    """Each op in forward order with whether its input needs a gradient: the hidden states do from
-    the first trained weight on (all trained: the stem's conv; LoRA: the first adapter; an
-    attention's q/k/v feed the attention, which passes it on); the time embedding does when the
-    base is trained; the context and the step's inputs never."""
+    """Each op in forward order with whether its input needs a gradient: the hidden states from the first
+    trained weight (or adapter) on, the time embedding when the base is trained, the context and inputs never."""
     trained = lora_rank is None
     live, pending = False, False  # the hidden states need a gradient; a branch since the last op on them does
     for unit, ops in unit_ops(spec, batch_size, context_length).items():
@@ -229,11 +222,8 @@ def walk(spec: UNetSpec, batch_size: int, context_length: int = 77, lora_rank: i
 
 
 def step_flops(spec: UNetSpec, batch_size: int, context_length: int = 77, lora_rank: int | None = None) -> StepFlops:
-    """The plain step's FLOPs with every weight trained (``lora_rank`` None) or rank-R adapters on a
-    frozen base: the forward; the backward's input gradients (a weighted op's forward FLOPs where
-    its input needs one, attention's `ATTENTION_BACKWARD` times its forward); weight gradients (a
-    weighted op's forward FLOPs, trained weights only); the adapters' matmuls (forward, their
-    weight gradients, and input gradients as for their op)."""
+    """The plain step's FLOPs, every weight trained or (``lora_rank``) adapters on a frozen base: each
+    gradient costs its op's forward FLOPs (attention's backward: `ATTENTION_BACKWARD` forwards)."""
     fwd = grads = wgrads = adapters = 0.0
     trained = weights = 0
     for _, op, needs in walk(spec, batch_size, context_length, lora_rank):
@@ -266,9 +256,7 @@ def recompute_flops(per_class: Flops, choice: str) -> float:
 
 
 def controlnet_ops(spec: ControlNetPairSpec, batch_size: int) -> dict[str, list[Op]]:
-    """The ControlNet's own convolutions: ``stem``, the conditioning embedding (from the image, at
-    `ControlNetSpec.conditioning_factor` times the sample's size, down to it); ``head``, one 1x1
-    zero convolution per residual."""
+    """The ControlNet's own convolutions: ``stem``, the conditioning embedding; ``head``, its zero convolutions."""
     cn, b = spec.controlnet, batch_size
     widths, side = cn.conditioning_embedding_out_channels, spec.sample_size * cn.conditioning_factor
     stem = [_conv(b, cn.conditioning_channels, widths[0], 3, side, INPUT)]
@@ -282,18 +270,16 @@ def controlnet_ops(spec: ControlNetPairSpec, batch_size: int) -> dict[str, list[
 
 
 def pair_unit_flops(spec: ControlNetPairSpec, batch_size: int, context_length: int = 77) -> dict[str, Flops]:
-    """Forward FLOPs of the ControlNet step's units: the ControlNet's (its encoder's are the
-    U-Net's; its stem adds the conditioning embedding, its head is its zero convolutions), then the U-Net's."""
+    """Forward FLOPs of the ControlNet step's units: the ControlNet's (`_pair_units`), then the U-Net's."""
     unet = unit_flops(spec.unet, batch_size, context_length)
     return _pair_units(unet, controlnet_ops(spec, batch_size), lambda ops: _forward(ops, None))
 
 
 def _pair_units(unet: dict[str, Flops], own_ops: dict[str, list[Op]], of: Callable[[list[Op]], Flops]
                 ) -> dict[str, Flops]:  # fmt: skip
-    """The pair's units from the U-Net's: the ControlNet's encoder as the U-Net's, its stem with the
-    conditioning embedding (``own_ops``, each measured by ``of``), its head its zero convolutions."""
+    """The pair's units: the ControlNet's encoder as the U-Net's, its stem and head from ``own_ops`` (by ``of``)."""
     own = {u: of(ops) for u, ops in own_ops.items()}
-    mine = {u: f for u, f in unet.items() if not u.startswith("up.") and u != "head"}
+    mine = {u: f for u, f in unet.items() if in_encoder(u)}
     mine |= {"stem": _add(unet["stem"], own["stem"]), "head": own["head"]}
     return {CONTROLNET + u: f for u, f in mine.items()} | unet
 
@@ -305,16 +291,14 @@ def _weights(ops: list[Op]) -> float:
 def pair_weights(spec: ControlNetPairSpec) -> tuple[int, int]:
     """(the ControlNet's conv/matmul weights, both networks'): what the step updates, and casts."""
     unet = {u: _weights(ops) for u, ops in unit_ops(spec.unet, 1, 1).items()}
-    encoder = sum(w for u, w in unet.items() if not u.startswith("up.") and u != "head")
+    encoder = sum(w for u, w in unet.items() if in_encoder(u))
     trained = encoder + sum(_weights(ops) for ops in controlnet_ops(spec, 1).values())
     return round(trained), round(trained + sum(unet.values()))
 
 
 def pair_step_flops(spec: ControlNetPairSpec, batch_size: int, context_length: int = 77) -> float:
-    """The ControlNet step's FLOPs as autograd runs them: the ControlNet trained (its encoder as
-    `walk` walks a trained U-Net's, its own convolutions with input gradients past the image); the
-    frozen U-Net's forward, and the backward of its up path and head for their inputs only (the loss
-    reaches the residuals through them; its encoder needs no backward)."""
+    """The ControlNet step's FLOPs as autograd runs them: the ControlNet trained; the frozen U-Net's forward,
+    and its up path's and head's backward for their inputs only (the loss reaches the residuals through them)."""
     total = 0.0
 
     def backward(op: Op, needs: bool, weights: bool) -> float:
@@ -323,7 +307,7 @@ def pair_step_flops(spec: ControlNetPairSpec, batch_size: int, context_length: i
         return (op.flops if needs else 0.0) + (op.flops if weights else 0.0)
 
     for unit, op, needs in walk(spec.unet, batch_size, context_length):
-        encoder = not unit.startswith("up.") and unit != "head"
+        encoder = in_encoder(unit)
         total += op.flops * (1 + encoder)  # forward: in both networks, or in the U-Net only
         total += backward(op, needs, weights=True) if encoder else backward(op, op.source == HIDDEN, weights=False)
     for ops in controlnet_ops(spec, batch_size).values():
