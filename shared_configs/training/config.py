@@ -130,8 +130,7 @@ class NonFiniteLoss(RuntimeError):
 
 
 class Defaults(argparse.HelpFormatter):
-    """Each flag's help ends with its default, where it has one (not a switch's False, nor None) and
-    the help does not already say it."""
+    """Each flag's help ends with its default, where it has one (not False or None) the help does not say."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text, default = action.help or "", action.default
@@ -146,37 +145,23 @@ def parse_args(argv: list[str] | None, framework: FrameworkCLI) -> TrainConfig:
     p = OneLineParser(prog=framework.prog, description="DDPM noise-prediction training.", formatter_class=Defaults)
     p.add_argument("--config", default=d.config, help="preset name or YAML path")
     plan = p.add_mutually_exclusive_group()
-    plan.add_argument(
-        "--policy",
-        default=d.policy,
-        help="checkpoint policy: none, full, balanced, layers, every:N (default: the spec's checkpoint "
-        "field, else none)",
-    )
-    plan.add_argument(
-        "--budget-mib",
-        type=positive_mib,
-        default=d.budget_mib,
-        help="instead of --policy: the cheapest plan whose step is predicted to fit this many MiB (per rank), "
-        "for this run's spec, batch and ranks (profiled once, cached); prints the predicted and measured peak",
-    )
+    plan.add_argument("--policy", default=d.policy, help="checkpoint policy: none, full, balanced, layers, every:N "
+                      "(default: the spec's checkpoint field, else none)")  # fmt: skip
+    plan.add_argument("--budget-mib", type=positive_mib, default=d.budget_mib, help="instead of --policy: the cheapest "
+                      "plan whose step is predicted to fit this many MiB (per rank), for this run's spec, batch and "
+                      "ranks (profiled once, cached); prints the predicted and measured peak")  # fmt: skip
     p.add_argument("--batch-size", type=positive(int), default=d.batch_size, help="the global batch")
     p.add_argument("--steps", type=positive(int), default=d.steps, help="total steps (a resumed run stops here too)")
     p.add_argument("--lr", type=positive(float), default=d.lr, help="learning rate")
     p.add_argument("--weight-decay", type=nonnegative(float), default=d.weight_decay, help="AdamW decoupled decay")
     p.add_argument("--seed", type=nonnegative(int), default=d.seed, help="weights, batches, noise and dropout")
     add_regime_arguments(p)
-    p.add_argument(
-        "--out",
-        default=f"runs/{framework.package}",
-        help="run folder (checkpoint, losses.json, plots); owned by one run at a time",
-    )
+    p.add_argument("--out", default=f"runs/{framework.package}", help="run folder (checkpoint, losses.json, plots); "
+                   "owned by one run at a time")  # fmt: skip
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true", help="continue the run in OUT (same curve flags, more steps)")
-    start.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start afresh in an OUT that holds a checkpoint (replaced at the new run's first checkpoint)",
-    )
+    start.add_argument("--overwrite", action="store_true", help="start afresh in an OUT that holds a checkpoint "
+                       "(replaced at the new run's first checkpoint)")  # fmt: skip
     p.add_argument("--data", choices=DATASETS, default=d.data, help="the training images")
     p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule, help="the noise schedule")
     p.add_argument("--timesteps", type=positive(int), default=d.timesteps, help="diffusion steps T (linear: >= 21)")
@@ -234,9 +219,7 @@ DISTRIBUTED_HELP = {
 
 
 def used(cfg: TrainConfig, device: str, **settings: Any) -> str:
-    """What the run uses on ``device``, as every tool says it (`shared_configs.defaults.Defaults.describe`):
-    the forward's dtype (the regime's precision says the rest) and the framework's ``settings``
-    (`shared_configs.defaults.Defaults` fields, e.g. JAX's ``attention_chunk``)."""
+    """What the run uses on ``device`` as every tool says it: the dtype and ``settings`` (`Defaults` fields)."""
     run = replace(defaults(device), dtype=cfg.regime.compute_dtype or "float32", **settings)
     return run.describe(tuple(f for f in FIELDS if f == "dtype" or f in settings))
 
@@ -270,12 +253,10 @@ def resume_differences(saved: dict[str, Any], cfg: TrainConfig, spec: UNetSpec) 
         for name in CURVE_FIELDS
         if then.get(name) != now["config"][name]
     ]
-    spec_then, spec_now = saved["spec"], now["spec"]
-    keys = sorted(set(spec_then) | set(spec_now))
-    diffs += [
-        f"spec {k} {spec_now.get(k)} (run: {spec_then.get(k)})" for k in keys if spec_then.get(k) != spec_now.get(k)
+    old, new = saved["spec"], now["spec"]
+    return diffs + [
+        f"spec {k} {new.get(k)} (run: {old.get(k)})" for k in sorted({*old, *new}) if old.get(k) != new.get(k)
     ]
-    return diffs
 
 
 def check_finite(loss: float, step: int, total: int, last_saved: str) -> None:
@@ -285,14 +266,8 @@ def check_finite(loss: float, step: int, total: int, last_saved: str) -> None:
 
 
 def cli_main(train: Callable[[TrainConfig], list[float]], argv: list[str] | None, framework: FrameworkCLI) -> int:
-    """Run ``train`` from the command line; an error is one line: status 2 for bad input, 1 for a
-    failed run, 128 + signal number for a run a signal stopped (its line says how to resume).
-
-    Under torchrun (or over several JAX processes: ``framework.rank``) every rank meets the same bad
-    input (the checks read the same flags and files), the same non-finite global loss, the same
-    stop step and the same failed checkpoint write (the ranks agree on each), so only rank 0 prints
-    those; any rank prints its other OS errors.
-    """
+    """Run ``train`` from the command line; an error is one line (status 2: bad input, 1: a failed run, 128 +
+    signal: stopped). The ranks agree on all but OS errors, so rank 0 alone prints the others."""
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv, framework)
     prog = framework.prog
