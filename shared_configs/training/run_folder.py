@@ -87,8 +87,7 @@ SOLO = Solo()
 
 @contextmanager
 def owned(out: Path, owner: bool = True) -> Iterator[None]:
-    """Check ``out`` is (or can be made) a writable folder; the ``owner`` (rank 0) also holds its
-    lock for the block and first removes the temp files of killed writes."""
+    """Check ``out`` is (or can be made) a writable folder; the ``owner`` also holds its lock and removes old temps."""
     if out.exists() and not out.is_dir():
         raise RunFolderError(f"--out {out}: exists and is not a folder")
     try:
@@ -156,14 +155,12 @@ def checkpoint_name(step: int) -> str:
 
 def checkpoints(out: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every committed checkpoint in ``out``, oldest first."""
-    found = [(int(p.name[len(PREFIX) :]), p) for p in out.glob(PREFIX + "*") if p.name[len(PREFIX) :].isdigit()]
-    return sorted(found)
+    return sorted((int(n), p) for p in out.glob(PREFIX + "*") if (n := p.name.removeprefix(PREFIX)).isdigit())
 
 
 def find_start(out: Path, resume: bool, overwrite: bool) -> Path | None:
-    """The checkpoint to resume from (``--resume``), or None for a fresh run; refuses a fresh run
-    over a checkpoint unless ``overwrite``, and a legacy single-file checkpoint on resume."""
-    latest = checkpoints(out)[-1][1] if checkpoints(out) else None
+    """The checkpoint to resume from (``--resume``), or None for a fresh run (over a checkpoint: ``overwrite``)."""
+    latest = found[-1][1] if (found := checkpoints(out)) else None
     legacy = next((out / name for name in LEGACY if (out / name).is_file()), None)
     if resume:
         if latest is not None:
@@ -194,8 +191,7 @@ def read_checkpoint(path: Path, framework: str, layout: str) -> Manifest:
 
 def check_resume(path: Path, manifest: Manifest, cfg: TrainConfig, spec: UNetSpec) -> None:
     """Refuse a ``--resume`` whose command line changes the run's curve or does not add steps."""
-    diffs = resume_differences(manifest.run, cfg, spec)
-    if diffs:
+    if diffs := resume_differences(manifest.run, cfg, spec):
         raise RunFolderError(f"--resume: the command line differs from the run in {path}: {'; '.join(diffs)}")
     if cfg.steps <= manifest.step:
         raise RunFolderError(
@@ -219,14 +215,9 @@ def verify(path: Path, manifest: Manifest, comm: Comm = SOLO) -> None:
 
 def save(out: Path, manifest: Manifest, write_state: Callable[[Path], None], comm: Comm = SOLO,
          nbytes: int | None = None) -> Path:  # fmt: skip
-    """Write a checkpoint of ``manifest.step``: every rank calls ``write_state(folder)`` for its
-    files, the ranks hash a share each, rank 0 writes the manifest and commits. Returns the folder.
-
-    A failure on any rank (disk full, permission lost, an I/O error) is agreed on by all ranks after
-    each phase: the partial folder is removed, the previous checkpoint stays, and every rank raises
-    the same `CheckpointWriteError` naming the path (and, for a full disk, about how many bytes
-    the checkpoint needs: the previous one's size, else ``nbytes``).
-    """
+    """Write the checkpoint of ``manifest.step`` (each rank its ``write_state(folder)`` files and a share of the
+    hashes; rank 0 the manifest) and return its folder. A failure on any rank leaves the previous checkpoint and
+    raises the same one-line `CheckpointWriteError` on every rank (a full disk: the bytes needed, else ``nbytes``)."""
     tmp = out / f".{checkpoint_name(manifest.step)}{TEMP_SUFFIX}"
     try:
         together(comm, lambda: _fresh(out, tmp) if comm.rank == 0 else None)
@@ -242,8 +233,7 @@ def save(out: Path, manifest: Manifest, write_state: Callable[[Path], None], com
 
 
 def _fresh(out: Path, tmp: Path) -> None:
-    """An empty ``tmp``, if the file system has room for a checkpoint the size of the last one
-    (a full disk is refused before writing: a framework failing half-way is noisier)."""
+    """An empty ``tmp``, if there is room for a checkpoint the size of the last one (refused before writing)."""
     shutil.rmtree(tmp, ignore_errors=True)
     earlier = checkpoints(out)
     need = _size(earlier[-1][1]) if earlier else None
@@ -280,11 +270,8 @@ def _size(folder: Path) -> int | None:
 
 
 def _commit(out: Path, tmp: Path, manifest: Manifest) -> None:
-    """Write the manifest into ``tmp``, rename it into place, then remove the older checkpoints.
-
-    Checkpoints at this step or later exist only after ``--overwrite`` (another run's): they go
-    first, so that the newest checkpoint in the folder is always this run's.
-    """
+    """Write the manifest into ``tmp``, rename it into place, then remove the older checkpoints (those at this step
+    or later, another run's after ``--overwrite``, first: the newest in the folder is always this run's)."""
     write_manifest(tmp, manifest)
     step = manifest.step
     for later_step, path in checkpoints(out):
