@@ -45,13 +45,7 @@ from shared_configs.planning.units import uniform as uniform
 from shared_configs.spec import SpecError
 
 # The uniform plans a profile measures, (choice, level): together they give every (unit, choice).
-PROFILE_RUNS: tuple[tuple[str, str], ...] = (
-    (PLAIN, "layers"),
-    (FULL, "blocks"),
-    (SELECTIVE, "blocks"),
-    (FULL, "layers"),
-    (SELECTIVE, "layers"),
-)
+PROFILE_RUNS = ((PLAIN, "layers"), (FULL, "blocks"), (SELECTIVE, "blocks"), (FULL, "layers"), (SELECTIVE, "layers"))
 # 2: torch frees last step's gradients first; conditioning inputs. 3: JAX runs timed in turn. 4: `Cost.hold`.
 # 5: torch's runs timed in turn. 6: torch's recompute at fitted rates; JAX times the plain step only.
 # 7: torch's profile counts the numpy batch the step reads.
@@ -126,9 +120,8 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path, expect: Mapping[str, Any] | None = None) -> Profile:
-        """The profile in ``path``, whose fields hold ``expect``'s values; `ProfileError` (one line)
-        for a file that is not one: unreadable, truncated, damaged (its SHA-256 differs, when it has
-        one: files before it do not), of another schema, or of another workload."""
+        """The profile in ``path``, whose fields hold ``expect``'s values; `ProfileError` (one line) for a file that
+        is unreadable, damaged (its SHA-256, where it has one), of another schema or of another workload."""
         try:
             data = json.loads(Path(path).read_bytes())
             if not isinstance(data, dict):
@@ -158,12 +151,8 @@ def _digest(body: Mapping[str, Any]) -> str:
 
 def cached_profile(path: Path, expect: Mapping[str, Any], make: Callable[[], Profile], refresh: bool = False
                    ) -> Profile:  # fmt: skip
-    """The profile cached in ``path`` (see `Profile.load`), else ``make()``'s, cached there.
-
-    A cached file that cannot be used is made again, with a one-line note. Processes that fill the
-    same entry take turns (`shared_configs.files.locked`): the later ones read what the first wrote.
-    ``refresh``: make it again whatever is cached.
-    """
+    """The profile cached in ``path``, else (or with ``refresh``, or with a note where it is unusable) ``make()``'s,
+    cached there. Processes that fill the same entry take turns: the later ones read what the first wrote."""
     with locked(path):
         if path.is_file() and not refresh:
             try:
@@ -209,8 +198,7 @@ def predict(profile: Profile, spec: StepSpec, assignment: Assignment) -> Predict
 
 
 def with_static_bytes(profile: Profile, delta: int) -> Profile:
-    """``profile`` with ``delta`` more bytes alive throughout the step (a modelled optimizer state):
-    in every peak, the optimizer's and the static total."""
+    """``profile`` with ``delta`` more bytes alive throughout the step (a modelled optimizer state)."""
     if not delta:
         return profile
     units = {
@@ -226,15 +214,9 @@ DISTRIBUTED: tuple[str, ...] = ("ddp", "fsdp")
 
 
 def per_rank(profile: Profile, world_size: int = 1, distributed: str = "ddp") -> Profile:
-    """The profile of one of ``world_size`` ranks, each training ``profile.batch_size`` samples.
-
-    DDP replicates everything: the profile as it is. FSDP gives each rank 1/N of the parameters and
-    optimizer state (``static_bytes``), which sit inside every measured peak, so each peak drops by
-    (1 - 1/N) of them; the optimizer's peak by the gradients' share too (reduce-scattered before
-    the step). While a block runs its parameters are gathered whole: every peak gains (1 - 1/N) of
-    the largest block's. A backward peak keeps the gradients alive at it (some of them, not
-    modelled: erring high). Activations are per rank: unchanged.
-    """
+    """The profile of one of ``world_size`` ranks, each training ``profile.batch_size`` samples. DDP: as it is;
+    FSDP: every peak less (1 - 1/N) of the sharded static bytes but the largest block's (gathered whole while it
+    runs), the optimizer's less that share of the gradients too; activations unchanged."""
     if distributed not in DISTRIBUTED:
         raise SpecError(f"--distributed: expected one of {', '.join(DISTRIBUTED)}, got {distributed!r}")
     if world_size < 1:
@@ -257,10 +239,8 @@ SAFETY = 0.005  # beyond what the profile's own steps show: plans it never ran m
 
 
 def safety_margin(profile: Profile, spec: StepSpec) -> float:
-    """How far below a budget to plan so that the measured peak fits: the model's largest
-    under-prediction on the profile's own steps (``meta["runs"]``: measured peak per policy), plus
-    `SAFETY`. Torch's tracker is reproduced exactly (0.5%); JAX's packing factor is a mean over
-    the steps (about 2.8% on ``small``)."""
+    """How far below a budget to plan so that the measured peak fits: the model's largest under-prediction on the
+    profile's own steps (``meta["runs"]``: measured peak per policy), plus `SAFETY`."""
     worst = 0.0
     # the runs held the profiled regime's state; the profile holds the modelled one (adamw8bit's)
     modelled = profile.meta.get("modelled_state_bytes", 0)
