@@ -16,15 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared_configs.planning.budget import (
-    PLAIN,
-    Assignment,
-    Prediction,
-    Profile,
-    is_pseudo,
-    policy_string,
-    predict,
-)
+from shared_configs.planning.budget import PLAIN, Assignment, Prediction, Profile, is_pseudo, policy_string, predict
 from shared_configs.planning.units import StepSpec, segments
 from shared_configs.spec import SpecError
 from shared_configs.units import MIB
@@ -130,18 +122,15 @@ class _Programme:
                     expr[col] = expr.get(col, 0.0) + self._mib(f, name, c, field)
 
     def cut(self, assignment: Assignment) -> Cut:
-        """The row ``sum(x[j], j in S) - sum(x[j], j not in S) <= |S| - 1`` over the recompute
-        columns, S those ``assignment`` sets: every other plan meets it, ``assignment`` does not
-        (a plan is its recompute columns: each layer's plain column follows from them)."""
+        """The row ``sum(x[j], j in S) - sum(x[j], j not in S) <= |S| - 1`` over the recompute columns, S those
+        ``assignment`` sets: every other plan meets it, ``assignment`` does not."""
         row = np.array([0.0 if c == PLAIN else 1.0 if assignment.get(u) == c else -1.0 for u, c in self.cols])
         return row, float(np.sum(row > 0) - 1)
 
-    def solve(
-        self, cost: np.ndarray, limits: list[float], peak_col: bool = False, cuts: Sequence[Cut] = ()
-    ) -> np.ndarray | None:
-        """Minimise ``cost`` under every unit's peak row; ``limits`` in MiB, per profile. With
-        ``peak_col`` a last, continuous column is the peak: rows read ``<= peak / scale`` instead.
-        ``cuts`` (`cut`): plans left out."""
+    def solve(self, cost: np.ndarray, limits: list[float], peak_col: bool = False, cuts: Sequence[Cut] = ()
+              ) -> np.ndarray | None:  # fmt: skip
+        """Minimise ``cost`` under every peak row (``limits``: MiB per profile; ``peak_col``: a last, continuous
+        column is the peak, rows read ``<= peak / scale``), leaving out the plans of ``cuts``."""
         n = len(self.cols) + peak_col
         a, hi = [np.r_[row, np.zeros(int(peak_col))] for row, _ in cuts], [bound for _, bound in cuts]
         for f, expr, peak, on, off in self.peaks:
@@ -198,9 +187,8 @@ def _quiet_stdout() -> Iterator[None]:
 
 
 def _objective(profiles: Sequence[Profile]) -> Callable[[str, str], float]:
-    """Recompute seconds as fractions of each plain step, summed (FLOPs, in TFLOP, where a profile
-    has no times); a recompute measured as free still costs a hair, so that plain wins a tie (a hair
-    above the MILP's absolute gap, 1e-6, summed over units)."""
+    """Recompute seconds as fractions of each plain step, summed (else TFLOP); a hair more per recompute, above the
+    MILP's absolute gap, so that plain wins a tie."""
     tie = 1e-5
     if all(p.step_time_s > 0 for p in profiles):
         return lambda u, c: sum(p.cost(u, c).time_s / p.step_time_s for p in profiles) + tie * (c != PLAIN)
@@ -211,11 +199,9 @@ def _list(profiles: Profile | Sequence[Profile]) -> list[Profile]:
     return [profiles] if isinstance(profiles, Profile) else list(profiles)
 
 
-def _cheapest(
-    profiles: list[Profile], spec: StepSpec, budget_bytes: int, exclude: Sequence[Assignment] = ()
-) -> dict[str, str] | None:
-    """The least-cost assignment whose predicted peaks are all at most ``budget_bytes``, other than
-    those in ``exclude``; None if there is none."""
+def _cheapest(profiles: list[Profile], spec: StepSpec, budget_bytes: int, exclude: Sequence[Assignment] = ()
+              ) -> dict[str, str] | None:  # fmt: skip
+    """The least-cost assignment, not in ``exclude``, whose predicted peaks fit ``budget_bytes``; None if none."""
     if any(p.opt_peak * p.scale > budget_bytes + 0.5 for p in profiles):
         return None
     prog = _Programme(profiles, spec)
@@ -236,11 +222,8 @@ def _cheapest(
 
 
 def solve(profiles: Profile | Sequence[Profile], spec: StepSpec, budget_bytes: int, margin: float = 0.0) -> Solution:
-    """The plan of least recompute time whose predicted peak fits ``budget_bytes`` less a fraction
-    ``margin`` (room for the model's error: `shared_configs.planning.budget.safety_margin`), in every profile.
-
-    Raises `Infeasible` (naming the smallest feasible budget, margin included) when none fits.
-    """
+    """The plan of least recompute time whose predicted peak fits ``budget_bytes`` less a fraction ``margin``
+    (`budget.safety_margin`) in every profile; `Infeasible`, naming the smallest budget that fits, when none does."""
     profiles = _list(profiles)
     assignment = _cheapest(profiles, spec, int(budget_bytes * (1 - margin)))
     if assignment is None:
@@ -249,12 +232,9 @@ def solve(profiles: Profile | Sequence[Profile], spec: StepSpec, budget_bytes: i
     return solution(profiles, spec, assignment)
 
 
-def next_best(
-    profiles: Profile | Sequence[Profile], spec: StepSpec, budget_bytes: int, margin: float, first: Solution, count: int
-) -> list[Solution]:
-    """Up to ``count`` plans after ``first`` (`solve`'s answer at the same budget and ``margin``),
-    each the cheapest that fits other than those before it: the programme re-solved with each
-    earlier plan cut off (`_Programme.cut`). Fewer when fewer plans fit."""
+def next_best(profiles: Profile | Sequence[Profile], spec: StepSpec, budget_bytes: int, margin: float,
+              first: Solution, count: int) -> list[Solution]:  # fmt: skip
+    """Up to ``count`` plans after ``first`` (`solve`'s answer), each the cheapest that fits but those before it."""
     profiles = _list(profiles)
     found = [first]
     for _ in range(count):
