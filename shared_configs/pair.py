@@ -13,7 +13,7 @@ ControlNet step". No torch or jax import.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,8 +54,7 @@ class ControlNetPairSpec(_Frozen):
 
 
 def controlnet_pair(unet: UNetSpec | str, **options: Any) -> ControlNetPairSpec:
-    """The pair of ``unet`` and the ControlNet made from it (``options``: the `ControlNetSpec` fields
-    beside ``unet``, diffusers' ``from_unet`` defaults otherwise)."""
+    """The pair of ``unet`` and the ControlNet made from it (``options``: other `ControlNetSpec` fields)."""
     spec = load_spec(unet) if isinstance(unet, str) else unet
     return ControlNetPairSpec(controlnet=ControlNetSpec(name=f"{spec.name}_controlnet", unet=spec, **options))
 
@@ -99,15 +98,13 @@ class PairPlan:
 
 
 def pair_names(spec: ControlNetPairSpec) -> list[str]:
-    """Every unit a pair plan can name, in forward order: the ControlNet's blocks and layers, then
-    the U-Net's (`shared_configs.plan.all_names`)."""
+    """Every unit a pair plan can name, in forward order: the ControlNet's blocks and layers, then the U-Net's."""
     cn = controlnet_names(spec.unet) + controlnet_names(spec.unet, layers=True)
     return [CONTROLNET + n for n in cn] + all_names(spec.unet)
 
 
 def split_pair_plan(spec: ControlNetPairSpec, policy: str | PairPlan | None = None) -> PairPlan:
-    """A pair policy (see the module doc) as the U-Net's plan and the ControlNet's. An unknown name
-    is one `SpecError` listing the names allowed."""
+    """A pair policy (see the module doc) as the U-Net's plan and the ControlNet's."""
     if isinstance(policy, PairPlan):
         return policy
     text = (policy or "none").strip()
@@ -147,8 +144,7 @@ def _named(group: str) -> bool:
 
 
 def pair_policy(unet: CheckpointPlan, controlnet: CheckpointPlan) -> str:
-    """The one pair policy for the two plans: their named policy when it is the same on both, else
-    each recomputed unit by its pair name, grouped by the ops it saves (the ControlNet's first)."""
+    """The pair policy of two plans: a named policy on both or one, else the units by pair name, grouped by save set."""
     if unet.policy == controlnet.policy and all(_named(g) for g in unet.policy.split(";")):
         return unet.policy
     for plan, other, network in ((controlnet, unet, "controlnet"), (unet, controlnet, "unet")):
@@ -169,8 +165,7 @@ def pair_policy(unet: CheckpointPlan, controlnet: CheckpointPlan) -> str:
 
 @dataclass(frozen=True)
 class ControlNetBatch(Batch):
-    """A training `Batch` and the conditioning image the ControlNet reads (NCHW float32 in [-1, 1]:
-    ``conditioning_channels`` at `ControlNetSpec.conditioning_factor` times the sample's size)."""
+    """A training `Batch` and the conditioning image the ControlNet reads (NCHW float32, its own size)."""
 
     controlnet_cond: np.ndarray | None = None
 
@@ -180,24 +175,20 @@ class ControlNetBatch(Batch):
 
 
 def example_pair_batch(spec: ControlNetPairSpec, batch_size: int, context_length: int = 77) -> ControlNetBatch:
-    """The U-Net's example batch (`shared_configs.training.data.example_batch`) and a seeded
-    conditioning image: the inputs the planner and the benchmark train the pair on."""
+    """The U-Net's `example_batch` and a seeded conditioning image: the planner's and the benchmark's inputs."""
     batch = example_batch(spec.unet, batch_size, context_length)
     side = spec.sample_size * spec.controlnet.conditioning_factor
     shape = (batch_size, spec.controlnet.conditioning_channels, side, side)
     cond = np.random.default_rng(COND_SEED).uniform(-1.0, 1.0, shape).astype(np.float32)
-    return ControlNetBatch(**{f.name: getattr(batch, f.name) for f in fields(batch)}, controlnet_cond=cond)
+    return ControlNetBatch(**vars(batch), controlnet_cond=cond)
 
 
 # ---- the training data -------------------------------------------------------------------------
 
 
 def control_image(images: np.ndarray, spec: ControlNetSpec) -> np.ndarray:
-    """Each sample's conditioning image: its edge map. (B, C, S, S) images in [-1, 1] -> (B,
-    ``conditioning_channels``, S f, S f) in {0, 1} (f: `ControlNetSpec.conditioning_factor`), 1 where
-    the first channel jumps by more than `EDGE_THRESHOLD` to its right or lower neighbour, upsampled
-    (nearest) and repeated over the channels: a binary map in [0, 1], as a Canny map is in diffusers'
-    ``train_controlnet.py`` (its conditioning images are not normalised to [-1, 1])."""
+    """Each sample's edge map, (B, C, S, S) in [-1, 1] -> (B, channels, S f, S f) in {0, 1} like diffusers' Canny
+    maps: 1 where the first channel jumps by more than `EDGE_THRESHOLD` to its right or lower neighbour."""
     x = images[:, 0].astype(np.float64)
     dx, dy = np.zeros_like(x), np.zeros_like(x)
     dx[:, :, :-1] = np.abs(np.diff(x, axis=2))
@@ -210,15 +201,12 @@ def control_image(images: np.ndarray, spec: ControlNetSpec) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ControlNetDataset(Dataset):
-    """The training data of a ``--controlnet`` run: each batch a `ControlNetBatch` whose
-    conditioning image is each sample's edge map (`control_image`); the sampler, which conditions
-    on classes, gets the edge map of each class's first image."""
+    """A ``--controlnet`` run's data: each sample's edge map; the sampler gets each class's first image's."""
 
     controlnet: ControlNetSpec | None = None
 
     def _of_images(self, batch: Batch, idx: np.ndarray) -> ControlNetBatch:
-        arrays = {f.name: getattr(batch, f.name) for f in fields(batch)}
-        return ControlNetBatch(**arrays, controlnet_cond=control_image(self.images[idx], self._spec()))
+        return ControlNetBatch(**vars(batch), controlnet_cond=control_image(self.images[idx], self._spec()))
 
     def conditioning(self, labels: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, Any]:
         """`Dataset.conditioning`; for the sampler (no ``rng``) with ``controlnet_cond`` too."""
@@ -241,12 +229,10 @@ def load_pair_dataset(kind: str, spec: ControlNetPairSpec, seed: int = 0) -> Con
 
 
 def step_spec(spec: UNetSpec, controlnet: bool, regime: Regime) -> UNetSpec | ControlNetPairSpec:
-    """What a training loop's step trains: ``spec``'s U-Net, or (``controlnet``) the pair made from
-    it, refused in one line where the ControlNet step is not planned (a BatchNorm U-Net)."""
+    """What a training loop's step trains: ``spec``'s U-Net, or (``controlnet``) the pair made from it."""
     if not controlnet:
         return spec
-    pair = controlnet_pair(spec)
-    check_pair_workload(pair, False, regime)
+    check_pair_workload(pair := controlnet_pair(spec), False, regime)
     return pair
 
 
