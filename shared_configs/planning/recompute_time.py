@@ -15,13 +15,7 @@ from dataclasses import replace
 
 from shared_configs.pair import ControlNetPairSpec
 from shared_configs.planning.budget import PLAIN, Cost, Profile, StepSpec, block_layers, leaf_units
-from shared_configs.planning.unit_flops import (
-    pair_step_flops,
-    pair_weights,
-    recompute_flops,
-    unit_flops,
-    unit_weights,
-)
+from shared_configs.planning.unit_flops import pair_step_flops, pair_weights, recompute_flops, unit_flops, unit_weights
 from shared_configs.planning.unit_flops import step_flops as counted_step_flops
 from shared_configs.regime import DEFAULT, OPTIMIZERS, Regime
 from shared_configs.spec import UNetSpec
@@ -34,16 +28,8 @@ _ADAMW8BIT_MOMENT = 1 + 4 / 256
 
 
 def update_bytes(regime: Regime, trained: int) -> float:
-    """Bytes the optimizer step (and an EMA update) read and write for ``trained`` weights of
-    ``regime.param_dtype`` (p bytes each):
-
-    - AdamW: read the weight, its gradient and two moments, write the weight and the moments: 7p;
-    - 8-bit AdamW: read the weight and gradient, write the weight (3p), read and write two moments
-      of 1 B + a float32 scale per 256 values (4.03 B);
-    - Adafactor (no first moment, second moment factored into a row and a column vector): 3p, the
-      factored state (rows + columns per matrix) left out;
-    - EMA: read the float32 copy and the weight, write the copy: 8 + p.
-    """
+    """Bytes the optimizer step (and an EMA update) read and write for ``trained`` weights of p bytes each
+    (docs/regimes.md): AdamW 7p, 8-bit AdamW 3p and its moments, Adafactor 3p (its factors left out), EMA 8 + p."""
     p = 2 if regime.param_dtype == "bfloat16" else 4
     per = {"adamw": 7 * p, "adamw8bit": 3 * p + 2 * 2 * _ADAMW8BIT_MOMENT, "adafactor": 3 * p}
     assert set(per) == set(OPTIMIZERS)
@@ -51,41 +37,28 @@ def update_bytes(regime: Regime, trained: int) -> float:
 
 
 def cast_bytes(regime: Regime, weights: int) -> float:
-    """Autocast's weight casts in a mixed-precision forward: each float32 weight read (4 B) and its
-    16-bit copy written (2 B), once a forward (the copy is cached until the forward ends)."""
+    """Autocast's weight casts in a mixed-precision forward: each float32 weight read and its 16-bit copy written."""
     return 6.0 * weights if regime.compute_dtype is not None and regime.param_dtype == "float32" else 0.0
 
 
-def step_flops(
-    spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int = 77, regime: Regime = DEFAULT
-) -> float:
-    """The plain step's FLOPs in ``regime`` (`unit_flops.step_flops`): about three forwards with
-    every weight trained, about two under LoRA (no weight gradients for the frozen base); the
-    ControlNet step's (`unit_flops.pair_step_flops`)."""
+def step_flops(spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int = 77,
+               regime: Regime = DEFAULT) -> float:  # fmt: skip
+    """The plain step's FLOPs in ``regime`` (`unit_flops.step_flops`, `unit_flops.pair_step_flops`)."""
     if isinstance(spec, ControlNetPairSpec):
         return pair_step_flops(spec, batch_size, context_length)
     return counted_step_flops(spec, batch_size, context_length, regime.lora_rank).total
 
 
-def step_seconds(
-    spec: UNetSpec | ControlNetPairSpec,
-    batch_size: int,
-    context_length: int,
-    regime: Regime,
-    kept: float,
-    flops_per_s: float,
-    bytes_per_s: float,
-) -> float:
-    """The plain step's seconds at the stated rates (the module's formula); ``kept``: the bytes its
-    forward keeps for the backward. The ControlNet step: its FLOPs (`pair_step_flops`), the
-    ControlNet's weights updated, both networks' cast."""
+def step_seconds(spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int, regime: Regime,
+                 kept: float, flops_per_s: float, bytes_per_s: float) -> float:  # fmt: skip
+    """The plain step's seconds at the stated rates (the module's formula); ``kept``: the bytes its forward keeps."""
     if isinstance(spec, ControlNetPairSpec):
-        trained, weights = pair_weights(spec)
-        nbytes = 2 * kept + update_bytes(regime, trained) + cast_bytes(regime, weights)
-        return pair_step_flops(spec, batch_size, context_length) / flops_per_s + nbytes / bytes_per_s
-    counted = counted_step_flops(spec, batch_size, context_length, regime.lora_rank)
-    nbytes = 2 * kept + update_bytes(regime, counted.trained_weights) + cast_bytes(regime, counted.weights)
-    return counted.total / flops_per_s + nbytes / bytes_per_s
+        (trained, weights), flops = pair_weights(spec), pair_step_flops(spec, batch_size, context_length)
+    else:
+        counted = counted_step_flops(spec, batch_size, context_length, regime.lora_rank)
+        trained, weights, flops = counted.trained_weights, counted.weights, counted.total
+    nbytes = 2 * kept + update_bytes(regime, trained) + cast_bytes(regime, weights)
+    return flops / flops_per_s + nbytes / bytes_per_s
 
 
 def plain_keeps(spec: StepSpec, units: Units) -> dict[str, int]:
@@ -121,8 +94,7 @@ def regime_of(profile: Profile) -> Regime:
 
 
 def with_adapters(units: Units, spec: UNetSpec, batch_size: int, context_length: int, rank: int | None) -> Units:
-    """``units`` whose recompute FLOPs include rank-``rank`` LoRA adapters' forward (a recompute
-    redoes them too)."""
+    """``units`` whose recompute FLOPs include the LoRA adapters' forward (a recompute redoes them too)."""
     if rank is None:
         return units
     flops = unit_flops(spec, batch_size, context_length, rank)
@@ -132,11 +104,9 @@ def with_adapters(units: Units, spec: UNetSpec, batch_size: int, context_length:
     }
 
 
-def with_recasts(
-    units: Units, spec: UNetSpec | ControlNetPairSpec, regime: Regime, bytes_per_s: float
-) -> dict[str, dict[str, Cost]]:
-    """``units`` whose recomputes in mixed precision also pay `cast_bytes` for the weights they
-    use again: a recompute runs under a fresh autocast, whose cache of weight casts is empty."""
+def with_recasts(units: Units, spec: UNetSpec | ControlNetPairSpec, regime: Regime, bytes_per_s: float
+                 ) -> dict[str, dict[str, Cost]]:  # fmt: skip
+    """``units`` whose mixed-precision recomputes pay `cast_bytes` again (a fresh autocast has an empty cache)."""
     if not cast_bytes(regime, 1):
         return {u: dict(per) for u, per in units.items()}
     weights = unit_weights(spec)
@@ -149,18 +119,10 @@ def with_recasts(
     return {u: {c: replace(v, time_s=v.time_s + recast(u, c)) for c, v in per.items()} for u, per in units.items()}
 
 
-def at_stated_rates(
-    profile: Profile,
-    spec: UNetSpec | ControlNetPairSpec,
-    batch_size: int,
-    context_length: int,
-    flops_per_s: float,
-    bytes_per_s: float,
-    regime: Regime | None = None,
-) -> Profile:
-    """A shapes-only profile with time estimated at stated rates: FLOPs at ``flops_per_s``,
-    elementwise bytes at ``bytes_per_s`` (`at_rates`). The plain step is `step_seconds` in
-    ``regime`` (by default the profile's own)."""
+def at_stated_rates(profile: Profile, spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int,
+                    flops_per_s: float, bytes_per_s: float, regime: Regime | None = None) -> Profile:  # fmt: skip
+    """A shapes-only profile timed at stated rates (`at_rates`), its plain step `step_seconds` in ``regime``
+    (by default the profile's own)."""
     regime = regime_of(profile) if regime is None else regime
     units = with_adapters(profile.units, spec, batch_size, context_length, regime.lora_rank)
     units = at_rates(spec, units, 1 / flops_per_s, 1 / bytes_per_s)
