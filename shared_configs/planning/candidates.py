@@ -37,22 +37,12 @@ def unmeasurable(profiles: list[Profile], world_size: int, distributed: str) -> 
     return None
 
 
-def measured_choice(
-    first: Solution,
-    profiles: list[Profile],
-    spec: UNetSpec,
-    budget: int,
-    margin: float,
-    frameworks: tuple[str, ...],
-    count: int,
-    check: Callable[[str, list[str]], dict[str, int]],
-    race: Callable[[str, list[str], dict[str, Any]], dict[str, Any]],
-) -> tuple[Solution, dict[str, Any]]:
-    """The fastest of `propose`'s plans whose measured peak fits ``budget``: each checked with
-    nothing allocated (``check(framework, policies)``: peaks), those that fit in every framework
-    raced in one process per framework (``race(framework, policies, race_to)``: the measuring
-    worker's rows), then `decide`. The solver's ``first`` when none fits when measured. Returns the
-    plan and the report (`decide`'s)."""
+def measured_choice(first: Solution, profiles: list[Profile], spec: UNetSpec, budget: int, margin: float,
+                    frameworks: tuple[str, ...], count: int, check: Callable[[str, list[str]], dict[str, int]],
+                    race: Callable[[str, list[str], dict[str, Any]], dict[str, Any]]
+                    ) -> tuple[Solution, dict[str, Any]]:  # fmt: skip
+    """The plan `decide` picks of `propose`'s (``first`` when none fits measured) and its report: each plan's peak
+    checked (``check(framework, policies)``), those that fit raced (``race(framework, policies, race_to)``)."""
     entries = propose(profiles, spec, budget, margin, first, count)
     policies = [c["policy"] for c in entries]
     for fw in frameworks:
@@ -73,14 +63,10 @@ def measured_choice(
     return replace(chosen, policy=report["chosen"]), report  # the string as measured (the same plan)
 
 
-def propose(
-    profiles: list[Profile], spec: UNetSpec, budget: int, margin: float, first: Solution, count: int
-) -> list[dict[str, Any]]:
-    """The candidates: ``first`` (the solver's answer at ``margin``), up to ``count - 1`` next best
-    plans, and the hand policies but ``none`` (their checked peak decides whether they race; the
-    model's error is a few percent, so a prediction would leave out some that fit); each with its
-    predicted peak and overhead per profile. One entry per plan (a hand policy the solver found
-    keeps the solver's name)."""
+def propose(profiles: list[Profile], spec: UNetSpec, budget: int, margin: float, first: Solution, count: int
+            ) -> list[dict[str, Any]]:  # fmt: skip
+    """The candidates, one per plan with its predicted peak and overhead per profile: ``first``, up to ``count - 1``
+    next best plans, and the hand policies but ``none`` (checked, not predicted: the model errs a few percent)."""
     found: dict[frozenset, tuple[str, str]] = {}
     sols = [first, *next_best(profiles, spec, budget, margin, first, count - 1)]
     named = [(s.policy, f"solver {i}") for i, s in enumerate(sols, start=1)] + [(h, "hand") for h in HAND_POLICIES[1:]]
@@ -96,8 +82,7 @@ def propose(
 
 
 def attach(candidates: list[dict[str, Any]], framework: str, rows: dict[str, Any]) -> None:
-    """A framework's measured rows into the candidates: the peak, the rounds, and the overhead
-    against `REFERENCE` round by round."""
+    """A framework's measured rows into the candidates: peak, rounds, overhead against `REFERENCE` by round."""
     base = rows[REFERENCE]["rounds_s"]
     for c in candidates:
         entry, row = c["frameworks"][framework], rows.get(c["policy"])
@@ -110,13 +95,8 @@ def attach(candidates: list[dict[str, Any]], framework: str, rows: dict[str, Any
 
 
 def decide(candidates: list[dict[str, Any]], budget: int) -> dict[str, Any]:
-    """The candidate to return: of those whose measured peak fits ``budget`` in every framework and
-    that stayed in every race to its end (else of all timed ones that fit), the one whose worst
-    head-to-head comparison is best (the least, over the others, of the median round-by-round
-    ratio, summed over frameworks): a candidate faster than each other one in most rounds is
-    chosen. Comparing head to head, not each against `REFERENCE`, keeps the plain step's own noise
-    out of the choice. Each other timed candidate against it is reported; None chosen when no
-    candidate fit when measured."""
+    """Of the candidates that fit ``budget`` measured and raced to the end (else all timed that fit), the one whose
+    worst head-to-head median ratio is best (head to head keeps the plain step's noise out); None when none fit."""
     for c in candidates:
         c["fits"] = all(f.get("measured_peak_bytes", budget + 1) <= budget for f in c["frameworks"].values())
         c["timed"] = all(f.get("rounds_s") for f in c["frameworks"].values())
@@ -139,8 +119,7 @@ def decide(candidates: list[dict[str, Any]], budget: int) -> dict[str, Any]:
 
 
 def _versus(a: dict[str, Any], b: dict[str, Any], framework: str | None = None) -> dict[str, Any]:
-    """``a`` against ``b`` round by round (`paired`) over the rounds both ran (a dropped candidate's
-    rounds are the race's first ones) in ``framework``; None: the medians summed over frameworks."""
+    """``a`` against ``b`` over the rounds both ran (`paired`) in ``framework``; None: medians summed over all."""
     out = []
     for fw in [framework] if framework else list(a["frameworks"]):
         mine, theirs = a["frameworks"][fw]["rounds_s"], b["frameworks"][fw]["rounds_s"]
@@ -150,8 +129,7 @@ def _versus(a: dict[str, Any], b: dict[str, Any], framework: str | None = None) 
 
 
 def table(report: dict[str, Any]) -> str:
-    """The candidates per framework: peaks predicted -> checked -> measured, overheads predicted ->
-    measured (round by round, with the interval), the rounds raced, and the chosen plan against each."""
+    """The candidates per framework: peaks and overheads predicted -> measured, and the chosen plan against each."""
     lines = [f"candidates (measured round by round, at most {report['rounds']} rounds; a candidate leaves the "
              f"race once another is faster at {100 * report['confidence']:.0f}%, from round {report['min_rounds']}); "
              f"chosen: {report['chosen'] or 'none fit when measured: the solver plan'}"]  # fmt: skip
