@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shared_configs.spec_base import Bool, Float, Int, SpecError, _Frozen, _require
+from shared_configs.spec_base import Bool, Float, Int, _Frozen, _require
 
 ClassEmbeddingKind = Literal["embedding", "timestep", "identity", "projection", "simple_projection"]
 CLASS_EMBEDDING_KINDS: tuple[str, ...] = ("embedding", "timestep", "identity", "projection", "simple_projection")
@@ -26,16 +26,9 @@ class TimeEmbeddingSpec(_Frozen):
 
 
 class ClassEmbeddingSpec(_Frozen):
-    """Class conditioning, added to (or concatenated with) the timestep embedding.
-
-    diffusers' ``class_embed_type`` / ``num_class_embeds``; ``class_labels`` in the forward is:
-
-    * ``embedding``: class ids (B,) into a learned table of ``num_classes`` rows;
-    * ``timestep``: ids (B,) through the timestep sinusoids and a 2-layer MLP of their own;
-    * ``identity``: vectors (B, time embedding width) added as they are;
-    * ``projection``: vectors (B, ``input_dim``) through a 2-layer MLP;
-    * ``simple_projection``: vectors (B, ``input_dim``) through one linear layer.
-    """
+    """Class conditioning added to (or concatenated with) the timestep embedding (diffusers' ``class_embed_type``):
+    ids (B,) for ``embedding`` (a table) and ``timestep`` (sinusoids + MLP); vectors (B, ``input_dim``) for
+    ``projection`` (MLP) and ``simple_projection`` (Linear); ``identity``: vectors of the time embedding's width."""
 
     kind: ClassEmbeddingKind
     num_classes: Int | None = Field(default=None, gt=0, description="embedding: rows of the table")
@@ -47,22 +40,15 @@ class ClassEmbeddingSpec(_Frozen):
         needs = {"embedding": "num_classes", "projection": "input_dim", "simple_projection": "input_dim"}
         for field in ("num_classes", "input_dim"):
             wanted = needs.get(self.kind) == field
-            if wanted and getattr(self, field) is None:
-                raise SpecError(f"{field}: required by kind {self.kind!r}")
-            if not wanted and getattr(self, field) is not None:
-                raise SpecError(f"{field}: not used by kind {self.kind!r} (remove it)")
+            _require(not wanted or getattr(self, field) is not None, field, f"required by kind {self.kind!r}")
+            _require(wanted or getattr(self, field) is None, field, f"not used by kind {self.kind!r} (remove it)")
         return self
 
 
 class AdditionEmbeddingSpec(_Frozen):
-    """SDXL's ``text_time`` conditioning (diffusers ``addition_embed_type: text_time``).
-
-    ``time_ids`` (B, N) each become ``time_id_dim`` sinusoids (the timestep's options); with
-    ``text_embeds`` (B, D) they are concatenated and a 2-layer MLP from ``input_dim = D + N *
-    time_id_dim`` (diffusers' ``projection_class_embeddings_input_dim``) is added to the time
-    embedding. Only the sum is part of the network; ``num_time_ids`` is how example inputs split it
-    (SDXL base: 6 ids and D = 1280; the refiner passes 5 ids and the same D).
-    """
+    """SDXL's ``text_time`` conditioning: ``time_ids`` (B, N) as sinusoids, concatenated with ``text_embeds`` (B, D),
+    through an MLP from ``input_dim = D + N * time_id_dim``, added to the time embedding. Only ``input_dim`` is
+    part of the network; ``num_time_ids`` is how example inputs split it (SDXL's refiner passes 5)."""
 
     kind: Literal["text_time"] = "text_time"
     time_id_dim: Int = Field(gt=0, description="sinusoid width per time id (addition_time_embed_dim)")
@@ -76,23 +62,14 @@ class AdditionEmbeddingSpec(_Frozen):
 
     @model_validator(mode="after")
     def _check_split(self) -> AdditionEmbeddingSpec:
-        _require(
-            self.text_embeds_dim > 0,
-            "num_time_ids",
-            f"{self.num_time_ids} time ids x {self.time_id_dim} leave no text_embeds width "
-            f"in input_dim={self.input_dim}",
-        )
+        _require(self.text_embeds_dim > 0, "num_time_ids", f"{self.num_time_ids} time ids x {self.time_id_dim} "
+                 f"leave no text_embeds width in input_dim={self.input_dim}")  # fmt: skip
         return self
 
 
 class ImageEmbeddingSpec(_Frozen):
-    """Conditioning on an image embedding ``image_embeds`` (B, ``input_dim``), as Kandinsky 2.2's decoder:
-
-    * ``add_to_time`` (diffusers ``addition_embed_type: image``): a Linear to the time embedding's
-      width and a LayerNorm, added to the time embedding;
-    * ``context_tokens`` (``encoder_hid_dim_type: image_proj``): a Linear to ``context_tokens`` x
-      ``cross_attention_dim`` and a LayerNorm make the cross-attention context (no ``context`` input then).
-    """
+    """Conditioning on ``image_embeds`` (B, ``input_dim``) as Kandinsky 2.2's decoder: Linear + LayerNorm added to
+    the time embedding (``add_to_time``), and/or made into ``context_tokens`` tokens of cross-attention context."""
 
     input_dim: Int = Field(gt=0, description="width of image_embeds (diffusers encoder_hid_dim)")
     add_to_time: Bool = True

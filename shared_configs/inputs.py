@@ -29,14 +29,9 @@ class InputSpec:
     dtype: str
 
 
-def input_specs(
-    spec: UNetSpec, batch: int = 1, sample_size: int | None = None, context_len: int = 77, layout: str = "NCHW"
-) -> dict[str, InputSpec | None]:
-    """Every forward input of ``spec``, in `INPUT_NAMES` order (None for the ones it takes none of), then
-    the `EXTRA_INPUT_NAMES` it takes.
-
-    ``sample_size`` defaults to the spec's; ``context_len`` is the context's token count (77 for CLIP).
-    """
+def input_specs(spec: UNetSpec, batch: int = 1, sample_size: int | None = None, context_len: int = 77,
+                layout: str = "NCHW") -> dict[str, InputSpec | None]:  # fmt: skip
+    """Every forward input of ``spec`` in `INPUT_NAMES` order (None where it takes none), then its extra inputs."""
     size = spec.sample_size if sample_size is None else sample_size
     _check_args(spec, batch, size, context_len, layout)
     f32 = "float32"
@@ -58,24 +53,12 @@ def input_specs(
     return specs
 
 
-def example_inputs(
-    spec: UNetSpec,
-    rng: np.random.Generator,
-    batch: int = 2,
-    sample_size: int | None = None,
-    context_len: int = 77,
-    layout: str = "NCHW",
-) -> dict[str, np.ndarray | None]:
-    """Random numpy inputs for ``spec`` (see `input_specs`), in `INPUT_NAMES` order.
-
-    Normal floats for x, context and the vectors; timesteps uniform in [0, 1000); class ids in
-    range; time ids as SDXL's (sizes and crops: whole numbers below 1024). A seed gives the same
-    sample in either layout (NHWC is NCHW's draw transposed). Call as
-    ``model(**{k: torch.from_numpy(v) ...})`` or ``module.apply(variables, **inputs)``.
-    """
-    arrays: dict[str, np.ndarray | None] = {}
-    for name, want in input_specs(spec, batch, sample_size, context_len, "NCHW").items():
-        arrays[name] = None if want is None else _draw(name, want, spec, rng)
+def example_inputs(spec: UNetSpec, rng: np.random.Generator, batch: int = 2, sample_size: int | None = None,
+                   context_len: int = 77, layout: str = "NCHW") -> dict[str, np.ndarray | None]:  # fmt: skip
+    """Random numpy inputs for ``spec`` (see `input_specs`), in `INPUT_NAMES` order: normal floats, timesteps in
+    [0, 1000), class ids in range, SDXL-like time ids; a seed gives the same sample in either layout."""
+    wanted = input_specs(spec, batch, sample_size, context_len, "NCHW")
+    arrays = {name: None if want is None else _draw(name, want, spec, rng) for name, want in wanted.items()}
     if layout == "NHWC":  # the same draws in either layout: one seed, one sample
         arrays["x"] = np.ascontiguousarray(arrays["x"].transpose(0, 2, 3, 1))
     return arrays
@@ -116,12 +99,8 @@ def _check_args(spec: UNetSpec, batch: int, size: int, context_len: int, layout:
 
 
 def check_inputs(spec: UNetSpec, layout: str, x: Any, t: Any, **conditioning: Any) -> None:
-    """Raise one `ValueError` naming the input, what ``spec`` expects and what came.
-
-    Shapes only (cheap, and static under ``jit``): arrays of either framework, or Python numbers
-    for ``t``. ``conditioning``: context, class_labels, text_embeds, time_ids, and timestep_cond,
-    image_embeds, encoder_attention_mask (None when absent).
-    """
+    """Raise one `ValueError` naming the input, what ``spec`` expects and what came: shapes only (static under
+    ``jit``), of either framework's arrays; ``conditioning``: the other inputs by name, None when absent."""
     for name, value in {"x": x, **conditioning}.items():
         is_bool = isinstance(value, bool) or str(getattr(value, "dtype", "")) == "bool"
         if is_bool and name != "encoder_attention_mask":  # `train` given positionally?
@@ -153,10 +132,8 @@ def _check_x(spec: UNetSpec, layout: str, shape: tuple[int, ...]) -> int:
         raise ValueError(f"x: expected {layout} {want} with in_channels={c}, got shape {shape}{hint}")
     factor = 2 ** (spec.num_levels - 1)
     if any(s % factor for s in spatial):
-        raise ValueError(
-            f"x: spatial size {spatial[0]}x{spatial[1]} is not divisible by the downsampling factor {factor} "
-            f"({spec.num_levels} levels)"
-        )
+        raise ValueError(f"x: spatial size {spatial[0]}x{spatial[1]} is not divisible by the downsampling factor "
+                         f"{factor} ({spec.num_levels} levels)")  # fmt: skip
     return shape[0]
 
 
@@ -191,10 +168,7 @@ def _check_optional(spec: UNetSpec, name: str, want: InputSpec | None, value: An
     if value is None:
         raise ValueError(f"{name}: spec {spec.name!r} has {what}; pass {name} of shape {shape}")
     got = tuple(value.shape)
-    fits = len(got) == len(want.shape) and all(
-        g == w or i in free for i, (g, w) in enumerate(zip(got, want.shape, strict=True))
-    )
-    if not fits:
+    if len(got) != len(want.shape) or any(g != want.shape[i] and i not in free for i, g in enumerate(got)):
         raise ValueError(f"{name}: expected shape {shape} with B={want.shape[0]}, got {got}")
     dtype = str(value.dtype).removeprefix("torch.")  # torch.int64 / numpy and jax int64 alike
     if want.dtype == "int32" and "int" not in dtype:
@@ -210,10 +184,8 @@ def _check_mask(spec: UNetSpec, batch: int, context: Any, mask: Any) -> None:
     img = spec.image_embedding
     tokens = img.context_tokens if img is not None and img.context_tokens is not None else context.shape[1]
     if tuple(mask.shape) != (batch, tokens):
-        raise ValueError(
-            f"encoder_attention_mask: expected shape ({batch}, {tokens}) (one entry per context token), "
-            f"got {tuple(mask.shape)}"
-        )
+        raise ValueError(f"encoder_attention_mask: expected shape ({batch}, {tokens}) (one entry per context token), "
+                         f"got {tuple(mask.shape)}")  # fmt: skip
 
 
 def _check_text_time(spec: UNetSpec, text: tuple[int, ...], ids: tuple[int, ...]) -> None:
@@ -221,8 +193,6 @@ def _check_text_time(spec: UNetSpec, text: tuple[int, ...], ids: tuple[int, ...]
     assert add is not None
     total = text[1] + ids[1] * add.time_id_dim
     if total != add.input_dim:
-        raise ValueError(
-            f"text_embeds, time_ids: widths {text[1]} + {ids[1]} x {add.time_id_dim} = {total} must equal "
-            f"addition_embedding.input_dim={add.input_dim} (e.g. text_embeds (B, {add.text_embeds_dim}) and "
-            f"time_ids (B, {add.num_time_ids}))"
-        )
+        raise ValueError(f"text_embeds, time_ids: widths {text[1]} + {ids[1]} x {add.time_id_dim} = {total} must equal "
+                         f"addition_embedding.input_dim={add.input_dim} (e.g. text_embeds (B, {add.text_embeds_dim}) "
+                         f"and time_ids (B, {add.num_time_ids}))")  # fmt: skip
