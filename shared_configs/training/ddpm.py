@@ -1,11 +1,5 @@
-"""The DDPM pieces both training loops share: the noise schedule, the objective's check, the sampler.
-
-* `make_schedule`: linear or cosine betas, computed in float64, validated (every beta in (0, 1));
-* `check_objective`: what the noise-prediction MSE objective can train;
-* `sample`: a short ancestral sampler over respaced timesteps, parameterised by an ``eps_fn`` callback.
-
-Numpy only (no torch or jax import).
-"""
+"""The DDPM pieces both training loops share, in numpy: the noise schedule (`make_schedule`, float64,
+validated), the objective's check (`check_objective`) and a short ancestral sampler (`sample`)."""
 
 from __future__ import annotations
 
@@ -51,51 +45,31 @@ def _valid(betas: np.ndarray) -> bool:
 
 
 def make_schedule(kind: str = "linear", num_timesteps: int = 1000) -> Schedule:
-    """``linear`` (Ho et al. 2020, 1e-4 .. 0.02 scaled to T) or ``cosine`` (Nichol & Dhariwal 2021).
-
-    Raises `ValueError` (naming ``timesteps`` and the smallest valid count) when a beta falls
-    outside (0, 1): the linear schedule scaled to T < 21 steps has betas >= 1, which train NaN.
-    """
+    """``linear`` (Ho et al. 2020, scaled to T) or ``cosine`` (Nichol & Dhariwal 2021); a `ValueError` naming the
+    smallest valid count where a beta falls outside (0, 1) (linear below 21 steps: it would train NaN)."""
     if num_timesteps < 1:
         raise ValueError(f"timesteps {num_timesteps}: must be >= 1")
     betas = _betas(kind, num_timesteps)
     if not _valid(betas):
         smallest = next(n for n in range(num_timesteps + 1, 100_000) if _valid(_betas(kind, n)))
-        raise ValueError(
-            f"timesteps {num_timesteps}: the {kind} schedule's betas reach {betas.max():.3g} but must lie in (0, 1);"
-            f" the smallest valid value is {smallest}"
-        )
+        raise ValueError(f"timesteps {num_timesteps}: the {kind} schedule's betas reach {betas.max():.3g} but must "
+                         f"lie in (0, 1); the smallest valid value is {smallest}")  # fmt: skip
     return Schedule(betas)
 
 
 def check_objective(spec: UNetSpec) -> None:
-    """Refuse (`ValueError`, one line) a spec the noise-prediction MSE cannot train.
-
-    The model predicts the noise added to its input, so its output must have the input's
-    channels; a U-Net with ``out_channels != in_channels`` (inpainting, learned variance) needs
-    another objective.
-    """
+    """Refuse a spec the noise-prediction MSE cannot train (its output must have the input's channels)."""
     if spec.out_channels != spec.in_channels:
         raise ValueError(
-            f"out_channels: spec {spec.name!r} maps {spec.in_channels} input channels to {spec.out_channels}; "
-            "the noise-prediction objective needs out_channels == in_channels"
+            f"out_channels: spec {spec.name!r} maps {spec.in_channels} input channels to "
+            f"{spec.out_channels}; the noise-prediction objective needs out_channels == in_channels"
         )
 
 
-def sample(
-    eps_fn: Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray | None]], np.ndarray],
-    schedule: Schedule,
-    dataset: Dataset,
-    shape: tuple[int, int, int, int],
-    num_steps: int,
-    seed: int,
-) -> np.ndarray:
-    """Ancestral DDPM sampling over ``num_steps`` evenly respaced timesteps; NCHW in [-1, 1].
-
-    ``eps_fn(x_nchw, t, conditioning)`` returns the model's noise prediction as numpy;
-    ``conditioning`` is every input after (x, t), by name (`shared_configs.training.data.CONDITIONING`).
-    Sample ``i`` is conditioned on class ``i % 10`` (and, SDXL-style, on an uncropped full-size image).
-    """
+def sample(eps_fn: Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray | None]], np.ndarray], schedule: Schedule,
+           dataset: Dataset, shape: tuple[int, int, int, int], num_steps: int, seed: int) -> np.ndarray:  # fmt: skip
+    """Ancestral DDPM sampling over ``num_steps`` respaced timesteps, NCHW in [-1, 1]: ``eps_fn(x_nchw, t,
+    conditioning)`` predicts the noise; sample ``i`` is conditioned on class ``i % 10``."""
     rng = np.random.default_rng([seed, 2**31])
     labels = np.arange(shape[0]) % NUM_CLASSES
     conditioning = dataset.conditioning(labels)

@@ -49,10 +49,7 @@ class RunStart:
 
 @contextmanager
 def open_run(cfg: TrainConfig, spec: UNetSpec, framework: str, layout: str, owner: bool = True) -> Iterator[RunStart]:
-    """Own ``cfg.out`` for the block (``owner``: rank 0 holds the lock) and find where to start.
-
-    Every check reads only flags and small files, so it runs before any model is built.
-    """
+    """Own ``cfg.out`` for the block (``owner``: rank 0 holds the lock) and find where to start (before any model)."""
     out = Path(cfg.out)
     with owned(out, owner):
         path = find_start(out, cfg.resume, cfg.overwrite)
@@ -69,26 +66,12 @@ def manifest_for(cfg: TrainConfig, spec: UNetSpec, framework: str, layout: str, 
     return Manifest(framework, layout, len(losses), list(losses), run_record(cfg, spec))
 
 
-def run_loop(
-    cfg: TrainConfig,
-    state: State,
-    losses: list[float],
-    step_fn: Callable[[State, int], tuple[State, float]],
-    save_fn: Callable[[State, list[float]], Any],
-    title: str,
-    comm: Comm = SOLO,
-    settings: str = "",
-) -> State:
-    """Steps ``len(losses) .. cfg.steps - 1``: ``step_fn(state, step) -> (state, loss)``, each loss
-    appended to ``losses``; ``save_fn(state, losses)`` at every checkpoint boundary. Returns the state.
-    ``settings`` (what the run used) ends the speed line rank 0 prints at the end, on stderr.
-
-    A NaN or infinite loss raises `NonFiniteLoss` naming the step; the checkpoint on disk stays.
-    A stop signal (`shared_configs.training.preemption.STOP_SIGNALS`) to any rank of ``comm`` lets
-    the step in flight finish; then every rank saves that step (if not saved already), rank 0
-    writes ``losses.json``, and `Stopped` is raised. The ranks agree after each step (a max over
-    ranks of the signal number, 0 for none), so they all stop after the same step.
-    """
+def run_loop(cfg: TrainConfig, state: State, losses: list[float], step_fn: Callable[[State, int], tuple[State, float]],
+             save_fn: Callable[[State, list[float]], Any], title: str, comm: Comm = SOLO, settings: str = ""
+             ) -> State:  # fmt: skip
+    """Steps ``len(losses) .. cfg.steps - 1`` (``step_fn(state, step) -> (state, loss)``, losses appended), with
+    ``save_fn(state, losses)`` at each checkpoint boundary; ``settings`` ends rank 0's speed line. A non-finite
+    loss raises `NonFiniteLoss`; a stop signal to any rank ends every rank after the same step, saved: `Stopped`."""
     saved = len(losses)
     shown = progress_bar(cfg.steps, len(losses), title, settings, comm.rank == 0, cfg.log_every)  # the logs: rank 0's
     with StopSignals() as signals, shown as update:
