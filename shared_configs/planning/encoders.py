@@ -45,8 +45,7 @@ WEIGHT_DTYPE = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "floa
 
 @dataclass(frozen=True)
 class Encoder:
-    """One model beside the U-Net: ``kind`` vae | clip | clip-projection, its config (JSON text),
-    the dtype of its weights, whether it is trained, the image side (VAE) or tokens (text)."""
+    """One model beside the U-Net (``kind``: vae | clip | clip-projection), its config as JSON text."""
 
     name: str
     kind: str
@@ -68,8 +67,7 @@ class Encoder:
 
 @dataclass(frozen=True)
 class StepOptions:
-    """What the step runs beside the U-Net: its encoders, the VAE left out when latents are
-    cached, the text encoder trained."""
+    """What the step runs beside the U-Net: its encoders, the VAE (not with cached latents), a trained text encoder."""
 
     with_encoders: bool = False
     cached_latents: bool = False
@@ -82,17 +80,13 @@ class StepOptions:
 
 
 def pipeline_configs(source: str) -> str | None:
-    """The configs of the VAE and text encoder(s) a local diffusers pipeline folder holds beside its
-    ``unet/``, as JSON text (a `Workload` field); None for a U-Net folder or a repo id."""
+    """The VAE and text encoder configs of a local pipeline folder, as JSON text; None for a U-Net folder or repo id."""
     root = Path(source)
     pipeline = root if (root / "unet").is_dir() else root.parent if root.name == "unet" else None
     if pipeline is None:
         return None
-    found = {}
-    for name in ("vae", "text_encoder", "text_encoder_2"):
-        path = pipeline / name / "config.json"
-        if path.is_file():
-            found[name] = json.loads(path.read_text())
+    paths = {name: pipeline / name / "config.json" for name in ("vae", "text_encoder", "text_encoder_2")}
+    found = {name: json.loads(path.read_text()) for name, path in paths.items() if path.is_file()}
     return json.dumps(found, sort_keys=True) if found else None
 
 
@@ -107,9 +101,8 @@ def family(spec: UNetSpec) -> tuple[str, tuple[tuple[str, str, dict[str, Any]], 
 
 
 def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[Encoder]:
-    """The models ``options`` put beside ``spec``'s U-Net: frozen ones in the mixed precision's
-    weight dtype (diffusers' ``weight_dtype``; SDXL's VAE float32, as its scripts keep it), a
-    trained text encoder in float32."""
+    """The models ``options`` put beside ``spec``'s U-Net: frozen ones in diffusers' ``weight_dtype`` (SDXL's VAE
+    float32, as its scripts keep it), a trained text encoder in float32."""
     if not options.any:
         return []
     name, texts = family(spec) if not options.configs else ("folder", _folder_texts(options.configs))
@@ -155,13 +148,9 @@ def input_bytes(encoder: Encoder, batch_size: int) -> int:
 
 def whole_step(profile: Profile, regime: Regime, encoders: list[Encoder], measured: dict[str, dict[str, int]],
                device: str = "cpu", optimizer_impl: str | None = None) -> Profile:  # fmt: skip
-    """``profile`` (the U-Net's step) with ``encoders`` beside it (``measured``: `torch_impl.encoders`).
-
-    Throughout: every encoder's weights; a trained one's optimizer state too, and what its forward
-    keeps through the U-Net's forward and backward. Phases no plan changes: each encoder's forward
-    before the U-Net's (the step's weights, state and EMA alive: ``static_bytes``), a trained
-    encoder's backward after the U-Net's (the U-Net's gradients alive), and the optimizer step with
-    the trained encoder's gradients and, on ``device`` "cuda" under foreach, their temporaries."""
+    """``profile`` (the U-Net's step) with ``encoders`` beside it (``measured``: `torch_impl.encoders`): their
+    weights (a trained one's state and kept activations too) throughout, and as phases each encoder's forward, a
+    trained one's backward, and the optimizer step with its gradients (and foreach temporaries). docs/regimes.md."""
     if not encoders:
         return profile
     trained = [e for e in encoders if e.trained]
@@ -193,8 +182,7 @@ def _state_optimizer(regime: Regime) -> str:
 
 def _temporaries(regime: Regime, trained: list[Encoder], measured: dict[str, dict[str, int]], device: str,
                  chosen: str | None) -> int:  # fmt: skip
-    """The trained encoders' share of the optimizer step's temporaries: under foreach a copy of
-    their weights; a per-tensor loop's are the U-Net's largest tensor's, already counted."""
+    """The trained encoders' share of the optimizer step's temporaries (foreach: a copy of their weights)."""
     name = implementation(regime.optimizer, device, chosen)
     if name != "foreach":
         return 0
