@@ -70,8 +70,7 @@ class ControlNetSpec(_Frozen):
 
 
 def load_controlnet_spec(source: str | Path | Mapping[str, Any]) -> ControlNetSpec:
-    """A `ControlNetSpec` from a YAML file or a mapping (``unet:`` a preset name, a file, or the fields);
-    a bad one is a `SpecError` naming the field."""
+    """A `ControlNetSpec` from a YAML file or a mapping; a bad one is a `SpecError` naming the field."""
     data = source
     if not isinstance(source, Mapping):
         import yaml
@@ -89,8 +88,7 @@ def load_controlnet_spec(source: str | Path | Mapping[str, Any]) -> ControlNetSp
 
 
 def residual_shapes(spec: UNetSpec, batch: int, size: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
-    """NCHW shapes of the residuals a U-Net takes on a ``size`` x ``size`` sample: one per skip its down
-    path pushes (conv_in's, each ResNet's, each downsample's), and the middle block's."""
+    """NCHW shapes of the residuals a U-Net takes on a ``size`` x ``size`` sample: one per skip, and the middle's."""
     chans, n = spec.block_out_channels, spec.num_levels
     down = [(batch, chans[0], size, size)]
     for level, ch in enumerate(chans):
@@ -103,15 +101,12 @@ def residual_shapes(spec: UNetSpec, batch: int, size: int) -> tuple[list[tuple[i
 
 
 def add_residuals(spec: UNetSpec, h: A, skips: list[A], down: Sequence[A] | None, mid: A | None) -> tuple[A, list[A]]:
-    """``(h + mid, [skip + residual, ...])`` as diffusers' ``UNet2DConditionModel`` adds a ControlNet's
-    residuals (after the down path; the middle block ran on the plain skip). Works on torch and jax
-    arrays alike; residuals broadcast (``global_pool_conditions`` gives (B, C, 1, 1))."""
+    """``(h + mid, [skip + residual, ...])`` as diffusers' ``UNet2DConditionModel`` adds a ControlNet's residuals
+    after the down path, on torch and jax arrays alike (pooled residuals broadcast)."""
     if down is not None:
         if len(down) != len(skips):
-            raise ValueError(
-                f"down_block_additional_residuals: expected {len(skips)} tensors (one per skip: conv_in, each ResNet, "
-                f"each downsample of spec {spec.name!r}), got {len(down)}"
-            )
+            raise ValueError(f"down_block_additional_residuals: expected {len(skips)} tensors (one per skip: conv_in, "
+                             f"each ResNet, each downsample of spec {spec.name!r}), got {len(down)}")  # fmt: skip
         skips = [s + r for s, r in zip(skips, down, strict=True)]
     if mid is not None:
         h = h + mid
@@ -119,8 +114,7 @@ def add_residuals(spec: UNetSpec, h: A, skips: list[A], down: Sequence[A] | None
 
 
 def residual_scales(spec: ControlNetSpec, count: int, scale: float, guess_mode: bool) -> list[float]:
-    """One factor per down residual, then the middle's: ``scale``, or under ``guess_mode`` (unless
-    pooled, as diffusers) ``logspace(-1, 0, count + 1) * scale``."""
+    """One factor per down residual, then the middle's: ``scale``, or (``guess_mode``, unpooled) a logspace to it."""
     if guess_mode and not spec.global_pool_conditions:
         return [scale * 10.0 ** (-1 + i / count) for i in range(count + 1)]
     return [scale] * (count + 1)
@@ -129,15 +123,11 @@ def residual_scales(spec: ControlNetSpec, count: int, scale: float, guess_mode: 
 def check_conditioning(spec: ControlNetSpec, sample: tuple[int, ...], cond: tuple[int, ...], layout: str) -> None:
     """A conditioning image of the wrong shape is one `ValueError` naming what the spec expects."""
     f, c = spec.conditioning_factor, spec.conditioning_channels
-    if layout == "NCHW":
-        want = (sample[0], c, sample[2] * f, sample[3] * f)
-    else:
-        want = (sample[0], sample[1] * f, sample[2] * f, c)
+    n, h, w = (sample[0], *sample[2:4]) if layout == "NCHW" else sample[:3]
+    want = (n, c, h * f, w * f) if layout == "NCHW" else (n, h * f, w * f, c)
     if tuple(cond) != want:
-        raise ValueError(
-            f"controlnet_cond: expected {layout} shape {want} ({c} channels at {f}x the sample's size), "
-            f"got {tuple(cond)}"
-        )
+        raise ValueError(f"controlnet_cond: expected {layout} shape {want} ({c} channels at {f}x the sample's size), "
+                         f"got {tuple(cond)}")  # fmt: skip
 
 
 def controlnet_names(spec: ControlNetSpec | UNetSpec, layers: bool = False) -> list[str]:
@@ -148,13 +138,9 @@ def controlnet_names(spec: ControlNetSpec | UNetSpec, layers: bool = False) -> l
 
 
 def resolve_controlnet_plan(spec: ControlNetSpec, policy: Policy | CheckpointPlan = None) -> CheckpointPlan:
-    """A plan for the ControlNet: resolved as for its U-Net (every policy string, save sets and ``;``
-    groups), keeping the units the ControlNet has. ``full`` is every down block and ``mid``,
-    ``layers`` their layers; a unit named explicitly that the ControlNet lacks (``up.0``) is refused."""
+    """A plan for the ControlNet, resolved as for its U-Net, keeping its units (naming an ``up.*`` is refused)."""
     plan = resolve_plan(spec.unet, policy)  # None: the U-Net spec's own `checkpoint`
-    named = _named_units(policy)
-    missing = [n for n in named if n.startswith("up.") or n == "up"]
-    if missing:
+    if missing := [n for n in _named_units(policy) if n.startswith("up.") or n == "up"]:
         raise SpecError(f"policy: a ControlNet has no unit {missing[0]!r} (it has down.* and mid)")
     keep = tuple(n for n in plan.recompute if not n.startswith("up."))
     unit_save = tuple((n, ops) for n, ops in plan.unit_save if not n.startswith("up."))
