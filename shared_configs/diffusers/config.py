@@ -58,6 +58,9 @@ FIXED: dict[str, tuple[Any, ...]] = {
     "attention_type": ("default",),
 }  # fmt: skip
 
+# Options that are spec fields of the same name and value.
+SAME_FIELDS = ("in_channels", "out_channels", "norm_num_groups", "norm_eps", "dropout", "resnet_time_scale_shift",
+               "downsample_padding", "mid_block_scale_factor")  # fmt: skip
 CONTEXT_NORM_GROUPS = 32  # diffusers' cross_attention_norm: group_norm (cross_attention_norm_num_groups, fixed)
 DOWN_BLOCKS: dict[str, str] = {"DownBlock2D": "none", "AttnDownBlock2D": "self", "CrossAttnDownBlock2D": "transformer"}
 UP_BLOCKS: dict[str, str] = {"UpBlock2D": "none", "AttnUpBlock2D": "self", "CrossAttnUpBlock2D": "transformer"}
@@ -98,9 +101,8 @@ def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
         raise SpecError("down_block_types/up_block_types: CrossAttn*Block2D needs a UNet2DConditionModel")
     conditioning = conditioning_fields(cfg, cls)
     cond_dim = conditioning.pop("time_embedding_cond_dim", None)
-    same = ("in_channels", "out_channels", "norm_num_groups", "norm_eps", "dropout", "resnet_time_scale_shift")
     data: dict[str, Any] = {
-        **{k: cfg[k] for k in (*same, "downsample_padding", "mid_block_scale_factor")},
+        **{k: cfg[k] for k in SAME_FIELDS},
         "sample_size": _sample_size(cfg["sample_size"], n),
         "block_out_channels": list(cfg["block_out_channels"]),
         "layers_per_block": _uniform(cfg, "layers_per_block", n),

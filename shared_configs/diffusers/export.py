@@ -13,15 +13,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from shared_configs.diffusers import config as _config
 from shared_configs.diffusers.conditioning import IMAGE_PROJ_TOKENS
-from shared_configs.diffusers.config import (
-    DOWN_BLOCKS,
-    MID_BLOCKS,
-    RESNET_DOWN_BLOCKS,
-    RESNET_UP_BLOCKS,
-    UP_BLOCKS,
-    from_diffusers_config,
-)
+from shared_configs.diffusers.config import SAME_FIELDS, from_diffusers_config
 from shared_configs.spec import CONTEXT_KINDS, SpecError, UNetSpec
 
 
@@ -30,16 +24,14 @@ def _inverse(conv: dict[str, str], resnet: dict[str, str]) -> dict[tuple[str, st
     return {("conv", k): t for t, k in conv.items()} | {("resnet", k): t for t, k in resnet.items()}
 
 
-DOWN_TYPES, UP_TYPES = _inverse(DOWN_BLOCKS, RESNET_DOWN_BLOCKS), _inverse(UP_BLOCKS, RESNET_UP_BLOCKS)
-MID_TYPES = {k: t for t, k in MID_BLOCKS["UNet2DConditionModel"].items()}
+DOWN_TYPES = _inverse(_config.DOWN_BLOCKS, _config.RESNET_DOWN_BLOCKS)
+UP_TYPES = _inverse(_config.UP_BLOCKS, _config.RESNET_UP_BLOCKS)
+MID_TYPES = {k: t for t, k in _config.MID_BLOCKS["UNet2DConditionModel"].items()}
 DIFFUSERS_VERSION = "0.42.1"  # the diffusers whose signatures `shared_configs.diffusers.folders` mirrors
 
 
 def to_diffusers_config(spec: UNetSpec) -> dict[str, Any]:
-    """The ``config.json`` (with ``_class_name``) of the diffusers U-Net equal to ``spec``.
-
-    Raises `SpecError` naming the first spec field diffusers cannot express.
-    """
+    """The ``config.json`` of the diffusers U-Net equal to ``spec``; a `SpecError` names a field it cannot express."""
     kinds = (*spec.down_attention, *spec.up_attention_resolved, spec.mid_attention)
     only_conditional = spec.time_embedding.cond_dim, spec.image_embedding, spec.context_proj_dim, spec.resampler
     conditional = any(k in CONTEXT_KINDS for k in kinds) or only_conditional != (None, None, None, "conv")
@@ -52,19 +44,10 @@ def _common(spec: UNetSpec, cls: str) -> dict[str, Any]:
     return {
         "_class_name": cls,
         "_diffusers_version": DIFFUSERS_VERSION,
-        "in_channels": spec.in_channels,
-        "out_channels": spec.out_channels,
-        "sample_size": spec.sample_size,
+        **{k: getattr(spec, k) for k in (*SAME_FIELDS, "sample_size", "layers_per_block")},
         "block_out_channels": list(spec.block_out_channels),
-        "layers_per_block": spec.layers_per_block,
         "down_block_types": [_block_type(DOWN_TYPES, spec, k) for k in spec.down_attention],
         "up_block_types": [_block_type(UP_TYPES, spec, k) for k in spec.up_attention_resolved],
-        "norm_num_groups": spec.norm_num_groups,
-        "norm_eps": spec.norm_eps,
-        "dropout": spec.dropout,
-        "resnet_time_scale_shift": spec.resnet_time_scale_shift,
-        "downsample_padding": spec.downsample_padding,
-        "mid_block_scale_factor": spec.mid_block_scale_factor,
         "flip_sin_to_cos": spec.time_embedding.flip_sin_to_cos,
         "freq_shift": spec.time_embedding.freq_shift,
         "time_embedding_dim": spec.time_embedding.dim,
@@ -73,8 +56,7 @@ def _common(spec: UNetSpec, cls: str) -> dict[str, Any]:
 
 
 def _block_type(table: dict[tuple[str, str], str], spec: UNetSpec, kind: str) -> str:
-    """The block type of ``kind`` among ``spec.resampler``'s blocks; a pair diffusers lacks takes the other
-    resampler's type (the round trip then refuses it, naming the field)."""
+    """The block type of ``kind`` among ``spec.resampler``'s blocks, else the other's (the round trip refuses it)."""
     return table.get((spec.resampler, kind)) or table[("resnet" if spec.resampler == "conv" else "conv", kind)]
 
 
@@ -98,8 +80,7 @@ def _conditioning(spec: UNetSpec) -> dict[str, Any]:
 
 
 def _added_options(spec: UNetSpec) -> dict[str, Any]:
-    """LCM's timestep condition, the context projection and image conditioning (Kandinsky 2.2), and the
-    options of the ResNet-resampled blocks, in diffusers' names (only those set)."""
+    """The LCM, Kandinsky 2.2 and ResNet-resampler options that are set, in diffusers' names."""
     out: dict[str, Any] = {}
     if spec.time_embedding.cond_dim is not None:
         out["time_cond_proj_dim"] = spec.time_embedding.cond_dim
@@ -112,10 +93,9 @@ def _added_options(spec: UNetSpec) -> dict[str, Any]:
         if img.context_tokens is not None:
             out["encoder_hid_dim_type"] = "image_proj"
             if img.context_tokens != IMAGE_PROJ_TOKENS:
-                raise SpecError(
-                    f"spec {spec.name!r} has no diffusers equivalent: image_embedding.context_tokens="
-                    f"{img.context_tokens} (diffusers' ImageProjection makes {IMAGE_PROJ_TOKENS})"
-                )
+                raise SpecError(f"spec {spec.name!r} has no diffusers equivalent: image_embedding."
+                                f"context_tokens={img.context_tokens} (diffusers' ImageProjection makes "
+                                f"{IMAGE_PROJ_TOKENS})")  # fmt: skip
     if spec.resnet_skip_time_act:
         out["resnet_skip_time_act"] = True
     if spec.resnet_out_scale_factor != 1.0:
@@ -139,8 +119,7 @@ def _pixel(spec: UNetSpec) -> dict[str, Any]:
 
 
 def _mid_groups(spec: UNetSpec) -> int | None:
-    """diffusers' attn_norm_num_groups: None means norm_num_groups under the default time embedding,
-    and no GroupNorm under scale_shift (so there the ResNets' groups must be spelled out)."""
+    """diffusers' attn_norm_num_groups (None: the ResNets' groups, or under scale_shift no GroupNorm)."""
     groups = spec.mid_attention_norm_groups
     if groups == 0:
         return None  # no GroupNorm: diffusers builds that only under scale_shift (the round trip checks)
@@ -151,33 +130,29 @@ def _mid_groups(spec: UNetSpec) -> int | None:
 def _conditional(spec: UNetSpec) -> dict[str, Any]:
     """UNet2DConditionModel: per-level heads for transformers; channels per head for Attn*Block2D."""
     if spec.mid_attention not in MID_TYPES:
-        raise SpecError(
-            f"mid_attention: {spec.mid_attention!r} beside Transformer2D levels has no diffusers equivalent "
-            "(UNet2DConditionModel's middle blocks: UNetMidBlock2DCrossAttn, mid_attention 'transformer'; "
-            "UNetMidBlock2DSimpleCrossAttn, 'simple_cross')"
-        )
-    return _common(spec, "UNet2DConditionModel") | _added_options(spec) | {
+        raise SpecError(f"mid_attention: {spec.mid_attention!r} beside Transformer2D levels has no diffusers "
+                        "equivalent (UNet2DConditionModel's middle blocks: UNetMidBlock2DCrossAttn, mid_attention "
+                        "'transformer'; UNetMidBlock2DSimpleCrossAttn, 'simple_cross')")  # fmt: skip
+    own = {
         "mid_block_type": MID_TYPES[spec.mid_attention],
         "attention_head_dim": _plain(_conditional_heads(spec)),
         "cross_attention_dim": spec.cross_attention_dim,
         "transformer_layers_per_block": _plain(spec.transformer_layers_per_block),
         "use_linear_projection": spec.use_linear_projection,
     }
+    return _common(spec, "UNet2DConditionModel") | _added_options(spec) | own
 
 
 def _attention_blocks(spec: UNetSpec) -> list[tuple[str, int, int, str]]:
     """(block, level, index in its path, attention kind) of every block with attention, in forward order."""
     n, up = spec.num_levels, spec.up_attention_resolved
-    blocks = [(f"down.{i}", i, i, k) for i, k in enumerate(spec.down_attention)] + [
-        ("mid", n - 1, n - 1, spec.mid_attention)
-    ]
-    blocks += [(f"up.{i}", n - 1 - i, i, k) for i, k in enumerate(up)]
+    blocks = [(f"down.{i}", i, i, k) for i, k in enumerate(spec.down_attention)]
+    blocks += [("mid", n - 1, n - 1, spec.mid_attention), *((f"up.{i}", n - 1 - i, i, k) for i, k in enumerate(up))]
     return [b for b in blocks if b[3] != "none"]
 
 
 def _conditional_heads(spec: UNetSpec) -> tuple[int, ...]:
-    """UNet2DConditionModel's attention_head_dim list: heads of transformers at their level, head size of
-    Attn*Block2D at their index (un-reversed on the way up); the round trip refuses what conflicts."""
+    """UNet2DConditionModel's attention_head_dim: transformers' heads by level, Attn*Block2D's head size by index."""
     values: dict[int, int] = {}
     for block, level, index, kind in _attention_blocks(spec):
         heads, head_dim = spec.attention_shape(block, level)
@@ -217,7 +192,5 @@ def _check_round_trip(spec: UNetSpec, config: dict[str, Any]) -> None:
     want, got = _normalised(spec), _normalised(back)
     for field, value in want.items():
         if got.get(field) != value:
-            raise SpecError(
-                f"spec {spec.name!r} has no diffusers equivalent: {field}={value!r} "
-                f"(the nearest {config['_class_name']} config gives {got.get(field)!r})"
-            )
+            raise SpecError(f"spec {spec.name!r} has no diffusers equivalent: {field}={value!r} (the nearest "
+                            f"{config['_class_name']} config gives {got.get(field)!r})")  # fmt: skip
