@@ -18,22 +18,15 @@ from shared_configs.spec import SpecError, UNetSpec
 # named is recomputed (activations, softmax, elementwise ops, and norms unless "norm" is saved).
 OP_CLASSES: tuple[str, ...] = ("conv", "matmul", "attention", "norm")
 # Named op-level presets: (base policy, saved ops, offload).
-PRESETS: dict[str, tuple[str, tuple[str, ...], bool]] = {
-    "save_convs": ("full", ("conv", "matmul"), False),
-    "offload_convs": ("full", ("conv", "matmul"), True),
-}
+PRESETS = {"save_convs": ("full", ("conv", "matmul"), False), "offload_convs": ("full", ("conv", "matmul"), True)}
 NAMED_POLICIES: tuple[str, ...] = ("none", "full", "balanced", "layers", "every:N", *PRESETS)
 Policy = str | Sequence[str] | None
 
 
 @dataclass(frozen=True)
 class CheckpointPlan:
-    """The resolved plan: the names of the recomputed blocks/layers, in forward order.
-
-    ``save``: op classes (from `OP_CLASSES`) whose outputs the recomputed blocks still keep;
-    ``()`` keeps nothing inside them. ``offload``: keep those outputs in host memory instead.
-    Frozen and hashable: Flax modules carry it as an attribute.
-    """
+    """The recomputed blocks/layers in forward order, the op classes they still ``save`` (``offload``: in host
+    memory). Frozen and hashable: Flax modules carry it as an attribute."""
 
     policy: str
     recompute: tuple[str, ...]
@@ -85,12 +78,8 @@ def all_names(spec: UNetSpec) -> list[str]:
 
 
 def _level_layers(prefix: str, count: int, attention: str) -> list[str]:
-    names = []
-    for j in range(count):
-        names.append(f"{prefix}.resnets.{j}")
-        if attention != "none":
-            names.append(f"{prefix}.attentions.{j}")
-    return names
+    kinds = ("resnets",) if attention == "none" else ("resnets", "attentions")
+    return [f"{prefix}.{kind}.{j}" for j in range(count) for kind in kinds]
 
 
 def _balanced(spec: UNetSpec) -> list[str]:
@@ -101,24 +90,13 @@ def _balanced(spec: UNetSpec) -> list[str]:
     return [f"down.{i}" for i in range(1, n)] + ["mid"] + [f"up.{i}" for i in range(n - 1)]
 
 
-_NAMED: dict[str, Callable[[UNetSpec], list[str]]] = {
-    "none": lambda spec: [],
-    "full": block_names,
-    "balanced": _balanced,
-    "layers": layer_names,
-}
+_NAMED: dict[str, Callable[[UNetSpec], list[str]]] = {"none": lambda spec: [], "full": block_names,
+                                                      "balanced": _balanced, "layers": layer_names}  # fmt: skip
 
 
-def resolve_plan(
-    spec: UNetSpec,
-    policy: Policy | CheckpointPlan = None,
-    save: Iterable[str] | None = None,
-    offload: bool | None = None,
-) -> CheckpointPlan:
-    """Resolve a policy for ``spec``; ``None`` takes the spec's own ``checkpoint`` field.
-
-    ``save``/``offload``, when given, override what the policy string says (see the module doc).
-    """
+def resolve_plan(spec: UNetSpec, policy: Policy | CheckpointPlan = None, save: Iterable[str] | None = None,
+                 offload: bool | None = None) -> CheckpointPlan:  # fmt: skip
+    """Resolve a policy for ``spec`` (None: the spec's own ``checkpoint``); ``save``/``offload`` override its own."""
     if isinstance(policy, CheckpointPlan):
         plan = policy
         if plan.recompute:

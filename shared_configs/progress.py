@@ -95,9 +95,7 @@ class Progress:
     def line(self) -> str:
         """``what: done/total, detail, 12 s, about 30 s left`` (the estimate from the pace so far)."""
         elapsed = time.monotonic() - self.started
-        parts = [self._head()]
-        parts += [self.detail] if self.detail else []
-        parts.append(_seconds(elapsed))
+        parts = [self._head(), *([self.detail] if self.detail else []), _seconds(elapsed)]
         if self.total and 0 < self.done < self.total:
             parts.append(f"about {_seconds(elapsed / self.done * (self.total - self.done))} left")
         return ", ".join(parts)
@@ -128,8 +126,7 @@ def progress(what: str, total: int | None = None, logger: logging.Logger = LOGGE
 
 
 def tracked(items: Iterable[T], what: str, label: Callable[[T], str] = str) -> Iterator[T]:
-    """tqdm's ``tqdm(items)``: each item in turn, the wait reported as `progress`, a line per item
-    (``label`` names the item under way)."""
+    """tqdm's ``tqdm(items)``: each item in turn, reported as `progress` (``label`` names the item under way)."""
     items = list(items)
     with progress(what, len(items)) as p:
         for i, item in enumerate(items):
@@ -146,8 +143,7 @@ def note(text: str) -> None:
 
 
 def say(text: str) -> None:
-    """A line the user must see (a re-plan, a retry after out-of-memory): a WARNING record when
-    logging is on, else a line on stderr."""
+    """A line the user must see (a re-plan, a retry): a WARNING when logging is on, else a line on stderr."""
     if _speaks(LOGGER):
         LOGGER.warning(text)
     else:
@@ -155,8 +151,7 @@ def say(text: str) -> None:
 
 
 class Relay:
-    """The parent's side of a worker's progress: its `MARK` lines logged here as ``what: line`` (under
-    this process's quiet rule), every other line kept (the error message's)."""
+    """The parent's side of a worker's progress: its `MARK` lines logged as ``what: line``, every other line kept."""
 
     def __init__(self, what: str, logger: logging.Logger = LOGGER) -> None:
         self.what, self.logger, self.shown = what, logger, False
@@ -171,8 +166,7 @@ class Relay:
             self.kept.append(line)
 
     def close(self) -> None:
-        """With logging off, a final line under the progress said (with it on, the caller's next line
-        says the work is done)."""
+        """With logging off, a final line under the progress said (with it on, the caller's next line says it)."""
         if self.shown and not _speaks(self.logger):
             _emit(self.logger, f"{self.what}: done in {_seconds(time.monotonic() - self.started)}", False, 0.0, 0.0)
 
@@ -192,8 +186,7 @@ def worker_logging(stream: IO[str] | None = None) -> None:
 
 @contextmanager
 def cli_logging(verbose: bool = False, stream: IO[str] | None = None) -> Iterator[LiveHandler]:
-    """In a command, while it runs: the library's progress and notes on stderr (a live line on a
-    terminal); the logger as it was afterwards (a command run in a test leaves nothing behind)."""
+    """In a command, while it runs: the library's progress and notes on stderr; the logger as it was afterwards."""
     saved = (list(LOGGER.handlers), LOGGER.level, LOGGER.propagate)
     handler = LiveHandler(stream)
     LOGGER.handlers[:] = [handler]
