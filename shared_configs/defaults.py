@@ -1,14 +1,6 @@
-"""One set of defaults per device, for every tool and library call.
-
-The benchmark's commands (compare, max_batch, plan, saved), `plan_for_budget`'s `Workload`
-and both training CLIs take their attention, dtype, context
-length, timed steps and JAX compilation cache from `defaults` (tests/test_defaults.py holds them
-equal), and each prints the line `Defaults.describe` writes of what it used. So a step benchmarked
-with one tool is the step another tool plans or trains: before, the benchmark ran JAX with
-query-chunked attention on CPU and the planner profiled it unchunked, and a budget the benchmark's
-``full`` fit was "infeasible" to the planner.
-
-Framework-free: a tool that knows its device only inside a framework's process passes the
+"""One set of defaults per device (attention, dtype, context length, timed steps, JAX compilation cache) for
+every tool and library call, each printing what it used (`Defaults.describe`): a step benchmarked with one tool
+is the step another plans or trains. A tool that knows its device only inside a framework's process passes the
 attention chunk as ``"auto"`` and resolves it there (`resolve_chunk`).
 """
 
@@ -57,8 +49,7 @@ class Defaults:
 
 
 def jax_cache_dir() -> str | None:
-    """The persistent compilation cache folder: ``$UNET_REMAT_JAX_CACHE`` ("none": off), else
-    ``$XDG_CACHE_HOME/unet-remat/jax`` (``~/.cache/unet-remat/jax``)."""
+    """The persistent compilation cache folder: ``$UNET_REMAT_JAX_CACHE`` ("none": off), else under XDG's cache."""
     chosen = os.environ.get(JAX_CACHE_ENV)
     if chosen is not None:
         return None if chosen.lower() in ("none", "off", "") else str(Path(chosen).expanduser().absolute())

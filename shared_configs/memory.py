@@ -1,15 +1,7 @@
-"""Memory over a training step, framework-free: the kinds a peak is split into, the block a
-name is in, and the data behind the timeline picture.
-
-Each framework's instrument hands over, per position in the step (a torch op's allocation or
-free, an XLA schedule slot), the live bytes of every kind in `CATEGORIES`, the block the position
-belongs to and where the backward and optimizer phases start. `timeline` turns that into a small
-JSON-able record: at most ``points`` positions (each the highest of its stretch, so the peak
-survives exactly), the block boundaries and the phase starts.
-
-Not to be confused with `shared_configs.planning.timeline`, the planner's: there every buffer keeps its own
-live range so that bytes can be filed under the unit that frees them (the per-unit profile); here
-only the summed levels per kind survive, thinned for a figure. Neither can be made of the other.
+"""Memory over a training step, framework-free: the kinds a peak is split into (`CATEGORIES`), the block a
+name is in, and `timeline`, the record behind the timeline picture: per position in the step (a torch op,
+an XLA schedule slot) the live bytes of each kind, thinned to ``points`` positions that keep the peak, with
+the block and phase marks. The planner's per-buffer timeline is another thing: `shared_configs.planning.timeline`.
 """
 
 from __future__ import annotations
@@ -29,9 +21,7 @@ _BLOCK = re.compile(r"(?:^|[/.])(?:(down|up)[._](\d+)|(mid))(?=$|[/.])")
 
 
 def block_of(path: str) -> str:
-    """The U-Net block a module path is in, from a torch name (``UNet.down.1.resnets.0``) or a
-    Flax / XLA name stack (``transpose(jvp(UNet))/checkpoint/rematted_computation/up_1/...``):
-    ``down.1``, ``mid``, ``up.1``, ...; `OUTSIDE` when it names none."""
+    """The U-Net block (``down.1``, ``mid``, ...) a torch module path or an XLA name stack is in, else `OUTSIDE`."""
     match = _BLOCK.search(path)
     if match is None:
         return OUTSIDE
@@ -41,13 +31,8 @@ def block_of(path: str) -> str:
 POINTS = 1500  # positions kept per timeline: enough for a figure, small in the JSON
 
 
-def timeline(
-    series: Mapping[str, np.ndarray],
-    blocks: Sequence[str],
-    phases: Mapping[str, int],
-    method: str,
-    points: int = POINTS,
-) -> dict[str, Any]:
+def timeline(series: Mapping[str, np.ndarray], blocks: Sequence[str], phases: Mapping[str, int], method: str,
+             points: int = POINTS) -> dict[str, Any]:  # fmt: skip
     """The record for one step: ``series[c][i]`` live bytes of kind ``c`` at position ``i``,
     ``blocks[i]`` the block position ``i`` ran in, ``phases`` the first position of each phase."""
     stacked = np.stack([np.asarray(series[c], dtype=np.int64) for c in CATEGORIES])
@@ -74,13 +59,8 @@ def _peaks_per_stretch(total: np.ndarray, points: int) -> np.ndarray:
 
 
 def block_marks(blocks: Sequence[str], phase_starts: Iterable[int] = (), share: float = 0.004) -> list[tuple[int, str]]:
-    """(position, block) where each stretch of a block begins.
-
-    Positions outside any block (`OUTSIDE`: conv_in, the loss, the optimizer) do not break a
-    stretch; a phase start does (the forward's last block is the backward's first). Stretches
-    shorter than ``share`` of the step are left out: XLA's schedule hoists a few small ops of
-    later blocks (random bits, broadcasts) among earlier ones, and a mark per such op is noise.
-    """
+    """(position, block) where each stretch of a block begins: `OUTSIDE` positions do not break one, a phase start
+    does; stretches under ``share`` of the step (small ops XLA hoists among other blocks') are left out."""
     starts, shortest = set(phase_starts), max(1, int(share * len(blocks)))
     runs: list[list[Any]] = []  # [block, first position, positions in it]
     for i, block in enumerate(blocks):
