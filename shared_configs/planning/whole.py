@@ -87,8 +87,7 @@ def card(workload: Workload) -> gpu.Device:
 
 
 def device_budget(workload: Workload, budget: int) -> int:
-    """The allocated peak a plan may reach: ``budget`` itself on the CPU, the card's memory less
-    the context over fragmentation on a GPU (`gpu.device_budget`)."""
+    """The allocated peak a plan may reach: ``budget`` itself on the CPU, `gpu.device_budget` on a GPU."""
     return budget if workload.device == "cpu" else gpu.device_budget(budget, gpu.DEVICES[workload.device])
 
 
@@ -114,13 +113,8 @@ def measured_encoders(encoders: list[Encoder], workload: Workload) -> dict[str, 
 
 def checked_peak(workload: Workload, framework: str, checked: int, assignment: dict[str, str], profile: Profile,
                  get_profile: Callable[[str, Workload], Profile]) -> int:  # fmt: skip
-    """A plan's peak checked on the U-Net's step alone (fake tensors, CPU), as the whole step holds
-    it: plus what the whole step's ``profile`` predicts beyond the U-Net's own profile."""
+    """A plan's peak checked on the U-Net's step alone, plus what the whole step's ``profile`` predicts beyond it."""
     if workload == raw(workload):
         return checked
-    alone = get_profile(framework, raw(workload))
-    return (
-        checked
-        + predict(profile, workload.spec, assignment).peak_bytes
-        - predict(alone, workload.spec, assignment).peak_bytes
-    )
+    alone, spec = get_profile(framework, raw(workload)), workload.spec
+    return checked + predict(profile, spec, assignment).peak_bytes - predict(alone, spec, assignment).peak_bytes

@@ -1,15 +1,7 @@
-"""A run's checkpoint plan, resolved once: ``--policy``'s, or under ``--budget-mib N`` the planner's.
-
-`resolve_run` is the run's preamble, the same for both training loops: without a budget it resolves
-``--policy`` (None: the spec's own ``checkpoint:`` field); with one it plans for the run itself
-through the planner's library call (`shared_configs.planning.planner.plan`): the run's spec at its
-sample size, the batch each rank (or device) trains, its regime, the one-token context the training
-data gives, JAX's attention chunk, the world size and ``--distributed`` mode. The solver's answer is
-handed over as a `CheckpointPlan` built from its assignment (`plan_of`); the run records its policy
-string. A resume with the budget its run was planned for keeps the run's own plan (its record holds
-the policy), so the profile cache changing in between changes nothing. The frameworks' loops
-measure the peak of their first `MEASURED_STEPS` steps with their own instrument and print
-`RunPlan.peak_line`. No torch or jax import.
+"""A run's checkpoint plan, resolved once by both training loops (`resolve_run`): ``--policy``'s, or under
+``--budget-mib N`` the planner's for the run's own workload per rank (`workload_of`), handed over as a
+`CheckpointPlan` built from the solver's assignment (`plan_of`). A resume at the same budget keeps the run's
+recorded plan. The loops measure their first `MEASURED_STEPS` steps and print `RunPlan.peak_line`.
 """
 
 from __future__ import annotations
@@ -65,28 +57,17 @@ class RunPlan:
 
 
 class ResolvedRun(NamedTuple):
-    """What `resolve_run` settled: the config the run records (its policy the planned one under a
-    budget), the checkpoint plan the model is built with, and the budget's `RunPlan` (None: none)."""
+    """What `resolve_run` settled: the config the run records, the plan the model is built with, the `RunPlan`."""
 
     cfg: TrainConfig
     plan: CheckpointPlan | PairPlan
     budget: RunPlan | None = None
 
 
-def resolve_run(
-    cfg: TrainConfig,
-    spec: UNetSpec | ControlNetPairSpec,
-    framework: str,
-    world_size: int,
-    run: RunStart,
-    show: bool = True,
-    attention_chunk: int | None = Workload.attention_chunk,
-) -> ResolvedRun:
-    """The plan of a run of ``spec`` in ``framework`` ("torch" or "jax") over ``world_size`` ranks,
-    resolved once: ``cfg.policy``'s, or under ``--budget-mib`` the planner's (the line saying so on
-    stderr where ``show``). ``run``: where the run starts (a resumed run's record); ``attention_chunk``:
-    JAX's, as its loop resolved it on its device. ``spec``: a `ControlNetPairSpec` for a
-    ``--controlnet`` run, whose plan is a pair plan (`shared_configs.pair.split_pair_plan`)."""
+def resolve_run(cfg: TrainConfig, spec: UNetSpec | ControlNetPairSpec, framework: str, world_size: int, run: RunStart,
+                show: bool = True, attention_chunk: int | None = Workload.attention_chunk) -> ResolvedRun:  # fmt: skip
+    """The plan of a run of ``spec`` (a pair for ``--controlnet``): ``cfg.policy``'s, or under ``--budget-mib`` the
+    planner's (said on stderr where ``show``); ``run``: where it starts; ``attention_chunk``: JAX's, resolved."""
     if cfg.budget_bytes is None:
         return ResolvedRun(cfg, resolve_any(spec, cfg.policy))  # a bad policy is refused here
     saved = run.manifest.run if run.manifest is not None else {}
@@ -101,12 +82,8 @@ def resolve_any(spec: UNetSpec | ControlNetPairSpec, policy: str | None) -> Chec
     return split_pair_plan(spec, policy) if isinstance(spec, ControlNetPairSpec) else resolve_plan(spec, policy)
 
 
-def workload_of(
-    cfg: TrainConfig,
-    spec: UNetSpec | ControlNetPairSpec,
-    world_size: int,
-    attention_chunk: int | None = Workload.attention_chunk,
-) -> Workload:
+def workload_of(cfg: TrainConfig, spec: UNetSpec | ControlNetPairSpec, world_size: int,
+                attention_chunk: int | None = Workload.attention_chunk) -> Workload:  # fmt: skip
     """What the run's step trains, per rank: its spec, its share of the batch, its regime, its inputs."""
     unet = spec.unet if isinstance(spec, ControlNetPairSpec) else spec
     context = TRAIN_CONTEXT_LENGTH if unet.cross_attention_dim is not None else Workload.context_length
@@ -114,16 +91,9 @@ def workload_of(
                     attention_chunk=attention_chunk)  # fmt: skip
 
 
-def plan_run(
-    cfg: TrainConfig,
-    spec: UNetSpec | ControlNetPairSpec,
-    framework: str,
-    world_size: int,
-    saved: Mapping[str, Any],
-    attention_chunk: int | None = Workload.attention_chunk,
-) -> RunPlan:
-    """The plan of a ``--budget-mib`` run; ``saved``: the record of the run being resumed
-    (`shared_configs.training.config.run_record`), empty for a fresh run."""
+def plan_run(cfg: TrainConfig, spec: UNetSpec | ControlNetPairSpec, framework: str, world_size: int,
+             saved: Mapping[str, Any], attention_chunk: int | None = Workload.attention_chunk) -> RunPlan:  # fmt: skip
+    """The plan of a ``--budget-mib`` run; ``saved``: the resumed run's `run_record` (empty for a fresh run)."""
     budget = cfg.budget_bytes
     if budget is None:
         raise ValueError("--budget-mib: required to plan a run")
@@ -139,9 +109,7 @@ def plan_run(
 
 
 def plan_of(spec: UNetSpec | ControlNetPairSpec, solution: Solution) -> CheckpointPlan | PairPlan:
-    """The solver's plan as a value, from its assignment (its policy string is not parsed again):
-    each recomputed unit with the op classes it keeps (`shared_configs.planning.budget.choice_of`).
-    A pair's plan is split from its policy string (both networks' plans)."""
+    """The solver's plan as a value, from its assignment (a pair's: split from its policy string)."""
     if isinstance(spec, ControlNetPairSpec):
         return split_pair_plan(spec, solution.policy)
     chosen = {name: choice for name, choice in solution.assignment.items() if choice != PLAIN}
