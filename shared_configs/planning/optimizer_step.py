@@ -36,19 +36,14 @@ SOURCES = {
     "at once (only with foreach=True)",
 }
 DEFAULT = {  # torch's choice per (optimizer, device kind)
-    ("adamw", "cpu"): "per-parameter",
-    ("adamw", "cuda"): "foreach",
-    ("adafactor", "cpu"): "per-parameter",
-    ("adafactor", "cuda"): "per-parameter",
-    ("adamw8bit", "cpu"): "torchao",
-    ("adamw8bit", "cuda"): "torchao",
-}
+    ("adamw", "cpu"): "per-parameter", ("adamw", "cuda"): "foreach", ("adafactor", "cpu"): "per-parameter",
+    ("adafactor", "cuda"): "per-parameter", ("adamw8bit", "cpu"): "torchao", ("adamw8bit", "cuda"): "torchao",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Trained:
-    """The trained tensors as the optimizer sees them: their values in all, the largest one's, and
-    the bytes of one value (the weights' dtype: the state's and the gradients')."""
+    """The trained tensors as the optimizer sees them: values in all, the largest one's, bytes per value."""
 
     numel: int
     largest: int
@@ -83,15 +78,13 @@ def describe(optimizer: str, name: str) -> str:
 
 
 def trained_of(spec: UNetSpec | ControlNetPairSpec, regime: Regime, trained_bytes: int) -> Trained:
-    """`Trained` of a step whose trained weights take ``trained_bytes`` (a profile's
-    ``grad_bytes``): the largest tensor from the spec's convs and matmuls (under LoRA: an adapter,
-    rank x the wider side of its projection; the ControlNet step: the U-Net's, a bound)."""
+    """`Trained` of a step whose trained weights take ``trained_bytes``; the largest tensor from the spec's convs
+    and matmuls (LoRA: an adapter; the ControlNet step: the U-Net's, a bound)."""
     itemsize = DTYPE_BYTES[regime.param_dtype]
     spec = spec.unet if isinstance(spec, ControlNetPairSpec) else spec
     ops = [op for per in unit_ops(spec, 1, 1).values() for op in per if op.cls != "attention"]
     rank = regime.lora_rank
-    if rank is None:
-        sizes = [op.weights for op in ops]
-    else:
-        sizes = [rank * max(op.fan_in, op.fan_out) for op in ops if op.adapted]
+    sizes = (
+        [op.weights for op in ops] if rank is None else [rank * max(op.fan_in, op.fan_out) for op in ops if op.adapted]
+    )
     return Trained(trained_bytes // itemsize, max(sizes, default=0), itemsize)

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 
 from shared_configs.arch import down_blocks, up_blocks
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec, PairPlan, split_pair_plan
-from shared_configs.plan import CheckpointPlan, resolve_plan
+from shared_configs.plan import CheckpointPlan, level_layers, resolve_plan
 from shared_configs.spec import UNetSpec
 
 PLAIN, FULL = "plain", "full"
@@ -33,27 +33,18 @@ def block_layers(spec: StepSpec) -> dict[str, tuple[str, ...]]:
         return mine | block_layers(spec.unet)
     out: dict[str, tuple[str, ...]] = {}
     for b in down_blocks(spec):
-        out[b.name] = _pairs(b.name, spec.layers_per_block, b.attention) + (
-            (f"{b.name}.downsample",) if b.downsample_padding is not None else ()
-        )
+        sampler = [f"{b.name}.downsample"] if b.downsample_padding is not None else []
+        out[b.name] = (*level_layers(b.name, spec.layers_per_block, b.attention), *sampler)
     mid = ["mid.resnets.0"] + (["mid.attentions.0"] if spec.mid_attention != "none" else []) + ["mid.resnets.1"]
     out["mid"] = tuple(mid)
     for b in up_blocks(spec):
-        sampler = (f"{b.name}.upsample",) if b.upsample else ()
-        out[b.name] = _pairs(b.name, len(b.skip_channels), b.attention) + sampler
+        sampler = [f"{b.name}.upsample"] if b.upsample else []
+        out[b.name] = (*level_layers(b.name, len(b.skip_channels), b.attention), *sampler)
     return out
 
 
-def _pairs(block: str, count: int, attention: str) -> tuple[str, ...]:
-    names: list[str] = []
-    for j in range(count):
-        names += [f"{block}.resnets.{j}"] + ([f"{block}.attentions.{j}"] if attention != "none" else [])
-    return tuple(names)
-
-
 def segments(spec: StepSpec) -> list[tuple[str, tuple[str, ...]]]:
-    """The step in forward order: (block, its layers) per block, (pseudo-unit, (itself,)) for the
-    always-plain units between blocks (stem, head; the ControlNet's too)."""
+    """The step in forward order: (block, its layers), and (pseudo-unit, (itself,)) for stem and head."""
     blocks = block_layers(spec)
     if not isinstance(spec, ControlNetPairSpec):
         return [(STEM, (STEM,)), *blocks.items(), (HEAD, (HEAD,))]
@@ -106,8 +97,7 @@ def assignment_of(spec: StepSpec, policy: str | CheckpointPlan | PairPlan) -> di
 
 
 def policy_string(assignment: Assignment) -> str:
-    """The policy `resolve_plan` (hence both U-Nets and a spec's ``checkpoint:``) accepts for it;
-    for the pair's units, the pair policy `split_pair_plan` takes."""
+    """The policy string of an assignment, as `resolve_plan` (or for the pair `split_pair_plan`) takes it."""
     groups: dict[str, list[str]] = {}
     for name, choice in assignment.items():
         if choice != PLAIN:
