@@ -1,9 +1,5 @@
-"""diffusers' conditioning options -> our spec's (framework-free): the class, text_time and image
-embeddings, LCM's timestep condition, and the context's projection (``encoder_hid_dim(_type)``).
-
-A helper of `shared_configs.diffusers.config`: each function takes the config with diffusers'
-defaults filled in and returns spec fields, or refuses an option with a one-line `SpecError`.
-"""
+"""diffusers' conditioning options -> our spec's, for `shared_configs.diffusers.config`: the class, text_time and
+image embeddings, LCM's timestep condition, and the context's projection (``encoder_hid_dim(_type)``)."""
 
 from __future__ import annotations
 
@@ -16,22 +12,17 @@ from shared_configs.spec import SpecError
 # class_embed_type -> our kind, per class (diffusers builds no class embedding for any other value).
 CLASS_KINDS: dict[str, dict[str, str]] = {
     "UNet2DModel": {"timestep": "timestep", "identity": "identity"},
-    "UNet2DConditionModel": {
-        "timestep": "timestep", "identity": "identity", "projection": "projection",
-        "simple_projection": "simple_projection",
-    },
-}  # fmt: skip
+    "UNet2DConditionModel": {k: k for k in ("timestep", "identity", "projection", "simple_projection")},
+}
 SDXL_TIME_IDS = 6  # (original size, crop offset, target size) x (h, w): example inputs' split of text_time
 ADDITION_TYPES = (None, "text_time", "image")  # addition_embed_type values we build
 ENCODER_HID_TYPES = (None, "text_proj", "image_proj")  # encoder_hid_dim_type values we build
 IMAGE_PROJ_TOKENS = 32  # diffusers' ImageProjection: num_image_text_embeds, not configurable there
 WHY_NOT = {
-    "text": "DeepFloyd IF's attention-pooled text embedding",
-    "text_image": "Kandinsky 2.1's text and image embedding",
+    "text": "DeepFloyd IF's attention-pooled text embedding", "text_image": "Kandinsky 2.1's text and image embedding",
     "image_hint": "Kandinsky 2.2 ControlNet's image and hint embedding",
-    "text_image_proj": "Kandinsky 2.1's text and image projection",
-    "ip_image_proj": "IP-Adapter's image projection",
-}
+    "text_image_proj": "Kandinsky 2.1's text and image projection", "ip_image_proj": "IP-Adapter's image projection",
+}  # fmt: skip
 
 
 def conditioning_fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
@@ -74,16 +65,12 @@ def class_embedding(cfg: Mapping[str, Any], cls: str) -> dict[str, Any] | None:
     else:
         kind = CLASS_KINDS[cls].get(name)
         if kind is None:
-            warnings.warn(
-                f"class_embed_type={name!r}: diffusers' {cls} builds no class embedding for it; neither do we",
-                stacklevel=4,
-            )
+            message = f"class_embed_type={name!r}: diffusers' {cls} builds no class embedding for it; neither do we"
+            warnings.warn(message, stacklevel=4)
     if kind is None:
         if concat:
-            raise SpecError(
-                "class_embeddings_concat: True without a class embedding (diffusers sizes the ResNets for a "
-                "concatenated embedding that never comes, and fails in the forward)"
-            )
+            raise SpecError("class_embeddings_concat: True without a class embedding (diffusers sizes the ResNets for "
+                            "a concatenated embedding that never comes, and fails in the forward)")  # fmt: skip
         return None
     data: dict[str, Any] = {"kind": kind, "concat": concat}
     if kind == "embedding":
@@ -102,10 +89,8 @@ def _text_time(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     width = _required(cfg, "projection_class_embeddings_input_dim", why)
     count = min(SDXL_TIME_IDS, (width - 1) // time_dim)
     if count < 1:
-        raise SpecError(
-            f"projection_class_embeddings_input_dim: {width} leaves no text_embeds width beside one time id of "
-            f"addition_time_embed_dim={time_dim}"
-        )
+        raise SpecError(f"projection_class_embeddings_input_dim: {width} leaves no text_embeds width beside one time "
+                        f"id of addition_time_embed_dim={time_dim}")  # fmt: skip
     return {"kind": "text_time", "time_id_dim": time_dim, "input_dim": width, "num_time_ids": count}
 
 

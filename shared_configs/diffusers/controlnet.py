@@ -1,12 +1,9 @@
 """A diffusers ``ControlNetModel`` config <-> `ControlNetSpec` (framework-free).
 
-A ControlNet's config is its U-Net's, less the up path, plus four options of its own. Read, it is
-turned into the ``UNet2DConditionModel`` config of the U-Net whose encoder it is (up blocks
-mirroring the down blocks, ``out_channels = in_channels``: neither is part of the ControlNet) and
-read by `from_diffusers_config`, so every U-Net option is mapped, fixed or refused exactly as there.
-Written, the U-Net's config is cut back to ``ControlNetModel``'s signature, and the spec fields
-diffusers' ControlNet cannot express (dropout, a time embedding width other than 4 x the first
-channels, concatenated class embeddings) are refused by name.
+A ControlNet's config is its U-Net's, less the up path, plus four options of its own. Read, it becomes the
+config of the U-Net whose encoder it is (up blocks mirroring the down blocks) and goes through
+`from_diffusers_config`; written, the U-Net's config is cut back to ``ControlNetModel``'s signature, and the
+fields diffusers' ControlNet cannot express are refused by name.
 """
 
 from __future__ import annotations
@@ -23,9 +20,7 @@ from shared_configs.spec import SpecError, UNetSpec
 CLASS = "ControlNetModel"
 # ControlNetModel's own options (diffusers 0.42's signature) -> our spec fields.
 OWN: dict[str, str] = {
-    "conditioning_channels": "conditioning_channels",
-    "conditioning_embedding_out_channels": "conditioning_embedding_out_channels",
-    "global_pool_conditions": "global_pool_conditions",
+    **{k: k for k in ("conditioning_channels", "conditioning_embedding_out_channels", "global_pool_conditions")},
     "controlnet_conditioning_channel_order": "conditioning_channel_order",
 }
 # The U-Net options ControlNetModel takes too (the rest of its signature).
@@ -60,16 +55,13 @@ def spec_from_config(config: Mapping[str, Any], *, name: str | None = None) -> U
 def controlnet_from_diffusers_config(config: Mapping[str, Any], *, name: str | None = None) -> ControlNetSpec:
     """A diffusers ``ControlNetModel`` config -> `ControlNetSpec`; `SpecError` naming an option we cannot honour."""
     options = {k: v for k, v in config.items() if not k.startswith("_")}
-    unknown = sorted(k for k in options if k not in OWN and k not in SHARED)
-    if unknown:
+    if unknown := sorted(k for k in options if k not in OWN and k not in SHARED):
         raise SpecError(f"{unknown[0]}: unknown {CLASS} option (not in diffusers 0.42's signature); refusing it")
     if options.get("encoder_hid_dim") is not None or options.get("encoder_hid_dim_type") is not None:
         raise SpecError(f"encoder_hid_dim(_type): a context projection is not supported for {CLASS}")
     if options.get("class_embed_type") not in CLASS_EMBED_TYPES:
-        raise SpecError(
-            f"class_embed_type: {options['class_embed_type']!r} unsupported for {CLASS} "
-            f"(diffusers builds no class embedding for it; supported: {', '.join(map(str, CLASS_EMBED_TYPES))})"
-        )
+        raise SpecError(f"class_embed_type: {options['class_embed_type']!r} unsupported for {CLASS} (diffusers builds "
+                        f"no class embedding for it; supported: {', '.join(map(str, CLASS_EMBED_TYPES))})")  # fmt: skip
     defaults = CLASS_DEFAULTS["UNet2DConditionModel"]
     unet = {k: v for k, v in options.items() if k in SHARED}
     downs = list(unet.get("down_block_types", defaults["down_block_types"]))
@@ -95,15 +87,11 @@ def controlnet_to_diffusers_config(spec: ControlNetSpec) -> dict[str, Any]:
     unet, ce = spec.unet, spec.unet.class_embedding
     refused = {
         "dropout": (unet.dropout != 0.0, f"{unet.dropout} (ControlNetModel has no dropout)"),
-        "time_embedding.dim": (
-            unet.time_embed_dim != 4 * unet.block_out_channels[0],
-            f"{unet.time_embed_dim} (ControlNetModel's is 4 x block_out_channels[0])",
-        ),
-        "class_embedding": (
-            ce is not None and (ce.kind == "simple_projection" or ce.concat),
-            f"{ce} (ControlNetModel builds no simple_projection, and never concatenates)",
-        ),
-    }
+        "time_embedding.dim": (unet.time_embed_dim != 4 * unet.block_out_channels[0],
+                               f"{unet.time_embed_dim} (ControlNetModel's is 4 x block_out_channels[0])"),
+        "class_embedding": (ce is not None and (ce.kind == "simple_projection" or ce.concat),
+                            f"{ce} (ControlNetModel builds no simple_projection, and never concatenates)"),
+    }  # fmt: skip
     for field, (bad, why) in refused.items():
         if bad:
             raise SpecError(f"controlnet {spec.name!r} has no diffusers equivalent: {field}={why}")
