@@ -1,20 +1,22 @@
 """Writing files so that a kill at any moment leaves the old file or the new one, never half of one.
 
-`atomic_write` is the project's one way to write an output file. Its temp files are named
-``.<name>.<random>.tmp`` next to the target: `TEMP_GLOB` finds the ones a killed writer left.
-`locked` makes processes that fill the same cache entry take turns. Framework-free (no torch or
-jax import).
+`atomic_write` is the project's one way to write an output file (`write_sealed`: a JSON record with its own
+SHA-256). Its temp files are ``.<name>.<random>.tmp`` next to the target (`TEMP_GLOB`). `locked` makes
+processes that fill the same cache entry take turns. Framework-free.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 TEMP_SUFFIX = ".tmp"
 TEMP_GLOB = f".*{TEMP_SUFFIX}"  # what atomic_write and the checkpoint writers leave when killed
@@ -37,12 +39,20 @@ def atomic_write(path: str | Path, data: bytes) -> None:
         raise
 
 
+def json_digest(body: Mapping[str, Any]) -> str:
+    """The SHA-256 of a JSON body (keys sorted), as `write_sealed` records it."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=False).encode()).hexdigest()
+
+
+def write_sealed(path: str | Path, body: Mapping[str, Any]) -> None:
+    """``body`` as JSON with its own `json_digest` under ``sha256``, atomically: a damaged file is caught."""
+    atomic_write(path, json.dumps({**body, "sha256": json_digest(body)}, indent=1, allow_nan=False).encode())
+
+
 @contextmanager
 def locked(path: str | Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``<path>.lock`` for the block (waiting, with a note, while another
-    process holds it): processes filling the same cache entry take turns, so the later ones can
-    read what the first wrote instead of computing it again. The kernel releases the lock when its
-    holder dies; the empty lock file stays (removing it would race with a process opening it)."""
+    """An exclusive ``flock`` on ``<path>.lock`` for the block (waiting, with a note): the later processes read what
+    the first wrote. A dead holder's lock is released; the empty lock file stays (removing it would race)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.with_name(f"{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)

@@ -14,10 +14,8 @@ from typing import Any
 
 @contextmanager
 def worker_group(cmd: list[str], **popen: Any) -> Iterator[subprocess.Popen]:
-    """``subprocess.Popen(cmd, **popen)`` in a process group of its own: a Ctrl-C at the terminal
-    reaches only the parent, which decides. If the block is left by an exception (an interrupt, an
-    error) the whole group (a worker, or torchrun and its ranks) gets SIGTERM, then SIGKILL after
-    ``STOP_GRACE_S``: no worker outlives its parent."""
+    """``subprocess.Popen(cmd, **popen)`` in a process group of its own (a Ctrl-C reaches only the parent); the
+    group is stopped (`stop_group`) if the block is left by an exception."""
     proc = subprocess.Popen(cmd, start_new_session=True, **popen)
     try:
         yield proc
@@ -35,8 +33,7 @@ STOP_GRACE_S = 5.0
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to ``proc``'s process group; SIGKILL to what is left of it once ``proc`` has exited,
-    or after `STOP_GRACE_S`."""
+    """SIGTERM to ``proc``'s process group; SIGKILL to what is left once ``proc`` exits or `STOP_GRACE_S` pass."""
     with suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     with suppress(subprocess.TimeoutExpired):

@@ -14,7 +14,6 @@ holds: docs/planning.md "The profile", "The peak model".
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from collections.abc import Callable, Mapping
@@ -24,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from shared_configs.files import atomic_write, locked
+from shared_configs.files import json_digest, locked, write_sealed
 from shared_configs.planning.units import CHOICES as CHOICES
 from shared_configs.planning.units import FULL as FULL
 from shared_configs.planning.units import HEAD as HEAD
@@ -115,8 +114,7 @@ class Profile:
 
     def save(self, path: str | Path) -> None:
         """``path``, atomically (a kill leaves the old file or the new one), with the SHA-256 of its body."""
-        body = self.to_json()
-        atomic_write(path, json.dumps({**body, "sha256": _digest(body)}, indent=1, allow_nan=False).encode())
+        write_sealed(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path, expect: Mapping[str, Any] | None = None) -> Profile:
@@ -129,7 +127,7 @@ class Profile:
         except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ProfileError(f"{path}: unreadable ({err})") from None
         body = {k: v for k, v in data.items() if k != "sha256"}
-        if "sha256" in data and data["sha256"] != _digest(body):
+        if "sha256" in data and data["sha256"] != json_digest(body):
             raise ProfileError(f"{path}: damaged (its contents do not match its own SHA-256)")
         if data.get("schema") != SCHEMA:
             raise ProfileError(f"{path}: profile schema {data.get('schema')!r}, this version reads {SCHEMA}")
@@ -143,10 +141,6 @@ class Profile:
 
 class ProfileError(SpecError):
     """A cached profile that cannot be used: one line naming the file and why."""
-
-
-def _digest(body: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=False).encode()).hexdigest()
 
 
 def cached_profile(path: Path, expect: Mapping[str, Any], make: Callable[[], Profile], refresh: bool = False

@@ -1,14 +1,7 @@
-"""A checkpoint's integrity record: ``manifest.json``, written last, inside the checkpoint folder.
-
-A checkpoint is a folder whatever the framework's format (torch DCP: ``.metadata`` and one
-``__<rank>_<i>.distcp`` per writer; orbax: its own tree). The manifest lists every file in it with
-its size and SHA-256, and carries what the run needs to resume: the framework and format that
-wrote it, the step, the loss history and the run's record (config and spec). It also holds the
-SHA-256 of its own body, so a damaged manifest is caught like a damaged shard.
-
-Checking a checkpoint (`check_files`) names the first file that is missing, truncated, grown or
-changed; hashing can be split over ranks (each checks ``names[rank::world]``), so a sharded
-checkpoint is checked in parallel, as it was written. No torch or jax import.
+"""A checkpoint's integrity record: ``manifest.json``, written last, inside the checkpoint folder (whatever the
+framework's format). It lists every file with its size and SHA-256, carries what a resume needs (framework,
+format, step, losses, the run's record) and its own SHA-256. `check_files` names each file that is missing,
+truncated, grown or changed; ranks can each check a share. No torch or jax import.
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared_configs.files import atomic_write
+from shared_configs.files import json_digest, write_sealed
 
 MANIFEST = "manifest.json"
 KIND = "unet-remat checkpoint"
@@ -32,8 +25,7 @@ class CheckpointError(ValueError):
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint that could not be written (disk full, permission lost, I/O error): one line
-    naming the path; the previous checkpoint is kept and the partial one removed."""
+    """A checkpoint that could not be written: one line naming the path; the previous checkpoint is kept."""
 
 
 @dataclass(frozen=True)
@@ -66,15 +58,9 @@ def hash_files(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     return {name: {"bytes": (root / name).stat().st_size, "sha256": sha256_of(root / name)} for name in names}
 
 
-def _digest(body: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=False).encode()).hexdigest()
-
-
 def write_manifest(root: Path, manifest: Manifest) -> None:
     """``root/manifest.json``, atomically: the body plus its own SHA-256."""
-    body = {"kind": KIND, "version": VERSION, **asdict(manifest)}
-    text = json.dumps({**body, "sha256": _digest(body)}, indent=1, allow_nan=False)
-    atomic_write(root / MANIFEST, text.encode())
+    write_sealed(root / MANIFEST, {"kind": KIND, "version": VERSION, **asdict(manifest)})
 
 
 def read_manifest(root: Path) -> Manifest:
@@ -91,7 +77,7 @@ def read_manifest(root: Path) -> Manifest:
     if document.get("version") != VERSION:
         raise CheckpointError(f"{path}: manifest version {document.get('version')!r}; this version reads {VERSION}")
     saved = document.pop("sha256", None)
-    if saved != _digest(document):
+    if saved != json_digest(document):
         raise CheckpointError(f"{path}: damaged (its contents do not match its own SHA-256)")
     try:
         return Manifest(**{k: v for k, v in document.items() if k not in ("kind", "version")})

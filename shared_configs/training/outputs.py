@@ -19,17 +19,10 @@ from shared_configs.files import atomic_write
 
 
 @contextmanager
-def progress_bar(
-    total: int, start: int, title: str, settings: str = "", show: bool = True, log_every: int | None = None
-) -> Iterator[Callable[[float], None]]:
-    """A rich progress bar; the yielded ``update(loss)`` advances it and shows the running loss.
-
-    Off a terminal (stderr a log or a pipe) there is no bar: with ``log_every``, one line every
-    that many steps and at the last, the mean loss since the line before. On exit it prints the
-    training speed (`speed_line`) and ``settings`` (what the run used:
-    `shared_configs.training.config.used`), one line on stderr (a failed run's error stays one line).
-    Nothing is shown unless ``show`` (the other ranks of a run over several processes).
-    """
+def progress_bar(total: int, start: int, title: str, settings: str = "", show: bool = True,
+                 log_every: int | None = None) -> Iterator[Callable[[float], None]]:  # fmt: skip
+    """A rich progress bar (off a terminal: a mean-loss line every ``log_every`` steps) advanced by the yielded
+    ``update(loss)``; on exit, the speed line with ``settings``. Nothing is shown unless ``show``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
