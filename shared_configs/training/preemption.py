@@ -1,13 +1,8 @@
-"""Stopping a training run on a signal without losing it: SIGTERM, SIGINT or SIGUSR1.
+"""Stopping a training run on SIGTERM, SIGINT or SIGUSR1 (a scheduler's warning) without losing it.
 
-Schedulers warn before they kill: SLURM, Kubernetes and spot machines send SIGTERM (SLURM's
-``--signal`` can send SIGUSR1 earlier) and a grace period later SIGKILL. While the training loop
-runs (`shared_configs.training.loop.run_loop`), `StopSignals` replaces the default handlers by one
-that only notes the signal: the step in flight finishes, the loop saves a checkpoint and ``losses.json``
-and raises `Stopped`, and the CLI prints one line naming the step and the ``--resume`` command and
-exits ``128 + signal number`` (SIGTERM 143, SIGINT 130, SIGUSR1 138: the shells' convention for a
-process ended by that signal). A further signal while saving is noted and otherwise ignored, so
-the save finishes whole. No torch or jax import.
+While the loop runs, `StopSignals` only notes the signal: the step in flight finishes, the loop saves and
+raises `Stopped`, and the CLI prints the ``--resume`` command and exits ``128 + signal number`` (the shells'
+convention). A further signal while saving is noted, not obeyed. Docs: docs/training.md. No torch or jax import.
 """
 
 from __future__ import annotations
@@ -46,11 +41,7 @@ class Stopped(Exception):
 
 
 class StopSignals:
-    """A context manager: for its block, `STOP_SIGNALS` set `signum` instead of ending the process.
-
-    Handlers can only be set from the main thread; elsewhere the block changes nothing (and
-    `signum` stays None).
-    """
+    """For its block, `STOP_SIGNALS` set `signum` instead of ending the process (from the main thread only)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -76,8 +67,7 @@ class StopSignals:
 
 
 def resume_command(program: str, argv: Sequence[str], env: dict[str, str] | None = None) -> str:
-    """The command line that resumes a run started with ``argv``: ``--overwrite`` dropped,
-    ``--resume`` added; under torchrun (its ``LOCAL_WORLD_SIZE`` in ``env``) launched the same way."""
+    """The command line that resumes a run started with ``argv`` (``--resume`` for ``--overwrite``; torchrun's too)."""
     env = dict(os.environ) if env is None else env
     args = [a for a in argv if a not in ("--overwrite", "--resume")] + ["--resume"]
     if "LOCAL_WORLD_SIZE" not in env:

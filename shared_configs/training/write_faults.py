@@ -1,11 +1,6 @@
-"""Why a checkpoint write failed, agreed by every rank and said in one line.
-
-A save runs in phases (make the folder, write the state, hash, commit); `together` runs one on
-every rank and then gathers each rank's `Fault` (or None), so that a rank whose write failed (disk
-full, permission lost, an I/O error) fails the save on every rank instead of leaving the others
-waiting at the next collective. `fault_of` finds the OS error inside what the frameworks raise:
-torch DCP wraps each rank's error in a ``CheckpointException`` (a BaseException), orbax passes
-tensorstore's message, which carries the errno as text. No torch or jax import.
+"""Why a checkpoint write failed, agreed by every rank and said in one line: `together` runs a save's phase on
+every rank and gathers each rank's `Fault`, so one rank's failure fails the save everywhere instead of hanging
+the others; `fault_of` finds the OS error inside torch DCP's and orbax's errors. No torch or jax import.
 """
 
 from __future__ import annotations
@@ -45,8 +40,7 @@ class Failed(Exception):
 
 
 def together(comm: Gather, fn: Callable[[], Any]) -> Any:
-    """``fn()`` on every rank, then agree: if any rank failed, every rank raises `Failed` (the
-    first failing rank's fault). The gather is also the barrier after the phase."""
+    """``fn()`` on every rank, then agree (the gather is the barrier): any rank's failure raises `Failed` on all."""
     try:
         result, fault = fn(), None
     except (KeyboardInterrupt, SystemExit):
@@ -85,9 +79,7 @@ def fault_of(err: BaseException, rank: int) -> Fault:
 
 def describe(fault: Fault, step: int, tmp: Path, kept: int | None, last: int | None, nbytes: int | None, free: int,
              removed: str) -> str:  # fmt: skip
-    """The line: the step, the rank (if not 0), the path and the error; on a full disk what a
-    checkpoint needs (the ``last`` one's size, else the state's ``nbytes``) and the ``free`` bytes;
-    the step of the checkpoint ``kept``, and what became of the partial write (``removed``)."""
+    """The line: step, rank, path and error; on a full disk the bytes needed and ``free``; what is kept and removed."""
     where = f"rank {fault.rank}: " if fault.rank else ""
     line = f"writing the checkpoint of step {step}: {where}{fault.filename or tmp}: {fault.text}"
     if fault.errno == errno.ENOSPC:
