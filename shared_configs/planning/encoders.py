@@ -39,8 +39,6 @@ FAMILIES: dict[int, tuple[str, tuple[tuple[str, str, dict[str, Any]], ...]]] = {
     2048: ("SDXL", (("text_encoder", "clip", CLIP_L), ("text_encoder_2", "clip-projection", OPENCLIP_BIGG))),
 }
 LATENT_SCALE = 8  # the VAE's image side over the latent side
-WEIGHT_DTYPE = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16",
-                "bf16-frozen": "bfloat16", "fp16-frozen": "float16"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -106,7 +104,7 @@ def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[En
     if not options.any:
         return []
     name, texts = family(spec) if not options.configs else ("folder", _folder_texts(options.configs))
-    dtype = WEIGHT_DTYPE[regime.precision]
+    dtype = regime.compute_dtype or "float32"  # diffusers' weight_dtype
     sdxl = name == "SDXL" or len(texts) > 1
     out = []
     if not options.cached_latents:
