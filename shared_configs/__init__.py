@@ -1,11 +1,7 @@
-"""Framework-free core: the U-Net spec (`spec`), its YAML loader and presets (`loader`, ``*.yaml``),
-checkpoint plans and their grammar (`plan`), a ControlNet (`controlnet`) and its training step's
-one plan over both networks (`pair`), the architecture both frameworks assemble (`arch`), the
-inputs a spec's forward takes (`inputs`), every tool's defaults per device (`defaults`), and what
-every CLI shares (`cli`, `files`, `units`, `processes`).
-
-Below it: `planning` (peak model, solver, plan to a budget), `training` (what both training loops
-share) and `diffusers` (diffusers configs and folders). Nothing here imports torch or jax.
+"""Framework-free core: the U-Net spec (`spec`, `loader`, presets ``*.yaml``), checkpoint plans (`plan`), a
+ControlNet (`controlnet`, `pair`), the architecture both frameworks assemble (`arch`), the inputs (`inputs`),
+every tool's defaults (`defaults`) and what every CLI shares (`cli`, `files`, `units`, `processes`). Below:
+`planning`, `training` and `diffusers`. Nothing here imports torch or jax.
 """
 
 from shared_configs.diffusers.config import from_diffusers_config

@@ -1,13 +1,8 @@
 """The ControlNet training step, framework-free: its two networks, their units, one plan over both.
 
-diffusers' ``train_controlnet.py`` trains a ControlNet (`shared_configs.controlnet`, made from the
-U-Net as ``ControlNetModel.from_unet`` makes it) against a frozen U-Net; `ControlNetPairSpec` is
-that step's model. One checkpoint plan covers both networks: the U-Net's plan names for its units,
-the same names behind ``controlnet.`` for the ControlNet's; a named policy means it on both,
-``controlnet:P`` / ``unet:P`` on one (diffusers' ``train_controlnet.py``: ``controlnet:layers``),
-``;`` groups keep their own save sets. `split_pair_plan` turns a pair policy into the two plans
-(`PairPlan`), `pair_policy` writes them back. The grammar with examples: docs/planning.md "The
-ControlNet step". No torch or jax import.
+`ControlNetPairSpec` is diffusers' ``train_controlnet.py`` step: a ControlNet trained against a frozen U-Net.
+One plan covers both: the U-Net's names, and the same behind ``controlnet.``; a named policy means both,
+``controlnet:P`` / ``unet:P`` one (`split_pair_plan`, `pair_policy`). docs/planning.md "The ControlNet step".
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Framework-free checkpoint plans: which named blocks are recomputed, and what they still save.
 
-Block and layer names (``down.1``, ``mid``, ``up.2.attentions.1``) are the plan's vocabulary in
-PyTorch, Flax and YAML. A policy (a name such as ``full`` or ``layers``, a list of names, op-level
-``/save=conv,matmul[/offload]``, ``;``-separated groups) resolves to a `CheckpointPlan` via
-`resolve_plan`; each framework applies it with its own mechanism. The grammar, with examples:
-docs/spec_and_plans.md "Checkpoint plans".
+Block and layer names (``down.1``, ``mid``, ``up.2.attentions.1``) are the plan's vocabulary in PyTorch, Flax
+and YAML; `resolve_plan` turns a policy into a `CheckpointPlan`. The grammar: docs/spec_and_plans.md.
 """
 
 from __future__ import annotations

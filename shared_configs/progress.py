@@ -1,10 +1,8 @@
 """Progress of long waits, through stdlib logging (the ``unet_remat`` logger).
 
-`progress(what, total)` reports ``what: done/total, detail, elapsed, about N s left`` at INFO. A
-library call stays quiet unless its caller turned logging on, or the wait passes `QUIET_S` seconds
-(then it speaks on stderr). A CLI runs inside `cli_logging()`: a live line on a terminal (tqdm's and
-rich's habit), plain lines in a log. A worker process calls `worker_logging()`; the parent reading
-its stderr passes the lines on with `Relay`. Used by the planner, its workers and the benchmarks.
+`progress(what, total)` reports ``what: done/total, detail, elapsed, about N s left`` at INFO; a library call
+stays quiet unless logging is on or the wait passes `QUIET_S`. CLIs run inside `cli_logging()` (a live line
+on a terminal); a worker calls `worker_logging()` and its parent passes the lines on with `Relay`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The framework-free U-Net architecture spec (validated, frozen): `UNetSpec`, read by both frameworks.
 
-One spec describes DDPM-style pixel U-Nets (diffusers ``UNet2DModel``) and Stable-Diffusion-style
-latent U-Nets (``UNet2DConditionModel``: SD 1.x, 2.x, SDXL), their conditioning embeddings and
-their norms (``norm_kind``: ``group`` or ``batch``). Every default that differs between PyTorch and
-Flax (norm eps, attention scale) is a field here, so neither framework's default leaks into the
-model. YAML and dicts come in through `shared_configs.loader`, which also checks the ``checkpoint``
-policy. The manual: docs/spec_and_plans.md (BatchNorm's running variance: its one caveat).
+One spec describes diffusers' pixel (``UNet2DModel``) and latent (``UNet2DConditionModel``) U-Nets with their
+conditioning and norms; every default that differs between PyTorch and Flax is a field. YAML comes in through
+`shared_configs.loader`. The manual: docs/spec_and_plans.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Our spec -> a diffusers ``config.json`` (the inverse of `from_diffusers_config`).
 
-`to_diffusers_config` writes the config of the diffusers class that builds the same network:
-``UNet2DModel`` when no level uses Transformer2D blocks, else ``UNet2DConditionModel``. Some
-specs have no diffusers twin (BatchNorm, a custom attention scale or norm eps diffusers fixes,
-a middle block diffusers' class lacks): rather than write a config that builds a different
-network, the candidate is converted back with `from_diffusers_config` and every field that does
-not survive the round trip is refused by name.
+`to_diffusers_config` writes the config of the diffusers class that builds the same network, converts it back
+and refuses by name every field that does not survive the round trip (BatchNorm, a custom attention scale, ...).
 """
 
 from __future__ import annotations

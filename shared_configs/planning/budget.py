@@ -1,15 +1,12 @@
 """Planning to a memory budget, framework-free: the per-unit profile and the peak model.
 
-A plan gives each *unit* (`shared_configs.planning.units`, re-exported here) a choice. The profile
-(`Profile`, JSON) holds per unit and choice the bytes measured in a step whose units all had it
-(`Cost`: ``keep``, ``hold``, ``fwd_peak``, ``bwd_peak``), and the peaks no plan changes (the
-optimizer's; with the whole step, each encoder's: ``phases``). The peak model (`predict`) walks a
+A plan gives each unit (`shared_configs.planning.units`) a choice. The `Profile` holds per unit and choice the
+bytes measured in a step whose units all had it (`Cost`), and the peaks no plan changes; `predict` walks a
 plan's units in forward order::
 
     peak = scale * max(optimizer and phase peaks, max over u of max(K(u) + H(u) + fwd_peak(u), K(u) + bwd_peak(u)))
 
-K(u) and H(u) the keep and hold of the units before u. What each term means and how far the model
-holds: docs/planning.md "The profile", "The peak model".
+K(u) and H(u): the keep and hold of the units before u. docs/planning.md "The profile", "The peak model".
 """
 
 from __future__ import annotations

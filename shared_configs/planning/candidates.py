@@ -1,11 +1,7 @@
 """Choosing a plan by measuring candidates: the solver's best plans and the hand policies that fit.
 
-The time model ranks plans only roughly (docs/candidates.md), so a measured profile's answer can be
-picked among candidates measured in one process, round by round: the solver's optimum, its next
-distinct best plans (`solver.next_best`) and the hand policies. Each one's peak is checked with
-nothing allocated; those that fit race (`stepclock.race`), and the fastest whose measured peak fits
-is returned (`decide`). Framework-free: `planner.plan` runs the workers; this module proposes
-(`propose`), decides (`decide`) and reports (`table`).
+The time model ranks plans only roughly (docs/candidates.md): `propose` lists the candidates, `planner.plan`
+checks and races them in the workers, `decide` picks the fastest that fits, `table` reports.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The whole training step beside the U-Net: the VAE that encodes each batch and the text encoder(s).
 
-A diffusers fine-tuning script keeps its family's frozen VAE and text encoder(s) on the card (in the
-weight dtype of its mixed precision), encodes every batch unless its latents are cached, and may
-train the text encoder (float32 weights, gradients, optimizer state). `family` names the models
-by the U-Net's cross-attention width, with their configs as diffusers / transformers write them;
-`torch_impl.encoders` measures them from shapes; `whole_step` adds them to a U-Net profile,
-each encoder's own peak as a named phase. No torch or jax import; docs/regimes.md.
+As diffusers' fine-tuning scripts keep them: frozen on the card in the weight dtype, the VAE left out with cached
+latents, the text encoder trained on request. `family` names them by cross-attention width; `whole_step` adds
+them to a U-Net profile (`torch_impl.encoders` measures them). No torch or jax import; docs/regimes.md.
 """
 
 from __future__ import annotations

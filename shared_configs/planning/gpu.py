@@ -1,11 +1,8 @@
 """What a CUDA training step holds that a CPU shapes profile does not: the ``--device cuda`` flavour.
 
-A `--shapes` profile is PyTorch's step on fake CPU tensors. The same step on a GPU holds more, term
-by term: CUDA autocast's float32 norms, fused attention's padded logsumexp, the cuBLAS/cuBLASLt
-workspaces, the caching allocator's rounding and fragmentation, the CUDA context, and the optimizer's
-multi-tensor temporaries (`shared_configs.planning.optimizer_step`). Each term, its formula and its
-source: docs/regimes.md "What a GPU holds". `device_budget` turns a card's memory into the allocated
-bytes a plan may peak at. No torch or jax import.
+Term by term: autocast's float32 norms, fused attention's padded logsumexp, cuBLAS workspaces, the caching
+allocator's rounding and fragmentation, the CUDA context, the optimizer's temporaries. Each term and its
+source: docs/regimes.md "What a GPU holds". `device_budget`: the allocated peak a card allows. No torch import.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The optimizer step's temporaries: what each implementation allocates beyond the state it keeps.
 
-An implementation is chosen by torch per device: AdamW runs ``foreach`` (multi-tensor) on CUDA and
-the per-parameter loop on CPU (`torch.optim.optimizer._default_to_fused_or_foreach`), so the CPU
-profile holds the loop's temporaries and a GPU step holds the multi-tensor ones. Each figure's source
-is in `SOURCES` and docs/regimes.md ("The optimizer's temporaries"); `tests/test_optimizer_step.py`
-holds them against the CPU allocator running torch's own implementations. No torch or jax import.
+torch picks the implementation per device (AdamW: ``foreach`` on CUDA, the per-parameter loop on CPU), so the
+CPU profile holds the loop's temporaries. Each figure's source: `SOURCES` and docs/regimes.md. No torch import.
 """
 
 from __future__ import annotations

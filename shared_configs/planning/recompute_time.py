@@ -1,11 +1,8 @@
 """Recompute seconds from FLOPs and bytes, at stated rates, and the plain step they are set against.
 
-A choice costs ``flops * per_flop + 2 * (plain keep - keep) * per_byte`` seconds (and, in mixed
-precision, its weights cast again: `with_recasts`); the plain step follows the regime
-(`step_seconds`: the FLOPs as autograd runs them, the kept bytes, the optimizer's update, autocast's
-casts; the ControlNet step's as `unit_flops.pair_step_flops` counts it). The shapes-only profile
-takes the rates as stated (`at_stated_rates`); the JAX profile its plain step's own throughput.
-The formula and what it leaves out: docs/regimes.md "A step's time follows its regime".
+A choice costs ``flops * per_flop + 2 * (plain keep - keep) * per_byte`` seconds (and its weights cast again
+in mixed precision: `with_recasts`); the plain step follows the regime (`step_seconds`). The formula and what
+it leaves out: docs/regimes.md "A step's time follows its regime".
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""Forward FLOPs of every plan unit, and a training step's FLOPs in a regime, counted from the spec
-(no framework), in `torch.utils.flop_counter`'s convention (2 per multiply-add; conv, matmul and
-attention only), so the figures equal `FlopCounterMode`'s on the torch model (`tests/test_plan_model.py`,
-`tests/test_time_model.py`, the ControlNet step's in `tests/test_pair_estimates.py`). The step
-(`step_flops`) follows what autograd runs: input gradients where the input needs one, weight
-gradients for trained weights, attention's backward 2.5 forwards, LoRA's adapters. The JAX profile
-and the shapes-only estimates take their FLOPs from here; docs/regimes.md states the rules.
+"""Forward FLOPs of every plan unit, and a training step's FLOPs in a regime, counted from the spec.
+
+`torch.utils.flop_counter`'s convention (2 per multiply-add; conv, matmul, attention), so the figures equal
+`FlopCounterMode`'s on the torch model (tests/test_plan_model.py, tests/test_time_model.py). The step
+(`step_flops`) follows what autograd runs; docs/regimes.md states the rules.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The step a planner solves for beyond the U-Net's profile: its encoders and the device it names.
 
-`on_device` turns a U-Net profile into the profile of the whole step on the workload's device: the
-GPU flavour (`shared_configs.planning.gpu`) for ``device`` cuda / cuda-sm90, then the encoders
-(`shared_configs.planning.encoders`), measured from shapes by the torch worker and cached beside the
-profiles. `device_budget` is the allocated peak a card's memory allows. No torch or jax import;
-docs/regimes.md.
+`on_device` makes a U-Net profile the whole step's on the workload's device (`planning.gpu`'s flavour, then
+`planning.encoders`, measured by the torch worker and cached). No torch or jax import; docs/regimes.md.
 """
 
 from __future__ import annotations

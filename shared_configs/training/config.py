@@ -1,11 +1,8 @@
 """A training run's configuration: the shared CLI of ``python -m {torch_impl,jax_impl}.train``.
 
-`TrainConfig` holds every flag: the regime's four as one `Regime`, each framework's own flags as its
-options object (`FrameworkCLI`). `parse_args` validates them all before any work and shows every
-default in ``--help``; `run_record` is what a checkpoint remembers of the run, `resume_differences`
-what a ``--resume`` command line changes of it. `cli_main` turns the loops' errors into one line:
-exit 2 for bad input, 1 for a run that fails, 128 + the signal's number for a stopped run
-(`shared_configs.training.preemption`). No torch or jax import. Docs: docs/training.md.
+`TrainConfig` holds every flag (the regime's four as one `Regime`, a framework's own as its options object);
+`run_record` is what a checkpoint remembers, `resume_differences` what a ``--resume`` changes; `cli_main` turns
+errors into one line (exit 2 bad input, 1 failed run, 128 + signal). No torch or jax import. docs/training.md.
 """
 
 from __future__ import annotations

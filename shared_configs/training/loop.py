@@ -1,10 +1,7 @@
 """The training loop both CLIs run, framework-free: the frameworks hand it a step and a saver.
 
-`open_run` owns the run folder and decides where the run starts (fresh, or the checkpoint to
-resume after checking its manifest against the command line); `run_loop` runs the steps, stops
-at the first non-finite loss (before it can reach a checkpoint), saves every ``checkpoint_every``
-steps and at the end, and on SIGTERM, SIGINT or SIGUSR1 saves after the step in flight and stops
-(`shared_configs.training.preemption`). No torch or jax import.
+`open_run` owns the run folder and finds where the run starts; `run_loop` runs the steps, saves every
+``checkpoint_every`` and at the end, and stops cleanly on a non-finite loss or a stop signal.
 """
 
 from __future__ import annotations
