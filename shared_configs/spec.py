@@ -126,8 +126,7 @@ class UNetSpec(_Frozen):
 
     @property
     def context_input_dim(self) -> int | None:
-        """The width of the ``context`` input: None when the spec takes none (no cross-attention
-        width, or the context is made from ``image_embeds``)."""
+        """The width of the ``context`` input; None when the spec takes none (or makes it from ``image_embeds``)."""
         img = self.image_embedding
         if self.cross_attention_dim is None or (img is not None and img.context_tokens is not None):
             return None
@@ -161,8 +160,7 @@ class UNetSpec(_Frozen):
         return 1
 
     def attention_shape(self, block: str, level: int) -> tuple[int, int]:
-        """(heads, head_dim) of the attention in ``block`` (``"up.1"``), at ``level``: its `block_heads` entry,
-        else the level's."""
+        """(heads, head_dim) of the attention in ``block`` (``"up.1"``) at ``level`` (`block_heads` first)."""
         for name, heads, head_dim in self.block_heads:
             if name == block:
                 return heads, head_dim
@@ -187,19 +185,13 @@ class UNetSpec(_Frozen):
             for v in value if isinstance(value, tuple) else ((value,) if value is not None else ()):
                 _require(v > 0, field, "must be positive")
         factor = 2 ** (n - 1)
-        _require(
-            self.sample_size % factor == 0,
-            "sample_size",
-            f"{self.sample_size} is not divisible by the downsampling factor {factor}",
-        )
+        _require(self.sample_size % factor == 0, "sample_size",
+                 f"{self.sample_size} is not divisible by the downsampling factor {factor}")  # fmt: skip
         self._check_block_heads()
         for level, ch in enumerate(self.block_out_channels):
             _require(ch > 0, "block_out_channels", "must be positive")
-            _require(
-                ch % self.norm_num_groups == 0,
-                "norm_num_groups",
-                f"block_out_channels[{level}]={ch} is not divisible by {self.norm_num_groups} groups",
-            )
+            _require(ch % self.norm_num_groups == 0, "norm_num_groups",
+                     f"block_out_channels[{level}]={ch} is not divisible by {self.norm_num_groups} groups")  # fmt: skip
             if level in self.attention_levels:
                 self._check_heads(level, ch)
         self._check_conditioning()
@@ -255,28 +247,20 @@ class UNetSpec(_Frozen):
         groups = self.mid_attention_norm_groups
         if groups is not None:
             _require(self.mid_attention == "self", "mid_attention_norm_groups", "only for mid_attention: self")
-            _require(
-                groups == 0 or self.block_out_channels[-1] % groups == 0,
-                "mid_attention_norm_groups",
-                f"block_out_channels[-1]={self.block_out_channels[-1]} is not divisible by {groups} groups",
-            )
+            deepest = self.block_out_channels[-1]
+            _require(groups == 0 or deepest % groups == 0, "mid_attention_norm_groups",
+                     f"block_out_channels[-1]={deepest} is not divisible by {groups} groups")  # fmt: skip
         if self.class_embedding is not None and self.addition_embedding is not None:
-            _require(
-                not self.class_embedding.concat,
-                "class_embedding.concat",
-                "cannot be combined with addition_embedding (its MLP output has the unconcatenated width)",
-            )
+            _require(not self.class_embedding.concat, "class_embedding.concat", "cannot be combined with "
+                     "addition_embedding (its MLP output has the unconcatenated width)")  # fmt: skip
         widths = {"time_embedding.freq_shift": self.block_out_channels[0]}
         if self.addition_embedding is not None:
             widths["addition_embedding.time_id_dim"] = self.addition_embedding.time_id_dim
         for field, width in widths.items():
             # diffusers divides the exponent by (width // 2 - freq_shift): zero would make NaN sinusoids.
-            _require(
-                width // 2 != self.time_embedding.freq_shift,
-                field,
-                f"sinusoids of width {width} with freq_shift={self.time_embedding.freq_shift} divide by zero "
-                "(width // 2 must differ from freq_shift)",
-            )
+            shift = self.time_embedding.freq_shift
+            _require(width // 2 != shift, field, f"sinusoids of width {width} with freq_shift={shift} divide by zero "
+                     "(width // 2 must differ from freq_shift)")  # fmt: skip
 
 
 def _per_level(value: int | tuple[int, ...], level: int, n: int) -> int:
