@@ -162,17 +162,14 @@ def _refuse_unsupported(cfg: Mapping[str, Any]) -> None:
 
 
 def _resampler(cfg: Mapping[str, Any], cls: str) -> str:
-    """``resnet`` when every down and up block is a ResnetDownsample / SimpleCrossAttn block (diffusers'
-    ``resnet_out_scale_factor`` and ``resnet_skip_time_act`` then apply to them all), else ``conv``."""
+    """``resnet`` when every down and up block is a ResnetDownsample / SimpleCrossAttn block, else ``conv``."""
     types = [*cfg["down_block_types"], *cfg["up_block_types"]]
     family = [t in RESNET_DOWN_BLOCKS or t in RESNET_UP_BLOCKS for t in types]
     if not any(family):
         return "conv"
     if cls != "UNet2DConditionModel" or not all(family):
-        raise SpecError(
-            "down_block_types/up_block_types: ResnetDownsample/ResnetUpsample/SimpleCrossAttn blocks are supported "
-            f"in a UNet2DConditionModel whose blocks are all of them, got {types}"
-        )
+        raise SpecError("down_block_types/up_block_types: ResnetDownsample/ResnetUpsample/SimpleCrossAttn blocks are "
+                        f"supported in a UNet2DConditionModel whose blocks are all of them, got {types}")  # fmt: skip
     return "resnet"
 
 
@@ -185,10 +182,8 @@ def _family(cfg: Mapping[str, Any], resampler: str, mid: str) -> dict[str, Any]:
         out["resnet_skip_time_act"] = cfg["resnet_skip_time_act"]
     simple = "simple_cross" in (*_plain_kinds(cfg), mid)  # only a UNet2DConditionModel builds them
     if simple and cfg["cross_attention_norm"] not in (None, "group_norm"):
-        raise SpecError(
-            f"cross_attention_norm: {cfg['cross_attention_norm']!r} unsupported for SimpleCrossAttn blocks "
-            "(supported: None, 'group_norm')"
-        )
+        raise SpecError(f"cross_attention_norm: {cfg['cross_attention_norm']!r} unsupported for SimpleCrossAttn "
+                        "blocks (supported: None, 'group_norm')")  # fmt: skip
     if simple and cfg["cross_attention_norm"] == "group_norm":
         out["context_norm_groups"] = CONTEXT_NORM_GROUPS
     if mid == "simple_cross" and cfg["mid_block_only_cross_attention"]:
@@ -248,15 +243,10 @@ def _per_level_ints(cfg: Mapping[str, Any], key: str, n: int) -> int | tuple[int
 
 
 def _heads(cfg: Mapping[str, Any], cls: str, down: list[str], up: list[str], mid: str) -> dict[str, Any]:
-    """The spec's head fields: per level, the first attention's there (down, mid, up); `block_heads`
-    for blocks diffusers gives other heads at the same level (its Attn*Block2D beside transformers).
-
-    ``num_attention_heads`` alone when heads x head size fill the channels everywhere, else both
-    fields, one entry per level (diffusers rounds down when they do not divide).
-    """
+    """The spec's head fields: per level, the first attention's there; `block_heads` for blocks diffusers gives
+    other heads at the same level; ``attention_head_dim`` too where heads x head size do not fill the channels."""
     chans, n = cfg["block_out_channels"], len(cfg["block_out_channels"])
-    uses = [(f"down.{i}", i, kind, i) for i, kind in enumerate(down)]
-    uses.append(("mid", n - 1, mid, n - 1))
+    uses = [(f"down.{i}", i, kind, i) for i, kind in enumerate(down)] + [("mid", n - 1, mid, n - 1)]
     uses += [(f"up.{i}", n - 1 - i, kind, i) for i, kind in enumerate(up)]
     shapes = {b: (lv, _head_shape(cfg, cls, kind, chans[lv], lv, i)) for b, lv, kind, i in uses if kind != "none"}
     if not shapes:
@@ -285,9 +275,8 @@ def _unused_level(cfg: Mapping[str, Any], cls: str, ch: int, level: int) -> tupl
 
 
 def _head_shape(cfg: Mapping[str, Any], cls: str, kind: str, ch: int, level: int, index: int) -> tuple[int, int]:
-    """(heads, head size) as diffusers builds them. UNet2DModel's attention_head_dim is channels per
-    head; in UNet2DConditionModel it is the number of heads of transformers, yet still channels per
-    head for its Attn*Block2D, which (a diffusers quirk) read the un-reversed list in the up path."""
+    """(heads, head size) as diffusers builds them: attention_head_dim is heads for UNet2DConditionModel's
+    transformers, else channels per head (its Attn*Block2D read the un-reversed list in the up path)."""
     value = cfg["attention_head_dim"]
     per_level = list(value) if isinstance(value, list | tuple) else [value] * len(cfg["block_out_channels"])
     if cls == "UNet2DConditionModel" and kind == "transformer":  # (SimpleCrossAttn blocks read head sizes)
