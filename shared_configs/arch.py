@@ -33,19 +33,10 @@ class BlockArgs:
 
 
 def down_blocks(spec: UNetSpec) -> list[BlockArgs]:
-    chans, n = spec.block_out_channels, spec.num_levels
-    return [
-        BlockArgs(
-            f"down.{i}",
-            chans[max(i - 1, 0)],
-            chans[i],
-            attn,
-            i,
-            downsample_padding=None if i == n - 1 else spec.downsample_padding,
-            resnet_resample=spec.resampler == "resnet",
-        )
-        for i, attn in enumerate(spec.down_attention)
-    ]
+    chans, n, resnet = spec.block_out_channels, spec.num_levels, spec.resampler == "resnet"
+    return [BlockArgs(f"down.{i}", chans[max(i - 1, 0)], chans[i], attn, i, resnet_resample=resnet,
+                      downsample_padding=None if i == n - 1 else spec.downsample_padding)
+            for i, attn in enumerate(spec.down_attention)]  # fmt: skip
 
 
 def up_blocks(spec: UNetSpec) -> list[BlockArgs]:
@@ -56,18 +47,8 @@ def up_blocks(spec: UNetSpec) -> list[BlockArgs]:
     for i, attn in enumerate(spec.up_attention_resolved):
         level = n - 1 - i
         mine, skips = skips[-count:], skips[:-count]
-        blocks.append(
-            BlockArgs(
-                f"up.{i}",
-                prev,
-                chans[level],
-                attn,
-                level,
-                skip_channels=tuple(reversed(mine)),
-                upsample=level > 0,
-                resnet_resample=spec.resampler == "resnet",
-            )
-        )
+        blocks.append(BlockArgs(f"up.{i}", prev, chans[level], attn, level, skip_channels=tuple(reversed(mine)),
+                                upsample=level > 0, resnet_resample=spec.resampler == "resnet"))  # fmt: skip
         prev = chans[level]
     return blocks
 
