@@ -131,9 +131,8 @@ def _resolve_base(spec: UNetSpec, policy: Policy) -> CheckpointPlan:
         return CheckpointPlan(key, tuple(block_names(spec)[:: _every_n(key)]))
     if "," in key or "." in key or key == "mid":
         return _explicit(spec, [n.strip() for n in key.split(",") if n.strip()])
-    raise SpecError(
-        f"policy: unknown policy {policy!r} (allowed: {', '.join(NAMED_POLICIES)}, or a list of block names)"
-    )
+    raise SpecError(f"policy: unknown policy {policy!r} (allowed: {', '.join(NAMED_POLICIES)}, or a list of block "
+                    "names)")  # fmt: skip
 
 
 def _with_modifiers(spec: UNetSpec, key: str) -> CheckpointPlan:
@@ -189,9 +188,8 @@ def _check_ops(plan: CheckpointPlan) -> CheckpointPlan:
     if plan.save and not plan.recompute:
         raise SpecError(f"save: policy {plan.policy!r} recomputes no block, so there is nothing to save inside")
     if plan.offload and not plan.saves:
-        raise SpecError(
-            f"offload: policy {plan.policy!r} saves no op to offload; add save=OP, e.g. full/save=conv/offload"
-        )
+        raise SpecError(f"offload: policy {plan.policy!r} saves no op to offload; add save=OP, e.g. "
+                        "full/save=conv/offload")  # fmt: skip
     return plan
 
 

@@ -131,9 +131,8 @@ def _with_defaults(config: Mapping[str, Any], cls: str) -> dict[str, Any]:
     defaults = CLASS_DEFAULTS[cls]
     given = {k: v for k, v in config.items() if not k.startswith("_")}
     if unknown := sorted(set(given) - set(defaults)):
-        raise SpecError(
-            f"{unknown[0]}: unknown {cls} option (not in diffusers 0.42's signature); refusing to ignore it"
-        )
+        raise SpecError(f"{unknown[0]}: unknown {cls} option (not in diffusers 0.42's signature); refusing to "
+                        "ignore it")  # fmt: skip
     return defaults | given
 
 
@@ -148,17 +147,13 @@ def _refuse_unsupported(cfg: Mapping[str, Any]) -> None:
     if bad:
         raise SpecError(f"unsupported diffusers option{'s' if len(bad) > 1 else ''}: {'; '.join(bad)}")
     if cfg["resnet_time_scale_shift"] not in ("default", "scale_shift"):
-        raise SpecError(
-            f"resnet_time_scale_shift: {cfg['resnet_time_scale_shift']!r} unsupported (supported: default, scale_shift)"
-        )
+        raise SpecError(f"resnet_time_scale_shift: {cfg['resnet_time_scale_shift']!r} unsupported (supported: "
+                        "default, scale_shift)")  # fmt: skip
     if cfg["norm_num_groups"] is None:
         raise SpecError("norm_num_groups: None (diffusers then drops or resizes norms) is not supported")
     if cfg.get("upcast_attention"):
-        warnings.warn(
-            "upcast_attention=True accepted: it only changes reduced-precision attention (a no-op in "
-            "float32); our models compute attention in the dtype they are run in",
-            stacklevel=3,
-        )
+        warnings.warn("upcast_attention=True accepted: it only changes reduced-precision attention (a no-op in "
+                      "float32); our models compute attention in the dtype they are run in", stacklevel=3)  # fmt: skip
 
 
 def _resampler(cfg: Mapping[str, Any], cls: str) -> str:
