@@ -188,14 +188,17 @@ def predict(profile: Profile, spec: StepSpec, assignment: Assignment) -> Predict
     return Prediction(round(peak * profile.scale), where, seconds, flops)
 
 
+def raised(units: Mapping[str, Mapping[str, Cost]], delta: int) -> dict[str, dict[str, Cost]]:
+    """``units`` with every forward and backward peak ``delta`` bytes higher."""
+    return {u: {c: replace(v, fwd_peak=v.fwd_peak + delta, bwd_peak=v.bwd_peak + delta) for c, v in per.items()}
+            for u, per in units.items()}  # fmt: skip
+
+
 def with_static_bytes(profile: Profile, delta: int) -> Profile:
     """``profile`` with ``delta`` more bytes alive throughout the step (a modelled optimizer state)."""
     if not delta:
         return profile
-    units = {
-        u: {c: replace(v, fwd_peak=v.fwd_peak + delta, bwd_peak=v.bwd_peak + delta) for c, v in per.items()}
-        for u, per in profile.units.items()
-    }
+    units = raised(profile.units, delta)
     opt_peak = profile.opt_peak + delta if profile.opt_peak else 0
     phases = {k: v + delta for k, v in profile.phases.items()}
     return replace(profile, units=units, opt_peak=opt_peak, static_bytes=profile.static_bytes + delta, phases=phases)
@@ -218,10 +221,7 @@ def per_rank(profile: Profile, world_size: int = 1, distributed: str = "ddp") ->
         raise SpecError("profile: no parameter or optimizer bytes recorded (made by an older planner); profile again")
     share = 1 - 1 / world_size
     shed = round(share * (profile.static_bytes - profile.block_param_bytes))
-    units = {
-        u: {c: replace(v, fwd_peak=v.fwd_peak - shed, bwd_peak=v.bwd_peak - shed) for c, v in per.items()}
-        for u, per in profile.units.items()
-    }
+    units = raised(profile.units, -shed)
     opt_peak = max(profile.opt_peak - shed - round(share * profile.grad_bytes), 0) if profile.opt_peak else 0
     return replace(profile, units=units, opt_peak=opt_peak)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from shared_configs.planning.budget import Profile, with_static_bytes
+from shared_configs.planning.budget import Profile, raised, with_static_bytes
 from shared_configs.planning.optimizer_step import Trained, implementation, temporaries
 from shared_configs.regime import Regime, state_bytes
 from shared_configs.spec import SpecError, UNetSpec
@@ -154,8 +154,7 @@ def whole_step(profile: Profile, regime: Regime, encoders: list[Encoder], measur
     static = sum(measured[e.name]["weights"] for e in encoders) + state + (grads if regime.keep_grads else 0)
     out = with_static_bytes(profile, static)
     keep = sum(measured[e.name]["keep"] for e in trained)
-    units = {u: {c: replace(v, fwd_peak=v.fwd_peak + keep, bwd_peak=v.bwd_peak + keep) for c, v in per.items()}
-             for u, per in out.units.items()}  # fmt: skip
+    units = raised(out.units, keep)
     base = out.static_bytes + (profile.grad_bytes if regime.keep_grads else 0)
     batch = profile.batch_size
     phases = {"optimizer": out.opt_peak + (0 if regime.keep_grads else grads) + _temporaries(

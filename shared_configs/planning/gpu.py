@@ -8,6 +8,7 @@ source: docs/regimes.md "What a GPU holds". `device_budget`: the allocated peak 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
@@ -129,11 +130,6 @@ def autocast_bytes(spec: UNetSpec, batch_size: int, context_length: int = 77) ->
     return out
 
 
-def _add_into(out: dict[str, int], part: dict[str, int]) -> None:
-    for k, v in part.items():
-        out[k] = out.get(k, 0) + v
-
-
 def kept_bytes(spec: StepSpec, batch_size: int, regime: Regime, context_length: int = 77, unfused: bool = False
                ) -> dict[str, int]:  # fmt: skip
     """Per leaf unit, what a plain unit keeps on a GPU beyond the CPU profile: autocast's float32 norms,
@@ -142,16 +138,16 @@ def kept_bytes(spec: StepSpec, batch_size: int, regime: Regime, context_length: 
         unet = kept_bytes(spec.unet, batch_size, regime, context_length, unfused)
         encoder = {u: v for u, v in unet.items() if in_encoder(u)}
         return {CONTROLNET + u: v for u, v in encoder.items()} | {u: v for u, v in unet.items() if u not in encoder}
-    out: dict[str, int] = {}
+    out: Counter[str] = Counter()
     if regime.precision in MIXED:
-        _add_into(out, autocast_bytes(spec, batch_size, context_length))
+        out.update(autocast_bytes(spec, batch_size, context_length))
     if regime.precision == "fp32":
         padded = logsumexp_bytes(spec, batch_size, context_length, MEM_EFFICIENT_QUERY_BLOCK)
         plain = logsumexp_bytes(spec, batch_size, context_length)
-        _add_into(out, {u: padded[u] - plain[u] for u in padded if padded[u] > plain[u]})
+        out.update({u: padded[u] - plain[u] for u in padded if padded[u] > plain[u]})
     if unfused:
-        _add_into(out, probabilities_bytes(spec, batch_size, regime, context_length))
-    return out
+        out.update(probabilities_bytes(spec, batch_size, regime, context_length))
+    return dict(out)
 
 
 def workspace_bytes(hopper: bool = False) -> int:
