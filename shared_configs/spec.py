@@ -40,9 +40,8 @@ class UNetSpec(_Frozen):
     block_out_channels: tuple[Int, ...] = Field(min_length=1)
     layers_per_block: Int = Field(default=2, gt=0)
     down_attention: tuple[AttentionKind, ...]
-    up_attention: tuple[AttentionKind, ...] | None = Field(
-        default=None, description="up blocks, deepest first; default: down_attention reversed"
-    )
+    up_attention: tuple[AttentionKind, ...] | None = Field(default=None, description="up blocks, deepest first; "
+                                                           "default: down_attention reversed")  # fmt: skip
     mid_attention: AttentionKind = "self"
     # Heads, an int for all levels or one per level (the middle block uses the deepest level's):
     # one of the two sets them, the other follows (channels = heads * head_dim); both set means
@@ -50,59 +49,44 @@ class UNetSpec(_Frozen):
     # as diffusers builds when they do not divide).
     attention_head_dim: Int | tuple[Int, ...] | None = None
     num_attention_heads: Int | tuple[Int, ...] | None = None
-    block_heads: tuple[tuple[str, Int, Int], ...] = Field(
-        default=(),
-        description="(block, heads, head_dim) for a block whose attention differs from its level's heads "
-        "(diffusers derives such for Attn*Block2D in a UNet2DConditionModel); blocks: down.i, mid, up.i",
-    )
+    block_heads: tuple[tuple[str, Int, Int], ...] = Field(default=(), description="(block, heads, head_dim) for a "
+        "block whose attention differs from its level's heads (diffusers' Attn*Block2D in a UNet2DConditionModel); "
+        "blocks: down.i, mid, up.i")  # fmt: skip
     attention_scale: Float | None = Field(default=None, gt=0, description="softmax scale; None: 1/sqrt(head_dim)")
     cross_attention_dim: Int | None = Field(default=None, gt=0)
-    transformer_layers_per_block: Int | tuple[Int, ...] = Field(
-        default=1, description="transformer layers per Transformer2D block: one for all levels, or one per level"
-    )
+    transformer_layers_per_block: Int | tuple[Int, ...] = Field(default=1, description="transformer layers per "
+        "Transformer2D block: one for all levels, or one per level")  # fmt: skip
     use_linear_projection: Bool = False
     norm_kind: NormKind = Field(default="group", description="ResNet and output norms")
-    norm_momentum: Float = Field(
-        default=0.1, gt=0.0, lt=1.0, description="BatchNorm running-stat weight of the new batch (torch convention)"
-    )
+    norm_momentum: Float = Field(default=0.1, gt=0.0, lt=1.0, description="BatchNorm running-stat weight of the "
+                                 "new batch (torch convention)")  # fmt: skip
     norm_num_groups: Int = Field(default=32, gt=0)
-    mid_attention_norm_groups: Int | None = Field(
-        default=None,
-        ge=0,
-        description="GroupNorm groups of a middle self-attention; None: norm_num_groups; 0: no GroupNorm",
-    )
+    mid_attention_norm_groups: Int | None = Field(default=None, ge=0, description="GroupNorm groups of a middle "
+                                                  "self-attention; None: norm_num_groups; 0: no GroupNorm")  # fmt: skip
     norm_eps: Float = Field(default=1e-5, gt=0, description="ResNet, self-attention, output norms")
     transformer_norm_eps: Float = Field(default=1e-6, gt=0, description="Transformer2D GroupNorm")
     layer_norm_eps: Float = Field(default=1e-5, gt=0, description="LayerNorms in transformers")
     dropout: Float = Field(default=0.0, ge=0.0, lt=1.0)
     resnet_time_scale_shift: Literal["default", "scale_shift"] = "default"
-    resampler: Literal["conv", "resnet"] = Field(
-        default="conv", description="resnet: a ResNet down/upsamples between levels (diffusers' ResnetDownsample, "
-        "SimpleCrossAttn blocks)",
-    )  # fmt: skip
+    resampler: Literal["conv", "resnet"] = Field(default="conv", description="resnet: a ResNet down/upsamples "
+        "between levels (diffusers' ResnetDownsample, SimpleCrossAttn blocks)")  # fmt: skip
     resnet_skip_time_act: Bool = Field(default=False, description="no SiLU on the embedding in the resampler="
                                        "resnet blocks' and a simple_cross middle block's ResNets")  # fmt: skip
     resnet_out_scale_factor: Float = Field(default=1.0, gt=0, description="output divisor of resampler=resnet "
                                            "blocks' ResNets")  # fmt: skip
-    context_norm_groups: Int | None = Field(
-        default=None, gt=0, description="simple_cross: GroupNorm of this many groups over the context (diffusers "
-        "cross_attention_norm: group_norm, 32)",
-    )  # fmt: skip
-    context_proj_dim: Int | None = Field(
-        default=None, gt=0, description="context input width, projected to cross_attention_dim by a Linear "
-        "(diffusers encoder_hid_dim_type: text_proj)",
-    )  # fmt: skip
+    context_norm_groups: Int | None = Field(default=None, gt=0, description="simple_cross: GroupNorm of this many "
+        "groups over the context (diffusers cross_attention_norm: group_norm, 32)")  # fmt: skip
+    context_proj_dim: Int | None = Field(default=None, gt=0, description="context input width, projected to "
+        "cross_attention_dim by a Linear (diffusers encoder_hid_dim_type: text_proj)")  # fmt: skip
     downsample_padding: Int = Field(default=1, ge=0, le=1)
     mid_block_scale_factor: Float = Field(default=1.0, gt=0)
     time_embedding: TimeEmbeddingSpec = TimeEmbeddingSpec()
     class_embedding: ClassEmbeddingSpec | None = Field(default=None, description="class conditioning (class_labels)")
     addition_embedding: AdditionEmbeddingSpec | None = Field(
-        default=None, description="SDXL text_time conditioning (text_embeds, time_ids)"
+        default=None, description="SDXL text_time (text_embeds, time_ids)"
     )
     image_embedding: ImageEmbeddingSpec | None = Field(default=None, description="image_embeds conditioning")
-    checkpoint: str | tuple[str, ...] | None = Field(
-        default=None, description="default checkpoint policy (see shared_configs.plan)"
-    )
+    checkpoint: str | tuple[str, ...] | None = Field(default=None, description="default checkpoint policy (plan.py)")
 
     @property
     def num_levels(self) -> int:
