@@ -197,11 +197,8 @@ def class_embedding_args(spec: UNetSpec) -> ClassEmbeddingArgs | None:
 
 
 def timestep_frequencies(dim: int, freq_shift: float, max_period: float) -> np.ndarray:
-    """The sinusoidal embedding's frequencies, (dim // 2,) float32, as diffusers defines them.
-
-    Computed once in numpy so both frameworks multiply by bit-identical constants (a 1-ulp difference
-    times a timestep near 1000 is amplified by the network): the exponent is rounded in float32 step by
-    step as diffusers' ``get_timestep_embedding`` does, and only the ``exp`` is exact (float64)."""
+    """The sinusoidal embedding's frequencies, (dim // 2,) float32, as diffusers' ``get_timestep_embedding`` rounds
+    them, in numpy: both frameworks multiply by bit-identical constants (the network amplifies a 1-ulp difference)."""
     half = dim // 2
     exponent = np.float32(-math.log(max_period)) * np.arange(half, dtype=np.float32) / np.float32(half - freq_shift)
     return np.exp(exponent.astype(np.float64)).astype(np.float32)

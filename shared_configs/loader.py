@@ -17,15 +17,11 @@ PRESET_DIR = Path(__file__).resolve().parent
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, reading ``1e-5`` as a float (YAML 1.2) rather than the string YAML 1.1 makes
-    of it: the spec's floats are strict, so the string would be refused."""
+    """PyYAML's safe loader, reading ``1e-5`` as a float (YAML 1.2), not a string the strict spec would refuse."""
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789"))
 
 
 def preset_names() -> list[str]:
@@ -49,8 +45,7 @@ def load_spec(name_or_path: str | Path) -> UNetSpec:
 
 
 def spec_from_dict(data: dict[str, Any]) -> UNetSpec:
-    """Validate a plain dict; any problem becomes a one-line `SpecError` naming the field. The
-    default ``checkpoint`` policy is checked here, against the spec's own block names."""
+    """Validate a plain dict (the ``checkpoint`` policy too); any problem is a one-line `SpecError` naming the field."""
     try:
         spec = UNetSpec.model_validate(data)
     except ValidationError as err:

@@ -76,8 +76,7 @@ def _heads(spec: UNetSpec, unit: str) -> int:
 
 
 def _attention_shapes(spec: UNetSpec, batch_size: int, context_length: int) -> Iterable[tuple[str, int, int, int]]:
-    """(unit, heads, queries, keys per sample) of every attention, read off its query and key projections' rows
-    (three and two ops before it, `unit_flops._projections`)."""
+    """(unit, heads, queries, keys per sample) of every attention, from its q and k projections' rows."""
     for unit, ops in unit_ops(spec, batch_size, context_length).items():
         for i, op in enumerate(ops):
             if op.cls == "attention":
@@ -85,8 +84,7 @@ def _attention_shapes(spec: UNetSpec, batch_size: int, context_length: int) -> I
 
 
 def logsumexp_bytes(spec: UNetSpec, batch_size: int, context_length: int = 77, block: int = 1) -> dict[str, int]:
-    """Per unit, the float32 logsumexp its fused attentions keep: batch x heads x queries, the
-    queries padded to a multiple of ``block`` (32: the memory-efficient kernel)."""
+    """Per unit, the float32 logsumexp its fused attentions keep, queries padded to a multiple of ``block``."""
     out: dict[str, int] = {}
     for unit, heads, queries, _ in _attention_shapes(spec, batch_size, context_length):
         out[unit] = out.get(unit, 0) + LSE_BYTES * batch_size * heads * block * math.ceil(queries / block)
@@ -120,8 +118,7 @@ def _norms(unit: str, ops: list[Op]) -> Iterable[tuple[int, bool]]:
 
 
 def autocast_bytes(spec: UNetSpec, batch_size: int, context_length: int = 77) -> dict[str, int]:
-    """Per leaf unit, what CUDA autocast's float32 norms keep beyond CPU autocast's half-precision
-    ones: 2 B per element of each norm's input, and of its output where SiLU saves it."""
+    """Per leaf unit, what CUDA autocast's float32 norms keep beyond CPU autocast's half-precision ones."""
     out: dict[str, int] = {}
     for unit, ops in unit_ops(spec, batch_size, context_length).items():
         extra = sum(AUTOCAST_EXTRA * n * (2 if silu else 1) for n, silu in _norms(unit, ops))
@@ -176,8 +173,7 @@ def tensor_count(spec: UNetSpec, regime: Regime) -> int:
 
 
 def rounding_bound(spec: StepSpec, regime: Regime) -> int:
-    """What the 512-byte rounding can add at the peak: 511 B per tensor (`tensor_count`; the profile holds
-    sums, not tensors). The ControlNet step: twice the U-Net's."""
+    """What the 512-byte rounding can add at the peak: 511 B per `tensor_count` (the ControlNet step: twice)."""
     if isinstance(spec, ControlNetPairSpec):
         return 2 * rounding_bound(spec.unet, regime)
     return (MIN_BLOCK - 1) * tensor_count(spec, regime)
@@ -235,8 +231,7 @@ def gpu_profile(profile: Profile, spec: StepSpec, regime: Regime, device: Device
 
 @dataclass(frozen=True)
 class GpuEstimate:
-    """A policy's peak on a GPU: what ``max_memory_allocated``, ``max_memory_reserved`` and
-    ``nvidia-smi`` would read, and each term beside the CPU estimate."""
+    """A policy's peak on a GPU as allocated, reserved and ``nvidia-smi`` read it, and each term beside the CPU's."""
 
     cpu_peak: int
     allocated: int
