@@ -83,8 +83,8 @@ def choice_of(save: tuple[str, ...]) -> str:
     return "save=" + ",".join(save) if save else FULL
 
 
-def resolve(spec: StepSpec, policy: str | CheckpointPlan | PairPlan) -> CheckpointPlan | PairPlan:
-    """``policy`` resolved over ``spec``'s units: `resolve_plan`, or for the pair `split_pair_plan`."""
+def resolve_any(spec: StepSpec, policy: str | CheckpointPlan | PairPlan | None) -> CheckpointPlan | PairPlan:
+    """``policy`` resolved over ``spec``'s units: `resolve_plan`, or for the pair `split_pair_plan` (None: none)."""
     if isinstance(spec, ControlNetPairSpec):
         return split_pair_plan(spec, policy)  # type: ignore[arg-type]
     return resolve_plan(spec, policy)  # type: ignore[arg-type]
@@ -92,7 +92,7 @@ def resolve(spec: StepSpec, policy: str | CheckpointPlan | PairPlan) -> Checkpoi
 
 def assignment_of(spec: StepSpec, policy: str | CheckpointPlan | PairPlan) -> dict[str, str]:
     """The assignment a policy (any form `resolve_plan`, or for the pair `split_pair_plan`, takes) stands for."""
-    plan = resolve(spec, policy)
+    plan = resolve_any(spec, policy)
     return {name: choice_of(plan.save_for(name)) for name in plan.recompute}
 
 

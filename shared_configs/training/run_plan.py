@@ -16,6 +16,7 @@ from shared_configs.plan import CheckpointPlan, resolve_plan
 from shared_configs.planning.budget import FULL, PLAIN
 from shared_configs.planning.planner import Workload, plan, predict_policy
 from shared_configs.planning.solver import Solution
+from shared_configs.planning.units import resolve_any
 from shared_configs.spec import UNetSpec
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.loop import RunStart
@@ -75,11 +76,6 @@ def resolve_run(cfg: TrainConfig, spec: UNetSpec | ControlNetPairSpec, framework
     if show:
         report(budget.plan_line(framework))
     return ResolvedRun(replace(cfg, policy=budget.policy), budget.plan, budget)  # the policy recorded
-
-
-def resolve_any(spec: UNetSpec | ControlNetPairSpec, policy: str | None) -> CheckpointPlan | PairPlan:
-    """``policy`` resolved for a U-Net's step, or for the ControlNet step (a pair plan; None: none)."""
-    return split_pair_plan(spec, policy) if isinstance(spec, ControlNetPairSpec) else resolve_plan(spec, policy)
 
 
 def workload_of(cfg: TrainConfig, spec: UNetSpec | ControlNetPairSpec, world_size: int,
