@@ -42,9 +42,7 @@ from shared_configs.spec import SpecError
 
 # The uniform plans a profile measures, (choice, level): together they give every (unit, choice).
 PROFILE_RUNS = ((PLAIN, "layers"), (FULL, "blocks"), (SELECTIVE, "blocks"), (FULL, "layers"), (SELECTIVE, "layers"))
-# 2: torch frees last step's gradients first; conditioning inputs. 3: JAX runs timed in turn. 4: `Cost.hold`.
-# 5: torch's runs timed in turn. 6: torch's recompute at fitted rates; JAX times the plain step only.
-# 7: torch's profile counts the numpy batch the step reads.
+# Raised whenever a profile's figures change meaning (7: torch's profile counts the numpy batch the step reads).
 SCHEMA = 7
 
 

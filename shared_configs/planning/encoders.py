@@ -16,6 +16,7 @@ from shared_configs.planning.budget import Profile, raised, with_static_bytes
 from shared_configs.planning.optimizer_step import Trained, implementation, temporaries
 from shared_configs.regime import Regime, state_bytes
 from shared_configs.spec import SpecError, UNetSpec
+from shared_configs.training.data import LATENT_SCALE
 
 VAE = {  # AutoencoderKL of SD 1.x, 2.x and SDXL (stable-diffusion-v1-5/vae/config.json)
     "in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": [128, 256, 512, 512],
@@ -35,7 +36,6 @@ FAMILIES: dict[int, tuple[str, tuple[tuple[str, str, dict[str, Any]], ...]]] = {
     1024: ("SD 2.x", (("text_encoder", "clip", OPENCLIP_H),)),
     2048: ("SDXL", (("text_encoder", "clip", CLIP_L), ("text_encoder_2", "clip-projection", OPENCLIP_BIGG))),
 }
-LATENT_SCALE = 8  # the VAE's image side over the latent side
 
 
 @dataclass(frozen=True)

@@ -103,9 +103,7 @@ def options_of(cfg: TrainConfig, kind: type[Opts]) -> Opts:
     return cfg.options
 
 
-# --distributed modes per framework. ddp: the batch split over processes (torch DDP) or devices
-# (JAX), parameters replicated; fsdp: parameters, gradients and optimizer state sharded too
-# (torch FSDP2; JAX sharding annotations over the same mesh axis as the batch).
+# --distributed modes per framework (what each means: DISTRIBUTED_HELP).
 DISTRIBUTED: dict[str, tuple[str, ...]] = {"torch": ("ddp", "fsdp"), "jax": ("ddp", "fsdp")}
 
 # The fields that shape the loss curve: a resumed run must keep them (with the spec). The rest

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shared_configs.inputs import INPUT_NAMES, class_label_width, input_specs
+from shared_configs.inputs import INPUT_NAMES, NUM_TIMESTEPS, class_label_width, input_specs
 from shared_configs.spec import UNetSpec
 
 if TYPE_CHECKING:
@@ -124,16 +124,13 @@ class Conditioner:
         return six[:, np.arange(self.num_time_ids) % 6].astype(np.float32)
 
 
-EXAMPLE_TIMESTEPS = 1000  # the DDPM timesteps an example batch's t are drawn from
-
-
 def example_batch(spec: UNetSpec, batch_size: int, context_length: int = 77, seed: int = 0) -> Batch:
     """The benchmark's and the planner's inputs, the same numbers in both frameworks: noise-like images and
     targets, integer timesteps, and the conditioning the spec takes (`Conditioner`, random classes)."""
     rng = np.random.default_rng(seed)
     size = spec.sample_size
     noisy = rng.standard_normal((batch_size, spec.in_channels, size, size), dtype=np.float32)
-    t = rng.integers(0, EXAMPLE_TIMESTEPS, batch_size).astype(np.float32)
+    t = rng.integers(0, NUM_TIMESTEPS, batch_size).astype(np.float32)
     noise = rng.standard_normal((batch_size, spec.out_channels, size, size), dtype=np.float32)
     context = None
     if spec.cross_attention_dim is not None:
