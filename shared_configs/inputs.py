@@ -95,9 +95,6 @@ def _check_args(spec: UNetSpec, batch: int, size: int, context_len: int, layout:
         raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
 
 
-# ---- the edge checks both forwards run ---------------------------------------------------------
-
-
 def check_inputs(spec: UNetSpec, layout: str, x: Any, t: Any, **conditioning: Any) -> None:
     """Raise one `ValueError` naming the input, what ``spec`` expects and what came: shapes only (static under
     ``jit``), of either framework's arrays; ``conditioning``: the other inputs by name, None when absent."""

@@ -57,8 +57,6 @@ def ours_to_diffusers(state_dict: Mapping[str, V]) -> dict[str, V]:
     return {_rename(k, _TO_DIFFUSERS): v for k, v in state_dict.items()}
 
 
-# ---- folders and the local Hugging Face cache ---------------------------------------------------
-
 WEIGHT_NAMES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 

@@ -167,9 +167,6 @@ class Prediction:
         return self.time_s / profile.step_time_s if profile.step_time_s else float("nan")
 
 
-# ---- the model ---------------------------------------------------------------------------------
-
-
 def predict(profile: Profile, spec: StepSpec, assignment: Assignment) -> Prediction:
     """Peak bytes, recompute seconds and FLOPs of ``assignment`` (see the module doc)."""
     where = max(profile.phases, key=profile.phases.__getitem__) if profile.phases else "optimizer"

@@ -250,9 +250,6 @@ def recompute_flops(per_class: Flops, choice: str) -> float:
     return float(sum(n for cls, n in per_class.items() if cls not in kept))
 
 
-# ---- the ControlNet step -----------------------------------------------------------------------
-
-
 def controlnet_ops(spec: ControlNetPairSpec, batch_size: int) -> dict[str, list[Op]]:
     """The ControlNet's own convolutions: ``stem``, the conditioning embedding; ``head``, its zero convolutions."""
     cn, b = spec.controlnet, batch_size

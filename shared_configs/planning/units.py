@@ -76,9 +76,6 @@ def uniform(spec: StepSpec, choice: str, level: str) -> dict[str, str]:
     return {n: choice for layers in block_layers(spec).values() for n in layers if not is_pseudo(n)}
 
 
-# ---- plans <-> assignments ---------------------------------------------------------------------
-
-
 def choice_of(save: tuple[str, ...]) -> str:
     return "save=" + ",".join(save) if save else FULL
 
