@@ -118,7 +118,7 @@ def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
             "cond_dim": cond_dim,
         },
         **conditioning,
-        **_family(cfg, resampler, mid),
+        **_family(cfg, resampler, mid, [*down, *up]),
     }
     if cls == "UNet2DConditionModel":
         data["cross_attention_dim"] = _uniform(cfg, "cross_attention_dim", n)
@@ -168,14 +168,14 @@ def _resampler(cfg: Mapping[str, Any], cls: str) -> str:
     return "resnet"
 
 
-def _family(cfg: Mapping[str, Any], resampler: str, mid: str) -> dict[str, Any]:
+def _family(cfg: Mapping[str, Any], resampler: str, mid: str, kinds: list[str]) -> dict[str, Any]:
     """The options only ResnetDownsample / SimpleCrossAttn blocks read, where they are built (else inert)."""
     out: dict[str, Any] = {"resampler": resampler}
     if resampler == "resnet":
         out["resnet_out_scale_factor"] = float(cfg["resnet_out_scale_factor"])
     if resampler == "resnet" or mid == "simple_cross":
         out["resnet_skip_time_act"] = cfg["resnet_skip_time_act"]
-    simple = "simple_cross" in (*_plain_kinds(cfg), mid)  # only a UNet2DConditionModel builds them
+    simple = "simple_cross" in (*kinds, mid)  # only a UNet2DConditionModel builds them
     if simple and cfg["cross_attention_norm"] not in (None, "group_norm"):
         raise SpecError(f"cross_attention_norm: {cfg['cross_attention_norm']!r} unsupported for SimpleCrossAttn "
                         "blocks (supported: None, 'group_norm')")  # fmt: skip
@@ -184,11 +184,6 @@ def _family(cfg: Mapping[str, Any], resampler: str, mid: str) -> dict[str, Any]:
     if mid == "simple_cross" and cfg["mid_block_only_cross_attention"]:
         raise SpecError("mid_block_only_cross_attention: True unsupported (supported: None, False)")
     return out
-
-
-def _plain_kinds(cfg: Mapping[str, Any]) -> list[str | None]:
-    tables = {**DOWN_BLOCKS, **UP_BLOCKS, **RESNET_DOWN_BLOCKS, **RESNET_UP_BLOCKS}
-    return [tables.get(t) for t in (*cfg["down_block_types"], *cfg["up_block_types"])]
 
 
 def _kinds(cfg: Mapping[str, Any], key: str, table: dict[str, str], n: int) -> list[str]:

@@ -38,13 +38,9 @@ UP_OF: dict[str, str] = {"DownBlock2D": "UpBlock2D", "AttnDownBlock2D": "AttnUpB
 CLASS_EMBED_TYPES = (None, "timestep", "identity", "projection")
 
 
-def is_controlnet_config(config: Mapping[str, Any]) -> bool:
-    return config.get("_class_name") == CLASS
-
-
 def spec_from_config(config: Mapping[str, Any], *, name: str | None = None) -> UNetSpec | ControlNetSpec:
     """The spec of a diffusers U-Net or ControlNet config, by its ``_class_name``."""
-    if is_controlnet_config(config):
+    if config.get("_class_name") == CLASS:
         return controlnet_from_diffusers_config(config, name=name)
     if (cls := config.get("_class_name")) not in CLASS_DEFAULTS:
         supported = ", ".join([*CLASS_DEFAULTS, CLASS])

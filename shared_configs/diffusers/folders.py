@@ -170,7 +170,8 @@ def read_source(source: Any, variant: str | None, read_file: Callable[[Path], Ma
     if not is_path(source):
         return spec_from_config(live_config(source)), diffusers_to_ours(dict(source.state_dict()))
     folder = find_folder(source, variant, subfolder, revision)
-    spec = spec_from_config(folder.config, name=_model_name(source, folder.root))
+    name = folder.root.name if Path(source).exists() else str(source).rsplit("/", 1)[-1]  # a repo id: its last part
+    spec = spec_from_config(folder.config, name=name)
     state: dict[str, V] = {}
     for file in folder.weight_files:
         try:
@@ -179,11 +180,6 @@ def read_source(source: Any, variant: str | None, read_file: Callable[[Path], Ma
             detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
             raise ValueError(f"{file}: unreadable weights ({type(err).__name__}: {detail})") from None
     return spec, diffusers_to_ours(state)
-
-
-def _model_name(source: str | os.PathLike[str], root: Path) -> str:
-    """The spec's name: a repo id's last part (``org/name`` -> ``name``), else the folder's."""
-    return root.name if Path(source).exists() else str(source).rsplit("/", 1)[-1]
 
 
 def check_weights(got: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]],

@@ -149,7 +149,8 @@ def whole_step(profile: Profile, regime: Regime, encoders: list[Encoder], measur
     if not encoders:
         return profile
     trained = [e for e in encoders if e.trained]
-    state = sum(state_bytes(_state_optimizer(regime), [measured[e.name]["params"]], 4) for e in trained)
+    kind = "adamw8bit" if regime.optimizer == "adamw8bit" else "adamw"  # Adafactor's factored state: not modelled
+    state = sum(state_bytes(kind, [measured[e.name]["params"]], 4) for e in trained)
     grads = sum(measured[e.name]["weights"] for e in trained)  # float32, as their weights
     static = sum(measured[e.name]["weights"] for e in encoders) + state + (grads if regime.keep_grads else 0)
     out = with_static_bytes(profile, static)
@@ -168,10 +169,6 @@ def whole_step(profile: Profile, regime: Regime, encoders: list[Encoder], measur
     seconds = profile.step_time_s + (sum(measured[e.name].get("flops", 0) for e in encoders) /
                                      profile.flops_per_s if profile.flops_per_s else 0.0)  # fmt: skip
     return replace(out, units=units, opt_peak=max(phases.values()), phases=phases, step_time_s=seconds)
-
-
-def _state_optimizer(regime: Regime) -> str:
-    return "adamw8bit" if regime.optimizer == "adamw8bit" else "adamw"  # Adafactor's factored state: not modelled
 
 
 def _temporaries(regime: Regime, trained: list[Encoder], measured: dict[str, dict[str, int]], device: str,

@@ -109,13 +109,9 @@ def plan_of(spec: UNetSpec | ControlNetPairSpec, solution: Solution) -> Checkpoi
     if isinstance(spec, ControlNetPairSpec):
         return split_pair_plan(spec, solution.policy)
     chosen = {name: choice for name, choice in solution.assignment.items() if choice != PLAIN}
-    unit_save = tuple((name, _saved_ops(choice)) for name, choice in chosen.items() if choice != FULL)
+    # each recompute choice but full is save=OP,OP (`choice_of`): the op classes it keeps
+    unit_save = tuple((name, tuple(c.removeprefix("save=").split(","))) for name, c in chosen.items() if c != FULL)
     return resolve_plan(spec, CheckpointPlan(solution.policy, tuple(chosen), unit_save=unit_save))
-
-
-def _saved_ops(choice: str) -> tuple[str, ...]:
-    """The op classes a recompute choice keeps: ``save=conv,matmul``, as `choice_of` spells them."""
-    return tuple(choice.removeprefix("save=").split(","))
 
 
 def report(line: str) -> None:
