@@ -195,12 +195,6 @@ class Device:
 DEVICES = {"cuda": Device(), "cuda-sm90": Device(hopper=True)}
 
 
-def _unit_delta(unit: str, leaves: dict[str, int], blocks: dict[str, tuple[str, ...]]) -> int:
-    if unit in blocks:  # a whole block: its layers and samplers
-        return sum(v for k, v in leaves.items() if k.startswith(unit + "."))
-    return leaves.get(unit, 0)
-
-
 def optimizer_delta(profile: Profile, spec: StepSpec, regime: Regime, chosen: str | None = None) -> int:
     """What the CUDA optimizer step's temporaries (its default, or ``chosen``) add to the CPU's per-parameter loop."""
     trained = optimizer_step.trained_of(spec, regime, profile.grad_bytes)
@@ -217,7 +211,8 @@ def gpu_profile(profile: Profile, spec: StepSpec, regime: Regime, device: Device
     blocks = block_layers(spec)
     units: dict[str, dict[str, Cost]] = {}
     for unit, per in profile.units.items():
-        d = _unit_delta(unit, leaves, blocks)
+        # a whole block keeps what its layers and samplers do
+        d = sum(v for k, v in leaves.items() if k.startswith(unit + ".")) if unit in blocks else leaves.get(unit, 0)
         units[unit] = {
             c: replace(v, keep=v.keep + d, fwd_peak=v.fwd_peak + d, bwd_peak=v.bwd_peak + d)
             if c == PLAIN

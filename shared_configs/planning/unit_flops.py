@@ -81,7 +81,7 @@ def _transformer(spec: UNetSpec, b: int, ch: int, hw: int, level: int, context_l
     proj = _mm(b * t, ch, ch) if spec.use_linear_projection else _conv(b, ch, ch, 1, hw)
     ops = [proj]
     for _ in range(spec.transformer_depth(level)):
-        ops += [*_projections(b * t, ch, b * t, ch, HIDDEN), _attention(b, t, t, ch), _mm(b * t, ch, ch, adapted=True)]
+        ops += _self_attention(b, ch, hw)
         if spec.cross_attention_dim is not None:
             ctx, keys = spec.cross_attention_dim, context_length
             ops += _projections(b * t, ch, b * keys, ctx, CONTEXT)
@@ -166,8 +166,9 @@ def unit_flops(
     spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int = 77, lora_rank: int | None = None
 ) -> dict[str, Flops]:
     """Forward FLOPs by op class of every unit (layers, samplers, blocks, stem, head), LoRA's adapters included."""
-    if isinstance(spec, ControlNetPairSpec):
-        return pair_unit_flops(spec, batch_size, context_length)
+    if isinstance(spec, ControlNetPairSpec):  # the ControlNet's units (`_pair_units`), then the U-Net's
+        unet = unit_flops(spec.unet, batch_size, context_length)
+        return _pair_units(unet, controlnet_ops(spec, batch_size), lambda ops: _forward(ops, None))
     return _with_blocks(
         spec, {u: _forward(ops, lora_rank) for u, ops in unit_ops(spec, batch_size, context_length).items()}
     )
@@ -262,12 +263,6 @@ def controlnet_ops(spec: ControlNetPairSpec, batch_size: int) -> dict[str, list[
     down, mid = residual_shapes(spec.unet, b, spec.sample_size)
     head = [_conv(b, shape[1], shape[1], 1, shape[2]) for shape in (*down, mid)]
     return {"stem": stem, "head": head}
-
-
-def pair_unit_flops(spec: ControlNetPairSpec, batch_size: int, context_length: int = 77) -> dict[str, Flops]:
-    """Forward FLOPs of the ControlNet step's units: the ControlNet's (`_pair_units`), then the U-Net's."""
-    unet = unit_flops(spec.unet, batch_size, context_length)
-    return _pair_units(unet, controlnet_ops(spec, batch_size), lambda ops: _forward(ops, None))
 
 
 def _pair_units(unet: dict[str, Flops], own_ops: dict[str, list[Op]], of: Callable[[list[Op]], Flops]
