@@ -21,8 +21,7 @@ A = TypeVar("A")
 
 
 class ControlNetSpec(_Frozen):
-    """A ControlNet on the encoder and middle block of ``unet`` (see the module doc): a `UNetSpec`, its
-    fields as a mapping, or a preset name (``ControlNetSpec(unet="sd_narrow")``; in YAML ``unet: sd_narrow``)."""
+    """A ControlNet on ``unet``'s encoder and middle block; ``unet``: a `UNetSpec`, its fields, or a preset name."""
 
     name: str = "controlnet"
     unet: UNetSpec

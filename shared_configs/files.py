@@ -51,8 +51,7 @@ def write_sealed(path: str | Path, body: Mapping[str, Any]) -> None:
 
 @contextmanager
 def locked(path: str | Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``<path>.lock`` for the block (waiting, with a note): the later processes read what
-    the first wrote. A dead holder's lock is released; the empty lock file stays (removing it would race)."""
+    """An exclusive ``flock`` on ``<path>.lock`` for the block: processes filling one cache entry take turns."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.with_name(f"{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)

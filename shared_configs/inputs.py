@@ -55,8 +55,7 @@ def input_specs(spec: UNetSpec, batch: int = 1, sample_size: int | None = None, 
 
 def example_inputs(spec: UNetSpec, rng: np.random.Generator, batch: int = 2, sample_size: int | None = None,
                    context_len: int = 77, layout: str = "NCHW") -> dict[str, np.ndarray | None]:  # fmt: skip
-    """Random numpy inputs for ``spec`` (see `input_specs`), in `INPUT_NAMES` order: normal floats, timesteps in
-    [0, 1000), class ids in range, SDXL-like time ids; a seed gives the same sample in either layout."""
+    """Random numpy inputs for ``spec`` in `INPUT_NAMES` order; a seed gives the same sample in either layout."""
     wanted = input_specs(spec, batch, sample_size, context_len, "NCHW")
     arrays = {name: None if want is None else _draw(name, want, spec, rng) for name, want in wanted.items()}
     if layout == "NHWC":  # the same draws in either layout: one seed, one sample

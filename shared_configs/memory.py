@@ -33,8 +33,7 @@ POINTS = 1500  # positions kept per timeline: enough for a figure, small in the 
 
 def timeline(series: Mapping[str, np.ndarray], blocks: Sequence[str], phases: Mapping[str, int], method: str,
              points: int = POINTS) -> dict[str, Any]:  # fmt: skip
-    """The record for one step: ``series[c][i]`` live bytes of kind ``c`` at position ``i``,
-    ``blocks[i]`` the block position ``i`` ran in, ``phases`` the first position of each phase."""
+    """The record for one step, from each position's live bytes per kind (``series``), block and phase starts."""
     stacked = np.stack([np.asarray(series[c], dtype=np.int64) for c in CATEGORIES])
     n = stacked.shape[1]
     keep = _peaks_per_stretch(stacked.sum(axis=0), points)

@@ -69,9 +69,6 @@ def workload_spec(data: Mapping[str, Any]) -> UNetSpec | ControlNetPairSpec:
     return ControlNetPairSpec.model_validate(data) if "controlnet" in data else spec_from_dict(dict(data))
 
 
-# ---- the plan ----------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class PairPlan:
     """A pair policy resolved: the policy string, the U-Net's plan and the ControlNet's."""
@@ -155,9 +152,6 @@ def pair_policy(unet: CheckpointPlan, controlnet: CheckpointPlan) -> str:
     return ";".join(parts) or "none"
 
 
-# ---- the batch ---------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class ControlNetBatch(Batch):
     """A training `Batch` and the conditioning image the ControlNet reads (NCHW float32, its own size)."""
@@ -176,9 +170,6 @@ def example_pair_batch(spec: ControlNetPairSpec, batch_size: int, context_length
     shape = (batch_size, spec.controlnet.conditioning_channels, side, side)
     cond = np.random.default_rng(COND_SEED).uniform(-1.0, 1.0, shape).astype(np.float32)
     return ControlNetBatch(**vars(batch), controlnet_cond=cond)
-
-
-# ---- the training data -------------------------------------------------------------------------
 
 
 def control_image(images: np.ndarray, spec: ControlNetSpec) -> np.ndarray:

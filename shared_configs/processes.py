@@ -14,8 +14,7 @@ from typing import Any
 
 @contextmanager
 def worker_group(cmd: list[str], **popen: Any) -> Iterator[subprocess.Popen]:
-    """``subprocess.Popen(cmd, **popen)`` in a process group of its own (a Ctrl-C reaches only the parent); the
-    group is stopped (`stop_group`) if the block is left by an exception."""
+    """``Popen(cmd, **popen)`` in a process group of its own, stopped whole if the block is left by an exception."""
     proc = subprocess.Popen(cmd, start_new_session=True, **popen)
     try:
         yield proc

@@ -74,9 +74,7 @@ MID_BLOCKS: dict[str, dict[str, str]] = {
 
 
 def from_diffusers_config(config: Mapping[str, Any], *, name: str | None = None) -> UNetSpec:
-    """A ``config.json`` dict (with ``_class_name``, also for a live model's config) -> `UNetSpec`.
-
-    Raises `SpecError` naming the first option we cannot honour (all of them, for fixed options)."""
+    """A ``config.json`` dict (with ``_class_name``) -> `UNetSpec`; a `SpecError` names the options we cannot honour."""
     cls = config.get("_class_name")
     if cls not in CLASS_DEFAULTS:
         raise SpecError(f"_class_name: unsupported diffusers model {cls!r} (supported: {', '.join(CLASS_DEFAULTS)})")

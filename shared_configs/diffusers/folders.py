@@ -165,8 +165,7 @@ def live_config(model: Any) -> dict[str, Any]:
 def read_source(source: Any, variant: str | None, read_file: Callable[[Path], Mapping[str, V]],
                 subfolder: str | None = None, revision: str | None = None
                 ) -> tuple[UNetSpec | ControlNetSpec, dict[str, V]]:  # fmt: skip
-    """The spec and state_dict (our names) of a diffusers folder, cached repo id or live module (U-Net or
-    ControlNet); ``read_file`` reads one weight file in the caller's framework."""
+    """The spec and state_dict (our names) of a diffusers folder, cached repo id or live U-Net or ControlNet."""
     if not is_path(source):
         return spec_from_config(live_config(source)), diffusers_to_ours(dict(source.state_dict()))
     folder = find_folder(source, variant, subfolder, revision)

@@ -140,8 +140,7 @@ class ProfileError(SpecError):
 
 def cached_profile(path: Path, expect: Mapping[str, Any], make: Callable[[], Profile], refresh: bool = False
                    ) -> Profile:  # fmt: skip
-    """The profile cached in ``path``, else (or with ``refresh``, or with a note where it is unusable) ``make()``'s,
-    cached there. Processes that fill the same entry take turns: the later ones read what the first wrote."""
+    """The profile cached in ``path`` (processes take turns), else (or with ``refresh``) ``make()``'s, cached there."""
     with locked(path):
         if path.is_file() and not refresh:
             try:

@@ -96,8 +96,7 @@ def family(spec: UNetSpec) -> tuple[str, tuple[tuple[str, str, dict[str, Any]], 
 
 
 def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[Encoder]:
-    """The models ``options`` put beside ``spec``'s U-Net: frozen ones in diffusers' ``weight_dtype`` (SDXL's VAE
-    float32, as its scripts keep it), a trained text encoder in float32."""
+    """The models ``options`` put beside ``spec``'s U-Net, frozen in diffusers' ``weight_dtype``, trained in float32."""
     if not options.any:
         return []
     name, texts = family(spec) if not options.configs else ("folder", _folder_texts(options.configs))

@@ -75,8 +75,7 @@ def describe(optimizer: str, name: str) -> str:
 
 
 def trained_of(spec: UNetSpec | ControlNetPairSpec, regime: Regime, trained_bytes: int) -> Trained:
-    """`Trained` of a step whose trained weights take ``trained_bytes``; the largest tensor from the spec's convs
-    and matmuls (LoRA: an adapter; the ControlNet step: the U-Net's, a bound)."""
+    """`Trained` of a step whose trained weights take ``trained_bytes``, its largest tensor from the spec."""
     itemsize = DTYPE_BYTES[regime.param_dtype]
     spec = spec.unet if isinstance(spec, ControlNetPairSpec) else spec
     ops = [op for per in unit_ops(spec, 1, 1).values() for op in per if op.cls != "attention"]

@@ -118,8 +118,7 @@ def with_recasts(units: Units, spec: UNetSpec | ControlNetPairSpec, regime: Regi
 
 def at_stated_rates(profile: Profile, spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int,
                     flops_per_s: float, bytes_per_s: float, regime: Regime | None = None) -> Profile:  # fmt: skip
-    """A shapes-only profile timed at stated rates (`at_rates`), its plain step `step_seconds` in ``regime``
-    (by default the profile's own)."""
+    """A shapes-only profile timed at stated rates (`at_rates`), its plain step `step_seconds` in ``regime``."""
     regime = regime_of(profile) if regime is None else regime
     units = with_adapters(profile.units, spec, batch_size, context_length, regime.lora_rank)
     units = at_rates(spec, units, 1 / flops_per_s, 1 / bytes_per_s)

@@ -175,8 +175,7 @@ def unit_flops(
 
 
 def unit_weights(spec: UNetSpec | ControlNetPairSpec) -> dict[str, Flops]:
-    """The conv/matmul weights of every unit by op class, as `unit_flops` names them: what a mixed-precision
-    recompute casts again."""
+    """The conv/matmul weights of every unit by op class: what a mixed-precision recompute casts again."""
     if isinstance(spec, ControlNetPairSpec):
         return _pair_units(unit_weights(spec.unet), controlnet_ops(spec, 1), lambda ops: {"conv": _weights(ops)})
     return _with_blocks(

@@ -125,8 +125,7 @@ class Conditioner:
 
 
 def example_batch(spec: UNetSpec, batch_size: int, context_length: int = 77, seed: int = 0) -> Batch:
-    """The benchmark's and the planner's inputs, the same numbers in both frameworks: noise-like images and
-    targets, integer timesteps, and the conditioning the spec takes (`Conditioner`, random classes)."""
+    """The benchmark's and the planner's inputs (conditioning from `Conditioner`), the same in both frameworks."""
     rng = np.random.default_rng(seed)
     size = spec.sample_size
     noisy = rng.standard_normal((batch_size, spec.in_channels, size, size), dtype=np.float32)

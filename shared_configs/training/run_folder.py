@@ -82,9 +82,6 @@ class Solo:
 SOLO = Solo()
 
 
-# ---- owning the folder ----------------------------------------------------------------------
-
-
 @contextmanager
 def owned(out: Path, owner: bool = True) -> Iterator[None]:
     """Check ``out`` is (or can be made) a writable folder; the ``owner`` also holds its lock and removes old temps."""
@@ -146,9 +143,6 @@ def _remove_temps(out: Path) -> None:
         print(f"note: {out}: removed {len(stale)} temp file(s) of killed writes: {names}", file=sys.stderr)
 
 
-# ---- finding checkpoints -----------------------------------------------------------------
-
-
 def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:08d}"
 
@@ -201,9 +195,6 @@ def verify(path: Path, manifest: Manifest, comm: Comm = SOLO) -> None:
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointError(f"{problems[0]}{more}; nothing was changed")
-
-
-# ---- writing checkpoints -----------------------------------------------------------------
 
 
 def save(out: Path, manifest: Manifest, write_state: Callable[[Path], None], comm: Comm = SOLO,
