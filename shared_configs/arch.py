@@ -1,9 +1,6 @@
-"""What each block and layer is built with, derived once from the spec for both frameworks.
-
-Both U-Net assemblies (`torch_impl/unet.py`, `jax_impl/unet.py`) loop over `down_blocks` /
-`up_blocks` and build layers from `resnet_args` / `attention_args` (typed, frozen; their field
-names are the layer constructors' parameters in both frameworks, checked by a test), so the
-channel book-keeping of the skip stack lives here, in one place, framework-free.
+"""What each block and layer is built with, derived once from the spec for both frameworks: both U-Net assemblies
+loop over `down_blocks` / `up_blocks` and build layers from `resnet_args` / `attention_args`, whose field names
+are the layer constructors' parameters (a test checks), so the skip stack's channels are counted here alone.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""A ControlNet, framework-free: its spec, its plan vocabulary, and the residuals it hands a U-Net.
-
-A ControlNet (diffusers' ``ControlNetModel``) is the U-Net spec's encoder and middle block under the
-same names, plus a conditioning embedding and one zero-initialised 1x1 conv per skip and on the
-middle block's output. Plans name its units as the U-Net's (`resolve_controlnet_plan`). Built by
-`torch_impl/controlnet.py` and `jax_impl/controlnet.py`; docs/diffusers.md, docs/planning.md.
+"""A ControlNet, framework-free: its spec (the U-Net's encoder and middle block under the same names, a
+conditioning embedding, zero 1x1 convs per residual), its plan vocabulary and the residuals it hands a U-Net.
+Built by `torch_impl/controlnet.py` and `jax_impl/controlnet.py`; docs/diffusers.md, docs/planning.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The U-Net's inputs, framework-free: their shapes for a spec, example arrays, and the edge checks.
-
-Both U-Nets take the same inputs by the same names and order (`INPUT_NAMES`, then diffusers' LCM and
-Kandinsky 2.2 extras in `EXTRA_INPUT_NAMES`); ``x`` is NCHW in torch and NHWC in Flax. `input_specs`
-gives shapes and dtypes, `example_inputs` random arrays, `check_inputs` the one-line `ValueError`
-each forward raises. The table of inputs and when a spec takes each: docs/spec_and_plans.md "Inputs".
+"""The U-Net's inputs, framework-free: `input_specs` (shapes and dtypes, `INPUT_NAMES` then the extras a spec
+takes), `example_inputs` (random arrays) and `check_inputs` (each forward's one-line `ValueError`). ``x`` is NCHW
+in torch and NHWC in Flax. The table of inputs: docs/spec_and_plans.md "Inputs".
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""A diffusers U-Net's ``config.json`` -> our spec (framework-free: no torch, jax or diffusers).
-
-`from_diffusers_config` turns a ``UNet2DModel`` / ``UNet2DConditionModel`` config into the
-`UNetSpec` of the network diffusers builds from it. Every option is mapped onto a spec field, fixed
-(only listed values accepted), inert, or refused by name: none is silently ignored. The table of
-options: docs/diffusers.md "What loads".
+"""A diffusers U-Net's ``config.json`` -> the `UNetSpec` of the network diffusers builds from it (no torch, jax or
+diffusers): every option is mapped, fixed (`FIXED`), inert or refused by name, never silently ignored. The table
+of options: docs/diffusers.md "What loads".
 """
 
 from __future__ import annotations

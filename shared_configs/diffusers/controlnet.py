@@ -1,9 +1,6 @@
-"""A diffusers ``ControlNetModel`` config <-> `ControlNetSpec` (framework-free).
-
-A ControlNet's config is its U-Net's, less the up path, plus four options of its own. Read, it becomes the
-config of the U-Net whose encoder it is (up blocks mirroring the down blocks) and goes through
-`from_diffusers_config`; written, the U-Net's config is cut back to ``ControlNetModel``'s signature, and the
-fields diffusers' ControlNet cannot express are refused by name.
+"""A diffusers ``ControlNetModel`` config <-> `ControlNetSpec` (framework-free): read as the config of the U-Net
+whose encoder it is (through `from_diffusers_config`), written as that U-Net's cut back to ``ControlNetModel``'s
+signature, refusing by name what diffusers' ControlNet cannot express.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""diffusers U-Nets on disk -> our spec and state_dict (framework-free: no torch, jax or diffusers).
-
-A source is a local model or pipeline folder, a repo id in the local Hugging Face cache (nothing is
-ever downloaded), or a live diffusers module. State-dict names differ from ours by segment renames
-(`KEY_RENAMES`; `LEGACY_KEY_RENAMES` reads pre-0.14 DDPM attention names). Every problem is one line
-naming the file. The config mapping: `shared_configs.diffusers.config`. Docs: docs/diffusers.md.
+"""diffusers U-Nets on disk -> our spec and state_dict (no torch, jax or diffusers): a local model or pipeline
+folder, a repo id in the local Hugging Face cache (nothing downloaded) or a live module; weight names differ by
+segment renames (`KEY_RENAMES`, `LEGACY_KEY_RENAMES`). Every problem is one line naming the file. docs/diffusers.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The units of a training step a plan chooses for, and plans <-> per-unit assignments.
-
-A unit is a block (``down.1``) or, inside a block not recomputed whole, a layer; each takes one of
-`CHOICES` (``plain``, ``full``, ``save=conv,matmul``). Always-plain pseudo-units (``stem``, a layered
-block's sampler, ``head``) make every byte belong to one unit; the ControlNet step's units are the
-ControlNet's (``controlnet.``) then the U-Net's. Docs: docs/planning.md "What it does".
+"""The units of a training step a plan chooses for, and plans <-> per-unit assignments: a block (``down.1``) or,
+inside a block not recomputed whole, a layer, each one of `CHOICES`; always-plain pseudo-units (stem, samplers,
+head) make every byte belong to one unit. Docs: docs/planning.md "What it does".
 """
 
 from __future__ import annotations

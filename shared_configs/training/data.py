@@ -1,9 +1,6 @@
-"""The training data both loops share, in numpy, so torch and JAX see the *same* batches for a seed.
-
-`load_dataset` (scikit-learn's bundled 8x8 digits or a synthetic set, fitted to the spec), the
-conditioning each spec takes (`Conditioner`), `Dataset.batch` (batch ``step`` depends only on
-(seed, step), so a resumed run sees the same batches; the forward process in float64) and
-`step_seed` (framework RNGs per step). Docs: docs/training.md. No torch or jax import.
+"""The training data both loops share, in numpy, so torch and JAX see the same batches for a seed: `load_dataset`
+(digits or synthetic, fitted to the spec), the conditioning each spec takes (`Conditioner`) and `Dataset.batch`
+(a function of (seed, step), so a resumed run sees the same batches). Docs: docs/training.md.
 """
 
 from __future__ import annotations
