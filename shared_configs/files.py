@@ -1,8 +1,6 @@
-"""Writing files so that a kill at any moment leaves the old file or the new one, never half of one.
-
-`atomic_write` is the project's one way to write an output file (`write_sealed`: a JSON record with its own
-SHA-256). Its temp files are ``.<name>.<random>.tmp`` next to the target (`TEMP_GLOB`). `locked` makes
-processes that fill the same cache entry take turns. Framework-free.
+"""Writing files so that a kill at any moment leaves the old file or the new one, never half of one: `atomic_write`
+(temp files ``.<name>.<random>.tmp``, `TEMP_GLOB`), `write_sealed` (JSON with its own SHA-256), and `locked`, for
+processes filling the same cache entry in turn. Framework-free.
 """
 
 from __future__ import annotations

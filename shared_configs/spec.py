@@ -1,8 +1,6 @@
-"""The framework-free U-Net architecture spec (validated, frozen): `UNetSpec`, read by both frameworks.
-
-One spec describes diffusers' pixel (``UNet2DModel``) and latent (``UNet2DConditionModel``) U-Nets with their
-conditioning and norms; every default that differs between PyTorch and Flax is a field. YAML comes in through
-`shared_configs.loader`. The manual: docs/spec_and_plans.md.
+"""The framework-free U-Net architecture spec (validated, frozen), read by both frameworks: diffusers' pixel and
+latent U-Nets, their conditioning and norms, every default that differs between PyTorch and Flax a field. YAML
+comes in through `shared_configs.loader`. The manual: docs/spec_and_plans.md.
 """
 
 from __future__ import annotations

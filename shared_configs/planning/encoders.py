@@ -1,8 +1,6 @@
-"""The whole training step beside the U-Net: the VAE that encodes each batch and the text encoder(s).
-
-As diffusers' fine-tuning scripts keep them: frozen on the card in the weight dtype, the VAE left out with cached
-latents, the text encoder trained on request. `family` names them by cross-attention width; `whole_step` adds
-them to a U-Net profile (`torch_impl.encoders` measures them). No torch or jax import; docs/regimes.md.
+"""The whole training step beside the U-Net, as diffusers' fine-tuning scripts keep it: the VAE (not with cached
+latents) and the text encoder(s), frozen in the weight dtype or trained. `family` names them by cross-attention
+width; `whole_step` adds them to a U-Net profile. No torch or jax import; docs/regimes.md.
 """
 
 from __future__ import annotations

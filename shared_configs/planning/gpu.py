@@ -1,8 +1,6 @@
-"""What a CUDA training step holds that a CPU shapes profile does not: the ``--device cuda`` flavour.
-
-Term by term: autocast's float32 norms, fused attention's padded logsumexp, cuBLAS workspaces, the caching
-allocator's rounding and fragmentation, the CUDA context, the optimizer's temporaries. Each term and its
-source: docs/regimes.md "What a GPU holds". `device_budget`: the allocated peak a card allows. No torch import.
+"""What a CUDA training step holds that a CPU shapes profile does not (``--device cuda``): autocast's float32 norms,
+padded logsumexp, cuBLAS workspaces, the allocator's rounding and fragmentation, the CUDA context, the optimizer's
+temporaries. Each term and its source: docs/regimes.md "What a GPU holds". No torch import.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Recompute seconds from FLOPs and bytes, at stated rates, and the plain step they are set against.
-
-A choice costs ``flops * per_flop + 2 * (plain keep - keep) * per_byte`` seconds (and its weights cast again
-in mixed precision: `with_recasts`); the plain step follows the regime (`step_seconds`). The formula and what
-it leaves out: docs/regimes.md "A step's time follows its regime".
+"""Recompute seconds from FLOPs and bytes at stated rates (``flops * per_flop + 2 * (plain keep - keep) *
+per_byte``, and weights cast again in mixed precision), and the plain step in its regime (`step_seconds`). The
+formula and what it leaves out: docs/regimes.md "A step's time follows its regime".
 """
 
 from __future__ import annotations

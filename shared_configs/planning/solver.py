@@ -1,8 +1,6 @@
-"""The cheapest plan under a memory budget, exactly: a mixed-integer linear programme (HiGHS).
-
-The peak model (`shared_configs.planning.budget.predict`) is linear in one binary per unit and
-choice; `scipy.optimize.milp` minimises recompute time (or FLOPs) under it to optimality, and the
-answer is checked with `predict` in exact integers. The programme: docs/planning.md "The solver".
+"""The cheapest plan under a memory budget, exactly: the peak model (`budget.predict`) is linear in one binary per
+unit and choice, `scipy.optimize.milp` (HiGHS) minimises recompute time under it, and `predict` checks the answer
+in exact integers. The programme: docs/planning.md "The solver".
 """
 
 from __future__ import annotations

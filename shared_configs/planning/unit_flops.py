@@ -1,8 +1,6 @@
-"""Forward FLOPs of every plan unit, and a training step's FLOPs in a regime, counted from the spec.
-
-`torch.utils.flop_counter`'s convention (2 per multiply-add; conv, matmul, attention), so the figures equal
-`FlopCounterMode`'s on the torch model (tests/test_plan_model.py, tests/test_time_model.py). The step
-(`step_flops`) follows what autograd runs; docs/regimes.md states the rules.
+"""Forward FLOPs of every plan unit, and a training step's as autograd runs it, counted from the spec in
+`torch.utils.flop_counter`'s convention, so they equal `FlopCounterMode`'s on the torch model (tests hold them).
+The rules: docs/regimes.md.
 """
 
 from __future__ import annotations

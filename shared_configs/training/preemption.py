@@ -1,8 +1,6 @@
-"""Stopping a training run on SIGTERM, SIGINT or SIGUSR1 (a scheduler's warning) without losing it.
-
-While the loop runs, `StopSignals` only notes the signal: the step in flight finishes, the loop saves and
-raises `Stopped`, and the CLI prints the ``--resume`` command and exits ``128 + signal number`` (the shells'
-convention). A further signal while saving is noted, not obeyed. Docs: docs/training.md. No torch or jax import.
+"""Stopping a training run on SIGTERM, SIGINT or SIGUSR1 without losing it: `StopSignals` only notes the signal,
+the loop saves after the step in flight and raises `Stopped`, the CLI prints the ``--resume`` command and exits
+128 + the signal's number. Docs: docs/training.md. No torch or jax import.
 """
 
 from __future__ import annotations

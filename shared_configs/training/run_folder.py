@@ -1,8 +1,6 @@
-"""A run folder (``--out``): owned by one run at a time, its checkpoints written whole or not at all.
-
-An advisory ``flock`` on ``OUT/.lock`` (taken over when its holder died); each checkpoint written
-into ``OUT/.checkpoint-<step>.tmp/``, the manifest last, then renamed into place before older ones
-are removed. Layout and guarantees: docs/training.md. No torch or jax import.
+"""A run folder (``--out``): owned by one run at a time (an advisory ``flock`` on ``OUT/.lock``), its checkpoints
+written whole or not at all (into ``OUT/.checkpoint-<step>.tmp/``, the manifest last, then renamed into place).
+Layout and guarantees: docs/training.md. No torch or jax import.
 """
 
 from __future__ import annotations
