@@ -40,13 +40,10 @@ class LiveHandler(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            text = self.format(record)
-            if self.live and getattr(record, "progress", False):
-                self.stream.write("\r\x1b[2K" + text)
-                self._pending = True
-            else:
-                self.stream.write(("\r\x1b[2K" if self._pending else "") + text + "\n")
-                self._pending = False
+            live = bool(self.live and getattr(record, "progress", False))  # a live line ends without its newline
+            clear = "\r\x1b[2K" if live or self._pending else ""
+            self.stream.write(clear + self.format(record) + ("" if live else "\n"))
+            self._pending = live
             self.flush()
         except Exception:  # logging's contract: a broken stream never breaks the program
             self.handleError(record)
