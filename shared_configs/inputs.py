@@ -132,13 +132,11 @@ def _check_x(spec: UNetSpec, layout: str, shape: tuple[int, ...]) -> int:
 
 # Which spec field makes each conditioning input needed, and what it gives the model.
 _NEEDS = {
-    "context": ("cross_attention_dim", "cross-attention"),
-    "class_labels": ("class_embedding", "a class embedding"),
-    "text_embeds": ("addition_embedding", "text_time conditioning"),
-    "time_ids": ("addition_embedding", "text_time conditioning"),
+    "context": ("cross_attention_dim", "cross-attention"), "class_labels": ("class_embedding", "a class embedding"),
+    **dict.fromkeys(("text_embeds", "time_ids"), ("addition_embedding", "text_time conditioning")),
     "timestep_cond": ("time_embedding.cond_dim", "a timestep condition"),
     "image_embeds": ("image_embedding", "image conditioning"),
-}
+}  # fmt: skip
 OPTIONAL = ("timestep_cond",)  # taken, but may be None (diffusers then adds nothing)
 # Dimensions an input may size freely (named as in the messages): the context's token count, and
 # text_embeds / time_ids widths, which are checked together (`_check_text_time`).
@@ -148,10 +146,8 @@ _FREE: dict[str, dict[int, str]] = {"context": {1: "L"}, "text_embeds": {1: "D"}
 def _check_optional(spec: UNetSpec, name: str, want: InputSpec | None, value: Any) -> None:
     field, what = _NEEDS[name]
     if want is None and value is not None:
-        if name == "context" and spec.cross_attention_dim is not None:
-            field = "image_embedding.context_tokens makes it from image_embeds"
-        else:
-            field += " is not set"
+        made = name == "context" and spec.cross_attention_dim is not None
+        field = "image_embedding.context_tokens makes it from image_embeds" if made else f"{field} is not set"
         raise ValueError(f"{name}: spec {spec.name!r} takes none ({field}); pass {name}=None")
     if want is None or (value is None and name in OPTIONAL):
         return
