@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from shared_configs.files import TEMP_GLOB, TEMP_SUFFIX
 from shared_configs.spec import UNetSpec
@@ -34,7 +34,7 @@ from shared_configs.training.manifest import (
     read_manifest,
     write_manifest,
 )
-from shared_configs.training.write_faults import Failed, Fault, describe, together
+from shared_configs.training.write_faults import Comm, Failed, Fault, describe, together
 
 LOCK = ".lock"
 PREFIX = "checkpoint-"
@@ -45,19 +45,6 @@ _OLD_OUTPUTS = (*LEGACY, "losses.json", "loss.png", "samples.png")  # older writ
 
 class RunFolderError(ValueError):
     """A run folder this run may not use as asked: one line saying why and what to do."""
-
-
-class Comm(Protocol):
-    """The collectives a checkpoint needs: torch's process group, or `SOLO` for one process."""
-
-    rank: int
-    world: int
-
-    def barrier(self) -> None: ...
-
-    def gather(self, obj: Any) -> list[Any]: ...  # every rank gets every rank's obj, in rank order
-
-    def max(self, value: int) -> int: ...  # the largest of every rank's value (cheap: once per step)
 
 
 @dataclass(frozen=True)

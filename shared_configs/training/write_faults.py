@@ -14,12 +14,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 
-class Gather(Protocol):
-    """What `together` needs of `shared_configs.training.run_folder.Comm`."""
+class Comm(Protocol):
+    """The collectives a checkpoint needs: torch's process group, or `run_folder.SOLO` for one process."""
 
     rank: int
+    world: int
 
-    def gather(self, obj: Any) -> list[Any]: ...
+    def barrier(self) -> None: ...
+
+    def gather(self, obj: Any) -> list[Any]: ...  # every rank gets every rank's obj, in rank order
+
+    def max(self, value: int) -> int: ...  # the largest of every rank's value (cheap: once per step)
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class Failed(Exception):
         self.fault = fault
 
 
-def together(comm: Gather, fn: Callable[[], Any]) -> Any:
+def together(comm: Comm, fn: Callable[[], Any]) -> Any:
     """``fn()`` on every rank, then agree (the gather is the barrier): any rank's failure raises `Failed` on all."""
     try:
         result, fault = fn(), None
