@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
@@ -97,10 +98,8 @@ def measured_encoders(encoders: list[Encoder], workload: Workload) -> dict[str, 
     path = cache_dir() / f"encoders-{key.hexdigest()[:16]}.json"
     with locked(path):
         if path.is_file():
-            try:
+            with suppress(OSError, ValueError, KeyError):  # a damaged entry is measured again
                 return json.loads(path.read_text())["encoders"]
-            except (OSError, ValueError, KeyError):
-                pass
         names = ", ".join(e.name for e in encoders)
         note(f"plan: measuring {names} at batch {workload.batch_size} from shapes (fake tensors) ...")
         found = run_worker(request)
