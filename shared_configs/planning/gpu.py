@@ -211,12 +211,8 @@ def gpu_profile(profile: Profile, spec: StepSpec, regime: Regime, device: Device
     for unit, per in profile.units.items():
         # a whole block keeps what its layers and samplers do
         d = sum(v for k, v in leaves.items() if k.startswith(unit + ".")) if unit in blocks else leaves.get(unit, 0)
-        units[unit] = {
-            c: replace(v, keep=v.keep + d, fwd_peak=v.fwd_peak + d, bwd_peak=v.bwd_peak + d)
-            if c == PLAIN
-            else replace(v, bwd_peak=v.bwd_peak + d)
-            for c, v in per.items()
-        }
+        units[unit] = {c: replace(v, keep=v.keep + d, fwd_peak=v.fwd_peak + d, bwd_peak=v.bwd_peak + d) if c == PLAIN
+                       else replace(v, bwd_peak=v.bwd_peak + d) for c, v in per.items()}  # fmt: skip
     opt_peak = profile.opt_peak + optimizer_delta(profile, spec, regime, optimizer_impl) if profile.opt_peak else 0
     flavoured = replace(profile, units=units, opt_peak=max(opt_peak, 0))
     return with_static_bytes(flavoured, workspace_bytes(device.hopper) + rounding_bound(spec, regime))
