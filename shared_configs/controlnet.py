@@ -140,9 +140,7 @@ def resolve_controlnet_plan(spec: ControlNetSpec, policy: Policy | CheckpointPla
         raise SpecError(f"policy: a ControlNet has no unit {missing[0]!r} (it has down.* and mid)")
     keep = tuple(n for n in plan.recompute if not n.startswith("up."))
     unit_save = tuple((n, ops) for n, ops in plan.unit_save if not n.startswith("up."))
-    if keep == plan.recompute:
-        return plan
-    return CheckpointPlan(plan.policy, keep, plan.save, plan.offload, unit_save)
+    return plan if keep == plan.recompute else CheckpointPlan(plan.policy, keep, plan.save, plan.offload, unit_save)
 
 
 def _named_units(policy: Any) -> list[str]:

@@ -34,9 +34,7 @@ class CheckpointPlan:
 
     def save_for(self, name: str) -> tuple[str, ...]:
         """The op classes recomputed unit ``name`` keeps (``()`` for a name the plan does not recompute)."""
-        if name not in self.recompute:
-            return ()
-        return dict(self.unit_save).get(name, self.save)
+        return () if name not in self.recompute else dict(self.unit_save).get(name, self.save)
 
     @property
     def saves(self) -> bool:

@@ -28,9 +28,7 @@ def unmeasurable(profiles: list[Profile], world_size: int, distributed: str) -> 
     """Why candidates cannot be measured (None: they can)."""
     if any(p.mode != "measured" for p in profiles):
         return "a profile from shapes has no step to measure"
-    if world_size > 1 and distributed == "fsdp":
-        return "one process cannot run an FSDP rank's step"
-    return None
+    return "one process cannot run an FSDP rank's step" if world_size > 1 and distributed == "fsdp" else None
 
 
 def measured_choice(first: Solution, profiles: list[Profile], spec: UNetSpec, budget: int, margin: float,

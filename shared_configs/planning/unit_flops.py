@@ -89,9 +89,7 @@ def _transformer(spec: UNetSpec, b: int, ch: int, hw: int, level: int, context_l
 
 
 def _attn(spec: UNetSpec, kind: str, b: int, ch: int, hw: int, level: int, context_length: int) -> list[Op]:
-    if kind == "self":
-        return _self_attention(b, ch, hw)
-    return _transformer(spec, b, ch, hw, level, context_length)
+    return _self_attention(b, ch, hw) if kind == "self" else _transformer(spec, b, ch, hw, level, context_length)
 
 
 def unit_ops(spec: UNetSpec, batch_size: int, context_length: int = 77) -> dict[str, list[Op]]:
