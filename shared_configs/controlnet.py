@@ -129,8 +129,7 @@ def check_conditioning(spec: ControlNetSpec, sample: tuple[int, ...], cond: tupl
 def controlnet_names(spec: ControlNetSpec | UNetSpec, layers: bool = False) -> list[str]:
     """The units a ControlNet's plan can name: the U-Net's ``down.*`` and ``mid`` (blocks, or layers)."""
     unet = spec.unet if isinstance(spec, ControlNetSpec) else spec
-    names = layer_names(unet) if layers else block_names(unet)
-    return [n for n in names if not n.startswith("up.")]
+    return [n for n in (layer_names(unet) if layers else block_names(unet)) if not n.startswith("up.")]
 
 
 def resolve_controlnet_plan(spec: ControlNetSpec, policy: Policy | CheckpointPlan = None) -> CheckpointPlan:

@@ -67,8 +67,7 @@ def _draw(name: str, want: InputSpec, spec: UNetSpec, rng: np.random.Generator) 
         return rng.integers(0, 1024, want.shape).astype(np.float32)
     if want.dtype == "int32":  # class ids
         assert spec.class_embedding is not None
-        high = spec.class_embedding.num_classes or NUM_TIMESTEPS
-        return rng.integers(0, high, want.shape).astype(np.int32)
+        return rng.integers(0, spec.class_embedding.num_classes or NUM_TIMESTEPS, want.shape).astype(np.int32)
     return rng.standard_normal(want.shape, dtype=np.float32)
 
 

@@ -65,8 +65,7 @@ def _one_line(err: ValidationError) -> str:
     unknown = [e for e in errors if e["type"] == "extra_forbidden"]
     if unknown:
         missing = [_where(e) for e in errors if e["type"] == "missing"]
-        also = f"; missing: {', '.join(missing)}" if missing else ""
-        return _unknown(unknown[0]) + also
+        return _unknown(unknown[0]) + (f"; missing: {', '.join(missing)}" if missing else "")
     first = errors[0]
     msg, loc = first["msg"].removeprefix("Value error, "), _where(first)
     if loc and re.match(r"^\w+: ", msg):  # a nested model's own check names its field: join the paths

@@ -97,8 +97,7 @@ class UNetSpec(_Frozen):
     @property
     def block_temb_dim(self) -> int:
         """Width of the embedding the ResNets receive: doubled when class embeddings are concatenated."""
-        concat = self.class_embedding is not None and self.class_embedding.concat
-        return self.time_embed_dim * (2 if concat else 1)
+        return self.time_embed_dim * (2 if self.class_embedding is not None and self.class_embedding.concat else 1)
 
     @property
     def reads_context(self) -> bool:
@@ -182,8 +181,7 @@ class UNetSpec(_Frozen):
 
     def _check_added_options(self) -> None:
         """The options of diffusers' Kandinsky / IF / LCM U-Nets: each only where something reads it."""
-        kinds = (*self.down_attention, *self.up_attention_resolved, self.mid_attention)
-        simple = "simple_cross" in kinds
+        simple = "simple_cross" in (*self.down_attention, *self.up_attention_resolved, self.mid_attention)
         _require(not simple or self.cross_attention_dim is not None, "cross_attention_dim", "required by simple_cross")
         skip_readers = self.resampler == "resnet" or self.mid_attention == "simple_cross"
         _require(not self.resnet_skip_time_act or skip_readers, "resnet_skip_time_act",

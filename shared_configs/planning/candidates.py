@@ -128,8 +128,7 @@ def table(report: dict[str, Any]) -> str:
              f"race once another is faster at {100 * report['confidence']:.0f}%, from round {report['min_rounds']}); "
              f"chosen: {report['chosen'] or 'none fit when measured: the solver plan'}"]  # fmt: skip
     for c in report["candidates"]:
-        mark = "*" if c["chosen"] else " "
-        lines.append(f" {mark} {c['policy']} ({c['source']})")
+        lines.append(f" {'*' if c['chosen'] else ' '} {c['policy']} ({c['source']})")
         for fw, f in c["frameworks"].items():
             peaks = " -> ".join(f"{f[k] / MIB:.1f}" if k in f else "-" for k in
                                 ("predicted_peak_bytes", "checked_peak_bytes", "measured_peak_bytes"))  # fmt: skip

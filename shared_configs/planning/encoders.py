@@ -133,8 +133,7 @@ def _folder_texts(configs: dict[str, dict[str, Any]]) -> tuple[tuple[str, str, d
 def input_bytes(encoder: Encoder, batch_size: int) -> int:
     """What an encoder reads: the batch's images in its dtype, or the token ids (int64)."""
     if encoder.kind == "vae":
-        itemsize = 4 if encoder.dtype == "float32" else 2
-        return batch_size * 3 * encoder.image_size**2 * itemsize
+        return batch_size * 3 * encoder.image_size**2 * (4 if encoder.dtype == "float32" else 2)
     return batch_size * encoder.tokens * 8
 
 
@@ -151,8 +150,7 @@ def whole_step(profile: Profile, regime: Regime, encoders: list[Encoder], measur
     grads = sum(measured[e.name]["weights"] for e in trained)  # float32, as their weights
     static = sum(measured[e.name]["weights"] for e in encoders) + state + (grads if regime.keep_grads else 0)
     out = with_static_bytes(profile, static)
-    keep = sum(measured[e.name]["keep"] for e in trained)
-    units = raised(out.units, keep)
+    units = raised(out.units, sum(measured[e.name]["keep"] for e in trained))  # a trained encoder's activations
     base = out.static_bytes + (profile.grad_bytes if regime.keep_grads else 0)
     batch = profile.batch_size
     phases = {"optimizer": out.opt_peak + (0 if regime.keep_grads else grads) + _temporaries(

@@ -65,8 +65,7 @@ def temporaries(optimizer: str, name: str, trained: Trained) -> int:
         return trained.numel * trained.itemsize
     if optimizer == "adamw8bit":
         return 2 * trained.largest * FLOAT32
-    per_tensor = 2 if optimizer == "adamw" else 1
-    return per_tensor * trained.largest * trained.itemsize
+    return (2 if optimizer == "adamw" else 1) * trained.largest * trained.itemsize  # per tensor
 
 
 def describe(optimizer: str, name: str) -> str:

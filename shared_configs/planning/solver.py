@@ -208,8 +208,7 @@ def _cheapest(profiles: list[Profile], spec: StepSpec, budget_bytes: int, exclud
     cuts = [prog.cut(a) for a in exclude]
     slack = 0.0  # bytes taken off the limit when solver tolerance overshoots
     for _ in range(4):
-        limits = [((budget_bytes + 0.5) / p.scale - slack) / MIB for p in profiles]
-        x = prog.solve(cost, limits, cuts=cuts)
+        x = prog.solve(cost, [((budget_bytes + 0.5) / p.scale - slack) / MIB for p in profiles], cuts=cuts)
         if x is None:
             return None
         assignment = prog.assignment(x)

@@ -256,8 +256,7 @@ def controlnet_ops(spec: ControlNetPairSpec, batch_size: int) -> dict[str, list[
         side //= 2
     stem.append(_conv(b, widths[-1], spec.unet.block_out_channels[0], 3, side))
     down, mid = residual_shapes(spec.unet, b, spec.sample_size)
-    head = [_conv(b, shape[1], shape[1], 1, shape[2]) for shape in (*down, mid)]
-    return {"stem": stem, "head": head}
+    return {"stem": stem, "head": [_conv(b, shape[1], shape[1], 1, shape[2]) for shape in (*down, mid)]}
 
 
 def _pair_units(unet: dict[str, Flops], own_ops: dict[str, list[Op]], of: Callable[[list[Op]], Flops]

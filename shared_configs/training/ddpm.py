@@ -71,8 +71,7 @@ def sample(eps_fn: Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray | None
     """Ancestral DDPM sampling over ``num_steps`` respaced timesteps, NCHW in [-1, 1]: ``eps_fn(x_nchw, t,
     conditioning)`` predicts the noise; sample ``i`` is conditioned on class ``i % 10``."""
     rng = np.random.default_rng([seed, 2**31])
-    labels = np.arange(shape[0]) % NUM_CLASSES
-    conditioning = dataset.conditioning(labels)
+    conditioning = dataset.conditioning(np.arange(shape[0]) % NUM_CLASSES)
     timesteps = np.unique(np.linspace(0, schedule.num_timesteps - 1, num_steps).round().astype(np.int64))[::-1]
     abar = schedule.alphas_cumprod
     x = rng.standard_normal(shape)

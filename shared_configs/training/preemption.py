@@ -34,8 +34,7 @@ class Stopped(Exception):
 
     def line(self, resume: str) -> str:
         """What the CLI prints: the step, what was saved, and ``resume`` (the command that continues)."""
-        saved = f"{self.checkpoint} and losses.json saved in {self.out}"
-        return f"{self}; {saved}; resume with: {resume}"
+        return f"{self}; {self.checkpoint} and losses.json saved in {self.out}; resume with: {resume}"
 
 
 class StopSignals:

@@ -90,5 +90,4 @@ def describe(fault: Fault, step: int, tmp: Path, kept: int | None, last: int | N
     if fault.errno == errno.ENOSPC:
         need = f"the last checkpoint took {last:,} bytes" if last else nbytes and f"the state holds {nbytes:,} bytes"
         line += f" ({', '.join([*([need] if need else []), f'{free:,} bytes are free there'])})"
-    kept_text = f"the checkpoint of step {kept} is kept" if kept else "no earlier checkpoint"
-    return f"{line}; {kept_text}; {removed}"
+    return f"{line}; {f'the checkpoint of step {kept} is kept' if kept else 'no earlier checkpoint'}; {removed}"
