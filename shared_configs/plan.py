@@ -58,13 +58,13 @@ def layer_names(spec: UNetSpec) -> list[str]:
     """Every ResNet and attention/transformer layer in forward order (diffusers' granularity)."""
     names: list[str] = []
     for i, attn in enumerate(spec.down_attention):
-        names += level_layers(f"down.{i}", spec.layers_per_block, attn)
+        names += _level_layers(f"down.{i}", spec.layers_per_block, attn)
     names.append("mid.resnets.0")
     if spec.mid_attention != "none":
         names.append("mid.attentions.0")
     names.append("mid.resnets.1")
     for i, attn in enumerate(spec.up_attention_resolved):
-        names += level_layers(f"up.{i}", spec.layers_per_block + 1, attn)
+        names += _level_layers(f"up.{i}", spec.layers_per_block + 1, attn)
     return names
 
 
@@ -72,7 +72,7 @@ def all_names(spec: UNetSpec) -> list[str]:
     return block_names(spec) + layer_names(spec)
 
 
-def level_layers(prefix: str, count: int, attention: str) -> list[str]:
+def _level_layers(prefix: str, count: int, attention: str) -> list[str]:
     """A block's ``count`` ResNets, each with its attention where the block has one."""
     kinds = ("resnets",) if attention == "none" else ("resnets", "attentions")
     return [f"{prefix}.{kind}.{j}" for j in range(count) for kind in kinds]

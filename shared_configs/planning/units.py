@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 
 from shared_configs.arch import down_blocks, up_blocks
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec, PairPlan, split_pair_plan
-from shared_configs.plan import CheckpointPlan, level_layers, resolve_plan
+from shared_configs.plan import CheckpointPlan, block_names, layer_names, resolve_plan
 from shared_configs.spec import UNetSpec
 
 PLAIN, FULL = "plain", "full"
@@ -28,16 +28,10 @@ def block_layers(spec: StepSpec) -> dict[str, tuple[str, ...]]:
         encoder = {b: layers for b, layers in block_layers(spec.unet).items() if not b.startswith("up.")}
         mine = {CONTROLNET + b: tuple(CONTROLNET + n for n in layers) for b, layers in encoder.items()}
         return mine | block_layers(spec.unet)
-    out: dict[str, tuple[str, ...]] = {}
-    for b in down_blocks(spec):
-        sampler = [f"{b.name}.downsample"] if b.downsample_padding is not None else []
-        out[b.name] = (*level_layers(b.name, spec.layers_per_block, b.attention), *sampler)
-    mid = ["mid.resnets.0"] + (["mid.attentions.0"] if spec.mid_attention != "none" else []) + ["mid.resnets.1"]
-    out["mid"] = tuple(mid)
-    for b in up_blocks(spec):
-        sampler = [f"{b.name}.upsample"] if b.upsample else []
-        out[b.name] = (*level_layers(b.name, len(b.skip_channels), b.attention), *sampler)
-    return out
+    layers = layer_names(spec)
+    samplers = {b.name: (f"{b.name}.downsample",) for b in down_blocks(spec) if b.downsample_padding is not None}
+    samplers |= {b.name: (f"{b.name}.upsample",) for b in up_blocks(spec) if b.upsample}
+    return {b: (*(n for n in layers if n.startswith(b + ".")), *samplers.get(b, ())) for b in block_names(spec)}
 
 
 def segments(spec: StepSpec) -> list[tuple[str, tuple[str, ...]]]:
