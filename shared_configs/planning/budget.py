@@ -113,8 +113,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path, expect: Mapping[str, Any] | None = None) -> Profile:
-        """The profile in ``path``, whose fields hold ``expect``'s values; `ProfileError` (one line) for a file that
-        is unreadable, damaged (its SHA-256, where it has one), of another schema or of another workload."""
+        """The profile in ``path`` holding ``expect``'s values; a one-line `ProfileError` for any file that is not."""
         try:
             data = json.loads(Path(path).read_bytes())
             if not isinstance(data, dict):
@@ -224,8 +223,7 @@ SAFETY = 0.005  # beyond what the profile's own steps show: plans it never ran m
 
 
 def safety_margin(profile: Profile, spec: StepSpec) -> float:
-    """How far below a budget to plan so that the measured peak fits: the model's largest under-prediction on the
-    profile's own steps (``meta["runs"]``: measured peak per policy), plus `SAFETY`."""
+    """How far below a budget to plan: the model's largest under-prediction of the profile's own runs, plus `SAFETY`."""
     worst = 0.0
     # the runs held the profiled regime's state; the profile holds the modelled one (adamw8bit's)
     modelled = profile.meta.get("modelled_state_bytes", 0)

@@ -35,8 +35,7 @@ def measured_choice(first: Solution, profiles: list[Profile], spec: UNetSpec, bu
                     frameworks: tuple[str, ...], count: int, check: Callable[[str, list[str]], dict[str, int]],
                     race: Callable[[str, list[str], dict[str, Any]], dict[str, Any]]
                     ) -> tuple[Solution, dict[str, Any]]:  # fmt: skip
-    """The plan `decide` picks of `propose`'s (``first`` when none fits measured) and its report: each plan's peak
-    checked (``check(framework, policies)``), those that fit raced (``race(framework, policies, race_to)``)."""
+    """The plan `decide` picks of `propose`'s, each ``check``ed and, where it fits, raced (``race``); and the report."""
     entries = propose(profiles, spec, budget, margin, first, count)
     policies = [c["policy"] for c in entries]
     for fw in frameworks:
@@ -59,8 +58,7 @@ def measured_choice(first: Solution, profiles: list[Profile], spec: UNetSpec, bu
 
 def propose(profiles: list[Profile], spec: UNetSpec, budget: int, margin: float, first: Solution, count: int
             ) -> list[dict[str, Any]]:  # fmt: skip
-    """The candidates, one per plan with its predicted peak and overhead per profile: ``first``, up to ``count - 1``
-    next best plans, and the hand policies but ``none`` (checked, not predicted: the model errs a few percent)."""
+    """One entry per plan, predicted per profile: ``first``, up to ``count - 1`` next best, the hand policies."""
     found: dict[frozenset, tuple[str, str]] = {}
     sols = [first, *next_best(profiles, spec, budget, margin, first, count - 1)]
     named = [(s.policy, f"solver {i}") for i, s in enumerate(sols, start=1)] + [(h, "hand") for h in HAND_POLICIES[1:]]

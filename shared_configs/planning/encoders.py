@@ -139,9 +139,8 @@ def input_bytes(encoder: Encoder, batch_size: int) -> int:
 
 def whole_step(profile: Profile, regime: Regime, encoders: list[Encoder], measured: dict[str, dict[str, int]],
                device: str = "cpu", optimizer_impl: str | None = None) -> Profile:  # fmt: skip
-    """``profile`` (the U-Net's step) with ``encoders`` beside it (``measured``: `torch_impl.encoders`): their
-    weights (a trained one's state and kept activations too) throughout, and as phases each encoder's forward, a
-    trained one's backward, and the optimizer step with its gradients (and foreach temporaries). docs/regimes.md."""
+    """``profile`` (the U-Net's step) with ``encoders`` beside it (``measured``: `torch_impl.encoders`): their weights
+    (a trained one's state and activations) throughout, and each one's forward and backward as phases."""
     if not encoders:
         return profile
     trained = [e for e in encoders if e.trained]

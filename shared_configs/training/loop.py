@@ -66,9 +66,8 @@ def manifest_for(cfg: TrainConfig, spec: UNetSpec, framework: str, layout: str, 
 def run_loop(cfg: TrainConfig, state: State, losses: list[float], step_fn: Callable[[State, int], tuple[State, float]],
              save_fn: Callable[[State, list[float]], Any], title: str, comm: Comm = SOLO, settings: str = ""
              ) -> State:  # fmt: skip
-    """Steps ``len(losses) .. cfg.steps - 1`` (``step_fn(state, step) -> (state, loss)``, losses appended), with
-    ``save_fn(state, losses)`` at each checkpoint boundary; ``settings`` ends rank 0's speed line. A non-finite
-    loss raises `NonFiniteLoss`; a stop signal to any rank ends every rank after the same step, saved: `Stopped`."""
+    """Steps ``len(losses) .. cfg.steps - 1`` with ``save_fn`` at each checkpoint boundary; a non-finite loss raises
+    `NonFiniteLoss`, a stop signal to any rank ends every rank after the same step, saved (`Stopped`)."""
     saved = len(losses)
     shown = progress_bar(cfg.steps, len(losses), title, settings, comm.rank == 0, cfg.log_every)  # the logs: rank 0's
     with StopSignals() as signals, shown as update:

@@ -184,9 +184,8 @@ def verify(path: Path, manifest: Manifest, comm: Comm = SOLO) -> None:
 
 def save(out: Path, manifest: Manifest, write_state: Callable[[Path], None], comm: Comm = SOLO,
          nbytes: int | None = None) -> Path:  # fmt: skip
-    """Write the checkpoint of ``manifest.step`` (each rank its ``write_state(folder)`` files and a share of the
-    hashes; rank 0 the manifest) and return its folder. A failure on any rank leaves the previous checkpoint and
-    raises the same one-line `CheckpointWriteError` on every rank (a full disk: the bytes needed, else ``nbytes``)."""
+    """Write the checkpoint of ``manifest.step`` (each rank its ``write_state`` files and hash share) and return its
+    folder; a failure on any rank keeps the previous one and raises the same `CheckpointWriteError` on every rank."""
     tmp = out / f".{checkpoint_name(manifest.step)}{TEMP_SUFFIX}"
     try:
         together(comm, lambda: _fresh(out, tmp) if comm.rank == 0 else None)
