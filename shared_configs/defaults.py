@@ -20,8 +20,6 @@ CPU_ATTENTION_CHUNK = 64
 # UNET_REMAT_JAX_CACHE: another folder for JAX's persistent compilation cache, or "none" (the tests
 # turn it off: a cache hit compiles nothing, so an XLA dump a test reads would be missing).
 JAX_CACHE_ENV = "UNET_REMAT_JAX_CACHE"
-
-
 FIELDS: tuple[str, ...] = ("attention_chunk", "dtype", "context_length", "steps", "jax_cache")
 
 

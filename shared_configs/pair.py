@@ -113,10 +113,9 @@ def split_pair_plan(spec: ControlNetPairSpec, policy: str | PairPlan | None = No
             continue
         base, sep, mods = group.partition("/")
         names = [n.strip() for n in base.split(",") if n.strip()]
-        for name in names:
-            if name not in allowed:
-                raise SpecError(f"policy: unknown unit {name!r} in {text!r} (allowed: a named policy for both "
-                                f"networks, or {', '.join(allowed)})")  # fmt: skip
+        if bad := [n for n in names if n not in allowed]:
+            raise SpecError(f"policy: unknown unit {bad[0]!r} in {text!r} (allowed: a named policy for both networks, "
+                            f"or {', '.join(allowed)})")  # fmt: skip
         mine = [n for n in names if not n.startswith(CONTROLNET)]
         theirs = [n.removeprefix(CONTROLNET) for n in names if n.startswith(CONTROLNET)]
         unet_groups += [",".join(mine) + sep + mods] if mine else []

@@ -114,8 +114,6 @@ CURVE_FIELDS = (
 )  # fmt: skip
 # Curve fields that runs recorded before the flag existed lack: their value then.
 ADDED_FIELDS = {"controlnet": False}
-
-
 # The regime's flags (`shared_configs.regime.add_regime_arguments`), one `TrainConfig.regime` once parsed.
 REGIME_FIELDS = tuple(f.name for f in fields(Regime))
 
