@@ -97,8 +97,7 @@ def residual_shapes(spec: UNetSpec, batch: int, size: int) -> tuple[list[tuple[i
 
 
 def add_residuals(spec: UNetSpec, h: A, skips: list[A], down: Sequence[A] | None, mid: A | None) -> tuple[A, list[A]]:
-    """``(h + mid, [skip + residual, ...])`` as diffusers' ``UNet2DConditionModel`` adds a ControlNet's residuals
-    after the down path, on torch and jax arrays alike (pooled residuals broadcast)."""
+    """``(h + mid, [skip + residual, ...])`` as diffusers adds a ControlNet's residuals (torch or jax arrays)."""
     if down is not None:
         if len(down) != len(skips):
             raise ValueError(f"down_block_additional_residuals: expected {len(skips)} tensors (one per skip: conv_in, "

@@ -59,8 +59,7 @@ def spec_from_dict(data: dict[str, Any]) -> UNetSpec:
 
 
 def _one_line(err: ValidationError) -> str:
-    """The first problem in one line; an unknown field first of all, with its nearest allowed name,
-    and a required field missing beside it named in the same line (the unknown one is often its misspelling)."""
+    """The first problem in one line; an unknown field first, with its nearest name and any missing field beside it."""
     errors = err.errors()
     unknown = [e for e in errors if e["type"] == "extra_forbidden"]
     if unknown:

@@ -90,8 +90,7 @@ def logsumexp_bytes(spec: UNetSpec, batch_size: int, context_length: int = 77, b
 
 
 def probabilities_bytes(spec: UNetSpec, batch_size: int, regime: Regime, context_length: int = 77) -> dict[str, int]:
-    """Per unit, what an unfused attention (diffusers' ``AttnProcessor``) keeps beyond a fused one: the
-    softmax's float32 output (and its half cast in mixed precision), less the fused kernel's logsumexp."""
+    """Per unit, what an unfused attention keeps beyond a fused one: softmax output and half cast, less the LSE."""
     per_element = 4 + (2 if regime.precision in MIXED else 0)
     out: dict[str, int] = {}
     for unit, heads, queries, keys in _attention_shapes(spec, batch_size, context_length):
@@ -154,8 +153,7 @@ SAVED_PER_OP = 4  # a bound on what one conv/matmul/attention/norm keeps or hold
 
 
 def tensor_count(spec: UNetSpec, regime: Regime) -> int:
-    """A bound on the tensors alive at a step's peak: parameters, per trained tensor its gradient, optimizer
-    state and EMA copy (LoRA: A and B per adapted projection), and `SAVED_PER_OP` per op and norm."""
+    """A bound on the tensors alive at a step's peak: parameters, gradients, state, EMA, `SAVED_PER_OP` per op."""
     ops = unit_ops(spec, 1, 1)
     weighted = sum(op.cls != "attention" for unit_ops_ in ops.values() for op in unit_ops_)
     norms = sum(1 for unit, unit_ops_ in ops.items() for _ in _norms(unit, unit_ops_))

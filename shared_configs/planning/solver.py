@@ -185,8 +185,7 @@ def _quiet_stdout() -> Iterator[None]:
 
 
 def _objective(profiles: Sequence[Profile]) -> Callable[[str, str], float]:
-    """Recompute seconds as fractions of each plain step, summed (else TFLOP); a hair more per recompute, above the
-    MILP's absolute gap, so that plain wins a tie."""
+    """Recompute seconds as fractions of each plain step, summed (else TFLOP), plus a hair per recompute (ties)."""
     tie = 1e-5
     if all(p.step_time_s > 0 for p in profiles):
         return lambda u, c: sum(p.cost(u, c).time_s / p.step_time_s for p in profiles) + tie * (c != PLAIN)

@@ -68,8 +68,7 @@ def check_objective(spec: UNetSpec) -> None:
 
 def sample(eps_fn: Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray | None]], np.ndarray], schedule: Schedule,
            dataset: Dataset, shape: tuple[int, int, int, int], num_steps: int, seed: int) -> np.ndarray:  # fmt: skip
-    """Ancestral DDPM sampling over ``num_steps`` respaced timesteps, NCHW in [-1, 1]: ``eps_fn(x_nchw, t,
-    conditioning)`` predicts the noise; sample ``i`` is conditioned on class ``i % 10``."""
+    """Ancestral DDPM sampling over ``num_steps`` respaced timesteps (``eps_fn``: the noise), NCHW in [-1, 1]."""
     rng = np.random.default_rng([seed, 2**31])
     conditioning = dataset.conditioning(np.arange(shape[0]) % NUM_CLASSES)
     timesteps = np.unique(np.linspace(0, schedule.num_timesteps - 1, num_steps).round().astype(np.int64))[::-1]
