@@ -164,16 +164,14 @@ def resnet_args(spec: UNetSpec, output_scale: float = 1.0, skip_time_act: bool =
     return ResnetArgs(spec.block_temb_dim, *norm, spec.dropout, scale_shift, output_scale, skip_time_act)
 
 
-def attention_args(
-    spec: UNetSpec, kind: str, level: int, block: str, output_scale: float = 1.0
-) -> SelfAttentionArgs | TransformerArgs | SimpleCrossAttentionArgs:
+def attention_args(spec: UNetSpec, kind: str, level: int, block: str, output_scale: float = 1.0
+                   ) -> SelfAttentionArgs | TransformerArgs | SimpleCrossAttentionArgs:  # fmt: skip
     """The attention layer ``kind`` of ``block`` (``"down.1"``, ``"mid"``, ...) at ``level`` (``-1``: the middle)."""
     heads, head_dim = spec.attention_shape(block, level)
     if kind == "simple_cross":
         assert spec.cross_attention_dim is not None  # the spec requires it
-        return SimpleCrossAttentionArgs(
-            heads, head_dim, spec.norm_num_groups, ADDED_KV_NORM_EPS, spec.cross_attention_dim, spec.context_norm_groups
-        )
+        return SimpleCrossAttentionArgs(heads, head_dim, spec.norm_num_groups, ADDED_KV_NORM_EPS,
+                                        spec.cross_attention_dim, spec.context_norm_groups)  # fmt: skip
     if kind == "self":
         groups = spec.norm_num_groups
         if level == -1 and spec.mid_attention_norm_groups is not None:
@@ -181,9 +179,8 @@ def attention_args(
         return SelfAttentionArgs(heads, head_dim, groups, spec.norm_eps, spec.attention_scale, output_scale)
     eps = (spec.transformer_norm_eps, spec.layer_norm_eps)
     depth, groups, context = spec.transformer_depth(level), spec.norm_num_groups, spec.cross_attention_dim
-    return TransformerArgs(
-        heads, head_dim, depth, groups, *eps, spec.attention_scale, context, spec.use_linear_projection
-    )
+    return TransformerArgs(heads, head_dim, depth, groups, *eps, spec.attention_scale, context,
+                           spec.use_linear_projection)  # fmt: skip
 
 
 def class_embedding_args(spec: UNetSpec) -> ClassEmbeddingArgs | None:

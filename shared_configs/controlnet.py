@@ -23,13 +23,11 @@ class ControlNetSpec(_Frozen):
     name: str = "controlnet"
     unet: UNetSpec
     conditioning_channels: Int = Field(default=3, gt=0, description="channels of the conditioning image")
-    conditioning_embedding_out_channels: tuple[Int, ...] = Field(
-        default=(16, 32, 96, 256), min_length=1, description="conditioning embedding widths, one per stage"
-    )
+    conditioning_embedding_out_channels: tuple[Int, ...] = Field(default=(16, 32, 96, 256), min_length=1,
+                                                                 description="widths, one per stage")  # fmt: skip
     global_pool_conditions: Bool = Field(default=False, description="average each residual over H, W")
-    conditioning_channel_order: Literal["rgb", "bgr"] = Field(
-        default="rgb", description="bgr: the conditioning image's channels are reversed first (diffusers' option)"
-    )
+    conditioning_channel_order: Literal["rgb", "bgr"] = Field(default="rgb", description="bgr: the conditioning "
+        "image's channels are reversed first (diffusers' option)")  # fmt: skip
 
     @field_validator("unet", mode="before")
     @classmethod

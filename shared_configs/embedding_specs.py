@@ -20,9 +20,8 @@ class TimeEmbeddingSpec(_Frozen):
     freq_shift: Float = 0.0
     max_period: Float = Field(default=10000.0, gt=0)
     dim: Int | None = Field(default=None, gt=0, description="MLP width; default 4 * channels[0]")
-    cond_dim: Int | None = Field(
-        default=None, gt=0, description="width of timestep_cond, projected onto the sinusoids (LCM; time_cond_proj_dim)"
-    )
+    cond_dim: Int | None = Field(default=None, gt=0, description="width of timestep_cond, projected onto the "
+                                 "sinusoids (LCM; time_cond_proj_dim)")  # fmt: skip
 
 
 class ClassEmbeddingSpec(_Frozen):

@@ -80,9 +80,8 @@ class UNetSpec(_Frozen):
     mid_block_scale_factor: Float = Field(default=1.0, gt=0)
     time_embedding: TimeEmbeddingSpec = TimeEmbeddingSpec()
     class_embedding: ClassEmbeddingSpec | None = Field(default=None, description="class conditioning (class_labels)")
-    addition_embedding: AdditionEmbeddingSpec | None = Field(
-        default=None, description="SDXL text_time (text_embeds, time_ids)"
-    )
+    addition_embedding: AdditionEmbeddingSpec | None = Field(default=None, description="SDXL text_time "
+                                                             "(text_embeds, time_ids)")  # fmt: skip
     image_embedding: ImageEmbeddingSpec | None = Field(default=None, description="image_embeds conditioning")
     checkpoint: str | tuple[str, ...] | None = Field(default=None, description="default checkpoint policy (plan.py)")
 

@@ -78,8 +78,8 @@ def trained_of(spec: UNetSpec | ControlNetPairSpec, regime: Regime, trained_byte
     itemsize = DTYPE_BYTES[regime.param_dtype]
     spec = spec.unet if isinstance(spec, ControlNetPairSpec) else spec
     ops = [op for per in unit_ops(spec, 1, 1).values() for op in per if op.cls != "attention"]
-    rank = regime.lora_rank
-    sizes = (
-        [op.weights for op in ops] if rank is None else [rank * max(op.fan_in, op.fan_out) for op in ops if op.adapted]
-    )
+    rank = regime.lora_rank  # under LoRA, the trained tensors are the adapters
+    sizes = [
+        op.weights if rank is None else rank * max(op.fan_in, op.fan_out) for op in ops if rank is None or op.adapted
+    ]
     return Trained(trained_bytes // itemsize, max(sizes, default=0), itemsize)

@@ -43,10 +43,8 @@ class Infeasible(SpecError):
     """No plan fits; ``smallest`` is the smallest budget (bytes) one does."""
 
     def __init__(self, budget: int, smallest: int) -> None:
-        super().__init__(
-            f"budget: no plan fits {budget / MIB:.1f} MiB; the smallest feasible budget is "
-            f"{math.ceil(smallest / MIB)} MiB ({smallest} bytes)"
-        )
+        super().__init__(f"budget: no plan fits {budget / MIB:.1f} MiB; the smallest feasible budget is "
+                         f"{math.ceil(smallest / MIB)} MiB ({smallest} bytes)")  # fmt: skip
         self.smallest = smallest
 
 

@@ -158,25 +158,22 @@ def in_encoder(unit: str) -> bool:
     return not unit.startswith("up.") and unit != "head"
 
 
-def unit_flops(
-    spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int = 77, lora_rank: int | None = None
-) -> dict[str, Flops]:
+def unit_flops(spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int = 77,
+               lora_rank: int | None = None) -> dict[str, Flops]:  # fmt: skip
     """Forward FLOPs by op class of every unit (layers, samplers, blocks, stem, head), LoRA's adapters included."""
     if isinstance(spec, ControlNetPairSpec):  # the ControlNet's units (`_pair_units`), then the U-Net's
         unet = unit_flops(spec.unet, batch_size, context_length)
         return _pair_units(unet, controlnet_ops(spec, batch_size), lambda ops: _forward(ops, None))
-    return _with_blocks(
-        spec, {u: _forward(ops, lora_rank) for u, ops in unit_ops(spec, batch_size, context_length).items()}
-    )
+    flops = {u: _forward(ops, lora_rank) for u, ops in unit_ops(spec, batch_size, context_length).items()}
+    return _with_blocks(spec, flops)
 
 
 def unit_weights(spec: UNetSpec | ControlNetPairSpec) -> dict[str, Flops]:
     """The conv/matmul weights of every unit by op class: what a mixed-precision recompute casts again."""
     if isinstance(spec, ControlNetPairSpec):
         return _pair_units(unit_weights(spec.unet), controlnet_ops(spec, 1), lambda ops: {"conv": _weights(ops)})
-    return _with_blocks(
-        spec, {u: _add(*({op.cls: op.weights} for op in ops)) for u, ops in unit_ops(spec, 1, 1).items()}
-    )
+    weights = {u: _add(*({op.cls: op.weights} for op in ops)) for u, ops in unit_ops(spec, 1, 1).items()}
+    return _with_blocks(spec, weights)
 
 
 @dataclass(frozen=True)

@@ -241,15 +241,11 @@ def resume_differences(saved: dict[str, Any], cfg: TrainConfig, spec: UNetSpec) 
     """``--flag now (run: then)`` for each curve field and spec field that a resume would change."""
     now = run_record(cfg, spec)
     then = {**ADDED_FIELDS, **saved["config"]}
-    diffs = [
-        f"--{name.replace('_', '-')} {now['config'][name]} (run: {then.get(name)})"
-        for name in CURVE_FIELDS
-        if then.get(name) != now["config"][name]
-    ]
+    diffs = [f"--{name.replace('_', '-')} {now['config'][name]} (run: {then.get(name)})" for name in CURVE_FIELDS
+             if then.get(name) != now["config"][name]]  # fmt: skip
     old, new = saved["spec"], now["spec"]
-    return diffs + [
-        f"spec {k} {new.get(k)} (run: {old.get(k)})" for k in sorted({*old, *new}) if old.get(k) != new.get(k)
-    ]
+    return diffs + [f"spec {k} {new.get(k)} (run: {old.get(k)})" for k in sorted({*old, *new})
+                    if old.get(k) != new.get(k)]  # fmt: skip
 
 
 def check_finite(loss: float, step: int, total: int, last_saved: str) -> None:
