@@ -201,9 +201,8 @@ DISTRIBUTED: tuple[str, ...] = ("ddp", "fsdp")
 
 
 def per_rank(profile: Profile, world_size: int = 1, distributed: str = "ddp") -> Profile:
-    """The profile of one of ``world_size`` ranks, each training ``profile.batch_size`` samples. DDP: as it is;
-    FSDP: every peak less (1 - 1/N) of the sharded static bytes but the largest block's (gathered whole while it
-    runs), the optimizer's less that share of the gradients too; activations unchanged."""
+    """The profile of one of ``world_size`` ranks, each training ``profile.batch_size`` samples (DDP: as it is;
+    FSDP: every peak less (1 - 1/N) of the sharded bytes but the largest block's, gathered while it runs)."""
     if distributed not in DISTRIBUTED:
         raise SpecError(f"--distributed: expected one of {', '.join(DISTRIBUTED)}, got {distributed!r}")
     if world_size < 1:

@@ -238,8 +238,7 @@ def _size(folder: Path) -> int | None:
 
 
 def _commit(out: Path, tmp: Path, manifest: Manifest) -> None:
-    """Write the manifest into ``tmp``, rename it into place, then remove the older checkpoints (those at this step
-    or later, another run's after ``--overwrite``, first: the newest in the folder is always this run's)."""
+    """Write the manifest into ``tmp``, rename it into place, then remove the other checkpoints (later ones first)."""
     write_manifest(tmp, manifest)
     step = manifest.step
     for later_step, path in checkpoints(out):
