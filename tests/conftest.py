@@ -2,10 +2,10 @@
 
 The tests check values, not speed. XLA:CPU spends seconds optimising each gradient program, so
 every compile of the test run (and in the subprocesses tests start, which inherit the environment)
-runs with backend optimisation off: the same HLO, the same buffer assignment and memory analysis,
-about 4x faster to compile (Flax's own example tests set ``jax_disable_most_optimizations`` the
-same way). This must happen before jax is first imported, hence at conftest import time.
-A test that needs the optimised compile passes its own ``compiler_options``.
+runs with backend optimisation off and in one LLVM module (`FAST_COMPILE`): the same HLO, the same
+buffer assignment and memory analysis, about 4x faster to compile (Flax's own example tests set
+``jax_disable_most_optimizations`` the same way). This must happen before jax is first imported,
+hence at conftest import time. A test that needs the optimised compile passes its own ``compiler_options``.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers.specs import FAST_COMPILE
+from tests.helpers.specs import fast_xla_flags
 
 
 def _fast_xla_environment() -> None:
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # level 0, cheap LLVM passes
     flags = os.environ.get("XLA_FLAGS", "").split()
-    option = "xla_cpu_use_fusion_emitters"  # not covered by the jax flag
-    if not any(f.startswith(f"--{option}=") for f in flags):
-        flags.append(f"--{option}={str(FAST_COMPILE[option]).lower()}")
+    for flag in fast_xla_flags().split():  # a flag already given wins
+        if not any(f.startswith(flag.split("=")[0] + "=") for f in flags):
+            flags.append(flag)
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
@@ -76,4 +76,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if unknown := sorted(ids - seen[(path, name)]):
             cases = sorted(seen[(path, name)])
             raise pytest.UsageError(f"{path}::{name}: slow_for names no case {unknown}; its cases: {cases}")
-

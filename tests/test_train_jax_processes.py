@@ -38,7 +38,7 @@ from shared_configs.training.config import TrainConfig
 from shared_configs.training.manifest import CheckpointError, read_manifest
 from shared_configs.training.run_folder import checkpoints
 from tests.helpers.processes import finish, jax_on_two_devices, start
-from tests.helpers.specs import FAST_COMPILE
+from tests.helpers.specs import fast_xla_flags
 from tests.helpers.training import CFG, train_argv
 
 RUN = replace(CFG, steps=1000, checkpoint_every=1, distributed="fsdp")
@@ -55,7 +55,7 @@ def free_port() -> int:
 
 def one_device_env() -> dict[str, str]:
     """One CPU device per process, XLA's backend optimisation off (`FAST_COMPILE`)."""
-    return {**os.environ, "XLA_FLAGS": " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items())}
+    return {**os.environ, "XLA_FLAGS": fast_xla_flags()}
 
 
 def start_pair(cfg: TrainConfig, cache: Path, *extra: str) -> list[subprocess.Popen[str]]:

@@ -14,17 +14,17 @@ from typing import Any
 
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.run_folder import checkpoints
-from tests.helpers.specs import FAST_COMPILE
+from tests.helpers.specs import fast_xla_flags
 from tests.helpers.training import train_argv
 
 ROOT = Path(__file__).parents[2]
 
 
 def run_compare(args: list[str], out: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict[str, Any] | None]:
-    """``python -m benchmarks.compare ARGS --out OUT`` (LLVM at -O0: compile time halves, buffer
+    """``python -m benchmarks.compare ARGS --out OUT`` (XLA's fast compile, `FAST_COMPILE`: buffer
     assignment comes before code generation, so memory figures do not change; torch on one thread,
     as tests/conftest.py sets in-process; no JAX compilation cache); the process and the JSON document it wrote."""
-    environ = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "OMP_NUM_THREADS": "1", **env}
+    environ = {**os.environ, "XLA_FLAGS": fast_xla_flags(), "OMP_NUM_THREADS": "1", **env}
     cmd = [sys.executable, "-m", "benchmarks.compare", *args, "--out", str(out), "--jax-cache", "none"]
     proc = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=600)
     files = sorted(out.glob("*.json"))
@@ -56,9 +56,8 @@ def torchrun_train(cfg: TrainConfig, nproc: int = 2, timeout: float = 300) -> li
 
 
 def two_devices_env() -> dict[str, str]:
-    """This environment with 2 forced CPU devices and XLA's backend optimisation off (`FAST_COMPILE`)."""
-    flags = [f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items()]
-    return {**os.environ, "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=2", *flags])}
+    """This environment with 2 forced CPU devices and XLA's fast compile (`FAST_COMPILE`)."""
+    return {**os.environ, "XLA_FLAGS": fast_xla_flags("--xla_force_host_platform_device_count=2")}
 
 
 def jax_on_two_devices(script: str, *args: str) -> dict:

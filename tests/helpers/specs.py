@@ -12,12 +12,20 @@ import yaml
 from shared_configs import UNetSpec, spec_from_dict
 
 # XLA:CPU spends seconds optimising each gradient program; these tests check values, not speed,
-# so compile with backend optimisation off (about 4x faster; the computation is unchanged).
+# so compile with backend optimisation off (about 4x faster; the computation is unchanged), and in
+# one LLVM module (the split only runs codegen on more threads: two test processes fill two cores).
 FAST_COMPILE = {
     "xla_backend_optimization_level": 0,
     "xla_llvm_disable_expensive_passes": True,
     "xla_cpu_use_fusion_emitters": False,
+    "xla_cpu_parallel_codegen_split_count": 1,
 }
+
+
+def fast_xla_flags(*extra: str) -> str:
+    """`FAST_COMPILE` as an ``XLA_FLAGS`` value, for compiles that take no options (and subprocesses)."""
+    return " ".join([*(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items()), *extra])
+
 
 TINY: dict[str, Any] = yaml.safe_load((Path(__file__).parents[2] / "shared_configs" / "tiny.yaml").read_text())
 
