@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -223,14 +224,9 @@ def test_running_variance_convention_differs_by_bessel_factor() -> None:
 def _flax_apply(
     spec: object, variables: dict, x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor | None, train: bool
 ) -> tuple[np.ndarray, dict]:
-    out, updates = FlaxUNet(spec=spec).apply(
-        variables,
-        _nhwc(x),
-        jnp.asarray(t.numpy()),
-        None if ctx is None else jnp.asarray(ctx.numpy()),
-        train=train,
-        mutable=["batch_stats"],
-    )
+    args = (variables, _nhwc(x), jnp.asarray(t.numpy()), None if ctx is None else jnp.asarray(ctx.numpy()))
+    apply = functools.partial(FlaxUNet(spec=spec).apply, train=train, mutable=["batch_stats"])
+    out, updates = jax.jit(apply).lower(*args).compile(FAST_COMPILE)(*args)  # one compile, not one per op
     return np.asarray(out).transpose(0, 3, 1, 2), traverse_util.flatten_dict(updates["batch_stats"])
 
 

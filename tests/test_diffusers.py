@@ -161,7 +161,15 @@ def test_torch_from_live_module_matches_diffusers(case: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow_for(
-    "ddpm", "sd", "sd2_linear", "sdxl_depths", "mixed_attention", "sdxl_text_time", "class_projection_variance"
+    "ddpm",
+    "ddpm_heads_scale_shift",
+    "sd",
+    "sd2_linear",
+    "sdxl_depths",
+    "mixed_attention",
+    "sdxl_text_time",
+    "class_ddpm_inpaint",
+    "class_projection_variance",
 )
 def test_flax_from_folder_matches_diffusers(case: dict[str, Any]) -> None:
     module, params = _quiet_load(jax_io.from_diffusers, case["folder"])

@@ -40,7 +40,7 @@ def _torch_shapes(spec: UNetSpec) -> dict[str, tuple[int, ...]]:
 # --- parameter tree ----------------------------------------------------------------------------
 
 
-@pytest.mark.slow_for("sd15-859520964", "sdxl-2567463684")
+@pytest.mark.slow_for("sd15-859520964", "sd21-865910724", "sdxl-2567463684")
 @pytest.mark.parametrize(
     ("preset", "count"),
     [
@@ -60,7 +60,7 @@ def test_parameter_count_matches_torch(preset: str, count: int | None) -> None:
         assert flax_count == count
 
 
-@pytest.mark.slow_for("sdxl")
+@pytest.mark.slow_for("sd15", "sdxl")
 @pytest.mark.parametrize("preset", ["tiny", "ddpm_cifar10", "sd15", "sdxl"])
 def test_parameter_paths_mirror_torch_state_dict(preset: str) -> None:
     """``down.1.resnets.0.conv1.weight`` (OIHW) <-> ``down_1/resnets_0/conv1/kernel`` (HWIO), and so on."""
@@ -85,6 +85,7 @@ def _flax_path(parts: list[str]) -> str:
     return "/".join(out)
 
 
+@pytest.mark.slow
 def test_parameter_tree_is_the_same_for_every_policy() -> None:
     spec = load_spec("tiny")
     plain = _param_shapes(spec)
@@ -112,14 +113,20 @@ def _count_remat(jaxpr: jax.extend.core.Jaxpr) -> int:
 @pytest.mark.parametrize(
     "policy", [*POLICIES, ("down.1", "mid.attentions.0", "up.1.resnets.1"), CheckpointPlan("mine", ("mid",))]
 )
-def test_one_remat_per_planned_block(policy: object, tiny: dict) -> None:
-    def remats(plan: object) -> int:
-        model = UNet(spec=tiny["spec"], policy=plan)
-        args = (tiny["x"], tiny["t"], tiny["ctx"])
-        return _count_remat(jax.make_jaxpr(lambda p: model.apply({"params": p}, *args))(tiny["params"]).jaxpr)
-
+def test_one_remat_per_planned_block(policy: object, tiny: dict, plain_remats: int) -> None:
     # Beyond the layers' own (each norm with its activation, each GEGLU: `layers.norm_act`, `layers.geglu`).
-    assert remats(policy) - remats("none") == len(resolve_plan(tiny["spec"], policy).recompute) > 0
+    assert _remats(tiny, policy) - plain_remats == len(resolve_plan(tiny["spec"], policy).recompute) > 0
+
+
+def _remats(tiny: dict, plan: object) -> int:
+    model = UNet(spec=tiny["spec"], policy=plan)
+    args = (tiny["x"], tiny["t"], tiny["ctx"])
+    return _count_remat(jax.make_jaxpr(lambda p: model.apply({"params": p}, *args))(tiny["params"]).jaxpr)
+
+
+@pytest.fixture(scope="module")
+def plain_remats(tiny: dict) -> int:
+    return _remats(tiny, "none")
 
 
 def _residual_bytes(loss: Callable, params: dict) -> int:
@@ -178,7 +185,7 @@ def reference(tiny: dict) -> dict:
     return {"loss": loss, "grads": grads}
 
 
-@pytest.mark.slow_for("full", "balanced", "layers")
+@pytest.mark.slow  # two whole-gradient compiles at least (the inner loop keeps the remat counts)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_checkpointed_gradients_equal_plain(policy: str, tiny: dict, reference: dict) -> None:
     [got] = _value_and_grad(tiny, policy, seeds=(5,))
@@ -206,6 +213,7 @@ def test_unbound_module_lists_names_and_accepts_a_preset_name() -> None:
     assert UNet(spec="tiny", policy="balanced").plan.recompute == ("down.1", "mid", "up.0")
 
 
+@pytest.mark.slow
 def test_scalar_and_batched_timesteps_agree(tiny: dict) -> None:
     model = UNet(spec=tiny["spec"])
 

@@ -48,6 +48,7 @@ def _torch_loss_and_grads(model: torch.nn.Module, inputs: dict, policy: str) -> 
     return float(loss), {k: v for k, v in _split(grads)[0].items()}
 
 
+@pytest.mark.slow  # a whole-gradient compile each (the inner loop keeps the outputs, back in peft)
 @pytest.mark.parametrize("policy", ["none", "layers"])
 def test_flax_lora_matches_peft(pair: tuple, policy: str) -> None:
     model, params = pair

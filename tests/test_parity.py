@@ -20,7 +20,7 @@ from tests.helpers.tensors import rel_err
 from torch_impl import UNet as TorchUNet
 
 
-@pytest.mark.slow_for("transformer_no_cross", "sd21_style")
+@pytest.mark.slow_for("sd_linear_proj", "transformer_no_cross", "sdxl_style", "sd21_style")
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_outputs_match(name: str) -> None:
     tmodel, fmodel, params = parity_pair(name)

@@ -72,6 +72,7 @@ def test_torch_predictions_match_the_benchmark_tracker(torch_profile: Profile) -
     assert measured["full"] < measured["none"]
 
 
+@pytest.mark.slow
 def test_torch_peak_check_on_fake_tensors_gives_the_tracker_peak() -> None:
     """The planner's check of a torch plan (`profile_torch.peaks`, nothing allocated) against the
     benchmark tracker's peak of real steps: equal in float32 (`profile_torch.fake_is_exact`)."""

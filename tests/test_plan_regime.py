@@ -31,7 +31,7 @@ def _profile(fields: dict, regime: Regime) -> Profile:
                    regime=regime.describe(), **fields)  # fmt: skip
 
 
-@pytest.mark.slow_for("lora", "fp16-adafactor-ema", "bf16")
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(REGIMES))
 def test_torch_profile_in_a_regime_predicts_the_tracked_peak(name: str) -> None:
     """Profiled in the regime (autocast, frozen base, the regime's optimizer and EMA copy), the
@@ -50,6 +50,7 @@ def test_torch_profile_in_a_regime_predicts_the_tracked_peak(name: str) -> None:
         assert abs(predicted / measured - 1) <= TOLERANCE, (policy, predicted, measured)
 
 
+@pytest.mark.slow
 def test_the_regime_changes_what_a_step_keeps() -> None:
     """Not a float32 profile rescaled: a frozen base keeps fewer activations than a trained one in
     the same precision, and pure bfloat16 less than mixed (fake tensors: nothing allocated)."""

@@ -8,6 +8,7 @@ Frameworks are imported inside, so a test module imports only the one it uses.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -97,9 +98,10 @@ def jax_loss_and_grads(loss: Callable[..., Any], params: Any, *args: Any, jit: b
     return float(value), {jax.tree_util.keystr(path): np.asarray(g) for path, g in flat}
 
 
+@functools.cache  # a function of the policy (seeded): each process computes `none`'s once
 def torch_policy_grads(policy: str) -> LossAndGrads:
     """Loss and gradients of one torch forward/backward of `tiny` (dropout 0.3, the same masks for
-    every policy: a recompute replays the RNG) under ``policy``."""
+    every policy: a recompute replays the RNG) under ``policy``. Cached: do not modify the result."""
     import torch
 
     from torch_impl import UNet
@@ -112,8 +114,10 @@ def torch_policy_grads(policy: str) -> LossAndGrads:
     return torch_loss_and_grads(model, (x, torch.tensor([3.0, 700.0]), ctx), seed=5, loss=lambda o: o.square().mean())
 
 
+@functools.cache
 def jax_policy_grads(policy: str) -> LossAndGrads:
-    """Loss and gradients of one JAX value_and_grad of `tiny` (dropout 0) under ``policy``."""
+    """Loss and gradients of one JAX value_and_grad of `tiny` (dropout 0) under ``policy``, op by op
+    (the ops' programs are shared by every policy). Cached: do not modify the result."""
     import jax
     import jax.numpy as jnp
 
