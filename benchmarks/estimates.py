@@ -21,9 +21,10 @@ from typing import Any
 from benchmarks.reports.report import atomic_write, write_json
 from shared_configs.cli import OneLineParser, cli_errors, number_list, stopping
 from shared_configs.planning import gpu, whole
-from shared_configs.planning.budget import Profile, assignment_of, safety_margin
+from shared_configs.planning.budget import Profile, safety_margin
 from shared_configs.planning.planner import Workload, plan, predict_policy, progress
 from shared_configs.planning.solver import Infeasible, solve
+from shared_configs.planning.units import assignment_of
 from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from shared_configs.units import MIB

@@ -36,7 +36,7 @@ from shared_configs.cli import (
 )
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, resolve_chunk
 from shared_configs.planning import gpu, whole
-from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile, assignment_of
+from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS
 from shared_configs.planning.encoders import pipeline_configs
 from shared_configs.planning.planner import (
@@ -51,6 +51,7 @@ from shared_configs.planning.planner import (
     predict_policy,
 )
 from shared_configs.planning.stepclock import paired
+from shared_configs.planning.units import assignment_of
 from shared_configs.regime import Regime, add_regime_arguments
 from shared_configs.units import MIB
 

@@ -28,20 +28,12 @@ from jax_impl.pair import train_step as pair_step
 from jax_impl.unet import UNet
 from shared_configs.defaults import jax_cache_dir
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec, example_pair_batch
-from shared_configs.planning.budget import (
-    PLAIN,
-    PROFILE_RUNS,
-    Cost,
-    StepSpec,
-    block_layers,
-    leaf_units,
-    policy_string,
-    uniform,
-)
+from shared_configs.planning.budget import PROFILE_RUNS, Cost
 from shared_configs.planning.recompute_time import at_rates, step_flops
 from shared_configs.planning.stepclock import contenders, measured_rounds, times
 from shared_configs.planning.timeline import Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
+from shared_configs.planning.units import PLAIN, StepSpec, block_layers, leaf_units, policy_string, uniform
 from shared_configs.planning.workers import XLA_CPU_OPTIONS
 from shared_configs.progress import tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta

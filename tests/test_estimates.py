@@ -14,8 +14,9 @@ from benchmarks import estimates
 from shared_configs import load_spec
 from shared_configs.cli import Interrupted
 from shared_configs.planning import gpu, planner
-from shared_configs.planning.budget import assignment_of, predict
+from shared_configs.planning.budget import predict
 from shared_configs.planning.planner import CACHE_ENV, Workload, profile_path
+from shared_configs.planning.units import assignment_of
 from shared_configs.regime import Regime
 from shared_configs.units import MIB
 from tests.helpers.specs import random_profile

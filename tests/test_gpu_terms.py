@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from benchmarks import plan as cli
 from shared_configs import load_spec
 from shared_configs.planning import gpu, planner
-from shared_configs.planning.budget import PLAIN, Cost, Profile, assignment_of, block_layers, predict
+from shared_configs.planning.budget import Cost, Profile, predict
 from shared_configs.planning.planner import CACHE_ENV, Workload, profile_path
+from shared_configs.planning.units import PLAIN, assignment_of, block_layers
 from shared_configs.regime import Regime
 from tests.helpers.specs import random_profile
 from torch_impl.unet import UNet

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared_configs.planning.budget import Profile, assignment_of, predict
+from shared_configs.planning.budget import Profile, predict
+from shared_configs.planning.units import assignment_of
 from shared_configs.regime import Regime, add_regime_arguments, check_planned
 from shared_configs.spec import SpecError
 from tests.helpers.specs import variant

@@ -64,7 +64,8 @@ def test_the_safety_margin_reads_the_runs_in_the_modelled_state() -> None:
     import dataclasses
 
     from shared_configs import load_spec
-    from shared_configs.planning.budget import SAFETY, assignment_of, predict, safety_margin, with_static_bytes
+    from shared_configs.planning.budget import SAFETY, predict, safety_margin, with_static_bytes
+    from shared_configs.planning.units import assignment_of
     from tests.helpers.specs import random_profile
 
     spec = load_spec("tiny")

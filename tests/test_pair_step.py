@@ -101,7 +101,8 @@ def test_plan_for_budget_takes_the_pair(tmp_path: Path, monkeypatch: pytest.Monk
     a random profile of the pair cached, the peak check stood in for by the profile's prediction."""
     import torch_impl
     from shared_configs.planning import planner
-    from shared_configs.planning.budget import assignment_of, predict
+    from shared_configs.planning.budget import predict
+    from shared_configs.planning.units import assignment_of
     from tests.helpers.specs import random_profile
 
     monkeypatch.setenv(planner.CACHE_ENV, str(tmp_path))

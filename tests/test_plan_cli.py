@@ -19,11 +19,11 @@ from benchmarks import plan as cli
 from benchmarks.reports import plan_text
 from shared_configs import SpecError, load_spec, resolve_plan
 from shared_configs.planning import planner, stepclock
-from shared_configs.planning.budget import SAFETY, Profile, assignment_of, per_rank, predict, safety_margin
+from shared_configs.planning.budget import SAFETY, Profile, per_rank, predict, safety_margin
 from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs.planning.solver import smallest_peak, solve
-from shared_configs.planning.units import block_layers
+from shared_configs.planning.units import assignment_of, block_layers
 from shared_configs.regime import Regime
 from shared_configs.units import MIB
 from tests.helpers.specs import random_profile

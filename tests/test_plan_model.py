@@ -12,15 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared_configs.planning.budget import (
-    SAFETY,
-    Profile,
-    assignment_of,
-    policy_string,
-    predict,
-    random_assignment,
-    safety_margin,
-)
+from shared_configs.planning.budget import SAFETY, Profile, predict, random_assignment, safety_margin
+from shared_configs.planning.units import assignment_of, policy_string
 from tests.helpers.specs import variant
 
 SPEC = variant("tiny", sample_size=32, dropout=0.0)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared_configs.planning.budget import Profile, assignment_of, policy_string, predict, random_assignment
+from shared_configs.planning.budget import Profile, predict, random_assignment
 from shared_configs.planning.planner import Workload, profile_path
+from shared_configs.planning.units import assignment_of, policy_string
 from shared_configs.regime import Regime, state_bytes
 from tests.helpers.specs import variant
 

@@ -16,22 +16,20 @@ import pytest
 import torch
 
 from shared_configs import load_spec, resolve_plan
-from shared_configs.planning.budget import (
+from shared_configs.planning.budget import PROFILE_RUNS, predict, random_assignment
+from shared_configs.planning.recompute_time import at_rates
+from shared_configs.planning.solver import Infeasible, next_best, smallest_peak, solve
+from shared_configs.planning.unit_flops import recompute_flops, unit_flops
+from shared_configs.planning.units import (
     CHOICES,
     PLAIN,
-    PROFILE_RUNS,
     assignment_of,
     block_layers,
     is_pseudo,
     leaf_units,
     policy_string,
-    predict,
-    random_assignment,
     uniform,
 )
-from shared_configs.planning.recompute_time import at_rates
-from shared_configs.planning.solver import Infeasible, next_best, smallest_peak, solve
-from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from tests.helpers.specs import random_profile, variant
 
 

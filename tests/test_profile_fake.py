@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from shared_configs.pair import controlnet_pair
-from shared_configs.planning.budget import PLAIN, PROFILE_RUNS, uniform
+from shared_configs.planning.budget import PROFILE_RUNS
+from shared_configs.planning.units import PLAIN, uniform
 from shared_configs.regime import Regime
 from tests.helpers.specs import variant
 

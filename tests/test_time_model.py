@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared_configs.planning.budget import PLAIN, Cost, Profile, assignment_of, leaf_units, predict
+from shared_configs.planning.budget import Cost, Profile, predict
 from shared_configs.planning.recompute_time import (
     at_stated_rates,
     cast_bytes,
@@ -17,6 +17,7 @@ from shared_configs.planning.recompute_time import (
 )
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops, unit_ops
 from shared_configs.planning.unit_flops import step_flops as counted
+from shared_configs.planning.units import PLAIN, assignment_of, leaf_units
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
 from tests.helpers.specs import variant

@@ -16,9 +16,10 @@ import pytest
 from shared_configs import load_spec
 from shared_configs.defaults import defaults
 from shared_configs.planning import planner
-from shared_configs.planning.budget import assignment_of, predict
+from shared_configs.planning.budget import predict
 from shared_configs.planning.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs.planning.solver import smallest_peak
+from shared_configs.planning.units import assignment_of
 from shared_configs.training.run_folder import checkpoints
 from shared_configs.training.run_plan import MEASURED_STEPS, RunPlan
 from shared_configs.units import MIB

@@ -29,20 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shared_configs import UNetSpec
 from shared_configs.planning import optimizer_step
-from shared_configs.planning.budget import (
-    PLAIN,
-    PROFILE_RUNS,
-    Cost,
-    StepSpec,
-    block_layers,
-    leaf_units,
-    policy_string,
-    uniform,
-)
+from shared_configs.planning.budget import PROFILE_RUNS, Cost
 from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops, work
 from shared_configs.planning.stepclock import clock, cpu_split, fitted_rates, measured_rounds, round_robin, times
 from shared_configs.planning.timeline import BWD, FWD, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
+from shared_configs.planning.units import PLAIN, StepSpec, block_layers, leaf_units, policy_string, uniform
 from shared_configs.progress import tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 from shared_configs.training.data import Batch, batch_bytes, step_arrays

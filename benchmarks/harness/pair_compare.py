@@ -19,9 +19,10 @@ from benchmarks.reports.report import write_json
 from shared_configs import SpecError
 from shared_configs.cli import positive_mib
 from shared_configs.defaults import resolve_chunk
-from shared_configs.planning.budget import assignment_of, predict
+from shared_configs.planning.budget import predict
 from shared_configs.planning.planner import DEVICE, Workload, get_profile, measure, plan
 from shared_configs.planning.solver import Infeasible, smallest_peak
+from shared_configs.planning.units import assignment_of
 from shared_configs.units import MIB
 
 PLANNED = "planned"  # the planned row's label (its policy string is printed beside the table)

@@ -19,18 +19,12 @@ import matplotlib.pyplot as plt
 
 from benchmarks.reports.plot import save_png
 from benchmarks.reports.report import write_json
-from shared_configs.planning.budget import (
-    Profile,
-    assignment_of,
-    policy_string,
-    predict,
-    random_assignment,
-    safety_margin,
-)
+from shared_configs.planning.budget import Profile, predict, random_assignment, safety_margin
 from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.planner import Workload, checked_solve, get_profile, measure
 from shared_configs.planning.solver import Infeasible, smallest_peak, solve
 from shared_configs.planning.stepclock import paired, paired_text
+from shared_configs.planning.units import assignment_of, policy_string
 from shared_configs.units import MIB
 
 
@@ -273,7 +267,7 @@ def _level(unit: str, levels: int) -> int:
 def efficiency(profile: Profile, workload: Workload) -> list[dict[str, Any]]:
     """Bytes a recompute frees per second it costs, per layer and block (freed: its plain ``keep`` minus
     its ``keep`` under the choice); "sampler" rows are each block minus its layers."""
-    from shared_configs.planning.budget import FULL, PLAIN, SELECTIVE, block_layers
+    from shared_configs.planning.units import FULL, PLAIN, SELECTIVE, block_layers
 
     spec, rows = workload.spec, []
     levels = spec.num_levels

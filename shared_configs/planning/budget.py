@@ -21,23 +21,18 @@ from typing import Any
 import numpy as np
 
 from shared_configs.files import json_digest, locked, write_sealed
-from shared_configs.planning.units import CHOICES as CHOICES
-from shared_configs.planning.units import FULL as FULL
-from shared_configs.planning.units import HEAD as HEAD
-from shared_configs.planning.units import PLAIN as PLAIN
-from shared_configs.planning.units import RECOMPUTE_CHOICES as RECOMPUTE_CHOICES
-from shared_configs.planning.units import SELECTIVE as SELECTIVE
-from shared_configs.planning.units import SELECTIVE_OPS as SELECTIVE_OPS
-from shared_configs.planning.units import STEM as STEM
-from shared_configs.planning.units import Assignment as Assignment
-from shared_configs.planning.units import StepSpec as StepSpec
-from shared_configs.planning.units import assignment_of as assignment_of
-from shared_configs.planning.units import block_layers as block_layers
-from shared_configs.planning.units import choice_of as choice_of
-from shared_configs.planning.units import is_pseudo as is_pseudo
-from shared_configs.planning.units import leaf_units as leaf_units
-from shared_configs.planning.units import policy_string as policy_string
-from shared_configs.planning.units import uniform as uniform
+from shared_configs.planning.units import (
+    CHOICES,
+    FULL,
+    PLAIN,
+    SELECTIVE,
+    Assignment,
+    StepSpec,
+    assignment_of,
+    block_layers,
+    is_pseudo,
+    leaf_units,
+)
 from shared_configs.spec import SpecError
 
 # The uniform plans a profile measures, (choice, level): together they give every (unit, choice).

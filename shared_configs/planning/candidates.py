@@ -10,9 +10,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from shared_configs.planning.budget import Profile, assignment_of, predict
+from shared_configs.planning.budget import Profile, predict
 from shared_configs.planning.paired import paired, paired_text
 from shared_configs.planning.solver import Solution, next_best, solution
+from shared_configs.planning.units import assignment_of
 from shared_configs.spec import UNetSpec
 from shared_configs.units import MIB
 

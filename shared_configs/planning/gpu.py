@@ -13,8 +13,9 @@ from dataclasses import dataclass, replace
 from shared_configs.arch import down_blocks, up_blocks
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec
 from shared_configs.planning import optimizer_step
-from shared_configs.planning.budget import PLAIN, Cost, Profile, StepSpec, block_layers, predict, with_static_bytes
+from shared_configs.planning.budget import Cost, Profile, predict, with_static_bytes
 from shared_configs.planning.unit_flops import HIDDEN, Op, in_encoder, unit_ops
+from shared_configs.planning.units import PLAIN, StepSpec, block_layers
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
 

@@ -28,7 +28,6 @@ from shared_configs.planning.budget import (
     SAFETY,
     SCHEMA,
     Profile,
-    assignment_of,
     cached_profile,
     per_rank,
     predict,
@@ -40,6 +39,7 @@ from shared_configs.planning.cache import cache_dir, versions
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, REFERENCE, measured_choice, unmeasurable
 from shared_configs.planning.recompute_time import at_stated_rates
 from shared_configs.planning.solver import Solution, solve
+from shared_configs.planning.units import assignment_of
 from shared_configs.planning.workers import kept_alive, run_worker
 from shared_configs.progress import note
 from shared_configs.regime import DEFAULT as DEFAULT_REGIME

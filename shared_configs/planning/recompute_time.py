@@ -9,9 +9,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from shared_configs.pair import ControlNetPairSpec
-from shared_configs.planning.budget import PLAIN, Cost, Profile, StepSpec, block_layers, leaf_units
+from shared_configs.planning.budget import Cost, Profile
 from shared_configs.planning.unit_flops import pair_step_flops, pair_weights, recompute_flops, unit_flops, unit_weights
 from shared_configs.planning.unit_flops import step_flops as counted_step_flops
+from shared_configs.planning.units import PLAIN, StepSpec, block_layers, leaf_units
 from shared_configs.regime import DEFAULT, OPTIMIZERS, Regime
 from shared_configs.spec import UNetSpec
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared_configs.planning.budget import PLAIN, Assignment, Prediction, Profile, is_pseudo, policy_string, predict
-from shared_configs.planning.units import StepSpec, segments
+from shared_configs.planning.budget import Prediction, Profile, predict
+from shared_configs.planning.units import PLAIN, Assignment, StepSpec, is_pseudo, policy_string, segments
 from shared_configs.spec import SpecError
 from shared_configs.units import MIB
 

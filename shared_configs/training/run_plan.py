@@ -13,10 +13,9 @@ from typing import Any, NamedTuple
 
 from shared_configs.pair import ControlNetPairSpec, PairPlan, split_pair_plan
 from shared_configs.plan import CheckpointPlan, resolve_plan
-from shared_configs.planning.budget import FULL, PLAIN
 from shared_configs.planning.planner import Workload, plan, predict_policy
 from shared_configs.planning.solver import Solution
-from shared_configs.planning.units import resolve_any
+from shared_configs.planning.units import FULL, PLAIN, resolve_any
 from shared_configs.spec import UNetSpec
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.loop import RunStart

@@ -143,8 +143,8 @@ def variant(name: str, **overrides: Any) -> UNetSpec:
 def random_profile(spec: UNetSpec, seed: int, framework: str = "test") -> Any:
     """A `shared_configs.planning.budget.Profile` of ``spec`` with random per-unit figures (MiB scale,
     forward holds on recompute choices): for solver and CLI tests that need a profile but not a measurement."""
-    from shared_configs.planning.budget import CHOICES, PLAIN, Cost, Profile, block_layers, is_pseudo
-    from shared_configs.planning.units import segments
+    from shared_configs.planning.budget import Cost, Profile
+    from shared_configs.planning.units import CHOICES, PLAIN, block_layers, is_pseudo, segments
 
     mib = 2**20
     rng = np.random.default_rng(seed)
