@@ -15,8 +15,7 @@ from torch_impl.layers import Mask, attention
 
 
 class SimpleCrossAttention(nn.Module):
-    """diffusers' ``Attention`` with ``added_kv_proj_dim`` under ``AttnAddedKVProcessor``: the block's
-    tokens attend over the context's keys/values followed by their own; output projection, residual."""
+    """diffusers' ``AttnAddedKVProcessor`` attention: tokens attend over the context's keys/values, then their own."""
 
     def __init__(
         self, ch: int, heads: int, head_dim: int, groups: int, eps: float, context_dim: int, context_groups: int | None
@@ -44,8 +43,7 @@ class SimpleCrossAttention(nn.Module):
 
 
 class ImageProjection(nn.Module):
-    """``image_embeds`` (B, E) -> a context of ``tokens`` tokens (B, tokens, D): Linear, LayerNorm
-    (diffusers' ``ImageProjection``, ``encoder_hid_dim_type: image_proj``)."""
+    """``image_embeds`` (B, E) -> a context of ``tokens`` tokens (diffusers' ``ImageProjection``): Linear, LayerNorm."""
 
     def __init__(self, in_dim: int, dim: int, tokens: int, eps: float) -> None:
         super().__init__()
@@ -58,8 +56,7 @@ class ImageProjection(nn.Module):
 
 
 class ImageTimeEmbedding(nn.Module):
-    """``image_embeds`` (B, E) -> (B, time embedding width): Linear, LayerNorm (diffusers'
-    ``ImageTimeEmbedding``, ``addition_embed_type: image``), added to the time embedding."""
+    """``image_embeds`` (B, E) -> the time embedding's width (diffusers' ``ImageTimeEmbedding``): Linear, LayerNorm."""
 
     def __init__(self, in_dim: int, dim: int, eps: float) -> None:
         super().__init__()

@@ -92,8 +92,7 @@ def _nbytes(tree: Any) -> int:
 def load_checkpoint(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Extra | None = None
 ) -> Manifest:
-    """Check the checkpoint folder ``path`` against its manifest, then restore ``model``, ``optimizer``
-    and ``extra`` in place (every rank calls it). Returns the manifest."""
+    """Check ``path`` against its manifest, then restore ``model``, ``optimizer`` and ``extra`` (every rank)."""
     manifest = read_checkpoint(path, FRAMEWORK, LAYOUT)
     verify(path, manifest, current_comm())
     state = _state(model, optimizer, extra)

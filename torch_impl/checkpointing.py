@@ -112,8 +112,7 @@ def apply_plan(
     root: nn.Module, plan: CheckpointPlan, preserve_rng_state: bool = True,
     modules: Mapping[str, nn.Module] | None = None,
 ) -> None:  # fmt: skip
-    """Checkpoint every unit ``plan`` recomputes: ``modules[name]`` (diffusers' models pass their own), by
-    default ``root.get_submodule(name)`` (our models' module paths are the plan's names)."""
+    """Checkpoint every unit ``plan`` recomputes: ``modules[name]``, by default ``root.get_submodule(name)``."""
     remove_plan(root)
     for name in plan.recompute:
         module = root.get_submodule(name) if modules is None else modules[name]

@@ -35,8 +35,7 @@ def zero_conv(in_ch: int, out_ch: int, kernel: int = 1) -> nn.Conv2d:
 
 
 class ConditioningEmbedding(nn.Module):
-    """The conditioning image -> ``out_ch`` channels at the sample's size (diffusers'
-    ``ControlNetConditioningEmbedding``)."""
+    """The conditioning image -> ``out_ch`` channels at the sample's size (``ControlNetConditioningEmbedding``)."""
 
     def __init__(self, in_ch: int, out_ch: int, widths: Sequence[int]) -> None:
         super().__init__()
@@ -77,8 +76,7 @@ class ControlNet(UNetTrunk):
 
     @classmethod
     def from_unet(cls, unet: UNet, **options: object) -> ControlNet:
-        """A ControlNet on ``unet``'s spec with its encoder's weights (diffusers' ``from_unet``);
-        ``options``: the `ControlNetSpec` fields beside ``unet``."""
+        """A ControlNet on ``unet``'s spec with its encoder's weights; ``options``: other `ControlNetSpec` fields."""
         model = cls(ControlNetSpec(name=f"{unet.spec.name}_controlnet", unet=unet.spec, **options))
         trunk = {k: v for k, v in unet.state_dict().items() if not k.startswith(("up.", "conv_norm_out", "conv_out"))}
         unexpected = model.load_state_dict(trunk, strict=False).unexpected_keys

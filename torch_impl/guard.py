@@ -325,8 +325,7 @@ class BudgetGuard:
         return from_rank0(lambda: self._plan_here(budget))  # every rank puts on rank 0's plan
 
     def _plan_here(self, budget: int) -> tuple[str, int] | None:
-        """The planner's plan for ``budget`` and its predicted peak; None if none fits (or passes
-        `shared_configs.planning.planner.fit_checked`). Its progress lines are kept off stderr."""
+        """The planner's plan for ``budget`` and its peak, None if none fits; its progress lines kept off stderr."""
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 return self._planned(budget)

@@ -37,8 +37,7 @@ def step_spec(model: nn.Module) -> UNetSpec | ControlNetPairSpec:
 
 
 def take_over_checkpointing(model: nn.Module) -> list[str]:
-    """Turn off diffusers' own gradient checkpointing (``enable_gradient_checkpointing()``) in each
-    network of ``model`` that has it on; returns their class names (the guard says one line)."""
+    """Turn off diffusers' own gradient checkpointing in each network of ``model``; returns their class names."""
     taken = []
     for net in [model.unet, model.controlnet] if isinstance(model, ControlNetPair) else [model]:
         ours = isinstance(net, UNet | ControlNet)  # ours has no checkpointing but its plan
@@ -50,8 +49,7 @@ def take_over_checkpointing(model: nn.Module) -> list[str]:
 
 
 def lora_rank(model: nn.Module) -> int | None:
-    """The rank of the peft adapters ``model`` trains (diffusers' ``add_adapter``: ``peft_config``),
-    if they are one adapter on the projections the planner adapts."""
+    """The rank of ``model``'s peft adapters (``peft_config``) if one adapter on the projections the planner adapts."""
     configs = list(getattr(model, "peft_config", {}).values())
     if len(configs) != 1:
         return None

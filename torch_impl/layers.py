@@ -39,8 +39,7 @@ def norm_layer(ch: int, norm: str, groups: int, eps: float, momentum: float) -> 
 
 
 class TimestepEmbedding(nn.Module):
-    """Two-layer MLP on the sinusoidal features; with ``cond_dim``, ``cond`` (LCM's guidance
-    embedding, ``timestep_cond``) is projected onto the features first (no bias, as diffusers)."""
+    """Two-layer MLP on the sinusoidal features; ``cond`` (LCM's ``timestep_cond``) is projected onto them first."""
 
     def __init__(self, in_dim: int, dim: int, cond_dim: int | None = None) -> None:
         super().__init__()
@@ -111,8 +110,7 @@ class ResnetBlock(nn.Module):
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, scale: float, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Multi-head attention on (B, T, heads*D) tensors; ``bias`` (B, 1, 1, S) is added to the scores
-    (a context mask, `mask_bias`)."""
+    """Multi-head attention on (B, T, heads*D) tensors; ``bias`` (B, 1, 1, S) is added to the scores (`mask_bias`)."""
     q, k, v = (rearrange(a, "b t (n d) -> b n t d", n=heads) for a in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     return rearrange(out, "b n t d -> b t (n d)")

@@ -41,8 +41,7 @@ class ControlNetPair(nn.Module):
 
     @classmethod
     def of(cls, unet: nn.Module, controlnet: nn.Module) -> ControlNetPair:
-        """The pair of a training script's live networks (ours or diffusers', wrapped or not), not copied
-        nor changed; its ``pair_spec`` is read from them (`ValueError` if they do not match)."""
+        """The pair of a script's live networks (ours or diffusers', wrapped or not), as they are (or `ValueError`)."""
         unet, controlnet = unwrap(unet), unwrap(controlnet)
         pair = cls.__new__(cls)
         nn.Module.__init__(pair)
@@ -122,8 +121,7 @@ def unit_modules(model: UNet | ControlNetPair, unit: str, phase: str) -> list[nn
 
 
 def trained_module(model: nn.Module) -> nn.Module:
-    """The module a step trains and a checkpoint holds: a pair's ControlNet (its frozen U-Net is made
-    again from the seed on resume), else ``model`` itself."""
+    """What a step trains and a checkpoint holds: a pair's ControlNet (its frozen U-Net re-seeded), else ``model``."""
     return model.controlnet if isinstance(model, ControlNetPair) else model
 
 

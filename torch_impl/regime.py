@@ -31,8 +31,7 @@ def loss_scaler(regime: Regime, device: torch.device) -> torch.amp.GradScaler | 
 
 
 def add_lora(model: nn.Module, rank: int, targets: Iterable[str] = LORA_TARGETS) -> nn.Module:
-    """Rank-``rank`` LoRA adapters (peft, alpha = rank, B initialised to zero: the outputs do not
-    change) on every module named ``targets``; everything else frozen. Returns ``model``."""
+    """Rank-``rank`` peft LoRA adapters (alpha = rank, B zero: outputs unchanged) on ``targets``; the rest frozen."""
     from peft import LoraConfig, inject_adapter_in_model  # peft imports slowly: only when asked
 
     config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets), init_lora_weights=True)
@@ -96,8 +95,7 @@ PLAIN_STEP = StepTools()
 
 
 def step_tools(model: nn.Module, regime: Regime, scaler: bool = True) -> StepTools:
-    """The `StepTools` of ``regime`` for ``model`` (``scaler=False``: no loss scaler, for steps whose
-    values cannot be read)."""
+    """The `StepTools` of ``regime`` for ``model`` (``scaler=False``: none, for steps whose values cannot be read)."""
     device = next(model.parameters()).device
     scale = loss_scaler(regime, device) if scaler else None
     ema = EMA(trained_parameters(model)) if regime.ema else None
@@ -105,8 +103,7 @@ def step_tools(model: nn.Module, regime: Regime, scaler: bool = True) -> StepToo
 
 
 class EMA:
-    """A float32 exponential moving average of ``params``: ``ema = decay * ema + (1 - decay) * p``
-    after each `update` (diffusers' EMAModel without its warm-up schedule)."""
+    """A float32 exponential moving average of ``params``, moved by each `update` (diffusers' EMAModel, no warm-up)."""
 
     def __init__(self, params: Iterable[nn.Parameter], decay: float = 0.9999) -> None:
         self.params = list(params)

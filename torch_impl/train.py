@@ -161,8 +161,7 @@ def step_spec(cfg: TrainConfig, spec: UNetSpec) -> UNetSpec | ControlNetPairSpec
 def build(
     cfg: TrainConfig, plan: CheckpointPlan | PairPlan | None = None
 ) -> tuple[UNet | ControlNetPair, torch.nn.Module, torch.optim.Optimizer]:
-    """The model (seeded init, ``plan`` applied; None: ``cfg.policy``'s), the module to train (the model,
-    its DDP wrapper, or the model sharded in place by FSDP2) and its optimizer."""
+    """The model (seeded, ``plan`` or ``cfg.policy`` applied), the module to train (DDP/FSDP2's) and its optimizer."""
     torch.manual_seed(cfg.seed)
     spec = step_spec(cfg, load_spec(cfg.config))
     if isinstance(spec, ControlNetPairSpec):
@@ -180,8 +179,7 @@ def build(
 def measured_peak(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, ema: EMA | None = None
 ) -> Iterator[dict[str, int]]:
-    """The peak bytes of the step run in the block (``found["peak"]`` at exit), the batch and an EMA copy
-    counted as the planner's profile counts them."""
+    """The step's peak bytes in the block (``found["peak"]``), the batch and an EMA copy counted as the profile does."""
     from torch_impl.memory import step_peak  # here: `import torch_impl` stays light
 
     with step_peak(model, optimizer, _reads(batch, ema)) as found:
@@ -248,8 +246,7 @@ def distributed_step(
 
 
 def train(cfg: TrainConfig) -> list[float]:
-    """Run (or resume) training as ``cfg`` says; returns the loss of every step from step 0. Everything
-    that can refuse the run is checked before the model is built."""
+    """Run (or resume) training as ``cfg`` says; returns every step's loss. Refusals come before the model is built."""
     spec = load_spec(cfg.config)
     check_objective(spec)
     trains = step_spec(cfg, spec)  # the U-Net, or the ControlNet pair

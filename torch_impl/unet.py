@@ -109,8 +109,7 @@ class UNetTrunk(nn.Module):
         )
 
     def _conditioning_layers(self) -> None:
-        """Class, text_time and image embeddings and the context's projection, under diffusers' names
-        (only when the spec has them)."""
+        """Class, text_time, image embeddings and the context's projection (diffusers' names), as the spec has them."""
         spec = self.trunk_spec
         if (args := class_embedding_args(spec)) is not None:
             self.class_embedding = CLASS_EMBEDDING[args.kind](args)
@@ -141,8 +140,7 @@ class UNetTrunk(nn.Module):
     def _encode(
         self, x: Tensor, temb: Tensor, context: Tensor | None, hint: Tensor | None = None, mask: Tensor | None = None
     ) -> tuple[Tensor, list[Tensor]]:
-        """``conv_in`` (plus ``hint``, the ControlNet's conditioning), the down path and the middle block:
-        the middle block's output and the skips, in the order they were pushed."""
+        """``conv_in`` (plus the ControlNet's ``hint``), the down path and the mid block: its output and the skips."""
         h = self.conv_in(x)
         if hint is not None:
             h = h + hint
@@ -153,8 +151,7 @@ class UNetTrunk(nn.Module):
         return self.mid(h, temb, context, mask), skips
 
     def _context(self, context: Tensor | None, image_embeds: Tensor | None) -> Tensor | None:
-        """The cross-attention context: the input, projected (``context_proj_dim``), or made from
-        ``image_embeds`` (``image_embedding.context_tokens``), as diffusers' ``encoder_hid_proj``."""
+        """The cross-attention context: the input, projected, or made from ``image_embeds`` (``encoder_hid_proj``)."""
         img = self.trunk_spec.image_embedding
         if img is not None and img.context_tokens is not None:
             return self.encoder_hid_proj(image_embeds)
@@ -168,8 +165,7 @@ class UNetTrunk(nn.Module):
         self, x: Tensor, t: Tensor | float, class_labels: Tensor | None, text_embeds: Tensor | None,
         time_ids: Tensor | None, timestep_cond: Tensor | None = None, image_embeds: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
-        """The embedding every ResNet receives: time (with LCM's ``timestep_cond``), plus class, text_time
-        and image conditioning as diffusers adds them."""
+        """The embedding every ResNet gets: time (with ``timestep_cond``), plus class, text_time, image conditioning."""
         s, dtype = self.trunk_spec, x.dtype
         t = torch.as_tensor(t, device=x.device).expand(x.shape[0])
         sinusoids = self._sinusoids(t, s.block_out_channels[0]).to(dtype)  # computed in float32
