@@ -12,7 +12,8 @@ from typing import Any, Literal, TypeVar
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from shared_configs.plan import CheckpointPlan, Policy, block_names, layer_names, resolve_plan
-from shared_configs.spec import Bool, Int, SpecError, UNetSpec, _Frozen
+from shared_configs.spec import SpecError, UNetSpec
+from shared_configs.spec_base import Bool, Int, _Frozen
 
 A = TypeVar("A")
 

@@ -10,7 +10,6 @@ from pydantic import Field, model_validator
 from shared_configs.spec_base import Bool, Float, Int, _Frozen, _require
 
 ClassEmbeddingKind = Literal["embedding", "timestep", "identity", "projection", "simple_projection"]
-CLASS_EMBEDDING_KINDS: tuple[str, ...] = ("embedding", "timestep", "identity", "projection", "simple_projection")
 
 
 class TimeEmbeddingSpec(_Frozen):

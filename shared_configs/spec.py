@@ -9,16 +9,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shared_configs.embedding_specs import CLASS_EMBEDDING_KINDS as CLASS_EMBEDDING_KINDS  # re-exported
 from shared_configs.embedding_specs import (
     AdditionEmbeddingSpec,
     ClassEmbeddingSpec,
     ImageEmbeddingSpec,
     TimeEmbeddingSpec,
 )
-from shared_configs.embedding_specs import ClassEmbeddingKind as ClassEmbeddingKind
-from shared_configs.spec_base import Bool as Bool
-from shared_configs.spec_base import Float, Int, _Frozen, _require
+from shared_configs.spec_base import Bool, Float, Int, _Frozen, _require
 from shared_configs.spec_base import SpecError as SpecError  # re-exported
 
 # simple_cross: diffusers' SimpleCrossAttn blocks (Kandinsky 2.2, DeepFloyd IF, UnCLIP): one attention over

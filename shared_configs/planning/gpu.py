@@ -29,16 +29,11 @@ SMALL_BUFFER = 2 * MIB
 MIN_LARGE_ALLOC = 10 * MIB
 LARGE_BUFFER = 20 * MIB
 ROUND_LARGE = 2 * MIB
-# Peak reserved over peak allocated, pytorch/pytorch#40989 (two training runs: 16726/15006 MiB,
-# 19354/17402 MiB): one workload's figure, the order of what cached, split blocks add.
-FRAGMENTATION = 1.11
-# aten/src/ATen/cuda/CublasHandlePool.cpp: ":4096:2:16:8" = 2 x 4096 KiB + 8 x 16 KiB
-# (pytorch/pytorch#89027); 32 MiB on compute capability 9 (#89027, #120925; #182669 keeps it to 9.x).
-CUBLAS_WORKSPACE = 2 * 4096 * KIB + 8 * 16 * KIB
+# Sources of the next five (pytorch#40989, #89027, #86509): docs/regimes.md "What a GPU holds".
+FRAGMENTATION = 1.11  # peak reserved over peak allocated
+CUBLAS_WORKSPACE = 2 * 4096 * KIB + 8 * 16 * KIB  # CublasHandlePool.cpp's ":4096:2:16:8"
 CUBLAS_WORKSPACE_HOPPER = 32 * MIB
-# pytorch/pytorch#86509: cudaMemGetInfo's used bytes after one 6.4 MB tensor, 287,047,680 with lazy
-# module loading (PyTorch's default since 1.13) and 666,632,192 without; less the 20 MiB segment
-# that tensor took (`segment_size`).
+# cudaMemGetInfo's used bytes after one tensor, with and without lazy module loading, less its segment.
 CONTEXT_LAZY = 287_047_680 - LARGE_BUFFER
 CONTEXT_EAGER = 666_632_192 - LARGE_BUFFER
 LSE_BYTES = 4  # the logsumexp is float32 whatever the compute dtype

@@ -16,7 +16,6 @@ PLAIN, FULL = "plain", "full"
 SELECTIVE_OPS: tuple[str, ...] = ("conv", "matmul")
 SELECTIVE = "save=" + ",".join(SELECTIVE_OPS)
 CHOICES: tuple[str, ...] = (PLAIN, FULL, SELECTIVE)
-RECOMPUTE_CHOICES: tuple[str, ...] = (FULL, SELECTIVE)
 STEM, HEAD = "stem", "head"
 Assignment = Mapping[str, str]  # unit name -> choice; units left out are plain
 StepSpec = UNetSpec | ControlNetPairSpec  # what a step trains: one U-Net, or the ControlNet pair
