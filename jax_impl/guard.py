@@ -144,7 +144,7 @@ class GuardedStep:
                 if not is_out_of_memory(err):
                     raise
                 self._record("out of memory")
-                if _consumed(args):
+                if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(args)):  # donated
                     self._record("consumed")
                     say(f"GuardedStep: step {self._step} ran out of memory under {self.plan} after consuming "
                         "its donated arguments: nothing is left to run again; re-raising")  # fmt: skip
@@ -180,8 +180,3 @@ class GuardedStep:
 def is_out_of_memory(err: BaseException) -> bool:
     """XLA's out-of-memory error: a ``JaxRuntimeError`` whose message carries ``RESOURCE_EXHAUSTED``."""
     return isinstance(err, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(err)
-
-
-def _consumed(args: Sequence[Any]) -> bool:
-    """Whether a failed run deleted any of its arguments' buffers (donated ones)."""
-    return any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(args))

@@ -69,14 +69,9 @@ def init_pair(
     return TrainState.create({"params": controlnet}, tx, regime), apply_regime(unet, regime)
 
 
-def pair_variables(state: TrainState, unet_params: Any) -> dict[str, Any]:
-    """What ``ControlNetPair.apply`` takes: the state's ControlNet and the frozen U-Net."""
-    return {"params": {"controlnet": state.params, "unet": unet_params}}
-
-
 def pair_trainee(pair: ControlNetPair, unet_params: Any) -> Trainee:
     """What the training loop steps: the pair's ControlNet (`train_step`), the U-Net's parameters frozen."""
-    return Trainee(pair, train_step, (unet_params,), pair_variables)
+    return Trainee(pair, train_step, (unet_params,), lambda s, unet: {"params": {"controlnet": s.params, "unet": unet}})
 
 
 def loss_fn(

@@ -183,17 +183,13 @@ def make_step(
         if budget is not None and not compiled:
             compiled.append(xla_compile(step_fn.func.lower(*args, **step_fn.keywords)))  # as the planner did
             if processes.process_rank() == 0:  # per device: every process compiled the same step
-                report(budget.peak_line(compiled_peak(compiled[0]), peak_instrument()))
+                cpu = "; XLA:CPU with cse_barrier_expander off, as planned" if jax.default_backend() == "cpu" else ""
+                report(budget.peak_line(compiled_peak(compiled[0]), "XLA's memory_analysis() of the compiled step "
+                                        "this loop runs" + cpu))  # fmt: skip
         state, loss = (compiled[0] if compiled else step_fn)(*args)
         return state, float(loss)
 
     return step
-
-
-def peak_instrument() -> str:
-    """How a budgeted run's compiled peak is read, as its line says."""
-    cpu = "; XLA:CPU with cse_barrier_expander off, as planned" if jax.default_backend() == "cpu" else ""
-    return "XLA's memory_analysis() of the compiled step this loop runs" + cpu
 
 
 def guard_step(

@@ -212,17 +212,10 @@ class UNet(UNetTrunk):
     def setup(self) -> None:
         spec = self.resolved_spec
         self._setup_trunk(self.plan)
-        self.up = self._up_path(self.plan)
+        self.up = [self._block(UpBlock, b, self.plan, b.in_ch, b.out_ch, b.skip_channels, add_upsample=b.upsample,
+                               resnet_resample=b.resnet_resample) for b in up_blocks(spec)]  # fmt: skip
         self.conv_norm_out = norm_layer(spec.block_out_channels[0], **kwargs(norm_args(spec)))
         self.conv_out = conv3x3(spec.out_channels)
-
-    @nn.nowrap
-    def _up_path(self, plan: CheckpointPlan) -> list[UpBlock]:
-        return [
-            self._block(UpBlock, b, plan, b.in_ch, b.out_ch, b.skip_channels, add_upsample=b.upsample,
-                        resnet_resample=b.resnet_resample)
-            for b in up_blocks(self.resolved_spec)
-        ]  # fmt: skip
 
     def __call__(
         self, x: Array, t: Array | float, context: Array | None = None, class_labels: Array | None = None,
