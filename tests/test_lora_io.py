@@ -17,6 +17,7 @@ from torch_impl.lora_io import LORA_WEIGHTS, load_lora_weights, lora_state_dict,
 from torch_impl.regime import add_lora
 
 
+@pytest.mark.slow_for("sd_linear_proj")
 @pytest.mark.parametrize("name", ["sd_linear_proj", "sdxl_style"])
 def test_diffusers_loads_our_lora_and_computes_the_same(name: str, tmp_path: Path) -> None:
     ours, gen = add_lora(seeded_variant(name), 4), torch.Generator().manual_seed(5)

@@ -50,6 +50,7 @@ def _every_plan(spec):
         yield {k: v for part in parts for k, v in part.items()}
 
 
+@pytest.mark.slow_for("1")  # a second random profile: the inner loop keeps one
 @pytest.mark.parametrize("seed", [0, 1])
 def test_solver_matches_brute_force(seed: int) -> None:
     spec = _small_spec()

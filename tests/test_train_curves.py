@@ -30,7 +30,7 @@ from torch_impl import train as ttrain
 def test_checkpointing_keeps_the_loss_curve(curve) -> None:
     spec = load_spec("tiny")
     assert spec.dropout > 0  # dropout is on: the masks must be replayed on recompute
-    plain, full = curve(spec, "none", 20), curve(spec, "full", 20)
+    plain, full = curve(spec, "none", 10), curve(spec, "full", 10)
     np.testing.assert_allclose(full, plain, rtol=1e-6)
 
 
