@@ -7,9 +7,8 @@ recorded plan. The loops measure their first `MEASURED_STEPS` steps and print `R
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from shared_configs.pair import ControlNetPairSpec, PairPlan, split_pair_plan
 from shared_configs.plan import CheckpointPlan, resolve_plan
@@ -70,8 +69,15 @@ def resolve_run(cfg: TrainConfig, spec: UNetSpec | ControlNetPairSpec, framework
     planner's (said on stderr where ``show``); ``run``: where it starts; ``attention_chunk``: JAX's, resolved."""
     if cfg.budget_bytes is None:
         return ResolvedRun(cfg, resolve_any(spec, cfg.policy))  # a bad policy is refused here
-    saved = run.manifest.run if run.manifest is not None else {}
-    budget = plan_run(cfg, spec, framework, world_size, saved, attention_chunk)
+    then = (run.manifest.run if run.manifest is not None else {}).get("config", {})
+    work, mode = workload_of(cfg, spec, world_size, attention_chunk), cfg.distributed or "ddp"
+    kept = then.get("budget_mib") == cfg.budget_mib and then.get("policy") is not None
+    if kept:
+        solution = predict_policy(work, then["policy"], framework, world_size, mode)[0]
+    else:
+        solution = plan(work, cfg.budget_bytes, framework, world_size, mode).solution
+    pred = solution.prediction
+    budget = RunPlan(plan_of(spec, solution), cfg.budget_bytes, pred.peak_bytes, pred.peak_unit, world_size, mode, kept)
     if show:
         report(budget.plan_line(framework))
     return ResolvedRun(replace(cfg, policy=budget.policy), budget.plan, budget)  # the policy recorded
@@ -84,23 +90,6 @@ def workload_of(cfg: TrainConfig, spec: UNetSpec | ControlNetPairSpec, world_siz
     context = TRAIN_CONTEXT_LENGTH if unet.cross_attention_dim is not None else Workload.context_length
     return Workload(spec, cfg.batch_size // world_size, cfg.regime, context_length=context,
                     attention_chunk=attention_chunk)  # fmt: skip
-
-
-def plan_run(cfg: TrainConfig, spec: UNetSpec | ControlNetPairSpec, framework: str, world_size: int,
-             saved: Mapping[str, Any], attention_chunk: int | None = Workload.attention_chunk) -> RunPlan:  # fmt: skip
-    """The plan of a ``--budget-mib`` run; ``saved``: the resumed run's `run_record` (empty for a fresh run)."""
-    budget = cfg.budget_bytes
-    if budget is None:
-        raise ValueError("--budget-mib: required to plan a run")
-    work, mode = workload_of(cfg, spec, world_size, attention_chunk), cfg.distributed or "ddp"
-    then = saved.get("config", {})
-    kept = then.get("budget_mib") == cfg.budget_mib and then.get("policy") is not None
-    if kept:
-        solution = predict_policy(work, then["policy"], framework, world_size, mode)[0]
-    else:
-        solution = plan(work, budget, framework, world_size, mode).solution
-    pred = solution.prediction
-    return RunPlan(plan_of(spec, solution), budget, pred.peak_bytes, pred.peak_unit, world_size, mode, kept)
 
 
 def plan_of(spec: UNetSpec | ControlNetPairSpec, solution: Solution) -> CheckpointPlan | PairPlan:
