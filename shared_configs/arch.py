@@ -39,7 +39,8 @@ def down_blocks(spec: UNetSpec) -> list[BlockArgs]:
 def up_blocks(spec: UNetSpec) -> list[BlockArgs]:
     """Up blocks, deepest first; each consumes ``layers_per_block + 1`` skips off the stack."""
     chans, n, count = spec.block_out_channels, spec.num_levels, spec.layers_per_block + 1
-    skips = _skip_stack(spec)
+    skips = [chans[0]] + [b.out_ch for b in down_blocks(spec)  # conv_in's, each ResNet's, each downsample's
+                          for _ in range(count - 1 + (b.downsample_padding is not None))]  # fmt: skip
     blocks, prev = [], chans[-1]
     for i, attn in enumerate(spec.up_attention_resolved):
         level = n - 1 - i
@@ -48,14 +49,6 @@ def up_blocks(spec: UNetSpec) -> list[BlockArgs]:
                                 upsample=level > 0, resnet_resample=spec.resampler == "resnet"))  # fmt: skip
         prev = chans[level]
     return blocks
-
-
-def _skip_stack(spec: UNetSpec) -> list[int]:
-    """Channels of the skips the down path pushes: conv_in's, each ResNet's, each downsample's."""
-    skips = [spec.block_out_channels[0]]
-    for block in down_blocks(spec):
-        skips += [block.out_ch] * (spec.layers_per_block + (block.downsample_padding is not None))
-    return skips
 
 
 @dataclass(frozen=True)

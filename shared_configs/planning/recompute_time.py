@@ -106,13 +106,9 @@ def with_recasts(units: Units, spec: UNetSpec | ControlNetPairSpec, regime: Regi
     if not cast_bytes(regime, 1):
         return {u: dict(per) for u, per in units.items()}
     weights = unit_weights(spec)
-
-    def recast(unit: str, choice: str) -> float:
-        if unit not in weights:
-            return 0.0
-        return cast_bytes(regime, round(recompute_flops(weights[unit], choice))) / bytes_per_s
-
-    return {u: {c: replace(v, time_s=v.time_s + recast(u, c)) for c, v in per.items()} for u, per in units.items()}
+    recast = {u: {c: cast_bytes(regime, round(recompute_flops(weights[u], c))) / bytes_per_s if u in weights else 0.0
+                  for c in per} for u, per in units.items()}  # fmt: skip
+    return {u: {c: replace(v, time_s=v.time_s + recast[u][c]) for c, v in per.items()} for u, per in units.items()}
 
 
 def at_stated_rates(profile: Profile, spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int,
