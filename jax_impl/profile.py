@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import replace
 from typing import Any
 
@@ -30,12 +31,12 @@ from shared_configs.defaults import jax_cache_dir
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec, example_pair_batch
 from shared_configs.planning.budget import PROFILE_RUNS, Cost
 from shared_configs.planning.recompute_time import at_rates, step_flops
-from shared_configs.planning.stepclock import contenders, measured_rounds, times
+from shared_configs.planning.stepclock import clock, contenders, cpu_split, measured_rounds, times
 from shared_configs.planning.timeline import Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from shared_configs.planning.units import PLAIN, StepSpec, block_layers, leaf_units, policy_string, uniform
 from shared_configs.planning.workers import XLA_CPU_OPTIONS
-from shared_configs.progress import tracked
+from shared_configs.progress import progress, tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 from shared_configs.training.data import example_batch
 
@@ -51,20 +52,43 @@ def unet(s: dict[str, Any], policy: str) -> UNet | ControlNetPair:
 
 
 def setup(
-    spec: StepSpec, batch_size: int, context_length: int, chunk: int | None, run: bool, regime: Regime = DEFAULT
-) -> dict[str, Any]:
+    spec: StepSpec, batch_size: int, context_length: int, chunk: int | None, run: bool, regime: Regime = DEFAULT,
+    drawn: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """The step's arguments in ``regime``: real arrays (``run``) or shapes only, and the optimizer.
-    The ControlNet step's: its state, then the frozen U-Net's parameters (`jax_impl.pair.train_step`)."""
+    The ControlNet step's: its state, then the frozen U-Net's parameters (`jax_impl.pair.train_step`).
+    ``drawn``: the arrays `drawn` at the init's shapes, not the init's own (whose compile is long)."""
     jregime.check_regime(regime)
     tx = jregime.make_optimizer(1e-4, 0.0, regime)
     model = unet({"spec": spec, "chunk": chunk, "regime": regime}, "none")
     pair = isinstance(spec, ControlNetPairSpec)
     init = functools.partial(init_pair if pair else jt.init_state, model, tx, 0, regime)
-    # Shapes only: the state's abstract tree; else the training loop's own init (compiled fast:
-    # the values only seed the timing runs).
-    state = jax.jit(init, compiler_options=FAST)() if run else jax.eval_shape(init)
+    if not run:
+        state = jax.eval_shape(init)
+    elif drawn:
+        state = _drawn(jax.eval_shape(init), pair)
+    else:  # the training loop's own init (compiled fast: it runs once)
+        state = jax.jit(init, compiler_options=FAST)()
     args: tuple = (*(state if pair else (state,)), *_batch_and_key(spec, batch_size, context_length, run))
     return {"spec": spec, "tx": tx, "args": args, "chunk": chunk, "run": run, "regime": regime}
+
+
+def _drawn(abstract: Any, pair: bool) -> Any:
+    """Arrays of an abstract state: parameters drawn by numpy (normal, scale 0.02), the optimizer's
+    state, BatchNorm statistics and the EMA copy zeros. XLA:CPU's step takes as long on these as on
+    the init's values (no data-dependent kernels); the profile only times steps on them."""
+    rng = np.random.default_rng(0)
+
+    def draw(tree: Any) -> Any:
+        return jax.tree.map(lambda a: jax.device_put((0.02 * rng.standard_normal(a.shape)).astype(a.dtype)), tree)
+
+    def zeros(tree: Any) -> Any:
+        return jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype)), tree)
+
+    state = abstract[0] if pair else abstract
+    state = state.replace(params=draw(state.params), opt_state=zeros(state.opt_state),
+                          batch_stats=zeros(state.batch_stats), ema=zeros(state.ema))  # fmt: skip
+    return (state, draw(abstract[1])) if pair else state
 
 
 def _batch_and_key(spec: StepSpec, batch_size: int, context_length: int, run: bool) -> tuple[Any, Any]:
@@ -85,10 +109,12 @@ def compiled_step(s: dict[str, Any], policy: str, dump: str | None = None, fast:
     train_step = pair_step if isinstance(s["spec"], ControlNetPairSpec) else jt.train_step
     step = jax.jit(functools.partial(train_step, model=unet(s, policy), tx=s["tx"], **options), donate_argnums=(0,))
     compiler: dict[str, Any] = {**BARRIERS, **FAST} if fast else dict(BARRIERS)
+    lowered = step.lower(*s["args"])
     if dump is not None:  # past the persistent cache, if one is on: a cache hit would dump nothing
         compiler |= {"xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "train_step"}
-        return compile_uncached(step.lower(*s["args"]), compiler)
-    return step.lower(*s["args"]).compile(compiler_options=compiler)
+        if jax.config.jax_compilation_cache_dir:
+            return compile_uncached(lowered, compiler)
+    return lowered.compile(compiler_options=compiler)
 
 
 def timeline_of(plan: xla_dump.MemoryPlan, leaves: list[str]) -> Timeline:
@@ -177,30 +203,34 @@ def profile(
     batch_size: int,
     context_length: int = 77,
     shapes: bool = False,
-    repeats: int = 2,
+    repeats: int = 1,
     attention_chunk: int | None = None,
     regime: Regime = DEFAULT,
 ) -> dict:
     """The `shared_configs.planning.budget.Profile` fields (JSON-ready) of ``spec`` at ``batch_size``
     trained in ``regime`` (adamw8bit: see `Regime.profiled`)."""
+    cpu = {"start": round(clock(), 2)}  # the process's own start and imports, before this request
     timing = not shapes and repeats > 0
-    s = setup(spec, batch_size, context_length, attention_chunk, run=timing, regime=regime.profiled)
+    with cpu_split(cpu, "setup"):
+        s = setup(spec, batch_size, context_length, attention_chunk, run=timing, regime=regime.profiled, drawn=True)
+        _keep_shapes((spec.model_dump_json(), batch_size, context_length, attention_chunk, regime.profiled), s)
     flops = unit_flops(spec, batch_size, context_length)
     units: dict[str, dict[str, Cost]] = {}
     runs: dict[str, Any] = {}
-    compiled: dict[str, Any] = {}
-    for choice, level in tracked(PROFILE_RUNS, "compiles", " ".join):
-        assignment = {} if choice == PLAIN else uniform(spec, choice, level)
-        run = timing and choice == PLAIN  # only the plain step is run: its throughput prices recompute
-        costs, live_peak, peak, step = memory_run(s, assignment, fast=not run)
-        compiled |= {policy_string(assignment): step} if run else {}
+    assignments = [{} if choice == PLAIN else uniform(spec, choice, level) for choice, level in PROFILE_RUNS]
+    with cpu_split(cpu, "compiles"):  # only the plain step is run: its throughput prices recompute
+        measured = memory_runs(s, assignments, run_plain=timing)
+    compiled = {policy_string({}): measured[0][3]} if timing else {}
+    for (choice, _), assignment, (costs, live_peak, peak, _) in zip(PROFILE_RUNS, assignments, measured, strict=True):
         runs[policy_string(assignment)] = {"peak_bytes": peak, "live_peak_bytes": live_peak, "step_time_s": None}
         for unit, cost in costs.items():
             mine = assignment.get(unit, PLAIN)
             if mine == choice:
                 flop = recompute_flops(flops[unit], mine)
                 units.setdefault(unit, {})[mine] = replace(cost, flops=flop)
-    samples = timed(s, compiled, repeats) if timing else {}
+    del measured
+    with cpu_split(cpu, "timing"):
+        samples = timed(s, compiled, repeats) if timing else {}
     del compiled
     for policy, seconds in samples.items():
         runs[policy] |= times(seconds)
@@ -220,12 +250,40 @@ def profile(
             "runs": runs,
             "method": "XLA's buffer live ranges over its schedule (xla_dump_to), filed by the op_name's Flax module; "
             "compiled with cse_barrier_expander disabled; recompute seconds: the unit's recompute FLOPs at the "
-            "plain step's throughput (the process's CPU seconds); the remat runs compiled at -O0, not run",
+            "plain step's throughput (the process's CPU seconds, parameters drawn at the init's shapes); the remat "
+            "runs compiled at -O0, not run",
             "versions": {"jax": jax.__version__},
             "regime": regime.describe(),
+            "cpu_s": cpu,
             **modelled_state(s, regime),
         },
     }
+
+
+COMPILE_THREADS = 2  # XLA compiles outside the GIL: two at a time use a second core
+
+
+def memory_runs(s: dict[str, Any], assignments: list[dict[str, str]], run_plain: bool) -> list[tuple]:
+    """`memory_run` of each assignment (the plain one, ``{}``, at -O2 when ``run_plain``: it is then
+    run), `COMPILE_THREADS` compiles at a time; one at a time where the persistent compilation cache
+    is on (the dumped compiles turn it off and on around themselves)."""
+    threads = 1 if jax.config.jax_compilation_cache_dir else COMPILE_THREADS
+    with progress("compiles", len(assignments)) as p, ThreadPoolExecutor(threads) as pool:
+        futures = [pool.submit(memory_run, s, a, not (run_plain and not a)) for a in assignments]
+        for _ in as_completed(futures):
+            p.advance()
+        return [f.result() for f in futures]
+
+
+_shapes: tuple[Any, dict[str, Any]] | None = None  # the last profile's step as shapes, for the worker's check
+
+
+def _keep_shapes(key: Any, s: dict[str, Any]) -> None:
+    global _shapes
+    _shapes = (
+        key,
+        s | {"args": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), s["args"]), "run": False},
+    )
 
 
 def peaks(
@@ -237,10 +295,17 @@ def peaks(
     regime: Regime = DEFAULT,
 ) -> dict:
     """Per policy, the compiled step's ``memory_analysis()`` peak: what `measure` reports, from a
-    compile at -O0 with nothing allocated and nothing run (buffer assignment precedes codegen)."""
-    s = setup(spec, batch_size, context_length, attention_chunk, run=False, regime=regime.profiled)
+    compile at -O0 with nothing allocated and nothing run (buffer assignment precedes codegen).
+    A kept worker reuses its profile's set-up."""
+    cpu: dict[str, float] = {}
+    key = (spec.model_dump_json(), batch_size, context_length, attention_chunk, regime.profiled)
+    with cpu_split(cpu, "setup"):
+        kept = _shapes is not None and _shapes[0] == key
+        s = _shapes[1] if kept else setup(spec, batch_size, context_length, attention_chunk, False, regime.profiled)
     delta = modelled_state(s, regime).get("modelled_state_bytes", 0)
-    return {"peaks": {p: compiled_peak(compiled_step(s, p)) + delta for p in tracked(policies, "compiles")}}
+    with cpu_split(cpu, "compiles"):
+        found = {p: compiled_peak(compiled_step(s, p)) + delta for p in tracked(policies, "compiles")}
+    return {"peaks": found, "cpu_s": cpu}
 
 
 def measure(

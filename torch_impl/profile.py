@@ -187,8 +187,7 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str,
 
 def _tracker(s: dict[str, Any], detail: bool = True) -> StepTracker:
     """`StepTracker` over the set-up step: its model, optimizer, EMA copy and numpy batch (read, not allocated)."""
-    ema = s["tools"].ema
-    return StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]), [] if ema is None else ema.shadow, detail=detail)
+    return StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]), _held(s), detail=detail)
 
 
 def timed_step(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, tuple[float, float]], float]:

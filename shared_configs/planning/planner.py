@@ -123,8 +123,8 @@ WHOLE_STEP = ("device", "with_encoders", "cached_latents", "train_text_encoder",
 
 # Rounds of timed steps per profile: torch's one round of the per-layer runs prices every unit from
 # two fitted rates (`stepclock.fitted_rates`), which pool the noise of all its units; JAX times
-# only the plain step (its throughput prices recompute FLOPs).
-PROFILE_REPEATS = {"torch": 1, "jax": 2}
+# only the plain step (its throughput prices recompute FLOPs, so a JAX plan does not depend on it).
+PROFILE_REPEATS = {"torch": 1, "jax": 1}
 
 
 def profile_path(framework: str, workload: Workload, repeats: int | None = None) -> Path:
