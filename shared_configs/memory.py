@@ -37,14 +37,9 @@ def timeline(series: Mapping[str, np.ndarray], blocks: Sequence[str], phases: Ma
     stacked = np.stack([np.asarray(series[c], dtype=np.int64) for c in CATEGORIES])
     n = stacked.shape[1]
     keep = _peaks_per_stretch(stacked.sum(axis=0), points)
-    return {
-        "positions": n,
-        "x": keep.tolist(),
-        "series": {c: stacked[i, keep].tolist() for i, c in enumerate(CATEGORIES)},
-        "marks": block_marks(blocks, phases.values()),
-        "phases": {name: int(pos) for name, pos in phases.items()},
-        "method": method,
-    }
+    series = {c: stacked[i, keep].tolist() for i, c in enumerate(CATEGORIES)}
+    return {"positions": n, "x": keep.tolist(), "series": series, "marks": block_marks(blocks, phases.values()),
+            "phases": {name: int(pos) for name, pos in phases.items()}, "method": method}  # fmt: skip
 
 
 def _peaks_per_stretch(total: np.ndarray, points: int) -> np.ndarray:

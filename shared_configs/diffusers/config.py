@@ -106,15 +106,11 @@ def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
         "mid_attention": mid,
         **_heads(cfg, cls, down, up, mid),
         "mid_attention_norm_groups": mid_groups,
-        "time_embedding": {
-            "flip_sin_to_cos": cfg["flip_sin_to_cos"],
-            "freq_shift": cfg["freq_shift"],
-            "dim": cfg["time_embedding_dim"],
-            "cond_dim": cond_dim,
-        },
+        "time_embedding": {"flip_sin_to_cos": cfg["flip_sin_to_cos"], "freq_shift": cfg["freq_shift"],
+                           "dim": cfg["time_embedding_dim"], "cond_dim": cond_dim},
         **conditioning,
         **_family(cfg, resampler, mid, [*down, *up]),
-    }
+    }  # fmt: skip
     if cls == "UNet2DConditionModel":
         data["cross_attention_dim"] = _uniform(cfg, "cross_attention_dim", n)
         data["transformer_layers_per_block"] = _per_level_ints(cfg, "transformer_layers_per_block", n)
