@@ -19,8 +19,7 @@ Context = torch.Tensor | None
 
 
 class DownBlock(nn.Module):
-    """``layers`` ResNets (each followed by attention if any), then an optional downsample: a strided
-    conv, or with ``resnet_resample`` a ResNet that pools (diffusers' ResnetDownsample blocks)."""
+    """``layers`` ResNets (each then attention, if any), then a downsample: a strided conv or a pooling ResNet."""
 
     def __init__(
         self, in_ch: int, out_ch: int, layers: int, make_resnet: ResnetFactory, make_attention: AttentionFactory | None,
@@ -65,8 +64,7 @@ class MidBlock(nn.Module):
 
 
 class UpBlock(nn.Module):
-    """One ResNet per skip it consumes (input concatenated with the skip), then upsample: nearest and a
-    conv, or with ``resnet_resample`` a ResNet that upsamples (diffusers' ResnetUpsample blocks)."""
+    """One ResNet per skip (the input concatenated with it), each then attention, then upsample (or a ResNet's)."""
 
     def __init__(
         self, in_ch: int, out_ch: int, skip_channels: Sequence[int], make_resnet: ResnetFactory,

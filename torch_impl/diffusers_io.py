@@ -72,8 +72,7 @@ def to_diffusers_state_dict(model: Model) -> dict[str, torch.Tensor]:
 
 
 def save_diffusers(model: Model, folder: str | os.PathLike[str]) -> Path:
-    """Write a diffusers model folder (``config.json`` + ``diffusion_pytorch_model.safetensors``, each
-    atomically) that diffusers' ``from_pretrained`` reads; `SpecError` if the spec has no diffusers equivalent."""
+    """Write a diffusers model folder that ``from_pretrained`` reads (`SpecError` if the spec has no equivalent)."""
     from safetensors.torch import save
 
     spec = model.spec

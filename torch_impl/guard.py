@@ -164,8 +164,7 @@ class BudgetGuard:
             self._judge({**found, "measured": agreed_peak(found["measured"], self._device())})
 
     def _regime_differs(self) -> bool:
-        """A regime the first optimizer step shows unlike the one planned: said for a given regime; a
-        guessed one is replaced, and the step re-planned."""
+        """A regime the first optimizer step shows unlike the one planned: a guessed one is replaced and re-planned."""
         planned = self._workload.regime
         if not self._watch.forwarded:
             return False

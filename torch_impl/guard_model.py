@@ -102,8 +102,7 @@ class RegimeWatch:
         self._handle.remove()
 
     def seen(self, planned: Regime, optimizers: list[torch.optim.Optimizer]) -> tuple[Regime, list[str]]:
-        """After the first optimizer step: the regime the step shows (``planned``'s EMA kept: an EMA
-        is not seen), and the lines to say about what it cannot tell."""
+        """The regime the first optimizer step shows (``planned``'s EMA kept), and the lines on what it cannot tell."""
         regime, notes = regime_seen(self.model, self.autocast)
         names = {type(o).__name__ for o in optimizers}
         known = {OPTIMIZERS[n] for n in names if n in OPTIMIZERS}

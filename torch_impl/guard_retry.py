@@ -63,8 +63,7 @@ def processes() -> int:
 
 
 def why_not_retry(stepped: bool) -> str | None:
-    """Why a failed attempt cannot run again, or None: an optimizer step had begun (some weights
-    may be updated already), or other processes wait in the step's collectives."""
+    """Why a failed attempt cannot run again (an optimizer step begun, other processes' collectives), or None."""
     if stepped:
         return "the optimizer step had begun (some weights may be updated already)"
     if (n := processes()) > 1:

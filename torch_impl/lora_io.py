@@ -42,8 +42,7 @@ def save_lora_weights(model: nn.Module, folder: str | os.PathLike[str]) -> Path:
 
 
 def load_lora_weights(model: nn.Module, source: str | os.PathLike[str]) -> nn.Module:
-    """Load diffusers-format LoRA weights (a file, or a folder holding `LORA_WEIGHTS`) into ``model``,
-    adding rank-R adapters first if it has none. Returns the model."""
+    """Load diffusers-format LoRA weights (a file or a folder) into ``model``, adding adapters if it has none."""
     from peft import set_peft_model_state_dict
     from safetensors import SafetensorError
     from safetensors.torch import load_file

@@ -27,8 +27,7 @@ __all__ = ["ControlNetPair", "step_batch", "step_model", "trained_module", "unit
 
 
 class ControlNetPair(nn.Module):
-    """The frozen ``unet`` and the trained ``controlnet`` of ``pair_spec``, called as a U-Net with the
-    conditioning image ``controlnet_cond``; ``spec`` is the U-Net's. ``policy``: a pair policy."""
+    """The frozen ``unet`` and trained ``controlnet`` of ``pair_spec``, called as a U-Net with ``controlnet_cond``."""
 
     def __init__(self, pair_spec: ControlNetPairSpec, policy: str | PairPlan | None = None) -> None:
         super().__init__()

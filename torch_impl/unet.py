@@ -44,8 +44,7 @@ ATTENTION_LAYERS: dict[str, type[nn.Module]] = {**ATTENTION, "simple_cross": Sim
 
 
 class UNetTrunk(nn.Module):
-    """What the U-Net and the ControlNet share, under the same names: ``conv_in``, the embeddings, the
-    ``down`` path and the ``mid`` block. Subclasses give `trunk_spec` and `resolve`, and add their heads."""
+    """What the U-Net and the ControlNet share, under the same names: ``conv_in``, embeddings, ``down``, ``mid``."""
 
     @property
     def trunk_spec(self) -> UNetSpec:
@@ -141,9 +140,7 @@ class UNetTrunk(nn.Module):
         self, x: Tensor, temb: Tensor, context: Tensor | None, hint: Tensor | None = None, mask: Tensor | None = None
     ) -> tuple[Tensor, list[Tensor]]:
         """``conv_in`` (plus the ControlNet's ``hint``), the down path and the mid block: its output and the skips."""
-        h = self.conv_in(x)
-        if hint is not None:
-            h = h + hint
+        h = self.conv_in(x) if hint is None else self.conv_in(x) + hint
         skips = [h]
         for block in self.down:
             skips += block(h, temb, context, mask)
