@@ -9,8 +9,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from shared_configs.loader import load_spec, read_yaml, validated
 from shared_configs.plan import CheckpointPlan, Policy, block_names, layer_names, resolve_plan
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.spec_base import Bool, Int, _Frozen
@@ -34,11 +35,7 @@ class ControlNetSpec(_Frozen):
     @classmethod
     def _preset(cls, value: Any) -> Any:
         """``unet: sd_narrow`` (a preset name or a spec file) in YAML or code."""
-        if isinstance(value, str):
-            from shared_configs.loader import load_spec
-
-            return load_spec(value)
-        return value
+        return load_spec(value) if isinstance(value, str) else value
 
     @property
     def conditioning_factor(self) -> int:
@@ -66,20 +63,7 @@ class ControlNetSpec(_Frozen):
 
 def load_controlnet_spec(source: str | Path | Mapping[str, Any]) -> ControlNetSpec:
     """A `ControlNetSpec` from a YAML file or a mapping; a bad one is a `SpecError` naming the field."""
-    data = source
-    if not isinstance(source, Mapping):
-        import yaml
-
-        from shared_configs.loader import _Loader  # YAML 1.2 floats, as the U-Net specs are read
-
-        data = yaml.load(Path(source).read_text(), Loader=_Loader)
-    try:
-        return ControlNetSpec.model_validate(data)
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        raise SpecError(f"{where}: {message}" if where else message) from None
+    return validated(ControlNetSpec, source if isinstance(source, Mapping) else read_yaml(Path(source)))
 
 
 def residual_shapes(spec: UNetSpec, batch: int, size: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:

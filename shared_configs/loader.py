@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -14,6 +14,7 @@ from shared_configs.plan import resolve_plan
 from shared_configs.spec import SpecError, UNetSpec
 
 PRESET_DIR = Path(__file__).resolve().parent
+M = TypeVar("M", bound=BaseModel)
 
 
 class _Loader(yaml.SafeLoader):
@@ -32,24 +33,34 @@ def preset_names() -> list[str]:
 def load_spec(name_or_path: str | Path) -> UNetSpec:
     """Load a spec from a preset name (``"tiny"``) or a YAML file path."""
     path = _resolve(name_or_path)
-    try:
-        data = yaml.load(path.read_text(), Loader=_Loader)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise SpecError(f"{path.name}: malformed YAML{where}: {getattr(err, 'problem', err)}") from None
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise SpecError(f"{path.name}: expected a mapping of spec fields, got {type(data).__name__}")
     data.setdefault("name", path.stem)
     return spec_from_dict(data)
 
 
+def read_yaml(path: Path) -> Any:
+    """``path``'s YAML (1.2 floats); malformed YAML is a one-line `SpecError`."""
+    try:
+        return yaml.load(path.read_text(), Loader=_Loader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise SpecError(f"{path.name}: malformed YAML{where}: {getattr(err, 'problem', err)}") from None
+
+
+def validated(model: type[M], data: Any) -> M:
+    """``model`` of ``data``; any problem is a one-line `SpecError` naming the field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_one_line(err, model)) from None
+
+
 def spec_from_dict(data: dict[str, Any]) -> UNetSpec:
     """Validate a plain dict (the ``checkpoint`` policy too); any problem is a one-line `SpecError` naming the field."""
-    try:
-        spec = UNetSpec.model_validate(data)
-    except ValidationError as err:
-        raise SpecError(_one_line(err)) from None
+    spec = validated(UNetSpec, data)
     if spec.checkpoint is not None:
         try:
             resolve_plan(spec, spec.checkpoint)
@@ -58,13 +69,13 @@ def spec_from_dict(data: dict[str, Any]) -> UNetSpec:
     return spec
 
 
-def _one_line(err: ValidationError) -> str:
+def _one_line(err: ValidationError, root: type[BaseModel]) -> str:
     """The first problem in one line; an unknown field first, with its nearest name and any missing field beside it."""
     errors = err.errors()
     unknown = [e for e in errors if e["type"] == "extra_forbidden"]
     if unknown:
         missing = [_where(e) for e in errors if e["type"] == "missing"]
-        return _unknown(unknown[0]) + (f"; missing: {', '.join(missing)}" if missing else "")
+        return _unknown(unknown[0], root) + (f"; missing: {', '.join(missing)}" if missing else "")
     first = errors[0]
     msg, loc = first["msg"].removeprefix("Value error, "), _where(first)
     if loc and re.match(r"^\w+: ", msg):  # a nested model's own check names its field: join the paths
@@ -76,9 +87,9 @@ def _where(error: Any) -> str:
     return ".".join(str(p) for p in error["loc"] if not _is_type_tag(p))
 
 
-def _unknown(error: Any) -> str:
+def _unknown(error: Any, root: type[BaseModel]) -> str:
     """``colour: unknown field 'colour' (did you mean 'color'?; allowed: ...)``."""
-    fields = sorted(_model_at(error["loc"][:-1]).model_fields)
+    fields = sorted(_model_at(root, error["loc"][:-1]).model_fields)
     name = str(error["loc"][-1])
     near = difflib.get_close_matches(name, fields, n=1)
     hint = f"did you mean {near[0]!r}?; " if near else ""
@@ -90,9 +101,8 @@ def _is_type_tag(part: object) -> bool:
     return isinstance(part, str) and (part in {"int", "float", "bool", "str", "none"} or "[" in part)
 
 
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
-    """The (nested) model class that owns the fields at ``loc``."""
-    model: type[BaseModel] = UNetSpec
+def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel]:
+    """The (nested) model class under ``model`` that owns the fields at ``loc``."""
     for part in loc:
         annotation = model.model_fields[str(part)].annotation
         for candidate in (annotation, *get_args(annotation)):  # `Spec | None` too
