@@ -1,13 +1,12 @@
 """The one worker protocol, both frameworks: the planner's profile, peaks and measure, the benchmark's rows.
 
-A worker is ``python -m shared_configs.planning.workers REQUEST_JSON`` in an environment set before
-its framework is imported (`worker_env`; XLA's flags), one framework per process: two runtimes in
-one process skew each other's memory and time. It answers through event lines on stdout (`emit`):
-``result`` for the planner's kinds (its framework's `BACKENDS` module answers), any other event for
-a request naming its own ``backend`` module (the benchmark's rows, docs/benchmark.md); its progress
-goes to stderr (`shared_configs.progress`). `run` is the parent's side; inside `kept_alive` a
-plan's profile and peak check share one worker per framework (``--serve``: requests on stdin).
-"""
+A worker runs ``python -m shared_configs.planning.workers`` in an environment set before its
+framework is imported (`worker_env`; XLA's flags), one framework per process: two runtimes in one
+process skew each other's memory and time. It answers through event lines on stdout (`emit`): with
+``--serve``, a ``result`` per planner request read from stdin (its framework's `BACKENDS` module
+answers; `run_worker`, `kept_alive`: a plan's profile and check share one); with REQUEST_JSON, any
+events of the request's own ``backend`` module (the benchmark's rows, docs/benchmark.md; `run`).
+Its progress goes to stderr (`shared_configs.progress`)."""
 
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ from shared_configs.regime import Regime
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = {"torch": "torch_impl.profile", "jax": "jax_impl.profile"}  # the planner's measuring half
 ENCODERS = "torch_impl.encoders"  # the models beside the U-Net, from shapes (torch only)
-PLANNER_KINDS = ("profile", "peaks", "measure", "encoders")
 KEPT_KINDS = ("profile", "peaks")  # what a kept worker answers (a measurement gets a fresh process)
 SERVE = "--serve"  # the worker's argument: answer requests read from stdin, one JSON line each
 EVENT_PREFIX = "@@bench "  # worker stdout lines carrying an event start with this
@@ -115,22 +113,13 @@ def run(
 def run_worker(request: dict[str, Any]) -> dict[str, Any]:
     """The planner's request (`planner.Workload.request`) answered in its framework's worker: the
     kept one inside `kept_alive`, else a worker of its own."""
+    framework = request["framework"]
     if _kept is not None and request["kind"] in KEPT_KINDS:
-        if request["framework"] not in _kept:
-            _kept[request["framework"]] = _Kept(request["framework"])
-        return _kept[request["framework"]].ask(request)
-    relay = Relay(f"{request['framework']} {request['kind']}")  # its progress lines, logged here
-    done = run(request, worker_env(request["framework"]), on_stderr=relay.feed)
-    relay.close()
-    result = next((e for e in done.events if e["event"] == "result"), None)
-    return _result(request, result, done.returncode, done.stderr_tail)
-
-
-def _result(request: dict[str, Any], result: Event | None, returncode: int | None, tail: str) -> dict[str, Any]:
-    if returncode or result is None:
-        why = tail or f"exit {returncode}"
-        raise BenchmarkError(f"{request['framework']} planner worker failed: {why}")
-    return {k: v for k, v in result.items() if k != "event"}
+        if framework not in _kept:
+            _kept[framework] = _Kept(framework)
+        return _kept[framework].ask(request)
+    with _Kept(framework) as worker:
+        return worker.ask(request)
 
 
 _kept: dict[str, _Kept] | None = None  # framework -> its worker, while `kept_alive` is open
@@ -158,14 +147,15 @@ def kept_alive() -> Iterator[None]:
 
 
 class _Kept:
-    """A ``--serve`` worker: one request at a time, its progress relayed for the request under way."""
+    """A ``--serve`` worker: one request at a time, its progress relayed for the request under way;
+    as a context, closed at the end (stopped, on an exception)."""
 
     def __init__(self, framework: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, SERVE], cwd=REPO_ROOT, env=worker_env(framework),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)  # fmt: skip
         self.relay: Relay | None = None
-        self.said: list[str] = []
+        self.said: list[str] = []  # stderr's lines, progress left out
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -177,7 +167,7 @@ class _Kept:
                 self.said[-20:] = [*self.said[-19:], line.strip()]
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
-        self.relay = Relay(f"{request['framework']} {request['kind']}")
+        self.relay = Relay(f"{request['framework']} {request['kind']}")  # its progress lines, logged here
         result = None
         if self.proc.poll() is None:
             assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -193,7 +183,10 @@ class _Kept:
             self.reader.join()
         self.relay.close()
         self.relay = None
-        return _result(request, result, self.proc.returncode, self.said[-1] if self.said else "")
+        if result is None:
+            why = self.said[-1] if self.said else f"exit {self.proc.returncode}"
+            raise BenchmarkError(f"{request['framework']} planner worker failed: {why}")
+        return {k: v for k, v in result.items() if k != "event"}
 
     def close(self) -> None:
         for stream in (self.proc.stdin, self.proc.stdout):
@@ -201,6 +194,14 @@ class _Kept:
                 stream.close()
         self.proc.wait()
         self.reader.join()
+
+    def __enter__(self) -> _Kept:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            stop_group(self.proc)
+        self.close()
 
 
 # -- the worker's side ---------------------------------------------------------------------------
@@ -247,17 +248,14 @@ def answer(backend: Backend, request: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     worker_logging()  # progress as lines on stderr, for the parent's Relay
-    if argv[0] == SERVE:  # a kept worker: its framework's requests until stdin closes
-        backend = None
-        for line in sys.stdin:
-            request = json.loads(line)
-            backend = backend or _backend(request)
-            emit("result", **answer(backend, request))
-        return 0
-    request = json.loads(argv[0])
-    if request["kind"] not in PLANNER_KINDS:
+    if argv[0] != SERVE:  # the benchmark's rows: a request naming its own backend
+        request = json.loads(argv[0])
         return importlib.import_module(request["backend"]).serve(request)
-    emit("result", **answer(_backend(request), request))
+    backend = None
+    for line in sys.stdin:  # the planner's requests, one framework's, until stdin closes
+        request = json.loads(line)
+        backend = backend or _backend(request)
+        emit("result", **answer(backend, request))
     return 0
 
 
