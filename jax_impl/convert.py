@@ -49,9 +49,8 @@ def torch_to_flax_variables(state_dict: Mapping[str, Any], spec: Spec) -> dict:
     params, stats = _split(state_dict, _embeddings(spec))
     _check_tree(params, spec)
     _check_tree(stats, spec, "batch_stats")
-    return {"params": traverse_util.unflatten_dict(params)} | (
-        {"batch_stats": traverse_util.unflatten_dict(stats)} if stats else {}
-    )
+    variables = {"params": params} | ({"batch_stats": stats} if stats else {})
+    return {name: traverse_util.unflatten_dict(flat) for name, flat in variables.items()}
 
 
 def flax_to_torch(
@@ -145,9 +144,8 @@ def _to_layout(array: np.ndarray, perms: dict[int, tuple[int, ...]]) -> np.ndarr
     return array.transpose(perms[array.ndim]) if array.ndim in perms else array
 
 
-def _check_tree(
-    flat: Mapping[tuple[str, ...], Any], spec: Spec, collection: str = "params", lora_rank: int | None = None
-) -> None:
+def _check_tree(flat: Mapping[tuple[str, ...], Any], spec: Spec, collection: str = "params",
+                lora_rank: int | None = None) -> None:  # fmt: skip
     """Raise a one-line error unless ``flat`` has exactly the paths and shapes the spec implies."""
     tree = _variable_shapes(spec, lora_rank).get(collection, {})
     expected = {k: tuple(v.shape) for k, v in traverse_util.flatten_dict(tree).items()}
@@ -156,15 +154,11 @@ def _check_tree(
     where = "" if collection == "params" else f"{collection} "
     if missing or extra:
         what = f"missing {where}{'/'.join(missing[0])}" if missing else f"unexpected {where}{'/'.join(extra[0])}"
-        raise ValueError(
-            f"weights do not match spec {spec.name!r}: {what} ({len(missing)} missing, {len(extra)} unexpected)"
-        )
-    for key, shape in expected.items():
-        if got[key] != shape:
-            raise ValueError(
-                f"weights do not match spec {spec.name!r}: {where}{'/'.join(key)} has shape "
-                f"{got[key]}, expected {shape}"
-            )
+        raise ValueError(f"weights do not match spec {spec.name!r}: {what} ({len(missing)} missing, "
+                         f"{len(extra)} unexpected)")  # fmt: skip
+    if bad := next((key for key, shape in expected.items() if got[key] != shape), None):
+        raise ValueError(f"weights do not match spec {spec.name!r}: {where}{'/'.join(bad)} has shape {got[bad]}, "
+                         f"expected {expected[bad]}")  # fmt: skip
 
 
 def torch_shapes(spec: Spec) -> dict[str, tuple[int, ...]]:
