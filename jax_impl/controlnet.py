@@ -76,9 +76,8 @@ class ControlNet(UNetTrunk):
     def setup(self) -> None:
         unet = self.spec.unet
         self._setup_trunk(self.plan)
-        self.controlnet_cond_embedding = ConditioningEmbedding(
-            unet.block_out_channels[0], tuple(self.spec.conditioning_embedding_out_channels)
-        )
+        widths = tuple(self.spec.conditioning_embedding_out_channels)
+        self.controlnet_cond_embedding = ConditioningEmbedding(unet.block_out_channels[0], widths)
         down, mid = residual_shapes(unet, 1, 2 ** (unet.num_levels - 1))
         self.controlnet_down_blocks = [zero_conv(shape[1]) for shape in down]
         self.controlnet_mid_block = zero_conv(mid[1])

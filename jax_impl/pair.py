@@ -82,8 +82,7 @@ def loss_fn(
     variables = {"params": {"controlnet": params, "unet": unet_params}}
     if compute_dtype is not None:
         variables, noisy, context, class_labels, text_embeds, cond = cast_floating(
-            (variables, noisy, context, class_labels, text_embeds, cond), compute_dtype
-        )
+            (variables, noisy, context, class_labels, text_embeds, cond), compute_dtype)  # fmt: skip
     pred = model.apply(variables, noisy, t, context, class_labels, text_embeds, time_ids, cond, train=True,
                        rngs={"dropout": key})  # fmt: skip
     return jnp.mean((pred.astype(jnp.float32) - noise) ** 2)

@@ -70,9 +70,8 @@ def trained_mask(params: Any, regime: Regime = DEFAULT) -> Any:
     """True for each parameter ``regime`` trains: all, or under LoRA the adapters' (`LoRADense`)."""
     if regime.lora_rank is None:
         return jax.tree.map(lambda _: True, params)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: any(getattr(k, "key", None) in LORA_LEAVES for k in path), params
-    )
+    return jax.tree_util.tree_map_with_path(lambda path, _: any(getattr(k, "key", None) in LORA_LEAVES for k in path),
+                                            params)  # fmt: skip
 
 
 def trained_leaves(params: Any, regime: Regime = DEFAULT) -> list[Any]:

@@ -107,8 +107,7 @@ def loss_fn(
     context, class_labels, text_embeds, time_ids = conditioning
     if compute_dtype is not None:  # time_ids stay float32, as t does (pixel sizes up to 2048 and more)
         params, noisy, context, class_labels, text_embeds = cast_floating(
-            (params, noisy, context, class_labels, text_embeds), compute_dtype
-        )
+            (params, noisy, context, class_labels, text_embeds), compute_dtype)  # fmt: skip
     variables, rngs = flax_variables(params, batch_stats), {"dropout": dropout_key}
     inputs = (context, class_labels, text_embeds, time_ids)
     pred, updates = model.apply(variables, noisy, t, *inputs, train=True, rngs=rngs, mutable=["batch_stats"])

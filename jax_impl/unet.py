@@ -125,9 +125,8 @@ class UNetTrunk(nn.Module):
         if kind == "none":
             return None
         args = attention_args(self.trunk_spec, kind, level, block, output_scale)
-        return functools.partial(
-            ATTENTION_LAYERS[kind], **kwargs(args), query_chunk=self.attention_chunk, lora_rank=self.lora_rank
-        )
+        return functools.partial(ATTENTION_LAYERS[kind], **kwargs(args), query_chunk=self.attention_chunk,
+                                 lora_rank=self.lora_rank)  # fmt: skip
 
     def _encode(
         self, x: Array, temb: Array, context: Array | None, train: bool, hint: Array | None = None,

@@ -60,10 +60,9 @@ def make_schedule(kind: str = "linear", num_timesteps: int = 1000) -> Schedule:
 def check_objective(spec: UNetSpec) -> None:
     """Refuse a spec the noise-prediction MSE cannot train (its output must have the input's channels)."""
     if spec.out_channels != spec.in_channels:
-        raise ValueError(
-            f"out_channels: spec {spec.name!r} maps {spec.in_channels} input channels to "
-            f"{spec.out_channels}; the noise-prediction objective needs out_channels == in_channels"
-        )
+        raise ValueError(f"out_channels: spec {spec.name!r} maps {spec.in_channels} input channels to "
+                         f"{spec.out_channels}; the noise-prediction objective needs out_channels == "
+                         "in_channels")  # fmt: skip
 
 
 def sample(eps_fn: Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray | None]], np.ndarray], schedule: Schedule,
