@@ -308,8 +308,7 @@ def keep_measured(
     prog: str, out: Path, device: str, jobs: list[Job], results: list[list[Event]], clock: tuple,
     stop: KeyboardInterrupt,
 ) -> Interrupted:  # fmt: skip
-    """An interrupted run of ``prog``: the rows measured so far, written as ``<out>/<prog>-*.json``
-    marked incomplete (nothing if none was); returns the interrupt to raise, saying what was kept."""
+    """An interrupted run: the rows so far in ``<out>/<prog>-*.json``, marked incomplete; the interrupt to raise."""
     signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
     rows = [e for evs in results for e in evs if e["event"] == "row"]
     if not rows:

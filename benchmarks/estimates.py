@@ -54,9 +54,8 @@ def _entry(workload: Workload, policy: str, device: str = "cpu") -> dict[str, An
     pred, profile = sol.predictions[0], profiles[0]
     entry = {"peak_bytes": pred.peak_bytes, "overhead": pred.overhead(profile)}
     if device != "cpu":
-        flavour = gpu.estimate(profile, workload.spec, workload.regime, assignment_of(workload.spec, policy),
-                               gpu.DEVICES[device])  # fmt: skip
-        entry[device] = flavour.as_dict()
+        entry[device] = gpu.estimate(profile, workload.spec, workload.regime, assignment_of(workload.spec, policy),
+                                     gpu.DEVICES[device]).as_dict()  # fmt: skip
     return entry
 
 
@@ -160,8 +159,7 @@ def _card_cell(cell: dict[str, Any]) -> str:
 
 
 def cards_markdown(doc: dict[str, Any]) -> str:
-    """Per card, "plain B · plan B' (+X%)": the largest batch with no checkpointing, and with the
-    cheapest plan that fits (its predicted step-time cost); "none fits": not even batch 1 planned."""
+    """Per card, "plain B · plan B' (+X%)", the largest batch plain and with the cheapest plan that fits."""
     cards, device = doc["cards_gib"], doc["device"]
     unit = "nvidia-smi GiB" if device != "cpu" else "GiB"
     head = ["config", "regime", *(f"{g:g} {unit}" for g in cards)]
@@ -231,8 +229,7 @@ GPU_METHOD = (
 
 @dataclass(frozen=True)
 class Table:
-    """The rows a run makes: per preset, batch and regime, the plans at ``budgets_gib``; with ``cards_gib``,
-    the card table per preset and regime (`card_row`), the step with ``step``'s encoders."""
+    """The rows a run makes: the estimates per preset, batch and regime, or (``cards_gib``) the card table."""
 
     configs: list[str]
     batches: list[int]

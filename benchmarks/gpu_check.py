@@ -53,24 +53,20 @@ CPU_STEPS = (
      200),
     ("guard", "benchmarks.guard_check", "--config tiny --sample-size 16 --batch-size 2 --device cpu --steps 3", 300),
     ("measured", "benchmarks.compare", f"--framework torch {TINY} --policies layers --steps 1 --timeline off", 200),
-)
+)  # fmt: skip
 
 
 def steps(cuda: bool, out: Path) -> list[Step]:
     """The check's commands: the GPU's (``cuda``) or the same ones on `tiny`, small, for the CPU."""
-    table = GPU_STEPS if cuda else CPU_STEPS
     # the sweep's folder follows its --sweep flag; the others take --out
-    return [
-        Step(name, [sys.executable, "-m", module, *args.split(), *([] if args.endswith("--sweep") else ["--out"]),
-                    str(out / name)], limit)
-        for name, module, args, limit in table
-    ]  # fmt: skip
+    return [Step(name, [sys.executable, "-m", module, *args.split(), *([] if args.endswith("--sweep") else ["--out"]),
+                        str(out / name)], limit)
+            for name, module, args, limit in (GPU_STEPS if cuda else CPU_STEPS)]  # fmt: skip
 
 
 def run_step(step: Step) -> dict[str, Any]:
     """Run ``step`` (stopped at its limit), its output kept."""
-    start = time.perf_counter()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start, env = time.perf_counter(), {**os.environ, "PYTHONUNBUFFERED": "1"}
     print(f"gpu_check: {step.name} (up to {step.limit_s} s): {' '.join(step.argv[2:])}", file=sys.stderr, flush=True)
     with worker_group(step.argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                       text=True) as proc:  # fmt: skip

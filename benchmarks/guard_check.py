@@ -65,12 +65,11 @@ def guarded_run(spec: UNetSpec, batch_size: int, steps: int, device: str, shapes
 def lines(doc: dict[str, Any]) -> list[str]:
     """One line per record: step, action, plan, predicted, measured, outside (MiB)."""
     mib = lambda b: "-" if b is None else f"{b / MIB:.1f}"  # noqa: E731
-    out = [f"{doc['spec']} batch {doc['batch_size']} on {doc['device']}: budget {mib(doc['budget'])} MiB, "
-           f"extra buffer {mib(doc['extra'])} MiB"]  # fmt: skip
-    for r in doc["history"]:
-        out.append(f"step {r['step']}: {r['action']:<14} predicted {mib(r['predicted'])} measured {mib(r['measured'])} "
-                   f"outside {mib(r['outside'])} MiB  {r['plan'][:60]}")  # fmt: skip
-    return out
+    head = (f"{doc['spec']} batch {doc['batch_size']} on {doc['device']}: budget {mib(doc['budget'])} MiB, "
+            f"extra buffer {mib(doc['extra'])} MiB")  # fmt: skip
+    return [head, *(f"step {r['step']}: {r['action']:<14} predicted {mib(r['predicted'])} measured "
+                    f"{mib(r['measured'])} outside {mib(r['outside'])} MiB  {r['plan'][:60]}"
+                    for r in doc["history"])]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -91,13 +91,9 @@ def next_batches(rows: list[dict[str, Any]], budget: float) -> tuple[int, ...]:
 
 def verification_jobs(probe_jobs: list[Job], rows: list[dict[str, Any]], budget: float) -> list[Job]:
     """One job per (framework, policy) not yet answered, with the batches to measure next."""
-    jobs = []
-    for job in probe_jobs:
-        for policy in job.policies:
-            todo = next_batches([r for r in rows if (r["framework"], r["policy"]) == (job.framework, policy)], budget)
-            if todo:
-                jobs.append(replace(job, policies=(policy,), batch_sizes=todo))
-    return jobs
+    todo = {(job, policy): next_batches([r for r in rows if (r["framework"], r["policy"]) == (job.framework, policy)],
+                                        budget) for job in probe_jobs for policy in job.policies}  # fmt: skip
+    return [replace(job, policies=(policy,), batch_sizes=batches) for (job, policy), batches in todo.items() if batches]
 
 
 def answer(rows: list[dict[str, Any]], budget: float) -> list[dict[str, Any]]:

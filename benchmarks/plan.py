@@ -141,8 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @dataclass(frozen=True)
 class Question:
-    """What to answer for a workload: the plan for ``budget_mib`` (racing ``candidates``), or ``policy``'s
-    prediction; ``verify``: measured too, over ``steps`` steps."""
+    """What to answer for a workload: the plan for ``budget_mib``, or ``policy``'s prediction."""
 
     framework: str = "torch"
     world_size: int = 1
@@ -156,8 +155,7 @@ class Question:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workload, Question]:
-    """The flags, the workload they describe (the attention chunk resolved on the workers' device) and
-    the question; SpecError for a combination refused."""
+    """The flags, the workload they describe and the question; SpecError for a combination refused."""
     args = build_parser().parse_args(argv)
     if args.policy is not None and (args.budget_mib is not None or args.sweep is not None or args.solve_times
                                     or args.candidates):  # fmt: skip

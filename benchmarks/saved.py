@@ -84,30 +84,24 @@ def jax_saved(config: str, policy: str, batch_size: int, context_length: int, ch
     leaves, tree = jax.tree.flatten((params, x, t, ctx))
     vjp = jax.make_jaxpr(lambda *a: jax.vjp(lambda *b: loss(*jax.tree.unflatten(tree, b)), *a), return_shape=True)
     closed, shapes = vjp(*leaves)
-    jaxpr = closed.jaxpr
-    n_res = jax.tree.structure(shapes[1]).num_leaves
+    jaxpr, n_res = closed.jaxpr, jax.tree.structure(shapes[1]).num_leaves
     residuals = {v for v in jaxpr.outvars[len(jaxpr.outvars) - n_res :] if not isinstance(v, Literal)}
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
     rows = []
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            if v not in residuals:
-                continue
-            src = _source(eqn, v, producer)
-            named = src.primitive is name_p
-            block = block_of(str(eqn.source_info.name_stack))
-            op = src.params["name"] if named else src.params.get("name", src.primitive.name)
-            nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * v.aval.dtype.itemsize
-            # A tag outside a recomputed block is only a label: the value is saved as any other.
-            kind = "policy" if named and block in recomputed else "saved"
-            rows.append(Saved(block, op, kind, tuple(v.aval.shape), str(v.aval.dtype), nbytes))
+    for eqn, v in ((e, v) for e in jaxpr.eqns for v in e.outvars if v in residuals):
+        src = _source(eqn, v, producer)
+        named = src.primitive is name_p
+        block = block_of(str(eqn.source_info.name_stack))
+        op = src.params["name"] if named else src.params.get("name", src.primitive.name)
+        nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * v.aval.dtype.itemsize
+        # A tag outside a recomputed block is only a label: the value is saved as any other.
+        kind = "policy" if named and block in recomputed else "saved"
+        rows.append(Saved(block, op, kind, tuple(v.aval.shape), str(v.aval.dtype), nbytes))
     return rows
 
 
 def _source(eqn: Any, var: Any, producer: dict) -> Any:
-    """The equation that made residual ``var``: through ``reduce_precision`` (as saved_residuals
-    does) and through a nested ``jax.checkpoint`` that only forwards one of its inputs (the layers'
-    own, such as `jax_impl.layers.norm_act`), to the value's real producer."""
+    """The equation that made residual ``var``, through ``reduce_precision`` and forwarding ``jax.checkpoint``s."""
     while True:
         if eqn.primitive.name == "reduce_precision" and eqn.invars[0] in producer:
             var = eqn.invars[0]
@@ -162,9 +156,7 @@ def _jax_device() -> str:
 
 
 def _differ(per_fw: dict[str, Any]) -> list[str]:
-    if len(per_fw) < 2:
-        return []
-    a, b = per_fw["torch"]["blocks"], per_fw["jax"]["blocks"]
+    a, b = (per_fw[fw]["blocks"] for fw in ("torch", "jax")) if len(per_fw) == 2 else ({}, {})
     return [k for k in a if a[k] != b.get(k)]
 
 
@@ -177,8 +169,7 @@ def render(doc: dict) -> str:
     fws = list(doc["frameworks"])
     lines = [f"{doc['config']} policy={doc['policy']} batch={doc['batch_size']} (params and inputs excluded); "
              f"{doc['settings']}"]  # fmt: skip
-    first = doc["frameworks"][fws[0]]["blocks"]
-    for blk in first:
+    for blk in doc["frameworks"][fws[0]]["blocks"]:
         stats = [doc["frameworks"][fw]["blocks"][blk] for fw in fws]
         cells = [f"{fw}: {s['count']:3d} tensors {_kib(s['bytes']):>12}" for fw, s in zip(fws, stats, strict=True)]
         mark = " !" if blk in doc["differ"] else ""

@@ -53,9 +53,7 @@ def resolve_device(requested: str) -> jax.Device:
             return jax.devices("gpu")[0]
         except RuntimeError:
             raise RuntimeError("device: gpu requested but jax sees no GPU (install jax[cuda12])") from None
-    if requested == "cpu":
-        return jax.devices("cpu")[0]
-    return jax.devices()[0]
+    return jax.devices("cpu")[0] if requested == "cpu" else jax.devices()[0]
 
 
 def _on_gpu(device: jax.Device) -> bool:
@@ -89,8 +87,8 @@ def prepare(job: Job, device: jax.Device) -> None:
 
 
 def device_info(device: jax.Device) -> dict[str, Any]:
-    name = device.device_kind if _on_gpu(device) else cpu_name()
-    return {"kind": "gpu" if _on_gpu(device) else "cpu", "name": name, "platform": device.platform}
+    kind, name = ("gpu", device.device_kind) if _on_gpu(device) else ("cpu", cpu_name())
+    return {"kind": kind, "name": name, "platform": device.platform}
 
 
 def versions() -> dict[str, str]:
@@ -132,8 +130,7 @@ def _initial_state(config: str, sample_size: int | None, source: str, regime: Re
 
 
 def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[str, Any]:
-    """What a row's step takes, the state abstract; over N > 1 ranks, the state FSDP-sharded as
-    ``--distributed fsdp`` trains and the global batch split (``rank_batch``: one device's part)."""
+    """What a row's step takes, the state abstract; over ranks, sharded as ``--distributed fsdp`` trains."""
     spec = job_spec(job)
     regime = job.regime
     model = UNet(spec=spec, policy=policy_arg(policy), attention_chunk=attention_chunk(job, device),

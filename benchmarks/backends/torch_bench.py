@@ -76,8 +76,7 @@ def memory_method(device: torch.device, world_size: int = 1) -> str:
 
 
 def static_floor(job: Job) -> dict[str, int]:
-    """What every step's peak holds at least, from shapes on the meta device: float32 parameters, buffers
-    and AdamW's two moments; in another regime the weights alone (a frozen base holds less state)."""
+    """The least any step's peak holds, from shapes on the meta device: the weights (and by default AdamW's state)."""
     with torch.device("meta"):
         model = UNet(job_spec(job))
     params = sum(p.numel() for p in model.parameters())

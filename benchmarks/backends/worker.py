@@ -23,29 +23,16 @@ from shared_configs.planning.workers import emit
 
 
 class Backend(Protocol):
-    """What a framework's measuring module (``benchmarks.<framework>_bench``) provides."""
+    """What a framework's measuring module (``benchmarks.backends.<framework>_bench``) provides."""
 
-    def prepare(self, job: Job, device: Any) -> None:
-        """Process-wide set-up before the first row (JAX: its compilation cache, the compiles)."""
-
-    def resolve_device(self, requested: str) -> Any:
-        """The device for ``auto`` / ``cpu`` / ``gpu``; RuntimeError (one line) if there is none."""
-
+    def prepare(self, job: Job, device: Any) -> None: ...  # process-wide set-up before the first row
+    def resolve_device(self, requested: str) -> Any: ...  # auto / cpu / gpu; RuntimeError if there is none
     def device_info(self, device: Any) -> dict[str, Any]: ...
-
     def versions(self) -> dict[str, str]: ...
-
-    def one_row_per_process(self, device: Any) -> bool:
-        """True when a peak counter cannot be reset, so each row needs a fresh process."""
-
-    def measure(self, job: Job, policy: str, batch_size: int, device: Any) -> dict[str, Any]:
-        """Every measured figure of one row."""
-
-    def release(self, device: Any) -> None:
-        """Free what a row left behind."""
-
+    def one_row_per_process(self, device: Any) -> bool: ...  # a peak counter that cannot be reset
+    def measure(self, job: Job, policy: str, batch_size: int, device: Any) -> dict[str, Any]: ...
+    def release(self, device: Any) -> None: ...  # free what a row left behind
     def oom_types(self) -> tuple[type[BaseException], ...]: ...
-
     def simulated_oom(self) -> BaseException: ...
 
 

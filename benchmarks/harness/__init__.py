@@ -1,4 +1,1 @@
-"""The parent side of a benchmark: jobs, the framework worker processes it starts, their rows.
-
-No torch or jax import: the parent stays free of both runtimes.
-"""
+"""The parent side of a benchmark: jobs, the worker processes it starts, their rows (no torch or jax import)."""

@@ -142,8 +142,7 @@ def git_sha() -> str | None:
 
 
 def cpu_snapshot() -> tuple[float, float | None, float]:
-    """(wall clock, CPU seconds the whole machine spent busy, CPU seconds of this process and its
-    finished children). Two snapshots give the share of the cores that *other* work used."""
+    """(wall clock, the machine's busy CPU seconds, this process's and its children's): see `other_cpu_share`."""
     own = sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
               for f in ("ru_utime", "ru_stime"))  # fmt: skip
     try:

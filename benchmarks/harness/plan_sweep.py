@@ -110,8 +110,7 @@ def sweep(workload: Workload, frameworks: tuple[str, ...], count: int, verify: b
 def _at_measured_balanced(
     fw: str, workload: Workload, profile: Profile, balanced: dict[str, Any], margin: float, steps: int
 ) -> list[dict[str, Any]]:
-    """The plan at ``balanced``'s measured peak (known only now), measured beside ``none`` and
-    ``balanced`` in a process of its own: what the planner does with the memory balanced uses."""
+    """The plan at ``balanced``'s measured peak, measured beside ``none`` and ``balanced`` in a process of its own."""
     budget = balanced["measured_peak_bytes"]
     try:
         sol = checked_solve([profile], workload, budget, margin, (fw,))
@@ -186,8 +185,7 @@ def against_balanced(doc: dict[str, Any]) -> str:
 
 
 def against_hand(doc: dict[str, Any]) -> str:
-    """Each measured plan against every hand policy that fits its budget (measured), round by round, and
-    whether the claim (no slower than any hand policy that fits) holds at 90%."""
+    """Each measured plan against every hand policy that fits its budget, round by round: the claim at 90%."""
     lines = []
     for fw, data in doc["frameworks"].items():
         hand = data["hand"]  # measured wherever a plan is paired with it
@@ -238,9 +236,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
             y = h["predicted_overhead"] if y is None else y
             ax.scatter([x / MIB], [100 * y], color="tab:blue", zorder=3)
             ax.annotate(name, (x / MIB, 100 * y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        ax.set_xlabel("peak memory of the step (MiB)")
-        ax.set_ylabel("step-time overhead vs none (%)")
-        ax.set_title(f"{fw}: {doc['config']} {doc['sample_size']}x{doc['sample_size']}, batch {doc['batch_size']}")
+        ax.set(xlabel="peak memory of the step (MiB)", ylabel="step-time overhead vs none (%)",
+               title=f"{fw}: {doc['config']} {doc['sample_size']}x{doc['sample_size']}, batch {doc['batch_size']}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -55,9 +55,8 @@ def static_floor(job: Job) -> dict[str, int]:
     return {k: v for k, v in floor.items() if k != "event"}
 
 
-def _run_worker(
-    job: Job, events: list[Event], on_event: Callable[[Event], None], verbose: bool
-) -> tuple[tuple[str, int] | None, list[tuple[str, int]], int, str]:
+def _run_worker(job: Job, events: list[Event], on_event: Callable[[Event], None], verbose: bool
+                ) -> tuple[tuple[str, int] | None, list[tuple[str, int]], int, str]:  # fmt: skip
     """One worker process; returns (row it died in, rows it finished, exit code, stderr tail)."""
     # torch's ranks are processes (torchrun); jax's, devices of one
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(job.world_size)]

@@ -67,9 +67,8 @@ def _panel(ax: Any, rows: list[Row], batch_size: int, unreliable: float | None) 
     ax.axhline(0, color="black", linewidth=0.5)
     ax.axvline(1, color="black", linewidth=0.5)
     _labels(points, ax)
-    ax.set_xlabel("step-time overhead vs none (x)")
-    ax.set_ylabel("peak-memory reduction vs none (%)")
-    ax.set_title(f"batch {batch_size}")
+    ax.set(xlabel="step-time overhead vs none (x)", ylabel="peak-memory reduction vs none (%)",
+           title=f"batch {batch_size}")
     ax.grid(alpha=0.3)
     if unreliable is not None:
         ax.text(0.5, 0.02, f"hollow: timings unreliable (other processes used {unreliable:.0%} of the cores)",
@@ -107,10 +106,8 @@ def _timeline_panel(ax: Any, record: dict[str, Any], top: float) -> None:
     peak = max(sum(col) for col in zip(*ys, strict=True))
     ax.axhline(peak, color="black", ls="--", lw=0.7)
     ax.text(100, peak, f"peak {peak:,.0f} MiB", fontsize=7, ha="right", va="bottom")
-    ax.set_ylim(0, top * 1.12)
-    ax.set_xlim(0, 100)
-    ax.set_xlabel("position in the step (% of ops in execution order)")
-    ax.set_ylabel("live MiB")
+    ax.set(xlim=(0, 100), ylim=(0, top * 1.12), xlabel="position in the step (% of ops in execution order)",
+           ylabel="live MiB")  # fmt: skip
     ax.set_title(f"{record['framework']} {record['policy']} @ batch {record['batch_size']}", fontsize=9)
 
 

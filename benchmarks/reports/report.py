@@ -36,14 +36,11 @@ COLUMNS: tuple[str, ...] = (
 )  # fmt: skip
 # (column, column it is compared with, kind): reductions are 1 - x / x_none, ratios x / x_none.
 RELATIVE: tuple[tuple[str, str, str], ...] = (
-    ("peak_reduction", "peak_bytes", "reduction"),
-    ("activation_reduction", "activation_bytes", "reduction"),
+    ("peak_reduction", "peak_bytes", "reduction"), ("activation_reduction", "activation_bytes", "reduction"),
     ("saved_reduction", "saved_bytes", "reduction"),
-    ("xla_default_peak_reduction", "xla_default_peak_bytes", "reduction"),
-    ("time_overhead", "step_time_s", "ratio"),
-    ("flops_ratio", "flops", "ratio"),
-    ("recompute_flops", "flops", "difference"),
-)
+    ("xla_default_peak_reduction", "xla_default_peak_bytes", "reduction"), ("time_overhead", "step_time_s", "ratio"),
+    ("flops_ratio", "flops", "ratio"), ("recompute_flops", "flops", "difference"),
+)  # fmt: skip
 
 
 def complete(rows: Iterable[Row]) -> list[Row]:
@@ -123,15 +120,12 @@ COLUMNS_SHOWN: tuple[tuple[str, Callable[[Row], str]], ...] = (
 
 
 def _cell_saved(row: Row) -> str:
-    if row["policy"] == "none" or row["peak_reduction"] is None:
-        return "-"
-    return f"{100 * row['peak_reduction']:.0f}%"
+    return "-" if row["policy"] == "none" or row["peak_reduction"] is None else f"{100 * row['peak_reduction']:.0f}%"
 
 
 def _cell_ratio(row: Row, unreliable: bool) -> str:
-    if row["time_overhead"] is None:
-        return "-"
-    return f"{row['time_overhead']:.2f}x" + (" ?" if unreliable and row["policy"] != "none" else "")
+    mark = " ?" if unreliable and row["policy"] != "none" else ""
+    return "-" if row["time_overhead"] is None else f"{row['time_overhead']:.2f}x{mark}"
 
 
 FITS = {"ok": "yes", "oom": "[red]OOM[/red]", "error": "[red]error[/red]"}
@@ -156,9 +150,7 @@ def _ranks_columns(shown: list, at: int, compact: bool = False) -> None:
 
 
 def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = False) -> Table:
-    """The terminal table: memory in MiB (saved against ``none``), times against ``none``'s. ``wide``:
-    every figure (the peak's parts, seconds, compile, FLOPs). ``unreliable``: the run judged its
-    timings unreliable (other processes took the cores): the ratios are marked ``?``."""
+    """The terminal table (``wide``: every figure); ``unreliable`` timings mark the ratios ``?``."""
     ranked = any((r["world_size"] or 1) > 1 for r in rows)
     if not wide:
         return _compact(rows, title, unreliable, ranked)
@@ -215,8 +207,7 @@ def regime(rows: list[Row]) -> list[str]:
 
 
 def checks(rows: list[Row]) -> list[str]:
-    """Each framework's figures against an independent count of the same step: torch's tracker
-    against PyTorch's MemTracker; the live bytes rebuilt from XLA's dump against XLA's own peak."""
+    """Each framework's figures against an independent count of the same step (MemTracker; XLA's own)."""
     pairs = {
         "tracker peak vs MemTracker's": ("tracker_peak_bytes", "memtracker_peak_bytes"),
         "live bytes rebuilt from XLA's dump vs XLA's own count at its peak": ("live_peak_bytes", "xla_live_peak_bytes"),
@@ -233,11 +224,10 @@ def checks(rows: list[Row]) -> list[str]:
 
 def methods(rows: list[Row]) -> dict[str, dict[str, str]]:
     """Which method produced each framework's figures (the first successful row's)."""
+    keys = ("peak_method", "saved_method", "flops_method", "check_method", "xla_default_method")
     out: dict[str, dict[str, str]] = {}
-    for row in rows:
-        if row["status"] == "ok" and row["framework"] not in out:
-            keys = ("peak_method", "saved_method", "flops_method", "check_method", "xla_default_method")
-            out[row["framework"]] = {k: row[k] for k in keys if row[k] is not None}
+    for row in (r for r in rows if r["status"] == "ok" and r["framework"] not in out):
+        out[row["framework"]] = {k: row[k] for k in keys if row[k] is not None}
     return out
 
 
