@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -60,11 +61,9 @@ def _load(cls: type[UNet | ControlNet], source: Source, policy: PolicyArg, varia
         raise ValueError(f"{what} is a diffusers U-Net, not a ControlNetModel: use from_diffusers")
     check_weights({k: tuple(np.shape(v)) for k, v in state.items()}, torch_shapes(spec), spec)
     params = torch_to_flax(state, spec)
-    return cls(spec=spec, policy=policy), params if dtype is None else _cast(params, jnp.dtype(dtype))
-
-
-def _cast(tree: dict, dtype: np.dtype) -> dict:
-    return {k: _cast(v, dtype) if isinstance(v, dict) else np.asarray(v).astype(dtype) for k, v in tree.items()}
+    if dtype is not None:
+        params = jax.tree.map(lambda v: np.asarray(v).astype(jnp.dtype(dtype)), params)
+    return cls(spec=spec, policy=policy), params
 
 
 def to_diffusers_state_dict(params: dict, spec: Spec) -> dict[str, Any]:
