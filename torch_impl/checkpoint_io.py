@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils._pytree import tree_leaves
 
 from shared_configs.training.manifest import Manifest
@@ -61,6 +59,9 @@ def _quiet_single_process() -> Iterator[None]:
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Extra | None) -> dict[str, Any]:
+    # DCP is imported where a checkpoint is read or written: its import is slow, and most processes never do
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     if extra:  # the regime's own state: the EMA copy, the loss scale
@@ -78,6 +79,8 @@ def save_checkpoint(
     state = _state(model, optimizer, extra)
 
     def write(folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
         with _quiet_single_process():
             dcp.save(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
 
@@ -93,6 +96,9 @@ def load_checkpoint(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Extra | None = None
 ) -> Manifest:
     """Check ``path`` against its manifest, then restore ``model``, ``optimizer`` and ``extra`` (every rank)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     manifest = read_checkpoint(path, FRAMEWORK, LAYOUT)
     verify(path, manifest, current_comm())
     state = _state(model, optimizer, extra)
