@@ -188,6 +188,7 @@ def test_to_diffusers_state_dict_loads_strictly(case: dict[str, Any]) -> None:
         assert torch.equal(fresh.state_dict()[key], value), key
 
 
+@pytest.mark.slow
 def test_flax_from_live_module_and_back() -> None:
     model = _build("sd2_linear")
     module, params = _quiet_load(jax_io.from_diffusers, model)

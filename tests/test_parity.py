@@ -32,6 +32,7 @@ def test_outputs_match(name: str) -> None:
     assert rel_err(out, ref) <= 1e-5
 
 
+@pytest.mark.slow_for("sd_linear_proj", "sd21_style")
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_round_trip_is_exact(name: str) -> None:
     tmodel, _, params = parity_pair(name)

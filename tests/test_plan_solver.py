@@ -100,6 +100,7 @@ def test_next_best_plans_are_brute_forces_runners_up() -> None:
     assert len(next_best(profile, spec, few, 0.0, first, 4)) == sum(p.peak_bytes <= few for p, _ in plans) - 1
 
 
+@pytest.mark.slow
 def test_joint_solver_fits_both_profiles_as_brute_force() -> None:
     """Two profiles (torch and JAX): the plan must fit in each; cost = sum of relative recompute times."""
     spec = _small_spec()

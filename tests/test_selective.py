@@ -93,6 +93,7 @@ def _policy_rows(doc: dict, fw: str, block: str) -> Counter:
     return Counter((r["op"], math.prod(r["shape"])) for r in rows if r["kind"] == "policy" and r["block"] == block)
 
 
+@pytest.mark.slow  # `docs`: the inspector over three plans in both frameworks (the CLI's own check stays)
 def test_save_convs_saves_the_same_tensors_in_both(docs: dict[str, dict]) -> None:
     """Per recomputed block, the outputs kept by the op-level policy match, modulo layout.
 
@@ -113,12 +114,14 @@ def test_save_convs_saves_the_same_tensors_in_both(docs: dict[str, dict]) -> Non
     assert extras < sum(doc["frameworks"]["jax"]["blocks"][b]["count"] for b in ("down.0", "mid"))
 
 
+@pytest.mark.slow
 def test_saved_bytes_between_full_and_none(docs: dict[str, dict]) -> None:
     for fw in ("torch", "jax"):
         total = {p: d["frameworks"][fw]["total_bytes"] for p, d in docs.items()}
         assert total["full"] < total["save_convs"] < total["none"], (fw, total)
 
 
+@pytest.mark.slow
 def test_jax_keeps_no_more_than_torch_under_full(docs: dict[str, dict]) -> None:
     """Under ``full`` what stays for the backward is each block's input and what runs outside the
     blocks (conv_norm_out, ...): no more in JAX than torch's autograd keeps, since the Flax layers
