@@ -54,9 +54,8 @@ def _as_spec(spec: UNetSpec | str) -> UNetSpec:
     return load_spec(spec) if isinstance(spec, str) else spec
 
 
-def abstract_inputs(
-    spec: UNetSpec, batch: int = 1, sample_size: int | None = None, context_len: int = 1
-) -> dict[str, jax.ShapeDtypeStruct | None]:
+def abstract_inputs(spec: UNetSpec, batch: int = 1, sample_size: int | None = None, context_len: int = 1
+                    ) -> dict[str, jax.ShapeDtypeStruct | None]:  # fmt: skip
     """Shape structs of every input of ``spec`` (NHWC) by name, at the smallest sizes by default (``eval_shape``)."""
     size = sample_size or 2 ** (spec.num_levels - 1)
     specs = input_specs(spec, batch, size, context_len, layout="NHWC")
@@ -81,11 +80,9 @@ class UNetTrunk(nn.Module):
         self.conv_in = conv3x3(chans[0])
         self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim, spec.time_embedding.cond_dim)
         self._conditioning_layers()
-        self.down = [
-            self._block(DownBlock, b, plan, b.in_ch, b.out_ch, spec.layers_per_block,
-                        downsample_padding=b.downsample_padding, resnet_resample=b.resnet_resample)
-            for b in down_blocks(spec)
-        ]  # fmt: skip
+        self.down = [self._block(DownBlock, b, plan, b.in_ch, b.out_ch, spec.layers_per_block,
+                                 downsample_padding=b.downsample_padding, resnet_resample=b.resnet_resample)
+                     for b in down_blocks(spec)]  # fmt: skip
         mid = BlockArgs("mid", chans[-1], chans[-1], spec.mid_attention, -1)
         self.mid = self._block(MidBlock, mid, plan, chans[-1], output_scale=spec.mid_block_scale_factor)
 
@@ -119,9 +116,8 @@ class UNetTrunk(nn.Module):
         return functools.partial(ResnetBlock, **kwargs(block_resnet_args(self.trunk_spec, block)))
 
     @nn.nowrap
-    def _attention_factory(
-        self, kind: str, level: int, block: str, output_scale: float = 1.0
-    ) -> AttentionFactory | None:
+    def _attention_factory(self, kind: str, level: int, block: str, output_scale: float = 1.0
+                           ) -> AttentionFactory | None:  # fmt: skip
         if kind == "none":
             return None
         args = attention_args(self.trunk_spec, kind, level, block, output_scale)
