@@ -115,9 +115,8 @@ class UpBlock(nn.Module):
             ch = self.out_ch
             self.upsample = self.make_resnet(ch, ch, resample="up") if self.resnet_resample else Upsample(ch)
 
-    def __call__(
-        self, x: Array, skips: Sequence[Array], temb: Array, context: Context, mask: Mask = None, train: bool = False
-    ) -> Array:
+    def __call__(self, x: Array, skips: Sequence[Array], temb: Array, context: Context, mask: Mask = None,
+                 train: bool = False) -> Array:  # fmt: skip
         """``skips`` in the order they were produced; consumed last first."""
         for j, resnet in enumerate(self.resnets):
             x = resnet(jnp.concatenate([x, skips[-1 - j]], axis=-1), temb, train)

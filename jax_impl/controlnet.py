@@ -121,9 +121,8 @@ def abstract_controlnet_inputs(spec: ControlNetSpec, batch: int = 1) -> dict[str
     return named | {"controlnet_cond": cond} | inputs
 
 
-def controlnet_from_unet(
-    unet_params: dict, spec: UNetSpec, rng: jax.Array | None = None, policy: PolicyArg = None, **options: object
-) -> tuple[ControlNet, dict]:
+def controlnet_from_unet(unet_params: dict, spec: UNetSpec, rng: jax.Array | None = None, policy: PolicyArg = None,
+                         **options: object) -> tuple[ControlNet, dict]:  # fmt: skip
     """``(module, params)``: a ControlNet on ``spec``, its encoder the U-Net's (``from_unet``); ``options``: spec's."""
     cspec = ControlNetSpec(name=f"{spec.name}_controlnet", unet=spec, **options)
     module = ControlNet(spec=cspec, policy=policy)

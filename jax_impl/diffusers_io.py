@@ -26,9 +26,8 @@ from shared_configs.diffusers.folders import ours_to_diffusers as _ours_to_diffu
 Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model / ControlNetModel
 
 
-def read_diffusers(
-    source: Source, variant: str | None = None, *, subfolder: str | None = None, revision: str | None = None
-) -> tuple[UNetSpec | ControlNetSpec, dict[str, Any]]:
+def read_diffusers(source: Source, variant: str | None = None, *, subfolder: str | None = None,
+                   revision: str | None = None) -> tuple[UNetSpec | ControlNetSpec, dict[str, Any]]:  # fmt: skip
     """The spec and the state_dict (in our torch names; arrays or tensors) of a diffusers U-Net or ControlNet."""
     return read_source(source, variant, _read_file, subfolder, revision)
 

@@ -57,9 +57,8 @@ def apply_norm(norm: nn.Module, x: Array, train: bool) -> Array:
     return norm(x)
 
 
-def norm_act(
-    norm: nn.Module, x: Array, train: bool = False, silu: bool = False, film: tuple[Array, Array] | None = None
-) -> Array:
+def norm_act(norm: nn.Module, x: Array, train: bool = False, silu: bool = False,
+             film: tuple[Array, Array] | None = None) -> Array:  # fmt: skip
     """``norm(x)``, then ``* (1 + scale) + shift`` with ``film=(scale, shift)``, then SiLU if ``silu``,
     recomputed from ``x`` in the backward pass: autodiff would keep x - mean and the SiLU's input and
     sigmoid, where torch's autograd keeps the norm's input and output. The parameter tree is unchanged,

@@ -74,9 +74,8 @@ def pair_trainee(pair: ControlNetPair, unet_params: Any) -> Trainee:
     return Trainee(pair, train_step, (unet_params,), lambda s, unet: {"params": {"controlnet": s.params, "unet": unet}})
 
 
-def loss_fn(
-    params: Any, unet_params: Any, model: ControlNetPair, batch: tuple, key: Array, compute_dtype: DTypeLike = None
-) -> Array:
+def loss_fn(params: Any, unet_params: Any, model: ControlNetPair, batch: tuple, key: Array,
+            compute_dtype: DTypeLike = None) -> Array:  # fmt: skip
     """The U-Net's noise-prediction MSE in float32; ``compute_dtype`` as in `jax_impl.step.loss_fn`."""
     noisy, t, noise, context, class_labels, text_embeds, time_ids, cond = batch
     variables = {"params": {"controlnet": params, "unet": unet_params}}

@@ -129,9 +129,8 @@ def train_step(
     return apply_gradients(state, tx, loss_scale, loss)
 
 
-def apply_gradients(
-    state: TrainState, tx: optax.GradientTransformation, loss_scale: float | None, loss: Callable[[Any], tuple]
-) -> tuple[TrainState, jax.Array]:
+def apply_gradients(state: TrainState, tx: optax.GradientTransformation, loss_scale: float | None,
+                    loss: Callable[[Any], tuple]) -> tuple[TrainState, jax.Array]:  # fmt: skip
     """``state`` updated by the gradients of ``loss(params) -> (loss, batch_stats)``, scaled; the EMA moved."""
     scale = 1.0 if loss_scale is None else loss_scale
 
