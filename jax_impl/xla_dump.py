@@ -45,12 +45,8 @@ class MemoryPlan:
 def read(folder: str | Path) -> MemoryPlan:
     """The plan XLA dumped into ``folder`` for the compiled training step (`jax_impl.memory`'s parse)."""
     dump = read_dump(folder)
-    buffers = [
-        Buffer(name, *dump.ranges[(name, index)], size)
-        for allocation in dump.allocations
-        for name, index, _, size in allocation.values
-        if (name, index) in dump.ranges
-    ]
+    buffers = [Buffer(name, *dump.ranges[(name, index)], size) for allocation in dump.allocations
+               for name, index, _, size in allocation.values if (name, index) in dump.ranges]  # fmt: skip
     parameters = frozenset(n for n, op in dump.hlo.opcodes.items() if op == "parameter")
     return MemoryPlan(dump.sequence, buffers, dump.hlo.op_names, parameters)
 

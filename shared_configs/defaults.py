@@ -36,13 +36,10 @@ class Defaults:
 
     def describe(self, fields: tuple[str, ...] = FIELDS) -> str:
         """One line naming ``fields`` as used, e.g. for a tool's stderr or its header."""
-        text = {
-            "attention_chunk": f"jax attention {chunk_text(self.attention_chunk)}",
-            "dtype": self.dtype,
-            "context_length": f"context {self.context_length} tokens",
-            "steps": f"{self.steps} timed step{'s' * (self.steps != 1)}",
-            "jax_cache": f"jax compilation cache {self.jax_cache or 'off'}",
-        }
+        text = {"attention_chunk": f"jax attention {chunk_text(self.attention_chunk)}", "dtype": self.dtype,
+                "context_length": f"context {self.context_length} tokens",
+                "steps": f"{self.steps} timed step{'s' * (self.steps != 1)}",
+                "jax_cache": f"jax compilation cache {self.jax_cache or 'off'}"}  # fmt: skip
         return f"{self.device}: " + ", ".join(text[f] for f in fields)
 
 
