@@ -85,6 +85,6 @@ def encoders(request: dict[str, Any]) -> dict[str, Any]:
     """The worker's answer: `measure` of each encoder in ``request["encoders"]``."""
     found = {}
     for data in request["encoders"]:
-        encoder = Encoder.from_json(data)
+        encoder = Encoder(**data)
         found[encoder.name] = measure(encoder, request["batch_size"], request.get("autocast"))
     return {"encoders": found}

@@ -53,10 +53,6 @@ class Encoder:
     def config_dict(self) -> dict[str, Any]:
         return json.loads(self.config)
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Encoder:
-        return cls(**data)
-
 
 @dataclass(frozen=True)
 class StepOptions:
