@@ -14,11 +14,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from shared_configs.controlnet import ControlNetSpec
-from shared_configs.diffusers.config import from_diffusers_config
 from shared_configs.diffusers.controlnet import spec_from_config
 from shared_configs.spec import UNetSpec
-
-__all__ = ["DiffusersFolder", "check_weights", "find_folder", "from_diffusers_config", "read_source"]
 
 V = TypeVar("V")
 
