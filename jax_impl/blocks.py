@@ -55,9 +55,8 @@ class DownBlock(nn.Module):
         if pad is not None:
             self.downsample = self.make_resnet(ch, ch, resample="down") if self.resnet_resample else Downsample(ch, pad)
 
-    def __call__(
-        self, x: Array, temb: Array, context: Context, mask: Mask = None, train: bool = False
-    ) -> tuple[Array, ...]:
+    def __call__(self, x: Array, temb: Array, context: Context, mask: Mask = None,
+                 train: bool = False) -> tuple[Array, ...]:  # fmt: skip
         """Returns the skips of this level; the last one is the block's output."""
         skips = []
         for j, resnet in enumerate(self.resnets):

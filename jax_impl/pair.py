@@ -54,9 +54,8 @@ class ControlNetPair(nn.Module):
                          mid_block_additional_residual=mid)  # fmt: skip
 
 
-def init_pair(
-    pair: ControlNetPair, tx: optax.GradientTransformation, seed: int, regime: Regime = DEFAULT
-) -> tuple[TrainState, Any]:
+def init_pair(pair: ControlNetPair, tx: optax.GradientTransformation, seed: int,
+              regime: Regime = DEFAULT) -> tuple[TrainState, Any]:  # fmt: skip
     """The ControlNet's `TrainState` (its encoder the U-Net's) and the U-Net's params, in ``regime``."""
     shapes = abstract_controlnet_inputs(pair.spec.controlnet)
     inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}

@@ -133,9 +133,8 @@ def start(
     return start_state(lambda: init_state(model, tx, cfg.seed, cfg.regime), cfg, run, mesh, comm), Trainee(model)
 
 
-def build(
-    trains: UNetSpec | ControlNetPairSpec, plan: CheckpointPlan, chunk: int | None, cfg: TrainConfig
-) -> UNet | ControlNetPair:
+def build(trains: UNetSpec | ControlNetPairSpec, plan: CheckpointPlan, chunk: int | None,
+          cfg: TrainConfig) -> UNet | ControlNetPair:  # fmt: skip
     """The model of the run's step under ``plan``, with the attention chunk ``chunk`` (and the regime's LoRA rank)."""
     if isinstance(trains, ControlNetPairSpec):
         return ControlNetPair(spec=trains, policy=plan.policy, attention_chunk=chunk)
