@@ -22,9 +22,8 @@ from shared_configs.regime import DEFAULT, Regime, check_planned
 from shared_configs.spec import SpecError
 
 # The regime's dtype names; None computes in the params' own dtype (no casts at all).
-DTYPES: dict[str | None, DTypeLike | None] = {
-    None: None, "float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16
-}  # fmt: skip
+DTYPES: dict[str | None, DTypeLike | None] = {None: None, "float32": None, "bfloat16": jnp.bfloat16,
+                                              "float16": jnp.float16}  # fmt: skip
 # fp16-mixed's static loss scale (a step whose gradients still overflow is skipped: `optax.apply_if_finite`).
 LOSS_SCALE = 2.0**12
 EMA_DECAY = 0.9999
@@ -61,7 +60,10 @@ def make_optimizer(lr: float, weight_decay: float, regime: Regime = DEFAULT) -> 
     else:  # weight_decay explicit: optax's default is 1e-4
         tx = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
     if regime.lora_rank is not None:  # the adapters train; the rest gets no update and no state
-        labels = functools.partial(_labels, regime=regime)
+
+        def labels(params: Any) -> Any:
+            return jax.tree.map(lambda t: "trained" if t else "frozen", trained_mask(params, regime))
+
         tx = optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
     return optax.apply_if_finite(tx, max_consecutive_errors=10) if regime.loss_scaling else tx
 
@@ -79,20 +81,13 @@ def trained_leaves(params: Any, regime: Regime = DEFAULT) -> list[Any]:
     return [x for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(trained_mask(params, regime)), strict=True) if t]
 
 
-def _labels(params: Any, regime: Regime) -> Any:
-    return jax.tree.map(lambda t: "trained" if t else "frozen", trained_mask(params, regime))
-
-
 def init_ema(params: Any, regime: Regime) -> Any:
     """``regime``'s float32 EMA copy of ``params`` (a copy: float32 params would share buffers, donated twice),
     or None; under LoRA a frozen weight holds an empty array."""
     if not regime.ema:
         return None
-
-    def copy(param: jax.Array, trained: bool) -> jax.Array:
-        return jnp.array(param if trained else param[:0], jnp.float32, copy=True)
-
-    return jax.tree.map(copy, params, trained_mask(params, regime))
+    return jax.tree.map(lambda p, trained: jnp.array(p if trained else p[:0], jnp.float32, copy=True), params,
+                        trained_mask(params, regime))  # fmt: skip
 
 
 def update_ema(ema: Any, params: Any) -> Any:
