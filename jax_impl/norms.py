@@ -50,13 +50,6 @@ def norm_layer(ch: int, norm: str, groups: int, eps: float, momentum: float) -> 
     return NORM[norm](groups, eps, momentum)
 
 
-def apply_norm(norm: nn.Module, x: Array, train: bool) -> Array:
-    """Call a `norm_layer`; a BatchNorm uses (and updates) batch statistics in train mode, else its running ones."""
-    if isinstance(norm, nn.BatchNorm):
-        return norm(x, use_running_average=not train)
-    return norm(x)
-
-
 def norm_act(norm: nn.Module, x: Array, train: bool = False, silu: bool = False,
              film: tuple[Array, Array] | None = None) -> Array:  # fmt: skip
     """``norm(x)``, then ``* (1 + scale) + shift`` with ``film=(scale, shift)``, then SiLU if ``silu``,
@@ -65,7 +58,8 @@ def norm_act(norm: nn.Module, x: Array, train: bool = False, silu: bool = False,
     and a plan's ``save=norm`` still keeps the tagged output. Figures: docs/remat_vs_checkpoint.md."""
 
     def f(module: nn.Module, y: Array, film: tuple[Array, Array] | None) -> Array:
-        y = apply_norm(module, y, train)
+        # a BatchNorm uses (and updates) batch statistics in train mode, else its running ones
+        y = module(y, use_running_average=not train) if isinstance(module, nn.BatchNorm) else module(y)
         if film is not None:
             y = y * (1 + film[0]) + film[1]
         return nn.silu(y) if silu else y
