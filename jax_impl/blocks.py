@@ -104,10 +104,8 @@ class UpBlock(nn.Module):
 
     def setup(self) -> None:
         ins = [self.in_ch] + [self.out_ch] * (len(self.skip_channels) - 1)
-        self.resnets = [
-            _layer(self, "resnets", j, self.make_resnet, i + s, self.out_ch)
-            for j, (i, s) in enumerate(zip(ins, self.skip_channels, strict=True))
-        ]
+        self.resnets = [_layer(self, "resnets", j, self.make_resnet, i + s, self.out_ch)
+                        for j, (i, s) in enumerate(zip(ins, self.skip_channels, strict=True))]  # fmt: skip
         self.attentions = _attentions(self, self.make_attention, self.out_ch, len(self.skip_channels))
         self.upsample = None
         if self.add_upsample:
