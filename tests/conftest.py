@@ -3,14 +3,17 @@
 The tests check values, not speed. XLA:CPU spends seconds optimising each gradient program, so
 every compile of the test run (and in the subprocesses tests start, which inherit the environment)
 runs with backend optimisation off and in one LLVM module (`FAST_COMPILE`): the same HLO, the same
-buffer assignment and memory analysis, about 4x faster to compile (Flax's own example tests set
+buffer assignment and memory analysis, several times faster to compile (Flax's own example tests set
 ``jax_disable_most_optimizations`` the same way). This must happen before jax is first imported,
 hence at conftest import time. A test that needs the optimised compile passes its own ``compiler_options``.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -32,6 +35,11 @@ _fast_xla_environment()
 # shared_configs.defaults): a cache hit compiles nothing, so an XLA dump a later test reads would be
 # missing, and the tests would write to the user's cache.
 os.environ.setdefault("UNET_REMAT_JAX_CACHE", "none")
+# The planner's profiles go to a folder of this test process (as on a fresh machine), not the user's
+# cache: a profile left by an earlier run would hide a test's cost and its cold path.
+if "UNET_REMAT_PLAN_CACHE" not in os.environ:
+    os.environ["UNET_REMAT_PLAN_CACHE"] = tempfile.mkdtemp(prefix="unet-remat-plan-")
+    atexit.register(shutil.rmtree, os.environ["UNET_REMAT_PLAN_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="session")
