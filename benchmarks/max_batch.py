@@ -34,12 +34,8 @@ ROUNDS = 6  # line predictions, then bisection steps
 def parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.prog, p.description = "python -m benchmarks.max_batch", __doc__.split("\n\n")[0]
-    p.add_argument(
-        "--budget-mib",
-        type=positive_mib,
-        required=True,
-        help="the memory budget, MiB (required; above the floor: the parameters and AdamW state)",
-    )
+    p.add_argument("--budget-mib", type=positive_mib, required=True, help="the memory budget, MiB (required; above "
+                   "the floor: the parameters and AdamW state)")  # fmt: skip
     p.set_defaults(batch_size=list(DEFAULT_PROBES))
     return p
 

@@ -41,31 +41,25 @@ def main(jobs: list[Job], budget_mib: float | None, out: Path, console: Any) -> 
     """Measure ``jobs`` (one per framework), print the table on ``console``, write the JSON."""
     doc = run(jobs, budget_mib)
     console.print(table(doc), highlight=False)
-    console.print(f"wrote {write(doc, out)}")
+    path = out / f"compare-{doc['config']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    write_json(path, doc)
+    console.print(f"wrote {path}")
     return 0
 
 
-def check(
-    frameworks: tuple[str, ...], world_size: int, device: str, other: bool, batch_sizes: list[int] | None
-) -> None:
+def check(frameworks: tuple[str, ...], world_size: int, device: str, other: bool, batches: list[int] | None) -> None:
     """Refuse, in one line, what the ControlNet step's benchmark does not measure."""
     if DIFFUSERS in frameworks or world_size > 1 or device == "gpu" or other:
         raise SpecError("--controlnet: measures the torch and jax steps in one CPU process each; not with "
                         "--framework diffusers, --world-size, --device gpu, --compile or --xla-default")  # fmt: skip
-    if batch_sizes is not None and len(batch_sizes) > 1:
+    if batches is not None and len(batches) > 1:
         raise SpecError("--controlnet: one --batch-size at a time")
 
 
 def workload(job: Job) -> Workload:
     """The pair's workload as ``job`` describes it (every job of a run describes the same)."""
-    return Workload.of(
-        job_spec(job),
-        controlnet=True,
-        batch_size=job.batch_sizes[0],
-        context_length=job.context_length,
-        attention_chunk=resolve_chunk(job.attention_chunk, DEVICE),
-        regime=job.regime,
-    )
+    return Workload.of(job_spec(job), controlnet=True, batch_size=job.batch_sizes[0], context_length=job.context_length,
+                       attention_chunk=resolve_chunk(job.attention_chunk, DEVICE), regime=job.regime)  # fmt: skip
 
 
 def default_budget(work: Workload, frameworks: tuple[str, ...]) -> int:
@@ -115,9 +109,3 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append(f"\n{PLANNED}: `{doc['planned']}` (budget {doc['budget_bytes'] / MIB:.1f} MiB); {doc['settings']}")
     return "\n".join(lines)
-
-
-def write(doc: dict[str, Any], out: Path) -> Path:
-    path = out / f"compare-{doc['config']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    write_json(path, doc)
-    return path
