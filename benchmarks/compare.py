@@ -189,19 +189,12 @@ def parse_args(
               "steps": args.steps, **regime.as_dict(), "device": device, "context_length": args.context_length,
               "world_size": args.world_size}  # fmt: skip
     timeline = timeline_policies(args.timeline, policies)
-    jobs = [
-        Job(
-            framework=fw,
-            policies=tuple(dict.fromkeys([*DIFFUSERS_POLICIES, *policies])) if fw == DIFFUSERS else tuple(policies),
-            timeline=() if fw == DIFFUSERS else timeline,
-            xla_default=args.xla_default,
-            # the pair's one workload carries the chunk (`pair_compare.workload`)
-            attention_chunk=args.jax_attention_chunk if fw == "jax" or args.controlnet else None,
-            jax_cache=args.jax_cache if fw == "jax" else None,
-            **common,
-        )
-        for fw in args.framework
-    ]
+    # the pair's one workload carries the attention chunk (`pair_compare.workload`)
+    theirs = tuple(dict.fromkeys([*DIFFUSERS_POLICIES, *policies]))
+    jobs = [Job(framework=fw, policies=theirs if fw == DIFFUSERS else tuple(policies),
+                timeline=() if fw == DIFFUSERS else timeline, xla_default=args.xla_default,
+                attention_chunk=args.jax_attention_chunk if fw == "jax" or args.controlnet else None,
+                jax_cache=args.jax_cache if fw == "jax" else None, **common) for fw in args.framework]  # fmt: skip
     torch_job = next((j for j in jobs if j.framework == "torch"), None)
     extra = compiled.compiled_job(args.compile, args.compile_budget_at, torch_job, policies)
     return args, jobs if extra is None else [*jobs, extra]

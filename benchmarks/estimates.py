@@ -34,16 +34,15 @@ CONFIGS = ("sd15", "sd21", "sdxl")  # each at its own sample size (64, 96, 128)
 BATCHES = (1, 2, 4, 8)
 BUDGETS_GIB = (12, 16, 24, 40, 80)
 # The regimes of the table, by the name its rows use.
+# bf16+adamw8bit: weights in bfloat16 too (kohya's --full_bf16); keep-grads: diffusers' DreamBooth default, the
+# gradients allocated between steps (zeroed in place).
 REGIMES: dict[str, Regime] = {
-    "fp32": Regime(),
-    "bf16-mixed": Regime("bf16-mixed"),
-    "bf16-mixed+lora:8": Regime("bf16-mixed", "lora:8"),
+    "fp32": Regime(), "bf16-mixed": Regime("bf16-mixed"), "bf16-mixed+lora:8": Regime("bf16-mixed", "lora:8"),
     "bf16-mixed+adamw8bit": Regime("bf16-mixed", optimizer="adamw8bit"),
     "bf16-mixed+adafactor": Regime("bf16-mixed", optimizer="adafactor"),
-    "bf16+adamw8bit": Regime("bf16", optimizer="adamw8bit"),  # weights in bfloat16 too (kohya's --full_bf16)
-    # diffusers' DreamBooth default: the gradients stay allocated between steps (zeroed in place)
+    "bf16+adamw8bit": Regime("bf16", optimizer="adamw8bit"),
     "bf16-mixed+adamw8bit+keep-grads": Regime("bf16-mixed", optimizer="adamw8bit", keep_grads=True),
-}
+}  # fmt: skip
 DEFAULT_REGIMES = ("fp32", "bf16-mixed", "bf16-mixed+lora:8", "bf16-mixed+adamw8bit", "bf16-mixed+adamw8bit+keep-grads")
 DEVICES = ("cpu", *gpu.DEVICES)
 DIFFUSERS_STYLE = "layers"

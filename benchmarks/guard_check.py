@@ -14,8 +14,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.job import load_benchmark_spec
 from benchmarks.reports.report import write_json
-from shared_configs import load_spec, spec_from_dict
 from shared_configs.cli import cli_errors, config_help
 from shared_configs.planning.planner import Workload, predict_policy
 from shared_configs.spec import UNetSpec
@@ -87,9 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with cli_errors("benchmarks.guard_check"):
-        spec = load_spec(args.config)
-        if args.sample_size is not None:
-            spec = spec_from_dict({**spec.model_dump(), "sample_size": args.sample_size})
+        spec = load_benchmark_spec(args.config, args.sample_size)
         doc = guarded_run(spec, args.batch_size, args.steps, args.device, args.shapes)
         print("\n".join(lines(doc)))
         args.out.mkdir(parents=True, exist_ok=True)

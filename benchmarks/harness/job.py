@@ -78,20 +78,15 @@ class Job:
 
 
 def load_benchmark_spec(config: str, sample_size: int | None, source: str = "spec") -> UNetSpec:
-    """The preset/file spec (or a diffusers folder's), ``sample_size`` overridden when given."""
-    spec = load_spec(config) if source == "spec" else diffusers_spec(config)
+    """The preset/file spec (or a local diffusers model or pipeline folder's), ``sample_size`` overridden when given."""
+    try:
+        found = None if source == "spec" else find_folder(config)
+    except FileNotFoundError as err:
+        raise SpecError(f"--diffusers: {err}") from None
+    spec = load_spec(config) if found is None else from_diffusers_config(found.config, name=found.root.name)
     if sample_size is None or sample_size == spec.sample_size:
         return spec
     return spec_from_dict({**spec.model_dump(), "sample_size": sample_size})
-
-
-def diffusers_spec(folder: str) -> UNetSpec:
-    """The spec of a local diffusers model folder (or pipeline folder with ``unet/``)."""
-    try:
-        found = find_folder(folder)
-    except FileNotFoundError as err:
-        raise SpecError(f"--diffusers: {err}") from None
-    return from_diffusers_config(found.config, name=found.root.name)
 
 
 def job_spec(job: Job) -> UNetSpec:

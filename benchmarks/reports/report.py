@@ -101,22 +101,17 @@ def _cell_flops(row: Row) -> str:
 
 
 COLUMNS_SHOWN: tuple[tuple[str, Callable[[Row], str]], ...] = (
-    ("framework", lambda r: r["framework"]),
-    ("policy", lambda r: r["policy"]),
-    ("batch", lambda r: str(r["batch_size"])),
-    ("peak MiB", lambda r: _cell_bytes(r, "peak_bytes", "peak_reduction")),
-    ("= params", lambda r: _mib(r["params_bytes"])),
-    ("+ opt state", lambda r: _mib(r["optimizer_bytes"])),
-    ("+ grads", lambda r: _mib(r["grads_bytes"])),
-    ("+ inputs", lambda r: _mib(r["input_bytes"])),
+    ("framework", lambda r: r["framework"]), ("policy", lambda r: r["policy"]),
+    ("batch", lambda r: str(r["batch_size"])), ("peak MiB", lambda r: _cell_bytes(r, "peak_bytes", "peak_reduction")),
+    ("= params", lambda r: _mib(r["params_bytes"])), ("+ opt state", lambda r: _mib(r["optimizer_bytes"])),
+    ("+ grads", lambda r: _mib(r["grads_bytes"])), ("+ inputs", lambda r: _mib(r["input_bytes"])),
     ("+ activations", lambda r: _cell_bytes(r, "activation_bytes", "activation_reduction")),
-    ("+ temps", lambda r: _mib(r["temporary_bytes"])),
-    (r"step s: median \[min-max]", _cell_time),
+    ("+ temps", lambda r: _mib(r["temporary_bytes"])), (r"step s: median \[min-max]", _cell_time),
     ("overhead", lambda r: "-" if r["time_overhead"] is None else f"{r['time_overhead']:.2f}x"),
     ("compile s", lambda r: "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"),
     ("GFLOP (+recompute)", _cell_flops),
     ("XLA:CPU default peak MiB", lambda r: _cell_bytes(r, "xla_default_peak_bytes", "xla_default_peak_reduction")),
-)
+)  # fmt: skip
 
 
 def _cell_saved(row: Row) -> str:
@@ -132,13 +127,9 @@ FITS = {"ok": "yes", "oom": "[red]OOM[/red]", "error": "[red]error[/red]"}
 
 # The table a person reads (fits 100 columns): the peak, what checkpointing saved, the time it cost.
 COMPACT: tuple[tuple[str, Callable[[Row], str]], ...] = (
-    ("framework", lambda r: r["framework"]),
-    ("policy", lambda r: r["policy"]),
-    ("batch", lambda r: str(r["batch_size"])),
-    ("peak\nMiB", lambda r: _mib(r["peak_bytes"])),
-    ("saved\nvs none", _cell_saved),
+    *COLUMNS_SHOWN[:3], ("peak\nMiB", lambda r: _mib(r["peak_bytes"])), ("saved\nvs none", _cell_saved),
     ("activations\nMiB", lambda r: _mib(r["activation_bytes"])),
-)
+)  # fmt: skip
 
 
 def _ranks_columns(shown: list, at: int, compact: bool = False) -> None:
