@@ -3,13 +3,10 @@
     python -m benchmarks.saved --config tiny --policy save_convs
     python -m benchmarks.saved --config tiny --policy full --framework jax --json
 
-torch: the tensors autograd saves outside recomputed blocks (``saved_tensors_hooks``, attributed
-to the block running and the last aten op dispatched), the inputs kept for each recomputed
-block's recompute, and the outputs a selective policy keeps (``MUST_SAVE``). JAX: the residuals
-of ``vjp`` of the loss (what ``jax.ad_checkpoint.saved_residuals`` lists), attributed to blocks
-by the Flax module path in each equation's name stack. Parameters and model inputs are left out
-in both. Tensors are attributed to the block that *produced* them (a skip saved for an up block
-counts for the down block that made it). Not a memory measurement: both run in this process.
+torch: what autograd saves outside recomputed blocks (``saved_tensors_hooks``), each recomputed block's
+inputs and what a selective policy keeps (``MUST_SAVE``); JAX: the residuals of the loss's ``vjp``, by
+the Flax module path in each equation's name stack. Parameters and model inputs left out; a tensor
+counts for the block that *produced* it. Not a memory measurement: both run in this process.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""diffusers' own U-Net, with and without its ``enable_gradient_checkpointing()``, and under our
-plans (`torch_impl.apply_plan`), measured exactly as `benchmarks.backends.torch_bench` measures ours (same
-step, instruments, inputs and weights).
-
-The baseline a diffusers user has: ``UNet2D(Condition)Model.enable_gradient_checkpointing()``
-recomputes each ResNet and each transformer layer inside the down/mid/up blocks (close to our
-``layers`` policy) and nothing else. The model is built from the spec's diffusers config (or a
-diffusers folder's own) and loaded with our U-Net's starting weights, so every row of the run
-trains the same network from the same numbers.
+"""diffusers' own U-Net, with and without its ``enable_gradient_checkpointing()`` (each ResNet and
+transformer layer recomputed: close to our ``layers``), and under our plans (`torch_impl.apply_plan`),
+measured as `benchmarks.backends.torch_bench` measures ours. Built from the spec's diffusers config (or
+the folder's) with our U-Net's starting weights: every row trains the same network from the same numbers.
 """
 
 from __future__ import annotations

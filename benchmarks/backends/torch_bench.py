@@ -106,18 +106,14 @@ def in_regime(model: torch.nn.Module, regime: Regime) -> torch.nn.Module:
     return apply_regime(model, regime, LORA_TARGETS if isinstance(model, UNet) else DIFFUSERS_LORA_TARGETS)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_steps(step: Callable[[], Any], device: torch.device, steps: int) -> list[float]:
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
     samples = []
     for _ in range(steps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         step()
-        _sync(device)
+        sync(device)
         samples.append(time.perf_counter() - t0)
     return samples
 

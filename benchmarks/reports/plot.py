@@ -31,10 +31,6 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
     return front
 
 
-def _plottable(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r["status"] == "ok" and None not in (r["time_overhead"], r["peak_reduction"])]
-
-
 def _labels(points: list[tuple[str, float, float]], ax: Any) -> None:
     """Each point's policy beside it, pushed up where it would print over an earlier label."""
     placed: list[tuple[float, float]] = []
@@ -148,7 +144,7 @@ def save_png(fig: Any, path: Path) -> bool:
 
 def plot(rows: list[Row], path: Path, title: str, unreliable: float | None = None) -> bool:
     """The Pareto PNG; False when no row has both figures. ``unreliable``: other processes' share."""
-    rows = _plottable(rows)
+    rows = [r for r in rows if r["status"] == "ok" and None not in (r["time_overhead"], r["peak_reduction"])]
     if not rows:
         return False
     batches = sorted({r["batch_size"] for r in rows})
