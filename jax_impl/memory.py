@@ -1,9 +1,8 @@
 """XLA's own memory plan for a compiled JAX step: its peak split into kinds, and the timeline.
 
-A compile with ``xla_dump_to`` writes the schedule, each value's live range, the buffer assignment
-and the optimized HLO (whose ``op_name`` names the Flax module); from those, the live bytes at every
-position by kind, adding up to ``memory_analysis()``'s total (`compiled_peak`). XLA's plan read back,
-not a model. Mirror: `torch_impl.memory` (live tensors). Docs: docs/benchmark.md.
+From ``xla_dump_to``'s schedule, live ranges, buffer assignment and optimized HLO (whose ``op_name``
+names the Flax module): the live bytes at every position by kind, adding up to ``memory_analysis()``'s
+total (`compiled_peak`). Mirror: `torch_impl.memory` (live tensors). Docs: docs/benchmark.md.
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ import numpy as np
 from shared_configs.files import atomic_write
 from shared_configs.memory import CATEGORIES, block_of, timeline
 
-# Buffer assignment precedes code generation: memory figures are the same at -O0, and sooner. Also
-# for init_state compiled: what is left of it is a random-number kernel per parameter, run once,
-# and LLVM's optimisations of those would take far longer than the run (the same draws, sooner).
+# Buffer assignment precedes code generation: memory figures are the same at -O0, and sooner; also
+# for init_state (a random-number kernel per parameter, run once: optimising them takes longer).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 DUMP = {"xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "jit_train_step"}
 METHOD = (
@@ -70,8 +68,8 @@ def compiled_peak(compiled: Any) -> int:
 def compile_with_plan(
     lowered: Any, cache_dir: str | None, options: dict[str, Any] | None = None
 ) -> tuple[Any, MemoryPlan, float]:
-    """Compile ``lowered`` (with compiler ``options``, dumping XLA's plan) -> (compiled, plan, compile
-    seconds). The plan is read from ``cache_dir`` when this step's was stored there before."""
+    """Compile ``lowered``, dumping XLA's plan -> (compiled, plan, compile seconds); the plan from ``cache_dir``
+    when this step's was stored there."""
     options = {**(options or {}), **DUMP}
     key = _key(lowered, options)
     plan = _read(cache_dir, key)
@@ -80,17 +78,13 @@ def compile_with_plan(
         compiled = lowered.compile(compiler_options={"xla_dump_to": folder, **options})
         seconds = time.perf_counter() - t0
         dump = Path(folder)
-        if plan is None and not _dumped(dump):  # loaded from the persistent cache: compile it again
+        if plan is None and not _stems(dump):  # loaded from the persistent cache: compile it again
             dump = dump / "again"  # new options: not JAX's in-memory cache either
             compiled = compile_uncached(lowered, {"xla_dump_to": str(dump), **options})
         if plan is None:
             plan = _parse(dump, compiled_peak(compiled))
             _write(cache_dir, key, plan)
     return compiled, plan, seconds
-
-
-def _dumped(folder: Path) -> bool:
-    return any(folder.glob("*jit_train_step*after_optimizations-live-range.txt"))
 
 
 def compile_uncached(lowered: Any, options: dict[str, Any]) -> Any:
@@ -117,8 +111,7 @@ def _key(lowered: Any, options: dict[str, Any]) -> str:
 
 
 def _read(cache_dir: str | None, key: str) -> MemoryPlan | None:
-    """The plan cached under ``key``; None (compile again) when there is none or it cannot be read
-    (truncated, or written by another version: a note says so)."""
+    """The plan cached under ``key``; None (compile again) when there is none or it cannot be read."""
     path = None if cache_dir is None else Path(cache_dir) / "xla-memory" / f"{key}.json"
     if path is None or not path.is_file():
         return None
@@ -136,8 +129,7 @@ def _write(cache_dir: str | None, key: str, plan: MemoryPlan) -> None:
 
 @dataclass
 class Dump:
-    """The dump files of one compiled ``jit_train_step``, parsed (`jax_impl.xla_dump` files the
-    same values by U-Net unit for the planner)."""
+    """The dump files of one compiled ``jit_train_step``, parsed (`jax_impl.xla_dump` files them by unit)."""
 
     sequence: list[str]  # XLA's schedule: instruction names in order
     ranges: dict[tuple[str, str], tuple[int, int]]  # (instruction, shape index) -> [start, end] position
@@ -149,7 +141,10 @@ class Dump:
 def read_dump(folder: str | Path) -> Dump:
     """Parse the dump XLA wrote into ``folder`` for the compiled training step."""
     folder = Path(folder)
-    stem = _dump_stem(folder)
+    stems = _stems(folder)
+    if not stems:
+        raise RuntimeError(f"XLA wrote no live-range dump for jit_train_step in {folder}")
+    stem = stems[-1]
     live_range = (folder / f"{stem}-live-range.txt").read_text()
     sequence, ranges = _live_ranges(live_range)
     allocations = _allocations((folder / f"{stem}-buffer-assignment.txt").read_text())
@@ -157,12 +152,10 @@ def read_dump(folder: str | Path) -> Dump:
 
 
 def _parse(folder: Path, total: int) -> MemoryPlan:
-    """The plan from one dump (the files of the module named ``jit_train_step``) of a step peaking at ``total``."""
+    """The plan from one dump of a step peaking at ``total``."""
     dump = read_dump(folder)
-    sequence, ranges, allocations, hlo, live_range = (
-        dump.sequence, dump.ranges, dump.allocations, dump.hlo, dump.live_range_text
-    )  # fmt: skip
-    series, live = _live_bytes(allocations, ranges, hlo, len(sequence))
+    sequence, hlo = dump.sequence, dump.hlo
+    series, live = _live_bytes(dump.allocations, dump.ranges, hlo, len(sequence))
     top = int(np.argmax(sum(series.values())))
     parts = {c: int(series[c][top]) for c in CATEGORIES}
     fragmentation = total - sum(parts.values())  # the temp allocation's bytes free at the peak position
@@ -172,25 +165,21 @@ def _parse(folder: Path, total: int) -> MemoryPlan:
     names = [hlo.op_names.get(sequence[i], "") for i in ops]
     picture = {c: series[c][ops] for c in CATEGORIES}
     record = timeline(picture, [block_of(n) for n in names], _phases(names), METHOD)
-    at, stated = _stated_peak(live_range)
+    at, stated = _stated_peak(dump.live_range_text)
     return MemoryPlan(total, parts, fragmentation, int(live[at]), stated, record)
 
 
 def _stated_peak(text: str) -> tuple[int, int]:
-    """(position, bytes): XLA's own peak of live values, from the live-range dump's last sections.
-    XLA counts every value, also an operand and the update written in place over it where one's
-    last use is the other's definition; the parts count that buffer once. The check compares the
-    values' bytes rebuilt here with XLA's count at XLA's position."""
+    """(position, bytes): XLA's own peak of live values, from the live-range dump's last sections (it
+    counts an operand and the update written in place over it twice; the parts count them once)."""
     position = _STATED_AT.search(text)
     size = _STATED_PEAK.search(text)
     return (int(position[1]) if position else 0), (int(size[1].replace(" ", "")) if size else 0)
 
 
-def _dump_stem(folder: Path) -> str:
+def _stems(folder: Path) -> list[str]:
     found = sorted(folder.glob("*jit_train_step*after_optimizations-live-range.txt"))
-    if not found:
-        raise RuntimeError(f"XLA wrote no live-range dump for jit_train_step in {folder}")
-    return found[-1].name.removesuffix("-live-range.txt")
+    return [f.name.removesuffix("-live-range.txt") for f in found]
 
 
 def _live_ranges(text: str) -> tuple[list[str], dict[tuple[str, str], tuple[int, int]]]:
@@ -301,14 +290,11 @@ def _stage(op_name: str) -> str:
 def _live_bytes(
     allocations: list[_Allocation], ranges: dict[tuple[str, str], tuple[int, int]], hlo: _Hlo, positions: int
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Bytes held per kind at every schedule position, and the bytes of live values alone.
+    """Bytes held per kind at every schedule position, and the bytes of live values alone (as XLA counts).
 
-    An argument's allocation (and an output's) is held all step: while no value XLA placed there is
-    live, it counts as what the argument is (a parameter whose value XLA copied elsewhere still
-    holds its buffer). The temp allocation counts only what is live. Values sharing one slot
-    (allocation, offset, size) while their live ranges overlap are one buffer (an alias, a bitcast,
-    an update written in place over its operand) and count once, with the kind of the value that
-    made it. The live bytes, the check against XLA's own count, count every value as XLA does.
+    An argument's (or output's) allocation is held all step, as what the argument is while no value
+    XLA placed there is live; the temp allocation counts only what is live. Values sharing one slot
+    while their live ranges overlap (an alias, an update in place) count once, as the one that made it.
     """
     delta = {c: np.zeros(positions + 1, dtype=np.int64) for c in CATEGORIES}
     live = np.zeros(positions + 1, dtype=np.int64)

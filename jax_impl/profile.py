@@ -1,11 +1,9 @@
 """The JAX measuring half of planning (mirror: `torch_impl.profile`; docs/planning.md).
 
-Every figure comes from the jitted `jax_impl.step.train_step` (state donated), compiled with XLA's
-``cse_barrier_expander`` disabled (docs/remat_vs_checkpoint.md): bytes from one compile per uniform
-plan, XLA's schedule and live ranges dumped (`jax_impl.xla_dump`) and filed by unit; seconds from the
-plain step alone, recompute priced as its FLOPs at that step's throughput (on XLA:CPU a remat step's
-time follows what it allocates as much as its FLOPs: docs/planning.md#the-time-model). Shapes only
-(``run=False``): compiled, never run. `measure` is the verification. Mirror: `torch_impl.profile`.
+Every figure comes from the jitted `jax_impl.step.train_step` (state donated, ``cse_barrier_expander``
+off: docs/remat_vs_checkpoint.md): bytes from one compile per uniform plan, XLA's live ranges filed by
+unit (`jax_impl.xla_dump`); seconds from the plain step alone, recompute priced as its FLOPs at that
+step's throughput (docs/planning.md#the-time-model). Shapes only: compiled, never run.
 """
 
 from __future__ import annotations
@@ -23,7 +21,8 @@ import numpy as np
 from jax_impl import regime as jregime
 from jax_impl import step as jt
 from jax_impl import xla_dump
-from jax_impl.memory import FAST_COMPILE, compile_uncached, compiled_peak
+from jax_impl.memory import FAST_COMPILE as FAST
+from jax_impl.memory import compile_uncached, compiled_peak
 from jax_impl.pair import ControlNetPair, init_pair
 from jax_impl.pair import train_step as pair_step
 from jax_impl.unet import UNet
@@ -35,13 +34,10 @@ from shared_configs.planning.stepclock import clock, contenders, cpu_split, meas
 from shared_configs.planning.timeline import Timeline, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from shared_configs.planning.units import PLAIN, StepSpec, block_layers, leaf_units, policy_string, uniform
-from shared_configs.planning.workers import XLA_CPU_OPTIONS
+from shared_configs.planning.workers import XLA_CPU_OPTIONS as BARRIERS
 from shared_configs.progress import progress, tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 from shared_configs.training.data import example_batch
-
-BARRIERS = XLA_CPU_OPTIONS  # remat's barriers survive on XLA:CPU
-FAST = FAST_COMPILE
 
 
 def unet(s: dict[str, Any], policy: str) -> UNet | ControlNetPair:
@@ -55,9 +51,8 @@ def setup(
     spec: StepSpec, batch_size: int, context_length: int, chunk: int | None, run: bool, regime: Regime = DEFAULT,
     drawn: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """The step's arguments in ``regime``: real arrays (``run``) or shapes only, and the optimizer.
-    The ControlNet step's: its state, then the frozen U-Net's parameters (`jax_impl.pair.train_step`).
-    ``drawn``: the arrays `drawn` at the init's shapes, not the init's own (whose compile is long)."""
+    """The step's arguments in ``regime`` (the ControlNet step's: its state, then the frozen U-Net's
+    parameters), real (``run``; ``drawn``: `_drawn`, the init's compile is long) or shapes, and the optimizer."""
     jregime.check_regime(regime)
     tx = jregime.make_optimizer(1e-4, 0.0, regime)
     model = unet({"spec": spec, "chunk": chunk, "regime": regime}, "none")
@@ -74,9 +69,8 @@ def setup(
 
 
 def _drawn(abstract: Any, pair: bool) -> Any:
-    """Arrays of an abstract state: parameters drawn by numpy (normal, scale 0.02), the optimizer's
-    state, BatchNorm statistics and the EMA copy zeros. XLA:CPU's step takes as long on these as on
-    the init's values (no data-dependent kernels); the profile only times steps on them."""
+    """Arrays of an abstract state: parameters normal (scale 0.02), the rest zeros. XLA:CPU's step takes
+    as long on these as on the init's values (no data-dependent kernels)."""
     rng = np.random.default_rng(0)
 
     def draw(tree: Any) -> Any:
@@ -101,10 +95,7 @@ def _batch_and_key(spec: StepSpec, batch_size: int, context_length: int, run: bo
 
 
 def compiled_step(s: dict[str, Any], policy: str, dump: str | None = None, fast: bool = True) -> Any:
-    """The donated, jitted train step under ``policy``, compiled (and dumped into ``dump``).
-
-    ``fast``: LLVM at -O0, for compiles that are only read (memory), never timed.
-    """
+    """The donated, jitted train step under ``policy``, compiled (dumped into ``dump``; ``fast``: -O0, not run)."""
     options = jregime.step_options(s["regime"])
     train_step = pair_step if isinstance(s["spec"], ControlNetPairSpec) else jt.train_step
     step = jax.jit(functools.partial(train_step, model=unet(s, policy), tx=s["tx"], **options), donate_argnums=(0,))
@@ -132,8 +123,7 @@ def timeline_of(plan: xla_dump.MemoryPlan, leaves: list[str]) -> Timeline:
 
 
 def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
-    """What FSDP would shard (`shared_configs.planning.budget.per_rank`): parameters + optimizer state, the
-    gradients, the largest block's parameters (from shapes: the state may be abstract)."""
+    """What FSDP would shard (`shared_configs.planning.budget.per_rank`), from shapes (the state may be abstract)."""
     state = s["args"][0]
     pair = isinstance(s["spec"], ControlNetPairSpec)
     frozen = s["args"][1] if pair else {}  # the ControlNet step's U-Net
@@ -163,8 +153,7 @@ def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
 
 
 def memory_run(s: dict[str, Any], assignment: dict[str, str], fast: bool = True) -> tuple:
-    """One compile under ``assignment``: per-unit bytes, the live-byte peak, the compiled peak, and
-    the compiled step (``fast=False`` to run it)."""
+    """One compile under ``assignment``: per-unit bytes, the live-byte and compiled peaks, the compiled step."""
     leaves = [u for u, _ in leaf_units(s["spec"], assignment)]
     with tempfile.TemporaryDirectory(prefix="plan-xla-") as dump:
         compiled = compiled_step(s, policy_string(assignment), dump, fast=fast)
@@ -180,9 +169,7 @@ def timed(
     peaks: dict[str, int] | None = None,
     race_to: dict[str, Any] | None = None,
 ) -> dict[str, list[float]]:
-    """Per compiled step, the CPU seconds of ``rounds`` steps taken in turn after one warm-up each
-    (`shared_configs.planning.stepclock.in_turn`; ``race_to``: `measured_rounds`, of the steps whose ``peaks``
-    fit); the donated state is carried from step to step."""
+    """Per compiled step, `measured_rounds` after one warm-up each, the donated state carried along."""
 
     def run(c: Any) -> Callable[[], None]:
         def step() -> None:
@@ -207,13 +194,15 @@ def profile(
     attention_chunk: int | None = None,
     regime: Regime = DEFAULT,
 ) -> dict:
-    """The `shared_configs.planning.budget.Profile` fields (JSON-ready) of ``spec`` at ``batch_size``
-    trained in ``regime`` (adamw8bit: see `Regime.profiled`)."""
+    """The `shared_configs.planning.budget.Profile` fields (JSON-ready) of ``spec`` at ``batch_size`` in ``regime``."""
+    global _shapes
     cpu = {"start": round(clock(), 2)}  # the process's own start and imports, before this request
     timing = not shapes and repeats > 0
     with cpu_split(cpu, "setup"):
         s = setup(spec, batch_size, context_length, attention_chunk, run=timing, regime=regime.profiled, drawn=True)
-        _keep_shapes((spec.model_dump_json(), batch_size, context_length, attention_chunk, regime.profiled), s)
+        shapes_only = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), s["args"])
+        key = _shapes_key(spec, batch_size, context_length, attention_chunk, regime)
+        _shapes = (key, s | {"args": shapes_only, "run": False})
     flops = unit_flops(spec, batch_size, context_length)
     units: dict[str, dict[str, Cost]] = {}
     runs: dict[str, Any] = {}
@@ -226,8 +215,7 @@ def profile(
         for unit, cost in costs.items():
             mine = assignment.get(unit, PLAIN)
             if mine == choice:
-                flop = recompute_flops(flops[unit], mine)
-                units.setdefault(unit, {})[mine] = replace(cost, flops=flop)
+                units.setdefault(unit, {})[mine] = replace(cost, flops=recompute_flops(flops[unit], mine))
     del measured
     with cpu_split(cpu, "timing"):
         samples = timed(s, compiled, repeats) if timing else {}
@@ -264,9 +252,8 @@ COMPILE_THREADS = 2  # XLA compiles outside the GIL: two at a time use a second 
 
 
 def memory_runs(s: dict[str, Any], assignments: list[dict[str, str]], run_plain: bool) -> list[tuple]:
-    """`memory_run` of each assignment (the plain one, ``{}``, at -O2 when ``run_plain``: it is then
-    run), `COMPILE_THREADS` compiles at a time; one at a time where the persistent compilation cache
-    is on (the dumped compiles turn it off and on around themselves)."""
+    """`memory_run` of each assignment (the plain one at -O2 when ``run_plain``), `COMPILE_THREADS` at a
+    time; one at a time with the persistent compilation cache (the dumped compiles toggle it)."""
     threads = 1 if jax.config.jax_compilation_cache_dir else COMPILE_THREADS
     with progress("compiles", len(assignments)) as p, ThreadPoolExecutor(threads) as pool:
         futures = [pool.submit(memory_run, s, a, not (run_plain and not a)) for a in assignments]
@@ -278,12 +265,8 @@ def memory_runs(s: dict[str, Any], assignments: list[dict[str, str]], run_plain:
 _shapes: tuple[Any, dict[str, Any]] | None = None  # the last profile's step as shapes, for the worker's check
 
 
-def _keep_shapes(key: Any, s: dict[str, Any]) -> None:
-    global _shapes
-    _shapes = (
-        key,
-        s | {"args": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), s["args"]), "run": False},
-    )
+def _shapes_key(spec: StepSpec, batch_size: int, context_length: int, chunk: int | None, regime: Regime) -> tuple:
+    return spec.model_dump_json(), batch_size, context_length, chunk, regime.profiled
 
 
 def peaks(
@@ -294,11 +277,10 @@ def peaks(
     attention_chunk: int | None = None,
     regime: Regime = DEFAULT,
 ) -> dict:
-    """Per policy, the compiled step's ``memory_analysis()`` peak: what `measure` reports, from a
-    compile at -O0 with nothing allocated and nothing run (buffer assignment precedes codegen).
-    A kept worker reuses its profile's set-up."""
+    """Per policy, the compiled step's ``memory_analysis()`` peak (what `measure` reports) at -O0, nothing
+    run; a kept worker reuses its profile's set-up."""
     cpu: dict[str, float] = {}
-    key = (spec.model_dump_json(), batch_size, context_length, attention_chunk, regime.profiled)
+    key = _shapes_key(spec, batch_size, context_length, attention_chunk, regime)
     with cpu_split(cpu, "setup"):
         kept = _shapes is not None and _shapes[0] == key
         s = _shapes[1] if kept else setup(spec, batch_size, context_length, attention_chunk, False, regime.profiled)
@@ -318,8 +300,7 @@ def measure(
     race_to: dict[str, Any] | None = None,
     regime: Regime = DEFAULT,
 ) -> dict:
-    """Per policy: the compiled step's ``memory_analysis()`` peak, its step times (``rounds_s``, taken
-    in turn) and their median; ``race_to``: raced (`shared_configs.planning.stepclock.measured_rounds`)."""
+    """Per policy: the compiled step's ``memory_analysis()`` peak and its step times (`measured_rounds`)."""
     s = setup(spec, batch_size, context_length, attention_chunk, run=True, regime=regime)
     compiled = {p: compiled_step(s, p, fast=False) for p in tracked(policies, "compiles")}
     rounds = timed(s, compiled, steps, {p: compiled_peak(c) for p, c in compiled.items()}, race_to)
@@ -332,8 +313,7 @@ def measure(
 
 
 def start_worker(request: dict[str, Any]) -> None:
-    """In the planner's worker (`shared_configs.planning.workers`), XLA's flags already set: measured
-    and checked steps persist in the compilation cache; a profile does not use it (it reads XLA's
-    dumps, which a cache hit would not write)."""
+    """Measured and checked steps persist in the compilation cache; a profile reads XLA's dumps, which a
+    cache hit would not write."""
     if request["kind"] != "profile" and jax_cache_dir() is not None:
         jax.config.update("jax_compilation_cache_dir", jax_cache_dir())

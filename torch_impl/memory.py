@@ -1,12 +1,10 @@
-"""The one PyTorch memory instrument on CPU, and its cross-checks (mirror: `jax_impl.memory`, XLA's
-compiled memory plan; docs/benchmark.md).
+"""The one PyTorch memory instrument on CPU, and its cross-checks (mirror: `jax_impl.memory`; docs/benchmark.md).
 
-* `StepTracker`: every tensor storage a step makes or frees (a dispatch mode, frees by weakref):
-  the peak, and on request its parts by kind and block, or the planner's per-unit `Timeline`.
-* `measure_step`: one step under it (on CUDA, the allocator's counters), as a benchmark row and the
-  planner's "measure this plan"; `step_peak`: the peak alone, for the guard and the training loop.
-* `memtracker` (PyTorch's own ``MemTracker``), `AllocatorPeak` (the allocator's events, kernel
-  scratch included), `SavedBytesCounter` (bytes saved for backward): checks and side views.
+`StepTracker`: every tensor storage a step makes or frees (a dispatch mode, frees by weakref): the
+peak, its parts by kind and block, or the planner's per-unit `Timeline` (one step under it:
+`torch_impl.profile.measure_step`); `step_peak`: the peak alone, for the guard and the training loop.
+`memtracker` (PyTorch's ``MemTracker``), `AllocatorPeak` (kernel scratch included), `SavedBytesCounter`
+(bytes saved for backward): checks and side views.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ import sys
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,7 +55,7 @@ def dtensor() -> type:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: a DTensor's local shard, any other tensor itself."""
+    """This rank's part of ``t`` (a DTensor's local shard)."""
     return t.to_local() if isinstance(t, dtensor()) else t
 
 
@@ -72,16 +71,12 @@ def plain(t: torch.Tensor) -> list[torch.Tensor]:
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        for part in plain(t):
-            st = part.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    storages = (part.untyped_storage() for t in tensors for part in plain(t))
+    return sum({st.data_ptr(): st.nbytes() for st in storages}.values())
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's state tensors (this rank's shards under FSDP2; a subclass's inner tensors)."""
+    """The optimizer's state tensors (as `plain` gives them)."""
     return [x for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) for x in plain(v)]
 
 
@@ -98,13 +93,10 @@ class StepMemory:
 class StepTracker(TorchDispatchMode):
     """``with StepTracker(model, optimizer) as tracker: step()``; then ``tracker.result``.
 
-    Storages alive at entry are the starting level: parameters, buffers, gradients, optimizer
-    state (one optimizer or several), ``held`` (an EMA copy, counted as ``optimizer``), ``inputs``
-    and ``input_bytes`` (memory the step reads but torch did not allocate: the numpy batch).
-    ``reads``: a storage an op reads that was not made in the step nor is one of those (a frozen
-    VAE's weights) joins the starting level. ``detail``: kinds by phase and blocks (ModTracker)
-    for the breakdown and timeline; without it every storage made counts as an activation, and
-    only the peak and `timeline` mean anything. `mark` files what follows under a unit.
+    The starting level: parameters, buffers, gradients, the optimizer(s)' state, ``held`` (an EMA,
+    counted as ``optimizer``), ``inputs`` and ``input_bytes`` (the numpy batch). ``reads``: storages an
+    op reads that no step made (a frozen VAE's weights) join it. ``detail``: kinds by phase and block
+    (ModTracker); without it every storage made is an activation. `mark` files what follows under a unit.
     """
 
     def __init__(
@@ -119,8 +111,7 @@ class StepTracker(TorchDispatchMode):
         detail: bool = True,
     ) -> None:
         super().__init__()
-        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-        self._model, self._optimizers, self._held, self._inputs = model, optimizers, list(held), list(inputs)
+        self._model, self._optimizers, self._held, self._inputs = model, _listed(optimizer), list(held), list(inputs)
         self._reads, self._detail = reads, detail
         self._sizes: list[int] = []  # per storage ever seen
         self._kinds: list[str] = []
@@ -134,11 +125,9 @@ class StepTracker(TorchDispatchMode):
         self._input_bytes = input_bytes
         self._baseline = dict.fromkeys(CATEGORIES, 0) | {"input": input_bytes}
         self._dtensor = dtensor()
-        # (torch.distributed._tools' import is long, and only `detail` reads the modules)
-        self._mods = _mod_tracker() if detail else None
-        # The U-Net's blocks by module; the blocks running, innermost (forward) or latest reached
-        # (backward) last. ModTracker's own `parents` set is unordered: in the backward it holds
-        # several blocks at once (a block is left once all its inputs' gradients exist).
+        self._mods = _mod_tracker() if detail else None  # (torch.distributed._tools' import is long)
+        # The blocks by module; those running, innermost or latest reached last (ModTracker's own
+        # `parents` is unordered, and in the backward holds several blocks at once).
         self._block_modules = {m: n for n, m in model.named_modules() if n and block_of(n) == n} if detail else {}
         self._running: list[str] = []
         self._last = OUTSIDE  # the block entered last
@@ -174,7 +163,7 @@ class StepTracker(TorchDispatchMode):
             self._events.append((index, 1, self._block()))
 
     def _read(self, args: Any) -> None:
-        """Storages read that no step made and none of the starting level holds: alive before the step."""
+        """Storages read that neither the step nor the starting level holds: alive before the step."""
         for a in args:
             for t in a if isinstance(a, list | tuple) else (a,):
                 if isinstance(t, torch.Tensor) and not isinstance(t, self._dtensor):
@@ -186,8 +175,8 @@ class StepTracker(TorchDispatchMode):
                             self._add_storage(st, "params", at_entry=True)
 
     def _resized(self, st: torch.UntypedStorage, size: int) -> None:
-        """FSDP2 gathers a parameter into a storage it grows, and frees it by shrinking it to 0:
-        the old size is freed, the new one made (as ``params``: a gathered parameter)."""
+        """FSDP2 gathers a parameter by growing a storage and frees it by shrinking it to 0: the old
+        size is freed, the new one made (as ``params``)."""
         key = id(st)
         if key in self._live and self._refs[key]() is st:
             index = self._live.pop(key)
@@ -363,10 +352,8 @@ def step_peak(
     inputs: Iterable[torch.Tensor] = (),
 ) -> Iterator[dict[str, int]]:
     """The peak bytes of the step run in the block (``found["peak"]`` at exit): on CUDA the allocator's
-    ``max_memory_allocated`` (``found["reserved"]``: its ``max_memory_reserved``); on CPU `StepTracker`,
-    peak only, counting every storage the step reads (frozen encoders, a teacher) beside ``model``,
-    its optimizer(s) and ``inputs`` (the tensors standing for the batch it reads). The step runs
-    eagerly: compiled code (torchao's 8-bit AdamW step) cannot run under a dispatch mode."""
+    (``found["reserved"]`` too); on CPU `StepTracker`'s, every storage the step reads counted (frozen
+    encoders), ``inputs`` standing for the batch; the step runs eagerly (a dispatch mode needs it)."""
     found: dict[str, int] = {}
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -387,19 +374,14 @@ def memtracker(
     optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
     inputs: Iterable[torch.Tensor | torch.nn.Module] = (),
 ) -> Iterator[dict[str, Any]]:
-    """The block under PyTorch's own ``MemTracker`` (the independent check on `StepTracker`); the
-    dict it yields gets, at exit, ``peak`` (bytes) and ``parts`` (its kinds at the peak).
-
-    ``optimizer``: one, or several (their states all counted). ``inputs``: tensors standing for
-    memory the step reads but torch does not allocate (tracked as MemTracker's "Other"), and other
-    modules the step runs (frozen encoders), so that the peak is comparable with `step_peak`'s.
-    """
+    """The block under PyTorch's own ``MemTracker`` (the check on `StepTracker`): the dict it yields
+    gets ``peak`` and ``parts`` (kinds at the peak) at exit. ``inputs``: tensors standing for memory
+    torch does not allocate, and other modules the step runs (frozen encoders), as `step_peak`'s."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     inputs = list(inputs)
     tracker = MemTracker()
-    tracker.track_external(model, *optimizers, *inputs)
+    tracker.track_external(model, *_listed(optimizer), *inputs)
     for module in [model, *(m for m in inputs if isinstance(m, torch.nn.Module))]:
         skip_frozen_grad_hooks(tracker, module)
     found: dict[str, Any] = {}
@@ -410,19 +392,18 @@ def memtracker(
     found.update(peak=parts.pop("Total", 0), parts=parts)
 
 
-class _NoHook:
-    def remove(self) -> None:
-        pass
+def _listed(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
 
 
 def skip_frozen_grad_hooks(tracker: MemTracker, model: torch.nn.Module) -> None:
-    """Let ``MemTracker`` watch a model with frozen weights (LoRA, a frozen encoder): it registers a
-    gradient hook on every parameter a module's forward reads, which a tensor without
-    ``requires_grad`` refuses. Marking those parameters as hooked already (its own table, private:
-    torch 2.13's) skips them; they get no gradient to count anyway."""
+    """Let ``MemTracker`` watch frozen weights (LoRA, an encoder): it hooks the gradient of every
+    parameter a forward reads, which a tensor without ``requires_grad`` refuses; marking them hooked
+    already (its private table, torch 2.13's) skips them."""
+    hook = SimpleNamespace(remove=lambda: None)
     for param in model.parameters():
         if not param.requires_grad:
-            tracker._param_to_grad_hook_handles.setdefault(param, (_NoHook(), _NoHook()))
+            tracker._param_to_grad_hook_handles.setdefault(param, (hook, hook))
 
 
 @dataclass
@@ -456,11 +437,8 @@ def record_saved() -> Iterator[list[SavedRecord]]:
 
 
 class AllocatorPeak:
-    """Peak of the bytes the CPU allocator hands out while active, above its level at entry.
-
-    Frees count only for blocks allocated while active (paired by address): a block from before is
-    freed with a size the profiler may take from a stale record of an earlier profiler run, which would
-    pull the count down."""
+    """Peak of the bytes the CPU allocator hands out while active, above its level at entry. Frees
+    count only for blocks allocated while active: an older block's size may be an earlier run's."""
 
     def __init__(self) -> None:
         self.peak = 0

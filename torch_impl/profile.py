@@ -1,13 +1,10 @@
 """The PyTorch measuring half of planning (mirror: `jax_impl.profile`; docs/planning.md).
 
-Every figure comes from the training loop's own `torch_impl.train.train_step`, after a warm-up step
-has made the gradients and AdamW's state: bytes from one traced step per uniform plan under
-`torch_impl.memory.StepTracker` marked at unit boundaries by module hooks (a `timeline.Timeline`);
-seconds from the plain and per-layer steps timed unit hook to unit hook, every choice priced at two
-fitted rates (`priced`); FLOPs from the spec (`unit_flops`). ``shapes=True``: the same steps on fake
-tensors, nothing allocated, time left to FLOPs. `measure_step` is the one measurement of a step (the
-planner's `measure`, the benchmark's rows); `peaks` the same peak on fake tensors. The planner's worker
-(`shared_configs.planning.workers`) calls these.
+Every figure comes from the training loop's own `torch_impl.train.train_step` after a warm-up step:
+bytes from one step per uniform plan under `torch_impl.memory.StepTracker`, filed by unit through
+module hooks; seconds from the plain and per-layer steps, every choice priced at two fitted rates
+(`priced`). ``shapes=True``: fake tensors, nothing allocated. `measure_step` is the one measurement of a
+step (the planner's `measure`, the benchmark's rows). Called by `shared_configs.planning.workers`.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from shared_configs import UNetSpec
 from shared_configs.planning import optimizer_step
 from shared_configs.planning.budget import PROFILE_RUNS, Cost
 from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops, work
-from shared_configs.planning.stepclock import clock, cpu_split, fitted_rates, measured_rounds, round_robin, times
+from shared_configs.planning.stepclock import clock, cpu_split, fitted_rates, in_turn, measured_rounds, times
 from shared_configs.planning.timeline import BWD, FWD, unit_costs
 from shared_configs.planning.unit_flops import recompute_flops, unit_flops
 from shared_configs.planning.units import PLAIN, StepSpec, block_layers, leaf_units, policy_string, uniform
@@ -56,8 +53,7 @@ OPTIMIZER = "optimizer"
 
 
 def start_worker(request: dict[str, Any]) -> None:
-    """In the planner's worker (`shared_configs.planning.workers`): one intra-op thread, so that CPU
-    seconds add up to the work, whatever else runs on the machine."""
+    """One intra-op thread, so that CPU seconds add up to the work, whatever else runs on the machine."""
     torch.set_num_threads(1)
 
 
@@ -79,18 +75,16 @@ def hooks(model: UNet | ControlNetPair, opt: torch.optim.Optimizer, units: list[
 
 
 class ShapesOnly:
-    """``FakeTensorMode`` (the tensors of ``.fake``) with the CPU's answers where shapes alone differ
-    (`_AsCPU`)."""
+    """``FakeTensorMode`` (``.fake``) with the CPU's answers where shapes alone differ (`_AsCPU`)."""
 
     def __init__(self) -> None:
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> ShapesOnly:
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.fake)
-        stack.enter_context(_AsCPU())
-        self._stacks.append(stack)
+        self._stacks.append(contextlib.ExitStack())
+        for mode in (self.fake, _AsCPU()):
+            self._stacks[-1].enter_context(mode)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -113,9 +107,8 @@ class _AsCPU(TorchDispatchMode):
 
 
 def fake_regime(model: torch.nn.Module, regime: Regime, mode: ShapesOnly) -> torch.nn.Module:
-    """`apply_regime` on a model of fake tensors. peft's adapters are made outside the mode (peft
-    moves them with ``Module.to``, which cannot swap fake parameters; they are small) and then
-    made fake; the weights are cast tensor by tensor, as ``Module.to`` would, for the same reason."""
+    """`apply_regime` on a model of fake tensors, cast tensor by tensor: ``Module.to`` cannot swap fake
+    parameters (peft's adapters are made outside the mode, then made fake)."""
     if regime.lora_rank is not None:
         add_lora(model, regime.lora_rank)
     with mode.fake:
@@ -128,20 +121,15 @@ def fake_regime(model: torch.nn.Module, regime: Regime, mode: ShapesOnly) -> tor
                     weight = table is module._parameters
                     dtype = weight_dtype(regime, t.requires_grad) if weight else DTYPE[regime.param_dtype]
                     new = new.to(dtype) if new.is_floating_point() else new
-                    table[name] = torch.nn.Parameter(new, t.requires_grad) if table is module._parameters else new
+                    table[name] = torch.nn.Parameter(new, t.requires_grad) if weight else new
     return model
 
 
 def setup(
     spec: StepSpec, batch_size: int, context_length: int, shapes: bool = False, regime: Regime = DEFAULT
 ) -> dict[str, Any]:
-    """Model, optimizer and inputs in ``regime`` and a step function, after a warm-up step (the
-    gradients and the optimizer state exist).
-
-    ``shapes``: everything is a fake tensor (`ShapesOnly`); run steps inside ``s["mode"]``
-    (outermost). The step is `step_loss` there (no loss read) and without a ``GradScaler`` (it
-    skips a step whose gradients overflowed; its own state is two scalars, its unscaling in place).
-    """
+    """Model, optimizer, inputs and a step function in ``regime``, after a warm-up step. ``shapes``: fake
+    tensors (`ShapesOnly`; run steps inside ``s["mode"]``), the step `step_loss` without a ``GradScaler``."""
     mode: Any = ShapesOnly() if shapes else contextlib.nullcontext()
     torch.manual_seed(0)
     with mode:
@@ -159,9 +147,7 @@ def setup(
 
 
 def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
-    """What FSDP would shard (`shared_configs.planning.budget.per_rank`): parameters, optimizer state
-    and an EMA copy; the gradients (of the trained parameters only); the largest block's parameters
-    (counted by size: fake tensors have no storage)."""
+    """What FSDP would shard (`shared_configs.planning.budget.per_rank`), by size (fake tensors have no storage)."""
     model, ema = s["model"], s["tools"].ema
 
     def nbytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -186,13 +172,12 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str,
 
 
 def _tracker(s: dict[str, Any], detail: bool = True) -> StepTracker:
-    """`StepTracker` over the set-up step: its model, optimizer, EMA copy and numpy batch (read, not allocated)."""
+    """`StepTracker` over the set-up step (its numpy batch read, not allocated)."""
     return StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]), _held(s), detail=detail)
 
 
 def timed_step(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, tuple[float, float]], float]:
-    """One step under ``assignment``: per unit, the seconds its forward and its backward (recompute
-    included) take, from one unit hook to the next; and the step's seconds."""
+    """One step under ``assignment``: per unit, its forward's and backward's seconds (hook to hook); the step's."""
     model = s["model"]
     model.enable_gradient_checkpointing(policy_string(assignment))
     units = [u for u, _ in leaf_units(s["spec"], assignment)]
@@ -210,10 +195,8 @@ def timed_step(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str,
 def timing_runs(
     s: dict[str, Any], assignments: list[dict[str, str]], repeats: int
 ) -> list[tuple[dict[str, list[float]], float]]:
-    """Per assignment, medians over ``repeats`` rounds of `timed_step`, the assignments in turn
-    within each round: a process's first steps run slower (its heap still grows: page faults), and
-    timed one run after another that drift fell on the plain run, timed first, and made every
-    recompute look cheaper than a later process measures it."""
+    """Per assignment, medians over ``repeats`` rounds of `timed_step`, in turn within each round: a
+    process's first steps run slower, which would make the plain run, timed first, look dearest."""
     samples: list[list[tuple[dict[str, tuple[float, float]], float]]] = [[] for _ in assignments]
     for _ in tracked(range(repeats), "timing rounds", lambda r: f"{len(assignments)} steps"):
         for i, assignment in enumerate(assignments):
@@ -233,9 +216,8 @@ def profile(
     repeats: int = 1,
     regime: Regime = DEFAULT,
 ) -> dict:
-    """The `shared_configs.planning.budget.Profile` fields of ``spec`` at ``batch_size`` trained in
-    ``regime`` (``repeats=0``: bytes only; adamw8bit: see `Regime.profiled`). Where fake tensors give
-    the real step's bytes (`fake_is_exact`), the runs not timed are traced on them."""
+    """The `shared_configs.planning.budget.Profile` fields (``repeats=0``: bytes only). Where fake tensors
+    give the real step's bytes (`fake_is_exact`), the runs not timed are traced on them."""
     cpu = {"start": round(clock(), 2)}  # the process's own start and imports, before this request
     timing, exact = not shapes and repeats > 0, fake_is_exact(regime.profiled)
     with cpu_split(cpu, "setup"):
@@ -291,8 +273,7 @@ def profile(
 
 
 def fake_is_exact(regime: Regime) -> bool:
-    """Whether a traced step of fake tensors files the real step's bytes to the byte (float32, every
-    optimizer, LoRA, EMA, kept gradients, the ControlNet step: tests/test_profile_fake.py); under
+    """Whether fake tensors file the real step's bytes exactly (tests/test_profile_fake.py); under
     autocast the real step holds cast copies the fake one does not."""
     return regime.precision == "fp32"
 
@@ -301,8 +282,7 @@ _fake: tuple[Any, dict[str, Any]] | None = None  # the last `fake_setup`, for th
 
 
 def fake_setup(spec: StepSpec, batch_size: int, context_length: int, regime: Regime) -> dict[str, Any]:
-    """`setup` on fake tensors, kept for the process's next request of the same workload (a kept
-    worker's peak check after its profile)."""
+    """`setup` on fake tensors, kept for a kept worker's next request of the same workload (its check)."""
     global _fake
     key = (spec.model_dump_json(), batch_size, context_length, regime)
     if _fake is None or _fake[0] != key:
@@ -321,9 +301,8 @@ def priced(
     s: dict[str, Any], units: dict[str, dict[str, Cost]], assignments: list[dict[str, str]], repeats: int,
     runs: dict[str, Any], plain_flops: float,
 ) -> tuple[dict[str, dict[str, Cost]], float, dict[str, float]]:  # fmt: skip
-    """``units`` with recompute seconds (``time_s``) at the rates fitted to `timing_runs` of the
-    per-layer runs (``repeats`` rounds; each run's median step filed in ``runs``), the plain step's
-    seconds and the rates; ``plain_flops``: the plain step's FLOPs, for when no extra is measured."""
+    """``units`` priced at the rates fitted to `timing_runs` of the per-layer runs (each one's median step
+    filed in ``runs``), the plain step's seconds and the rates."""
     timed = [a for (_, level), a in zip(PROFILE_RUNS, assignments, strict=True) if level == TIMED_LEVEL]
     results = timing_runs(s, timed, repeats)
     plain_keep = plain_keeps(s["spec"], units)
@@ -354,9 +333,7 @@ def measure(
     race_to: dict[str, Any] | None = None,
     regime: Regime = DEFAULT,
 ) -> dict:
-    """Per policy: `measure_step`'s peak and allocator-level peak (``allocator_peak_bytes``, the
-    figure torch.compile rows have too), the step times (``rounds_s``, taken in turn) and their
-    median; ``race_to``: raced (`shared_configs.planning.stepclock.measured_rounds`)."""
+    """Per policy: `measure_step`'s peaks and the step times (``rounds_s``, in turn; ``race_to``: raced)."""
     s = setup(spec, batch_size, context_length, regime=regime)
     peaks = {}
     for policy in policies:
@@ -383,16 +360,10 @@ def measure_step(
     check: bool = False,
     tracked: bool = True,
 ) -> dict[str, Any]:
-    """One step under the memory instruments, all watching it: `StepTracker` (the peak, its parts
-    and timeline), the allocator (``allocator_peak_bytes``: `allocator_level` on CPU, kernel scratch
-    included; ``max_memory_allocated`` on CUDA, where it is the peak, what tensors do not explain
-    counted as temporaries) and the bytes saved for backward. ``check``: PyTorch's ``MemTracker``
-    too (CPU). ``tracked=False``: the allocator only, for torch.compile (a dispatch mode would run it
-    eagerly); else the step runs eagerly (torchao's compiled 8-bit AdamW step included).
-
-    The numpy batch is host memory the step reads: part of the peak on CPU; on a GPU the step's
-    copies of it are made in the forward. ``held``: other training state alive throughout (an EMA).
-    """
+    """One step under `StepTracker` (the peak, its parts, timeline), the allocator (``allocator_peak_bytes``;
+    on CUDA the peak, what tensors do not explain counted as temporaries) and `SavedBytesCounter`.
+    ``check``: PyTorch's ``MemTracker`` too (CPU). ``tracked=False``: the allocator only (torch.compile).
+    ``held``: training state alive throughout (an EMA); the numpy batch counts on CPU only."""
     held, device = held or [], next(model.parameters()).device
     saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
     tracker = StepTracker(model, optimizer, batch_bytes(batch) if device.type == "cpu" else 0, held)
@@ -435,10 +406,8 @@ def measure_step(
 def allocator_level(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, held: list[torch.Tensor], above: int
 ) -> int:
-    """A CPU step's peak from the allocator's events (`AllocatorPeak`: kernel scratch included), which
-    show the blocks the step allocates, not the frees of older ones: ``above`` them sits what persists
-    (parameters, buffers, optimizer state, ``held``, the numpy batch), unless the step's start (the
-    previous gradients still alive) is higher."""
+    """A CPU step's peak: ``above`` (`AllocatorPeak`, blocks the step allocates) over what persists,
+    or the step's start (the previous gradients alive) if higher."""
     persistent = storage_bytes([*model.parameters(), *model.buffers(), *state_tensors(optimizer), *held])
     persistent += batch_bytes(batch)
     grads = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
@@ -453,9 +422,8 @@ def _held(s: dict[str, Any]) -> list[torch.Tensor]:
 def peaks(
     spec: StepSpec, batch_size: int, policies: list[str], context_length: int = 77, regime: Regime = DEFAULT
 ) -> dict:
-    """Per policy, `tracked_peak` (what `measure` reports) of a step of fake tensors: nothing is
-    allocated. Float32: the real step's (`fake_is_exact`); mixed precision a little under it (160-400
-    KiB in bf16-mixed on `small` 32x32 b4; tested on tiny: tests/test_plan_model.py)."""
+    """Per policy, `tracked_peak` of a step of fake tensors: the real step's in float32 (`fake_is_exact`),
+    a little under it in mixed precision (docs/planning.md#checks)."""
     cpu: dict[str, float] = {}
     with cpu_split(cpu, "setup"):
         s = fake_setup(spec, batch_size, context_length, regime.profiled)
@@ -479,9 +447,8 @@ def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
 
 
 def tracked_peak(s: dict[str, Any]) -> int:
-    """One step's peak by `StepTracker` as `measure_step` takes it; runs on fake tensors too."""
+    """One step's peak by `StepTracker` as `measure_step` takes it (eager); on fake tensors too."""
     tracker = _tracker(s)
-    # Eager: compiled code (torchao's 8-bit AdamW step) cannot run under a tensor-tracking mode.
     with torch.compiler.set_stance("force_eager"), tracker:
         s["step"]()
     assert tracker.result is not None
@@ -491,10 +458,8 @@ def tracked_peak(s: dict[str, Any]) -> int:
 def measure_compiled(
     spec: UNetSpec, batch_size: int, ratios: list[float], context_length: int = 77, steps: int = 3
 ) -> dict:
-    """torch.compile's own planner: the model compiled with ``activation_memory_budget`` = each ratio
-    (AOTAutograd's knapsack over the joint graph), trained by the same `train_step` and measured
-    at the allocator level (`allocator_level`, as `measure_step` reports it beside the tracker's). Compile
-    seconds are reported apart (on CPU: minutes per ratio)."""
+    """torch.compile's own planner (``activation_memory_budget`` = each ratio), trained by `train_step`,
+    its peak at the allocator level (`measure_step`); compile seconds apart."""
     import torch._dynamo
     import torch._functorch.config as functorch_config
 
@@ -512,7 +477,7 @@ def measure_compiled(
         peak = measure_step(s["model"], s["opt"], step, s["batch"], _held(s), tracked=False)["allocator_peak_bytes"]
         rows[f"torch.compile:{ratio:g}"] = {
             "allocator_peak_bytes": peak,
-            "step_time_s": round_robin({"compiled": step}, steps)["compiled"],
+            "step_time_s": statistics.median(in_turn({"compiled": step}, steps)["compiled"]),
             "compile_s": compile_s,
         }
     functorch_config.activation_memory_budget = 1.0

@@ -103,8 +103,7 @@ class Workload:
 
     def used(self, frameworks: tuple[str, ...], cache: bool = True) -> str:
         """What the workers use, as every tool says it (`shared_configs.defaults.Defaults.describe`);
-        ``cache``: the JAX compilation cache of measured and checked steps (a profile reads XLA's
-        dumps, which a cache hit would not write: it never uses it)."""
+        ``cache``: the JAX compilation cache of measured and checked steps (a profile never uses it)."""
         jax = ("attention_chunk", "jax_cache")[: 1 + cache] if "jax" in frameworks else ()
         used = replace(defaults(DEVICE), attention_chunk=self.attention_chunk, context_length=self.context_length,
                        dtype=self.regime.compute_dtype or "float32")  # fmt: skip
@@ -147,7 +146,7 @@ def get_profile(framework: str, workload: Workload, repeats: int | None = None, 
     expect = {"framework": framework, "config": spec.name, "sample_size": spec.sample_size,
               "batch_size": workload.batch_size, "context_length": workload.context_length,
               "regime": workload.regime.describe()}  # fmt: skip
-    make = functools.partial(_measure_profile, framework, workload, repeats, path)
+    make = functools.partial(_measure_profile, framework, workload, repeats, path, expect)
     profile = cached_profile(path, expect, make, refresh=not cache)
     if workload.shapes:
         w = workload  # its regime as given, not read back from the profile's describe line
@@ -161,7 +160,7 @@ def progress(message: str) -> None:
     note(f"plan: {message}")
 
 
-def _measure_profile(framework: str, workload: Workload, repeats: int, path: Path) -> Profile:
+def _measure_profile(framework: str, workload: Workload, repeats: int, path: Path, expect: dict[str, Any]) -> Profile:
     load, start = _loadavg(), time.perf_counter()
     spec = workload.spec
     timed = {"torch": "the plain and per-layer steps timed", "jax": "the plain step timed"}[framework]
@@ -174,17 +173,7 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
     seconds = time.perf_counter() - start
     progress(f"{framework} profile done in {seconds:.0f} s{cpu_text(fields['meta'].get('cpu_s'))}")
     fields["meta"] |= {"seconds": round(seconds, 1), "loadavg": [load, _loadavg()]}
-    profile = Profile.from_json(
-        {
-            "schema": SCHEMA,
-            "config": workload.spec.name,
-            "sample_size": workload.spec.sample_size,
-            "batch_size": workload.batch_size,
-            "context_length": workload.context_length,
-            "regime": workload.regime.describe(),
-            **fields,
-        }
-    )
+    profile = Profile.from_json({"schema": SCHEMA, **expect, **fields})
     return with_static_bytes(profile, fields["meta"].get("modelled_state_bytes", 0))
 
 
@@ -208,10 +197,8 @@ def measure(
     ratios: list[float] | None = None,
     race_to: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Each policy's measured peak and step time, with the benchmark's instruments (one process);
-    torch with ``ratios``: also torch.compile at each ``activation_memory_budget`` (rows
-    ``torch.compile:RATIO``); ``race_to`` (budget, reference, min_rounds): the policies that fit
-    race (`shared_configs.planning.stepclock.race`) for up to ``steps`` rounds."""
+    """Each policy's measured peak and step time in one worker; torch with ``ratios``: also torch.compile
+    rows (``torch.compile:RATIO``); ``race_to``: the policies that fit race (`stepclock.measured_rounds`)."""
     start = time.perf_counter()
     many = f"up to {steps}" if race_to else f"{steps}"
     progress(f"measuring {len(policies)} plan(s) in {framework}, one process: a compile, a warm-up and {many} "
@@ -263,12 +250,9 @@ def fit_checked(
     frameworks: tuple,
     world_size: int = 1,
 ) -> tuple[Solution, float]:
-    """``sol``'s peak where `measure` would take it, with nothing allocated: JAX compiles the step
-    (XLA's ``memory_analysis()``, -O0), torch runs it on fake tensors under the benchmark's tracker.
-    While either is over the budget, plan lower by the excess and solve again (the peak model
-    under-predicts some mixed plans, most in JAX, where XLA reschedules them: docs/planning.md#checks),
-    its peak taken `CHECK_SLACK` high. Several ranks: not checked (one process cannot run a rank's
-    step as the ranks run it). Returns the solution and the margin it was planned at."""
+    """``sol``'s peak as `measure` would take it, with nothing allocated (`CHECK_HOW`), taken `CHECK_SLACK`
+    high; while over the budget, plan lower by the excess and solve again (docs/planning.md#checks).
+    Several ranks: not checked. Returns the solution and the margin it was planned at."""
     if world_size != 1:
         return sol, margin
     for _ in range(CHECKS):
@@ -320,12 +304,8 @@ def plan(
 ) -> Planned:
     """The one pipeline from a workload and a budget to a checked plan: profile (cached), solve a
     `safety_margin` below the budget, check the plan's peak with nothing allocated (`fit_checked`).
-
-    ``candidates`` > 0 (a measured profile, one process): the solver's best ``candidates`` plans and
-    the hand policies that fit are measured, racing for up to ``rounds`` rounds, and the fastest
-    that fits is returned (`shared_configs.planning.candidates`): minutes, where the default is
-    seconds. ``Planned.candidates`` is then the report. The profile and the check of each framework
-    share one worker (`workers.kept_alive`)."""
+    ``candidates`` > 0: the solver's best plans and the hand policies that fit race for up to ``rounds``
+    rounds, the fastest that fits wins (`shared_configs.planning.candidates`; minutes, not seconds)."""
     with kept_alive():
         return _plan(workload, budget_bytes, framework, world_size, distributed, candidates, rounds)
 
@@ -381,16 +361,11 @@ def plan_for_budget(
     candidates: int = 0,
     **workload: Any,
 ) -> str:
-    """The policy string of the cheapest plan predicted to fit ``budget_bytes`` (see `plan`),
-    planned a `safety_margin` below it so that the measured peak fits too.
+    """The policy string of the cheapest plan predicted to fit ``budget_bytes`` (see `plan`).
 
-    ``framework`` is "torch", "jax" or "both" (one plan that fits in each). ``world_size`` ranks
-    each train ``batch_size`` samples; under ``distributed="fsdp"`` the parameters and optimizer
-    state are sharded over them (`shared_configs.planning.budget.per_rank`). Further keywords go to
-    `Workload` (``context_length``, ``attention_chunk``, ``shapes``, ``flops_per_s``, ``bytes_per_s``).
-    ``candidates`` > 0: choose among that many solver plans and the fitting hand policies by
-    measuring them (minutes; see `plan`).
-    Raises `shared_configs.planning.solver.Infeasible` (a `SpecError`) naming the smallest feasible budget.
+    ``framework``: "torch", "jax" or "both". ``world_size`` ranks each train ``batch_size`` samples
+    (``distributed="fsdp"``: sharded, `shared_configs.planning.budget.per_rank`). Further keywords go to
+    `Workload`. Raises `shared_configs.planning.solver.Infeasible` naming the smallest feasible budget.
     """
     work = Workload.of(spec, sample_size, batch_size=batch_size, **workload)
     return plan(work, budget_bytes, framework, world_size, distributed, candidates).policy

@@ -1,19 +1,17 @@
 """How the planner times steps, both frameworks: CPU seconds, policies in turn.
 
-This machine is shared: wall-clock time measures the neighbours as much as the step. The planner's
-workers run single-threaded (torch ``set_num_threads(1)``; XLA's Eigen single-threaded, see
-`shared_configs.planning.workers.worker_env`), so the process's CPU seconds add up to the step's work. Policies
-are timed in turn (one step each, ``steps`` rounds, the median per policy), so that a drift over
-the run (caches, the allocator's pages) does not land on whichever policy ran first, and two
-policies are compared round by round (`paired`), since on a shared CPU whole medians move more
-between processes than the policies differ by.
+On a shared machine wall-clock time measures the neighbours too: the workers run single-threaded
+(`shared_configs.planning.workers.worker_env`), so the process's CPU seconds add up to the step's work.
+Policies are timed in turn (one step each per round, the median per policy), so that a drift lands
+on none in particular, and compared round by round (`paired`): whole medians move more between
+processes than policies differ by.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,7 +21,7 @@ from shared_configs.planning.paired import paired, paired_text
 from shared_configs.progress import tracked
 
 __all__ = ["clock", "contenders", "cpu_split", "fitted_rates", "in_turn", "measured_rounds", "paired", "paired_text",
-           "race", "round_robin", "times"]  # fmt: skip
+           "race", "times"]  # fmt: skip
 
 clock = time.process_time
 
@@ -42,11 +40,15 @@ def in_turn(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list
     """CPU seconds per policy of ``rounds`` steps taken in turn (each policy warmed up already)."""
     samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in tracked(range(rounds), "timing rounds", lambda _: f"{len(steps)} steps each"):
-        for name, step in steps.items():
-            t0 = clock()
-            step()
-            samples[name].append(clock() - t0)
+        _round(steps, steps, samples)
     return samples
+
+
+def _round(steps: dict[str, Callable[[], None]], names: Iterable[str], samples: dict[str, list[float]]) -> None:
+    for name in names:
+        t0 = clock()
+        steps[name]()
+        samples[name].append(clock() - t0)
 
 
 def race(
@@ -61,10 +63,7 @@ def race(
     alive = [name for name in steps if name != reference]
     left = lambda _: f"{len(alive)} candidate(s) left"  # noqa: E731 (reads alive as the race goes)
     for done in tracked(range(1, rounds + 1), "race rounds", left):
-        for name in (n for n in steps if n in alive or n == reference):
-            t0 = clock()
-            steps[name]()
-            samples[name].append(clock() - t0)
+        _round(steps, [n for n in steps if n in alive or n == reference], samples)
         if done >= min_rounds:
             alive = [c for c in alive if not any(paired(samples[d], samples[c], confidence)["verdict"] == "faster"
                                                  for d in alive if d != c)]  # fmt: skip
@@ -93,21 +92,15 @@ def contenders(names: list[str], peaks: dict[str, int], race_to: dict[str, Any] 
     return [n for n in names if n == race_to["reference"] or peaks[n] <= race_to["budget"]]
 
 
-def round_robin(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
-    """Median CPU seconds per policy of ``rounds`` steps taken in turn (each policy warmed up already)."""
-    return {name: statistics.median(values) for name, values in in_turn(steps, rounds).items()}
-
-
 def times(samples: list[float]) -> dict[str, Any]:
     """A measured row's timing fields: the median step (None: not timed) and the rounds it is the median of."""
     return {"step_time_s": statistics.median(samples) if samples else None, "rounds_s": samples}
 
 
 def fitted_rates(samples: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """Seconds per FLOP and per byte that best explain measured recompute seconds: ``samples`` of
-    (FLOPs, bytes, seconds) per recomputed unit (`shared_configs.planning.recompute_time.work`),
-    least squares with neither rate below 0. One timed round of many units prices every unit
-    from two figures, where one unit's own seconds from one round are mostly noise."""
+    """Seconds per FLOP and per byte that best explain ``samples`` of (FLOPs, bytes, seconds) per recomputed
+    unit (`shared_configs.planning.recompute_time.work`), least squares with neither rate below 0: two
+    figures from many units, where one unit's own seconds from one round are mostly noise."""
     from scipy.optimize import nnls  # here: only a torch profile fits
 
     if not samples:

@@ -49,7 +49,7 @@ def unit_costs(timeline: Timeline, leaves: list[str]) -> tuple[dict[str, Cost], 
     across = (t.starts < split) & (t.ends >= split) & (t.ends < n - 1) & ~t.static
     owners = units[np.minimum(timeline.ends[across], n - 1)]
     sizes = timeline.sizes[across]
-    last = _first(units[:split] == leaves[-1], split)  # where the last unit's forward starts
+    last = int(next(iter(np.flatnonzero(units[:split] == leaves[-1])), split))  # the last unit's forward start
     held = (t.starts < last) & (t.ends >= last) & (t.ends < split) & ~t.static
     makers, held_sizes = units[t.starts[held]], t.sizes[held]
     costs, before, before_held = {}, 0, 0
@@ -70,8 +70,3 @@ def unit_costs(timeline: Timeline, leaves: list[str]) -> tuple[dict[str, Cost], 
         before_held += hold
     opt = levels[phases == OPT]
     return costs, int(opt.max()) if opt.size else 0, int(levels.max())
-
-
-def _first(mask: np.ndarray, default: int) -> int:
-    found = np.flatnonzero(mask)
-    return int(found[0]) if found.size else default

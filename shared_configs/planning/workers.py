@@ -1,12 +1,10 @@
 """The one worker protocol, both frameworks: the planner's profile, peaks and measure, the benchmark's rows.
 
-A worker runs ``python -m shared_configs.planning.workers`` in an environment set before its
-framework is imported (`worker_env`; XLA's flags), one framework per process: two runtimes in one
-process skew each other's memory and time. It answers through event lines on stdout (`emit`): with
-``--serve``, a ``result`` per planner request read from stdin (its framework's `BACKENDS` module
-answers; `run_worker`, `kept_alive`: a plan's profile and check share one); with REQUEST_JSON, any
-events of the request's own ``backend`` module (the benchmark's rows, docs/benchmark.md; `run`).
-Its progress goes to stderr (`shared_configs.progress`)."""
+A worker runs ``python -m shared_configs.planning.workers`` in `worker_env` (XLA's flags), one framework
+per process (two runtimes in one skew each other's memory and time), and answers by event lines on
+stdout (`emit`): with ``--serve``, a ``result`` per planner request read from stdin (`run_worker`;
+`kept_alive`: a plan's profile and check share one); with REQUEST_JSON, the events of the request's
+own ``backend`` module (the benchmark's rows, docs/benchmark.md; `run`). Progress goes to stderr."""
 
 from __future__ import annotations
 
@@ -89,13 +87,12 @@ def run(
     as each event arrives and ``on_stderr`` with each line of its stderr."""
     cmd = [sys.executable, *(launcher or []), "-m", __name__, json.dumps(request)]
     events: list[Event] = []
-    said: list[str] = []  # stderr's lines, progress left out
+    said: list[str] = []
 
     def read(stream: Any) -> None:
         for line in stream:
             on_stderr(line)
-            if line.strip() and not line.startswith(MARK):
-                said[-20:] = [*said[-19:], line.strip()]
+            _tail(said, line)
 
     with worker_group(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                       text=True) as proc:  # fmt: skip
@@ -115,14 +112,15 @@ def run_worker(request: dict[str, Any]) -> dict[str, Any]:
     kept one inside `kept_alive`, else a worker of its own."""
     framework = request["framework"]
     if _kept is not None and request["kind"] in KEPT_KINDS:
-        if framework not in _kept:
-            _kept[framework] = _Kept(framework)
-        return _kept[framework].ask(request)
+        stack, workers = _kept
+        if framework not in workers:
+            workers[framework] = stack.enter_context(_Kept(framework))
+        return workers[framework].ask(request)
     with _Kept(framework) as worker:
         return worker.ask(request)
 
 
-_kept: dict[str, _Kept] | None = None  # framework -> its worker, while `kept_alive` is open
+_kept: tuple[contextlib.ExitStack, dict[str, _Kept]] | None = None  # the workers, while `kept_alive` is open
 
 
 @contextlib.contextmanager
@@ -133,17 +131,18 @@ def kept_alive() -> Iterator[None]:
     if _kept is not None:  # an outer block keeps them
         yield
         return
-    _kept = {}
-    try:
-        yield
-    except BaseException:
-        for worker in _kept.values():
-            stop_group(worker.proc)
-        raise
-    finally:
-        kept, _kept = _kept, None
-        for worker in kept.values():
-            worker.close()
+    with contextlib.ExitStack() as stack:
+        _kept = (stack, {})
+        try:
+            yield
+        finally:
+            _kept = None
+
+
+def _tail(said: list[str], line: str) -> None:
+    """Keep a worker's last 20 stderr lines, progress left out."""
+    if line.strip() and not line.startswith(MARK):
+        said[-20:] = [*said[-19:], line.strip()]
 
 
 class _Kept:
@@ -155,7 +154,7 @@ class _Kept:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)  # fmt: skip
         self.relay: Relay | None = None
-        self.said: list[str] = []  # stderr's lines, progress left out
+        self.said: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -163,8 +162,7 @@ class _Kept:
         for line in self.proc.stderr or ():
             if self.relay is not None:
                 self.relay.feed(line)
-            if line.strip() and not line.startswith(MARK):
-                self.said[-20:] = [*self.said[-19:], line.strip()]
+            _tail(self.said, line)
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
         self.relay = Relay(f"{request['framework']} {request['kind']}")  # its progress lines, logged here
@@ -251,18 +249,14 @@ def main(argv: list[str]) -> int:
     if argv[0] != SERVE:  # the benchmark's rows: a request naming its own backend
         request = json.loads(argv[0])
         return importlib.import_module(request["backend"]).serve(request)
-    backend = None
+    backend: Any = None
     for line in sys.stdin:  # the planner's requests, one framework's, until stdin closes
         request = json.loads(line)
-        backend = backend or _backend(request)
+        if backend is None:
+            backend = importlib.import_module(BACKENDS[request["framework"]])
+            backend.start_worker(request)
         emit("result", **answer(backend, request))
     return 0
-
-
-def _backend(request: dict[str, Any]) -> Backend:
-    backend = importlib.import_module(BACKENDS[request["framework"]])
-    backend.start_worker(request)
-    return backend  # type: ignore[return-value]
 
 
 if __name__ == "__main__":
