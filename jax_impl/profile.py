@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import replace
 from typing import Any
 
 import jax
@@ -28,12 +26,10 @@ from jax_impl.pair import train_step as pair_step
 from jax_impl.unet import UNet
 from shared_configs.defaults import jax_cache_dir
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec, example_pair_batch
-from shared_configs.planning.budget import PROFILE_RUNS, Cost
 from shared_configs.planning.recompute_time import at_rates, step_flops
 from shared_configs.planning.stepclock import clock, contenders, cpu_split, measured_rounds, times
-from shared_configs.planning.timeline import Timeline, unit_costs
-from shared_configs.planning.unit_flops import recompute_flops, unit_flops
-from shared_configs.planning.units import PLAIN, StepSpec, block_layers, leaf_units, policy_string, uniform
+from shared_configs.planning.timeline import Timeline, filed_units, profile_assignments, unit_costs
+from shared_configs.planning.units import StepSpec, block_layers, leaf_units, policy_string
 from shared_configs.planning.workers import XLA_CPU_OPTIONS as BARRIERS
 from shared_configs.progress import progress, tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
@@ -64,7 +60,9 @@ def setup(
         state = _drawn(jax.eval_shape(init), pair)
     else:  # the training loop's own init (compiled fast: it runs once)
         state = jax.jit(init, compiler_options=FAST)()
-    args: tuple = (*(state if pair else (state,)), *_batch_and_key(spec, batch_size, context_length, run))
+    example = example_pair_batch if pair else example_batch
+    inputs = (jt.arrays(example(spec, batch_size, context_length)), jax.random.key(2))
+    args: tuple = (*(state if pair else (state,)), *(inputs if run else _abstract(inputs)))
     return {"spec": spec, "tx": tx, "args": args, "chunk": chunk, "run": run, "regime": regime}
 
 
@@ -85,13 +83,8 @@ def _drawn(abstract: Any, pair: bool) -> Any:
     return (state, draw(abstract[1])) if pair else state
 
 
-def _batch_and_key(spec: StepSpec, batch_size: int, context_length: int, run: bool) -> tuple[Any, Any]:
-    example = example_pair_batch if isinstance(spec, ControlNetPairSpec) else example_batch
-    batch = jt.arrays(example(spec, batch_size, context_length))
-    key = jax.random.key(2)
-    if run:
-        return batch, key
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (batch, key))
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
 def compiled_step(s: dict[str, Any], policy: str, dump: str | None = None, fast: bool = True) -> Any:
@@ -171,15 +164,12 @@ def timed(
 ) -> dict[str, list[float]]:
     """Per compiled step, `measured_rounds` after one warm-up each, the donated state carried along."""
 
-    def run(c: Any) -> Callable[[], None]:
-        def step() -> None:
-            state, loss = c(s["args"][0], *s["args"][1:])
-            jax.block_until_ready(loss)
-            s["args"] = (state, *s["args"][1:])
+    def step(c: Any) -> None:
+        state, loss = c(*s["args"])
+        jax.block_until_ready(loss)
+        s["args"] = (state, *s["args"][1:])
 
-        return step
-
-    steps = {name: run(compiled[name]) for name in contenders(list(compiled), peaks or {}, race_to)}
+    steps = {name: functools.partial(step, compiled[name]) for name in contenders(list(compiled), peaks or {}, race_to)}
     for step in steps.values():
         step()
     return measured_rounds(steps, peaks or {}, rounds, race_to) | {n: [] for n in compiled if n not in steps}
@@ -200,22 +190,15 @@ def profile(
     timing = not shapes and repeats > 0
     with cpu_split(cpu, "setup"):
         s = setup(spec, batch_size, context_length, attention_chunk, run=timing, regime=regime.profiled, drawn=True)
-        shapes_only = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), s["args"])
         key = _shapes_key(spec, batch_size, context_length, attention_chunk, regime)
-        _shapes = (key, s | {"args": shapes_only, "run": False})
-    flops = unit_flops(spec, batch_size, context_length)
-    units: dict[str, dict[str, Cost]] = {}
-    runs: dict[str, Any] = {}
-    assignments = [{} if choice == PLAIN else uniform(spec, choice, level) for choice, level in PROFILE_RUNS]
+        _shapes = (key, s | {"args": _abstract(s["args"]), "run": False})
+    assignments = profile_assignments(spec)
     with cpu_split(cpu, "compiles"):  # only the plain step is run: its throughput prices recompute
         measured = memory_runs(s, assignments, run_plain=timing)
     compiled = {policy_string({}): measured[0][3]} if timing else {}
-    for (choice, _), assignment, (costs, live_peak, peak, _) in zip(PROFILE_RUNS, assignments, measured, strict=True):
-        runs[policy_string(assignment)] = {"peak_bytes": peak, "live_peak_bytes": live_peak, "step_time_s": None}
-        for unit, cost in costs.items():
-            mine = assignment.get(unit, PLAIN)
-            if mine == choice:
-                units.setdefault(unit, {})[mine] = replace(cost, flops=recompute_flops(flops[unit], mine))
+    runs: dict[str, Any] = {policy_string(a): {"peak_bytes": peak, "live_peak_bytes": live, "step_time_s": None}
+                            for a, (_, live, peak, _) in zip(assignments, measured, strict=True)}  # fmt: skip
+    units = filed_units(spec, batch_size, context_length, assignments, [m[0] for m in measured])
     del measured
     with cpu_split(cpu, "timing"):
         samples = timed(s, compiled, repeats) if timing else {}

@@ -135,7 +135,6 @@ class StepTracker(TorchDispatchMode):
         self._recompute_depth = 0
         self._phases: dict[str, int] = {}
         self._hooks: list[Any] = []
-        self._resize: Any = torch.UntypedStorage.resize_
         self.result: StepMemory | None = None
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -145,11 +144,16 @@ class StepTracker(TorchDispatchMode):
             if part.device.type != "meta":
                 self._add_storage(part.untyped_storage(), kind, at_entry)
 
+    def _state(self) -> list[torch.Tensor]:
+        return [x for opt in self._optimizers for x in state_tensors(opt)]
+
+    def _known(self, st: torch.UntypedStorage) -> bool:
+        return id(st) in self._live and self._refs[id(st)]() is st
+
     def _add_storage(self, st: torch.UntypedStorage, kind: str, at_entry: bool = False) -> None:
-        key = id(st)
-        if key in self._live and self._refs[key]() is st:
+        if self._known(st):
             return
-        index = len(self._sizes)
+        key, index = id(st), len(self._sizes)
         self._sizes.append(st.nbytes())
         self._kinds.append(kind)
         self._live[key] = index
@@ -169,18 +173,15 @@ class StepTracker(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and not isinstance(t, self._dtensor):
                     for part in plain(t):
                         st = part.untyped_storage()
-                        key = id(st)
-                        known = key in self._live and self._refs[key]() is st
-                        if not known and part.device.type != "meta" and st.data_ptr() not in self._entry_ptrs:
+                        if part.device.type != "meta" and not self._known(st) and st.data_ptr() not in self._entry_ptrs:
                             self._add_storage(st, "params", at_entry=True)
 
     def _resized(self, st: torch.UntypedStorage, size: int) -> None:
         """FSDP2 gathers a parameter by growing a storage and frees it by shrinking it to 0: the old
         size is freed, the new one made (as ``params``)."""
-        key = id(st)
-        if key in self._live and self._refs[key]() is st:
-            index = self._live.pop(key)
-            del self._refs[key]  # its free callback goes with it: this is the free
+        if self._known(st):
+            index = self._live.pop(id(st))
+            del self._refs[id(st)]  # its free callback goes with it: this is the free
             self._events.append((index, -1, self._block()))
         self._resize(st, size)
         if size > 0:
@@ -208,7 +209,7 @@ class StepTracker(TorchDispatchMode):
         return name
 
     def mark(self, unit: str, phase: str) -> None:
-        """What follows runs in ``unit``'s ``phase`` (fwd, bwd, opt): the planner's module hooks."""
+        """What follows runs in ``unit``'s ``phase`` (fwd, bwd, opt)."""
         self._marks.append((len(self._events), unit, phase))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -232,15 +233,11 @@ class StepTracker(TorchDispatchMode):
     # -- entry and exit ------------------------------------------------------------------------
 
     def __enter__(self) -> StepTracker:
-        for t in [*self._model.parameters(), *self._model.buffers()]:
-            self._add(t, "params", at_entry=True)
-        for p in self._model.parameters():
-            if p.grad is not None:
-                self._add(p.grad, "grads", at_entry=True)
-        for t in [*(x for opt in self._optimizers for x in state_tensors(opt)), *self._held]:
-            self._add(t, "optimizer", at_entry=True)
-        for t in self._inputs:
-            self._add(t, "input", at_entry=True)
+        grads = [p.grad for p in self._model.parameters() if p.grad is not None]
+        for kind, tensors in (("params", [*self._model.parameters(), *self._model.buffers()]), ("grads", grads),
+                              ("optimizer", [*self._state(), *self._held]), ("input", self._inputs)):  # fmt: skip
+            for t in tensors:
+                self._add(t, kind, at_entry=True)
         if self._detail:
             self._mods.register_user_hooks(self._pre_forward, self._post_forward, self._enter_block, self._leave_block)
             self._hooks = [
@@ -248,7 +245,7 @@ class StepTracker(TorchDispatchMode):
                 register_optimizer_step_post_hook(lambda *a: setattr(self, "_in_optimizer", False)),
             ]
             self._mods.__enter__()
-        self._resize = torch.UntypedStorage.resize_
+        self._resize: Any = torch.UntypedStorage.resize_
 
         def resize_(st: torch.UntypedStorage, size: int) -> None:  # a function: bound to the storage
             self._resized(st, size)
@@ -288,7 +285,7 @@ class StepTracker(TorchDispatchMode):
                 hook.remove()
         # What the step leaves behind decides the kind: its gradients and (new) optimizer state.
         for kind, tensors in (("grads", [p.grad for p in self._model.parameters()]),
-                              ("optimizer", [x for opt in self._optimizers for x in state_tensors(opt)])):  # fmt: skip
+                              ("optimizer", self._state())):  # fmt: skip
             for t in tensors:
                 index = None if t is None else self._live.get(id(local(t).untyped_storage()))
                 if index is not None:
@@ -316,8 +313,7 @@ class StepTracker(TorchDispatchMode):
         )
 
     def unit_timeline(self) -> Timeline:
-        """The step as the planner's `Timeline`: a position per storage made and per `mark`, each
-        storage alive from the position that made it to the last one before it was freed; the
+        """The step as the planner's `Timeline`: a position per storage made and per `mark`; the
         starting level (and ``input_bytes``, as one buffer) static."""
         units, phases = [STEM], [FWD]
         starts = np.zeros(len(self._sizes) + 1, np.int64)
@@ -408,7 +404,7 @@ def skip_frozen_grad_hooks(tracker: MemTracker, model: torch.nn.Module) -> None:
 
 @dataclass
 class SavedRecord:
-    """One output a selective policy chose to save: the block, its op class and aten op, the tensors."""
+    """One output a selective policy chose to save."""
 
     block: str
     op_class: str
@@ -418,7 +414,7 @@ class SavedRecord:
 
 
 def _meta_outputs(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The op's outputs as meta tensors (shapes and dtypes, no data, no compute)."""
+    """The op's outputs as meta tensors (no data, no compute)."""
     meta = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
     out = op(*meta[0], **meta[1])
     return [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]

@@ -29,9 +29,8 @@ from shared_configs.planning import optimizer_step
 from shared_configs.planning.budget import PROFILE_RUNS, Cost
 from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops, work
 from shared_configs.planning.stepclock import clock, cpu_split, fitted_rates, in_turn, measured_rounds, times
-from shared_configs.planning.timeline import BWD, FWD, unit_costs
-from shared_configs.planning.unit_flops import recompute_flops, unit_flops
-from shared_configs.planning.units import PLAIN, StepSpec, block_layers, leaf_units, policy_string, uniform
+from shared_configs.planning.timeline import BWD, FWD, filed_units, profile_assignments, unit_costs
+from shared_configs.planning.units import PLAIN, StepSpec, block_layers, leaf_units, policy_string
 from shared_configs.progress import tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 from shared_configs.training.data import Batch, batch_bytes, step_arrays
@@ -201,11 +200,9 @@ def timing_runs(
     for _ in tracked(range(repeats), "timing rounds", lambda r: f"{len(assignments)} steps"):
         for i, assignment in enumerate(assignments):
             samples[i].append(timed_step(s, assignment))
-    out = []
-    for runs in samples:
-        per_unit = {u: [statistics.median(r[0][u][k] for r in runs) for k in (0, 1)] for u in runs[0][0]}
-        out.append((per_unit, statistics.median(r[1] for r in runs)))
-    return out
+    median = statistics.median
+    return [({u: [median(r[0][u][k] for r in runs) for k in (0, 1)] for u in runs[0][0]}, median(r[1] for r in runs))
+            for runs in samples]  # fmt: skip
 
 
 def profile(
@@ -224,22 +221,15 @@ def profile(
         real = None if shapes or (exact and not timing) else setup(spec, batch_size, context_length, False,
                                                                    regime.profiled)  # fmt: skip
         fake = fake_setup(spec, batch_size, context_length, regime.profiled) if shapes or exact else None
-    flops = unit_flops(spec, batch_size, context_length)
-    units: dict[str, dict[str, Cost]] = {}
-    runs: dict[str, Any] = {}
-    opt_peak = 0
-    assignments = [{} if choice == PLAIN else uniform(spec, choice, level) for choice, level in PROFILE_RUNS]
+    assignments = profile_assignments(spec)
     named = tracked(zip(PROFILE_RUNS, assignments, strict=True), "memory runs", lambda run: " ".join(run[0]))
     with cpu_split(cpu, "memory"):  # a real run also warms its plan up for the timing
         measured = [memory_run(real if real and (not exact or level == TIMED_LEVEL) else fake, a)
                     for (_, level), a in named]  # fmt: skip
-    for (choice, _), assignment, (costs, run_opt, peak) in zip(PROFILE_RUNS, assignments, measured, strict=True):
-        runs[policy_string(assignment)] = {"peak_bytes": peak, "step_time_s": None}
-        opt_peak = run_opt if choice == PLAIN else opt_peak
-        for unit, cost in costs.items():
-            mine = assignment.get(unit, PLAIN)
-            if mine == choice:
-                units.setdefault(unit, {})[mine] = replace(cost, flops=recompute_flops(flops[unit], mine))
+    runs = {policy_string(a): {"peak_bytes": peak, "step_time_s": None}
+            for a, (_, _, peak) in zip(assignments, measured, strict=True)}  # fmt: skip
+    units = filed_units(spec, batch_size, context_length, assignments, [costs for costs, _, _ in measured])
+    opt_peak = measured[0][1]  # the plain run's, PROFILE_RUNS' first
     plain_flops = step_flops(spec, batch_size, context_length, regime.profiled)
     step_time, rates = 0.0, {}
     with cpu_split(cpu, "timing"):
@@ -384,8 +374,11 @@ def measure_step(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         allocated = torch.cuda.max_memory_allocated(device)
-    else:
-        allocated = allocator_level(model, optimizer, batch, held, allocator.peak)
+    else:  # the allocator's events show the blocks the step allocates above what persists (or its start)
+        persistent = storage_bytes([*model.parameters(), *model.buffers(), *state_tensors(optimizer), *held])
+        persistent += batch_bytes(batch)
+        grads = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        allocated = max(persistent + grads, persistent + allocator.peak)
     row = {"allocator_peak_bytes": allocated, "saved_bytes": saved.bytes}
     if not tracked:
         return row | {"peak_bytes": allocated}
@@ -401,17 +394,6 @@ def measure_step(
         "timeline": result.timeline,
         **{f"{kind}_bytes": value for kind, value in breakdown.items()},
     }
-
-
-def allocator_level(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, held: list[torch.Tensor], above: int
-) -> int:
-    """A CPU step's peak: ``above`` (`AllocatorPeak`, blocks the step allocates) over what persists,
-    or the step's start (the previous gradients alive) if higher."""
-    persistent = storage_bytes([*model.parameters(), *model.buffers(), *state_tensors(optimizer), *held])
-    persistent += batch_bytes(batch)
-    grads = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
-    return max(persistent + grads, persistent + above)
 
 
 def _held(s: dict[str, Any]) -> list[torch.Tensor]:

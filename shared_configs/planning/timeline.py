@@ -8,11 +8,13 @@ buffer's first and last position and size); `unit_costs` turns it into the per-u
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from shared_configs.planning.budget import Cost
+from shared_configs.planning.budget import PROFILE_RUNS, Cost
+from shared_configs.planning.unit_flops import recompute_flops, unit_flops
+from shared_configs.planning.units import PLAIN, StepSpec, uniform
 
 FWD, BWD, OPT = "fwd", "bwd", "opt"
 
@@ -37,6 +39,25 @@ class Timeline:
     def split(self) -> int:
         """The first backward position (the end if there is none)."""
         return next((i for i, p in enumerate(self.phases) if p == BWD), len(self.phases))
+
+
+def profile_assignments(spec: StepSpec) -> list[dict[str, str]]:
+    """The uniform plans a profile measures, in `PROFILE_RUNS`' order (the plain one first, ``{}``)."""
+    return [{} if choice == PLAIN else uniform(spec, choice, level) for choice, level in PROFILE_RUNS]
+
+
+def filed_units(
+    spec: StepSpec, batch_size: int, context_length: int, assignments: list[dict[str, str]],
+    costs: list[dict[str, Cost]],
+) -> dict[str, dict[str, Cost]]:  # fmt: skip
+    """Per unit and choice, the `Cost` of the run that measured that choice, with its recompute FLOPs."""
+    flops = unit_flops(spec, batch_size, context_length)
+    units: dict[str, dict[str, Cost]] = {}
+    for (choice, _), assignment, per_unit in zip(PROFILE_RUNS, assignments, costs, strict=True):
+        for unit, cost in per_unit.items():
+            if assignment.get(unit, PLAIN) == choice:
+                units.setdefault(unit, {})[choice] = replace(cost, flops=recompute_flops(flops[unit], choice))
+    return units
 
 
 def unit_costs(timeline: Timeline, leaves: list[str]) -> tuple[dict[str, Cost], int, int]:

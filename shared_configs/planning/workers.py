@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -98,10 +98,9 @@ def run(
                       text=True) as proc:  # fmt: skip
         reader = threading.Thread(target=read, args=(proc.stderr,), daemon=True)
         reader.start()
-        for line in proc.stdout or ():
-            if line.startswith(EVENT_PREFIX):
-                events.append(json.loads(line[len(EVENT_PREFIX) :]))
-                on_event(events[-1])
+        for event in _events(proc.stdout or ()):
+            events.append(event)
+            on_event(event)
         proc.wait()
         reader.join()
     return Finished(events, proc.returncode, said[-1] if said else "")
@@ -112,15 +111,14 @@ def run_worker(request: dict[str, Any]) -> dict[str, Any]:
     kept one inside `kept_alive`, else a worker of its own."""
     framework = request["framework"]
     if _kept is not None and request["kind"] in KEPT_KINDS:
-        stack, workers = _kept
-        if framework not in workers:
-            workers[framework] = stack.enter_context(_Kept(framework))
-        return workers[framework].ask(request)
+        if framework not in _kept:
+            _kept[framework] = _Kept(framework)
+        return _kept[framework].ask(request)
     with _Kept(framework) as worker:
         return worker.ask(request)
 
 
-_kept: tuple[contextlib.ExitStack, dict[str, _Kept]] | None = None  # the workers, while `kept_alive` is open
+_kept: dict[str, _Kept] | None = None  # framework -> its worker, while `kept_alive` is open
 
 
 @contextlib.contextmanager
@@ -131,12 +129,18 @@ def kept_alive() -> Iterator[None]:
     if _kept is not None:  # an outer block keeps them
         yield
         return
-    with contextlib.ExitStack() as stack:
-        _kept = (stack, {})
+    with contextlib.ExitStack() as stack:  # closes each worker (stops it, on an exception)
+        _kept = {}
         try:
             yield
         finally:
-            _kept = None
+            kept, _kept = _kept, None
+            for worker in kept.values():
+                stack.push(worker)
+
+
+def _events(lines: Iterable[str]) -> Iterator[Event]:
+    return (json.loads(line[len(EVENT_PREFIX) :]) for line in lines if line.startswith(EVENT_PREFIX))
 
 
 def _tail(said: list[str], line: str) -> None:
@@ -171,11 +175,7 @@ class _Kept:
             assert self.proc.stdin is not None and self.proc.stdout is not None
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            for line in self.proc.stdout:
-                event = json.loads(line[len(EVENT_PREFIX) :]) if line.startswith(EVENT_PREFIX) else {}
-                if event.get("event") == "result":
-                    result = event
-                    break
+            result = next((event for event in _events(self.proc.stdout) if event.get("event") == "result"), None)
         if result is None:  # it exited: its error is on stderr
             self.proc.wait()
             self.reader.join()
