@@ -188,16 +188,12 @@ def _flops(compiled: Any) -> float | None:
 
 def _default_passes_peak(lowered: Any) -> int:
     """Peak of the same step compiled with XLA:CPU's default passes (never run, so -O0)."""
-    kept = [p for p in _disabled_passes() if p != "cse_barrier_expander"]
+    flags = [f.split("=", 1)[1] for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_disable_hlo_p")]
+    kept = [p for flag in flags for p in flag.split(",") if p and p != "cse_barrier_expander"]
     # -O0: code generation only (buffer assignment comes before it): same memory analysis, faster.
     options = {"xla_disable_hlo_passes": ",".join(kept), "xla_backend_optimization_level": 0,
                "xla_llvm_disable_expensive_passes": True}  # fmt: skip
     return compiled_peak(lowered.compile(compiler_options=options))
-
-
-def _disabled_passes() -> list[str]:
-    flags = [f.split("=", 1)[1] for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_disable_hlo_p")]
-    return [p for flag in flags for p in flag.split(",") if p]
 
 
 def _saved_bytes(s: dict[str, Any]) -> int:

@@ -94,16 +94,16 @@ def sweep(workload: Workload, frameworks: tuple[str, ...], count: int, verify: b
             policies = list(dict.fromkeys([*HAND_POLICIES, *(p["plan"] for p in plans), *(r["plan"] for r in randoms)]))
             rows = measure(fw, workload, policies, steps, ratios if fw == "torch" else None)
             _attach(rows["rows"], hand, plans + randoms)
-            _pair(plans, hand)
+            for p in (p for p in plans if "measured_rounds_s" in p):  # round by round against each hand policy
+                p["paired"] = {name: paired(p["measured_rounds_s"], h["measured_rounds_s"]) for name, h in hand.items()}
             compiled = _compiled(rows["rows"])
             plans += _at_measured_balanced(fw, workload, profile, hand["balanced"], margin, steps)
             doc["frameworks"].setdefault(fw, {})["measure_method"] = rows["method"]
         doc["frameworks"].setdefault(fw, {}).update(
             hand=hand, plans=plans, random=randoms, compiled=compiled, margin=margin,
-            frontier=frontier(profile, workload),
-            method=profile.meta.get("method"), profile_seconds=profile.meta.get("seconds"),
-            step_time_s=profile.step_time_s, efficiency=efficiency(profile, workload),
-        )  # fmt: skip
+            frontier=frontier(profile, workload), method=profile.meta.get("method"),
+            profile_seconds=profile.meta.get("seconds"), step_time_s=profile.step_time_s,
+            efficiency=efficiency(profile, workload))  # fmt: skip
     return doc
 
 
@@ -123,12 +123,6 @@ def _at_measured_balanced(
     entry["balanced_measured_overhead_here"] = rows["balanced"]["step_time_s"] / rows["none"]["step_time_s"] - 1
     entry["paired"] = {h: paired(rows[sol.policy]["rounds_s"], rows[h]["rounds_s"]) for h in ("none", "balanced")}
     return [entry]
-
-
-def _pair(plans: list[dict[str, Any]], hand: dict[str, Any]) -> None:
-    """Each measured plan against each hand policy, round by round (`shared_configs.planning.stepclock.paired`)."""
-    for p in (p for p in plans if "measured_rounds_s" in p):
-        p["paired"] = {name: paired(p["measured_rounds_s"], h["measured_rounds_s"]) for name, h in hand.items()}
 
 
 def _compiled(rows: dict[str, Any]) -> dict[str, Any]:

@@ -65,15 +65,11 @@ def versus(d: dict[str, Any]) -> str:
     return f"{saved} ({shown}) for {100 * d['predicted_overhead']:+.1f}% step time"
 
 
-def _ranks(doc: dict[str, Any]) -> str:
-    n = doc.get("world_size", 1)
-    return f" per rank of {n} ({doc['distributed']})" if n > 1 else ""
-
-
 def render(doc: dict[str, Any], workload: Workload) -> str:
     """The plan, what each framework predicts of it against none and full, and the per-block listing."""
-    spec = workload.spec
-    what = (f"{spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size}{_ranks(doc)}, "
+    spec, n = workload.spec, doc.get("world_size", 1)
+    ranks = f" per rank of {n} ({doc['distributed']})" if n > 1 else ""
+    what = (f"{spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size}{ranks}, "
             f"{workload.regime.describe()}")  # fmt: skip
     if doc["budget_bytes"] is None:
         head = f"the policy given, for {what} (predicted from the profile, not solved):"

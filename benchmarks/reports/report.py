@@ -79,12 +79,10 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / MIB:,.1f}"
 
 
-def _pct(value: float | None) -> str:
-    return "" if value is None else f" ({-value:+.0%})"
-
-
-def _cell_bytes(row: Row, col: str, rel: str | None = None) -> str:
-    return _mib(row[col]) + (_pct(row[rel]) if rel and row["policy"] != "none" else "")
+def _cell_bytes(row: Row, col: str, rel: str) -> str:
+    """MiB, and the change against none beside it."""
+    change = None if row["policy"] == "none" else row[rel]
+    return _mib(row[col]) + ("" if change is None else f" ({-change:+.0%})")
 
 
 def _cell_time(row: Row) -> str:
@@ -114,20 +112,13 @@ COLUMNS_SHOWN: tuple[tuple[str, Callable[[Row], str]], ...] = (
 )  # fmt: skip
 
 
-def _cell_saved(row: Row) -> str:
-    return "-" if row["policy"] == "none" or row["peak_reduction"] is None else f"{100 * row['peak_reduction']:.0f}%"
-
-
-def _cell_ratio(row: Row, unreliable: bool) -> str:
-    mark = " ?" if unreliable and row["policy"] != "none" else ""
-    return "-" if row["time_overhead"] is None else f"{row['time_overhead']:.2f}x{mark}"
-
-
 FITS = {"ok": "yes", "oom": "[red]OOM[/red]", "error": "[red]error[/red]"}
 
 # The table a person reads (fits 100 columns): the peak, what checkpointing saved, the time it cost.
 COMPACT: tuple[tuple[str, Callable[[Row], str]], ...] = (
-    *COLUMNS_SHOWN[:3], ("peak\nMiB", lambda r: _mib(r["peak_bytes"])), ("saved\nvs none", _cell_saved),
+    *COLUMNS_SHOWN[:3], ("peak\nMiB", lambda r: _mib(r["peak_bytes"])),
+    ("saved\nvs none", lambda r: "-" if r["policy"] == "none" or r["peak_reduction"] is None
+     else f"{100 * r['peak_reduction']:.0f}%"),
     ("activations\nMiB", lambda r: _mib(r["activation_bytes"])),
 )  # fmt: skip
 
@@ -164,7 +155,8 @@ def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = Fa
 
 def _compact(rows: list[Row], title: str, unreliable: bool, ranked: bool) -> Table:
     shown = list(COMPACT)
-    shown.append(("step time\nvs none", lambda r: _cell_ratio(r, unreliable)))
+    shown.append(("step time\nvs none", lambda r: "-" if r["time_overhead"] is None else
+                  f"{r['time_overhead']:.2f}x" + (" ?" if unreliable and r["policy"] != "none" else "")))  # fmt: skip
     if ranked:
         _ranks_columns(shown, 3, compact=True)
     t = Table(title=title, title_justify="left", header_style="bold")
