@@ -291,11 +291,8 @@ def _live_bytes(
     allocations: list[_Allocation], ranges: dict[tuple[str, str], tuple[int, int]], hlo: _Hlo, positions: int
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Bytes held per kind at every schedule position, and the bytes of live values alone (as XLA counts).
-
-    An argument's (or output's) allocation is held all step, as what the argument is while no value
-    XLA placed there is live; the temp allocation counts only what is live. Values sharing one slot
-    while their live ranges overlap (an alias, an update in place) count once, as the one that made it.
-    """
+    An argument's (or output's) allocation is held all step; the temp allocation counts what is live;
+    values sharing one slot while live (an alias, an update in place) count once, as the one that made it."""
     delta = {c: np.zeros(positions + 1, dtype=np.int64) for c in CATEGORIES}
     live = np.zeros(positions + 1, dtype=np.int64)
     for allocation in allocations:

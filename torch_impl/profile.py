@@ -91,9 +91,8 @@ class ShapesOnly:
 
 
 class _AsCPU(TorchDispatchMode):
-    """A value read (``.item()``) reads 1: Adafactor reads its step count and norms, which set scalars,
-    not which tensors it makes. A reduced ``mse_loss`` holds the storage the CPU kernel's does: the
-    unreduced loss's, the mean written into it (the step keeps the loss to its end)."""
+    """A value read (``.item()``) reads 1 (Adafactor's step count and norms set scalars, not tensors); a
+    reduced ``mse_loss`` holds the unreduced loss's storage, as the CPU kernel's does."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default:

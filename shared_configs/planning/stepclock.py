@@ -54,11 +54,9 @@ def _round(steps: dict[str, Callable[[], None]], names: Iterable[str], samples: 
 def race(
     steps: dict[str, Callable[[], None]], reference: str, rounds: int, min_rounds: int = 5, confidence: float = 0.9
 ) -> dict[str, list[float]]:
-    """`in_turn`, for at most ``rounds`` rounds, dropping a contender as soon as another is faster
-    than it round by round at ``confidence`` (`paired`), from round ``min_rounds`` on, and stopping
-    when one is left. ``reference`` (the plain step, the overheads' base) runs every round and is
-    never dropped. Contenders all run the same first rounds: a dropped one's rounds pair with the
-    others' first ones."""
+    """`in_turn`, for at most ``rounds`` rounds, dropping a contender from round ``min_rounds`` on as soon
+    as another is faster round by round at ``confidence`` (`paired`), until one is left; ``reference``
+    (the plain step) runs every round."""
     samples: dict[str, list[float]] = {name: [] for name in steps}
     alive = [name for name in steps if name != reference]
     left = lambda _: f"{len(alive)} candidate(s) left"  # noqa: E731 (reads alive as the race goes)
