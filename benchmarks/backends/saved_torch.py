@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from shared_configs import UNetSpec, block_names
 from shared_configs.memory import OUTSIDE, block_of
@@ -62,28 +63,17 @@ def _hook_blocks(model: UNet, prod: _Producers, inputs: dict[int, Row]) -> list[
     for name in model.plan.recompute:
 
         def keep(m: Any, args: tuple, n: str = name) -> None:
-            for t in _flat_tensors(args):
-                blk = prod.block.get(_ptr(t), OUTSIDE)
-                inputs[_ptr(t)] = (blk, f"input of {n}", "input", tuple(t.shape), _dtype(t), _nbytes(t))
+            for t in (t for t in tree_leaves(args) if isinstance(t, torch.Tensor)):
+                inputs[_ptr(t)] = _row(prod.block.get(_ptr(t), OUTSIDE), f"input of {n}", "input", t)
 
         handles.append(model.get_submodule(name).register_forward_pre_hook(keep))
     return handles
 
 
-def _flat_tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, tuple | list):
-        return [t for v in value for t in _flat_tensors(v)]
-    return []
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+def _row(block: str, op: str, kind: str, t: torch.Tensor, nbytes: int | None = None) -> Row:
+    """A kept tensor's row: its storage's bytes unless ``nbytes``."""
+    dtype = str(t.dtype).removeprefix("torch.")
+    return block, op, kind, tuple(t.shape), dtype, t.untyped_storage().nbytes() if nbytes is None else nbytes
 
 
 def collect(spec: UNetSpec, policy: str, batch_size: int, context_length: int) -> list[Row]:
@@ -97,8 +87,7 @@ def collect(spec: UNetSpec, policy: str, batch_size: int, context_length: int) -
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         ptr = _ptr(tensor)
         if ptr not in skip and ptr not in saved:
-            blk = prod.block.get(ptr, prod.stack[-1])
-            saved[ptr] = (blk, prod.last_op, "saved", tuple(tensor.shape), _dtype(tensor), _nbytes(tensor))
+            saved[ptr] = _row(prod.block.get(ptr, prod.stack[-1]), prod.last_op, "saved", tensor)
         return tensor
 
     handles = _hook_blocks(model, prod, inputs)
@@ -109,7 +98,7 @@ def collect(spec: UNetSpec, policy: str, batch_size: int, context_length: int) -
     finally:
         for h in handles:
             h.remove()
-    policy_rows = [(block_of(r.block), r.op_class, "policy", tuple(o.shape), _dtype(o), o.numel() * o.element_size())
+    policy_rows = [_row(block_of(r.block), r.op_class, "policy", o, o.numel() * o.element_size())
                    for r in records if not r.recompute for o in r.outputs]  # fmt: skip
     extra = [row for ptr, row in inputs.items() if ptr not in saved and ptr not in skip]
     return list(saved.values()) + extra + policy_rows
