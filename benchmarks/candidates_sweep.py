@@ -71,31 +71,26 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Check ``--budgets`` budgets between ``full``'s and ``none``'s measured peaks; 0 when the plan holds at each."""
     args = build_parser().parse_args(argv)
     with cli_errors("benchmarks.candidates_sweep"), stopping("every worker stopped; nothing written"):
-        return run(args.config, args.sample_size, args.batch_size, args.framework, args.budgets, args.json,
-                   (args.candidates, args.rounds, args.check_rounds))  # fmt: skip
-
-
-def run(config: str, sample_size: int | None, batch_size: int, framework: str, n_budgets: int, json_path: str | None,
-        race: tuple[int, int, int]) -> int:  # fmt: skip
-    """Check ``n_budgets`` budgets between ``full``'s and ``none``'s measured peaks; 0 when the plan holds at each."""
-    workload = Workload.of(config, sample_size, batch_size=batch_size)
-    settings = workload.used((framework,))
-    print(f"settings {settings}")
-    ends = measure(framework, workload, ["none", "full"], 1)["rows"]
-    low, high = ends["full"]["peak_bytes"], ends["none"]["peak_bytes"]
-    budgets = [round(low + (high - low) * (i + 1) / (n_budgets + 1)) for i in range(n_budgets)]
-    results = []
-    for i, budget in enumerate(budgets, 1):
-        progress(f"budget {i} of {len(budgets)}: {budget / MIB:.1f} MiB (full {low / MIB:.1f}, none {high / MIB:.1f})")
-        results.append(check_budget(workload, framework, budget, *race))
-    doc = {"config": workload.spec.name, "sample_size": workload.spec.sample_size, "batch_size": batch_size,
-           "framework": framework, "none_peak_bytes": high, "full_peak_bytes": low,
-           "settings": settings, "results": results}  # fmt: skip
-    if json_path:
-        atomic_write(json_path, json.dumps(doc, indent=1).encode())
-    print(table(results))
+        workload, fw = Workload.of(args.config, args.sample_size, batch_size=args.batch_size), args.framework
+        settings = workload.used((fw,))
+        print(f"settings {settings}")
+        ends = measure(fw, workload, ["none", "full"], 1)["rows"]
+        low, high = ends["full"]["peak_bytes"], ends["none"]["peak_bytes"]
+        budgets = [round(low + (high - low) * (i + 1) / (args.budgets + 1)) for i in range(args.budgets)]
+        results = []
+        for i, budget in enumerate(budgets, 1):
+            progress(f"budget {i} of {len(budgets)}: {budget / MIB:.1f} MiB (full {low / MIB:.1f}, "
+                     f"none {high / MIB:.1f})")  # fmt: skip
+            results.append(check_budget(workload, fw, budget, args.candidates, args.rounds, args.check_rounds))
+        doc = {"config": workload.spec.name, "sample_size": workload.spec.sample_size, "batch_size": args.batch_size,
+               "framework": fw, "none_peak_bytes": high, "full_peak_bytes": low, "settings": settings,
+               "results": results}  # fmt: skip
+        if args.json:
+            atomic_write(args.json, json.dumps(doc, indent=1).encode())
+        print(table(results))
     return 0 if all(r["holds"] for r in results) else 1
 
 
