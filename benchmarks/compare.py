@@ -289,18 +289,8 @@ def build_document(jobs: list[Job], results: list[list[Event]], clock: tuple[flo
     }  # fmt: skip
 
 
-def write_outputs(document: dict[str, Any], out: Path) -> list[Path]:
-    stem = f"compare-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
-    paths = [out / f"{stem}.json", out / f"{stem}.csv"]
-    report.write_json(paths[0], document)
-    report.write_csv(paths[1], document["rows"])
-    return paths + plot.write_plots(document, out, stem)
-
-
-def keep_measured(
-    prog: str, out: Path, device: str, jobs: list[Job], results: list[list[Event]], clock: tuple,
-    stop: KeyboardInterrupt,
-) -> Interrupted:  # fmt: skip
+def keep_measured(prog: str, out: Path, device: str, jobs: list[Job], results: list[list[Event]], clock: tuple,
+                  stop: KeyboardInterrupt) -> Interrupted:  # fmt: skip
     """An interrupted run: the rows so far in ``<out>/<prog>-*.json``, marked incomplete; the interrupt to raise."""
     signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
     rows = [e for evs in results for e in evs if e["event"] == "row"]
@@ -329,7 +319,11 @@ def main(argv: list[str] | None = None) -> int:
             raise keep_measured("compare", args.out, args.device, jobs, results, clock, stop) from None
         document = build_document(jobs, results, clock, args.device)
         show(console, document, args.wide)
-        for path in write_outputs(document, args.out):
+        stem = f"compare-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
+        paths = [args.out / f"{stem}.json", args.out / f"{stem}.csv"]
+        report.write_json(paths[0], document)
+        report.write_csv(paths[1], document["rows"])
+        for path in paths + plot.write_plots(document, args.out, stem):
             console.print(f"wrote {path}")
     errors = [r["error"] for r in document["rows"] if r["status"] == "error"]
     if errors:

@@ -134,7 +134,11 @@ def inspect_policy(config: str, policy: str, frameworks: list[str], batch_size: 
     blocks = block_names(spec)
     if block is not None and block not in [*blocks, OUTSIDE]:
         raise SpecError(f"block: unknown block {block!r} (valid: {', '.join([*blocks, OUTSIDE])})")
-    device = _jax_device() if "jax" in frameworks else "cpu"
+    device = "cpu"
+    if "jax" in frameworks:
+        import jax
+
+        device = device_of(jax.devices()[0].platform)
     used = replace(defaults(device), context_length=context_length, attention_chunk=resolve_chunk(chunk, device))
     fields = ("attention_chunk", "context_length") if "jax" in frameworks else ("context_length",)
     doc: dict[str, Any] = {"config": spec.name, "policy": plan.policy, "batch_size": batch_size,
@@ -142,19 +146,9 @@ def inspect_policy(config: str, policy: str, frameworks: list[str], batch_size: 
     for fw in frameworks:
         rows = COLLECTORS[fw](config, policy, batch_size, context_length, used.attention_chunk)
         doc["frameworks"][fw] = summarize([r for r in rows if block is None or r.block == block], blocks)
-    doc["differ"] = _differ(doc["frameworks"])
+    a, b = (doc["frameworks"][fw]["blocks"] for fw in ("torch", "jax")) if len(frameworks) == 2 else ({}, {})
+    doc["differ"] = [k for k in a if a[k] != b.get(k)]
     return doc
-
-
-def _jax_device() -> str:
-    import jax
-
-    return device_of(jax.devices()[0].platform)
-
-
-def _differ(per_fw: dict[str, Any]) -> list[str]:
-    a, b = (per_fw[fw]["blocks"] for fw in ("torch", "jax")) if len(per_fw) == 2 else ({}, {})
-    return [k for k in a if a[k] != b.get(k)]
 
 
 def _kib(n: int) -> str:

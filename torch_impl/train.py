@@ -84,11 +84,6 @@ def as_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     return torch.from_numpy(batch.noisy), torch.from_numpy(batch.t), torch.from_numpy(batch.noise), conditioning
 
 
-def model_spec(model: torch.nn.Module) -> UNetSpec | None:
-    """The spec of a `UNet`, of one wrapped in DDP (``.module``), or of a module that says (``.spec``)."""
-    return getattr(model, "spec", None) or getattr(getattr(model, "module", None), "spec", None)
-
-
 def train_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, *, tools: StepTools = PLAIN_STEP
 ) -> float:
@@ -103,7 +98,8 @@ def step_loss(
 ) -> torch.Tensor:
     """`train_step` without reading the loss: the planner's profile runs it on fake tensors (pass no
     ``GradScaler`` there: it reads values)."""
-    if (spec := model_spec(model)) is not None:
+    # the spec of a `UNet`, of one wrapped in DDP (``.module``), or of a module that says (``.spec``)
+    if (spec := getattr(model, "spec", None) or getattr(getattr(model, "module", None), "spec", None)) is not None:
         check_conditioning(spec, batch.conditioning())
     model.train()
     # First, as PyTorch's examples do: the previous step's gradients are freed before this forward, so they

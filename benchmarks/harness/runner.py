@@ -36,7 +36,11 @@ def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbos
         started, finished, rc, stderr_tail = _run_worker(todo, events, on_event, verbose)
         done += finished
         if started is not None:  # the worker died inside a row: report it, go on
-            row = _crash_row(job, started, rc, stderr_tail)
+            killed = rc in KILLED
+            error = ("worker killed (SIGKILL), most likely by the out-of-memory killer" if killed
+                     else f"worker died (exit {rc}): {stderr_tail or 'no output'}")  # fmt: skip
+            row = {"event": "row", "framework": job.framework, "policy": started[0], "batch_size": started[1],
+                   "status": "oom" if killed else "error", "error": error}  # fmt: skip
             events.append(row)
             on_event(row)
             done.append(started)
@@ -103,13 +107,3 @@ def check_jax_cache(job: Job, since: float) -> None:
             print(f"note: removed {path}: a compilation cache entry cut short by a stopped worker", file=sys.stderr)
         except OSError:
             continue
-
-
-def _crash_row(job: Job, key: tuple[str, int], rc: int, stderr_tail: str) -> Event:
-    policy, batch_size = key
-    if rc in KILLED:
-        status, error = "oom", "worker killed (SIGKILL), most likely by the out-of-memory killer"
-    else:
-        status, error = "error", f"worker died (exit {rc}): {stderr_tail or 'no output'}"
-    return {"event": "row", "framework": job.framework, "policy": policy, "batch_size": batch_size, "status": status,
-            "error": error}  # fmt: skip
