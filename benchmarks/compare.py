@@ -70,9 +70,8 @@ def _frameworks(text: str) -> tuple[str, ...]:
         return FRAMEWORKS
     bad = [n for n in names if n not in allowed]
     if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown framework {bad[0] if bad else text!r} (allowed: both, or a comma list of {', '.join(allowed)})"
-        )
+        raise argparse.ArgumentTypeError(f"unknown framework {bad[0] if bad else text!r} (allowed: both, or a comma "
+                                         f"list of {', '.join(allowed)})")  # fmt: skip
     return tuple(dict.fromkeys(names))
 
 

@@ -62,9 +62,8 @@ class ControlNet(UNetTrunk):
         self.spec = spec
         self._build_trunk()
         unet = spec.unet
-        self.controlnet_cond_embedding = ConditioningEmbedding(
-            spec.conditioning_channels, unet.block_out_channels[0], spec.conditioning_embedding_out_channels
-        )
+        self.controlnet_cond_embedding = ConditioningEmbedding(spec.conditioning_channels, unet.block_out_channels[0],
+                                                               spec.conditioning_embedding_out_channels)  # fmt: skip
         down, mid = residual_shapes(unet, 1, 2 ** (unet.num_levels - 1))
         self.controlnet_down_blocks = nn.ModuleList(zero_conv(shape[1], shape[1]) for shape in down)
         self.controlnet_mid_block = zero_conv(mid[1], mid[1])

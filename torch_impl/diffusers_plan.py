@@ -43,20 +43,16 @@ def _any_spec(model: nn.Module) -> UNetSpec | ControlNetSpec:
     if cls == "ControlNetModel":
         return controlnet_from_diffusers_config(live_config(model))
     if cls not in DIFFUSERS_CLASSES:
-        raise TypeError(
-            f"model: apply_plan takes diffusers' {' or '.join(DIFFUSERS_CLASSES)}, a torch_impl.UNet or "
-            f"torch_impl.ControlNet, not {cls}"
-        )
+        raise TypeError(f"model: apply_plan takes diffusers' {' or '.join(DIFFUSERS_CLASSES)}, a torch_impl.UNet or "
+                        f"torch_impl.ControlNet, not {cls}")  # fmt: skip
     return diffusers_spec(model)
 
 
 def unit_modules(model: nn.Module, spec: UNetSpec | ControlNetSpec) -> dict[str, nn.Module]:
     """Every name a plan for ``spec`` can use -> the diffusers module it checkpoints."""
     modules: dict[str, nn.Module] = {}
-    names = (
-        controlnet_names(spec) + controlnet_names(spec, True) if isinstance(spec, ControlNetSpec) else all_names(spec)
-    )
-    for name in names:
+    cn = isinstance(spec, ControlNetSpec)
+    for name in controlnet_names(spec) + controlnet_names(spec, True) if cn else all_names(spec):
         path = diffusers_path(name)
         try:
             modules[name] = model.get_submodule(path)
@@ -74,10 +70,8 @@ def apply_plan(
         return model.enable_gradient_checkpointing(plan, preserve_rng_state)
     spec = _any_spec(model)
     if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
-        raise ValueError(
-            "gradient_checkpointing: diffusers' own checkpointing is on, and a plan would recompute the same "
-            "layers twice; call model.disable_gradient_checkpointing() first"
-        )
+        raise ValueError("gradient_checkpointing: diffusers' own checkpointing is on, and a plan would recompute the "
+                         "same layers twice; call model.disable_gradient_checkpointing() first")  # fmt: skip
     resolved = resolve_controlnet_plan(spec, plan) if isinstance(spec, ControlNetSpec) else resolve_plan(spec, plan)
     checkpointing.apply_plan(model, resolved, preserve_rng_state, modules=unit_modules(model, spec))
     return resolved

@@ -205,9 +205,8 @@ class Transformer2D(nn.Module):
         inner = heads * head_dim
         self.norm = nn.GroupNorm(groups, ch, eps=norm_eps)
         self.proj_in = nn.Linear(ch, inner) if linear_projection else nn.Conv2d(ch, inner, 1)
-        self.transformer_blocks = nn.ModuleList(
-            TransformerBlock(inner, heads, ln_eps, scale, context_dim) for _ in range(depth)
-        )
+        self.transformer_blocks = nn.ModuleList(TransformerBlock(inner, heads, ln_eps, scale, context_dim)
+                                                for _ in range(depth))  # fmt: skip
         self.proj_out = nn.Linear(inner, ch) if linear_projection else nn.Conv2d(inner, ch, 1)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, mask: Mask = None) -> torch.Tensor:

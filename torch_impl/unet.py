@@ -97,15 +97,11 @@ class UNetTrunk(nn.Module):
         self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim, spec.time_embedding.cond_dim)
         self._conditioning_layers()
         self.down = nn.ModuleList(
-            DownBlock(
-                b.in_ch, b.out_ch, spec.layers_per_block, *self._factories(b), b.downsample_padding, b.resnet_resample
-            )
-            for b in down_blocks(spec)
-        )
+            DownBlock(b.in_ch, b.out_ch, spec.layers_per_block, *self._factories(b), b.downsample_padding,
+                      b.resnet_resample) for b in down_blocks(spec))  # fmt: skip
         scale = spec.mid_block_scale_factor
-        self.mid = MidBlock(
-            chans[-1], self._resnet_factory("mid"), self._attention_factory(spec.mid_attention, -1, "mid", scale)
-        )
+        self.mid = MidBlock(chans[-1], self._resnet_factory("mid"),
+                            self._attention_factory(spec.mid_attention, -1, "mid", scale))  # fmt: skip
 
     def _conditioning_layers(self) -> None:
         """Class, text_time, image embeddings and the context's projection (diffusers' names), as the spec has them."""
@@ -189,10 +185,8 @@ class UNet(UNetTrunk):
         super().__init__()
         self.spec = spec = load_spec(spec) if isinstance(spec, str) else spec
         self._build_trunk()
-        self.up = nn.ModuleList(
-            UpBlock(b.in_ch, b.out_ch, b.skip_channels, *self._factories(b), b.upsample, b.resnet_resample)
-            for b in up_blocks(spec)
-        )
+        self.up = nn.ModuleList(UpBlock(b.in_ch, b.out_ch, b.skip_channels, *self._factories(b), b.upsample,
+                                        b.resnet_resample) for b in up_blocks(spec))  # fmt: skip
         chans = spec.block_out_channels
         self.conv_norm_out = norm_layer(chans[0], **kwargs(norm_args(spec)))
         self.conv_out = nn.Conv2d(chans[0], spec.out_channels, 3, padding=1)
