@@ -35,8 +35,8 @@ _fast_xla_environment()
 # shared_configs.defaults): a cache hit compiles nothing, so an XLA dump a later test reads would be
 # missing, and the tests would write to the user's cache.
 os.environ.setdefault("UNET_REMAT_JAX_CACHE", "none")
-# The planner's profiles go to a folder of this test process (as on a fresh machine), not the user's
-# cache: a profile left by an earlier run would hide a test's cost and its cold path.
+# The planner's profiles go to one folder of this test run (its workers inherit it, as on a fresh machine),
+# not the user's cache: a profile left by an earlier run would hide a test's cost and its cold path.
 if "UNET_REMAT_PLAN_CACHE" not in os.environ:
     os.environ["UNET_REMAT_PLAN_CACHE"] = tempfile.mkdtemp(prefix="unet-remat-plan-")
     atexit.register(shutil.rmtree, os.environ["UNET_REMAT_PLAN_CACHE"], ignore_errors=True)
