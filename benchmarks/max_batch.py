@@ -122,9 +122,8 @@ def table(results: list[dict[str, Any]], budget: float) -> Table:
     return t
 
 
-def check_budget(budget: float, job: Job) -> None:
-    """Refuse (SpecError) a budget no batch can fit: at or below the static floor."""
-    floor = static_floor(job)
+def check_budget(budget: float, floor: dict[str, int]) -> None:
+    """Refuse (SpecError) a budget no batch can fit: at or below the static ``floor``."""
     if budget <= floor["floor_bytes"]:
         raise SpecError(f"--budget-mib: {budget / MIB:,.1f} MiB is not above the floor of "
                         f"{floor['floor_bytes'] / MIB:,.1f} MiB that every step holds ({floor['param_count']:,} "
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         budget = args.budget_mib * MIB
         jobs = [replace(j, peak_only=True, steps=1, timeline=()) for j in made]
         check_out_dir(args.out)
-        check_budget(budget, jobs[0])
+        check_budget(budget, static_floor(jobs[0]))
         clock, events = cpu_snapshot(), []
         try:
             rows = measure(jobs, console, args.verbose, events)

@@ -233,8 +233,12 @@ def _framework_entry(q: Question, workload: Workload, fw: str, profile: Profile,
         entry["gpu"] = {"device": workload.device} | flavour.as_dict()
     if profile.phases:
         entry["phases"] = profile.phases
-    if report and report["chosen"]:  # measured already, in the race
-        entry |= _from_race(report, fw)
+    if report and report["chosen"]:  # measured already, in the race: the chosen candidate's figures
+        chosen = next(c for c in report["candidates"] if c["chosen"])["frameworks"][fw]
+        none = report["reference_rounds_s"][fw][: len(chosen["rounds_s"])]
+        entry |= {"measured_peak_bytes": chosen["measured_peak_bytes"],
+                  "measured_overhead": statistics.median(chosen["rounds_s"]) / statistics.median(none) - 1,
+                  "measured_overhead_paired": chosen["measured_overhead"]}  # fmt: skip
     elif q.verify:
         rows = measure(fw, workload, list(dict.fromkeys(["none", policy])), q.steps)["rows"]
         entry["measured_peak_bytes"] = rows[policy]["peak_bytes"]
@@ -242,15 +246,6 @@ def _framework_entry(q: Question, workload: Workload, fw: str, profile: Profile,
         # round by round against none: the overhead's spread on this machine (--steps 5 and up bound it)
         entry["measured_overhead_paired"] = paired(rows[policy]["rounds_s"], rows["none"]["rounds_s"])
     return entry
-
-
-def _from_race(report: dict[str, Any], framework: str) -> dict[str, Any]:
-    """The chosen candidate's measured figures in ``framework``, as --verify reports them."""
-    chosen = next(c for c in report["candidates"] if c["chosen"])["frameworks"][framework]
-    none = report["reference_rounds_s"][framework][: len(chosen["rounds_s"])]
-    return {"measured_peak_bytes": chosen["measured_peak_bytes"],
-            "measured_overhead": statistics.median(chosen["rounds_s"]) / statistics.median(none) - 1,
-            "measured_overhead_paired": chosen["measured_overhead"]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ of the global batch; rank 0 reports, with the largest peak over the ranks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
@@ -118,14 +119,6 @@ def timed_steps(step: Callable[[], Any], device: torch.device, steps: int) -> li
     return samples
 
 
-def counted_step(step: Callable[[], Any], device: torch.device) -> tuple[float, int]:
-    """Run one step under `FlopCounterMode`: (seconds, FLOPs of forward + backward)."""
-    register_cpu_attention_flops()  # FlopCounterMode has no formula for the CPU attention kernel
-    with (flops := FlopCounterMode(display=False)):
-        seconds = timed_steps(step, device, 1)[0]
-    return seconds, flops.get_total_flops()
-
-
 def measure(job: Job, policy: str, batch_size: int, device: torch.device, build: Builder = build) -> dict[str, Any]:
     """Every measured figure of one (policy, batch size) row of the model ``build`` makes."""
     spec = job_spec(job)
@@ -139,8 +132,12 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
     tools = step_tools(model, job.regime)
     step = functools.partial(train_step, model, optimizer, batch, tools=tools)
     held = [] if tools.ema is None else tools.ema.shadow
-    # warm-up: makes the optimizer state (and the gradients the next step's zero_grad frees)
-    first, flops = (timed_steps(step, device, 1)[0], None) if job.peak_only else counted_step(step, device)
+    # warm-up: makes the optimizer state (and the gradients the next step's zero_grad frees); FLOPs of forward
+    # + backward counted there (FlopCounterMode has no formula for the CPU attention kernel: registered)
+    register_cpu_attention_flops()
+    with contextlib.nullcontext(None) if job.peak_only else FlopCounterMode(display=False) as counter:
+        first = timed_steps(step, device, 1)[0]
+    flops = None if counter is None else counter.get_total_flops()
     row: dict[str, Any] = {"flops": flops, **measure_step(model, optimizer, step, batch, held, check=True)}
     if policy not in job.timeline:
         row.pop("timeline")
