@@ -92,11 +92,6 @@ def _cell(entry: dict[str, Any]) -> str:
     return f"{_gib(entry)} GiB, {100 * entry['overhead']:+.0f}%"
 
 
-def _on_gpu(entry: dict[str, Any], device: str) -> str:
-    g = entry[device]
-    return f"{g['allocated_bytes'] / GIB:.1f} / {g['device_bytes'] / GIB:.1f}"
-
-
 def markdown(doc: dict[str, Any]) -> str:
     """The table: peaks in GiB, costs as predicted overhead; on a GPU, allocated / nvidia-smi peaks too."""
     budgets, device = list(doc["budgets_gib"]), doc.get("device", "cpu")
@@ -107,7 +102,8 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in doc["rows"]:
         ds = r["diffusers_style"]
         plans = [_cell(r["plans"][f"{b:g}"]) for b in budgets]
-        on_gpu = [_on_gpu(r["none"], device), _on_gpu(ds, device)] if device != "cpu" else []
+        on_gpu = [f"{e[device]['allocated_bytes'] / GIB:.1f} / {e[device]['device_bytes'] / GIB:.1f}"
+                  for e in (r["none"], ds) if device != "cpu"]  # fmt: skip
         cells = [f"{r['config']} {r['sample_size']}²", str(r["batch_size"]), r["regime"], _gib(r["none"]),
                  f"{_gib(ds)} ({100 * ds['overhead']:+.0f}%)", *on_gpu, *plans]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")

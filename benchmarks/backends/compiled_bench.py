@@ -36,14 +36,6 @@ PEAK_METHOD = {
 _SAVED: dict[tuple[int, str], int] = {}
 
 
-def budget_ratio(target: str, batch_size: int) -> float:
-    """The ``activation_memory_budget`` at plan ``target``'s saved bytes (RuntimeError if not measured)."""
-    none, plan = _SAVED.get((batch_size, "none")), _SAVED.get((batch_size, target))
-    if not none or plan is None:
-        raise RuntimeError(f"{BUDGET}{target}: needs the compiled rows none and {target} (one failed)")
-    return min(1.0, plan / none)
-
-
 def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dict[str, Any]:
     """Every figure of one compiled row (see the module's docstring)."""
     import torch._dynamo
@@ -51,7 +43,12 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dic
 
     spec = job_spec(job)
     target = policy.removeprefix(BUDGET) if policy.startswith(BUDGET) else None
-    ratio = 1.0 if target is None else budget_ratio(target, batch_size)
+    ratio = 1.0  # budget@target: the activation_memory_budget at plan target's saved bytes over none's
+    if target is not None:
+        none, saved = _SAVED.get((batch_size, "none")), _SAVED.get((batch_size, target))
+        if not none or saved is None:
+            raise RuntimeError(f"{BUDGET}{target}: needs the compiled rows none and {target} (one failed)")
+        ratio = min(1.0, saved / none)
     model = our_unet(job, spec)
     model.enable_gradient_checkpointing("none" if target is not None else policy_arg(policy))
     model = in_regime(model, job.regime).to(device)
