@@ -257,14 +257,6 @@ class Table:
         return head | {"budgets_gib": self.budgets_gib} | tail | {"method": method}
 
 
-def _kept(out: Path, name: str, rows: int, cases: int) -> str:
-    """What a stopped run leaves behind, in words."""
-    if not rows:
-        return "nothing written (profiles made stay cached)"
-    return (f"{rows} of {cases} rows written to {out / (name + '.json')}, marked incomplete (\"complete\": false); "
-            f"{name}.md not written (profiles made stay cached)")  # fmt: skip
-
-
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Table]:
     args = build_parser().parse_args(argv)
     step = {k: getattr(args, k) for k in ("with_encoders", "cached_latents", "train_text_encoder")}
@@ -292,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                 doc = table.document(rows, time.perf_counter() - start, len(cases))
                 write_json(args.out / f"{name}.json", doc)  # after every row: a cut run keeps what it did
         except KeyboardInterrupt as stop:
-            with stopping(_kept(args.out, name, len(rows), len(cases))):
+            kept = (f"{len(rows)} of {len(cases)} rows written to {args.out / (name + '.json')}, marked incomplete "
+                    f"(\"complete\": false); {name}.md not written" if rows else "nothing written")  # fmt: skip
+            with stopping(f"{kept} (profiles made stay cached)"):
                 raise stop from None
         atomic_write(args.out / f"{name}.md", render(doc).encode())
         print(render(doc))
