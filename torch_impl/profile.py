@@ -141,19 +141,19 @@ def setup(
         step: Callable[[], Any] = functools.partial(run, model, opt, batch, tools=tools)
         step()
     return {"spec": spec, "model": model, "opt": opt, "batch": batch, "step": step, "mode": mode, "shapes": shapes,
-            "tools": tools}  # fmt: skip
+            "held": [] if tools.ema is None else tools.ema.shadow}  # fmt: skip
 
 
 def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
     """What FSDP would shard (`shared_configs.planning.budget.per_rank`), by size (fake tensors have no storage)."""
-    model, ema = s["model"], s["tools"].ema
+    model = s["model"]
 
     def nbytes(tensors: Iterable[torch.Tensor]) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     params = nbytes(model.parameters())
     state = nbytes(v for st in s["opt"].state.values() for v in st.values() if isinstance(v, torch.Tensor))
-    state += 0 if ema is None else nbytes(ema.shadow)
+    state += nbytes(s["held"])
     grads = nbytes(trained_parameters(model))
     block = max(nbytes(p for m in unit_modules(model, b, FWD) for p in m.parameters()) for b in block_layers(s["spec"]))
     return {"static_bytes": params + state, "grad_bytes": grads, "block_param_bytes": block}
@@ -171,7 +171,7 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str,
 
 def _tracker(s: dict[str, Any], detail: bool = True) -> StepTracker:
     """`StepTracker` over the set-up step (its numpy batch read, not allocated)."""
-    return StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]), _held(s), detail=detail)
+    return StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]), s["held"], detail=detail)
 
 
 def timed_step(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, tuple[float, float]], float]:
@@ -328,7 +328,7 @@ def measure(
     for policy in policies:
         s["model"].enable_gradient_checkpointing(policy)
         s["step"]()  # warm-up under this plan
-        row = measure_step(s["model"], s["opt"], s["step"], s["batch"], _held(s))
+        row = measure_step(s["model"], s["opt"], s["step"], s["batch"], s["held"])
         peaks[policy] = {k: row[k] for k in ("peak_bytes", "allocator_peak_bytes")}
 
     def under(policy: str) -> Callable[[], None]:
@@ -395,11 +395,6 @@ def measure_step(
     }
 
 
-def _held(s: dict[str, Any]) -> list[torch.Tensor]:
-    ema = s["tools"].ema
-    return [] if ema is None else ema.shadow
-
-
 def peaks(
     spec: StepSpec, batch_size: int, policies: list[str], context_length: int = 77, regime: Regime = DEFAULT
 ) -> dict:
@@ -455,7 +450,7 @@ def measure_compiled(
         compile_s = time.perf_counter() - start
         step = functools.partial(train_step, compiled, s["opt"], s["batch"])
         step()
-        peak = measure_step(s["model"], s["opt"], step, s["batch"], _held(s), tracked=False)["allocator_peak_bytes"]
+        peak = measure_step(s["model"], s["opt"], step, s["batch"], s["held"], tracked=False)["allocator_peak_bytes"]
         rows[f"torch.compile:{ratio:g}"] = {
             "allocator_peak_bytes": peak,
             "step_time_s": statistics.median(in_turn({"compiled": step}, steps)["compiled"]),
