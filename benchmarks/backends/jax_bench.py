@@ -186,16 +186,6 @@ def _flops(compiled: Any) -> float | None:
     return None if not cost or "flops" not in cost else float(cost["flops"])
 
 
-def _default_passes_peak(lowered: Any) -> int:
-    """Peak of the same step compiled with XLA:CPU's default passes (never run, so -O0)."""
-    flags = [f.split("=", 1)[1] for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_disable_hlo_p")]
-    kept = [p for flag in flags for p in flag.split(",") if p and p != "cse_barrier_expander"]
-    # -O0: code generation only (buffer assignment comes before it): same memory analysis, faster.
-    options = {"xla_disable_hlo_passes": ",".join(kept), "xla_backend_optimization_level": 0,
-               "xla_llvm_disable_expensive_passes": True}  # fmt: skip
-    return compiled_peak(lowered.compile(compiler_options=options))
-
-
 def _saved_bytes(s: dict[str, Any]) -> int:
     """Residuals autodiff keeps for backward, parameters excluded (as on the torch side)."""
 
@@ -209,9 +199,17 @@ def _saved_bytes(s: dict[str, Any]) -> int:
 
 
 def _xla_default(lowered: Any, row: dict[str, Any]) -> dict[str, Any]:
-    # Without optimization barriers (no remat) the pass has nothing to strip: same program.
-    has_barriers = "opt-barrier" in lowered.as_text(dialect="hlo")
-    return {"xla_default_peak_bytes": _default_passes_peak(lowered) if has_barriers else row["peak_bytes"],
+    """The peak of the same step compiled with XLA:CPU's default passes (never run, so -O0)."""
+    peak = row["peak_bytes"]  # without optimization barriers (no remat) the pass has nothing to strip: same program
+    if "opt-barrier" in lowered.as_text(dialect="hlo"):
+        flags = os.environ.get("XLA_FLAGS", "").split()
+        flags = [f.split("=", 1)[1] for f in flags if f.startswith("--xla_disable_hlo_p")]
+        kept = [p for flag in flags for p in flag.split(",") if p and p != "cse_barrier_expander"]
+        # -O0: code generation only (buffer assignment comes before it): same memory analysis, faster.
+        options = {"xla_disable_hlo_passes": ",".join(kept), "xla_backend_optimization_level": 0,
+                   "xla_llvm_disable_expensive_passes": True}  # fmt: skip
+        peak = compiled_peak(lowered.compile(compiler_options=options))
+    return {"xla_default_peak_bytes": peak,
             "xla_default_method": "the same lowered step compiled again with XLA:CPU's default passes "
             "(cse_barrier_expander on), LLVM -O0 (buffer assignment precedes code generation), never run; a step "
             "without remat has no barriers and is not compiled twice"}  # fmt: skip

@@ -85,12 +85,6 @@ def _cell_bytes(row: Row, col: str, rel: str) -> str:
     return _mib(row[col]) + ("" if change is None else f" ({-change:+.0%})")
 
 
-def _cell_time(row: Row) -> str:
-    if row["step_time_s"] is None:
-        return "-"
-    return f"{row['step_time_s']:.3f} [{row['step_time_min_s']:.3f}-{row['step_time_max_s']:.3f}]"
-
-
 def _cell_flops(row: Row) -> str:
     if row["flops"] is None:
         return "-"
@@ -104,7 +98,9 @@ COLUMNS_SHOWN: tuple[tuple[str, Callable[[Row], str]], ...] = (
     ("= params", lambda r: _mib(r["params_bytes"])), ("+ opt state", lambda r: _mib(r["optimizer_bytes"])),
     ("+ grads", lambda r: _mib(r["grads_bytes"])), ("+ inputs", lambda r: _mib(r["input_bytes"])),
     ("+ activations", lambda r: _cell_bytes(r, "activation_bytes", "activation_reduction")),
-    ("+ temps", lambda r: _mib(r["temporary_bytes"])), (r"step s: median \[min-max]", _cell_time),
+    ("+ temps", lambda r: _mib(r["temporary_bytes"])),
+    (r"step s: median \[min-max]", lambda r: "-" if r["step_time_s"] is None
+     else f"{r['step_time_s']:.3f} [{r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f}]"),
     ("overhead", lambda r: "-" if r["time_overhead"] is None else f"{r['time_overhead']:.2f}x"),
     ("compile s", lambda r: "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"),
     ("GFLOP (+recompute)", _cell_flops),
