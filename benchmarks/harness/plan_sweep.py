@@ -260,8 +260,7 @@ def efficiency(profile: Profile, workload: Workload) -> list[dict[str, Any]]:
     its ``keep`` under the choice); "sampler" rows are each block minus its layers."""
     from shared_configs.planning.units import FULL, PLAIN, SELECTIVE, block_layers
 
-    spec, rows = workload.spec, []
-    levels = spec.num_levels
+    spec, rows, levels = workload.spec, [], workload.spec.num_levels
     for block, layers in block_layers(spec).items():
         for choice in (FULL, SELECTIVE):
             per_layer = []

@@ -85,13 +85,6 @@ def _cell_bytes(row: Row, col: str, rel: str) -> str:
     return _mib(row[col]) + ("" if change is None else f" ({-change:+.0%})")
 
 
-def _cell_flops(row: Row) -> str:
-    if row["flops"] is None:
-        return "-"
-    extra = f" (+{row['recompute_flops'] / 1e9:.1f})" if row["recompute_flops"] and row["policy"] != "none" else ""
-    return f"{row['flops'] / 1e9:.1f}{extra}"
-
-
 COLUMNS_SHOWN: tuple[tuple[str, Callable[[Row], str]], ...] = (
     ("framework", lambda r: r["framework"]), ("policy", lambda r: r["policy"]),
     ("batch", lambda r: str(r["batch_size"])), ("peak MiB", lambda r: _cell_bytes(r, "peak_bytes", "peak_reduction")),
@@ -103,7 +96,8 @@ COLUMNS_SHOWN: tuple[tuple[str, Callable[[Row], str]], ...] = (
      else f"{r['step_time_s']:.3f} [{r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f}]"),
     ("overhead", lambda r: "-" if r["time_overhead"] is None else f"{r['time_overhead']:.2f}x"),
     ("compile s", lambda r: "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"),
-    ("GFLOP (+recompute)", _cell_flops),
+    ("GFLOP (+recompute)", lambda r: "-" if r["flops"] is None else f"{r['flops'] / 1e9:.1f}"
+     + (f" (+{r['recompute_flops'] / 1e9:.1f})" if r["recompute_flops"] and r["policy"] != "none" else "")),
     ("XLA:CPU default peak MiB", lambda r: _cell_bytes(r, "xla_default_peak_bytes", "xla_default_peak_reduction")),
 )  # fmt: skip
 
