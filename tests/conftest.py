@@ -11,6 +11,7 @@ hence at conftest import time. A test that needs the optimised compile passes it
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import tempfile
@@ -51,6 +52,22 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _logging_off() -> Iterator[None]:
+    """Each test starts with the library's logging off, whatever an earlier test in this process left on
+    (a CLI run in-process, a worker's set-up, a library that lowered the root level): pytest's capture
+    handler sits on the root logger, so a root level of INFO alone would send `say`'s lines to logging."""
+    from shared_configs import progress
+
+    logger, root = progress.LOGGER, logging.getLogger()
+    state, root_level = (list(logger.handlers), logger.level, logger.propagate), root.level
+    logger.handlers[:], logger.level, logger.propagate = [], logging.NOTSET, True
+    root.setLevel(logging.WARNING)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = state
+    root.setLevel(root_level)
 
 
 # The inner loop (`pytest -m "not slow" -n 2`) leaves out the tests marked `slow` in their files:

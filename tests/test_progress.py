@@ -6,26 +6,10 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Iterator
 
 import pytest
 
 from shared_configs import progress as pg
-
-
-@pytest.fixture(autouse=True)
-def _logger_restored() -> Iterator[None]:
-    state = (list(pg.LOGGER.handlers), pg.LOGGER.level, pg.LOGGER.propagate)
-    root = logging.getLogger()
-    root_level = root.level
-    # Each test starts with logging off, whatever an earlier test in this process (a CLI run in-process,
-    # a worker's set-up, a library that lowered the root logger's level) left on: pytest's own capture
-    # handler sits on the root logger, so a root level of INFO alone would count as logging on.
-    pg.LOGGER.handlers[:], pg.LOGGER.level, pg.LOGGER.propagate = [], logging.NOTSET, True
-    root.setLevel(logging.WARNING)
-    yield
-    pg.LOGGER.handlers[:], pg.LOGGER.level, pg.LOGGER.propagate = state
-    root.setLevel(root_level)
 
 
 def run(total: int = 3, quiet_s: float = pg.QUIET_S) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.loop import run_loop
@@ -29,7 +30,6 @@ from shared_configs.training.run_folder import SOLO, Solo, checkpoints, save, ve
 from shared_configs.training.write_faults import Fault
 from tests.helpers.processes import finish, signal_at_first_checkpoint, start
 from tests.helpers.training import CFG, train_argv
-from torch_impl import checkpoint_io as tio
 from torch_impl import train as ttrain
 
 
@@ -144,7 +144,7 @@ def test_torch_stops_on_a_signal_and_resumes_on_the_uninterrupted_curve(tmp_path
     cfg = replace(CFG, steps=5, checkpoint_every=100)
     whole = ttrain.train(replace(cfg, out=str(tmp_path / "whole")))
     capfd.readouterr()
-    out, steps, real_step, real_save = tmp_path / "run", [], ttrain.train_step, tio.dcp.save
+    out, steps, real_step, real_save = tmp_path / "run", [], ttrain.train_step, dcp.save
 
     def step(*args: Any, **kwargs: Any) -> float:
         steps.append(None)
@@ -157,7 +157,7 @@ def test_torch_stops_on_a_signal_and_resumes_on_the_uninterrupted_curve(tmp_path
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(ttrain, "train_step", step)
-    monkeypatch.setattr(tio.dcp, "save", dcp_save)
+    monkeypatch.setattr(dcp, "save", dcp_save)  # looked up by checkpoint_io at each save
     args = train_argv(replace(cfg, out=str(out)))
     assert ttrain.main(args) == 128 + signal.SIGUSR1
     note, line = capfd.readouterr().err.strip().splitlines()
