@@ -108,7 +108,7 @@ def test_oom_is_a_row_and_the_run_goes_on(tmp_path: Path) -> None:
     assert proc.stdout.count("OOM") == 2
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # an out-of-memory row stays in the default run for torch: test_oom_is_a_row_and_the_run_goes_on
 def test_jax_oom_is_reported(tmp_path: Path) -> None:
     args = ["--framework", "jax", "--policies", "none", *FAST]
     proc, doc = run_compare(args, tmp_path, **{OOM_SIM_ENV: "jax:none:1"})

@@ -71,7 +71,7 @@ def test_a_step_holding_more_than_the_model_gets_a_plan_whose_compiled_peak_fits
                            f"{r.action}" for r in sp.history) + f"\nbudget {budget}")  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # a JAX profile and three compiles; plan_for_step stays in the default run in test_jax_guard_oom
 def test_when_even_full_does_not_fit_it_says_so_in_one_line(case: dict[str, Any]) -> None:
     budget = case["full"]  # `full` plus the extra is over it
     with pytest.raises(Infeasible) as err:

@@ -24,6 +24,7 @@ CASES = {
     "adafactor": (SPEC, Regime(optimizer="adafactor")),
     "controlnet": (controlnet_pair(SPEC), Regime()),
 }
+HEAVY = {"ema", "keep-grads", "adafactor"}  # the regime checks of test_plan_regime keep their ground
 
 
 def _runs(spec, regime: Regime, shapes: bool) -> list:
@@ -34,7 +35,7 @@ def _runs(spec, regime: Regime, shapes: bool) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.heavy) if c in HEAVY else c for c in CASES])
 def test_fake_runs_file_the_real_runs_bytes(case: str) -> None:
     from torch_impl.profile import fake_is_exact
 

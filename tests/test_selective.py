@@ -71,7 +71,7 @@ def test_torch_offload_on_cpu_warns_and_saves_in_place() -> None:
     assert_same_loss_and_grads(got, ref)  # bit for bit
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # JAX save= plans keep the plain gradients in the default run: test_plan_grammar's grouped plan
 def test_jax_selective_equals_plain() -> None:
     """float32, tolerance 1e-5 relative (float32 round-off), or 1e-6 absolute for gradients that are
     zero in exact arithmetic (the key bias: softmax ignores a constant added to every key); the loss 1e-6."""
