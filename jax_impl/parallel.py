@@ -67,8 +67,3 @@ def local_rows(sharding: NamedSharding, n: int) -> slice:
     if sum(e - s for s, e in spans) != stop - start:
         raise ValueError(f"mesh: this process's devices hold rows {sorted(spans)} of the batch, not one block")
     return slice(start, stop)
-
-
-def device_bytes(tree: Any, device: jax.Device) -> int:
-    """The bytes of ``tree``'s arrays held on ``device`` (its shards of them)."""
-    return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == device)

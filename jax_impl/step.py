@@ -219,15 +219,3 @@ def corrected(budget: RunPlan, spec: UNetSpec | ControlNetPairSpec, sp: StepPlan
     if sp.plan == budget.policy:
         return budget
     return replace(budget, plan=resolve_any(spec, sp.plan), predicted_peak_bytes=sp.predicted, kept=False)
-
-
-def run_steps(
-    state: TrainState, losses: list[float], dataset: Dataset, schedule: Schedule, cfg: TrainConfig, stop: int,
-    model: UNet, tx: optax.GradientTransformation, mesh: Mesh | None = None,
-) -> TrainState:  # fmt: skip
-    """Steps ``len(losses) .. stop - 1`` of ``model`` (see `make_step`), appending each loss; returns the new state."""
-    step = make_step(cfg, Trainee(model), tx, dataset, schedule, mesh)
-    for index in range(len(losses), stop):
-        state, loss = step(state, index)
-        losses.append(loss)
-    return state

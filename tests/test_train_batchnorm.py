@@ -23,7 +23,16 @@ from shared_configs.training.data import load_dataset
 from shared_configs.training.loop import manifest_for
 from tests.helpers.processes import jax_on_two_devices
 from tests.helpers.tensors import rel_err
-from tests.helpers.training import CFG, SCHEDULE, TINY_BN, jax_restore_target, jax_setup, jax_train, torch_train
+from tests.helpers.training import (
+    CFG,
+    SCHEDULE,
+    TINY_BN,
+    jax_restore_target,
+    jax_setup,
+    jax_train,
+    run_steps,
+    torch_train,
+)
 from torch_impl import train as ttrain
 from torch_impl.unet import UNet as TorchUNet
 
@@ -34,11 +43,10 @@ DATA_PARALLEL = """
 import json, sys, numpy as np
 from flax import traverse_util
 import jax
-from jax_impl import step as jstep
 from jax_impl.parallel import make_mesh
 from shared_configs import spec_from_dict
 from shared_configs.training.data import load_dataset
-from tests.helpers.training import CFG, SCHEDULE, TINY_BN, jax_setup
+from tests.helpers.training import CFG, SCHEDULE, TINY_BN, jax_setup, run_steps
 SPEC, STEPS = spec_from_dict(TINY_BN), int(sys.argv[1])
 model, tx, state = jax_setup(SPEC, "none")
 result, data = {"devices": len(jax.devices())}, load_dataset("digits", SPEC)
@@ -46,9 +54,9 @@ flat = lambda s: {"/".join(k): np.asarray(v).tolist() for k, v in traverse_util.
 for name, mesh in (("single", None), ("sharded", make_mesh(CFG.batch_size))):
     losses = []
     start = jax.tree.map(lambda a: a.copy(), state)  # each step donates the state it is given
-    first = jstep.run_steps(start, losses, data, SCHEDULE, CFG, 1, model, tx, mesh=mesh)
+    first = run_steps(start, losses, data, SCHEDULE, CFG, 1, model, tx, mesh=mesh)
     stats = flat(first)
-    end = jstep.run_steps(first, losses, data, SCHEDULE, CFG, STEPS, model, tx, mesh=mesh)
+    end = run_steps(first, losses, data, SCHEDULE, CFG, STEPS, model, tx, mesh=mesh)
     result[name] = {"losses": losses, "first": stats, "end": flat(end)}
 print(json.dumps(result))
 """
@@ -119,14 +127,14 @@ def test_jax_batchnorm_samples_use_the_running_stats(jax_run: tuple) -> None:
 def test_jax_batchnorm_resume_continues_the_curve(jax_run: tuple, tmp_path: Path) -> None:
     model, tx, state = jax_setup(SPEC, "full")  # equal to the fixture's: its compiled step is reused
     dataset, losses = load_dataset("digits", SPEC), []
-    half = jstep.run_steps(state, losses, dataset, SCHEDULE, CFG, 2, model, tx)
+    half = run_steps(state, losses, dataset, SCHEDULE, CFG, 2, model, tx)
     path = save_checkpoint(tmp_path, half, manifest_for(CFG, SPEC, FRAMEWORK, LAYOUT, losses))
     restored, manifest = load_checkpoint(path, jax_restore_target(jax_setup(SPEC, "full")[2]))  # fresh stats
     assert (manifest.step, manifest.losses) == (2, losses)
     assert _flat(restored.batch_stats).keys() == _flat(half.batch_stats).keys()
     for key, value in _flat(restored.batch_stats).items():
         np.testing.assert_array_equal(value, _flat(half.batch_stats)[key], err_msg=key)
-    end = jstep.run_steps(restored, losses, dataset, SCHEDULE, CFG, STEPS, model, tx)
+    end = run_steps(restored, losses, dataset, SCHEDULE, CFG, STEPS, model, tx)
     whole, whole_losses = jax_run
     assert losses == whole_losses
     for key, value in _flat(end.batch_stats).items():

@@ -40,17 +40,16 @@ BF16_RTOL = 1e-2
 
 BF16_RUN = """
 import dataclasses, json, sys, jax
-from jax_impl import step as jstep
 from jax_impl.parallel import make_mesh
 from shared_configs import spec_from_dict
 from shared_configs.regime import Regime
 from shared_configs.training.data import load_dataset
-from tests.helpers.training import CFG, SCHEDULE, TINY_NO_DROPOUT, float_dtypes, jax_setup
+from tests.helpers.training import CFG, SCHEDULE, TINY_NO_DROPOUT, float_dtypes, jax_setup, run_steps
 spec, STEPS = spec_from_dict(TINY_NO_DROPOUT), int(sys.argv[1])
 model, tx, state = jax_setup(spec, "full")
 cfg, losses, data = dataclasses.replace(CFG, regime=Regime("bf16-mixed")), [], load_dataset("digits", spec)
 mesh = make_mesh(cfg.batch_size)
-state = jstep.run_steps(state, losses, data, SCHEDULE, cfg, STEPS, model, tx, mesh=mesh)
+state = run_steps(state, losses, data, SCHEDULE, cfg, STEPS, model, tx, mesh=mesh)
 print(json.dumps({"devices": len(jax.devices()), "losses": losses, "state_dtypes": float_dtypes(state)}))
 """
 
@@ -94,7 +93,7 @@ def test_bf16_step_runs_every_conv_and_matmul_in_bf16() -> None:
 
 @pytest.fixture(scope="module")
 def bf16_run() -> dict:  # a subprocess: the tests using it are marked slow
-    """The JAX bf16 curve: 2 CPU devices, batch split, policy ``full``, via `jstep.run_steps`."""
+    """The JAX bf16 curve: 2 CPU devices, batch split, policy ``full``, via `run_steps`."""
     return jax_on_two_devices(BF16_RUN, str(STEPS))
 
 

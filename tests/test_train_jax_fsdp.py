@@ -24,20 +24,22 @@ import json, sys, jax
 from dataclasses import replace
 from jax_impl import regime as jregime
 from jax_impl import step as jstep
-from jax_impl.parallel import make_mesh, device_bytes
+from jax_impl.parallel import make_mesh
 from jax_impl.unet import UNet
 from shared_configs import load_spec
 from shared_configs.training.data import load_dataset
-from tests.helpers.training import CFG, SCHEDULE
+from tests.helpers.training import CFG, SCHEDULE, run_steps
 policy, modes = sys.argv[1], sys.argv[2].split(",")
 spec, mesh = load_spec("tiny"), make_mesh(CFG.batch_size)
 model, tx = UNet(spec=spec, policy=policy), jregime.make_optimizer(CFG.lr, CFG.weight_decay)
 state, data = jstep.init_state(model, tx, seed=0), load_dataset("digits", spec)
 result = {"devices": len(jax.devices())}
+def device_bytes(tree, device):  # the bytes of tree's shards on device
+    return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == device)
 for mode in modes:
     losses, cfg = [], replace(CFG, distributed=None if mode == "single" else mode)
     start = jax.tree.map(lambda a: a.copy(), state)  # each run donates the state it is given
-    end = jstep.run_steps(start, losses, data, SCHEDULE, cfg, 2, model, tx, mesh=None if mode == "single" else mesh)
+    end = run_steps(start, losses, data, SCHEDULE, cfg, 2, model, tx, mesh=None if mode == "single" else mesh)
     parts = {"params": end.params, "opt_state": end.opt_state}
     bytes_ = {k: [device_bytes(v, d) for d in jax.devices()] for k, v in parts.items()}
     total = {k: sum(a.nbytes for a in jax.tree.leaves(v)) for k, v in parts.items()}

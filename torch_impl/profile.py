@@ -17,7 +17,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -301,10 +300,7 @@ def priced(
         runs[policy_string(assignment)]["step_time_s"] = seconds
         for unit, (fwd, bwd) in per_unit.items():
             choice = assignment.get(unit, PLAIN)
-            if choice == PLAIN and not assignment:
-                units[unit][PLAIN] = replace(units[unit][PLAIN], fwd_time_s=fwd)
-            elif choice != PLAIN:  # the extra unclamped: the fit averages the noise out
-                units[unit][choice] = replace(units[unit][choice], fwd_time_s=fwd)
+            if choice != PLAIN:  # the extra unclamped: the fit averages the noise out
                 samples.append((*work(units[unit][choice], plain_keep[unit]), fwd + bwd - plain[unit]))
     step_time = results[0][1]
     per_flop, per_byte = fitted_rates(samples)

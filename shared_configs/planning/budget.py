@@ -38,7 +38,7 @@ from shared_configs.spec import SpecError
 # The uniform plans a profile measures, (choice, level): together they give every (unit, choice).
 PROFILE_RUNS = ((PLAIN, "layers"), (FULL, "blocks"), (SELECTIVE, "blocks"), (FULL, "layers"), (SELECTIVE, "layers"))
 # Raised whenever a profile's figures change meaning (7: torch's profile counts the numpy batch the step reads).
-SCHEMA = 7
+SCHEMA = 8
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,6 @@ class Cost:
     bwd_peak: int
     time_s: float = 0.0  # recompute time paid in the backward (0 for plain)
     flops: float = 0.0  # recompute FLOPs (conv, matmul, attention)
-    fwd_time_s: float = 0.0  # torch: the unit's forward time (plain) or the recompute's own; JAX: 0
     hold: int = 0  # bytes its forward leaves alive to the end of the forward only (autocast's weight casts)
 
 

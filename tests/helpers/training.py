@@ -40,6 +40,18 @@ TINY_NO_DROPOUT = {**TINY, "name": "tiny_nodrop", "dropout": 0.0}
 TINY_BN = {**TINY, "name": "tiny_bn", "norm_kind": "batch", "dropout": 0.0}
 
 
+def run_steps(
+    state: jstep.TrainState, losses: list[float], dataset, schedule, cfg: TrainConfig, stop: int, model: FlaxUNet,
+    tx, mesh=None,
+) -> jstep.TrainState:  # fmt: skip
+    """Steps ``len(losses) .. stop - 1`` of ``model`` (`jax_impl.step.make_step`), appending each loss."""
+    step = jstep.make_step(cfg, jstep.Trainee(model), tx, dataset, schedule, mesh)
+    for index in range(len(losses), stop):
+        state, loss = step(state, index)
+        losses.append(loss)
+    return state
+
+
 def torch_model(spec: UNetSpec, policy: str = "none", seed: int = 0) -> TorchUNet:
     torch.manual_seed(seed)
     model = TorchUNet(spec)
@@ -73,7 +85,7 @@ def jax_setup(spec: UNetSpec, policy: str) -> tuple[FlaxUNet, object, jstep.Trai
 def jax_train(spec: UNetSpec, policy: str, steps: int) -> tuple[jstep.TrainState, list[float]]:
     model, tx, state = jax_setup(spec, policy)
     losses: list[float] = []
-    state = jstep.run_steps(state, losses, load_dataset("digits", spec), SCHEDULE, CFG, steps, model, tx)
+    state = run_steps(state, losses, load_dataset("digits", spec), SCHEDULE, CFG, steps, model, tx)
     return state, losses
 
 
