@@ -22,6 +22,7 @@ import copy
 import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from benchmarks.backends.diffusers_bench import DiffusersForward
 from shared_configs import UNetSpec
 from shared_configs.pair import ControlNetPairSpec, controlnet_pair, example_pair_batch, workload_spec
-from shared_configs.planning import planner
+from shared_configs.planning import gpu, planner, whole
 from shared_configs.planning.planner import CACHE_ENV, Workload, predict_policy
 from shared_configs.regime import Regime
 from shared_configs.training.data import example_batch
@@ -42,6 +43,7 @@ from torch_impl import BudgetGuard, ControlNetPair, UNet
 from torch_impl import guard as guard_module
 from torch_impl import memory as memory_module
 from torch_impl.diffusers_plan import diffusers_spec
+from torch_impl.guard_model import gpu_flavour
 from torch_impl.memory import memtracker, step_peak
 from torch_impl.train import as_tensors
 
@@ -292,3 +294,40 @@ def test_out_of_memory_even_under_full_is_one_line_and_re_raised(capsys: pytest.
 def test_a_model_that_is_not_a_u_net_is_refused_before_planning() -> None:
     with pytest.raises(TypeError, match=r"UNet2DModel or UNet2DConditionModel.*, not Linear"):
         BudgetGuard(torch.nn.Linear(2, 2), 1 << 20, batch_size=1)
+
+
+@pytest.mark.parametrize(("capability", "flavour"), [((7, 5), "cuda"), ((8, 9), "cuda"), ((9, 0), "cuda-sm90"),
+                                                     ((12, 0), "cuda-sm90")])  # fmt: skip
+def test_the_gpu_flavour_by_compute_capability(
+    capability: tuple[int, int], flavour: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's cuBLAS workspaces are 32 MiB from compute capability 9 (Hopper) on: `gpu.DEVICES`' cuda-sm90."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    assert gpu_flavour(torch.device("cuda", 0)) == flavour
+    assert gpu_flavour(torch.device("cpu")) == "cpu"
+
+
+def test_the_first_plan_is_solved_for_the_models_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU model is planned for the CPU. On CUDA (device and capability stood in) for its GPU flavour: the
+    plan's allocated peak may reach the budget over the allocator's fragmentation (the guard judges the reserve,
+    which leaves the CUDA context out), and the predicted peak is stated as reserved. A ``device=`` given wins."""
+    asked: list[tuple[Workload, int]] = []
+    allocated = 100 << 20
+
+    def plan(workload: Workload, budget: int, framework: str, **options: Any) -> SimpleNamespace:
+        asked.append((workload, budget))
+        prediction = SimpleNamespace(peak_bytes=allocated)
+        return SimpleNamespace(policy="full", solution=SimpleNamespace(prediction=prediction))
+
+    monkeypatch.setattr(planner, "plan", plan)
+    model, budget = UNet(variant("tiny", sample_size=SIZE)), 1 << 30
+    assert BudgetGuard(model, budget, batch_size=1).history[0].predicted == allocated
+    monkeypatch.setattr(guard_module.BudgetGuard, "_device", lambda self: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    guarded = BudgetGuard(model, budget, batch_size=1)
+    given = BudgetGuard(model, budget, batch_size=1, device="cuda")
+    assert [w.device for w, _ in asked] == ["cpu", "cuda-sm90", "cuda"]
+    assert asked[0][1] == budget
+    for workload, planned_for in asked[1:]:
+        assert whole.device_budget(workload, planned_for) == int(budget / gpu.FRAGMENTATION)
+    assert guarded.history[0].predicted == given.history[0].predicted == round(allocated * gpu.FRAGMENTATION)

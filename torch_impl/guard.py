@@ -24,14 +24,14 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
-from shared_configs.planning import planner
+from shared_configs.planning import gpu, planner
 from shared_configs.planning.planner import Workload
 from shared_configs.progress import say
 from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from shared_configs.units import MIB
 from torch_impl.diffusers_plan import apply_plan
-from torch_impl.guard_model import RegimeWatch, regime_seen, step_spec, take_over_checkpointing
+from torch_impl.guard_model import RegimeWatch, gpu_flavour, regime_seen, step_spec, take_over_checkpointing
 from torch_impl.guard_retry import RetryPoint, accelerators_among, base_optimizer, processes, why_not_retry
 from torch_impl.pair import ControlNetPair
 from torch_impl.wrappers import compiled, unwrap
@@ -50,7 +50,7 @@ class GuardRecord:
 
     step: int  # the guarded step (1 = the first `BudgetGuard.run`; 0: construction)
     plan: str  # the policy measured, or put on
-    predicted: int  # the planner's peak of ``plan`` for the model's own step (bytes)
+    predicted: int  # the planner's peak of ``plan`` for the model's own step (bytes; on CUDA as reserved)
     measured: int | None  # the step's peak (CUDA: max reserved; CPU: step_peak); None for a change
     outside: int | None  # bytes the step held beyond the model's step (measured - predicted)
     action: str  # "measured", "over budget", "out of memory", "full failed", "not retried", or a change:
@@ -77,6 +77,7 @@ class BudgetGuard:
         spec = step_spec(self.model)
         self._plan_options = {k: v for k, v in planner_options.items() if k in _PLAN_OPTIONS}
         workload = {k: v for k, v in planner_options.items() if k not in _PLAN_OPTIONS}
+        workload.setdefault("device", gpu_flavour(self._device()))  # on CUDA: plans for what the card holds
         self._regime_given, self._watch, self._optimizer_steps = regime is not None, RegimeWatch(self.model), 0
         if regime is None:
             regime, notes = regime_seen(self.model)
@@ -332,13 +333,19 @@ class BudgetGuard:
             return None
 
     def _planned(self, budget: int) -> tuple[str, int]:
-        planned = planner.plan(self._workload, budget, "torch", **self._plan_options)
-        return planned.policy, planned.solution.prediction.peak_bytes
+        # A GPU flavour's budget is the card's, the CUDA context in it; the guard's is the allocator's reserve.
+        context = 0 if self._workload.device == "cpu" else gpu.DEVICES[self._workload.device].context
+        planned = planner.plan(self._workload, budget + context, "torch", **self._plan_options)
+        return planned.policy, self._reserved(planned.solution.prediction.peak_bytes)
 
     def _predict(self, policy: str) -> int:
         options = {k: v for k, v in self._plan_options.items() if k in ("world_size", "distributed")}
         found = from_rank0(lambda: planner.predict_policy(self._workload, policy, "torch", **options))
-        return found[0].prediction.peak_bytes
+        return self._reserved(found[0].prediction.peak_bytes)
+
+    def _reserved(self, allocated: int) -> int:
+        """A predicted peak as the guard judges it: on a GPU flavour, the allocator's reserve (`gpu.FRAGMENTATION`)."""
+        return allocated if self._workload.device == "cpu" else round(allocated * gpu.FRAGMENTATION)
 
     def _say(self, message: str) -> None:
         rank = f"rank {torch.distributed.get_rank()}: " if processes() > 1 else ""

@@ -3,8 +3,8 @@
 `step_spec`: the spec of our `UNet`, a diffusers U-Net (peft adapters or not) or a `ControlNetPair`;
 `take_over_checkpointing` turns diffusers' own gradient checkpointing off (the guard's plan replaces
 it); `regime_seen` reads the regime the parameters show (what is trained, in which dtypes) and
-`RegimeWatch` the one the first optimizer step shows (autocast, the optimizer, kept gradients).
-docs/guard.md has the rules.
+`RegimeWatch` the one the first optimizer step shows (autocast, the optimizer, kept gradients);
+`gpu_flavour` the planner's device for the model's. docs/guard.md has the rules.
 """
 
 from __future__ import annotations
@@ -34,6 +34,15 @@ def step_spec(model: nn.Module) -> UNetSpec | ControlNetPairSpec:
     if isinstance(model, ControlNetPair):
         return model.pair_spec
     return model.spec if isinstance(model, UNet) else diffusers_spec(model)
+
+
+def gpu_flavour(device: torch.device) -> str:
+    """The planner's device (`Workload.device`) for a model on ``device``: "cpu" off CUDA, else the GPU flavour,
+    "cuda-sm90" from compute capability 9 on (torch's 32 MiB cuBLAS workspaces), "cuda" before it."""
+    if device.type != "cuda":
+        return "cpu"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "cuda-sm90" if major >= 9 else "cuda"
 
 
 def take_over_checkpointing(model: nn.Module) -> list[str]:
