@@ -1,7 +1,8 @@
 """The models beside the U-Net (`shared_configs.planning.encoders`, `torch_impl.encoders`): their
 bytes from shapes against PyTorch's own MemTracker on real tensors of small configs, their
-parameter counts against the models diffusers and transformers build from the same configs, and
-the whole step's arithmetic (`whole_step`) term by term."""
+parameter counts against the models diffusers and transformers build from the same configs, a
+trained one's Adafactor state against a real Adafactor step, and the whole step's arithmetic
+(`whole_step`) term by term."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from shared_configs import load_spec
 from shared_configs.planning import encoders as enc
 from shared_configs.planning import whole
 from shared_configs.planning.budget import predict
-from shared_configs.planning.planner import Workload
+from shared_configs.planning.planner import CACHE_ENV, Workload
 from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from tests.helpers.specs import random_profile
+from torch_impl import encoders as torch_encoders
 from torch_impl.encoders import build, measure
 from torch_impl.memory import memtracker
 from torch_impl.profile import ShapesOnly
@@ -87,11 +89,11 @@ def test_the_whole_step_term_by_term() -> None:
     vae, _, trained = SMALL
     measured = {
         "vae": {"weights": 100, "params": 25, "peak": 10**11, "flops": 10**6},
-        "text_encoder": {"weights": 40, "params": 10, "peak": 7, "keep": 11, "backward_peak": 13, "flops": 0},
+        "text_encoder": {"weights": 40, "params": 10, "peak": 7, "keep": 11, "backward_peak": 13, "state": 84},
     }
     regime = Regime()
     out = enc.whole_step(profile, regime, [vae, trained], measured, device="cuda")
-    static = 100 + 40 + 2 * 4 * 10  # both encoders' weights; the trained one's two float32 moments
+    static = 100 + 40 + 84  # both encoders' weights; the trained one's optimizer state as measured
     assert out.static_bytes == 5000 + static
     unit, choice = "down.0.resnets.0", "plain"
     assert out.units[unit][choice].fwd_peak == profile.units[unit][choice].fwd_peak + static + 11  # its kept bytes
@@ -122,3 +124,32 @@ def test_a_pipeline_folder_names_its_own_encoders(tmp_path: Path) -> None:
     ]
     assert encoders[1].config_dict["hidden_size"] == 32 and encoders[0].config_dict["block_out_channels"] == [8, 16]
     assert work.request("torch", "profile") == Workload.of("sd15", batch_size=1).request("torch", "profile")
+
+
+@pytest.mark.slow  # transformers imported, a small text encoder measured and trained one step
+def test_a_trained_text_encoders_adafactor_state_as_a_real_adafactor_step_holds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole step under Adafactor with the text encoder trained (a folder's small CLIP, measured in this
+    process) holds its weights and the state torch's Adafactor keeps after one step on the real model: row and
+    column factors, far under AdamW's two float32 moments."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = {**CLIP, "max_position_embeddings": 77}  # the scripts' 77 tokens
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(whole, "run_worker", torch_encoders.encoders)
+    work = Workload.of("tiny", batch_size=2, regime=Regime(optimizer="adafactor"), with_encoders=True,
+                       cached_latents=True, train_text_encoder=True,
+                       encoder_configs=json.dumps({"text_encoder": config}))  # fmt: skip
+    profile = random_profile(work.spec, 1, framework="torch")
+    held = whole.extender(work)(profile, "cpu").static_bytes - profile.static_bytes
+
+    torch.manual_seed(0)
+    model = CLIPTextModel(CLIPTextConfig(**config))
+    model(torch.zeros(2, 77, dtype=torch.long)).last_hidden_state.sum().backward()
+    adafactor = torch.optim.Adafactor(model.parameters())
+    adafactor.step()
+    state = sum(t.nbytes for st in adafactor.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+    weights = sum(p.nbytes for p in model.parameters())
+    assert held == weights + state
+    assert state < 0.1 * 2 * weights  # AdamW: two float32 moments per weight

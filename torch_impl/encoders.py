@@ -15,9 +15,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from shared_configs.planning.encoders import Encoder
 from shared_configs.planning.timeline import BWD
-from torch_impl.memory import StepTracker
+from shared_configs.regime import Regime
+from torch_impl.memory import StepTracker, state_tensors
 from torch_impl.profile import ShapesOnly
-from torch_impl.regime import DTYPE
+from torch_impl.regime import DTYPE, make_optimizer
 
 
 def build(encoder: Encoder, mode: ShapesOnly) -> torch.nn.Module:
@@ -42,8 +43,9 @@ def build(encoder: Encoder, mode: ShapesOnly) -> torch.nn.Module:
 
 def measure(encoder: Encoder, batch_size: int, autocast: str | None = None) -> dict[str, int]:
     """``encoder``'s bytes at ``batch_size``: its weights, the peak its use adds above them and its
-    input (``peak``); trained: what its forward leaves for the backward beyond its output (``keep``)
-    and the peak of its backward above the weights and input, the weights' gradients included."""
+    input (``peak``); trained: what its forward leaves for the backward beyond its output (``keep``),
+    the peak of its backward above the weights and input, the weights' gradients included, and the
+    state of ``encoder.optimizer`` after a step (``state``)."""
     mode = ShapesOnly()
     torch.manual_seed(0)
     model = build(encoder, mode)
@@ -78,7 +80,17 @@ def measure(encoder: Encoder, batch_size: int, autocast: str | None = None) -> d
         result["keep"] = int(levels[forward_end - 1]) - out.numel() * out.element_size()
         result["backward_peak"] = int(levels[forward_end:].max())
         result["largest"] = max(p.numel() for p in model.parameters())
+        result["state"] = state_bytes(model, encoder.optimizer, mode)
     return result
+
+
+def state_bytes(model: torch.nn.Module, optimizer: str, mode: ShapesOnly) -> int:
+    """The bytes of ``optimizer``'s state after a step over ``model``'s gradients, the optimizer made and
+    stepped as the U-Net's profile does: its state's shapes are the optimizer's own (Adafactor's factors)."""
+    opt = make_optimizer(model, lr=1e-4, weight_decay=0.0, regime=Regime(optimizer=optimizer))
+    with mode:
+        opt.step()
+    return sum(t.numel() * t.element_size() for t in state_tensors(opt))
 
 
 def encoders(request: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from shared_configs.planning.budget import Profile, raised, with_static_bytes
 from shared_configs.planning.optimizer_step import Trained, implementation, temporaries
-from shared_configs.regime import Regime, state_bytes
+from shared_configs.regime import Regime, modelled_state_delta
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.data import LATENT_SCALE
 
@@ -48,6 +48,7 @@ class Encoder:
     image_size: int = 512
     tokens: int = 77
     hidden_states: bool = False  # SDXL's scripts take the penultimate hidden state: every layer's is returned
+    optimizer: str = "adamw"  # trained: the optimizer whose state is measured (the regime's, as profiled)
 
     @property
     def config_dict(self) -> dict[str, Any]:
@@ -104,8 +105,9 @@ def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[En
         out.append(Encoder("vae", "vae", json.dumps(_vae_fields(vae)), vae_dtype, image_size=image))
     for text_name, kind, config in texts:
         trained = options.train_text_encoder and text_name == "text_encoder"
+        optimizer = regime.profiled.optimizer if trained else Encoder.optimizer
         out.append(Encoder(text_name, kind, json.dumps(config), "float32" if trained else dtype, trained,
-                           hidden_states=sdxl))  # fmt: skip
+                           hidden_states=sdxl, optimizer=optimizer))  # fmt: skip
     return out
 
 
@@ -140,8 +142,9 @@ def whole_step(profile: Profile, regime: Regime, encoders: list[Encoder], measur
     if not encoders:
         return profile
     trained = [e for e in encoders if e.trained]
-    kind = "adamw8bit" if regime.optimizer == "adamw8bit" else "adamw"  # Adafactor's factored state: not modelled
-    state = sum(state_bytes(kind, [measured[e.name]["params"]], 4) for e in trained)
+    # as the U-Net's: the state measured under the profiled optimizer, 8-bit AdamW's layout modelled beside it
+    state = sum(measured[e.name]["state"] + modelled_state_delta(regime, [measured[e.name]["params"]], 4)
+                for e in trained)  # fmt: skip
     grads = sum(measured[e.name]["weights"] for e in trained)  # float32, as their weights
     static = sum(measured[e.name]["weights"] for e in encoders) + state + (grads if regime.keep_grads else 0)
     out = with_static_bytes(profile, static)

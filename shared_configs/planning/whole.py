@@ -26,7 +26,7 @@ from shared_configs.spec import SpecError
 if TYPE_CHECKING:
     from shared_configs.planning.planner import Workload
 
-ENCODER_SCHEMA = 1
+ENCODER_SCHEMA = 2  # 2: a trained encoder's optimizer state measured ("state")
 
 
 def options(workload: Workload) -> StepOptions:
