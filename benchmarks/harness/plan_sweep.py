@@ -24,36 +24,33 @@ from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.planner import Workload, checked_solve, get_profile, measure
 from shared_configs.planning.solver import Infeasible, smallest_peak, solve
 from shared_configs.planning.stepclock import paired, paired_text
-from shared_configs.planning.units import assignment_of, policy_string
+from shared_configs.planning.units import StepSpec, assignment_of, policy_string
 from shared_configs.units import MIB
 
 
-def budgets(profile: Profile, workload: Workload, count: int) -> list[int]:
-    """``count`` budgets from ``full``'s predicted peak up to, not including, ``none``'s."""
-    spec = workload.spec
-    low = predict(profile, spec, assignment_of(spec, "full")).peak_bytes
-    high = predict(profile, spec, {}).peak_bytes
-    return [int(low + (high - low) * i / count) for i in range(count)]
+def _spread(low: int, high: int, steps: int, with_high: bool = True) -> list[int]:
+    """Budgets ``steps`` equal steps apart from ``low`` up to ``high`` (included only ``with_high``)."""
+    return [int(low + (high - low) * i / steps) for i in range(steps + with_high)]
+
+
+def _feasible_to_none(profiles: list[Profile], spec: StepSpec, points: int) -> list[int]:
+    """``points + 1`` budgets from the smallest feasible peak to ``none``'s (each the largest over ``profiles``)."""
+    low = max(p.peak_bytes for p in smallest_peak(profiles, spec).predictions)
+    return _spread(low, max(predict(p, spec, {}).peak_bytes for p in profiles), points)
 
 
 def frontier(profile: Profile, workload: Workload, points: int = 24) -> list[dict[str, Any]]:
     """The planner's predicted (peak, overhead) from its smallest feasible budget to ``none``'s peak."""
-    spec = workload.spec
-    low = smallest_peak(profile, spec).prediction.peak_bytes
-    high = predict(profile, spec, {}).peak_bytes
-    budgets = [int(low + (high - low) * i / points) for i in range(points + 1)]
-    return [_predicted(profile, solve(profile, spec, b).prediction) | {"budget_bytes": b} for b in budgets]
+    return [_predicted(profile, solve(profile, workload.spec, b).prediction) | {"budget_bytes": b}
+            for b in _feasible_to_none([profile], workload.spec, points)]  # fmt: skip
 
 
 def solve_times(profiles: list[Profile], workload: Workload, points: int = 12) -> dict[str, Any]:
     """Seconds the solver takes at ``points + 1`` budgets from the smallest feasible to ``none``'s peak."""
-    spec = workload.spec
-    low = max(p.peak_bytes for p in smallest_peak(profiles, spec).predictions)
-    high = max(predict(p, spec, {}).peak_bytes for p in profiles)
     seconds, cpu = [], []  # wall and CPU: on a shared machine the wall clock also measures the neighbours
-    for i in range(points + 1):
+    for budget in _feasible_to_none(profiles, workload.spec, points):
         start, cpu_start = time.perf_counter(), time.process_time()
-        solve(profiles, spec, int(low + (high - low) * i / points))
+        solve(profiles, workload.spec, budget)
         seconds.append(time.perf_counter() - start)
         cpu.append(time.process_time() - cpu_start)
     units = sum(len(per) for per in profiles[0].units.values())
@@ -78,7 +75,8 @@ def sweep(workload: Workload, frameworks: tuple[str, ...], count: int, verify: b
         spec = workload.spec
         hand = {p: _predicted(profile, predict(profile, spec, assignment_of(spec, p))) for p in HAND_POLICIES}
         plans, margin = [], safety_margin(profile, spec)
-        for budget in [*budgets(profile, workload, count), hand["balanced"]["predicted_peak_bytes"]]:
+        full, none = hand["full"]["predicted_peak_bytes"], hand["none"]["predicted_peak_bytes"]
+        for budget in [*_spread(full, none, count, with_high=False), hand["balanced"]["predicted_peak_bytes"]]:
             try:
                 sol = checked_solve([profile], workload, budget, margin, (fw,))
             except Infeasible:
