@@ -293,6 +293,7 @@ class Planned:
         return self.solution.policy
 
 
+@kept_alive()  # the profile and the check share each framework's worker
 def plan(
     workload: Workload,
     budget_bytes: int,
@@ -306,12 +307,6 @@ def plan(
     `safety_margin` below the budget, check the plan's peak with nothing allocated (`fit_checked`).
     ``candidates`` > 0: the solver's best plans and the hand policies that fit race for up to ``rounds``
     rounds, the fastest that fits wins (`shared_configs.planning.candidates`; minutes, not seconds)."""
-    with kept_alive():
-        return _plan(workload, budget_bytes, framework, world_size, distributed, candidates, rounds)
-
-
-def _plan(workload: Workload, budget_bytes: int, framework: str, world_size: int, distributed: str, candidates: int,
-          rounds: int) -> Planned:  # fmt: skip
     frameworks = checked_frameworks(framework, workload)
     budget_bytes = whole.device_budget(workload, budget_bytes)  # on a GPU: the allocated peak its memory allows
     measured = [get_profile(fw, workload) for fw in frameworks]
