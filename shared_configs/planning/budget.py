@@ -89,9 +89,6 @@ class Profile:
     def choices(self) -> tuple[str, ...]:
         return tuple(c for c in CHOICES if any(c in per for per in self.units.values()))
 
-    def to_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, **asdict(self)}
-
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Profile:
         data = dict(data)
@@ -103,7 +100,7 @@ class Profile:
 
     def save(self, path: str | Path) -> None:
         """``path``, atomically (a kill leaves the old file or the new one), with the SHA-256 of its body."""
-        write_sealed(path, self.to_json())
+        write_sealed(path, {"schema": SCHEMA, **asdict(self)})
 
     @classmethod
     def load(cls, path: str | Path, expect: Mapping[str, Any] | None = None) -> Profile:
@@ -217,13 +214,11 @@ SAFETY = 0.005  # beyond what the profile's own steps show: plans it never ran m
 
 def safety_margin(profile: Profile, spec: StepSpec) -> float:
     """How far below a budget to plan: the model's largest under-prediction of the profile's own runs, plus `SAFETY`."""
-    worst = 0.0
     # the runs held the profiled regime's state; the profile holds the modelled one (adamw8bit's)
     modelled = profile.meta.get("modelled_state_bytes", 0)
-    for policy, run in profile.meta.get("runs", {}).items():
-        predicted = predict(profile, spec, assignment_of(spec, policy)).peak_bytes
-        worst = max(worst, (run["peak_bytes"] + modelled) / predicted - 1)
-    return worst + SAFETY
+    under = [(run["peak_bytes"] + modelled) / predict(profile, spec, assignment_of(spec, policy)).peak_bytes - 1
+             for policy, run in profile.meta.get("runs", {}).items()]  # fmt: skip
+    return max([0.0, *under]) + SAFETY
 
 
 def random_assignment(spec: StepSpec, rng: np.random.Generator, choices: tuple[str, ...] = CHOICES) -> dict[str, str]:
