@@ -54,7 +54,7 @@ def controlnet_pair(unet: UNetSpec | str, **options: Any) -> ControlNetPairSpec:
     return ControlNetPairSpec(controlnet=ControlNetSpec(name=f"{spec.name}_controlnet", unet=spec, **options))
 
 
-def check_pair_workload(spec: ControlNetPairSpec, shapes: bool, regime: Regime) -> None:
+def check_pair_workload(spec: ControlNetPairSpec, regime: Regime) -> None:
     """Refuse, in one line, what the ControlNet step is not planned for."""
     if spec.unet.norm_kind != "group":
         raise SpecError(f"norm_kind: the ControlNet step is planned for GroupNorm U-Nets (diffusers' ControlNet "
@@ -217,7 +217,7 @@ def step_spec(spec: UNetSpec, controlnet: bool, regime: Regime) -> UNetSpec | Co
     """What a training loop's step trains: ``spec``'s U-Net, or (``controlnet``) the pair made from it."""
     if not controlnet:
         return spec
-    check_pair_workload(pair := controlnet_pair(spec), False, regime)
+    check_pair_workload(pair := controlnet_pair(spec), regime)
     return pair
 
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shared_configs import UNetSpec, load_spec
-from shared_configs.pair import ControlNetPairSpec, PairPlan, check_pair_workload, controlnet_pair, load_pair_dataset
+from shared_configs import load_spec
+from shared_configs.pair import ControlNetPairSpec, PairPlan, load_pair_dataset, step_spec
 from shared_configs.plan import CheckpointPlan
 from shared_configs.training import config
 from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
@@ -145,21 +145,12 @@ def generate(model: UNet | ControlNetPair, schedule: Schedule, dataset: Dataset,
     return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)
 
 
-def step_spec(cfg: TrainConfig, spec: UNetSpec) -> UNetSpec | ControlNetPairSpec:
-    """What the run's step trains: ``spec``'s U-Net, or under ``--controlnet`` the pair made from it."""
-    if not cfg.controlnet:
-        return spec
-    pair = controlnet_pair(spec)
-    check_pair_workload(pair, False, cfg.regime)
-    return pair
-
-
 def build(
     cfg: TrainConfig, plan: CheckpointPlan | PairPlan | None = None
 ) -> tuple[UNet | ControlNetPair, torch.nn.Module, torch.optim.Optimizer]:
     """The model (seeded, ``plan`` or ``cfg.policy`` applied), the module to train (DDP/FSDP2's) and its optimizer."""
     torch.manual_seed(cfg.seed)
-    spec = step_spec(cfg, load_spec(cfg.config))
+    spec = step_spec(load_spec(cfg.config), cfg.controlnet, cfg.regime)
     if isinstance(spec, ControlNetPairSpec):
         pair = apply_regime(ControlNetPair(spec, plan if plan is not None else cfg.policy), cfg.regime)  # weights cast
         return pair, pair, make_optimizer(pair, cfg.lr, cfg.weight_decay, cfg.regime)
@@ -197,7 +188,7 @@ def _peak_meter(
     rank, world, peaks = dist.get_rank() if cfg.distributed else 0, world_size(cfg), []
     guard = None
     if budget is not None and not cfg.distributed:
-        context = workload_of(cfg, step_spec(cfg, model.spec), 1).context_length
+        context = workload_of(cfg, step_spec(model.spec, cfg.controlnet, cfg.regime), 1).context_length
         guard = BudgetGuard(model, budget.budget_bytes, batch_size=cfg.batch_size, regime=cfg.regime,
                             policy=budget.policy, context_length=context)  # fmt: skip
 
@@ -245,7 +236,7 @@ def train(cfg: TrainConfig) -> list[float]:
     """Run (or resume) training as ``cfg`` says; returns every step's loss. Refusals come before the model is built."""
     spec = load_spec(cfg.config)
     check_objective(spec)
-    trains = step_spec(cfg, spec)  # the U-Net, or the ControlNet pair
+    trains = step_spec(spec, cfg.controlnet, cfg.regime)  # the U-Net, or the ControlNet pair
     rank = launch(cfg)
     with open_run(cfg, spec, FRAMEWORK, LAYOUT, owner=rank == 0) as run:
         # every rank plans a budget: the profile cache's lock lets one profile

@@ -83,7 +83,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         if isinstance(self.spec, ControlNetPairSpec):
-            check_pair_workload(self.spec, self.shapes, self.regime)
+            check_pair_workload(self.spec, self.regime)
 
     @classmethod
     def of(
