@@ -41,6 +41,9 @@ RELATIVE: tuple[tuple[str, str, str], ...] = (
     ("xla_default_peak_reduction", "xla_default_peak_bytes", "reduction"), ("time_overhead", "step_time_s", "ratio"),
     ("flops_ratio", "flops", "ratio"), ("recompute_flops", "flops", "difference"),
 )  # fmt: skip
+# A row's method columns, by the names the lines under the table give them.
+METHODS = {"peak_method": "peak", "saved_method": "saved", "flops_method": "FLOPs", "check_method": "check",
+           "xla_default_method": "XLA:CPU default"}  # fmt: skip
 
 
 def complete(rows: Iterable[Row]) -> list[Row]:
@@ -126,9 +129,8 @@ def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = Fa
     ranked = any((r["world_size"] or 1) > 1 for r in rows)
     if not wide:
         return _compact(rows, title, unreliable, ranked)
-    shown = [c for c in COLUMNS_SHOWN if c[0] != "XLA:CPU default peak MiB"]
-    if any(r["xla_default_peak_bytes"] is not None for r in rows):  # only with --xla-default
-        shown = list(COLUMNS_SHOWN)
+    xla_default = any(r["xla_default_peak_bytes"] is not None for r in rows)  # only with --xla-default
+    shown = [c for c in COLUMNS_SHOWN if xla_default or c[0] != "XLA:CPU default peak MiB"]
     if ranked:
         _ranks_columns(shown, 3)
     t = Table(title=title, title_justify="left", header_style="bold")
@@ -197,10 +199,9 @@ def checks(rows: list[Row]) -> list[str]:
 
 def methods(rows: list[Row]) -> dict[str, dict[str, str]]:
     """Which method produced each framework's figures (the first successful row's)."""
-    keys = ("peak_method", "saved_method", "flops_method", "check_method", "xla_default_method")
     out: dict[str, dict[str, str]] = {}
     for row in (r for r in rows if r["status"] == "ok" and r["framework"] not in out):
-        out[row["framework"]] = {k: row[k] for k in keys if row[k] is not None}
+        out[row["framework"]] = {k: row[k] for k in METHODS if row[k] is not None}
     return out
 
 
@@ -245,10 +246,8 @@ def notes(document: dict[str, Any]) -> list[str]:
     if share is not None:
         lines.append(f"[bold red]warning: other processes used {share:.0%} of the cores during the run: "
                      "step times and ratios are unreliable[/]")  # fmt: skip
-    labels = {"peak_method": "peak", "saved_method": "saved", "flops_method": "FLOPs", "check_method": "check",
-              "xla_default_method": "XLA:CPU default"}  # fmt: skip
     for fw, found in document["methods"].items():
-        lines += [f"{fw} {labels[k]}: {v}" for k, v in found.items()]
+        lines += [f"{fw} {METHODS[k]}: {v}" for k, v in found.items()]
     lines += regime(document["rows"]) + checks(document["rows"])
     return [*lines, "peak = params + opt state + grads + inputs + activations + temps, all at the peak's moment; "
             "(+/-%) = change against policy none, same framework and run"]  # fmt: skip
