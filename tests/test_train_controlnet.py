@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from shared_configs.pair import control_image, controlnet_pair, load_pair_dataset
+from shared_configs.training.data import load_dataset
 from shared_configs.training.run_folder import checkpoints
 from tests.helpers.training import CFG, SCHEDULE, TINY_NO_DROPOUT, assert_one_line, cli, train_argv
 from torch_impl import train as ttrain
@@ -41,7 +42,7 @@ def test_the_conditioning_image_is_each_samples_edge_map() -> None:
     data = load_pair_dataset("digits", controlnet_pair("tiny"))
     first, again = data.batch(3, 4, SCHEDULE, 0), data.batch(3, 4, SCHEDULE, 0)
     np.testing.assert_array_equal(first.controlnet_cond, again.controlnet_cond)  # a function of (seed, step)
-    plain = ttrain.load_dataset("digits", controlnet_pair("tiny").unet).batch(3, 4, SCHEDULE, 0)
+    plain = load_dataset("digits", controlnet_pair("tiny").unet).batch(3, 4, SCHEDULE, 0)
     np.testing.assert_array_equal(first.noisy, plain.noisy)  # the U-Net's batch as it was
 
 

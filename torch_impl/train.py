@@ -22,11 +22,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shared_configs import load_spec
-from shared_configs.pair import ControlNetPairSpec, PairPlan, load_pair_dataset, step_spec
+from shared_configs.pair import ControlNetPairSpec, PairPlan, load_step_dataset, step_spec
 from shared_configs.plan import CheckpointPlan
 from shared_configs.training import config
 from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
-from shared_configs.training.data import Batch, Dataset, check_conditioning, load_dataset, step_seed
+from shared_configs.training.data import Batch, Dataset, check_conditioning, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
@@ -264,7 +264,8 @@ def _train(
     extra, held = tools.state(), trained_module(model)  # held: what a checkpoint holds (a pair's ControlNet)
     if run.checkpoint is not None:
         load_checkpoint(run.checkpoint, held, optimizer, extra)
-    dataset, schedule = _dataset(cfg, model), make_schedule(cfg.schedule, cfg.timesteps)
+    spec = model.pair_spec if isinstance(model, ControlNetPair) else model.spec  # what the step trains
+    dataset, schedule = load_step_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
     measured, guard = _peak_meter(cfg, model, optimizer, budget, len(run.losses), tools)
     # --compile: only the step runs compiled; checkpoints and samples use the model (the same parameters).
     compiled = options_of(cfg, TorchOptions).compile
@@ -294,21 +295,13 @@ def _train(
     losses = run.losses  # a fresh list each time it is read
     rank = dist.get_rank() if cfg.distributed else 0
     settings = "" if rank else run_settings(cfg, "cpu")
-    name = model.pair_spec.name if isinstance(model, ControlNetPair) else model.spec.name
-    run_loop(cfg, None, losses, step_fn, save_fn, f"torch {name} {model.plan.policy}", current_comm(), settings)
+    run_loop(cfg, None, losses, step_fn, save_fn, f"torch {spec.name} {model.plan.policy}", current_comm(), settings)
     # Under FSDP2 each forward all-gathers from every rank: all sample while the group lives.
     sampling = cfg.sample_steps > 0 and (rank == 0 or cfg.distributed == "fsdp")
     samples = generate(model, schedule, dataset, cfg) if sampling else None
     if cfg.distributed:
         dist.barrier()
     return losses, samples
-
-
-def _dataset(cfg: TrainConfig, model: UNet | ControlNetPair) -> Dataset:
-    """The run's data; a pair's with each sample's conditioning image."""
-    if isinstance(model, ControlNetPair):
-        return load_pair_dataset(cfg.data, model.pair_spec, cfg.seed)
-    return load_dataset(cfg.data, model.spec, cfg.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
