@@ -21,7 +21,7 @@ from shared_configs.cli import positive_mib
 from shared_configs.defaults import resolve_chunk
 from shared_configs.planning.budget import predict
 from shared_configs.planning.planner import DEVICE, Workload, get_profile, measure, plan
-from shared_configs.planning.solver import Infeasible, smallest_peak
+from shared_configs.planning.solver import Infeasible, peak_range
 from shared_configs.planning.units import assignment_of
 from shared_configs.units import MIB
 
@@ -64,9 +64,7 @@ def workload(job: Job) -> Workload:
 
 def default_budget(work: Workload, frameworks: tuple[str, ...]) -> int:
     """Halfway between the smallest feasible predicted peak and ``none``'s, the highest over ``frameworks``."""
-    profiles = [get_profile(fw, work) for fw in frameworks]
-    floor = max(smallest_peak(profiles, work.spec).predictions, key=lambda p: p.peak_bytes).peak_bytes
-    top = max(predict(p, work.spec, {}).peak_bytes for p in profiles)
+    floor, top = peak_range([get_profile(fw, work) for fw in frameworks], work.spec)
     return (floor + top) // 2
 
 

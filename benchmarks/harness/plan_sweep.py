@@ -22,9 +22,9 @@ from benchmarks.reports.report import write_json
 from shared_configs.planning.budget import Profile, predict, random_assignment, safety_margin
 from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.planner import Workload, checked_solve, get_profile, measure
-from shared_configs.planning.solver import Infeasible, smallest_peak, solve
+from shared_configs.planning.solver import Infeasible, peak_range, solve
 from shared_configs.planning.stepclock import paired, paired_text
-from shared_configs.planning.units import StepSpec, assignment_of, policy_string
+from shared_configs.planning.units import assignment_of, policy_string
 from shared_configs.units import MIB
 
 
@@ -33,22 +33,16 @@ def _spread(low: int, high: int, steps: int, with_high: bool = True) -> list[int
     return [int(low + (high - low) * i / steps) for i in range(steps + with_high)]
 
 
-def _feasible_to_none(profiles: list[Profile], spec: StepSpec, points: int) -> list[int]:
-    """``points + 1`` budgets from the smallest feasible peak to ``none``'s (each the largest over ``profiles``)."""
-    low = max(p.peak_bytes for p in smallest_peak(profiles, spec).predictions)
-    return _spread(low, max(predict(p, spec, {}).peak_bytes for p in profiles), points)
-
-
 def frontier(profile: Profile, workload: Workload, points: int = 24) -> list[dict[str, Any]]:
     """The planner's predicted (peak, overhead) from its smallest feasible budget to ``none``'s peak."""
     return [_predicted(profile, solve(profile, workload.spec, b).prediction) | {"budget_bytes": b}
-            for b in _feasible_to_none([profile], workload.spec, points)]  # fmt: skip
+            for b in _spread(*peak_range(profile, workload.spec), points)]  # fmt: skip
 
 
 def solve_times(profiles: list[Profile], workload: Workload, points: int = 12) -> dict[str, Any]:
     """Seconds the solver takes at ``points + 1`` budgets from the smallest feasible to ``none``'s peak."""
     seconds, cpu = [], []  # wall and CPU: on a shared machine the wall clock also measures the neighbours
-    for budget in _feasible_to_none(profiles, workload.spec, points):
+    for budget in _spread(*peak_range(profiles, workload.spec), points):
         start, cpu_start = time.perf_counter(), time.process_time()
         solve(profiles, workload.spec, budget)
         seconds.append(time.perf_counter() - start)

@@ -252,6 +252,13 @@ def smallest_peak(profiles: Profile | Sequence[Profile], spec: StepSpec) -> Solu
     return solution(profiles, spec, assignment)
 
 
+def peak_range(profiles: Profile | Sequence[Profile], spec: StepSpec) -> tuple[int, int]:
+    """(The smallest feasible predicted peak, ``none``'s), each the largest over the profiles."""
+    profiles = _list(profiles)
+    low = max(p.peak_bytes for p in smallest_peak(profiles, spec).predictions)
+    return low, max(predict(p, spec, {}).peak_bytes for p in profiles)
+
+
 def solution(profiles: Sequence[Profile], spec: StepSpec, assignment: Assignment) -> Solution:
     """``assignment`` as a `Solution`: its policy string and what each profile predicts of it."""
     predictions = tuple(predict(p, spec, assignment) for p in profiles)
