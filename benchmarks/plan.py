@@ -252,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     kept = "every worker stopped; nothing written (profiles measured stay cached)"
     with cli_errors("benchmarks.plan"), stopping(kept):
         args, workload, question = parse_args(argv)
+        frameworks = frameworks_of(args.framework)
         if args.sweep is not None or args.solve_times:  # (a plan's header says it)
-            print(f"settings {workload.used(frameworks_of(args.framework))}")
+            print(f"settings {workload.used(frameworks)}")
         if args.sweep is not None:
-            frameworks = frameworks_of(args.framework)
             doc = plan_sweep.sweep(workload, frameworks, args.budgets, args.verify, args.steps, args.torch_compile,
                                    args.random_plans)  # fmt: skip
             for part in (plan_sweep.table, plan_sweep.errors, plan_sweep.against_balanced, plan_sweep.against_hand):
@@ -265,14 +265,13 @@ def main(argv: list[str] | None = None) -> int:
             print("wrote", ", ".join(map(str, plan_sweep.write(doc, args.sweep))))
             return 0
         if args.solve_times:
-            frameworks = frameworks_of(args.framework)
             times = plan_sweep.solve_times([get_profile(fw, workload) for fw in frameworks], workload)
             print(f"solver on {workload.spec.name} ({'+'.join(frameworks)}, {times['unit_choices']} unit choices): "
                   f"{times['budgets']} budgets, wall median {times['median_s']:.2f} s, max {times['max_s']:.2f} s; "
                   f"CPU median {times['median_cpu_s']:.2f} s, max {times['max_cpu_s']:.2f} s")  # fmt: skip
             return 0
         if args.efficiency:
-            for fw in frameworks_of(args.framework):
+            for fw in frameworks:
                 rows = plan_sweep.efficiency(get_profile(fw, workload), workload)
                 print(f"{fw}:\n" + plan_sweep.efficiency_table(rows))
         doc = plan_document(question, workload)
