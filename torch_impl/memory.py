@@ -244,6 +244,8 @@ class StepTracker(TorchDispatchMode):
                 register_optimizer_step_pre_hook(lambda *a: setattr(self, "_in_optimizer", True)),
                 register_optimizer_step_post_hook(lambda *a: setattr(self, "_in_optimizer", False)),
             ]
+            self._unhold = holding_no_gradients()
+            self._unhold.__enter__()
             self._mods.__enter__()
         self._resize: Any = torch.UntypedStorage.resize_
 
@@ -280,6 +282,7 @@ class StepTracker(TorchDispatchMode):
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
         if self._detail:
             self._mods.__exit__(*exc)
+            self._unhold.__exit__(*exc)
             self._mods.clear_user_hooks()
             for hook in self._hooks:
                 hook.remove()
@@ -342,6 +345,21 @@ def _mod_tracker() -> Any:
 
 
 @contextlib.contextmanager
+def holding_no_gradients() -> Iterator[None]:
+    """ModTracker's (ours, MemTracker's) hook for leaving a module in the backward, in mode "any": in its
+    default, "all", it holds the gradients of the module's inputs until the last is ready (a ResNet's
+    input gradient until the time embedding's, at the backward's end), bytes the watched step never holds."""
+    from torch.distributed._tools import mod_tracker
+
+    hook = mod_tracker.register_multi_grad_hook
+    mod_tracker.register_multi_grad_hook = functools.partial(hook, mode="any")
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = hook
+
+
+@contextlib.contextmanager
 def step_peak(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
@@ -381,7 +399,7 @@ def memtracker(
     for module in [model, *(m for m in inputs if isinstance(m, torch.nn.Module))]:
         skip_frozen_grad_hooks(tracker, module)
     found: dict[str, Any] = {}
-    with tracker:
+    with holding_no_gradients(), tracker:
         yield found
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     parts = {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
