@@ -1,7 +1,7 @@
 """A run's table for people and its reprint: `benchmarks.compare`'s default table fits 100 columns with
 no cell cut, --wide keeps every column, `python -m benchmarks.report RUN.json` reprints a saved run
 (and its plots), and the Pareto plot marks unreliable timings, keeps labels apart and puts in its
-legend only what it draws. Reads the committed default run (docs/data/default); nothing is measured."""
+legend only what it draws. Reads a committed default run (docs/data/default, 2026-12-03's); nothing is measured."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from benchmarks import report as cli
 from benchmarks.reports import plot, report
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_RUN = ROOT / "docs" / "data" / "default" / "compare-sd_narrow.json"
+DEFAULT_RUN = ROOT / "docs" / "data" / "default" / "compare-sd_narrow-20261203.json"  # its times judged unreliable
 FSDP_RUN = ROOT / "docs" / "data" / "fsdp" / "compare-sd_narrow-jax-n2.json"
 LONG_POLICY = "down.1.attentions.0+down.2+mid+up.0.resnets.1/save=conv+matmul"
 
