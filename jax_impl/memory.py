@@ -216,9 +216,7 @@ def _allocations(text: str) -> list[_Allocation]:
             current = None if kind is None else _Allocation(kind, int(header[2]), [])  # constants, thread-local
             if current is not None:
                 out.append(current)
-            continue
-        match = _VALUE.match(line) if current is not None else None
-        if match is not None and current is not None:
+        elif current is not None and (match := _VALUE.match(line)) is not None:
             current.values.append((match[1], match[2] or "{}", int(match[4]), int(match[3])))
     return out
 
