@@ -205,9 +205,8 @@ def _xla_default(lowered: Any, row: dict[str, Any]) -> dict[str, Any]:
         flags = os.environ.get("XLA_FLAGS", "").split()
         flags = [f.split("=", 1)[1] for f in flags if f.startswith("--xla_disable_hlo_p")]
         kept = [p for flag in flags for p in flag.split(",") if p and p != "cse_barrier_expander"]
-        # -O0: code generation only (buffer assignment comes before it): same memory analysis, faster.
-        options = {"xla_disable_hlo_passes": ",".join(kept), "xla_backend_optimization_level": 0,
-                   "xla_llvm_disable_expensive_passes": True}  # fmt: skip
+        # -O0 (FAST_COMPILE): buffer assignment comes before code generation: same memory analysis, faster.
+        options = {"xla_disable_hlo_passes": ",".join(kept), **FAST_COMPILE}
         peak = compiled_peak(lowered.compile(compiler_options=options))
     return {"xla_default_peak_bytes": peak,
             "xla_default_method": "the same lowered step compiled again with XLA:CPU's default passes "
