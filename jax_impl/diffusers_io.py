@@ -74,12 +74,8 @@ def _read_file(file: Path) -> dict[str, Any]:
     if file.suffix == ".safetensors":
         from safetensors.flax import load_file  # handles bfloat16, which safetensors.numpy cannot
 
-        return {k: _float32(v) for k, v in load_file(str(file)).items()}
+        arrays = {k: np.asarray(v) for k, v in load_file(str(file)).items()}  # floating ones (bfloat16 too) to float32
+        return {k: a.astype(np.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a for k, a in arrays.items()}
     import torch  # a pickled .bin holds torch tensors
 
     return torch.load(file, map_location="cpu", weights_only=True)
-
-
-def _float32(array: Any) -> np.ndarray:
-    array = np.asarray(array)
-    return array.astype(np.float32) if jnp.issubdtype(array.dtype, jnp.floating) else array  # bfloat16 too
