@@ -257,9 +257,7 @@ class Upsample(nn.Module):
 def mask_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A (B, L) context mask (1 keep, 0 drop; bool or float) -> the (B, 1, 1, L) score bias diffusers
     adds, ``(1 - mask) * -10000`` (not -inf: a fully masked row stays finite, as there)."""
-    if mask is None:
-        return None
-    return ((1 - mask.to(dtype)) * -10000.0)[:, None, None, :]
+    return None if mask is None else ((1 - mask.to(dtype)) * -10000.0)[:, None, None, :]
 
 
 # Attention kinds of the spec -> layer class; the same keys as in `jax_impl/layers.py` (the U-Net adds
