@@ -349,6 +349,4 @@ def _merge(spans: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
 def _phases(op_names: list[str]) -> dict[str, int]:
     """Where the backward starts, and where the last of it ends (XLA applies some updates early)."""
     backward = [i for i, op in enumerate(op_names) if "transpose(" in op]
-    if not backward:
-        return {}
-    return {"backward": backward[0], "optimizer": backward[-1] + 1}
+    return {"backward": backward[0], "optimizer": backward[-1] + 1} if backward else {}
