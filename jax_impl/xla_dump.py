@@ -66,10 +66,8 @@ def unit_of(op_name: str, units: set[str]) -> str | None:
     if top is not None:
         return prefix + top
     block = prefix + path[0].replace("_", ".")
-    if len(path) > 1:
-        inner = f"{block}.{path[1].replace('_', '.')}"
-        if inner in units:
-            return inner
+    if len(path) > 1 and (inner := f"{block}.{path[1].replace('_', '.')}") in units:
+        return inner
     return block if block in units else None
 
 
