@@ -181,14 +181,13 @@ def check_weights(got: Mapping[str, tuple[int, ...]], expected: Mapping[str, tup
     missing = sorted(expected.keys() - got.keys())
     extra = sorted(got.keys() - expected.keys())
     shaped = sorted(k for k in expected.keys() & got.keys() if tuple(got[k]) != tuple(expected[k]))
-    if not (missing or extra or shaped):
-        return
     parts = [f"{len(missing)} missing: {', '.join(map(_diffusers_name, missing))}"] if missing else []
     parts += [f"{len(extra)} unexpected: {', '.join(map(_diffusers_name, extra))}"] if extra else []
     if shaped:
         shapes = [f"{_diffusers_name(k)} {tuple(got[k])} (expected {tuple(expected[k])})" for k in shaped]
         parts.append(f"{len(shaped)} mis-shaped: {', '.join(shapes)}")
-    raise ValueError(f"diffusers weights do not match spec {spec.name!r}: {'; '.join(parts)}")
+    if parts:
+        raise ValueError(f"diffusers weights do not match spec {spec.name!r}: {'; '.join(parts)}")
 
 
 def _diffusers_name(key: str) -> str:
