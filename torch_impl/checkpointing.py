@@ -141,13 +141,12 @@ def _checkpointed(
 def remove_plan(root: nn.Module) -> None:
     """Undo `apply_plan`: every module it wrapped gets back the forward it had before."""
     for module in root.modules():
-        if _PRIOR not in module.__dict__:
-            continue
-        prior = module.__dict__.pop(_PRIOR)
-        if prior is None:
-            del module.__dict__["forward"]
-        else:
-            module.forward = prior
+        if _PRIOR in module.__dict__:
+            prior = module.__dict__.pop(_PRIOR)
+            if prior is None:
+                del module.__dict__["forward"]
+            else:
+                module.forward = prior
 
 
 def checkpointed_names(root: nn.Module) -> list[str]:
