@@ -87,8 +87,7 @@ def _live_pair_spec(unet: nn.Module, controlnet: nn.Module) -> ControlNetPairSpe
         unet_spec, cn_spec = diffusers_spec(unet), _diffusers_controlnet_spec(controlnet)
     mine = cn_spec.unet
     for field in ("in_channels", "block_out_channels", "layers_per_block", "down_attention", "cross_attention_dim"):
-        if getattr(mine, field) != getattr(unet_spec, field):
-            theirs = getattr(unet_spec, field)
+        if getattr(mine, field) != (theirs := getattr(unet_spec, field)):
             raise ValueError(f"controlnet: its {field} {getattr(mine, field)!r} is not the U-Net's {theirs!r}; "
                              "a ControlNet is made from its U-Net (from_unet)")  # fmt: skip
     return ControlNetPairSpec(controlnet=cn_spec.model_copy(update={"unet": unet_spec}))
