@@ -240,13 +240,12 @@ def _size(folder: Path) -> int | None:
 def _commit(out: Path, tmp: Path, manifest: Manifest) -> None:
     """Write the manifest into ``tmp``, rename it into place, then remove the other checkpoints (later ones first)."""
     write_manifest(tmp, manifest)
-    step = manifest.step
     for later_step, path in checkpoints(out):
-        if later_step >= step:
+        if later_step >= manifest.step:
             shutil.rmtree(path)
     for name in LEGACY:
         (out / name).unlink(missing_ok=True)
-    final = out / checkpoint_name(step)
+    final = out / checkpoint_name(manifest.step)
     os.rename(tmp, final)
     _fsync_dir(out)
     for _, path in checkpoints(out):
