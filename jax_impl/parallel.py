@@ -54,8 +54,7 @@ def place_batch(mesh: Mesh, batch: tuple) -> tuple:
     split = NamedSharding(mesh, P(AXIS))
 
     def place(a: Any) -> jax.Array:
-        rows = local_rows(split, len(a))
-        return jax.make_array_from_process_local_data(split, np.asarray(a[rows]), a.shape)
+        return jax.make_array_from_process_local_data(split, np.asarray(a[local_rows(split, len(a))]), a.shape)
 
     return tuple(None if a is None else place(a) for a in batch)
 
