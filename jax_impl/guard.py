@@ -118,8 +118,7 @@ def _replan(work: Workload, target: int, last: bool, plan_opts: dict[str, Any]) 
             return planned.policy, planned.solution.prediction.peak_bytes
         except Infeasible:
             pass  # no plan is predicted to fit what is left: try `full`, the least memory there is
-    solution, _ = planner.predict_policy(work, FULL, "jax", **plan_opts)
-    return FULL, solution.prediction.peak_bytes
+    return FULL, planner.predict_policy(work, FULL, "jax", **plan_opts)[0].prediction.peak_bytes
 
 
 class GuardedStep:
