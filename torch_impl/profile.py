@@ -153,9 +153,8 @@ def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
     params = nbytes(model.parameters())
     state = nbytes(v for st in s["opt"].state.values() for v in st.values() if isinstance(v, torch.Tensor))
     state += nbytes(s["held"])
-    grads = nbytes(trained_parameters(model))
     block = max(nbytes(p for m in unit_modules(model, b, FWD) for p in m.parameters()) for b in block_layers(s["spec"]))
-    return {"static_bytes": params + state, "grad_bytes": grads, "block_param_bytes": block}
+    return {"static_bytes": params + state, "grad_bytes": nbytes(trained_parameters(model)), "block_param_bytes": block}
 
 
 def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, Cost], int, int]:
