@@ -31,7 +31,7 @@ class Defaults:
     attention_chunk: int | None  # JAX: queries per attention chunk (UNet(attention_chunk)); None: unchunked
     dtype: str = "float32"  # the forward's compute dtype ("bfloat16": mixed precision)
     context_length: int = 77  # cross-attention tokens of a benchmarked or planned step (CLIP's 77)
-    steps: int = 3  # timed steps per policy after a warm-up (benchmarks; plan --verify)
+    steps: int = 3  # timed steps per policy after a warm-up (a measured row; plan --verify)
     jax_cache: str | None = None  # JAX's persistent compilation cache folder; None: off
 
     def describe(self, fields: tuple[str, ...] = FIELDS) -> str:

@@ -31,7 +31,7 @@ class UNetSpec(_Frozen):
     name: str = "unnamed"
     in_channels: Int = Field(gt=0)
     out_channels: Int = Field(gt=0)
-    sample_size: Int = Field(gt=0, description="spatial size (square) used by benchmarks/tests")
+    sample_size: Int = Field(gt=0, description="the input's spatial size (square), the tools' default")
     block_out_channels: tuple[Int, ...] = Field(min_length=1)
     layers_per_block: Int = Field(default=2, gt=0)
     down_attention: tuple[AttentionKind, ...]

@@ -272,7 +272,7 @@ def _head_shape(cfg: Mapping[str, Any], cls: str, kind: str, ch: int, level: int
 
 
 def _sample_size(value: int | list[int] | None, n: int) -> int:
-    """Only benchmarks read it; None -> the smallest multiple of 2**(n-1) that is >= 32."""
+    """The default input side (a tool's, not the model's); None -> the smallest multiple of 2**(n-1) that is >= 32."""
     if isinstance(value, list | tuple):
         if len(set(value)) != 1:
             raise SpecError(f"sample_size: non-square {list(value)} is not supported")

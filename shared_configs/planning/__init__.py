@@ -1,6 +1,6 @@
 """Planning to a memory budget, framework-free: the profile and peak model (`budget`), recompute time
 (`recompute_time`, `unit_flops`), the exact solver (`solver`), and `planner.plan`, from a workload and a budget to a
-checked plan (what `torch_impl.plan_for_budget`, `jax_impl.plan_for_budget` and ``benchmarks.plan`` call).
+checked plan (what `torch_impl.plan_for_budget`, `jax_impl.plan_for_budget` and the plan command call).
 """
 
 from shared_configs.planning.planner import Planned, Workload, plan, plan_for_budget
