@@ -24,7 +24,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
-from shared_configs.planning import gpu, planner
+from shared_configs.planning import gpu, planner, whole
 from shared_configs.planning.planner import Workload
 from shared_configs.progress import say
 from shared_configs.regime import Regime
@@ -334,7 +334,7 @@ class BudgetGuard:
 
     def _planned(self, budget: int) -> tuple[str, int]:
         # A GPU flavour's budget is the card's, the CUDA context in it; the guard's is the allocator's reserve.
-        context = 0 if self._workload.device == "cpu" else gpu.DEVICES[self._workload.device].context
+        context = 0 if self._workload.device == "cpu" else whole.card(self._workload).context
         planned = planner.plan(self._workload, budget + context, "torch", **self._plan_options)
         return planned.policy, self._reserved(planned.solution.prediction.peak_bytes)
 
