@@ -38,6 +38,7 @@ from torch_impl.wrappers import compiled, unwrap
 
 MEASURED_STEPS = 2  # steps measured at the start and after every change (the first one makes AdamW's state)
 LOOSEN_BELOW = 0.10  # loosen once when the first window's peak is this fraction or more under the budget
+REPLAN_MARGIN = 0.02  # of the budget, left by a re-plan: two plans' predictions err by different amounts
 OOM_HALVINGS = 2  # plans tried between one that ran out of memory and `full`, per step
 FULL, NONE = "full", "none"
 _PLAN_OPTIONS = ("world_size", "distributed", "candidates", "rounds")  # `planner.plan`'s; the rest: `Workload`'s
@@ -253,7 +254,7 @@ class BudgetGuard:
     # -- changing plans ------------------------------------------------------------------------
 
     def _tighten(self, measured: int, outside: int) -> None:
-        target = self.budget - outside
+        target = round(self.budget * (1 - REPLAN_MARGIN)) - outside
         found = self._plan_for(target)
         if found is None and self.plan == FULL:
             self._say(f"peaked at {_mib(measured)}, over the {_mib(self.budget)} budget, under {FULL}: nothing "
@@ -268,7 +269,7 @@ class BudgetGuard:
         self._switch(policy, predicted, "tightened", outside)
 
     def _loosen(self, outside: int) -> None:
-        target = self.budget - outside
+        target = round(self.budget * (1 - REPLAN_MARGIN)) - outside
         found = self._plan_for(target)
         if found is None or found[1] <= self._predicted:
             return  # nothing faster fits
