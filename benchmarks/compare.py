@@ -245,6 +245,8 @@ def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list
                 if event["event"] == "start":
                     row = f"{event['policy']} @ batch {event['batch_size']}"
                     progress.update(task, description=f"{job.framework}: {row}")
+                    if not console.is_terminal:  # a log file or a pipe: rich draws its bar only when all is done
+                        print(f"compare: {job.framework}: {row} ...", file=sys.stderr, flush=True)
                 elif event["event"] == "row":
                     progress.update(task, advance=1, description=f"{job.framework}: last {event['status']}")
 

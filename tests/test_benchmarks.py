@@ -76,6 +76,9 @@ def _check_schema(proc: Any, doc: dict[str, Any], out: Path) -> None:
     assert not list(out.glob(".*.tmp")), "temporary files left behind"
     assert "OOM" not in proc.stdout
     assert "tiny @ 8x8, float32" in proc.stdout
+    # Not a terminal, where rich draws its bar only at the end: a line on stderr as each row starts.
+    started = [line for line in proc.stderr.splitlines() if line.startswith("compare: ")]
+    assert started == [f"compare: {fw}: {p} @ batch 16 ..." for fw in ("torch", "jax") for p in ("none", "full")]
 
 
 @pytest.mark.heavy
