@@ -35,7 +35,7 @@ from shared_configs.cli import (
     stopping,
 )
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, resolve_chunk
-from shared_configs.planning import gpu, whole
+from shared_configs.planning import gpu, optimizer_step, whole
 from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS
 from shared_configs.planning.encoders import pipeline_configs
@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unfused-attention", action="store_true",
                    help="with --device: attention that keeps its probabilities (diffusers' AttnProcessor without "
                    "SDPA or xformers: torch before 2.0)")  # fmt: skip
+    p.add_argument("--optimizer-impl", choices=sorted({i for _, i in optimizer_step.SOURCES}),
+                   help="with --device: the optimizer as it runs (default: torch's on CUDA, foreach for AdamW, "
+                   "torchao for adamw8bit); bitsandbytes: diffusers' --use_8bit_adam, updating in place")  # fmt: skip
     add_regime_arguments(p)
     d = defaults(DEVICE)
     p.add_argument("--attention-chunk", type=chunk_arg, default=AUTO, metavar="N", help=CHUNK_HELP)
@@ -181,6 +184,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workl
         regime=Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads),
         device=args.device, with_encoders=args.with_encoders, cached_latents=args.cached_latents,
         train_text_encoder=args.train_text_encoder, unfused_attention=args.unfused_attention,
+        optimizer_impl=args.optimizer_impl,
         encoder_configs=pipeline_configs(args.diffusers) if args.diffusers else None,
     )  # fmt: skip
     count = (VERIFY_CANDIDATES if args.verify else 0) if args.candidates is None else args.candidates

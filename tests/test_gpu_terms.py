@@ -151,8 +151,10 @@ def test_a_real_profile_gains_the_static_terms_and_the_optimizers_at_the_optimiz
     # CUDA's foreach AdamW: one more copy of the trained weights, where the CPU's loop held two of the largest
     foreach = trained_bytes - 2 * 4 * largest
     assert predict(flavoured, TINY, {}).peak_bytes == predict(profile, TINY, {}).peak_bytes + static + foreach
-    fused = gpu.gpu_profile(profile, TINY, regime, optimizer_impl="fused")
+    fused = gpu.gpu_profile(profile, TINY, regime, gpu.Device(optimizer_impl="fused"))
     assert predict(fused, TINY, {}).peak_bytes == predict(profile, TINY, {}).peak_bytes + static - 2 * 4 * largest
+    # bitsandbytes' 8-bit kernel updates in place, as fused: the CPU loop's temporaries leave
+    assert gpu.optimizer_delta(profile, TINY, Regime("fp32", optimizer="adamw8bit"), "bitsandbytes") == -8 * largest
     terms = gpu.estimate(profile, TINY, regime, {}).terms
     assert terms["optimizer step (foreach, over the CPU's peak)"] == foreach
     unit = "down.1.attentions.0"  # the 4x4 level's: 16 queries padded to 32
@@ -181,7 +183,10 @@ def test_plan_device_cuda_adds_the_flavour(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--unfused-attention"], "--unfused-attention: what a GPU's unfused attention keeps; give --device cuda too"),
+        (["--unfused-attention"], "--optimizer-impl: how a GPU runs the step; give --device cuda too"),
+        (["--optimizer-impl", "fused"], "--optimizer-impl: how a GPU runs the step; give --device cuda too"),
+        (["--device", "cuda", "--optimizer-impl", "bitsandbytes"],
+         "optimizer implementation: adamw runs as one of per-parameter, foreach, fused, got 'bitsandbytes'"),
         (["--cached-latents"], "--cached-latents: leaves the VAE out of --with-encoders"),
         (["--with-encoders"], "--with-encoders: no known text encoders for cross_attention_dim 12"),
     ],

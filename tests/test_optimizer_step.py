@@ -54,7 +54,7 @@ def test_torchs_defaults_per_device() -> None:
     assert opt_step.temporaries("adamw", "foreach", trained) == 4000
     assert opt_step.temporaries("adamw", "per-parameter", trained) == 2400
     assert opt_step.temporaries("adamw8bit", "torchao", opt_step.Trained(1000, 300, itemsize=2)) == 2400  # float32
-    with pytest.raises(SpecError, match="adamw8bit runs as one of torchao, got 'fused'"):
+    with pytest.raises(SpecError, match="adamw8bit runs as one of torchao, bitsandbytes, got 'fused'"):
         opt_step.implementation("adamw8bit", "cuda", "fused")
 
 

@@ -175,6 +175,7 @@ class Device:
     hopper: bool = False
     lazy_loading: bool = True
     unfused_attention: bool = False  # the step's attention keeps its probabilities (no SDPA, no xformers)
+    optimizer_impl: str | None = None  # how the optimizer runs (`optimizer_step.SOURCES`); None: torch's default
 
     @property
     def context(self) -> int:
@@ -192,8 +193,7 @@ def optimizer_delta(profile: Profile, spec: StepSpec, regime: Regime, chosen: st
     return optimizer_step.temporaries(regime.optimizer, name, trained) - cpu
 
 
-def gpu_profile(profile: Profile, spec: StepSpec, regime: Regime, device: Device = Device(),
-                optimizer_impl: str | None = None) -> Profile:  # fmt: skip
+def gpu_profile(profile: Profile, spec: StepSpec, regime: Regime, device: Device = Device()) -> Profile:
     """``profile`` as ``max_memory_allocated`` sees it on ``device``: `kept_bytes` per unit (kept when plain,
     alive in its backward when recomputed), `optimizer_delta` at its step, workspaces and rounding throughout."""
     leaves = kept_bytes(spec, profile.batch_size, regime, profile.context_length, device.unfused_attention)
@@ -204,7 +204,8 @@ def gpu_profile(profile: Profile, spec: StepSpec, regime: Regime, device: Device
         d = sum(v for k, v in leaves.items() if k.startswith(unit + ".")) if unit in blocks else leaves.get(unit, 0)
         units[unit] = {c: replace(v, keep=v.keep + d, fwd_peak=v.fwd_peak + d, bwd_peak=v.bwd_peak + d) if c == PLAIN
                        else replace(v, bwd_peak=v.bwd_peak + d) for c, v in per.items()}  # fmt: skip
-    opt_peak = profile.opt_peak + optimizer_delta(profile, spec, regime, optimizer_impl) if profile.opt_peak else 0
+    delta = optimizer_delta(profile, spec, regime, device.optimizer_impl)
+    opt_peak = profile.opt_peak + delta if profile.opt_peak else 0
     flavoured = replace(profile, units=units, opt_peak=max(opt_peak, 0))
     return with_static_bytes(flavoured, workspace_bytes(device.hopper) + rounding_bound(spec, regime))
 
@@ -226,17 +227,17 @@ class GpuEstimate:
 
 
 def estimate(profile: Profile, spec: StepSpec, regime: Regime, assignment: dict[str, str],
-             device: Device = Device(), optimizer_impl: str | None = None,
-             extend: Callable[[Profile, str], Profile] | None = None) -> GpuEstimate:  # fmt: skip
+             device: Device = Device(), extend: Callable[[Profile, str], Profile] | None = None
+             ) -> GpuEstimate:  # fmt: skip
     """``assignment``'s peak on ``device``: allocated, times `FRAGMENTATION` (reserved), plus the context
     (``nvidia-smi``). ``extend`` adds what runs beside the U-Net ("cpu" or "cuda", `planning.whole`)."""
     extend = extend or (lambda p, _kind: p)
     on_cpu = extend(profile, "cpu")
-    flavoured = extend(gpu_profile(profile, spec, regime, device, optimizer_impl), "cuda")
+    flavoured = extend(gpu_profile(profile, spec, regime, device), "cuda")
     cpu, gpu = predict(on_cpu, spec, assignment), predict(flavoured, spec, assignment)
     reserved = round(gpu.peak_bytes * FRAGMENTATION)
     static = round(profile.scale * (workspace_bytes(device.hopper) + rounding_bound(spec, regime)))
-    name = optimizer_step.implementation(regime.optimizer, "cuda", optimizer_impl)
+    name = optimizer_step.implementation(regime.optimizer, "cuda", device.optimizer_impl)
     # the peak moved to (or stayed at) the optimizer step: all it adds over the CPU's peak is that step's
     at_step = gpu.peak_bytes - cpu.peak_bytes - static if gpu.peak_unit == "optimizer" else 0
     terms = {

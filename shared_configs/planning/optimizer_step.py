@@ -27,6 +27,9 @@ SOURCES = {
     ("adamw8bit", "torchao"): "torchao/optim/adam.py single_param_adam (compiled per tensor): the two moments "
     "dequantized to float32 (`exp_avg.float().lerp(...)`, `exp_avg_sq.float().lerp(...)`), read by the quantizing "
     "copy and the update: a bound, inductor may fuse them away",
+    ("adamw8bit", "bitsandbytes"): "bitsandbytes/optim/optimizer.py Optimizer2State.update_step: "
+    "`F.optimizer_update_8bit_blockwise` updates the weights and both 8-bit moments in place, in one CUDA kernel "
+    "(diffusers' `--use_8bit_adam`)",
     ("adafactor", "per-parameter"): "torch/optim/_adafactor.py _single_tensor_adafactor (its default on every "
     "device): `var_estimate = row_var @ col_var`, one tensor's size, then updated in place",
     ("adafactor", "foreach"): "torch/optim/_adafactor.py _multi_tensor_adafactor: `var_estimates` of every tensor "
@@ -59,7 +62,7 @@ def implementation(optimizer: str, device: str, chosen: str | None = None) -> st
 def temporaries(optimizer: str, name: str, trained: Trained) -> int:
     """The peak bytes the step allocates beyond weights, gradients and state (`SOURCES`)."""
     implementation(optimizer, "cpu", name)
-    if name == "fused":
+    if name in ("fused", "bitsandbytes"):
         return 0
     if name == "foreach":
         return trained.numel * trained.itemsize

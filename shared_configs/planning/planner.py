@@ -79,6 +79,7 @@ class Workload:
     cached_latents: bool = False
     train_text_encoder: bool = False
     unfused_attention: bool = False  # on a GPU: attention keeping its probabilities (no SDPA, no xformers)
+    optimizer_impl: str | None = None  # on a GPU: how the optimizer runs (`optimizer_step`); None: torch's default
     encoder_configs: str | None = None  # a pipeline folder's VAE and text encoder configs (JSON): its own encoders
 
     def __post_init__(self) -> None:
@@ -117,7 +118,7 @@ class Workload:
 
 # Applied to the profile, not profiled: not in the workers' requests nor the cache key.
 WHOLE_STEP = ("device", "with_encoders", "cached_latents", "train_text_encoder", "unfused_attention",
-              "encoder_configs")  # fmt: skip
+              "optimizer_impl", "encoder_configs")  # fmt: skip
 
 
 # Rounds of timed steps per profile: torch's one round of the per-layer runs prices every unit from

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from shared_configs.files import atomic_write, locked
 from shared_configs.pair import ControlNetPairSpec
-from shared_configs.planning import gpu
+from shared_configs.planning import gpu, optimizer_step
 from shared_configs.planning.budget import Profile, predict
 from shared_configs.planning.cache import cache_dir, versions
 from shared_configs.planning.encoders import Encoder, StepOptions, encoders_of, family, whole_step
@@ -37,7 +37,7 @@ def options(workload: Workload) -> StepOptions:
 def raw(workload: Workload) -> Workload:
     """``workload``'s U-Net step alone, as the CPU profile holds it."""
     return replace(workload, device="cpu", with_encoders=False, cached_latents=False, train_text_encoder=False,
-                   unfused_attention=False, encoder_configs=None)  # fmt: skip
+                   unfused_attention=False, optimizer_impl=None, encoder_configs=None)  # fmt: skip
 
 
 def check(workload: Workload, framework: str) -> None:
@@ -48,8 +48,9 @@ def check(workload: Workload, framework: str) -> None:
                         "encoders are torch's step; use --framework torch")  # fmt: skip
     if workload.device not in ("cpu", *gpu.DEVICES):
         raise SpecError(f"device: expected one of cpu, {', '.join(gpu.DEVICES)}, got {workload.device!r}")
-    if workload.unfused_attention and workload.device == "cpu":
-        raise SpecError("--unfused-attention: what a GPU's unfused attention keeps; give --device cuda too")
+    if (workload.unfused_attention or workload.optimizer_impl) and workload.device == "cpu":
+        raise SpecError("--unfused-attention, --optimizer-impl: how a GPU runs the step; give --device cuda too")
+    optimizer_step.implementation(workload.regime.optimizer, workload.device, workload.optimizer_impl)
     if extra and not workload.encoder_configs:
         family(_unet(workload))  # type: ignore[arg-type]  # a width with no known encoders: before any profile
     if workload.cached_latents and not workload.with_encoders:
@@ -67,7 +68,8 @@ def extender(workload: Workload) -> Callable[[Profile, str], Profile]:
     if not encoders:
         return lambda profile, device: profile
     measured = measured_encoders(encoders, workload)
-    return lambda profile, device: whole_step(profile, workload.regime, encoders, measured, device)
+    return lambda profile, device: whole_step(profile, workload.regime, encoders, measured, device,
+                                              workload.optimizer_impl)  # fmt: skip
 
 
 def on_device(workload: Workload, framework: str, profile: Profile) -> Profile:
@@ -81,7 +83,8 @@ def on_device(workload: Workload, framework: str, profile: Profile) -> Profile:
 
 def card(workload: Workload) -> gpu.Device:
     """The GPU flavour's `gpu.Device` of a workload on a GPU: its attention as the workload says."""
-    return replace(gpu.DEVICES[workload.device], unfused_attention=workload.unfused_attention)
+    return replace(gpu.DEVICES[workload.device], unfused_attention=workload.unfused_attention,
+                   optimizer_impl=workload.optimizer_impl)  # fmt: skip
 
 
 def device_budget(workload: Workload, budget: int) -> int:
