@@ -43,7 +43,7 @@ from torch_impl import BudgetGuard, ControlNetPair, UNet
 from torch_impl import guard as guard_module
 from torch_impl import memory as memory_module
 from torch_impl.diffusers_plan import diffusers_spec
-from torch_impl.guard_model import gpu_flavour
+from torch_impl.guard_model import gpu_flavour, implementation
 from torch_impl.memory import memtracker, step_peak
 from torch_impl.train import as_tensors
 
@@ -307,6 +307,43 @@ def test_the_gpu_flavour_by_compute_capability(
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
     assert gpu_flavour(torch.device("cuda", 0)) == flavour
     assert gpu_flavour(torch.device("cpu")) == "cpu"
+
+
+def test_the_update_an_optimizer_runs() -> None:
+    """What the GPU flavour reads off the optimizers: torch's ``fused`` / ``foreach`` when given, bitsandbytes'
+    8-bit class (its module stood in), None for torch's default, a mix, or an update the optimizer does not run."""
+    params = list(torch.nn.Linear(4, 4).parameters())
+    bnb = type("AdamW8bit", (torch.optim.AdamW,), {"__module__": "bitsandbytes.optim.adamw"})(params)
+    assert implementation([torch.optim.AdamW(params, fused=True)], "adamw") == "fused"
+    assert implementation([torch.optim.AdamW(params, foreach=False)], "adamw") == "per-parameter"
+    assert implementation([torch.optim.Adafactor(params, foreach=True)], "adafactor") == "foreach"
+    assert implementation([bnb], "adamw8bit") == "bitsandbytes"
+    assert implementation([torch.optim.AdamW(params)], "adamw") is None
+    assert implementation([torch.optim.AdamW(params, fused=True), torch.optim.AdamW(params)], "adamw") is None
+    assert implementation([bnb], "adamw") is None  # bitsandbytes' 32-bit update is not modelled: torch's default
+
+
+def test_on_cuda_a_re_plan_takes_the_update_the_optimizer_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU (device and capability stood in), the first optimizer step's optimizer names its update: a
+    fused AdamW re-plans without foreach's copy; an ``optimizer_impl`` given is kept."""
+    asked: list[Workload] = []
+
+    def plan(workload: Workload, budget: int, framework: str, **options: Any) -> SimpleNamespace:
+        asked.append(workload)
+        prediction = SimpleNamespace(peak_bytes=100 << 20)
+        return SimpleNamespace(policy="full", solution=SimpleNamespace(prediction=prediction))
+
+    monkeypatch.setattr(planner, "plan", plan)
+    monkeypatch.setattr(guard_module.BudgetGuard, "_device", lambda self: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    model = UNet(variant("tiny", sample_size=SIZE))
+    for given, want in (({}, "fused"), ({"optimizer_impl": "foreach"}, "foreach")):
+        guard = BudgetGuard(model, 1 << 30, batch_size=1, **given)
+        guard._optimizers.append(torch.optim.AdamW(model.parameters(), fused=True))
+        guard._watch.forwarded = True  # as after the first forward: fp32, AdamW, as planned
+        monkeypatch.setattr(guard._watch, "seen", lambda planned, optimizers: (planned, []))
+        assert guard._regime_differs() == (want == "fused")
+        assert asked[-1].optimizer_impl == want and asked[-1].device == "cuda"
 
 
 def test_the_first_plan_is_solved_for_the_models_device(monkeypatch: pytest.MonkeyPatch) -> None:

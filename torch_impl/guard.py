@@ -31,7 +31,14 @@ from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from shared_configs.units import MIB
 from torch_impl.diffusers_plan import apply_plan
-from torch_impl.guard_model import RegimeWatch, gpu_flavour, regime_seen, step_spec, take_over_checkpointing
+from torch_impl.guard_model import (
+    RegimeWatch,
+    gpu_flavour,
+    implementation,
+    regime_seen,
+    step_spec,
+    take_over_checkpointing,
+)
 from torch_impl.guard_retry import RetryPoint, accelerators_among, base_optimizer, processes, why_not_retry
 from torch_impl.pair import ControlNetPair
 from torch_impl.wrappers import compiled, unwrap
@@ -80,6 +87,7 @@ class BudgetGuard:
         workload = {k: v for k, v in planner_options.items() if k not in _PLAN_OPTIONS}
         workload.setdefault("device", gpu_flavour(self._device()))  # on CUDA: plans for what the card holds
         self._regime_given, self._watch, self._optimizer_steps = regime is not None, RegimeWatch(self.model), 0
+        self._impl_given = "optimizer_impl" in planner_options
         if regime is None:
             regime, notes = regime_seen(self.model)
             for note in notes:
@@ -166,22 +174,27 @@ class BudgetGuard:
             self._judge({**found, "measured": agreed_peak(found["measured"], self._device())})
 
     def _regime_differs(self) -> bool:
-        """A regime the first optimizer step shows unlike the one planned: a guessed one is replaced and re-planned."""
+        """A regime the first optimizer step shows unlike the one planned: a guessed one is replaced and re-planned;
+        on a GPU also the update the optimizer runs (`guard_model.implementation`), unless ``optimizer_impl`` given."""
         planned = self._workload.regime
         if not self._watch.forwarded:
             return False
         seen, notes = self._watch.seen(planned, self._optimizers)
-        if seen == planned:
-            return False
-        if self._regime_given:
+        if self._regime_given and seen != planned:
             self._say(f"the step runs in {seen.describe()}, not in the regime given ({planned.describe()}); "
                       "planned for the one given")  # fmt: skip
+        seen, impl = planned if self._regime_given else seen, self._workload.optimizer_impl
+        if self._workload.device != "cpu" and not self._impl_given:  # on a GPU: the update as the optimizer says
+            impl = implementation(self._optimizers, seen.optimizer)
+        if (seen, impl) == (planned, self._workload.optimizer_impl):
             return False
-        for note in notes:
+        for note in [] if self._regime_given else notes:
             self._say(note)
-        self._workload = dataclasses.replace(self._workload, regime=seen)
+        was = _described(planned, self._workload.optimizer_impl)
+        self._workload = dataclasses.replace(self._workload, regime=seen, optimizer_impl=impl)
         policy, predicted = self._plan_for(self.budget) or (FULL, self._predict(FULL))
-        self._say(f"the step runs in {seen.describe()}, not in {planned.describe()} as guessed from the model; "
+        how = "as given" if self._regime_given else "as guessed from the model"
+        self._say(f"the step runs in {_described(seen, impl)}, not in {was} {how}; "
                   f"re-planned for it: {policy} (predicted {_mib(predicted)})")  # fmt: skip
         self._switch(policy, predicted, "regime", 0)
         return True
@@ -351,6 +364,10 @@ class BudgetGuard:
     def _say(self, message: str) -> None:
         rank = f"rank {torch.distributed.get_rank()}: " if processes() > 1 else ""
         say(f"guard: {rank}step {self._step}: {message}")  # through logging when it is on
+
+
+def _described(regime: Regime, impl: str | None) -> str:
+    return regime.describe() + (f" ({impl} update)" if impl else "")
 
 
 def _spot_optimizers(guard: BudgetGuard) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from shared_configs.pair import ControlNetPairSpec
+from shared_configs.planning.optimizer_step import SOURCES
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
 from torch_impl.controlnet import ControlNet
@@ -43,6 +44,21 @@ def gpu_flavour(device: torch.device) -> str:
         return "cpu"
     major, _ = torch.cuda.get_device_capability(device)
     return "cuda-sm90" if major >= 9 else "cuda"
+
+
+def implementation(optimizers: list[torch.optim.Optimizer], optimizer: str) -> str | None:
+    """How ``optimizers`` update on a GPU where they say so (`optimizer_step.SOURCES`): bitsandbytes' kernel,
+    ``fused=True``, ``foreach`` given; None (torch's default) when they do not, disagree or run ``optimizer`` so."""
+    found = set()
+    for o in optimizers:
+        if type(o).__module__.partition(".")[0] == "bitsandbytes":
+            found.add("bitsandbytes")
+        elif isinstance(foreach := o.defaults.get("foreach"), bool) or o.defaults.get("fused"):
+            found.add("fused" if o.defaults.get("fused") else "foreach" if foreach else "per-parameter")
+        else:
+            found.add(None)
+    name = found.pop() if len(found) == 1 else None
+    return name if (optimizer, name) in SOURCES else None
 
 
 def take_over_checkpointing(model: nn.Module) -> list[str]:
