@@ -319,6 +319,7 @@ def test_the_update_an_optimizer_runs() -> None:
     assert implementation([torch.optim.Adafactor(params, foreach=True)], "adafactor") == "foreach"
     assert implementation([bnb], "adamw8bit") == "bitsandbytes"
     assert implementation([torch.optim.AdamW(params)], "adamw") is None
+    assert implementation([torch.optim.AdamW(params, foreach=True)], "adamw") is None  # CUDA's default anyway
     assert implementation([torch.optim.AdamW(params, fused=True), torch.optim.AdamW(params)], "adamw") is None
     assert implementation([bnb], "adamw") is None  # bitsandbytes' 32-bit update is not modelled: torch's default
 

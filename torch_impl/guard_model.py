@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shared_configs.pair import ControlNetPairSpec
-from shared_configs.planning.optimizer_step import SOURCES
+from shared_configs.planning.optimizer_step import DEFAULT, SOURCES
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
 from torch_impl.controlnet import ControlNet
@@ -48,7 +48,8 @@ def gpu_flavour(device: torch.device) -> str:
 
 def implementation(optimizers: list[torch.optim.Optimizer], optimizer: str) -> str | None:
     """How ``optimizers`` update on a GPU where they say so (`optimizer_step.SOURCES`): bitsandbytes' kernel,
-    ``fused=True``, ``foreach`` given; None (torch's default) when they do not, disagree or run ``optimizer`` so."""
+    ``fused=True``, ``foreach`` given. None (torch's default) when they say nothing, disagree, name the default
+    or an update ``optimizer`` does not run."""
     found = set()
     for o in optimizers:
         if type(o).__module__.partition(".")[0] == "bitsandbytes":
@@ -58,7 +59,7 @@ def implementation(optimizers: list[torch.optim.Optimizer], optimizer: str) -> s
         else:
             found.add(None)
     name = found.pop() if len(found) == 1 else None
-    return name if (optimizer, name) in SOURCES else None
+    return name if (optimizer, name) in SOURCES and name != DEFAULT[(optimizer, "cuda")] else None
 
 
 def take_over_checkpointing(model: nn.Module) -> list[str]:
