@@ -43,7 +43,7 @@ from torch_impl import BudgetGuard, ControlNetPair, UNet
 from torch_impl import guard as guard_module
 from torch_impl import memory as memory_module
 from torch_impl.diffusers_plan import diffusers_spec
-from torch_impl.guard_model import gpu_flavour, implementation
+from torch_impl.guard_model import RegimeWatch, gpu_flavour
 from torch_impl.memory import memtracker, step_peak
 from torch_impl.train import as_tensors
 
@@ -314,14 +314,14 @@ def test_the_update_an_optimizer_runs() -> None:
     8-bit class (its module stood in), None for torch's default, a mix, or an update the optimizer does not run."""
     params = list(torch.nn.Linear(4, 4).parameters())
     bnb = type("AdamW8bit", (torch.optim.AdamW,), {"__module__": "bitsandbytes.optim.adamw"})(params)
-    assert implementation([torch.optim.AdamW(params, fused=True)], "adamw") == "fused"
-    assert implementation([torch.optim.AdamW(params, foreach=False)], "adamw") == "per-parameter"
-    assert implementation([torch.optim.Adafactor(params, foreach=True)], "adafactor") == "foreach"
-    assert implementation([bnb], "adamw8bit") == "bitsandbytes"
-    assert implementation([torch.optim.AdamW(params)], "adamw") is None
-    assert implementation([torch.optim.AdamW(params, foreach=True)], "adamw") is None  # CUDA's default anyway
-    assert implementation([torch.optim.AdamW(params, fused=True), torch.optim.AdamW(params)], "adamw") is None
-    assert implementation([bnb], "adamw") is None  # bitsandbytes' 32-bit update is not modelled: torch's default
+    assert RegimeWatch.update([torch.optim.AdamW(params, fused=True)], "adamw") == "fused"
+    assert RegimeWatch.update([torch.optim.AdamW(params, foreach=False)], "adamw") == "per-parameter"
+    assert RegimeWatch.update([torch.optim.Adafactor(params, foreach=True)], "adafactor") == "foreach"
+    assert RegimeWatch.update([bnb], "adamw8bit") == "bitsandbytes"
+    assert RegimeWatch.update([torch.optim.AdamW(params)], "adamw") is None
+    assert RegimeWatch.update([torch.optim.AdamW(params, foreach=True)], "adamw") is None  # CUDA's default anyway
+    assert RegimeWatch.update([torch.optim.AdamW(params, fused=True), torch.optim.AdamW(params)], "adamw") is None
+    assert RegimeWatch.update([bnb], "adamw") is None  # bitsandbytes' 32-bit update is not modelled: torch's default
 
 
 def test_on_cuda_a_re_plan_takes_the_update_the_optimizer_runs(monkeypatch: pytest.MonkeyPatch) -> None:

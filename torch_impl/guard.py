@@ -31,14 +31,7 @@ from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from shared_configs.units import MIB
 from torch_impl.diffusers_plan import apply_plan
-from torch_impl.guard_model import (
-    RegimeWatch,
-    gpu_flavour,
-    implementation,
-    regime_seen,
-    step_spec,
-    take_over_checkpointing,
-)
+from torch_impl.guard_model import RegimeWatch, gpu_flavour, regime_seen, step_spec, take_over_checkpointing
 from torch_impl.guard_retry import RetryPoint, accelerators_among, base_optimizer, processes, why_not_retry
 from torch_impl.pair import ControlNetPair
 from torch_impl.wrappers import compiled, unwrap
@@ -175,7 +168,7 @@ class BudgetGuard:
 
     def _regime_differs(self) -> bool:
         """A regime the first optimizer step shows unlike the one planned: a guessed one is replaced and re-planned;
-        on a GPU also the update the optimizer runs (`guard_model.implementation`), unless ``optimizer_impl`` given."""
+        on a GPU also the update the optimizer runs (`RegimeWatch.update`), unless ``optimizer_impl`` given."""
         planned = self._workload.regime
         if not self._watch.forwarded:
             return False
@@ -185,7 +178,7 @@ class BudgetGuard:
                       "planned for the one given")  # fmt: skip
         seen, impl = planned if self._regime_given else seen, self._workload.optimizer_impl
         if self._workload.device != "cpu" and not self._impl_given:  # on a GPU: the update as the optimizer says
-            impl = implementation(self._optimizers, seen.optimizer)
+            impl = self._watch.update(self._optimizers, seen.optimizer)
         if (seen, impl) == (planned, self._workload.optimizer_impl):
             return False
         for note in [] if self._regime_given else notes:

@@ -46,22 +46,6 @@ def gpu_flavour(device: torch.device) -> str:
     return "cuda-sm90" if major >= 9 else "cuda"
 
 
-def implementation(optimizers: list[torch.optim.Optimizer], optimizer: str) -> str | None:
-    """How ``optimizers`` update on a GPU where they say so (`optimizer_step.SOURCES`): bitsandbytes' kernel,
-    ``fused=True``, ``foreach`` given. None (torch's default) when they say nothing, disagree, name the default
-    or an update ``optimizer`` does not run."""
-    found = set()
-    for o in optimizers:
-        if type(o).__module__.partition(".")[0] == "bitsandbytes":
-            found.add("bitsandbytes")
-        elif isinstance(foreach := o.defaults.get("foreach"), bool) or o.defaults.get("fused"):
-            found.add("fused" if o.defaults.get("fused") else "foreach" if foreach else "per-parameter")
-        else:
-            found.add(None)
-    name = found.pop() if len(found) == 1 else None
-    return name if (optimizer, name) in SOURCES and name != DEFAULT[(optimizer, "cuda")] else None
-
-
 def take_over_checkpointing(model: nn.Module) -> list[str]:
     """Turn off diffusers' own gradient checkpointing in each network of ``model``; returns their class names."""
     taken = []
@@ -138,3 +122,19 @@ class RegimeWatch:
         trained = [p.grad for p in self.model.parameters() if p.requires_grad]
         kept = all(g is not None for g in trained) and not any(bool(g.any()) for g in trained)
         return replace(regime, optimizer=optimizer, ema=planned.ema, keep_grads=kept), notes
+
+    @staticmethod
+    def update(optimizers: list[torch.optim.Optimizer], optimizer: str) -> str | None:
+        """How ``optimizers`` update on a GPU where they say so (`optimizer_step.SOURCES`): bitsandbytes' kernel,
+        ``fused=True``, ``foreach`` given. None (torch's default) when they say nothing, disagree, name the default
+        or an update ``optimizer`` does not run."""
+        found = set()
+        for o in optimizers:
+            if type(o).__module__.partition(".")[0] == "bitsandbytes":
+                found.add("bitsandbytes")
+            elif isinstance(foreach := o.defaults.get("foreach"), bool) or o.defaults.get("fused"):
+                found.add("fused" if o.defaults.get("fused") else "foreach" if foreach else "per-parameter")
+            else:
+                found.add(None)
+        name = found.pop() if len(found) == 1 else None
+        return name if (optimizer, name) in SOURCES and name != DEFAULT[(optimizer, "cuda")] else None
