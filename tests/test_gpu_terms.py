@@ -180,11 +180,14 @@ def test_plan_device_cuda_adds_the_flavour(
     assert f"cuda: max_memory_allocated {want['allocated_bytes'] / MIB:.1f} MiB" in capsys.readouterr().out
 
 
+ON_A_GPU = "--unfused-attention, --optimizer-impl: how a GPU runs the step; give --device cuda too"
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--unfused-attention"], "--optimizer-impl: how a GPU runs the step; give --device cuda too"),
-        (["--optimizer-impl", "fused"], "--optimizer-impl: how a GPU runs the step; give --device cuda too"),
+        (["--unfused-attention"], ON_A_GPU),
+        (["--optimizer-impl", "fused"], ON_A_GPU),
         (["--device", "cuda", "--optimizer-impl", "bitsandbytes"],
          "optimizer implementation: adamw runs as one of per-parameter, foreach, fused, got 'bitsandbytes'"),
         (["--cached-latents"], "--cached-latents: leaves the VAE out of --with-encoders"),

@@ -173,15 +173,17 @@ class BudgetGuard:
         if not self._watch.forwarded:
             return False
         seen, notes = self._watch.seen(planned, self._optimizers)
-        if self._regime_given and seen != planned:
-            self._say(f"the step runs in {seen.describe()}, not in the regime given ({planned.describe()}); "
-                      "planned for the one given")  # fmt: skip
-        seen, impl = planned if self._regime_given else seen, self._workload.optimizer_impl
+        if self._regime_given:
+            if seen != planned:
+                self._say(f"the step runs in {seen.describe()}, not in the regime given ({planned.describe()}); "
+                          "planned for the one given")  # fmt: skip
+            seen, notes = planned, []
+        impl = self._workload.optimizer_impl
         if self._workload.device != "cpu" and not self._impl_given:  # on a GPU: the update as the optimizer says
             impl = self._watch.update(self._optimizers, seen.optimizer)
         if (seen, impl) == (planned, self._workload.optimizer_impl):
             return False
-        for note in [] if self._regime_given else notes:
+        for note in notes:
             self._say(note)
         was = _described(planned, self._workload.optimizer_impl)
         self._workload = dataclasses.replace(self._workload, regime=seen, optimizer_impl=impl)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shared_configs.pair import ControlNetPairSpec
-from shared_configs.planning.optimizer_step import DEFAULT, SOURCES
+from shared_configs.planning.optimizer_step import SOURCES, implementation
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
 from torch_impl.controlnet import ControlNet
@@ -128,13 +128,15 @@ class RegimeWatch:
         """How ``optimizers`` update on a GPU where they say so (`optimizer_step.SOURCES`): bitsandbytes' kernel,
         ``fused=True``, ``foreach`` given. None (torch's default) when they say nothing, disagree, name the default
         or an update ``optimizer`` does not run."""
-        found = set()
-        for o in optimizers:
-            if type(o).__module__.partition(".")[0] == "bitsandbytes":
-                found.add("bitsandbytes")
-            elif isinstance(foreach := o.defaults.get("foreach"), bool) or o.defaults.get("fused"):
-                found.add("fused" if o.defaults.get("fused") else "foreach" if foreach else "per-parameter")
-            else:
-                found.add(None)
+        found = {_update_of(o) for o in optimizers}
         name = found.pop() if len(found) == 1 else None
-        return name if (optimizer, name) in SOURCES and name != DEFAULT[(optimizer, "cuda")] else None
+        return name if (optimizer, name) in SOURCES and name != implementation(optimizer, "cuda") else None
+
+
+def _update_of(opt: torch.optim.Optimizer) -> str | None:
+    if type(opt).__module__.partition(".")[0] == "bitsandbytes":
+        return "bitsandbytes"
+    if opt.defaults.get("fused"):
+        return "fused"
+    foreach = opt.defaults.get("foreach")
+    return None if foreach is None else "foreach" if foreach else "per-parameter"
