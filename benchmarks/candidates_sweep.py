@@ -34,39 +34,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=positive(int), default=3, help="budgets between full's and none's peaks (3)")
     p.add_argument("--candidates", type=positive(int), default=4, help="the solver's best plans raced (4)")
     p.add_argument("--rounds", type=positive(int), default=DEFAULT_ROUNDS, help="the race's rounds at most")
-    p.add_argument("--check-rounds", type=positive(int), default=CHECK_ROUNDS,
-                   help=f"rounds of the plan against the fitting hand policies ({CHECK_ROUNDS})")  # fmt: skip
+    p.add_argument(
+        "--check-rounds",
+        type=positive(int),
+        default=CHECK_ROUNDS,
+        help=f"rounds of the plan against the fitting hand policies ({CHECK_ROUNDS})",
+    )
     p.add_argument("--json", help="write the results here")
     return p
 
 
-def check_budget(workload: Workload, framework: str, budget: int, candidates: int, rounds: int, check_rounds: int
-                 ) -> dict[str, Any]:  # fmt: skip
+def check_budget(
+    workload: Workload, framework: str, budget: int, candidates: int, rounds: int, check_rounds: int
+) -> dict[str, Any]:
     """The plan at ``budget`` (a race of ``candidates``), then against every hand policy that fits."""
     found = plan(workload, budget, framework, candidates=candidates, rounds=rounds)
     chosen = found.solution.policy
     policies = list(dict.fromkeys([chosen, *HAND_POLICIES]))
     rows = measure(framework, workload, policies, check_rounds)["rows"]
     fits = {p: r["peak_bytes"] <= budget for p, r in rows.items()}
-    versus = {h: paired(rows[chosen]["rounds_s"], rows[h]["rounds_s"]) for h in HAND_POLICIES
-              if h != chosen and fits[h]}  # fmt: skip
+    versus = {
+        h: paired(rows[chosen]["rounds_s"], rows[h]["rounds_s"]) for h in HAND_POLICIES if h != chosen and fits[h]
+    }
     return {
-        "budget_bytes": budget, "plan": chosen, "predicted_peak_bytes": found.solution.prediction.peak_bytes,
+        "budget_bytes": budget,
+        "plan": chosen,
+        "predicted_peak_bytes": found.solution.prediction.peak_bytes,
         "measured_peak_bytes": rows[chosen]["peak_bytes"],
         "predicted_overhead": found.solution.prediction.overhead(found.profiles[0]),
-        "measured_overhead": paired(rows[chosen]["rounds_s"], rows["none"]["rounds_s"]), "fits": fits[chosen],
-        "hand_peaks_bytes": {h: rows[h]["peak_bytes"] for h in HAND_POLICIES}, "versus": versus,
-        "holds": fits[chosen] and not any(v["verdict"] == "slower" for v in versus.values()), "race": found.candidates,
-    }  # fmt: skip
+        "measured_overhead": paired(rows[chosen]["rounds_s"], rows["none"]["rounds_s"]),
+        "fits": fits[chosen],
+        "hand_peaks_bytes": {h: rows[h]["peak_bytes"] for h in HAND_POLICIES},
+        "versus": versus,
+        "holds": fits[chosen] and not any(v["verdict"] == "slower" for v in versus.values()),
+        "race": found.candidates,
+    }
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| budget MiB | plan | peak measured MiB | fits | vs each fitting hand policy (plan/hand - 1) | holds |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| budget MiB | plan | peak measured MiB | fits | vs each fitting hand policy (plan/hand - 1) | holds |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         vs = "; ".join(f"{h} {paired_text(v)}" for h, v in r["versus"].items()) or "none fits"
-        lines.append(f"| {r['budget_bytes'] / MIB:.1f} | `{r['plan']}` | {r['measured_peak_bytes'] / MIB:.1f} | "
-                     f"{'yes' if r['fits'] else 'NO'} | {vs} | {'yes' if r['holds'] else 'NO'} |")  # fmt: skip
+        lines.append(
+            f"| {r['budget_bytes'] / MIB:.1f} | `{r['plan']}` | {r['measured_peak_bytes'] / MIB:.1f} | "
+            f"{'yes' if r['fits'] else 'NO'} | {vs} | {'yes' if r['holds'] else 'NO'} |"
+        )
     return "\n".join(lines)
 
 
@@ -82,12 +97,20 @@ def main(argv: list[str] | None = None) -> int:
         budgets = [round(low + (high - low) * (i + 1) / (args.budgets + 1)) for i in range(args.budgets)]
         results = []
         for i, budget in enumerate(budgets, 1):
-            progress(f"budget {i} of {len(budgets)}: {budget / MIB:.1f} MiB (full {low / MIB:.1f}, "
-                     f"none {high / MIB:.1f})")  # fmt: skip
+            progress(
+                f"budget {i} of {len(budgets)}: {budget / MIB:.1f} MiB (full {low / MIB:.1f}, none {high / MIB:.1f})"
+            )
             results.append(check_budget(workload, fw, budget, args.candidates, args.rounds, args.check_rounds))
-        doc = {"config": workload.spec.name, "sample_size": workload.spec.sample_size, "batch_size": args.batch_size,
-               "framework": fw, "none_peak_bytes": high, "full_peak_bytes": low, "settings": settings,
-               "results": results}  # fmt: skip
+        doc = {
+            "config": workload.spec.name,
+            "sample_size": workload.spec.sample_size,
+            "batch_size": args.batch_size,
+            "framework": fw,
+            "none_peak_bytes": high,
+            "full_peak_bytes": low,
+            "settings": settings,
+            "results": results,
+        }
         if args.json:
             atomic_write(args.json, json.dumps(doc, indent=1).encode())
         print(table(results))

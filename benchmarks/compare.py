@@ -8,6 +8,7 @@ Each framework runs in its own worker (`benchmarks.harness.runner`); this proces
 Prints a table that fits 100 columns (``--wide``: every column; `benchmarks.report` reprints a run) and
 writes ``<out>/<run>.json``, ``.csv`` and the plots. The method: docs/benchmark.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,9 @@ def _frameworks(text: str) -> tuple[str, ...]:
         return FRAMEWORKS
     bad = [n for n in names if n not in allowed]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown framework {bad[0] if bad else text!r} (allowed: both, or a comma "
-                                         f"list of {', '.join(allowed)})")  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"unknown framework {bad[0] if bad else text!r} (allowed: both, or a comma list of {', '.join(allowed)})"
+        )
     return tuple(dict.fromkeys(names))
 
 
@@ -105,47 +107,90 @@ compile (--compile): torch.compile(model) per policy (framework 'compiled'), pea
 
 def build_parser() -> argparse.ArgumentParser:
     d = defaults("cpu")  # the device-independent fields; the attention chunk is resolved per device
-    p = OneLineParser(prog="python -m benchmarks.compare", description=__doc__.split("\n\n")[0], epilog=EPILOG,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--framework", type=_frameworks, default=FRAMEWORKS,
-                   help="both (default: torch and jax), or a comma list of torch, jax, diffusers (diffusers' own U-Net "
-                   "with its enable_gradient_checkpointing() and the same plans, on the same weights)")  # fmt: skip
+    p = OneLineParser(
+        prog="python -m benchmarks.compare",
+        description=__doc__.split("\n\n")[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--framework",
+        type=_frameworks,
+        default=FRAMEWORKS,
+        help="both (default: torch and jax), or a comma list of torch, jax, diffusers (diffusers' own U-Net "
+        "with its enable_gradient_checkpointing() and the same plans, on the same weights)",
+    )
     source = p.add_mutually_exclusive_group()
     source.add_argument("--config", default=DEFAULT_CONFIG, help=config_help(DEFAULT_CONFIG))
-    source.add_argument("--diffusers", type=Path, metavar="PATH",
-                        help="a local diffusers UNet2D(Condition)Model folder (or a pipeline folder with unet/): its "
-                        "config and weights, in every framework")  # fmt: skip
+    source.add_argument(
+        "--diffusers",
+        type=Path,
+        metavar="PATH",
+        help="a local diffusers UNet2D(Condition)Model folder (or a pipeline folder with unet/): its "
+        "config and weights, in every framework",
+    )
     p.add_argument("--sample-size", type=positive_int, default=None, help="override spec.sample_size")
-    p.add_argument("--policies", default=DEFAULT_POLICIES,
-                   help=f"comma-separated policies: {', '.join(NAMED_POLICIES)}, or block names joined with '+' "
-                   "(e.g. down.1+mid), op-level forms with '+' between ops (full/save=conv+matmul, "
-                   "offload_convs); 'none' is always measured, as the baseline (default: %(default)s)")  # fmt: skip
-    p.add_argument("--timeline", default=None, metavar="POLICY",
-                   help="the checkpointed policy drawn beside none in the timeline picture (default: full if "
-                   "measured, else the first policy after none); 'off' for no picture")  # fmt: skip
-    p.add_argument("--batch-size", type=positive_int, nargs="+", default=None, metavar="N",
-                   help=f"one or more batch sizes, per rank with --world-size (global batch = N x it) "
-                   f"(default: {', '.join(f'{b} for {c}' for c, b in PRESET_BATCH.items())}, else 1)")  # fmt: skip
-    p.add_argument("--world-size", type=positive_int, default=1, metavar="N",
-                   help="measure each rank of an FSDP run over N ranks: torch FSDP2 in N processes (torchrun, gloo), "
-                   "jax's FSDP-sharded step over N forced host devices; CPU only. --batch-size is then per rank: "
-                   "each rank keeps its own activations while its static memory (params, grads, optimizer state) "
-                   "shrinks by N. Reports rank 0's peak and parts, and the largest peak over the ranks (default: 1, "
-                   "no sharding)")  # fmt: skip
+    p.add_argument(
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=f"comma-separated policies: {', '.join(NAMED_POLICIES)}, or block names joined with '+' "
+        "(e.g. down.1+mid), op-level forms with '+' between ops (full/save=conv+matmul, "
+        "offload_convs); 'none' is always measured, as the baseline (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeline",
+        default=None,
+        metavar="POLICY",
+        help="the checkpointed policy drawn beside none in the timeline picture (default: full if "
+        "measured, else the first policy after none); 'off' for no picture",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help=f"one or more batch sizes, per rank with --world-size (global batch = N x it) "
+        f"(default: {', '.join(f'{b} for {c}' for c, b in PRESET_BATCH.items())}, else 1)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="measure each rank of an FSDP run over N ranks: torch FSDP2 in N processes (torchrun, gloo), "
+        "jax's FSDP-sharded step over N forced host devices; CPU only. --batch-size is then per rank: "
+        "each rank keeps its own activations while its static memory (params, grads, optimizer state) "
+        "shrinks by N. Reports rank 0's peak and parts, and the largest peak over the ranks (default: 1, "
+        "no sharding)",
+    )
     p.add_argument("--steps", type=positive_int, default=d.steps, help="timed steps after warm-up (%(default)s)")
     add_regime_arguments(p)  # the training loops' regime: precision, what is trained, optimizer, EMA
-    p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
-                   help="auto (default): each framework's GPU if it has one, else CPU")  # fmt: skip
-    p.add_argument("--context-length", type=positive_int, default=d.context_length,
-                   help="cross-attention tokens (%(default)s)")  # fmt: skip
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "gpu"],
+        default="auto",
+        help="auto (default): each framework's GPU if it has one, else CPU",
+    )
+    p.add_argument(
+        "--context-length", type=positive_int, default=d.context_length, help="cross-attention tokens (%(default)s)"
+    )
     p.add_argument("--out", type=Path, default=Path("results"), help="folder for JSON/CSV/PNG (%(default)s)")
     p.add_argument("--jax-attention-chunk", type=chunk_arg, default=AUTO, metavar="N", help=CHUNK_HELP)
-    p.add_argument("--jax-cache", type=cache_dir, default=d.jax_cache or "none", metavar="DIR",
-                   help="jax: JAX's persistent compilation cache folder, so a repeated run loads its compiled steps "
-                   "(default: %(default)s; 'none' to compile afresh)")  # fmt: skip
-    p.add_argument("--xla-default", action="store_true",
-                   help="jax on CPU: also compile each step with XLA's default passes, which strip remat's barriers "
-                   "(the 'XLA:CPU default' column)")  # fmt: skip
+    p.add_argument(
+        "--jax-cache",
+        type=cache_dir,
+        default=d.jax_cache or "none",
+        metavar="DIR",
+        help="jax: JAX's persistent compilation cache folder, so a repeated run loads its compiled steps "
+        "(default: %(default)s; 'none' to compile afresh)",
+    )
+    p.add_argument(
+        "--xla-default",
+        action="store_true",
+        help="jax on CPU: also compile each step with XLA's default passes, which strip remat's barriers "
+        "(the 'XLA:CPU default' column)",
+    )
     compiled.add_arguments(p)
     pair_compare.add_arguments(p)
     p.add_argument("--wide", action="store_true", help=WIDE_HELP)
@@ -184,16 +229,32 @@ def parse_args(
     regime = Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads)
     if regime.keep_grads and "jax" in args.framework:
         raise SpecError(f"--keep-grads: {JAX_KEEPS_NO_GRADS}")
-    common = {"config": config, "source": source, "sample_size": spec.sample_size, "batch_sizes": batch_sizes,
-              "steps": args.steps, **regime.as_dict(), "device": device, "context_length": args.context_length,
-              "world_size": args.world_size}  # fmt: skip
+    common = {
+        "config": config,
+        "source": source,
+        "sample_size": spec.sample_size,
+        "batch_sizes": batch_sizes,
+        "steps": args.steps,
+        **regime.as_dict(),
+        "device": device,
+        "context_length": args.context_length,
+        "world_size": args.world_size,
+    }
     timeline = timeline_policies(args.timeline, policies)
     # the pair's one workload carries the attention chunk (`pair_compare.workload`)
     theirs = tuple(dict.fromkeys([*DIFFUSERS_POLICIES, *policies]))
-    jobs = [Job(framework=fw, policies=theirs if fw == DIFFUSERS else tuple(policies),
-                timeline=() if fw == DIFFUSERS else timeline, xla_default=args.xla_default,
-                attention_chunk=args.jax_attention_chunk if fw == "jax" or args.controlnet else None,
-                jax_cache=args.jax_cache if fw == "jax" else None, **common) for fw in args.framework]  # fmt: skip
+    jobs = [
+        Job(
+            framework=fw,
+            policies=theirs if fw == DIFFUSERS else tuple(policies),
+            timeline=() if fw == DIFFUSERS else timeline,
+            xla_default=args.xla_default,
+            attention_chunk=args.jax_attention_chunk if fw == "jax" or args.controlnet else None,
+            jax_cache=args.jax_cache if fw == "jax" else None,
+            **common,
+        )
+        for fw in args.framework
+    ]
     torch_job = next((j for j in jobs if j.framework == "torch"), None)
     extra = compiled.compiled_job(args.compile, args.compile_budget_at, torch_job, policies)
     return args, jobs if extra is None else [*jobs, extra]
@@ -257,8 +318,9 @@ def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list
     return results
 
 
-def build_document(jobs: list[Job], results: list[list[Event]], clock: tuple[float, float | None, float], device: str
-                   ) -> dict:  # fmt: skip
+def build_document(
+    jobs: list[Job], results: list[list[Event]], clock: tuple[float, float | None, float], device: str
+) -> dict:
     """The JSON document: top-level config, device (``device``: the one asked for), versions, rows and timelines."""
     events = [e for evs in results for e in evs]
     row_events = [e for e in events if e["event"] == "row"]
@@ -268,30 +330,47 @@ def build_document(jobs: list[Job], results: list[list[Event]], clock: tuple[flo
     return {
         "config": {"name": spec.name, "source": jobs[0].config, "spec": spec.model_dump(mode="json")},
         "device": {"requested": device, **{fw: env["device"] for fw, env in envs.items()}},
-        "versions": {"python": platform.python_version(),
-                     **{k: v for e in envs.values() for k, v in e["versions"].items()}},
+        "versions": {
+            "python": platform.python_version(),
+            **{k: v for e in envs.values() for k, v in e["versions"].items()},
+        },
         "git_sha": git_sha(),
         "dtype": jobs[0].regime.compute_dtype or "float32",
         "regime": jobs[0].regime.as_dict(),
         "settings": {k: v for k, v in asdict(jobs[0]).items() if k not in ("framework", "done", "policies")}
-        | {"policies": {job.framework: list(job.policies) for job in jobs},
-           "attention_chunk": jax.attention_chunk if jax else None, "jax_cache": jax.jax_cache if jax else None},
+        | {
+            "policies": {job.framework: list(job.policies) for job in jobs},
+            "attention_chunk": jax.attention_chunk if jax else None,
+            "jax_cache": jax.jax_cache if jax else None,
+        },
         "xla_flags": envs["jax"]["xla_flags"] if "jax" in envs else None,
         "methods": report.methods(rows),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "wall_s": {"total": round(time.perf_counter() - clock[0], 1),
-                   **{e["framework"]: round(e["seconds"], 1) for e in events if e["event"] == "wall"}},
+        "wall_s": {
+            "total": round(time.perf_counter() - clock[0], 1),
+            **{e["framework"]: round(e["seconds"], 1) for e in events if e["event"] == "wall"},
+        },
         # Other work on a shared machine skews times: the share of the cores it took during the run.
         "other_cpu_share": other_cpu_share(clock, cpu_snapshot()),
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "rows": rows,
-        "timelines": [{"framework": e["framework"], "policy": e["policy"], "batch_size": e["batch_size"],
-                       **e["timeline"]} for e in row_events if e.get("timeline")],
-    }  # fmt: skip
+        "timelines": [
+            {"framework": e["framework"], "policy": e["policy"], "batch_size": e["batch_size"], **e["timeline"]}
+            for e in row_events
+            if e.get("timeline")
+        ],
+    }
 
 
-def keep_measured(prog: str, out: Path, device: str, jobs: list[Job], results: list[list[Event]], clock: tuple,
-                  stop: KeyboardInterrupt) -> Interrupted:  # fmt: skip
+def keep_measured(
+    prog: str,
+    out: Path,
+    device: str,
+    jobs: list[Job],
+    results: list[list[Event]],
+    clock: tuple,
+    stop: KeyboardInterrupt,
+) -> Interrupted:
     """An interrupted run: the rows so far in ``<out>/<prog>-*.json``, marked incomplete; the interrupt to raise."""
     signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
     rows = [e for evs in results for e in evs if e["event"] == "row"]

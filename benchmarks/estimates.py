@@ -37,12 +37,14 @@ BUDGETS_GIB = (12, 16, 24, 40, 80)
 # bf16+adamw8bit: weights in bfloat16 too (kohya's --full_bf16); keep-grads: diffusers' DreamBooth default, the
 # gradients allocated between steps (zeroed in place).
 REGIMES: dict[str, Regime] = {
-    "fp32": Regime(), "bf16-mixed": Regime("bf16-mixed"), "bf16-mixed+lora:8": Regime("bf16-mixed", "lora:8"),
+    "fp32": Regime(),
+    "bf16-mixed": Regime("bf16-mixed"),
+    "bf16-mixed+lora:8": Regime("bf16-mixed", "lora:8"),
     "bf16-mixed+adamw8bit": Regime("bf16-mixed", optimizer="adamw8bit"),
     "bf16-mixed+adafactor": Regime("bf16-mixed", optimizer="adafactor"),
     "bf16+adamw8bit": Regime("bf16", optimizer="adamw8bit"),
     "bf16-mixed+adamw8bit+keep-grads": Regime("bf16-mixed", optimizer="adamw8bit", keep_grads=True),
-}  # fmt: skip
+}
 DEFAULT_REGIMES = ("fp32", "bf16-mixed", "bf16-mixed+lora:8", "bf16-mixed+adamw8bit", "bf16-mixed+adamw8bit+keep-grads")
 DEVICES = ("cpu", *gpu.DEVICES)
 DIFFUSERS_STYLE = "layers"
@@ -53,8 +55,9 @@ def _entry(workload: Workload, policy: str, device: str = "cpu") -> dict[str, An
     pred, profile = sol.predictions[0], profiles[0]
     entry = {"peak_bytes": pred.peak_bytes, "overhead": pred.overhead(profile)}
     if device != "cpu":
-        entry[device] = gpu.estimate(profile, workload.spec, workload.regime, assignment_of(workload.spec, policy),
-                                     gpu.DEVICES[device]).as_dict()  # fmt: skip
+        entry[device] = gpu.estimate(
+            profile, workload.spec, workload.regime, assignment_of(workload.spec, policy), gpu.DEVICES[device]
+        ).as_dict()
     return entry
 
 
@@ -69,15 +72,23 @@ def _planned(workload: Workload, budget: int, none_peak: int) -> dict[str, Any]:
     return {"policy": found.policy, "peak_bytes": pred.peak_bytes, "overhead": pred.overhead(found.profiles[0])}
 
 
-def row(config: str, batch: int, regime_name: str, budgets_gib: tuple[float, ...], device: str = "cpu"
-        ) -> dict[str, Any]:  # fmt: skip
+def row(
+    config: str, batch: int, regime_name: str, budgets_gib: tuple[float, ...], device: str = "cpu"
+) -> dict[str, Any]:
     """One line of the table: ``config`` at its own sample size, ``batch``, the named regime."""
     workload = Workload.of(config, batch_size=batch, regime=REGIMES[regime_name], shapes=True)
     none = _entry(workload, "none", device)
     style = _entry(workload, DIFFUSERS_STYLE, device)
     plans = {f"{gib:g}": _planned(workload, int(gib * GIB), none["peak_bytes"]) for gib in budgets_gib}
-    return {"config": config, "sample_size": workload.spec.sample_size, "batch_size": batch, "regime": regime_name,
-            "none": none, "diffusers_style": style, "plans": plans}
+    return {
+        "config": config,
+        "sample_size": workload.spec.sample_size,
+        "batch_size": batch,
+        "regime": regime_name,
+        "none": none,
+        "diffusers_style": style,
+        "plans": plans,
+    }
 
 
 def _gib(entry: dict[str, Any]) -> str:
@@ -96,16 +107,33 @@ def markdown(doc: dict[str, Any]) -> str:
     """The table: peaks in GiB, costs as predicted overhead; on a GPU, allocated / nvidia-smi peaks too."""
     budgets, device = list(doc["budgets_gib"]), doc.get("device", "cpu")
     gpu_head = [f"{device}: none GiB (allocated / device)", f"{device}: diffusers-style GiB"] * (device != "cpu")
-    head = ["config", "batch", "regime", "none GiB", "diffusers-style GiB (cost)", *gpu_head,
-            *(f"plan @ {b:g} GiB" for b in budgets)]  # fmt: skip
+    head = [
+        "config",
+        "batch",
+        "regime",
+        "none GiB",
+        "diffusers-style GiB (cost)",
+        *gpu_head,
+        *(f"plan @ {b:g} GiB" for b in budgets),
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in doc["rows"]:
         ds = r["diffusers_style"]
         plans = [_cell(r["plans"][f"{b:g}"]) for b in budgets]
-        on_gpu = [f"{e[device]['allocated_bytes'] / GIB:.1f} / {e[device]['device_bytes'] / GIB:.1f}"
-                  for e in (r["none"], ds) if device != "cpu"]  # fmt: skip
-        cells = [f"{r['config']} {r['sample_size']}²", str(r["batch_size"]), r["regime"], _gib(r["none"]),
-                 f"{_gib(ds)} ({100 * ds['overhead']:+.0f}%)", *on_gpu, *plans]  # fmt: skip
+        on_gpu = [
+            f"{e[device]['allocated_bytes'] / GIB:.1f} / {e[device]['device_bytes'] / GIB:.1f}"
+            for e in (r["none"], ds)
+            if device != "cpu"
+        ]
+        cells = [
+            f"{r['config']} {r['sample_size']}²",
+            str(r["batch_size"]),
+            r["regime"],
+            _gib(r["none"]),
+            f"{_gib(ds)} ({100 * ds['overhead']:+.0f}%)",
+            *on_gpu,
+            *plans,
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + doc["method"] + "\n"
 
@@ -115,8 +143,15 @@ def _reading(allocated: int, device: str) -> int:
     return allocated if device == "cpu" else round(allocated * gpu.FRAGMENTATION) + gpu.DEVICES[device].context
 
 
-def card_row(config: str, regime_name: str, regime: Regime, batches: list[int], cards_gib: list[float],
-             device: str, step: dict[str, bool]) -> dict[str, Any]:  # fmt: skip
+def card_row(
+    config: str,
+    regime_name: str,
+    regime: Regime,
+    batches: list[int],
+    cards_gib: list[float],
+    device: str,
+    step: dict[str, bool],
+) -> dict[str, Any]:
     """One line of the card table: per card, the largest batch that fits plain and with a plan."""
     found: list[tuple[int, Workload, Profile, int]] = []
     for batch in sorted(batches):
@@ -136,8 +171,13 @@ def card_row(config: str, regime_name: str, regime: Regime, batches: list[int], 
             except Infeasible:
                 continue
             pred = sol.predictions[0]
-            cell["plan"] = {"batch": batch, "policy": sol.policy, "overhead": pred.overhead(profile),
-                            "device_bytes": _reading(pred.peak_bytes, device), "peak_at": pred.peak_unit}  # fmt: skip
+            cell["plan"] = {
+                "batch": batch,
+                "policy": sol.policy,
+                "overhead": pred.overhead(profile),
+                "device_bytes": _reading(pred.peak_bytes, device),
+                "peak_at": pred.peak_unit,
+            }
             break
         cards[f"{gib:g}"] = cell
     return {"config": config, "sample_size": found[0][1].spec.sample_size, "regime": regime_name, "cards": cards}
@@ -168,10 +208,12 @@ def cards_markdown(doc: dict[str, Any]) -> str:
 def cards_method(device: str, batches: list[int], step: dict[str, bool]) -> str:
     extra = [k.replace("_", "-") for k, v in step.items() if v]
     listed = ",".join(map(str, batches))
-    return (f"Predicted by `python -m benchmarks.estimates --gpu-gib` from shapes at batches {listed}"
-            f" (device {device}{'; ' + ', '.join(extra) if extra else ''}): the largest of those batches whose "
-            "predicted peak fits each card, plain and with the cheapest plan solved against the card (cost: "
-            "recompute FLOPs at 100 TFLOP/s and elementwise bytes at 2 TB/s over the plain step).")  # fmt: skip
+    return (
+        f"Predicted by `python -m benchmarks.estimates --gpu-gib` from shapes at batches {listed}"
+        f" (device {device}{'; ' + ', '.join(extra) if extra else ''}): the largest of those batches whose "
+        "predicted peak fits each card, plain and with the cheapest plan solved against the card (cost: "
+        "recompute FLOPs at 100 TFLOP/s and elementwise bytes at 2 TB/s over the plain step)."
+    )
 
 
 _ints, _floats = number_list(int, "positive integers"), number_list(float, "positive numbers")
@@ -179,23 +221,40 @@ _ints, _floats = number_list(int, "positive integers"), number_list(float, "posi
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m benchmarks.estimates", description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", "--config", type=_names(None), default=list(CONFIGS),
-                   help="presets (default: sd15,sd21,sdxl)")  # fmt: skip
+    p.add_argument(
+        "--configs", "--config", type=_names(None), default=list(CONFIGS), help="presets (default: sd15,sd21,sdxl)"
+    )
     p.add_argument("--batches", type=_ints, default=list(BATCHES), help="batch sizes (default: 1,2,4,8)")
-    p.add_argument("--regimes", type=_names(REGIMES), default=list(DEFAULT_REGIMES),
-                   help=f"regimes, from {', '.join(REGIMES)} (default: {','.join(DEFAULT_REGIMES)})")  # fmt: skip
+    p.add_argument(
+        "--regimes",
+        type=_names(REGIMES),
+        default=list(DEFAULT_REGIMES),
+        help=f"regimes, from {', '.join(REGIMES)} (default: {','.join(DEFAULT_REGIMES)})",
+    )
     p.add_argument("--budgets-gib", type=_ints, default=list(BUDGETS_GIB), help="budgets, GiB (default 12,16,24,40,80)")
-    p.add_argument("--device", choices=DEVICES, default="cuda",
-                   help="add the GPU flavour of the none and diffusers-style peaks (cuda: before Hopper; "
-                   "cuda-sm90: Hopper's workspaces; cpu: none; default cuda)")  # fmt: skip
-    p.add_argument("--gpu-gib", type=_floats, default=[],
-                   help="the card table instead: per preset and regime, the largest of --batches that fits each of "
-                   "these cards (GiB, as nvidia-smi counts with --device cuda), plain and with a plan")  # fmt: skip
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cuda",
+        help="add the GPU flavour of the none and diffusers-style peaks (cuda: before Hopper; "
+        "cuda-sm90: Hopper's workspaces; cpu: none; default cuda)",
+    )
+    p.add_argument(
+        "--gpu-gib",
+        type=_floats,
+        default=[],
+        help="the card table instead: per preset and regime, the largest of --batches that fits each of "
+        "these cards (GiB, as nvidia-smi counts with --device cuda), plain and with a plan",
+    )
     p.add_argument("--with-encoders", action="store_true", help="--gpu-gib: the VAE and text encoders beside the U-Net")
     p.add_argument("--cached-latents", action="store_true", help="--gpu-gib --with-encoders: no VAE")
     p.add_argument("--train-text-encoder", action="store_true", help="--gpu-gib: the text encoder trained too")
-    p.add_argument("--out", type=Path, default=Path("estimates"),
-                   help="folder for estimates.json and .md (cards.json and .md with --gpu-gib)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("estimates"),
+        help="folder for estimates.json and .md (cards.json and .md with --gpu-gib)",
+    )
     return p
 
 
@@ -284,8 +343,12 @@ def main(argv: list[str] | None = None) -> int:
                 doc = table.document(rows, time.perf_counter() - start, len(cases))
                 write_json(args.out / f"{name}.json", doc)  # after every row: a cut run keeps what it did
         except KeyboardInterrupt as stop:
-            kept = (f"{len(rows)} of {len(cases)} rows written to {args.out / (name + '.json')}, marked incomplete "
-                    f"(\"complete\": false); {name}.md not written" if rows else "nothing written")  # fmt: skip
+            kept = (
+                f"{len(rows)} of {len(cases)} rows written to {args.out / (name + '.json')}, marked incomplete "
+                f'("complete": false); {name}.md not written'
+                if rows
+                else "nothing written"
+            )
             with stopping(f"{kept} (profiles made stay cached)"):
                 raise stop from None
         atomic_write(args.out / f"{name}.md", render(doc).encode())

@@ -58,18 +58,32 @@ def guarded_run(spec: UNetSpec, batch_size: int, steps: int, device: str, shapes
     guard = BudgetGuard(model, budget, batch_size=batch_size, shapes=shapes)
     for _ in range(steps):
         guard.run(step, extra)
-    return {"spec": spec.name, "batch_size": batch_size, "device": device, "budget": budget, "extra": extra,
-            "plan": guard.plan, "history": [asdict(r) for r in guard.history]}  # fmt: skip
+    return {
+        "spec": spec.name,
+        "batch_size": batch_size,
+        "device": device,
+        "budget": budget,
+        "extra": extra,
+        "plan": guard.plan,
+        "history": [asdict(r) for r in guard.history],
+    }
 
 
 def lines(doc: dict[str, Any]) -> list[str]:
     """One line per record: step, action, plan, predicted, measured, outside (MiB)."""
     mib = lambda b: "-" if b is None else f"{b / MIB:.1f}"  # noqa: E731
-    head = (f"{doc['spec']} batch {doc['batch_size']} on {doc['device']}: budget {mib(doc['budget'])} MiB, "
-            f"extra buffer {mib(doc['extra'])} MiB")  # fmt: skip
-    return [head, *(f"step {r['step']}: {r['action']:<14} predicted {mib(r['predicted'])} measured "
-                    f"{mib(r['measured'])} outside {mib(r['outside'])} MiB  {r['plan'][:60]}"
-                    for r in doc["history"])]  # fmt: skip
+    head = (
+        f"{doc['spec']} batch {doc['batch_size']} on {doc['device']}: budget {mib(doc['budget'])} MiB, "
+        f"extra buffer {mib(doc['extra'])} MiB"
+    )
+    return [
+        head,
+        *(
+            f"step {r['step']}: {r['action']:<14} predicted {mib(r['predicted'])} measured "
+            f"{mib(r['measured'])} outside {mib(r['outside'])} MiB  {r['plan'][:60]}"
+            for r in doc["history"]
+        ),
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:

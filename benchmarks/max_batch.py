@@ -34,8 +34,12 @@ ROUNDS = 6  # line predictions, then bisection steps
 def parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.prog, p.description = "python -m benchmarks.max_batch", __doc__.split("\n\n")[0]
-    p.add_argument("--budget-mib", type=positive_mib, required=True, help="the memory budget, MiB (required; above "
-                   "the floor: the parameters and AdamW state)")  # fmt: skip
+    p.add_argument(
+        "--budget-mib",
+        type=positive_mib,
+        required=True,
+        help="the memory budget, MiB (required; above the floor: the parameters and AdamW state)",
+    )
     p.set_defaults(batch_size=list(DEFAULT_PROBES))
     return p
 
@@ -87,8 +91,13 @@ def next_batches(rows: list[dict[str, Any]], budget: float) -> tuple[int, ...]:
 
 def verification_jobs(probe_jobs: list[Job], rows: list[dict[str, Any]], budget: float) -> list[Job]:
     """One job per (framework, policy) not yet answered, with the batches to measure next."""
-    todo = {(job, policy): next_batches([r for r in rows if (r["framework"], r["policy"]) == (job.framework, policy)],
-                                        budget) for job in probe_jobs for policy in job.policies}  # fmt: skip
+    todo = {
+        (job, policy): next_batches(
+            [r for r in rows if (r["framework"], r["policy"]) == (job.framework, policy)], budget
+        )
+        for job in probe_jobs
+        for policy in job.policies
+    }
     return [replace(job, policies=(policy,), batch_sizes=batches) for (job, policy), batches in todo.items() if batches]
 
 
@@ -99,13 +108,18 @@ def answer(rows: list[dict[str, Any]], budget: float) -> list[dict[str, Any]]:
         mine = [r for r in rows if (r["framework"], r["policy"]) == key]
         best, hi = bracket(mine, budget)
         line = fit(mine)
-        out.append({
-            "framework": key[0], "policy": key[1], "largest_batch": best,
-            # measured: the batch above the answer was measured too, and did not fit
-            "bracketed": best is not None and hi == best + 1,
-            "peak_bytes": next((r["peak_bytes"] for r in mine if r["batch_size"] == best), None),
-            "fixed_bytes": line and line[0], "bytes_per_sample": line and line[1],
-        })  # fmt: skip
+        out.append(
+            {
+                "framework": key[0],
+                "policy": key[1],
+                "largest_batch": best,
+                # measured: the batch above the answer was measured too, and did not fit
+                "bracketed": best is not None and hi == best + 1,
+                "peak_bytes": next((r["peak_bytes"] for r in mine if r["batch_size"] == best), None),
+                "fixed_bytes": line and line[0],
+                "bytes_per_sample": line and line[1],
+            }
+        )
     return out
 
 
@@ -125,9 +139,11 @@ def table(results: list[dict[str, Any]], budget: float) -> Table:
 def check_budget(budget: float, floor: dict[str, int]) -> None:
     """Refuse (SpecError) a budget no batch can fit: at or below the static ``floor``."""
     if budget <= floor["floor_bytes"]:
-        raise SpecError(f"--budget-mib: {budget / MIB:,.1f} MiB is not above the floor of "
-                        f"{floor['floor_bytes'] / MIB:,.1f} MiB that every step holds ({floor['param_count']:,} "
-                        "float32 parameters and their AdamW state); a budget must exceed it")  # fmt: skip
+        raise SpecError(
+            f"--budget-mib: {budget / MIB:,.1f} MiB is not above the floor of "
+            f"{floor['floor_bytes'] / MIB:,.1f} MiB that every step holds ({floor['param_count']:,} "
+            "float32 parameters and their AdamW state); a budget must exceed it"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

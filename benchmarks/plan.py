@@ -9,6 +9,7 @@ Prints the policy string both U-Nets accept beside none's and full's peaks, the 
 cost per framework and a per-block listing (`benchmarks.reports.plan_text`); ``--policy P``
 predicts (--verify measures) a policy given. The method: docs/planning.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,71 +75,134 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m benchmarks.plan", description=__doc__.split("\n\n")[0])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help=config_help())
-    source.add_argument("--diffusers", metavar="PATH|REPO_ID",
-                        help="a diffusers UNet2D(Condition)Model folder, a pipeline folder with unet/, or a repo id in "
-                        "the local Hugging Face cache: plan for its config (torch_impl.apply_plan applies the plan "
-                        "to that model)")  # fmt: skip
-    p.add_argument("--controlnet", action="store_true",
-                   help="plan diffusers' ControlNet training step: the U-Net frozen, the ControlNet made from it "
-                   "trained; plans name the ControlNet's units controlnet.down.0, controlnet.mid, ... and the "
-                   "U-Net's as they are (shared_configs.pair)")  # fmt: skip
+    source.add_argument(
+        "--diffusers",
+        metavar="PATH|REPO_ID",
+        help="a diffusers UNet2D(Condition)Model folder, a pipeline folder with unet/, or a repo id in "
+        "the local Hugging Face cache: plan for its config (torch_impl.apply_plan applies the plan "
+        "to that model)",
+    )
+    p.add_argument(
+        "--controlnet",
+        action="store_true",
+        help="plan diffusers' ControlNet training step: the U-Net frozen, the ControlNet made from it "
+        "trained; plans name the ControlNet's units controlnet.down.0, controlnet.mid, ... and the "
+        "U-Net's as they are (shared_configs.pair)",
+    )
     p.add_argument("--sample-size", type=positive_int, help="the side of the (latent) image (default: the spec's)")
     p.add_argument("--batch-size", type=positive_int, required=True, help="the training batch")
     p.add_argument("--budget-mib", type=positive_mib, help="the step's memory budget, MiB (required but for --sweep)")
     p.add_argument("--policy", help="predict this policy's peak and cost instead of solving (e.g. layers, full)")
-    p.add_argument("--framework", choices=("torch", "jax", "both"), default="torch",
-                   help="plan for this framework; both: one plan that fits in each (default torch)")  # fmt: skip
-    p.add_argument("--world-size", type=positive_int, default=1,
-                   help="ranks, each training --batch-size samples (default 1)")  # fmt: skip
-    p.add_argument("--distributed", choices=DISTRIBUTED, default="ddp",
-                   help="with --world-size: fsdp shards parameters and optimizer state (ddp)")  # fmt: skip
-    p.add_argument("--verify", action="store_true",
-                   help="measure the plan (and none) and print predicted vs measured; with a measured profile it "
-                   "also turns --candidates on")  # fmt: skip
+    p.add_argument(
+        "--framework",
+        choices=("torch", "jax", "both"),
+        default="torch",
+        help="plan for this framework; both: one plan that fits in each (default torch)",
+    )
+    p.add_argument(
+        "--world-size", type=positive_int, default=1, help="ranks, each training --batch-size samples (default 1)"
+    )
+    p.add_argument(
+        "--distributed",
+        choices=DISTRIBUTED,
+        default="ddp",
+        help="with --world-size: fsdp shards parameters and optimizer state (ddp)",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="measure the plan (and none) and print predicted vs measured; with a measured profile it "
+        "also turns --candidates on",
+    )
     p.add_argument("--candidates", type=nonnegative(int), metavar="K", help=CANDIDATES_HELP)
-    p.add_argument("--rounds", type=positive_int, default=DEFAULT_ROUNDS,
-                   help=f"--candidates: at most this many rounds; a candidate leaves the race once another is faster "
-                   f"than it round by round at 90%%, from round {MIN_ROUNDS} (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=DEFAULT_ROUNDS,
+        help=f"--candidates: at most this many rounds; a candidate leaves the race once another is faster "
+        f"than it round by round at 90%%, from round {MIN_ROUNDS} (default %(default)s)",
+    )
     p.add_argument("--json", type=Path, metavar="PATH", help="write the plan, predictions and measurements here")
     p.add_argument("--sweep", type=Path, metavar="DIR", help="draw the frontier (PNG + JSON) with the hand policies")
     p.add_argument("--budgets", type=positive_int, default=5, help="--sweep: budgets from full's to none's peak (5)")
     p.add_argument("--shapes", action="store_true", help="profile from shapes only: nothing allocated or run")
-    p.add_argument("--flops-per-s", type=positive_float, default=DEFAULT_FLOPS_PER_S, help="--shapes: "
-                   "conv/matmul/attention throughput for time (default %(default).0e FLOP/s)")  # fmt: skip
-    p.add_argument("--bytes-per-s", type=positive_float, default=DEFAULT_BYTES_PER_S,
-                   help="--shapes: memory bandwidth for elementwise recompute (default %(default).0e B/s)")  # fmt: skip
-    p.add_argument("--device", choices=("cpu", *gpu.DEVICES), default="cpu",
-                   help="cuda: plan for a CUDA GPU: the step as the card holds it (torch: autocast's float32 norms, "
-                   "the optimizer's foreach temporaries, workspaces, the allocator, the context; docs/regimes.md), "
-                   "--budget-mib being the card's memory as nvidia-smi counts it; cuda-sm90: Hopper's workspaces "
-                   "(default cpu)")  # fmt: skip
-    p.add_argument("--with-encoders", action="store_true",
-                   help="torch: the whole step of a diffusers script: the family's frozen VAE encoding each batch "
-                   "and its text encoder(s) beside the U-Net, from their configs on fake tensors (nothing "
-                   "downloaded); a peak inside one is named")  # fmt: skip
+    p.add_argument(
+        "--flops-per-s",
+        type=positive_float,
+        default=DEFAULT_FLOPS_PER_S,
+        help="--shapes: conv/matmul/attention throughput for time (default %(default).0e FLOP/s)",
+    )
+    p.add_argument(
+        "--bytes-per-s",
+        type=positive_float,
+        default=DEFAULT_BYTES_PER_S,
+        help="--shapes: memory bandwidth for elementwise recompute (default %(default).0e B/s)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", *gpu.DEVICES),
+        default="cpu",
+        help="cuda: plan for a CUDA GPU: the step as the card holds it (torch: autocast's float32 norms, "
+        "the optimizer's foreach temporaries, workspaces, the allocator, the context; docs/regimes.md), "
+        "--budget-mib being the card's memory as nvidia-smi counts it; cuda-sm90: Hopper's workspaces "
+        "(default cpu)",
+    )
+    p.add_argument(
+        "--with-encoders",
+        action="store_true",
+        help="torch: the whole step of a diffusers script: the family's frozen VAE encoding each batch "
+        "and its text encoder(s) beside the U-Net, from their configs on fake tensors (nothing "
+        "downloaded); a peak inside one is named",
+    )
     p.add_argument("--cached-latents", action="store_true", help="with --with-encoders: no VAE (latents cached)")
-    p.add_argument("--train-text-encoder", action="store_true",
-                   help="torch: the text encoder trained too (float32, its gradients and optimizer state)")  # fmt: skip
-    p.add_argument("--unfused-attention", action="store_true",
-                   help="with --device: attention that keeps its probabilities (diffusers' AttnProcessor without "
-                   "SDPA or xformers: torch before 2.0)")  # fmt: skip
-    p.add_argument("--optimizer-impl", choices=sorted({i for _, i in optimizer_step.SOURCES}),
-                   help="with --device: the optimizer as it runs (default: torch's on CUDA, foreach for AdamW, "
-                   "torchao for adamw8bit); bitsandbytes: diffusers' --use_8bit_adam, updating in place")  # fmt: skip
+    p.add_argument(
+        "--train-text-encoder",
+        action="store_true",
+        help="torch: the text encoder trained too (float32, its gradients and optimizer state)",
+    )
+    p.add_argument(
+        "--unfused-attention",
+        action="store_true",
+        help="with --device: attention that keeps its probabilities (diffusers' AttnProcessor without "
+        "SDPA or xformers: torch before 2.0)",
+    )
+    p.add_argument(
+        "--optimizer-impl",
+        choices=sorted({i for _, i in optimizer_step.SOURCES}),
+        help="with --device: the optimizer as it runs (default: torch's on CUDA, foreach for AdamW, "
+        "torchao for adamw8bit); bitsandbytes: diffusers' --use_8bit_adam, updating in place",
+    )
     add_regime_arguments(p)
     d = defaults(DEVICE)
     p.add_argument("--attention-chunk", type=chunk_arg, default=AUTO, metavar="N", help=CHUNK_HELP)
-    p.add_argument("--context-length", type=positive_int, default=d.context_length,
-                   help="cross-attention tokens (%(default)s)")  # fmt: skip
+    p.add_argument(
+        "--context-length", type=positive_int, default=d.context_length, help="cross-attention tokens (%(default)s)"
+    )
     p.add_argument("--steps", type=positive_int, default=d.steps, help="--verify: timed steps per policy (%(default)s)")
-    p.add_argument("--torch-compile", type=_ratios, metavar="R,R", default=[], help="--sweep --verify: also "
-                   "torch.compile at these activation_memory_budget ratios (minutes each)")  # fmt: skip
-    p.add_argument("--random-plans", type=positive_int, default=0, metavar="N",
-                   help="--sweep --verify: also measure N random per-unit plans (the peak model's error)")  # fmt: skip
-    p.add_argument("--solve-times", action="store_true",
-                   help="time the solver at 13 budgets from the smallest feasible to none's peak")  # fmt: skip
-    p.add_argument("--efficiency", action="store_true",
-                   help="print MiB freed per recompute-second by level and unit kind (from the profile)")  # fmt: skip
+    p.add_argument(
+        "--torch-compile",
+        type=_ratios,
+        metavar="R,R",
+        default=[],
+        help="--sweep --verify: also torch.compile at these activation_memory_budget ratios (minutes each)",
+    )
+    p.add_argument(
+        "--random-plans",
+        type=positive_int,
+        default=0,
+        metavar="N",
+        help="--sweep --verify: also measure N random per-unit plans (the peak model's error)",
+    )
+    p.add_argument(
+        "--solve-times",
+        action="store_true",
+        help="time the solver at 13 budgets from the smallest feasible to none's peak",
+    )
+    p.add_argument(
+        "--efficiency",
+        action="store_true",
+        help="print MiB freed per recompute-second by level and unit kind (from the profile)",
+    )
     return p
 
 
@@ -160,36 +224,58 @@ class Question:
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workload, Question]:
     """The flags, the workload they describe and the question; SpecError for a combination refused."""
     args = build_parser().parse_args(argv)
-    if args.policy is not None and (args.budget_mib is not None or args.sweep is not None or args.solve_times
-                                    or args.candidates):  # fmt: skip
-        raise SpecError("--policy: predicts the policy given; not with --budget-mib, --sweep, --solve-times or "
-                        "--candidates")  # fmt: skip
+    if args.policy is not None and (
+        args.budget_mib is not None or args.sweep is not None or args.solve_times or args.candidates
+    ):
+        raise SpecError(
+            "--policy: predicts the policy given; not with --budget-mib, --sweep, --solve-times or --candidates"
+        )
     if args.budget_mib is None and args.sweep is None and args.policy is None:
         raise SpecError("--budget-mib: required (a positive number of MiB), unless --sweep or --policy")
     sharded = args.distributed == "fsdp" and args.world_size > 1
     if sharded and (args.verify or args.candidates or args.sweep is not None):
-        raise SpecError("--world-size with --distributed fsdp: --verify, --candidates and --sweep measure one process "
-                        "only")  # fmt: skip
+        raise SpecError(
+            "--world-size with --distributed fsdp: --verify, --candidates and --sweep measure one process only"
+        )
     if args.controlnet and (args.sweep is not None or args.world_size > 1):
         raise SpecError("--controlnet: plans and measures one process's step; not with --sweep or --world-size")
     if args.device != "cpu" and (args.framework == "jax" or args.sweep is not None):
-        raise SpecError(f"--device {args.device}: the GPU flavour is torch's step (CUDA autocast, its caching "
-                        "allocator), for a plan or --policy; not with --framework jax or --sweep")  # fmt: skip
+        raise SpecError(
+            f"--device {args.device}: the GPU flavour is torch's step (CUDA autocast, its caching "
+            "allocator), for a plan or --policy; not with --framework jax or --sweep"
+        )
     source = ("diffusers", args.diffusers) if args.diffusers else ("spec", args.config)
     workload = Workload.of(
-        load_benchmark_spec(source[1], None, source[0]), args.sample_size, controlnet=args.controlnet,
-        batch_size=args.batch_size, context_length=args.context_length,
-        attention_chunk=resolve_chunk(args.attention_chunk, DEVICE), shapes=args.shapes,
-        flops_per_s=args.flops_per_s, bytes_per_s=args.bytes_per_s,
+        load_benchmark_spec(source[1], None, source[0]),
+        args.sample_size,
+        controlnet=args.controlnet,
+        batch_size=args.batch_size,
+        context_length=args.context_length,
+        attention_chunk=resolve_chunk(args.attention_chunk, DEVICE),
+        shapes=args.shapes,
+        flops_per_s=args.flops_per_s,
+        bytes_per_s=args.bytes_per_s,
         regime=Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads),
-        device=args.device, with_encoders=args.with_encoders, cached_latents=args.cached_latents,
-        train_text_encoder=args.train_text_encoder, unfused_attention=args.unfused_attention,
+        device=args.device,
+        with_encoders=args.with_encoders,
+        cached_latents=args.cached_latents,
+        train_text_encoder=args.train_text_encoder,
+        unfused_attention=args.unfused_attention,
         optimizer_impl=args.optimizer_impl,
         encoder_configs=pipeline_configs(args.diffusers) if args.diffusers else None,
-    )  # fmt: skip
+    )
     count = (VERIFY_CANDIDATES if args.verify else 0) if args.candidates is None else args.candidates
-    question = Question(args.framework, args.world_size, args.distributed, args.policy, args.budget_mib, count,
-                        args.rounds, args.verify, args.steps)  # fmt: skip
+    question = Question(
+        args.framework,
+        args.world_size,
+        args.distributed,
+        args.policy,
+        args.budget_mib,
+        count,
+        args.rounds,
+        args.verify,
+        args.steps,
+    )
     return args, workload, question
 
 
@@ -203,46 +289,72 @@ def plan_document(q: Question, workload: Workload) -> dict[str, Any]:
     else:
         budget = int(q.budget_mib * MIB)
         found = plan(workload, budget, q.framework, q.world_size, q.distributed, q.candidates, q.rounds)
-        sol, profiles, margin, solve_s, report = (found.solution, found.profiles, found.margin, found.solve_seconds,
-                                                  found.candidates)  # fmt: skip
+        sol, profiles, margin, solve_s, report = (
+            found.solution,
+            found.profiles,
+            found.margin,
+            found.solve_seconds,
+            found.candidates,
+        )
     frameworks = frameworks_of(q.framework)
-    per_fw = {fw: _framework_entry(q, workload, fw, profile, pred, sol.policy, report)
-              for fw, profile, pred in zip(frameworks, profiles, sol.predictions, strict=True)}  # fmt: skip
-    doc = {"plan": sol.policy, "budget_bytes": budget, "frameworks": per_fw, "settings": workload.used(frameworks),
-           "regime": workload.regime.as_dict()}  # fmt: skip
+    per_fw = {
+        fw: _framework_entry(q, workload, fw, profile, pred, sol.policy, report)
+        for fw, profile, pred in zip(frameworks, profiles, sol.predictions, strict=True)
+    }
+    doc = {
+        "plan": sol.policy,
+        "budget_bytes": budget,
+        "frameworks": per_fw,
+        "settings": workload.used(frameworks),
+        "regime": workload.regime.as_dict(),
+    }
     if report is not None:
         doc["candidates"] = report
     ranks = {"world_size": q.world_size, "distributed": q.distributed}
     return doc | {"margin": margin, "solve_seconds": solve_s} | ranks
 
 
-def _framework_entry(q: Question, workload: Workload, fw: str, profile: Profile, pred: Prediction, policy: str,
-                     report: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+def _framework_entry(
+    q: Question,
+    workload: Workload,
+    fw: str,
+    profile: Profile,
+    pred: Prediction,
+    policy: str,
+    report: dict[str, Any] | None,
+) -> dict[str, Any]:
     """One framework's predictions of ``policy``, with --verify measured beside none (or the race's)."""
-    timed = "measured" if profile.mode == "measured" else (
-        f"estimated: FLOPs at {profile.flops_per_s:.3g} FLOP/s + elementwise bytes at {workload.bytes_per_s:.3g} B/s")
+    timed = "measured"
+    if profile.mode != "measured":
+        rates = f"{profile.flops_per_s:.3g} FLOP/s + elementwise bytes at {workload.bytes_per_s:.3g} B/s"
+        timed = f"estimated: FLOPs at {rates}"
     entry: dict[str, Any] = {
-        "predicted_peak_bytes": pred.peak_bytes, "predicted_overhead": pred.overhead(profile),
-        "recompute_flops": pred.flops, "peak_at": pred.peak_unit,
+        "predicted_peak_bytes": pred.peak_bytes,
+        "predicted_overhead": pred.overhead(profile),
+        "recompute_flops": pred.flops,
+        "peak_at": pred.peak_unit,
         "reference_peak_bytes": plan_text.references(profile, workload),  # none's and full's, to read it against
         "time_method": timed,
-    }  # fmt: skip
+    }
     if profile.meta.get("modelled"):  # a part not measured (adamw8bit's state): said beside the figure
         entry["modelled"] = profile.meta["modelled"]
     if workload.device != "cpu" and fw == "torch":  # the profile is the card's: its readings from the U-Net's own
         assignment = assignment_of(workload.spec, policy)
         alone = get_profile(fw, whole.raw(workload))
-        flavour = gpu.estimate(alone, workload.spec, workload.regime, assignment, whole.card(workload),
-                               extend=whole.extender(workload))  # fmt: skip
+        flavour = gpu.estimate(
+            alone, workload.spec, workload.regime, assignment, whole.card(workload), extend=whole.extender(workload)
+        )
         entry["gpu"] = {"device": workload.device} | flavour.as_dict()
     if profile.phases:
         entry["phases"] = profile.phases
     if report and report["chosen"]:  # measured already, in the race: the chosen candidate's figures
         chosen = next(c for c in report["candidates"] if c["chosen"])["frameworks"][fw]
         none = report["reference_rounds_s"][fw][: len(chosen["rounds_s"])]
-        entry |= {"measured_peak_bytes": chosen["measured_peak_bytes"],
-                  "measured_overhead": statistics.median(chosen["rounds_s"]) / statistics.median(none) - 1,
-                  "measured_overhead_paired": chosen["measured_overhead"]}  # fmt: skip
+        entry |= {
+            "measured_peak_bytes": chosen["measured_peak_bytes"],
+            "measured_overhead": statistics.median(chosen["rounds_s"]) / statistics.median(none) - 1,
+            "measured_overhead_paired": chosen["measured_overhead"],
+        }
     elif q.verify:
         rows = measure(fw, workload, list(dict.fromkeys(["none", policy])), q.steps)["rows"]
         entry["measured_peak_bytes"] = rows[policy]["peak_bytes"]
@@ -260,8 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep is not None or args.solve_times:  # (a plan's header says it)
             print(f"settings {workload.used(frameworks)}")
         if args.sweep is not None:
-            doc = plan_sweep.sweep(workload, frameworks, args.budgets, args.verify, args.steps, args.torch_compile,
-                                   args.random_plans)  # fmt: skip
+            doc = plan_sweep.sweep(
+                workload, frameworks, args.budgets, args.verify, args.steps, args.torch_compile, args.random_plans
+            )
             for part in (plan_sweep.table, plan_sweep.errors, plan_sweep.against_balanced, plan_sweep.against_hand):
                 print(part(doc))
             for fw, data in doc["frameworks"].items():
@@ -270,9 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.solve_times:
             times = plan_sweep.solve_times([get_profile(fw, workload) for fw in frameworks], workload)
-            print(f"solver on {workload.spec.name} ({'+'.join(frameworks)}, {times['unit_choices']} unit choices): "
-                  f"{times['budgets']} budgets, wall median {times['median_s']:.2f} s, max {times['max_s']:.2f} s; "
-                  f"CPU median {times['median_cpu_s']:.2f} s, max {times['max_cpu_s']:.2f} s")  # fmt: skip
+            print(
+                f"solver on {workload.spec.name} ({'+'.join(frameworks)}, {times['unit_choices']} unit choices): "
+                f"{times['budgets']} budgets, wall median {times['median_s']:.2f} s, max {times['max_s']:.2f} s; "
+                f"CPU median {times['median_cpu_s']:.2f} s, max {times['max_cpu_s']:.2f} s"
+            )
             return 0
         if args.efficiency:
             for fw in frameworks:

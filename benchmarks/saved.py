@@ -45,8 +45,12 @@ def summarize(rows: list[Saved], blocks: list[str]) -> dict[str, Any]:
         per.setdefault(r.block, {"count": 0, "bytes": 0})
         per[r.block]["count"] += 1
         per[r.block]["bytes"] += r.bytes
-    return {"rows": [asdict(r) for r in rows], "blocks": per, "total_count": len(rows),
-            "total_bytes": sum(r.bytes for r in rows)}  # fmt: skip
+    return {
+        "rows": [asdict(r) for r in rows],
+        "blocks": per,
+        "total_count": len(rows),
+        "total_bytes": sum(r.bytes for r in rows),
+    }
 
 
 def torch_saved(config: str, policy: str, batch_size: int, context_length: int, chunk: int | None) -> list[Saved]:
@@ -126,8 +130,15 @@ def _jax_inputs(spec: Any, batch_size: int, context_length: int) -> tuple[Any, A
 COLLECTORS: dict[str, Callable[..., list[Saved]]] = {"torch": torch_saved, "jax": jax_saved}
 
 
-def inspect_policy(config: str, policy: str, frameworks: list[str], batch_size: int, block: str | None,
-                   context_length: int = DEFAULTS.context_length, chunk: int | str | None = AUTO) -> dict:  # fmt: skip
+def inspect_policy(
+    config: str,
+    policy: str,
+    frameworks: list[str],
+    batch_size: int,
+    block: str | None,
+    context_length: int = DEFAULTS.context_length,
+    chunk: int | str | None = AUTO,
+) -> dict:
     """The JSON document: per framework the rows, per-block summary and totals; blocks that differ."""
     spec = load_spec(config)
     plan = resolve_plan(spec, policy)
@@ -141,8 +152,13 @@ def inspect_policy(config: str, policy: str, frameworks: list[str], batch_size: 
         device = device_of(jax.devices()[0].platform)
     used = replace(defaults(device), context_length=context_length, attention_chunk=resolve_chunk(chunk, device))
     fields = ("attention_chunk", "context_length") if "jax" in frameworks else ("context_length",)
-    doc: dict[str, Any] = {"config": spec.name, "policy": plan.policy, "batch_size": batch_size,
-                           "settings": used.describe(fields), "frameworks": {}}  # fmt: skip
+    doc: dict[str, Any] = {
+        "config": spec.name,
+        "policy": plan.policy,
+        "batch_size": batch_size,
+        "settings": used.describe(fields),
+        "frameworks": {},
+    }
     for fw in frameworks:
         rows = COLLECTORS[fw](config, policy, batch_size, context_length, used.attention_chunk)
         doc["frameworks"][fw] = summarize([r for r in rows if block is None or r.block == block], blocks)
@@ -158,8 +174,10 @@ def _kib(n: int) -> str:
 def render(doc: dict) -> str:
     """Plain-text report: per block, each framework's tensors; a '!' where counts/bytes differ."""
     fws = list(doc["frameworks"])
-    lines = [f"{doc['config']} policy={doc['policy']} batch={doc['batch_size']} (params and inputs excluded); "
-             f"{doc['settings']}"]  # fmt: skip
+    lines = [
+        f"{doc['config']} policy={doc['policy']} batch={doc['batch_size']} (params and inputs excluded); "
+        f"{doc['settings']}"
+    ]
     for blk in doc["frameworks"][fws[0]]["blocks"]:
         stats = [doc["frameworks"][fw]["blocks"][blk] for fw in fws]
         cells = [f"{fw}: {s['count']:3d} tensors {_kib(s['bytes']):>12}" for fw, s in zip(fws, stats, strict=True)]
@@ -169,8 +187,9 @@ def render(doc: dict) -> str:
             for r in (r for r in doc["frameworks"][fw]["rows"] if r["block"] == blk):
                 shape = "x".join(map(str, r["shape"]))
                 lines.append(f"    {fw:5} {r['kind']:6} {r['op']:38.38} {shape:>14} {r['dtype']:8} {r['bytes']:>10}")
-    totals = " | ".join(f"{fw}: {f['total_count']} tensors, {_kib(f['total_bytes'])}"
-                        for fw, f in doc["frameworks"].items())  # fmt: skip
+    totals = " | ".join(
+        f"{fw}: {f['total_count']} tensors, {_kib(f['total_bytes'])}" for fw, f in doc["frameworks"].items()
+    )
     lines.append(f"{'total':8} | {totals}")
     if doc["differ"]:
         lines.append(f"differ (count or bytes): {', '.join(doc['differ'])}")
@@ -187,8 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--framework", choices=["both", "torch", "jax"], default="both", help="(%(default)s)")
     p.add_argument("--block", default=None, help="only this block (down.0, mid, ...)")
     p.add_argument("--batch-size", type=positive_int, default=2, help="(%(default)s)")
-    p.add_argument("--context-length", type=positive_int, default=DEFAULTS.context_length,
-                   help="cross-attention tokens (%(default)s)")  # fmt: skip
+    p.add_argument(
+        "--context-length",
+        type=positive_int,
+        default=DEFAULTS.context_length,
+        help="cross-attention tokens (%(default)s)",
+    )
     p.add_argument("--attention-chunk", type=chunk_arg, default=AUTO, metavar="N", help=CHUNK_HELP)
     p.add_argument("--json", action="store_true", help="print the JSON document instead of text")
     return p
@@ -199,8 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     frameworks = ["torch", "jax"] if args.framework == "both" else [args.framework]
     with cli_errors("benchmarks.saved"):  # an interrupt: one line, exit 128 + the signal's number; nothing is written
         try:
-            doc = inspect_policy(args.config, args.policy, frameworks, args.batch_size, args.block,
-                                 args.context_length, args.attention_chunk)  # fmt: skip
+            doc = inspect_policy(
+                args.config,
+                args.policy,
+                frameworks,
+                args.batch_size,
+                args.block,
+                args.context_length,
+                args.attention_chunk,
+            )
         except (SpecError, FileNotFoundError, ValueError) as err:
             print(f"{PROG}: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
             return 2

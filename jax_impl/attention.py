@@ -16,8 +16,9 @@ from jax.ad_checkpoint import checkpoint_name
 Array = jax.Array
 
 
-def attention(q: Array, k: Array, v: Array, heads: int, scale: float, query_chunk: int | None = None,
-              bias: Array | None = None) -> Array:  # fmt: skip
+def attention(
+    q: Array, k: Array, v: Array, heads: int, scale: float, query_chunk: int | None = None, bias: Array | None = None
+) -> Array:
     """Multi-head attention on (B, T, heads*D) tensors; ``bias`` (B, 1, 1, S) is added to the scores
     (`jax_impl.layers.mask_bias`). ``query_chunk``: `chunked_attention`, when the chunk divides T and
     there is no ``bias``; neither pass then holds more than a (chunk x keys) slice of the scores."""

@@ -55,8 +55,9 @@ class DownBlock(nn.Module):
         if pad is not None:
             self.downsample = self.make_resnet(ch, ch, resample="down") if self.resnet_resample else Downsample(ch, pad)
 
-    def __call__(self, x: Array, temb: Array, context: Context, mask: Mask = None,
-                 train: bool = False) -> tuple[Array, ...]:  # fmt: skip
+    def __call__(
+        self, x: Array, temb: Array, context: Context, mask: Mask = None, train: bool = False
+    ) -> tuple[Array, ...]:
         """Returns the skips of this level; the last one is the block's output."""
         skips = []
         for j, resnet in enumerate(self.resnets):
@@ -104,16 +105,19 @@ class UpBlock(nn.Module):
 
     def setup(self) -> None:
         ins = [self.in_ch] + [self.out_ch] * (len(self.skip_channels) - 1)
-        self.resnets = [_layer(self, "resnets", j, self.make_resnet, i + s, self.out_ch)
-                        for j, (i, s) in enumerate(zip(ins, self.skip_channels, strict=True))]  # fmt: skip
+        self.resnets = [
+            _layer(self, "resnets", j, self.make_resnet, i + s, self.out_ch)
+            for j, (i, s) in enumerate(zip(ins, self.skip_channels, strict=True))
+        ]
         self.attentions = _attentions(self, self.make_attention, self.out_ch, len(self.skip_channels))
         self.upsample = None
         if self.add_upsample:
             ch = self.out_ch
             self.upsample = self.make_resnet(ch, ch, resample="up") if self.resnet_resample else Upsample(ch)
 
-    def __call__(self, x: Array, skips: Sequence[Array], temb: Array, context: Context, mask: Mask = None,
-                 train: bool = False) -> Array:  # fmt: skip
+    def __call__(
+        self, x: Array, skips: Sequence[Array], temb: Array, context: Context, mask: Mask = None, train: bool = False
+    ) -> Array:
         """``skips`` in the order they were produced; consumed last first."""
         for j, resnet in enumerate(self.resnets):
             x = resnet(jnp.concatenate([x, skips[-1 - j]], axis=-1), temb, train)

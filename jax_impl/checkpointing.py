@@ -34,8 +34,9 @@ def remat_policy(save: tuple[str, ...] = (), offload: bool = False) -> Callable[
         return None
     if not offload:
         return jax.checkpoint_policies.save_only_these_names(*save)
-    return jax.checkpoint_policies.save_and_offload_only_these_names(names_which_can_be_saved=(),
-        names_which_can_be_offloaded=save, offload_src="device", offload_dst="pinned_host")  # fmt: skip
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=save, offload_src="device", offload_dst="pinned_host"
+    )
 
 
 def _offload_here(offload: bool) -> bool:

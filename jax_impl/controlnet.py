@@ -83,10 +83,18 @@ class ControlNet(UNetTrunk):
         self.controlnet_mid_block = zero_conv(mid[1])
 
     def __call__(
-        self, sample: Array, timestep: Array | float, context: Array | None, controlnet_cond: Array,
-        conditioning_scale: float = 1.0, class_labels: Array | None = None, text_embeds: Array | None = None,
-        time_ids: Array | None = None, guess_mode: bool = False, train: bool = False,
-    ) -> tuple[list[Array], Array]:  # fmt: skip
+        self,
+        sample: Array,
+        timestep: Array | float,
+        context: Array | None,
+        controlnet_cond: Array,
+        conditioning_scale: float = 1.0,
+        class_labels: Array | None = None,
+        text_embeds: Array | None = None,
+        time_ids: Array | None = None,
+        guess_mode: bool = False,
+        train: bool = False,
+    ) -> tuple[list[Array], Array]:
         """The residuals for ``sample`` under ``controlnet_cond`` (NHWC, `conditioning_factor` x as large)."""
         unet = self.spec.unet
         conditioning = {"context": context, "class_labels": class_labels, "text_embeds": text_embeds}
@@ -121,8 +129,9 @@ def abstract_controlnet_inputs(spec: ControlNetSpec, batch: int = 1) -> dict[str
     return named | {"controlnet_cond": cond} | inputs
 
 
-def controlnet_from_unet(unet_params: dict, spec: UNetSpec, rng: jax.Array | None = None, policy: PolicyArg = None,
-                         **options: object) -> tuple[ControlNet, dict]:  # fmt: skip
+def controlnet_from_unet(
+    unet_params: dict, spec: UNetSpec, rng: jax.Array | None = None, policy: PolicyArg = None, **options: object
+) -> tuple[ControlNet, dict]:
     """``(module, params)``: a ControlNet on ``spec``, its encoder the U-Net's (``from_unet``); ``options``: spec's."""
     cspec = ControlNetSpec(name=f"{spec.name}_controlnet", unet=spec, **options)
     module = ControlNet(spec=cspec, policy=policy)

@@ -54,9 +54,12 @@ def torch_to_flax_variables(state_dict: Mapping[str, Any], spec: Spec) -> dict:
 
 
 def flax_to_torch(
-    params: Mapping[str, Any], spec: Spec, batch_stats: Mapping[str, Any] | None = None,
-    num_batches_tracked: int = 0, lora_rank: int | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    params: Mapping[str, Any],
+    spec: Spec,
+    batch_stats: Mapping[str, Any] | None = None,
+    num_batches_tracked: int = 0,
+    lora_rank: int | None = None,
+) -> dict[str, Any]:
     """Flax ``params`` -> a torch `state_dict` for ``load_state_dict(strict=True)``; BatchNorms get ``batch_stats``
     (default: torch's initial ones), ``lora_rank`` names the adapters as peft does."""
     import torch  # only this direction needs torch
@@ -144,8 +147,9 @@ def _to_layout(array: np.ndarray, perms: dict[int, tuple[int, ...]]) -> np.ndarr
     return array.transpose(perms[array.ndim]) if array.ndim in perms else array
 
 
-def _check_tree(flat: Mapping[tuple[str, ...], Any], spec: Spec, collection: str = "params",
-                lora_rank: int | None = None) -> None:  # fmt: skip
+def _check_tree(
+    flat: Mapping[tuple[str, ...], Any], spec: Spec, collection: str = "params", lora_rank: int | None = None
+) -> None:
     """Raise a one-line error unless ``flat`` has exactly the paths and shapes the spec implies."""
     tree = _variable_shapes(spec, lora_rank).get(collection, {})
     expected = {k: tuple(v.shape) for k, v in traverse_util.flatten_dict(tree).items()}
@@ -154,11 +158,14 @@ def _check_tree(flat: Mapping[tuple[str, ...], Any], spec: Spec, collection: str
     where = "" if collection == "params" else f"{collection} "
     if missing or extra:
         what = f"missing {where}{'/'.join(missing[0])}" if missing else f"unexpected {where}{'/'.join(extra[0])}"
-        raise ValueError(f"weights do not match spec {spec.name!r}: {what} ({len(missing)} missing, "
-                         f"{len(extra)} unexpected)")  # fmt: skip
+        raise ValueError(
+            f"weights do not match spec {spec.name!r}: {what} ({len(missing)} missing, {len(extra)} unexpected)"
+        )
     if bad := next((key for key, shape in expected.items() if got[key] != shape), None):
-        raise ValueError(f"weights do not match spec {spec.name!r}: {where}{'/'.join(bad)} has shape {got[bad]}, "
-                         f"expected {expected[bad]}")  # fmt: skip
+        raise ValueError(
+            f"weights do not match spec {spec.name!r}: {where}{'/'.join(bad)} has shape {got[bad]}, "
+            f"expected {expected[bad]}"
+        )
 
 
 def torch_shapes(spec: Spec) -> dict[str, tuple[int, ...]]:

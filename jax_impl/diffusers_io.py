@@ -26,16 +26,22 @@ from shared_configs.diffusers.folders import ours_to_diffusers as _ours_to_diffu
 Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model / ControlNetModel
 
 
-def read_diffusers(source: Source, variant: str | None = None, *, subfolder: str | None = None,
-                   revision: str | None = None) -> tuple[UNetSpec | ControlNetSpec, dict[str, Any]]:  # fmt: skip
+def read_diffusers(
+    source: Source, variant: str | None = None, *, subfolder: str | None = None, revision: str | None = None
+) -> tuple[UNetSpec | ControlNetSpec, dict[str, Any]]:
     """The spec and the state_dict (in our torch names; arrays or tensors) of a diffusers U-Net or ControlNet."""
     return read_source(source, variant, _read_file, subfolder, revision)
 
 
 def from_diffusers(
-    source: Source, policy: PolicyArg = None, variant: str | None = None, *, subfolder: str | None = None,
-    dtype: Any = None, revision: str | None = None,
-) -> tuple[UNet, dict]:  # fmt: skip
+    source: Source,
+    policy: PolicyArg = None,
+    variant: str | None = None,
+    *,
+    subfolder: str | None = None,
+    dtype: Any = None,
+    revision: str | None = None,
+) -> tuple[UNet, dict]:
     """``(module, params)``: our Flax `UNet` (with checkpoint ``policy``) and ``params`` in ``dtype`` (default
     float32). ``source``: a folder, a cached repo id (``"org/name"``) or a live module; ``variant="fp16"``
     reads ``*.fp16.safetensors``."""
@@ -43,15 +49,27 @@ def from_diffusers(
 
 
 def controlnet_from_diffusers(
-    source: Source, policy: PolicyArg = None, variant: str | None = None, *, subfolder: str | None = None,
-    dtype: Any = None, revision: str | None = None,
-) -> tuple[ControlNet, dict]:  # fmt: skip
+    source: Source,
+    policy: PolicyArg = None,
+    variant: str | None = None,
+    *,
+    subfolder: str | None = None,
+    dtype: Any = None,
+    revision: str | None = None,
+) -> tuple[ControlNet, dict]:
     """As `from_diffusers`, for a diffusers ``ControlNetModel`` (in a pipeline folder, ``subfolder="controlnet"``)."""
     return _load(ControlNet, source, policy, variant, subfolder, dtype, revision)
 
 
-def _load(cls: type[UNet | ControlNet], source: Source, policy: PolicyArg, variant: str | None,
-          subfolder: str | None, dtype: Any, revision: str | None) -> tuple[Any, dict]:  # fmt: skip
+def _load(
+    cls: type[UNet | ControlNet],
+    source: Source,
+    policy: PolicyArg,
+    variant: str | None,
+    subfolder: str | None,
+    dtype: Any,
+    revision: str | None,
+) -> tuple[Any, dict]:
     spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
     what = str(source) if isinstance(source, str | os.PathLike) else type(source).__name__
     if cls is UNet and isinstance(spec, ControlNetSpec):

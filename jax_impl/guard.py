@@ -72,17 +72,30 @@ def xla_compile(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
 
 
 def plan_for_step(
-    build_step: Callable[[str], Any], example_args: Sequence[Any], budget_bytes: int, *, spec: UNetSpec | str,
-    batch_size: int, regime: Regime | None = None, sample_size: int | None = None, rounds: int = DEFAULT_ROUNDS,
-    policy: str | None = None, **planner_options: Any,
-) -> StepPlan:  # fmt: skip
+    build_step: Callable[[str], Any],
+    example_args: Sequence[Any],
+    budget_bytes: int,
+    *,
+    spec: UNetSpec | str,
+    batch_size: int,
+    regime: Regime | None = None,
+    sample_size: int | None = None,
+    rounds: int = DEFAULT_ROUNDS,
+    policy: str | None = None,
+    **planner_options: Any,
+) -> StepPlan:
     """A plan whose compiled user step (``build_step(plan)`` on ``example_args``) fits ``budget_bytes``.
 
     The keyword arguments describe the model's step to the planner; ``policy`` starts from that plan
     (a resumed run's own) instead of planning. Raises `Infeasible` (one line) when even `full` is over."""
     plan_opts = {k: v for k, v in planner_options.items() if k in _PLAN_OPTIONS}
-    work = Workload.of(spec, sample_size, batch_size=batch_size, regime=regime or DEFAULT_REGIME,
-                       **{k: v for k, v in planner_options.items() if k not in _PLAN_OPTIONS})  # fmt: skip
+    work = Workload.of(
+        spec,
+        sample_size,
+        batch_size=batch_size,
+        regime=regime or DEFAULT_REGIME,
+        **{k: v for k, v in planner_options.items() if k not in _PLAN_OPTIONS},
+    )
     budget = int(budget_bytes)
     if policy is None:
         planned = planner.plan(work, budget, "jax", **plan_opts)
@@ -102,10 +115,13 @@ def plan_for_step(
             err.history = history  # type: ignore[attr-defined]  # what was compiled, for a caller's record
             raise err
         policy_next, predicted_next = _replan(work, budget - outside, rnd >= rounds, plan_opts)
-        history.append(StepRecord(rnd, policy, predicted, peak, outside,
-                                  "full" if policy_next == FULL else "re-planned"))  # fmt: skip
-        say(f"plan_for_step: {policy} compiles to {peak / MIB:.1f} MiB, over the {budget / MIB:.1f} MiB budget "
-            f"({outside / MIB:+.1f} MiB beyond the model's step); now {policy_next}")  # fmt: skip
+        history.append(
+            StepRecord(rnd, policy, predicted, peak, outside, "full" if policy_next == FULL else "re-planned")
+        )
+        say(
+            f"plan_for_step: {policy} compiles to {peak / MIB:.1f} MiB, over the {budget / MIB:.1f} MiB budget "
+            f"({outside / MIB:+.1f} MiB beyond the model's step); now {policy_next}"
+        )
         policy, predicted = policy_next, predicted_next
     raise AssertionError("unreachable: the last round moves to `full`, which fits or raises")
 
@@ -145,12 +161,16 @@ class GuardedStep:
                 self._record("out of memory")
                 if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(args)):  # donated
                     self._record("consumed")
-                    say(f"GuardedStep: step {self._step} ran out of memory under {self.plan} after consuming "
-                        "its donated arguments: nothing is left to run again; re-raising")  # fmt: skip
+                    say(
+                        f"GuardedStep: step {self._step} ran out of memory under {self.plan} after consuming "
+                        "its donated arguments: nothing is left to run again; re-raising"
+                    )
                     raise
                 if self.plan == FULL:
-                    say(f"GuardedStep: step {self._step} ran out of memory under {FULL}, which recomputes "
-                        "the most: the step does not fit this device; re-raising")  # fmt: skip
+                    say(
+                        f"GuardedStep: step {self._step} ran out of memory under {FULL}, which recomputes "
+                        "the most: the step does not fit this device; re-raising"
+                    )
                     raise
             # Out of the handler: the error and what the failed run held are gone before the retry.
             self._recompute_more(rung, args)
@@ -165,9 +185,11 @@ class GuardedStep:
                 policy, predicted = _replan(self._work, (self.predicted + full) // 2, False, self._opts)
                 if predicted >= self.predicted:
                     policy, predicted = FULL, full
-        say(f"GuardedStep: step {self._step} ran out of memory under {self.plan} (predicted "
+        say(
+            f"GuardedStep: step {self._step} ran out of memory under {self.plan} (predicted "
             f"{self.predicted / MIB:.1f} MiB); running it again under {policy} "
-            f"(predicted {predicted / MIB:.1f} MiB)")  # fmt: skip
+            f"(predicted {predicted / MIB:.1f} MiB)"
+        )
         self._compiled = compile_for(self._build, policy, args)
         self.plan, self.predicted = policy, predicted
 

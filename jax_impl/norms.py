@@ -50,8 +50,9 @@ def norm_layer(ch: int, norm: str, groups: int, eps: float, momentum: float) -> 
     return NORM[norm](groups, eps, momentum)
 
 
-def norm_act(norm: nn.Module, x: Array, train: bool = False, silu: bool = False,
-             film: tuple[Array, Array] | None = None) -> Array:  # fmt: skip
+def norm_act(
+    norm: nn.Module, x: Array, train: bool = False, silu: bool = False, film: tuple[Array, Array] | None = None
+) -> Array:
     """``norm(x)``, then ``* (1 + scale) + shift`` with ``film=(scale, shift)``, then SiLU if ``silu``,
     recomputed from ``x`` in the backward pass: autodiff would keep x - mean and the SiLU's input and
     sigmoid, where torch's autograd keeps the norm's input and output. The parameter tree is unchanged,

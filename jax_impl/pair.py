@@ -45,17 +45,26 @@ class ControlNetPair(nn.Module):
         self.controlnet = ControlNet(spec=self.spec.controlnet, policy=self.plan.controlnet, attention_chunk=chunk)
 
     def __call__(
-        self, x: Array, t: Array | float, context: Array | None, class_labels: Array | None,
-        text_embeds: Array | None, time_ids: Array | None, controlnet_cond: Array, train: bool = False,
-    ) -> Array:  # fmt: skip
+        self,
+        x: Array,
+        t: Array | float,
+        context: Array | None,
+        class_labels: Array | None,
+        text_embeds: Array | None,
+        time_ids: Array | None,
+        controlnet_cond: Array,
+        train: bool = False,
+    ) -> Array:
         conditioning = {"class_labels": class_labels, "text_embeds": text_embeds, "time_ids": time_ids}
         down, mid = self.controlnet(x, t, context, controlnet_cond, **conditioning, train=train)
-        return self.unet(x, t, context, **conditioning, down_block_additional_residuals=down,
-                         mid_block_additional_residual=mid)  # fmt: skip
+        return self.unet(
+            x, t, context, **conditioning, down_block_additional_residuals=down, mid_block_additional_residual=mid
+        )
 
 
-def init_pair(pair: ControlNetPair, tx: optax.GradientTransformation, seed: int,
-              regime: Regime = DEFAULT) -> tuple[TrainState, Any]:  # fmt: skip
+def init_pair(
+    pair: ControlNetPair, tx: optax.GradientTransformation, seed: int, regime: Regime = DEFAULT
+) -> tuple[TrainState, Any]:
     """The ControlNet's `TrainState` (its encoder the U-Net's) and the U-Net's params, in ``regime``."""
     shapes = abstract_controlnet_inputs(pair.spec.controlnet)
     inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
@@ -73,24 +82,34 @@ def pair_trainee(pair: ControlNetPair, unet_params: Any) -> Trainee:
     return Trainee(pair, train_step, (unet_params,), lambda s, unet: {"params": {"controlnet": s.params, "unet": unet}})
 
 
-def loss_fn(params: Any, unet_params: Any, model: ControlNetPair, batch: tuple, key: Array,
-            compute_dtype: DTypeLike = None) -> Array:  # fmt: skip
+def loss_fn(
+    params: Any, unet_params: Any, model: ControlNetPair, batch: tuple, key: Array, compute_dtype: DTypeLike = None
+) -> Array:
     """The U-Net's noise-prediction MSE in float32; ``compute_dtype`` as in `jax_impl.step.loss_fn`."""
     noisy, t, noise, context, class_labels, text_embeds, time_ids, cond = batch
     variables = {"params": {"controlnet": params, "unet": unet_params}}
     if compute_dtype is not None:
         variables, noisy, context, class_labels, text_embeds, cond = cast_floating(
-            (variables, noisy, context, class_labels, text_embeds, cond), compute_dtype)  # fmt: skip
-    pred = model.apply(variables, noisy, t, context, class_labels, text_embeds, time_ids, cond, train=True,
-                       rngs={"dropout": key})  # fmt: skip
+            (variables, noisy, context, class_labels, text_embeds, cond), compute_dtype
+        )
+    pred = model.apply(
+        variables, noisy, t, context, class_labels, text_embeds, time_ids, cond, train=True, rngs={"dropout": key}
+    )
     return jnp.mean((pred.astype(jnp.float32) - noise) ** 2)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype", "loss_scale"), donate_argnames=("state",))
 def train_step(
-    state: TrainState, unet_params: Any, batch: tuple, dropout_key: Array, *, model: ControlNetPair,
-    tx: optax.GradientTransformation, compute_dtype: DTypeLike | None = None, loss_scale: float | None = None,
-) -> tuple[TrainState, Array]:  # fmt: skip
+    state: TrainState,
+    unet_params: Any,
+    batch: tuple,
+    dropout_key: Array,
+    *,
+    model: ControlNetPair,
+    tx: optax.GradientTransformation,
+    compute_dtype: DTypeLike | None = None,
+    loss_scale: float | None = None,
+) -> tuple[TrainState, Array]:
     """One ControlNet step (as `jax_impl.step.train_step`): ``unet_params`` read, not differentiated."""
 
     def loss(params: Any) -> tuple[Array, Any]:

@@ -42,24 +42,42 @@ def coordinator_address(text: str) -> str:
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """``--coordinator``, ``--num-processes``, ``--process-id`` (`check_flags` says what goes together)."""
-    parser.add_argument("--coordinator", type=coordinator_address, default=None, metavar="HOST:PORT",
-                        help="jax.distributed: process 0's address and a free port there, the same for every "
-                        "process, given with the next two flags (none of the three: what jax.distributed "
-                        "detects, e.g. SLURM, else one process)")  # fmt: skip
-    parser.add_argument("--num-processes", type=positive(int), default=None, metavar="N",
-                        help="jax.distributed: how many processes the run has")  # fmt: skip
-    parser.add_argument("--process-id", type=nonnegative(int), default=None, metavar="I",
-                        help="jax.distributed: this process's number, 0 .. N-1 (process 0 writes logs)")  # fmt: skip
+    parser.add_argument(
+        "--coordinator",
+        type=coordinator_address,
+        default=None,
+        metavar="HOST:PORT",
+        help="jax.distributed: process 0's address and a free port there, the same for every "
+        "process, given with the next two flags (none of the three: what jax.distributed "
+        "detects, e.g. SLURM, else one process)",
+    )
+    parser.add_argument(
+        "--num-processes",
+        type=positive(int),
+        default=None,
+        metavar="N",
+        help="jax.distributed: how many processes the run has",
+    )
+    parser.add_argument(
+        "--process-id",
+        type=nonnegative(int),
+        default=None,
+        metavar="I",
+        help="jax.distributed: this process's number, 0 .. N-1 (process 0 writes logs)",
+    )
 
 
-def check_flags(coordinator: str | None, num_processes: int | None, process_id: int | None,
-                distributed: str | None) -> None:  # fmt: skip
+def check_flags(
+    coordinator: str | None, num_processes: int | None, process_id: int | None, distributed: str | None
+) -> None:
     """Refuse a partial set of the three flags, a bad process id, or several processes without ``--distributed``."""
     given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
     missing = [flag for flag, value in given.items() if value is None]
     if missing and len(missing) < len(given):
-        raise ValueError(f"{', '.join(missing)}: needed with {', '.join(f for f in given if f not in missing)} "
-                         "(give all three, or none to let jax.distributed detect the cluster)")  # fmt: skip
+        raise ValueError(
+            f"{', '.join(missing)}: needed with {', '.join(f for f in given if f not in missing)} "
+            "(give all three, or none to let jax.distributed detect the cluster)"
+        )
     if num_processes is not None and process_id is not None and process_id >= num_processes:
         expected = f"expected 0 .. {num_processes - 1} (--num-processes {num_processes})"
         raise ValueError(f"--process-id {process_id}: {expected}")
@@ -82,8 +100,10 @@ class Joined:
 
     def line(self) -> str:
         devices = jax.devices()
-        return (f"jax.distributed: {self.processes} processes via {self.via}, {len(devices)} {devices[0].platform} "
-                f"devices in all ({jax.local_device_count()} here); CPU collectives: {CPU_COLLECTIVES}")  # fmt: skip
+        return (
+            f"jax.distributed: {self.processes} processes via {self.via}, {len(devices)} {devices[0].platform} "
+            f"devices in all ({jax.local_device_count()} here); CPU collectives: {CPU_COLLECTIVES}"
+        )
 
 
 _joined: Joined | None = None
@@ -101,8 +121,13 @@ def join(coordinator: str | None, num_processes: int | None, process_id: int | N
         return None
     jax.config.update("jax_cpu_collectives_implementation", CPU_COLLECTIVES)
     try:
-        jax.distributed.initialize(coordinator, num_processes, process_id, heartbeat_timeout_seconds=HEARTBEAT_S,
-                                   initialization_timeout=JOIN_TIMEOUT_S)  # fmt: skip
+        jax.distributed.initialize(
+            coordinator,
+            num_processes,
+            process_id,
+            heartbeat_timeout_seconds=HEARTBEAT_S,
+            initialization_timeout=JOIN_TIMEOUT_S,
+        )
     except (RuntimeError, ValueError) as err:  # JaxRuntimeError is a RuntimeError
         raise ConnectionError(f"jax.distributed via {via}: {_first_line(err)}") from None
     _joined = Joined(jax.process_index(), jax.process_count(), via)
@@ -177,8 +202,9 @@ def lost_processes() -> Iterator[None]:
         global _lost
         _lost = True
         cause = _first_line(err).rsplit("] ", 1)[-1]  # gloo's reason, without its source location
-        raise ProcessLost(f"another process of the run is gone (a collective failed: {cause}); its own "
-                          "output says why") from None  # fmt: skip
+        raise ProcessLost(
+            f"another process of the run is gone (a collective failed: {cause}); its own output says why"
+        ) from None
 
 
 def leave(code: int) -> int:

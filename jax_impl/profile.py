@@ -44,9 +44,14 @@ def unet(s: dict[str, Any], policy: str) -> UNet | ControlNetPair:
 
 
 def setup(
-    spec: StepSpec, batch_size: int, context_length: int, chunk: int | None, run: bool, regime: Regime = DEFAULT,
+    spec: StepSpec,
+    batch_size: int,
+    context_length: int,
+    chunk: int | None,
+    run: bool,
+    regime: Regime = DEFAULT,
     drawn: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The step's arguments in ``regime`` (the ControlNet step's: its state, then the frozen U-Net's
     parameters), real (``run``; ``drawn``: `_drawn`, the init's compile is long) or shapes, and the optimizer."""
     jregime.check_regime(regime)
@@ -78,8 +83,12 @@ def _drawn(abstract: Any, pair: bool) -> Any:
         return jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype)), tree)
 
     state = abstract[0] if pair else abstract
-    state = state.replace(params=draw(state.params), opt_state=zeros(state.opt_state),
-                          batch_stats=zeros(state.batch_stats), ema=zeros(state.ema))  # fmt: skip
+    state = state.replace(
+        params=draw(state.params),
+        opt_state=zeros(state.opt_state),
+        batch_stats=zeros(state.batch_stats),
+        ema=zeros(state.ema),
+    )
     return (state, draw(abstract[1])) if pair else state
 
 
@@ -196,8 +205,10 @@ def profile(
     with cpu_split(cpu, "compiles"):  # only the plain step is run: its throughput prices recompute
         measured = memory_runs(s, assignments, run_plain=timing)
     compiled = {policy_string({}): measured[0][3]} if timing else {}
-    runs: dict[str, Any] = {policy_string(a): {"peak_bytes": peak, "live_peak_bytes": live, "step_time_s": None}
-                            for a, (_, live, peak, _) in zip(assignments, measured, strict=True)}  # fmt: skip
+    runs: dict[str, Any] = {
+        policy_string(a): {"peak_bytes": peak, "live_peak_bytes": live, "step_time_s": None}
+        for a, (_, live, peak, _) in zip(assignments, measured, strict=True)
+    }
     units = filed_units(spec, batch_size, context_length, assignments, [m[0] for m in measured])
     del measured
     with cpu_split(cpu, "timing"):

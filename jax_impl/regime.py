@@ -22,8 +22,12 @@ from shared_configs.regime import DEFAULT, Regime, check_planned
 from shared_configs.spec import SpecError
 
 # The regime's dtype names; None computes in the params' own dtype (no casts at all).
-DTYPES: dict[str | None, DTypeLike | None] = {None: None, "float32": None, "bfloat16": jnp.bfloat16,
-                                              "float16": jnp.float16}  # fmt: skip
+DTYPES: dict[str | None, DTypeLike | None] = {
+    None: None,
+    "float32": None,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+}
 # fp16-mixed's static loss scale (a step whose gradients still overflow is skipped: `optax.apply_if_finite`).
 LOSS_SCALE = 2.0**12
 EMA_DECAY = 0.9999
@@ -53,8 +57,10 @@ def apply_regime(params: Any, regime: Regime) -> Any:
 def make_optimizer(lr: float, weight_decay: float, regime: Regime = DEFAULT) -> optax.GradientTransformation:
     """``regime.optimizer`` in optax; under loss scaling a step with non-finite gradients is skipped."""
     if regime.optimizer == "adamw8bit":
-        raise SpecError("optimizer: adamw8bit has no JAX implementation (optax has no 8-bit AdamW); use adamw or "
-                        "adafactor, or plan its state bytes from shapes (the plan command's --shapes)")  # fmt: skip
+        raise SpecError(
+            "optimizer: adamw8bit has no JAX implementation (optax has no 8-bit AdamW); use adamw or "
+            "adafactor, or plan its state bytes from shapes (the plan command's --shapes)"
+        )
     if regime.optimizer == "adafactor":
         tx = optax.adafactor(lr, weight_decay_rate=weight_decay or None)
     else:  # weight_decay explicit: optax's default is 1e-4
@@ -72,8 +78,9 @@ def trained_mask(params: Any, regime: Regime = DEFAULT) -> Any:
     """True for each parameter ``regime`` trains: all, or under LoRA the adapters' (`LoRADense`)."""
     if regime.lora_rank is None:
         return jax.tree.map(lambda _: True, params)
-    return jax.tree_util.tree_map_with_path(lambda path, _: any(getattr(k, "key", None) in LORA_LEAVES for k in path),
-                                            params)  # fmt: skip
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: any(getattr(k, "key", None) in LORA_LEAVES for k in path), params
+    )
 
 
 def trained_leaves(params: Any, regime: Regime = DEFAULT) -> list[Any]:
@@ -86,13 +93,17 @@ def init_ema(params: Any, regime: Regime) -> Any:
     or None; under LoRA a frozen weight holds an empty array."""
     if not regime.ema:
         return None
-    return jax.tree.map(lambda p, trained: jnp.array(p if trained else p[:0], jnp.float32, copy=True), params,
-                        trained_mask(params, regime))  # fmt: skip
+    return jax.tree.map(
+        lambda p, trained: jnp.array(p if trained else p[:0], jnp.float32, copy=True),
+        params,
+        trained_mask(params, regime),
+    )
 
 
 def update_ema(ema: Any, params: Any) -> Any:
     """``ema`` moved toward ``params`` (`EMA_DECAY`); None stays None, an empty leaf (a frozen weight) as it is."""
     if ema is None:
         return None
-    return jax.tree.map(lambda e, p: e if e.size == 0 else e + (1.0 - EMA_DECAY) * (p.astype(jnp.float32) - e),
-                        ema, params)  # fmt: skip
+    return jax.tree.map(
+        lambda e, p: e if e.size == 0 else e + (1.0 - EMA_DECAY) * (p.astype(jnp.float32) - e), ema, params
+    )

@@ -95,9 +95,13 @@ def init_state(model: UNet, tx: optax.GradientTransformation, seed: int, regime:
 
 
 def loss_fn(
-    params: Any, batch_stats: Any, model: UNet, batch: Arrays, dropout_key: jax.Array,
+    params: Any,
+    batch_stats: Any,
+    model: UNet,
+    batch: Arrays,
+    dropout_key: jax.Array,
     compute_dtype: DTypeLike | None = None,
-) -> tuple[jax.Array, Any]:  # fmt: skip
+) -> tuple[jax.Array, Any]:
     """MSE between the predicted and the true noise (dropout on, batch statistics) in float32, and the updated
     batch_stats (under remat an output of the forward: they move once per step; never cast). ``compute_dtype``
     casts the params and floating inputs (the gradients flow back as float32); the timesteps stay float32: bf16
@@ -107,7 +111,8 @@ def loss_fn(
     context, class_labels, text_embeds, time_ids = conditioning
     if compute_dtype is not None:  # time_ids stay float32, as t does (pixel sizes up to 2048 and more)
         params, noisy, context, class_labels, text_embeds = cast_floating(
-            (params, noisy, context, class_labels, text_embeds), compute_dtype)  # fmt: skip
+            (params, noisy, context, class_labels, text_embeds), compute_dtype
+        )
     variables, rngs = flax_variables(params, batch_stats), {"dropout": dropout_key}
     inputs = (context, class_labels, text_embeds, time_ids)
     pred, updates = model.apply(variables, noisy, t, *inputs, train=True, rngs=rngs, mutable=["batch_stats"])
@@ -117,9 +122,15 @@ def loss_fn(
 # The state is donated (a step holds one copy of the params and optimizer state): keep the state returned.
 @functools.partial(jax.jit, static_argnames=("model", "tx", "compute_dtype", "loss_scale"), donate_argnames=("state",))
 def train_step(
-    state: TrainState, batch: Arrays, dropout_key: jax.Array, *, model: UNet, tx: optax.GradientTransformation,
-    compute_dtype: DTypeLike | None = None, loss_scale: float | None = None,
-) -> tuple[TrainState, jax.Array]:  # fmt: skip
+    state: TrainState,
+    batch: Arrays,
+    dropout_key: jax.Array,
+    *,
+    model: UNet,
+    tx: optax.GradientTransformation,
+    compute_dtype: DTypeLike | None = None,
+    loss_scale: float | None = None,
+) -> tuple[TrainState, jax.Array]:
     """One DDPM step through the remat plan the model carries: (new state, loss). The keyword arguments
     are static: keep one object of each (`jax_impl.regime.make_optimizer`) to compile once."""
 
@@ -129,8 +140,9 @@ def train_step(
     return apply_gradients(state, tx, loss_scale, loss)
 
 
-def apply_gradients(state: TrainState, tx: optax.GradientTransformation, loss_scale: float | None,
-                    loss: Callable[[Any], tuple]) -> tuple[TrainState, jax.Array]:  # fmt: skip
+def apply_gradients(
+    state: TrainState, tx: optax.GradientTransformation, loss_scale: float | None, loss: Callable[[Any], tuple]
+) -> tuple[TrainState, jax.Array]:
     """``state`` updated by the gradients of ``loss(params) -> (loss, batch_stats)``, scaled; the EMA moved."""
     scale = 1.0 if loss_scale is None else loss_scale
 
@@ -162,9 +174,14 @@ class Trainee:
 
 
 def make_step(
-    cfg: TrainConfig, trainee: Trainee, tx: optax.GradientTransformation, dataset: Dataset, schedule: Schedule,
-    mesh: Mesh | None = None, budget: RunPlan | None = None,
-) -> Step:  # fmt: skip
+    cfg: TrainConfig,
+    trainee: Trainee,
+    tx: optax.GradientTransformation,
+    dataset: Dataset,
+    schedule: Schedule,
+    mesh: Mesh | None = None,
+    budget: RunPlan | None = None,
+) -> Step:
     """``step(state, s) -> (state, loss)``: training step ``s`` on its batch, over ``mesh`` if given; with a
     ``budget`` compiled as the planner compiled it, its peak printed beside the prediction."""
     step_fn = functools.partial(trainee.step, model=trainee.model, tx=tx, **step_options(cfg.regime))
@@ -182,8 +199,11 @@ def make_step(
             compiled.append(xla_compile(step_fn.func.lower(*args, **step_fn.keywords)))  # as the planner did
             if processes.process_rank() == 0:  # per device: every process compiled the same step
                 cpu = "; XLA:CPU with cse_barrier_expander off, as planned" if jax.default_backend() == "cpu" else ""
-                report(budget.peak_line(compiled_peak(compiled[0]), "XLA's memory_analysis() of the compiled step "
-                                        "this loop runs" + cpu))  # fmt: skip
+                report(
+                    budget.peak_line(
+                        compiled_peak(compiled[0]), "XLA's memory_analysis() of the compiled step this loop runs" + cpu
+                    )
+                )
         state, loss = (compiled[0] if compiled else step_fn)(*args)
         return state, float(loss)
 
@@ -191,9 +211,14 @@ def make_step(
 
 
 def guard_step(
-    cfg: TrainConfig, spec: UNetSpec | ControlNetPairSpec, trainee: Trainee, tx: optax.GradientTransformation,
-    data: tuple[TrainState, Dataset, Schedule], budget: RunPlan, first: int,
-) -> StepPlan:  # fmt: skip
+    cfg: TrainConfig,
+    spec: UNetSpec | ControlNetPairSpec,
+    trainee: Trainee,
+    tx: optax.GradientTransformation,
+    data: tuple[TrainState, Dataset, Schedule],
+    budget: RunPlan,
+    first: int,
+) -> StepPlan:
     """`jax_impl.plan_for_step` on the loop's own step (as shapes, the batch of step ``first``) from the run's
     plan: that plan corrected by what the compiled step holds beyond the model's. Says the plan in force."""
     options, (state, dataset, schedule) = step_options(cfg.regime), data
@@ -206,11 +231,21 @@ def guard_step(
         return jax.jit(step, donate_argnums=(0,))
 
     work = workload_of(cfg, spec, 1, trainee.model.attention_chunk)
-    sp = plan_for_step(build, args, budget.budget_bytes, spec=work.spec, batch_size=work.batch_size,
-                       regime=cfg.regime, policy=budget.policy, context_length=work.context_length,
-                       attention_chunk=work.attention_chunk)  # fmt: skip
-    report(f"guard: the loop's compiled step under {sp.plan} is {sp.compiled / MIB:.1f} MiB of the "
-           f"{sp.budget / MIB:.1f} MiB budget ({len(sp.history)} compile(s))")  # fmt: skip
+    sp = plan_for_step(
+        build,
+        args,
+        budget.budget_bytes,
+        spec=work.spec,
+        batch_size=work.batch_size,
+        regime=cfg.regime,
+        policy=budget.policy,
+        context_length=work.context_length,
+        attention_chunk=work.attention_chunk,
+    )
+    report(
+        f"guard: the loop's compiled step under {sp.plan} is {sp.compiled / MIB:.1f} MiB of the "
+        f"{sp.budget / MIB:.1f} MiB budget ({len(sp.history)} compile(s))"
+    )
     return sp
 
 

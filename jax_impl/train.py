@@ -56,10 +56,16 @@ class JaxOptions:
     @classmethod
     def add_flags(cls, parser: argparse.ArgumentParser) -> None:
         d = cls()
-        parser.add_argument("--attention-chunk", type=chunk_arg, default=d.attention_chunk, metavar="N",
-                            help=CHUNK_HELP)  # fmt: skip
-        parser.add_argument("--jax-cache", type=cache_dir, default=d.jax_cache or "none", metavar="DIR",
-                            help="JAX's persistent compilation cache folder (%(default)s; 'none': off)")  # fmt: skip
+        parser.add_argument(
+            "--attention-chunk", type=chunk_arg, default=d.attention_chunk, metavar="N", help=CHUNK_HELP
+        )
+        parser.add_argument(
+            "--jax-cache",
+            type=cache_dir,
+            default=d.jax_cache or "none",
+            metavar="DIR",
+            help="JAX's persistent compilation cache folder (%(default)s; 'none': off)",
+        )
         processes.add_flags(parser)
 
     def check(self, cfg: TrainConfig) -> None:
@@ -89,8 +95,15 @@ def on_device(cfg: TrainConfig, device: str) -> tuple[TrainConfig, JaxOptions]:
     return replace(cfg, options=own), own
 
 
-def generate(trainee: Trainee, state: TrainState, spec: UNetSpec, schedule: Schedule, dataset: Dataset,
-             cfg: TrainConfig, mesh: Mesh | None = None) -> np.ndarray:  # fmt: skip
+def generate(
+    trainee: Trainee,
+    state: TrainState,
+    spec: UNetSpec,
+    schedule: Schedule,
+    dataset: Dataset,
+    cfg: TrainConfig,
+    mesh: Mesh | None = None,
+) -> np.ndarray:
     """A grid of samples (NCHW) from the short ancestral sampler, in eval mode (a pair's conditioned on each
     class's edge map); with a ``mesh`` every process runs it and gets the whole grid."""
     shape = (cfg.num_samples, spec.in_channels, spec.sample_size, spec.sample_size)
@@ -106,8 +119,9 @@ def generate(trainee: Trainee, state: TrainState, spec: UNetSpec, schedule: Sche
     return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)
 
 
-def start_state(init: Callable[[], TrainState], cfg: TrainConfig, run: RunStart, mesh: Mesh | None,
-                comm: Comm = SOLO) -> TrainState:  # fmt: skip
+def start_state(
+    init: Callable[[], TrainState], cfg: TrainConfig, run: RunStart, mesh: Mesh | None, comm: Comm = SOLO
+) -> TrainState:
     """The run's first state, placed as ``cfg.distributed`` says: restored from the run's checkpoint, or
     ``init()`` (under FSDP straight into its shards, no full copy on one device)."""
     if mesh is None and run.checkpoint is None:
@@ -123,9 +137,13 @@ def start_state(init: Callable[[], TrainState], cfg: TrainConfig, run: RunStart,
 
 
 def start(
-    model: UNet | ControlNetPair, tx: optax.GradientTransformation, cfg: TrainConfig, run: RunStart,
-    mesh: Mesh | None, comm: Comm,
-) -> tuple[TrainState, Trainee]:  # fmt: skip
+    model: UNet | ControlNetPair,
+    tx: optax.GradientTransformation,
+    cfg: TrainConfig,
+    run: RunStart,
+    mesh: Mesh | None,
+    comm: Comm,
+) -> tuple[TrainState, Trainee]:
     """The run's first state and what it steps (a pair's frozen U-Net made from the seed again on resume)."""
     if isinstance(model, ControlNetPair):  # one process (`check_controlnet`)
         state, unet_params = init_pair(model, tx, cfg.seed, cfg.regime)
@@ -133,8 +151,9 @@ def start(
     return start_state(lambda: init_state(model, tx, cfg.seed, cfg.regime), cfg, run, mesh, comm), Trainee(model)
 
 
-def build(trains: UNetSpec | ControlNetPairSpec, plan: CheckpointPlan, chunk: int | None,
-          cfg: TrainConfig) -> UNet | ControlNetPair:  # fmt: skip
+def build(
+    trains: UNetSpec | ControlNetPairSpec, plan: CheckpointPlan, chunk: int | None, cfg: TrainConfig
+) -> UNet | ControlNetPair:
     """The model of the run's step under ``plan``, with the attention chunk ``chunk`` (and the regime's LoRA rank)."""
     if isinstance(trains, ControlNetPairSpec):
         return ControlNetPair(spec=trains, policy=plan.policy, attention_chunk=chunk)
@@ -181,8 +200,9 @@ def _train(cfg: TrainConfig, spec: UNetSpec, trains: UNetSpec | ControlNetPairSp
 
         losses = run.losses
         step = make_step(cfg, trainee, tx, dataset, schedule, mesh, budget)
-        state = run_loop(cfg, state, losses, step, save_fn, f"jax {trains.name} {plan.policy}", comm,
-                         run_settings(cfg, device))  # fmt: skip
+        state = run_loop(
+            cfg, state, losses, step, save_fn, f"jax {trains.name} {plan.policy}", comm, run_settings(cfg, device)
+        )
         samples = generate(trainee, state, spec, schedule, dataset, cfg, mesh) if cfg.sample_steps > 0 else None
         if first:  # the logs and plots: process 0's
             write_outputs(cfg.out, losses, samples, f"jax_impl {trains.name}, policy {plan.policy}")

@@ -54,8 +54,9 @@ def _as_spec(spec: UNetSpec | str) -> UNetSpec:
     return load_spec(spec) if isinstance(spec, str) else spec
 
 
-def abstract_inputs(spec: UNetSpec, batch: int = 1, sample_size: int | None = None, context_len: int = 1
-                    ) -> dict[str, jax.ShapeDtypeStruct | None]:  # fmt: skip
+def abstract_inputs(
+    spec: UNetSpec, batch: int = 1, sample_size: int | None = None, context_len: int = 1
+) -> dict[str, jax.ShapeDtypeStruct | None]:
     """Shape structs of every input of ``spec`` (NHWC) by name, at the smallest sizes by default (``eval_shape``)."""
     size = sample_size or 2 ** (spec.num_levels - 1)
     specs = input_specs(spec, batch, size, context_len, layout="NHWC")
@@ -80,19 +81,37 @@ class UNetTrunk(nn.Module):
         self.conv_in = conv3x3(chans[0])
         self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim, spec.time_embedding.cond_dim)
         self._conditioning_layers()
-        self.down = [self._block(DownBlock, b, plan, b.in_ch, b.out_ch, spec.layers_per_block,
-                                 downsample_padding=b.downsample_padding, resnet_resample=b.resnet_resample)
-                     for b in down_blocks(spec)]  # fmt: skip
+        self.down = [
+            self._block(
+                DownBlock,
+                b,
+                plan,
+                b.in_ch,
+                b.out_ch,
+                spec.layers_per_block,
+                downsample_padding=b.downsample_padding,
+                resnet_resample=b.resnet_resample,
+            )
+            for b in down_blocks(spec)
+        ]
         mid = BlockArgs("mid", chans[-1], chans[-1], spec.mid_attention, -1)
         self.mid = self._block(MidBlock, mid, plan, chans[-1], output_scale=spec.mid_block_scale_factor)
 
     @nn.nowrap
-    def _block(self, cls: type[nn.Module], b: BlockArgs, plan: CheckpointPlan, *args: object, output_scale: float = 1.0,
-               **kw: object) -> nn.Module:  # fmt: skip
+    def _block(
+        self,
+        cls: type[nn.Module],
+        b: BlockArgs,
+        plan: CheckpointPlan,
+        *args: object,
+        output_scale: float = 1.0,
+        **kw: object,
+    ) -> nn.Module:
         """Block ``b`` of class ``cls`` (remat'd as ``plan`` says), given ``args``, its layers' factories and ``kw``."""
         make_attention = self._attention_factory(b.attention, b.level, b.name, output_scale)
-        return remat_class(cls, b.name, plan)(*args, make_resnet=self._resnet_factory(b.name),
-                                              make_attention=make_attention, unit=b.name, plan=plan, **kw)  # fmt: skip
+        return remat_class(cls, b.name, plan)(
+            *args, make_resnet=self._resnet_factory(b.name), make_attention=make_attention, unit=b.name, plan=plan, **kw
+        )
 
     @nn.nowrap
     def _conditioning_layers(self) -> None:
@@ -106,8 +125,9 @@ class UNetTrunk(nn.Module):
         if img is not None and img.add_to_time:
             self.add_embedding = ImageTimeEmbedding(img.input_dim, spec.time_embed_dim, img.norm_eps)
         if img is not None and img.context_tokens is not None:
-            self.encoder_hid_proj = ImageProjection(img.input_dim, spec.cross_attention_dim, img.context_tokens,
-                                                    img.norm_eps)  # fmt: skip
+            self.encoder_hid_proj = ImageProjection(
+                img.input_dim, spec.cross_attention_dim, img.context_tokens, img.norm_eps
+            )
         elif spec.context_proj_dim is not None:
             self.encoder_hid_proj = Dense(spec.cross_attention_dim)
 
@@ -116,18 +136,25 @@ class UNetTrunk(nn.Module):
         return functools.partial(ResnetBlock, **kwargs(block_resnet_args(self.trunk_spec, block)))
 
     @nn.nowrap
-    def _attention_factory(self, kind: str, level: int, block: str, output_scale: float = 1.0
-                           ) -> AttentionFactory | None:  # fmt: skip
+    def _attention_factory(
+        self, kind: str, level: int, block: str, output_scale: float = 1.0
+    ) -> AttentionFactory | None:
         if kind == "none":
             return None
         args = attention_args(self.trunk_spec, kind, level, block, output_scale)
-        return functools.partial(ATTENTION_LAYERS[kind], **kwargs(args), query_chunk=self.attention_chunk,
-                                 lora_rank=self.lora_rank)  # fmt: skip
+        return functools.partial(
+            ATTENTION_LAYERS[kind], **kwargs(args), query_chunk=self.attention_chunk, lora_rank=self.lora_rank
+        )
 
     def _encode(
-        self, x: Array, temb: Array, context: Array | None, train: bool, hint: Array | None = None,
+        self,
+        x: Array,
+        temb: Array,
+        context: Array | None,
+        train: bool,
+        hint: Array | None = None,
         mask: Array | None = None,
-    ) -> tuple[Array, list[Array]]:  # fmt: skip
+    ) -> tuple[Array, list[Array]]:
         """``conv_in`` (plus a ControlNet's ``hint``), down path, middle block: its output and the skips, as pushed."""
         h = self.conv_in(x)
         if hint is not None:
@@ -150,9 +177,15 @@ class UNetTrunk(nn.Module):
         return timestep_embedding(values, dim, te.flip_sin_to_cos, te.freq_shift, te.max_period)
 
     def _embedding(
-        self, x: Array, t: Array | float, class_labels: Array | None, text_embeds: Array | None,
-        time_ids: Array | None, timestep_cond: Array | None = None, image_embeds: Array | None = None,
-    ) -> Array:  # fmt: skip
+        self,
+        x: Array,
+        t: Array | float,
+        class_labels: Array | None,
+        text_embeds: Array | None,
+        time_ids: Array | None,
+        timestep_cond: Array | None = None,
+        image_embeds: Array | None = None,
+    ) -> Array:
         """The embedding every ResNet receives: time, class, text_time and image conditioning, as diffusers."""
         s, dtype = self.trunk_spec, x.dtype
         t = jnp.broadcast_to(jnp.asarray(t), (x.shape[0],))
@@ -207,18 +240,37 @@ class UNet(UNetTrunk):
     def setup(self) -> None:
         spec = self.resolved_spec
         self._setup_trunk(self.plan)
-        self.up = [self._block(UpBlock, b, self.plan, b.in_ch, b.out_ch, b.skip_channels, add_upsample=b.upsample,
-                               resnet_resample=b.resnet_resample) for b in up_blocks(spec)]  # fmt: skip
+        self.up = [
+            self._block(
+                UpBlock,
+                b,
+                self.plan,
+                b.in_ch,
+                b.out_ch,
+                b.skip_channels,
+                add_upsample=b.upsample,
+                resnet_resample=b.resnet_resample,
+            )
+            for b in up_blocks(spec)
+        ]
         self.conv_norm_out = norm_layer(spec.block_out_channels[0], **kwargs(norm_args(spec)))
         self.conv_out = conv3x3(spec.out_channels)
 
     def __call__(
-        self, x: Array, t: Array | float, context: Array | None = None, class_labels: Array | None = None,
-        text_embeds: Array | None = None, time_ids: Array | None = None,
+        self,
+        x: Array,
+        t: Array | float,
+        context: Array | None = None,
+        class_labels: Array | None = None,
+        text_embeds: Array | None = None,
+        time_ids: Array | None = None,
         down_block_additional_residuals: Sequence[Array] | None = None,
-        mid_block_additional_residual: Array | None = None, timestep_cond: Array | None = None,
-        image_embeds: Array | None = None, encoder_attention_mask: Array | None = None, train: bool = False,
-    ) -> Array:  # fmt: skip
+        mid_block_additional_residual: Array | None = None,
+        timestep_cond: Array | None = None,
+        image_embeds: Array | None = None,
+        encoder_attention_mask: Array | None = None,
+        train: bool = False,
+    ) -> Array:
         """Predict the noise (or whatever the spec was trained on) for NHWC ``x`` at timesteps ``t`` (scalar or (B,)).
 
         The conditioning inputs are exactly those the spec takes (`shared_configs.inputs`; anything else is a
@@ -229,8 +281,16 @@ class UNet(UNetTrunk):
         spec = self.resolved_spec
         conditioning = {"context": context, "class_labels": class_labels, "text_embeds": text_embeds}
         added = {"timestep_cond": timestep_cond, "image_embeds": image_embeds}
-        check_inputs(spec, "NHWC", x, t, **conditioning, time_ids=time_ids, **added,
-                     encoder_attention_mask=encoder_attention_mask)  # fmt: skip
+        check_inputs(
+            spec,
+            "NHWC",
+            x,
+            t,
+            **conditioning,
+            time_ids=time_ids,
+            **added,
+            encoder_attention_mask=encoder_attention_mask,
+        )
         temb = self._embedding(x, t, class_labels, text_embeds, time_ids, timestep_cond, image_embeds)
         context, mask = self._context(context, image_embeds), mask_bias(encoder_attention_mask, x.dtype)
         h, skips = self._encode(x, temb, context, train, mask=mask)

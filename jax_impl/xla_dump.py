@@ -15,11 +15,19 @@ from pathlib import Path
 from jax_impl.memory import read_dump
 
 _OWN = r"controlnet_cond_embedding|controlnet_down_blocks_\d+|controlnet_mid_block"  # a ControlNet's own modules
-_MODULE = re.compile(r"(down|up)_\d+|mid|resnets_\d+|attentions_\d+|downsample|upsample|conv_in|time_embedding|"
-                     r"conv_norm_out|conv_out|" + _OWN)  # fmt: skip
+_MODULE = re.compile(
+    r"(down|up)_\d+|mid|resnets_\d+|attentions_\d+|downsample|upsample|conv_in|time_embedding|"
+    r"conv_norm_out|conv_out|" + _OWN
+)
 _TOP = re.compile(r"(down|up)_\d+|mid|conv_in|time_embedding|conv_norm_out|conv_out|" + _OWN)
-GLUE = {"conv_in": "stem", "time_embedding": "stem", "conv_norm_out": "head", "conv_out": "head",
-        "controlnet_cond_embedding": "stem", "controlnet_mid_block": "head"}  # fmt: skip
+GLUE = {
+    "conv_in": "stem",
+    "time_embedding": "stem",
+    "conv_norm_out": "head",
+    "conv_out": "head",
+    "controlnet_cond_embedding": "stem",
+    "controlnet_mid_block": "head",
+}
 # The ControlNet step's two networks: the ControlNet's units carry this prefix (`shared_configs.pair`).
 _NETWORK = re.compile(r"controlnet|unet")
 
@@ -45,8 +53,12 @@ class MemoryPlan:
 def read(folder: str | Path) -> MemoryPlan:
     """The plan XLA dumped into ``folder`` for the compiled training step (`jax_impl.memory`'s parse)."""
     dump = read_dump(folder)
-    buffers = [Buffer(name, *dump.ranges[(name, index)], size) for allocation in dump.allocations
-               for name, index, _, size in allocation.values if (name, index) in dump.ranges]  # fmt: skip
+    buffers = [
+        Buffer(name, *dump.ranges[(name, index)], size)
+        for allocation in dump.allocations
+        for name, index, _, size in allocation.values
+        if (name, index) in dump.ranges
+    ]
     parameters = frozenset(n for n, op in dump.hlo.opcodes.items() if op == "parameter")
     return MemoryPlan(dump.sequence, buffers, dump.hlo.op_names, parameters)
 

@@ -21,8 +21,26 @@ from shared_configs.plan import (
 from shared_configs.spec import AdditionEmbeddingSpec, ClassEmbeddingSpec, SpecError, TimeEmbeddingSpec, UNetSpec
 
 __all__ = [
-    "INPUT_NAMES", "NAMED_POLICIES", "OP_CLASSES", "PRESETS", "AdditionEmbeddingSpec", "CheckpointPlan",
-    "ClassEmbeddingSpec", "SpecError", "TimeEmbeddingSpec", "UNetSpec", "all_names", "block_names", "check_inputs",
-    "example_inputs", "from_diffusers_config", "input_specs", "layer_names", "load_spec", "preset_names",
-    "resolve_plan", "spec_from_dict", "to_diffusers_config",
-]  # fmt: skip
+    "INPUT_NAMES",
+    "NAMED_POLICIES",
+    "OP_CLASSES",
+    "PRESETS",
+    "AdditionEmbeddingSpec",
+    "CheckpointPlan",
+    "ClassEmbeddingSpec",
+    "SpecError",
+    "TimeEmbeddingSpec",
+    "UNetSpec",
+    "all_names",
+    "block_names",
+    "check_inputs",
+    "example_inputs",
+    "from_diffusers_config",
+    "input_specs",
+    "layer_names",
+    "load_spec",
+    "preset_names",
+    "resolve_plan",
+    "spec_from_dict",
+    "to_diffusers_config",
+]

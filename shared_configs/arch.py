@@ -31,22 +31,44 @@ class BlockArgs:
 
 def down_blocks(spec: UNetSpec) -> list[BlockArgs]:
     chans, n, resnet = spec.block_out_channels, spec.num_levels, spec.resampler == "resnet"
-    return [BlockArgs(f"down.{i}", chans[max(i - 1, 0)], chans[i], attn, i, resnet_resample=resnet,
-                      downsample_padding=None if i == n - 1 else spec.downsample_padding)
-            for i, attn in enumerate(spec.down_attention)]  # fmt: skip
+    return [
+        BlockArgs(
+            f"down.{i}",
+            chans[max(i - 1, 0)],
+            chans[i],
+            attn,
+            i,
+            resnet_resample=resnet,
+            downsample_padding=None if i == n - 1 else spec.downsample_padding,
+        )
+        for i, attn in enumerate(spec.down_attention)
+    ]
 
 
 def up_blocks(spec: UNetSpec) -> list[BlockArgs]:
     """Up blocks, deepest first; each consumes ``layers_per_block + 1`` skips off the stack."""
     chans, n, count = spec.block_out_channels, spec.num_levels, spec.layers_per_block + 1
-    skips = [chans[0]] + [b.out_ch for b in down_blocks(spec)  # conv_in's, each ResNet's, each downsample's
-                          for _ in range(count - 1 + (b.downsample_padding is not None))]  # fmt: skip
+    skips = [chans[0]] + [
+        b.out_ch
+        for b in down_blocks(spec)  # conv_in's, each ResNet's, each downsample's
+        for _ in range(count - 1 + (b.downsample_padding is not None))
+    ]
     blocks, prev = [], chans[-1]
     for i, attn in enumerate(spec.up_attention_resolved):
         level = n - 1 - i
         mine, skips = skips[-count:], skips[:-count]
-        blocks.append(BlockArgs(f"up.{i}", prev, chans[level], attn, level, skip_channels=tuple(reversed(mine)),
-                                upsample=level > 0, resnet_resample=spec.resampler == "resnet"))  # fmt: skip
+        blocks.append(
+            BlockArgs(
+                f"up.{i}",
+                prev,
+                chans[level],
+                attn,
+                level,
+                skip_channels=tuple(reversed(mine)),
+                upsample=level > 0,
+                resnet_resample=spec.resampler == "resnet",
+            )
+        )
         prev = chans[level]
     return blocks
 
@@ -157,14 +179,16 @@ def resnet_args(spec: UNetSpec, output_scale: float = 1.0, skip_time_act: bool =
     return ResnetArgs(spec.block_temb_dim, *norm, spec.dropout, scale_shift, output_scale, skip_time_act)
 
 
-def attention_args(spec: UNetSpec, kind: str, level: int, block: str, output_scale: float = 1.0
-                   ) -> SelfAttentionArgs | TransformerArgs | SimpleCrossAttentionArgs:  # fmt: skip
+def attention_args(
+    spec: UNetSpec, kind: str, level: int, block: str, output_scale: float = 1.0
+) -> SelfAttentionArgs | TransformerArgs | SimpleCrossAttentionArgs:
     """The attention layer ``kind`` of ``block`` (``"down.1"``, ``"mid"``, ...) at ``level`` (``-1``: the middle)."""
     heads, head_dim = spec.attention_shape(block, level)
     if kind == "simple_cross":
         assert spec.cross_attention_dim is not None  # the spec requires it
-        return SimpleCrossAttentionArgs(heads, head_dim, spec.norm_num_groups, ADDED_KV_NORM_EPS,
-                                        spec.cross_attention_dim, spec.context_norm_groups)  # fmt: skip
+        return SimpleCrossAttentionArgs(
+            heads, head_dim, spec.norm_num_groups, ADDED_KV_NORM_EPS, spec.cross_attention_dim, spec.context_norm_groups
+        )
     if kind == "self":
         groups = spec.norm_num_groups
         if level == -1 and spec.mid_attention_norm_groups is not None:
@@ -172,8 +196,9 @@ def attention_args(spec: UNetSpec, kind: str, level: int, block: str, output_sca
         return SelfAttentionArgs(heads, head_dim, groups, spec.norm_eps, spec.attention_scale, output_scale)
     eps = (spec.transformer_norm_eps, spec.layer_norm_eps)
     depth, groups, context = spec.transformer_depth(level), spec.norm_num_groups, spec.cross_attention_dim
-    return TransformerArgs(heads, head_dim, depth, groups, *eps, spec.attention_scale, context,
-                           spec.use_linear_projection)  # fmt: skip
+    return TransformerArgs(
+        heads, head_dim, depth, groups, *eps, spec.attention_scale, context, spec.use_linear_projection
+    )
 
 
 def class_embedding_args(spec: UNetSpec) -> ClassEmbeddingArgs | None:

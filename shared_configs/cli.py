@@ -67,8 +67,9 @@ def nonnegative(kind: type, unit: str = "") -> Callable[[str], Number]:
     return _number(kind, 0, inclusive=True, unit=unit)
 
 
-def number_list(kind: type, what: str, ok: Callable[[Number], bool] = lambda v: 0 < v < math.inf,
-                skip_blank: bool = False) -> Callable[[str], list[Number]]:  # fmt: skip
+def number_list(
+    kind: type, what: str, ok: Callable[[Number], bool] = lambda v: 0 < v < math.inf, skip_blank: bool = False
+) -> Callable[[str], list[Number]]:
     """An argparse ``type``: ``kind`` values separated by commas, each ``ok`` (by default finite and > 0),
     else the error "expected ``what`` separated by commas"; ``skip_blank``: empty items are left out."""
 

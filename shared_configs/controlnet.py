@@ -25,11 +25,13 @@ class ControlNetSpec(_Frozen):
     name: str = "controlnet"
     unet: UNetSpec
     conditioning_channels: Int = Field(default=3, gt=0, description="channels of the conditioning image")
-    conditioning_embedding_out_channels: tuple[Int, ...] = Field(default=(16, 32, 96, 256), min_length=1,
-                                                                 description="widths, one per stage")  # fmt: skip
+    conditioning_embedding_out_channels: tuple[Int, ...] = Field(
+        default=(16, 32, 96, 256), min_length=1, description="widths, one per stage"
+    )
     global_pool_conditions: Bool = Field(default=False, description="average each residual over H, W")
-    conditioning_channel_order: Literal["rgb", "bgr"] = Field(default="rgb", description="bgr: the conditioning "
-        "image's channels are reversed first (diffusers' option)")  # fmt: skip
+    conditioning_channel_order: Literal["rgb", "bgr"] = Field(
+        default="rgb", description="bgr: the conditioning image's channels are reversed first (diffusers' option)"
+    )
 
     @field_validator("unet", mode="before")
     @classmethod
@@ -83,8 +85,10 @@ def add_residuals(spec: UNetSpec, h: A, skips: list[A], down: Sequence[A] | None
     """``(h + mid, [skip + residual, ...])`` as diffusers adds a ControlNet's residuals (torch or jax arrays)."""
     if down is not None:
         if len(down) != len(skips):
-            raise ValueError(f"down_block_additional_residuals: expected {len(skips)} tensors (one per skip: conv_in, "
-                             f"each ResNet, each downsample of spec {spec.name!r}), got {len(down)}")  # fmt: skip
+            raise ValueError(
+                f"down_block_additional_residuals: expected {len(skips)} tensors (one per skip: conv_in, "
+                f"each ResNet, each downsample of spec {spec.name!r}), got {len(down)}"
+            )
         skips = [s + r for s, r in zip(skips, down, strict=True)]
     if mid is not None:
         h = h + mid
@@ -104,8 +108,10 @@ def check_conditioning(spec: ControlNetSpec, sample: tuple[int, ...], cond: tupl
     n, h, w = (sample[0], *sample[2:4]) if layout == "NCHW" else sample[:3]
     want = (n, c, h * f, w * f) if layout == "NCHW" else (n, h * f, w * f, c)
     if tuple(cond) != want:
-        raise ValueError(f"controlnet_cond: expected {layout} shape {want} ({c} channels at {f}x the sample's size), "
-                         f"got {tuple(cond)}")  # fmt: skip
+        raise ValueError(
+            f"controlnet_cond: expected {layout} shape {want} ({c} channels at {f}x the sample's size), "
+            f"got {tuple(cond)}"
+        )
 
 
 def controlnet_names(spec: ControlNetSpec | UNetSpec, layers: bool = False) -> list[str]:

@@ -36,10 +36,13 @@ class Defaults:
 
     def describe(self, fields: tuple[str, ...] = FIELDS) -> str:
         """One line naming ``fields`` as used, e.g. for a tool's stderr or its header."""
-        text = {"attention_chunk": f"jax attention {chunk_text(self.attention_chunk)}", "dtype": self.dtype,
-                "context_length": f"context {self.context_length} tokens",
-                "steps": f"{self.steps} timed step{'s' * (self.steps != 1)}",
-                "jax_cache": f"jax compilation cache {self.jax_cache or 'off'}"}  # fmt: skip
+        text = {
+            "attention_chunk": f"jax attention {chunk_text(self.attention_chunk)}",
+            "dtype": self.dtype,
+            "context_length": f"context {self.context_length} tokens",
+            "steps": f"{self.steps} timed step{'s' * (self.steps != 1)}",
+            "jax_cache": f"jax compilation cache {self.jax_cache or 'off'}",
+        }
         return f"{self.device}: " + ", ".join(text[f] for f in fields)
 
 
@@ -55,8 +58,9 @@ def defaults(device: str) -> Defaults:
     """The defaults on ``device`` ("cpu" or "gpu")."""
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
-    return Defaults(device=device, attention_chunk=CPU_ATTENTION_CHUNK if device == "cpu" else None,
-                    jax_cache=jax_cache_dir())  # fmt: skip
+    return Defaults(
+        device=device, attention_chunk=CPU_ATTENTION_CHUNK if device == "cpu" else None, jax_cache=jax_cache_dir()
+    )
 
 
 def device_of(platform: str) -> str:

@@ -19,8 +19,9 @@ class TimeEmbeddingSpec(_Frozen):
     freq_shift: Float = 0.0
     max_period: Float = Field(default=10000.0, gt=0)
     dim: Int | None = Field(default=None, gt=0, description="MLP width; default 4 * channels[0]")
-    cond_dim: Int | None = Field(default=None, gt=0, description="width of timestep_cond, projected onto the "
-                                 "sinusoids (LCM; time_cond_proj_dim)")  # fmt: skip
+    cond_dim: Int | None = Field(
+        default=None, gt=0, description="width of timestep_cond, projected onto the sinusoids (LCM; time_cond_proj_dim)"
+    )
 
 
 class ClassEmbeddingSpec(_Frozen):
@@ -60,8 +61,12 @@ class AdditionEmbeddingSpec(_Frozen):
 
     @model_validator(mode="after")
     def _check_split(self) -> AdditionEmbeddingSpec:
-        _require(self.text_embeds_dim > 0, "num_time_ids", f"{self.num_time_ids} time ids x {self.time_id_dim} "
-                 f"leave no text_embeds width in input_dim={self.input_dim}")  # fmt: skip
+        _require(
+            self.text_embeds_dim > 0,
+            "num_time_ids",
+            f"{self.num_time_ids} time ids x {self.time_id_dim} "
+            f"leave no text_embeds width in input_dim={self.input_dim}",
+        )
         return self
 
 
@@ -76,6 +81,9 @@ class ImageEmbeddingSpec(_Frozen):
 
     @model_validator(mode="after")
     def _check_use(self) -> ImageEmbeddingSpec:
-        _require(self.add_to_time or self.context_tokens is not None, "image_embedding", "neither used: set "
-                 "add_to_time or context_tokens")  # fmt: skip
+        _require(
+            self.add_to_time or self.context_tokens is not None,
+            "image_embedding",
+            "neither used: set add_to_time or context_tokens",
+        )
         return self

@@ -26,8 +26,9 @@ class InputSpec:
     dtype: str
 
 
-def input_specs(spec: UNetSpec, batch: int = 1, sample_size: int | None = None, context_len: int = 77,
-                layout: str = "NCHW") -> dict[str, InputSpec | None]:  # fmt: skip
+def input_specs(
+    spec: UNetSpec, batch: int = 1, sample_size: int | None = None, context_len: int = 77, layout: str = "NCHW"
+) -> dict[str, InputSpec | None]:
     """Every forward input of ``spec`` in `INPUT_NAMES` order (None where it takes none), then its extra inputs."""
     size = spec.sample_size if sample_size is None else sample_size
     _check_args(spec, batch, size, context_len, layout)
@@ -50,8 +51,14 @@ def input_specs(spec: UNetSpec, batch: int = 1, sample_size: int | None = None, 
     return specs
 
 
-def example_inputs(spec: UNetSpec, rng: np.random.Generator, batch: int = 2, sample_size: int | None = None,
-                   context_len: int = 77, layout: str = "NCHW") -> dict[str, np.ndarray | None]:  # fmt: skip
+def example_inputs(
+    spec: UNetSpec,
+    rng: np.random.Generator,
+    batch: int = 2,
+    sample_size: int | None = None,
+    context_len: int = 77,
+    layout: str = "NCHW",
+) -> dict[str, np.ndarray | None]:
     """Random numpy inputs for ``spec`` in `INPUT_NAMES` order; a seed gives the same sample in either layout."""
     wanted = input_specs(spec, batch, sample_size, context_len, "NCHW")
     arrays = {name: None if want is None else _draw(name, want, spec, rng) for name, want in wanted.items()}
@@ -124,18 +131,21 @@ def _check_x(spec: UNetSpec, layout: str, shape: tuple[int, ...]) -> int:
         raise ValueError(f"x: expected {layout} {want} with in_channels={c}, got shape {shape}{hint}")
     factor = 2 ** (spec.num_levels - 1)
     if any(s % factor for s in spatial):
-        raise ValueError(f"x: spatial size {spatial[0]}x{spatial[1]} is not divisible by the downsampling factor "
-                         f"{factor} ({spec.num_levels} levels)")  # fmt: skip
+        raise ValueError(
+            f"x: spatial size {spatial[0]}x{spatial[1]} is not divisible by the downsampling factor "
+            f"{factor} ({spec.num_levels} levels)"
+        )
     return shape[0]
 
 
 # Which spec field makes each conditioning input needed, and what it gives the model.
 _NEEDS = {
-    "context": ("cross_attention_dim", "cross-attention"), "class_labels": ("class_embedding", "a class embedding"),
+    "context": ("cross_attention_dim", "cross-attention"),
+    "class_labels": ("class_embedding", "a class embedding"),
     **dict.fromkeys(("text_embeds", "time_ids"), ("addition_embedding", "text_time conditioning")),
     "timestep_cond": ("time_embedding.cond_dim", "a timestep condition"),
     "image_embeds": ("image_embedding", "image conditioning"),
-}  # fmt: skip
+}
 OPTIONAL = ("timestep_cond",)  # taken, but may be None (diffusers then adds nothing)
 # Dimensions an input may size freely (named as in the messages): the context's token count, and
 # text_embeds / time_ids widths, which are checked together (`_check_text_time`).
@@ -172,8 +182,10 @@ def _check_mask(spec: UNetSpec, batch: int, context: Any, mask: Any) -> None:
     img = spec.image_embedding
     tokens = img.context_tokens if img is not None and img.context_tokens is not None else context.shape[1]
     if tuple(mask.shape) != (batch, tokens):
-        raise ValueError(f"encoder_attention_mask: expected shape ({batch}, {tokens}) (one entry per context token), "
-                         f"got {tuple(mask.shape)}")  # fmt: skip
+        raise ValueError(
+            f"encoder_attention_mask: expected shape ({batch}, {tokens}) (one entry per context token), "
+            f"got {tuple(mask.shape)}"
+        )
 
 
 def _check_text_time(spec: UNetSpec, text: tuple[int, ...], ids: tuple[int, ...]) -> None:
@@ -181,6 +193,8 @@ def _check_text_time(spec: UNetSpec, text: tuple[int, ...], ids: tuple[int, ...]
     assert add is not None
     total = text[1] + ids[1] * add.time_id_dim
     if total != add.input_dim:
-        raise ValueError(f"text_embeds, time_ids: widths {text[1]} + {ids[1]} x {add.time_id_dim} = {total} must equal "
-                         f"addition_embedding.input_dim={add.input_dim} (e.g. text_embeds (B, {add.text_embeds_dim}) "
-                         f"and time_ids (B, {add.num_time_ids}))")  # fmt: skip
+        raise ValueError(
+            f"text_embeds, time_ids: widths {text[1]} + {ids[1]} x {add.time_id_dim} = {total} must equal "
+            f"addition_embedding.input_dim={add.input_dim} (e.g. text_embeds (B, {add.text_embeds_dim}) "
+            f"and time_ids (B, {add.num_time_ids}))"
+        )

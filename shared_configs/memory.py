@@ -31,15 +31,26 @@ def block_of(path: str) -> str:
 POINTS = 1500  # positions kept per timeline: enough for a figure, small in the JSON
 
 
-def timeline(series: Mapping[str, np.ndarray], blocks: Sequence[str], phases: Mapping[str, int], method: str,
-             points: int = POINTS) -> dict[str, Any]:  # fmt: skip
+def timeline(
+    series: Mapping[str, np.ndarray],
+    blocks: Sequence[str],
+    phases: Mapping[str, int],
+    method: str,
+    points: int = POINTS,
+) -> dict[str, Any]:
     """The record for one step, from each position's live bytes per kind (``series``), block and phase starts."""
     stacked = np.stack([np.asarray(series[c], dtype=np.int64) for c in CATEGORIES])
     n = stacked.shape[1]
     keep = _peaks_per_stretch(stacked.sum(axis=0), points)
     series = {c: stacked[i, keep].tolist() for i, c in enumerate(CATEGORIES)}
-    return {"positions": n, "x": keep.tolist(), "series": series, "marks": block_marks(blocks, phases.values()),
-            "phases": {name: int(pos) for name, pos in phases.items()}, "method": method}  # fmt: skip
+    return {
+        "positions": n,
+        "x": keep.tolist(),
+        "series": series,
+        "marks": block_marks(blocks, phases.values()),
+        "phases": {name: int(pos) for name, pos in phases.items()},
+        "method": method,
+    }
 
 
 def _peaks_per_stretch(total: np.ndarray, points: int) -> np.ndarray:

@@ -57,11 +57,15 @@ def controlnet_pair(unet: UNetSpec | str, **options: Any) -> ControlNetPairSpec:
 def check_pair_workload(spec: ControlNetPairSpec, regime: Regime) -> None:
     """Refuse, in one line, what the ControlNet step is not planned for."""
     if spec.unet.norm_kind != "group":
-        raise SpecError(f"norm_kind: the ControlNet step is planned for GroupNorm U-Nets (diffusers' ControlNet "
-                        f"has no {spec.unet.norm_kind} norm); spec {spec.unet.name!r}")  # fmt: skip
+        raise SpecError(
+            f"norm_kind: the ControlNet step is planned for GroupNorm U-Nets (diffusers' ControlNet "
+            f"has no {spec.unet.norm_kind} norm); spec {spec.unet.name!r}"
+        )
     if regime.lora_rank is not None:
-        raise SpecError(f"--trainable: the ControlNet step trains the whole ControlNet (diffusers' "
-                        f"train_controlnet), not {regime.trainable}; use --trainable all")  # fmt: skip
+        raise SpecError(
+            f"--trainable: the ControlNet step trains the whole ControlNet (diffusers' "
+            f"train_controlnet), not {regime.trainable}; use --trainable all"
+        )
 
 
 def workload_spec(data: Mapping[str, Any]) -> UNetSpec | ControlNetPairSpec:
@@ -114,8 +118,10 @@ def split_pair_plan(spec: ControlNetPairSpec, policy: str | PairPlan | None = No
         base, sep, mods = group.partition("/")
         names = [n.strip() for n in base.split(",") if n.strip()]
         if bad := [n for n in names if n not in allowed]:
-            raise SpecError(f"policy: unknown unit {bad[0]!r} in {text!r} (allowed: a named policy for both networks, "
-                            f"or {', '.join(allowed)})")  # fmt: skip
+            raise SpecError(
+                f"policy: unknown unit {bad[0]!r} in {text!r} (allowed: a named policy for both networks, "
+                f"or {', '.join(allowed)})"
+            )
         mine = [n for n in names if not n.startswith(CONTROLNET)]
         theirs = [n.removeprefix(CONTROLNET) for n in names if n.startswith(CONTROLNET)]
         unet_groups += [",".join(mine) + sep + mods] if mine else []
@@ -146,8 +152,10 @@ def pair_policy(unet: CheckpointPlan, controlnet: CheckpointPlan) -> str:
         for name in plan.recompute:
             save = plan.save_for(name)
             groups.setdefault((save, plan.offload and bool(save)), []).append(prefix + name)
-    parts = [",".join(names) + (f"/save={','.join(save)}" if save else "") + ("/offload" if offload else "")
-             for (save, offload), names in groups.items()]  # fmt: skip
+    parts = [
+        ",".join(names) + (f"/save={','.join(save)}" if save else "") + ("/offload" if offload else "")
+        for (save, offload), names in groups.items()
+    ]
     return ";".join(parts) or "none"
 
 

@@ -86,12 +86,20 @@ def _balanced(spec: UNetSpec) -> list[str]:
     return [f"down.{i}" for i in range(1, n)] + ["mid"] + [f"up.{i}" for i in range(n - 1)]
 
 
-_NAMED: dict[str, Callable[[UNetSpec], list[str]]] = {"none": lambda spec: [], "full": block_names,
-                                                      "balanced": _balanced, "layers": layer_names}  # fmt: skip
+_NAMED: dict[str, Callable[[UNetSpec], list[str]]] = {
+    "none": lambda spec: [],
+    "full": block_names,
+    "balanced": _balanced,
+    "layers": layer_names,
+}
 
 
-def resolve_plan(spec: UNetSpec, policy: Policy | CheckpointPlan = None, save: Iterable[str] | None = None,
-                 offload: bool | None = None) -> CheckpointPlan:  # fmt: skip
+def resolve_plan(
+    spec: UNetSpec,
+    policy: Policy | CheckpointPlan = None,
+    save: Iterable[str] | None = None,
+    offload: bool | None = None,
+) -> CheckpointPlan:
     """Resolve a policy for ``spec`` (None: the spec's own ``checkpoint``); ``save``/``offload`` override its own."""
     if isinstance(policy, CheckpointPlan):
         plan = policy
@@ -129,8 +137,9 @@ def _resolve_base(spec: UNetSpec, policy: Policy) -> CheckpointPlan:
         return CheckpointPlan(key, tuple(block_names(spec)[:: _every_n(key)]))
     if "," in key or "." in key or key == "mid":
         return _explicit(spec, [n.strip() for n in key.split(",") if n.strip()])
-    raise SpecError(f"policy: unknown policy {policy!r} (allowed: {', '.join(NAMED_POLICIES)}, or a list of block "
-                    "names)")  # fmt: skip
+    raise SpecError(
+        f"policy: unknown policy {policy!r} (allowed: {', '.join(NAMED_POLICIES)}, or a list of block names)"
+    )
 
 
 def _with_modifiers(spec: UNetSpec, key: str) -> CheckpointPlan:
@@ -186,8 +195,9 @@ def _check_ops(plan: CheckpointPlan) -> CheckpointPlan:
     if plan.save and not plan.recompute:
         raise SpecError(f"save: policy {plan.policy!r} recomputes no block, so there is nothing to save inside")
     if plan.offload and not plan.saves:
-        raise SpecError(f"offload: policy {plan.policy!r} saves no op to offload; add save=OP, e.g. "
-                        "full/save=conv/offload")  # fmt: skip
+        raise SpecError(
+            f"offload: policy {plan.policy!r} saves no op to offload; add save=OP, e.g. full/save=conv/offload"
+        )
     return plan
 
 

@@ -78,8 +78,9 @@ def _seconds(s: float) -> str:
 class Progress:
     """One long wait: ``advance`` after each piece of work, ``note`` what is under way."""
 
-    def __init__(self, what: str, total: int | None = None, logger: logging.Logger = LOGGER,
-                 quiet_s: float = QUIET_S) -> None:  # fmt: skip
+    def __init__(
+        self, what: str, total: int | None = None, logger: logging.Logger = LOGGER, quiet_s: float = QUIET_S
+    ) -> None:
         self.what, self.total, self.logger, self.quiet_s = what, total, logger, quiet_s
         self.done, self.detail, self.shown = 0, "", False
         self.started = time.monotonic()

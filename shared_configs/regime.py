@@ -23,10 +23,22 @@ LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out")
 _LORA = re.compile(r"lora:([1-9][0-9]*)")
 TRAINABLE = "all or lora:R (R a positive rank, e.g. lora:8)"
 # The dtype each precision computes in (None: float32, no casts) and keeps the weights in.
-COMPUTE_DTYPE = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16",
-                 "bf16-frozen": "bfloat16", "fp16-frozen": "float16"}  # fmt: skip
-PARAM_DTYPE = {"fp32": "float32", "bf16-mixed": "float32", "fp16-mixed": "float32", "bf16": "bfloat16",
-               "bf16-frozen": "float32", "fp16-frozen": "float32"}  # fmt: skip
+COMPUTE_DTYPE = {
+    "fp32": None,
+    "bf16-mixed": "bfloat16",
+    "fp16-mixed": "float16",
+    "bf16": "bfloat16",
+    "bf16-frozen": "bfloat16",
+    "fp16-frozen": "float16",
+}
+PARAM_DTYPE = {
+    "fp32": "float32",
+    "bf16-mixed": "float32",
+    "fp16-mixed": "float32",
+    "bf16": "bfloat16",
+    "bf16-frozen": "float32",
+    "fp16-frozen": "float32",
+}
 
 
 @dataclass(frozen=True)
@@ -100,8 +112,10 @@ class Regime:
 
 
 # Why JAX refuses ``keep_grads`` (the planner here; the compare command before its workers start).
-JAX_KEEPS_NO_GRADS = ("a jitted JAX step's gradients are temporaries of the step (its state donated), none live "
-                      "between steps to keep; use --framework torch")  # fmt: skip
+JAX_KEEPS_NO_GRADS = (
+    "a jitted JAX step's gradients are temporaries of the step (its state donated), none live "
+    "between steps to keep; use --framework torch"
+)
 
 
 def check_planned(regime: Regime, framework: str, device: str = "cpu") -> None:
@@ -112,11 +126,15 @@ def check_planned(regime: Regime, framework: str, device: str = "cpu") -> None:
     if regime.keep_grads:
         raise SpecError(f"keep_grads: {JAX_KEEPS_NO_GRADS}")
     if regime.precision.endswith("-frozen"):
-        raise SpecError(f"precision: {regime.precision} (half frozen weights, float32 trained ones under autocast) "
-                        "is planned in torch only; use bf16-mixed, or --framework torch")  # fmt: skip
+        raise SpecError(
+            f"precision: {regime.precision} (half frozen weights, float32 trained ones under autocast) "
+            "is planned in torch only; use bf16-mixed, or --framework torch"
+        )
     if regime.precision == "fp16-mixed" and device == "cpu":
-        raise SpecError("precision: fp16-mixed has no XLA:CPU matmul (dot_general F16_F16_F32 is not supported on "
-                        "CPU); use bf16-mixed, or --framework torch")  # fmt: skip
+        raise SpecError(
+            "precision: fp16-mixed has no XLA:CPU matmul (dot_general F16_F16_F32 is not supported on "
+            "CPU); use bf16-mixed, or --framework torch"
+        )
 
 
 # torchao's AdamW8bit (and bitsandbytes'): a tensor of at least this many values, a whole number of

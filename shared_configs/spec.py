@@ -35,8 +35,9 @@ class UNetSpec(_Frozen):
     block_out_channels: tuple[Int, ...] = Field(min_length=1)
     layers_per_block: Int = Field(default=2, gt=0)
     down_attention: tuple[AttentionKind, ...]
-    up_attention: tuple[AttentionKind, ...] | None = Field(default=None, description="up blocks, deepest first; "
-                                                           "default: down_attention reversed")  # fmt: skip
+    up_attention: tuple[AttentionKind, ...] | None = Field(
+        default=None, description="up blocks, deepest first; default: down_attention reversed"
+    )
     mid_attention: AttentionKind = "self"
     # Heads, an int for all levels or one per level (the middle block uses the deepest level's):
     # one of the two sets them, the other follows (channels = heads * head_dim); both set means
@@ -44,41 +45,65 @@ class UNetSpec(_Frozen):
     # as diffusers builds when they do not divide).
     attention_head_dim: Int | tuple[Int, ...] | None = None
     num_attention_heads: Int | tuple[Int, ...] | None = None
-    block_heads: tuple[tuple[str, Int, Int], ...] = Field(default=(), description="(block, heads, head_dim) for a "
+    block_heads: tuple[tuple[str, Int, Int], ...] = Field(
+        default=(),
+        description="(block, heads, head_dim) for a "
         "block whose attention differs from its level's heads (diffusers' Attn*Block2D in a UNet2DConditionModel); "
-        "blocks: down.i, mid, up.i")  # fmt: skip
+        "blocks: down.i, mid, up.i",
+    )
     attention_scale: Float | None = Field(default=None, gt=0, description="softmax scale; None: 1/sqrt(head_dim)")
     cross_attention_dim: Int | None = Field(default=None, gt=0)
-    transformer_layers_per_block: Int | tuple[Int, ...] = Field(default=1, description="transformer layers per "
-        "Transformer2D block: one for all levels, or one per level")  # fmt: skip
+    transformer_layers_per_block: Int | tuple[Int, ...] = Field(
+        default=1, description="transformer layers per Transformer2D block: one for all levels, or one per level"
+    )
     use_linear_projection: Bool = False
     norm_kind: NormKind = Field(default="group", description="ResNet and output norms")
-    norm_momentum: Float = Field(default=0.1, gt=0.0, lt=1.0, description="BatchNorm running-stat weight of the "
-                                 "new batch (torch convention)")  # fmt: skip
+    norm_momentum: Float = Field(
+        default=0.1, gt=0.0, lt=1.0, description="BatchNorm running-stat weight of the new batch (torch convention)"
+    )
     norm_num_groups: Int = Field(default=32, gt=0)
-    mid_attention_norm_groups: Int | None = Field(default=None, ge=0, description="GroupNorm groups of a middle "
-                                                  "self-attention; None: norm_num_groups; 0: no GroupNorm")  # fmt: skip
+    mid_attention_norm_groups: Int | None = Field(
+        default=None,
+        ge=0,
+        description="GroupNorm groups of a middle self-attention; None: norm_num_groups; 0: no GroupNorm",
+    )
     norm_eps: Float = Field(default=1e-5, gt=0, description="ResNet, self-attention, output norms")
     transformer_norm_eps: Float = Field(default=1e-6, gt=0, description="Transformer2D GroupNorm")
     layer_norm_eps: Float = Field(default=1e-5, gt=0, description="LayerNorms in transformers")
     dropout: Float = Field(default=0.0, ge=0.0, lt=1.0)
     resnet_time_scale_shift: Literal["default", "scale_shift"] = "default"
-    resampler: Literal["conv", "resnet"] = Field(default="conv", description="resnet: a ResNet down/upsamples "
-        "between levels (diffusers' ResnetDownsample, SimpleCrossAttn blocks)")  # fmt: skip
-    resnet_skip_time_act: Bool = Field(default=False, description="no SiLU on the embedding in the resampler="
-                                       "resnet blocks' and a simple_cross middle block's ResNets")  # fmt: skip
-    resnet_out_scale_factor: Float = Field(default=1.0, gt=0, description="output divisor of resampler=resnet "
-                                           "blocks' ResNets")  # fmt: skip
-    context_norm_groups: Int | None = Field(default=None, gt=0, description="simple_cross: GroupNorm of this many "
-        "groups over the context (diffusers cross_attention_norm: group_norm, 32)")  # fmt: skip
-    context_proj_dim: Int | None = Field(default=None, gt=0, description="context input width, projected to "
-        "cross_attention_dim by a Linear (diffusers encoder_hid_dim_type: text_proj)")  # fmt: skip
+    resampler: Literal["conv", "resnet"] = Field(
+        default="conv",
+        description="resnet: a ResNet down/upsamples "
+        "between levels (diffusers' ResnetDownsample, SimpleCrossAttn blocks)",
+    )
+    resnet_skip_time_act: Bool = Field(
+        default=False,
+        description="no SiLU on the embedding in the resampler="
+        "resnet blocks' and a simple_cross middle block's ResNets",
+    )
+    resnet_out_scale_factor: Float = Field(
+        default=1.0, gt=0, description="output divisor of resampler=resnet blocks' ResNets"
+    )
+    context_norm_groups: Int | None = Field(
+        default=None,
+        gt=0,
+        description="simple_cross: GroupNorm of this many "
+        "groups over the context (diffusers cross_attention_norm: group_norm, 32)",
+    )
+    context_proj_dim: Int | None = Field(
+        default=None,
+        gt=0,
+        description="context input width, projected to "
+        "cross_attention_dim by a Linear (diffusers encoder_hid_dim_type: text_proj)",
+    )
     downsample_padding: Int = Field(default=1, ge=0, le=1)
     mid_block_scale_factor: Float = Field(default=1.0, gt=0)
     time_embedding: TimeEmbeddingSpec = TimeEmbeddingSpec()
     class_embedding: ClassEmbeddingSpec | None = Field(default=None, description="class conditioning (class_labels)")
-    addition_embedding: AdditionEmbeddingSpec | None = Field(default=None, description="SDXL text_time "
-                                                             "(text_embeds, time_ids)")  # fmt: skip
+    addition_embedding: AdditionEmbeddingSpec | None = Field(
+        default=None, description="SDXL text_time (text_embeds, time_ids)"
+    )
     image_embedding: ImageEmbeddingSpec | None = Field(default=None, description="image_embeds conditioning")
     checkpoint: str | tuple[str, ...] | None = Field(default=None, description="default checkpoint policy (plan.py)")
 
@@ -162,13 +187,19 @@ class UNetSpec(_Frozen):
             for v in value if isinstance(value, tuple) else ((value,) if value is not None else ()):
                 _require(v > 0, field, "must be positive")
         factor = 2 ** (n - 1)
-        _require(self.sample_size % factor == 0, "sample_size",
-                 f"{self.sample_size} is not divisible by the downsampling factor {factor}")  # fmt: skip
+        _require(
+            self.sample_size % factor == 0,
+            "sample_size",
+            f"{self.sample_size} is not divisible by the downsampling factor {factor}",
+        )
         self._check_block_heads()
         for level, ch in enumerate(self.block_out_channels):
             _require(ch > 0, "block_out_channels", "must be positive")
-            _require(ch % self.norm_num_groups == 0, "norm_num_groups",
-                     f"block_out_channels[{level}]={ch} is not divisible by {self.norm_num_groups} groups")  # fmt: skip
+            _require(
+                ch % self.norm_num_groups == 0,
+                "norm_num_groups",
+                f"block_out_channels[{level}]={ch} is not divisible by {self.norm_num_groups} groups",
+            )
             if level in self.attention_levels:
                 self._check_heads(level, ch)
         self._check_conditioning()
@@ -180,26 +211,44 @@ class UNetSpec(_Frozen):
         simple = "simple_cross" in (*self.down_attention, *self.up_attention_resolved, self.mid_attention)
         _require(not simple or self.cross_attention_dim is not None, "cross_attention_dim", "required by simple_cross")
         skip_readers = self.resampler == "resnet" or self.mid_attention == "simple_cross"
-        _require(not self.resnet_skip_time_act or skip_readers, "resnet_skip_time_act",
-                 "only read with resampler: resnet or mid_attention: simple_cross")  # fmt: skip
-        _require(self.resnet_out_scale_factor == 1.0 or self.resampler == "resnet", "resnet_out_scale_factor",
-                 "only read with resampler: resnet")  # fmt: skip
+        _require(
+            not self.resnet_skip_time_act or skip_readers,
+            "resnet_skip_time_act",
+            "only read with resampler: resnet or mid_attention: simple_cross",
+        )
+        _require(
+            self.resnet_out_scale_factor == 1.0 or self.resampler == "resnet",
+            "resnet_out_scale_factor",
+            "only read with resampler: resnet",
+        )
         if (groups := self.context_norm_groups) is not None:
             _require(simple, "context_norm_groups", "only read by simple_cross attention")
-            _require(self.cross_attention_dim % groups == 0, "context_norm_groups",
-                     f"cross_attention_dim={self.cross_attention_dim} is not divisible by {groups} groups")  # fmt: skip
+            _require(
+                self.cross_attention_dim % groups == 0,
+                "context_norm_groups",
+                f"cross_attention_dim={self.cross_attention_dim} is not divisible by {groups} groups",
+            )
         img = self.image_embedding
         makes_context = img is not None and img.context_tokens is not None
         projects = self.context_proj_dim is not None
         for field, used in (("context_proj_dim", projects), ("image_embedding", makes_context)):
             _require(not used or self.cross_attention_dim is not None, field, "needs cross_attention_dim")
-        _require(not (makes_context and projects), "context_proj_dim",
-                 "cannot be combined with image_embedding.context_tokens (one context projection)")  # fmt: skip
+        _require(
+            not (makes_context and projects),
+            "context_proj_dim",
+            "cannot be combined with image_embedding.context_tokens (one context projection)",
+        )
         if img is not None and img.add_to_time:
-            _require(self.addition_embedding is None, "image_embedding.add_to_time",
-                     "cannot be combined with addition_embedding (one addition embedding)")  # fmt: skip
-            _require(self.class_embedding is None or not self.class_embedding.concat, "class_embedding.concat",
-                     "cannot be combined with image_embedding.add_to_time")  # fmt: skip
+            _require(
+                self.addition_embedding is None,
+                "image_embedding.add_to_time",
+                "cannot be combined with addition_embedding (one addition embedding)",
+            )
+            _require(
+                self.class_embedding is None or not self.class_embedding.concat,
+                "class_embedding.concat",
+                "cannot be combined with image_embedding.add_to_time",
+            )
 
     def _check_block_heads(self) -> None:
         n, names = self.num_levels, [name for name, _, _ in self.block_heads]
@@ -224,19 +273,29 @@ class UNetSpec(_Frozen):
         if groups is not None:
             _require(self.mid_attention == "self", "mid_attention_norm_groups", "only for mid_attention: self")
             deepest = self.block_out_channels[-1]
-            _require(groups == 0 or deepest % groups == 0, "mid_attention_norm_groups",
-                     f"block_out_channels[-1]={deepest} is not divisible by {groups} groups")  # fmt: skip
+            _require(
+                groups == 0 or deepest % groups == 0,
+                "mid_attention_norm_groups",
+                f"block_out_channels[-1]={deepest} is not divisible by {groups} groups",
+            )
         if self.class_embedding is not None and self.addition_embedding is not None:
-            _require(not self.class_embedding.concat, "class_embedding.concat", "cannot be combined with "
-                     "addition_embedding (its MLP output has the unconcatenated width)")  # fmt: skip
+            _require(
+                not self.class_embedding.concat,
+                "class_embedding.concat",
+                "cannot be combined with addition_embedding (its MLP output has the unconcatenated width)",
+            )
         widths = {"time_embedding.freq_shift": self.block_out_channels[0]}
         if self.addition_embedding is not None:
             widths["addition_embedding.time_id_dim"] = self.addition_embedding.time_id_dim
         for field, width in widths.items():
             # diffusers divides the exponent by (width // 2 - freq_shift): zero would make NaN sinusoids.
             shift = self.time_embedding.freq_shift
-            _require(width // 2 != shift, field, f"sinusoids of width {width} with freq_shift={shift} divide by zero "
-                     "(width // 2 must differ from freq_shift)")  # fmt: skip
+            _require(
+                width // 2 != shift,
+                field,
+                f"sinusoids of width {width} with freq_shift={shift} divide by zero "
+                "(width // 2 must differ from freq_shift)",
+            )
 
 
 def _per_level(value: int | tuple[int, ...], level: int, n: int) -> int:

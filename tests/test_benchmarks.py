@@ -165,8 +165,10 @@ def test_worker_classifies_failures(error: BaseException | None, status: str) ->
 
 def test_an_error_keeps_every_line_of_its_message() -> None:
     """A state-dict mismatch names the keys on the lines after the first: none is cut off."""
-    err = RuntimeError("Error(s) in loading state_dict for UNet:\n\tsize mismatch for conv_in.weight: a\n\tsize "
-                       "mismatch for conv_out.bias: b")  # fmt: skip
+    err = RuntimeError(
+        "Error(s) in loading state_dict for UNet:\n\tsize mismatch for conv_in.weight: a\n\tsize "
+        "mismatch for conv_out.bias: b"
+    )
     line = one_line(err)
     assert "\n" not in line and "conv_in.weight" in line and "conv_out.bias" in line
 
@@ -226,8 +228,15 @@ def test_help_documents_every_option(parser: Any) -> None:
 
 def test_reductions_and_ratios_are_against_none_of_the_same_framework_and_batch() -> None:
     def row(fw: str, policy: str, peak: int, time_s: float, batch: int = 2) -> dict[str, Any]:
-        return {"framework": fw, "policy": policy, "batch_size": batch, "status": "ok", "peak_bytes": peak,
-                "step_time_s": time_s, "flops": 10.0 * peak}  # fmt: skip
+        return {
+            "framework": fw,
+            "policy": policy,
+            "batch_size": batch,
+            "status": "ok",
+            "peak_bytes": peak,
+            "step_time_s": time_s,
+            "flops": 10.0 * peak,
+        }
 
     rows = report.complete(
         [
@@ -295,8 +304,22 @@ def test_compare_measures_a_training_regime(tmp_path: Path) -> None:
     """The benchmark in the loops' regime (bf16 autocast, peft LoRA on a frozen base, an EMA copy):
     each row's step keeps less than the float32, fully trained one; the tracker agrees with
     PyTorch's own MemTracker (frozen weights and the EMA copy included); the document says the regime."""
-    base = ["--framework", "torch", "--config", "tiny", "--batch-size", "2", "--policies", "full", "--steps", "1",
-            "--timeline", "off", "--device", "cpu"]  # fmt: skip
+    base = [
+        "--framework",
+        "torch",
+        "--config",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--policies",
+        "full",
+        "--steps",
+        "1",
+        "--timeline",
+        "off",
+        "--device",
+        "cpu",
+    ]
     peaks = {}
     for name, extra in {"fp32": [], "lora": ["--precision", "bf16-mixed", "--trainable", "lora:4", "--ema"]}.items():
         proc, doc = run_compare([*base, *extra], tmp_path / name)
@@ -304,8 +327,13 @@ def test_compare_measures_a_training_regime(tmp_path: Path) -> None:
         peaks[name] = {p: r["peak_bytes"] for p, r in rows_of(doc, "torch").items()}
         for row in doc["rows"]:
             assert abs(row["peak_bytes"] / row["memtracker_peak_bytes"] - 1) < 0.01, (name, row["policy"])
-    assert doc["regime"] == {"precision": "bf16-mixed", "trainable": "lora:4", "optimizer": "adamw", "ema": True,
-                             "keep_grads": False}  # fmt: skip
+    assert doc["regime"] == {
+        "precision": "bf16-mixed",
+        "trainable": "lora:4",
+        "optimizer": "adamw",
+        "ema": True,
+        "keep_grads": False,
+    }
     assert "regime bf16-mixed, lora:4, adamw, EMA" in proc.stdout
     for policy in ("none", "full"):
         assert peaks["lora"][policy] < peaks["fp32"][policy]

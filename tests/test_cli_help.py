@@ -53,8 +53,10 @@ def test_what_readme_commands_write_is_ignored_by_git() -> None:
     assert [p for p in written if not ignored(p)] == []
 
 
-@pytest.mark.parametrize(("argv", "batch"), [([], 8), (["--config", "small"], 4), (["--config", "tiny"], 1),
-                                             (["--config", "small", "--batch-size", "2"], 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("argv", "batch"),
+    [([], 8), (["--config", "small"], 4), (["--config", "tiny"], 1), (["--config", "small", "--batch-size", "2"], 2)],
+)
 def test_compare_runs_each_preset_at_a_batch_where_checkpointing_shows(argv: list[str], batch: int) -> None:
     from benchmarks import compare
 

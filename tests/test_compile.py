@@ -69,8 +69,9 @@ def tiny() -> dict[str, Any]:
 
 @pytest.mark.slow
 # In the default run: `full` and the grouped mixed plan; the other kinds compile in the heavy tier.
-@pytest.mark.parametrize("policy", [p if p in ("full", PLANS[3]) else pytest.param(p, marks=pytest.mark.heavy)
-                                    for p in PLANS])  # fmt: skip
+@pytest.mark.parametrize(
+    "policy", [p if p in ("full", PLANS[3]) else pytest.param(p, marks=pytest.mark.heavy) for p in PLANS]
+)
 def test_compiled_plan_gradients_equal_eager(tiny: dict[str, Any], policy: str) -> None:
     model, inputs, plain = tiny["model"], tiny["inputs"], tiny["plain"]
     model.enable_gradient_checkpointing(policy)
@@ -184,8 +185,17 @@ def test_compare_compile_refusals_are_one_line(argv: list[str], message: str) ->
 
 def test_compare_compile_adds_the_compiled_job_with_budget_rows() -> None:
     _, jobs = compare.parse_args(
-        ["--config", "tiny", "--framework", "torch", "--policies", "full,layers", "--compile",
-         "--compile-budget-at", "layers"]
-    )  # fmt: skip
+        [
+            "--config",
+            "tiny",
+            "--framework",
+            "torch",
+            "--policies",
+            "full,layers",
+            "--compile",
+            "--compile-budget-at",
+            "layers",
+        ]
+    )
     assert [j.framework for j in jobs] == ["torch", "compiled"]
     assert jobs[1].policies == ("none", "full", "layers", "budget@layers")

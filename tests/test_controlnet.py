@@ -174,8 +174,9 @@ def _step(spec: ControlNetSpec, policy: str) -> LossAndGrads:
     torch.manual_seed(0)
     model = ControlNet(spec, policy=policy).train()
     randomize_(model, seed=2)
-    return torch_loss_and_grads(lambda **kw: _ours(model, kw), _inputs(spec), loss=lambda out: _loss(*out),
-                                wrt=dict(model.named_parameters()))  # fmt: skip
+    return torch_loss_and_grads(
+        lambda **kw: _ours(model, kw), _inputs(spec), loss=lambda out: _loss(*out), wrt=dict(model.named_parameters())
+    )
 
 
 @pytest.mark.parametrize("policy", ["full", "layers", "down.0;down.1.resnets.0,mid/save=conv,matmul"])
@@ -256,12 +257,22 @@ def test_residuals_drive_our_unet_as_diffusers(folder: tuple[Path, Any]) -> None
     with torch.no_grad():
         down, mid = _theirs(net, inputs)
         ref = theirs_unet(
-            named["x"], named["t"], named["context"], added_cond_kwargs=cond, down_block_additional_residuals=down,
+            named["x"],
+            named["t"],
+            named["context"],
+            added_cond_kwargs=cond,
+            down_block_additional_residuals=down,
             mid_block_additional_residual=mid,
-        ).sample  # fmt: skip
+        ).sample
         down, mid = _ours(model, inputs)
-        out = unet(named["x"], named["t"], named["context"], **cond, down_block_additional_residuals=down,
-                   mid_block_additional_residual=mid)  # fmt: skip
+        out = unet(
+            named["x"],
+            named["t"],
+            named["context"],
+            **cond,
+            down_block_additional_residuals=down,
+            mid_block_additional_residual=mid,
+        )
     assert rel_err(out, ref) <= 1e-5
 
 
@@ -283,11 +294,13 @@ def test_flax_from_unet_copies_the_encoder_and_starts_at_zero() -> None:
     randomize_(unet, seed=1)
     unet_params = torch_to_flax(unet.state_dict(), spec)
     module, params = controlnet_from_unet(unet_params, spec, conditioning_embedding_out_channels=WIDTHS)
-    torch_params = torch_to_flax(ControlNet.from_unet(unet, conditioning_embedding_out_channels=WIDTHS).state_dict(),
-                                 module.spec)  # fmt: skip
+    torch_params = torch_to_flax(
+        ControlNet.from_unet(unet, conditioning_embedding_out_channels=WIDTHS).state_dict(), module.spec
+    )
     assert jax.tree.structure(params) == jax.tree.structure(torch_params)
-    np.testing.assert_array_equal(params["down_1"]["resnets_0"]["conv1"]["kernel"],
-                                  unet_params["down_1"]["resnets_0"]["conv1"]["kernel"])  # fmt: skip
+    np.testing.assert_array_equal(
+        params["down_1"]["resnets_0"]["conv1"]["kernel"], unet_params["down_1"]["resnets_0"]["conv1"]["kernel"]
+    )
     inputs = _inputs(module.spec)
     named = as_flax(inputs)
     cond = jnp.asarray(inputs["cond"].transpose(0, 2, 3, 1))

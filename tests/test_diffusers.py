@@ -37,63 +37,143 @@ CLASSES = {"UNet2DModel": UNet2DModel, "UNet2DConditionModel": UNet2DConditionMo
 
 # name -> (class, config): together every supported block type and option.
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "ddpm": ("UNet2DModel", {  # google/ddpm-cifar10-32 in small: one head, DDPM padding/time options
-        "down_block_types": ("DownBlock2D", "AttnDownBlock2D"), "up_block_types": ("AttnUpBlock2D", "UpBlock2D"),
-        "attention_head_dim": None, "flip_sin_to_cos": False, "freq_shift": 1, "norm_eps": 1e-6,
-        "downsample_padding": 0, "mid_block_scale_factor": 1.4142,
-    }),
-    "ddpm_heads_scale_shift": ("UNet2DModel", {  # head dim 8, scale/shift time, custom time width
-        "down_block_types": ("AttnDownBlock2D", "AttnDownBlock2D"), "up_block_types": ("AttnUpBlock2D",) * 2,
-        "attention_head_dim": 8, "resnet_time_scale_shift": "scale_shift", "attn_norm_num_groups": 8,
-        "time_embedding_dim": 48, "layers_per_block": 1,
-    }),
-    "ddpm_no_mid_attention": ("UNet2DModel", {
-        "down_block_types": ("DownBlock2D", "DownBlock2D"), "up_block_types": ("UpBlock2D", "UpBlock2D"),
-        "add_attention": False, "layers_per_block": 1, "dropout": 0.1, "in_channels": 1, "out_channels": 2,
-    }),
-    "sd": ("UNet2DConditionModel", {  # SD 1.x in small: 3 levels, conv projections, 4 heads
-        "block_out_channels": (32, 64, 64), "sample_size": 16, "layers_per_block": 1,
-        "down_block_types": ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-        "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-        "attention_head_dim": 4, "cross_attention_dim": 24,
-    }),
-    "sd2_linear": ("UNet2DConditionModel", {  # SD 2.x in small: linear projections, per-level heads
-        "down_block_types": ("CrossAttnDownBlock2D",) * 2, "up_block_types": ("CrossAttnUpBlock2D",) * 2,
-        "attention_head_dim": (2, 4), "use_linear_projection": True, "transformer_layers_per_block": 2,
-        "cross_attention_dim": 16, "upcast_attention": True, "layers_per_block": 1,
-        "resnet_out_scale_factor": 2.0, "resnet_skip_time_act": True,  # inert for these blocks
-    }),
-    "sdxl_depths": ("UNet2DConditionModel", {  # SDXL-style per-level transformer depth, no attention at level 0
-        "block_out_channels": (32, 64, 64), "down_block_types": ("DownBlock2D",) + ("CrossAttnDownBlock2D",) * 2,
-        "up_block_types": ("CrossAttnUpBlock2D",) * 2 + ("UpBlock2D",), "transformer_layers_per_block": (1, 1, 3),
-        "attention_head_dim": (2, 4, 8), "use_linear_projection": True, "cross_attention_dim": 16, "sample_size": 8,
-    }),
-    "mixed_attention": ("UNet2DConditionModel", {  # DDPM attention inside a conditional U-Net
-        "down_block_types": ("AttnDownBlock2D", "CrossAttnDownBlock2D"),
-        "up_block_types": ("CrossAttnUpBlock2D", "AttnUpBlock2D"), "attention_head_dim": 4,
-        "cross_attention_dim": 24, "resnet_time_scale_shift": "scale_shift", "norm_eps": 1e-6,
-        "flip_sin_to_cos": False, "freq_shift": 1, "downsample_padding": 0, "time_embedding_dim": 40,
-        "mid_block_scale_factor": 1.2, "layers_per_block": 1, "only_cross_attention": [False, False],
-    }),
-    "sdxl_text_time": ("UNet2DConditionModel", {  # SDXL in small: text_time conditioning, depths, no level-0 attention
-        "block_out_channels": (32, 64, 64), "down_block_types": ("DownBlock2D",) + ("CrossAttnDownBlock2D",) * 2,
-        "up_block_types": ("CrossAttnUpBlock2D",) * 2 + ("UpBlock2D",), "transformer_layers_per_block": (1, 2, 2),
-        "attention_head_dim": (2, 4, 8), "use_linear_projection": True, "cross_attention_dim": 16,
-        "addition_embed_type": "text_time", "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 60,
-    }),
-    "class_ddpm_inpaint": ("UNet2DModel", {  # class table, 9 -> 4 channels (inpainting), mid attention without norm
-        "down_block_types": ("AttnDownBlock2D", "DownBlock2D"), "up_block_types": ("UpBlock2D", "AttnUpBlock2D"),
-        "num_class_embeds": 7, "in_channels": 9, "out_channels": 4, "resnet_time_scale_shift": "scale_shift",
-        "attention_head_dim": 16,
-    }),
-    "class_projection_variance": ("UNet2DConditionModel", {  # projected class vectors, out = 2 x in, concat
-        "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
-        "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"), "attention_head_dim": 3, "cross_attention_dim": 8,
-        "class_embed_type": "projection",
-        "projection_class_embeddings_input_dim": 12, "class_embeddings_concat": True, "out_channels": 8,
-        "layers_per_block": 1,
-    }),
-}  # fmt: skip
+    "ddpm": (
+        "UNet2DModel",
+        {  # google/ddpm-cifar10-32 in small: one head, DDPM padding/time options
+            "down_block_types": ("DownBlock2D", "AttnDownBlock2D"),
+            "up_block_types": ("AttnUpBlock2D", "UpBlock2D"),
+            "attention_head_dim": None,
+            "flip_sin_to_cos": False,
+            "freq_shift": 1,
+            "norm_eps": 1e-6,
+            "downsample_padding": 0,
+            "mid_block_scale_factor": 1.4142,
+        },
+    ),
+    "ddpm_heads_scale_shift": (
+        "UNet2DModel",
+        {  # head dim 8, scale/shift time, custom time width
+            "down_block_types": ("AttnDownBlock2D", "AttnDownBlock2D"),
+            "up_block_types": ("AttnUpBlock2D",) * 2,
+            "attention_head_dim": 8,
+            "resnet_time_scale_shift": "scale_shift",
+            "attn_norm_num_groups": 8,
+            "time_embedding_dim": 48,
+            "layers_per_block": 1,
+        },
+    ),
+    "ddpm_no_mid_attention": (
+        "UNet2DModel",
+        {
+            "down_block_types": ("DownBlock2D", "DownBlock2D"),
+            "up_block_types": ("UpBlock2D", "UpBlock2D"),
+            "add_attention": False,
+            "layers_per_block": 1,
+            "dropout": 0.1,
+            "in_channels": 1,
+            "out_channels": 2,
+        },
+    ),
+    "sd": (
+        "UNet2DConditionModel",
+        {  # SD 1.x in small: 3 levels, conv projections, 4 heads
+            "block_out_channels": (32, 64, 64),
+            "sample_size": 16,
+            "layers_per_block": 1,
+            "down_block_types": ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+            "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+            "attention_head_dim": 4,
+            "cross_attention_dim": 24,
+        },
+    ),
+    "sd2_linear": (
+        "UNet2DConditionModel",
+        {  # SD 2.x in small: linear projections, per-level heads
+            "down_block_types": ("CrossAttnDownBlock2D",) * 2,
+            "up_block_types": ("CrossAttnUpBlock2D",) * 2,
+            "attention_head_dim": (2, 4),
+            "use_linear_projection": True,
+            "transformer_layers_per_block": 2,
+            "cross_attention_dim": 16,
+            "upcast_attention": True,
+            "layers_per_block": 1,
+            "resnet_out_scale_factor": 2.0,
+            "resnet_skip_time_act": True,  # inert for these blocks
+        },
+    ),
+    "sdxl_depths": (
+        "UNet2DConditionModel",
+        {  # SDXL-style per-level transformer depth, no attention at level 0
+            "block_out_channels": (32, 64, 64),
+            "down_block_types": ("DownBlock2D",) + ("CrossAttnDownBlock2D",) * 2,
+            "up_block_types": ("CrossAttnUpBlock2D",) * 2 + ("UpBlock2D",),
+            "transformer_layers_per_block": (1, 1, 3),
+            "attention_head_dim": (2, 4, 8),
+            "use_linear_projection": True,
+            "cross_attention_dim": 16,
+            "sample_size": 8,
+        },
+    ),
+    "mixed_attention": (
+        "UNet2DConditionModel",
+        {  # DDPM attention inside a conditional U-Net
+            "down_block_types": ("AttnDownBlock2D", "CrossAttnDownBlock2D"),
+            "up_block_types": ("CrossAttnUpBlock2D", "AttnUpBlock2D"),
+            "attention_head_dim": 4,
+            "cross_attention_dim": 24,
+            "resnet_time_scale_shift": "scale_shift",
+            "norm_eps": 1e-6,
+            "flip_sin_to_cos": False,
+            "freq_shift": 1,
+            "downsample_padding": 0,
+            "time_embedding_dim": 40,
+            "mid_block_scale_factor": 1.2,
+            "layers_per_block": 1,
+            "only_cross_attention": [False, False],
+        },
+    ),
+    "sdxl_text_time": (
+        "UNet2DConditionModel",
+        {  # SDXL in small: text_time conditioning, depths, no level-0 attention
+            "block_out_channels": (32, 64, 64),
+            "down_block_types": ("DownBlock2D",) + ("CrossAttnDownBlock2D",) * 2,
+            "up_block_types": ("CrossAttnUpBlock2D",) * 2 + ("UpBlock2D",),
+            "transformer_layers_per_block": (1, 2, 2),
+            "attention_head_dim": (2, 4, 8),
+            "use_linear_projection": True,
+            "cross_attention_dim": 16,
+            "addition_embed_type": "text_time",
+            "addition_time_embed_dim": 8,
+            "projection_class_embeddings_input_dim": 60,
+        },
+    ),
+    "class_ddpm_inpaint": (
+        "UNet2DModel",
+        {  # class table, 9 -> 4 channels (inpainting), mid attention without norm
+            "down_block_types": ("AttnDownBlock2D", "DownBlock2D"),
+            "up_block_types": ("UpBlock2D", "AttnUpBlock2D"),
+            "num_class_embeds": 7,
+            "in_channels": 9,
+            "out_channels": 4,
+            "resnet_time_scale_shift": "scale_shift",
+            "attention_head_dim": 16,
+        },
+    ),
+    "class_projection_variance": (
+        "UNet2DConditionModel",
+        {  # projected class vectors, out = 2 x in, concat
+            "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+            "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
+            "attention_head_dim": 3,
+            "cross_attention_dim": 8,
+            "class_embed_type": "projection",
+            "projection_class_embeddings_input_dim": 12,
+            "class_embeddings_concat": True,
+            "out_channels": 8,
+            "layers_per_block": 1,
+        },
+    ),
+}
 
 
 def _build(name: str) -> torch.nn.Module:
@@ -261,16 +341,29 @@ U2D, COND = {"_class_name": "UNet2DModel"}, {"_class_name": "UNet2DConditionMode
 TWO_LEVELS = {"down_block_types": ["AttnDownBlock2D"] * 2, "up_block_types": ["AttnUpBlock2D"] * 2}
 REFUSED: list[tuple[dict[str, Any], str]] = [
     ({**COND, "addition_embed_type": "text", "encoder_hid_dim": None}, "addition_embed_type='text'"),
-    ({**COND, "addition_embed_type": "text_time", "addition_time_embed_dim": 256},
-     "projection_class_embeddings_input_dim: required by addition_embed_type='text_time'"),
-    ({**COND, "addition_embed_type": "text_time", "projection_class_embeddings_input_dim": 256},
-     "addition_time_embed_dim: required by addition_embed_type='text_time'"),
-    ({**COND, "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
-      "projection_class_embeddings_input_dim": 256}, "projection_class_embeddings_input_dim: 256 leaves no"),
+    (
+        {**COND, "addition_embed_type": "text_time", "addition_time_embed_dim": 256},
+        "projection_class_embeddings_input_dim: required by addition_embed_type='text_time'",
+    ),
+    (
+        {**COND, "addition_embed_type": "text_time", "projection_class_embeddings_input_dim": 256},
+        "addition_time_embed_dim: required by addition_embed_type='text_time'",
+    ),
+    (
+        {
+            **COND,
+            "addition_embed_type": "text_time",
+            "addition_time_embed_dim": 256,
+            "projection_class_embeddings_input_dim": 256,
+        },
+        "projection_class_embeddings_input_dim: 256 leaves no",
+    ),
     ({**COND, "class_embed_type": "projection"}, "projection_class_embeddings_input_dim: required by class_embed_type"),
     ({**COND, "class_embeddings_concat": True}, "class_embeddings_concat: True without a class embedding"),
-    ({**COND, "encoder_hid_dim_type": "text_image_proj", "encoder_hid_dim": 32},
-     "encoder_hid_dim_type='text_image_proj' (Kandinsky 2.1's"),
+    (
+        {**COND, "encoder_hid_dim_type": "text_image_proj", "encoder_hid_dim": 32},
+        "encoder_hid_dim_type='text_image_proj' (Kandinsky 2.1's",
+    ),
     ({**COND, "encoder_hid_dim_type": "image_proj"}, "encoder_hid_dim: required by encoder_hid_dim_type='image_proj'"),
     ({**COND, "addition_embed_type": "image"}, "encoder_hid_dim: required by addition_embed_type='image'"),
     ({**COND, "addition_embed_type": "image_hint", "encoder_hid_dim": 8}, "addition_embed_type='image_hint'"),
@@ -290,13 +383,29 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({**COND, "mid_block_type": "UNetMidBlock2D"}, "mid_block_type"),
     ({**U2D, "mid_block_type": None}, "mid_block_type"),
     ({**COND, "down_block_types": ["SimpleCrossAttnDownBlock2D"] + ["DownBlock2D"] * 3}, "down_block_types"),
-    ({**COND, "down_block_types": ["SimpleCrossAttnDownBlock2D"] * 4, "up_block_types": ["ResnetUpsampleBlock2D"] * 4,
-      "cross_attention_norm": "layer_norm"}, "cross_attention_norm: 'layer_norm' unsupported"),
-    ({**COND, "down_block_types": ["SimpleCrossAttnDownBlock2D"] * 4, "up_block_types": ["ResnetUpsampleBlock2D"] * 4,
-      "mid_block_type": "UNetMidBlock2DSimpleCrossAttn", "mid_block_only_cross_attention": True},
-     "mid_block_only_cross_attention"),
-    ({**U2D, "down_block_types": ["ResnetDownsampleBlock2D"] * 4, "up_block_types": ["ResnetUpsampleBlock2D"] * 4},
-     "in a UNet2DConditionModel whose blocks are all of them"),
+    (
+        {
+            **COND,
+            "down_block_types": ["SimpleCrossAttnDownBlock2D"] * 4,
+            "up_block_types": ["ResnetUpsampleBlock2D"] * 4,
+            "cross_attention_norm": "layer_norm",
+        },
+        "cross_attention_norm: 'layer_norm' unsupported",
+    ),
+    (
+        {
+            **COND,
+            "down_block_types": ["SimpleCrossAttnDownBlock2D"] * 4,
+            "up_block_types": ["ResnetUpsampleBlock2D"] * 4,
+            "mid_block_type": "UNetMidBlock2DSimpleCrossAttn",
+            "mid_block_only_cross_attention": True,
+        },
+        "mid_block_only_cross_attention",
+    ),
+    (
+        {**U2D, "down_block_types": ["ResnetDownsampleBlock2D"] * 4, "up_block_types": ["ResnetUpsampleBlock2D"] * 4},
+        "in a UNet2DConditionModel whose blocks are all of them",
+    ),
     ({**COND, "up_block_types": ["UpBlock2D"] * 3 + ["KUpBlock2D"]}, "up_block_types"),
     ({**U2D, "down_block_types": ["CrossAttnDownBlock2D"] + ["DownBlock2D"] * 3}, "UNet2DConditionModel"),
     ({**COND, "resnet_time_scale_shift": "spatial"}, "resnet_time_scale_shift"),
@@ -307,7 +416,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({**COND, "some_future_option": 1}, "some_future_option: unknown UNet2DConditionModel option"),
     ({"_class_name": "UNet3DConditionModel"}, "_class_name: unsupported diffusers model 'UNet3DConditionModel'"),
     ({"attention_head_dim": 8}, "_class_name"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("config", "message"), REFUSED, ids=[m.split("=")[0].split(":")[0] for _, m in REFUSED])

@@ -34,24 +34,49 @@ from tests.helpers.policies import (
 from tests.helpers.tensors import as_flax, as_torch, randomize_, rel_err
 from torch_impl import UNet, apply_plan
 
-TINY = {"_class_name": "UNet2DConditionModel", "block_out_channels": [32, 64], "norm_num_groups": 8,
-        "layers_per_block": 1, "sample_size": 8, "cross_attention_dim": 32}  # fmt: skip
+TINY = {
+    "_class_name": "UNet2DConditionModel",
+    "block_out_channels": [32, 64],
+    "norm_num_groups": 8,
+    "layers_per_block": 1,
+    "sample_size": 8,
+    "cross_attention_dim": 32,
+}
 CONFIGS: dict[str, dict[str, Any]] = {
     # LCM: SD-style transformers, the guidance embedding projected onto the timestep sinusoids
-    "lcm": {**TINY, "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
-            "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "attention_head_dim": 2, "time_cond_proj_dim": 6},
+    "lcm": {
+        **TINY,
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+        "attention_head_dim": 2,
+        "time_cond_proj_dim": 6,
+    },
     # a masked, projected text context (encoder_hid_dim: text_proj) over transformers
-    "mask": {**TINY, "down_block_types": ["CrossAttnDownBlock2D"] * 2, "up_block_types": ["CrossAttnUpBlock2D"] * 2,
-             "attention_head_dim": 4, "encoder_hid_dim": 12, "use_linear_projection": True},
+    "mask": {
+        **TINY,
+        "down_block_types": ["CrossAttnDownBlock2D"] * 2,
+        "up_block_types": ["CrossAttnUpBlock2D"] * 2,
+        "attention_head_dim": 4,
+        "encoder_hid_dim": 12,
+        "use_linear_projection": True,
+    },
     # Kandinsky 2.2's decoder: image conditioning, ResNet resamplers, SimpleCrossAttn blocks, scale/shift
     "kandinsky": {
-        **TINY, "out_channels": 8, "down_block_types": ["ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"],
+        **TINY,
+        "out_channels": 8,
+        "down_block_types": ["ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"],
         "up_block_types": ["SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"],
-        "mid_block_type": "UNetMidBlock2DSimpleCrossAttn", "attention_head_dim": 16, "encoder_hid_dim": 24,
-        "encoder_hid_dim_type": "image_proj", "addition_embed_type": "image", "resnet_time_scale_shift": "scale_shift",
-        "cross_attention_norm": "group_norm", "resnet_skip_time_act": True, "resnet_out_scale_factor": 2.0,
+        "mid_block_type": "UNetMidBlock2DSimpleCrossAttn",
+        "attention_head_dim": 16,
+        "encoder_hid_dim": 24,
+        "encoder_hid_dim_type": "image_proj",
+        "addition_embed_type": "image",
+        "resnet_time_scale_shift": "scale_shift",
+        "cross_attention_norm": "group_norm",
+        "resnet_skip_time_act": True,
+        "resnet_out_scale_factor": 2.0,
     },
-}  # fmt: skip
+}
 CONTEXT = 5
 
 
@@ -99,9 +124,12 @@ def test_both_frameworks_load_and_match_diffusers(saved: dict[str, Any], tmp_pat
 def _torch_step(model: torch.nn.Module, inputs: dict[str, Any], diffusers: bool = False) -> LossAndGrads:
     forward = model
     if diffusers:
-        kwargs = {"encoder_hidden_states": inputs["context"], "timestep_cond": inputs.get("timestep_cond"),
-                  "encoder_attention_mask": inputs["encoder_attention_mask"],
-                  "added_cond_kwargs": {"image_embeds": inputs["image_embeds"]}}  # fmt: skip
+        kwargs = {
+            "encoder_hidden_states": inputs["context"],
+            "timestep_cond": inputs.get("timestep_cond"),
+            "encoder_attention_mask": inputs["encoder_attention_mask"],
+            "added_cond_kwargs": {"image_embeds": inputs["image_embeds"]},
+        }
         inputs = {"x": inputs["x"], "t": inputs["t"]}
 
         def forward(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -154,8 +182,16 @@ def test_plans_leave_gradients_unchanged_in_flax() -> None:
     assert_plans_keep_loss_and_grads(step, ["layers"], tol=1e-5)
 
 
-SPEC_BASE = {"name": "s", "in_channels": 4, "out_channels": 4, "sample_size": 8, "block_out_channels": [32, 64],
-             "norm_num_groups": 8, "down_attention": ["none", "simple_cross"], "cross_attention_dim": 32}  # fmt: skip
+SPEC_BASE = {
+    "name": "s",
+    "in_channels": 4,
+    "out_channels": 4,
+    "sample_size": 8,
+    "block_out_channels": [32, 64],
+    "norm_num_groups": 8,
+    "down_attention": ["none", "simple_cross"],
+    "cross_attention_dim": 32,
+}
 
 
 @pytest.mark.parametrize(
@@ -163,12 +199,14 @@ SPEC_BASE = {"name": "s", "in_channels": 4, "out_channels": 4, "sample_size": 8,
     [
         ({"cross_attention_dim": None}, "cross_attention_dim: required by simple_cross"),
         ({"resnet_out_scale_factor": 2.0}, "resnet_out_scale_factor: only read with resampler: resnet"),
-        ({"down_attention": ["none", "none"], "mid_attention": "none", "context_norm_groups": 32},
-         "context_norm_groups: only read by simple_cross"),
+        (
+            {"down_attention": ["none", "none"], "mid_attention": "none", "context_norm_groups": 32},
+            "context_norm_groups: only read by simple_cross",
+        ),
         ({"context_proj_dim": 8, "image_embedding": {"input_dim": 8}}, "context_proj_dim: cannot be combined"),
         ({"image_embedding": {"input_dim": 8, "add_to_time": False, "context_tokens": None}}, "neither used"),
     ],
-)  # fmt: skip
+)
 def test_spec_refuses_options_nothing_reads(change: dict[str, Any], message: str) -> None:
     from shared_configs.loader import spec_from_dict
 

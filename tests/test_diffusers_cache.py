@@ -28,11 +28,18 @@ from tests.helpers.tensors import as_torch, randomize_, rel_err
 from torch_impl import UNet
 
 CONFIG = {  # a tiny SDXL-like U-Net: text_time conditioning
-    "block_out_channels": (16, 32), "norm_num_groups": 8, "sample_size": 8, "layers_per_block": 1,
-    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"), "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
-    "attention_head_dim": 2, "cross_attention_dim": 8, "addition_embed_type": "text_time",
-    "addition_time_embed_dim": 4, "projection_class_embeddings_input_dim": 30,
-}  # fmt: skip
+    "block_out_channels": (16, 32),
+    "norm_num_groups": 8,
+    "sample_size": 8,
+    "layers_per_block": 1,
+    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
+    "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
+    "attention_head_dim": 2,
+    "cross_attention_dim": 8,
+    "addition_embed_type": "text_time",
+    "addition_time_embed_dim": 4,
+    "projection_class_embeddings_input_dim": 30,
+}
 
 
 @pytest.fixture(scope="module")

@@ -46,8 +46,12 @@ def case() -> dict[str, Any]:
         net = diffusers.ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 16))
     randomize_(net, seed=3)
     gen = torch.Generator().manual_seed(1)
-    inputs = (torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([5.0, 700.0]), torch.randn(2, 3, 12, generator=gen),
-              torch.randn(2, 3, 16, 16, generator=gen))  # fmt: skip
+    inputs = (
+        torch.randn(2, 4, 8, 8, generator=gen),
+        torch.tensor([5.0, 700.0]),
+        torch.randn(2, 3, 12, generator=gen),
+        torch.randn(2, 3, 16, 16, generator=gen),
+    )
     model = _Loss(net.train())
     return {"net": net, "model": model, "inputs": inputs, "plain": _step(model, inputs)}
 

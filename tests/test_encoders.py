@@ -27,10 +27,23 @@ from torch_impl.memory import memtracker
 from torch_impl.profile import ShapesOnly
 from torch_impl.regime import DTYPE
 
-VAE = {**enc.VAE, "block_out_channels": [8, 16], "norm_num_groups": 4, "down_block_types": ["DownEncoderBlock2D"] * 2,
-       "up_block_types": ["UpDecoderBlock2D"] * 2, "layers_per_block": 1}  # fmt: skip
-CLIP = {**enc.CLIP_L, "vocab_size": 100, "max_position_embeddings": 16, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 4}  # fmt: skip
+VAE = {
+    **enc.VAE,
+    "block_out_channels": [8, 16],
+    "norm_num_groups": 4,
+    "down_block_types": ["DownEncoderBlock2D"] * 2,
+    "up_block_types": ["UpDecoderBlock2D"] * 2,
+    "layers_per_block": 1,
+}
+CLIP = {
+    **enc.CLIP_L,
+    "vocab_size": 100,
+    "max_position_embeddings": 16,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
 SMALL = [
     enc.Encoder("vae", "vae", json.dumps(VAE), "float32", image_size=32),
     enc.Encoder("text_encoder", "clip", json.dumps(CLIP), "float32", tokens=16),
@@ -73,8 +86,11 @@ def test_the_families_by_cross_attention_width() -> None:
     names = [(e.name, e.dtype) for e in enc.encoders_of(sd15, Regime("fp16-mixed"), options)]
     assert names == [("vae", "float16"), ("text_encoder", "float16")]
     xl = enc.encoders_of(sdxl, Regime("bf16-mixed"), enc.StepOptions(True, train_text_encoder=True))
-    assert [(e.name, e.dtype, e.trained) for e in xl] == [("vae", "float32", False), ("text_encoder", "float32", True),
-                                                         ("text_encoder_2", "bfloat16", False)]  # fmt: skip
+    assert [(e.name, e.dtype, e.trained) for e in xl] == [
+        ("vae", "float32", False),
+        ("text_encoder", "float32", True),
+        ("text_encoder_2", "bfloat16", False),
+    ]
     assert xl[0].image_size == 1024 and all(e.hidden_states for e in xl[1:])
     cached = enc.encoders_of(sd15, Regime(), enc.StepOptions(True, cached_latents=True))
     assert [e.name for e in cached] == ["text_encoder"]
@@ -84,8 +100,14 @@ def test_the_families_by_cross_attention_width() -> None:
 
 def test_the_whole_step_term_by_term() -> None:
     spec = load_spec("tiny")
-    profile = dataclasses.replace(random_profile(spec, 1, framework="torch"), opt_peak=10**6, static_bytes=5000,
-                                  grad_bytes=3000, flops_per_s=1e6, step_time_s=1.0)  # fmt: skip
+    profile = dataclasses.replace(
+        random_profile(spec, 1, framework="torch"),
+        opt_peak=10**6,
+        static_bytes=5000,
+        grad_bytes=3000,
+        flops_per_s=1e6,
+        step_time_s=1.0,
+    )
     vae, _, trained = SMALL
     measured = {
         "vae": {"weights": 100, "params": 25, "peak": 10**11, "flops": 10**6},
@@ -110,8 +132,11 @@ def test_a_pipeline_folder_names_its_own_encoders(tmp_path: Path) -> None:
     (tmp_path / "unet").mkdir()
     (tmp_path / "unet" / "config.json").write_text("{}")
     assert enc.pipeline_configs(str(tmp_path / "unet")) is None  # nothing beside it yet
-    for name, config in (("vae", VAE), ("text_encoder", {**CLIP, "architectures": ["CLIPTextModel"]}),
-                         ("text_encoder_2", {**CLIP, "architectures": ["CLIPTextModelWithProjection"]})):  # fmt: skip
+    for name, config in (
+        ("vae", VAE),
+        ("text_encoder", {**CLIP, "architectures": ["CLIPTextModel"]}),
+        ("text_encoder_2", {**CLIP, "architectures": ["CLIPTextModelWithProjection"]}),
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     found = enc.pipeline_configs(str(tmp_path))
@@ -138,9 +163,15 @@ def test_a_trained_text_encoders_adafactor_state_as_a_real_adafactor_step_holds_
     config = {**CLIP, "max_position_embeddings": 77}  # the scripts' 77 tokens
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(whole, "run_worker", torch_encoders.encoders)
-    work = Workload.of("tiny", batch_size=2, regime=Regime(optimizer="adafactor"), with_encoders=True,
-                       cached_latents=True, train_text_encoder=True,
-                       encoder_configs=json.dumps({"text_encoder": config}))  # fmt: skip
+    work = Workload.of(
+        "tiny",
+        batch_size=2,
+        regime=Regime(optimizer="adafactor"),
+        with_encoders=True,
+        cached_latents=True,
+        train_text_encoder=True,
+        encoder_configs=json.dumps({"text_encoder": config}),
+    )
     profile = random_profile(work.spec, 1, framework="torch")
     held = whole.extender(work)(profile, "cpu").static_bytes - profile.static_bytes
 

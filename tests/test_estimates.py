@@ -29,8 +29,9 @@ def test_the_table_is_the_planners_predictions(tmp_path: Path, monkeypatch: pyte
     profiles = {}
     for i, name in enumerate(("fp32", "bf16-mixed+lora:8")):
         work = Workload.of("tiny", batch_size=2, regime=estimates.REGIMES[name], shapes=True)
-        profile = dataclasses.replace(random_profile(SPEC, i, framework="torch"), mode="shapes",
-                                      regime=work.regime.describe())  # fmt: skip
+        profile = dataclasses.replace(
+            random_profile(SPEC, i, framework="torch"), mode="shapes", regime=work.regime.describe()
+        )
         path = profile_path("torch", work)
         path.parent.mkdir(parents=True, exist_ok=True)
         profile.save(path)

@@ -144,8 +144,9 @@ def test_a_real_profile_gains_the_static_terms_and_the_optimizers_at_the_optimiz
     regime = Regime("fp32")  # tiny's padding is kept by plain units; at the optimizer it is gone
     params = list(UNet(TINY).parameters())  # the trained tensors, from the torch model itself
     trained_bytes, largest = 4 * sum(p.numel() for p in params), max(p.numel() for p in params)
-    profile = dataclasses.replace(random_profile(TINY, 3, framework="torch"), opt_peak=10**10, scale=1.0,
-                                  grad_bytes=trained_bytes)  # fmt: skip
+    profile = dataclasses.replace(
+        random_profile(TINY, 3, framework="torch"), opt_peak=10**10, scale=1.0, grad_bytes=trained_bytes
+    )
     flavoured = gpu.gpu_profile(profile, TINY, regime)
     static = gpu.workspace_bytes() + gpu.rounding_bound(TINY, regime)
     # CUDA's foreach AdamW: one more copy of the trained weights, where the CPU's loop held two of the largest
@@ -188,14 +189,17 @@ ON_A_GPU = "--unfused-attention, --optimizer-impl: how a GPU runs the step; give
     [
         (["--unfused-attention"], ON_A_GPU),
         (["--optimizer-impl", "fused"], ON_A_GPU),
-        (["--device", "cuda", "--optimizer-impl", "bitsandbytes"],
-         "optimizer implementation: adamw runs as one of per-parameter, foreach, fused, got 'bitsandbytes'"),
+        (
+            ["--device", "cuda", "--optimizer-impl", "bitsandbytes"],
+            "optimizer implementation: adamw runs as one of per-parameter, foreach, fused, got 'bitsandbytes'",
+        ),
         (["--cached-latents"], "--cached-latents: leaves the VAE out of --with-encoders"),
         (["--with-encoders"], "--with-encoders: no known text encoders for cross_attention_dim 12"),
     ],
 )
-def test_plan_refuses_whole_step_flags_in_one_line(extra: list[str], message: str,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_plan_refuses_whole_step_flags_in_one_line(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--config", "tiny", "--batch-size", "2", "--shapes", "--policy", "layers", *extra])
     err = capsys.readouterr().err

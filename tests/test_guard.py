@@ -73,8 +73,12 @@ def checking_by_prediction(real: Callable[[dict], dict]) -> Callable[[dict], dic
     def run_worker(request: dict) -> dict:
         if request["kind"] != "peaks":
             return real(request)
-        work = Workload(workload_spec(request["spec"]), request["batch_size"], Regime(**request["regime"]),
-                        request["context_length"])  # fmt: skip
+        work = Workload(
+            workload_spec(request["spec"]),
+            request["batch_size"],
+            Regime(**request["regime"]),
+            request["context_length"],
+        )
         return {"peaks": {p: _predicted(work, p) for p in request["policies"]}}
 
     return run_worker
@@ -197,10 +201,12 @@ def _report(name: str, guard: BudgetGuard, over: int, final: int, extra: int) ->
     first, tight = h[0], next(r for r in h if r.action == "tightened")
     before = max(r.measured for r in h if r.measured is not None and r.plan == first.plan)
     after = max(r.measured for r in h if r.measured is not None and r.plan == tight.plan)
-    print(f"\n{name}: budget {guard.budget / mib:.2f} MiB | buffer {extra / mib:.2f} MiB | first {first.plan} "
-          f"(predicted {first.predicted / mib:.2f}; guard {before / mib:.2f}; MemTracker {over / mib:.2f}) | excess "
-          f"{tight.outside / mib:.2f} at step {tight.step} | then {tight.plan} (predicted {tight.predicted / mib:.2f};"
-          f" guard {after / mib:.2f}; MemTracker {final / mib:.2f})")  # fmt: skip
+    print(
+        f"\n{name}: budget {guard.budget / mib:.2f} MiB | buffer {extra / mib:.2f} MiB | first {first.plan} "
+        f"(predicted {first.predicted / mib:.2f}; guard {before / mib:.2f}; MemTracker {over / mib:.2f}) | excess "
+        f"{tight.outside / mib:.2f} at step {tight.step} | then {tight.plan} (predicted {tight.predicted / mib:.2f};"
+        f" guard {after / mib:.2f}; MemTracker {final / mib:.2f})"
+    )
 
 
 @pytest.mark.slow
@@ -298,8 +304,9 @@ def test_a_model_that_is_not_a_u_net_is_refused_before_planning() -> None:
         BudgetGuard(torch.nn.Linear(2, 2), 1 << 20, batch_size=1)
 
 
-@pytest.mark.parametrize(("capability", "flavour"), [((7, 5), "cuda"), ((8, 9), "cuda"), ((9, 0), "cuda-sm90"),
-                                                     ((12, 0), "cuda-sm90")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("capability", "flavour"), [((7, 5), "cuda"), ((8, 9), "cuda"), ((9, 0), "cuda-sm90"), ((12, 0), "cuda-sm90")]
+)
 def test_the_gpu_flavour_by_compute_capability(
     capability: tuple[int, int], flavour: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -60,13 +60,26 @@ class Script:
             warnings.simplefilter("ignore")
             self.unet = diffusers.UNet2DConditionModel.from_config(to_diffusers_config(SPEC))
             self.vae = diffusers.AutoencoderKL(
-                down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4, sample_size=16,
-            )  # fmt: skip
-            self.text = CLIPTextModel(CLIPTextConfig(
-                vocab_size=64, hidden_size=12, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-                max_position_embeddings=TOKENS, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-            ))  # fmt: skip
+                down_block_types=("DownEncoderBlock2D",) * 2,
+                up_block_types=("UpDecoderBlock2D",) * 2,
+                block_out_channels=(8, 16),
+                layers_per_block=1,
+                norm_num_groups=4,
+                sample_size=16,
+            )
+            self.text = CLIPTextModel(
+                CLIPTextConfig(
+                    vocab_size=64,
+                    hidden_size=12,
+                    intermediate_size=24,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    max_position_embeddings=TOKENS,
+                    bos_token_id=0,
+                    eos_token_id=1,
+                    pad_token_id=1,
+                )
+            )
         for module in (self.unet, self.vae, self.text):
             module.requires_grad_(False)
             module.to(dtype=weight_dtype)  # --mixed_precision bf16: the frozen weights in bfloat16
@@ -76,8 +89,9 @@ class Script:
             self.controlnet = diffusers.ControlNetModel.from_unet(self.unet, **widths)
             self.controlnet.train()
         else:  # train_text_to_image_lora.py
-            self.unet.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian",
-                                             target_modules=LORA_TARGETS))  # fmt: skip
+            self.unet.add_adapter(
+                LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian", target_modules=LORA_TARGETS)
+            )
             cast_training_params(self.unet, dtype=torch.float32)
         mixed = {torch.bfloat16: "bf16", None: "no"}[weight_dtype]
         self.accelerator = Accelerator(gradient_accumulation_steps=accumulation, cpu=True, mixed_precision=mixed)
@@ -86,8 +100,10 @@ class Script:
         self.trained, self.optimizer = self.accelerator.prepare(trained, optimizer)
         self.scheduler = diffusers.DDPMScheduler(num_train_timesteps=1000)
         g = torch.Generator().manual_seed(1)
-        self.batches = [(torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, 64, (BATCH, TOKENS), generator=g))
-                        for _ in range(8)]  # fmt: skip
+        self.batches = [
+            (torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, 64, (BATCH, TOKENS), generator=g))
+            for _ in range(8)
+        ]
         self.fail: Callable[[], bool] = lambda: False  # an out-of-memory error after the backward, when true
         self.extra = 0  # bytes the step holds beyond the script's (a rank's own)
 
@@ -167,8 +183,9 @@ def test_the_model_is_read_as_the_script_holds_it(capsys: pytest.CaptureFixture[
     assert regime_seen(both)[0] == Regime()  # the ControlNet trained whole, float32
     assert step_spec(both).controlnet.conditioning_embedding_out_channels == (8, 16)
     with pytest.raises(ValueError, match=r"^controlnet: its block_out_channels .* is not the U-Net's"):
-        ControlNetPair.of(bf16.unet.__class__.from_config({**bf16.unet.config, "block_out_channels": (16, 48)}),
-                          pair.controlnet)  # fmt: skip
+        ControlNetPair.of(
+            bf16.unet.__class__.from_config({**bf16.unet.config, "block_out_channels": (16, 48)}), pair.controlnet
+        )
 
 
 def test_a_retry_point_puts_back_accumulated_gradients_and_accelerates_counter() -> None:
@@ -213,9 +230,14 @@ def test_a_script_step_keeps_the_budget_and_the_unguarded_weights(controlnet: bo
     after = [r.measured for r in guard.history[last:] if r.measured is not None]
     assert after and max(after) <= budget, guard.history
     assert largest_difference(script.weights(), plain.weights()) == 0.0
-    print(f"\n{'controlnet' if controlnet else 'lora'}: budget {budget / 2**20:.3f} MiB;",
-          *(f"{r.step} {r.action} {r.plan} {r.predicted / 2**20:.3f}/{(r.measured or 0) / 2**20:.3f}"
-            for r in guard.history), sep="\n  ")  # fmt: skip
+    print(
+        f"\n{'controlnet' if controlnet else 'lora'}: budget {budget / 2**20:.3f} MiB;",
+        *(
+            f"{r.step} {r.action} {r.plan} {r.predicted / 2**20:.3f}/{(r.measured or 0) / 2**20:.3f}"
+            for r in guard.history
+        ),
+        sep="\n  ",
+    )
 
 
 @heavy
@@ -282,8 +304,9 @@ def test_wrapped_models_are_unwrapped_and_own_checkpointing_is_taken_over(capsys
     guard = BudgetGuard(torch.compile(unet), 1 << 30, batch_size=BATCH, context_length=TOKENS, policy="none")
     assert not any(getattr(m, "gradient_checkpointing", False) for m in unet.modules())
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line == ("guard: step 0: UNet2DConditionModel: its own gradient checkpointing is off; the guard's plan "
-                    "replaces it")  # fmt: skip
+    assert line == (
+        "guard: step 0: UNet2DConditionModel: its own gradient checkpointing is off; the guard's plan replaces it"
+    )
 
 
 @heavy
@@ -317,16 +340,27 @@ def test_a_bf16_base_with_fp32_lora_is_read_from_the_step_and_predicted_within_5
     capsys.readouterr()
     guard.run(step)
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line == (f"guard: step 1: the step runs in bf16-frozen, lora:{RANK}, adamw, not in the regime given "
-                    f"(bf16-frozen, lora:{RANK}, adamw8bit); planned for the one given")  # fmt: skip
+    assert line == (
+        f"guard: step 1: the step runs in bf16-frozen, lora:{RANK}, adamw, not in the regime given "
+        f"(bf16-frozen, lora:{RANK}, adamw8bit); planned for the one given"
+    )
 
 
 @heavy
 def test_two_processes_re_plan_together(tmp_path: Path) -> None:
     """torchrun, 2 CPU processes (gloo, accelerate's DDP): rank 1's step holds 0.4 MiB more; both
     ranks judge the larger peak (one all-reduce) and put on rank 0's plan before the same step."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "tests.test_guard_scripts", str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "tests.test_guard_scripts",
+        str(tmp_path),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the module's profile cache (`plan_cache`) among them
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

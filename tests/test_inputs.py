@@ -126,30 +126,56 @@ SPEC = "spec 'conditioned'"
 # (id, the inputs changed, the message; {layout}, {want}, {shape} are x's in each framework)
 BAD: list[tuple[str, dict[str, Any], str]] = [
     ("t_batch", {"t": np.zeros(3, F32)}, "t: expected a scalar or shape (2,) (one timestep per sample), got (3,)"),
-    ("context_width", {"context": np.zeros((2, 3, 10), F32)},
-     "context: expected shape (B, L, 12) with B=2, got (2, 3, 10)"),
-    ("context_batch", {"context": np.zeros((3, 3, 12), F32)},
-     "context: expected shape (B, L, 12) with B=2, got (3, 3, 12)"),
-    ("context_missing", {"context": None},
-     f"context: {SPEC} has cross-attention; pass context of shape (B, L, 12)"),
-    ("labels_missing", {"class_labels": None},
-     f"class_labels: {SPEC} has a class embedding; pass class_labels of shape (B,)"),
-    ("labels_float", {"class_labels": np.zeros(2, F32)},
-     "class_labels: expected integer class ids of shape (B,), got dtype float32"),
-    ("labels_shape", {"class_labels": np.zeros((2, 1), np.int32)},
-     "class_labels: expected shape (B,) with B=2, got (2, 1)"),
-    ("text_missing", {"text_embeds": None},
-     f"text_embeds: {SPEC} has text_time conditioning; pass text_embeds of shape (B, D)"),
+    (
+        "context_width",
+        {"context": np.zeros((2, 3, 10), F32)},
+        "context: expected shape (B, L, 12) with B=2, got (2, 3, 10)",
+    ),
+    (
+        "context_batch",
+        {"context": np.zeros((3, 3, 12), F32)},
+        "context: expected shape (B, L, 12) with B=2, got (3, 3, 12)",
+    ),
+    ("context_missing", {"context": None}, f"context: {SPEC} has cross-attention; pass context of shape (B, L, 12)"),
+    (
+        "labels_missing",
+        {"class_labels": None},
+        f"class_labels: {SPEC} has a class embedding; pass class_labels of shape (B,)",
+    ),
+    (
+        "labels_float",
+        {"class_labels": np.zeros(2, F32)},
+        "class_labels: expected integer class ids of shape (B,), got dtype float32",
+    ),
+    (
+        "labels_shape",
+        {"class_labels": np.zeros((2, 1), np.int32)},
+        "class_labels: expected shape (B,) with B=2, got (2, 1)",
+    ),
+    (
+        "text_missing",
+        {"text_embeds": None},
+        f"text_embeds: {SPEC} has text_time conditioning; pass text_embeds of shape (B, D)",
+    ),
     ("time_ids_batch", {"time_ids": np.zeros((1, 3), F32)}, "time_ids: expected shape (B, N) with B=2, got (1, 3)"),
-    ("text_time_widths", {"text_embeds": np.zeros((2, 17), F32)},
-     "text_embeds, time_ids: widths 17 + 3 x 4 = 29 must equal addition_embedding.input_dim=30 "
-     "(e.g. text_embeds (B, 18) and time_ids (B, 3))"),
+    (
+        "text_time_widths",
+        {"text_embeds": np.zeros((2, 17), F32)},
+        "text_embeds, time_ids: widths 17 + 3 x 4 = 29 must equal addition_embedding.input_dim=30 "
+        "(e.g. text_embeds (B, 18) and time_ids (B, 3))",
+    ),
     ("x_3d", {"x": np.zeros((2, 4, 8), F32)}, "x: expected a 4-D {layout} array {want}, got shape (2, 4, 8)"),
-    ("x_7x7", {"x": np.zeros((2, 4, 7, 7), F32)},
-     "x: spatial size 7x7 is not divisible by the downsampling factor 2 (2 levels)"),
-    ("x_channels", {"x": np.zeros((2, 3, 8, 8), F32)},
-     "x: expected {layout} {want} with in_channels=4, got shape {shape}"),
-]  # fmt: skip
+    (
+        "x_7x7",
+        {"x": np.zeros((2, 4, 7, 7), F32)},
+        "x: spatial size 7x7 is not divisible by the downsampling factor 2 (2 levels)",
+    ),
+    (
+        "x_channels",
+        {"x": np.zeros((2, 3, 8, 8), F32)},
+        "x: expected {layout} {want} with in_channels=4, got shape {shape}",
+    ),
+]
 
 
 @pytest.mark.parametrize(("changes", "message"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])

@@ -42,8 +42,9 @@ def case() -> dict[str, Any]:
     s = setup(SPEC, BATCH, CONTEXT, CHUNK, run=False)
 
     def build(policy: str, with_extra: bool = True) -> Any:
-        fn = functools.partial(_user_step if with_extra else jstep.train_step.__wrapped__, model=unet(s, policy),
-                               tx=s["tx"])  # fmt: skip
+        fn = functools.partial(
+            _user_step if with_extra else jstep.train_step.__wrapped__, model=unet(s, policy), tx=s["tx"]
+        )
         return jax.jit(fn, donate_argnums=(0,))
 
     def peak(policy: str, args: tuple, with_extra: bool = True) -> int:
@@ -53,8 +54,7 @@ def case() -> dict[str, Any]:
     assert full < none, (full, none)  # remat saves memory on XLA:CPU with the barriers kept
     extra_bytes = (none - full) // 2
     extra = jax.ShapeDtypeStruct((extra_bytes // 4,), jnp.float32)
-    return {"args": (*s["args"], extra), "build": build, "peak": peak, "none": none, "full": full,
-            "extra": extra_bytes}  # fmt: skip
+    return {"args": (*s["args"], extra), "build": build, "peak": peak, "none": none, "full": full, "extra": extra_bytes}
 
 
 @pytest.mark.heavy  # minutes of CPU: left out of the default run
@@ -67,8 +67,14 @@ def test_a_step_holding_more_than_the_model_gets_a_plan_whose_compiled_peak_fits
     first = sp.history[0]
     assert first.compiled == first.predicted + first.outside
     assert first.outside >= case["extra"] * 0.9  # the extra array is seen as held beyond the model's step
-    print("\n" + "\n".join(f"{r.round} {r.plan} predicted {r.predicted} compiled {r.compiled} outside {r.outside} "
-                           f"{r.action}" for r in sp.history) + f"\nbudget {budget}")  # fmt: skip
+    print(
+        "\n"
+        + "\n".join(
+            f"{r.round} {r.plan} predicted {r.predicted} compiled {r.compiled} outside {r.outside} {r.action}"
+            for r in sp.history
+        )
+        + f"\nbudget {budget}"
+    )
 
 
 @pytest.mark.heavy  # a JAX profile and three compiles; plan_for_step stays in the default run in test_jax_guard_oom

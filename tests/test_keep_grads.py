@@ -74,8 +74,9 @@ def test_profile_with_kept_gradients_predicts_the_tracked_peak() -> None:
     from torch_impl import profile as profile_torch
 
     fields = profile_torch.profile(SPEC, BATCH, CONTEXT, repeats=0, regime=KEPT)
-    profile = Profile(config="tiny32", sample_size=32, batch_size=BATCH, context_length=CONTEXT,
-                      regime=KEPT.describe(), **fields)  # fmt: skip
+    profile = Profile(
+        config="tiny32", sample_size=32, batch_size=BATCH, context_length=CONTEXT, regime=KEPT.describe(), **fields
+    )
     for policy in ("none", "full", "layers"):
         predicted = predict(profile, SPEC, assignment_of(SPEC, policy)).peak_bytes
         measured = _tracked(KEPT, policy)[0]

@@ -109,7 +109,23 @@ def test_only_the_adapters_train_and_hold_state(pair: tuple) -> None:
 
 @pytest.mark.heavy  # the adapters' training stays in the default run: test_only_the_adapters_train_and_hold_state
 def test_jax_training_cli_trains_lora(tmp_path) -> None:
-    cfg = jt.parse_args(["--config", "tiny", "--steps", "3", "--batch-size", "2", "--trainable", f"lora:{RANK}",
-                      "--policy", "full", "--sample-steps", "0", "--out", str(tmp_path)])  # fmt: skip
+    cfg = jt.parse_args(
+        [
+            "--config",
+            "tiny",
+            "--steps",
+            "3",
+            "--batch-size",
+            "2",
+            "--trainable",
+            f"lora:{RANK}",
+            "--policy",
+            "full",
+            "--sample-steps",
+            "0",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     losses = jt.train(cfg)
     assert len(losses) == 3 and all(np.isfinite(losses))

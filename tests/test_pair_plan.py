@@ -52,11 +52,13 @@ def test_names_are_the_controlnets_prefixed_then_the_unets() -> None:
         ("down.0,foo.1", "policy: unknown unit 'foo.1'"),
         ("fulll", "policy: unknown policy 'fulll' (allowed: none, full"),
         ("down.0;down.0", "policy: 'down.0' is named in two ';' groups"),
-        ("controlnet.down.0,controlnet.down.0.resnets.0", "lies inside 'down.0', which is already recomputed (in the "
-         "ControlNet's units, controlnet.* here)"),
+        (
+            "controlnet.down.0,controlnet.down.0.resnets.0",
+            "lies inside 'down.0', which is already recomputed (in the ControlNet's units, controlnet.* here)",
+        ),
         ("controlnet.mid/save=gemm", "save: unknown op 'gemm' (allowed: conv, matmul, attention, norm)"),
     ],
-)  # fmt: skip
+)
 def test_bad_pair_policies_are_one_line(policy: str, message: str) -> None:
     with pytest.raises(SpecError) as err:
         split_pair_plan(PAIR, policy)

@@ -73,8 +73,24 @@ def test_plan_controlnet_verify_fits_when_measured(tmp_path: Path, monkeypatch: 
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     out = tmp_path / "plan.json"
-    argv = ["--config", "tiny", "--batch-size", "2", "--context-length", "3", "--controlnet", "--budget-mib", "14",
-            "--verify", "--candidates", "0", "--steps", "1", "--json", str(out)]  # fmt: skip
+    argv = [
+        "--config",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--context-length",
+        "3",
+        "--controlnet",
+        "--budget-mib",
+        "14",
+        "--verify",
+        "--candidates",
+        "0",
+        "--steps",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     doc = json.loads(out.read_text())
     torch_doc = doc["frameworks"]["torch"]

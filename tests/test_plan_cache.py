@@ -107,8 +107,16 @@ print(profile.opt_peak, profile.units["mid"]["full"].keep)
 def test_two_processes_filling_one_entry_at_once_both_get_it_and_it_is_made_once(tmp_path: Path) -> None:
     path, log = tmp_path / "cache" / "tiny-torch-0123.json", tmp_path / "log"
     root = Path(__file__).parents[1]
-    procs = [subprocess.Popen([sys.executable, "-c", FILL, str(path), str(log)], cwd=root, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", FILL, str(path), str(log)],
+            cwd=root,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
     results = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
     want = f"{GOOD.opt_peak} {GOOD.units['mid']['full'].keep}\n"

@@ -117,10 +117,24 @@ def test_json_document_and_one_plan_for_both(cache: dict, tmp_path: Path) -> Non
     argv = ["--config", "tiny", "--batch-size", "2", "--budget-mib", str(budget / MIB), "--framework", "both"]
     assert cli.main([*argv, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert set(doc) == {"plan", "budget_bytes", "frameworks", "margin", "solve_seconds", "world_size", "distributed",
-                        "settings", "regime"}
-    assert doc["regime"] == {"precision": "fp32", "trainable": "all", "optimizer": "adamw", "ema": False,
-                             "keep_grads": False}  # fmt: skip
+    assert set(doc) == {
+        "plan",
+        "budget_bytes",
+        "frameworks",
+        "margin",
+        "solve_seconds",
+        "world_size",
+        "distributed",
+        "settings",
+        "regime",
+    }
+    assert doc["regime"] == {
+        "precision": "fp32",
+        "trainable": "all",
+        "optimizer": "adamw",
+        "ema": False,
+        "keep_grads": False,
+    }
     assert set(doc["frameworks"]) == {"torch", "jax"}
     for fw, entry in doc["frameworks"].items():
         assert {"predicted_peak_bytes", "predicted_overhead", "recompute_flops"} <= set(entry)
@@ -238,8 +252,9 @@ def _measure_as(monkeypatch: pytest.MonkeyPatch, profiles: dict[str, Profile], o
             return run
 
         monkeypatch.setattr(stepclock, "clock", lambda: clock["now"])
-        rounds = stepclock.measured_rounds({p: step(p) for p in policies}, measured, request["steps"],
-                                           request.get("race_to"))  # fmt: skip
+        rounds = stepclock.measured_rounds(
+            {p: step(p) for p in policies}, measured, request["steps"], request.get("race_to")
+        )
         return {"rows": {p: {"peak_bytes": measured[p]} | stepclock.times(rounds[p]) for p in policies}}
 
     monkeypatch.setattr(planner, "run_worker", run_worker)
@@ -415,7 +430,6 @@ def test_plan_for_a_diffusers_folder_and_a_cached_repo(
             expected = predict(profiles[fw], spec.spec, assignment_of(spec.spec, "layers")).peak_bytes
             assert entry["predicted_peak_bytes"] == expected
     assert "bf16-mixed, all weights trained, adafactor" in capsys.readouterr().out
-
 
 
 def test_the_answer_names_none_and_full_and_lists_each_block(cache: dict, capsys: pytest.CaptureFixture[str]) -> None:

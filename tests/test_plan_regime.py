@@ -28,8 +28,9 @@ REGIMES = {
 
 
 def _profile(fields: dict, regime: Regime) -> Profile:
-    return Profile(config="tiny32", sample_size=32, batch_size=BATCH, context_length=CONTEXT,
-                   regime=regime.describe(), **fields)  # fmt: skip
+    return Profile(
+        config="tiny32", sample_size=32, batch_size=BATCH, context_length=CONTEXT, regime=regime.describe(), **fields
+    )
 
 
 @pytest.mark.slow
@@ -114,8 +115,13 @@ def test_the_regime_keys_the_profile_cache() -> None:
     paths = {profile_path("torch", Workload(SPEC, BATCH, r)) for r in regimes}
     assert len(paths) == len(regimes)
     request = Workload(SPEC, BATCH, REGIMES["lora"]).request("torch", "profile")
-    assert request["regime"] == {"precision": "bf16-mixed", "trainable": "lora:8", "optimizer": "adamw", "ema": False,
-                                 "keep_grads": False}  # fmt: skip
+    assert request["regime"] == {
+        "precision": "bf16-mixed",
+        "trainable": "lora:8",
+        "optimizer": "adamw",
+        "ema": False,
+        "keep_grads": False,
+    }
 
 
 def test_a_regime_jax_cannot_run_here_is_refused_before_any_worker(monkeypatch: pytest.MonkeyPatch) -> None:

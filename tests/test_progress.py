@@ -79,8 +79,12 @@ def test_tracked_yields_every_item_and_says_which_is_next(caplog: pytest.LogCapt
     caplog.set_level(logging.INFO, logger="unet_remat")
     assert list(pg.tracked(["none", "full"], "compiles")) == ["none", "full"]
     messages = [r.getMessage().split(", ")[:2] for r in caplog.records if r.name == "unet_remat"]
-    assert messages == [["compiles: 0/2", "none"], ["compiles: 1/2", "full"], ["compiles: 2/2", "0 s"],
-                        ["compiles: 2/2", "done in 0 s"]]  # fmt: skip
+    assert messages == [
+        ["compiles: 0/2", "none"],
+        ["compiles: 1/2", "full"],
+        ["compiles: 2/2", "0 s"],
+        ["compiles: 2/2", "done in 0 s"],
+    ]
 
 
 def test_what_the_user_must_see_goes_to_stderr_or_through_logging(

@@ -164,8 +164,14 @@ def _nbytes(value: torch.Tensor) -> int:
 @pytest.mark.slow
 def test_a_resumed_run_in_a_regime_continues_the_curve(tmp_path: Path) -> None:
     """The EMA copy and the optimizer state of a regime are checkpointed: resume = uninterrupted."""
-    base = TrainConfig(config="tiny", steps=4, checkpoint_every=2, sample_steps=0, batch_size=4,
-                       regime=Regime(trainable="lora:4", optimizer="adafactor", ema=True))  # fmt: skip
+    base = TrainConfig(
+        config="tiny",
+        steps=4,
+        checkpoint_every=2,
+        sample_steps=0,
+        batch_size=4,
+        regime=Regime(trainable="lora:4", optimizer="adafactor", ema=True),
+    )
     whole = ttrain.train(dataclasses.replace(base, out=str(tmp_path / "whole")))
     ttrain.train(dataclasses.replace(base, steps=2, out=str(tmp_path / "half")))
     resumed = ttrain.train(dataclasses.replace(base, out=str(tmp_path / "half"), resume=True))
@@ -190,14 +196,18 @@ def _jax_run(regime: Regime, policy: str) -> tuple[object, object, object]:
     tx = jregime.make_optimizer(CFG.lr, CFG.weight_decay, regime)
     model = FlaxUNet(spec=SPEC, policy=policy)
     scale = jregime.LOSS_SCALE if regime.loss_scaling else None
-    step = functools.partial(jstep.train_step, model=model, tx=tx, compute_dtype=jregime.DTYPES[regime.compute_dtype],
-                             loss_scale=scale)  # fmt: skip
+    step = functools.partial(
+        jstep.train_step, model=model, tx=tx, compute_dtype=jregime.DTYPES[regime.compute_dtype], loss_scale=scale
+    )
     return model, tx, step
 
 
 @pytest.mark.slow_for("fp16-mixed+adafactor")  # each traces a whole step (~5-15 s)
-@pytest.mark.parametrize("regime", [Regime(precision="bf16", ema=True), Regime("fp16-mixed", optimizer="adafactor")],
-                         ids=["bf16+ema", "fp16-mixed+adafactor"])  # fmt: skip
+@pytest.mark.parametrize(
+    "regime",
+    [Regime(precision="bf16", ema=True), Regime("fp16-mixed", optimizer="adafactor")],
+    ids=["bf16+ema", "fp16-mixed+adafactor"],
+)
 def test_jax_state_keeps_the_regimes_dtypes(regime: Regime) -> None:
     """Traced, not compiled: after a step the params (and their optimizer state) are in the regime's
     weight dtype, the EMA copy in float32."""

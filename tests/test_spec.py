@@ -40,8 +40,10 @@ BAD_SPECS = [
     ({"block_out_channels": "wide"}, "block_out_channels"),
     ({"layers_per_block": 0}, "layers_per_block: Input should be greater than 0"),
     ({"dropout": 1.5}, "dropout: Input should be less than 1"),
-    ({"down_attention": ["self", "cross"]},
-     "down_attention.1: Input should be 'none', 'self', 'transformer' or 'simple_cross'"),
+    (
+        {"down_attention": ["self", "cross"]},
+        "down_attention.1: Input should be 'none', 'self', 'transformer' or 'simple_cross'",
+    ),
     ({"down_attention": ["self"]}, "down_attention: needs 2 entries"),
     ({"norm_num_groups": 5}, "norm_num_groups: block_out_channels[0]=16 is not divisible by 5 groups"),
     ({"attention_head_dim": 7}, "attention_head_dim: block_out_channels[0]=16 does not split into heads"),

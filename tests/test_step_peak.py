@@ -24,19 +24,44 @@ def tiny_pipeline(size: int = 32, batch: int = 2) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         unet = diffusers.UNet2DConditionModel(
-            sample_size=size // 2, layers_per_block=1, block_out_channels=(16, 32), norm_num_groups=8,
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), cross_attention_dim=32, attention_head_dim=4,
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))  # fmt: skip
+            sample_size=size // 2,
+            layers_per_block=1,
+            block_out_channels=(16, 32),
+            norm_num_groups=8,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            cross_attention_dim=32,
+            attention_head_dim=4,
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        )
         vae = diffusers.AutoencoderKL(
-            block_out_channels=(8, 16), norm_num_groups=8, latent_channels=4, sample_size=size,
-            down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)  # fmt: skip
-    config = CLIPTextConfig(vocab_size=100, hidden_size=32, intermediate_size=37, num_hidden_layers=2, eos_token_id=2,
-                            num_attention_heads=4, max_position_embeddings=16, bos_token_id=0)  # fmt: skip
+            block_out_channels=(8, 16),
+            norm_num_groups=8,
+            latent_channels=4,
+            sample_size=size,
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+        )
+    config = CLIPTextConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        eos_token_id=2,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        bos_token_id=0,
+    )
     text = CLIPTextModel(config)
     vae.requires_grad_(False)
     text.requires_grad_(False)
-    return {"unet": unet, "vae": vae, "text": text, "optimizer": torch.optim.AdamW(unet.parameters(), lr=1e-4),
-            "pixels": torch.randn(batch, 3, size, size), "ids": torch.randint(0, 100, (batch, 16))}  # fmt: skip
+    return {
+        "unet": unet,
+        "vae": vae,
+        "text": text,
+        "optimizer": torch.optim.AdamW(unet.parameters(), lr=1e-4),
+        "pixels": torch.randn(batch, 3, size, size),
+        "ids": torch.randint(0, 100, (batch, 16)),
+    }
 
 
 def pipeline_step(p: dict, frozen_without_grad: bool = True) -> float:

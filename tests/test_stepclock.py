@@ -51,13 +51,25 @@ def test_the_claim_counts_only_hand_policies_that_fit() -> None:
     hand_rounds = [3.0, 5.0, 4.0, 6.0, 3.5, 4.5, 5.5]
     plan_rounds = [1.05 * h for h in hand_rounds]  # 5% slower than "cheap" every round
     hand = {"none": 400 * MIB, "cheap": 300 * MIB, "full": 100 * MIB}
-    doc = {"frameworks": {"torch": {
-        "hand": {n: {"measured_peak_bytes": b} for n, b in hand.items()},
-        "plans": [
-            {"budget_bytes": 200 * MIB, "plan": "p", "paired": {n: paired(plan_rounds, hand_rounds) for n in hand}},
-            {"budget_bytes": 350 * MIB, "plan": "q", "paired": {n: paired(plan_rounds, hand_rounds) for n in hand}},
-        ],
-    }}}  # fmt: skip
+    doc = {
+        "frameworks": {
+            "torch": {
+                "hand": {n: {"measured_peak_bytes": b} for n, b in hand.items()},
+                "plans": [
+                    {
+                        "budget_bytes": 200 * MIB,
+                        "plan": "p",
+                        "paired": {n: paired(plan_rounds, hand_rounds) for n in hand},
+                    },
+                    {
+                        "budget_bytes": 350 * MIB,
+                        "plan": "q",
+                        "paired": {n: paired(plan_rounds, hand_rounds) for n in hand},
+                    },
+                ],
+            }
+        }
+    }
     lines = against_hand(doc).splitlines()
     assert lines[0] == "torch 200.0 MiB (p): claim slower than full" and "vs cheap" not in lines[1]
     assert lines[2] == "torch 350.0 MiB (q): claim slower than cheap, full"
@@ -84,8 +96,9 @@ class _Clock:
 def test_race_drops_a_contender_once_another_is_faster_and_stops_when_one_is_left(monkeypatch) -> None:
     load = np.random.default_rng(0).uniform(1.0, 1.6, 20)  # shared by a round: the pairing removes it
     noise = np.tile([1.04, 0.97], 10)
-    clock = _Clock({"none": list(2.0 * load), "a": list(2.2 * load), "b": list(2.9 * load),
-                    "c": list(2.2 * load * noise)})  # fmt: skip
+    clock = _Clock(
+        {"none": list(2.0 * load), "a": list(2.2 * load), "b": list(2.9 * load), "c": list(2.2 * load * noise)}
+    )
     monkeypatch.setattr(stepclock, "clock", clock)
     rounds = stepclock.race({n: clock.step(n) for n in ("none", "a", "b", "c")}, "none", 12)
     # b: slower than a in every round, out after the first five; a and c: within noise, to the end

@@ -126,8 +126,18 @@ def _profile(spec: UNetSpec, regime: str, keep: int = 1 << 10) -> Profile:
     for unit in flops:
         units[unit] = {PLAIN: Cost(keep=keep, fwd_peak=keep, bwd_peak=keep)}
         units[unit]["full"] = Cost(keep=0, fwd_peak=keep, bwd_peak=keep, flops=recompute_flops(flops[unit], "full"))
-    return Profile("torch", spec.name, spec.sample_size, BATCH, units, opt_peak=0, step_time_s=0.0, mode="shapes",
-                   context_length=CONTEXT, regime=regime)  # fmt: skip
+    return Profile(
+        "torch",
+        spec.name,
+        spec.sample_size,
+        BATCH,
+        units,
+        opt_peak=0,
+        step_time_s=0.0,
+        mode="shapes",
+        context_length=CONTEXT,
+        regime=regime,
+    )
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])

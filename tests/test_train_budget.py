@@ -55,9 +55,16 @@ def _seed(framework: str, factor: int = 1) -> int:
     profile = random_profile(SPEC, 0, framework=framework)
     # the workload the run plans for, as the cache checks it on read
     profile = replace(profile, batch_size=WORKLOAD.batch_size, context_length=WORKLOAD.context_length)
-    profile = replace(profile, units={u: {c: replace(v, keep=v.keep * factor, fwd_peak=v.fwd_peak * factor,
-                                                     bwd_peak=v.bwd_peak * factor) for c, v in per.items()}
-                                      for u, per in profile.units.items()})  # fmt: skip
+    profile = replace(
+        profile,
+        units={
+            u: {
+                c: replace(v, keep=v.keep * factor, fwd_peak=v.fwd_peak * factor, bwd_peak=v.bwd_peak * factor)
+                for c, v in per.items()
+            }
+            for u, per in profile.units.items()
+        },
+    )
     path = profile_path(framework, WORKLOAD)
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.save(path)

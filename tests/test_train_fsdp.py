@@ -109,12 +109,14 @@ def test_fsdp_stopped_by_a_signal_to_one_rank_resumes_the_curve(base: TrainConfi
     assert any("exitcode  : 138" in line or "exitcode  : -6" in line for line in lines), lines
     shutil.copytree(tmp_path / "two", tmp_path / "one")
     assert sorted(p.name for p in (checkpoints(tmp_path / "two")[-1][1] / "state").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp"
-    ]  # fmt: skip
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     assert torchrun_train(replace(part, steps=4, resume=True)) == losses(fsdp)  # same ranks: exact
     assert restore(tmp_path / "one", base)[2] == first
     resumed = ttrain.train(replace(base, steps=4, resume=True, out=str(tmp_path / "one")))  # 2 ranks -> 1
-    assert resumed[:len(first)] == first
+    assert resumed[: len(first)] == first
     np.testing.assert_allclose(resumed, losses(fsdp), rtol=1e-5)
 
 

@@ -96,8 +96,10 @@ def test_jax_fsdp_stopped_by_sigint_resumes_on_the_same_mesh_exactly_and_on_one_
     proc = start([sys.executable, "-m", "jax_impl.train", *train_argv(cfg)], two_devices_env())
     signal_at_first_checkpoint(proc, tmp_path / "part", signal.SIGINT)
     code, lines = finish(proc)
-    assert code == 130 and len(lines) == 1 and lines[0].startswith(
-        "python -m jax_impl.train: stopped by SIGINT after step "
+    assert (
+        code == 130
+        and len(lines) == 1
+        and lines[0].startswith("python -m jax_impl.train: stopped by SIGINT after step ")
     ), lines
     result = jax_on_two_devices(JAX_FSDP_RESUME, str(tmp_path))
     stopped = len(result["part"])

@@ -146,8 +146,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     pair_losses = latest_losses(root / "pair")
     state = sorted(p.name for p in (checkpoints(root / "pair")[-1][1] / "state").iterdir())
     resumed = jax_on_two_devices(RESUMED, str(root / "pair"), str(STEPS))["losses"]
-    return Runs(len(pair_losses), state, pair_losses, whole, resumed, kill_code, kill_lines, kill_s,
-                time.monotonic() - began)  # fmt: skip
+    return Runs(
+        len(pair_losses), state, pair_losses, whole, resumed, kill_code, kill_lines, kill_s, time.monotonic() - began
+    )
 
 
 @pytest.mark.slow

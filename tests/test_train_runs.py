@@ -250,8 +250,9 @@ WRITE_FAULTS = {
 
 
 @pytest.mark.parametrize("fault", list(WRITE_FAULTS))
-def test_a_failed_checkpoint_write_is_one_line_and_leaves_the_last_checkpoint(fault, saved, tmp_path, monkeypatch,
-                                                                               capsys) -> None:  # fmt: skip
+def test_a_failed_checkpoint_write_is_one_line_and_leaves_the_last_checkpoint(
+    fault, saved, tmp_path, monkeypatch, capsys
+) -> None:
     out = tmp_path / "run"
     shutil.copytree(saved["torch"], out)
     before = snapshot(out)

@@ -33,8 +33,14 @@ from tests.helpers.training import CFG, train_argv
 from torch_impl import train as ttrain
 
 
-def loop(out: Path, signal_at: dict[int, int], in_save: tuple[int, ...] = (), comm: Any = None,
-         steps: int = 6, every: int = 100) -> tuple[list[float], list[int], Stopped | None]:  # fmt: skip
+def loop(
+    out: Path,
+    signal_at: dict[int, int],
+    in_save: tuple[int, ...] = (),
+    comm: Any = None,
+    steps: int = 6,
+    every: int = 100,
+) -> tuple[list[float], list[int], Stopped | None]:
     """`run_loop` over a counter: ``signal_at[step]`` is sent to this process during that step,
     ``in_save`` during every save. Returns (losses, the step count at each save, what it raised)."""
     cfg, losses, saves = TrainConfig(steps=steps, checkpoint_every=every, out=str(out)), [], []

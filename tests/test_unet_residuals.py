@@ -57,20 +57,24 @@ def test_residuals_match_diffusers_in_both_frameworks(name: str) -> None:
         extra["added_cond_kwargs"] = {"text_embeds": named["text_embeds"], "time_ids": named["time_ids"]}
     with torch.no_grad():
         ref = theirs(
-            named["x"], named["t"], named["context"], down_block_additional_residuals=tuple(down_t),
-            mid_block_additional_residual=mid_t, **extra,
-        ).sample  # fmt: skip
+            named["x"],
+            named["t"],
+            named["context"],
+            down_block_additional_residuals=tuple(down_t),
+            mid_block_additional_residual=mid_t,
+            **extra,
+        ).sample
         plain = theirs(named["x"], named["t"], named["context"], **extra).sample
-        out = ours.eval()(
-            **named, down_block_additional_residuals=down_t, mid_block_additional_residual=mid_t
-        )  # fmt: skip
+        out = ours.eval()(**named, down_block_additional_residuals=down_t, mid_block_additional_residual=mid_t)
     assert rel_err(ref, plain) > 1e-2  # the residuals change the output
     assert rel_err(out, ref) <= 1e-5
     params = torch_to_flax(ours.state_dict(), spec)
     flax_out = FlaxUNet(spec=spec).apply(
-        {"params": params}, **as_flax(inputs), down_block_additional_residuals=[r.transpose(0, 2, 3, 1) for r in down],
+        {"params": params},
+        **as_flax(inputs),
+        down_block_additional_residuals=[r.transpose(0, 2, 3, 1) for r in down],
         mid_block_additional_residual=mid.transpose(0, 2, 3, 1),
-    )  # fmt: skip
+    )
     assert rel_err(np.asarray(flax_out).transpose(0, 3, 1, 2), ref) <= 1e-5
 
 
@@ -106,8 +110,9 @@ def test_flax_gradients_unchanged_under_plans() -> None:
 
         def loss(pr: tuple) -> jax.Array:
             (p, (down, mid)) = pr
-            out = model.apply({"params": p}, **named, down_block_additional_residuals=down,
-                              mid_block_additional_residual=mid)  # fmt: skip
+            out = model.apply(
+                {"params": p}, **named, down_block_additional_residuals=down, mid_block_additional_residual=mid
+            )
             return jnp.mean(out**2)
 
         return jax_loss_and_grads(loss, (params, res))  # the residuals' gradients too

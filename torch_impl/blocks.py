@@ -22,9 +22,15 @@ class DownBlock(nn.Module):
     """``layers`` ResNets (each then attention, if any), then a downsample: a strided conv or a pooling ResNet."""
 
     def __init__(
-        self, in_ch: int, out_ch: int, layers: int, make_resnet: ResnetFactory, make_attention: AttentionFactory | None,
-        downsample_padding: int | None, resnet_resample: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        in_ch: int,
+        out_ch: int,
+        layers: int,
+        make_resnet: ResnetFactory,
+        make_attention: AttentionFactory | None,
+        downsample_padding: int | None,
+        resnet_resample: bool = False,
+    ) -> None:
         super().__init__()
         self.resnets = nn.ModuleList(make_resnet(in_ch if j == 0 else out_ch, out_ch) for j in range(layers))
         self.attentions = nn.ModuleList(make_attention(out_ch) for _ in range(layers)) if make_attention else None
@@ -67,9 +73,15 @@ class UpBlock(nn.Module):
     """One ResNet per skip (the input concatenated with it), each then attention, then upsample (or a ResNet's)."""
 
     def __init__(
-        self, in_ch: int, out_ch: int, skip_channels: Sequence[int], make_resnet: ResnetFactory,
-        make_attention: AttentionFactory | None, upsample: bool, resnet_resample: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        in_ch: int,
+        out_ch: int,
+        skip_channels: Sequence[int],
+        make_resnet: ResnetFactory,
+        make_attention: AttentionFactory | None,
+        upsample: bool,
+        resnet_resample: bool = False,
+    ) -> None:
         super().__init__()
         ins = [in_ch] + [out_ch] * (len(skip_channels) - 1)
         self.resnets = nn.ModuleList(make_resnet(i + s, out_ch) for i, s in zip(ins, skip_channels, strict=True))

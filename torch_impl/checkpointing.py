@@ -104,9 +104,11 @@ def make_context_fn(block: str, plan: CheckpointPlan, compiled: bool = False) ->
 
 
 def apply_plan(
-    root: nn.Module, plan: CheckpointPlan, preserve_rng_state: bool = True,
+    root: nn.Module,
+    plan: CheckpointPlan,
+    preserve_rng_state: bool = True,
     modules: Mapping[str, nn.Module] | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Checkpoint every unit ``plan`` recomputes: ``modules[name]``, by default ``root.get_submodule(name)``."""
     remove_plan(root)
     for name in plan.recompute:
@@ -121,9 +123,12 @@ def _checkpoint_forward(module: nn.Module, name: str, plan: CheckpointPlan, pres
     # BatchNorm: the recompute must not update running statistics twice (torch_impl.batchnorm).
     eager = with_frozen_running_stats(module, make_context_fn(name, plan) or noop_context_fn)
     module.forward = functools.partial(
-        _checkpointed, plain, preserve_rng_state, None if eager is noop_context_fn else eager,
+        _checkpointed,
+        plain,
+        preserve_rng_state,
+        None if eager is noop_context_fn else eager,
         make_context_fn(name, plan, compiled=True),
-    )  # fmt: skip
+    )
     module.__dict__[_PRIOR] = prior
 
 

@@ -62,8 +62,9 @@ class ControlNet(UNetTrunk):
         self.spec = spec
         self._build_trunk()
         unet = spec.unet
-        self.controlnet_cond_embedding = ConditioningEmbedding(spec.conditioning_channels, unet.block_out_channels[0],
-                                                               spec.conditioning_embedding_out_channels)  # fmt: skip
+        self.controlnet_cond_embedding = ConditioningEmbedding(
+            spec.conditioning_channels, unet.block_out_channels[0], spec.conditioning_embedding_out_channels
+        )
         down, mid = residual_shapes(unet, 1, 2 ** (unet.num_levels - 1))
         self.controlnet_down_blocks = nn.ModuleList(zero_conv(shape[1], shape[1]) for shape in down)
         self.controlnet_mid_block = zero_conv(mid[1], mid[1])
@@ -83,10 +84,17 @@ class ControlNet(UNetTrunk):
         return model
 
     def forward(
-        self, sample: Tensor, timestep: Tensor | float, context: Tensor | None, controlnet_cond: Tensor,
-        conditioning_scale: float = 1.0, class_labels: Tensor | None = None, text_embeds: Tensor | None = None,
-        time_ids: Tensor | None = None, guess_mode: bool = False,
-    ) -> tuple[list[Tensor], Tensor]:  # fmt: skip
+        self,
+        sample: Tensor,
+        timestep: Tensor | float,
+        context: Tensor | None,
+        controlnet_cond: Tensor,
+        conditioning_scale: float = 1.0,
+        class_labels: Tensor | None = None,
+        text_embeds: Tensor | None = None,
+        time_ids: Tensor | None = None,
+        guess_mode: bool = False,
+    ) -> tuple[list[Tensor], Tensor]:
         """The residuals for ``sample`` under the NCHW conditioning image ``controlnet_cond`` (B,
         conditioning_channels, H x f, W x f), f = `ControlNetSpec.conditioning_factor`.
 
@@ -94,9 +102,15 @@ class ControlNet(UNetTrunk):
         """
         unet = self.spec.unet
         check_inputs(
-            unet, "NCHW", sample, timestep, context=context, class_labels=class_labels, text_embeds=text_embeds,
+            unet,
+            "NCHW",
+            sample,
+            timestep,
+            context=context,
+            class_labels=class_labels,
+            text_embeds=text_embeds,
             time_ids=time_ids,
-        )  # fmt: skip
+        )
         check_conditioning(self.spec, tuple(sample.shape), tuple(controlnet_cond.shape), "NCHW")
         if self.spec.conditioning_channel_order == "bgr":
             controlnet_cond = torch.flip(controlnet_cond, dims=[1])

@@ -40,9 +40,15 @@ def read_diffusers(
 
 
 def from_diffusers(
-    cls: type[M], source: Source, variant: str | None = None, *, subfolder: str | None = None,
-    dtype: torch.dtype | None = None, revision: str | None = None, controlnet: bool = False,
-) -> M:  # fmt: skip
+    cls: type[M],
+    source: Source,
+    variant: str | None = None,
+    *,
+    subfolder: str | None = None,
+    dtype: torch.dtype | None = None,
+    revision: str | None = None,
+    controlnet: bool = False,
+) -> M:
     """Our ``cls`` (`torch_impl.UNet`, or with ``controlnet`` `torch_impl.ControlNet`) in ``dtype`` (default
     float32), eval mode, with the weights of a diffusers model; ``variant="fp16"`` reads ``*.fp16.safetensors``."""
     spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)

@@ -43,8 +43,10 @@ def _any_spec(model: nn.Module) -> UNetSpec | ControlNetSpec:
     if cls == "ControlNetModel":
         return controlnet_from_diffusers_config(live_config(model))
     if cls not in DIFFUSERS_CLASSES:
-        raise TypeError(f"model: apply_plan takes diffusers' {' or '.join(DIFFUSERS_CLASSES)}, a torch_impl.UNet or "
-                        f"torch_impl.ControlNet, not {cls}")  # fmt: skip
+        raise TypeError(
+            f"model: apply_plan takes diffusers' {' or '.join(DIFFUSERS_CLASSES)}, a torch_impl.UNet or "
+            f"torch_impl.ControlNet, not {cls}"
+        )
     return diffusers_spec(model)
 
 
@@ -70,8 +72,10 @@ def apply_plan(
         return model.enable_gradient_checkpointing(plan, preserve_rng_state)
     spec = _any_spec(model)
     if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
-        raise ValueError("gradient_checkpointing: diffusers' own checkpointing is on, and a plan would recompute the "
-                         "same layers twice; call model.disable_gradient_checkpointing() first")  # fmt: skip
+        raise ValueError(
+            "gradient_checkpointing: diffusers' own checkpointing is on, and a plan would recompute the "
+            "same layers twice; call model.disable_gradient_checkpointing() first"
+        )
     resolved = resolve_controlnet_plan(spec, plan) if isinstance(spec, ControlNetSpec) else resolve_plan(spec, plan)
     checkpointing.apply_plan(model, resolved, preserve_rng_state, modules=unit_modules(model, spec))
     return resolved

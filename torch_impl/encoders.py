@@ -74,8 +74,12 @@ def measure(encoder: Encoder, batch_size: int, autocast: str | None = None) -> d
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     levels = timeline.levels() - (weights + buffers + x.numel() * x.element_size())
     params = sum(p.numel() for p in model.parameters())
-    result = {"weights": weights, "params": params, "peak": int(levels[:forward_end].max()),
-              "flops": int(flops.get_total_flops())}  # fmt: skip
+    result = {
+        "weights": weights,
+        "params": params,
+        "peak": int(levels[:forward_end].max()),
+        "flops": int(flops.get_total_flops()),
+    }
     if encoder.trained:
         result["keep"] = int(levels[forward_end - 1]) - out.numel() * out.element_size()
         result["backward_peak"] = int(levels[forward_end:].max())

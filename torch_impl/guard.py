@@ -69,9 +69,16 @@ class BudgetGuard:
     """
 
     def __init__(
-        self, model: nn.Module, budget_bytes: int, *, batch_size: int, regime: Regime | None = None,
-        sample_size: int | None = None, policy: str | None = None, **planner_options: Any,
-    ) -> None:  # fmt: skip
+        self,
+        model: nn.Module,
+        budget_bytes: int,
+        *,
+        batch_size: int,
+        regime: Regime | None = None,
+        sample_size: int | None = None,
+        policy: str | None = None,
+        **planner_options: Any,
+    ) -> None:
         self._step = 0
         self.model, self.budget = unwrap(model), int(budget_bytes)
         self._compiled = compiled(model)
@@ -175,8 +182,10 @@ class BudgetGuard:
         seen, notes = self._watch.seen(planned, self._optimizers)
         if self._regime_given:
             if seen != planned:
-                self._say(f"the step runs in {seen.describe()}, not in the regime given ({planned.describe()}); "
-                          "planned for the one given")  # fmt: skip
+                self._say(
+                    f"the step runs in {seen.describe()}, not in the regime given ({planned.describe()}); "
+                    "planned for the one given"
+                )
             seen, notes = planned, []
         impl = self._workload.optimizer_impl
         if self._workload.device != "cpu" and not self._impl_given:  # on a GPU: the update as the optimizer says
@@ -189,8 +198,10 @@ class BudgetGuard:
         self._workload = dataclasses.replace(self._workload, regime=seen, optimizer_impl=impl)
         policy, predicted = self._plan_for(self.budget) or (FULL, self._predict(FULL))
         how = "as given" if self._regime_given else "as guessed from the model"
-        self._say(f"the step runs in {_described(seen, impl)}, not in {was} {how}; "
-                  f"re-planned for it: {policy} (predicted {_mib(predicted)})")  # fmt: skip
+        self._say(
+            f"the step runs in {_described(seen, impl)}, not in {was} {how}; "
+            f"re-planned for it: {policy} (predicted {_mib(predicted)})"
+        )
         self._switch(policy, predicted, "regime", 0)
         return True
 
@@ -247,8 +258,9 @@ class BudgetGuard:
         measured = found["measured"]
         outside, over = measured - self._predicted, measured > self.budget
         action = "over budget" if over else "measured"
-        self.history.append(GuardRecord(self._step, self.plan, self._predicted, measured, outside, action,
-                                        found.get("allocated")))  # fmt: skip
+        self.history.append(
+            GuardRecord(self._step, self.plan, self._predicted, measured, outside, action, found.get("allocated"))
+        )
         self._left -= 1
         self._window.append(measured)
         if over:
@@ -265,15 +277,19 @@ class BudgetGuard:
         target = round(self.budget * (1 - REPLAN_MARGIN)) - outside
         found = self._plan_for(target)
         if found is None and self.plan == FULL:
-            self._say(f"peaked at {_mib(measured)}, over the {_mib(self.budget)} budget, under {FULL}: nothing "
-                      f"recomputes more ({_mib(outside)} held outside the model's step)")  # fmt: skip
+            self._say(
+                f"peaked at {_mib(measured)}, over the {_mib(self.budget)} budget, under {FULL}: nothing "
+                f"recomputes more ({_mib(outside)} held outside the model's step)"
+            )
             self._left = 0
             return
         policy, predicted = found or (FULL, self._predict(FULL))
         how = f"planned for {_mib(target)}" if found else f"no plan fits {_mib(target)}: {FULL}"
-        self._say(f"peaked at {_mib(measured)}, over the {_mib(self.budget)} budget (predicted "
-                  f"{_mib(self._predicted)}, {_mib(outside)} held outside the model's step); {how}: "
-                  f"{policy} (predicted {_mib(predicted)})")  # fmt: skip
+        self._say(
+            f"peaked at {_mib(measured)}, over the {_mib(self.budget)} budget (predicted "
+            f"{_mib(self._predicted)}, {_mib(outside)} held outside the model's step); {how}: "
+            f"{policy} (predicted {_mib(predicted)})"
+        )
         self._switch(policy, predicted, "tightened", outside)
 
     def _loosen(self, outside: int) -> None:
@@ -282,9 +298,11 @@ class BudgetGuard:
         if found is None or found[1] <= self._predicted:
             return  # nothing faster fits
         policy, predicted = found
-        self._say(f"peaked at {_mib(self._predicted + outside)}, over {100 * LOOSEN_BELOW:.0f}% under the "
-                  f"{_mib(self.budget)} budget; planned for {_mib(target)}: {policy} (predicted "
-                  f"{_mib(predicted)}, recomputes less)")  # fmt: skip
+        self._say(
+            f"peaked at {_mib(self._predicted + outside)}, over {100 * LOOSEN_BELOW:.0f}% under the "
+            f"{_mib(self.budget)} budget; planned for {_mib(target)}: {policy} (predicted "
+            f"{_mib(predicted)}, recomputes less)"
+        )
         self._switch(policy, predicted, "loosened", outside)
 
     def _recompute_more(self, rung: int) -> None:
@@ -295,15 +313,19 @@ class BudgetGuard:
         found = self._plan_for((self._predicted + full) // 2) if rung < OOM_HALVINGS else None
         if found is None or found[1] >= self._predicted:
             found = (FULL, full)
-        self._say(f"ran out of memory under {failed} (predicted {_mib(self._predicted)}); running it again "
-                  f"under {found[0]} (predicted {_mib(found[1])})")  # fmt: skip
+        self._say(
+            f"ran out of memory under {failed} (predicted {_mib(self._predicted)}); running it again "
+            f"under {found[0]} (predicted {_mib(found[1])})"
+        )
         self._switch(*found, "recompute more", None)
 
     def _cannot_retry(self, why: str | None) -> None:
         if why is None:
             self.history.append(GuardRecord(self._step, FULL, self._predicted, None, None, "full failed"))
-            self._say(f"ran out of memory under {FULL} (predicted {_mib(self._predicted)}), which recomputes "
-                      "the most: the step does not fit this device; re-raising")  # fmt: skip
+            self._say(
+                f"ran out of memory under {FULL} (predicted {_mib(self._predicted)}), which recomputes "
+                "the most: the step does not fit this device; re-raising"
+            )
             return
         self.history.append(GuardRecord(self._step, self.plan, self._predicted, None, None, "not retried"))
         self._say(f"ran out of memory under {self.plan}; not run again: {why}; re-raising")

@@ -76,10 +76,20 @@ class ResnetBlock(nn.Module):
     ``"up"`` (diffusers' ResnetDownsample blocks): both paths pooled / upsampled after the first norm."""
 
     def __init__(
-        self, in_ch: int, out_ch: int, temb_dim: int, groups: int, eps: float, dropout_rate: float,
-        scale_shift: bool = False, output_scale: float = 1.0, norm: str = "group", momentum: float = 0.1,
-        skip_time_act: bool = False, resample: str = "none",
-    ) -> None:  # fmt: skip
+        self,
+        in_ch: int,
+        out_ch: int,
+        temb_dim: int,
+        groups: int,
+        eps: float,
+        dropout_rate: float,
+        scale_shift: bool = False,
+        output_scale: float = 1.0,
+        norm: str = "group",
+        momentum: float = 0.1,
+        skip_time_act: bool = False,
+        resample: str = "none",
+    ) -> None:
         super().__init__()
         self.scale_shift, self.output_scale, self.skip_time_act = scale_shift, output_scale, skip_time_act
         self.resample = _RESAMPLE.get(resample)  # "none": None
@@ -120,9 +130,15 @@ class SelfAttention(nn.Module):
     """DDPM's spatial self-attention block: GroupNorm (none when ``groups=0``), q/k/v, attention, out, residual."""
 
     def __init__(
-        self, ch: int, heads: int, head_dim: int, groups: int, eps: float, scale: float | None,
+        self,
+        ch: int,
+        heads: int,
+        head_dim: int,
+        groups: int,
+        eps: float,
+        scale: float | None,
         output_scale: float = 1.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.heads, self.output_scale = heads, output_scale
         self.scale = scale or head_dim**-0.5
@@ -197,16 +213,26 @@ class Transformer2D(nn.Module):
     """SD's spatial transformer: GroupNorm, project in (to ``heads * head_dim``), blocks, project out, residual."""
 
     def __init__(
-        self, ch: int, heads: int, head_dim: int, depth: int, groups: int, norm_eps: float, ln_eps: float,
-        scale: float | None, context_dim: int | None, linear_projection: bool,
-    ) -> None:  # fmt: skip
+        self,
+        ch: int,
+        heads: int,
+        head_dim: int,
+        depth: int,
+        groups: int,
+        norm_eps: float,
+        ln_eps: float,
+        scale: float | None,
+        context_dim: int | None,
+        linear_projection: bool,
+    ) -> None:
         super().__init__()
         self.linear_projection = linear_projection
         inner = heads * head_dim
         self.norm = nn.GroupNorm(groups, ch, eps=norm_eps)
         self.proj_in = nn.Linear(ch, inner) if linear_projection else nn.Conv2d(ch, inner, 1)
-        self.transformer_blocks = nn.ModuleList(TransformerBlock(inner, heads, ln_eps, scale, context_dim)
-                                                for _ in range(depth))  # fmt: skip
+        self.transformer_blocks = nn.ModuleList(
+            TransformerBlock(inner, heads, ln_eps, scale, context_dim) for _ in range(depth)
+        )
         self.proj_out = nn.Linear(inner, ch) if linear_projection else nn.Conv2d(inner, ch, 1)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, mask: Mask = None) -> torch.Tensor:

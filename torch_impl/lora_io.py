@@ -63,6 +63,7 @@ def load_lora_weights(model: nn.Module, source: str | os.PathLike[str]) -> nn.Mo
         add_lora(model, ranks.pop())
     result = set_peft_model_state_dict(model, state)
     if result.unexpected_keys:
-        raise SpecError(f"{path}: {len(result.unexpected_keys)} LoRA weights match no adapter, e.g. "
-                        f"{result.unexpected_keys[0]}")  # fmt: skip
+        raise SpecError(
+            f"{path}: {len(result.unexpected_keys)} LoRA weights match no adapter, e.g. {result.unexpected_keys[0]}"
+        )
     return model

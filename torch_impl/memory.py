@@ -234,8 +234,12 @@ class StepTracker(TorchDispatchMode):
 
     def __enter__(self) -> StepTracker:
         grads = [p.grad for p in self._model.parameters() if p.grad is not None]
-        for kind, tensors in (("params", [*self._model.parameters(), *self._model.buffers()]), ("grads", grads),
-                              ("optimizer", [*self._state(), *self._held]), ("input", self._inputs)):  # fmt: skip
+        for kind, tensors in (
+            ("params", [*self._model.parameters(), *self._model.buffers()]),
+            ("grads", grads),
+            ("optimizer", [*self._state(), *self._held]),
+            ("input", self._inputs),
+        ):
             for t in tensors:
                 self._add(t, kind, at_entry=True)
         if self._detail:
@@ -287,8 +291,7 @@ class StepTracker(TorchDispatchMode):
             for hook in self._hooks:
                 hook.remove()
         # What the step leaves behind decides the kind: its gradients and (new) optimizer state.
-        for kind, tensors in (("grads", [p.grad for p in self._model.parameters()]),
-                              ("optimizer", self._state())):  # fmt: skip
+        for kind, tensors in (("grads", [p.grad for p in self._model.parameters()]), ("optimizer", self._state())):
             for t in tensors:
                 index = None if t is None else self._live.get(id(local(t).untyped_storage()))
                 if index is not None:

@@ -67,16 +67,23 @@ class ControlNetPair(nn.Module):
         return self
 
     def forward(
-        self, x: Tensor, t: Tensor | float, context: Tensor | None = None, class_labels: Tensor | None = None,
-        text_embeds: Tensor | None = None, time_ids: Tensor | None = None, controlnet_cond: Tensor | None = None,
+        self,
+        x: Tensor,
+        t: Tensor | float,
+        context: Tensor | None = None,
+        class_labels: Tensor | None = None,
+        text_embeds: Tensor | None = None,
+        time_ids: Tensor | None = None,
+        controlnet_cond: Tensor | None = None,
         conditioning_scale: float = 1.0,
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         if controlnet_cond is None:
             raise ValueError("controlnet_cond: the ControlNet step needs its conditioning image (NCHW)")
         conditioning = {"class_labels": class_labels, "text_embeds": text_embeds, "time_ids": time_ids}
         down, mid = self.controlnet(x, t, context, controlnet_cond, conditioning_scale, **conditioning)
-        return self.unet(x, t, context, **conditioning, down_block_additional_residuals=down,
-                         mid_block_additional_residual=mid)  # fmt: skip
+        return self.unet(
+            x, t, context, **conditioning, down_block_additional_residuals=down, mid_block_additional_residual=mid
+        )
 
 
 def _live_pair_spec(unet: nn.Module, controlnet: nn.Module) -> ControlNetPairSpec:
@@ -88,15 +95,18 @@ def _live_pair_spec(unet: nn.Module, controlnet: nn.Module) -> ControlNetPairSpe
     mine = cn_spec.unet
     for field in ("in_channels", "block_out_channels", "layers_per_block", "down_attention", "cross_attention_dim"):
         if getattr(mine, field) != (theirs := getattr(unet_spec, field)):
-            raise ValueError(f"controlnet: its {field} {getattr(mine, field)!r} is not the U-Net's {theirs!r}; "
-                             "a ControlNet is made from its U-Net (from_unet)")  # fmt: skip
+            raise ValueError(
+                f"controlnet: its {field} {getattr(mine, field)!r} is not the U-Net's {theirs!r}; "
+                "a ControlNet is made from its U-Net (from_unet)"
+            )
     return ControlNetPairSpec(controlnet=cn_spec.model_copy(update={"unet": unet_spec}))
 
 
 def _diffusers_controlnet_spec(model: nn.Module) -> ControlNetSpec:
     if type(model).__name__ != "ControlNetModel":
-        raise TypeError(f"controlnet: expected diffusers' ControlNetModel or a torch_impl.ControlNet, not "
-                        f"{type(model).__name__}")  # fmt: skip
+        raise TypeError(
+            f"controlnet: expected diffusers' ControlNetModel or a torch_impl.ControlNet, not {type(model).__name__}"
+        )
     return controlnet_from_diffusers_config(live_config(model))
 
 

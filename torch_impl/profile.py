@@ -56,8 +56,9 @@ def start_worker(request: dict[str, Any]) -> None:
 
 
 @contextmanager
-def hooks(model: UNet | ControlNetPair, opt: torch.optim.Optimizer, units: list[str], on: Callable[[str, str], None]
-          ) -> Iterator[None]:  # fmt: skip
+def hooks(
+    model: UNet | ControlNetPair, opt: torch.optim.Optimizer, units: list[str], on: Callable[[str, str], None]
+) -> Iterator[None]:
     """Call ``on(unit, phase)`` when ``unit``'s forward or backward starts, and on the optimizer step."""
     handles = [opt.register_step_pre_hook(lambda *_: on(OPTIMIZER, "opt"))]
     for unit in units:
@@ -139,8 +140,16 @@ def setup(
         run = step_loss if shapes else train_step
         step: Callable[[], Any] = functools.partial(run, model, opt, batch, tools=tools)
         step()
-    return {"spec": spec, "model": model, "opt": opt, "batch": batch, "step": step, "mode": mode, "shapes": shapes,
-            "held": [] if tools.ema is None else tools.ema.shadow}  # fmt: skip
+    return {
+        "spec": spec,
+        "model": model,
+        "opt": opt,
+        "batch": batch,
+        "step": step,
+        "mode": mode,
+        "shapes": shapes,
+        "held": [] if tools.ema is None else tools.ema.shadow,
+    }
 
 
 def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
@@ -198,8 +207,10 @@ def timing_runs(
         for i, assignment in enumerate(assignments):
             samples[i].append(timed_step(s, assignment))
     median = statistics.median
-    return [({u: [median(r[0][u][k] for r in runs) for k in (0, 1)] for u in runs[0][0]}, median(r[1] for r in runs))
-            for runs in samples]  # fmt: skip
+    return [
+        ({u: [median(r[0][u][k] for r in runs) for k in (0, 1)] for u in runs[0][0]}, median(r[1] for r in runs))
+        for runs in samples
+    ]
 
 
 def profile(
@@ -215,16 +226,22 @@ def profile(
     cpu = {"start": round(clock(), 2)}  # the process's own start and imports, before this request
     timing, exact = not shapes and repeats > 0, fake_is_exact(regime.profiled)
     with cpu_split(cpu, "setup"):
-        real = None if shapes or (exact and not timing) else setup(spec, batch_size, context_length, False,
-                                                                   regime.profiled)  # fmt: skip
+        real = (
+            None
+            if shapes or (exact and not timing)
+            else setup(spec, batch_size, context_length, False, regime.profiled)
+        )
         fake = fake_setup(spec, batch_size, context_length, regime.profiled) if shapes or exact else None
     assignments = profile_assignments(spec)
     named = tracked(zip(PROFILE_RUNS, assignments, strict=True), "memory runs", lambda run: " ".join(run[0]))
     with cpu_split(cpu, "memory"):  # a real run also warms its plan up for the timing
-        measured = [memory_run(real if real and (not exact or level == TIMED_LEVEL) else fake, a)
-                    for (_, level), a in named]  # fmt: skip
-    runs = {policy_string(a): {"peak_bytes": peak, "step_time_s": None}
-            for a, (_, _, peak) in zip(assignments, measured, strict=True)}  # fmt: skip
+        measured = [
+            memory_run(real if real and (not exact or level == TIMED_LEVEL) else fake, a) for (_, level), a in named
+        ]
+    runs = {
+        policy_string(a): {"peak_bytes": peak, "step_time_s": None}
+        for a, (_, _, peak) in zip(assignments, measured, strict=True)
+    }
     units = filed_units(spec, batch_size, context_length, assignments, [costs for costs, _, _ in measured])
     opt_peak = measured[0][1]  # the plain run's, PROFILE_RUNS' first
     plain_flops = step_flops(spec, batch_size, context_length, regime.profiled)
@@ -285,9 +302,13 @@ TIMED_LEVEL = "layers"
 
 
 def priced(
-    s: dict[str, Any], units: dict[str, dict[str, Cost]], assignments: list[dict[str, str]], repeats: int,
-    runs: dict[str, Any], plain_flops: float,
-) -> tuple[dict[str, dict[str, Cost]], float, dict[str, float]]:  # fmt: skip
+    s: dict[str, Any],
+    units: dict[str, dict[str, Cost]],
+    assignments: list[dict[str, str]],
+    repeats: int,
+    runs: dict[str, Any],
+    plain_flops: float,
+) -> tuple[dict[str, dict[str, Cost]], float, dict[str, float]]:
     """``units`` priced at the rates fitted to `timing_runs` of the per-layer runs (each one's median step
     filed in ``runs``), the plain step's seconds and the rates."""
     timed = [a for (_, level), a in zip(PROFILE_RUNS, assignments, strict=True) if level == TIMED_LEVEL]
@@ -329,8 +350,9 @@ def measure(
     def under(policy: str) -> Callable[[], None]:
         return lambda: (s["model"].enable_gradient_checkpointing(policy), s["step"]())
 
-    rounds = measured_rounds({p: under(p) for p in policies}, {p: r["peak_bytes"] for p, r in peaks.items()}, steps,
-                             race_to)  # fmt: skip
+    rounds = measured_rounds(
+        {p: under(p) for p in policies}, {p: r["peak_bytes"] for p, r in peaks.items()}, steps, race_to
+    )
     rows = {p: peaks[p] | times(rounds[p]) for p in policies}
     return {"framework": "torch", "rows": rows, "method": "torch_impl.profile.measure_step around train_step"}
 
@@ -452,5 +474,9 @@ def measure_compiled(
             "compile_s": compile_s,
         }
     functorch_config.activation_memory_budget = 1.0
-    return {"framework": "torch", "rows": rows, "method": "torch.compile(model) + activation_memory_budget; "
-            "allocator-level peak (torch.profiler memory events) around train_step"}  # fmt: skip
+    return {
+        "framework": "torch",
+        "rows": rows,
+        "method": "torch.compile(model) + activation_memory_budget; "
+        "allocator-level peak (torch.profiler memory events) around train_step",
+    }

@@ -60,9 +60,15 @@ class TorchOptions:
 
     def check(self, cfg: TrainConfig) -> None:
         if self.compile and (cfg.distributed or cfg.budget_mib is not None or cfg.controlnet):
-            other = "--distributed (DDP/FSDP2 under torch.compile is not tested here)" if cfg.distributed else (
-                "--budget-mib (the planner profiles and checks eager steps)" if cfg.budget_mib is not None
-                else "--controlnet (the compiled pair is not tested here)")  # fmt: skip
+            other = (
+                "--distributed (DDP/FSDP2 under torch.compile is not tested here)"
+                if cfg.distributed
+                else (
+                    "--budget-mib (the planner profiles and checks eager steps)"
+                    if cfg.budget_mib is not None
+                    else "--controlnet (the compiled pair is not tested here)"
+                )
+            )
             raise ValueError(f"--compile: not with {other}; drop one of them")
 
 
@@ -179,9 +185,13 @@ def world_size(cfg: TrainConfig) -> int:
 
 
 def _peak_meter(
-    cfg: TrainConfig, model: UNet | ControlNetPair, opt: torch.optim.Optimizer, budget: RunPlan | None, first: int,
+    cfg: TrainConfig,
+    model: UNet | ControlNetPair,
+    opt: torch.optim.Optimizer,
+    budget: RunPlan | None,
+    first: int,
     tools: StepTools,
-) -> tuple[Callable[[int, Batch, Callable[[], float]], float], BudgetGuard | None]:  # fmt: skip
+) -> tuple[Callable[[int, Batch, Callable[[], float]], float], BudgetGuard | None]:
     """``measured(step, batch, run_step)`` runs the step; with a ``budget``, the first `MEASURED_STEPS`
     from ``first`` are measured and rank 0 prints their peak beside the prediction. One process: under
     a `BudgetGuard` (returned too); ``--distributed``: each rank's share under `measured_peak`."""
@@ -189,8 +199,14 @@ def _peak_meter(
     guard = None
     if budget is not None and not cfg.distributed:
         context = workload_of(cfg, step_spec(model.spec, cfg.controlnet, cfg.regime), 1).context_length
-        guard = BudgetGuard(model, budget.budget_bytes, batch_size=cfg.batch_size, regime=cfg.regime,
-                            policy=budget.policy, context_length=context)  # fmt: skip
+        guard = BudgetGuard(
+            model,
+            budget.budget_bytes,
+            batch_size=cfg.batch_size,
+            regime=cfg.regime,
+            policy=budget.policy,
+            context_length=context,
+        )
 
     def measured(step: int, batch: Batch, run_step: Callable[[], float]) -> float:
         if budget is None or (guard is None and step >= first + MEASURED_STEPS):
@@ -256,9 +272,13 @@ def train(cfg: TrainConfig) -> list[float]:
 
 
 def _train(
-    cfg: TrainConfig, run: RunStart, model: UNet | ControlNetPair, trained: torch.nn.Module,
-    optimizer: torch.optim.Optimizer, budget: RunPlan | None = None,
-) -> tuple[list[float], np.ndarray | None]:  # fmt: skip
+    cfg: TrainConfig,
+    run: RunStart,
+    model: UNet | ControlNetPair,
+    trained: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    budget: RunPlan | None = None,
+) -> tuple[list[float], np.ndarray | None]:
     """The steps from the run's start (resumed, its checkpoint checked first), then the samples."""
     tools = step_tools(model, cfg.regime)  # train_step's regime pieces
     extra, held = tools.state(), trained_module(model)  # held: what a checkpoint holds (a pair's ControlNet)

@@ -68,15 +68,27 @@ class UNetTrunk(nn.Module):
 
     @classmethod
     def from_diffusers(
-        cls, source: object, variant: str | None = None, *, subfolder: str | None = None,
-        dtype: torch.dtype | None = None, revision: str | None = None,
-    ) -> UNetTrunk:  # fmt: skip
+        cls,
+        source: object,
+        variant: str | None = None,
+        *,
+        subfolder: str | None = None,
+        dtype: torch.dtype | None = None,
+        revision: str | None = None,
+    ) -> UNetTrunk:
         """Build from a diffusers folder (a pipeline's: ``subfolder="unet"`` / ``"controlnet"``), a repo id
         in the local Hugging Face cache, or a live diffusers model (`torch_impl.diffusers_io.from_diffusers`)."""
         from torch_impl.diffusers_io import from_diffusers
 
-        return from_diffusers(cls, source, variant, subfolder=subfolder, dtype=dtype, revision=revision,
-                              controlnet=not issubclass(cls, UNet))  # fmt: skip
+        return from_diffusers(
+            cls,
+            source,
+            variant,
+            subfolder=subfolder,
+            dtype=dtype,
+            revision=revision,
+            controlnet=not issubclass(cls, UNet),
+        )
 
     def to_diffusers_state_dict(self) -> dict[str, Tensor]:
         """This model's state_dict in diffusers' key names (``UNet2D(Condition)Model``, ``ControlNetModel``)."""
@@ -97,11 +109,15 @@ class UNetTrunk(nn.Module):
         self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim, spec.time_embedding.cond_dim)
         self._conditioning_layers()
         self.down = nn.ModuleList(
-            DownBlock(b.in_ch, b.out_ch, spec.layers_per_block, *self._factories(b), b.downsample_padding,
-                      b.resnet_resample) for b in down_blocks(spec))  # fmt: skip
+            DownBlock(
+                b.in_ch, b.out_ch, spec.layers_per_block, *self._factories(b), b.downsample_padding, b.resnet_resample
+            )
+            for b in down_blocks(spec)
+        )
         scale = spec.mid_block_scale_factor
-        self.mid = MidBlock(chans[-1], self._resnet_factory("mid"),
-                            self._attention_factory(spec.mid_attention, -1, "mid", scale))  # fmt: skip
+        self.mid = MidBlock(
+            chans[-1], self._resnet_factory("mid"), self._attention_factory(spec.mid_attention, -1, "mid", scale)
+        )
 
     def _conditioning_layers(self) -> None:
         """Class, text_time, image embeddings and the context's projection (diffusers' names), as the spec has them."""
@@ -113,8 +129,9 @@ class UNetTrunk(nn.Module):
         if (img := spec.image_embedding) is not None and img.add_to_time:
             self.add_embedding = ImageTimeEmbedding(img.input_dim, spec.time_embed_dim, img.norm_eps)
         if img is not None and img.context_tokens is not None:
-            self.encoder_hid_proj = ImageProjection(img.input_dim, spec.cross_attention_dim, img.context_tokens,
-                                                    img.norm_eps)  # fmt: skip
+            self.encoder_hid_proj = ImageProjection(
+                img.input_dim, spec.cross_attention_dim, img.context_tokens, img.norm_eps
+            )
         elif spec.context_proj_dim is not None:
             self.encoder_hid_proj = nn.Linear(spec.context_proj_dim, spec.cross_attention_dim)
 
@@ -155,9 +172,15 @@ class UNetTrunk(nn.Module):
         return timestep_embedding(values, dim, te.flip_sin_to_cos, te.freq_shift, te.max_period)
 
     def _embedding(
-        self, x: Tensor, t: Tensor | float, class_labels: Tensor | None, text_embeds: Tensor | None,
-        time_ids: Tensor | None, timestep_cond: Tensor | None = None, image_embeds: Tensor | None = None,
-    ) -> Tensor:  # fmt: skip
+        self,
+        x: Tensor,
+        t: Tensor | float,
+        class_labels: Tensor | None,
+        text_embeds: Tensor | None,
+        time_ids: Tensor | None,
+        timestep_cond: Tensor | None = None,
+        image_embeds: Tensor | None = None,
+    ) -> Tensor:
         """The embedding every ResNet gets: time (with ``timestep_cond``), plus class, text_time, image conditioning."""
         s, dtype = self.trunk_spec, x.dtype
         t = torch.as_tensor(t, device=x.device).expand(x.shape[0])
@@ -185,8 +208,10 @@ class UNet(UNetTrunk):
         super().__init__()
         self.spec = spec = load_spec(spec) if isinstance(spec, str) else spec
         self._build_trunk()
-        self.up = nn.ModuleList(UpBlock(b.in_ch, b.out_ch, b.skip_channels, *self._factories(b), b.upsample,
-                                        b.resnet_resample) for b in up_blocks(spec))  # fmt: skip
+        self.up = nn.ModuleList(
+            UpBlock(b.in_ch, b.out_ch, b.skip_channels, *self._factories(b), b.upsample, b.resnet_resample)
+            for b in up_blocks(spec)
+        )
         chans = spec.block_out_channels
         self.conv_norm_out = norm_layer(chans[0], **kwargs(norm_args(spec)))
         self.conv_out = nn.Conv2d(chans[0], spec.out_channels, 3, padding=1)
@@ -197,21 +222,36 @@ class UNet(UNetTrunk):
         return self.spec
 
     def forward(
-        self, x: Tensor, t: Tensor | float, context: Tensor | None = None, class_labels: Tensor | None = None,
-        text_embeds: Tensor | None = None, time_ids: Tensor | None = None,
+        self,
+        x: Tensor,
+        t: Tensor | float,
+        context: Tensor | None = None,
+        class_labels: Tensor | None = None,
+        text_embeds: Tensor | None = None,
+        time_ids: Tensor | None = None,
         down_block_additional_residuals: Sequence[Tensor] | None = None,
-        mid_block_additional_residual: Tensor | None = None, timestep_cond: Tensor | None = None,
-        image_embeds: Tensor | None = None, encoder_attention_mask: Tensor | None = None,
-    ) -> Tensor:  # fmt: skip
+        mid_block_additional_residual: Tensor | None = None,
+        timestep_cond: Tensor | None = None,
+        image_embeds: Tensor | None = None,
+        encoder_attention_mask: Tensor | None = None,
+    ) -> Tensor:
         """Predict the noise (or whatever the spec was trained on) for NCHW ``x`` at timesteps ``t`` (a
         scalar or (B,)). The other inputs are diffusers' ``UNet2DConditionModel``'s of the same names;
         a spec takes exactly those `shared_configs.inputs` says (anything else is a one-line `ValueError`).
         """
         check_inputs(
-            self.spec, "NCHW", x, t, context=context, class_labels=class_labels, text_embeds=text_embeds,
-            time_ids=time_ids, timestep_cond=timestep_cond, image_embeds=image_embeds,
+            self.spec,
+            "NCHW",
+            x,
+            t,
+            context=context,
+            class_labels=class_labels,
+            text_embeds=text_embeds,
+            time_ids=time_ids,
+            timestep_cond=timestep_cond,
+            image_embeds=image_embeds,
             encoder_attention_mask=encoder_attention_mask,
-        )  # fmt: skip
+        )
         temb = self._embedding(x, t, class_labels, text_embeds, time_ids, timestep_cond, image_embeds)
         context, mask = self._context(context, image_embeds), mask_bias(encoder_attention_mask, x.dtype)
         h, skips = self._encode(x, temb, context, mask=mask)

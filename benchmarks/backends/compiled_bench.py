@@ -68,9 +68,11 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dic
     if target is None:
         _SAVED[(batch_size, policy)] = row["saved_bytes"]
     return row | {
-        "compile_s": compile_s, "first_step_s": warm_s, "activation_memory_budget": ratio,
+        "compile_s": compile_s,
+        "first_step_s": warm_s,
+        "activation_memory_budget": ratio,
         "static_bytes": storage_bytes([*model.parameters(), *model.buffers(), *state_tensors(optimizer)]),
         "param_count": sum(p.numel() for p in model.parameters()),
         "peak_method": f"torch.compile(model), default inductor; {PEAK_METHOD[device.type]}",
         "saved_method": "torch.autograd.graph.saved_tensors_hooks around the compiled step (params excluded)",
-    }  # fmt: skip
+    }

@@ -28,9 +28,15 @@ class DiffusersForward(torch.nn.Module):
         self.unet = unet
         self.conditional = "cross_attention_dim" in unet.config
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor | None = None,
-                class_labels: torch.Tensor | None = None, text_embeds: torch.Tensor | None = None,
-                time_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        context: torch.Tensor | None = None,
+        class_labels: torch.Tensor | None = None,
+        text_embeds: torch.Tensor | None = None,
+        time_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         kwargs: dict[str, Any] = {"class_labels": class_labels}
         if self.conditional:
             kwargs["encoder_hidden_states"] = context

@@ -99,8 +99,11 @@ def versions() -> dict[str, str]:
 
 
 def memory_method(device: jax.Device, attention_chunk: int | None) -> str:
-    attention = (f"attention: query-chunked, {attention_chunk} queries per chunk (UNet(attention_chunk=...))"
-                 if attention_chunk else "attention: jax.nn.dot_product_attention (unchunked)")  # fmt: skip
+    attention = (
+        f"attention: query-chunked, {attention_chunk} queries per chunk (UNet(attention_chunk=...))"
+        if attention_chunk
+        else "attention: jax.nn.dot_product_attention (unchunked)"
+    )
     if _on_gpu(device):
         # The counter cannot be reset, hence one process per row; it also sees the compiler's
         # autotuning scratch, counted as temporaries beside XLA's plan.
@@ -133,8 +136,9 @@ def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[s
     """What a row's step takes, the state abstract; over ranks, sharded as ``--distributed fsdp`` trains."""
     spec = job_spec(job)
     regime = job.regime
-    model = UNet(spec=spec, policy=policy_arg(policy), attention_chunk=attention_chunk(job, device),
-                 lora_rank=regime.lora_rank)  # fmt: skip
+    model = UNet(
+        spec=spec, policy=policy_arg(policy), attention_chunk=attention_chunk(job, device), lora_rank=regime.lora_rank
+    )
     tx = jregime.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay, regime)
     state, mesh = _abstract_state(spec, tx, regime), None
     rank_batch = jt.arrays(example_batch(spec, batch_size, job.context_length))
@@ -147,8 +151,17 @@ def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[s
         whole = jt.arrays(example_batch(spec, job.world_size * batch_size, job.context_length))
         batch = shard(mesh, {}, whole, "fsdp")[1]
     options = jregime.step_options(regime)  # the step's compute dtype and loss scale
-    return {"model": model, "tx": tx, "state": state, "batch": batch, "key": jax.random.key(2), "options": options,
-            "dtype": options["compute_dtype"], "mesh": mesh, "rank_batch": rank_batch}  # fmt: skip
+    return {
+        "model": model,
+        "tx": tx,
+        "state": state,
+        "batch": batch,
+        "key": jax.random.key(2),
+        "options": options,
+        "dtype": options["compute_dtype"],
+        "mesh": mesh,
+        "rank_batch": rank_batch,
+    }
 
 
 @functools.cache
@@ -208,10 +221,12 @@ def _xla_default(lowered: Any, row: dict[str, Any]) -> dict[str, Any]:
         # -O0 (FAST_COMPILE): buffer assignment comes before code generation: same memory analysis, faster.
         options = {"xla_disable_hlo_passes": ",".join(kept), **FAST_COMPILE}
         peak = compiled_peak(lowered.compile(compiler_options=options))
-    return {"xla_default_peak_bytes": peak,
-            "xla_default_method": "the same lowered step compiled again with XLA:CPU's default passes "
-            "(cse_barrier_expander on), LLVM -O0 (buffer assignment precedes code generation), never run; a step "
-            "without remat has no barriers and is not compiled twice"}  # fmt: skip
+    return {
+        "xla_default_peak_bytes": peak,
+        "xla_default_method": "the same lowered step compiled again with XLA:CPU's default passes "
+        "(cse_barrier_expander on), LLVM -O0 (buffer assignment precedes code generation), never run; a step "
+        "without remat has no barriers and is not compiled twice",
+    }
 
 
 def _run_steps(s: dict[str, Any], compiled: Any, steps: int) -> tuple[float, list[float]]:
@@ -234,13 +249,17 @@ def measure(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[
     pending = _PENDING.pop((policy, batch_size), None)
     s, lowered, compiled, plan = pending.result() if pending else _compile(job, policy, batch_size, device)
     row: dict[str, Any] = {
-        "compile_s": s["compile_s"], "compiled_peak_bytes": plan.peak, "peak_bytes": plan.peak,
-        "fragmentation_bytes": plan.fragmentation, "live_peak_bytes": plan.live_peak,
-        "xla_live_peak_bytes": plan.xla_live_peak, "flops": _flops(compiled),
+        "compile_s": s["compile_s"],
+        "compiled_peak_bytes": plan.peak,
+        "peak_bytes": plan.peak,
+        "fragmentation_bytes": plan.fragmentation,
+        "live_peak_bytes": plan.live_peak,
+        "xla_live_peak_bytes": plan.xla_live_peak,
+        "flops": _flops(compiled),
         "param_count": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(s["state"].params)),
         "static_bytes": _nbytes((s["state"].params, s["state"].batch_stats, s["state"].opt_state)),
         **{f"{kind}_bytes": value for kind, value in plan.parts.items()},
-    }  # fmt: skip
+    }
     if policy in job.timeline:
         row["timeline"] = plan.timeline
     if job.xla_default and not _on_gpu(device):
@@ -257,12 +276,13 @@ def measure(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[
     # SPMD: one program for every device, each holding the same shapes (its shards), so rank 0's
     # figures are every rank's; memory_analysis() and XLA's plan are per device.
     row.update(
-        world_size=job.world_size, max_rank_peak_bytes=row["peak_bytes"],
+        world_size=job.world_size,
+        max_rank_peak_bytes=row["peak_bytes"],
         peak_method=memory_method(device, attention_chunk(job, device)),
         flops_method="XLA cost_analysis() of the compiled step (all ops, optimizer included; a loop body once)",
         saved_method="jax saved_residuals of the loss (params excluded)",
         check_method="live bytes rebuilt from XLA's dump against XLA's own count (HloLiveRange) at its peak",
-    )  # fmt: skip
+    )
     return row
 
 

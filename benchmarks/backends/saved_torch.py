@@ -98,7 +98,11 @@ def collect(spec: UNetSpec, policy: str, batch_size: int, context_length: int) -
     finally:
         for h in handles:
             h.remove()
-    policy_rows = [_row(block_of(r.block), r.op_class, "policy", o, o.numel() * o.element_size())
-                   for r in records if not r.recompute for o in r.outputs]  # fmt: skip
+    policy_rows = [
+        _row(block_of(r.block), r.op_class, "policy", o, o.numel() * o.element_size())
+        for r in records
+        if not r.recompute
+        for o in r.outputs
+    ]
     extra = [row for ptr, row in inputs.items() if ptr not in saved and ptr not in skip]
     return list(saved.values()) + extra + policy_rows

@@ -71,8 +71,10 @@ def prepare(job: Job, device: torch.device) -> None:
 def memory_method(device: torch.device, world_size: int = 1) -> str:
     attention = "attention: F.scaled_dot_product_attention (fused kernel)"
     if device.type == "cuda":
-        return (f"torch.cuda.max_memory_allocated (after reset_peak_memory_stats); parts from the tensor-level "
-                f"tracker, allocator overhead counted as temporaries; {attention}")  # fmt: skip
+        return (
+            f"torch.cuda.max_memory_allocated (after reset_peak_memory_stats); parts from the tensor-level "
+            f"tracker, allocator overhead counted as temporaries; {attention}"
+        )
     return f"{attention}; peak and parts: {TRACKER_METHOD}{FSDP_METHOD if world_size > 1 else ''}"
 
 

@@ -84,8 +84,13 @@ def serve(request: dict[str, Any]) -> int:
         emit("fatal", message=one_line(err))
         return 3
     xla_flags = os.environ.get("XLA_FLAGS", "") if job.framework == "jax" else None
-    emit("env", framework=job.framework, versions=backend.versions(), device=backend.device_info(device),
-         xla_flags=xla_flags)  # fmt: skip
+    emit(
+        "env",
+        framework=job.framework,
+        versions=backend.versions(),
+        device=backend.device_info(device),
+        xla_flags=xla_flags,
+    )
     for policy, batch_size in job.rows():
         emit("start", policy=policy, batch_size=batch_size)
         emit("row", **run_row(backend, job, policy, batch_size, device))

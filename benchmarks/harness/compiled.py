@@ -19,13 +19,20 @@ BUDGET = "budget@"  # the same prefix as benchmarks.backends.compiled_bench.BUDG
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--compile", action="store_true",
-                   help="torch: also measure torch.compile(model) under each policy (framework 'compiled', beside "
-                   "the eager rows; peak by the allocator, compile seconds apart); docs/compile.md")  # fmt: skip
-    p.add_argument("--compile-budget-at", default="", metavar="POLICIES",
-                   help="with --compile: for each of these measured policies, a row 'budget@POLICY': no plan, "
-                   "torch.compile with activation_memory_budget set to land at that plan's compiled saved "
-                   "bytes")  # fmt: skip
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch: also measure torch.compile(model) under each policy (framework 'compiled', beside "
+        "the eager rows; peak by the allocator, compile seconds apart); docs/compile.md",
+    )
+    p.add_argument(
+        "--compile-budget-at",
+        default="",
+        metavar="POLICIES",
+        help="with --compile: for each of these measured policies, a row 'budget@POLICY': no plan, "
+        "torch.compile with activation_memory_budget set to land at that plan's compiled saved "
+        "bytes",
+    )
 
 
 def compiled_job(compile: bool, budget_at: str, torch_job: Job | None, policies: list[str]) -> Job | None:
@@ -56,8 +63,12 @@ def comparison(rows: list[dict[str, Any]]) -> list[str]:
     for row in (r for r in ok if r["framework"] == COMPILED):
         plain = eager.get((row["policy"], row["batch_size"]))
         peaks = f"{_mib(plain, 'allocator_peak_bytes')} eager / {_mib(row, 'allocator_peak_bytes')} compiled MiB"
-        cells = [f"{row['policy']} @ {row['batch_size']}:", f"peak {peaks},", f"step {_s(plain)} / {_s(row)} s,",
-                 f"compile {row['compile_s']:.0f} s"]  # fmt: skip
+        cells = [
+            f"{row['policy']} @ {row['batch_size']}:",
+            f"peak {peaks},",
+            f"step {_s(plain)} / {_s(row)} s,",
+            f"compile {row['compile_s']:.0f} s",
+        ]
         if row["policy"].startswith(BUDGET):
             cells.append(f"(activation_memory_budget {row['activation_memory_budget']:.3f})")
         lines.append(" ".join(cells))

@@ -138,8 +138,11 @@ def git_sha() -> str | None:
 
 def cpu_snapshot() -> tuple[float, float | None, float]:
     """(wall clock, the machine's busy CPU seconds, this process's and its children's): see `other_cpu_share`."""
-    own = sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-              for f in ("ru_utime", "ru_stime"))  # fmt: skip
+    own = sum(
+        getattr(resource.getrusage(w), f)
+        for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for f in ("ru_utime", "ru_stime")
+    )
     try:
         with open("/proc/stat") as f:
             fields = [int(v) for v in f.readline().split()[1:]]

@@ -29,12 +29,19 @@ PLANNED = "planned"  # the planned row's label (its policy string is printed bes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--controlnet", action="store_true",
-                   help="diffusers' ControlNet training step (the U-Net frozen, the ControlNet made from it trained): "
-                   "none, --policies and a planned policy per framework (benchmarks.harness.pair_compare)")  # fmt: skip
-    p.add_argument("--plan-budget-mib", type=positive_mib, metavar="MIB",
-                   help="--controlnet: the budget the planned row is solved for (default: halfway between the "
-                   "smallest feasible peak and none's)")  # fmt: skip
+    p.add_argument(
+        "--controlnet",
+        action="store_true",
+        help="diffusers' ControlNet training step (the U-Net frozen, the ControlNet made from it trained): "
+        "none, --policies and a planned policy per framework (benchmarks.harness.pair_compare)",
+    )
+    p.add_argument(
+        "--plan-budget-mib",
+        type=positive_mib,
+        metavar="MIB",
+        help="--controlnet: the budget the planned row is solved for (default: halfway between the "
+        "smallest feasible peak and none's)",
+    )
 
 
 def main(jobs: list[Job], budget_mib: float | None, out: Path, console: Any) -> int:
@@ -50,16 +57,24 @@ def main(jobs: list[Job], budget_mib: float | None, out: Path, console: Any) -> 
 def check(frameworks: tuple[str, ...], world_size: int, device: str, other: bool, batches: list[int] | None) -> None:
     """Refuse, in one line, what the ControlNet step's benchmark does not measure."""
     if DIFFUSERS in frameworks or world_size > 1 or device == "gpu" or other:
-        raise SpecError("--controlnet: measures the torch and jax steps in one CPU process each; not with "
-                        "--framework diffusers, --world-size, --device gpu, --compile or --xla-default")  # fmt: skip
+        raise SpecError(
+            "--controlnet: measures the torch and jax steps in one CPU process each; not with "
+            "--framework diffusers, --world-size, --device gpu, --compile or --xla-default"
+        )
     if batches is not None and len(batches) > 1:
         raise SpecError("--controlnet: one --batch-size at a time")
 
 
 def workload(job: Job) -> Workload:
     """The pair's workload as ``job`` describes it (every job of a run describes the same)."""
-    return Workload.of(job_spec(job), controlnet=True, batch_size=job.batch_sizes[0], context_length=job.context_length,
-                       attention_chunk=resolve_chunk(job.attention_chunk, DEVICE), regime=job.regime)  # fmt: skip
+    return Workload.of(
+        job_spec(job),
+        controlnet=True,
+        batch_size=job.batch_sizes[0],
+        context_length=job.context_length,
+        attention_chunk=resolve_chunk(job.attention_chunk, DEVICE),
+        regime=job.regime,
+    )
 
 
 def default_budget(work: Workload, frameworks: tuple[str, ...]) -> int:
@@ -83,12 +98,22 @@ def run(jobs: list[Job], budget_mib: float | None) -> dict[str, Any]:
             budget = err.smallest
     policies = list(dict.fromkeys([*jobs[0].policies, planned.policy]))  # none first, then --policies
     measured = {fw: measure(fw, work, policies, jobs[0].steps)["rows"] for fw in frameworks}
-    predicted = {p.framework: {pol: predict(p, work.spec, assignment_of(work.spec, pol)).peak_bytes for pol in policies}
-                 for p in planned.profiles}  # fmt: skip
-    return {"config": work.spec.name, "batch_size": work.batch_size, "regime": work.regime.as_dict(),
-            "settings": work.used(frameworks), "budget_bytes": budget, "planned": planned.policy, "policies": policies,
-            "predicted_peak_bytes": predicted, "rows": measured,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+    predicted = {
+        p.framework: {pol: predict(p, work.spec, assignment_of(work.spec, pol)).peak_bytes for pol in policies}
+        for p in planned.profiles
+    }
+    return {
+        "config": work.spec.name,
+        "batch_size": work.batch_size,
+        "regime": work.regime.as_dict(),
+        "settings": work.used(frameworks),
+        "budget_bytes": budget,
+        "planned": planned.policy,
+        "policies": policies,
+        "predicted_peak_bytes": predicted,
+        "rows": measured,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def table(doc: dict[str, Any]) -> str:

@@ -35,8 +35,10 @@ def _spread(low: int, high: int, steps: int, with_high: bool = True) -> list[int
 
 def frontier(profile: Profile, workload: Workload, points: int = 24) -> list[dict[str, Any]]:
     """The planner's predicted (peak, overhead) from its smallest feasible budget to ``none``'s peak."""
-    return [_predicted(profile, solve(profile, workload.spec, b).prediction) | {"budget_bytes": b}
-            for b in _spread(*peak_range(profile, workload.spec), points)]  # fmt: skip
+    return [
+        _predicted(profile, solve(profile, workload.spec, b).prediction) | {"budget_bytes": b}
+        for b in _spread(*peak_range(profile, workload.spec), points)
+    ]
 
 
 def solve_times(profiles: list[Profile], workload: Workload, points: int = 12) -> dict[str, Any]:
@@ -48,22 +50,42 @@ def solve_times(profiles: list[Profile], workload: Workload, points: int = 12) -
         seconds.append(time.perf_counter() - start)
         cpu.append(time.process_time() - cpu_start)
     units = sum(len(per) for per in profiles[0].units.values())
-    return {"budgets": len(seconds), "unit_choices": units, "median_s": float(np.median(seconds)),
-            "max_s": max(seconds), "seconds": seconds, "median_cpu_s": float(np.median(cpu)),
-            "max_cpu_s": max(cpu)}  # fmt: skip
+    return {
+        "budgets": len(seconds),
+        "unit_choices": units,
+        "median_s": float(np.median(seconds)),
+        "max_s": max(seconds),
+        "seconds": seconds,
+        "median_cpu_s": float(np.median(cpu)),
+        "max_cpu_s": max(cpu),
+    }
 
 
 def _predicted(profile: Profile, prediction: Any) -> dict[str, Any]:
-    return {"predicted_peak_bytes": prediction.peak_bytes, "predicted_overhead": prediction.overhead(profile),
-            "recompute_flops": prediction.flops}  # fmt: skip
+    return {
+        "predicted_peak_bytes": prediction.peak_bytes,
+        "predicted_overhead": prediction.overhead(profile),
+        "recompute_flops": prediction.flops,
+    }
 
 
-def sweep(workload: Workload, frameworks: tuple[str, ...], count: int, verify: bool, steps: int,
-          ratios: list[float] | None = None, random_plans: int = 0) -> dict[str, Any]:  # fmt: skip
+def sweep(
+    workload: Workload,
+    frameworks: tuple[str, ...],
+    count: int,
+    verify: bool,
+    steps: int,
+    ratios: list[float] | None = None,
+    random_plans: int = 0,
+) -> dict[str, Any]:
     """Per framework: the plans at ``count`` budgets and at ``balanced``'s predicted peak, the hand policies;
     measured if ``verify``, with torch.compile at ``ratios`` and ``random_plans`` seeded random plans."""
-    doc: dict[str, Any] = {"config": workload.spec.name, "sample_size": workload.spec.sample_size,
-                           "batch_size": workload.batch_size, "frameworks": {}}  # fmt: skip
+    doc: dict[str, Any] = {
+        "config": workload.spec.name,
+        "sample_size": workload.spec.sample_size,
+        "batch_size": workload.batch_size,
+        "frameworks": {},
+    }
     for fw in frameworks:
         profile = get_profile(fw, workload)
         spec = workload.spec
@@ -92,10 +114,17 @@ def sweep(workload: Workload, frameworks: tuple[str, ...], count: int, verify: b
             plans += _at_measured_balanced(fw, workload, profile, hand["balanced"], margin, steps)
             doc["frameworks"].setdefault(fw, {})["measure_method"] = rows["method"]
         doc["frameworks"].setdefault(fw, {}).update(
-            hand=hand, plans=plans, random=randoms, compiled=compiled, margin=margin,
-            frontier=frontier(profile, workload), method=profile.meta.get("method"),
-            profile_seconds=profile.meta.get("seconds"), step_time_s=profile.step_time_s,
-            efficiency=efficiency(profile, workload))  # fmt: skip
+            hand=hand,
+            plans=plans,
+            random=randoms,
+            compiled=compiled,
+            margin=margin,
+            frontier=frontier(profile, workload),
+            method=profile.meta.get("method"),
+            profile_seconds=profile.meta.get("seconds"),
+            step_time_s=profile.step_time_s,
+            efficiency=efficiency(profile, workload),
+        )
     return doc
 
 
@@ -120,9 +149,15 @@ def _at_measured_balanced(
 def _compiled(rows: dict[str, Any]) -> dict[str, Any]:
     """torch.compile rows, overheads against the eager ``none`` of the same process."""
     base = rows["none"]["step_time_s"]
-    return {name: {"measured_allocator_peak_bytes": r["allocator_peak_bytes"],
-                   "measured_overhead": r["step_time_s"] / base - 1, "compile_s": r["compile_s"]}
-            for name, r in rows.items() if name.startswith("torch.compile:")}  # fmt: skip
+    return {
+        name: {
+            "measured_allocator_peak_bytes": r["allocator_peak_bytes"],
+            "measured_overhead": r["step_time_s"] / base - 1,
+            "compile_s": r["compile_s"],
+        }
+        for name, r in rows.items()
+        if name.startswith("torch.compile:")
+    }
 
 
 def _attach(rows: dict[str, Any], hand: dict[str, Any], plans: list[dict[str, Any]]) -> None:
@@ -142,8 +177,10 @@ def table(doc: dict[str, Any]) -> str:
     """Budget -> plan -> predicted vs measured, and the best measured hand policy that fits."""
     lines = []
     for fw, data in doc["frameworks"].items():
-        lines.append(f"{fw}: budget MiB | predicted -> measured peak MiB | overhead predicted -> measured | "
-                     "best hand policy that fits (measured) | plan")  # fmt: skip
+        lines.append(
+            f"{fw}: budget MiB | predicted -> measured peak MiB | overhead predicted -> measured | "
+            "best hand policy that fits (measured) | plan"
+        )
         for p in data["plans"]:
             best = _best_fit(data["hand"], p["budget_bytes"])
             if data.get("compiled") and "measured_allocator_peak_bytes" in p:
@@ -151,9 +188,11 @@ def table(doc: dict[str, Any]) -> str:
                 limit = p["measured_allocator_peak_bytes"]
                 best += " | torch.compile at the plan's allocator peak: " + _best_fit(data["compiled"], limit, True)
             measured, nan = p.get("measured_peak_bytes"), float("nan")
-            lines.append(f"  {p['budget_bytes'] / MIB:8.1f} | {p['predicted_peak_bytes'] / MIB:8.1f} -> "
-                         f"{measured / MIB if measured else nan:8.1f} | {100 * p['predicted_overhead']:+6.1f}% -> "
-                         f"{100 * p.get('measured_overhead', nan):+6.1f}% | {best} | {p['plan']}")  # fmt: skip
+            lines.append(
+                f"  {p['budget_bytes'] / MIB:8.1f} | {p['predicted_peak_bytes'] / MIB:8.1f} -> "
+                f"{measured / MIB if measured else nan:8.1f} | {100 * p['predicted_overhead']:+6.1f}% -> "
+                f"{100 * p.get('measured_overhead', nan):+6.1f}% | {best} | {p['plan']}"
+            )
     return "\n".join(lines)
 
 
@@ -163,10 +202,12 @@ def against_balanced(doc: dict[str, Any]) -> str:
     for fw, data in doc["frameworks"].items():
         b = data["hand"]["balanced"]
         for p in (p for p in data["plans"] if p.get("at") and "measured_peak_bytes" in p):
-            lines.append(f"{fw}: at {p['at']} ({p['budget_bytes'] / MIB:.1f} MiB) the planner picks {p['plan']}: "
-                         f"{p['measured_peak_bytes'] / MIB:.1f} MiB, {100 * p['measured_overhead']:+.1f}%; balanced: "
-                         f"{b['measured_peak_bytes'] / MIB:.1f} MiB, "
-                         f"{100 * p.get('balanced_measured_overhead_here', b['measured_overhead']):+.1f}%")  # fmt: skip
+            lines.append(
+                f"{fw}: at {p['at']} ({p['budget_bytes'] / MIB:.1f} MiB) the planner picks {p['plan']}: "
+                f"{p['measured_peak_bytes'] / MIB:.1f} MiB, {100 * p['measured_overhead']:+.1f}%; balanced: "
+                f"{b['measured_peak_bytes'] / MIB:.1f} MiB, "
+                f"{100 * p.get('balanced_measured_overhead_here', b['measured_overhead']):+.1f}%"
+            )
     return "\n".join(lines)
 
 
@@ -176,8 +217,11 @@ def against_hand(doc: dict[str, Any]) -> str:
     for fw, data in doc["frameworks"].items():
         hand = data["hand"]  # measured wherever a plan is paired with it
         for p in (p for p in data["plans"] if "paired" in p):
-            fits = {n: c for n, c in p["paired"].items()
-                    if n != "none" and hand[n]["measured_peak_bytes"] <= p["budget_bytes"]}  # fmt: skip
+            fits = {
+                n: c
+                for n, c in p["paired"].items()
+                if n != "none" and hand[n]["measured_peak_bytes"] <= p["budget_bytes"]
+            }
             slower = [n for n, c in fits.items() if c["verdict"] == "slower"]
             claim = "no fitting hand policy" if not fits else f"slower than {', '.join(slower)}" if slower else "holds"
             lines.append(f"{fw} {p['budget_bytes'] / MIB:.1f} MiB ({p['plan']}): claim {claim}")
@@ -192,9 +236,11 @@ def errors(doc: dict[str, Any]) -> str:
         entries = [*data["hand"].values(), *data["plans"], *data.get("random", [])]
         errs = np.array([e["peak_error"] for e in entries if "peak_error" in e])
         if errs.size:
-            lines.append(f"{fw}: peak prediction error over {errs.size} measured plans: median "
-                         f"{100 * np.median(errs):+.2f}%, |error| max {100 * np.abs(errs).max():.2f}%, within 5%: "
-                         f"{100 * np.mean(np.abs(errs) <= 0.05):.0f}%")  # fmt: skip
+            lines.append(
+                f"{fw}: peak prediction error over {errs.size} measured plans: median "
+                f"{100 * np.median(errs):+.2f}%, |error| max {100 * np.abs(errs).max():.2f}%, within 5%: "
+                f"{100 * np.mean(np.abs(errs) <= 0.05):.0f}%"
+            )
     return "\n".join(lines)
 
 
@@ -212,18 +258,33 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     for ax, fw in zip(axes[0], fws, strict=True):
         data = doc["frameworks"][fw]
         front = data["frontier"]
-        ax.step([f["predicted_peak_bytes"] / MIB for f in front], [100 * f["predicted_overhead"] for f in front],
-                where="post", color="tab:gray", label="planner, predicted")  # fmt: skip
+        ax.step(
+            [f["predicted_peak_bytes"] / MIB for f in front],
+            [100 * f["predicted_overhead"] for f in front],
+            where="post",
+            color="tab:gray",
+            label="planner, predicted",
+        )
         measured = [p for p in data["plans"] if "measured_peak_bytes" in p]
-        ax.scatter([p["measured_peak_bytes"] / MIB for p in measured], [100 * p["measured_overhead"] for p in measured],
-                   marker="*", s=120, color="tab:red", label="planner, measured", zorder=3)  # fmt: skip
+        ax.scatter(
+            [p["measured_peak_bytes"] / MIB for p in measured],
+            [100 * p["measured_overhead"] for p in measured],
+            marker="*",
+            s=120,
+            color="tab:red",
+            label="planner, measured",
+            zorder=3,
+        )
         for name, h in data["hand"].items():
             x, y = h.get("measured_peak_bytes", h["predicted_peak_bytes"]), h.get("measured_overhead")
             y = h["predicted_overhead"] if y is None else y
             ax.scatter([x / MIB], [100 * y], color="tab:blue", zorder=3)
             ax.annotate(name, (x / MIB, 100 * y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        ax.set(xlabel="peak memory of the step (MiB)", ylabel="step-time overhead vs none (%)",
-               title=f"{fw}: {doc['config']} {doc['sample_size']}x{doc['sample_size']}, batch {doc['batch_size']}")
+        ax.set(
+            xlabel="peak memory of the step (MiB)",
+            ylabel="step-time overhead vs none (%)",
+            title=f"{fw}: {doc['config']} {doc['sample_size']}x{doc['sample_size']}, batch {doc['batch_size']}",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -265,12 +326,26 @@ def efficiency(profile: Profile, workload: Workload) -> list[dict[str, Any]]:
             freed_block, seconds_block = plain_block - whole.keep, whole.time_s
             kinds = [("resnet" if ".resnets." in n else "attention", n, f, t) for n, f, t in per_layer]
             kinds.append(("block", block, freed_block, seconds_block))
-            kinds.append(("sampler", block, freed_block - sum(f for _, f, _ in per_layer),
-                          seconds_block - sum(t for _, _, t in per_layer)))  # fmt: skip
+            kinds.append(
+                (
+                    "sampler",
+                    block,
+                    freed_block - sum(f for _, f, _ in per_layer),
+                    seconds_block - sum(t for _, _, t in per_layer),
+                )
+            )
             for kind, name, freed, seconds in kinds:
-                rows.append({"level": _level(name, levels), "kind": kind, "unit": name, "choice": choice,
-                             "freed_bytes": freed, "seconds": seconds,
-                             "mib_per_s": freed / MIB / seconds if seconds > 0 else None})  # fmt: skip
+                rows.append(
+                    {
+                        "level": _level(name, levels),
+                        "kind": kind,
+                        "unit": name,
+                        "choice": choice,
+                        "freed_bytes": freed,
+                        "seconds": seconds,
+                        "mib_per_s": freed / MIB / seconds if seconds > 0 else None,
+                    }
+                )
     return rows
 
 

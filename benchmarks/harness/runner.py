@@ -37,10 +37,19 @@ def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbos
         done += finished
         if started is not None:  # the worker died inside a row: report it, go on
             killed = rc in KILLED
-            error = ("worker killed (SIGKILL), most likely by the out-of-memory killer" if killed
-                     else f"worker died (exit {rc}): {stderr_tail or 'no output'}")  # fmt: skip
-            row = {"event": "row", "framework": job.framework, "policy": started[0], "batch_size": started[1],
-                   "status": "oom" if killed else "error", "error": error}  # fmt: skip
+            error = (
+                "worker killed (SIGKILL), most likely by the out-of-memory killer"
+                if killed
+                else f"worker died (exit {rc}): {stderr_tail or 'no output'}"
+            )
+            row = {
+                "event": "row",
+                "framework": job.framework,
+                "policy": started[0],
+                "batch_size": started[1],
+                "status": "oom" if killed else "error",
+                "error": error,
+            }
             events.append(row)
             on_event(row)
             done.append(started)
@@ -59,8 +68,9 @@ def static_floor(job: Job) -> dict[str, int]:
     return {k: v for k, v in floor.items() if k != "event"}
 
 
-def _run_worker(job: Job, events: list[Event], on_event: Callable[[Event], None], verbose: bool
-                ) -> tuple[tuple[str, int] | None, list[tuple[str, int]], int, str]:  # fmt: skip
+def _run_worker(
+    job: Job, events: list[Event], on_event: Callable[[Event], None], verbose: bool
+) -> tuple[tuple[str, int] | None, list[tuple[str, int]], int, str]:
     """One worker process; returns (row it died in, rows it finished, exit code, stderr tail)."""
     # torch's ranks are processes (torchrun); jax's, devices of one
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(job.world_size)]

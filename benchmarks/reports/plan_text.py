@@ -69,14 +69,18 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
     """The plan, what each framework predicts of it against none and full, and the per-block listing."""
     spec, n = workload.spec, doc.get("world_size", 1)
     ranks = f" per rank of {n} ({doc['distributed']})" if n > 1 else ""
-    what = (f"{spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size}{ranks}, "
-            f"{workload.regime.describe()}")  # fmt: skip
+    what = (
+        f"{spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size}{ranks}, "
+        f"{workload.regime.describe()}"
+    )
     if doc["budget_bytes"] is None:
         head = f"the policy given, for {what} (predicted from the profile, not solved):"
     else:
-        head = (f"plan for {what}, budget {doc['budget_bytes'] / MIB:,.1f} MiB, planned {100 * doc['margin']:.1f}% "
-                f"below it (the model's error on its profile steps and 0.5%, more where its checked peak was over "
-                f"it; solved in {doc['solve_seconds']:.2f} s):")  # fmt: skip
+        head = (
+            f"plan for {what}, budget {doc['budget_bytes'] / MIB:,.1f} MiB, planned {100 * doc['margin']:.1f}% "
+            f"below it (the model's error on its profile steps and 0.5%, more where its checked peak was over "
+            f"it; solved in {doc['solve_seconds']:.2f} s):"
+        )
     lines = [f"{head} (the policy's grammar: {GRAMMAR})", f"  settings: {doc['settings']}", f"  policy: {doc['plan']}"]
     if not isinstance(spec, ControlNetPairSpec):  # a pair plan goes to both networks (torch_impl.pair), not a spec
         lines.append(f"  yaml:   checkpoint: {json.dumps(doc['plan'])}")
@@ -84,13 +88,17 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
         on = f" on {workload.device}, allocated" if workload.device != "cpu" and fw == "torch" else ""
         lines.append(f"  {fw}: predicted peak{on} {d['predicted_peak_bytes'] / MIB:,.1f} MiB: {versus(d)}")
         modelled = f" [{d['modelled']}]" if "modelled" in d else ""
-        lines.append(f"    peak at {d['peak_at']}; time {d['time_method']}; recompute "
-                     f"{d['recompute_flops'] / 1e9:.1f} GFLOP{modelled}")  # fmt: skip
+        lines.append(
+            f"    peak at {d['peak_at']}; time {d['time_method']}; recompute "
+            f"{d['recompute_flops'] / 1e9:.1f} GFLOP{modelled}"
+        )
         if "measured_peak_bytes" in d:
             err = d["predicted_peak_bytes"] / d["measured_peak_bytes"] - 1
-            lines.append(f"    measured peak {d['measured_peak_bytes'] / MIB:,.1f} MiB (prediction {100 * err:+.1f}%), "
-                         f"overhead {100 * d['measured_overhead']:+.1f}% (round by round: "
-                         f"{paired_text(d['measured_overhead_paired'])})")  # fmt: skip
+            lines.append(
+                f"    measured peak {d['measured_peak_bytes'] / MIB:,.1f} MiB (prediction {100 * err:+.1f}%), "
+                f"overhead {100 * d['measured_overhead']:+.1f}% (round by round: "
+                f"{paired_text(d['measured_overhead_paired'])})"
+            )
         if "gpu" in d:
             lines.append(gpu_line(d["gpu"]))
     lines.append("  per block: recomputed in the backward pass | recomputed, saving those op classes' outputs | kept")
@@ -103,6 +111,8 @@ def render(doc: dict[str, Any], workload: Workload) -> str:
 def gpu_line(g: dict[str, Any]) -> str:
     """The GPU flavour's figures and its terms, MiB (docs/regimes.md: each term's source)."""
     terms = ", ".join(f"{name} {v / MIB:.1f}" for name, v in g["terms"].items())
-    return (f"    {g['device']}: max_memory_allocated {g['allocated_bytes'] / MIB:.1f} MiB (at {g['peak_at']}), "
-            f"max_memory_reserved {g['reserved_bytes'] / MIB:.1f} MiB, nvidia-smi {g['device_bytes'] / MIB:.1f} MiB "
-            f"[CPU estimate {g['cpu_peak_bytes'] / MIB:.1f} MiB; terms, MiB: {terms}]")  # fmt: skip
+    return (
+        f"    {g['device']}: max_memory_allocated {g['allocated_bytes'] / MIB:.1f} MiB (at {g['peak_at']}), "
+        f"max_memory_reserved {g['reserved_bytes'] / MIB:.1f} MiB, nvidia-smi {g['device_bytes'] / MIB:.1f} MiB "
+        f"[CPU estimate {g['cpu_peak_bytes'] / MIB:.1f} MiB; terms, MiB: {terms}]"
+    )

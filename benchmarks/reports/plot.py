@@ -58,24 +58,44 @@ def _panel(ax: Any, rows: list[Row], batch_size: int, unreliable: float | None) 
         points += [(r["policy"], x, y) for r, x, y in zip(mine, xs, ys, strict=True)]
         front = pareto_front(list(zip(xs, ys, strict=True)))
         if len(front) > 1:  # a front of one point draws no line: nothing to put in the legend
-            ax.step([p[0] for p in front], [p[1] for p in front], where="post", color=color, alpha=0.6,
-                    linestyle="--", label=f"{fw} Pareto front")  # fmt: skip
+            ax.step(
+                [p[0] for p in front],
+                [p[1] for p in front],
+                where="post",
+                color=color,
+                alpha=0.6,
+                linestyle="--",
+                label=f"{fw} Pareto front",
+            )
     ax.axhline(0, color="black", linewidth=0.5)
     ax.axvline(1, color="black", linewidth=0.5)
     _labels(points, ax)
-    ax.set(xlabel="step-time overhead vs none (x)", ylabel="peak-memory reduction vs none (%)",
-           title=f"batch {batch_size}")
+    ax.set(
+        xlabel="step-time overhead vs none (x)", ylabel="peak-memory reduction vs none (%)", title=f"batch {batch_size}"
+    )
     ax.grid(alpha=0.3)
     if unreliable is not None:
-        ax.text(0.5, 0.02, f"hollow: timings unreliable (other processes used {unreliable:.0%} of the cores)",
-                transform=ax.transAxes, ha="center", fontsize=7, color="tab:red")  # fmt: skip
+        ax.text(
+            0.5,
+            0.02,
+            f"hollow: timings unreliable (other processes used {unreliable:.0%} of the cores)",
+            transform=ax.transAxes,
+            ha="center",
+            fontsize=7,
+            color="tab:red",
+        )
     ax.legend(fontsize=8, loc="best")
 
 
 # Each kind of the peak's parts: (colour, legend label).
-KINDS = {"params": ("#4c72b0", "parameters"), "optimizer": ("#8172b3", "optimizer state"),
-         "grads": ("#dd8452", "gradients"), "input": ("#937860", "inputs"), "activation": ("#55a868", "activations"),
-         "temporary": ("#c44e52", "temporaries")}  # fmt: skip
+KINDS = {
+    "params": ("#4c72b0", "parameters"),
+    "optimizer": ("#8172b3", "optimizer state"),
+    "grads": ("#dd8452", "gradients"),
+    "input": ("#937860", "inputs"),
+    "activation": ("#55a868", "activations"),
+    "temporary": ("#c44e52", "temporaries"),
+}
 
 
 def _timeline_panel(ax: Any, record: dict[str, Any], top: float) -> None:
@@ -102,8 +122,12 @@ def _timeline_panel(ax: Any, record: dict[str, Any], top: float) -> None:
     peak = max(sum(col) for col in zip(*ys, strict=True))
     ax.axhline(peak, color="black", ls="--", lw=0.7)
     ax.text(100, peak, f"peak {peak:,.0f} MiB", fontsize=7, ha="right", va="bottom")
-    ax.set(xlim=(0, 100), ylim=(0, top * 1.12), xlabel="position in the step (% of ops in execution order)",
-           ylabel="live MiB")  # fmt: skip
+    ax.set(
+        xlim=(0, 100),
+        ylim=(0, top * 1.12),
+        xlabel="position in the step (% of ops in execution order)",
+        ylabel="live MiB",
+    )
     ax.set_title(f"{record['framework']} {record['policy']} @ batch {record['batch_size']}", fontsize=9)
 
 
@@ -160,6 +184,8 @@ def write_plots(document: dict[str, Any], out: Path, stem: str) -> list[Path]:
     """A run's pictures, ``<out>/<stem>.png`` (the Pareto plot) and ``-timeline.png``: those drawn."""
     device = next((d["name"] for fw, d in document["device"].items() if fw != "requested"), "?")
     title, share = report.title(document), report.unreliable_share(document)
-    drawn = [plot(document["rows"], out / f"{stem}.png", f"{title}\n{device}", share),
-             plot_timelines(document.get("timelines", []), out / f"{stem}-timeline.png", title)]  # fmt: skip
+    drawn = [
+        plot(document["rows"], out / f"{stem}.png", f"{title}\n{device}", share),
+        plot_timelines(document.get("timelines", []), out / f"{stem}-timeline.png", title),
+    ]
     return [path for path, ok in zip([out / f"{stem}.png", out / f"{stem}-timeline.png"], drawn, strict=True) if ok]

@@ -25,25 +25,69 @@ UNRELIABLE_SHARE = 0.1  # other processes' share of the cores above which a run'
 # Every row has every column (None where it does not apply); CSV columns follow this order.
 # The peak's parts (f"{kind}_bytes" for kind in shared_configs.memory.CATEGORIES) add up to peak_bytes.
 COLUMNS: tuple[str, ...] = (
-    "framework", "policy", "batch_size", "world_size", "status", "peak_bytes", "max_rank_peak_bytes", "params_bytes",
-    "optimizer_bytes", "grads_bytes", "input_bytes", "activation_bytes", "temporary_bytes", "static_bytes",
-    "saved_bytes", "peak_reduction", "activation_reduction", "saved_reduction", "step_time_s", "step_time_min_s",
-    "step_time_max_s", "time_overhead", "compile_s", "activation_memory_budget", "first_step_s", "flops",
-    "recompute_flops", "flops_ratio", "memtracker_peak_bytes", "tracker_peak_bytes", "allocator_peak_bytes",
-    "compiled_peak_bytes", "fragmentation_bytes", "live_peak_bytes", "xla_live_peak_bytes", "xla_default_peak_bytes",
-    "xla_default_peak_reduction", "param_count", "peak_method", "saved_method", "flops_method", "check_method",
-    "xla_default_method", "error"
-)  # fmt: skip
+    "framework",
+    "policy",
+    "batch_size",
+    "world_size",
+    "status",
+    "peak_bytes",
+    "max_rank_peak_bytes",
+    "params_bytes",
+    "optimizer_bytes",
+    "grads_bytes",
+    "input_bytes",
+    "activation_bytes",
+    "temporary_bytes",
+    "static_bytes",
+    "saved_bytes",
+    "peak_reduction",
+    "activation_reduction",
+    "saved_reduction",
+    "step_time_s",
+    "step_time_min_s",
+    "step_time_max_s",
+    "time_overhead",
+    "compile_s",
+    "activation_memory_budget",
+    "first_step_s",
+    "flops",
+    "recompute_flops",
+    "flops_ratio",
+    "memtracker_peak_bytes",
+    "tracker_peak_bytes",
+    "allocator_peak_bytes",
+    "compiled_peak_bytes",
+    "fragmentation_bytes",
+    "live_peak_bytes",
+    "xla_live_peak_bytes",
+    "xla_default_peak_bytes",
+    "xla_default_peak_reduction",
+    "param_count",
+    "peak_method",
+    "saved_method",
+    "flops_method",
+    "check_method",
+    "xla_default_method",
+    "error",
+)
 # (column, column it is compared with, kind): reductions are 1 - x / x_none, ratios x / x_none.
 RELATIVE: tuple[tuple[str, str, str], ...] = (
-    ("peak_reduction", "peak_bytes", "reduction"), ("activation_reduction", "activation_bytes", "reduction"),
+    ("peak_reduction", "peak_bytes", "reduction"),
+    ("activation_reduction", "activation_bytes", "reduction"),
     ("saved_reduction", "saved_bytes", "reduction"),
-    ("xla_default_peak_reduction", "xla_default_peak_bytes", "reduction"), ("time_overhead", "step_time_s", "ratio"),
-    ("flops_ratio", "flops", "ratio"), ("recompute_flops", "flops", "difference"),
-)  # fmt: skip
+    ("xla_default_peak_reduction", "xla_default_peak_bytes", "reduction"),
+    ("time_overhead", "step_time_s", "ratio"),
+    ("flops_ratio", "flops", "ratio"),
+    ("recompute_flops", "flops", "difference"),
+)
 # A row's method columns, by the names the lines under the table give them.
-METHODS = {"peak_method": "peak", "saved_method": "saved", "flops_method": "FLOPs", "check_method": "check",
-           "xla_default_method": "XLA:CPU default"}  # fmt: skip
+METHODS = {
+    "peak_method": "peak",
+    "saved_method": "saved",
+    "flops_method": "FLOPs",
+    "check_method": "check",
+    "xla_default_method": "XLA:CPU default",
+}
 
 
 def complete(rows: Iterable[Row]) -> list[Row]:
@@ -89,39 +133,62 @@ def _cell_bytes(row: Row, col: str, rel: str) -> str:
 
 
 COLUMNS_SHOWN: tuple[tuple[str, Callable[[Row], str]], ...] = (
-    ("framework", lambda r: r["framework"]), ("policy", lambda r: r["policy"]),
-    ("batch", lambda r: str(r["batch_size"])), ("peak MiB", lambda r: _cell_bytes(r, "peak_bytes", "peak_reduction")),
-    ("= params", lambda r: _mib(r["params_bytes"])), ("+ opt state", lambda r: _mib(r["optimizer_bytes"])),
-    ("+ grads", lambda r: _mib(r["grads_bytes"])), ("+ inputs", lambda r: _mib(r["input_bytes"])),
+    ("framework", lambda r: r["framework"]),
+    ("policy", lambda r: r["policy"]),
+    ("batch", lambda r: str(r["batch_size"])),
+    ("peak MiB", lambda r: _cell_bytes(r, "peak_bytes", "peak_reduction")),
+    ("= params", lambda r: _mib(r["params_bytes"])),
+    ("+ opt state", lambda r: _mib(r["optimizer_bytes"])),
+    ("+ grads", lambda r: _mib(r["grads_bytes"])),
+    ("+ inputs", lambda r: _mib(r["input_bytes"])),
     ("+ activations", lambda r: _cell_bytes(r, "activation_bytes", "activation_reduction")),
     ("+ temps", lambda r: _mib(r["temporary_bytes"])),
-    (r"step s: median \[min-max]", lambda r: "-" if r["step_time_s"] is None
-     else f"{r['step_time_s']:.3f} [{r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f}]"),
+    (
+        r"step s: median \[min-max]",
+        lambda r: (
+            "-"
+            if r["step_time_s"] is None
+            else f"{r['step_time_s']:.3f} [{r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f}]"
+        ),
+    ),
     ("overhead", lambda r: "-" if r["time_overhead"] is None else f"{r['time_overhead']:.2f}x"),
     ("compile s", lambda r: "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"),
-    ("GFLOP (+recompute)", lambda r: "-" if r["flops"] is None else f"{r['flops'] / 1e9:.1f}"
-     + (f" (+{r['recompute_flops'] / 1e9:.1f})" if r["recompute_flops"] and r["policy"] != "none" else "")),
+    (
+        "GFLOP (+recompute)",
+        lambda r: (
+            "-"
+            if r["flops"] is None
+            else f"{r['flops'] / 1e9:.1f}"
+            + (f" (+{r['recompute_flops'] / 1e9:.1f})" if r["recompute_flops"] and r["policy"] != "none" else "")
+        ),
+    ),
     ("XLA:CPU default peak MiB", lambda r: _cell_bytes(r, "xla_default_peak_bytes", "xla_default_peak_reduction")),
-)  # fmt: skip
+)
 
 
 FITS = {"ok": "yes", "oom": "[red]OOM[/red]", "error": "[red]error[/red]"}
 
 # The table a person reads (fits 100 columns): the peak, what checkpointing saved, the time it cost.
 COMPACT: tuple[tuple[str, Callable[[Row], str]], ...] = (
-    *COLUMNS_SHOWN[:3], ("peak\nMiB", lambda r: _mib(r["peak_bytes"])),
-    ("saved\nvs none", lambda r: "-" if r["policy"] == "none" or r["peak_reduction"] is None
-     else f"{100 * r['peak_reduction']:.0f}%"),
+    *COLUMNS_SHOWN[:3],
+    ("peak\nMiB", lambda r: _mib(r["peak_bytes"])),
+    (
+        "saved\nvs none",
+        lambda r: "-" if r["policy"] == "none" or r["peak_reduction"] is None else f"{100 * r['peak_reduction']:.0f}%",
+    ),
     ("activations\nMiB", lambda r: _mib(r["activation_bytes"])),
-)  # fmt: skip
+)
 
 
 def _ranks_columns(shown: list, at: int, compact: bool = False) -> None:
     """--world-size: rank 0's peak and the largest peak over the ranks."""
     sep = "\n" if compact else " "
     ranks = [] if compact else [("ranks", lambda r: str(r["world_size"]))]
-    shown[at : at + 1] = [*ranks, (f"rank 0{sep}peak MiB", shown[at][1]),
-                          (f"max rank{sep}MiB", lambda r: _mib(r["max_rank_peak_bytes"]))]  # fmt: skip
+    shown[at : at + 1] = [
+        *ranks,
+        (f"rank 0{sep}peak MiB", shown[at][1]),
+        (f"max rank{sep}MiB", lambda r: _mib(r["max_rank_peak_bytes"])),
+    ]
 
 
 def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = False) -> Table:
@@ -147,8 +214,16 @@ def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = Fa
 
 def _compact(rows: list[Row], title: str, unreliable: bool, ranked: bool) -> Table:
     shown = list(COMPACT)
-    shown.append(("step time\nvs none", lambda r: "-" if r["time_overhead"] is None else
-                  f"{r['time_overhead']:.2f}x" + (" ?" if unreliable and r["policy"] != "none" else "")))  # fmt: skip
+    shown.append(
+        (
+            "step time\nvs none",
+            lambda r: (
+                "-"
+                if r["time_overhead"] is None
+                else f"{r['time_overhead']:.2f}x" + (" ?" if unreliable and r["policy"] != "none" else "")
+            ),
+        )
+    )
     if ranked:
         _ranks_columns(shown, 3, compact=True)
     t = Table(title=title, title_justify="left", header_style="bold")
@@ -164,8 +239,11 @@ def _compact(rows: list[Row], title: str, unreliable: bool, ranked: bool) -> Tab
 
 def errors(rows: list[Row]) -> list[str]:
     """One line per failed row (the compact table says only that it failed)."""
-    return [f"[red]{r['framework']} {r['policy']} @ batch {r['batch_size']}: {r['status']}[/red]: {r['error'] or ''}"
-            for r in rows if r["status"] != "ok"]  # fmt: skip
+    return [
+        f"[red]{r['framework']} {r['policy']} @ batch {r['batch_size']}: {r['status']}[/red]: {r['error'] or ''}"
+        for r in rows
+        if r["status"] != "ok"
+    ]
 
 
 def regime(rows: list[Row]) -> list[str]:
@@ -175,9 +253,11 @@ def regime(rows: list[Row]) -> list[str]:
         base = row["policy"] == "none" and row["status"] == "ok"
         if base and row["static_bytes"] and row["activation_bytes"] is not None:
             dynamic = row["activation_bytes"] + row["temporary_bytes"]
-            out.append(f"{row['framework']} none @ batch {row['batch_size']}: activations + temps = "
-                       f"{dynamic / row['static_bytes']:.1f}x static (params + optimizer state, "
-                       f"{_mib(row['static_bytes'])} MiB)")  # fmt: skip
+            out.append(
+                f"{row['framework']} none @ batch {row['batch_size']}: activations + temps = "
+                f"{dynamic / row['static_bytes']:.1f}x static (params + optimizer state, "
+                f"{_mib(row['static_bytes'])} MiB)"
+            )
     return out
 
 
@@ -209,8 +289,10 @@ def title(document: dict[str, Any]) -> str:
     s = document["settings"]
     ranks = s.get("world_size", 1)
     per_rank = f", per rank of {ranks} (FSDP; batch per rank)" if ranks > 1 else ""
-    return (f"{document['config']['name']} @ {s['sample_size']}x{s['sample_size']}, {document['dtype']}{per_rank}, "
-            f"{s['steps']} timed steps after warm-up, git {(document['git_sha'] or '?')[:12]}")  # fmt: skip
+    return (
+        f"{document['config']['name']} @ {s['sample_size']}x{s['sample_size']}, {document['dtype']}{per_rank}, "
+        f"{s['steps']} timed steps after warm-up, git {(document['git_sha'] or '?')[:12]}"
+    )
 
 
 def used(document: dict[str, Any]) -> str:
@@ -244,10 +326,15 @@ def notes(document: dict[str, Any]) -> list[str]:
     lines = [f"devices: {devices}", f"versions: {versions}", f"wall time: {wall}", used(document)]
     share = unreliable_share(document)
     if share is not None:
-        lines.append(f"[bold red]warning: other processes used {share:.0%} of the cores during the run: "
-                     "step times and ratios are unreliable[/]")  # fmt: skip
+        lines.append(
+            f"[bold red]warning: other processes used {share:.0%} of the cores during the run: "
+            "step times and ratios are unreliable[/]"
+        )
     for fw, found in document["methods"].items():
         lines += [f"{fw} {METHODS[k]}: {v}" for k, v in found.items()]
     lines += regime(document["rows"]) + checks(document["rows"])
-    return [*lines, "peak = params + opt state + grads + inputs + activations + temps, all at the peak's moment; "
-            "(+/-%) = change against policy none, same framework and run"]  # fmt: skip
+    return [
+        *lines,
+        "peak = params + opt state + grads + inputs + activations + temps, all at the peak's moment; "
+        "(+/-%) = change against policy none, same framework and run",
+    ]

@@ -37,8 +37,14 @@ def main(argv: list[str] | None = None) -> list[float]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     unet = UNet2DConditionModel.from_pretrained(find_folder(args.source).root)
     unet.requires_grad_(False)
-    unet.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, init_lora_weights="gaussian",
-                                target_modules=["to_q", "to_k", "to_v", "to_out.0"]))  # fmt: skip
+    unet.add_adapter(
+        LoraConfig(
+            r=args.rank,
+            lora_alpha=args.rank,
+            init_lora_weights="gaussian",
+            target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+        )
+    )
 
     # The two lines: plan for this model, batch, budget and regime; put the plan on the model.
     regime = Regime("bf16-mixed", f"lora:{args.rank}")

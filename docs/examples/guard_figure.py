@@ -36,13 +36,13 @@ def figure(doc: dict[str, Any]) -> bytes:
     changes = [r for r in doc["history"] if r["measured"] is None and r["step"] > 0]
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=120)
     ax.plot([r["step"] for r in measured], [r["measured"] / MIB for r in measured], "o-", label="measured peak")
-    ax.plot([r["step"] for r in measured], [r["predicted"] / MIB for r in measured], "x--",
-            label="predicted (model's step)")  # fmt: skip
+    ax.plot(
+        [r["step"] for r in measured], [r["predicted"] / MIB for r in measured], "x--", label="predicted (model's step)"
+    )
     ax.axhline(doc["budget"] / MIB, color="red", label="budget")
     for r in changes:  # a change takes effect from the next step
         ax.axvline(r["step"] + 0.5, color="grey", linestyle=":")
-        ax.annotate(r["action"], (r["step"] + 0.5, doc["budget"] / MIB), rotation=90, fontsize=8,
-                    va="top", ha="right")  # fmt: skip
+        ax.annotate(r["action"], (r["step"] + 0.5, doc["budget"] / MIB), rotation=90, fontsize=8, va="top", ha="right")
     ax.set_xticks([r["step"] for r in measured])  # whole steps
     ax.set_xlabel("guarded step (measured ones)")
     ax.set_ylabel("MiB")

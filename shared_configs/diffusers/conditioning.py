@@ -19,10 +19,12 @@ ADDITION_TYPES = (None, "text_time", "image")  # addition_embed_type values we b
 ENCODER_HID_TYPES = (None, "text_proj", "image_proj")  # encoder_hid_dim_type values we build
 IMAGE_PROJ_TOKENS = 32  # diffusers' ImageProjection: num_image_text_embeds, not configurable there
 WHY_NOT = {
-    "text": "DeepFloyd IF's attention-pooled text embedding", "text_image": "Kandinsky 2.1's text and image embedding",
+    "text": "DeepFloyd IF's attention-pooled text embedding",
+    "text_image": "Kandinsky 2.1's text and image embedding",
     "image_hint": "Kandinsky 2.2 ControlNet's image and hint embedding",
-    "text_image_proj": "Kandinsky 2.1's text and image projection", "ip_image_proj": "IP-Adapter's image projection",
-}  # fmt: skip
+    "text_image_proj": "Kandinsky 2.1's text and image projection",
+    "ip_image_proj": "IP-Adapter's image projection",
+}
 
 
 def conditioning_fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
@@ -69,8 +71,10 @@ def class_embedding(cfg: Mapping[str, Any], cls: str) -> dict[str, Any] | None:
             warnings.warn(message, stacklevel=4)
     if kind is None:
         if concat:
-            raise SpecError("class_embeddings_concat: True without a class embedding (diffusers sizes the ResNets for "
-                            "a concatenated embedding that never comes, and fails in the forward)")  # fmt: skip
+            raise SpecError(
+                "class_embeddings_concat: True without a class embedding (diffusers sizes the ResNets for "
+                "a concatenated embedding that never comes, and fails in the forward)"
+            )
         return None
     data: dict[str, Any] = {"kind": kind, "concat": concat}
     if kind == "embedding":
@@ -89,8 +93,10 @@ def _text_time(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     width = _required(cfg, "projection_class_embeddings_input_dim", why)
     count = min(SDXL_TIME_IDS, (width - 1) // time_dim)
     if count < 1:
-        raise SpecError(f"projection_class_embeddings_input_dim: {width} leaves no text_embeds width beside one time "
-                        f"id of addition_time_embed_dim={time_dim}")  # fmt: skip
+        raise SpecError(
+            f"projection_class_embeddings_input_dim: {width} leaves no text_embeds width beside one time "
+            f"id of addition_time_embed_dim={time_dim}"
+        )
     return {"kind": "text_time", "time_id_dim": time_dim, "input_dim": width, "num_time_ids": count}
 
 

@@ -16,48 +16,104 @@ from shared_configs.spec import SpecError, UNetSpec
 
 # diffusers 0.42's __init__ defaults, per class: a config.json may omit any of them.
 _COMMON_DEFAULTS: dict[str, Any] = {
-    "sample_size": None, "center_input_sample": False, "time_embedding_type": "positional",
-    "time_embedding_dim": None, "freq_shift": 0, "flip_sin_to_cos": True, "layers_per_block": 2,
-    "mid_block_scale_factor": 1, "downsample_padding": 1, "dropout": 0.0, "act_fn": "silu",
-    "attention_head_dim": 8, "norm_num_groups": 32, "norm_eps": 1e-5, "resnet_time_scale_shift": "default",
-    "class_embed_type": None, "num_class_embeds": None,
-}  # fmt: skip
+    "sample_size": None,
+    "center_input_sample": False,
+    "time_embedding_type": "positional",
+    "time_embedding_dim": None,
+    "freq_shift": 0,
+    "flip_sin_to_cos": True,
+    "layers_per_block": 2,
+    "mid_block_scale_factor": 1,
+    "downsample_padding": 1,
+    "dropout": 0.0,
+    "act_fn": "silu",
+    "attention_head_dim": 8,
+    "norm_num_groups": 32,
+    "norm_eps": 1e-5,
+    "resnet_time_scale_shift": "default",
+    "class_embed_type": None,
+    "num_class_embeds": None,
+}
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
-    "UNet2DModel": _COMMON_DEFAULTS | {
-        "in_channels": 3, "out_channels": 3, "mid_block_type": "UNetMidBlock2D",
+    "UNet2DModel": _COMMON_DEFAULTS
+    | {
+        "in_channels": 3,
+        "out_channels": 3,
+        "mid_block_type": "UNetMidBlock2D",
         "down_block_types": ("DownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D"),
         "up_block_types": ("AttnUpBlock2D", "AttnUpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
-        "block_out_channels": (224, 448, 672, 896), "downsample_type": "conv", "upsample_type": "conv",
-        "attn_norm_num_groups": None, "add_attention": True, "num_train_timesteps": None,
+        "block_out_channels": (224, 448, 672, 896),
+        "downsample_type": "conv",
+        "upsample_type": "conv",
+        "attn_norm_num_groups": None,
+        "add_attention": True,
+        "num_train_timesteps": None,
     },
-    "UNet2DConditionModel": _COMMON_DEFAULTS | {
-        "in_channels": 4, "out_channels": 4, "mid_block_type": "UNetMidBlock2DCrossAttn",
+    "UNet2DConditionModel": _COMMON_DEFAULTS
+    | {
+        "in_channels": 4,
+        "out_channels": 4,
+        "mid_block_type": "UNetMidBlock2DCrossAttn",
         "down_block_types": ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
         "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-        "only_cross_attention": False, "block_out_channels": (320, 640, 1280, 1280), "cross_attention_dim": 1280,
-        "transformer_layers_per_block": 1, "reverse_transformer_layers_per_block": None, "encoder_hid_dim": None,
-        "encoder_hid_dim_type": None, "num_attention_heads": None, "dual_cross_attention": False,
-        "use_linear_projection": False, "addition_embed_type": None, "addition_time_embed_dim": None,
-        "upcast_attention": False, "resnet_skip_time_act": False, "resnet_out_scale_factor": 1.0,
-        "time_embedding_act_fn": None, "timestep_post_act": None, "time_cond_proj_dim": None,
-        "conv_in_kernel": 3, "conv_out_kernel": 3, "projection_class_embeddings_input_dim": None,
-        "attention_type": "default", "class_embeddings_concat": False, "mid_block_only_cross_attention": None,
-        "cross_attention_norm": None, "addition_embed_type_num_heads": 64,
+        "only_cross_attention": False,
+        "block_out_channels": (320, 640, 1280, 1280),
+        "cross_attention_dim": 1280,
+        "transformer_layers_per_block": 1,
+        "reverse_transformer_layers_per_block": None,
+        "encoder_hid_dim": None,
+        "encoder_hid_dim_type": None,
+        "num_attention_heads": None,
+        "dual_cross_attention": False,
+        "use_linear_projection": False,
+        "addition_embed_type": None,
+        "addition_time_embed_dim": None,
+        "upcast_attention": False,
+        "resnet_skip_time_act": False,
+        "resnet_out_scale_factor": 1.0,
+        "time_embedding_act_fn": None,
+        "timestep_post_act": None,
+        "time_cond_proj_dim": None,
+        "conv_in_kernel": 3,
+        "conv_out_kernel": 3,
+        "projection_class_embeddings_input_dim": None,
+        "attention_type": "default",
+        "class_embeddings_concat": False,
+        "mid_block_only_cross_attention": None,
+        "cross_attention_norm": None,
+        "addition_embed_type_num_heads": 64,
     },
-}  # fmt: skip
+}
 
 # Options the spec cannot express: the accepted values (a per-level list may repeat one of them).
 FIXED: dict[str, tuple[Any, ...]] = {
-    "center_input_sample": (False,), "time_embedding_type": ("positional",), "act_fn": ("silu",),
-    "downsample_type": ("conv",), "upsample_type": ("conv",), "only_cross_attention": (False,),
-    "reverse_transformer_layers_per_block": (None,), "num_attention_heads": (None,), "dual_cross_attention": (False,),
-    "time_embedding_act_fn": (None,), "timestep_post_act": (None,), "conv_in_kernel": (3,), "conv_out_kernel": (3,),
+    "center_input_sample": (False,),
+    "time_embedding_type": ("positional",),
+    "act_fn": ("silu",),
+    "downsample_type": ("conv",),
+    "upsample_type": ("conv",),
+    "only_cross_attention": (False,),
+    "reverse_transformer_layers_per_block": (None,),
+    "num_attention_heads": (None,),
+    "dual_cross_attention": (False,),
+    "time_embedding_act_fn": (None,),
+    "timestep_post_act": (None,),
+    "conv_in_kernel": (3,),
+    "conv_out_kernel": (3,),
     "attention_type": ("default",),
-}  # fmt: skip
+}
 
 # Options that are spec fields of the same name and value.
-SAME_FIELDS = ("in_channels", "out_channels", "norm_num_groups", "norm_eps", "dropout", "resnet_time_scale_shift",
-               "downsample_padding", "mid_block_scale_factor")  # fmt: skip
+SAME_FIELDS = (
+    "in_channels",
+    "out_channels",
+    "norm_num_groups",
+    "norm_eps",
+    "dropout",
+    "resnet_time_scale_shift",
+    "downsample_padding",
+    "mid_block_scale_factor",
+)
 CONTEXT_NORM_GROUPS = 32  # diffusers' cross_attention_norm: group_norm (cross_attention_norm_num_groups, fixed)
 DOWN_BLOCKS: dict[str, str] = {"DownBlock2D": "none", "AttnDownBlock2D": "self", "CrossAttnDownBlock2D": "transformer"}
 UP_BLOCKS: dict[str, str] = {"UpBlock2D": "none", "AttnUpBlock2D": "self", "CrossAttnUpBlock2D": "transformer"}
@@ -106,11 +162,15 @@ def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
         "mid_attention": mid,
         **_heads(cfg, cls, down, up, mid),
         "mid_attention_norm_groups": mid_groups,
-        "time_embedding": {"flip_sin_to_cos": cfg["flip_sin_to_cos"], "freq_shift": cfg["freq_shift"],
-                           "dim": cfg["time_embedding_dim"], "cond_dim": cond_dim},
+        "time_embedding": {
+            "flip_sin_to_cos": cfg["flip_sin_to_cos"],
+            "freq_shift": cfg["freq_shift"],
+            "dim": cfg["time_embedding_dim"],
+            "cond_dim": cond_dim,
+        },
         **conditioning,
         **_family(cfg, resampler, mid, [*down, *up]),
-    }  # fmt: skip
+    }
     if cls == "UNet2DConditionModel":
         data["cross_attention_dim"] = _uniform(cfg, "cross_attention_dim", n)
         data["transformer_layers_per_block"] = _per_level_ints(cfg, "transformer_layers_per_block", n)
@@ -122,8 +182,9 @@ def _with_defaults(config: Mapping[str, Any], cls: str) -> dict[str, Any]:
     defaults = CLASS_DEFAULTS[cls]
     given = {k: v for k, v in config.items() if not k.startswith("_")}
     if unknown := sorted(set(given) - set(defaults)):
-        raise SpecError(f"{unknown[0]}: unknown {cls} option (not in diffusers 0.42's signature); refusing to "
-                        "ignore it")  # fmt: skip
+        raise SpecError(
+            f"{unknown[0]}: unknown {cls} option (not in diffusers 0.42's signature); refusing to ignore it"
+        )
     return defaults | given
 
 
@@ -138,13 +199,17 @@ def _refuse_unsupported(cfg: Mapping[str, Any]) -> None:
     if bad:
         raise SpecError(f"unsupported diffusers option{'s' if len(bad) > 1 else ''}: {'; '.join(bad)}")
     if cfg["resnet_time_scale_shift"] not in ("default", "scale_shift"):
-        raise SpecError(f"resnet_time_scale_shift: {cfg['resnet_time_scale_shift']!r} unsupported (supported: "
-                        "default, scale_shift)")  # fmt: skip
+        raise SpecError(
+            f"resnet_time_scale_shift: {cfg['resnet_time_scale_shift']!r} unsupported (supported: default, scale_shift)"
+        )
     if cfg["norm_num_groups"] is None:
         raise SpecError("norm_num_groups: None (diffusers then drops or resizes norms) is not supported")
     if cfg.get("upcast_attention"):
-        warnings.warn("upcast_attention=True accepted: it only changes reduced-precision attention (a no-op in "
-                      "float32); our models compute attention in the dtype they are run in", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            "upcast_attention=True accepted: it only changes reduced-precision attention (a no-op in "
+            "float32); our models compute attention in the dtype they are run in",
+            stacklevel=3,
+        )
 
 
 def _resampler(cfg: Mapping[str, Any], cls: str) -> str:
@@ -154,8 +219,10 @@ def _resampler(cfg: Mapping[str, Any], cls: str) -> str:
     if not any(family):
         return "conv"
     if cls != "UNet2DConditionModel" or not all(family):
-        raise SpecError("down_block_types/up_block_types: ResnetDownsample/ResnetUpsample/SimpleCrossAttn blocks are "
-                        f"supported in a UNet2DConditionModel whose blocks are all of them, got {types}")  # fmt: skip
+        raise SpecError(
+            "down_block_types/up_block_types: ResnetDownsample/ResnetUpsample/SimpleCrossAttn blocks are "
+            f"supported in a UNet2DConditionModel whose blocks are all of them, got {types}"
+        )
     return "resnet"
 
 
@@ -168,8 +235,10 @@ def _family(cfg: Mapping[str, Any], resampler: str, mid: str, kinds: list[str]) 
         out["resnet_skip_time_act"] = cfg["resnet_skip_time_act"]
     simple = "simple_cross" in (*kinds, mid)  # only a UNet2DConditionModel builds them
     if simple and cfg["cross_attention_norm"] not in (None, "group_norm"):
-        raise SpecError(f"cross_attention_norm: {cfg['cross_attention_norm']!r} unsupported for SimpleCrossAttn "
-                        "blocks (supported: None, 'group_norm')")  # fmt: skip
+        raise SpecError(
+            f"cross_attention_norm: {cfg['cross_attention_norm']!r} unsupported for SimpleCrossAttn "
+            "blocks (supported: None, 'group_norm')"
+        )
     if simple and cfg["cross_attention_norm"] == "group_norm":
         out["context_norm_groups"] = CONTEXT_NORM_GROUPS
     if mid == "simple_cross" and cfg["mid_block_only_cross_attention"]:

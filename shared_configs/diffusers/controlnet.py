@@ -22,15 +22,40 @@ OWN: dict[str, str] = {
 }
 # The U-Net options ControlNetModel takes too (the rest of its signature).
 SHARED: tuple[str, ...] = (
-    "in_channels", "flip_sin_to_cos", "freq_shift", "down_block_types", "mid_block_type", "only_cross_attention",
-    "block_out_channels", "layers_per_block", "downsample_padding", "mid_block_scale_factor", "act_fn",
-    "norm_num_groups", "norm_eps", "cross_attention_dim", "transformer_layers_per_block", "encoder_hid_dim",
-    "encoder_hid_dim_type", "attention_head_dim", "num_attention_heads", "use_linear_projection", "class_embed_type",
-    "addition_embed_type", "addition_time_embed_dim", "num_class_embeds", "upcast_attention",
-    "resnet_time_scale_shift", "projection_class_embeddings_input_dim", "addition_embed_type_num_heads",
-)  # fmt: skip
-UP_OF: dict[str, str] = {"DownBlock2D": "UpBlock2D", "AttnDownBlock2D": "AttnUpBlock2D",
-                         "CrossAttnDownBlock2D": "CrossAttnUpBlock2D"}  # fmt: skip
+    "in_channels",
+    "flip_sin_to_cos",
+    "freq_shift",
+    "down_block_types",
+    "mid_block_type",
+    "only_cross_attention",
+    "block_out_channels",
+    "layers_per_block",
+    "downsample_padding",
+    "mid_block_scale_factor",
+    "act_fn",
+    "norm_num_groups",
+    "norm_eps",
+    "cross_attention_dim",
+    "transformer_layers_per_block",
+    "encoder_hid_dim",
+    "encoder_hid_dim_type",
+    "attention_head_dim",
+    "num_attention_heads",
+    "use_linear_projection",
+    "class_embed_type",
+    "addition_embed_type",
+    "addition_time_embed_dim",
+    "num_class_embeds",
+    "upcast_attention",
+    "resnet_time_scale_shift",
+    "projection_class_embeddings_input_dim",
+    "addition_embed_type_num_heads",
+)
+UP_OF: dict[str, str] = {
+    "DownBlock2D": "UpBlock2D",
+    "AttnDownBlock2D": "AttnUpBlock2D",
+    "CrossAttnDownBlock2D": "CrossAttnUpBlock2D",
+}
 # diffusers' ControlNetModel builds a class embedding only for these class_embed_type values.
 CLASS_EMBED_TYPES = (None, "timestep", "identity", "projection")
 
@@ -53,8 +78,10 @@ def controlnet_from_diffusers_config(config: Mapping[str, Any], *, name: str | N
     if options.get("encoder_hid_dim") is not None or options.get("encoder_hid_dim_type") is not None:
         raise SpecError(f"encoder_hid_dim(_type): a context projection is not supported for {CLASS}")
     if options.get("class_embed_type") not in CLASS_EMBED_TYPES:
-        raise SpecError(f"class_embed_type: {options['class_embed_type']!r} unsupported for {CLASS} (diffusers builds "
-                        f"no class embedding for it; supported: {', '.join(map(str, CLASS_EMBED_TYPES))})")  # fmt: skip
+        raise SpecError(
+            f"class_embed_type: {options['class_embed_type']!r} unsupported for {CLASS} (diffusers builds "
+            f"no class embedding for it; supported: {', '.join(map(str, CLASS_EMBED_TYPES))})"
+        )
     defaults = CLASS_DEFAULTS["UNet2DConditionModel"]
     unet = {k: v for k, v in options.items() if k in SHARED}
     downs = list(unet.get("down_block_types", defaults["down_block_types"]))
@@ -80,11 +107,15 @@ def controlnet_to_diffusers_config(spec: ControlNetSpec) -> dict[str, Any]:
     unet, ce = spec.unet, spec.unet.class_embedding
     refused = {
         "dropout": (unet.dropout != 0.0, f"{unet.dropout} (ControlNetModel has no dropout)"),
-        "time_embedding.dim": (unet.time_embed_dim != 4 * unet.block_out_channels[0],
-                               f"{unet.time_embed_dim} (ControlNetModel's is 4 x block_out_channels[0])"),
-        "class_embedding": (ce is not None and (ce.kind == "simple_projection" or ce.concat),
-                            f"{ce} (ControlNetModel builds no simple_projection, and never concatenates)"),
-    }  # fmt: skip
+        "time_embedding.dim": (
+            unet.time_embed_dim != 4 * unet.block_out_channels[0],
+            f"{unet.time_embed_dim} (ControlNetModel's is 4 x block_out_channels[0])",
+        ),
+        "class_embedding": (
+            ce is not None and (ce.kind == "simple_projection" or ce.concat),
+            f"{ce} (ControlNetModel builds no simple_projection, and never concatenates)",
+        ),
+    }
     for field, (bad, why) in refused.items():
         if bad:
             raise SpecError(f"controlnet {spec.name!r} has no diffusers equivalent: {field}={why}")

@@ -38,13 +38,18 @@ def to_diffusers_config(spec: UNetSpec) -> dict[str, Any]:
 
 def _common(spec: UNetSpec, cls: str) -> dict[str, Any]:
     time = spec.time_embedding
-    return {"_class_name": cls, "_diffusers_version": DIFFUSERS_VERSION,
-            **{k: getattr(spec, k) for k in (*SAME_FIELDS, "sample_size", "layers_per_block")},
-            "block_out_channels": list(spec.block_out_channels),
-            "down_block_types": [_block_type(DOWN_TYPES, spec, k) for k in spec.down_attention],
-            "up_block_types": [_block_type(UP_TYPES, spec, k) for k in spec.up_attention_resolved],
-            "flip_sin_to_cos": time.flip_sin_to_cos, "freq_shift": time.freq_shift, "time_embedding_dim": time.dim,
-            **_conditioning(spec)}  # fmt: skip
+    return {
+        "_class_name": cls,
+        "_diffusers_version": DIFFUSERS_VERSION,
+        **{k: getattr(spec, k) for k in (*SAME_FIELDS, "sample_size", "layers_per_block")},
+        "block_out_channels": list(spec.block_out_channels),
+        "down_block_types": [_block_type(DOWN_TYPES, spec, k) for k in spec.down_attention],
+        "up_block_types": [_block_type(UP_TYPES, spec, k) for k in spec.up_attention_resolved],
+        "flip_sin_to_cos": time.flip_sin_to_cos,
+        "freq_shift": time.freq_shift,
+        "time_embedding_dim": time.dim,
+        **_conditioning(spec),
+    }
 
 
 def _block_type(table: dict[tuple[str, str], str], spec: UNetSpec, kind: str) -> str:
@@ -85,9 +90,11 @@ def _added_options(spec: UNetSpec) -> dict[str, Any]:
         if img.context_tokens is not None:
             out["encoder_hid_dim_type"] = "image_proj"
             if img.context_tokens != IMAGE_PROJ_TOKENS:
-                raise SpecError(f"spec {spec.name!r} has no diffusers equivalent: image_embedding."
-                                f"context_tokens={img.context_tokens} (diffusers' ImageProjection makes "
-                                f"{IMAGE_PROJ_TOKENS})")  # fmt: skip
+                raise SpecError(
+                    f"spec {spec.name!r} has no diffusers equivalent: image_embedding."
+                    f"context_tokens={img.context_tokens} (diffusers' ImageProjection makes "
+                    f"{IMAGE_PROJ_TOKENS})"
+                )
     if spec.resnet_skip_time_act:
         out["resnet_skip_time_act"] = True
     if spec.resnet_out_scale_factor != 1.0:
@@ -103,10 +110,11 @@ def _pixel(spec: UNetSpec) -> dict[str, Any]:
     head_dims = {spec.head_dim(lv) for lv in levels}
     one_head = all(spec.heads(lv) == 1 and spec.head_dim(lv) == spec.block_out_channels[lv] for lv in levels)
     return _common(spec, "UNet2DModel") | {
-        "mid_block_type": "UNetMidBlock2D", "add_attention": spec.mid_attention != "none",
+        "mid_block_type": "UNetMidBlock2D",
+        "add_attention": spec.mid_attention != "none",
         "attn_norm_num_groups": _mid_groups(spec),
         "attention_head_dim": None if one_head or not head_dims else min(head_dims),
-    }  # fmt: skip
+    }
 
 
 def _mid_groups(spec: UNetSpec) -> int | None:
@@ -121,13 +129,18 @@ def _mid_groups(spec: UNetSpec) -> int | None:
 def _conditional(spec: UNetSpec) -> dict[str, Any]:
     """UNet2DConditionModel: per-level heads for transformers; channels per head for Attn*Block2D."""
     if spec.mid_attention not in MID_TYPES:
-        raise SpecError(f"mid_attention: {spec.mid_attention!r} beside Transformer2D levels has no diffusers "
-                        "equivalent (UNet2DConditionModel's middle blocks: UNetMidBlock2DCrossAttn, mid_attention "
-                        "'transformer'; UNetMidBlock2DSimpleCrossAttn, 'simple_cross')")  # fmt: skip
-    own = {"mid_block_type": MID_TYPES[spec.mid_attention], "attention_head_dim": _plain(_conditional_heads(spec)),
-           "cross_attention_dim": spec.cross_attention_dim,
-           "transformer_layers_per_block": _plain(spec.transformer_layers_per_block),
-           "use_linear_projection": spec.use_linear_projection}  # fmt: skip
+        raise SpecError(
+            f"mid_attention: {spec.mid_attention!r} beside Transformer2D levels has no diffusers "
+            "equivalent (UNet2DConditionModel's middle blocks: UNetMidBlock2DCrossAttn, mid_attention "
+            "'transformer'; UNetMidBlock2DSimpleCrossAttn, 'simple_cross')"
+        )
+    own = {
+        "mid_block_type": MID_TYPES[spec.mid_attention],
+        "attention_head_dim": _plain(_conditional_heads(spec)),
+        "cross_attention_dim": spec.cross_attention_dim,
+        "transformer_layers_per_block": _plain(spec.transformer_layers_per_block),
+        "use_linear_projection": spec.use_linear_projection,
+    }
     return _common(spec, "UNet2DConditionModel") | _added_options(spec) | own
 
 
@@ -180,5 +193,7 @@ def _check_round_trip(spec: UNetSpec, config: dict[str, Any]) -> None:
     want, got = _normalised(spec), _normalised(back)
     for field, value in want.items():
         if got.get(field) != value:
-            raise SpecError(f"spec {spec.name!r} has no diffusers equivalent: {field}={value!r} (the nearest "
-                            f"{config['_class_name']} config gives {got.get(field)!r})")  # fmt: skip
+            raise SpecError(
+                f"spec {spec.name!r} has no diffusers equivalent: {field}={value!r} (the nearest "
+                f"{config['_class_name']} config gives {got.get(field)!r})"
+            )

@@ -21,9 +21,15 @@ V = TypeVar("V")
 
 # diffusers name <-> our name, as whole dotted segments (`_rename` compiles them to regexes).
 KEY_RENAMES: tuple[tuple[str, str], ...] = (
-    ("down_blocks", "down"), ("mid_block", "mid"), ("up_blocks", "up"), ("downsamplers.0", "downsample"),
-    ("upsamplers.0", "upsample"), ("to_out.0", "to_out"), ("ff.net.0.proj", "ff.proj"), ("ff.net.2", "ff.out"),
-)  # fmt: skip
+    ("down_blocks", "down"),
+    ("mid_block", "mid"),
+    ("up_blocks", "up"),
+    ("downsamplers.0", "downsample"),
+    ("upsamplers.0", "upsample"),
+    ("to_out.0", "to_out"),
+    ("ff.net.0.proj", "ff.proj"),
+    ("ff.net.2", "ff.out"),
+)
 LEGACY_KEY_RENAMES = (("query", "to_q"), ("key", "to_k"), ("value", "to_v"), ("proj_attn", "to_out"))
 
 
@@ -68,8 +74,12 @@ def is_path(obj: object) -> bool:
     return isinstance(obj, str | os.PathLike)
 
 
-def find_folder(source: str | os.PathLike[str], variant: str | None = None, subfolder: str | None = None,
-                revision: str | None = None) -> DiffusersFolder:  # fmt: skip
+def find_folder(
+    source: str | os.PathLike[str],
+    variant: str | None = None,
+    subfolder: str | None = None,
+    revision: str | None = None,
+) -> DiffusersFolder:
     """Resolve a model folder, a pipeline folder (its ``unet/``) or a cached repo id on local disk."""
     root = Path(source)
     if not root.exists() and _REPO_ID.match(str(source)):
@@ -108,9 +118,11 @@ def _from_cache(repo_id: str, subfolder: str | None, revision: str | None) -> Pa
             return Path(found).parent
     where = cache / f"models--{repo_id.replace('/', '--')}"
     what = f"{subfolder}/config.json" if subfolder else "config.json or unet/config.json"
-    raise FileNotFoundError(f"{repo_id}: not a local folder, nor in the local Hugging Face cache at revision "
-                            f"{revision or 'main'} (looked for {what} under {where}; local files only, nothing is "
-                            "downloaded)")  # fmt: skip
+    raise FileNotFoundError(
+        f"{repo_id}: not a local folder, nor in the local Hugging Face cache at revision "
+        f"{revision or 'main'} (looked for {what} under {where}; local files only, nothing is "
+        "downloaded)"
+    )
 
 
 def _weight_files(root: Path, variant: str | None) -> tuple[Path, ...]:
@@ -156,9 +168,13 @@ def live_config(model: Any) -> dict[str, Any]:
     return {**dict(model.config), "_class_name": type(model).__name__}
 
 
-def read_source(source: Any, variant: str | None, read_file: Callable[[Path], Mapping[str, V]],
-                subfolder: str | None = None, revision: str | None = None
-                ) -> tuple[UNetSpec | ControlNetSpec, dict[str, V]]:  # fmt: skip
+def read_source(
+    source: Any,
+    variant: str | None,
+    read_file: Callable[[Path], Mapping[str, V]],
+    subfolder: str | None = None,
+    revision: str | None = None,
+) -> tuple[UNetSpec | ControlNetSpec, dict[str, V]]:
     """The spec and state_dict (our names) of a diffusers folder, cached repo id or live U-Net or ControlNet."""
     if not is_path(source):
         return spec_from_config(live_config(source)), diffusers_to_ours(dict(source.state_dict()))
@@ -175,8 +191,9 @@ def read_source(source: Any, variant: str | None, read_file: Callable[[Path], Ma
     return spec, diffusers_to_ours(state)
 
 
-def check_weights(got: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]],
-                  spec: UNetSpec | ControlNetSpec) -> None:  # fmt: skip
+def check_weights(
+    got: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], spec: UNetSpec | ControlNetSpec
+) -> None:
     """One line listing every missing, unexpected and mis-shaped weight (names -> torch shapes), else nothing."""
     missing = sorted(expected.keys() - got.keys())
     extra = sorted(got.keys() - expected.keys())

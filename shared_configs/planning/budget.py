@@ -128,8 +128,9 @@ class ProfileError(SpecError):
     """A cached profile that cannot be used: one line naming the file and why."""
 
 
-def cached_profile(path: Path, expect: Mapping[str, Any], make: Callable[[], Profile], refresh: bool = False
-                   ) -> Profile:  # fmt: skip
+def cached_profile(
+    path: Path, expect: Mapping[str, Any], make: Callable[[], Profile], refresh: bool = False
+) -> Profile:
     """The profile cached in ``path`` (processes take turns), else (or with ``refresh``) ``make()``'s, cached there."""
     with locked(path):
         if path.is_file() and not refresh:
@@ -174,8 +175,10 @@ def predict(profile: Profile, spec: StepSpec, assignment: Assignment) -> Predict
 
 def raised(units: Mapping[str, Mapping[str, Cost]], delta: int) -> dict[str, dict[str, Cost]]:
     """``units`` with every forward and backward peak ``delta`` bytes higher."""
-    return {u: {c: replace(v, fwd_peak=v.fwd_peak + delta, bwd_peak=v.bwd_peak + delta) for c, v in per.items()}
-            for u, per in units.items()}  # fmt: skip
+    return {
+        u: {c: replace(v, fwd_peak=v.fwd_peak + delta, bwd_peak=v.bwd_peak + delta) for c, v in per.items()}
+        for u, per in units.items()
+    }
 
 
 def with_static_bytes(profile: Profile, delta: int) -> Profile:
@@ -216,8 +219,10 @@ def safety_margin(profile: Profile, spec: StepSpec) -> float:
     """How far below a budget to plan: the model's largest under-prediction of the profile's own runs, plus `SAFETY`."""
     # the runs held the profiled regime's state; the profile holds the modelled one (adamw8bit's)
     modelled = profile.meta.get("modelled_state_bytes", 0)
-    under = [(run["peak_bytes"] + modelled) / predict(profile, spec, assignment_of(spec, policy)).peak_bytes - 1
-             for policy, run in profile.meta.get("runs", {}).items()]  # fmt: skip
+    under = [
+        (run["peak_bytes"] + modelled) / predict(profile, spec, assignment_of(spec, policy)).peak_bytes - 1
+        for policy, run in profile.meta.get("runs", {}).items()
+    ]
     return max([0.0, *under]) + SAFETY
 
 

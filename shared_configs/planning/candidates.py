@@ -32,10 +32,17 @@ def unmeasurable(profiles: list[Profile], world_size: int, distributed: str) -> 
     return "one process cannot run an FSDP rank's step" if world_size > 1 and distributed == "fsdp" else None
 
 
-def measured_choice(first: Solution, profiles: list[Profile], spec: UNetSpec, budget: int, margin: float,
-                    frameworks: tuple[str, ...], count: int, check: Callable[[str, list[str]], dict[str, int]],
-                    race: Callable[[str, list[str], dict[str, Any]], dict[str, Any]]
-                    ) -> tuple[Solution, dict[str, Any]]:  # fmt: skip
+def measured_choice(
+    first: Solution,
+    profiles: list[Profile],
+    spec: UNetSpec,
+    budget: int,
+    margin: float,
+    frameworks: tuple[str, ...],
+    count: int,
+    check: Callable[[str, list[str]], dict[str, int]],
+    race: Callable[[str, list[str], dict[str, Any]], dict[str, Any]],
+) -> tuple[Solution, dict[str, Any]]:
     """The plan `decide` picks of `propose`'s, each ``check``ed and, where it fits, raced (``race``); and the report."""
     entries = propose(profiles, spec, budget, margin, first, count)
     policies = [c["policy"] for c in entries]
@@ -57,8 +64,9 @@ def measured_choice(first: Solution, profiles: list[Profile], spec: UNetSpec, bu
     return replace(chosen, policy=report["chosen"]), report  # the string as measured (the same plan)
 
 
-def propose(profiles: list[Profile], spec: UNetSpec, budget: int, margin: float, first: Solution, count: int
-            ) -> list[dict[str, Any]]:  # fmt: skip
+def propose(
+    profiles: list[Profile], spec: UNetSpec, budget: int, margin: float, first: Solution, count: int
+) -> list[dict[str, Any]]:
     """One entry per plan, predicted per profile: ``first``, up to ``count - 1`` next best, the hand policies."""
     found: dict[frozenset, tuple[str, str]] = {}
     sols = [first, *next_best(profiles, spec, budget, margin, first, count - 1)]
@@ -68,8 +76,10 @@ def propose(profiles: list[Profile], spec: UNetSpec, budget: int, margin: float,
     out = []
     for policy, source in found.values():
         preds = [predict(p, spec, assignment_of(spec, policy)) for p in profiles]
-        per_fw = {p.framework: {"predicted_peak_bytes": x.peak_bytes, "predicted_overhead": x.overhead(p)}
-                  for p, x in zip(profiles, preds, strict=True)}  # fmt: skip
+        per_fw = {
+            p.framework: {"predicted_peak_bytes": x.peak_bytes, "predicted_overhead": x.overhead(p)}
+            for p, x in zip(profiles, preds, strict=True)
+        }
         out.append({"policy": policy, "source": source, "frameworks": per_fw})
     return out
 
@@ -93,11 +103,14 @@ def decide(candidates: list[dict[str, Any]], budget: int) -> dict[str, Any]:
     for c in candidates:
         c["fits"] = all(f.get("measured_peak_bytes", budget + 1) <= budget for f in c["frameworks"].values())
         c["timed"] = all(f.get("rounds_s") for f in c["frameworks"].values())
-    longest = {fw: max((len(c["frameworks"][fw].get("rounds_s") or []) for c in candidates), default=0)
-               for fw in candidates[0]["frameworks"]}  # fmt: skip
+    longest = {
+        fw: max((len(c["frameworks"][fw].get("rounds_s") or []) for c in candidates), default=0)
+        for fw in candidates[0]["frameworks"]
+    }
     for c in candidates:
-        c["in_race_to_the_end"] = c["timed"] and all(len(f["rounds_s"]) == longest[fw]
-                                                     for fw, f in c["frameworks"].items())  # fmt: skip
+        c["in_race_to_the_end"] = c["timed"] and all(
+            len(f["rounds_s"]) == longest[fw] for fw, f in c["frameworks"].items()
+        )
     pool = [c for c in candidates if c["fits"] and c["timed"]]
     finalists = [c for c in pool if c["in_race_to_the_end"]] or pool
     worst = {id(c): max((_versus(c, d)["median"] for d in finalists if d is not c), default=0.0) for c in finalists}
@@ -107,8 +120,13 @@ def decide(candidates: list[dict[str, Any]], budget: int) -> dict[str, Any]:
         if chosen is not None and c["timed"] and c is not chosen:
             for fw, f in c["frameworks"].items():
                 f["chosen_vs_this"] = _versus(chosen, c, fw)
-    return {"chosen": chosen["policy"] if chosen else None, "budget_bytes": budget, "min_rounds": MIN_ROUNDS,
-            "confidence": CONFIDENCE, "candidates": candidates}  # fmt: skip
+    return {
+        "chosen": chosen["policy"] if chosen else None,
+        "budget_bytes": budget,
+        "min_rounds": MIN_ROUNDS,
+        "confidence": CONFIDENCE,
+        "candidates": candidates,
+    }
 
 
 def _versus(a: dict[str, Any], b: dict[str, Any], framework: str | None = None) -> dict[str, Any]:
@@ -123,14 +141,18 @@ def _versus(a: dict[str, Any], b: dict[str, Any], framework: str | None = None) 
 
 def table(report: dict[str, Any]) -> str:
     """The candidates per framework: peaks and overheads predicted -> measured, and the chosen plan against each."""
-    lines = [f"candidates (measured round by round, at most {report['rounds']} rounds; a candidate leaves the "
-             f"race once another is faster at {100 * report['confidence']:.0f}%, from round {report['min_rounds']}); "
-             f"chosen: {report['chosen'] or 'none fit when measured: the solver plan'}"]  # fmt: skip
+    lines = [
+        f"candidates (measured round by round, at most {report['rounds']} rounds; a candidate leaves the "
+        f"race once another is faster at {100 * report['confidence']:.0f}%, from round {report['min_rounds']}); "
+        f"chosen: {report['chosen'] or 'none fit when measured: the solver plan'}"
+    ]
     for c in report["candidates"]:
         lines.append(f" {'*' if c['chosen'] else ' '} {c['policy']} ({c['source']})")
         for fw, f in c["frameworks"].items():
-            peaks = " -> ".join(f"{f[k] / MIB:.1f}" if k in f else "-" for k in
-                                ("predicted_peak_bytes", "checked_peak_bytes", "measured_peak_bytes"))  # fmt: skip
+            peaks = " -> ".join(
+                f"{f[k] / MIB:.1f}" if k in f else "-"
+                for k in ("predicted_peak_bytes", "checked_peak_bytes", "measured_peak_bytes")
+            )
             over = f"{100 * f['predicted_overhead']:+.1f}% -> "
             over += paired_text(f["measured_overhead"]) if "measured_overhead" in f else "not timed (over the budget)"
             line = f"     {fw}: peak MiB {peaks}; overhead {over}"

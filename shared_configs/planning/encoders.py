@@ -17,17 +17,43 @@ from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.data import LATENT_SCALE
 
 VAE = {  # AutoencoderKL of SD 1.x, 2.x and SDXL (stable-diffusion-v1-5/vae/config.json)
-    "in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": [128, 256, 512, 512],
-    "layers_per_block": 2, "norm_num_groups": 32, "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 4,
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
     "up_block_types": ["UpDecoderBlock2D"] * 4,
-}  # fmt: skip
+}
 _CLIP = {"vocab_size": 49408, "max_position_embeddings": 77}
-CLIP_L = {**_CLIP, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-          "num_attention_heads": 12, "hidden_act": "quick_gelu", "projection_dim": 768}  # fmt: skip
-OPENCLIP_H = {**_CLIP, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 23,
-              "num_attention_heads": 16, "hidden_act": "gelu", "projection_dim": 512}  # fmt: skip
-OPENCLIP_BIGG = {**_CLIP, "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
-                 "num_attention_heads": 20, "hidden_act": "gelu", "projection_dim": 1280}  # fmt: skip
+CLIP_L = {
+    **_CLIP,
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "hidden_act": "quick_gelu",
+    "projection_dim": 768,
+}
+OPENCLIP_H = {
+    **_CLIP,
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 23,
+    "num_attention_heads": 16,
+    "hidden_act": "gelu",
+    "projection_dim": 512,
+}
+OPENCLIP_BIGG = {
+    **_CLIP,
+    "hidden_size": 1280,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 20,
+    "hidden_act": "gelu",
+    "projection_dim": 1280,
+}
 # By the U-Net's cross_attention_dim: (family, its text encoders as (name, kind, config)).
 FAMILIES: dict[int, tuple[str, tuple[tuple[str, str, dict[str, Any]], ...]]] = {
     768: ("SD 1.x", (("text_encoder", "clip", CLIP_L),)),
@@ -85,8 +111,10 @@ def family(spec: UNetSpec) -> tuple[str, tuple[tuple[str, str, dict[str, Any]], 
     width = spec.cross_attention_dim
     if width not in FAMILIES:
         known = ", ".join(f"{w} ({FAMILIES[w][0]})" for w in FAMILIES)
-        raise SpecError(f"--with-encoders: no known text encoders for cross_attention_dim {width} (known: {known}); "
-                        "plan from a diffusers pipeline folder, which names its own")  # fmt: skip
+        raise SpecError(
+            f"--with-encoders: no known text encoders for cross_attention_dim {width} (known: {known}); "
+            "plan from a diffusers pipeline folder, which names its own"
+        )
     return FAMILIES[width]
 
 
@@ -106,20 +134,45 @@ def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[En
     for text_name, kind, config in texts:
         trained = options.train_text_encoder and text_name == "text_encoder"
         optimizer = regime.profiled.optimizer if trained else Encoder.optimizer
-        out.append(Encoder(text_name, kind, json.dumps(config), "float32" if trained else dtype, trained,
-                           hidden_states=sdxl, optimizer=optimizer))  # fmt: skip
+        out.append(
+            Encoder(
+                text_name,
+                kind,
+                json.dumps(config),
+                "float32" if trained else dtype,
+                trained,
+                hidden_states=sdxl,
+                optimizer=optimizer,
+            )
+        )
     return out
 
 
 def _vae_fields(config: dict[str, Any]) -> dict[str, Any]:
-    keep = ("in_channels", "out_channels", "latent_channels", "block_out_channels", "layers_per_block",
-            "norm_num_groups", "down_block_types", "up_block_types")  # fmt: skip
+    keep = (
+        "in_channels",
+        "out_channels",
+        "latent_channels",
+        "block_out_channels",
+        "layers_per_block",
+        "norm_num_groups",
+        "down_block_types",
+        "up_block_types",
+    )
     return {k: config[k] for k in keep if k in config}
 
 
 def _folder_texts(configs: dict[str, dict[str, Any]]) -> tuple[tuple[str, str, dict[str, Any]], ...]:
-    keep = ("vocab_size", "max_position_embeddings", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "hidden_act", "projection_dim")  # fmt: skip
+    keep = (
+        "vocab_size",
+        "max_position_embeddings",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "hidden_act",
+        "projection_dim",
+    )
     out = []
     for name in ("text_encoder", "text_encoder_2"):
         if name in configs:
@@ -135,37 +188,49 @@ def input_bytes(encoder: Encoder, batch_size: int) -> int:
     return batch_size * encoder.tokens * 8
 
 
-def whole_step(profile: Profile, regime: Regime, encoders: list[Encoder], measured: dict[str, dict[str, int]],
-               device: str = "cpu", optimizer_impl: str | None = None) -> Profile:  # fmt: skip
+def whole_step(
+    profile: Profile,
+    regime: Regime,
+    encoders: list[Encoder],
+    measured: dict[str, dict[str, int]],
+    device: str = "cpu",
+    optimizer_impl: str | None = None,
+) -> Profile:
     """``profile`` (the U-Net's step) with ``encoders`` beside it (``measured``: `torch_impl.encoders`): their weights
     (a trained one's state and activations) throughout, and each one's forward and backward as phases."""
     if not encoders:
         return profile
     trained = [e for e in encoders if e.trained]
     # as the U-Net's: the state measured under the profiled optimizer, 8-bit AdamW's layout modelled beside it
-    state = sum(measured[e.name]["state"] + modelled_state_delta(regime, [measured[e.name]["params"]], 4)
-                for e in trained)  # fmt: skip
+    state = sum(
+        measured[e.name]["state"] + modelled_state_delta(regime, [measured[e.name]["params"]], 4) for e in trained
+    )
     grads = sum(measured[e.name]["weights"] for e in trained)  # float32, as their weights
     static = sum(measured[e.name]["weights"] for e in encoders) + state + (grads if regime.keep_grads else 0)
     out = with_static_bytes(profile, static)
     units = raised(out.units, sum(measured[e.name]["keep"] for e in trained))  # a trained encoder's activations
     base = out.static_bytes + (profile.grad_bytes if regime.keep_grads else 0)
     batch = profile.batch_size
-    phases = {"optimizer": out.opt_peak + (0 if regime.keep_grads else grads) + _temporaries(
-        regime, trained, measured, device, optimizer_impl)}  # fmt: skip
+    phases = {
+        "optimizer": out.opt_peak
+        + (0 if regime.keep_grads else grads)
+        + _temporaries(regime, trained, measured, device, optimizer_impl)
+    }
     for e in encoders:
         m = measured[e.name]
         phases[f"{e.name} forward"] = base + input_bytes(e, batch) + m["peak"]
         if e.trained:  # after the U-Net's backward: its gradients alive, whatever zero_grad does
             unet_grads = 0 if regime.keep_grads else profile.grad_bytes
             phases[f"{e.name} backward"] = base + unet_grads + input_bytes(e, batch) + m["backward_peak"]
-    seconds = profile.step_time_s + (sum(measured[e.name].get("flops", 0) for e in encoders) /
-                                     profile.flops_per_s if profile.flops_per_s else 0.0)  # fmt: skip
+    seconds = profile.step_time_s + (
+        sum(measured[e.name].get("flops", 0) for e in encoders) / profile.flops_per_s if profile.flops_per_s else 0.0
+    )
     return replace(out, units=units, opt_peak=max(phases.values()), phases=phases, step_time_s=seconds)
 
 
-def _temporaries(regime: Regime, trained: list[Encoder], measured: dict[str, dict[str, int]], device: str,
-                 chosen: str | None) -> int:  # fmt: skip
+def _temporaries(
+    regime: Regime, trained: list[Encoder], measured: dict[str, dict[str, int]], device: str, chosen: str | None
+) -> int:
     """The trained encoders' share of the optimizer step's temporaries (foreach: a copy of their weights)."""
     name = implementation(regime.optimizer, device, chosen)
     if name != "foreach":

@@ -117,8 +117,9 @@ def autocast_bytes(spec: UNetSpec, batch_size: int, context_length: int = 77) ->
     return {u: n for u, n in extra.items() if n}
 
 
-def kept_bytes(spec: StepSpec, batch_size: int, regime: Regime, context_length: int = 77, unfused: bool = False
-               ) -> dict[str, int]:  # fmt: skip
+def kept_bytes(
+    spec: StepSpec, batch_size: int, regime: Regime, context_length: int = 77, unfused: bool = False
+) -> dict[str, int]:
     """Per leaf unit, what a plain unit keeps on a GPU beyond the CPU profile: autocast's float32 norms,
     fp32's padded logsumexp, ``unfused``: the probabilities. ControlNet: the frozen U-Net's encoder keeps none."""
     if isinstance(spec, ControlNetPairSpec):
@@ -202,8 +203,12 @@ def gpu_profile(profile: Profile, spec: StepSpec, regime: Regime, device: Device
     for unit, per in profile.units.items():
         # a whole block keeps what its layers and samplers do
         d = sum(v for k, v in leaves.items() if k.startswith(unit + ".")) if unit in blocks else leaves.get(unit, 0)
-        units[unit] = {c: replace(v, keep=v.keep + d, fwd_peak=v.fwd_peak + d, bwd_peak=v.bwd_peak + d) if c == PLAIN
-                       else replace(v, bwd_peak=v.bwd_peak + d) for c, v in per.items()}  # fmt: skip
+        units[unit] = {
+            c: replace(v, keep=v.keep + d, fwd_peak=v.fwd_peak + d, bwd_peak=v.bwd_peak + d)
+            if c == PLAIN
+            else replace(v, bwd_peak=v.bwd_peak + d)
+            for c, v in per.items()
+        }
     delta = optimizer_delta(profile, spec, regime, device.optimizer_impl)
     opt_peak = profile.opt_peak + delta if profile.opt_peak else 0
     flavoured = replace(profile, units=units, opt_peak=max(opt_peak, 0))
@@ -222,13 +227,24 @@ class GpuEstimate:
     terms: dict[str, int]
 
     def as_dict(self) -> dict[str, object]:
-        return {"cpu_peak_bytes": self.cpu_peak, "allocated_bytes": self.allocated, "reserved_bytes": self.reserved,
-                "device_bytes": self.device_total, "peak_at": self.peak_unit, "terms": self.terms}  # fmt: skip
+        return {
+            "cpu_peak_bytes": self.cpu_peak,
+            "allocated_bytes": self.allocated,
+            "reserved_bytes": self.reserved,
+            "device_bytes": self.device_total,
+            "peak_at": self.peak_unit,
+            "terms": self.terms,
+        }
 
 
-def estimate(profile: Profile, spec: StepSpec, regime: Regime, assignment: dict[str, str],
-             device: Device = Device(), extend: Callable[[Profile, str], Profile] | None = None
-             ) -> GpuEstimate:  # fmt: skip
+def estimate(
+    profile: Profile,
+    spec: StepSpec,
+    regime: Regime,
+    assignment: dict[str, str],
+    device: Device = Device(),
+    extend: Callable[[Profile, str], Profile] | None = None,
+) -> GpuEstimate:
     """``assignment``'s peak on ``device``: allocated, times `FRAGMENTATION` (reserved), plus the context
     (``nvidia-smi``). ``extend`` adds what runs beside the U-Net ("cpu" or "cuda", `planning.whole`)."""
     extend = extend or (lambda p, _kind: p)

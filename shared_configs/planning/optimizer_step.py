@@ -36,9 +36,13 @@ SOURCES = {
     "at once (only with foreach=True)",
 }
 DEFAULT = {  # torch's choice per (optimizer, device kind)
-    ("adamw", "cpu"): "per-parameter", ("adamw", "cuda"): "foreach", ("adafactor", "cpu"): "per-parameter",
-    ("adafactor", "cuda"): "per-parameter", ("adamw8bit", "cpu"): "torchao", ("adamw8bit", "cuda"): "torchao",
-}  # fmt: skip
+    ("adamw", "cpu"): "per-parameter",
+    ("adamw", "cuda"): "foreach",
+    ("adafactor", "cpu"): "per-parameter",
+    ("adafactor", "cuda"): "per-parameter",
+    ("adamw8bit", "cpu"): "torchao",
+    ("adamw8bit", "cuda"): "torchao",
+}
 
 
 @dataclass(frozen=True)

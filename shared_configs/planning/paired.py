@@ -24,10 +24,24 @@ def paired(a: list[float], b: list[float], confidence: float = 0.9) -> dict[str,
     ratios = np.asarray(a) / np.asarray(b) - 1
     ci = quantile_test(ratios, q=0, p=0.5).confidence_interval(confidence)
     low, high = (float(v) if np.isfinite(v) else None for v in (ci.low, ci.high))  # nan: too few rounds
-    verdict = ("too few rounds" if low is None or high is None
-               else "faster" if high < 0 else "slower" if low > 0 else "within noise")  # fmt: skip
-    return {"median": float(np.median(ratios)), "low": low, "high": high, "confidence": confidence,
-            "wins": int(np.sum(ratios < 0)), "rounds": len(a), "verdict": verdict}  # fmt: skip
+    verdict = (
+        "too few rounds"
+        if low is None or high is None
+        else "faster"
+        if high < 0
+        else "slower"
+        if low > 0
+        else "within noise"
+    )
+    return {
+        "median": float(np.median(ratios)),
+        "low": low,
+        "high": high,
+        "confidence": confidence,
+        "wins": int(np.sum(ratios < 0)),
+        "rounds": len(a),
+        "verdict": verdict,
+    }
 
 
 def paired_text(c: dict[str, Any]) -> str:

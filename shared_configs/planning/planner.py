@@ -88,9 +88,12 @@ class Workload:
 
     @classmethod
     def of(
-        cls, spec: UNetSpec | ControlNetPairSpec | str, sample_size: int | None = None, controlnet: bool = False,
+        cls,
+        spec: UNetSpec | ControlNetPairSpec | str,
+        sample_size: int | None = None,
+        controlnet: bool = False,
         **kwargs: Any,
-    ) -> Workload:  # fmt: skip
+    ) -> Workload:
         """``controlnet``: the ControlNet step on this U-Net (`shared_configs.pair.controlnet_pair`)."""
         spec = load_spec(spec) if isinstance(spec, str) else spec
         if sample_size is not None and sample_size != spec.sample_size:
@@ -106,8 +109,12 @@ class Workload:
         """What the workers use, as every tool says it (`shared_configs.defaults.Defaults.describe`);
         ``cache``: the JAX compilation cache of measured and checked steps (a profile never uses it)."""
         jax = ("attention_chunk", "jax_cache")[: 1 + cache] if "jax" in frameworks else ()
-        used = replace(defaults(DEVICE), attention_chunk=self.attention_chunk, context_length=self.context_length,
-                       dtype=self.regime.compute_dtype or "float32")  # fmt: skip
+        used = replace(
+            defaults(DEVICE),
+            attention_chunk=self.attention_chunk,
+            context_length=self.context_length,
+            dtype=self.regime.compute_dtype or "float32",
+        )
         return used.describe(("dtype", "context_length", *jax))
 
     def request(self, framework: str, kind: str, **extra: Any) -> dict[str, Any]:
@@ -117,8 +124,15 @@ class Workload:
 
 
 # Applied to the profile, not profiled: not in the workers' requests nor the cache key.
-WHOLE_STEP = ("device", "with_encoders", "cached_latents", "train_text_encoder", "unfused_attention",
-              "optimizer_impl", "encoder_configs")  # fmt: skip
+WHOLE_STEP = (
+    "device",
+    "with_encoders",
+    "cached_latents",
+    "train_text_encoder",
+    "unfused_attention",
+    "optimizer_impl",
+    "encoder_configs",
+)
 
 
 # Rounds of timed steps per profile: torch's one round of the per-layer runs prices every unit from
@@ -144,15 +158,21 @@ def get_profile(framework: str, workload: Workload, repeats: int | None = None, 
     # One process measures; the others (the ranks of one training run, two plans at once) wait for
     # it and read its profile (`cached_profile` locks the entry).
     spec = workload.spec
-    expect = {"framework": framework, "config": spec.name, "sample_size": spec.sample_size,
-              "batch_size": workload.batch_size, "context_length": workload.context_length,
-              "regime": workload.regime.describe()}  # fmt: skip
+    expect = {
+        "framework": framework,
+        "config": spec.name,
+        "sample_size": spec.sample_size,
+        "batch_size": workload.batch_size,
+        "context_length": workload.context_length,
+        "regime": workload.regime.describe(),
+    }
     make = functools.partial(_measure_profile, framework, workload, repeats, path, expect)
     profile = cached_profile(path, expect, make, refresh=not cache)
     if workload.shapes:
         w = workload  # its regime as given, not read back from the profile's describe line
-        profile = at_stated_rates(profile, w.spec, w.batch_size, w.context_length, w.flops_per_s, w.bytes_per_s,
-                                  w.regime)  # fmt: skip
+        profile = at_stated_rates(
+            profile, w.spec, w.batch_size, w.context_length, w.flops_per_s, w.bytes_per_s, w.regime
+        )
     return whole.on_device(workload, framework, profile)
 
 
@@ -167,9 +187,11 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
     timed = {"torch": "the plain and per-layer steps timed", "jax": "the plain step timed"}[framework]
     how = "from shapes" if workload.shapes else f"{timed} {repeats}x"
     kind = "compiled" if framework == "jax" else "traced"
-    progress(f"profiling {spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size} in "
-             f"{framework} ({workload.used((framework,), cache=False)}; 5 {kind} steps, {how}; "
-             f"cached in {path.parent}) ...")  # fmt: skip
+    progress(
+        f"profiling {spec.name} at {spec.sample_size}x{spec.sample_size}, batch {workload.batch_size} in "
+        f"{framework} ({workload.used((framework,), cache=False)}; 5 {kind} steps, {how}; "
+        f"cached in {path.parent}) ..."
+    )
     fields = run_worker(workload.request(framework, "profile", repeats=repeats))
     seconds = time.perf_counter() - start
     progress(f"{framework} profile done in {seconds:.0f} s{cpu_text(fields['meta'].get('cpu_s'))}")
@@ -202,8 +224,9 @@ def measure(
     rows (``torch.compile:RATIO``); ``race_to``: the policies that fit race (`stepclock.measured_rounds`)."""
     start = time.perf_counter()
     many = f"up to {steps}" if race_to else f"{steps}"
-    progress(f"measuring {len(policies)} plan(s) in {framework}, one process: a compile, a warm-up and {many} "
-             "steps each ...")  # fmt: skip
+    progress(
+        f"measuring {len(policies)} plan(s) in {framework}, one process: a compile, a warm-up and {many} steps each ..."
+    )
     request = workload.request(framework, "measure", policies=policies, steps=steps, ratios=ratios or [])
     rows = run_worker(request | ({"race_to": race_to} if race_to else {}))
     progress(f"{framework} measurement done in {time.perf_counter() - start:.0f} s")
@@ -274,8 +297,10 @@ def fit_checked(
             f"{fw}: the plan peaks at {peak / MIB:.1f} MiB, over the budget; planning {100 * margin:.1f}% below it"
         )
         sol = solve(profiles, workload.spec, budget, margin)
-    raise SpecError(f"budget: no plan checked under {budget / MIB:.1f} MiB in {CHECKS} tries (the last: "
-                    f"{fw} {peak / MIB:.1f} MiB); try a budget {100 * margin:.0f}% higher")  # fmt: skip
+    raise SpecError(
+        f"budget: no plan checked under {budget / MIB:.1f} MiB in {CHECKS} tries (the last: "
+        f"{fw} {peak / MIB:.1f} MiB); try a budget {100 * margin:.0f}% higher"
+    )
 
 
 @dataclass(frozen=True)
@@ -327,10 +352,16 @@ def plan(
     how = "; ".join(f"{fw}: {CHECK_HOW[fw]}" for fw in frameworks)
     progress(f"candidates: checking their peaks with nothing allocated ({how}), then racing those that fit ...")
     chosen, report = measured_choice(
-        sol, profiles, workload.spec, budget_bytes, margin, frameworks, candidates,
+        sol,
+        profiles,
+        workload.spec,
+        budget_bytes,
+        margin,
+        frameworks,
+        candidates,
         check=lambda fw, policies: run_worker(workload.request(fw, "peaks", policies=policies))["peaks"],
         race=lambda fw, policies, race_to: measure(fw, workload, policies, rounds, race_to=race_to)["rows"],
-    )  # fmt: skip
+    )
     return Planned(chosen, profiles, margin, solve_s, report | {"rounds": rounds})
 
 

@@ -37,16 +37,24 @@ def cast_bytes(regime: Regime, weights: int) -> float:
     return 6.0 * weights if regime.compute_dtype is not None and regime.param_dtype == "float32" else 0.0
 
 
-def step_flops(spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int = 77,
-               regime: Regime = DEFAULT) -> float:  # fmt: skip
+def step_flops(
+    spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int = 77, regime: Regime = DEFAULT
+) -> float:
     """The plain step's FLOPs in ``regime`` (`unit_flops.step_flops`, `unit_flops.pair_step_flops`)."""
     if isinstance(spec, ControlNetPairSpec):
         return pair_step_flops(spec, batch_size, context_length)
     return counted_step_flops(spec, batch_size, context_length, regime.lora_rank).total
 
 
-def step_seconds(spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int, regime: Regime,
-                 kept: float, flops_per_s: float, bytes_per_s: float) -> float:  # fmt: skip
+def step_seconds(
+    spec: UNetSpec | ControlNetPairSpec,
+    batch_size: int,
+    context_length: int,
+    regime: Regime,
+    kept: float,
+    flops_per_s: float,
+    bytes_per_s: float,
+) -> float:
     """The plain step's seconds at the stated rates (the module's formula); ``kept``: the bytes its forward keeps."""
     if isinstance(spec, ControlNetPairSpec):
         (trained, weights), flops = pair_weights(spec), pair_step_flops(spec, batch_size, context_length)
@@ -100,19 +108,32 @@ def with_adapters(units: Units, spec: UNetSpec, batch_size: int, context_length:
     }
 
 
-def with_recasts(units: Units, spec: UNetSpec | ControlNetPairSpec, regime: Regime, bytes_per_s: float
-                 ) -> dict[str, dict[str, Cost]]:  # fmt: skip
+def with_recasts(
+    units: Units, spec: UNetSpec | ControlNetPairSpec, regime: Regime, bytes_per_s: float
+) -> dict[str, dict[str, Cost]]:
     """``units`` whose mixed-precision recomputes pay `cast_bytes` again (a fresh autocast has an empty cache)."""
     if not cast_bytes(regime, 1):
         return {u: dict(per) for u, per in units.items()}
     weights = unit_weights(spec)
-    recast = {u: {c: cast_bytes(regime, round(recompute_flops(weights[u], c))) / bytes_per_s if u in weights else 0.0
-                  for c in per} for u, per in units.items()}  # fmt: skip
+    recast = {
+        u: {
+            c: cast_bytes(regime, round(recompute_flops(weights[u], c))) / bytes_per_s if u in weights else 0.0
+            for c in per
+        }
+        for u, per in units.items()
+    }
     return {u: {c: replace(v, time_s=v.time_s + recast[u][c]) for c, v in per.items()} for u, per in units.items()}
 
 
-def at_stated_rates(profile: Profile, spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int,
-                    flops_per_s: float, bytes_per_s: float, regime: Regime | None = None) -> Profile:  # fmt: skip
+def at_stated_rates(
+    profile: Profile,
+    spec: UNetSpec | ControlNetPairSpec,
+    batch_size: int,
+    context_length: int,
+    flops_per_s: float,
+    bytes_per_s: float,
+    regime: Regime | None = None,
+) -> Profile:
     """A shapes-only profile timed at stated rates (`at_rates`), its plain step `step_seconds` in ``regime``."""
     regime = regime_of(profile) if regime is None else regime
     units = with_adapters(profile.units, spec, batch_size, context_length, regime.lora_rank)

@@ -43,8 +43,10 @@ class Infeasible(SpecError):
     """No plan fits; ``smallest`` is the smallest budget (bytes) one does."""
 
     def __init__(self, budget: int, smallest: int) -> None:
-        super().__init__(f"budget: no plan fits {budget / MIB:.1f} MiB; the smallest feasible budget is "
-                         f"{math.ceil(smallest / MIB)} MiB ({smallest} bytes)")  # fmt: skip
+        super().__init__(
+            f"budget: no plan fits {budget / MIB:.1f} MiB; the smallest feasible budget is "
+            f"{math.ceil(smallest / MIB)} MiB ({smallest} bytes)"
+        )
         self.smallest = smallest
 
 
@@ -69,8 +71,9 @@ class _Programme:
     def _mib(self, f: int, unit: str, choice: str, field: str) -> float:
         return getattr(self.profiles[f].cost(unit, choice), field) / MIB
 
-    def _rows(self, f: int, kept: Expr, held: Expr, unit: str, choice: str, on: int | None,
-              off: tuple[int, ...] = ()) -> None:  # fmt: skip
+    def _rows(
+        self, f: int, kept: Expr, held: Expr, unit: str, choice: str, on: int | None, off: tuple[int, ...] = ()
+    ) -> None:
         """``unit``'s two peak rows under ``choice``: forward (what is kept and held before it) and backward."""
         both = {k: kept.get(k, 0.0) + held.get(k, 0.0) for k in kept.keys() | held.keys()}
         self.peaks.append((f, both, self._mib(f, unit, choice, "fwd_peak"), on, off))
@@ -123,8 +126,9 @@ class _Programme:
         row = np.array([0.0 if c == PLAIN else 1.0 if assignment.get(u) == c else -1.0 for u, c in self.cols])
         return row, float(np.sum(row > 0) - 1)
 
-    def solve(self, cost: np.ndarray, limits: list[float], peak_col: bool = False, cuts: Sequence[Cut] = ()
-              ) -> np.ndarray | None:  # fmt: skip
+    def solve(
+        self, cost: np.ndarray, limits: list[float], peak_col: bool = False, cuts: Sequence[Cut] = ()
+    ) -> np.ndarray | None:
         """Minimise ``cost`` under every peak row (``limits``: MiB per profile; ``peak_col``: a last, continuous
         column is the peak, rows read ``<= peak / scale``), leaving out the plans of ``cuts``."""
         n = len(self.cols) + peak_col
@@ -159,9 +163,13 @@ class _Programme:
         integrality = np.r_[np.ones(len(self.cols)), np.zeros(int(peak_col))]
         upper = np.r_[np.ones(len(self.cols)), np.full(int(peak_col), np.inf)]
         with _quiet_stdout():
-            res = milp(cost, integrality=integrality, bounds=Bounds(np.zeros(n), upper),
-                       constraints=LinearConstraint(np.array(a), lo, hi),
-                       options={"mip_rel_gap": 0.0, "disp": False})  # fmt: skip
+            res = milp(
+                cost,
+                integrality=integrality,
+                bounds=Bounds(np.zeros(n), upper),
+                constraints=LinearConstraint(np.array(a), lo, hi),
+                options={"mip_rel_gap": 0.0, "disp": False},
+            )
         return res.x if res.status == 0 else None
 
     def assignment(self, x: np.ndarray) -> dict[str, str]:
@@ -194,8 +202,9 @@ def _list(profiles: Profile | Sequence[Profile]) -> list[Profile]:
     return [profiles] if isinstance(profiles, Profile) else list(profiles)
 
 
-def _cheapest(profiles: list[Profile], spec: StepSpec, budget_bytes: int, exclude: Sequence[Assignment] = ()
-              ) -> dict[str, str] | None:  # fmt: skip
+def _cheapest(
+    profiles: list[Profile], spec: StepSpec, budget_bytes: int, exclude: Sequence[Assignment] = ()
+) -> dict[str, str] | None:
     """The least-cost assignment, not in ``exclude``, whose predicted peaks fit ``budget_bytes``; None if none."""
     if any(p.opt_peak * p.scale > budget_bytes + 0.5 for p in profiles):
         return None
@@ -226,8 +235,9 @@ def solve(profiles: Profile | Sequence[Profile], spec: StepSpec, budget_bytes: i
     return solution(profiles, spec, assignment)
 
 
-def next_best(profiles: Profile | Sequence[Profile], spec: StepSpec, budget_bytes: int, margin: float,
-              first: Solution, count: int) -> list[Solution]:  # fmt: skip
+def next_best(
+    profiles: Profile | Sequence[Profile], spec: StepSpec, budget_bytes: int, margin: float, first: Solution, count: int
+) -> list[Solution]:
     """Up to ``count`` plans after ``first`` (`solve`'s answer), each the cheapest that fits but those before it."""
     profiles = _list(profiles)
     found = [first]

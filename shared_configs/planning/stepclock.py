@@ -20,8 +20,18 @@ import numpy as np
 from shared_configs.planning.paired import paired, paired_text
 from shared_configs.progress import tracked
 
-__all__ = ["clock", "contenders", "cpu_split", "fitted_rates", "in_turn", "measured_rounds", "paired", "paired_text",
-           "race", "times"]  # fmt: skip
+__all__ = [
+    "clock",
+    "contenders",
+    "cpu_split",
+    "fitted_rates",
+    "in_turn",
+    "measured_rounds",
+    "paired",
+    "paired_text",
+    "race",
+    "times",
+]
 
 clock = time.process_time
 
@@ -63,8 +73,11 @@ def race(
     for done in tracked(range(1, rounds + 1), "race rounds", left):
         _round(steps, [n for n in steps if n in alive or n == reference], samples)
         if done >= min_rounds:
-            alive = [c for c in alive if not any(paired(samples[d], samples[c], confidence)["verdict"] == "faster"
-                                                 for d in alive if d != c)]  # fmt: skip
+            alive = [
+                c
+                for c in alive
+                if not any(paired(samples[d], samples[c], confidence)["verdict"] == "faster" for d in alive if d != c)
+            ]
         if len(alive) <= 1:
             break
     return samples

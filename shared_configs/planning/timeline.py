@@ -47,9 +47,12 @@ def profile_assignments(spec: StepSpec) -> list[dict[str, str]]:
 
 
 def filed_units(
-    spec: StepSpec, batch_size: int, context_length: int, assignments: list[dict[str, str]],
+    spec: StepSpec,
+    batch_size: int,
+    context_length: int,
+    assignments: list[dict[str, str]],
     costs: list[dict[str, Cost]],
-) -> dict[str, dict[str, Cost]]:  # fmt: skip
+) -> dict[str, dict[str, Cost]]:
     """Per unit and choice, the `Cost` of the run that measured that choice, with its recompute FLOPs."""
     flops = unit_flops(spec, batch_size, context_length)
     units: dict[str, dict[str, Cost]] = {}

@@ -158,8 +158,9 @@ def in_encoder(unit: str) -> bool:
     return not unit.startswith("up.") and unit != "head"
 
 
-def unit_flops(spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int = 77,
-               lora_rank: int | None = None) -> dict[str, Flops]:  # fmt: skip
+def unit_flops(
+    spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int = 77, lora_rank: int | None = None
+) -> dict[str, Flops]:
     """Forward FLOPs by op class of every unit (layers, samplers, blocks, stem, head), LoRA's adapters included."""
     if isinstance(spec, ControlNetPairSpec):  # the ControlNet's units (`_pair_units`), then the U-Net's
         unet = unit_flops(spec.unet, batch_size, context_length)
@@ -192,9 +193,9 @@ class StepFlops:
         return self.forward + self.input_grads + self.weight_grads + self.adapters
 
 
-def walk(spec: UNetSpec, batch_size: int, context_length: int = 77, lora_rank: int | None = None) -> Iterator[
-    tuple[str, Op, bool]
-]:  # fmt: skip
+def walk(
+    spec: UNetSpec, batch_size: int, context_length: int = 77, lora_rank: int | None = None
+) -> Iterator[tuple[str, Op, bool]]:
     """Each op in forward order with whether its input needs a gradient: the hidden states from the first
     trained weight (or adapter) on, the time embedding when the base is trained, the context and inputs never."""
     trained = lora_rank is None
@@ -256,8 +257,9 @@ def controlnet_ops(spec: ControlNetPairSpec, batch_size: int) -> dict[str, list[
     return {"stem": stem, "head": [_conv(b, shape[1], shape[1], 1, shape[2]) for shape in (*down, mid)]}
 
 
-def _pair_units(unet: dict[str, Flops], own_ops: dict[str, list[Op]], of: Callable[[list[Op]], Flops]
-                ) -> dict[str, Flops]:  # fmt: skip
+def _pair_units(
+    unet: dict[str, Flops], own_ops: dict[str, list[Op]], of: Callable[[list[Op]], Flops]
+) -> dict[str, Flops]:
     """The pair's units: the ControlNet's encoder as the U-Net's, its stem and head from ``own_ops`` (by ``of``)."""
     own = {u: of(ops) for u, ops in own_ops.items()}
     mine = {u: f for u, f in unet.items() if in_encoder(u)}

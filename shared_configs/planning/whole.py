@@ -36,16 +36,26 @@ def options(workload: Workload) -> StepOptions:
 
 def raw(workload: Workload) -> Workload:
     """``workload``'s U-Net step alone, as the CPU profile holds it."""
-    return replace(workload, device="cpu", with_encoders=False, cached_latents=False, train_text_encoder=False,
-                   unfused_attention=False, optimizer_impl=None, encoder_configs=None)  # fmt: skip
+    return replace(
+        workload,
+        device="cpu",
+        with_encoders=False,
+        cached_latents=False,
+        train_text_encoder=False,
+        unfused_attention=False,
+        optimizer_impl=None,
+        encoder_configs=None,
+    )
 
 
 def check(workload: Workload, framework: str) -> None:
     """Refuse, in one line, what the whole step is not modelled for."""
     extra = options(workload).any
     if framework == "jax" and (extra or workload.device != "cpu"):
-        raise SpecError(f"--device {workload.device}, --with-encoders, --train-text-encoder: the GPU flavour and the "
-                        "encoders are torch's step; use --framework torch")  # fmt: skip
+        raise SpecError(
+            f"--device {workload.device}, --with-encoders, --train-text-encoder: the GPU flavour and the "
+            "encoders are torch's step; use --framework torch"
+        )
     if workload.device not in ("cpu", *gpu.DEVICES):
         raise SpecError(f"device: expected one of cpu, {', '.join(gpu.DEVICES)}, got {workload.device!r}")
     if (workload.unfused_attention or workload.optimizer_impl) and workload.device == "cpu":
@@ -68,8 +78,9 @@ def extender(workload: Workload) -> Callable[[Profile, str], Profile]:
     if not encoders:
         return lambda profile, device: profile
     measured = measured_encoders(encoders, workload)
-    return lambda profile, device: whole_step(profile, workload.regime, encoders, measured, device,
-                                              workload.optimizer_impl)  # fmt: skip
+    return lambda profile, device: whole_step(
+        profile, workload.regime, encoders, measured, device, workload.optimizer_impl
+    )
 
 
 def on_device(workload: Workload, framework: str, profile: Profile) -> Profile:
@@ -83,8 +94,11 @@ def on_device(workload: Workload, framework: str, profile: Profile) -> Profile:
 
 def card(workload: Workload) -> gpu.Device:
     """The GPU flavour's `gpu.Device` of a workload on a GPU: its attention as the workload says."""
-    return replace(gpu.DEVICES[workload.device], unfused_attention=workload.unfused_attention,
-                   optimizer_impl=workload.optimizer_impl)  # fmt: skip
+    return replace(
+        gpu.DEVICES[workload.device],
+        unfused_attention=workload.unfused_attention,
+        optimizer_impl=workload.optimizer_impl,
+    )
 
 
 def device_budget(workload: Workload, budget: int) -> int:
@@ -95,8 +109,13 @@ def device_budget(workload: Workload, budget: int) -> int:
 def measured_encoders(encoders: list[Encoder], workload: Workload) -> dict[str, dict[str, int]]:
     """`torch_impl.encoders.measure` of each of ``encoders`` at the workload's batch, cached."""
     autocast = workload.regime.compute_dtype if workload.regime.precision.endswith("-mixed") else None
-    request = {"framework": "torch", "kind": "encoders", "batch_size": workload.batch_size, "autocast": autocast,
-               "encoders": [asdict(e) for e in encoders]}  # fmt: skip
+    request = {
+        "framework": "torch",
+        "kind": "encoders",
+        "batch_size": workload.batch_size,
+        "autocast": autocast,
+        "encoders": [asdict(e) for e in encoders],
+    }
     key = hashlib.sha256(json.dumps([ENCODER_SCHEMA, request, versions("torch")], sort_keys=True).encode())
     path = cache_dir() / f"encoders-{key.hexdigest()[:16]}.json"
     with locked(path):
@@ -110,8 +129,14 @@ def measured_encoders(encoders: list[Encoder], workload: Workload) -> dict[str, 
         return found["encoders"]
 
 
-def checked_peak(workload: Workload, framework: str, checked: int, assignment: dict[str, str], profile: Profile,
-                 get_profile: Callable[[str, Workload], Profile]) -> int:  # fmt: skip
+def checked_peak(
+    workload: Workload,
+    framework: str,
+    checked: int,
+    assignment: dict[str, str],
+    profile: Profile,
+    get_profile: Callable[[str, Workload], Profile],
+) -> int:
     """A plan's peak checked on the U-Net's step alone, plus what the whole step's ``profile`` predicts beyond it."""
     if workload == raw(workload):
         return checked

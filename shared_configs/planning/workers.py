@@ -45,11 +45,13 @@ class Backend(Protocol):
     """What `torch_impl.profile` and `jax_impl.profile` provide (the planner's measuring half)."""
 
     def start_worker(self, request: dict[str, Any]) -> None: ...
-    def profile(self, spec: Any, batch_size: int, context_length: int, shapes: bool, repeats: int,
-                **extra: Any) -> dict: ...  # fmt: skip
+    def profile(
+        self, spec: Any, batch_size: int, context_length: int, shapes: bool, repeats: int, **extra: Any
+    ) -> dict: ...
     def peaks(self, spec: Any, batch_size: int, policies: list[str], context_length: int, **extra: Any) -> dict: ...
-    def measure(self, spec: Any, batch_size: int, policies: list[str], context_length: int, steps: int,
-                **extra: Any) -> dict: ...  # fmt: skip
+    def measure(
+        self, spec: Any, batch_size: int, policies: list[str], context_length: int, steps: int, **extra: Any
+    ) -> dict: ...
 
 
 def worker_env(framework: str) -> dict[str, str]:
@@ -94,8 +96,7 @@ def run(
             on_stderr(line)
             _tail(said, line)
 
-    with worker_group(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                      text=True) as proc:  # fmt: skip
+    with worker_group(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         reader = threading.Thread(target=read, args=(proc.stderr,), daemon=True)
         reader.start()
         for event in _events(proc.stdout or ()):
@@ -154,9 +155,16 @@ class _Kept:
     as a context, closed at the end (stopped, on an exception)."""
 
     def __init__(self, framework: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__, SERVE], cwd=REPO_ROOT, env=worker_env(framework),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, SERVE],
+            cwd=REPO_ROOT,
+            env=worker_env(framework),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.relay: Relay | None = None
         self.said: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)

@@ -109,9 +109,19 @@ DISTRIBUTED: dict[str, tuple[str, ...]] = {"torch": ("ddp", "fsdp"), "jax": ("dd
 # The fields that shape the loss curve: a resumed run must keep them (with the spec). The rest
 # (steps, policy, sampling, checkpoint interval, sharding, attention chunking) may change.
 CURVE_FIELDS = (
-    "batch_size", "lr", "weight_decay", "seed", "precision", "trainable", "optimizer", "ema", "data", "schedule",
-    "timesteps", "controlnet",
-)  # fmt: skip
+    "batch_size",
+    "lr",
+    "weight_decay",
+    "seed",
+    "precision",
+    "trainable",
+    "optimizer",
+    "ema",
+    "data",
+    "schedule",
+    "timesteps",
+    "controlnet",
+)
 # Curve fields that runs recorded before the flag existed lack: their value then.
 ADDED_FIELDS = {"controlnet": False}
 # The regime's flags (`shared_configs.regime.add_regime_arguments`), one `TrainConfig.regime` once parsed.
@@ -138,33 +148,59 @@ def parse_args(argv: list[str] | None, framework: FrameworkCLI) -> TrainConfig:
     p = OneLineParser(prog=framework.prog, description="DDPM noise-prediction training.", formatter_class=Defaults)
     p.add_argument("--config", default=d.config, help="preset name or YAML path")
     plan = p.add_mutually_exclusive_group()
-    plan.add_argument("--policy", default=d.policy, help="checkpoint policy: none, full, balanced, layers, every:N "
-                      "(default: the spec's checkpoint field, else none)")  # fmt: skip
-    plan.add_argument("--budget-mib", type=positive_mib, default=d.budget_mib, help="instead of --policy: the cheapest "
-                      "plan whose step is predicted to fit this many MiB (per rank), for this run's spec, batch and "
-                      "ranks (profiled once, cached); prints the predicted and measured peak")  # fmt: skip
+    plan.add_argument(
+        "--policy",
+        default=d.policy,
+        help="checkpoint policy: none, full, balanced, layers, every:N "
+        "(default: the spec's checkpoint field, else none)",
+    )
+    plan.add_argument(
+        "--budget-mib",
+        type=positive_mib,
+        default=d.budget_mib,
+        help="instead of --policy: the cheapest "
+        "plan whose step is predicted to fit this many MiB (per rank), for this run's spec, batch and "
+        "ranks (profiled once, cached); prints the predicted and measured peak",
+    )
     p.add_argument("--batch-size", type=positive(int), default=d.batch_size, help="the global batch")
     p.add_argument("--steps", type=positive(int), default=d.steps, help="total steps (a resumed run stops here too)")
     p.add_argument("--lr", type=positive(float), default=d.lr, help="learning rate")
     p.add_argument("--weight-decay", type=nonnegative(float), default=d.weight_decay, help="AdamW decoupled decay")
     p.add_argument("--seed", type=nonnegative(int), default=d.seed, help="weights, batches, noise and dropout")
     add_regime_arguments(p)
-    p.add_argument("--out", default=f"runs/{framework.package}", help="run folder (checkpoint, losses.json, plots); "
-                   "owned by one run at a time")  # fmt: skip
+    p.add_argument(
+        "--out",
+        default=f"runs/{framework.package}",
+        help="run folder (checkpoint, losses.json, plots); owned by one run at a time",
+    )
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true", help="continue the run in OUT (same curve flags, more steps)")
-    start.add_argument("--overwrite", action="store_true", help="start afresh in an OUT that holds a checkpoint "
-                       "(replaced at the new run's first checkpoint)")  # fmt: skip
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an OUT that holds a checkpoint (replaced at the new run's first checkpoint)",
+    )
     p.add_argument("--data", choices=DATASETS, default=d.data, help="the training images")
     p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule, help="the noise schedule")
     p.add_argument("--timesteps", type=positive(int), default=d.timesteps, help="diffusion steps T (linear: >= 21)")
     p.add_argument("--sample-steps", type=nonnegative(int), default=d.sample_steps, help="sampler steps; 0: none")
     p.add_argument("--num-samples", type=positive(int), default=d.num_samples, help="images in the samples' grid")
     p.add_argument("--checkpoint-every", type=positive(int), default=d.checkpoint_every, help="steps between saves")
-    p.add_argument("--log-every", type=positive(int), default=d.log_every, metavar="N",
-                   help="when stderr is not a terminal (a log, a pipe): the running loss every N steps")  # fmt: skip
-    p.add_argument("--distributed", nargs="?", const="ddp", default=d.distributed,
-                   choices=DISTRIBUTED[framework.name], help=DISTRIBUTED_HELP[framework.name])  # fmt: skip
+    p.add_argument(
+        "--log-every",
+        type=positive(int),
+        default=d.log_every,
+        metavar="N",
+        help="when stderr is not a terminal (a log, a pipe): the running loss every N steps",
+    )
+    p.add_argument(
+        "--distributed",
+        nargs="?",
+        const="ddp",
+        default=d.distributed,
+        choices=DISTRIBUTED[framework.name],
+        help=DISTRIBUTED_HELP[framework.name],
+    )
     p.add_argument("--controlnet", action="store_true", help=CONTROLNET_HELP)
     framework.options.add_flags(p)
     args = p.parse_args(argv)
@@ -197,8 +233,10 @@ def check_controlnet(cfg: TrainConfig) -> None:
     if not cfg.controlnet:
         return
     if cfg.regime.lora_rank is not None:
-        raise ValueError(f"--trainable: --controlnet trains the whole ControlNet (diffusers' train_controlnet), not "
-                         f"{cfg.regime.trainable}; use --trainable all or drop --controlnet")  # fmt: skip
+        raise ValueError(
+            f"--trainable: --controlnet trains the whole ControlNet (diffusers' train_controlnet), not "
+            f"{cfg.regime.trainable}; use --trainable all or drop --controlnet"
+        )
     if cfg.distributed:
         raise ValueError("--distributed: --controlnet trains in one process; drop one of them")
 
@@ -241,11 +279,15 @@ def resume_differences(saved: dict[str, Any], cfg: TrainConfig, spec: UNetSpec) 
     """``--flag now (run: then)`` for each curve field and spec field that a resume would change."""
     now = run_record(cfg, spec)
     then = {**ADDED_FIELDS, **saved["config"]}
-    diffs = [f"--{name.replace('_', '-')} {now['config'][name]} (run: {then.get(name)})" for name in CURVE_FIELDS
-             if then.get(name) != now["config"][name]]  # fmt: skip
+    diffs = [
+        f"--{name.replace('_', '-')} {now['config'][name]} (run: {then.get(name)})"
+        for name in CURVE_FIELDS
+        if then.get(name) != now["config"][name]
+    ]
     old, new = saved["spec"], now["spec"]
-    return diffs + [f"spec {k} {new.get(k)} (run: {old.get(k)})" for k in sorted({*old, *new})
-                    if old.get(k) != new.get(k)]  # fmt: skip
+    return diffs + [
+        f"spec {k} {new.get(k)} (run: {old.get(k)})" for k in sorted({*old, *new}) if old.get(k) != new.get(k)
+    ]
 
 
 def check_finite(loss: float, step: int, total: int, last_saved: str) -> None:

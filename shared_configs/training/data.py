@@ -57,9 +57,11 @@ def check_conditioning(spec: UNetSpec, given: Mapping[str, Any]) -> None:
     wanted = input_specs(spec, 1, context_len=1)
     for name in CONDITIONING:
         if wanted[name] is not None and given.get(name) is None:
-            raise ValueError(f"batch: spec {spec.name!r} takes {name} but the batch has none; make batches for the "
-                             "spec (shared_configs.training.data.load_dataset(kind, spec), or "
-                             "shared_configs.training.data.example_batch)")  # fmt: skip
+            raise ValueError(
+                f"batch: spec {spec.name!r} takes {name} but the batch has none; make batches for the "
+                "spec (shared_configs.training.data.load_dataset(kind, spec), or "
+                "shared_configs.training.data.example_batch)"
+            )
         if wanted[name] is None and given.get(name) is not None:
             raise ValueError(f"batch: spec {spec.name!r} takes no {name} but the batch has one; set it to None")
 

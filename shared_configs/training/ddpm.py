@@ -52,21 +52,31 @@ def make_schedule(kind: str = "linear", num_timesteps: int = 1000) -> Schedule:
     betas = _betas(kind, num_timesteps)
     if not _valid(betas):
         smallest = next(n for n in range(num_timesteps + 1, 100_000) if _valid(_betas(kind, n)))
-        raise ValueError(f"timesteps {num_timesteps}: the {kind} schedule's betas reach {betas.max():.3g} but must "
-                         f"lie in (0, 1); the smallest valid value is {smallest}")  # fmt: skip
+        raise ValueError(
+            f"timesteps {num_timesteps}: the {kind} schedule's betas reach {betas.max():.3g} but must "
+            f"lie in (0, 1); the smallest valid value is {smallest}"
+        )
     return Schedule(betas)
 
 
 def check_objective(spec: UNetSpec) -> None:
     """Refuse a spec the noise-prediction MSE cannot train (its output must have the input's channels)."""
     if spec.out_channels != spec.in_channels:
-        raise ValueError(f"out_channels: spec {spec.name!r} maps {spec.in_channels} input channels to "
-                         f"{spec.out_channels}; the noise-prediction objective needs out_channels == "
-                         "in_channels")  # fmt: skip
+        raise ValueError(
+            f"out_channels: spec {spec.name!r} maps {spec.in_channels} input channels to "
+            f"{spec.out_channels}; the noise-prediction objective needs out_channels == "
+            "in_channels"
+        )
 
 
-def sample(eps_fn: Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray | None]], np.ndarray], schedule: Schedule,
-           dataset: Dataset, shape: tuple[int, int, int, int], num_steps: int, seed: int) -> np.ndarray:  # fmt: skip
+def sample(
+    eps_fn: Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray | None]], np.ndarray],
+    schedule: Schedule,
+    dataset: Dataset,
+    shape: tuple[int, int, int, int],
+    num_steps: int,
+    seed: int,
+) -> np.ndarray:
     """Ancestral DDPM sampling over ``num_steps`` respaced timesteps (``eps_fn``: the noise), NCHW in [-1, 1]."""
     rng = np.random.default_rng([seed, 2**31])
     conditioning = dataset.conditioning(np.arange(shape[0]) % NUM_CLASSES)

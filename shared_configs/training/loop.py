@@ -63,9 +63,16 @@ def manifest_for(cfg: TrainConfig, spec: UNetSpec, framework: str, layout: str, 
     return Manifest(framework, layout, len(losses), list(losses), run_record(cfg, spec))
 
 
-def run_loop(cfg: TrainConfig, state: State, losses: list[float], step_fn: Callable[[State, int], tuple[State, float]],
-             save_fn: Callable[[State, list[float]], Any], title: str, comm: Comm = SOLO, settings: str = ""
-             ) -> State:  # fmt: skip
+def run_loop(
+    cfg: TrainConfig,
+    state: State,
+    losses: list[float],
+    step_fn: Callable[[State, int], tuple[State, float]],
+    save_fn: Callable[[State, list[float]], Any],
+    title: str,
+    comm: Comm = SOLO,
+    settings: str = "",
+) -> State:
     """Steps ``len(losses) .. cfg.steps - 1`` with ``save_fn`` at each checkpoint boundary; a non-finite loss raises
     `NonFiniteLoss`, a stop signal to any rank ends every rank after the same step, saved (`Stopped`)."""
     saved = len(losses)

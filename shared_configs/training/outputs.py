@@ -19,14 +19,20 @@ from shared_configs.files import atomic_write
 
 
 @contextmanager
-def progress_bar(total: int, start: int, title: str, settings: str = "", show: bool = True,
-                 log_every: int | None = None) -> Iterator[Callable[[float], None]]:  # fmt: skip
+def progress_bar(
+    total: int, start: int, title: str, settings: str = "", show: bool = True, log_every: int | None = None
+) -> Iterator[Callable[[float], None]]:
     """A rich progress bar (off a terminal: a mean-loss line every ``log_every`` steps) advanced by the yielded
     ``update(loss)``; on exit, the speed line with ``settings``. Nothing is shown unless ``show``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-               TextColumn("loss {task.fields[loss]}"))  # fmt: skip
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+    )
     terminal = sys.stderr.isatty()
     with Progress(*columns, transient=False, disable=not (show and terminal)) as bar:
         task = bar.add_task(title, total=total, completed=start, loss="-")
@@ -40,8 +46,11 @@ def progress_bar(total: int, start: int, title: str, settings: str = "", show: b
             step = start + len(running)
             if show and not terminal and log_every and (step % log_every == 0 or step == total):
                 recent = running[-((step - 1) % log_every + 1) :]  # the steps since the line before
-                print(f"{title}: step {step}/{total}, loss {np.mean(recent):.4f} (mean of the last {len(recent)})",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"{title}: step {step}/{total}, loss {np.mean(recent):.4f} (mean of the last {len(recent)})",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         yield update
     if show and len(stamps) > 1:
@@ -68,8 +77,11 @@ def save_plots(out: str | Path, losses: list[float], samples: np.ndarray | None,
     ax.plot(losses, alpha=0.4, label="loss")
     window = min(20, len(losses))
     if window > 1:
-        ax.plot(np.arange(window - 1, len(losses)), np.convolve(losses, np.ones(window) / window, "valid"),
-                label=f"mean of {window}")  # fmt: skip
+        ax.plot(
+            np.arange(window - 1, len(losses)),
+            np.convolve(losses, np.ones(window) / window, "valid"),
+            label=f"mean of {window}",
+        )
     ax.set(xlabel="step", ylabel="MSE on noise", yscale="log", title=title)
     ax.legend()
     _save_figure(fig, Path(out) / "loss.png")

@@ -145,12 +145,16 @@ def find_start(out: Path, resume: bool, overwrite: bool) -> Path | None:
         if latest is not None:
             return latest
         if legacy is not None:
-            raise RunFolderError(f"{legacy}: a single-file checkpoint of an earlier version, without integrity record: "
-                                 "it cannot be resumed; --overwrite starts a new run there")  # fmt: skip
+            raise RunFolderError(
+                f"{legacy}: a single-file checkpoint of an earlier version, without integrity record: "
+                "it cannot be resumed; --overwrite starts a new run there"
+            )
         raise FileNotFoundError(f"--resume: no checkpoint in {out}")
     if (latest or legacy) is not None and not overwrite:
-        raise RunFolderError(f"--out {out} holds a checkpoint ({(latest or legacy).name}): --resume continues it, "
-                             "--overwrite starts a new run there")  # fmt: skip
+        raise RunFolderError(
+            f"--out {out} holds a checkpoint ({(latest or legacy).name}): --resume continues it, "
+            "--overwrite starts a new run there"
+        )
     return None
 
 
@@ -158,8 +162,9 @@ def read_checkpoint(path: Path, framework: str, layout: str) -> Manifest:
     """The manifest of the checkpoint folder ``path``, refusing one another framework wrote."""
     manifest = read_manifest(path)
     if (manifest.framework, manifest.layout) != (framework, layout):
-        raise CheckpointError(f"{path / MANIFEST}: written by {manifest.framework} ({manifest.layout}); "
-                              f"{framework}.train reads {layout}")  # fmt: skip
+        raise CheckpointError(
+            f"{path / MANIFEST}: written by {manifest.framework} ({manifest.layout}); {framework}.train reads {layout}"
+        )
     return manifest
 
 
@@ -168,8 +173,10 @@ def check_resume(path: Path, manifest: Manifest, cfg: TrainConfig, spec: UNetSpe
     if diffs := resume_differences(manifest.run, cfg, spec):
         raise RunFolderError(f"--resume: the command line differs from the run in {path}: {'; '.join(diffs)}")
     if cfg.steps <= manifest.step:
-        raise RunFolderError(f"--steps {cfg.steps}: the run in {path.parent} is already at step {manifest.step}; "
-                             "give a larger --steps to continue it")  # fmt: skip
+        raise RunFolderError(
+            f"--steps {cfg.steps}: the run in {path.parent} is already at step {manifest.step}; "
+            "give a larger --steps to continue it"
+        )
 
 
 def verify(path: Path, manifest: Manifest, comm: Comm = SOLO) -> None:
@@ -182,8 +189,9 @@ def verify(path: Path, manifest: Manifest, comm: Comm = SOLO) -> None:
         raise CheckpointError(f"{problems[0]}{more}; nothing was changed")
 
 
-def save(out: Path, manifest: Manifest, write_state: Callable[[Path], None], comm: Comm = SOLO,
-         nbytes: int | None = None) -> Path:  # fmt: skip
+def save(
+    out: Path, manifest: Manifest, write_state: Callable[[Path], None], comm: Comm = SOLO, nbytes: int | None = None
+) -> Path:
     """Write the checkpoint of ``manifest.step`` (each rank its ``write_state`` files and hash share) and return its
     folder; a failure on any rank keeps the previous one and raises the same `CheckpointWriteError` on every rank."""
     tmp = out / f".{checkpoint_name(manifest.step)}{TEMP_SUFFIX}"

@@ -50,9 +50,11 @@ class RunPlan:
 
     def peak_line(self, measured_bytes: int, instrument: str) -> str:
         err = self.predicted_peak_bytes / measured_bytes - 1
-        return (f"budget {self.budget_bytes / MIB:.1f} MiB: measured peak {measured_bytes / MIB:.1f} MiB "
-                f"({instrument}), predicted {self.predicted_peak_bytes / MIB:.1f} MiB "
-                f"(prediction {100 * err:+.1f}%)")  # fmt: skip
+        return (
+            f"budget {self.budget_bytes / MIB:.1f} MiB: measured peak {measured_bytes / MIB:.1f} MiB "
+            f"({instrument}), predicted {self.predicted_peak_bytes / MIB:.1f} MiB "
+            f"(prediction {100 * err:+.1f}%)"
+        )
 
 
 class ResolvedRun(NamedTuple):
@@ -63,8 +65,15 @@ class ResolvedRun(NamedTuple):
     budget: RunPlan | None = None
 
 
-def resolve_run(cfg: TrainConfig, spec: UNetSpec | ControlNetPairSpec, framework: str, world_size: int, run: RunStart,
-                show: bool = True, attention_chunk: int | None = Workload.attention_chunk) -> ResolvedRun:  # fmt: skip
+def resolve_run(
+    cfg: TrainConfig,
+    spec: UNetSpec | ControlNetPairSpec,
+    framework: str,
+    world_size: int,
+    run: RunStart,
+    show: bool = True,
+    attention_chunk: int | None = Workload.attention_chunk,
+) -> ResolvedRun:
     """The plan of a run of ``spec`` (a pair for ``--controlnet``): ``cfg.policy``'s, or under ``--budget-mib`` the
     planner's (said on stderr where ``show``); ``run``: where it starts; ``attention_chunk``: JAX's, resolved."""
     if cfg.budget_bytes is None:
@@ -83,13 +92,18 @@ def resolve_run(cfg: TrainConfig, spec: UNetSpec | ControlNetPairSpec, framework
     return ResolvedRun(replace(cfg, policy=budget.policy), budget.plan, budget)  # the policy recorded
 
 
-def workload_of(cfg: TrainConfig, spec: UNetSpec | ControlNetPairSpec, world_size: int,
-                attention_chunk: int | None = Workload.attention_chunk) -> Workload:  # fmt: skip
+def workload_of(
+    cfg: TrainConfig,
+    spec: UNetSpec | ControlNetPairSpec,
+    world_size: int,
+    attention_chunk: int | None = Workload.attention_chunk,
+) -> Workload:
     """What the run's step trains, per rank: its spec, its share of the batch, its regime, its inputs."""
     unet = spec.unet if isinstance(spec, ControlNetPairSpec) else spec
     context = TRAIN_CONTEXT_LENGTH if unet.cross_attention_dim is not None else Workload.context_length
-    return Workload(spec, cfg.batch_size // world_size, cfg.regime, context_length=context,
-                    attention_chunk=attention_chunk)  # fmt: skip
+    return Workload(
+        spec, cfg.batch_size // world_size, cfg.regime, context_length=context, attention_chunk=attention_chunk
+    )
 
 
 def plan_of(spec: UNetSpec | ControlNetPairSpec, solution: Solution) -> CheckpointPlan | PairPlan:

@@ -82,8 +82,9 @@ def fault_of(err: BaseException, rank: int) -> Fault:
     return Fault(rank, f"{type(err).__name__}: {text[:300]}")
 
 
-def describe(fault: Fault, step: int, tmp: Path, kept: int | None, last: int | None, nbytes: int | None, free: int,
-             removed: str) -> str:  # fmt: skip
+def describe(
+    fault: Fault, step: int, tmp: Path, kept: int | None, last: int | None, nbytes: int | None, free: int, removed: str
+) -> str:
     """The line: step, rank, path and error; on a full disk the bytes needed and ``free``; what is kept and removed."""
     where = f"rank {fault.rank}: " if fault.rank else ""
     line = f"writing the checkpoint of step {step}: {where}{fault.filename or tmp}: {fault.text}"

@@ -41,11 +41,21 @@ def torchrun_train(cfg: TrainConfig, nproc: int = 2, timeout: float = 300) -> li
 
     The launcher leads its own process group (`start_new_session`), killed whole on timeout: no rank outlives the test.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "torch_impl.train", *train_argv(cfg)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "torch_impl.train",
+        *train_argv(cfg),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:  # fmt: skip
+    with subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as proc:
         try:
             _, err = proc.communicate(timeout=timeout)
         except BaseException:  # the timeout, or the test run interrupted
@@ -74,8 +84,9 @@ def jax_on_two_devices(script: str, *args: str) -> dict:
 def start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """A training run in a process group of its own (killed as a group if the test fails)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def signal_at_first_checkpoint(proc: subprocess.Popen[str], out: Path, sig: int, rank: int | None = None) -> None:

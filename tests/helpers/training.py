@@ -41,9 +41,16 @@ TINY_BN = {**TINY, "name": "tiny_bn", "norm_kind": "batch", "dropout": 0.0}
 
 
 def run_steps(
-    state: jstep.TrainState, losses: list[float], dataset, schedule, cfg: TrainConfig, stop: int, model: FlaxUNet,
-    tx, mesh=None,
-) -> jstep.TrainState:  # fmt: skip
+    state: jstep.TrainState,
+    losses: list[float],
+    dataset,
+    schedule,
+    cfg: TrainConfig,
+    stop: int,
+    model: FlaxUNet,
+    tx,
+    mesh=None,
+) -> jstep.TrainState:
     """Steps ``len(losses) .. stop - 1`` of ``model`` (`jax_impl.step.make_step`), appending each loss."""
     step = jstep.make_step(cfg, jstep.Trainee(model), tx, dataset, schedule, mesh)
     for index in range(len(losses), stop):
