@@ -19,8 +19,8 @@ from shared_configs.cli import cli_errors, config_help, positive, stopping
 from shared_configs.files import atomic_write
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, HAND_POLICIES
 from shared_configs.planning.paired import paired, paired_text
-from shared_configs.planning.planner import Workload, measure, plan, progress
-from shared_configs.units import MIB
+from shared_configs.planning.pipeline import Workload, measure, plan, progress
+from shared_configs.sizes import MIB
 
 CHECK_ROUNDS = 12
 

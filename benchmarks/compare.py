@@ -40,7 +40,7 @@ from benchmarks.harness.job import (
 )
 from benchmarks.harness.runner import Event, run_job
 from benchmarks.report import WIDE_HELP, console_for, show
-from benchmarks.reports import plot, report
+from benchmarks.reports import plot, tables
 from shared_configs import NAMED_POLICIES, SpecError, UNetSpec, resolve_plan, to_diffusers_config
 from shared_configs.cli import (
     Interrupted,
@@ -324,7 +324,7 @@ def build_document(
     """The JSON document: top-level config, device (``device``: the one asked for), versions, rows and timelines."""
     events = [e for evs in results for e in evs]
     row_events = [e for e in events if e["event"] == "row"]
-    rows = report.complete(row_events)
+    rows = tables.complete(row_events)
     envs = {e["framework"]: e for e in events if e["event"] == "env"}
     spec, jax = job_spec(jobs[0]), next((j for j in jobs if j.framework == "jax"), None)
     return {
@@ -344,7 +344,7 @@ def build_document(
             "jax_cache": jax.jax_cache if jax else None,
         },
         "xla_flags": envs["jax"]["xla_flags"] if "jax" in envs else None,
-        "methods": report.methods(rows),
+        "methods": tables.methods(rows),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "wall_s": {
             "total": round(time.perf_counter() - clock[0], 1),
@@ -381,7 +381,7 @@ def keep_measured(
     of_total = f" of {total}" if total >= len(rows) else ""
     document["incomplete"] = f"interrupted by {signal.Signals(signum).name} after {len(rows)}{of_total} rows"
     path = out / f"{prog}-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    report.write_json(path, document)
+    tables.write_json(path, document)
     return Interrupted(signum, f"every worker stopped; the {len(rows)} row(s) measured are in {path} (incomplete)")
 
 
@@ -401,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         show(console, document, args.wide)
         stem = f"compare-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
         paths = [args.out / f"{stem}.json", args.out / f"{stem}.csv"]
-        report.write_json(paths[0], document)
-        report.write_csv(paths[1], document["rows"])
+        tables.write_json(paths[0], document)
+        tables.write_csv(paths[1], document["rows"])
         for path in paths + plot.write_plots(document, args.out, stem):
             console.print(f"wrote {path}")
     errors = [r["error"] for r in document["rows"] if r["status"] == "error"]

@@ -18,16 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.reports.report import atomic_write, write_json
+from benchmarks.reports.tables import atomic_write, write_json
 from shared_configs.cli import OneLineParser, cli_errors, number_list, stopping
 from shared_configs.planning import gpu, whole
 from shared_configs.planning.budget import Profile, safety_margin
-from shared_configs.planning.planner import Workload, plan, predict_policy, progress
+from shared_configs.planning.pipeline import Workload, plan, predict_policy, progress
 from shared_configs.planning.solver import Infeasible, solve
 from shared_configs.planning.units import assignment_of
 from shared_configs.regime import Regime
+from shared_configs.sizes import MIB
 from shared_configs.spec import SpecError
-from shared_configs.units import MIB
 
 GIB = 1024 * MIB
 CONFIGS = ("sd15", "sd21", "sdxl")  # each at its own sample size (64, 96, 128)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.reports.report import atomic_write, write_json
+from benchmarks.reports.tables import atomic_write, write_json
 from shared_configs.cli import OneLineParser, cli_errors, stopping
 from shared_configs.processes import stop_group, worker_group
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TAIL = 6000  # characters of each step's output kept in the report

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.job import load_benchmark_spec
-from benchmarks.reports.report import write_json
+from benchmarks.reports.tables import write_json
 from shared_configs.cli import cli_errors, config_help
-from shared_configs.planning.planner import Workload, predict_policy
+from shared_configs.planning.pipeline import Workload, predict_policy
+from shared_configs.sizes import MIB
 from shared_configs.spec import UNetSpec
-from shared_configs.units import MIB
 
 
 def sizes(work: Workload) -> tuple[int, int]:

@@ -22,10 +22,10 @@ from rich.table import Table
 from benchmarks.compare import build_document, build_parser, keep_measured, parse_args, run_all
 from benchmarks.harness.job import Job, cpu_snapshot
 from benchmarks.harness.runner import static_floor
-from benchmarks.reports import report
+from benchmarks.reports import tables
 from shared_configs import SpecError
 from shared_configs.cli import check_out_dir, cli_errors, positive_mib
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 
 DEFAULT_PROBES = (2, 4)
 ROUNDS = 6  # line predictions, then bisection steps
@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
 def measure(jobs: list[Job], console: Console, verbose: bool, events: list[list[dict]]) -> list[dict[str, Any]]:
     """Run ``jobs`` (their events appended to ``events``); all rows so far, completed."""
     run_all(jobs, console, verbose, events)
-    return report.complete(e for evs in events for e in evs if e["event"] == "row")
+    return tables.complete(e for evs in events for e in evs if e["event"] == "row")
 
 
 def fit(rows: list[dict[str, Any]]) -> tuple[float, float] | None:
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         document = build_document(jobs, events, clock, args.device)
         document |= {"budget_bytes": budget, "largest_batch": results}
         path = args.out / f"max_batch-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        report.write_json(path, document)
+        tables.write_json(path, document)
         console.print(f"wrote {path}")
     return 0 if all(r["bracketed"] for r in results) else 1
 

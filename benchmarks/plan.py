@@ -22,7 +22,7 @@ from typing import Any
 from benchmarks.harness import plan_sweep
 from benchmarks.harness.job import load_benchmark_spec
 from benchmarks.reports import plan_text
-from benchmarks.reports.report import write_json
+from benchmarks.reports.tables import write_json
 from shared_configs import SpecError
 from shared_configs.cli import (
     OneLineParser,
@@ -40,7 +40,7 @@ from shared_configs.planning import gpu, optimizer_step, whole
 from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS
 from shared_configs.planning.encoders import pipeline_configs
-from shared_configs.planning.planner import (
+from shared_configs.planning.pipeline import (
     DEFAULT_BYTES_PER_S,
     DEFAULT_FLOPS_PER_S,
     DEVICE,
@@ -54,7 +54,7 @@ from shared_configs.planning.planner import (
 from shared_configs.planning.stepclock import paired
 from shared_configs.planning.units import assignment_of
 from shared_configs.regime import Regime, add_regime_arguments
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 
 VERIFY_CANDIDATES = 4  # --candidates with --verify: the optimum and the three next best plans
 

@@ -5,7 +5,7 @@
     python -m benchmarks.report RUN.json --wide                # every column
     python -m benchmarks.report RUN.json --plots results/      # the PNGs again, into that folder
 
-The table and lines are `benchmarks.reports.report`'s, the pictures `benchmarks.reports.plot`'s.
+The table and lines are `benchmarks.reports.tables`'s, the pictures `benchmarks.reports.plot`'s.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 
 from benchmarks.harness import compiled
-from benchmarks.reports import plot, report
+from benchmarks.reports import plot, tables
 from shared_configs import SpecError
 from shared_configs.cli import OneLineParser, check_out_dir, cli_errors
 
@@ -40,11 +40,11 @@ def console_for(wide: bool) -> Console:
 
 def show(console: Console, document: dict[str, Any], wide: bool = False) -> None:
     """A run as `benchmarks.compare` prints it: the table, the failed rows, and the lines under it."""
-    unreliable = report.unreliable_share(document) is not None
-    console.print(report.table(document["rows"], report.title(document), wide, unreliable))
+    unreliable = tables.unreliable_share(document) is not None
+    console.print(tables.table(document["rows"], tables.title(document), wide, unreliable))
     if document.get("incomplete"):
         console.print(f"[bold yellow]incomplete: {document['incomplete']}[/]")
-    lines = ([] if wide else report.errors(document["rows"])) + report.notes(document)
+    lines = ([] if wide else tables.errors(document["rows"])) + tables.notes(document)
     for line in lines + compiled.comparison(document["rows"]):
         console.print(line, highlight=False)
 
@@ -67,7 +67,7 @@ def load(path: Path) -> dict[str, Any]:
         raise SpecError(f"RUN.json: {path} is not a JSON file ({e})") from None
     if not isinstance(document, dict) or not isinstance(document.get("rows"), list) or "settings" not in document:
         raise SpecError(f"RUN.json: {path} is not a benchmarks.compare run (no 'rows' and 'settings')")
-    document["rows"] = report.complete(document["rows"])  # older runs lack columns added since
+    document["rows"] = tables.complete(document["rows"])  # older runs lack columns added since
     return document
 
 

@@ -5,7 +5,7 @@ returns the policy string of the cheapest plan whose JAX step fits the budget.""
 from jax_impl.diffusers_io import controlnet_from_diffusers, from_diffusers
 from jax_impl.guard import GuardedStep, plan_for_step
 from jax_impl.unet import UNet
-from shared_configs.planning.planner import for_framework
+from shared_configs.planning.pipeline import for_framework
 
 plan_for_budget = for_framework("jax")
 

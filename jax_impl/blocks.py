@@ -15,7 +15,7 @@ from flax import linen as nn
 
 from jax_impl.checkpointing import build
 from jax_impl.layers import Downsample, Upsample
-from shared_configs.plan import CheckpointPlan
+from shared_configs.vocabulary import CheckpointPlan
 
 ResnetFactory = Callable[..., nn.Module]  # (in_ch, out_ch, resample="none") -> ResnetBlock
 AttentionFactory = Callable[[int], nn.Module]  # ch -> SelfAttention | Transformer2D | SimpleCrossAttention

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import jax
 from flax import linen as nn
 
-from shared_configs.plan import CheckpointPlan
+from shared_configs.vocabulary import CheckpointPlan
 
 M = TypeVar("M", bound=type[nn.Module])
 

@@ -2,7 +2,7 @@
 
 The user's step may hold more than the model's (a teacher's features, a doubled batch). In JAX the
 whole step is one compiled program, so its peak is known before anything runs: plan for the budget
-(`shared_configs.planning.planner.plan`), compile the user's step for that plan, and when its
+(`shared_configs.planning.pipeline.plan`), compile the user's step for that plan, and when its
 ``memory_analysis()`` peak is over the budget re-plan for ``budget - excess``, up to ``rounds``
 times, then `full`. Its torch twin is `torch_impl.guard.BudgetGuard`, which measures instead.
 """
@@ -18,20 +18,20 @@ from typing import Any
 import jax
 
 from jax_impl.memory import compiled_peak
-from shared_configs.planning import planner
-from shared_configs.planning.planner import Workload
+from shared_configs.planning import pipeline
+from shared_configs.planning.pipeline import Workload
 from shared_configs.planning.solver import Infeasible
 from shared_configs.planning.workers import XLA_CPU_OPTIONS
 from shared_configs.progress import say
 from shared_configs.regime import DEFAULT as DEFAULT_REGIME
 from shared_configs.regime import Regime
+from shared_configs.sizes import MIB
 from shared_configs.spec import UNetSpec
-from shared_configs.units import MIB
 
 FULL = "full"
 DEFAULT_ROUNDS = 3  # re-plans before `full`
 OOM_HALVINGS = 2  # after an out-of-memory error: plans halfway to `full`'s peak before `full` (as torch's guard)
-_PLAN_OPTIONS = ("world_size", "distributed")  # `planner.plan`'s; the rest of ``planner_options``: `Workload`'s
+_PLAN_OPTIONS = ("world_size", "distributed")  # `pipeline.plan`'s; the rest of ``planner_options``: `Workload`'s
 
 
 @dataclass(frozen=True)
@@ -98,10 +98,10 @@ def plan_for_step(
     )
     budget = int(budget_bytes)
     if policy is None:
-        planned = planner.plan(work, budget, "jax", **plan_opts)
+        planned = pipeline.plan(work, budget, "jax", **plan_opts)
         policy, predicted = planned.policy, planned.solution.prediction.peak_bytes
     else:
-        predicted = planner.predict_policy(work, policy, "jax", **plan_opts)[0].prediction.peak_bytes
+        predicted = pipeline.predict_policy(work, policy, "jax", **plan_opts)[0].prediction.peak_bytes
     history: list[StepRecord] = []
     for rnd in range(rounds + 2):  # the first plan, ``rounds`` re-plans, then `full`
         peak = compiled_peak(compile_for(build_step, policy, example_args))
@@ -130,11 +130,11 @@ def _replan(work: Workload, target: int, last: bool, plan_opts: dict[str, Any]) 
     """The plan for ``target``, or `full` (which recomputes the most) after the last round or when nothing fits."""
     if not last and target > 0:
         try:
-            planned = planner.plan(work, target, "jax", **plan_opts)
+            planned = pipeline.plan(work, target, "jax", **plan_opts)
             return planned.policy, planned.solution.prediction.peak_bytes
         except Infeasible:
             pass  # no plan is predicted to fit what is left: try `full`, the least memory there is
-    return FULL, planner.predict_policy(work, FULL, "jax", **plan_opts)[0].prediction.peak_bytes
+    return FULL, pipeline.predict_policy(work, FULL, "jax", **plan_opts)[0].prediction.peak_bytes
 
 
 class GuardedStep:
@@ -179,7 +179,7 @@ class GuardedStep:
     def _recompute_more(self, rung: int, args: tuple) -> None:
         # The planner's progress lines are kept off stderr (the profile is cached): one line is said.
         with contextlib.redirect_stderr(io.StringIO()):
-            full = planner.predict_policy(self._work, FULL, "jax", **self._opts)[0].prediction.peak_bytes
+            full = pipeline.predict_policy(self._work, FULL, "jax", **self._opts)[0].prediction.peak_bytes
             policy, predicted = FULL, full
             if rung < OOM_HALVINGS:
                 policy, predicted = _replan(self._work, (self.predicted + full) // 2, False, self._opts)

@@ -38,7 +38,7 @@ def timestep_embedding(t: Array, dim: int, flip_sin_to_cos: bool, freq_shift: fl
     return jnp.pad(emb, ((0, 0), (0, dim % 2)))
 
 
-# Remat tags: each op class of `shared_configs.plan.OP_CLASSES` names the outputs torch's selective policy
+# Remat tags: each op class of `shared_configs.vocabulary.OP_CLASSES` names the outputs torch's selective policy
 # saves (bias included, as in torch's fused ops), so a plan's ``save`` becomes `save_only_these_names(*save)`.
 class Conv(nn.Conv):
     """`nn.Conv` with its output tagged ``"conv"``."""

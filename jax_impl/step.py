@@ -33,12 +33,12 @@ from jax_impl.unet import UNet
 from shared_configs.inputs import input_specs
 from shared_configs.pair import ControlNetPairSpec
 from shared_configs.regime import DEFAULT, Regime
+from shared_configs.sizes import MIB
 from shared_configs.spec import UNetSpec
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.data import CONDITIONING, Batch, Dataset, check_conditioning, step_seed
 from shared_configs.training.ddpm import Schedule
 from shared_configs.training.run_plan import RunPlan, report, resolve_any, workload_of
-from shared_configs.units import MIB
 
 # (noisy, t, noise, context, class_labels, text_embeds, time_ids[, controlnet_cond]): the forward's
 # inputs in its order (`shared_configs.training.data.CONDITIONING`), None where the spec takes none.

@@ -30,7 +30,6 @@ from shared_configs import load_spec
 from shared_configs.cli import cache_dir
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, device_of, jax_cache_dir, resolve_chunk
 from shared_configs.pair import ControlNetPairSpec, load_step_dataset, step_spec
-from shared_configs.plan import CheckpointPlan
 from shared_configs.spec import UNetSpec
 from shared_configs.training import config
 from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
@@ -40,6 +39,7 @@ from shared_configs.training.loop import RunStart, manifest_for, open_run, run_l
 from shared_configs.training.outputs import write_outputs
 from shared_configs.training.run_folder import SOLO, Comm
 from shared_configs.training.run_plan import resolve_run
+from shared_configs.vocabulary import CheckpointPlan
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,12 @@ every tool's defaults (`defaults`) and what every CLI shares (`cli`, `files`, `u
 `planning`, `training` and `diffusers`. Nothing here imports torch or jax.
 """
 
-from shared_configs.diffusers.config import from_diffusers_config
 from shared_configs.diffusers.export import to_diffusers_config
+from shared_configs.diffusers.unet_config import from_diffusers_config
 from shared_configs.inputs import INPUT_NAMES, check_inputs, example_inputs, input_specs
 from shared_configs.loader import load_spec, preset_names, spec_from_dict
-from shared_configs.plan import (
+from shared_configs.spec import AdditionEmbeddingSpec, ClassEmbeddingSpec, SpecError, TimeEmbeddingSpec, UNetSpec
+from shared_configs.vocabulary import (
     NAMED_POLICIES,
     OP_CLASSES,
     PRESETS,
@@ -18,7 +19,6 @@ from shared_configs.plan import (
     layer_names,
     resolve_plan,
 )
-from shared_configs.spec import AdditionEmbeddingSpec, ClassEmbeddingSpec, SpecError, TimeEmbeddingSpec, UNetSpec
 
 __all__ = [
     "INPUT_NAMES",

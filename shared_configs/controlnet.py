@@ -12,9 +12,9 @@ from typing import Any, Literal, TypeVar
 from pydantic import Field, field_validator, model_validator
 
 from shared_configs.loader import load_spec, read_yaml, validated
-from shared_configs.plan import CheckpointPlan, Policy, block_names, layer_names, resolve_plan
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.spec_base import Bool, Int, _Frozen
+from shared_configs.vocabulary import CheckpointPlan, Policy, block_names, layer_names, resolve_plan
 
 A = TypeVar("A")
 

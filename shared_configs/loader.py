@@ -10,8 +10,8 @@ from typing import Any, TypeVar, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from shared_configs.plan import resolve_plan
 from shared_configs.spec import SpecError, UNetSpec
+from shared_configs.vocabulary import resolve_plan
 
 PRESET_DIR = Path(__file__).resolve().parent
 M = TypeVar("M", bound=BaseModel)

@@ -15,10 +15,10 @@ import numpy as np
 
 from shared_configs.controlnet import ControlNetSpec, controlnet_names, resolve_controlnet_plan
 from shared_configs.loader import load_spec, spec_from_dict
-from shared_configs.plan import CheckpointPlan, all_names, resolve_plan
 from shared_configs.regime import Regime
 from shared_configs.spec import SpecError, UNetSpec, _Frozen
 from shared_configs.training.data import Batch, Dataset, example_batch, load_dataset
+from shared_configs.vocabulary import CheckpointPlan, all_names, resolve_plan
 
 CONTROLNET = "controlnet."  # the prefix of the ControlNet's unit names in a pair plan
 NETWORKS = ("controlnet", "unet")  # `controlnet:P`, `unet:P`: the named policy P on that network only

@@ -21,7 +21,7 @@ import yaml
 from benchmarks import compare, max_batch, saved
 from benchmarks.backends.worker import run_row
 from benchmarks.harness.job import KILL_SIM_ENV, OOM_SIM_ENV, Job, cpu_snapshot, one_line, other_cpu_share
-from benchmarks.reports import plot, report
+from benchmarks.reports import plot, tables
 from shared_configs.memory import CATEGORIES, block_marks, timeline
 from tests.helpers.processes import rows_of, run_compare
 from tests.helpers.specs import TINY
@@ -60,7 +60,7 @@ def _check_schema(proc: Any, doc: dict[str, Any], out: Path) -> None:
     assert "query-chunked" in doc["methods"]["jax"]["peak_method"]  # auto: chunked on CPU
     assert len(doc["rows"]) == 4  # none is always added, as the baseline
     for row in doc["rows"]:
-        assert row.keys() == set(report.COLUMNS)
+        assert row.keys() == set(tables.COLUMNS)
         assert row["status"] == "ok", row["error"]
         parts = [row[f"{kind}_bytes"] for kind in CATEGORIES]
         assert sum(parts) == row["peak_bytes"] and min(parts) >= 0, (row["framework"], row["policy"], parts)
@@ -70,7 +70,7 @@ def _check_schema(proc: Any, doc: dict[str, Any], out: Path) -> None:
     }
     with open(next(out.glob("*.csv")), newline="") as f:
         reader = csv.DictReader(f)
-        assert tuple(reader.fieldnames or ()) == report.COLUMNS
+        assert tuple(reader.fieldnames or ()) == tables.COLUMNS
         assert len(list(reader)) == 4
     assert len(list(out.glob("*-timeline.png"))) == 1 and len(list(out.glob("*.png"))) == 2
     assert not list(out.glob(".*.tmp")), "temporary files left behind"
@@ -238,7 +238,7 @@ def test_reductions_and_ratios_are_against_none_of_the_same_framework_and_batch(
             "flops": 10.0 * peak,
         }
 
-    rows = report.complete(
+    rows = tables.complete(
         [
             row("torch", "none", 100, 1.0),
             row("torch", "full", 60, 1.5),
@@ -292,10 +292,10 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path: Path, monkeypatch: pyt
 
     monkeypatch.setattr(os, "fsync", broken)
     with pytest.raises(OSError, match="No space"):
-        report.write_json(target, {"rows": [1, 2, 3]})
+        tables.write_json(target, {"rows": [1, 2, 3]})
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["rows.json"]
     monkeypatch.undo()
-    report.write_json(target, {"rows": [1, 2, 3]})
+    tables.write_json(target, {"rows": [1, 2, 3]})
     assert json.loads(target.read_text()) == {"rows": [1, 2, 3]}
 
 

@@ -24,7 +24,7 @@ from jax_impl.convert import torch_to_flax
 from jax_impl.diffusers_io import to_diffusers_state_dict
 from shared_configs import SpecError, to_diffusers_config
 from shared_configs.controlnet import ControlNetSpec, load_controlnet_spec, resolve_controlnet_plan
-from shared_configs.diffusers.controlnet import controlnet_to_diffusers_config
+from shared_configs.diffusers.controlnet_config import controlnet_to_diffusers_config
 from shared_configs.inputs import example_inputs
 from tests.helpers.diffusers_ref import cache_repo
 from tests.helpers.policies import (

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import compare, max_batch, saved
 from benchmarks import plan as plan_cli
-from benchmarks.reports import report
+from benchmarks.reports import tables
 from jax_impl import train as jtrain
 from shared_configs import load_spec
 from shared_configs.defaults import (
@@ -24,7 +24,7 @@ from shared_configs.defaults import (
     defaults,
     resolve_chunk,
 )
-from shared_configs.planning.planner import DEVICE, Workload
+from shared_configs.planning.pipeline import DEVICE, Workload
 from shared_configs.regime import Regime
 from shared_configs.training.config import TrainConfig, options_of
 from shared_configs.training.run_plan import workload_of
@@ -105,7 +105,7 @@ def test_each_tool_says_what_it_used(monkeypatch: pytest.MonkeyPatch) -> None:
         "settings": settings | {"attention_chunk": settings["jax_attention_chunk"]},
         "device": {"requested": "auto", "torch": {"kind": "cpu"}, "jax": {"kind": "gpu"}},
     }
-    assert report.used(document) == (
+    assert tables.used(document) == (
         "settings gpu: jax attention unchunked, float32, context 77 tokens, 3 timed steps, jax compilation cache "
         "/somewhere"
     )

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from jax_impl import diffusers_io as jax_io
 from shared_configs import SpecError, from_diffusers_config, load_spec
-from shared_configs.diffusers.config import CLASS_DEFAULTS
 from shared_configs.diffusers.folders import live_config, ours_to_diffusers
+from shared_configs.diffusers.unet_config import CLASS_DEFAULTS
 from shared_configs.inputs import example_inputs
 from tests.helpers.diffusers_ref import diffusers_forward
 from tests.helpers.specs import FAST_COMPILE, HUB_CONFIGS, public_options

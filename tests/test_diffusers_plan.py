@@ -27,7 +27,7 @@ from tests.helpers.specs import variant
 from tests.helpers.tensors import count_flops
 from torch_impl import UNet, apply_plan, remove_plan
 from torch_impl.checkpointing import checkpointed_names
-from torch_impl.diffusers_plan import diffusers_path, diffusers_spec
+from torch_impl.diffusers_adapter import diffusers_path, diffusers_spec
 from torch_impl.memory import StepTracker
 from torch_impl.train import as_tensors, make_optimizer, train_step
 
@@ -202,7 +202,7 @@ def test_the_diffusers_lora_example_plans_and_trains(
     peaks, bf16 autocast; the plan it applies recomputes something and the loss is finite."""
     import importlib.util
 
-    from shared_configs.planning.planner import CACHE_ENV, Workload, predict_policy
+    from shared_configs.planning.pipeline import CACHE_ENV, Workload, predict_policy
     from shared_configs.regime import Regime
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))

@@ -17,7 +17,7 @@ from shared_configs import load_spec
 from shared_configs.planning import encoders as enc
 from shared_configs.planning import whole
 from shared_configs.planning.budget import predict
-from shared_configs.planning.planner import CACHE_ENV, Workload
+from shared_configs.planning.pipeline import CACHE_ENV, Workload
 from shared_configs.regime import Regime
 from shared_configs.spec import SpecError
 from tests.helpers.specs import random_profile

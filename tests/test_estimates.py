@@ -13,12 +13,12 @@ import pytest
 from benchmarks import estimates
 from shared_configs import load_spec
 from shared_configs.cli import Interrupted
-from shared_configs.planning import gpu, planner
+from shared_configs.planning import gpu, pipeline
 from shared_configs.planning.budget import predict
-from shared_configs.planning.planner import CACHE_ENV, Workload, profile_path
+from shared_configs.planning.pipeline import CACHE_ENV, Workload, profile_path
 from shared_configs.planning.units import assignment_of
 from shared_configs.regime import Regime
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 from tests.helpers.specs import random_profile
 
 SPEC = load_spec("tiny")
@@ -43,7 +43,7 @@ def test_the_table_is_the_planners_predictions(tmp_path: Path, monkeypatch: pyte
         (policy,) = request["policies"]
         return {"peaks": {policy: predict(profiles[name][1], SPEC, assignment_of(SPEC, policy)).peak_bytes}}
 
-    monkeypatch.setattr(planner, "run_worker", run_worker)
+    monkeypatch.setattr(pipeline, "run_worker", run_worker)
     # budgets in MiB here (tiny's figures are far below a GiB): one between full's and none's peaks
     monkeypatch.setattr(estimates, "GIB", MIB)
     fp32 = profiles["fp32"][1]
@@ -64,7 +64,7 @@ def test_the_table_is_the_planners_predictions(tmp_path: Path, monkeypatch: pyte
     planned = doc["rows"][0]["plans"]
     assert planned[str(high)]["policy"] == "none"
     assert planned[str(mid)]["policy"] not in (None, "none") and planned[str(mid)]["peak_bytes"] <= mid * MIB
-    assert planned[str(mid)]["policy"] == planner.plan(profiles["fp32"][0], mid * MIB).policy
+    assert planned[str(mid)]["policy"] == pipeline.plan(profiles["fp32"][0], mid * MIB).policy
     assert "| tiny 8² | 2 | fp32 |" in (out / "estimates.md").read_text()
     assert "cuda: none GiB (allocated / device)" in (out / "estimates.md").read_text()
 

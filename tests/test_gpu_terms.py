@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from benchmarks import plan as cli
 from shared_configs import load_spec
-from shared_configs.planning import gpu, planner
+from shared_configs.planning import gpu, pipeline
 from shared_configs.planning.budget import Cost, Profile, predict
-from shared_configs.planning.planner import CACHE_ENV, Workload, profile_path
+from shared_configs.planning.pipeline import CACHE_ENV, Workload, profile_path
 from shared_configs.planning.units import PLAIN, assignment_of, block_layers
 from shared_configs.regime import Regime
 from tests.helpers.specs import random_profile
@@ -229,12 +229,12 @@ def test_a_plan_for_a_card_fits_the_card_where_the_cpu_models_would_not(
         (policy,) = request["policies"]
         return {"peaks": {policy: predict(profile, TINY, assignment_of(TINY, policy)).peak_bytes}}
 
-    monkeypatch.setattr(planner, "run_worker", run_worker)
+    monkeypatch.setattr(pipeline, "run_worker", run_worker)
     budget = 600 * MIB
-    on_card = planner.plan(Workload.of("tiny", batch_size=2, device="cuda"), budget)
+    on_card = pipeline.plan(Workload.of("tiny", batch_size=2, device="cuda"), budget)
     card = gpu.estimate(profile, TINY, Regime(), on_card.solution.assignment)
     assert card.device_total <= budget and on_card.solution.predictions[0].peak_bytes == card.allocated
-    on_cpu = planner.plan(Workload.of("tiny", batch_size=2), budget)
+    on_cpu = pipeline.plan(Workload.of("tiny", batch_size=2), budget)
     assert gpu.estimate(profile, TINY, Regime(), on_cpu.solution.assignment).device_total > budget
 
 

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from benchmarks.backends.diffusers_bench import DiffusersForward
 from shared_configs import UNetSpec
 from shared_configs.pair import ControlNetPairSpec, controlnet_pair, example_pair_batch, workload_spec
-from shared_configs.planning import gpu, planner, whole
-from shared_configs.planning.planner import CACHE_ENV, Workload, predict_policy
+from shared_configs.planning import gpu, pipeline, whole
+from shared_configs.planning.pipeline import CACHE_ENV, Workload, predict_policy
 from shared_configs.regime import Regime
 from shared_configs.training.data import example_batch
 from tests.helpers.diffusers_ref import diffusers_pair
@@ -42,7 +42,7 @@ from tests.helpers.tensors import rel_err
 from torch_impl import BudgetGuard, ControlNetPair, UNet
 from torch_impl import guard as guard_module
 from torch_impl import memory as memory_module
-from torch_impl.diffusers_plan import diffusers_spec
+from torch_impl.diffusers_adapter import diffusers_spec
 from torch_impl.guard_model import RegimeWatch, gpu_flavour
 from torch_impl.memory import memtracker, step_peak
 from torch_impl.train import as_tensors
@@ -64,7 +64,7 @@ def plan_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def check_by_prediction(monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's check of a plan's peak (a fake-tensor step in a worker) stood in for by the
     profile's prediction; profiles are still measured."""
-    monkeypatch.setattr(planner, "run_worker", checking_by_prediction(planner.run_worker))
+    monkeypatch.setattr(pipeline, "run_worker", checking_by_prediction(pipeline.run_worker))
 
 
 def checking_by_prediction(real: Callable[[dict], dict]) -> Callable[[dict], dict]:
@@ -341,7 +341,7 @@ def test_on_cuda_a_re_plan_takes_the_update_the_optimizer_runs(monkeypatch: pyte
         prediction = SimpleNamespace(peak_bytes=100 << 20)
         return SimpleNamespace(policy="full", solution=SimpleNamespace(prediction=prediction))
 
-    monkeypatch.setattr(planner, "plan", plan)
+    monkeypatch.setattr(pipeline, "plan", plan)
     monkeypatch.setattr(guard_module.BudgetGuard, "_device", lambda self: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
     model = UNet(variant("tiny", sample_size=SIZE))
@@ -366,7 +366,7 @@ def test_the_first_plan_is_solved_for_the_models_device(monkeypatch: pytest.Monk
         prediction = SimpleNamespace(peak_bytes=allocated)
         return SimpleNamespace(policy="full", solution=SimpleNamespace(prediction=prediction))
 
-    monkeypatch.setattr(planner, "plan", plan)
+    monkeypatch.setattr(pipeline, "plan", plan)
     model, budget = UNet(variant("tiny", sample_size=SIZE)), 1 << 30
     assert BudgetGuard(model, budget, batch_size=1).history[0].predicted == allocated
     monkeypatch.setattr(guard_module.BudgetGuard, "_device", lambda self: torch.device("cuda", 0))

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from shared_configs import to_diffusers_config
-from shared_configs.planning import planner
-from shared_configs.planning.planner import Workload, predict_policy
+from shared_configs.planning import pipeline
+from shared_configs.planning.pipeline import Workload, predict_policy
 from shared_configs.regime import Regime
 from tests.helpers.specs import variant
 from tests.test_guard import check_by_prediction, checking_by_prediction, plan_cache  # noqa: F401 (fixtures)
@@ -376,7 +376,7 @@ def _rank_main(out: str) -> None:
 
     from torch_impl.guard import from_rank0
 
-    planner.run_worker = checking_by_prediction(planner.run_worker)
+    pipeline.run_worker = checking_by_prediction(pipeline.run_worker)
     torch.set_num_threads(1)
     script = Script()  # accelerate joins the torchrun group (gloo) and wraps the U-Net in DDP
     rank = torch.distributed.get_rank()

@@ -14,7 +14,7 @@ import pytest
 from jax_impl import plan_for_step
 from jax_impl import step as jstep
 from jax_impl.profile import setup, unet
-from shared_configs.planning.planner import Workload
+from shared_configs.planning.pipeline import Workload
 from shared_configs.planning.solver import Infeasible
 from shared_configs.planning.workers import XLA_CPU_OPTIONS
 from tests.helpers.specs import variant

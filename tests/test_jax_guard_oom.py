@@ -17,7 +17,7 @@ import pytest
 from jax_impl import guard
 from jax_impl import step as jstep
 from jax_impl.profile import setup, unet
-from shared_configs.planning.planner import Workload
+from shared_configs.planning.pipeline import Workload
 from tests.helpers.specs import variant
 
 SPEC = variant("tiny", sample_size=16)

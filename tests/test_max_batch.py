@@ -14,7 +14,7 @@ import pytest
 from benchmarks.harness.job import REPO_ROOT
 from benchmarks.max_batch import DEFAULT_PROBES, ROUNDS, answer, main, next_batches
 from shared_configs import load_spec
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 from torch_impl import UNet
 
 

@@ -10,7 +10,7 @@ from benchmarks import plan as cli
 from shared_configs import SpecError, spec_from_dict
 from shared_configs.pair import CONTROLNET, controlnet_pair, pair_names, split_pair_plan, workload_spec
 from shared_configs.planning.budget import random_assignment
-from shared_configs.planning.planner import Workload
+from shared_configs.planning.pipeline import Workload
 from shared_configs.planning.solver import solve
 from shared_configs.planning.units import assignment_of, leaf_units, policy_string
 from shared_configs.regime import Regime

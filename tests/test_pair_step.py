@@ -68,8 +68,8 @@ def test_jax_pair_gradients_are_unchanged_by_a_mixed_plan() -> None:
 def test_plan_controlnet_verify_fits_when_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """End to end on torch (profile, check and measurement in worker processes): the plan fits."""
     from benchmarks import plan as cli
-    from shared_configs.planning.planner import CACHE_ENV
-    from shared_configs.units import MIB
+    from shared_configs.planning.pipeline import CACHE_ENV
+    from shared_configs.sizes import MIB
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     out = tmp_path / "plan.json"
@@ -116,21 +116,21 @@ def test_plan_for_budget_takes_the_pair(tmp_path: Path, monkeypatch: pytest.Monk
     """torch_impl.plan_for_budget on a `ControlNetPair` (or a spec with controlnet=True) plans its step:
     a random profile of the pair cached, the peak check stood in for by the profile's prediction."""
     import torch_impl
-    from shared_configs.planning import planner
+    from shared_configs.planning import pipeline
     from shared_configs.planning.budget import predict
     from shared_configs.planning.units import assignment_of
     from tests.helpers.specs import random_profile
 
-    monkeypatch.setenv(planner.CACHE_ENV, str(tmp_path))
-    work = planner.Workload.of(PAIR, batch_size=2)
+    monkeypatch.setenv(pipeline.CACHE_ENV, str(tmp_path))
+    work = pipeline.Workload.of(PAIR, batch_size=2)
     profile = random_profile(PAIR, 4, framework="torch")
-    profile.save(planner.profile_path("torch", work))
+    profile.save(pipeline.profile_path("torch", work))
 
     def run_worker(request: dict) -> dict:
         (policy,) = request["policies"]
         return {"peaks": {policy: predict(profile, PAIR, assignment_of(PAIR, policy)).peak_bytes}}
 
-    monkeypatch.setattr(planner, "run_worker", run_worker)
+    monkeypatch.setattr(pipeline, "run_worker", run_worker)
     budget = predict(profile, PAIR, {}).peak_bytes * 9 // 10
     pair = torch_impl.ControlNetPair(PAIR)
     policy = torch_impl.plan_for_budget(pair, 2, budget)

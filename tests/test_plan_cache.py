@@ -16,9 +16,9 @@ import pytest
 
 from jax_impl.memory import MemoryPlan, _read, _write
 from shared_configs import load_spec
-from shared_configs.planning import planner
+from shared_configs.planning import pipeline
 from shared_configs.planning.budget import SCHEMA, Profile
-from shared_configs.planning.planner import CACHE_ENV, Workload, get_profile, profile_path
+from shared_configs.planning.pipeline import CACHE_ENV, Workload, get_profile, profile_path
 from tests.helpers.specs import random_profile
 
 WORKLOAD = Workload.of("tiny", batch_size=2)
@@ -65,7 +65,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
         made.append(framework)
         return GOOD
 
-    monkeypatch.setattr(planner, "_measure_profile", measure)
+    monkeypatch.setattr(pipeline, "_measure_profile", measure)
     return made
 
 

@@ -18,14 +18,14 @@ import torch_impl
 from benchmarks import plan as cli
 from benchmarks.reports import plan_text
 from shared_configs import SpecError, load_spec, resolve_plan
-from shared_configs.planning import planner, stepclock
+from shared_configs.planning import pipeline, stepclock
 from shared_configs.planning.budget import SAFETY, Profile, per_rank, predict, safety_margin
 from shared_configs.planning.candidates import HAND_POLICIES
-from shared_configs.planning.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
+from shared_configs.planning.pipeline import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs.planning.solver import smallest_peak, solve
 from shared_configs.planning.units import assignment_of, block_layers
 from shared_configs.regime import Regime
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 from tests.helpers.specs import random_profile
 
 SPEC = load_spec("tiny")
@@ -62,7 +62,7 @@ def _check_as(monkeypatch: pytest.MonkeyPatch, profiles: dict[str, Profile], fac
             given.append(peak)
         return {"peaks": {policy: peak}}
 
-    monkeypatch.setattr(planner, "run_worker", run_worker)
+    monkeypatch.setattr(pipeline, "run_worker", run_worker)
     return given
 
 
@@ -257,7 +257,7 @@ def _measure_as(monkeypatch: pytest.MonkeyPatch, profiles: dict[str, Profile], o
         )
         return {"rows": {p: {"peak_bytes": measured[p]} | stepclock.times(rounds[p]) for p in policies}}
 
-    monkeypatch.setattr(planner, "run_worker", run_worker)
+    monkeypatch.setattr(pipeline, "run_worker", run_worker)
     return calls
 
 
@@ -316,7 +316,7 @@ def test_a_shapes_profile_has_no_candidates_to_measure(
     assert [c[0] for c in calls] == ["peaks"]  # the plan's check; nothing measured
     err = capsys.readouterr().err
     assert err.count("candidates: nothing measured: a profile from shapes has no step to measure\n") == 1
-    found = planner.plan(Workload.of("tiny", batch_size=2), budget)  # the library's default: nothing measured
+    found = pipeline.plan(Workload.of("tiny", batch_size=2), budget)  # the library's default: nothing measured
     assert found.candidates is None and found.policy == solve(profile, SPEC, budget, SAFETY).policy
 
 
@@ -339,7 +339,7 @@ def test_a_bad_policy_is_refused_before_profiling(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "empty"))  # nothing cached: profiling would start a worker
-    monkeypatch.setattr(planner, "run_worker", lambda request: pytest.fail(f"profiled: {request['kind']}"))
+    monkeypatch.setattr(pipeline, "run_worker", lambda request: pytest.fail(f"profiled: {request['kind']}"))
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--config", "tiny", "--batch-size", "2", "--policy", "down.7"])
     assert exit_.value.code == 2

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from shared_configs.planning.budget import Profile, predict, random_assignment
-from shared_configs.planning.planner import Workload, profile_path
+from shared_configs.planning.pipeline import Workload, profile_path
 from shared_configs.planning.units import assignment_of, policy_string
 from shared_configs.regime import Regime, state_bytes
 from tests.helpers.specs import variant
@@ -126,12 +126,12 @@ def test_the_regime_keys_the_profile_cache() -> None:
 
 def test_a_regime_jax_cannot_run_here_is_refused_before_any_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """float16 compute on XLA:CPU (no float16 matmul kernel): one line, no worker started; torch plans it."""
-    from shared_configs.planning import planner
+    from shared_configs.planning import pipeline
     from shared_configs.spec import SpecError
 
-    monkeypatch.setattr(planner, "run_worker", lambda request: pytest.fail(f"a worker was started: {request['kind']}"))
+    monkeypatch.setattr(pipeline, "run_worker", lambda request: pytest.fail(f"a worker was started: {request['kind']}"))
     work = Workload(SPEC, BATCH, Regime("fp16-mixed"), shapes=True)
     with pytest.raises(SpecError, match=r"^precision: fp16-mixed has no XLA:CPU matmul .*use bf16-mixed"):
-        planner.predict_policy(work, "full", "jax")
+        pipeline.predict_policy(work, "full", "jax")
     with pytest.raises(SpecError, match="precision: fp16-mixed"):
-        planner.plan(work, 1 << 30, "both")
+        pipeline.plan(work, 1 << 30, "both")

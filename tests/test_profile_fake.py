@@ -61,7 +61,7 @@ def test_a_kept_worker_checks_as_a_fresh_one() -> None:
     """`workers.kept_alive`: the profile and the check go to one process, whose check (on the
     profile's fake set-up) equals a fresh worker's; the process is gone after the block."""
     from shared_configs.planning import workers
-    from shared_configs.planning.planner import Workload
+    from shared_configs.planning.pipeline import Workload
 
     work = Workload.of(SPEC, batch_size=BATCH, context_length=CONTEXT)
     check = work.request("torch", "peaks", policies=["full", "layers"])

@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from benchmarks import report as cli
-from benchmarks.reports import plot, report
+from benchmarks.reports import plot, tables
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RUN = ROOT / "docs" / "data" / "default" / "compare-sd_narrow-20261203.json"  # its times judged unreliable
@@ -31,9 +31,9 @@ def run(tmp_path: Path) -> Path:
     extra = copy.deepcopy(doc["rows"][1]) | {"policy": LONG_POLICY, "peak_bytes": 123_456_789_012}
     oom = copy.deepcopy(doc["rows"][1]) | {"policy": "layers", "batch_size": 64, "status": "oom", "error": "OOM"}
     error = copy.deepcopy(oom) | {"status": "error", "error": "RuntimeError: " + "a long message " * 12}
-    doc["rows"] = report.complete([*doc["rows"], extra, oom, error])
+    doc["rows"] = tables.complete([*doc["rows"], extra, oom, error])
     path = tmp_path / "compare-sd_narrow-20261203-120000.json"
-    report.write_json(path, doc)
+    tables.write_json(path, doc)
     return path
 
 
@@ -75,7 +75,7 @@ def test_the_default_table_says_saved_ratio_and_whether_it_fits(run: Path) -> No
 def test_wide_keeps_every_column(run: Path) -> None:
     text = printed(cli.load(run), cli.WIDE_WIDTH, wide=True)
     header = "".join(table_lines(text)[:4])
-    for name, _ in report.COLUMNS_SHOWN[:-1]:  # the last is XLA's default peak, only with --xla-default
+    for name, _ in tables.COLUMNS_SHOWN[:-1]:  # the last is XLA's default peak, only with --xla-default
         assert name.replace("\\", "") in header, name
     assert "5.587 [4.909-8.366]" in text
 
@@ -115,7 +115,7 @@ def _panel(rows: list[dict[str, Any]], unreliable: float | None) -> Any:
 
 
 def test_plot_labels_do_not_overlap_and_the_legend_shows_only_what_is_drawn() -> None:
-    rows = report.complete(json.loads(DEFAULT_RUN.read_text())["rows"])
+    rows = tables.complete(json.loads(DEFAULT_RUN.read_text())["rows"])
     jax_none = next(r for r in rows if r["framework"] == "jax" and r["policy"] == "none")
     torch_rows = [r | {"time_overhead": t} for r, t in zip(rows[:3], (1.0, 1.13, 1.21), strict=True)]  # README's
     rows = [*torch_rows, jax_none]  # jax: one point, no front to draw
@@ -129,7 +129,7 @@ def test_plot_labels_do_not_overlap_and_the_legend_shows_only_what_is_drawn() ->
 
 
 def test_plot_marks_timings_the_run_judged_unreliable() -> None:
-    rows = report.complete(json.loads(DEFAULT_RUN.read_text())["rows"])
+    rows = tables.complete(json.loads(DEFAULT_RUN.read_text())["rows"])
     for share, hollow in ((None, False), (0.66, True)):
         fig, ax = _panel(rows, share)
         faces = [c.get_facecolors() for c in ax.collections if len(c.get_offsets())]

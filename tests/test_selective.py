@@ -11,7 +11,7 @@ import torch
 
 from benchmarks import saved as insp
 from shared_configs import load_spec, resolve_plan
-from shared_configs.plan import OP_CLASSES
+from shared_configs.vocabulary import OP_CLASSES
 from tests.helpers.policies import (
     assert_plans_keep_loss_and_grads,
     assert_same_loss_and_grads,

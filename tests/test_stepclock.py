@@ -13,7 +13,7 @@ from scipy.stats import binom
 from benchmarks.harness.plan_sweep import against_hand
 from shared_configs.planning import stepclock
 from shared_configs.planning.stepclock import paired
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 
 
 def sign_test_interval(ratios: np.ndarray, confidence: float) -> tuple[float, float]:

@@ -15,14 +15,14 @@ import pytest
 
 from shared_configs import load_spec
 from shared_configs.defaults import defaults
-from shared_configs.planning import planner
+from shared_configs.planning import pipeline
 from shared_configs.planning.budget import predict
-from shared_configs.planning.planner import CACHE_ENV, Workload, plan_for_budget, profile_path
+from shared_configs.planning.pipeline import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs.planning.solver import smallest_peak
 from shared_configs.planning.units import assignment_of
+from shared_configs.sizes import MIB
 from shared_configs.training.run_folder import checkpoints
 from shared_configs.training.run_plan import MEASURED_STEPS, RunPlan
-from shared_configs.units import MIB
 from tests.helpers.specs import random_profile
 
 SPEC = load_spec("tiny")
@@ -80,10 +80,10 @@ def seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     def run_worker(request: dict) -> dict:
         assert request["kind"] == "peaks", request["kind"]  # never a profile: they are seeded
-        profile = planner.get_profile(request["framework"], WORKLOAD)
+        profile = pipeline.get_profile(request["framework"], WORKLOAD)
         return {"peaks": {p: predict(profile, SPEC, assignment_of(SPEC, p)).peak_bytes for p in request["policies"]}}
 
-    monkeypatch.setattr(planner, "run_worker", run_worker)
+    monkeypatch.setattr(pipeline, "run_worker", run_worker)
     peaks: list[int] = []
     line = RunPlan.peak_line
 
@@ -138,7 +138,7 @@ def test_torch_trains_to_a_budget_and_resumes_its_plan(
     policy = plan_for_budget("tiny", BATCH, budget, context_length=1)
     assert ttrain.main(_argv(out, 2, budget)) == 0
     err = capsys.readouterr().err
-    predicted = predict(planner.get_profile("torch", WORKLOAD), SPEC, assignment_of(SPEC, policy)).peak_bytes
+    predicted = predict(pipeline.get_profile("torch", WORKLOAD), SPEC, assignment_of(SPEC, policy)).peak_bytes
     assert f"policy {policy} (planned for this run); torch predicted peak {predicted / MIB:.1f} MiB" in err
     assert len(seen) == 1 and "torch_impl.memory.step_peak" in err and "max of steps 1-2" in err
     assert math.isclose(max(seen), _torch_tracker_peak(policy), rel_tol=0.01)

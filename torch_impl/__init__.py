@@ -9,9 +9,9 @@ from typing import Any
 
 from torch import nn
 
-from shared_configs.planning.planner import for_framework
+from shared_configs.planning.pipeline import for_framework
 from torch_impl.controlnet import ControlNet as ControlNet
-from torch_impl.diffusers_plan import apply_plan, remove_plan
+from torch_impl.diffusers_adapter import apply_plan, remove_plan
 from torch_impl.guard import BudgetGuard
 from torch_impl.guard_model import regime_seen, step_spec
 from torch_impl.pair import ControlNetPair
@@ -22,7 +22,7 @@ _plan_for_budget = for_framework("torch")
 
 
 def plan_for_budget(spec: Any, batch_size: int, budget_bytes: int, sample_size: int | None = None, **kw: Any) -> str:
-    """`shared_configs.planning.planner.plan_for_budget` for the torch step; ``spec``: a spec, a preset
+    """`shared_configs.planning.pipeline.plan_for_budget` for the torch step; ``spec``: a spec, a preset
     name, a spec file, or a model (wrapped or not) `torch_impl.guard_model.step_spec` reads; a model
     given without ``regime``: the regime its weights show."""
     if isinstance(spec, nn.Module):

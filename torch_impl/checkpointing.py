@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-from shared_configs.plan import OP_CLASSES, CheckpointPlan
+from shared_configs.vocabulary import OP_CLASSES, CheckpointPlan
 from torch_impl.batchnorm import with_frozen_running_stats
 
 aten = torch.ops.aten

@@ -20,7 +20,7 @@ from shared_configs.controlnet import (
     resolve_controlnet_plan,
 )
 from shared_configs.inputs import check_inputs
-from shared_configs.plan import Policy
+from shared_configs.vocabulary import Policy
 from torch_impl.unet import UNet, UNetTrunk
 
 Tensor = torch.Tensor

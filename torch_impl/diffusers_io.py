@@ -16,7 +16,7 @@ import torch
 
 from shared_configs import UNetSpec
 from shared_configs.controlnet import ControlNetSpec
-from shared_configs.diffusers.controlnet import controlnet_to_diffusers_config
+from shared_configs.diffusers.controlnet_config import controlnet_to_diffusers_config
 from shared_configs.diffusers.export import to_diffusers_config
 from shared_configs.diffusers.folders import check_weights, is_path, read_source
 from shared_configs.diffusers.folders import ours_to_diffusers as _ours_to_diffusers

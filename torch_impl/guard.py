@@ -24,13 +24,13 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
-from shared_configs.planning import gpu, planner, whole
-from shared_configs.planning.planner import Workload
+from shared_configs.planning import gpu, pipeline, whole
+from shared_configs.planning.pipeline import Workload
 from shared_configs.progress import say
 from shared_configs.regime import Regime
+from shared_configs.sizes import MIB
 from shared_configs.spec import SpecError
-from shared_configs.units import MIB
-from torch_impl.diffusers_plan import apply_plan
+from torch_impl.diffusers_adapter import apply_plan
 from torch_impl.guard_model import RegimeWatch, gpu_flavour, regime_seen, step_spec, take_over_checkpointing
 from torch_impl.guard_retry import RetryPoint, accelerators_among, base_optimizer, processes, why_not_retry
 from torch_impl.pair import ControlNetPair
@@ -41,7 +41,7 @@ LOOSEN_BELOW = 0.10  # loosen once when the first window's peak is this fraction
 REPLAN_MARGIN = 0.02  # of the budget, left by a re-plan: two plans' predictions err by different amounts
 OOM_HALVINGS = 2  # plans tried between one that ran out of memory and `full`, per step
 FULL, NONE = "full", "none"
-_PLAN_OPTIONS = ("world_size", "distributed", "candidates", "rounds")  # `planner.plan`'s; the rest: `Workload`'s
+_PLAN_OPTIONS = ("world_size", "distributed", "candidates", "rounds")  # `pipeline.plan`'s; the rest: `Workload`'s
 T = TypeVar("T")
 
 
@@ -366,12 +366,12 @@ class BudgetGuard:
     def _planned(self, budget: int) -> tuple[str, int]:
         # A GPU flavour's budget is the card's, the CUDA context in it; the guard's is the allocator's reserve.
         context = 0 if self._workload.device == "cpu" else whole.card(self._workload).context
-        planned = planner.plan(self._workload, budget + context, "torch", **self._plan_options)
+        planned = pipeline.plan(self._workload, budget + context, "torch", **self._plan_options)
         return planned.policy, self._reserved(planned.solution.prediction.peak_bytes)
 
     def _predict(self, policy: str) -> int:
         options = {k: v for k, v in self._plan_options.items() if k in ("world_size", "distributed")}
-        found = from_rank0(lambda: planner.predict_policy(self._workload, policy, "torch", **options))
+        found = from_rank0(lambda: pipeline.predict_policy(self._workload, policy, "torch", **options))
         return self._reserved(found[0].prediction.peak_bytes)
 
     def _reserved(self, allocated: int) -> int:

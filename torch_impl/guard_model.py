@@ -20,7 +20,7 @@ from shared_configs.planning.optimizer_step import SOURCES, implementation
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
 from torch_impl.controlnet import ControlNet
-from torch_impl.diffusers_plan import diffusers_spec
+from torch_impl.diffusers_adapter import diffusers_spec
 from torch_impl.pair import ControlNetPair
 from torch_impl.regime import DIFFUSERS_LORA_TARGETS
 from torch_impl.unet import UNet

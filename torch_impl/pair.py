@@ -12,13 +12,13 @@ from torch import nn
 
 from shared_configs import UNetSpec
 from shared_configs.controlnet import ControlNetSpec
-from shared_configs.diffusers.controlnet import controlnet_from_diffusers_config
+from shared_configs.diffusers.controlnet_config import controlnet_from_diffusers_config
 from shared_configs.diffusers.folders import live_config
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec, PairPlan, example_pair_batch, split_pair_plan
 from shared_configs.planning.units import HEAD, STEM
 from shared_configs.training.data import Batch, example_batch
 from torch_impl.controlnet import ControlNet
-from torch_impl.diffusers_plan import apply_plan, diffusers_spec
+from torch_impl.diffusers_adapter import apply_plan, diffusers_spec
 from torch_impl.unet import UNet
 from torch_impl.wrappers import unwrap
 

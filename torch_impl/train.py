@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from shared_configs import load_spec
 from shared_configs.pair import ControlNetPairSpec, PairPlan, load_step_dataset, step_spec
-from shared_configs.plan import CheckpointPlan
 from shared_configs.training import config
 from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
 from shared_configs.training.data import Batch, Dataset, check_conditioning, step_seed
@@ -31,6 +30,7 @@ from shared_configs.training.ddpm import Schedule, check_objective, make_schedul
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
 from shared_configs.training.run_plan import MEASURED_STEPS, RunPlan, report, resolve_run, workload_of
+from shared_configs.vocabulary import CheckpointPlan
 from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, current_comm, load_checkpoint, save_checkpoint
 from torch_impl.guard import BudgetGuard
 from torch_impl.pair import ControlNetPair, trained_module

@@ -24,7 +24,7 @@ from shared_configs.arch import (
 )
 from shared_configs.controlnet import add_residuals
 from shared_configs.inputs import check_inputs
-from shared_configs.plan import Policy
+from shared_configs.vocabulary import Policy
 from torch_impl.added_layers import ImageProjection, ImageTimeEmbedding, SimpleCrossAttention
 from torch_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
 from torch_impl.checkpointing import apply_plan, remove_plan

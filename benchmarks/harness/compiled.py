@@ -12,7 +12,7 @@ from typing import Any
 
 from benchmarks.harness.job import Job
 from shared_configs import SpecError
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 
 COMPILED = "compiled"  # the worker's framework name: benchmarks.backends.compiled_bench
 BUDGET = "budget@"  # the same prefix as benchmarks.backends.compiled_bench.BUDGET (this module imports no torch)

@@ -1,7 +1,7 @@
 """``benchmarks.compare --controlnet``: diffusers' ControlNet training step, per framework x policy.
 
 The step is `torch_impl.pair` / `jax_impl.pair`'s (`shared_configs.pair`), measured by the planner's
-own workers (`shared_configs.planning.planner.measure`), one process per framework. The rows are
+own workers (`shared_configs.planning.pipeline.measure`), one process per framework. The rows are
 ``none``, ``--policies`` (each on both networks) and a plan solved for ``--plan-budget-mib``, by
 default halfway between the smallest feasible peak and ``none``'s. No torch or jax import here.
 """
@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.job import DIFFUSERS, Job, job_spec
-from benchmarks.reports.report import write_json
+from benchmarks.reports.tables import write_json
 from shared_configs import SpecError
 from shared_configs.cli import positive_mib
 from shared_configs.defaults import resolve_chunk
 from shared_configs.planning.budget import predict
-from shared_configs.planning.planner import DEVICE, Workload, get_profile, measure, plan
+from shared_configs.planning.pipeline import DEVICE, Workload, get_profile, measure, plan
 from shared_configs.planning.solver import Infeasible, peak_range
 from shared_configs.planning.units import assignment_of
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 
 PLANNED = "planned"  # the planned row's label (its policy string is printed beside the table)
 

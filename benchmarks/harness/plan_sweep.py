@@ -18,14 +18,14 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
 from benchmarks.reports.plot import save_png
-from benchmarks.reports.report import write_json
+from benchmarks.reports.tables import write_json
 from shared_configs.planning.budget import Profile, predict, random_assignment, safety_margin
 from shared_configs.planning.candidates import HAND_POLICIES
-from shared_configs.planning.planner import Workload, checked_solve, get_profile, measure
+from shared_configs.planning.pipeline import Workload, checked_solve, get_profile, measure
 from shared_configs.planning.solver import Infeasible, peak_range, solve
 from shared_configs.planning.stepclock import paired, paired_text
 from shared_configs.planning.units import assignment_of, policy_string
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 
 
 def _spread(low: int, high: int, steps: int, with_high: bool = True) -> list[int]:

@@ -11,10 +11,10 @@ from shared_configs import SpecError
 from shared_configs.pair import ControlNetPairSpec
 from shared_configs.planning import candidates
 from shared_configs.planning.budget import Profile, predict
-from shared_configs.planning.planner import Workload
+from shared_configs.planning.pipeline import Workload
 from shared_configs.planning.stepclock import paired_text
 from shared_configs.planning.units import FULL, PLAIN, assignment_of, is_pseudo, segments
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 
 GRAMMAR = "docs/spec_and_plans.md#checkpoint-plans"
 

@@ -12,11 +12,11 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
-from benchmarks.reports import report
-from benchmarks.reports.report import Row
+from benchmarks.reports import tables
+from benchmarks.reports.tables import Row
 from shared_configs.files import atomic_write
 from shared_configs.memory import CATEGORIES
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 
 COLORS = {"torch": "tab:red", "jax": "tab:blue", "diffusers": "tab:green"}
 MARKERS = {"torch": "o", "jax": "s", "diffusers": "D"}
@@ -183,7 +183,7 @@ def plot(rows: list[Row], path: Path, title: str, unreliable: float | None = Non
 def write_plots(document: dict[str, Any], out: Path, stem: str) -> list[Path]:
     """A run's pictures, ``<out>/<stem>.png`` (the Pareto plot) and ``-timeline.png``: those drawn."""
     device = next((d["name"] for fw, d in document["device"].items() if fw != "requested"), "?")
-    title, share = report.title(document), report.unreliable_share(document)
+    title, share = tables.title(document), tables.unreliable_share(document)
     drawn = [
         plot(document["rows"], out / f"{stem}.png", f"{title}\n{device}", share),
         plot_timelines(document.get("timelines", []), out / f"{stem}-timeline.png", title),

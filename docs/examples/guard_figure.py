@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt
 from benchmarks.guard_check import guarded_run, lines
 from shared_configs import load_spec, spec_from_dict
 from shared_configs.files import atomic_write
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 
 IMG = Path(__file__).resolve().parents[1] / "img"
 

@@ -1,4 +1,4 @@
-"""diffusers' conditioning options -> our spec's, for `shared_configs.diffusers.config`: the class, text_time and
+"""diffusers' conditioning options -> our spec's, for `shared_configs.diffusers.unet_config`: the class, text_time and
 image embeddings, LCM's timestep condition, and the context's projection (``encoder_hid_dim(_type)``)."""
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from shared_configs.diffusers import config as _config
+from shared_configs.diffusers import unet_config as _config
 from shared_configs.diffusers.conditioning import IMAGE_PROJ_TOKENS
-from shared_configs.diffusers.config import SAME_FIELDS, from_diffusers_config
+from shared_configs.diffusers.unet_config import SAME_FIELDS, from_diffusers_config
 from shared_configs.spec import CONTEXT_KINDS, SpecError, UNetSpec
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from shared_configs.controlnet import ControlNetSpec
-from shared_configs.diffusers.controlnet import spec_from_config
+from shared_configs.diffusers.controlnet_config import spec_from_config
 from shared_configs.spec import UNetSpec
 
 V = TypeVar("V")

@@ -1,6 +1,6 @@
 """Choosing a plan by measuring candidates: the solver's best plans and the hand policies that fit.
 
-The time model ranks plans only roughly (docs/candidates.md): `propose` lists the candidates, `planner.plan`
+The time model ranks plans only roughly (docs/candidates.md): `propose` lists the candidates, `pipeline.plan`
 checks and races them in the workers, `decide` picks the fastest that fits, `table` reports.
 """
 
@@ -14,8 +14,8 @@ from shared_configs.planning.budget import Profile, predict
 from shared_configs.planning.paired import paired, paired_text
 from shared_configs.planning.solver import Solution, next_best, solution
 from shared_configs.planning.units import assignment_of
+from shared_configs.sizes import MIB
 from shared_configs.spec import UNetSpec
-from shared_configs.units import MIB
 
 # The named policies a user would otherwise pick by hand (`none` is the solver's answer when it fits).
 HAND_POLICIES: tuple[str, ...] = ("none", "full", "balanced", "layers", "save_convs", "layers/save=conv,matmul")

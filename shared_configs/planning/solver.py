@@ -16,8 +16,8 @@ import numpy as np
 
 from shared_configs.planning.budget import Prediction, Profile, predict
 from shared_configs.planning.units import PLAIN, Assignment, StepSpec, is_pseudo, policy_string, segments
+from shared_configs.sizes import MIB
 from shared_configs.spec import SpecError
-from shared_configs.units import MIB
 
 Expr = dict[int, float]  # column -> coefficient (MiB), with the constant under key -1
 # A potential unit's peak row: (profile, K(u) [+ H(u)] as an expression, its peak in MiB, the column

@@ -9,8 +9,8 @@ from collections.abc import Iterator, Mapping
 
 from shared_configs.arch import down_blocks, up_blocks
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec, PairPlan, split_pair_plan
-from shared_configs.plan import CheckpointPlan, block_names, layer_names, resolve_plan
 from shared_configs.spec import UNetSpec
+from shared_configs.vocabulary import CheckpointPlan, block_names, layer_names, resolve_plan
 
 PLAIN, FULL = "plain", "full"
 SELECTIVE_OPS: tuple[str, ...] = ("conv", "matmul")

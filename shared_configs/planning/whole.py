@@ -24,7 +24,7 @@ from shared_configs.progress import note
 from shared_configs.spec import SpecError
 
 if TYPE_CHECKING:
-    from shared_configs.planning.planner import Workload
+    from shared_configs.planning.pipeline import Workload
 
 ENCODER_SCHEMA = 2  # 2: a trained encoder's optimizer state measured ("state")
 

@@ -108,7 +108,7 @@ def run(
 
 
 def run_worker(request: dict[str, Any]) -> dict[str, Any]:
-    """The planner's request (`planner.Workload.request`) answered in its framework's worker: the
+    """The planner's request (`pipeline.Workload.request`) answered in its framework's worker: the
     kept one inside `kept_alive`, else a worker of its own."""
     framework = request["framework"]
     if _kept is not None and request["kind"] in KEPT_KINDS:

@@ -18,12 +18,12 @@ from typing import Any, Protocol, TypeVar
 from shared_configs.cli import OneLineParser, nonnegative, positive, positive_mib
 from shared_configs.defaults import FIELDS, defaults
 from shared_configs.regime import DEFAULT, Regime, add_regime_arguments
+from shared_configs.sizes import MIB
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.data import DATASETS
 from shared_configs.training.ddpm import SCHEDULES, make_schedule
 from shared_configs.training.manifest import CheckpointWriteError
 from shared_configs.training.preemption import Stopped, exit_status, resume_command
-from shared_configs.units import MIB
 
 
 @dataclass(frozen=True)

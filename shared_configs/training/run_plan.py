@@ -11,14 +11,14 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from shared_configs.pair import ControlNetPairSpec, PairPlan, split_pair_plan
-from shared_configs.plan import CheckpointPlan, resolve_plan
-from shared_configs.planning.planner import Workload, plan, predict_policy
+from shared_configs.planning.pipeline import Workload, plan, predict_policy
 from shared_configs.planning.solver import Solution
 from shared_configs.planning.units import FULL, PLAIN, resolve_any
+from shared_configs.sizes import MIB
 from shared_configs.spec import UNetSpec
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.loop import RunStart
-from shared_configs.units import MIB
+from shared_configs.vocabulary import CheckpointPlan, resolve_plan
 
 # The first step makes AdamW's state; the second runs with it, as the profile's steps did.
 MEASURED_STEPS = 2

@@ -17,7 +17,7 @@ from rich.table import Table
 from shared_configs.defaults import Defaults, resolve_chunk
 from shared_configs.files import atomic_write
 from shared_configs.regime import DEFAULT, Regime
-from shared_configs.units import MIB
+from shared_configs.sizes import MIB
 
 Row = dict[str, Any]
 UNRELIABLE_SHARE = 0.1  # other processes' share of the cores above which a run's times are not trusted

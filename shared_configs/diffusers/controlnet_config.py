@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from shared_configs.controlnet import ControlNetSpec
-from shared_configs.diffusers.config import CLASS_DEFAULTS, from_diffusers_config
 from shared_configs.diffusers.export import DIFFUSERS_VERSION, to_diffusers_config
+from shared_configs.diffusers.unet_config import CLASS_DEFAULTS, from_diffusers_config
 from shared_configs.spec import SpecError, UNetSpec
 
 CLASS = "ControlNetModel"

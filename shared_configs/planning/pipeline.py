@@ -44,8 +44,8 @@ from shared_configs.planning.workers import kept_alive, run_worker
 from shared_configs.progress import note
 from shared_configs.regime import DEFAULT as DEFAULT_REGIME
 from shared_configs.regime import Regime, check_planned
+from shared_configs.sizes import MIB
 from shared_configs.spec import SpecError, UNetSpec
-from shared_configs.units import MIB
 
 FRAMEWORKS = ("torch", "jax")
 # Shapes-only time: stated rates (a current GPU's order in float32), not measurements.
@@ -417,6 +417,6 @@ def for_framework(framework: str) -> Callable[..., str]:
     plan_for_framework.__name__ = plan_for_framework.__qualname__ = "plan_for_budget"
     plan_for_framework.__doc__ = (
         f"The policy string of the cheapest plan whose {fw} step is predicted, and checked, to fit "
-        "``budget_bytes``; the arguments as `shared_configs.planning.planner.plan_for_budget`'s."
+        "``budget_bytes``; the arguments as `shared_configs.planning.pipeline.plan_for_budget`'s."
     )
     return plan_for_framework

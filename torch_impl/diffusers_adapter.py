@@ -11,9 +11,9 @@ from torch import nn
 
 from shared_configs import CheckpointPlan, UNetSpec, all_names, from_diffusers_config, resolve_plan
 from shared_configs.controlnet import ControlNetSpec, controlnet_names, resolve_controlnet_plan
-from shared_configs.diffusers.controlnet import controlnet_from_diffusers_config
+from shared_configs.diffusers.controlnet_config import controlnet_from_diffusers_config
 from shared_configs.diffusers.folders import live_config
-from shared_configs.plan import Policy
+from shared_configs.vocabulary import Policy
 from torch_impl import checkpointing
 from torch_impl.controlnet import ControlNet
 from torch_impl.unet import UNet
