@@ -15,6 +15,7 @@ from shared_configs.spec import UNetSpec
 INPUT_NAMES: tuple[str, ...] = ("x", "t", "context", "class_labels", "text_embeds", "time_ids")
 EXTRA_INPUT_NAMES: tuple[str, ...] = ("timestep_cond", "image_embeds")  # present only where the spec takes them
 LAYOUTS: tuple[str, ...] = ("NCHW", "NHWC")
+LATENT_SCALE = 8  # SDXL's time_ids are in pixels: a latent of size s is an image of size 8 s
 NUM_TIMESTEPS = 1000  # example timesteps (and `timestep` class ids) are drawn from [0, NUM_TIMESTEPS)
 
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from shared_configs.inputs import LATENT_SCALE
 from shared_configs.planning.budget import Profile, raised, with_static_bytes
 from shared_configs.planning.optimizer_step import Trained, implementation, temporaries
 from shared_configs.regime import Regime, modelled_state_delta
 from shared_configs.spec import SpecError, UNetSpec
-from shared_configs.training.data import LATENT_SCALE
 
 VAE = {  # AutoencoderKL of SD 1.x, 2.x and SDXL (stable-diffusion-v1-5/vae/config.json)
     "in_channels": 3,

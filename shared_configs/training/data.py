@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shared_configs.inputs import INPUT_NAMES, NUM_TIMESTEPS, class_label_width, input_specs
+from shared_configs.inputs import INPUT_NAMES, LATENT_SCALE, NUM_TIMESTEPS, class_label_width, input_specs
 from shared_configs.spec import UNetSpec
 
 if TYPE_CHECKING:
@@ -22,7 +22,6 @@ CONTEXT_TABLE_SEED = 1234  # the class-embedding table is the same for every run
 TEXT_TABLE_SEED = 1235  # so are the class-vector and text_embeds tables
 DATASETS = ("digits", "synthetic")
 CONDITIONING: tuple[str, ...] = INPUT_NAMES[2:]  # context, class_labels, text_embeds, time_ids
-LATENT_SCALE = 8  # SDXL's time_ids are in pixels: a latent of size s is an image of size 8 s
 
 
 @dataclass(frozen=True)
