@@ -7,12 +7,12 @@
 
 from __future__ import annotations
 
-import torch
 from torch.utils import flop_counter
 
-_aten = torch.ops.aten
-_CPU_FORWARD = _aten._scaled_dot_product_flash_attention_for_cpu
-_CPU_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward
+from torch_impl.compat import aten
+
+_CPU_FORWARD = aten("_scaled_dot_product_flash_attention_for_cpu")
+_CPU_BACKWARD = aten("_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 def _forward(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
