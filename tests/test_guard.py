@@ -45,7 +45,7 @@ from torch_impl import memory as memory_module
 from torch_impl.diffusers_adapter import diffusers_spec
 from torch_impl.guard_model import RegimeWatch, gpu_flavour
 from torch_impl.memory import memtracker, step_peak
-from torch_impl.train import as_tensors
+from torch_impl.step import as_tensors
 
 BATCH = 4
 SIZE = 16  # 16x16: activations about twice the weights, gradients and AdamW state (none 12 MiB, full 6.5 MiB)

@@ -44,7 +44,7 @@ from torch_impl.regime import (
     trained_parameters,
     weight_dtype,
 )
-from torch_impl.train import step_loss, train_step
+from torch_impl.step import step_loss, train_step
 from torch_impl.unet import UNet
 
 OPTIMIZER = "optimizer"

@@ -1,9 +1,9 @@
-"""``python -m torch_impl.train``: DDPM noise-prediction training in PyTorch, the CLI, its loop and step.
+"""``python -m torch_impl.train``: DDPM noise-prediction training in PyTorch, the CLI and its loop.
 
-One loop over the U-Net or, with ``--controlnet``, a `torch_impl.pair.ControlNetPair`;
-`train_step(model, optimizer, batch)` is the step to put in your own loop. Batches, noise and dropout
-seeds are functions of (seed, step), so a resumed run replays them. ``--distributed`` (DDP, FSDP2)
-runs under torchrun. Mirror: `jax_impl/train.py`; docs/training.md.
+One loop over the U-Net or, with ``--controlnet``, a `torch_impl.pair.ControlNetPair`, stepping
+`torch_impl.step`'s step. Batches, noise and dropout seeds are functions of (seed, step), so a resumed
+run replays them. ``--distributed`` (DDP, FSDP2) runs under torchrun. Mirror: `jax_impl/train.py`;
+docs/training.md.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from shared_configs import load_spec
 from shared_configs.pair import ControlNetPairSpec, PairPlan, load_step_dataset, step_spec
 from shared_configs.training import config
 from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
-from shared_configs.training.data import Batch, Dataset, check_conditioning, step_seed
+from shared_configs.training.data import Batch, Dataset, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
@@ -35,7 +34,8 @@ from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, current_comm, load_check
 from torch_impl.guard import BudgetGuard
 from torch_impl.pair import ControlNetPair, trained_module
 from torch_impl.parallel import launch, wrap
-from torch_impl.regime import EMA, PLAIN_STEP, StepTools, apply_regime, make_optimizer, step_tools
+from torch_impl.regime import EMA, StepTools, apply_regime, make_optimizer, step_tools
+from torch_impl.step import as_tensors, distributed_step, train_step
 from torch_impl.unet import UNet
 
 PEAK_INSTRUMENTS = {
@@ -82,59 +82,6 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def run_settings(cfg: TrainConfig, device: str) -> str:
     """What the run uses on ``device`` (its dtype); torch's SDPA attention has nothing to choose."""
     return used(cfg, device) + ", torch attention SDPA"
-
-
-def as_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor | None]]:
-    """(noisy, t, noise, conditioning by name) as torch tensors (NCHW, sharing the numpy batch's memory)."""
-    conditioning = {k: None if v is None else torch.from_numpy(v) for k, v in batch.conditioning().items()}
-    return torch.from_numpy(batch.noisy), torch.from_numpy(batch.t), torch.from_numpy(batch.noise), conditioning
-
-
-def train_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, *, tools: StepTools = PLAIN_STEP
-) -> float:
-    """One DDPM step (predict the noise in ``batch.noisy`` at ``batch.t``, MSE, backward, update) of a
-    `UNet` or `ControlNetPair`, wrapped or not, in the regime of ``tools`` (`torch_impl.regime.step_tools`).
-    Every conditioning input the batch carries is passed by name. Returns the loss as a float."""
-    return step_loss(model, optimizer, batch, tools=tools).item()
-
-
-def step_loss(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, *, tools: StepTools = PLAIN_STEP
-) -> torch.Tensor:
-    """`train_step` without reading the loss: the planner's profile runs it on fake tensors (pass no
-    ``GradScaler`` there: it reads values)."""
-    # the spec of a `UNet`, of one wrapped in DDP (``.module``), or of a module that says (``.spec``)
-    if (spec := getattr(model, "spec", None) or getattr(getattr(model, "module", None), "spec", None)) is not None:
-        check_conditioning(spec, batch.conditioning())
-    model.train()
-    # First, as PyTorch's examples do: the previous step's gradients are freed before this forward, so they
-    # never sit beside its activations (a regime that keeps them, DreamBooth's default, zeroes them in place).
-    optimizer.zero_grad(set_to_none=not tools.keep_grads)
-    first = next(model.parameters())
-    device, dtype = first.device, first.dtype
-    noisy, t, noise, conditioning = as_tensors(batch)
-    noisy, t, noise = noisy.to(device, dtype), t.to(device), noise.to(device)
-    # floating inputs in the model's dtype (labels stay integer), but time_ids stay float32 as t does
-    # (pixel sizes up to 2048 and more)
-    conditioning = {
-        k: v if v is None else v.to(device, dtype if v.is_floating_point() and k != "time_ids" else v.dtype)
-        for k, v in conditioning.items()
-    }
-    mixed, scaler = tools.autocast_dtype, tools.scaler
-    with torch.autocast(device.type, dtype=mixed or torch.bfloat16, enabled=mixed is not None):
-        pred = model(noisy, t, **conditioning)
-    loss = F.mse_loss(pred.float(), noise)
-    if scaler is None:
-        loss.backward()
-        optimizer.step()
-    else:
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)  # skipped where the scaled gradients overflowed; the scale then drops
-        scaler.update()
-    if tools.ema is not None:
-        tools.ema.update()
-    return loss.detach()
 
 
 @torch.no_grad()
@@ -235,17 +182,6 @@ def _reads(batch: Batch, ema: EMA | None) -> list[torch.Tensor]:
     """The tensors a step reads but does not make: the batch's arrays and an EMA copy."""
     noisy, t, noise, conditioning = as_tensors(batch)
     return [noisy, t, noise, *(c for c in conditioning.values() if c is not None), *([] if ema is None else ema.shadow)]
-
-
-def distributed_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, tools: StepTools = PLAIN_STEP
-) -> float:
-    """`train_step` on this rank's shard of the global batch; returns the global mean loss (DDP and
-    FSDP2 average the gradients over ranks: the update is one process's on the whole batch)."""
-    loss = train_step(model, optimizer, batch.shard(dist.get_rank(), dist.get_world_size()), tools=tools)
-    total = torch.tensor([loss], dtype=torch.float64)
-    dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
 
 
 def train(cfg: TrainConfig) -> list[float]:
