@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from benchmarks.backends.diffusers_bench import DiffusersForward
 from shared_configs import UNetSpec
 from shared_configs.pair import ControlNetPairSpec, controlnet_pair, example_pair_batch, workload_spec
-from shared_configs.planning import gpu, pipeline, whole
+from shared_configs.planning import closed_loop, gpu, pipeline, whole
 from shared_configs.planning.pipeline import CACHE_ENV, Workload, predict_policy
 from shared_configs.regime import Regime
 from shared_configs.training.data import example_batch
@@ -175,7 +175,7 @@ def test_an_extra_buffer_is_kept_within_budget_after_at_most_3_steps(
     assert tight.outside == over_record.measured - over_record.predicted  # the excess it re-planned for
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"guard: step {tight.step}: peaked at ") and "over the" in lines[0]
-    target = round(budget * (1 - guard_module.REPLAN_MARGIN)) - tight.outside  # a margin: plans' predictions err apart
+    target = round(budget * (1 - closed_loop.REPLAN_MARGIN)) - tight.outside  # a margin: plans' predictions err apart
     assert f"planned for {target / 2**20:.1f} MiB: " in lines[0] and tight.predicted <= target
     # Measured in the first 2 steps and the 2 after the change only, never in the steady state.
     measured = [r for r in guard.history if r.measured is not None]
@@ -287,7 +287,7 @@ def test_out_of_memory_even_under_full_is_one_line_and_re_raised(capsys: pytest.
     with pytest.raises(torch.OutOfMemoryError, match="raised by the test"):
         guard.run(step)
     predicted = [p for _, p in step.plans]
-    assert step.plans[-1][0] == "full" and 2 <= len(step.plans) <= 2 + guard_module.OOM_HALVINGS
+    assert step.plans[-1][0] == "full" and 2 <= len(step.plans) <= 2 + closed_loop.OOM_HALVINGS
     assert all(b < a for a, b in itertools.pairwise(predicted)), step.plans
     assert guard.history[-1].action == "full failed"
     lines = capsys.readouterr().err.strip().splitlines()

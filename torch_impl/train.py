@@ -12,8 +12,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -22,20 +21,21 @@ import torch.distributed as dist
 
 from shared_configs import load_spec
 from shared_configs.pair import ControlNetPairSpec, PairPlan, load_step_dataset, step_spec
+from shared_configs.planning.closed_loop import MEASURED_STEPS
 from shared_configs.training import config
 from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
-from shared_configs.training.data import Batch, Dataset, step_seed
+from shared_configs.training.data import Dataset, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
-from shared_configs.training.run_plan import MEASURED_STEPS, RunPlan, report, resolve_run, workload_of
+from shared_configs.training.run_plan import RunPlan, report, resolve_run, workload_of
 from shared_configs.vocabulary import CheckpointPlan
 from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, current_comm, load_checkpoint, save_checkpoint
 from torch_impl.guard import BudgetGuard
 from torch_impl.pair import ControlNetPair, trained_module
 from torch_impl.parallel import launch, wrap
-from torch_impl.regime import EMA, StepTools, apply_regime, make_optimizer, step_tools
-from torch_impl.step import as_tensors, distributed_step, train_step
+from torch_impl.regime import apply_regime, make_optimizer, step_tools
+from torch_impl.step import distributed_step, train_step
 from torch_impl.unet import UNet
 
 PEAK_INSTRUMENTS = {
@@ -115,33 +115,19 @@ def build(
     return model, trained, make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.regime)
 
 
-@contextmanager
-def measured_peak(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, ema: EMA | None = None
-) -> Iterator[dict[str, int]]:
-    """The step's peak bytes in the block (``found["peak"]``), the batch and an EMA copy counted as the profile does."""
-    from torch_impl.memory import step_peak  # here: `import torch_impl` stays light
-
-    with step_peak(model, optimizer, _reads(batch, ema)) as found:
-        yield found
-
-
 def world_size(cfg: TrainConfig) -> int:
     """The processes the run's batch is split over (torchrun's WORLD_SIZE under ``--distributed``)."""
     return int(os.environ.get("WORLD_SIZE", "1")) if cfg.distributed else 1
 
 
 def _peak_meter(
-    cfg: TrainConfig,
-    model: UNet | ControlNetPair,
-    opt: torch.optim.Optimizer,
-    budget: RunPlan | None,
-    first: int,
-    tools: StepTools,
-) -> tuple[Callable[[int, Batch, Callable[[], float]], float], BudgetGuard | None]:
-    """``measured(step, batch, run_step)`` runs the step; with a ``budget``, the first `MEASURED_STEPS`
-    from ``first`` are measured and rank 0 prints their peak beside the prediction. One process: under
-    a `BudgetGuard` (returned too); ``--distributed``: each rank's share under `measured_peak`."""
+    cfg: TrainConfig, model: UNet | ControlNetPair, opt: torch.optim.Optimizer, budget: RunPlan | None, first: int
+) -> tuple[Callable[[int, Callable[[], float]], float], BudgetGuard | None]:
+    """``measured(step, run_step)`` runs the step; with a ``budget``, the first `MEASURED_STEPS` from ``first``
+    are measured and rank 0 prints their peak beside the prediction. One process: under a `BudgetGuard`
+    (returned too); ``--distributed``: each rank's share under `torch_impl.memory.step_peak`."""
+    from torch_impl.memory import step_peak  # here: `import torch_impl` stays light
+
     rank, world, peaks = dist.get_rank() if cfg.distributed else 0, world_size(cfg), []
     guard = None
     if budget is not None and not cfg.distributed:
@@ -152,18 +138,19 @@ def _peak_meter(
             batch_size=cfg.batch_size,
             regime=cfg.regime,
             policy=budget.policy,
+            optimizers=[opt],
             context_length=context,
         )
 
-    def measured(step: int, batch: Batch, run_step: Callable[[], float]) -> float:
+    def measured(step: int, run_step: Callable[[], float]) -> float:
         if budget is None or (guard is None and step >= first + MEASURED_STEPS):
             return run_step()
-        if guard is not None:  # the tensors the step reads, for its CPU tracker (as `measured_peak` counts them)
+        if guard is not None:
             seen = len(guard.history)
-            loss = guard.run(lambda _reads: run_step(), _reads(batch, tools.ema))
+            loss = guard.run(run_step)
             new = [r.measured for r in guard.history[seen:] if r.measured is not None]
-        else:
-            with measured_peak(model, opt, batch.shard(rank, world), tools.ema) as found:
+        else:  # the batch and an EMA copy are counted where the step reads them
+            with step_peak(model, opt) as found:
                 loss = run_step()
             new = [found["peak"]]
         done = len(peaks) >= MEASURED_STEPS
@@ -176,12 +163,6 @@ def _peak_meter(
         return loss
 
     return measured, guard
-
-
-def _reads(batch: Batch, ema: EMA | None) -> list[torch.Tensor]:
-    """The tensors a step reads but does not make: the batch's arrays and an EMA copy."""
-    noisy, t, noise, conditioning = as_tensors(batch)
-    return [noisy, t, noise, *(c for c in conditioning.values() if c is not None), *([] if ema is None else ema.shadow)]
 
 
 def train(cfg: TrainConfig) -> list[float]:
@@ -222,7 +203,7 @@ def _train(
         load_checkpoint(run.checkpoint, held, optimizer, extra)
     spec = model.pair_spec if isinstance(model, ControlNetPair) else model.spec  # what the step trains
     dataset, schedule = load_step_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
-    measured, guard = _peak_meter(cfg, model, optimizer, budget, len(run.losses), tools)
+    measured, guard = _peak_meter(cfg, model, optimizer, budget, len(run.losses))
     # --compile: only the step runs compiled; checkpoints and samples use the model (the same parameters).
     compiled = options_of(cfg, TorchOptions).compile
     stepped = torch.compile(model) if compiled else model
@@ -232,9 +213,9 @@ def _train(
         batch = dataset.batch(step, cfg.batch_size, schedule, cfg.seed)
         torch.manual_seed(step_seed(cfg.seed, step))  # dropout masks depend on (seed, step) only
         if cfg.distributed:
-            return state, measured(step, batch, lambda: distributed_step(trained, optimizer, batch, tools))
+            return state, measured(step, lambda: distributed_step(trained, optimizer, batch, tools))
         start = time.perf_counter()
-        loss = measured(step, batch, lambda: train_step(stepped, optimizer, batch, tools=tools))
+        loss = measured(step, lambda: train_step(stepped, optimizer, batch, tools=tools))
         if compiled and step == first:  # (--compile is one process)
             report(f"torch.compile: first step {time.perf_counter() - start:.1f} s (compile included)")
         return state, loss
