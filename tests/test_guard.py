@@ -240,14 +240,14 @@ def test_out_of_memory_runs_the_same_step_again_recomputing_more(capsys: pytest.
 @pytest.mark.usefixtures("check_by_prediction")
 def test_out_of_memory_even_under_full_is_one_line_and_re_raised(capsys: pytest.CaptureFixture[str]) -> None:
     """Every attempt fails: the guard steps to plans of lower predicted peak up to `full`, then says
-    so in one line and re-raises the step's own error."""
+    so in one line and re-raises the step's own error, the gradients zeroed."""
     torch.manual_seed(0)
     case = Case(*SPECS["ours"]())
     none, full = _predicted(case.workload, "none"), _predicted(case.workload, "full")
     guard = BudgetGuard(case.model, full + 9 * (none - full) // 10, batch_size=BATCH)
     step = FailingStep(case, guard, fails=100)
     capsys.readouterr()
-    before = [p.grad.clone() for p in case.model.parameters()]  # the warm-up step's
+    assert all(p.grad is not None for p in case.model.parameters())  # the warm-up step's
     with pytest.raises(torch.OutOfMemoryError, match="raised by the test"):
         guard.run(step)
     predicted = [p for _, p in step.plans]
@@ -259,8 +259,8 @@ def test_out_of_memory_even_under_full_is_one_line_and_re_raised(capsys: pytest.
         f"guard: step 1: ran out of memory under full (predicted {full / 2**20:.1f} MiB), which recomputes the "
         "most: the step does not fit this device; re-raising"
     )
-    for p, grad in zip(case.model.parameters(), before, strict=True):  # as the call found them
-        assert torch.equal(p.grad, grad)
+    for p in case.model.parameters():  # as the window began, an optimizer step having used them: zeroed
+        assert not p.grad.any()
 
 
 def test_a_model_that_is_not_a_u_net_is_refused_before_planning() -> None:
