@@ -121,7 +121,7 @@ class RegimeWatch:
         regime, notes = regime_seen(self.model, self.autocast)
         names = {type(o).__name__ for o in optimizers}
         known = {OPTIMIZERS[n] for n in names if n in OPTIMIZERS}
-        optimizer = known.pop() if len(known) == 1 else planned.optimizer
+        optimizer = next(iter(known)) if len(known) == 1 else planned.optimizer
         if names and not known:
             notes.append(f"optimizer {', '.join(sorted(names))}: planned as {planned.optimizer}")
         trained = [p.grad for p in self.model.parameters() if p.requires_grad]
