@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from shared_configs import to_diffusers_config
 from shared_configs.planning.pipeline import Workload, predict_policy
-from shared_configs.regime import Regime
 from tests.helpers.specs import variant
 from torch_impl import BudgetGuard, ControlNetPair
 from torch_impl.guard_model import regime_seen, step_spec
@@ -179,12 +178,11 @@ def offloaded_ema() -> type:
     return Offloaded
 
 
-def sizes(model: torch.nn.Module, tenths: int = 6, regime: Regime | None = None, **ranks: Any) -> int:
-    """The budget ``tenths`` of the way from `full`'s predicted peak to `none`'s, in ``regime`` (default: the one
-    the model shows); ``ranks``: `predict_policy`'s ``world_size`` and ``distributed``."""
+def sizes(model: torch.nn.Module, tenths: int = 6, batch: int = BATCH, **ranks: Any) -> int:
+    """The budget ``tenths`` of the way from `full`'s predicted peak to `none`'s, in the regime the model shows;
+    ``ranks``: `predict_policy`'s ``world_size`` and ``distributed``."""
     model = unwrap(model)
-    regime = regime or regime_seen(model)[0]
-    work = Workload.of(step_spec(model), batch_size=BATCH, regime=regime, context_length=TOKENS)
+    work = Workload.of(step_spec(model), batch_size=batch, regime=regime_seen(model)[0], context_length=TOKENS)
     none, full = (predict_policy(work, p, "torch", **ranks)[0].prediction.peak_bytes for p in ("none", "full"))
     return full + tenths * (none - full) // 10
 
@@ -205,8 +203,8 @@ def script_peaks(ema: str, batch: int) -> dict[str, int]:
         apply_plan(script.unet, policy)
         run(script, None, 1)
         held = script.ema.shadow_params if ema == "device" else []
-        with step_peak(script.unet, script.optimizer.optimizer, held=held) as found:
-            with script.accelerator.accumulate(script.trained):
-                script.body(*script.batches[1])
+        measured = step_peak(script.unet, script.optimizer.optimizer, held=held)
+        with measured as found, script.accelerator.accumulate(script.trained):
+            script.body(*script.batches[1])
         peaks[policy] = found["peak"]
     return peaks
