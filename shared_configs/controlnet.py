@@ -57,9 +57,8 @@ class ControlNetSpec(_Frozen):
             "resampler": unet.resampler != "conv",
             "down_attention/mid_attention": "simple_cross" in kinds,
         }
-        for field, used in unsupported.items():
-            if used:
-                raise SpecError(f"unet.{field}: not supported in a ControlNet (diffusers' ControlNetModel has none)")
+        if used := [field for field, on in unsupported.items() if on]:
+            raise SpecError(f"unet.{used[0]}: not supported in a ControlNet (diffusers' ControlNetModel has none)")
         return self
 
 

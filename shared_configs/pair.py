@@ -88,9 +88,8 @@ class PairPlan:
 
     def save_for(self, name: str) -> tuple[str, ...]:
         """The op classes the recomputed unit ``name`` (a pair name) keeps."""
-        if name.startswith(CONTROLNET):
-            return self.controlnet.save_for(name.removeprefix(CONTROLNET))
-        return self.unet.save_for(name)
+        mine = name.startswith(CONTROLNET)
+        return self.controlnet.save_for(name.removeprefix(CONTROLNET)) if mine else self.unet.save_for(name)
 
 
 def pair_names(spec: ControlNetPairSpec) -> list[str]:
@@ -231,6 +230,6 @@ def step_spec(spec: UNetSpec, controlnet: bool, regime: Regime) -> UNetSpec | Co
 
 def load_step_dataset(kind: str, spec: UNetSpec | ControlNetPairSpec, seed: int = 0) -> Dataset:
     """The data of ``spec``'s training step: `load_dataset`'s, a pair's with each sample's conditioning image."""
-    if isinstance(spec, ControlNetPairSpec):
-        return load_pair_dataset(kind, spec, seed)
-    return load_dataset(kind, spec, seed)
+    return (
+        load_pair_dataset(kind, spec, seed) if isinstance(spec, ControlNetPairSpec) else load_dataset(kind, spec, seed)
+    )

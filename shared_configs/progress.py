@@ -156,7 +156,7 @@ class Relay:
 
     def feed(self, line: str) -> None:
         if line.startswith(MARK):
-            text = f"{self.what}: {line[len(MARK) :].rstrip()}"
+            text = f"{self.what}: {line.removeprefix(MARK).rstrip()}"
             self.shown |= _emit(self.logger, text, True, self.started, QUIET_S)
         else:
             self.kept.append(line)

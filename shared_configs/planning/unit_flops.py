@@ -138,12 +138,8 @@ def _add(*parts: Flops) -> Flops:
 
 
 def _forward(ops: list[Op], lora_rank: int | None) -> Flops:
-    out: dict[str, float] = defaultdict(float)
-    for op in ops:
-        out[op.cls] += op.flops
-        if lora_rank is not None and op.adapted:
-            out["matmul"] += sum(_adapter(op, lora_rank))
-    return dict(out)
+    adapters = [{"matmul": sum(_adapter(op, lora_rank))} for op in ops if lora_rank is not None and op.adapted]
+    return _add(*({op.cls: op.flops} for op in ops), *adapters)
 
 
 def _with_blocks(spec: UNetSpec, out: dict[str, Flops]) -> dict[str, Flops]:
@@ -202,9 +198,8 @@ def walk(
     live, pending = False, False  # the hidden states need a gradient; a branch since the last op on them does
     for unit, ops in unit_ops(spec, batch_size, context_length).items():
         for op in ops:
-            needs = {HIDDEN: live, TEMB: trained, CONTEXT: False, INPUT: False}[op.source]
-            if op.cls == "attention":
-                needs = live or pending
+            sources = {HIDDEN: live, TEMB: trained, CONTEXT: False, INPUT: False}
+            needs = (live or pending) if op.cls == "attention" else sources[op.source]
             yield unit, op, needs
             out_grad = needs or (trained if op.cls != "attention" else False) or (op.adapted and not trained)
             if op.branch:

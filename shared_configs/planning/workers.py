@@ -61,8 +61,7 @@ def worker_env(framework: str) -> dict[str, str]:
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         env.setdefault("JAX_PLATFORMS", "cpu")
         ours = (XLA_CPU_FLAG, *XLA_SINGLE_THREAD)
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if f not in ours]
-        env["XLA_FLAGS"] = " ".join([*flags, *ours])
+        env["XLA_FLAGS"] = " ".join([*(f for f in env.get("XLA_FLAGS", "").split() if f not in ours), *ours])
     return env
 
 
@@ -181,8 +180,7 @@ class _Kept:
         result = None
         if self.proc.poll() is None:
             assert self.proc.stdin is not None and self.proc.stdout is not None
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
+            print(json.dumps(request), file=self.proc.stdin, flush=True)
             result = next((event for event in _events(self.proc.stdout) if event.get("event") == "result"), None)
         if result is None:  # it exited: its error is on stderr
             self.proc.wait()

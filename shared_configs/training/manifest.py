@@ -17,7 +17,6 @@ from shared_configs.files import json_digest, write_sealed
 MANIFEST = "manifest.json"
 KIND = "unet-remat checkpoint"
 VERSION = 1
-_CHUNK = 8 << 20
 
 
 class CheckpointError(ValueError):
@@ -46,11 +45,8 @@ def files_of(root: Path) -> list[str]:
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def hash_files(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -76,8 +72,7 @@ def read_manifest(root: Path) -> Manifest:
         raise CheckpointError(f"{path}: not a checkpoint manifest (no kind {KIND!r})")
     if document.get("version") != VERSION:
         raise CheckpointError(f"{path}: manifest version {document.get('version')!r}; this version reads {VERSION}")
-    saved = document.pop("sha256", None)
-    if saved != json_digest(document):
+    if document.pop("sha256", None) != json_digest(document):
         raise CheckpointError(f"{path}: damaged (its contents do not match its own SHA-256)")
     try:
         return Manifest(**{k: v for k, v in document.items() if k not in ("kind", "version")})
