@@ -72,8 +72,7 @@ def spec_from_dict(data: dict[str, Any]) -> UNetSpec:
 def _one_line(err: ValidationError, root: type[BaseModel]) -> str:
     """The first problem in one line; an unknown field first, with its nearest name and any missing field beside it."""
     errors = err.errors()
-    unknown = [e for e in errors if e["type"] == "extra_forbidden"]
-    if unknown:
+    if unknown := [e for e in errors if e["type"] == "extra_forbidden"]:
         missing = [_where(e) for e in errors if e["type"] == "missing"]
         return _unknown(unknown[0], root) + (f"; missing: {', '.join(missing)}" if missing else "")
     first = errors[0]

@@ -40,13 +40,11 @@ def timeline(
 ) -> dict[str, Any]:
     """The record for one step, from each position's live bytes per kind (``series``), block and phase starts."""
     stacked = np.stack([np.asarray(series[c], dtype=np.int64) for c in CATEGORIES])
-    n = stacked.shape[1]
     keep = _peaks_per_stretch(stacked.sum(axis=0), points)
-    series = {c: stacked[i, keep].tolist() for i, c in enumerate(CATEGORIES)}
     return {
-        "positions": n,
+        "positions": stacked.shape[1],
         "x": keep.tolist(),
-        "series": series,
+        "series": {c: stacked[i, keep].tolist() for i, c in enumerate(CATEGORIES)},
         "marks": block_marks(blocks, phases.values()),
         "phases": {name: int(pos) for name, pos in phases.items()},
         "method": method,

@@ -154,11 +154,10 @@ class UNetSpec(_Frozen):
 
     def heads(self, level: int) -> int:
         """Number of attention heads at a down level (``-1`` is the deepest / the middle)."""
-        channels = self.block_out_channels[level]
         if self.num_attention_heads is not None:
             return _per_level(self.num_attention_heads, level, self.num_levels)
         if self.attention_head_dim is not None:
-            return channels // _per_level(self.attention_head_dim, level, self.num_levels)
+            return self.block_out_channels[level] // _per_level(self.attention_head_dim, level, self.num_levels)
         return 1
 
     def attention_shape(self, block: str, level: int) -> tuple[int, int]:

@@ -54,8 +54,9 @@ def _choice(cfg: Mapping[str, Any], key: str, allowed: tuple[str | None, ...]) -
     value = cfg[key]
     if value not in allowed:
         why = f" ({WHY_NOT[value]})" if value in WHY_NOT else ""
-        supported = " or ".join(map(repr, allowed))
-        raise SpecError(f"unsupported diffusers option: {key}={value!r}{why} (supported: {supported})")
+        raise SpecError(
+            f"unsupported diffusers option: {key}={value!r}{why} (supported: {' or '.join(map(repr, allowed))})"
+        )
     return value
 
 
@@ -67,8 +68,10 @@ def class_embedding(cfg: Mapping[str, Any], cls: str) -> dict[str, Any] | None:
     else:
         kind = CLASS_KINDS[cls].get(name)
         if kind is None:
-            message = f"class_embed_type={name!r}: diffusers' {cls} builds no class embedding for it; neither do we"
-            warnings.warn(message, stacklevel=4)
+            warnings.warn(
+                f"class_embed_type={name!r}: diffusers' {cls} builds no class embedding for it; neither do we",
+                stacklevel=4,
+            )
     if kind is None:
         if concat:
             raise SpecError(

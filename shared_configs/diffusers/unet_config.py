@@ -193,8 +193,7 @@ def _refuse_unsupported(cfg: Mapping[str, Any]) -> None:
     bad = []
     for key, allowed in FIXED.items():
         value = cfg.get(key, allowed[0])
-        values = value if isinstance(value, list | tuple) else (value,)
-        if not all(v in allowed for v in values):
+        if not all(v in allowed for v in (value if isinstance(value, list | tuple) else (value,))):
             bad.append(f"{key}={value!r} (supported: {' or '.join(repr(a) for a in allowed)})")
     if bad:
         raise SpecError(f"unsupported diffusers option{'s' if len(bad) > 1 else ''}: {'; '.join(bad)}")

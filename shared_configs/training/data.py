@@ -129,9 +129,8 @@ def example_batch(spec: UNetSpec, batch_size: int, context_length: int = 77, see
     noisy = rng.standard_normal((batch_size, spec.in_channels, size, size), dtype=np.float32)
     t = rng.integers(0, NUM_TIMESTEPS, batch_size).astype(np.float32)
     noise = rng.standard_normal((batch_size, spec.out_channels, size, size), dtype=np.float32)
-    context = None
-    if spec.cross_attention_dim is not None:
-        context = rng.standard_normal((batch_size, context_length, spec.cross_attention_dim), dtype=np.float32)
+    width = spec.cross_attention_dim
+    context = None if width is None else rng.standard_normal((batch_size, context_length, width), dtype=np.float32)
     labels = rng.integers(0, NUM_CLASSES, batch_size)  # drawn after the others: their values stay as they were
     conditioning = {**Conditioner.for_spec(spec)(labels, rng), "context": context}
     return Batch(noisy=noisy, t=t, noise=noise, labels=labels, **conditioning)
