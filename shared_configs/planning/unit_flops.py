@@ -6,7 +6,7 @@ The rules: docs/regimes.md.
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -130,10 +130,9 @@ def _adapter(op: Op, rank: int) -> tuple[float, float]:
 
 
 def _add(*parts: Flops) -> Flops:
-    out: dict[str, float] = defaultdict(float)
+    out: Counter[str] = Counter()
     for part in parts:
-        for k, v in part.items():
-            out[k] += v
+        out.update(part)
     return dict(out)
 
 

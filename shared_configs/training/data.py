@@ -183,23 +183,20 @@ def load_dataset(kind: str, spec: UNetSpec, seed: int = 0) -> Dataset:
         images = np.clip(patterns[labels] + 0.1 * rng.standard_normal((1000, 8, 8)), -1, 1)
     else:
         raise ValueError(f"data: unknown {kind!r} (allowed: {', '.join(DATASETS)})")
-    images = _fit(images, spec.sample_size)
-    images = np.repeat(images[:, None], spec.in_channels, axis=1).astype(np.float32)
+    images = np.repeat(_fit(images, spec.sample_size)[:, None], spec.in_channels, axis=1).astype(np.float32)
     return Dataset(images, labels, Conditioner.for_spec(spec))
 
 
 def _fit(images: np.ndarray, size: int) -> np.ndarray:
     """(N, 8, 8) -> (N, size, size): nearest upscale by an integer factor, then pad with -1 (or crop)."""
-    h = images.shape[1]
-    factor = max(size // h, 1)
+    factor = max(size // images.shape[1], 1)
     images = images.repeat(factor, axis=1).repeat(factor, axis=2)
     h = images.shape[1]
     if h > size:
         start = (h - size) // 2
         return images[:, start : start + size, start : start + size]
     before = (size - h) // 2
-    pad = ((0, 0), (before, size - h - before), (before, size - h - before))
-    return np.pad(images, pad, constant_values=-1.0)
+    return np.pad(images, ((0, 0), (before, size - h - before), (before, size - h - before)), constant_values=-1.0)
 
 
 def step_seed(seed: int, step: int) -> int:

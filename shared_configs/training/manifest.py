@@ -17,6 +17,7 @@ from shared_configs.files import json_digest, write_sealed
 MANIFEST = "manifest.json"
 KIND = "unet-remat checkpoint"
 VERSION = 1
+_CHUNK = 8 << 20
 
 
 class CheckpointError(ValueError):
@@ -45,8 +46,11 @@ def files_of(root: Path) -> list[str]:
 
 
 def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
     with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def hash_files(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
