@@ -180,7 +180,7 @@ class StepFlops:
     input_grads: float  # the backward's gradients of activations (attention's whole backward included)
     weight_grads: float  # the backward's gradients of trained base weights
     adapters: float  # LoRA's own matmuls, forward and backward
-    trained_weights: int  # conv/matmul weights trained (biases and norms, under 0.5%, left out)
+    trained_weights: int  # conv/matmul weights trained (biases and norms, a tiny share, left out: docs/regimes.md)
     weights: int  # every conv/matmul weight
 
     @property
