@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import IO, TypeVar
 
 LOGGER = logging.getLogger("unet_remat")
@@ -111,14 +111,9 @@ class Progress:
             _emit(self.logger, f"{self._head()}, {self.detail}", False, self.started, 0.0)
 
 
-@contextmanager
-def progress(what: str, total: int | None = None, logger: logging.Logger = LOGGER) -> Iterator[Progress]:
+def progress(what: str, total: int | None = None, logger: logging.Logger = LOGGER) -> closing[Progress]:
     """A `Progress` closed on the way out (its final line says how long the wait took)."""
-    p = Progress(what, total, logger)
-    try:
-        yield p
-    finally:
-        p.close()
+    return closing(Progress(what, total, logger))
 
 
 def tracked(items: Iterable[T], what: str, label: Callable[[T], str] = str) -> Iterator[T]:

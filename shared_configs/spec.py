@@ -105,7 +105,9 @@ class UNetSpec(_Frozen):
         default=None, description="SDXL text_time (text_embeds, time_ids)"
     )
     image_embedding: ImageEmbeddingSpec | None = Field(default=None, description="image_embeds conditioning")
-    checkpoint: str | tuple[str, ...] | None = Field(default=None, description="default checkpoint policy (vocabulary.py)")
+    checkpoint: str | tuple[str, ...] | None = Field(
+        default=None, description="default checkpoint policy (vocabulary.py)"
+    )
 
     @property
     def num_levels(self) -> int:
