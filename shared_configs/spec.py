@@ -179,14 +179,16 @@ class UNetSpec(_Frozen):
     def _check_dimensions(self) -> UNetSpec:
         n = self.num_levels
         _require(len(self.down_attention) == n, "down_attention", f"needs {n} entries, one per level")
-        if self.up_attention is not None:
-            _require(len(self.up_attention) == n, "up_attention", f"needs {n} entries, one per level")
+        _require(
+            self.up_attention is None or len(self.up_attention) == n,
+            "up_attention",
+            f"needs {n} entries, one per level",
+        )
         for field in ("attention_head_dim", "num_attention_heads", "transformer_layers_per_block"):
-            value = getattr(self, field)
-            if isinstance(value, tuple):
-                _require(len(value) == n, field, f"needs {n} entries, one per level")
-            for v in value if isinstance(value, tuple) else ((value,) if value is not None else ()):
-                _require(v > 0, field, "must be positive")
+            value = getattr(self, field)  # an int for every level, one per level, or (heads) None
+            values = value if isinstance(value, tuple) else () if value is None else (value,)
+            _require(not isinstance(value, tuple) or len(value) == n, field, f"needs {n} entries, one per level")
+            _require(all(v > 0 for v in values), field, "must be positive")
         factor = 2 ** (n - 1)
         _require(
             self.sample_size % factor == 0,

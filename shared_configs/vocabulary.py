@@ -98,7 +98,7 @@ def resolve_plan(
     offload: bool | None = None,
 ) -> CheckpointPlan:
     """Resolve a policy for ``spec`` (None: the spec's own ``checkpoint``); ``save``/``offload`` override its own."""
-    if isinstance(policy, CheckpointPlan):
+    if isinstance(policy, CheckpointPlan):  # its names checked and put in forward order
         plan = replace(policy, recompute=_explicit(spec, list(policy.recompute)).recompute)
     else:
         plan = _resolve_base(spec, policy)

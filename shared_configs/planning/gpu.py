@@ -219,8 +219,7 @@ def gpu_profile(profile: Profile, spec: StepSpec, regime: Regime, device: Device
             for c, v in per.items()
         }
     delta = optimizer_delta(profile, spec, regime, device.optimizer_impl)
-    opt_peak = profile.opt_peak + delta if profile.opt_peak else 0
-    flavoured = replace(profile, units=units, opt_peak=max(opt_peak, 0))
+    flavoured = replace(profile, units=units, opt_peak=max(profile.opt_peak + delta, 0) if profile.opt_peak else 0)
     return with_static_bytes(flavoured, workspace_bytes(device.hopper) + rounding_bound(spec, regime))
 
 

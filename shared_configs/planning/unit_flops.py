@@ -160,16 +160,18 @@ def unit_flops(
     if isinstance(spec, ControlNetPairSpec):  # the ControlNet's units (`_pair_units`), then the U-Net's
         unet = unit_flops(spec.unet, batch_size, context_length)
         return _pair_units(unet, controlnet_ops(spec, batch_size), lambda ops: _forward(ops, None))
-    flops = {u: _forward(ops, lora_rank) for u, ops in unit_ops(spec, batch_size, context_length).items()}
-    return _with_blocks(spec, flops)
+    return _with_blocks(
+        spec, {u: _forward(ops, lora_rank) for u, ops in unit_ops(spec, batch_size, context_length).items()}
+    )
 
 
 def unit_weights(spec: UNetSpec | ControlNetPairSpec) -> dict[str, Flops]:
     """The conv/matmul weights of every unit by op class: what a mixed-precision recompute casts again."""
     if isinstance(spec, ControlNetPairSpec):
         return _pair_units(unit_weights(spec.unet), controlnet_ops(spec, 1), lambda ops: {"conv": _weights(ops)})
-    weights = {u: _add(*({op.cls: op.weights} for op in ops)) for u, ops in unit_ops(spec, 1, 1).items()}
-    return _with_blocks(spec, weights)
+    return _with_blocks(
+        spec, {u: _add(*({op.cls: op.weights} for op in ops)) for u, ops in unit_ops(spec, 1, 1).items()}
+    )
 
 
 @dataclass(frozen=True)
