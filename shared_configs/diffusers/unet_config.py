@@ -6,7 +6,7 @@ of options: docs/diffusers.md "What loads".
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -295,9 +295,9 @@ def _heads(cfg: Mapping[str, Any], cls: str, down: list[str], up: list[str], mid
     """The spec's head fields: per level, the first attention's there; `block_heads` for blocks diffusers gives
     other heads at the same level; ``attention_head_dim`` too where heads x head size do not fill the channels."""
     chans, n = cfg["block_out_channels"], len(cfg["block_out_channels"])
-    uses = [(f"down.{i}", i, kind, i) for i, kind in enumerate(down)] + [("mid", n - 1, mid, n - 1)]
-    uses += [(f"up.{i}", n - 1 - i, kind, i) for i, kind in enumerate(up)]
-    shapes = {b: (lv, _head_shape(cfg, cls, kind, chans[lv], lv, i)) for b, lv, kind, i in uses if kind != "none"}
+    shapes = {
+        b: (lv, _head_shape(cfg, cls, kind, chans[lv], lv, i)) for b, lv, i, kind in attention_blocks(down, up, mid)
+    }
     if not shapes:
         return {}
     per_level: dict[int, tuple[int, int]] = {}
@@ -311,6 +311,15 @@ def _heads(cfg: Mapping[str, Any], cls: str, down: list[str], up: list[str], mid
         fields = {"num_attention_heads": [h for h, _ in full], "attention_head_dim": [d for _, d in full]}
     overrides = [(b, *shape) for b, (lv, shape) in shapes.items() if shape != per_level[lv]]
     return fields | ({"block_heads": overrides} if overrides else {})
+
+
+def attention_blocks(down: Sequence[str], up: Sequence[str], mid: str) -> list[tuple[str, int, int, str]]:
+    """(block, level, index in its path, attention kind) of every block with attention, in forward order, from
+    the down, up (deepest first) and middle blocks' attention kinds."""
+    n = len(down)
+    blocks = [(f"down.{i}", i, i, k) for i, k in enumerate(down)] + [("mid", n - 1, n - 1, mid)]
+    blocks += [(f"up.{i}", n - 1 - i, i, k) for i, k in enumerate(up)]
+    return [b for b in blocks if b[3] != "none"]
 
 
 def _unused_level(cfg: Mapping[str, Any], cls: str, ch: int, level: int) -> tuple[int, int]:
