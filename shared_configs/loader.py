@@ -83,7 +83,9 @@ def _one_line(err: ValidationError, root: type[BaseModel]) -> str:
 
 
 def _where(error: Any) -> str:
-    return ".".join(str(p) for p in error["loc"] if not _is_type_tag(p))
+    # pydantic names the member of a union it tried (``int``, ``tuple[int, ...]``) in an error's location
+    tags = {"int", "float", "bool", "str", "none"}
+    return ".".join(str(p) for p in error["loc"] if not (isinstance(p, str) and (p in tags or "[" in p)))
 
 
 def _unknown(error: Any, root: type[BaseModel]) -> str:
@@ -93,11 +95,6 @@ def _unknown(error: Any, root: type[BaseModel]) -> str:
     near = difflib.get_close_matches(name, fields, n=1)
     hint = f"did you mean {near[0]!r}?; " if near else ""
     return f"{_where(error)}: unknown field {name!r} ({hint}allowed: {', '.join(fields)})"
-
-
-def _is_type_tag(part: object) -> bool:
-    """pydantic names the member of a union it tried (``int``, ``tuple[int, ...]``) in an error's location."""
-    return isinstance(part, str) and (part in {"int", "float", "bool", "str", "none"} or "[" in part)
 
 
 def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel]:

@@ -75,18 +75,13 @@ def _level_layers(prefix: str, count: int, attention: str) -> list[str]:
     return [f"{prefix}.{kind}.{j}" for j in range(count) for kind in kinds]
 
 
-def _balanced(spec: UNetSpec) -> list[str]:
-    # The usual advice: the outermost blocks run at full resolution, where recomputing the
-    # convolutions costs the most time per byte saved, and down.0's outputs are kept as
-    # skips anyway. Keep those two plain and recompute everything deeper.
-    n = spec.num_levels
-    return [f"down.{i}" for i in range(1, n)] + ["mid"] + [f"up.{i}" for i in range(n - 1)]
-
-
 _NAMED: dict[str, Callable[[UNetSpec], list[str]]] = {
     "none": lambda spec: [],
     "full": block_names,
-    "balanced": _balanced,
+    # The usual advice: the outermost blocks run at full resolution, where recomputing the
+    # convolutions costs the most time per byte saved, and down.0's outputs are kept as
+    # skips anyway. Keep those two plain (down.0, the last up block) and recompute everything deeper.
+    "balanced": lambda spec: [n for n in block_names(spec) if n not in ("down.0", f"up.{spec.num_levels - 1}")],
     "layers": layer_names,
 }
 

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,8 +47,7 @@ class Batch:
         if n % world:
             raise ValueError(f"batch-size: {n} does not split evenly over {world} processes")
         part = slice(rank * n // world, (rank + 1) * n // world)
-        arrays = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Batch(**{name: None if a is None else a[part] for name, a in arrays.items()})
+        return replace(self, **{name: a[part] for name, a in vars(self).items() if a is not None})
 
 
 def check_conditioning(spec: UNetSpec, given: Mapping[str, Any]) -> None:
