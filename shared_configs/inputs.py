@@ -43,8 +43,10 @@ def input_specs(
         width = class_label_width(spec)
         specs["class_labels"] = InputSpec((batch,), "int32") if width is None else InputSpec((batch, width), f32)
     if (add := spec.addition_embedding) is not None:
-        specs["text_embeds"] = InputSpec((batch, add.text_embeds_dim), f32)
-        specs["time_ids"] = InputSpec((batch, add.num_time_ids), f32)
+        specs |= {
+            "text_embeds": InputSpec((batch, add.text_embeds_dim), f32),
+            "time_ids": InputSpec((batch, add.num_time_ids), f32),
+        }
     if (cond := spec.time_embedding.cond_dim) is not None:
         specs["timestep_cond"] = InputSpec((batch, cond), f32)
     if (img := spec.image_embedding) is not None:

@@ -39,8 +39,10 @@ def conditioning_fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
         hid_type = "text_proj"  # diffusers' default when only the width is given
     if hid_type is not None and hid_dim is None:
         raise SpecError(f"encoder_hid_dim: required by encoder_hid_dim_type={hid_type!r}")
-    fields["addition_embedding"] = _text_time(cfg) if addition == "text_time" else None
-    fields["context_proj_dim"] = hid_dim if hid_type == "text_proj" else None
+    fields |= {
+        "addition_embedding": _text_time(cfg) if addition == "text_time" else None,
+        "context_proj_dim": hid_dim if hid_type == "text_proj" else None,
+    }
     if addition == "image" or hid_type == "image_proj":
         if hid_dim is None:
             raise SpecError("encoder_hid_dim: required by addition_embed_type='image' (the image_embeds width)")

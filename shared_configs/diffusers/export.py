@@ -70,9 +70,11 @@ def _conditioning(spec: UNetSpec) -> dict[str, Any]:
         if ce.concat:
             out["class_embeddings_concat"] = True
     if (add := spec.addition_embedding) is not None:
-        out["addition_embed_type"] = add.kind
-        out["addition_time_embed_dim"] = add.time_id_dim
-        out["projection_class_embeddings_input_dim"] = add.input_dim
+        out |= {
+            "addition_embed_type": add.kind,
+            "addition_time_embed_dim": add.time_id_dim,
+            "projection_class_embeddings_input_dim": add.input_dim,
+        }
     return out
 
 

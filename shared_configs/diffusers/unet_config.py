@@ -172,9 +172,11 @@ def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
         **_family(cfg, resampler, mid, [*down, *up]),
     }
     if cls == "UNet2DConditionModel":
-        data["cross_attention_dim"] = _uniform(cfg, "cross_attention_dim", n)
-        data["transformer_layers_per_block"] = _per_level_ints(cfg, "transformer_layers_per_block", n)
-        data["use_linear_projection"] = cfg["use_linear_projection"]
+        data |= {
+            "cross_attention_dim": _uniform(cfg, "cross_attention_dim", n),
+            "transformer_layers_per_block": _per_level_ints(cfg, "transformer_layers_per_block", n),
+            "use_linear_projection": cfg["use_linear_projection"],
+        }
     return data
 
 

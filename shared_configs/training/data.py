@@ -91,8 +91,11 @@ class Conditioner:
             else:
                 kwargs["class_table"] = rng.standard_normal((NUM_CLASSES, width)).astype(np.float32)
         if (add := spec.addition_embedding) is not None:
-            kwargs["text_table"] = rng.standard_normal((NUM_CLASSES, add.text_embeds_dim)).astype(np.float32)
-            kwargs.update(num_time_ids=add.num_time_ids, image_size=LATENT_SCALE * spec.sample_size)
+            kwargs.update(
+                text_table=rng.standard_normal((NUM_CLASSES, add.text_embeds_dim)).astype(np.float32),
+                num_time_ids=add.num_time_ids,
+                image_size=LATENT_SCALE * spec.sample_size,
+            )
         return cls(**kwargs)
 
     def __call__(self, labels: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, np.ndarray | None]:
@@ -106,8 +109,7 @@ class Conditioner:
         elif self.class_table is not None:
             out["class_labels"] = self.class_table[labels]
         if self.text_table is not None:
-            out["text_embeds"] = self.text_table[labels]
-            out["time_ids"] = self._time_ids(len(labels), rng)
+            out |= {"text_embeds": self.text_table[labels], "time_ids": self._time_ids(len(labels), rng)}
         return out
 
     def _time_ids(self, n: int, rng: np.random.Generator | None) -> np.ndarray:
