@@ -164,9 +164,8 @@ def _check_optional(spec: UNetSpec, name: str, want: InputSpec | None, value: An
     if want is None or (value is None and name in OPTIONAL):
         return
     free = _FREE.get(name, {})
-    shape = ("(" + ", ".join(["B", *(free.get(i, str(s)) for i, s in enumerate(want.shape) if i)]) + ")").replace(
-        "B)", "B,)"
-    )
+    shape = "(" + ", ".join(["B", *(free.get(i, str(s)) for i, s in enumerate(want.shape) if i)]) + ")"
+    shape = shape.replace("B)", "B,)")
     if value is None:
         raise ValueError(f"{name}: spec {spec.name!r} has {what}; pass {name} of shape {shape}")
     got = tuple(value.shape)

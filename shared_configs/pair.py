@@ -94,9 +94,8 @@ class PairPlan:
 
 def pair_names(spec: ControlNetPairSpec) -> list[str]:
     """Every unit a pair plan can name, in forward order: the ControlNet's blocks and layers, then the U-Net's."""
-    return [CONTROLNET + n for n in controlnet_names(spec.unet) + controlnet_names(spec.unet, layers=True)] + all_names(
-        spec.unet
-    )
+    cn = controlnet_names(spec.unet) + controlnet_names(spec.unet, layers=True)
+    return [CONTROLNET + n for n in cn] + all_names(spec.unet)
 
 
 def split_pair_plan(spec: ControlNetPairSpec, policy: str | PairPlan | None = None) -> PairPlan:
