@@ -302,9 +302,7 @@ def _heads(cfg: Mapping[str, Any], cls: str, down: list[str], up: list[str], mid
     }
     if not shapes:
         return {}
-    per_level: dict[int, tuple[int, int]] = {}
-    for level, shape in shapes.values():
-        per_level.setdefault(level, shape)
+    per_level = dict(reversed(shapes.values()))  # level -> the shape of its first attention
     full = [per_level.get(lv) or _unused_level(cfg, cls, chans[lv], lv) for lv in range(n)]
     if all(h * d == ch for (h, d), ch in zip(full, chans, strict=True)):
         counts = [h for h, _ in full]

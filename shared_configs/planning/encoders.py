@@ -127,10 +127,11 @@ def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[En
     sdxl = name == "SDXL" or len(texts) > 1
     out = []
     if not options.cached_latents:
-        vae_dtype = "float32" if sdxl else dtype
-        vae = options.configs.get("vae", VAE)  # the fields the VAE's forward reads
-        image = LATENT_SCALE * spec.sample_size
-        out.append(Encoder("vae", "vae", json.dumps({k: vae[k] for k in VAE if k in vae}), vae_dtype, image_size=image))
+        vae = options.configs.get("vae", VAE)
+        fields = json.dumps({k: vae[k] for k in VAE if k in vae})  # those the VAE's forward reads
+        out.append(
+            Encoder("vae", "vae", fields, "float32" if sdxl else dtype, image_size=LATENT_SCALE * spec.sample_size)
+        )
     for text_name, kind, config in texts:
         trained = options.train_text_encoder and text_name == "text_encoder"
         optimizer = regime.profiled.optimizer if trained else Encoder.optimizer
