@@ -166,7 +166,7 @@ class ClosedLoop:
             return None
         policy, predicted = found or (FULL, self._full())
         why = f"no plan fits {mib(target)}" if self._replans <= self.rounds else f"{self.rounds} re-plans made"
-        how = f"planned for {mib(target)}" if found else f"{why}: {FULL}"
+        how = f"planned for {mib(target)}" if found else why
         self.say(
             f"{over} (predicted {mib(self.predicted)}, {mib(outside)} held outside the model's step); {how}: "
             f"{policy} (predicted {mib(predicted)})"
