@@ -24,7 +24,7 @@ from torch_impl.guard_retry import Window
 from torch_impl.wrappers import compiled, unwrap
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("plan_cache", "check_by_prediction")]
-heavy = pytest.mark.heavy  # a profile of its own each (about a minute of CPU): left out of the default run
+heavy = pytest.mark.heavy  # a profile of its own each (docs/guard.md: how long): left out of the default run
 EMA_BATCH = 8  # the full fine-tune: activations well above the 2% margin beside weights, AdamW's state and the copy
 
 
