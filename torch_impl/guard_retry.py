@@ -69,18 +69,17 @@ def frozen(fn: T) -> T:
     """``fn`` with its closure's variables as they are now: a loop rebinds them (``batch``) before a replay."""
     if not isinstance(fn, types.FunctionType) or not fn.__closure__:
         return fn
-    cells = tuple(types.CellType(c.cell_contents) if _filled(c) else types.CellType() for c in fn.__closure__)
+    cells = tuple(map(_now, fn.__closure__))
     copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy  # type: ignore[return-value]
 
 
-def _filled(cell: types.CellType) -> bool:
+def _now(cell: types.CellType) -> types.CellType:
     try:
-        cell.cell_contents  # noqa: B018 (an unassigned variable raises)
-    except ValueError:
-        return False
-    return True
+        return types.CellType(cell.cell_contents)
+    except ValueError:  # a variable not assigned yet
+        return types.CellType()
 
 
 def rng_state(params: list[nn.Parameter]) -> RngState:
