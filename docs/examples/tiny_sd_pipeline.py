@@ -21,7 +21,7 @@ from PIL import Image
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from shared_configs import to_diffusers_config
-from tests.helpers.guard_script import SPEC, TOKENS
+from tests.helpers.guard_script import SPEC, TINY_VAE, TOKENS, tiny_text_config
 
 
 def byte_characters() -> list[str]:
@@ -42,28 +42,9 @@ def main(out: Path) -> None:
     end = vocab["<|endoftext|>"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        text = CLIPTextModel(
-            CLIPTextConfig(
-                vocab_size=len(vocab),
-                hidden_size=12,
-                intermediate_size=24,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                max_position_embeddings=TOKENS,
-                bos_token_id=vocab["<|startoftext|>"],
-                eos_token_id=end,
-                pad_token_id=end,
-            )
-        )
+        text = CLIPTextModel(CLIPTextConfig(**tiny_text_config(len(vocab), vocab["<|startoftext|>"], end)))
         pipe = diffusers.StableDiffusionPipeline(
-            vae=diffusers.AutoencoderKL(
-                down_block_types=("DownEncoderBlock2D",) * 2,
-                up_block_types=("UpDecoderBlock2D",) * 2,
-                block_out_channels=(8, 16),
-                layers_per_block=1,
-                norm_num_groups=4,
-                sample_size=16,
-            ),
+            vae=diffusers.AutoencoderKL(**TINY_VAE),
             text_encoder=text,
             tokenizer=tokenizer,
             unet=diffusers.UNet2DConditionModel.from_config(to_diffusers_config(SPEC)),

@@ -23,6 +23,29 @@ from torch_impl.wrappers import unwrap
 SPEC = variant("tiny", down_attention=["transformer", "none"], sample_size=8, dropout=0.0)  # SD-shaped, 8x8 latents
 BATCH, TOKENS, RANK = 2, 8, 4
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+TINY_VAE = {  # 16x16 images, 8x8 latents
+    "down_block_types": ("DownEncoderBlock2D",) * 2,
+    "up_block_types": ("UpDecoderBlock2D",) * 2,
+    "block_out_channels": (8, 16),
+    "layers_per_block": 1,
+    "norm_num_groups": 4,
+    "sample_size": 16,
+}
+
+
+def tiny_text_config(vocab: int, begin: int, end: int) -> dict[str, Any]:
+    """A one-layer CLIP text encoder of width 12 (the U-Net's cross-attention) over ``TOKENS`` tokens."""
+    return {
+        "vocab_size": vocab,
+        "hidden_size": 12,
+        "intermediate_size": 24,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "max_position_embeddings": TOKENS,
+        "bos_token_id": begin,
+        "eos_token_id": end,
+        "pad_token_id": end,
+    }
 
 
 class Script:
@@ -53,27 +76,8 @@ class Script:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.unet = diffusers.UNet2DConditionModel.from_config(to_diffusers_config(SPEC))
-            self.vae = diffusers.AutoencoderKL(
-                down_block_types=("DownEncoderBlock2D",) * 2,
-                up_block_types=("UpDecoderBlock2D",) * 2,
-                block_out_channels=(8, 16),
-                layers_per_block=1,
-                norm_num_groups=4,
-                sample_size=16,
-            )
-            self.text = CLIPTextModel(
-                CLIPTextConfig(
-                    vocab_size=64,
-                    hidden_size=12,
-                    intermediate_size=24,
-                    num_hidden_layers=1,
-                    num_attention_heads=2,
-                    max_position_embeddings=TOKENS,
-                    bos_token_id=0,
-                    eos_token_id=1,
-                    pad_token_id=1,
-                )
-            )
+            self.vae = diffusers.AutoencoderKL(**TINY_VAE)
+            self.text = CLIPTextModel(CLIPTextConfig(**tiny_text_config(vocab=64, begin=0, end=1)))
         for module in (self.unet, self.vae, self.text):
             module.requires_grad_(False)
             module.to(dtype=weight_dtype)  # --mixed_precision bf16: the frozen weights in bfloat16
