@@ -122,6 +122,12 @@ def write_csv(path: Path, rows: list[Row]) -> None:
     atomic_write(path, text.getvalue().encode())
 
 
+def markdown_table(rows: list[list[str]]) -> str:
+    """A Markdown table: the first row is its head."""
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
+
+
 def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / MIB:,.1f}"
 
