@@ -199,47 +199,40 @@ def _ranks_columns(shown: list, at: int, compact: bool = False) -> None:
 
 def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = False) -> Table:
     """The terminal table (``wide``: every figure); ``unreliable`` timings mark the ratios ``?``."""
-    ranked = any((r["world_size"] or 1) > 1 for r in rows)
-    if not wide:
-        return _compact(rows, title, unreliable, ranked)
-    xla_default = any(r["xla_default_peak_bytes"] is not None for r in rows)  # only with --xla-default
-    shown = [c for c in COLUMNS_SHOWN if xla_default or c[0] != "XLA:CPU default peak MiB"]
-    if ranked:
-        _ranks_columns(shown, 3)
-    t = Table(title=title, title_justify="left", header_style="bold")
-    for i, (name, _) in enumerate(shown):
-        t.add_column(name, justify="left" if i < 2 else "right")
-    for row in rows:
-        if row["status"] == "ok":
-            t.add_row(*(cell(row) for _, cell in shown))
-        else:
-            status = FITS["oom" if row["status"] == "oom" else "error"]
-            t.add_row(row["framework"], row["policy"], str(row["batch_size"]), status, row["error"] or "")
-    return t
-
-
-def _compact(rows: list[Row], title: str, unreliable: bool, ranked: bool) -> Table:
-    shown = list(COMPACT)
-    shown.append(
-        (
-            "step time\nvs none",
-            lambda r: (
-                "-"
-                if r["time_overhead"] is None
-                else f"{r['time_overhead']:.2f}x" + (" ?" if unreliable and r["policy"] != "none" else "")
+    if wide:
+        xla_default = any(r["xla_default_peak_bytes"] is not None for r in rows)  # only with --xla-default
+        shown = [c for c in COLUMNS_SHOWN if xla_default or c[0] != "XLA:CPU default peak MiB"]
+    else:
+        shown = [
+            *COMPACT,
+            (
+                "step time\nvs none",
+                lambda r: (
+                    "-"
+                    if r["time_overhead"] is None
+                    else f"{r['time_overhead']:.2f}x" + (" ?" if unreliable and r["policy"] != "none" else "")
+                ),
             ),
-        )
-    )
-    if ranked:
-        _ranks_columns(shown, 3, compact=True)
+        ]
+    if any((r["world_size"] or 1) > 1 for r in rows):
+        _ranks_columns(shown, 3, compact=not wide)
     t = Table(title=title, title_justify="left", header_style="bold")
-    for i, (name, _) in enumerate([*shown, ("fits", None)]):
-        # headers break where written; only a long policy string folds onto the next line (never cut)
-        t.add_column(name, justify="left" if i < 2 else "right", overflow="fold", no_wrap=i != 1)
+    for i, (name, _) in enumerate(shown if wide else [*shown, ("fits", None)]):
+        # compact: headers break where written; only a long policy string folds onto the next line (never cut)
+        folding = {} if wide else {"overflow": "fold", "no_wrap": i != 1}
+        t.add_column(name, justify="left" if i < 2 else "right", **folding)
     for row in rows:
         ok = row["status"] == "ok"
-        cells = [cell(row) if ok or i < 3 else "-" for i, (_, cell) in enumerate(shown)]
-        t.add_row(*cells, FITS.get(row["status"], row["status"]))
+        if not wide:
+            t.add_row(
+                *(cell(row) if ok or i < 3 else "-" for i, (_, cell) in enumerate(shown)),
+                FITS.get(row["status"], row["status"]),
+            )
+        elif ok:
+            t.add_row(*(cell(row) for _, cell in shown))
+        else:
+            failed = FITS["oom" if row["status"] == "oom" else "error"]
+            t.add_row(row["framework"], row["policy"], str(row["batch_size"]), failed, row["error"] or "")
     return t
 
 
@@ -254,17 +247,16 @@ def errors(rows: list[Row]) -> list[str]:
 
 def regime(rows: list[Row]) -> list[str]:
     """Per framework, at none's peak: activations + temporaries against static memory."""
-    out = []
-    for row in rows:
-        base = row["policy"] == "none" and row["status"] == "ok"
-        if base and row["static_bytes"] and row["activation_bytes"] is not None:
-            dynamic = row["activation_bytes"] + row["temporary_bytes"]
-            out.append(
-                f"{row['framework']} none @ batch {row['batch_size']}: activations + temps = "
-                f"{dynamic / row['static_bytes']:.1f}x static (params + optimizer state, "
-                f"{_mib(row['static_bytes'])} MiB)"
-            )
-    return out
+    return [
+        f"{row['framework']} none @ batch {row['batch_size']}: activations + temps = "
+        f"{(row['activation_bytes'] + row['temporary_bytes']) / row['static_bytes']:.1f}x static "
+        f"(params + optimizer state, {_mib(row['static_bytes'])} MiB)"
+        for row in rows
+        if row["policy"] == "none"
+        and row["status"] == "ok"
+        and row["static_bytes"]
+        and row["activation_bytes"] is not None
+    ]
 
 
 def checks(rows: list[Row]) -> list[str]:
@@ -278,8 +270,9 @@ def checks(rows: list[Row]) -> list[str]:
         for fw in dict.fromkeys(r["framework"] for r in rows):
             checked = [r for r in rows if r["framework"] == fw and r["status"] == "ok" and r[mine] and r[theirs]]
             if checked:
-                cells = ", ".join(f"{r['policy']} {r[mine] / r[theirs] - 1:+.1%}" for r in checked)
-                out.append(f"{fw} {label}: {cells}")
+                out.append(
+                    f"{fw} {label}: " + ", ".join(f"{r['policy']} {r[mine] / r[theirs] - 1:+.1%}" for r in checked)
+                )
     return out
 
 
@@ -326,12 +319,14 @@ def unreliable_share(document: dict[str, Any]) -> float | None:
 
 def notes(document: dict[str, Any]) -> list[str]:
     """Lines under the table: devices, versions, and which method produced each figure."""
-    devices = ", ".join(f"{fw}: {d['kind']} ({d['name']})" for fw, d in document["device"].items() if fw != "requested")
-    versions = ", ".join(f"{k} {v}" for k, v in document["versions"].items())
-    wall = ", ".join(f"{k} {v:.0f} s" for k, v in document["wall_s"].items())
-    lines = [f"devices: {devices}", f"versions: {versions}", f"wall time: {wall}", used(document)]
-    share = unreliable_share(document)
-    if share is not None:
+    lines = [
+        "devices: "
+        + ", ".join(f"{fw}: {d['kind']} ({d['name']})" for fw, d in document["device"].items() if fw != "requested"),
+        "versions: " + ", ".join(f"{k} {v}" for k, v in document["versions"].items()),
+        "wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in document["wall_s"].items()),
+        used(document),
+    ]
+    if (share := unreliable_share(document)) is not None:
         lines.append(
             f"[bold red]warning: other processes used {share:.0%} of the cores during the run: "
             "step times and ratios are unreliable[/]"
