@@ -44,8 +44,11 @@ def show(console: Console, document: dict[str, Any], wide: bool = False) -> None
     console.print(tables.table(document["rows"], tables.title(document), wide, unreliable))
     if document.get("incomplete"):
         console.print(f"[bold yellow]incomplete: {document['incomplete']}[/]")
-    lines = ([] if wide else tables.errors(document["rows"])) + tables.notes(document)
-    for line in lines + compiled.comparison(document["rows"]):
+    for line in (
+        ([] if wide else tables.errors(document["rows"]))
+        + tables.notes(document)
+        + compiled.comparison(document["rows"])
+    ):
         console.print(line, highlight=False)
 
 

@@ -73,10 +73,9 @@ def measure(encoder: Encoder, batch_size: int, autocast: str | None = None) -> d
     forward_end = timeline.split()
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     levels = timeline.levels() - (weights + buffers + x.numel() * x.element_size())
-    params = sum(p.numel() for p in model.parameters())
     result = {
         "weights": weights,
-        "params": params,
+        "params": sum(p.numel() for p in model.parameters()),
         "peak": int(levels[:forward_end].max()),
         "flops": int(flops.get_total_flops()),
     }

@@ -96,10 +96,12 @@ PLAIN_STEP = StepTools()
 
 def step_tools(model: nn.Module, regime: Regime, scaler: bool = True) -> StepTools:
     """The `StepTools` of ``regime`` for ``model`` (``scaler=False``: none, for steps whose values cannot be read)."""
-    device = next(model.parameters()).device
-    scale = loss_scaler(regime, device) if scaler else None
-    ema = EMA(trained_parameters(model)) if regime.ema else None
-    return StepTools(autocast_dtype(regime), scale, ema, regime.keep_grads)
+    return StepTools(
+        autocast_dtype=autocast_dtype(regime),
+        scaler=loss_scaler(regime, next(model.parameters()).device) if scaler else None,
+        ema=EMA(trained_parameters(model)) if regime.ema else None,
+        keep_grads=regime.keep_grads,
+    )
 
 
 class EMA:
