@@ -14,11 +14,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from jax.ad_checkpoint import checkpoint_name
 
 from jax_impl.attention import attention
 from jax_impl.lora import LoRADense
-from jax_impl.norms import group_norm, layer_norm, norm_act, norm_layer
+from jax_impl.norms import group_norm, layer_norm, norm_act, norm_layer, tagged
 from shared_configs.arch import ClassEmbeddingArgs, timestep_frequencies
 
 Array = jax.Array
@@ -40,18 +39,7 @@ def timestep_embedding(t: Array, dim: int, flip_sin_to_cos: bool, freq_shift: fl
 
 # Remat tags: each op class of `shared_configs.vocabulary.OP_CLASSES` names the outputs torch's selective policy
 # saves (bias included, as in torch's fused ops), so a plan's ``save`` becomes `save_only_these_names(*save)`.
-class Conv(nn.Conv):
-    """`nn.Conv` with its output tagged ``"conv"``."""
-
-    def __call__(self, inputs: Array) -> Array:
-        return checkpoint_name(super().__call__(inputs), "conv")
-
-
-class Dense(nn.Dense):
-    """`nn.Dense` with its output tagged ``"matmul"``."""
-
-    def __call__(self, inputs: Array) -> Array:
-        return checkpoint_name(super().__call__(inputs), "matmul")
+Conv, Dense = tagged(nn.Conv, "conv"), tagged(nn.Dense, "matmul")
 
 
 def projection(lora_rank: int | None) -> Callable[..., nn.Module]:
