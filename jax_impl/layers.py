@@ -33,8 +33,7 @@ def timestep_embedding(t: Array, dim: int, flip_sin_to_cos: bool, freq_shift: fl
     freqs = jnp.asarray(timestep_frequencies(dim, freq_shift, max_period))
     args = t.astype(jnp.float32)[:, None] * freqs[None]
     sin, cos = jnp.sin(args), jnp.cos(args)
-    emb = jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)
-    return jnp.pad(emb, ((0, 0), (0, dim % 2)))
+    return jnp.pad(jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1), ((0, 0), (0, dim % 2)))
 
 
 # Remat tags: each op class of `shared_configs.vocabulary.OP_CLASSES` names the outputs torch's selective policy
@@ -125,10 +124,8 @@ class ResnetBlock(nn.Module):
         x, h = _resample(x, self.resample), _resample(h, self.resample)
         h = self.conv1(h)
         t = self.time_emb_proj(temb if self.skip_time_act else nn.silu(temb))[:, None, None, :]  # (B, 1, 1, C)
-        if self.scale_shift:
-            h = norm_act(self.norm2, h, train, silu=True, film=tuple(jnp.split(t, 2, axis=-1)))
-        else:
-            h = norm_act(self.norm2, h + t, train, silu=True)
+        film = tuple(jnp.split(t, 2, axis=-1)) if self.scale_shift else None  # scale and shift, or t added
+        h = norm_act(self.norm2, h if self.scale_shift else h + t, train, silu=True, film=film)
         h = self.conv2(self.dropout(h, deterministic=not train))
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
         return (skip + h) / self.output_scale
@@ -186,8 +183,9 @@ class CrossAttention(nn.Module):
         ctx = x if context is None else context
         scale = self.scale or (self.dim // self.heads) ** -0.5
         q, k, v = self.to_q(x), self.to_k(ctx), self.to_v(ctx)
-        bias = mask if context is not None else None
-        return self.to_out(attention(q, k, v, self.heads, scale, self.query_chunk, bias))
+        return self.to_out(
+            attention(q, k, v, self.heads, scale, self.query_chunk, mask if context is not None else None)
+        )
 
 
 class FeedForward(nn.Module):

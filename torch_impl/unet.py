@@ -147,8 +147,9 @@ class UNetTrunk(nn.Module):
     ) -> AttentionFactory | None:
         if kind == "none":
             return None
-        args = attention_args(self.trunk_spec, kind, level, block, output_scale)
-        return functools.partial(ATTENTION_LAYERS[kind], **kwargs(args))
+        return functools.partial(
+            ATTENTION_LAYERS[kind], **kwargs(attention_args(self.trunk_spec, kind, level, block, output_scale))
+        )
 
     def _encode(
         self, x: Tensor, temb: Tensor, context: Tensor | None, hint: Tensor | None = None, mask: Tensor | None = None
