@@ -127,10 +127,11 @@ def start_state(
     if mesh is None and run.checkpoint is None:
         return init()
     abstract = jax.eval_shape(init)
-    if mesh is None:
-        placement = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
-    else:
-        placement = state_shardings(mesh, abstract, cfg.distributed)
+    placement = (
+        jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
+        if mesh is None
+        else state_shardings(mesh, abstract, cfg.distributed)
+    )
     if run.checkpoint is not None:
         return load_checkpoint(run.checkpoint, abstract_target(abstract, placement), comm)[0]
     return jax.jit(init, out_shardings=placement)()

@@ -80,10 +80,12 @@ def measure(encoder: Encoder, batch_size: int, autocast: str | None = None) -> d
         "flops": int(flops.get_total_flops()),
     }
     if encoder.trained:
-        result["keep"] = int(levels[forward_end - 1]) - out.numel() * out.element_size()
-        result["backward_peak"] = int(levels[forward_end:].max())
-        result["largest"] = max(p.numel() for p in model.parameters())
-        result["state"] = state_bytes(model, encoder.optimizer, mode)
+        result |= {
+            "keep": int(levels[forward_end - 1]) - out.numel() * out.element_size(),
+            "backward_peak": int(levels[forward_end:].max()),
+            "largest": max(p.numel() for p in model.parameters()),
+            "state": state_bytes(model, encoder.optimizer, mode),
+        }
     return result
 
 
@@ -98,8 +100,5 @@ def state_bytes(model: torch.nn.Module, optimizer: str, mode: ShapesOnly) -> int
 
 def encoders(request: dict[str, Any]) -> dict[str, Any]:
     """The worker's answer: `measure` of each encoder in ``request["encoders"]``."""
-    found = {}
-    for data in request["encoders"]:
-        encoder = Encoder(**data)
-        found[encoder.name] = measure(encoder, request["batch_size"], request.get("autocast"))
-    return {"encoders": found}
+    encoders = [Encoder(**data) for data in request["encoders"]]
+    return {"encoders": {e.name: measure(e, request["batch_size"], request.get("autocast")) for e in encoders}}

@@ -25,7 +25,6 @@ def _backward(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwar
 
 def register_cpu_attention_flops() -> None:
     """Idempotent: teach `FlopCounterMode` the CPU attention kernel's forward and backward."""
-    if _CPU_FORWARD not in flop_counter.flop_registry:
-        flop_counter.register_flop_formula(_CPU_FORWARD)(_forward)
-    if _CPU_BACKWARD not in flop_counter.flop_registry:
-        flop_counter.register_flop_formula(_CPU_BACKWARD)(_backward)
+    for op, formula in ((_CPU_FORWARD, _forward), (_CPU_BACKWARD, _backward)):
+        if op not in flop_counter.flop_registry:
+            flop_counter.register_flop_formula(op)(formula)

@@ -33,8 +33,7 @@ class ControlNetPair(nn.Module):
         super().__init__()
         self.pair_spec = pair_spec
         self.unet = UNet(pair_spec.unet)
-        options = pair_spec.controlnet.model_dump(exclude={"name", "unet"})
-        self.controlnet = ControlNet.from_unet(self.unet, **options)
+        self.controlnet = ControlNet.from_unet(self.unet, **pair_spec.controlnet.model_dump(exclude={"name", "unet"}))
         self.unet.requires_grad_(False)
         self.enable_gradient_checkpointing(policy)
 
@@ -140,6 +139,5 @@ def step_model(spec: UNetSpec | ControlNetPairSpec) -> UNet | ControlNetPair:
 
 def step_batch(spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int) -> Batch:
     """The example batch it trains on (the pair's with its conditioning image)."""
-    if isinstance(spec, ControlNetPairSpec):
-        return example_pair_batch(spec, batch_size, context_length)
-    return example_batch(spec, batch_size, context_length)
+    make = example_pair_batch if isinstance(spec, ControlNetPairSpec) else example_batch
+    return make(spec, batch_size, context_length)
