@@ -50,22 +50,24 @@ def measure(encoder: Encoder, batch_size: int, autocast: str | None = None) -> d
     torch.manual_seed(0)
     model = build(encoder, mode)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    with mode:
-        if encoder.kind == "vae":
-            size = encoder.image_size
-            x = torch.randn(batch_size, 3, size, size, dtype=DTYPE[encoder.dtype])
-        else:
-            x = torch.zeros(batch_size, encoder.tokens, dtype=torch.long)
+    with mode:  # an image batch for the VAE, token ids for a text encoder
+        size = encoder.image_size
+        x = (
+            torch.randn(batch_size, 3, size, size, dtype=DTYPE[encoder.dtype])
+            if encoder.kind == "vae"
+            else torch.zeros(batch_size, encoder.tokens, dtype=torch.long)
+        )
     cast = torch.autocast("cpu", dtype=DTYPE[autocast]) if autocast and encoder.trained else contextlib.nullcontext()
     grad = torch.enable_grad() if encoder.trained else torch.no_grad()
     tracker = StepTracker(model, [], inputs=[x], detail=False)
     flops = FlopCounterMode(display=False)
     with mode, tracker, flops:
         with grad, cast:
-            if encoder.kind == "vae":
-                out = model.encode(x).latent_dist.sample()
-            else:
-                out = model(x, output_hidden_states=encoder.hidden_states).last_hidden_state
+            out = (
+                model.encode(x).latent_dist.sample()
+                if encoder.kind == "vae"
+                else model(x, output_hidden_states=encoder.hidden_states).last_hidden_state
+            )
         tracker.mark("backward", BWD)
         if encoder.trained:
             out.float().sum().backward()

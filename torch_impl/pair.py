@@ -87,10 +87,11 @@ class ControlNetPair(nn.Module):
 
 def _live_pair_spec(unet: nn.Module, controlnet: nn.Module) -> ControlNetPairSpec:
     """The pair spec of a live U-Net and the ControlNet on it: the U-Net's spec, the ControlNet's own fields."""
-    if isinstance(unet, UNet) and isinstance(controlnet, ControlNet):
-        unet_spec, cn_spec = unet.spec, controlnet.spec
-    else:
-        unet_spec, cn_spec = diffusers_spec(unet), _diffusers_controlnet_spec(controlnet)
+    unet_spec, cn_spec = (
+        (unet.spec, controlnet.spec)
+        if isinstance(unet, UNet) and isinstance(controlnet, ControlNet)
+        else (diffusers_spec(unet), _diffusers_controlnet_spec(controlnet))
+    )
     mine = cn_spec.unet
     for field in ("in_channels", "block_out_channels", "layers_per_block", "down_attention", "cross_attention_dim"):
         if getattr(mine, field) != (theirs := getattr(unet_spec, field)):

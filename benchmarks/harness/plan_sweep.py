@@ -204,17 +204,15 @@ def table(doc: dict[str, Any]) -> str:
 
 def against_balanced(doc: dict[str, Any]) -> str:
     """What the planner picks at ``balanced``'s predicted peak, beside ``balanced`` (both measured)."""
-    lines = []
-    for fw, data in doc["frameworks"].items():
-        b = data["hand"]["balanced"]
-        for p in (p for p in data["plans"] if p.get("at") and "measured_peak_bytes" in p):
-            lines.append(
-                f"{fw}: at {p['at']} ({p['budget_bytes'] / MIB:.1f} MiB) the planner picks {p['plan']}: "
-                f"{p['measured_peak_bytes'] / MIB:.1f} MiB, {100 * p['measured_overhead']:+.1f}%; balanced: "
-                f"{b['measured_peak_bytes'] / MIB:.1f} MiB, "
-                f"{100 * p.get('balanced_measured_overhead_here', b['measured_overhead']):+.1f}%"
-            )
-    return "\n".join(lines)
+    return "\n".join(
+        f"{fw}: at {p['at']} ({p['budget_bytes'] / MIB:.1f} MiB) the planner picks {p['plan']}: "
+        f"{p['measured_peak_bytes'] / MIB:.1f} MiB, {100 * p['measured_overhead']:+.1f}%; balanced: "
+        f"{data['hand']['balanced']['measured_peak_bytes'] / MIB:.1f} MiB, "
+        f"{100 * p.get('balanced_measured_overhead_here', data['hand']['balanced']['measured_overhead']):+.1f}%"
+        for fw, data in doc["frameworks"].items()
+        for p in data["plans"]
+        if p.get("at") and "measured_peak_bytes" in p
+    )
 
 
 def against_hand(doc: dict[str, Any]) -> str:
