@@ -86,11 +86,10 @@ def default_budget(work: Workload, frameworks: tuple[str, ...]) -> int:
 def run(jobs: list[Job], budget_mib: float | None) -> dict[str, Any]:
     """Plan (for ``budget_mib``, or `default_budget`), then measure every row in each framework: the JSON document."""
     work, frameworks = workload(jobs[0]), tuple(job.framework for job in jobs)
-    fw_arg = "both" if len(frameworks) == 2 else frameworks[0]
     budget = int(budget_mib * MIB) if budget_mib is not None else default_budget(work, frameworks)
     for attempt in range(3):
         try:
-            planned = plan(work, budget, fw_arg)
+            planned = plan(work, budget, "both" if len(frameworks) == 2 else frameworks[0])
             break
         except Infeasible as err:  # the default lies below the model's margin: the smallest budget it plans for
             if budget_mib is not None or attempt == 2:
@@ -98,10 +97,6 @@ def run(jobs: list[Job], budget_mib: float | None) -> dict[str, Any]:
             budget = err.smallest
     policies = list(dict.fromkeys([*jobs[0].policies, planned.policy]))  # none first, then --policies
     measured = {fw: measure(fw, work, policies, jobs[0].steps)["rows"] for fw in frameworks}
-    predicted = {
-        p.framework: {pol: predict(p, work.spec, assignment_of(work.spec, pol)).peak_bytes for pol in policies}
-        for p in planned.profiles
-    }
     return {
         "config": work.spec.name,
         "batch_size": work.batch_size,
@@ -110,7 +105,10 @@ def run(jobs: list[Job], budget_mib: float | None) -> dict[str, Any]:
         "budget_bytes": budget,
         "planned": planned.policy,
         "policies": policies,
-        "predicted_peak_bytes": predicted,
+        "predicted_peak_bytes": {
+            p.framework: {pol: predict(p, work.spec, assignment_of(work.spec, pol)).peak_bytes for pol in policies}
+            for p in planned.profiles
+        },
         "rows": measured,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
