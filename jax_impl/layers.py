@@ -46,12 +46,8 @@ def projection(lora_rank: int | None) -> Callable[..., nn.Module]:
     return Dense if lora_rank is None else functools.partial(LoRADense, rank=lora_rank)
 
 
-def conv3x3(features: int) -> nn.Conv:
-    return Conv(features, (3, 3), padding=PAD_1)
-
-
-def conv1x1(features: int) -> nn.Conv:
-    return Conv(features, (1, 1), padding=PAD_0)
+conv3x3 = functools.partial(Conv, kernel_size=(3, 3), padding=PAD_1)  # features -> the layer
+conv1x1 = functools.partial(Conv, kernel_size=(1, 1), padding=PAD_0)
 
 
 class TimestepEmbedding(nn.Module):
