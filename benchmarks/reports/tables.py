@@ -95,9 +95,8 @@ def complete(rows: Iterable[Row]) -> list[Row]:
     out = [{col: row.get(col) for col in COLUMNS} for row in rows]
     baselines = {(r["framework"], r["batch_size"]): r for r in out if r["policy"] == "none" and r["status"] == "ok"}
     for row in out:
-        base = baselines.get((row["framework"], row["batch_size"]))
-        for col, source, kind in RELATIVE:
-            row[col] = _relative(row.get(source), base.get(source) if base else None, kind)
+        base = baselines.get((row["framework"], row["batch_size"])) or {}
+        row |= {col: _relative(row.get(source), base.get(source), kind) for col, source, kind in RELATIVE}
     return out
 
 
