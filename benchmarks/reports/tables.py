@@ -185,17 +185,6 @@ COMPACT: tuple[tuple[str, Callable[[Row], str]], ...] = (
 )
 
 
-def _ranks_columns(shown: list, at: int, compact: bool = False) -> None:
-    """--world-size: rank 0's peak and the largest peak over the ranks."""
-    sep = "\n" if compact else " "
-    ranks = [] if compact else [("ranks", lambda r: str(r["world_size"]))]
-    shown[at : at + 1] = [
-        *ranks,
-        (f"rank 0{sep}peak MiB", shown[at][1]),
-        (f"max rank{sep}MiB", lambda r: _mib(r["max_rank_peak_bytes"])),
-    ]
-
-
 def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = False) -> Table:
     """The terminal table (``wide``: every figure); ``unreliable`` timings mark the ratios ``?``."""
     if wide:
@@ -213,8 +202,13 @@ def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = Fa
                 ),
             ),
         ]
-    if any((r["world_size"] or 1) > 1 for r in rows):
-        _ranks_columns(shown, 3, compact=not wide)
+    if any((r["world_size"] or 1) > 1 for r in rows):  # --world-size: rank 0's peak and the largest over the ranks
+        sep = " " if wide else "\n"
+        shown[3:4] = [
+            *([("ranks", lambda r: str(r["world_size"]))] if wide else []),
+            (f"rank 0{sep}peak MiB", shown[3][1]),
+            (f"max rank{sep}MiB", lambda r: _mib(r["max_rank_peak_bytes"])),
+        ]
     t = Table(title=title, title_justify="left", header_style="bold")
     for i, (name, _) in enumerate(shown if wide else [*shown, ("fits", None)]):
         # compact: headers break where written; only a long policy string folds onto the next line (never cut)
