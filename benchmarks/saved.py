@@ -68,10 +68,10 @@ def jax_saved(config: str, policy: str, batch_size: int, context_length: int, ch
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax._src.ad_checkpoint import name_p
     from jax.extend.core import Literal
 
     from jax_impl import UNet
+    from jax_impl.compat import checkpoint_name_primitive
 
     spec = load_spec(config)
     model = UNet(spec=spec, policy=policy, attention_chunk=chunk)
@@ -91,7 +91,7 @@ def jax_saved(config: str, policy: str, batch_size: int, context_length: int, ch
     jaxpr, n_res = closed.jaxpr, jax.tree.structure(shapes[1]).num_leaves
     residuals = {v for v in jaxpr.outvars[len(jaxpr.outvars) - n_res :] if not isinstance(v, Literal)}
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-    rows = []
+    rows, name_p = [], checkpoint_name_primitive()
     for eqn, v in ((e, v) for e in jaxpr.eqns for v in e.outvars if v in residuals):
         src = _source(eqn, v, producer)
         named = src.primitive is name_p

@@ -29,7 +29,8 @@ from torch_impl import UNet, apply_plan, remove_plan
 from torch_impl.checkpointing import checkpointed_names
 from torch_impl.diffusers_adapter import diffusers_path, diffusers_spec
 from torch_impl.memory import StepTracker
-from torch_impl.train import as_tensors, make_optimizer, train_step
+from torch_impl.step import as_tensors
+from torch_impl.train import make_optimizer, train_step
 
 CONTEXT = 8  # cross-attention tokens
 SPECS = {  # a UNet2DConditionModel as sd_narrow, an SDXL-shaped one (text_time, 2 transformer layers), a UNet2DModel

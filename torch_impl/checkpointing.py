@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from shared_configs.vocabulary import OP_CLASSES, CheckpointPlan
+from torch_impl import compat
 from torch_impl.batchnorm import with_frozen_running_stats
 
 aten = torch.ops.aten
@@ -26,12 +27,7 @@ aten = torch.ops.aten
 ATEN_OPS: dict[str, tuple[Any, ...]] = {
     "conv": (aten.convolution,),
     "matmul": (aten.mm, aten.addmm, aten.bmm, aten.baddbmm),
-    "attention": (
-        aten._scaled_dot_product_flash_attention_for_cpu,
-        aten._scaled_dot_product_flash_attention,
-        aten._scaled_dot_product_efficient_attention,
-        aten._scaled_dot_product_cudnn_attention,
-    ),
+    "attention": tuple(compat.aten(name) for name in compat.SDPA_KERNELS),
     "norm": (aten.native_group_norm, aten.native_layer_norm),
 }
 assert set(ATEN_OPS) == set(OP_CLASSES)

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from shared_configs.planning.encoders import Encoder
 from shared_configs.planning.timeline import BWD
 from shared_configs.regime import Regime
+from torch_impl.compat import tensor_tables
 from torch_impl.memory import StepTracker, state_tensors
 from torch_impl.profile import ShapesOnly
 from torch_impl.regime import DTYPE, make_optimizer
@@ -35,9 +36,10 @@ def build(encoder: Encoder, mode: ShapesOnly) -> torch.nn.Module:
             model = cls(CLIPTextConfig(**encoder.config_dict))
         dtype = DTYPE[encoder.dtype]
         for module in model.modules():  # tensor by tensor: Module.to cannot swap fake parameters
-            for name, t in module._parameters.items():
+            params, _ = tensor_tables(module)
+            for name, t in params.items():
                 if t is not None:
-                    module._parameters[name] = torch.nn.Parameter(t.to(dtype), requires_grad=encoder.trained)
+                    params[name] = torch.nn.Parameter(t.to(dtype), requires_grad=encoder.trained)
     return model
 
 

@@ -7,16 +7,16 @@
 
 from __future__ import annotations
 
-import torch
 from torch.utils import flop_counter
 
-_aten = torch.ops.aten
+from torch_impl.compat import aten
+
 # The CPU kernel's forward and backward -> the CUDA kernels' formulas, on the shapes they take first.
 _FORMULAS = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: (
+    aten("_scaled_dot_product_flash_attention_for_cpu"): (
         lambda query, key, value, *args, **kwargs: flop_counter.sdpa_flop_count(query, key, value)
     ),
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+    aten("_scaled_dot_product_flash_attention_for_cpu_backward"): (
         lambda grad_out, query, key, value, *args, **kwargs: flop_counter.sdpa_backward_flop_count(
             grad_out, query, key, value
         )

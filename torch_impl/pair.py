@@ -1,7 +1,7 @@
 """The ControlNet training step in PyTorch: a frozen `UNet` and the `ControlNet` trained on it.
 
 As diffusers' ``train_controlnet.py``; one pair plan (`shared_configs.pair`) covers both networks'
-units, and ``torch_impl.train.train_step`` trains the pair like a U-Net. Mirror: `jax_impl/pair.py`.
+units, and ``torch_impl.step.train_step`` trains the pair like a U-Net. Mirror: `jax_impl/pair.py`.
 Docs: docs/training.md "Training a ControlNet", docs/guard.md.
 """
 

@@ -1,6 +1,6 @@
 """A training regime (`shared_configs.regime.Regime`) in PyTorch: precision, LoRA, optimizer, EMA.
 
-`step_tools` gathers what `torch_impl.train.train_step` needs. Mirror: `jax_impl.regime`. Docs: docs/regimes.md.
+`step_tools` gathers what `torch_impl.step.train_step` needs. Mirror: `jax_impl.regime`. Docs: docs/regimes.md.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 
 from shared_configs.regime import DEFAULT, LORA_TARGETS, Regime
 from shared_configs.spec import SpecError
+from torch_impl import compat
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # diffusers' attention keeps its output projection in a list (``to_out.0``); ours is the Linear itself.
@@ -79,7 +80,7 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float, regime: Reg
 
 @dataclass(frozen=True)
 class StepTools:
-    """`torch_impl.train.train_step`'s regime pieces; the default: fp32, no EMA (a plain step)."""
+    """`torch_impl.step.train_step`'s regime pieces; the default: fp32, no EMA (a plain step)."""
 
     autocast_dtype: torch.dtype | None = None  # the forward under torch.autocast in this dtype (mixed precision)
     scaler: torch.amp.GradScaler | None = None  # float16: the loss scaled before the backward
@@ -114,7 +115,7 @@ class EMA:
 
     @torch.no_grad()
     def update(self) -> None:
-        torch._foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], 1.0 - self.decay)
+        compat.foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], 1.0 - self.decay)
 
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         return {"shadow": self.shadow}

@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
 
 from benchmarks.harness.job import (
     OPTIMIZER,
@@ -32,6 +31,7 @@ from benchmarks.harness.job import (
 from jax_impl import UNet
 from jax_impl import regime as jregime
 from jax_impl import step as jt
+from jax_impl.compat import saved_residuals
 from jax_impl.memory import FAST_COMPILE, compile_with_plan, compiled_peak
 from jax_impl.parallel import make_mesh, shard, state_shardings
 from shared_configs.defaults import device_of, resolve_chunk

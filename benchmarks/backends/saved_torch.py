@@ -11,12 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from shared_configs import UNetSpec, block_names
 from shared_configs.memory import OUTSIDE, block_of
 from torch_impl import UNet
+from torch_impl.compat import TorchDispatchMode, tree_leaves
 from torch_impl.memory import record_saved
 
 Row = tuple[str, str, str, tuple[int, ...], str, int]
