@@ -150,12 +150,13 @@ def inspect_policy(
 
         device = device_of(jax.devices()[0].platform)
     used = replace(defaults(device), context_length=context_length, attention_chunk=resolve_chunk(chunk, device))
-    fields = ("attention_chunk", "context_length") if "jax" in frameworks else ("context_length",)
     doc: dict[str, Any] = {
         "config": spec.name,
         "policy": plan.policy,
         "batch_size": batch_size,
-        "settings": used.describe(fields),
+        "settings": used.describe(
+            ("attention_chunk", "context_length") if "jax" in frameworks else ("context_length",)
+        ),
         "frameworks": {},
     }
     for fw in frameworks:
@@ -188,10 +189,12 @@ def render(doc: dict) -> str:
             for r in doc["frameworks"][fw]["rows"]
             if r["block"] == blk
         ]
-    totals = " | ".join(
-        f"{fw}: {f['total_count']} tensors, {_kib(f['total_bytes'])}" for fw, f in doc["frameworks"].items()
+    lines.append(
+        f"{'total':8} | "
+        + " | ".join(
+            f"{fw}: {f['total_count']} tensors, {_kib(f['total_bytes'])}" for fw, f in doc["frameworks"].items()
+        )
     )
-    lines.append(f"{'total':8} | {totals}")
     if doc["differ"]:
         lines.append(f"differ (count or bytes): {', '.join(doc['differ'])}")
     return "\n".join(lines)

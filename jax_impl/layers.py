@@ -153,8 +153,8 @@ class SelfAttention(nn.Module):
 
     def __call__(self, x: Array, context: Array | None = None, mask: Mask = None) -> Array:
         del context, mask  # same call signature as Transformer2D; plain self-attention ignores them
-        scale = self.scale or self.head_dim**-0.5
         h = _tokens(x if self.group_norm is None else norm_act(self.group_norm, x))
+        scale = self.scale or self.head_dim**-0.5
         h = attention(self.to_q(h), self.to_k(h), self.to_v(h), self.heads, scale, self.query_chunk)
         h = self.to_out(h).reshape(x.shape)
         return (h + x) / self.output_scale

@@ -135,10 +135,16 @@ def _checkpointed(
 ) -> Any:
     """``plain`` under checkpoint, with the context for how it runs now (eager or traced by Dynamo)."""
     context_fn = compiled if torch.compiler.is_compiling() else eager
-    extra = {} if context_fn is None else {"context_fn": context_fn}
     # use_reentrant=False: the reentrant variant gives parameters no gradient when no
     # *input* requires grad, and cannot handle keyword arguments or nested outputs.
-    return checkpoint(plain, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **extra, **kwargs)
+    return checkpoint(
+        plain,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=preserve_rng_state,
+        **({} if context_fn is None else {"context_fn": context_fn}),
+        **kwargs,
+    )
 
 
 def remove_plan(root: nn.Module) -> None:

@@ -35,8 +35,9 @@ def add_lora(model: nn.Module, rank: int, targets: Iterable[str] = LORA_TARGETS)
     """Rank-``rank`` peft LoRA adapters (alpha = rank, B zero: outputs unchanged) on ``targets``; the rest frozen."""
     from peft import LoraConfig, inject_adapter_in_model  # peft imports slowly: only when asked
 
-    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets), init_lora_weights=True)
-    model = inject_adapter_in_model(config, model)
+    model = inject_adapter_in_model(
+        LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets), init_lora_weights=True), model
+    )
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)
     return model

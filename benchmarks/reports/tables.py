@@ -212,8 +212,9 @@ def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = Fa
     t = Table(title=title, title_justify="left", header_style="bold")
     for i, (name, _) in enumerate(shown if wide else [*shown, ("fits", None)]):
         # compact: headers break where written; only a long policy string folds onto the next line (never cut)
-        folding = {} if wide else {"overflow": "fold", "no_wrap": i != 1}
-        t.add_column(name, justify="left" if i < 2 else "right", **folding)
+        t.add_column(
+            name, justify="left" if i < 2 else "right", **({} if wide else {"overflow": "fold", "no_wrap": i != 1})
+        )
     for row in rows:
         ok = row["status"] == "ok"
         if not wide:
@@ -224,8 +225,8 @@ def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = Fa
         elif ok:
             t.add_row(*(cell(row) for _, cell in shown))
         else:
-            failed = FITS["oom" if row["status"] == "oom" else "error"]
-            t.add_row(row["framework"], row["policy"], str(row["batch_size"]), failed, row["error"] or "")
+            status = FITS["oom" if row["status"] == "oom" else "error"]
+            t.add_row(row["framework"], row["policy"], str(row["batch_size"]), status, row["error"] or "")
     return t
 
 
@@ -297,8 +298,10 @@ def used(document: dict[str, Any]) -> str:
     elif "dtype" in s:
         fields["dtype"] = s["dtype"]
     line = "settings " + Defaults(kind, resolve_chunk(s["attention_chunk"], kind), **fields).describe()
-    given = {f.name: s[f.name] for f in dataclass_fields(Regime) if f.name in s}  # older documents lack some
-    regime = Regime(**given) if "precision" in s else DEFAULT
+    # older documents lack some of the regime's fields
+    regime = (
+        Regime(**{f.name: s[f.name] for f in dataclass_fields(Regime) if f.name in s}) if "precision" in s else DEFAULT
+    )
     if regime != DEFAULT:
         line += "; regime " + regime.describe()
     return line
