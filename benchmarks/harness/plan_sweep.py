@@ -147,9 +147,13 @@ def _at_measured_balanced(
     entry["at"] = "balanced's measured peak"
     rows = measure(fw, workload, ["none", "balanced", entry["plan"]], steps)["rows"]
     _attach(rows, {}, [entry])
-    entry["balanced_measured_overhead_here"] = rows["balanced"]["step_time_s"] / rows["none"]["step_time_s"] - 1
-    entry["paired"] = {h: paired(rows[entry["plan"]]["rounds_s"], rows[h]["rounds_s"]) for h in ("none", "balanced")}
-    return [entry]
+    return [
+        entry
+        | {
+            "balanced_measured_overhead_here": rows["balanced"]["step_time_s"] / rows["none"]["step_time_s"] - 1,
+            "paired": {h: paired(rows[entry["plan"]]["rounds_s"], rows[h]["rounds_s"]) for h in ("none", "balanced")},
+        }
+    ]
 
 
 def _compiled(rows: dict[str, Any]) -> dict[str, Any]:
@@ -171,12 +175,13 @@ def _attach(rows: dict[str, Any], hand: dict[str, Any], plans: list[dict[str, An
     base = rows["none"]["step_time_s"]
     for policy, entry in [*hand.items(), *((p["plan"], p) for p in plans)]:
         row = rows[policy]
-        entry["measured_peak_bytes"] = row["peak_bytes"]
-        entry["measured_overhead"] = row["step_time_s"] / base - 1
-        entry["measured_rounds_s"] = row["rounds_s"]
-        if "allocator_peak_bytes" in row:
-            entry["measured_allocator_peak_bytes"] = row["allocator_peak_bytes"]
-        entry["peak_error"] = entry["predicted_peak_bytes"] / row["peak_bytes"] - 1
+        entry |= {
+            "measured_peak_bytes": row["peak_bytes"],
+            "measured_overhead": row["step_time_s"] / base - 1,
+            "measured_rounds_s": row["rounds_s"],
+            **({"measured_allocator_peak_bytes": row["allocator_peak_bytes"]} if "allocator_peak_bytes" in row else {}),
+            "peak_error": entry["predicted_peak_bytes"] / row["peak_bytes"] - 1,
+        }
 
 
 def table(doc: dict[str, Any]) -> str:
