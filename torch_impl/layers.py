@@ -22,7 +22,8 @@ def timestep_embedding(
     freqs = torch.from_numpy(timestep_frequencies(dim, freq_shift, max_period)).to(t.device)
     args = t.float()[:, None] * freqs[None]
     sin, cos = torch.sin(args), torch.cos(args)
-    return F.pad(torch.cat([cos, sin] if flip_sin_to_cos else [sin, cos], dim=-1), (0, dim % 2))
+    emb = torch.cat([cos, sin] if flip_sin_to_cos else [sin, cos], dim=-1)
+    return F.pad(emb, (0, dim % 2))
 
 
 # Norm kinds of the spec -> constructor (ch, groups, eps, momentum); the same keys as in Flax.
@@ -121,7 +122,8 @@ def attention(
 ) -> torch.Tensor:
     """Multi-head attention on (B, T, heads*D) tensors; ``bias`` (B, 1, 1, S) is added to the scores (`mask_bias`)."""
     q, k, v = (rearrange(a, "b t (n d) -> b n t d", n=heads) for a in (q, k, v))
-    return rearrange(F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale), "b n t d -> b t (n d)")
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    return rearrange(out, "b n t d -> b t (n d)")
 
 
 class SelfAttention(nn.Module):
@@ -233,14 +235,21 @@ class Transformer2D(nn.Module):
         self.proj_out = nn.Linear(inner, ch) if linear_projection else nn.Conv2d(inner, ch, 1)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, mask: Mask = None) -> torch.Tensor:
-        # Linear projections act on the tokens, 1x1 convs on the NCHW map: each on its side of the reshape.
-        linear, h = self.linear_projection, self.norm(x)
-        h = rearrange(h if linear else self.proj_in(h), "b c h w -> b (h w) c")
-        h = self.proj_in(h) if linear else h
+        height = x.shape[2]
+        h = self.norm(x)
+        if not self.linear_projection:
+            h = self.proj_in(h)
+        h = rearrange(h, "b c h w -> b (h w) c")
+        if self.linear_projection:
+            h = self.proj_in(h)
         for block in self.transformer_blocks:
             h = block(h, context, mask)
-        h = rearrange(self.proj_out(h) if linear else h, "b (h w) c -> b c h w", h=x.shape[2])
-        return (h if linear else self.proj_out(h)) + x
+        if self.linear_projection:
+            h = self.proj_out(h)
+        h = rearrange(h, "b (h w) c -> b c h w", h=height)
+        if not self.linear_projection:
+            h = self.proj_out(h)
+        return h + x
 
 
 class Downsample(nn.Module):
