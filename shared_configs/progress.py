@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from contextvars import ContextVar
 from typing import IO, TypeVar
 
@@ -129,14 +129,9 @@ class Progress:
             _emit(self.logger, f"{self._head()}, {self.detail}", False, self.started, 0.0)
 
 
-@contextmanager
-def progress(what: str, total: int | None = None, logger: logging.Logger | None = None) -> Iterator[Progress]:
+def progress(what: str, total: int | None = None, logger: logging.Logger | None = None) -> closing[Progress]:
     """A `Progress` closed on the way out (its final line says how long the wait took)."""
-    p = Progress(what, total, logger)
-    try:
-        yield p
-    finally:
-        p.close()
+    return closing(Progress(what, total, logger))
 
 
 def tracked(items: Iterable[T], what: str, label: Callable[[T], str] = str) -> Iterator[T]:
@@ -174,7 +169,7 @@ class Relay:
 
     def feed(self, line: str) -> None:
         if line.startswith(MARK):
-            text = f"{self.what}: {line[len(MARK) :].rstrip()}"
+            text = f"{self.what}: {line.removeprefix(MARK).rstrip()}"
             self.shown |= _emit(self.logger, text, True, self.started, QUIET_S)
         else:
             self.kept.append(line)

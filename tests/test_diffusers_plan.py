@@ -78,7 +78,7 @@ def test_every_plan_name_is_the_diffusers_module_of_that_role(case: dict[str, An
     assert {type(modules[p]).__name__ for p in attentions} <= {"Transformer2DModel", "Attention"}
 
 
-@pytest.mark.slow_for(  # ~1-2.5 s each on 2 cores: sd_narrow keeps one plan in the inner loop
+@pytest.mark.slow_for(  # seconds each: sd_narrow keeps one plan in the inner loop
     *(f"sd_narrow-{p}" for p in POLICIES if p != "down.1,mid")
 )
 @pytest.mark.parametrize("policy", POLICIES)

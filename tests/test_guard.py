@@ -49,7 +49,7 @@ from torch_impl.step import as_tensors
 
 pytestmark = pytest.mark.usefixtures("plan_cache")  # one profile per spec for the module
 BATCH = 4
-SIZE = 16  # 16x16: activations about twice the weights, gradients and AdamW state (none 12 MiB, full 6.5 MiB)
+SIZE = 16  # 16x16: activations above the weights, gradients and AdamW state (docs/guard.md has the peaks)
 
 
 class Case:
@@ -99,7 +99,7 @@ def _sizes(work: Workload) -> tuple[int, int]:
 SPECS: dict[str, Callable[[], tuple[UNetSpec | ControlNetPairSpec, bool]]] = {
     "ours": lambda: (variant("tiny", sample_size=SIZE), False),
     "diffusers": lambda: (variant("sdxl_style", sample_size=SIZE, dropout=0.0), True),  # UNet2DConditionModel
-    # the ControlNet step (none 11.8 MiB, full 6.3 MiB): a small conditioning embedding, the image at 2x the sample
+    # the ControlNet step: a small conditioning embedding, the image at 2x the sample
     "controlnet": lambda: (controlnet_pair(variant("tiny", sample_size=SIZE), **SMALL_CONDITIONING), False),
 }
 SMALL_CONDITIONING = {"conditioning_embedding_out_channels": (8, 16)}
@@ -113,7 +113,7 @@ SMALL_CONDITIONING = {"conditioning_embedding_out_channels": (8, 16)}
 def test_an_extra_buffer_is_kept_within_budget_after_at_most_3_steps(
     name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    if name == "controlnet":  # its plans' worker checks (8 s each) stood in for: MemTracker judges the step below
+    if name == "controlnet":  # its plans' worker checks (slow) stood in for: MemTracker judges the step below
         request.getfixturevalue("check_by_prediction")
     torch.manual_seed(0)
     case = Case(*SPECS[name]())

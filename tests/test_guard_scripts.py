@@ -35,7 +35,7 @@ from torch_impl.guard_retry import RetryPoint
 from torch_impl.wrappers import compiled, unwrap
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("plan_cache", "check_by_prediction")]
-heavy = pytest.mark.heavy  # a profile of its own each (about a minute of CPU): left out of the default run
+heavy = pytest.mark.heavy  # a profile of its own each (docs/guard.md: how long): left out of the default run
 SPEC = variant("tiny", down_attention=["transformer", "none"], sample_size=8, dropout=0.0)  # SD-shaped, 8x8 latents
 BATCH, TOKENS, RANK = 2, 8, 4
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]

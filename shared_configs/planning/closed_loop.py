@@ -80,9 +80,8 @@ def halfway(predicted: int, full: int) -> int:
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A guard's planner keywords as (`pipeline.plan`'s, `Workload`'s)."""
-    return {k: v for k, v in options.items() if k in PLAN_OPTIONS}, {
-        k: v for k, v in options.items() if k not in PLAN_OPTIONS
-    }
+    plan = {k: v for k, v in options.items() if k in PLAN_OPTIONS}
+    return plan, {k: v for k, v in options.items() if k not in plan}
 
 
 def mib(n: int) -> str:
@@ -123,13 +122,11 @@ class ClosedLoop:
         """Whether the next step is measured."""
         return self.left > 0
 
-    def start(self, policy: str | None = None, predicted: int | None = None) -> str:
+    def start(self, policy: str | None = None) -> str:
         """The first plan: the planner's for the budget (its `Infeasible` raised), or ``policy`` (a resumed run's)."""
         if policy is None:
-            policy, predicted = self._planner(self.budget)
-            return self.change(0, policy, predicted, Action.PLANNED, 0)
-        predicted = self._predict(policy) if predicted is None else predicted
-        return self.change(0, policy, predicted, Action.GIVEN, None)
+            return self.change(0, *self._planner(self.budget), Action.PLANNED, 0)
+        return self.change(0, policy, self._predict(policy), Action.GIVEN, None)
 
     def change(self, step: int, policy: str, predicted: int, action: Action, outside: int | None) -> str:
         """Record a change to ``policy`` and measure a window under it; returns the policy to put on."""
@@ -166,7 +163,7 @@ class ClosedLoop:
             return None
         policy, predicted = found or (FULL, self._full())
         why = f"no plan fits {mib(target)}" if self._replans <= self.rounds else f"{self.rounds} re-plans made"
-        how = f"planned for {mib(target)}" if found else f"{why}: {FULL}"
+        how = f"planned for {mib(target)}" if found else why
         self.say(
             f"{over} (predicted {mib(self.predicted)}, {mib(outside)} held outside the model's step); {how}: "
             f"{policy} (predicted {mib(predicted)})"
