@@ -80,8 +80,9 @@ def check_flags(
             "(give all three, or none to let jax.distributed detect the cluster)"
         )
     if num_processes is not None and process_id is not None and process_id >= num_processes:
-        expected = f"expected 0 .. {num_processes - 1} (--num-processes {num_processes})"
-        raise ValueError(f"--process-id {process_id}: {expected}")
+        raise ValueError(
+            f"--process-id {process_id}: expected 0 .. {num_processes - 1} (--num-processes {num_processes})"
+        )
     if (num_processes or 1) > 1:
         check_distributed(num_processes, distributed)  # type: ignore[arg-type]
 

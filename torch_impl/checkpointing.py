@@ -92,10 +92,11 @@ def make_context_fn(block: str, plan: CheckpointPlan, compiled: bool = False) ->
     save = plan.save_for(block)
     if not save:
         return None
-    if compiled:
-        policy = functools.partial(_compiled_policy_fn, tuple(save), bool(plan.offload))
-    else:
-        policy = functools.partial(_policy_fn, block, save, plan.offload, [False])
+    policy = (
+        functools.partial(_compiled_policy_fn, tuple(save), bool(plan.offload))
+        if compiled
+        else functools.partial(_policy_fn, block, save, plan.offload, [False])
+    )
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
@@ -108,8 +109,9 @@ def apply_plan(
     """Checkpoint every unit ``plan`` recomputes: ``modules[name]``, by default ``root.get_submodule(name)``."""
     remove_plan(root)
     for name in plan.recompute:
-        module = root.get_submodule(name) if modules is None else modules[name]
-        _checkpoint_forward(module, name, plan, preserve_rng_state)
+        _checkpoint_forward(
+            root.get_submodule(name) if modules is None else modules[name], name, plan, preserve_rng_state
+        )
 
 
 def _checkpoint_forward(module: nn.Module, name: str, plan: CheckpointPlan, preserve_rng_state: bool) -> None:
@@ -133,10 +135,16 @@ def _checkpointed(
 ) -> Any:
     """``plain`` under checkpoint, with the context for how it runs now (eager or traced by Dynamo)."""
     context_fn = compiled if torch.compiler.is_compiling() else eager
-    extra = {} if context_fn is None else {"context_fn": context_fn}
     # use_reentrant=False: the reentrant variant gives parameters no gradient when no
     # *input* requires grad, and cannot handle keyword arguments or nested outputs.
-    return checkpoint(plain, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **extra, **kwargs)
+    return checkpoint(
+        plain,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=preserve_rng_state,
+        **({} if context_fn is None else {"context_fn": context_fn}),
+        **kwargs,
+    )
 
 
 def remove_plan(root: nn.Module) -> None:

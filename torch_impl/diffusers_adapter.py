@@ -52,8 +52,10 @@ def _any_spec(model: nn.Module) -> UNetSpec | ControlNetSpec:
 def unit_modules(model: nn.Module, spec: UNetSpec | ControlNetSpec) -> dict[str, nn.Module]:
     """Every name a plan for ``spec`` can use -> the diffusers module it checkpoints."""
     modules: dict[str, nn.Module] = {}
-    cn = isinstance(spec, ControlNetSpec)
-    for name in controlnet_names(spec) + controlnet_names(spec, True) if cn else all_names(spec):
+    names = (
+        controlnet_names(spec) + controlnet_names(spec, True) if isinstance(spec, ControlNetSpec) else all_names(spec)
+    )
+    for name in names:
         path = diffusers_path(name)
         try:
             modules[name] = model.get_submodule(path)

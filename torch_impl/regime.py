@@ -35,8 +35,9 @@ def add_lora(model: nn.Module, rank: int, targets: Iterable[str] = LORA_TARGETS)
     """Rank-``rank`` peft LoRA adapters (alpha = rank, B zero: outputs unchanged) on ``targets``; the rest frozen."""
     from peft import LoraConfig, inject_adapter_in_model  # peft imports slowly: only when asked
 
-    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets), init_lora_weights=True)
-    model = inject_adapter_in_model(config, model)
+    model = inject_adapter_in_model(
+        LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets), init_lora_weights=True), model
+    )
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)
     return model
@@ -97,10 +98,12 @@ PLAIN_STEP = StepTools()
 
 def step_tools(model: nn.Module, regime: Regime, scaler: bool = True) -> StepTools:
     """The `StepTools` of ``regime`` for ``model`` (``scaler=False``: none, for steps whose values cannot be read)."""
-    device = next(model.parameters()).device
-    scale = loss_scaler(regime, device) if scaler else None
-    ema = EMA(trained_parameters(model)) if regime.ema else None
-    return StepTools(autocast_dtype(regime), scale, ema, regime.keep_grads)
+    return StepTools(
+        autocast_dtype=autocast_dtype(regime),
+        scaler=loss_scaler(regime, next(model.parameters()).device) if scaler else None,
+        ema=EMA(trained_parameters(model)) if regime.ema else None,
+        keep_grads=regime.keep_grads,
+    )
 
 
 class EMA:

@@ -30,8 +30,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def compiled(model: nn.Module) -> bool:
     """``model`` is ``torch.compile``'s, or a wrapper (DDP, accelerate's) around one."""
-    inner = getattr(model, "module", None)
-    return "OptimizedModule" in (type(model).__name__, type(inner).__name__)
+    return "OptimizedModule" in (type(model).__name__, type(getattr(model, "module", None)).__name__)
 
 
 def sharding(model: nn.Module) -> dict[str, Any]:
