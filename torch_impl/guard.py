@@ -203,7 +203,7 @@ class BudgetGuard:
         if self._stepped:
             self._optimizer_stepped()
             if self._optimizer_steps == 1:  # until the next call: what the script updates from the weights
-                self._gap = HeldWatch([p for p in self.model.parameters() if p.requires_grad]).__enter__()
+                self._gap = HeldWatch([p for p in self.model.parameters() if p.requires_grad]).start()
                 self._gap_end = weakref.finalize(self, self._gap.end)
         return out
 

@@ -11,7 +11,7 @@ planner's device for the model's. docs/guard.md has the rules.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -162,6 +162,8 @@ class HeldWatch(TorchDispatchMode):
     watched (``--offload_ema`` brings the shadow to the device for the update, then back) is not held. `end` also
     runs when the guard is collected: a loop that stops after its first optimizer step leaves no watch behind."""
 
+    current: ClassVar[HeldWatch | None] = None  # the process's watch in force
+
     def __init__(self, params: list[nn.Parameter]) -> None:
         super().__init__()
         local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # FSDP2: this rank's shards
@@ -170,9 +172,19 @@ class HeldWatch(TorchDispatchMode):
         self.found: dict[int, torch.Tensor] = {}
         self.ended = False
 
+    def start(self) -> HeldWatch:
+        """Watch from now on, ending the process's earlier watch first: modes nest, and only the innermost can leave
+        the stack, so a second guard's watch entered over a first one would leave the first there for good."""
+        if HeldWatch.current is not None:
+            HeldWatch.current.end()
+        HeldWatch.current = self
+        return self.__enter__()
+
     def end(self) -> None:
         """Stop watching; leave the mode stack where this is innermost (else a mode entered since would be left)."""
         self.ended = True
+        if HeldWatch.current is self:
+            HeldWatch.current = None
         if innermost_mode() is self:
             self.__exit__(None, None, None)
 
