@@ -10,6 +10,8 @@ import jax
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
+from shared_configs.arch import NormArgs
+
 Array = jax.Array
 
 
@@ -37,17 +39,17 @@ def batch_norm(eps: float, momentum: float) -> nn.BatchNorm:
     return nn.BatchNorm(momentum=1.0 - momentum, epsilon=eps, use_fast_variance=False)
 
 
-# Norm kinds of the spec -> constructor (groups, eps, momentum); the same keys as in torch.
-NORM: dict[str, Callable[[int, float, float], nn.Module]] = {
-    "group": lambda groups, eps, momentum: group_norm(groups, eps),
-    "batch": lambda groups, eps, momentum: batch_norm(eps, momentum),
+# Norm kinds of the spec -> constructor; the same keys as in torch.
+NORM: dict[str, Callable[[NormArgs], nn.Module]] = {
+    "group": lambda a: group_norm(a.groups, a.eps),
+    "batch": lambda a: batch_norm(a.eps, a.momentum),
 }
 
 
-def norm_layer(ch: int, norm: str, groups: int, eps: float, momentum: float) -> nn.Module:
-    """The ResNet / output norm of kind ``norm``."""
+def norm_layer(ch: int, args: NormArgs) -> nn.Module:
+    """The ResNet / output norm of kind ``args.norm``."""
     del ch  # Flax infers it from the input; kept to mirror torch's signature
-    return NORM[norm](groups, eps, momentum)
+    return NORM[args.norm](args)
 
 
 def norm_act(
