@@ -146,8 +146,6 @@ def controlnet_from_unet(
     """``(module, params)``: a ControlNet on ``spec``, its encoder the U-Net's (``from_unet``); ``options``: spec's."""
     cspec = ControlNetSpec(name=f"{spec.name}_controlnet", unet=spec, **options)
     module = ControlNet(spec=cspec, policy=policy)
-    inputs = {
-        k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in abstract_controlnet_inputs(cspec).items()
-    }
+    inputs = jax.tree.map(jnp.zeros_like, abstract_controlnet_inputs(cspec))
     fresh = module.init(rng if rng is not None else jax.random.key(0), **inputs)["params"]
     return module, {k: unet_params.get(k, v) for k, v in fresh.items()}  # the trunk's names are the U-Net's
