@@ -3,6 +3,8 @@
 Submodules are assigned in ``setup()`` under the torch attribute names, so the parameter tree reads
 like the torch ``state_dict`` (``resnets.0.conv1.weight`` <-> ``resnets_0/conv1/kernel``). Layers take
 only the numbers they need (the U-Net assembly reads the spec), never Flax's default epsilons or scales.
+Convs, Denses and norms have their outputs tagged (``"conv"``, ``"matmul"``, ``"norm"``) for remat
+policies, and `norm_act` is a norm recomputed in the backward pass.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_impl.attention import attention
 from jax_impl.lora import LoRADense
-from jax_impl.norms import group_norm, layer_norm, norm_act, norm_layer, tagged
 from shared_configs.arch import (
     ClassEmbeddingArgs,
+    NormArgs,
     ResnetArgs,
     SelfAttentionArgs,
     TransformerArgs,
@@ -32,6 +35,65 @@ Mask = Array | None  # a context mask as a score bias (`mask_bias`)
 # Torch pads 3x3 convs by 1 on each side; Flax's "SAME" pads bottom/right only at stride 2: padding is spelled out.
 PAD_1 = ((1, 1), (1, 1))
 PAD_0 = ((0, 0), (0, 0))
+
+
+def tagged(cls: type[nn.Module], tag: str) -> type[nn.Module]:
+    """``cls`` with its output tagged ``tag`` (`checkpoint_name`), the name a remat policy saves it by."""
+
+    class Tagged(cls):
+        def __call__(self, x: Array, *args: object, **kwargs: object) -> Array:
+            return checkpoint_name(super().__call__(x, *args, **kwargs), tag)
+
+    Tagged.__name__ = Tagged.__qualname__ = cls.__name__
+    return Tagged
+
+
+GroupNorm, LayerNorm = tagged(nn.GroupNorm, "norm"), tagged(nn.LayerNorm, "norm")
+
+
+def group_norm(groups: int, eps: float) -> nn.GroupNorm:
+    # use_fast_variance=False: E[(x - mean)^2] as torch, not E[x^2] - mean^2 (cancels badly).
+    return GroupNorm(num_groups=groups, epsilon=eps, use_fast_variance=False)
+
+
+def layer_norm(eps: float) -> nn.LayerNorm:
+    return LayerNorm(epsilon=eps, use_fast_variance=False)
+
+
+def batch_norm(eps: float, momentum: float) -> nn.BatchNorm:
+    # ``momentum`` is torch's (the new batch's weight), Flax's the old average's; train mode is chosen per call.
+    return nn.BatchNorm(momentum=1.0 - momentum, epsilon=eps, use_fast_variance=False)
+
+
+# Norm kinds of the spec -> constructor; the same keys as in torch.
+NORM: dict[str, Callable[[NormArgs], nn.Module]] = {
+    "group": lambda a: group_norm(a.groups, a.eps),
+    "batch": lambda a: batch_norm(a.eps, a.momentum),
+}
+
+
+def norm_layer(ch: int, args: NormArgs) -> nn.Module:
+    """The ResNet / output norm of kind ``args.norm``."""
+    del ch  # Flax infers it from the input; kept to mirror torch's signature
+    return NORM[args.norm](args)
+
+
+def norm_act(
+    norm: nn.Module, x: Array, train: bool = False, silu: bool = False, film: tuple[Array, Array] | None = None
+) -> Array:
+    """``norm(x)``, then ``* (1 + scale) + shift`` with ``film=(scale, shift)``, then SiLU if ``silu``,
+    recomputed from ``x`` in the backward pass: autodiff would keep x - mean and the SiLU's input and
+    sigmoid, where torch's autograd keeps the norm's input and output. The parameter tree is unchanged,
+    and a plan's ``save=norm`` still keeps the tagged output. Figures: docs/remat_vs_checkpoint.md."""
+
+    def f(module: nn.Module, y: Array, film: tuple[Array, Array] | None) -> Array:
+        # a BatchNorm uses (and updates) batch statistics in train mode, else its running ones
+        y = module(y, use_running_average=not train) if isinstance(module, nn.BatchNorm) else module(y)
+        if film is not None:
+            y = y * (1 + film[0]) + film[1]
+        return nn.silu(y) if silu else y
+
+    return nn.checkpoint(f, prevent_cse=True)(norm, x, film)
 
 
 def timestep_embedding(t: Array, dim: int, flip_sin_to_cos: bool, freq_shift: float, max_period: float) -> Array:

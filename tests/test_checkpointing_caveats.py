@@ -203,7 +203,7 @@ def test_flax_remat_updates_batch_stats_once(policy: str, flax_bn: dict, flax_pl
 
 def test_running_variance_convention_differs_by_bessel_factor() -> None:
     """torch's running_var takes the unbiased batch variance (n/(n-1)), Flax's the biased one."""
-    from jax_impl.norms import batch_norm
+    from jax_impl.layers import batch_norm
 
     x = 3 * torch.randn(2, 4, 5, 3, generator=torch.Generator().manual_seed(4)) + 1
     n = 2 * 5 * 3  # elements per channel
