@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from shared_configs.cli import BenchmarkError
 from shared_configs.pair import workload_spec
@@ -40,19 +40,6 @@ XLA_CPU_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}  # the same
 XLA_SINGLE_THREAD = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
 
 Event = dict[str, Any]
-
-
-class Backend(Protocol):
-    """What `torch_impl.profile` and `jax_impl.profile` provide (the planner's measuring half)."""
-
-    def start_worker(self, request: dict[str, Any]) -> None: ...
-    def profile(
-        self, spec: Any, batch_size: int, context_length: int, shapes: bool, repeats: int, **extra: Any
-    ) -> dict: ...
-    def peaks(self, spec: Any, batch_size: int, policies: list[str], context_length: int, **extra: Any) -> dict: ...
-    def measure(
-        self, spec: Any, batch_size: int, policies: list[str], context_length: int, steps: int, **extra: Any
-    ) -> dict: ...
 
 
 def worker_env(framework: str) -> dict[str, str]:
@@ -226,8 +213,10 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def answer(backend: Backend, request: dict[str, Any]) -> dict[str, Any]:
-    """The planner's ``request`` answered by ``backend``."""
+def answer(backend: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """The planner's ``request`` answered by ``backend``, a module of `BACKENDS`: its ``profile(spec, batch_size,
+    context_length, shapes, repeats, **extra)``, ``peaks(spec, batch_size, policies, context_length, **extra)`` or
+    ``measure(spec, batch_size, policies, context_length, steps, **extra)`` (and ``measure_compiled``, torch's)."""
     if request["kind"] == "encoders":  # the models beside the U-Net (shared_configs.planning.whole)
         return importlib.import_module(ENCODERS).encoders(request)
     spec = workload_spec(request["spec"])  # a U-Net's, or the ControlNet step's pair
@@ -243,7 +232,7 @@ def answer(backend: Backend, request: dict[str, Any]) -> dict[str, Any]:
         extra["race_to"] = request["race_to"]
     out = backend.measure(spec, size, request["policies"], context, request["steps"], **extra)
     if request.get("ratios"):  # torch.compile's activation_memory_budget, in the same process (same `none`)
-        compiled = backend.measure_compiled(spec, size, request["ratios"], context, request["steps"])  # type: ignore[attr-defined]
+        compiled = backend.measure_compiled(spec, size, request["ratios"], context, request["steps"])
         out["rows"] |= compiled["rows"]
         out["compiled_method"] = compiled["method"]
     return out
@@ -254,7 +243,7 @@ def main(argv: list[str]) -> int:
     if argv[0] != SERVE:  # the benchmark's rows: a request naming its own backend
         request = json.loads(argv[0])
         return importlib.import_module(request["backend"]).serve(request)
-    backend: Any = None
+    backend: Any = None  # a module of BACKENDS (also its `start_worker(request)`, once)
     for line in sys.stdin:  # the planner's requests, one framework's, until stdin closes
         request = json.loads(line)
         if backend is None:
