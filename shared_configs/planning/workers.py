@@ -4,7 +4,9 @@ A worker runs ``python -m shared_configs.planning.workers`` in `worker_env` (XLA
 per process (two runtimes in one skew each other's memory and time), and answers by event lines on
 stdout (`emit`): with ``--serve``, a ``result`` per planner request read from stdin (`run_worker`;
 `kept_alive`: a plan's profile and check share one); with REQUEST_JSON, the events of the request's
-own ``backend`` module (the benchmark's rows, docs/benchmark.md; `run`). Progress goes to stderr."""
+own ``backend`` module (the benchmark's rows, docs/benchmark.md; `run`). Progress goes to stderr. A worker
+never outlives its parent: each runs in a process group of its own (`worker_group`), stopped as a group (a
+worker, or torchrun and its ranks) when the parent leaves by an exception (an interrupt, an error)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import contextlib
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +26,6 @@ from typing import Any
 
 from shared_configs.cli import BenchmarkError
 from shared_configs.pair import workload_spec
-from shared_configs.processes import stop_group, worker_group
 from shared_configs.progress import MARK, Relay, worker_logging
 from shared_configs.regime import Regime
 
@@ -54,6 +56,36 @@ def worker_env(framework: str) -> dict[str, str]:
 
 
 # -- the parent's side ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def worker_group(cmd: list[str], **popen: Any) -> Iterator[subprocess.Popen]:
+    """``Popen(cmd, **popen)`` in a process group of its own, stopped whole if the block is left by an exception."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    try:
+        yield proc
+    except BaseException:
+        stop_group(proc)
+        raise
+    finally:
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+        proc.wait()
+
+
+STOP_GRACE_S = 5.0
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``proc``'s process group; SIGKILL to what is left once ``proc`` exits or `STOP_GRACE_S` pass."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(STOP_GRACE_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @dataclass
