@@ -161,11 +161,6 @@ def remove_plan(root: nn.Module) -> None:
                 module.forward = prior
 
 
-def checkpointed_names(root: nn.Module) -> list[str]:
-    """Names of the modules that currently run under checkpoint."""
-    return [name for name, m in root.named_modules() if _PRIOR in m.__dict__]
-
-
 ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
 
 # The buffers a BatchNorm updates in train mode (`num_batches_tracked` is None without stats).
