@@ -152,7 +152,8 @@ LayerArgs = NormArgs | ResnetArgs | SelfAttentionArgs | TransformerArgs | Simple
 
 
 def kwargs(args: LayerArgs) -> dict[str, Any]:
-    """The keyword arguments a layer constructor takes after its channels: ``args``, its arguments object."""
+    """The keyword arguments a layer constructor takes after its channels: ``args``, its arguments object
+    (``Layer(ch, **kwargs(a))`` is ``Layer(ch, args=a)``)."""
     return {"args": args}
 
 
