@@ -229,9 +229,12 @@ class ClosedLoop:
         )
         return self.change(step, *found, Action.RECOMPUTE_MORE, None)
 
-    def whole_budget(self) -> tuple[str, int]:
-        """The plan for the whole budget and its peak (the step seen anew), `full` where none fits."""
-        return self._plan_for(self.budget) or (FULL, self._full())
+    def regime(self, step: int, seen: str) -> str:
+        """The step seen anew (``seen``: how, a line): the plan for the whole budget (`full` where none fits),
+        measured anew; returns it."""
+        policy, predicted = self._plan_for(self.budget) or (FULL, self._full())
+        self.say(f"{seen}; re-planned for it: {policy} (predicted {mib(predicted)})")
+        return self.change(step, policy, predicted, Action.REGIME, 0)
 
     def _plan_for(self, target: int) -> tuple[str, int] | None:
         if target <= 0:
