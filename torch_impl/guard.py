@@ -103,7 +103,10 @@ class BudgetGuard:
         self._pending: list[tuple[int, int | None]] = []
         self._stepped = False  # an optimizer over the model's parameters began a step (since the last look)
         self._fresh = True  # the last call ended with an optimizer step (or none ran): no gradient accumulated
-        _spot_optimizers(self)
+        # every optimizer's step, for the guard's life: a weak reference, so that the hook keeps no guard alive
+        spot = weakref.WeakMethod(self._spot)
+        hook = register_optimizer_step_pre_hook(lambda opt, *_: None if spot() is None else spot()(opt))
+        weakref.finalize(self, hook.remove)
         if taken := take_over_checkpointing(self.model):
             self._say(f"{' and '.join(taken)}: its own gradient checkpointing is off; the guard's plan replaces it")
         planner = lambda budget: from_rank0(lambda: self._planned(budget))  # noqa: E731 (every rank: rank 0's plan)
@@ -136,8 +139,9 @@ class BudgetGuard:
         self._adopt(tree_leaves((args, kwargs)))
         # what a retry restores: the gradients of the model's trained parameters and of its optimizers'
         params = [p for p in self.model.parameters() if p.requires_grad]
-        params += [p for o in self._optimizers for g in o.param_groups for p in g["params"]]
-        params = list({id(p): p for p in params}.values())
+        params = list(
+            dict.fromkeys(params + [p for o in self._optimizers for g in o.param_groups for p in g["params"]])
+        )
         self._window.enter(step_fn, args, kwargs, params, self._fresh)
         replay = False
         while True:  # the ladder ends: under `full` the loop gives up (an attempt that stepped is not retried)
@@ -285,14 +289,3 @@ class BudgetGuard:
     def _say(self, message: str) -> None:
         ranks = f"rank {self._comm.rank}: " if self._comm.world > 1 else ""
         say(f"guard: {ranks}step {self._step}: {message}")  # through logging when it is on
-
-
-def _spot_optimizers(guard: BudgetGuard) -> None:
-    """A hook on every optimizer's step for ``guard``'s life (`BudgetGuard._spot`); removed with it."""
-    ref = weakref.ref(guard)
-
-    def spot(opt: torch.optim.Optimizer, *_: Any) -> None:
-        if (live := ref()) is not None:
-            live._spot(opt)
-
-    weakref.finalize(guard, register_optimizer_step_pre_hook(spot).remove)

@@ -23,6 +23,7 @@ from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
 from torch_impl.compat import TorchDispatchMode, innermost_mode, tree_leaves
 from torch_impl.diffusers_adapter import diffusers_spec
+from torch_impl.memory import local
 from torch_impl.pair import ControlNetPair
 from torch_impl.regime import DIFFUSERS_LORA_TARGETS
 from torch_impl.unet import UNet, UNetTrunk
@@ -44,8 +45,7 @@ def gpu_flavour(device: torch.device) -> str:
     "cuda-sm90" from compute capability 9 on (torch's 32 MiB cuBLAS workspaces), "cuda" before it."""
     if device.type != "cuda":
         return "cpu"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "cuda-sm90" if major >= 9 else "cuda"
+    return "cuda-sm90" if torch.cuda.get_device_capability(device)[0] >= 9 else "cuda"
 
 
 def take_over_checkpointing(model: nn.Module) -> list[str]:
@@ -166,8 +166,7 @@ class HeldWatch(TorchDispatchMode):
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         super().__init__()
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # FSDP2: this rank's shards
-        self.shapes = {p.untyped_storage().data_ptr(): p.shape for p in local}
+        self.shapes = {p.untyped_storage().data_ptr(): p.shape for p in map(local, params)}  # FSDP2: the shards
         self.made: set[int] = set()
         self.found: dict[int, torch.Tensor] = {}
         self.ended = False
@@ -208,8 +207,7 @@ class HeldWatch(TorchDispatchMode):
 
 def described(workload: Workload) -> str:
     """The regime planned for, with the update where one is named."""
-    impl = workload.optimizer_impl
-    return workload.regime.describe() + (f" ({impl} update)" if impl else "")
+    return workload.regime.describe() + (f" ({workload.optimizer_impl} update)" if workload.optimizer_impl else "")
 
 
 def _update_of(opt: torch.optim.Optimizer) -> str | None:

@@ -63,10 +63,11 @@ class Window:
 
     def replay(self) -> None:
         """After `rewind`: the window's earlier calls again, each from its generator states; then the last call's."""
-        for fn, args, kwargs, rng in self.calls[:-1]:
-            set_rng_state(rng)
-            fn(*args, **kwargs)
-        set_rng_state(self.calls[-1][3])
+        for i, (fn, args, kwargs, (cpu, devices, states)) in enumerate(self.calls, start=1):
+            torch.set_rng_state(cpu)
+            set_device_states(devices, states)
+            if i < len(self.calls):  # the last one runs again in the guard's next attempt
+                fn(*args, **kwargs)
 
 
 def frozen(fn: T) -> T:
@@ -84,11 +85,6 @@ def _now(cell: types.CellType) -> types.CellType:
         return types.CellType(cell.cell_contents)
     except ValueError:  # a variable not assigned yet
         return types.CellType()
-
-
-def set_rng_state(state: RngState) -> None:
-    torch.set_rng_state(state[0])
-    set_device_states(*state[1:])
 
 
 class PeerOutOfMemory(torch.OutOfMemoryError):

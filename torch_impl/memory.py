@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -40,18 +39,10 @@ FSDP_METHOD = (
 _COMM_NAMESPACES = ("fsdp", "c10d", "_c10d_functional")
 
 
-class _NoDTensor:
-    """DTensor while ``torch.distributed.tensor`` is not imported (its import is long): no tensor is one."""
-
-
-def dtensor() -> type:
-    module = sys.modules.get("torch.distributed.tensor")
-    return _NoDTensor if module is None else module.DTensor
-
-
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` (a DTensor's local shard)."""
-    return t.to_local() if isinstance(t, dtensor()) else t
+    """This rank's part of ``t`` (a DTensor's local shard; DTensor told by name, as ``torch.distributed.tensor``'s
+    import is long)."""
+    return t.to_local() if type(t).__name__ == "DTensor" else t
 
 
 def plain(t: torch.Tensor) -> list[torch.Tensor]:
@@ -118,7 +109,6 @@ class StepTracker(TorchDispatchMode):
         self._marks: list[tuple[int, str, str]] = [(0, STEM, FWD)]  # (event index, unit, phase)
         self._input_bytes = input_bytes
         self._baseline = dict.fromkeys(CATEGORIES, 0) | {"input": input_bytes}
-        self._dtensor = dtensor()
         self._mods = compat.mod_tracker() if detail else None  # (torch.distributed._tools' import is long)
         # The blocks by module; those running, innermost or latest reached last (ModTracker's own
         # `parents` is unordered, and in the backward holds several blocks at once).
@@ -132,10 +122,12 @@ class StepTracker(TorchDispatchMode):
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _add(self, t: torch.Tensor, kind: str, at_entry: bool = False) -> None:
+    def _add(self, t: torch.Tensor, kind: str, at_entry: bool = False, read: bool = False) -> None:
         for part in plain(t):
-            if part.device.type != "meta":
-                self._add_storage(part.untyped_storage(), kind, at_entry)
+            st = part.untyped_storage()
+            # ``read`` by an op: not at an address of the starting level either (a numpy array's fresh tensor)
+            if part.device.type != "meta" and not (read and st.data_ptr() in self._entry_ptrs):
+                self._add_storage(st, kind, at_entry)
 
     def _state(self) -> list[torch.Tensor]:
         return [x for opt in self._optimizers for x in state_tensors(opt)]
@@ -163,11 +155,8 @@ class StepTracker(TorchDispatchMode):
         """Storages read that neither the step nor the starting level holds: alive before the step."""
         for a in args:
             for t in a if isinstance(a, list | tuple) else (a,):
-                if isinstance(t, torch.Tensor) and not isinstance(t, self._dtensor):
-                    for part in plain(t):
-                        st = part.untyped_storage()
-                        if part.device.type != "meta" and not self._known(st) and st.data_ptr() not in self._entry_ptrs:
-                            self._add_storage(st, "params", at_entry=True)
+                if isinstance(t, torch.Tensor) and type(t).__name__ != "DTensor":
+                    self._add(t, "params", at_entry=True, read=True)
 
     def _resized(self, resize: Callable[[Any, int], None], st: torch.UntypedStorage, size: int) -> None:
         """FSDP2 gathers a parameter by growing a storage and frees it by shrinking it to 0: the old
@@ -201,7 +190,7 @@ class StepTracker(TorchDispatchMode):
         self._marks.append((len(self._events), unit, phase))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self._dtensor in types:  # let DTensor run its local ops, which this mode sees (FSDP2's shards)
+        if any(kind.__name__ == "DTensor" for kind in types):  # DTensor runs its local ops, seen here (FSDP2's shards)
             return NotImplemented
         if self._reads:
             self._read(args)
@@ -381,20 +370,17 @@ class SavedRecord:
     outputs: list[torch.Tensor] = field(default_factory=list)  # meta tensors: shape and dtype only
 
 
-def _meta_outputs(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The op's outputs as meta tensors (no data, no compute)."""
-    meta = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
-    out = op(*meta[0], **meta[1])
-    return [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
-
-
 @contextlib.contextmanager
 def record_saved() -> Iterator[list[SavedRecord]]:
     """Every save decision of selective policies while active (forward and recompute)."""
     records: list[SavedRecord] = []
 
     def observe(block: str, op_class: str, op: Any, recompute: bool, args: tuple, kwargs: dict) -> None:
-        records.append(SavedRecord(block, op_class, str(op), recompute, _meta_outputs(op, args, kwargs)))
+        # the op's outputs as meta tensors: no data, no compute
+        meta = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
+        out = op(*meta[0], **meta[1])
+        outputs = [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
+        records.append(SavedRecord(block, op_class, str(op), recompute, outputs))
 
     with observe_saves(observe):
         yield records
@@ -440,7 +426,7 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
         self._excluded = {local(t).untyped_storage().data_ptr() for t in exclude}
         self._saved: dict[int, int] = {}
         self._policy_bytes = 0  # outputs kept by selective plans (largest of the entered steps)
-        self._recording: Any = None
+        self._recording = contextlib.ExitStack()  # `record_saved` while active
         super().__init__(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -458,8 +444,7 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
 
     def __enter__(self) -> SavedBytesCounter:
         super().__enter__()
-        self._recording = record_saved()
-        self._records = self._recording.__enter__()
+        self._records = self._recording.enter_context(record_saved())
         return self
 
     def __exit__(self, *exc: object) -> None:
