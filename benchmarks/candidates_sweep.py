@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from shared_configs.cli import cli_errors, config_help, positive, stopping
+from shared_configs.cli import cli_errors, config_help, nonnegative, positive, stopping
 from shared_configs.files import atomic_write
 from shared_configs.planning.candidates import DEFAULT_ROUNDS, HAND_POLICIES
 from shared_configs.planning.paired import paired, paired_text
@@ -32,7 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-size", type=positive(int), help="latent size (default: the spec's)")
     p.add_argument("--framework", choices=("torch", "jax"), default="torch")
     p.add_argument("--budgets", type=positive(int), default=3, help="budgets between full's and none's peaks (3)")
-    p.add_argument("--candidates", type=positive(int), default=4, help="the solver's best plans raced (4)")
+    p.add_argument(
+        "--candidates",
+        type=nonnegative(int),
+        default=1,
+        help="the solver's best plans raced with the hand policies near them (1: plan_for_budget's race; 0: none)",
+    )
     p.add_argument("--rounds", type=positive(int), default=DEFAULT_ROUNDS, help="the race's rounds at most")
     p.add_argument(
         "--check-rounds",
@@ -56,6 +61,7 @@ def check_budget(
     versus = {
         h: paired(rows[chosen]["rounds_s"], rows[h]["rounds_s"]) for h in HAND_POLICIES if h != chosen and fits[h]
     }
+    best = max(versus, key=lambda h: versus[h]["median"], default=None)  # the fastest fitting hand policy, paired
     return {
         "budget_bytes": budget,
         "plan": chosen,
@@ -66,6 +72,7 @@ def check_budget(
         "fits": fits[chosen],
         "hand_peaks_bytes": {h: rows[h]["peak_bytes"] for h in HAND_POLICIES},
         "versus": versus,
+        "best_hand": best,
         "holds": fits[chosen] and not any(v["verdict"] == "slower" for v in versus.values()),
         "race": found.candidates,
     }
@@ -73,11 +80,13 @@ def check_budget(
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| budget MiB | plan | peak measured MiB | fits | vs each fitting hand policy (plan/hand - 1) | holds |",
+        "| budget MiB | plan | peak measured MiB | fits | vs each fitting hand policy (plan/hand - 1), the fastest "
+        "first | holds |",
         "|---|---|---|---|---|---|",
     ]
     for r in results:
-        vs = "; ".join(f"{h} {paired_text(v)}" for h, v in r["versus"].items()) or "none fits"
+        order = sorted(r["versus"], key=lambda h: h != r["best_hand"])
+        vs = "; ".join(f"{h} {paired_text(r['versus'][h])}" for h in order) or "none fits"
         lines.append(
             f"| {r['budget_bytes'] / MIB:.1f} | `{r['plan']}` | {r['measured_peak_bytes'] / MIB:.1f} | "
             f"{'yes' if r['fits'] else 'NO'} | {vs} | {'yes' if r['holds'] else 'NO'} |"
