@@ -38,7 +38,7 @@ from shared_configs.cli import (
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, resolve_chunk
 from shared_configs.planning import gpu, optimizer_step, whole
 from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile
-from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS, RACE_WITHIN
+from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS, RACE_WITHIN, default_rounds
 from shared_configs.planning.encoders import pipeline_configs
 from shared_configs.planning.pipeline import (
     DEFAULT_BYTES_PER_S,
@@ -62,7 +62,7 @@ VERIFY_CANDIDATES = 4  # --candidates with --verify: the optimum and the three n
 
 CANDIDATES_HELP = (
     "choose by measuring: the solver's best K plans (its optimum, then the next distinct ones) and the hand policies "
-    f"predicted within {RACE_WITHIN:.0%} of the optimum whose checked peak fits race round by round in one process per "
+    f"predicted within {100 * RACE_WITHIN:.0f}%% of the optimum whose checked peak fits race round by round in one process per "
     "framework, and the fastest whose measured peak fits is returned: never slower than a fitting hand policy beyond "
     f"the stated interval. Each is run (in JAX compiled: minutes). Default {VERIFY_CANDIDATES} with --verify, else 1 "
     "for torch, 0 for JAX (0: the solver's plan, unmeasured). A --shapes profile has nothing to measure"
@@ -266,7 +266,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workl
     )
     raced = int(args.framework in RACED)  # the hand policies predicted near the plan race it
     count = (VERIFY_CANDIDATES if args.verify else raced) if args.candidates is None else args.candidates
-    rounds = args.rounds or (DEFAULT_ROUNDS if count > 1 else MIN_ROUNDS)
+    rounds = args.rounds or default_rounds(count)
     question = Question(
         args.framework,
         args.world_size,

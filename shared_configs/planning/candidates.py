@@ -28,6 +28,12 @@ CONFIDENCE = 0.9
 REFERENCE = "none"  # timed every round: the overheads' base
 
 
+def default_rounds(count: int) -> int:
+    """A race's rounds at most: `plan_for_budget`'s quick race of the plan and the hand policies near it
+    (``count`` 1) settles in `MIN_ROUNDS`; with more solver plans, up to `DEFAULT_ROUNDS`."""
+    return DEFAULT_ROUNDS if count > 1 else MIN_ROUNDS
+
+
 def unmeasurable(profiles: list[Profile], world_size: int, distributed: str) -> str | None:
     """Why candidates cannot be measured (None: they can)."""
     if any(p.mode != "measured" for p in profiles):
