@@ -2,9 +2,10 @@
 
 Every figure comes from the training loop's own `torch_impl.train.train_step` after a warm-up step:
 bytes from one step per uniform plan under `torch_impl.memory.StepTracker`, filed by unit through
-module hooks; seconds from the plain and per-layer steps, every choice priced at two fitted rates
-(`priced`). ``shapes=True``: fake tensors, nothing allocated. `measure_step` is the one measurement of a
-step (the planner's `measure`, the benchmark's rows). Called by `shared_configs.planning.workers`.
+module hooks; seconds from the plain and per-layer steps, every choice priced as its unit's forward
+seconds at the choice's rate (`priced`). ``shapes=True``: fake tensors, nothing allocated. `measure_step`
+is the one measurement of a step (the planner's `measure`, the benchmark's rows). Called by
+`shared_configs.planning.workers`.
 """
 
 from __future__ import annotations

@@ -142,8 +142,8 @@ WHOLE_STEP = (
 )
 
 
-# Rounds of timed steps per profile: torch's one round of the per-layer runs prices every unit from
-# two fitted rates (`stepclock.fitted_rates`), which pool the noise of all its units; JAX times
+# Rounds of timed steps per profile: torch's one round prices every unit by its forward seconds at a rate per
+# choice, each rate one whole-step difference (`torch_impl.profile.priced`), not a unit's own noisy split; JAX times
 # only the plain step (its throughput prices recompute FLOPs, so a JAX plan does not depend on it).
 PROFILE_REPEATS = {"torch": 1, "jax": 1}
 
