@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -310,6 +311,28 @@ def test_candidates_return_the_fastest_that_fits_when_measured(
     assert torch_doc["measured_peak_bytes"] <= budget and torch_doc["measured_overhead"] > 0
     text = capsys.readouterr().out
     assert f"chosen: {expected}" in text and "candidates (measured round by round, at most 15 rounds" in text
+
+
+def test_plan_for_budget_races_in_torch_and_says_when_a_hand_policy_wins(
+    cache: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch's `plan_for_budget` races the solver's plan against the hand policies that fit near it, for
+    5 rounds; a hand policy measured faster is returned, said in one line. `pipeline.plan` (what the
+    guards call) and JAX's `plan_for_budget` race nothing by default."""
+    import jax_impl
+
+    budget, profile, work = _mid_budget(cache["torch"]), cache["torch"], Workload.of("tiny", batch_size=2)
+    calls = _measure_as(monkeypatch, cache)
+    unraced = pipeline.plan(work, budget).policy
+    fits = [h for h in HAND if predict(profile, SPEC, assignment_of(SPEC, h)).peak_bytes <= budget]
+    monkeypatch.setattr(candidates, "RACE_WITHIN", 10.0)  # every hand policy near
+    monkeypatch.setattr(sys.modules[__name__], "_true_step", lambda p: {"none": 1.0, fits[0]: 1.1}.get(p, 1.3))
+    assert torch_impl.plan_for_budget("tiny", 2, budget) == fits[0] != unraced
+    assert capsys.readouterr().err.count(f"plan: the hand policy {fits[0]!r} measured faster than") == 1
+    n = len(calls)
+    assert jax_impl.plan_for_budget("tiny", 2, budget)
+    assert [c for c in calls if c[0] == "measure"] == [("measure", "torch", ("none", unraced, *fits))]
+    assert calls[n:] and all(c[:2] == ("peaks", "jax") for c in calls[n:])
 
 
 def test_a_shapes_profile_has_no_candidates_to_measure(
