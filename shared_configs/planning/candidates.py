@@ -22,7 +22,7 @@ HAND_POLICIES: tuple[str, ...] = ("none", "full", "balanced", "layers", "save_co
 DEFAULT_ROUNDS = 15  # at most; a race is decided sooner when one candidate is left
 MIN_ROUNDS = 5  # the fewest rounds whose sign test can exclude 0 at 90% (all five the same way)
 # Hand policies predicted slower than the solver's plan by more than this fraction of the plain step are not
-# raced: the model's ranking errs by less on specs it never saw (docs/candidates.md#the-time-models-ranking).
+# raced: the model's ranking errs by less on specs it never saw (docs/planning.md#the-time-models-ranking).
 RACE_WITHIN = 0.05
 CONFIDENCE = 0.9
 REFERENCE = "none"  # timed every round: the overheads' base
