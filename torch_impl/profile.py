@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -303,19 +304,23 @@ def priced(
     s: dict[str, Any], units: dict[str, dict[str, Cost]], assignments: list[dict[str, str]], repeats: int, runs: dict
 ) -> tuple[dict[str, dict[str, Cost]], float, dict[str, float]]:
     """``units`` priced as the step runs them: a recompute redoes the unit's forward, so a choice costs the
-    unit's forward seconds in the plain step (a block: its layers' and sampler's) times the choice's rate,
-    the per-layer run's extra seconds over the plain step per forward second it recomputes. Each timed
-    run's median step is filed in ``runs``. Returns the units, the plain step's seconds and the rates."""
+    unit's forward seconds in the plain step (a block: its layers' and sampler's) times the choice's rate, the
+    median over the per-layer run's layers of each one's extra seconds per forward second, weighted by its
+    forward (a stall in a few layers' round moves it little). Each timed run's median step is filed in
+    ``runs``. Returns the units, the plain step's seconds and the rates."""
     timed = [a for (_, level), a in zip(PROFILE_RUNS, assignments, strict=True) if level == TIMED_LEVEL]
     results = timing_runs(s, timed, repeats)
-    forward = {u: fwd for u, (fwd, _) in results[0][0].items()}  # the plain run is PROFILE_RUNS' first
+    plain, step_time = results[0]  # the plain run is PROFILE_RUNS' first
+    forward = {u: fwd for u, (fwd, _) in plain.items()}
     forward |= {b: sum(forward[n] for n in layers) for b, layers in block_layers(s["spec"]).items()}
-    step_time, rates = results[0][1], {}
-    for assignment, (_, seconds) in zip(timed, results, strict=True):
+    rates = {}
+    for assignment, (per_unit, seconds) in zip(timed, results, strict=True):
         runs[policy_string(assignment)]["step_time_s"] = seconds
-        if assignment:  # a per-layer run, every layer under one choice; noise below the plain step: no cost
+        if assignment:  # a per-layer run, every layer under one choice
             (choice,) = set(assignment.values())
-            rates[choice] = max(seconds - step_time, 0.0) / sum(forward[u] for u in assignment)
+            extra = [(sum(per_unit[u]) - sum(plain[u])) / forward[u] for u in assignment]
+            median = np.quantile(extra, 0.5, weights=[forward[u] for u in assignment], method="inverted_cdf")
+            rates[choice] = max(float(median), 0.0)  # noise below the plain step: no cost
     priced = {
         u: {c: replace(v, time_s=rates.get(c, 0.0) * forward[u]) for c, v in per.items()} for u, per in units.items()
     }
