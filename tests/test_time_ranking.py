@@ -72,36 +72,36 @@ def test_predicted_overheads_rank_as_measured(seed: int) -> None:
     assert all(measured[p] > measured[first.policy] for p in left_out), (predicted, measured)
 
 
-def test_a_choice_costs_its_units_forward_at_its_rate_and_a_stall_moves_no_rate(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.mark.parametrize("stalled", ["one layer", "every layer"])
+def test_a_choice_costs_its_units_forward_at_its_rate(stalled: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's pricing (`torch_impl.profile.priced`) on stand-in timings: every layer's recompute costs
-    its forward seconds times its choice's true factor, and one layer of the plain step stalls for a
-    second (a page-reclaim burst on a shared machine). The rates are the factors all the same, a
-    unit costs its forward at them, a block its layers' and sampler's."""
+    its forward seconds times its choice's true factor, and the plain step stalls (a page-reclaim burst
+    on a shared machine). One layer stalled: the rates are the factors all the same; every layer: no
+    rate shows above the noise, and each choice costs its forward again (1). A unit costs its forward
+    (as measured) at its choice's rate, a block its layers' and sampler's."""
     from torch_impl import profile as torch_profile
 
     spec = variant("tiny", sample_size=16)
     names, rng = [u for u, _ in leaf_units(spec, {})], np.random.default_rng(0)
     forward = {u: float(rng.uniform(0.01, 0.05)) for u in names}
     factor = {"full": 1.1, "save=conv,matmul": 0.6}
+    seen = {u: forward[u] + (1.0 if stalled == "every layer" or u == names[3] else 0.0) for u in names}
 
     def timing_runs(s: dict, assignments: list[dict[str, str]], repeats: int) -> list:
-        # a unit's forward, its backward twice that, its recompute in the backward; a stall in the plain run
+        # a unit's forward, its backward twice that, its recompute in the backward; the plain run stalls
         per = [
             {u: [forward[u], 2 * forward[u] + factor.get(a.get(u), 0.0) * forward[u]] for u in names}
             for a in assignments
         ]
-        per[0][names[3]][0] += 1.0
+        per[0] = {u: [seen[u], t[1]] for u, t in per[0].items()}
         return [(p, sum(map(sum, p.values()))) for p in per]
 
     monkeypatch.setattr(torch_profile, "timing_runs", timing_runs)
     units = random_profile(spec, 0).units
     runs = {policy_string(a): {} for a in profile_assignments(spec)}
     priced, _, rates = torch_profile.priced({"spec": spec}, units, profile_assignments(spec), 1, runs)
-    assert rates == pytest.approx(factor)
-    seen = dict(forward, **{names[3]: forward[names[3]] + 1.0})  # the stalled forward prices its own unit
+    assert rates == pytest.approx(factor if stalled == "one layer" else dict.fromkeys(factor, 1.0))
     seen |= {b: sum(seen[n] for n in layers) for b, layers in block_layers(spec).items()}
     for unit, per in units.items():
         for choice in per:
-            assert priced[unit][choice].time_s == pytest.approx(factor.get(choice, 0.0) * seen[unit]), (unit, choice)
+            assert priced[unit][choice].time_s == pytest.approx(rates.get(choice, 0.0) * seen[unit]), (unit, choice)

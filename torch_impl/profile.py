@@ -306,8 +306,9 @@ def priced(
     """``units`` priced as the step runs them: a recompute redoes the unit's forward, so a choice costs the
     unit's forward seconds in the plain step (a block: its layers' and sampler's) times the choice's rate, the
     median over the per-layer run's layers of each one's extra seconds per forward second, weighted by its
-    forward (a stall in a few layers' round moves it little). Each timed run's median step is filed in
-    ``runs``. Returns the units, the plain step's seconds and the rates."""
+    forward (a stall in a few layers' round moves it little; none above 0, as on a machine too loaded to
+    tell: 1, the forward run again). Each timed run's median step is filed in ``runs``. Returns the units,
+    the plain step's seconds and the rates."""
     timed = [a for (_, level), a in zip(PROFILE_RUNS, assignments, strict=True) if level == TIMED_LEVEL]
     results = timing_runs(s, timed, repeats)
     plain, step_time = results[0]  # the plain run is PROFILE_RUNS' first
@@ -320,7 +321,7 @@ def priced(
             (choice,) = set(assignment.values())
             extra = [(sum(per_unit[u]) - sum(plain[u])) / forward[u] for u in assignment]
             median = np.quantile(extra, 0.5, weights=[forward[u] for u in assignment], method="inverted_cdf")
-            rates[choice] = max(float(median), 0.0)  # noise below the plain step: no cost
+            rates[choice] = float(median) if median > 0 else 1.0  # no signal above noise: its forward again
     priced = {
         u: {c: replace(v, time_s=rates.get(c, 0.0) * forward[u]) for c, v in per.items()} for u, per in units.items()
     }
