@@ -61,11 +61,11 @@ VERIFY_CANDIDATES = 4  # --candidates with --verify: the optimum and the three n
 
 
 CANDIDATES_HELP = (
-    "choose by measuring: the solver's best K plans (its optimum, then the next distinct ones) and the hand policies "
-    f"predicted within {100 * RACE_WITHIN:.0f}%% of the optimum whose checked peak fits race round by round in one process per "
-    "framework, and the fastest whose measured peak fits is returned: never slower than a fitting hand policy beyond "
-    f"the stated interval. Each is run (in JAX compiled: minutes). Default {VERIFY_CANDIDATES} with --verify, else 1 "
-    "for torch, 0 for JAX (0: the solver's plan, unmeasured). A --shapes profile has nothing to measure"
+    "choose by measuring: the solver's best K plans (its optimum, then the next distinct ones) and the hand "
+    f"policies predicted within {100 * RACE_WITHIN:.0f}%% of the optimum whose checked peak fits race round by "
+    "round in one process per framework, and the fastest whose measured peak fits is returned: never slower than "
+    f"a raced hand policy beyond the stated interval. Each is run (in JAX compiled: minutes). Default "
+    f"{VERIFY_CANDIDATES} with --verify, else 1 in torch (0 with --shapes or in JAX: the solver's plan, unmeasured)"
 )
 
 
@@ -264,7 +264,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workl
         optimizer_impl=args.optimizer_impl,
         encoder_configs=pipeline_configs(args.diffusers) if args.diffusers else None,
     )
-    raced = int(args.framework in RACED)  # the hand policies predicted near the plan race it
+    raced = int(args.framework in RACED and not args.shapes)  # the hand policies near the plan race it
     count = (VERIFY_CANDIDATES if args.verify else raced) if args.candidates is None else args.candidates
     rounds = args.rounds or default_rounds(count)
     question = Question(
