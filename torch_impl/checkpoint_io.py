@@ -30,6 +30,7 @@ class ProcessGroupComm:
 
     rank: int
     world: int
+    group: Any = None  # the group ``max`` all-reduces in; None: the default one
 
     def barrier(self) -> None:
         dist.barrier()
@@ -41,13 +42,18 @@ class ProcessGroupComm:
 
     def max(self, value: int) -> int:
         total = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
         return int(total.item())
 
 
-def current_comm() -> Comm:
-    """The process group's ranks when one is initialised, else `SOLO`."""
-    return ProcessGroupComm(dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else SOLO
+def current_comm(host: bool = False) -> Comm:
+    """The process group's ranks when one is initialised, else `SOLO`. ``host``: for `torch_impl.BudgetGuard`'s
+    integers, one process is `SOLO` and several all-reduce in a gloo group on the host (no device sync under NCCL),
+    made here: every rank calls this alike, as it makes its guard."""
+    if not dist.is_initialized() or (host and dist.get_world_size() == 1):
+        return SOLO
+    group = dist.new_group(backend="gloo") if host and dist.get_backend() != "gloo" else None
+    return ProcessGroupComm(dist.get_rank(), dist.get_world_size(), group)
 
 
 @contextmanager

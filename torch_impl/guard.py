@@ -5,7 +5,7 @@ The decisions (when to measure, tighten, loosen, fall back to `full`, the out-of
 CUDA, `torch_impl.memory.step_peak` on CPU, with what the script holds beside the step), puts plans on
 the model, replays a failed attempt's accumulation window (`torch_impl.guard_retry`) and reads the regime
 the step runs in (`torch_impl.guard_model`). Several processes agree on each retry, judgement and plan
-(`agree`, `largest`, `from_rank0`). Mirror: `jax_impl/guard.py`.
+(`agree`, the all-reduce of `current_comm`, `from_rank0`). Mirror: `jax_impl/guard.py`.
 The rules and the measured runs: docs/guard.md.
 """
 
@@ -23,18 +23,12 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shared_configs.planning import gpu, pipeline, whole
-from shared_configs.planning.closed_loop import (
-    DEFAULT_ROUNDS,
-    Action,
-    ClosedLoop,
-    GuardRecord,
-    Vote,
-    mib,
-    split_options,
-)
+from shared_configs.planning.closed_loop import DEFAULT_ROUNDS, ClosedLoop, GuardRecord, Vote, split_options
 from shared_configs.planning.pipeline import Workload
 from shared_configs.progress import SILENT, say
 from shared_configs.regime import Regime
+from torch_impl import memory
+from torch_impl.checkpoint_io import current_comm
 from torch_impl.compat import tree_leaves
 from torch_impl.diffusers_adapter import apply_plan
 from torch_impl.guard_model import (
@@ -46,20 +40,7 @@ from torch_impl.guard_model import (
     step_spec,
     take_over_checkpointing,
 )
-from torch_impl.guard_retry import (
-    PeerOutOfMemory,
-    Window,
-    accelerator_of,
-    agree,
-    base_optimizer,
-    from_rank0,
-    go_on,
-    host_group,
-    largest,
-    processes,
-    rank,
-    why_not_retry,
-)
+from torch_impl.guard_retry import PeerOutOfMemory, Window, agree, base_optimizer, from_rank0, go_on
 from torch_impl.pair import ControlNetPair
 from torch_impl.wrappers import compiled, sharding, unwrap
 
@@ -96,6 +77,7 @@ class BudgetGuard:
         **planner_options: Any,
     ) -> None:
         self._step = 0
+        self._comm = current_comm(host=True)  # the ranks' retries, judgements and EMA found agreed through it
         self.model, self._compiled = unwrap(model), compiled(model)
         spec = step_spec(self.model)
         self._plan_options, workload = split_options(sharding(self.model) | planner_options)
@@ -111,19 +93,20 @@ class BudgetGuard:
         self._params = {id(p) for p in self.model.parameters()}
         self._optimizers: list[torch.optim.Optimizer] = []
         self._adopt(list(optimizers))
-        self._accelerators = [] if accelerator is None else [accelerator]
-        self._window = Window(self._accelerators)
+        self._window = Window([] if accelerator is None else [accelerator])
         self._holds = [t for h in holds for t in ([*h.parameters(), *h.buffers()] if isinstance(h, nn.Module) else [h])]
-        self._held_bytes = sum(
-            {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._holds}.values()
-        )
+        self._held_bytes = memory.storage_bytes(self._holds)
         self._ema: list[weakref.ref[torch.Tensor]] = []  # what `HeldWatch` found held beside the step
-        self._gap: HeldWatch | None = None
-        self._group = host_group()
-        self._pending: list[dict[str, int]] = []  # this optimizer step's measured micro-steps
+        self._gap: weakref.finalize | None = None  # ends the gap's `HeldWatch`, also when the guard is collected
+        # this optimizer step's measured micro-steps: their peaks (CUDA: the allocator's reserve, what the device
+        # holds) and, on CUDA, the allocated peaks beside them
+        self._pending: list[tuple[int, int | None]] = []
         self._stepped = False  # an optimizer over the model's parameters began a step (since the last look)
         self._fresh = True  # the last call ended with an optimizer step (or none ran): no gradient accumulated
-        _spot_optimizers(self)
+        # every optimizer's step, for the guard's life: a weak reference, so that the hook keeps no guard alive
+        spot = weakref.WeakMethod(self._spot)
+        hook = register_optimizer_step_pre_hook(lambda opt, *_: None if spot() is None else spot()(opt))
+        weakref.finalize(self, hook.remove)
         if taken := take_over_checkpointing(self.model):
             self._say(f"{' and '.join(taken)}: its own gradient checkpointing is off; the guard's plan replaces it")
         planner = lambda budget: from_rank0(lambda: self._planned(budget))  # noqa: E731 (every rank: rank 0's plan)
@@ -154,20 +137,24 @@ class BudgetGuard:
             self._fresh = True
             self._optimizer_stepped()
         self._adopt(tree_leaves((args, kwargs)))
-        params = self._retried_params()
+        # what a retry restores: the gradients of the model's trained parameters and of its optimizers'
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = list(
+            dict.fromkeys(params + [p for o in self._optimizers for g in o.param_groups for p in g["params"]])
+        )
         self._window.enter(step_fn, args, kwargs, params, self._fresh)
         replay = False
-        while True:  # the ladder ends: under `full` the loop gives up
-            self._stepped = False
+        while True:  # the ladder ends: under `full` the loop gives up (an attempt that stepped is not retried)
             try:
                 if replay:
                     self._window.replay()
                 return self._attempt(step_fn, args, kwargs)
             except torch.OutOfMemoryError as err:  # every rank votes once (`agree`), here or where it learns
                 failed = Vote.REFUSE if self._stepped else Vote.RETRY
-                vote, by = (err.vote, err.rank) if isinstance(err, PeerOutOfMemory) else agree(failed, self._group)
-                who = "" if by == rank() else f"rank {by} "
-                if not self.loop.out_of_memory(self._step, why_not_retry(vote, who), who=who):
+                vote, by = (err.vote, err.rank) if isinstance(err, PeerOutOfMemory) else agree(failed, self._comm)
+                who = "" if by == self._comm.rank else f"rank {by} "
+                began = f"{'its' if who else 'the'} optimizer step had begun (some weights may be updated already)"
+                if not self.loop.out_of_memory(self._step, None if vote == Vote.RETRY else began, who=who):
                     self._window.rewind(params)
                     self._free()
                     raise
@@ -179,8 +166,10 @@ class BudgetGuard:
     def step(self, context: Callable[..., Any] | None = None, *context_args: Any) -> Callable[[Callable[[], Any]], Any]:
         """A decorator that runs the function at once as `run` does, inside ``context(*context_args)``
         entered afresh for each attempt (``accelerator.accumulate, unet``; docs/guard.md's recipes)."""
-        if (owner := accelerator_of(context)) is not None and owner not in self._accelerators:
-            self._accelerators.append(owner)  # its accumulation counter, which each entry advances
+        owner = getattr(context, "__self__", None)  # accelerate's Accelerator, for ``accelerator.accumulate``
+        accelerator = hasattr(owner, "gradient_state") and isinstance(getattr(owner, "step", None), int)
+        if accelerator and owner not in self._window.accelerators:
+            self._window.accelerators.append(owner)  # its accumulation counter, which each entry advances
 
         def body(fn: Callable[[], Any]) -> Any:
             with contextlib.nullcontext() if context is None else context(*context_args):
@@ -191,35 +180,29 @@ class BudgetGuard:
     def _attempt(self, step_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if not self.loop.due:
             out = step_fn(*args, **kwargs)
-        else:  # CPU: the step's tensors, its arguments among them (`step_peak`); CUDA: the allocator's peaks
-            from torch_impl.memory import step_peak  # here: `import torch_impl` stays light
-
+        else:  # CPU: the step's tensors (its arguments, what the device holds beside it); CUDA: the allocator's peaks
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            with step_peak(self.model, self._optimizers, tensors, self._held()) as found:
+            held = [*self._holds, *(t for ref in self._ema if (t := ref()) is not None)]  # an EMA found, while alive
+            with memory.step_peak(self.model, self._optimizers, tensors, held) as found:
                 out = step_fn(*args, **kwargs)
-            self._pending.append(found)
-        go_on(self._group)  # every rank reaches the end of its call, or votes at its error
+            self._pending.append((found.get("reserved", found["peak"]), found["peak"] if "reserved" in found else None))
+        go_on(self._comm)  # every rank reaches the end of its call, or votes at its error
         self._fresh = self._stepped  # else the next micro-step accumulates into this one's gradients
         if self._stepped:
             self._optimizer_stepped()
             if self._optimizer_steps == 1:  # until the next call: what the script updates from the weights
-                self._gap = HeldWatch([p for p in self.model.parameters() if p.requires_grad]).start()
-                self._gap_end = weakref.finalize(self, self._gap.end)
+                watch = HeldWatch([p for p in self.model.parameters() if p.requires_grad])
+                self._gap = weakref.finalize(self, watch.start().end)
         return out
 
     def _gap_ended(self) -> None:
         """After the first optimizer step's gap: tensors held beside the step on the model's device (an EMA's shadow
         weights) counted in each measurement from now on, and in the regime (on every rank, if on any)."""
-        self._gap_end()
-        found, self._gap = [t for t in self._gap.found.values() if t.device == self._device()], None
+        found, self._gap = [t for t in self._gap().values() if t.device == self._device()], None
         self._ema = [weakref.ref(t) for t in found]
-        if largest(int(bool(found)), self._group):
+        if self._comm.max(int(bool(found))):
             self._watch.ema = True
             self._regime_differs()
-
-    def _held(self) -> list[torch.Tensor]:
-        """What the device holds beside the step that it may not read: ``holds``, and an EMA found (while alive)."""
-        return [*self._holds, *(t for ref in self._ema if (t := ref()) is not None)]
 
     def _optimizer_stepped(self) -> None:
         """One optimizer step ended: judge the peak over its measured micro-steps (after the first, its regime)."""
@@ -227,11 +210,10 @@ class BudgetGuard:
         self._optimizer_steps += 1
         if self._optimizer_steps == 1 and self._regime_differs():
             return
-        if self._pending:  # CUDA: judged by what the device holds, the allocator's reserve
-            found = max(self._pending, key=lambda f: f.get("reserved", f["peak"]))
-            self._pending, measured = [], found.get("reserved", found["peak"])
-            allocated = found["peak"] if "reserved" in found else None
-            if (policy := self.loop.judge(self._step, largest(measured, self._group), allocated)) is not None:
+        if self._pending:
+            measured, allocated = max(self._pending, key=lambda found: found[0])
+            self._pending = []
+            if (policy := self.loop.judge(self._step, self._comm.max(measured), allocated)) is not None:
                 self._put_on(policy)
 
     def _regime_differs(self) -> bool:
@@ -242,13 +224,10 @@ class BudgetGuard:
             self._say(line)
         if self._workload == was:
             return False
-        policy, predicted = self.loop.whole_budget()
         how = "as given" if self._watch.given else "as guessed from the model"
-        self._say(
-            f"the step runs in {described(self._workload)}, not in {described(was)} {how}; "
-            f"re-planned for it: {policy} (predicted {mib(predicted)})"
+        self._put_on(
+            self.loop.regime(self._step, f"the step runs in {described(self._workload)}, not in {described(was)} {how}")
         )
-        self._put_on(self.loop.change(self._step, policy, predicted, Action.REGIME, 0))
         return True
 
     def _device(self) -> torch.device:
@@ -267,15 +246,9 @@ class BudgetGuard:
         opt = base_optimizer(opt)
         if opt in self._optimizers or any(id(p) in self._params for g in opt.param_groups for p in g["params"]):
             if not self._stepped:  # before any weight changes, every rank meets here or votes at its error
-                go_on(self._group)
+                go_on(self._comm)
             self._stepped = True
             self._adopt([opt])
-
-    def _retried_params(self) -> list[nn.Parameter]:
-        """The parameters whose gradients a retry restores."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        params += [p for o in self._optimizers for g in o.param_groups for p in g["params"]]
-        return list({id(p): p for p in params}.values())
 
     # -- putting plans on ----------------------------------------------------------------------
 
@@ -314,16 +287,5 @@ class BudgetGuard:
         return allocated if self._workload.device == "cpu" else round(allocated * gpu.FRAGMENTATION)
 
     def _say(self, message: str) -> None:
-        rank = f"rank {torch.distributed.get_rank()}: " if processes() > 1 else ""
-        say(f"guard: {rank}step {self._step}: {message}")  # through logging when it is on
-
-
-def _spot_optimizers(guard: BudgetGuard) -> None:
-    """A hook on every optimizer's step for ``guard``'s life (`BudgetGuard._spot`); removed with it."""
-    ref = weakref.ref(guard)
-
-    def spot(opt: torch.optim.Optimizer, *_: Any) -> None:
-        if (live := ref()) is not None:
-            live._spot(opt)
-
-    weakref.finalize(guard, register_optimizer_step_pre_hook(spot).remove)
+        ranks = f"rank {self._comm.rank}: " if self._comm.world > 1 else ""
+        say(f"guard: {ranks}step {self._step}: {message}")  # through logging when it is on

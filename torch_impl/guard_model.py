@@ -23,6 +23,7 @@ from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
 from torch_impl.compat import TorchDispatchMode, innermost_mode, tree_leaves
 from torch_impl.diffusers_adapter import diffusers_spec
+from torch_impl.memory import local
 from torch_impl.pair import ControlNetPair
 from torch_impl.regime import DIFFUSERS_LORA_TARGETS
 from torch_impl.unet import UNet, UNetTrunk
@@ -44,16 +45,15 @@ def gpu_flavour(device: torch.device) -> str:
     "cuda-sm90" from compute capability 9 on (torch's 32 MiB cuBLAS workspaces), "cuda" before it."""
     if device.type != "cuda":
         return "cpu"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "cuda-sm90" if major >= 9 else "cuda"
+    return "cuda-sm90" if torch.cuda.get_device_capability(device)[0] >= 9 else "cuda"
 
 
 def take_over_checkpointing(model: nn.Module) -> list[str]:
     """Turn off diffusers' own gradient checkpointing in each network of ``model``; returns their class names."""
     taken = []
     for net in [model.unet, model.controlnet] if isinstance(model, ControlNetPair) else [model]:
-        ours = isinstance(net, UNetTrunk)  # ours (a UNet, a ControlNet) has no checkpointing but its plan
-        if ours or not any(getattr(m, "gradient_checkpointing", False) for m in net.modules()):
+        # ours (a UNet, a ControlNet) has no checkpointing but its plan
+        if isinstance(net, UNetTrunk) or not any(getattr(m, "gradient_checkpointing", False) for m in net.modules()):
             continue
         net.disable_gradient_checkpointing()
         taken.append(type(net).__name__)
@@ -81,8 +81,9 @@ def regime_seen(model: nn.Module, autocast: torch.dtype | None = None) -> tuple[
     adapters = rank is not None and not isinstance(model, ControlNetPair)
     if not adapters and any("lora_" in n for n, p in model.named_parameters() if p.requires_grad):
         notes.append("LoRA adapters without one rank on to_q, to_k, to_v, to_out.0: planned as all weights trained")
-    trainable = f"lora:{rank}" if adapters else "all"
-    return Regime(precision=_precision(trained, frozen, autocast), trainable=trainable), notes
+    return Regime(
+        precision=_precision(trained, frozen, autocast), trainable=f"lora:{rank}" if adapters else "all"
+    ), notes
 
 
 def _precision(trained: list[nn.Parameter], frozen: list[nn.Parameter], autocast: torch.dtype | None) -> str:
@@ -141,9 +142,8 @@ class RegimeWatch:
         impl = planned.optimizer_impl
         if planned.device != "cpu" and not self.impl_given:  # on a GPU: the update as the optimizer says
             impl = self.update(optimizers, seen.optimizer)
-        if (seen, impl) == (planned.regime, planned.optimizer_impl):
-            return planned, notes if self.given else []
-        return replace(planned, regime=seen, optimizer_impl=impl), notes
+        found = replace(planned, regime=seen, optimizer_impl=impl)
+        return found, notes if self.given or found != planned else []
 
     @staticmethod
     def update(optimizers: list[torch.optim.Optimizer], optimizer: str) -> str | None:
@@ -166,8 +166,7 @@ class HeldWatch(TorchDispatchMode):
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         super().__init__()
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # FSDP2: this rank's shards
-        self.shapes = {p.untyped_storage().data_ptr(): p.shape for p in local}
+        self.shapes = {p.untyped_storage().data_ptr(): p.shape for p in map(local, params)}  # FSDP2: the shards
         self.made: set[int] = set()
         self.found: dict[int, torch.Tensor] = {}
         self.ended = False
@@ -180,13 +179,15 @@ class HeldWatch(TorchDispatchMode):
         HeldWatch.current = self
         return self.__enter__()
 
-    def end(self) -> None:
-        """Stop watching; leave the mode stack where this is innermost (else a mode entered since would be left)."""
+    def end(self) -> dict[int, torch.Tensor]:
+        """Stop watching; leave the mode stack where this is innermost (else a mode entered since would be left).
+        Returns ``found``."""
         self.ended = True
         if HeldWatch.current is self:
             HeldWatch.current = None
         if innermost_mode() is self:
             self.__exit__(None, None, None)
+        return self.found
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.ended:
@@ -206,8 +207,7 @@ class HeldWatch(TorchDispatchMode):
 
 def described(workload: Workload) -> str:
     """The regime planned for, with the update where one is named."""
-    impl = workload.optimizer_impl
-    return workload.regime.describe() + (f" ({impl} update)" if impl else "")
+    return workload.regime.describe() + (f" ({workload.optimizer_impl} update)" if workload.optimizer_impl else "")
 
 
 def _update_of(opt: torch.optim.Optimizer) -> str | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -40,18 +39,10 @@ FSDP_METHOD = (
 _COMM_NAMESPACES = ("fsdp", "c10d", "_c10d_functional")
 
 
-class _NoDTensor:
-    """DTensor while ``torch.distributed.tensor`` is not imported (its import is long): no tensor is one."""
-
-
-def dtensor() -> type:
-    module = sys.modules.get("torch.distributed.tensor")
-    return _NoDTensor if module is None else module.DTensor
-
-
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` (a DTensor's local shard)."""
-    return t.to_local() if isinstance(t, dtensor()) else t
+    """This rank's part of ``t`` (a DTensor's local shard; DTensor told by name, as ``torch.distributed.tensor``'s
+    import is long)."""
+    return t.to_local() if type(t).__name__ == "DTensor" else t
 
 
 def plain(t: torch.Tensor) -> list[torch.Tensor]:
@@ -110,16 +101,14 @@ class StepTracker(TorchDispatchMode):
         self._reads, self._detail = reads, detail
         self._sizes: list[int] = []  # per storage ever seen
         self._kinds: list[str] = []
-        self._live: dict[int, int] = {}  # id(storage) -> index into _sizes
-        self._refs: dict[int, weakref.ref] = {}  # keeps the free callbacks alive
+        # id(storage) -> (index into _sizes, the weakref whose callback files its free) while the step runs
+        self._live: dict[int, tuple[int, weakref.ref]] = {}
         self._events: list[tuple[int, int, str]] = []  # (storage index, +1 made / -1 freed, block)
         self._entry: list[int] = []  # indices of the storages of the starting level
         self._entry_ptrs: set[int] = set()  # their addresses: a numpy array's fresh tensor is no new memory
         self._marks: list[tuple[int, str, str]] = [(0, STEM, FWD)]  # (event index, unit, phase)
-        self._ended = 0  # events up to the exit
         self._input_bytes = input_bytes
         self._baseline = dict.fromkeys(CATEGORIES, 0) | {"input": input_bytes}
-        self._dtensor = dtensor()
         self._mods = compat.mod_tracker() if detail else None  # (torch.distributed._tools' import is long)
         # The blocks by module; those running, innermost or latest reached last (ModTracker's own
         # `parents` is unordered, and in the backward holds several blocks at once).
@@ -129,21 +118,23 @@ class StepTracker(TorchDispatchMode):
         self._in_optimizer = False
         self._recompute_depth = 0
         self._phases: dict[str, int] = {}
-        self._hooks: list[Any] = []
         self.result: StepMemory | None = None
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _add(self, t: torch.Tensor, kind: str, at_entry: bool = False) -> None:
+    def _add(self, t: torch.Tensor, kind: str, at_entry: bool = False, read: bool = False) -> None:
         for part in plain(t):
-            if part.device.type != "meta":
-                self._add_storage(part.untyped_storage(), kind, at_entry)
+            st = part.untyped_storage()
+            # ``read`` by an op: not at an address of the starting level either (a numpy array's fresh tensor)
+            if part.device.type != "meta" and not (read and st.data_ptr() in self._entry_ptrs):
+                self._add_storage(st, kind, at_entry)
 
     def _state(self) -> list[torch.Tensor]:
         return [x for opt in self._optimizers for x in state_tensors(opt)]
 
     def _known(self, st: torch.UntypedStorage) -> bool:
-        return id(st) in self._live and self._refs[id(st)]() is st
+        entry = self._live.get(id(st))
+        return entry is not None and entry[1]() is st
 
     def _add_storage(self, st: torch.UntypedStorage, kind: str, at_entry: bool = False) -> None:
         if self._known(st):
@@ -151,8 +142,7 @@ class StepTracker(TorchDispatchMode):
         key, index = id(st), len(self._sizes)
         self._sizes.append(st.nbytes())
         self._kinds.append(kind)
-        self._live[key] = index
-        self._refs[key] = weakref.ref(st, functools.partial(self._freed, key, index))
+        self._live[key] = (index, weakref.ref(st, functools.partial(self._freed, key, index)))
         if at_entry:
             self._baseline[kind] += st.nbytes()
             self._entry.append(index)
@@ -165,26 +155,22 @@ class StepTracker(TorchDispatchMode):
         """Storages read that neither the step nor the starting level holds: alive before the step."""
         for a in args:
             for t in a if isinstance(a, list | tuple) else (a,):
-                if isinstance(t, torch.Tensor) and not isinstance(t, self._dtensor):
-                    for part in plain(t):
-                        st = part.untyped_storage()
-                        if part.device.type != "meta" and not self._known(st) and st.data_ptr() not in self._entry_ptrs:
-                            self._add_storage(st, "params", at_entry=True)
+                if isinstance(t, torch.Tensor) and type(t).__name__ != "DTensor":
+                    self._add(t, "params", at_entry=True, read=True)
 
     def _resized(self, resize: Callable[[Any, int], None], st: torch.UntypedStorage, size: int) -> None:
         """FSDP2 gathers a parameter by growing a storage and frees it by shrinking it to 0: the old
         size is freed, the new one made (as ``params``)."""
         if self._known(st):
-            index = self._live.pop(id(st))
-            del self._refs[id(st)]  # its free callback goes with it: this is the free
+            index, _ = self._live.pop(id(st))  # its free callback goes with its weakref: this is the free
             self._events.append((index, -1, self._block()))
         resize(st, size)
         if size > 0:
             self._add_storage(st, "params")
 
-    def _freed(self, key: int, index: int, _ref: Any) -> None:
-        if self._live.get(key) == index:
-            del self._live[key], self._refs[key]
+    def _freed(self, key: int, index: int, ref: weakref.ref) -> None:
+        if self._live.get(key, (None, None))[1] is ref:
+            del self._live[key]
         self._events.append((index, -1, self._block()))
 
     def _block(self) -> str:
@@ -193,22 +179,18 @@ class StepTracker(TorchDispatchMode):
         return self._last if self._last in self._running else OUTSIDE
 
     def _phase(self) -> str:
-        if self._in_optimizer:
-            return self._start_phase("optimizer")
-        if self._mods.is_bw:
-            return self._start_phase("backward")
+        running = "optimizer" if self._in_optimizer else "backward" if self._mods.is_bw else None
+        if running is not None:  # the first event of each phase is filed
+            self._phases.setdefault(running, len(self._events))
+            return running
         return "backward" if "backward" in self._phases else "forward"
-
-    def _start_phase(self, name: str) -> str:
-        self._phases.setdefault(name, len(self._events))
-        return name
 
     def mark(self, unit: str, phase: str) -> None:
         """What follows runs in ``unit``'s ``phase`` (fwd, bwd, opt)."""
         self._marks.append((len(self._events), unit, phase))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self._dtensor in types:  # let DTensor run its local ops, which this mode sees (FSDP2's shards)
+        if any(kind.__name__ == "DTensor" for kind in types):  # DTensor runs its local ops, seen here (FSDP2's shards)
             return NotImplemented
         if self._reads:
             self._read(args)
@@ -240,10 +222,12 @@ class StepTracker(TorchDispatchMode):
         self._patches = contextlib.ExitStack()  # undone at exit, in reverse
         if self._detail:
             self._mods.register_user_hooks(self._pre_forward, self._post_forward, self._enter_block, self._leave_block)
-            self._hooks = [
+            self._patches.callback(self._mods.clear_user_hooks)
+            for hook in (
                 register_optimizer_step_pre_hook(lambda *a: setattr(self, "_in_optimizer", True)),
                 register_optimizer_step_post_hook(lambda *a: setattr(self, "_in_optimizer", False)),
-            ]
+            ):
+                self._patches.callback(hook.remove)
             self._patches.enter_context(compat.multi_grad_hooks_any())
             self._patches.enter_context(self._mods)
         self._patches.enter_context(compat.resizes_to(self._resized))
@@ -274,23 +258,19 @@ class StepTracker(TorchDispatchMode):
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         self._patches.__exit__(*exc)
-        if self._detail:
-            self._mods.clear_user_hooks()
-            for hook in self._hooks:
-                hook.remove()
         # What the step leaves behind decides the kind: its gradients and (new) optimizer state.
         for kind, tensors in (("grads", [p.grad for p in self._model.parameters()]), ("optimizer", self._state())):
             for t in tensors:
-                index = None if t is None else self._live.get(id(local(t).untyped_storage()))
-                if index is not None:
-                    self._kinds[index] = kind
-        self._ended = len(self._events)
+                entry = None if t is None else self._live.get(id(local(t).untyped_storage()))
+                if entry is not None:
+                    self._kinds[entry[0]] = kind
+        self._live.clear()  # no free is filed after the step: the weakrefs go, and their callbacks with them
         self.result = self._summary()
 
     def _summary(self) -> StepMemory:
         kinds = {k: i for i, k in enumerate(CATEGORIES)}
-        delta = np.zeros((len(CATEGORIES), self._ended), dtype=np.int64)
-        for i, (index, sign, _) in enumerate(self._events[: self._ended]):
+        delta = np.zeros((len(CATEGORIES), len(self._events)), dtype=np.int64)
+        for i, (index, sign, _) in enumerate(self._events):
             delta[kinds[self._kinds[index]], i] = sign * self._sizes[index]
         base = np.array([self._baseline[c] for c in CATEGORIES], dtype=np.int64)[:, None]
         live = base + np.cumsum(delta, axis=1)
@@ -298,7 +278,7 @@ class StepTracker(TorchDispatchMode):
             live = base
         top = int(np.argmax(live.sum(axis=0)))
         series = {c: live[i] for i, c in enumerate(CATEGORIES)}
-        blocks = [b for _, _, b in self._events[: self._ended]] or [OUTSIDE]
+        blocks = [b for _, _, b in self._events] or [OUTSIDE]
         return StepMemory(
             peak=int(live[:, top].sum()),
             baseline=int(base.sum()),
@@ -314,7 +294,7 @@ class StepTracker(TorchDispatchMode):
         ends = np.full(len(self._sizes) + 1, -1, np.int64)
         marks = iter(self._marks[1:])
         mark = next(marks, None)
-        for i, (index, sign, _) in enumerate([*self._events[: self._ended], (-1, 0, "")]):
+        for i, (index, sign, _) in enumerate([*self._events, (-1, 0, "")]):
             while mark is not None and mark[0] == i:
                 units.append(mark[1]), phases.append(mark[2])
                 mark = next(marks, None)
@@ -390,20 +370,17 @@ class SavedRecord:
     outputs: list[torch.Tensor] = field(default_factory=list)  # meta tensors: shape and dtype only
 
 
-def _meta_outputs(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The op's outputs as meta tensors (no data, no compute)."""
-    meta = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
-    out = op(*meta[0], **meta[1])
-    return [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
-
-
 @contextlib.contextmanager
 def record_saved() -> Iterator[list[SavedRecord]]:
     """Every save decision of selective policies while active (forward and recompute)."""
     records: list[SavedRecord] = []
 
     def observe(block: str, op_class: str, op: Any, recompute: bool, args: tuple, kwargs: dict) -> None:
-        records.append(SavedRecord(block, op_class, str(op), recompute, _meta_outputs(op, args, kwargs)))
+        # the op's outputs as meta tensors: no data, no compute
+        meta = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
+        out = op(*meta[0], **meta[1])
+        outputs = [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
+        records.append(SavedRecord(block, op_class, str(op), recompute, outputs))
 
     with observe_saves(observe):
         yield records
@@ -449,7 +426,7 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
         self._excluded = {local(t).untyped_storage().data_ptr() for t in exclude}
         self._saved: dict[int, int] = {}
         self._policy_bytes = 0  # outputs kept by selective plans (largest of the entered steps)
-        self._recording: Any = None
+        self._recording = contextlib.ExitStack()  # `record_saved` while active
         super().__init__(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -467,8 +444,7 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
 
     def __enter__(self) -> SavedBytesCounter:
         super().__enter__()
-        self._recording = record_saved()
-        self._records = self._recording.__enter__()
+        self._records = self._recording.enter_context(record_saved())
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -32,6 +32,7 @@ from shared_configs.training.run_plan import RunPlan, report, resolve_run, workl
 from shared_configs.vocabulary import CheckpointPlan
 from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, current_comm, load_checkpoint, save_checkpoint
 from torch_impl.guard import BudgetGuard
+from torch_impl.memory import step_peak
 from torch_impl.pair import ControlNetPair, trained_module
 from torch_impl.parallel import launch, wrap
 from torch_impl.regime import apply_regime, make_optimizer, step_tools
@@ -121,14 +122,17 @@ def world_size(cfg: TrainConfig) -> int:
 
 
 def _peak_meter(
-    cfg: TrainConfig, model: UNet | ControlNetPair, opt: torch.optim.Optimizer, budget: RunPlan | None, first: int
+    cfg: TrainConfig,
+    model: UNet | ControlNetPair,
+    opt: torch.optim.Optimizer,
+    budget: RunPlan | None,
+    first: int,
+    rank: int,
 ) -> tuple[Callable[[int, Callable[[], float]], float], BudgetGuard | None]:
     """``measured(step, run_step)`` runs the step; with a ``budget``, the first `MEASURED_STEPS` from ``first``
     are measured and rank 0 prints their peak beside the prediction. One process: under a `BudgetGuard`
     (returned too); ``--distributed``: each rank's share under `torch_impl.memory.step_peak`."""
-    from torch_impl.memory import step_peak  # here: `import torch_impl` stays light
-
-    rank, world, peaks = dist.get_rank() if cfg.distributed else 0, world_size(cfg), []
+    peaks: list[int] = []
     guard = None
     if budget is not None and not cfg.distributed:
         context = workload_of(cfg, step_spec(model.spec, cfg.controlnet, cfg.regime), 1).context_length
@@ -157,7 +161,7 @@ def _peak_meter(
         peaks.extend(new)
         if rank == 0 and not done and new and (len(peaks) >= MEASURED_STEPS or step + 1 == cfg.steps):
             where = f"max of steps {first + 1}-{step + 1}" if step > first else f"step {step + 1}"
-            ranks = f", rank 0 of {world}" if cfg.distributed else ""
+            ranks = f", rank 0 of {world_size(cfg)}" if cfg.distributed else ""
             how = PEAK_INSTRUMENTS[next(model.parameters()).device.type]
             report(budget.peak_line(max(peaks[:MEASURED_STEPS]), f"{how}; {where}{ranks}"))
         return loss
@@ -176,7 +180,7 @@ def train(cfg: TrainConfig) -> list[float]:
         cfg, plan, budget = resolve_run(cfg, trains, CLI.name, world_size(cfg), run, show=rank == 0)
         model, trained, optimizer = build(cfg, plan)
         try:
-            losses, samples = _train(cfg, run, model, trained, optimizer, budget)
+            losses, samples = _train(cfg, run, model, trained, optimizer, rank, budget)
         finally:
             if cfg.distributed:
                 # Drop DDP while the process group lives: destroyed from the reducer's destructor, the
@@ -194,43 +198,44 @@ def _train(
     model: UNet | ControlNetPair,
     trained: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
+    rank: int,
     budget: RunPlan | None = None,
 ) -> tuple[list[float], np.ndarray | None]:
-    """The steps from the run's start (resumed, its checkpoint checked first), then the samples."""
+    """The steps from the run's start (resumed, its checkpoint checked first) on this ``rank``, then the samples."""
     tools = step_tools(model, cfg.regime)  # train_step's regime pieces
     extra, held = tools.state(), trained_module(model)  # held: what a checkpoint holds (a pair's ControlNet)
     if run.checkpoint is not None:
         load_checkpoint(run.checkpoint, held, optimizer, extra)
     spec = model.pair_spec if isinstance(model, ControlNetPair) else model.spec  # what the step trains
     dataset, schedule = load_step_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
-    measured, guard = _peak_meter(cfg, model, optimizer, budget, len(run.losses))
-    # --compile: only the step runs compiled; checkpoints and samples use the model (the same parameters).
-    compiled = options_of(cfg, TorchOptions).compile
-    stepped = torch.compile(model) if compiled else model
     first = len(run.losses)
+    measured, guard = _peak_meter(cfg, model, optimizer, budget, first, rank)
+    # --compile: only the step runs compiled (one process); checkpoints and samples use the model (the same
+    # parameters). --distributed: each rank steps its shard of the batch.
+    compiled = options_of(cfg, TorchOptions).compile
+    stepped = torch.compile(trained) if compiled else trained
+    step_once = distributed_step if cfg.distributed else train_step
 
     def step_fn(state: None, step: int) -> tuple[None, float]:
         batch = dataset.batch(step, cfg.batch_size, schedule, cfg.seed)
         torch.manual_seed(step_seed(cfg.seed, step))  # dropout masks depend on (seed, step) only
-        if cfg.distributed:
-            return state, measured(step, lambda: distributed_step(trained, optimizer, batch, tools))
         start = time.perf_counter()
-        loss = measured(step, lambda: train_step(stepped, optimizer, batch, tools=tools))
+        loss = measured(step, lambda: step_once(stepped, optimizer, batch, tools=tools))
         if compiled and step == first:  # (--compile is one process)
             report(f"torch.compile: first step {time.perf_counter() - start:.1f} s (compile included)")
         return state, loss
 
     def save_fn(state: None, losses: list[float]) -> None:
         # under a guard: its plan in force (a resume starts from it) and its history, in the record
-        now = cfg if guard is None else replace(cfg, policy=guard.plan)
-        manifest = manifest_for(now, model.spec, FRAMEWORK, LAYOUT, losses)
+        manifest = manifest_for(
+            cfg if guard is None else replace(cfg, policy=guard.plan), model.spec, FRAMEWORK, LAYOUT, losses
+        )
         if guard is not None:  # steps counted from the run's start (the guard counts its own from 1)
             earlier = run.manifest.run.get("guard", []) if run.manifest is not None else []
             manifest.run["guard"] = [*earlier, *({**asdict(r), "step": first + r.step} for r in guard.history)]
         save_checkpoint(run.out, held, optimizer, manifest, extra)
 
     losses = run.losses  # a fresh list each time it is read
-    rank = dist.get_rank() if cfg.distributed else 0
     settings = "" if rank else run_settings(cfg, "cpu")
     run_loop(cfg, None, losses, step_fn, save_fn, f"torch {spec.name} {model.plan.policy}", current_comm(), settings)
     # Under FSDP2 each forward all-gathers from every rank: all sample while the group lives.

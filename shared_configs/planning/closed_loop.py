@@ -88,16 +88,6 @@ def replan_target(budget: int, outside: int) -> int:
     return round(budget * (1 - REPLAN_MARGIN)) - outside
 
 
-def far_under(peak: int, budget: int) -> bool:
-    """A window's peak low enough under the budget to loosen for."""
-    return peak < budget * (1 - LOOSEN_BELOW)
-
-
-def halfway(predicted: int, full: int) -> int:
-    """After an out-of-memory error, the peak to plan for: halfway from the failed plan's to `full`'s."""
-    return (predicted + full) // 2
-
-
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A guard's planner keywords as (`pipeline.plan`'s, `Workload`'s)."""
     plan = {k: v for k, v in options.items() if k in PLAN_OPTIONS}
@@ -132,10 +122,7 @@ class ClosedLoop:
         self.history: list[GuardRecord] = []
         self.plan, self.predicted = NONE, 0
         self.left = 0  # peaks still to measure in this window
-        self._window: list[int] = []
         self._may_loosen = not exact
-        self._replans = 0
-        self._ladder = (0, 0)  # (step, halvings made in it) of the last out-of-memory error
 
     @property
     def due(self) -> bool:
@@ -151,7 +138,7 @@ class ClosedLoop:
     def change(self, step: int, policy: str, predicted: int, action: Action, outside: int | None) -> str:
         """Record a change to ``policy`` and measure a window under it; returns the policy to put on."""
         self.plan, self.predicted = policy, predicted
-        self.left, self._window = 1 if self.exact else MEASURED_STEPS, []
+        self.left = 1 if self.exact else MEASURED_STEPS
         self.history.append(GuardRecord(step, policy, predicted, None, outside, action))
         return policy
 
@@ -162,27 +149,28 @@ class ClosedLoop:
         action = Action.OVER_BUDGET if over else Action.FITS if self.exact else Action.MEASURED
         self._record(step, measured, action, allocated)
         self.left -= 1
-        self._window.append(measured)
         if over:
             self._may_loosen = False
             return self._tighten(step, measured, outside)
         if self.left > 0 or not self._may_loosen:
             return None
         self._may_loosen = False
-        peak = max(self._window)
-        return self._loosen(step, peak - self.predicted) if far_under(peak, self.budget) and self.plan != NONE else None
+        # The first window's peak: its records are the last ones (an error or a peak over ends the loosening).
+        peak = max(r.measured for r in self.history[-MEASURED_STEPS:])
+        far_under = peak < self.budget * (1 - LOOSEN_BELOW)
+        return self._loosen(step, peak - self.predicted) if far_under and self.plan != NONE else None
 
     def _tighten(self, step: int, measured: int, outside: int) -> str | None:
         target = replan_target(self.budget, outside)
-        self._replans += 1
-        found = self._plan_for(target) if self._replans <= self.rounds else None
+        replans = sum(r.action == Action.OVER_BUDGET for r in self.history)  # a re-plan per peak over, this one's too
+        found = self._plan_for(target) if replans <= self.rounds else None
         over = f"peaked at {mib(measured)}, over the {mib(self.budget)} budget"
         if found is None and self.plan == FULL:
             self.say(f"{over}, under {FULL}: nothing recomputes more ({mib(outside)} held outside the model's step)")
             self.left = 0
             return None
         policy, predicted = found or (FULL, self._full())
-        why = f"no plan fits {mib(target)}" if self._replans <= self.rounds else f"{self.rounds} re-plans made"
+        why = f"no plan fits {mib(target)}" if replans <= self.rounds else f"{self.rounds} re-plans made"
         how = f"planned for {mib(target)}" if found else why
         self.say(
             f"{over} (predicted {mib(self.predicted)}, {mib(outside)} held outside the model's step); {how}: "
@@ -230,10 +218,9 @@ class ClosedLoop:
     def recompute_more(self, step: int, who: str = "") -> str:
         """After `out_of_memory`: the plan for halfway to `full`'s predicted peak, at most `OOM_HALVINGS` times a
         step, else `full` (also where the halfway plan would not recompute more); returns it."""
-        made = self._ladder[1] + 1 if self._ladder[0] == step else 1
-        self._ladder = (step, made)
+        made = 1 + sum(r.action == Action.RECOMPUTE_MORE and r.step == step for r in self.history)
         full = self._full()
-        found = self._plan_for(halfway(self.predicted, full)) if made <= OOM_HALVINGS else None
+        found = self._plan_for((self.predicted + full) // 2) if made <= OOM_HALVINGS else None
         if found is None or found[1] >= self.predicted:
             found = (FULL, full)
         self.say(
@@ -242,9 +229,12 @@ class ClosedLoop:
         )
         return self.change(step, *found, Action.RECOMPUTE_MORE, None)
 
-    def whole_budget(self) -> tuple[str, int]:
-        """The plan for the whole budget and its peak (the step seen anew), `full` where none fits."""
-        return self._plan_for(self.budget) or (FULL, self._full())
+    def regime(self, step: int, seen: str) -> str:
+        """The step seen anew (``seen``: how, a line): the plan for the whole budget (`full` where none fits),
+        measured anew; returns it."""
+        policy, predicted = self._plan_for(self.budget) or (FULL, self._full())
+        self.say(f"{seen}; re-planned for it: {policy} (predicted {mib(predicted)})")
+        return self.change(step, policy, predicted, Action.REGIME, 0)
 
     def _plan_for(self, target: int) -> tuple[str, int] | None:
         if target <= 0:
