@@ -76,21 +76,18 @@ def hooks(
             h.remove()
 
 
-class ShapesOnly:
-    """``FakeTensorMode`` (``.fake``) with the CPU's answers where shapes alone differ (`_AsCPU`)."""
+class ShapesOnly(contextlib.ExitStack):
+    """``FakeTensorMode`` (``.fake``) with the CPU's answers where shapes alone differ (`_AsCPU`); entered
+    once at a time, as often as needed."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
-        self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> ShapesOnly:
-        self._stacks.append(contextlib.ExitStack())
         for mode in (self.fake, _AsCPU()):
-            self._stacks[-1].enter_context(mode)
+            self.enter_context(mode)
         return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stacks.pop().__exit__(*exc)
 
 
 class _AsCPU(TorchDispatchMode):
