@@ -244,7 +244,6 @@ def profile(
         for a, (_, _, peak) in zip(assignments, measured, strict=True)
     }
     units = filed_units(spec, batch_size, context_length, assignments, [costs for costs, _, _ in measured])
-    opt_peak = measured[0][1]  # the plain run's, PROFILE_RUNS' first
     step_time, rates = 0.0, {}
     with cpu_split(cpu, "timing"):
         if timing and real is not None:
@@ -254,7 +253,7 @@ def profile(
     return {
         "framework": "torch",
         "units": units,
-        "opt_peak": opt_peak,
+        "opt_peak": measured[0][1],  # the plain run's, PROFILE_RUNS' first
         **sharded_bytes(s),
         "step_time_s": step_time,
         "mode": "measured" if timing else "shapes",
