@@ -205,17 +205,19 @@ def cards_method(device: str, batches: list[int], step: dict[str, bool]) -> str:
 
 
 _ints, _floats = number_list(int, "positive integers"), number_list(float, "positive numbers")
+_configs = number_list(str, "preset names or spec files", ok=bool, skip_blank=True)
+_regimes = number_list(str, f"names from {', '.join(REGIMES)}", ok=REGIMES.__contains__, skip_blank=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m benchmarks.estimates", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--configs", "--config", type=_names(None), default=list(CONFIGS), help="presets (default: sd15,sd21,sdxl)"
+        "--configs", "--config", type=_configs, default=list(CONFIGS), help="presets (default: sd15,sd21,sdxl)"
     )
     p.add_argument("--batches", type=_ints, default=list(BATCHES), help="batch sizes (default: 1,2,4,8)")
     p.add_argument(
         "--regimes",
-        type=_names(REGIMES),
+        type=_regimes,
         default=list(DEFAULT_REGIMES),
         help=f"regimes, from {', '.join(REGIMES)} (default: {','.join(DEFAULT_REGIMES)})",
     )
@@ -244,17 +246,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder for estimates.json and .md (cards.json and .md with --gpu-gib)",
     )
     return p
-
-
-def _names(allowed: dict[str, Any] | None) -> Any:
-    def parse(text: str) -> list[str]:
-        names = [x for x in text.split(",") if x]
-        unknown = [n for n in names if allowed is not None and n not in allowed]
-        if not names or unknown:
-            raise argparse.ArgumentTypeError(f"expected names from {', '.join(allowed or [])}, got {text!r}")
-        return names
-
-    return parse
 
 
 METHOD = (

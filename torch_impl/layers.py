@@ -149,8 +149,7 @@ class CrossAttention(nn.Module):
         self.scale = scale or (dim // heads) ** -0.5  # dim = heads * head_dim
         kv_dim = context_dim or dim
         self.to_q = nn.Linear(dim, dim, bias=False)
-        self.to_k = nn.Linear(kv_dim, dim, bias=False)
-        self.to_v = nn.Linear(kv_dim, dim, bias=False)
+        self.to_k, self.to_v = (nn.Linear(kv_dim, dim, bias=False) for _ in range(2))
         self.to_out = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, mask: Mask = None) -> torch.Tensor:
@@ -209,18 +208,17 @@ class Transformer2D(nn.Module):
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, mask: Mask = None) -> torch.Tensor:
         height = x.shape[2]
         h = self.norm(x)
-        if not self.linear_projection:
-            h = self.proj_in(h)
-        h = rearrange(h, "b c h w -> b (h w) c")
+        # the projections act on tokens (Linear) or on the NCHW map (1x1 conv)
         if self.linear_projection:
-            h = self.proj_in(h)
+            h = self.proj_in(rearrange(h, "b c h w -> b (h w) c"))
+        else:
+            h = rearrange(self.proj_in(h), "b c h w -> b (h w) c")
         for block in self.transformer_blocks:
             h = block(h, context, mask)
         if self.linear_projection:
-            h = self.proj_out(h)
-        h = rearrange(h, "b (h w) c -> b c h w", h=height)
-        if not self.linear_projection:
-            h = self.proj_out(h)
+            h = rearrange(self.proj_out(h), "b (h w) c -> b c h w", h=height)
+        else:
+            h = self.proj_out(rearrange(h, "b (h w) c -> b c h w", h=height))
         return h + x
 
 

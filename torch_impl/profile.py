@@ -76,21 +76,18 @@ def hooks(
             h.remove()
 
 
-class ShapesOnly:
-    """``FakeTensorMode`` (``.fake``) with the CPU's answers where shapes alone differ (`_AsCPU`)."""
+class ShapesOnly(contextlib.ExitStack):
+    """``FakeTensorMode`` (``.fake``) with the CPU's answers where shapes alone differ (`_AsCPU`); entered
+    once at a time, as often as needed."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
-        self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> ShapesOnly:
-        self._stacks.append(contextlib.ExitStack())
         for mode in (self.fake, _AsCPU()):
-            self._stacks[-1].enter_context(mode)
+            self.enter_context(mode)
         return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stacks.pop().__exit__(*exc)
 
 
 class _AsCPU(TorchDispatchMode):
@@ -247,7 +244,6 @@ def profile(
         for a, (_, _, peak) in zip(assignments, measured, strict=True)
     }
     units = filed_units(spec, batch_size, context_length, assignments, [costs for costs, _, _ in measured])
-    opt_peak = measured[0][1]  # the plain run's, PROFILE_RUNS' first
     step_time, rates = 0.0, {}
     with cpu_split(cpu, "timing"):
         if timing and real is not None:
@@ -257,7 +253,7 @@ def profile(
     return {
         "framework": "torch",
         "units": units,
-        "opt_peak": opt_peak,
+        "opt_peak": measured[0][1],  # the plain run's, PROFILE_RUNS' first
         **sharded_bytes(s),
         "step_time_s": step_time,
         "mode": "measured" if timing else "shapes",
