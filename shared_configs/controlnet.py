@@ -77,8 +77,7 @@ def residual_shapes(spec: UNetSpec, batch: int, size: int) -> tuple[list[tuple[i
         down += [(batch, ch, side, side)] * spec.layers_per_block
         if level < n - 1:
             down.append((batch, ch, side // 2, side // 2))
-    side = size // 2 ** (n - 1)
-    return down, (batch, chans[-1], side, side)
+    return down, (batch, chans[-1], side, side)  # the deepest level's side
 
 
 def add_residuals(spec: UNetSpec, h: A, skips: list[A], down: Sequence[A] | None, mid: A | None) -> tuple[A, list[A]]:
