@@ -183,8 +183,6 @@ def raised(units: Mapping[str, Mapping[str, Cost]], delta: int) -> dict[str, dic
 
 def with_static_bytes(profile: Profile, delta: int) -> Profile:
     """``profile`` with ``delta`` more bytes alive throughout the step (a modelled optimizer state)."""
-    if not delta:
-        return profile
     units = raised(profile.units, delta)
     opt_peak = profile.opt_peak + delta if profile.opt_peak else 0
     phases = {k: v + delta for k, v in profile.phases.items()}

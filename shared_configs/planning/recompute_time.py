@@ -111,8 +111,6 @@ def with_recasts(
     units: Units, spec: UNetSpec | ControlNetPairSpec, regime: Regime, bytes_per_s: float
 ) -> dict[str, dict[str, Cost]]:
     """``units`` whose mixed-precision recomputes pay `cast_bytes` again (a fresh autocast has an empty cache)."""
-    if not cast_bytes(regime, 1):
-        return {u: dict(per) for u, per in units.items()}
     weights = unit_weights(spec)
     recast = {
         u: {
