@@ -51,8 +51,6 @@ class Comm(Protocol):
     rank: int
     world: int
 
-    def barrier(self) -> None: ...
-
     def gather(self, obj: Any) -> list[Any]: ...  # every rank gets every rank's obj, in rank order
 
     def max(self, value: int) -> int: ...  # the largest of every rank's value (cheap: once per step)
@@ -118,13 +116,10 @@ class RunFolderError(ValueError):
 
 @dataclass(frozen=True)
 class Solo:
-    """One process: barriers are no-ops, a gather returns this process's object."""
+    """One process: a gather returns this process's object."""
 
     rank: int = 0
     world: int = 1
-
-    def barrier(self) -> None:
-        pass
 
     def gather(self, obj: Any) -> list[Any]:
         return [obj]
