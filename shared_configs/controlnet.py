@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import Field, field_validator, model_validator
 
@@ -26,7 +26,7 @@ class ControlNetSpec(_Frozen):
     name: str = "controlnet"
     unet: UNetSpec
     conditioning_channels: Int = Field(default=3, gt=0, description="channels of the conditioning image")
-    conditioning_embedding_out_channels: tuple[Int, ...] = Field(
+    conditioning_embedding_out_channels: tuple[Annotated[Int, Field(gt=0)], ...] = Field(
         default=(16, 32, 96, 256), min_length=1, description="widths, one per stage"
     )
     global_pool_conditions: Bool = Field(default=False, description="average each residual over H, W")
@@ -47,8 +47,6 @@ class ControlNetSpec(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> ControlNetSpec:
-        if any(c <= 0 for c in self.conditioning_embedding_out_channels):
-            raise SpecError("conditioning_embedding_out_channels: must be positive")
         unet = self.unet
         kinds = (*unet.down_attention, unet.mid_attention)
         unsupported = {  # U-Net options diffusers' ControlNetModel has no counterpart of
@@ -77,8 +75,7 @@ def residual_shapes(spec: UNetSpec, batch: int, size: int) -> tuple[list[tuple[i
         down += [(batch, ch, side, side)] * spec.layers_per_block
         if level < n - 1:
             down.append((batch, ch, side // 2, side // 2))
-    side = size // 2 ** (n - 1)
-    return down, (batch, chans[-1], side, side)
+    return down, (batch, chans[-1], side, side)  # the deepest level's side
 
 
 def add_residuals(spec: UNetSpec, h: A, skips: list[A], down: Sequence[A] | None, mid: A | None) -> tuple[A, list[A]]:

@@ -160,28 +160,22 @@ def say(text: str) -> None:
 
 
 class Relay:
-    """The parent's side of a worker's progress: its `MARK` lines logged as ``what: line``, every other line kept."""
+    """The parent's side of a worker's progress: its `MARK` lines logged as ``what: line`` (the worker's other lines
+    are its caller's: `shared_configs.planning.workers` keeps its last ones)."""
 
     def __init__(self, what: str, logger: logging.Logger | None = None) -> None:
         self.what, self.logger, self.shown = what, logger or _TARGET.get(), False
-        self.kept: list[str] = []
         self.started = time.monotonic()
 
     def feed(self, line: str) -> None:
         if line.startswith(MARK):
             text = f"{self.what}: {line.removeprefix(MARK).rstrip()}"
             self.shown |= _emit(self.logger, text, True, self.started, QUIET_S)
-        else:
-            self.kept.append(line)
 
     def close(self) -> None:
         """With logging off, a final line under the progress said (with it on, the caller's next line says it)."""
         if self.shown and not _speaks(self.logger):
             _emit(self.logger, f"{self.what}: done in {_seconds(time.monotonic() - self.started)}", False, 0.0, 0.0)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.kept)
 
 
 def worker_logging(stream: IO[str] | None = None) -> None:

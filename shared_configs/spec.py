@@ -5,7 +5,7 @@ comes in through `shared_configs.loader`. The manual: docs/spec_and_plans.md.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -32,7 +32,7 @@ class UNetSpec(_Frozen):
     in_channels: Int = Field(gt=0)
     out_channels: Int = Field(gt=0)
     sample_size: Int = Field(gt=0, description="the input's spatial size (square), the tools' default")
-    block_out_channels: tuple[Int, ...] = Field(min_length=1)
+    block_out_channels: tuple[Annotated[Int, Field(gt=0)], ...] = Field(min_length=1)
     layers_per_block: Int = Field(default=2, gt=0)
     down_attention: tuple[AttentionKind, ...]
     up_attention: tuple[AttentionKind, ...] | None = Field(
@@ -197,7 +197,6 @@ class UNetSpec(_Frozen):
         )
         self._check_block_heads()
         for level, ch in enumerate(self.block_out_channels):
-            _require(ch > 0, "block_out_channels", "must be positive")
             _require(
                 ch % self.norm_num_groups == 0,
                 "norm_num_groups",

@@ -56,13 +56,14 @@ def block_names(spec: UNetSpec) -> list[str]:
 
 def layer_names(spec: UNetSpec) -> list[str]:
     """Every ResNet and attention/transformer layer in forward order (diffusers' granularity)."""
-    names: list[str] = []
-    for i, attn in enumerate(spec.down_attention):
-        names += _level_layers(f"down.{i}", spec.layers_per_block, attn)
-    names += [*_level_layers("mid", 1, spec.mid_attention), "mid.resnets.1"]  # ResNet, attention, ResNet
-    for i, attn in enumerate(spec.up_attention_resolved):
-        names += _level_layers(f"up.{i}", spec.layers_per_block + 1, attn)
-    return names
+    down = [n for i, a in enumerate(spec.down_attention) for n in _level_layers(f"down.{i}", spec.layers_per_block, a)]
+    mid = [*_level_layers("mid", 1, spec.mid_attention), "mid.resnets.1"]  # ResNet, attention, ResNet
+    up = [
+        n
+        for i, a in enumerate(spec.up_attention_resolved)
+        for n in _level_layers(f"up.{i}", spec.layers_per_block + 1, a)
+    ]
+    return down + mid + up
 
 
 def all_names(spec: UNetSpec) -> list[str]:

@@ -313,7 +313,7 @@ def test_spec_takes_a_preset_and_refuses_what_diffusers_cannot_build() -> None:
     assert spec.unet.name == "sd_narrow" and spec.conditioning_factor == 2
     with pytest.raises(SpecError, match=r"has no diffusers equivalent: dropout="):
         controlnet_to_diffusers_config(ControlNetSpec(unet=variant("sd_linear_proj", dropout=0.1)))
-    with pytest.raises(SpecError, match=r"^conditioning_embedding_out_channels: must be positive$"):
+    with pytest.raises(SpecError, match=r"^conditioning_embedding_out_channels.1: Input should be greater than 0$"):
         load_controlnet_spec({"unet": "tiny", "conditioning_embedding_out_channels": [8, 0]})
     with pytest.raises(SpecError, match=r"^global_pool_conditions: Input should be a valid boolean"):
         load_controlnet_spec({"unet": "tiny", "global_pool_conditions": "yes"})

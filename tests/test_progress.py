@@ -60,7 +60,7 @@ def test_a_terminal_gets_one_live_line_a_log_plain_lines() -> None:
         assert ("\r\x1b[2K" in text) == live
 
 
-def test_a_workers_progress_reaches_the_parent_and_its_errors_are_kept(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_workers_progress_reaches_the_parent_and_nothing_else(caplog: pytest.LogCaptureFixture) -> None:
     stderr = io.StringIO()
     pg.worker_logging(stream=stderr)
     run(total=2)
@@ -72,7 +72,7 @@ def test_a_workers_progress_reaches_the_parent_and_its_errors_are_kept(caplog: p
         relay.feed(line)
     relayed = [r.getMessage() for r in caplog.records if r.name == "unet_remat"]
     assert relayed[0].startswith("jax worker: profiling tiny in torch: 1/2, down.0")
-    assert len(relayed) == 3 and relay.text == "Traceback ...\nValueError: bad\n"
+    assert len(relayed) == 3  # the two progress lines and the final one; the traceback is the caller's
 
 
 def test_tracked_yields_every_item_and_says_which_is_next(caplog: pytest.LogCaptureFixture) -> None:

@@ -89,10 +89,8 @@ def class_embedding(cfg: Mapping[str, Any], cls: str) -> dict[str, Any] | None:
     return data
 
 
-def _text_time(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+def _text_time(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """SDXL's text_time embedding; how example inputs split its input width (SDXL: 6 time ids) is ours."""
-    if cfg.get("addition_embed_type") is None:  # UNet2DModel has none
-        return None
     why = "addition_embed_type='text_time'"
     time_dim = _required(cfg, "addition_time_embed_dim", why)
     width = _required(cfg, "projection_class_embeddings_input_dim", why)

@@ -199,10 +199,6 @@ def _refuse_unsupported(cfg: Mapping[str, Any]) -> None:
             bad.append(f"{key}={value!r} (supported: {' or '.join(repr(a) for a in allowed)})")
     if bad:
         raise SpecError(f"unsupported diffusers option{'s' if len(bad) > 1 else ''}: {'; '.join(bad)}")
-    if cfg["resnet_time_scale_shift"] not in ("default", "scale_shift"):
-        raise SpecError(
-            f"resnet_time_scale_shift: {cfg['resnet_time_scale_shift']!r} unsupported (supported: default, scale_shift)"
-        )
     if cfg["norm_num_groups"] is None:
         raise SpecError("norm_num_groups: None (diffusers then drops or resizes norms) is not supported")
     if cfg.get("upcast_attention"):

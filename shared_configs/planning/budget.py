@@ -91,10 +91,7 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Profile:
-        data = dict(data)
-        data.pop("sha256", None)  # checked by `load`
-        if data.pop("schema", None) != SCHEMA:
-            raise SpecError(f"profile: unknown schema (expected {SCHEMA}); profile again")
+        data = {k: v for k, v in data.items() if k not in ("sha256", "schema")}  # both checked by `load`
         units = {u: {c: Cost(**v) for c, v in per.items()} for u, per in data.pop("units").items()}
         return cls(units=units, **data)
 
@@ -183,8 +180,6 @@ def raised(units: Mapping[str, Mapping[str, Cost]], delta: int) -> dict[str, dic
 
 def with_static_bytes(profile: Profile, delta: int) -> Profile:
     """``profile`` with ``delta`` more bytes alive throughout the step (a modelled optimizer state)."""
-    if not delta:
-        return profile
     units = raised(profile.units, delta)
     opt_peak = profile.opt_peak + delta if profile.opt_peak else 0
     phases = {k: v + delta for k, v in profile.phases.items()}

@@ -134,7 +134,6 @@ def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[En
         )
     for text_name, kind, config in texts:
         trained = options.train_text_encoder and text_name == "text_encoder"
-        optimizer = regime.profiled.optimizer if trained else Encoder.optimizer
         out.append(
             Encoder(
                 text_name,
@@ -143,7 +142,7 @@ def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[En
                 "float32" if trained else dtype,
                 trained,
                 hidden_states=sdxl,
-                optimizer=optimizer,
+                optimizer=regime.profiled.optimizer if trained else Encoder.optimizer,
             )
         )
     return out

@@ -38,7 +38,6 @@ CONTEXT_EAGER = 666_632_192 - LARGE_BUFFER
 LSE_BYTES = 4  # the logsumexp is float32 whatever the compute dtype
 MEM_EFFICIENT_QUERY_BLOCK = 32  # the memory-efficient kernel pads its logsumexp's queries to this
 AUTOCAST_EXTRA = 2  # float32 (4 B) where CPU autocast keeps 2-byte bfloat16/float16
-MIXED = ("bf16-mixed", "fp16-mixed", "bf16-frozen", "fp16-frozen")  # autocast's float32 norms
 
 
 def round_size(size: int) -> int:
@@ -93,7 +92,7 @@ def logsumexp_bytes(spec: UNetSpec, batch_size: int, context_length: int = 77, b
 
 def probabilities_bytes(spec: UNetSpec, batch_size: int, regime: Regime, context_length: int = 77) -> dict[str, int]:
     """Per unit, what an unfused attention keeps beyond a fused one: softmax output and half cast, less the LSE."""
-    per_element = 4 + (2 if regime.precision in MIXED else 0)
+    per_element = 4 + (2 if regime.autocast else 0)  # autocast's half copy
     return _per_attention(
         spec,
         batch_size,
@@ -135,7 +134,7 @@ def kept_bytes(
         encoder = {u: v for u, v in unet.items() if in_encoder(u)}
         return {CONTROLNET + u: v for u, v in encoder.items()} | {u: v for u, v in unet.items() if u not in encoder}
     out: Counter[str] = Counter()
-    if regime.precision in MIXED:
+    if regime.autocast:  # CUDA autocast's float32 norms
         out.update(autocast_bytes(spec, batch_size, context_length))
     if regime.precision == "fp32":
         padded = logsumexp_bytes(spec, batch_size, context_length, MEM_EFFICIENT_QUERY_BLOCK)

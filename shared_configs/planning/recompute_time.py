@@ -28,7 +28,6 @@ def update_bytes(regime: Regime, trained: int) -> float:
     (docs/regimes.md): AdamW 7p, 8-bit AdamW 3p and its moments, Adafactor 3p (its factors left out), EMA 8 + p."""
     p = 2 if regime.param_dtype == "bfloat16" else 4
     per = {"adamw": 7 * p, "adamw8bit": 3 * p + 2 * 2 * _ADAMW8BIT_MOMENT, "adafactor": 3 * p}
-    assert set(per) == set(OPTIMIZERS)
     return (per[regime.optimizer] + (8 + p if regime.ema else 0)) * trained
 
 
@@ -112,8 +111,6 @@ def with_recasts(
     units: Units, spec: UNetSpec | ControlNetPairSpec, regime: Regime, bytes_per_s: float
 ) -> dict[str, dict[str, Cost]]:
     """``units`` whose mixed-precision recomputes pay `cast_bytes` again (a fresh autocast has an empty cache)."""
-    if not cast_bytes(regime, 1):
-        return {u: dict(per) for u, per in units.items()}
     weights = unit_weights(spec)
     recast = {
         u: {

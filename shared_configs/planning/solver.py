@@ -138,9 +138,8 @@ class _Programme:
         a, hi = [np.r_[row, np.zeros(int(peak_col))] for row, _ in cuts], [bound for _, bound in cuts]
         for f, expr, peak, on, off in self.peaks:
             row = np.zeros(n)
-            for key, v in expr.items():
-                if key >= 0:
-                    row[key] += v
+            cols = [k for k in expr if k >= 0]  # the constant, key -1, goes to the bound
+            row[cols] = [expr[k] for k in cols]
             bound = limits[f] - peak - expr.get(-1, 0.0)
             # The smallest M that relaxes the row when the unit is not chosen: all it could reach.
             big = sum(v for v in row if v > 0) - bound + 1.0

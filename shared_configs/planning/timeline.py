@@ -69,12 +69,11 @@ def unit_costs(timeline: Timeline, leaves: list[str]) -> tuple[dict[str, Cost], 
     n, split = len(levels), timeline.split()
     phases = np.array([p if p == OPT else FWD if i < split else BWD for i, p in enumerate(timeline.phases)])
     units = np.array(timeline.units)
-    t = timeline
-    across = (t.starts < split) & (t.ends >= split) & (t.ends < n - 1) & ~t.static
-    owners, sizes = units[np.minimum(t.ends[across], n - 1)], t.sizes[across]
+    across = (timeline.starts < split) & (timeline.ends >= split) & (timeline.ends < n - 1) & ~timeline.static
+    owners, sizes = units[np.minimum(timeline.ends[across], n - 1)], timeline.sizes[across]
     last = int(next(iter(np.flatnonzero(units[:split] == leaves[-1])), split))  # the last unit's forward start
-    held = (t.starts < last) & (t.ends >= last) & (t.ends < split) & ~t.static
-    makers, held_sizes = units[t.starts[held]], t.sizes[held]
+    held = (timeline.starts < last) & (timeline.ends >= last) & (timeline.ends < split) & ~timeline.static
+    makers, held_sizes = units[timeline.starts[held]], timeline.sizes[held]
     costs, before, before_held = {}, 0, 0
     for unit in leaves:
         keep = int(sizes[owners == unit].sum())

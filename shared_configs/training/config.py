@@ -253,16 +253,8 @@ def used(cfg: TrainConfig, device: str, **settings: Any) -> str:
 
 def flags_of(cfg: TrainConfig) -> dict[str, Any]:
     """``cfg`` flag by flag (field names): the regime's four and the framework's own flattened in."""
-    flat: dict[str, Any] = {}
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name == "regime":
-            flat |= value.as_dict()
-        elif f.name == "options":
-            flat |= {} if value is None else asdict(value)
-        else:
-            flat[f.name] = value
-    return flat
+    flat = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("regime", "options")}
+    return flat | cfg.regime.as_dict() | ({} if cfg.options is None else asdict(cfg.options))
 
 
 def run_record(cfg: TrainConfig, spec: UNetSpec) -> dict[str, Any]:

@@ -21,15 +21,11 @@ def exit_status(signum: int) -> int:
     return 128 + signum
 
 
-def signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
-
-
 class Stopped(Exception):
     """The run stopped on a signal after saving ``checkpoint`` (of ``step``) and ``losses.json`` in ``out``."""
 
     def __init__(self, signum: int, step: int, total: int, out: str, checkpoint: str) -> None:
-        super().__init__(f"stopped by {signal_name(signum)} after step {step} of {total}")
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step} of {total}")
         self.signum, self.step, self.out, self.checkpoint = signum, step, out, checkpoint
 
     def line(self, resume: str) -> str:
@@ -59,7 +55,10 @@ class StopSignals:
             self.signum = signum
             return
         # os.write, not print: a handler may run inside another print to the same stream.
-        message = f"note: {signal_name(signum)} again: still finishing the step and its checkpoint; SIGKILL stops now\n"
+        message = (
+            f"note: {signal.Signals(signum).name} again: still finishing the step and its checkpoint; "
+            "SIGKILL stops now\n"
+        )
         os.write(2, message.encode())
 
 

@@ -51,8 +51,6 @@ class Comm(Protocol):
     rank: int
     world: int
 
-    def barrier(self) -> None: ...
-
     def gather(self, obj: Any) -> list[Any]: ...  # every rank gets every rank's obj, in rank order
 
     def max(self, value: int) -> int: ...  # the largest of every rank's value (cheap: once per step)
@@ -112,31 +110,16 @@ def fault_of(err: BaseException, rank: int) -> Fault:
     return Fault(rank, f"{type(err).__name__}: {text[:300]}")
 
 
-def describe(
-    fault: Fault, step: int, tmp: Path, kept: int | None, last: int | None, nbytes: int | None, free: int, removed: str
-) -> str:
-    """The line: step, rank, path and error; on a full disk the bytes needed and ``free``; what is kept and removed."""
-    where = f"rank {fault.rank}: " if fault.rank else ""
-    line = f"writing the checkpoint of step {step}: {where}{fault.filename or tmp}: {fault.text}"
-    if fault.errno == errno.ENOSPC:
-        need = f"the last checkpoint took {last:,} bytes" if last else nbytes and f"the state holds {nbytes:,} bytes"
-        line += f" ({', '.join([*([need] if need else []), f'{free:,} bytes are free there'])})"
-    return f"{line}; {f'the checkpoint of step {kept} is kept' if kept else 'no earlier checkpoint'}; {removed}"
-
-
 class RunFolderError(ValueError):
     """A run folder this run may not use as asked: one line saying why and what to do."""
 
 
 @dataclass(frozen=True)
 class Solo:
-    """One process: barriers are no-ops, a gather returns this process's object."""
+    """One process: a gather returns this process's object."""
 
     rank: int = 0
     world: int = 1
-
-    def barrier(self) -> None:
-        pass
 
     def gather(self, obj: Any) -> list[Any]:
         return [obj]
@@ -301,12 +284,18 @@ def _fresh(out: Path, tmp: Path) -> None:
 
 
 def _failure_line(out: Path, tmp: Path, step: int, fault: Fault, nbytes: int | None) -> str:
-    """One line: where the write failed and why, what a checkpoint needs on a full disk, what is kept."""
+    """One line: step, rank, path and error; on a full disk the bytes a checkpoint needs and those free; what is
+    kept and what removed."""
     removed = _remove_partial(tmp)
     earlier = checkpoints(out)
-    last = _size(earlier[-1][1]) if earlier else None
-    free = shutil.disk_usage(out).free
-    return describe(fault, step, tmp, earlier[-1][0] if earlier else None, last, nbytes, free, removed)
+    where = f"rank {fault.rank}: " if fault.rank else ""
+    line = f"writing the checkpoint of step {step}: {where}{fault.filename or tmp}: {fault.text}"
+    if fault.errno == errno.ENOSPC:
+        last = _size(earlier[-1][1]) if earlier else None
+        need = f"the last checkpoint took {last:,} bytes" if last else nbytes and f"the state holds {nbytes:,} bytes"
+        line += f" ({', '.join([*([need] if need else []), f'{shutil.disk_usage(out).free:,} bytes are free there'])})"
+    kept = earlier[-1][0] if earlier else None
+    return f"{line}; {f'the checkpoint of step {kept} is kept' if kept else 'no earlier checkpoint'}; {removed}"
 
 
 def _remove_partial(tmp: Path) -> str:
