@@ -156,9 +156,6 @@ class ProcessComm:
     rank: int
     world: int
 
-    def barrier(self) -> None:
-        self.max(0)
-
     def max(self, value: int) -> int:
         return int(np.max(multihost_utils.process_allgather(np.int32(value))))
 

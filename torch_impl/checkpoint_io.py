@@ -32,9 +32,6 @@ class ProcessGroupComm:
     world: int
     group: Any = None  # the group ``max`` all-reduces in; None: the default one
 
-    def barrier(self) -> None:
-        dist.barrier()
-
     def gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj)
