@@ -208,12 +208,11 @@ def parse_args(
     if args.controlnet:  # what its benchmark does not measure, first
         other = args.compile or args.xla_default
         pair_compare.check(args.framework, args.world_size, args.device, other, args.batch_size)
+        preset_batch = DEFAULT_BATCH_SIZES[0]  # the pair's step: the default config's batch, whatever the preset
     elif args.plan_budget_mib is not None:
         raise SpecError("--plan-budget-mib: only with --controlnet (the budget its planned row is solved for)")
-    preset_batch = PRESET_BATCH.get(config, 1) if source == "spec" else 1
-    if args.controlnet:  # the pair's step: the default config's batch, whatever the preset
-        preset_batch = DEFAULT_BATCH_SIZES[0]
-    batch_sizes = tuple(dict.fromkeys(args.batch_size or (preset_batch,)))
+    else:
+        preset_batch = PRESET_BATCH.get(config, 1) if source == "spec" else 1
     spec = load_benchmark_spec(config, args.sample_size, source)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
@@ -233,7 +232,7 @@ def parse_args(
         "config": config,
         "source": source,
         "sample_size": spec.sample_size,
-        "batch_sizes": batch_sizes,
+        "batch_sizes": tuple(dict.fromkeys(args.batch_size or (preset_batch,))),
         "steps": args.steps,
         **regime.as_dict(),
         "device": device,

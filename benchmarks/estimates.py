@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.reports.tables import atomic_write, write_json
+from benchmarks.reports.tables import atomic_write, markdown_table, write_json
 from shared_configs.cli import OneLineParser, cli_errors, number_list, stopping
 from shared_configs.planning import gpu, whole
 from shared_configs.planning.budget import Profile, safety_margin
@@ -78,16 +78,14 @@ def row(
     """One line of the table: ``config`` at its own sample size, ``batch``, the named regime."""
     workload = Workload.of(config, batch_size=batch, regime=REGIMES[regime_name], shapes=True)
     none = _entry(workload, "none", device)
-    style = _entry(workload, DIFFUSERS_STYLE, device)
-    plans = {f"{gib:g}": _planned(workload, int(gib * GIB), none["peak_bytes"]) for gib in budgets_gib}
     return {
         "config": config,
         "sample_size": workload.spec.sample_size,
         "batch_size": batch,
         "regime": regime_name,
         "none": none,
-        "diffusers_style": style,
-        "plans": plans,
+        "diffusers_style": _entry(workload, DIFFUSERS_STYLE, device),
+        "plans": {f"{gib:g}": _planned(workload, int(gib * GIB), none["peak_bytes"]) for gib in budgets_gib},
     }
 
 
@@ -107,35 +105,26 @@ def markdown(doc: dict[str, Any]) -> str:
     """The table: peaks in GiB, costs as predicted overhead; on a GPU, allocated / nvidia-smi peaks too."""
     budgets, device = list(doc["budgets_gib"]), doc.get("device", "cpu")
     gpu_head = [f"{device}: none GiB (allocated / device)", f"{device}: diffusers-style GiB"] * (device != "cpu")
-    head = [
-        "config",
-        "batch",
-        "regime",
-        "none GiB",
-        "diffusers-style GiB (cost)",
-        *gpu_head,
-        *(f"plan @ {b:g} GiB" for b in budgets),
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = ["config", "batch", "regime", "none GiB", "diffusers-style GiB (cost)", *gpu_head]
+    rows = [head + [f"plan @ {b:g} GiB" for b in budgets]]
     for r in doc["rows"]:
         ds = r["diffusers_style"]
-        plans = [_cell(r["plans"][f"{b:g}"]) for b in budgets]
-        on_gpu = [
-            f"{e[device]['allocated_bytes'] / GIB:.1f} / {e[device]['device_bytes'] / GIB:.1f}"
-            for e in (r["none"], ds)
-            if device != "cpu"
-        ]
-        cells = [
-            f"{r['config']} {r['sample_size']}²",
-            str(r["batch_size"]),
-            r["regime"],
-            _gib(r["none"]),
-            f"{_gib(ds)} ({100 * ds['overhead']:+.0f}%)",
-            *on_gpu,
-            *plans,
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + doc["method"] + "\n"
+        rows.append(
+            [
+                f"{r['config']} {r['sample_size']}²",
+                str(r["batch_size"]),
+                r["regime"],
+                _gib(r["none"]),
+                f"{_gib(ds)} ({100 * ds['overhead']:+.0f}%)",
+                *(
+                    f"{e[device]['allocated_bytes'] / GIB:.1f} / {e[device]['device_bytes'] / GIB:.1f}"
+                    for e in (r["none"], ds)
+                    if device != "cpu"
+                ),
+                *(_cell(r["plans"][f"{b:g}"]) for b in budgets),
+            ]
+        )
+    return markdown_table(rows) + "\n\n" + doc["method"] + "\n"
 
 
 def _reading(allocated: int, device: str) -> int:
@@ -195,21 +184,21 @@ def _card_cell(cell: dict[str, Any]) -> str:
 
 def cards_markdown(doc: dict[str, Any]) -> str:
     """Per card, "plain B · plan B' (+X%)", the largest batch plain and with the cheapest plan that fits."""
-    cards, device = doc["cards_gib"], doc["device"]
-    unit = "nvidia-smi GiB" if device != "cpu" else "GiB"
-    head = ["config", "regime", *(f"{g:g} {unit}" for g in cards)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in doc["rows"]:
-        cells = [f"{r['config']} {r['sample_size']}²", r["regime"], *(_card_cell(r["cards"][f"{g:g}"]) for g in cards)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + doc["method"] + "\n"
+    cards = doc["cards_gib"]
+    unit = "nvidia-smi GiB" if doc["device"] != "cpu" else "GiB"
+    rows = [
+        [f"{r['config']} {r['sample_size']}²", r["regime"], *(_card_cell(r["cards"][f"{g:g}"]) for g in cards)]
+        for r in doc["rows"]
+    ]
+    return (
+        markdown_table([["config", "regime", *(f"{g:g} {unit}" for g in cards)], *rows]) + "\n\n" + doc["method"] + "\n"
+    )
 
 
 def cards_method(device: str, batches: list[int], step: dict[str, bool]) -> str:
     extra = [k.replace("_", "-") for k, v in step.items() if v]
-    listed = ",".join(map(str, batches))
     return (
-        f"Predicted by `python -m benchmarks.estimates --gpu-gib` from shapes at batches {listed}"
+        f"Predicted by `python -m benchmarks.estimates --gpu-gib` from shapes at batches {','.join(map(str, batches))}"
         f" (device {device}{'; ' + ', '.join(extra) if extra else ''}): the largest of those batches whose "
         "predicted peak fits each card, plain and with the cheapest plan solved against the card (cost: "
         "recompute FLOPs at 100 TFLOP/s and elementwise bytes at 2 TB/s over the plain step)."

@@ -92,12 +92,11 @@ def run_step(step: Step) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             stop_group(proc)
             output, rc = proc.communicate()[0] + f"\n(stopped at its {step.limit_s} s limit)", None
-    seconds = round(time.perf_counter() - start, 1)
     return {
         "name": step.name,
         "command": " ".join(step.argv[1:]),
         "rc": rc,
-        "seconds": seconds,
+        "seconds": round(time.perf_counter() - start, 1),
         "output": output[-TAIL:],
     }
 

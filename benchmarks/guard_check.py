@@ -35,7 +35,7 @@ def guarded_run(spec: UNetSpec, batch_size: int, steps: int, device: str, shapes
 
     from shared_configs.training.data import example_batch
     from torch_impl import BudgetGuard, UNet
-    from torch_impl.train import as_tensors
+    from torch_impl.step import as_tensors
 
     work = Workload.of(spec, batch_size=batch_size, shapes=shapes)
     budget, extra = sizes(work)

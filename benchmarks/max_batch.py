@@ -130,9 +130,13 @@ def table(results: list[dict[str, Any]], budget: float) -> Table:
     nones = {r["framework"]: r["largest_batch"] for r in results if r["policy"] == "none"}
     for r in results:
         best, base = r["largest_batch"], nones.get(r["framework"])
-        mib = ["-" if r[k] is None else f"{r[k] / MIB:,.1f}" for k in ("peak_bytes", "bytes_per_sample", "fixed_bytes")]
-        shown = "-" if best is None else f"{best}{'' if r['bracketed'] else ' (not bracketed)'}"
-        t.add_row(r["framework"], r["policy"], shown, f"{best / base:.2f}x" if best and base else "-", *mib)
+        t.add_row(
+            r["framework"],
+            r["policy"],
+            "-" if best is None else f"{best}{'' if r['bracketed'] else ' (not bracketed)'}",
+            f"{best / base:.2f}x" if best and base else "-",
+            *("-" if r[k] is None else f"{r[k] / MIB:,.1f}" for k in ("peak_bytes", "bytes_per_sample", "fixed_bytes")),
+        )
     return t
 
 

@@ -40,12 +40,15 @@ def console_for(wide: bool) -> Console:
 
 def show(console: Console, document: dict[str, Any], wide: bool = False) -> None:
     """A run as `benchmarks.compare` prints it: the table, the failed rows, and the lines under it."""
-    unreliable = tables.unreliable_share(document) is not None
+    unreliable = tables.unreliable_share(document) is not None  # its ratios marked "?"
     console.print(tables.table(document["rows"], tables.title(document), wide, unreliable))
     if document.get("incomplete"):
         console.print(f"[bold yellow]incomplete: {document['incomplete']}[/]")
-    lines = ([] if wide else tables.errors(document["rows"])) + tables.notes(document)
-    for line in lines + compiled.comparison(document["rows"]):
+    for line in (
+        ([] if wide else tables.errors(document["rows"]))
+        + tables.notes(document)
+        + compiled.comparison(document["rows"])
+    ):
         console.print(line, highlight=False)
 
 

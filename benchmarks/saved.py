@@ -68,15 +68,18 @@ def jax_saved(config: str, policy: str, batch_size: int, context_length: int, ch
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax._src.ad_checkpoint import name_p
     from jax.extend.core import Literal
 
     from jax_impl import UNet
+    from jax_impl.compat import checkpoint_name_primitive
 
     spec = load_spec(config)
     model = UNet(spec=spec, policy=policy, attention_chunk=chunk)
     recomputed = {name if name == "mid" else ".".join(name.split(".")[:2]) for name in model.plan.recompute}
-    x, t, ctx = _jax_inputs(spec, batch_size, context_length)
+    f32, s, dim = jnp.float32, spec.sample_size, spec.cross_attention_dim
+    x = jax.ShapeDtypeStruct((batch_size, s, s, spec.in_channels), f32)
+    t = jax.ShapeDtypeStruct((batch_size,), f32)
+    ctx = jax.ShapeDtypeStruct((batch_size, context_length, dim), f32) if dim else None
     params = jax.eval_shape(model.init, jax.random.key(0), x, t, ctx)
 
     def loss(p: Any, x: Any, t: Any, ctx: Any) -> Any:
@@ -88,16 +91,22 @@ def jax_saved(config: str, policy: str, batch_size: int, context_length: int, ch
     jaxpr, n_res = closed.jaxpr, jax.tree.structure(shapes[1]).num_leaves
     residuals = {v for v in jaxpr.outvars[len(jaxpr.outvars) - n_res :] if not isinstance(v, Literal)}
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-    rows = []
+    rows, name_p = [], checkpoint_name_primitive()
     for eqn, v in ((e, v) for e in jaxpr.eqns for v in e.outvars if v in residuals):
         src = _source(eqn, v, producer)
         named = src.primitive is name_p
         block = block_of(str(eqn.source_info.name_stack))
-        op = src.params["name"] if named else src.params.get("name", src.primitive.name)
-        nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * v.aval.dtype.itemsize
-        # A tag outside a recomputed block is only a label: the value is saved as any other.
-        kind = "policy" if named and block in recomputed else "saved"
-        rows.append(Saved(block, op, kind, tuple(v.aval.shape), str(v.aval.dtype), nbytes))
+        rows.append(
+            Saved(
+                block,
+                src.params["name"] if named else src.params.get("name", src.primitive.name),
+                # A tag outside a recomputed block is only a label: the value is saved as any other.
+                "policy" if named and block in recomputed else "saved",
+                tuple(v.aval.shape),
+                str(v.aval.dtype),
+                int(np.prod(v.aval.shape, dtype=np.int64)) * v.aval.dtype.itemsize,
+            )
+        )
     return rows
 
 
@@ -115,16 +124,6 @@ def _source(eqn: Any, var: Any, producer: dict) -> Any:
         else:
             return eqn
         eqn = producer[var]
-
-
-def _jax_inputs(spec: Any, batch_size: int, context_length: int) -> tuple[Any, Any, Any]:
-    import jax
-    import jax.numpy as jnp
-
-    f32, s = jnp.float32, spec.sample_size
-    x = jax.ShapeDtypeStruct((batch_size, s, s, spec.in_channels), f32)
-    ctx = (batch_size, context_length, spec.cross_attention_dim)
-    return x, jax.ShapeDtypeStruct((batch_size,), f32), jax.ShapeDtypeStruct(ctx, f32) if ctx[2] else None
 
 
 COLLECTORS: dict[str, Callable[..., list[Saved]]] = {"torch": torch_saved, "jax": jax_saved}
@@ -151,12 +150,13 @@ def inspect_policy(
 
         device = device_of(jax.devices()[0].platform)
     used = replace(defaults(device), context_length=context_length, attention_chunk=resolve_chunk(chunk, device))
-    fields = ("attention_chunk", "context_length") if "jax" in frameworks else ("context_length",)
     doc: dict[str, Any] = {
         "config": spec.name,
         "policy": plan.policy,
         "batch_size": batch_size,
-        "settings": used.describe(fields),
+        "settings": used.describe(
+            ("attention_chunk", "context_length") if "jax" in frameworks else ("context_length",)
+        ),
         "frameworks": {},
     }
     for fw in frameworks:
@@ -181,16 +181,20 @@ def render(doc: dict) -> str:
     for blk in doc["frameworks"][fws[0]]["blocks"]:
         stats = [doc["frameworks"][fw]["blocks"][blk] for fw in fws]
         cells = [f"{fw}: {s['count']:3d} tensors {_kib(s['bytes']):>12}" for fw, s in zip(fws, stats, strict=True)]
-        mark = " !" if blk in doc["differ"] else ""
-        lines.append(f"{blk:8} | " + " | ".join(cells) + mark)
-        for fw in fws:
-            for r in (r for r in doc["frameworks"][fw]["rows"] if r["block"] == blk):
-                shape = "x".join(map(str, r["shape"]))
-                lines.append(f"    {fw:5} {r['kind']:6} {r['op']:38.38} {shape:>14} {r['dtype']:8} {r['bytes']:>10}")
-    totals = " | ".join(
-        f"{fw}: {f['total_count']} tensors, {_kib(f['total_bytes'])}" for fw, f in doc["frameworks"].items()
+        lines.append(f"{blk:8} | " + " | ".join(cells) + (" !" if blk in doc["differ"] else ""))
+        lines += [
+            f"    {fw:5} {r['kind']:6} {r['op']:38.38} {'x'.join(map(str, r['shape'])):>14} "
+            f"{r['dtype']:8} {r['bytes']:>10}"
+            for fw in fws
+            for r in doc["frameworks"][fw]["rows"]
+            if r["block"] == blk
+        ]
+    lines.append(
+        f"{'total':8} | "
+        + " | ".join(
+            f"{fw}: {f['total_count']} tensors, {_kib(f['total_bytes'])}" for fw, f in doc["frameworks"].items()
+        )
     )
-    lines.append(f"{'total':8} | {totals}")
     if doc["differ"]:
         lines.append(f"differ (count or bytes): {', '.join(doc['differ'])}")
     return "\n".join(lines)
@@ -219,13 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    frameworks = ["torch", "jax"] if args.framework == "both" else [args.framework]
     with cli_errors("benchmarks.saved"):  # an interrupt: one line, exit 128 + the signal's number; nothing is written
         try:
             doc = inspect_policy(
                 args.config,
                 args.policy,
-                frameworks,
+                ["torch", "jax"] if args.framework == "both" else [args.framework],
                 args.batch_size,
                 args.block,
                 args.context_length,

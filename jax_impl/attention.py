@@ -25,10 +25,11 @@ def attention(
     q, k, v = (a.reshape(*a.shape[:2], heads, -1) for a in (q, k, v))  # (B, T, N, D)
     batch, tokens = q.shape[:2]
     chunk = None if query_chunk is None else min(query_chunk, tokens)
-    if chunk is None or tokens % chunk or bias is not None:
-        out = jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale)
-    else:
-        out = chunked_attention(q, k, v, scale, chunk)
+    out = (
+        jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale)
+        if chunk is None or tokens % chunk or bias is not None
+        else chunked_attention(q, k, v, scale, chunk)
+    )
     return checkpoint_name(out, "attention").reshape(batch, tokens, -1)  # (B, T, N*D)
 
 
@@ -55,8 +56,7 @@ def chunked_attention(q: Array, k: Array, v: Array, scale: float, chunk: int) ->
     def body(i: Array, out: Array) -> Array:
         return jax.lax.dynamic_update_slice_in_dim(out, _chunk(_slice(q, i, chunk), k, v, scale), i * chunk, 1)
 
-    first = _padded(_chunk(_slice(q, 0, chunk), k, v, scale), tokens)
-    return jax.lax.fori_loop(1, tokens // chunk, body, first)
+    return jax.lax.fori_loop(1, tokens // chunk, body, _padded(_chunk(_slice(q, 0, chunk), k, v, scale), tokens))
 
 
 def _forward(q: Array, k: Array, v: Array, scale: float, chunk: int) -> tuple[Array, tuple[Array, ...]]:

@@ -47,8 +47,10 @@ class DownBlock(nn.Module):
     plan: CheckpointPlan | None = None
 
     def setup(self) -> None:
-        ins = [self.in_ch] + [self.out_ch] * (self.layers - 1)
-        self.resnets = [_layer(self, "resnets", j, self.make_resnet, i, self.out_ch) for j, i in enumerate(ins)]
+        self.resnets = [
+            _layer(self, "resnets", j, self.make_resnet, self.out_ch if j else self.in_ch, self.out_ch)
+            for j in range(self.layers)
+        ]
         self.attentions = _attentions(self, self.make_attention, self.out_ch, self.layers)
         pad, ch = self.downsample_padding, self.out_ch
         self.downsample = None
@@ -104,10 +106,9 @@ class UpBlock(nn.Module):
     plan: CheckpointPlan | None = None
 
     def setup(self) -> None:
-        ins = [self.in_ch] + [self.out_ch] * (len(self.skip_channels) - 1)
         self.resnets = [
-            _layer(self, "resnets", j, self.make_resnet, i + s, self.out_ch)
-            for j, (i, s) in enumerate(zip(ins, self.skip_channels, strict=True))
+            _layer(self, "resnets", j, self.make_resnet, (self.out_ch if j else self.in_ch) + s, self.out_ch)
+            for j, s in enumerate(self.skip_channels)
         ]
         self.attentions = _attentions(self, self.make_attention, self.out_ch, len(self.skip_channels))
         self.upsample = None

@@ -30,9 +30,8 @@ Array = jax.Array
 
 def zero_conv(features: int, kernel: int = 1) -> Conv:
     """A convolution whose kernel and bias start at zero: a fresh ControlNet changes nothing."""
-    pad = ((kernel // 2,) * 2,) * 2
     zeros = nn.initializers.zeros
-    return Conv(features, (kernel, kernel), padding=pad, kernel_init=zeros, bias_init=zeros)
+    return Conv(features, (kernel, kernel), padding=((kernel // 2,) * 2,) * 2, kernel_init=zeros, bias_init=zeros)
 
 
 class ConditioningEmbedding(nn.Module):
@@ -44,8 +43,11 @@ class ConditioningEmbedding(nn.Module):
 
     def setup(self) -> None:
         self.conv_in = conv3x3(self.widths[0])
-        pairs = itertools.pairwise(self.widths)
-        self.blocks = [c for a, b in pairs for c in (conv3x3(a), Conv(b, (3, 3), strides=(2, 2), padding=PAD_1))]
+        self.blocks = [
+            c
+            for a, b in itertools.pairwise(self.widths)
+            for c in (conv3x3(a), Conv(b, (3, 3), strides=(2, 2), padding=PAD_1))
+        ]
         self.conv_out = zero_conv(self.out_ch, 3)
 
     def __call__(self, cond: Array) -> Array:
@@ -76,8 +78,9 @@ class ControlNet(UNetTrunk):
     def setup(self) -> None:
         unet = self.spec.unet
         self._setup_trunk(self.plan)
-        widths = tuple(self.spec.conditioning_embedding_out_channels)
-        self.controlnet_cond_embedding = ConditioningEmbedding(unet.block_out_channels[0], widths)
+        self.controlnet_cond_embedding = ConditioningEmbedding(
+            unet.block_out_channels[0], tuple(self.spec.conditioning_embedding_out_channels)
+        )
         down, mid = residual_shapes(unet, 1, 2 ** (unet.num_levels - 1))
         self.controlnet_down_blocks = [zero_conv(shape[1]) for shape in down]
         self.controlnet_mid_block = zero_conv(mid[1])
@@ -96,22 +99,27 @@ class ControlNet(UNetTrunk):
         train: bool = False,
     ) -> tuple[list[Array], Array]:
         """The residuals for ``sample`` under ``controlnet_cond`` (NHWC, `conditioning_factor` x as large)."""
-        unet = self.spec.unet
-        conditioning = {"context": context, "class_labels": class_labels, "text_embeds": text_embeds}
-        check_inputs(unet, "NHWC", sample, timestep, **conditioning, time_ids=time_ids)
+        check_inputs(
+            self.spec.unet,
+            "NHWC",
+            sample,
+            timestep,
+            context=context,
+            class_labels=class_labels,
+            text_embeds=text_embeds,
+            time_ids=time_ids,
+        )
         check_conditioning(self.spec, tuple(sample.shape), tuple(controlnet_cond.shape), "NHWC")
         if self.spec.conditioning_channel_order == "bgr":
             controlnet_cond = controlnet_cond[..., ::-1]
         temb = self._embedding(sample, timestep, class_labels, text_embeds, time_ids)
-        hint = self.controlnet_cond_embedding(controlnet_cond)
-        h, skips = self._encode(sample, temb, context, train, hint=hint)
+        h, skips = self._encode(sample, temb, context, train, hint=self.controlnet_cond_embedding(controlnet_cond))
         down = [conv(s) for conv, s in zip(self.controlnet_down_blocks, skips, strict=True)]
         scales = residual_scales(self.spec, len(down), conditioning_scale, guess_mode)
         down = [r * s for r, s in zip(down, scales, strict=False)]
         mid = self.controlnet_mid_block(h) * scales[-1]
         if self.spec.global_pool_conditions:
-            down = [jnp.mean(r, axis=(1, 2), keepdims=True) for r in down]
-            mid = jnp.mean(mid, axis=(1, 2), keepdims=True)
+            down, mid = [r.mean(axis=(1, 2), keepdims=True) for r in down], mid.mean(axis=(1, 2), keepdims=True)
         return down, mid
 
     @nn.nowrap
@@ -125,6 +133,7 @@ def abstract_controlnet_inputs(spec: ControlNetSpec, batch: int = 1) -> dict[str
     inputs = abstract_inputs(spec.unet, batch)
     size = inputs["x"].shape[1] * spec.conditioning_factor
     cond = jax.ShapeDtypeStruct((batch, size, size, spec.conditioning_channels), jnp.float32)
+    # the U-Net's inputs under the ControlNet's names, the conditioning image after them
     named = {"sample": inputs.pop("x"), "timestep": inputs.pop("t"), "context": inputs.pop("context")}
     return named | {"controlnet_cond": cond} | inputs
 
@@ -135,7 +144,8 @@ def controlnet_from_unet(
     """``(module, params)``: a ControlNet on ``spec``, its encoder the U-Net's (``from_unet``); ``options``: spec's."""
     cspec = ControlNetSpec(name=f"{spec.name}_controlnet", unet=spec, **options)
     module = ControlNet(spec=cspec, policy=policy)
-    shapes = abstract_controlnet_inputs(cspec)
-    inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
+    inputs = {
+        k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in abstract_controlnet_inputs(cspec).items()
+    }
     fresh = module.init(rng if rng is not None else jax.random.key(0), **inputs)["params"]
     return module, {k: unet_params.get(k, v) for k, v in fresh.items()}  # the trunk's names are the U-Net's

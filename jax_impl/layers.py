@@ -14,11 +14,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from jax.ad_checkpoint import checkpoint_name
 
 from jax_impl.attention import attention
 from jax_impl.lora import LoRADense
-from jax_impl.norms import group_norm, layer_norm, norm_act, norm_layer
+from jax_impl.norms import group_norm, layer_norm, norm_act, norm_layer, tagged
 from shared_configs.arch import ClassEmbeddingArgs, timestep_frequencies
 
 Array = jax.Array
@@ -34,24 +33,12 @@ def timestep_embedding(t: Array, dim: int, flip_sin_to_cos: bool, freq_shift: fl
     freqs = jnp.asarray(timestep_frequencies(dim, freq_shift, max_period))
     args = t.astype(jnp.float32)[:, None] * freqs[None]
     sin, cos = jnp.sin(args), jnp.cos(args)
-    emb = jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)
-    return jnp.pad(emb, ((0, 0), (0, dim % 2)))
+    return jnp.pad(jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1), ((0, 0), (0, dim % 2)))
 
 
 # Remat tags: each op class of `shared_configs.vocabulary.OP_CLASSES` names the outputs torch's selective policy
 # saves (bias included, as in torch's fused ops), so a plan's ``save`` becomes `save_only_these_names(*save)`.
-class Conv(nn.Conv):
-    """`nn.Conv` with its output tagged ``"conv"``."""
-
-    def __call__(self, inputs: Array) -> Array:
-        return checkpoint_name(super().__call__(inputs), "conv")
-
-
-class Dense(nn.Dense):
-    """`nn.Dense` with its output tagged ``"matmul"``."""
-
-    def __call__(self, inputs: Array) -> Array:
-        return checkpoint_name(super().__call__(inputs), "matmul")
+Conv, Dense = tagged(nn.Conv, "conv"), tagged(nn.Dense, "matmul")
 
 
 def projection(lora_rank: int | None) -> Callable[..., nn.Module]:
@@ -59,12 +46,8 @@ def projection(lora_rank: int | None) -> Callable[..., nn.Module]:
     return Dense if lora_rank is None else functools.partial(LoRADense, rank=lora_rank)
 
 
-def conv3x3(features: int) -> nn.Conv:
-    return Conv(features, (3, 3), padding=PAD_1)
-
-
-def conv1x1(features: int) -> nn.Conv:
-    return Conv(features, (1, 1), padding=PAD_0)
+conv3x3 = functools.partial(Conv, kernel_size=(3, 3), padding=PAD_1)  # features -> the layer
+conv1x1 = functools.partial(Conv, kernel_size=(1, 1), padding=PAD_0)
 
 
 class TimestepEmbedding(nn.Module):
@@ -137,10 +120,8 @@ class ResnetBlock(nn.Module):
         x, h = _resample(x, self.resample), _resample(h, self.resample)
         h = self.conv1(h)
         t = self.time_emb_proj(temb if self.skip_time_act else nn.silu(temb))[:, None, None, :]  # (B, 1, 1, C)
-        if self.scale_shift:
-            h = norm_act(self.norm2, h, train, silu=True, film=tuple(jnp.split(t, 2, axis=-1)))
-        else:
-            h = norm_act(self.norm2, h + t, train, silu=True)
+        film = tuple(jnp.split(t, 2, axis=-1)) if self.scale_shift else None  # scale and shift, or t added
+        h = norm_act(self.norm2, h if self.scale_shift else h + t, train, silu=True, film=film)
         h = self.conv2(self.dropout(h, deterministic=not train))
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
         return (skip + h) / self.output_scale
@@ -172,8 +153,8 @@ class SelfAttention(nn.Module):
 
     def __call__(self, x: Array, context: Array | None = None, mask: Mask = None) -> Array:
         del context, mask  # same call signature as Transformer2D; plain self-attention ignores them
-        scale = self.scale or self.head_dim**-0.5
         h = _tokens(x if self.group_norm is None else norm_act(self.group_norm, x))
+        scale = self.scale or self.head_dim**-0.5
         h = attention(self.to_q(h), self.to_k(h), self.to_v(h), self.heads, scale, self.query_chunk)
         h = self.to_out(h).reshape(x.shape)
         return (h + x) / self.output_scale
@@ -198,8 +179,9 @@ class CrossAttention(nn.Module):
         ctx = x if context is None else context
         scale = self.scale or (self.dim // self.heads) ** -0.5
         q, k, v = self.to_q(x), self.to_k(ctx), self.to_v(ctx)
-        bias = mask if context is not None else None
-        return self.to_out(attention(q, k, v, self.heads, scale, self.query_chunk, bias))
+        return self.to_out(
+            attention(q, k, v, self.heads, scale, self.query_chunk, mask if context is not None else None)
+        )
 
 
 class FeedForward(nn.Module):

@@ -23,8 +23,7 @@ class LoRADense(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
-        y = jnp.matmul(x, kernel)
+        y = jnp.matmul(x, self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features)))
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,))
         # peft's init: A as torch's Linear default (uniform, bound 1/sqrt(fan_in)), B zero

@@ -13,18 +13,18 @@ from jax.ad_checkpoint import checkpoint_name
 Array = jax.Array
 
 
-class GroupNorm(nn.GroupNorm):
-    """`nn.GroupNorm` with its output tagged ``"norm"``."""
+def tagged(cls: type[nn.Module], tag: str) -> type[nn.Module]:
+    """``cls`` with its output tagged ``tag`` (`checkpoint_name`), the name a remat policy saves it by."""
 
-    def __call__(self, x: Array, *args: object, **kwargs: object) -> Array:
-        return checkpoint_name(super().__call__(x, *args, **kwargs), "norm")
+    class Tagged(cls):
+        def __call__(self, x: Array, *args: object, **kwargs: object) -> Array:
+            return checkpoint_name(super().__call__(x, *args, **kwargs), tag)
+
+    Tagged.__name__ = Tagged.__qualname__ = cls.__name__
+    return Tagged
 
 
-class LayerNorm(nn.LayerNorm):
-    """`nn.LayerNorm` with its output tagged ``"norm"``."""
-
-    def __call__(self, x: Array, *args: object, **kwargs: object) -> Array:
-        return checkpoint_name(super().__call__(x, *args, **kwargs), "norm")
+GroupNorm, LayerNorm = tagged(nn.GroupNorm, "norm"), tagged(nn.LayerNorm, "norm")
 
 
 def group_norm(groups: int, eps: float) -> nn.GroupNorm:

@@ -67,9 +67,10 @@ def init_pair(
 ) -> tuple[TrainState, Any]:
     """The ControlNet's `TrainState` (its encoder the U-Net's) and the U-Net's params, in ``regime``."""
     shapes = abstract_controlnet_inputs(pair.spec.controlnet)
-    inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
-    names = ("sample", "timestep", "context", "class_labels", "text_embeds", "time_ids", "controlnet_cond")
-    args = [inputs.get(n) for n in names]
+    args = [
+        None if shapes.get(n) is None else jnp.zeros(shapes[n].shape, shapes[n].dtype)
+        for n in ("sample", "timestep", "context", "class_labels", "text_embeds", "time_ids", "controlnet_cond")
+    ]
     params = pair.init({"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1)}, *args)["params"]
     unet = params["unet"]
     # The trunk's names are the U-Net's; copies, not the same buffers: the state is donated, the U-Net's are not.

@@ -38,9 +38,8 @@ def fsdp_partition(shape: tuple[int, ...], devices: int) -> P:
 
 def state_shardings(mesh: Mesh, state: Any, mode: str | None) -> Any:
     """A `NamedSharding` per leaf of ``state``: `fsdp_partition` for ``mode == "fsdp"``, replicated otherwise."""
-    if mode == "fsdp":
-        return jax.tree.map(lambda a: NamedSharding(mesh, fsdp_partition(a.shape, mesh.size)), state)
-    return jax.tree.map(lambda _: NamedSharding(mesh, P()), state)
+    partition = (lambda a: fsdp_partition(a.shape, mesh.size)) if mode == "fsdp" else (lambda _: P())
+    return jax.tree.map(lambda a: NamedSharding(mesh, partition(a)), state)
 
 
 def shard(mesh: Mesh, state: Any, batch: tuple, mode: str | None = "ddp") -> tuple[Any, tuple]:

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jax_impl.compat import backends_started, cluster_types, coordination_client
 from shared_configs.cli import nonnegative, positive
 from shared_configs.training.run_folder import SOLO, Comm
 
@@ -79,8 +80,9 @@ def check_flags(
             "(give all three, or none to let jax.distributed detect the cluster)"
         )
     if num_processes is not None and process_id is not None and process_id >= num_processes:
-        expected = f"expected 0 .. {num_processes - 1} (--num-processes {num_processes})"
-        raise ValueError(f"--process-id {process_id}: {expected}")
+        raise ValueError(
+            f"--process-id {process_id}: expected 0 .. {num_processes - 1} (--num-processes {num_processes})"
+        )
     if (num_processes or 1) > 1:
         check_distributed(num_processes, distributed)  # type: ignore[arg-type]
 
@@ -117,7 +119,7 @@ def join(coordinator: str | None, num_processes: int | None, process_id: int | N
     if _joined is not None:
         return _joined
     via = f"--coordinator {coordinator}" if coordinator else detected_cluster()
-    if via is None or (coordinator is None and _backend_started()):  # a caller whose JAX runs already: as it is
+    if via is None or (coordinator is None and backends_started()):  # a caller whose JAX runs already: as it is
         return None
     jax.config.update("jax_cpu_collectives_implementation", CPU_COLLECTIVES)
     try:
@@ -138,19 +140,8 @@ def join(coordinator: str | None, num_processes: int | None, process_id: int | N
 
 def detected_cluster() -> str | None:
     """The cluster class `jax.distributed.initialize()` would detect (e.g. "SlurmCluster"), or None."""
-    try:
-        from jax._src.clusters import ClusterEnv
-    except ImportError:
-        return None
-    kinds = getattr(ClusterEnv, "_cluster_types", [])
-    found = next((k for k in kinds if not k.opt_in_only_method and k.is_env_present()), None)
+    found = next((k for k in cluster_types() if not k.opt_in_only_method and k.is_env_present()), None)
     return None if found is None else found.__name__
-
-
-def _backend_started() -> bool:
-    from jax._src import xla_bridge  # JAX says whether its backends exist only here
-
-    return bool(getattr(xla_bridge, "backends_are_initialized", lambda: False)())
 
 
 def process_rank() -> int:
@@ -225,9 +216,7 @@ def leave(code: int) -> int:
 
 def _wait_for_the_others(joined: Joined) -> None:
     """Process 0: wait (at most `LEAVE_WAIT_S`) until every other process has said it leaves."""
-    from jax._src import distributed  # the coordination service's key-value store: JAX has no public handle
-
-    client = distributed.global_state.client
+    client = coordination_client()  # JAX has no public handle on the coordination service's key-value store
     try:
         if joined.process_id != 0:
             client.key_value_set(f"{LEAVING}{joined.process_id}", "1")

@@ -61,10 +61,11 @@ def make_optimizer(lr: float, weight_decay: float, regime: Regime = DEFAULT) -> 
             "optimizer: adamw8bit has no JAX implementation (optax has no 8-bit AdamW); use adamw or "
             "adafactor, or plan its state bytes from shapes (the plan command's --shapes)"
         )
-    if regime.optimizer == "adafactor":
-        tx = optax.adafactor(lr, weight_decay_rate=weight_decay or None)
-    else:  # weight_decay explicit: optax's default is 1e-4
-        tx = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+    tx = (
+        optax.adafactor(lr, weight_decay_rate=weight_decay or None)
+        if regime.optimizer == "adafactor"
+        else optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)  # optax's default decay: 1e-4
+    )
     if regime.lora_rank is not None:  # the adapters train; the rest gets no update and no state
 
         def labels(params: Any) -> Any:

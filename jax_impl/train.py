@@ -106,7 +106,6 @@ def generate(
 ) -> np.ndarray:
     """A grid of samples (NCHW) from the short ancestral sampler, in eval mode (a pair's conditioned on each
     class's edge map); with a ``mesh`` every process runs it and gets the whole grid."""
-    shape = (cfg.num_samples, spec.in_channels, spec.sample_size, spec.sample_size)
     whole = None if mesh is None else NamedSharding(mesh, PartitionSpec())
     variables = trainee.variables(state, *trainee.frozen)
     apply = jax.jit(lambda x, t, c: trainee.model.apply(variables, x, t, **c), out_shardings=whole)
@@ -116,6 +115,7 @@ def generate(
         out = apply(x, t, dict(zip(conditioning, inputs, strict=True)))
         return np.asarray(out).transpose(0, 3, 1, 2)
 
+    shape = (cfg.num_samples, spec.in_channels, spec.sample_size, spec.sample_size)
     return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)
 
 
@@ -127,10 +127,11 @@ def start_state(
     if mesh is None and run.checkpoint is None:
         return init()
     abstract = jax.eval_shape(init)
-    if mesh is None:
-        placement = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
-    else:
-        placement = state_shardings(mesh, abstract, cfg.distributed)
+    placement = (
+        jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
+        if mesh is None
+        else state_shardings(mesh, abstract, cfg.distributed)
+    )
     if run.checkpoint is not None:
         return load_checkpoint(run.checkpoint, abstract_target(abstract, placement), comm)[0]
     return jax.jit(init, out_shardings=placement)()

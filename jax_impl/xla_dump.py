@@ -53,14 +53,17 @@ class MemoryPlan:
 def read(folder: str | Path) -> MemoryPlan:
     """The plan XLA dumped into ``folder`` for the compiled training step (`jax_impl.memory`'s parse)."""
     dump = read_dump(folder)
-    buffers = [
-        Buffer(name, *dump.ranges[(name, index)], size)
-        for allocation in dump.allocations
-        for name, index, _, size in allocation.values
-        if (name, index) in dump.ranges
-    ]
-    parameters = frozenset(n for n, op in dump.hlo.opcodes.items() if op == "parameter")
-    return MemoryPlan(dump.sequence, buffers, dump.hlo.op_names, parameters)
+    return MemoryPlan(
+        sequence=dump.sequence,
+        buffers=[
+            Buffer(name, *dump.ranges[(name, index)], size)
+            for allocation in dump.allocations
+            for name, index, _, size in allocation.values
+            if (name, index) in dump.ranges
+        ],
+        op_names=dump.hlo.op_names,
+        parameters=frozenset(n for n, op in dump.hlo.opcodes.items() if op == "parameter"),
+    )
 
 
 def unit_of(op_name: str, units: set[str]) -> str | None:

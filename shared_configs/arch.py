@@ -6,7 +6,7 @@ are the layer constructors' parameters (a test checks), so the skip stack's chan
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -168,15 +168,15 @@ def block_resnet_args(spec: UNetSpec, block: str) -> ResnetArgs:
     if block == "mid":
         skip = spec.resnet_skip_time_act and spec.mid_attention == "simple_cross"
         return resnet_args(spec, spec.mid_block_scale_factor, skip)
-    if spec.resampler == "resnet":
-        return resnet_args(spec, spec.resnet_out_scale_factor, spec.resnet_skip_time_act)
-    return resnet_args(spec)
+    resnet = spec.resampler == "resnet"
+    return resnet_args(spec, spec.resnet_out_scale_factor, spec.resnet_skip_time_act) if resnet else resnet_args(spec)
 
 
 def resnet_args(spec: UNetSpec, output_scale: float = 1.0, skip_time_act: bool = False) -> ResnetArgs:
     scale_shift = spec.resnet_time_scale_shift == "scale_shift"
-    norm = (spec.norm_kind, spec.norm_num_groups, spec.norm_eps, spec.norm_momentum)
-    return ResnetArgs(spec.block_temb_dim, *norm, spec.dropout, scale_shift, output_scale, skip_time_act)
+    return ResnetArgs(
+        spec.block_temb_dim, *astuple(norm_args(spec)), spec.dropout, scale_shift, output_scale, skip_time_act
+    )
 
 
 def attention_args(
@@ -190,14 +190,19 @@ def attention_args(
             heads, head_dim, spec.norm_num_groups, ADDED_KV_NORM_EPS, spec.cross_attention_dim, spec.context_norm_groups
         )
     if kind == "self":
-        groups = spec.norm_num_groups
-        if level == -1 and spec.mid_attention_norm_groups is not None:
-            groups = spec.mid_attention_norm_groups
+        mid_groups = spec.mid_attention_norm_groups if level == -1 else None
+        groups = spec.norm_num_groups if mid_groups is None else mid_groups
         return SelfAttentionArgs(heads, head_dim, groups, spec.norm_eps, spec.attention_scale, output_scale)
-    eps = (spec.transformer_norm_eps, spec.layer_norm_eps)
-    depth, groups, context = spec.transformer_depth(level), spec.norm_num_groups, spec.cross_attention_dim
     return TransformerArgs(
-        heads, head_dim, depth, groups, *eps, spec.attention_scale, context, spec.use_linear_projection
+        heads,
+        head_dim,
+        spec.transformer_depth(level),
+        spec.norm_num_groups,
+        spec.transformer_norm_eps,
+        spec.layer_norm_eps,
+        spec.attention_scale,
+        spec.cross_attention_dim,
+        spec.use_linear_projection,
     )
 
 

@@ -92,8 +92,7 @@ positive_mib = positive(float, " of MiB")  # a finite number of MiB above zero
 
 def config_help(default: str | None = None) -> str:
     """``--config``'s help: the presets by name (and the default, if any)."""
-    tail = f" (default: {default})" if default else ""
-    return f"a preset ({', '.join(preset_names())}) or a spec YAML path{tail}"
+    return f"a preset ({', '.join(preset_names())}) or a spec YAML path" + (f" (default: {default})" if default else "")
 
 
 def check_out_dir(path: Path, flag: str = "--out") -> None:

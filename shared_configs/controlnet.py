@@ -57,9 +57,8 @@ class ControlNetSpec(_Frozen):
             "resampler": unet.resampler != "conv",
             "down_attention/mid_attention": "simple_cross" in kinds,
         }
-        for field, used in unsupported.items():
-            if used:
-                raise SpecError(f"unet.{field}: not supported in a ControlNet (diffusers' ControlNetModel has none)")
+        if used := [field for field, on in unsupported.items() if on]:
+            raise SpecError(f"unet.{used[0]}: not supported in a ControlNet (diffusers' ControlNetModel has none)")
         return self
 
 
@@ -138,5 +137,5 @@ def _named_units(policy: Any) -> list[str]:
         return []
     if not isinstance(policy, str):
         return [str(n) for n in policy]
-    parts = [p.split("/")[0] for p in policy.split(";")]
-    return [n.strip() for p in parts for n in p.split(",") if "." in n or n.strip() in ("mid", "up")]
+    names = (n for group in policy.split(";") for n in group.partition("/")[0].split(","))
+    return [n.strip() for n in names if "." in n or n.strip() in ("mid", "up")]

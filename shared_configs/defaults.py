@@ -48,8 +48,7 @@ class Defaults:
 
 def jax_cache_dir() -> str | None:
     """The persistent compilation cache folder: ``$UNET_REMAT_JAX_CACHE`` ("none": off), else under XDG's cache."""
-    chosen = os.environ.get(JAX_CACHE_ENV)
-    if chosen is not None:
+    if (chosen := os.environ.get(JAX_CACHE_ENV)) is not None:
         return None if chosen.lower() in ("none", "off", "") else str(Path(chosen).expanduser().absolute())
     return str(Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "unet-remat" / "jax")
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from shared_configs.spec import UNetSpec
+from shared_configs.spec import AdditionEmbeddingSpec, UNetSpec
 
 INPUT_NAMES: tuple[str, ...] = ("x", "t", "context", "class_labels", "text_embeds", "time_ids")
 EXTRA_INPUT_NAMES: tuple[str, ...] = ("timestep_cond", "image_embeds")  # present only where the spec takes them
@@ -43,8 +43,10 @@ def input_specs(
         width = class_label_width(spec)
         specs["class_labels"] = InputSpec((batch,), "int32") if width is None else InputSpec((batch, width), f32)
     if (add := spec.addition_embedding) is not None:
-        specs["text_embeds"] = InputSpec((batch, add.text_embeds_dim), f32)
-        specs["time_ids"] = InputSpec((batch, add.num_time_ids), f32)
+        specs |= {
+            "text_embeds": InputSpec((batch, add.text_embeds_dim), f32),
+            "time_ids": InputSpec((batch, add.num_time_ids), f32),
+        }
     if (cond := spec.time_embedding.cond_dim) is not None:
         specs["timestep_cond"] = InputSpec((batch, cond), f32)
     if (img := spec.image_embedding) is not None:
@@ -114,8 +116,8 @@ def check_inputs(spec: UNetSpec, layout: str, x: Any, t: Any, **conditioning: An
     wanted = input_specs(spec, batch, context_len=1)  # context length is free: checked below without it
     for name in INPUT_NAMES[2:] + EXTRA_INPUT_NAMES:
         _check_optional(spec, name, wanted.get(name), conditioning.get(name))
-    if spec.addition_embedding is not None:
-        _check_text_time(spec, conditioning["text_embeds"].shape, conditioning["time_ids"].shape)
+    if (add := spec.addition_embedding) is not None:
+        _check_text_time(add, conditioning["text_embeds"].shape, conditioning["time_ids"].shape)
     _check_mask(spec, batch, conditioning.get("context"), conditioning.get("encoder_attention_mask"))
 
 
@@ -189,9 +191,7 @@ def _check_mask(spec: UNetSpec, batch: int, context: Any, mask: Any) -> None:
         )
 
 
-def _check_text_time(spec: UNetSpec, text: tuple[int, ...], ids: tuple[int, ...]) -> None:
-    add = spec.addition_embedding
-    assert add is not None
+def _check_text_time(add: AdditionEmbeddingSpec, text: tuple[int, ...], ids: tuple[int, ...]) -> None:
     total = text[1] + ids[1] * add.time_id_dim
     if total != add.input_dim:
         raise ValueError(

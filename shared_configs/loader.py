@@ -72,8 +72,7 @@ def spec_from_dict(data: dict[str, Any]) -> UNetSpec:
 def _one_line(err: ValidationError, root: type[BaseModel]) -> str:
     """The first problem in one line; an unknown field first, with its nearest name and any missing field beside it."""
     errors = err.errors()
-    unknown = [e for e in errors if e["type"] == "extra_forbidden"]
-    if unknown:
+    if unknown := [e for e in errors if e["type"] == "extra_forbidden"]:
         missing = [_where(e) for e in errors if e["type"] == "missing"]
         return _unknown(unknown[0], root) + (f"; missing: {', '.join(missing)}" if missing else "")
     first = errors[0]
@@ -84,7 +83,9 @@ def _one_line(err: ValidationError, root: type[BaseModel]) -> str:
 
 
 def _where(error: Any) -> str:
-    return ".".join(str(p) for p in error["loc"] if not _is_type_tag(p))
+    # pydantic names the member of a union it tried (``int``, ``tuple[int, ...]``) in an error's location
+    tags = {"int", "float", "bool", "str", "none"}
+    return ".".join(str(p) for p in error["loc"] if not (isinstance(p, str) and (p in tags or "[" in p)))
 
 
 def _unknown(error: Any, root: type[BaseModel]) -> str:
@@ -94,11 +95,6 @@ def _unknown(error: Any, root: type[BaseModel]) -> str:
     near = difflib.get_close_matches(name, fields, n=1)
     hint = f"did you mean {near[0]!r}?; " if near else ""
     return f"{_where(error)}: unknown field {name!r} ({hint}allowed: {', '.join(fields)})"
-
-
-def _is_type_tag(part: object) -> bool:
-    """pydantic names the member of a union it tried (``int``, ``tuple[int, ...]``) in an error's location."""
-    return isinstance(part, str) and (part in {"int", "float", "bool", "str", "none"} or "[" in part)
 
 
 def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel]:

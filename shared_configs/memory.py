@@ -6,6 +6,7 @@ the block and phase marks. The planner's per-buffer timeline is another thing: `
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -40,13 +41,11 @@ def timeline(
 ) -> dict[str, Any]:
     """The record for one step, from each position's live bytes per kind (``series``), block and phase starts."""
     stacked = np.stack([np.asarray(series[c], dtype=np.int64) for c in CATEGORIES])
-    n = stacked.shape[1]
     keep = _peaks_per_stretch(stacked.sum(axis=0), points)
-    series = {c: stacked[i, keep].tolist() for i, c in enumerate(CATEGORIES)}
     return {
-        "positions": n,
+        "positions": stacked.shape[1],
         "x": keep.tolist(),
-        "series": series,
+        "series": {c: stacked[i, keep].tolist() for i, c in enumerate(CATEGORIES)},
         "marks": block_marks(blocks, phases.values()),
         "phases": {name: int(pos) for name, pos in phases.items()},
         "method": method,
@@ -66,23 +65,14 @@ def _peaks_per_stretch(total: np.ndarray, points: int) -> np.ndarray:
 def block_marks(blocks: Sequence[str], phase_starts: Iterable[int] = (), share: float = 0.004) -> list[tuple[int, str]]:
     """(position, block) where each stretch of a block begins: `OUTSIDE` positions do not break one, a phase start
     does; stretches under ``share`` of the step (small ops XLA hoists among other blocks') are left out."""
-    starts, shortest = set(phase_starts), max(1, int(share * len(blocks)))
-    runs: list[list[Any]] = []  # [block, first position, positions in it]
-    for i, block in enumerate(blocks):
-        if i in starts and runs:
-            runs.append([None, i, 0])  # a phase boundary: the stretch before it ends
-        if block == OUTSIDE:
-            continue
-        if runs and runs[-1][0] == block:
-            runs[-1][2] += 1
-        else:
-            runs.append([block, i, 1])
+    starts, shortest = sorted(set(phase_starts)), max(1, int(share * len(blocks)))
+    inside = ((i, block) for i, block in enumerate(blocks) if block != OUTSIDE)
     marks: list[tuple[int, str]] = []
-    current = None
-    for block, first, count in runs:
-        if block is None:
-            current = None
-        elif count >= shortest and block != current:
-            marks.append((first, block))
-            current = block
+    current = None  # (phase, block) of the last mark
+    # a stretch: positions in a row (`OUTSIDE` ones left out) of one block in one phase
+    for key, stretch in itertools.groupby(inside, lambda pos: (bisect.bisect_right(starts, pos[0]), pos[1])):
+        positions = [i for i, _ in stretch]
+        if len(positions) >= shortest and key != current:
+            marks.append((positions[0], key[1]))
+            current = key
     return marks

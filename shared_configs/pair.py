@@ -88,9 +88,8 @@ class PairPlan:
 
     def save_for(self, name: str) -> tuple[str, ...]:
         """The op classes the recomputed unit ``name`` (a pair name) keeps."""
-        if name.startswith(CONTROLNET):
-            return self.controlnet.save_for(name.removeprefix(CONTROLNET))
-        return self.unet.save_for(name)
+        mine = name.startswith(CONTROLNET)
+        return self.controlnet.save_for(name.removeprefix(CONTROLNET)) if mine else self.unet.save_for(name)
 
 
 def pair_names(spec: ControlNetPairSpec) -> list[str]:
@@ -110,22 +109,21 @@ def split_pair_plan(spec: ControlNetPairSpec, policy: str | PairPlan | None = No
         network, colon, rest = group.partition(":")
         if colon and network.strip() in NETWORKS:  # `controlnet:layers`: a policy on one network only
             (cn_groups if network.strip() == "controlnet" else unet_groups).append(rest.strip())
-            continue
-        if _named(group):  # a named policy: on both networks
+        elif _named(group):  # a named policy: on both networks
             unet_groups.append(group)
             cn_groups.append(group)
-            continue
-        base, sep, mods = group.partition("/")
-        names = [n.strip() for n in base.split(",") if n.strip()]
-        if bad := [n for n in names if n not in allowed]:
-            raise SpecError(
-                f"policy: unknown unit {bad[0]!r} in {text!r} (allowed: a named policy for both networks, "
-                f"or {', '.join(allowed)})"
-            )
-        mine = [n for n in names if not n.startswith(CONTROLNET)]
-        theirs = [n.removeprefix(CONTROLNET) for n in names if n.startswith(CONTROLNET)]
-        unet_groups += [",".join(mine) + sep + mods] if mine else []
-        cn_groups += [",".join(theirs) + sep + mods] if theirs else []
+        else:
+            base, sep, mods = group.partition("/")
+            names = [n.strip() for n in base.split(",") if n.strip()]
+            if bad := [n for n in names if n not in allowed]:
+                raise SpecError(
+                    f"policy: unknown unit {bad[0]!r} in {text!r} (allowed: a named policy for both networks, "
+                    f"or {', '.join(allowed)})"
+                )
+            mine = [n for n in names if not n.startswith(CONTROLNET)]
+            theirs = [n.removeprefix(CONTROLNET) for n in names if n.startswith(CONTROLNET)]
+            unet_groups += [",".join(mine) + sep + mods] if mine else []
+            cn_groups += [",".join(theirs) + sep + mods] if theirs else []
     unet = resolve_plan(spec.unet, ";".join(unet_groups) or "none")
     try:
         controlnet = resolve_controlnet_plan(spec.controlnet, ";".join(cn_groups) or "none")
@@ -231,6 +229,6 @@ def step_spec(spec: UNetSpec, controlnet: bool, regime: Regime) -> UNetSpec | Co
 
 def load_step_dataset(kind: str, spec: UNetSpec | ControlNetPairSpec, seed: int = 0) -> Dataset:
     """The data of ``spec``'s training step: `load_dataset`'s, a pair's with each sample's conditioning image."""
-    if isinstance(spec, ControlNetPairSpec):
-        return load_pair_dataset(kind, spec, seed)
-    return load_dataset(kind, spec, seed)
+    return (
+        load_pair_dataset(kind, spec, seed) if isinstance(spec, ControlNetPairSpec) else load_dataset(kind, spec, seed)
+    )

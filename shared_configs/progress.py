@@ -3,6 +3,7 @@
 `progress(what, total)` reports ``what: done/total, detail, elapsed, about N s left`` at INFO; a library call
 stays quiet unless logging is on or the wait passes `QUIET_S`. CLIs run inside `cli_logging()` (a live line
 on a terminal); a worker calls `worker_logging()` and its parent passes the lines on with `Relay`.
+`reporting_to(logger)` sends the progress and notes of the calls in a block elsewhere (`SILENT`: nowhere).
 """
 
 from __future__ import annotations
@@ -11,13 +12,30 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
+from contextvars import ContextVar
 from typing import IO, TypeVar
 
 LOGGER = logging.getLogger("unet_remat")
 QUIET_S = 5.0  # a library call's wait shorter than this says nothing unless logging is on
 T = TypeVar("T")
 MARK = "unet_remat progress: "  # a worker's progress line on its stderr, for the parent to pass on
+SILENT = logging.getLogger("unet_remat.silent")  # says nothing: `reporting_to(SILENT)` keeps a block's calls quiet
+SILENT.addHandler(logging.NullHandler())
+SILENT.propagate = False
+SILENT.setLevel(logging.INFO)
+_TARGET: ContextVar[logging.Logger] = ContextVar("unet_remat_progress", default=LOGGER)
+
+
+@contextmanager
+def reporting_to(logger: logging.Logger) -> Iterator[None]:
+    """The progress and notes of the library calls in the block (the planner's: profiling, checking) go to
+    ``logger`` instead of the ``unet_remat`` logger; a `Relay` made in the block passes its worker's there too."""
+    token = _TARGET.set(logger)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 class LiveHandler(logging.StreamHandler):
@@ -79,9 +97,9 @@ class Progress:
     """One long wait: ``advance`` after each piece of work, ``note`` what is under way."""
 
     def __init__(
-        self, what: str, total: int | None = None, logger: logging.Logger = LOGGER, quiet_s: float = QUIET_S
+        self, what: str, total: int | None = None, logger: logging.Logger | None = None, quiet_s: float = QUIET_S
     ) -> None:
-        self.what, self.total, self.logger, self.quiet_s = what, total, logger, quiet_s
+        self.what, self.total, self.logger, self.quiet_s = what, total, logger or _TARGET.get(), quiet_s
         self.done, self.detail, self.shown = 0, "", False
         self.started = time.monotonic()
 
@@ -111,14 +129,9 @@ class Progress:
             _emit(self.logger, f"{self._head()}, {self.detail}", False, self.started, 0.0)
 
 
-@contextmanager
-def progress(what: str, total: int | None = None, logger: logging.Logger = LOGGER) -> Iterator[Progress]:
+def progress(what: str, total: int | None = None, logger: logging.Logger | None = None) -> closing[Progress]:
     """A `Progress` closed on the way out (its final line says how long the wait took)."""
-    p = Progress(what, total, logger)
-    try:
-        yield p
-    finally:
-        p.close()
+    return closing(Progress(what, total, logger))
 
 
 def tracked(items: Iterable[T], what: str, label: Callable[[T], str] = str) -> Iterator[T]:
@@ -134,8 +147,8 @@ def tracked(items: Iterable[T], what: str, label: Callable[[T], str] = str) -> I
 
 def note(text: str) -> None:
     """A line for whoever turned logging on (a CLI does): what a long wait is about to do."""
-    if _speaks(LOGGER):
-        LOGGER.info(text)
+    if _speaks(logger := _TARGET.get()):
+        logger.info(text)
 
 
 def say(text: str) -> None:
@@ -149,14 +162,14 @@ def say(text: str) -> None:
 class Relay:
     """The parent's side of a worker's progress: its `MARK` lines logged as ``what: line``, every other line kept."""
 
-    def __init__(self, what: str, logger: logging.Logger = LOGGER) -> None:
-        self.what, self.logger, self.shown = what, logger, False
+    def __init__(self, what: str, logger: logging.Logger | None = None) -> None:
+        self.what, self.logger, self.shown = what, logger or _TARGET.get(), False
         self.kept: list[str] = []
         self.started = time.monotonic()
 
     def feed(self, line: str) -> None:
         if line.startswith(MARK):
-            text = f"{self.what}: {line[len(MARK) :].rstrip()}"
+            text = f"{self.what}: {line.removeprefix(MARK).rstrip()}"
             self.shown |= _emit(self.logger, text, True, self.started, QUIET_S)
         else:
             self.kept.append(line)

@@ -105,7 +105,9 @@ class UNetSpec(_Frozen):
         default=None, description="SDXL text_time (text_embeds, time_ids)"
     )
     image_embedding: ImageEmbeddingSpec | None = Field(default=None, description="image_embeds conditioning")
-    checkpoint: str | tuple[str, ...] | None = Field(default=None, description="default checkpoint policy (plan.py)")
+    checkpoint: str | tuple[str, ...] | None = Field(
+        default=None, description="default checkpoint policy (vocabulary.py)"
+    )
 
     @property
     def num_levels(self) -> int:
@@ -154,11 +156,10 @@ class UNetSpec(_Frozen):
 
     def heads(self, level: int) -> int:
         """Number of attention heads at a down level (``-1`` is the deepest / the middle)."""
-        channels = self.block_out_channels[level]
         if self.num_attention_heads is not None:
             return _per_level(self.num_attention_heads, level, self.num_levels)
         if self.attention_head_dim is not None:
-            return channels // _per_level(self.attention_head_dim, level, self.num_levels)
+            return self.block_out_channels[level] // _per_level(self.attention_head_dim, level, self.num_levels)
         return 1
 
     def attention_shape(self, block: str, level: int) -> tuple[int, int]:
@@ -178,14 +179,16 @@ class UNetSpec(_Frozen):
     def _check_dimensions(self) -> UNetSpec:
         n = self.num_levels
         _require(len(self.down_attention) == n, "down_attention", f"needs {n} entries, one per level")
-        if self.up_attention is not None:
-            _require(len(self.up_attention) == n, "up_attention", f"needs {n} entries, one per level")
+        _require(
+            self.up_attention is None or len(self.up_attention) == n,
+            "up_attention",
+            f"needs {n} entries, one per level",
+        )
         for field in ("attention_head_dim", "num_attention_heads", "transformer_layers_per_block"):
-            value = getattr(self, field)
-            if isinstance(value, tuple):
-                _require(len(value) == n, field, f"needs {n} entries, one per level")
-            for v in value if isinstance(value, tuple) else ((value,) if value is not None else ()):
-                _require(v > 0, field, "must be positive")
+            value = getattr(self, field)  # an int for every level, one per level, or (heads) None
+            values = value if isinstance(value, tuple) else () if value is None else (value,)
+            _require(not isinstance(value, tuple) or len(value) == n, field, f"needs {n} entries, one per level")
+            _require(all(v > 0 for v in values), field, "must be positive")
         factor = 2 ** (n - 1)
         _require(
             self.sample_size % factor == 0,

@@ -59,10 +59,7 @@ def layer_names(spec: UNetSpec) -> list[str]:
     names: list[str] = []
     for i, attn in enumerate(spec.down_attention):
         names += _level_layers(f"down.{i}", spec.layers_per_block, attn)
-    names.append("mid.resnets.0")
-    if spec.mid_attention != "none":
-        names.append("mid.attentions.0")
-    names.append("mid.resnets.1")
+    names += [*_level_layers("mid", 1, spec.mid_attention), "mid.resnets.1"]  # ResNet, attention, ResNet
     for i, attn in enumerate(spec.up_attention_resolved):
         names += _level_layers(f"up.{i}", spec.layers_per_block + 1, attn)
     return names
@@ -78,18 +75,13 @@ def _level_layers(prefix: str, count: int, attention: str) -> list[str]:
     return [f"{prefix}.{kind}.{j}" for j in range(count) for kind in kinds]
 
 
-def _balanced(spec: UNetSpec) -> list[str]:
-    # The usual advice: the outermost blocks run at full resolution, where recomputing the
-    # convolutions costs the most time per byte saved, and down.0's outputs are kept as
-    # skips anyway. Keep those two plain and recompute everything deeper.
-    n = spec.num_levels
-    return [f"down.{i}" for i in range(1, n)] + ["mid"] + [f"up.{i}" for i in range(n - 1)]
-
-
 _NAMED: dict[str, Callable[[UNetSpec], list[str]]] = {
     "none": lambda spec: [],
     "full": block_names,
-    "balanced": _balanced,
+    # The usual advice: the outermost blocks run at full resolution, where recomputing the
+    # convolutions costs the most time per byte saved, and down.0's outputs are kept as
+    # skips anyway. Keep those two plain (down.0, the last up block) and recompute everything deeper.
+    "balanced": lambda spec: [n for n in block_names(spec) if n not in ("down.0", f"up.{spec.num_levels - 1}")],
     "layers": layer_names,
 }
 
@@ -101,10 +93,8 @@ def resolve_plan(
     offload: bool | None = None,
 ) -> CheckpointPlan:
     """Resolve a policy for ``spec`` (None: the spec's own ``checkpoint``); ``save``/``offload`` override its own."""
-    if isinstance(policy, CheckpointPlan):
-        plan = policy
-        if plan.recompute:
-            plan = replace(plan, recompute=_explicit(spec, list(plan.recompute)).recompute)
+    if isinstance(policy, CheckpointPlan):  # its names checked and put in forward order
+        plan = replace(policy, recompute=_explicit(spec, list(policy.recompute)).recompute)
     else:
         plan = _resolve_base(spec, policy)
     if save is None and offload is None:
@@ -162,8 +152,7 @@ def _groups(spec: UNetSpec, key: str) -> CheckpointPlan:
     """``GROUP;GROUP...``: each group a policy of its own, over disjoint names, with its own save set."""
     plans = [_check_ops(_resolve_base(spec, part)) for part in key.split(";") if part.strip()]
     names = [name for plan in plans for name in plan.recompute]
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
+    if twice := sorted({name for name in names if names.count(name) > 1}):
         raise SpecError(f"policy: {twice[0]!r} is named in two ';' groups of {key!r}")
     offloads = {plan.offload for plan in plans if plan.save}
     if len(offloads) > 1:
@@ -180,9 +169,8 @@ def _ops(names: Iterable[str]) -> tuple[str, ...]:
     if isinstance(names, str):
         names = names.replace("+", ",").split(",")
     chosen = {n.strip() for n in names if n.strip()}
-    for name in chosen:
-        if name not in OP_CLASSES:
-            raise SpecError(f"save: unknown op {name!r} (allowed: {', '.join(OP_CLASSES)})")
+    if unknown := [name for name in chosen if name not in OP_CLASSES]:
+        raise SpecError(f"save: unknown op {unknown[0]!r} (allowed: {', '.join(OP_CLASSES)})")
     return tuple(op for op in OP_CLASSES if op in chosen)
 
 
@@ -210,14 +198,12 @@ def _every_n(key: str) -> int:
 
 def _explicit(spec: UNetSpec, names: list[str]) -> CheckpointPlan:
     valid = all_names(spec)
-    for name in names:
-        if not isinstance(name, str) or name not in valid:
-            raise SpecError(f"policy: unknown block name {name!r} (valid: {', '.join(valid)})")
+    if unknown := [name for name in names if not isinstance(name, str) or name not in valid]:
+        raise SpecError(f"policy: unknown block name {unknown[0]!r} (valid: {', '.join(valid)})")
     chosen = set(names)
-    for name in chosen:
-        parent = _parent_block(name)
-        if parent is not None and parent in chosen:
-            raise SpecError(f"policy: {name!r} lies inside {parent!r}, which is already recomputed")
+    if inside := [name for name in chosen if _parent_block(name) in chosen]:
+        name = inside[0]
+        raise SpecError(f"policy: {name!r} lies inside {_parent_block(name)!r}, which is already recomputed")
     ordered = tuple(n for n in valid if n in chosen)
     return CheckpointPlan(",".join(ordered) or "none", ordered)
 

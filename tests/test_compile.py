@@ -130,7 +130,7 @@ def test_apply_plan_on_diffusers_compiles_with_equal_gradients() -> None:
     pytest.importorskip("diffusers")
     from benchmarks.backends.diffusers_bench import DiffusersForward
     from tests.helpers.diffusers_ref import diffusers_pair
-    from torch_impl.train import as_tensors
+    from torch_impl.step import as_tensors
 
     spec = variant("sdxl_style", dropout=0.0)  # a UNet2DConditionModel with SDXL's text_time conditioning
     unet = diffusers_pair(spec)[1]  # diffusers' model, with our seeded U-Net's weights

@@ -29,7 +29,8 @@ from torch_impl import UNet, apply_plan, remove_plan
 from torch_impl.checkpointing import checkpointed_names
 from torch_impl.diffusers_adapter import diffusers_path, diffusers_spec
 from torch_impl.memory import StepTracker
-from torch_impl.train import as_tensors, make_optimizer, train_step
+from torch_impl.step import as_tensors
+from torch_impl.train import make_optimizer, train_step
 
 CONTEXT = 8  # cross-attention tokens
 SPECS = {  # a UNet2DConditionModel as sd_narrow, an SDXL-shaped one (text_time, 2 transformer layers), a UNet2DModel
@@ -77,7 +78,7 @@ def test_every_plan_name_is_the_diffusers_module_of_that_role(case: dict[str, An
     assert {type(modules[p]).__name__ for p in attentions} <= {"Transformer2DModel", "Attention"}
 
 
-@pytest.mark.slow_for(  # ~1-2.5 s each on 2 cores: sd_narrow keeps one plan in the inner loop
+@pytest.mark.slow_for(  # seconds each: sd_narrow keeps one plan in the inner loop
     *(f"sd_narrow-{p}" for p in POLICIES if p != "down.1,mid")
 )
 @pytest.mark.parametrize("policy", POLICIES)

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,12 +30,13 @@ import torch.nn.functional as F
 
 from benchmarks.backends.diffusers_bench import DiffusersForward
 from shared_configs import UNetSpec
-from shared_configs.pair import ControlNetPairSpec, controlnet_pair, example_pair_batch, workload_spec
-from shared_configs.planning import gpu, pipeline, whole
-from shared_configs.planning.pipeline import CACHE_ENV, Workload, predict_policy
-from shared_configs.regime import Regime
+from shared_configs.pair import ControlNetPairSpec, controlnet_pair, example_pair_batch
+from shared_configs.planning import closed_loop, gpu, pipeline, whole
+from shared_configs.planning.pipeline import Workload
 from shared_configs.training.data import example_batch
 from tests.helpers.diffusers_ref import diffusers_pair
+from tests.helpers.guard import check_by_prediction, plan_cache  # noqa: F401 (fixtures)
+from tests.helpers.guard import predicted as _predicted
 from tests.helpers.specs import variant
 from tests.helpers.tensors import rel_err
 from torch_impl import BudgetGuard, ControlNetPair, UNet
@@ -45,47 +45,11 @@ from torch_impl import memory as memory_module
 from torch_impl.diffusers_adapter import diffusers_spec
 from torch_impl.guard_model import RegimeWatch, gpu_flavour
 from torch_impl.memory import memtracker, step_peak
-from torch_impl.train import as_tensors
+from torch_impl.step import as_tensors
 
+pytestmark = pytest.mark.usefixtures("plan_cache")  # one profile per spec for the module
 BATCH = 4
-SIZE = 16  # 16x16: activations about twice the weights, gradients and AdamW state (none 12 MiB, full 6.5 MiB)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def plan_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One profile cache for the module: each spec is profiled once."""
-    path = tmp_path_factory.mktemp("plan-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CACHE_ENV, str(path))
-        yield path
-
-
-@pytest.fixture
-def check_by_prediction(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner's check of a plan's peak (a fake-tensor step in a worker) stood in for by the
-    profile's prediction; profiles are still measured."""
-    monkeypatch.setattr(pipeline, "run_worker", checking_by_prediction(pipeline.run_worker))
-
-
-def checking_by_prediction(real: Callable[[dict], dict]) -> Callable[[dict], dict]:
-    """``real`` (the planner's worker call) with its "peaks" requests answered by the profile's prediction."""
-
-    def run_worker(request: dict) -> dict:
-        if request["kind"] != "peaks":
-            return real(request)
-        work = Workload(
-            workload_spec(request["spec"]),
-            request["batch_size"],
-            Regime(**request["regime"]),
-            request["context_length"],
-        )
-        return {"peaks": {p: _predicted(work, p) for p in request["policies"]}}
-
-    return run_worker
-
-
-def _predicted(work: Workload, policy: str) -> int:
-    return predict_policy(work, policy)[0].prediction.peak_bytes
+SIZE = 16  # 16x16: activations above the weights, gradients and AdamW state (docs/guard.md has the peaks)
 
 
 class Case:
@@ -135,7 +99,7 @@ def _sizes(work: Workload) -> tuple[int, int]:
 SPECS: dict[str, Callable[[], tuple[UNetSpec | ControlNetPairSpec, bool]]] = {
     "ours": lambda: (variant("tiny", sample_size=SIZE), False),
     "diffusers": lambda: (variant("sdxl_style", sample_size=SIZE, dropout=0.0), True),  # UNet2DConditionModel
-    # the ControlNet step (none 11.8 MiB, full 6.3 MiB): a small conditioning embedding, the image at 2x the sample
+    # the ControlNet step: a small conditioning embedding, the image at 2x the sample
     "controlnet": lambda: (controlnet_pair(variant("tiny", sample_size=SIZE), **SMALL_CONDITIONING), False),
 }
 SMALL_CONDITIONING = {"conditioning_embedding_out_channels": (8, 16)}
@@ -149,7 +113,7 @@ SMALL_CONDITIONING = {"conditioning_embedding_out_channels": (8, 16)}
 def test_an_extra_buffer_is_kept_within_budget_after_at_most_3_steps(
     name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    if name == "controlnet":  # its plans' worker checks (8 s each) stood in for: MemTracker judges the step below
+    if name == "controlnet":  # its plans' worker checks (slow) stood in for: MemTracker judges the step below
         request.getfixturevalue("check_by_prediction")
     torch.manual_seed(0)
     case = Case(*SPECS[name]())
@@ -175,7 +139,7 @@ def test_an_extra_buffer_is_kept_within_budget_after_at_most_3_steps(
     assert tight.outside == over_record.measured - over_record.predicted  # the excess it re-planned for
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"guard: step {tight.step}: peaked at ") and "over the" in lines[0]
-    target = round(budget * (1 - guard_module.REPLAN_MARGIN)) - tight.outside  # a margin: plans' predictions err apart
+    target = round(budget * (1 - closed_loop.REPLAN_MARGIN)) - tight.outside  # a margin: plans' predictions err apart
     assert f"planned for {target / 2**20:.1f} MiB: " in lines[0] and tight.predicted <= target
     # Measured in the first 2 steps and the 2 after the change only, never in the steady state.
     measured = [r for r in guard.history if r.measured is not None]
@@ -287,7 +251,7 @@ def test_out_of_memory_even_under_full_is_one_line_and_re_raised(capsys: pytest.
     with pytest.raises(torch.OutOfMemoryError, match="raised by the test"):
         guard.run(step)
     predicted = [p for _, p in step.plans]
-    assert step.plans[-1][0] == "full" and 2 <= len(step.plans) <= 2 + guard_module.OOM_HALVINGS
+    assert step.plans[-1][0] == "full" and 2 <= len(step.plans) <= 2 + closed_loop.OOM_HALVINGS
     assert all(b < a for a, b in itertools.pairwise(predicted)), step.plans
     assert guard.history[-1].action == "full failed"
     lines = capsys.readouterr().err.strip().splitlines()

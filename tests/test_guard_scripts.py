@@ -5,7 +5,7 @@ configs, ``cast_training_params``; and diffusers' ``ControlNetModel`` beside its
 
 Each guarded run is held against the same run unguarded (weights compared), and its peak after the
 guard's last change against the budget. One profile per model, in the module's cache; the planner's
-worker check of each plan is stood in for by the profile's prediction (`tests.test_guard`).
+worker check of each plan is stood in for by the profile's prediction (`tests.helpers.guard`).
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from shared_configs import to_diffusers_config
 from shared_configs.planning import pipeline
 from shared_configs.planning.pipeline import Workload, predict_policy
 from shared_configs.regime import Regime
+from tests.helpers.guard import check_by_prediction, checking_by_prediction, plan_cache  # noqa: F401 (fixtures)
 from tests.helpers.specs import variant
-from tests.test_guard import check_by_prediction, checking_by_prediction, plan_cache  # noqa: F401 (fixtures)
 from torch_impl import BudgetGuard, ControlNetPair
 from torch_impl.guard_model import regime_seen, step_spec, take_over_checkpointing
 from torch_impl.guard_retry import RetryPoint
 from torch_impl.wrappers import compiled, unwrap
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("check_by_prediction")]
-heavy = pytest.mark.heavy  # a profile of its own each (about a minute of CPU): left out of the default run
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("plan_cache", "check_by_prediction")]
+heavy = pytest.mark.heavy  # a profile of its own each (docs/guard.md: how long): left out of the default run
 SPEC = variant("tiny", down_attention=["transformer", "none"], sample_size=8, dropout=0.0)  # SD-shaped, 8x8 latents
 BATCH, TOKENS, RANK = 2, 8, 4
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -374,7 +374,7 @@ def _rank_main(out: str) -> None:
     """One rank of `test_two_processes_re_plan_together` (``python -m tests.test_guard_scripts OUT``)."""
     import dataclasses
 
-    from torch_impl.guard import from_rank0
+    from torch_impl.guard_retry import from_rank0
 
     pipeline.run_worker = checking_by_prediction(pipeline.run_worker)
     torch.set_num_threads(1)

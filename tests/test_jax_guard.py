@@ -65,12 +65,12 @@ def test_a_step_holding_more_than_the_model_gets_a_plan_whose_compiled_peak_fits
     assert sp.compiled <= budget and sp.history[-1].action == "fits"
     assert case["peak"](sp.plan, case["args"]) == sp.compiled <= budget  # compiled again, read here
     first = sp.history[0]
-    assert first.compiled == first.predicted + first.outside
+    assert first.measured == first.predicted + first.outside
     assert first.outside >= case["extra"] * 0.9  # the extra array is seen as held beyond the model's step
     print(
         "\n"
         + "\n".join(
-            f"{r.round} {r.plan} predicted {r.predicted} compiled {r.compiled} outside {r.outside} {r.action}"
+            f"{r.step} {r.plan} predicted {r.predicted} compiled {r.measured} outside {r.outside} {r.action}"
             for r in sp.history
         )
         + f"\nbudget {budget}"

@@ -17,6 +17,7 @@ import pytest
 from jax_impl import guard
 from jax_impl import step as jstep
 from jax_impl.profile import setup, unet
+from shared_configs.planning.closed_loop import FULL
 from shared_configs.planning.pipeline import Workload
 from tests.helpers.specs import variant
 
@@ -78,7 +79,7 @@ def test_out_of_memory_runs_the_same_step_again_under_a_plan_that_recomputes_mor
     guarded = guard.GuardedStep(step["build"], sp, s["args"])
     state, loss = guarded(*_copy(s["args"]))
     error = guarded.history[-1]
-    assert (error.action, error.round, error.plan) == ("out of memory", 1, "none")
+    assert (error.action, error.step, error.plan) == ("out of memory", 1, "none")
     assert guarded.plan != "none" and guarded.predicted < error.predicted  # recomputes more
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
     # The retried step is the step under the new plan, run once on the same arguments: its state
@@ -93,12 +94,12 @@ def test_out_of_memory_runs_the_same_step_again_under_a_plan_that_recomputes_mor
 @pytest.mark.slow
 def test_out_of_memory_under_full_re_raises(step: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     s = step["s"]
-    sp = guard.plan_for_step(step["build"], s["args"], 1 << 40, spec=SPEC, batch_size=BATCH, policy=guard.FULL)
+    sp = guard.plan_for_step(step["build"], s["args"], 1 << 40, spec=SPEC, batch_size=BATCH, policy=FULL)
     _on_device(monkeypatch, lambda policy: True)
     guarded = guard.GuardedStep(step["build"], sp, s["args"])
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
         guarded(*_copy(s["args"]))
-    assert guarded.plan == guard.FULL and guarded.history[-1].action == "out of memory"
+    assert guarded.plan == FULL and guarded.history[-1].action == "out of memory"
 
 
 @pytest.mark.slow

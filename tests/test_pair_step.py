@@ -21,7 +21,7 @@ MIXED = "controlnet.down.0,up.1;controlnet.mid.resnets.1,controlnet.down.1.atten
 
 def _torch_step(pair: torch.nn.Module, policy: str) -> LossAndGrads:
     """The training step's loss and the ControlNet's gradients under ``policy``; the U-Net frozen."""
-    from torch_impl.train import step_loss
+    from torch_impl.step import step_loss
 
     pair.enable_gradient_checkpointing(policy)
     assert (pair.plan.policy == "none") == (policy == "none")

@@ -17,12 +17,13 @@ from shared_configs import load_spec
 from shared_configs.defaults import defaults
 from shared_configs.planning import pipeline
 from shared_configs.planning.budget import predict
+from shared_configs.planning.closed_loop import MEASURED_STEPS
 from shared_configs.planning.pipeline import CACHE_ENV, Workload, plan_for_budget, profile_path
 from shared_configs.planning.solver import smallest_peak
 from shared_configs.planning.units import assignment_of
 from shared_configs.sizes import MIB
 from shared_configs.training.run_folder import checkpoints
-from shared_configs.training.run_plan import MEASURED_STEPS, RunPlan
+from shared_configs.training.run_plan import RunPlan
 from tests.helpers.specs import random_profile
 
 SPEC = load_spec("tiny")

@@ -37,11 +37,11 @@ from jax_impl.processes import HEARTBEAT_S
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.manifest import CheckpointError, read_manifest
 from shared_configs.training.run_folder import checkpoints
+from tests.helpers.processes import FSDP_RUN as RUN
 from tests.helpers.processes import finish, jax_on_two_devices, start
 from tests.helpers.specs import fast_xla_flags
-from tests.helpers.training import CFG, train_argv
+from tests.helpers.training import train_argv
 
-RUN = replace(CFG, steps=1000, checkpoint_every=1, distributed="fsdp")
 STEPS = 8  # the uninterrupted curve: the pair is killed after its first checkpoint (step 3, or a few more)
 PROGRAM = [sys.executable, "-m", "jax_impl.train"]
 KILL_BOUND_S = HEARTBEAT_S + 30  # the slowest way out: JAX's own heartbeat timeout, then its abort
@@ -95,7 +95,7 @@ import json, sys
 from pathlib import Path
 import jax
 from jax_impl import train as jtrain
-from tests.test_train_jax_processes import one_process
+from tests.helpers.processes import one_process
 root, steps = Path(sys.argv[1]), int(sys.argv[2])
 whole = jtrain.train(one_process(str(root / "whole"), steps))  # uninterrupted
 jtrain.train(one_process(str(root / "pair"), 2))  # where the pair starts (compiled already)
@@ -107,16 +107,10 @@ import json, sys
 from dataclasses import replace
 import jax
 from jax_impl import train as jtrain
-from tests.test_train_jax_processes import one_process
+from tests.helpers.processes import one_process
 losses = jtrain.train(replace(one_process(sys.argv[1], int(sys.argv[2])), resume=True))
 print(json.dumps({"devices": len(jax.devices()), "losses": losses}))
 """
-
-
-def one_process(out: str, steps: int) -> TrainConfig:
-    """A run in one process (the persistent compilation cache next to ``out``: the second compiles nothing)."""
-    cache = str(Path(out).parent / "jax-cache-one")
-    return replace(RUN, steps=steps, checkpoint_every=100, out=out, options=jtrain.JaxOptions(jax_cache=cache))
 
 
 @dataclass

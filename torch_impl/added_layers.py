@@ -30,7 +30,6 @@ class SimpleCrossAttention(nn.Module):
         self.to_out = nn.Linear(inner, ch)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, mask: Mask = None) -> torch.Tensor:
-        height = x.shape[2]
         if self.norm_cross is not None:  # GroupNorm over the context's channels: (B, L, D) as (B, D, L)
             context = self.norm_cross(context.transpose(1, 2)).transpose(1, 2)
         h = rearrange(self.group_norm(x), "b c h w -> b (h w) c")
@@ -39,7 +38,7 @@ class SimpleCrossAttention(nn.Module):
         if mask is not None:  # the block's own tokens are never masked
             mask = F.pad(mask, (0, h.shape[1]))
         h = attention(self.to_q(h), k, v, self.heads, self.scale, mask)
-        return rearrange(self.to_out(h), "b (h w) c -> b c h w", h=height) + x
+        return rearrange(self.to_out(h), "b (h w) c -> b c h w", h=x.shape[2]) + x
 
 
 class ImageProjection(nn.Module):

@@ -36,8 +36,11 @@ class DownBlock(nn.Module):
         self.attentions = nn.ModuleList(make_attention(out_ch) for _ in range(layers)) if make_attention else None
         self.downsample = None
         if downsample_padding is not None:
-            pad, resnet = downsample_padding, resnet_resample
-            self.downsample = make_resnet(out_ch, out_ch, resample="down") if resnet else Downsample(out_ch, pad)
+            self.downsample = (
+                make_resnet(out_ch, out_ch, resample="down")
+                if resnet_resample
+                else Downsample(out_ch, downsample_padding)
+            )
 
     def forward(
         self, x: torch.Tensor, temb: torch.Tensor, context: Context, mask: Mask = None
@@ -83,8 +86,9 @@ class UpBlock(nn.Module):
         resnet_resample: bool = False,
     ) -> None:
         super().__init__()
-        ins = [in_ch] + [out_ch] * (len(skip_channels) - 1)
-        self.resnets = nn.ModuleList(make_resnet(i + s, out_ch) for i, s in zip(ins, skip_channels, strict=True))
+        self.resnets = nn.ModuleList(
+            make_resnet((out_ch if j else in_ch) + s, out_ch) for j, s in enumerate(skip_channels)
+        )
         self.attentions = nn.ModuleList(make_attention(out_ch) for _ in skip_channels) if make_attention else None
         self.upsample = None
         if upsample:

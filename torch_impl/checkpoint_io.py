@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
 
 from shared_configs.training.manifest import Manifest
 from shared_configs.training.run_folder import SOLO, STATE, Comm, read_checkpoint, save, verify
+from torch_impl.compat import tree_leaves
 
 FRAMEWORK, LAYOUT = "torch_impl", "torch.distributed.checkpoint"
 

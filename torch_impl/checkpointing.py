@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from shared_configs.vocabulary import OP_CLASSES, CheckpointPlan
+from torch_impl import compat
 from torch_impl.batchnorm import with_frozen_running_stats
 
 aten = torch.ops.aten
@@ -26,12 +27,7 @@ aten = torch.ops.aten
 ATEN_OPS: dict[str, tuple[Any, ...]] = {
     "conv": (aten.convolution,),
     "matmul": (aten.mm, aten.addmm, aten.bmm, aten.baddbmm),
-    "attention": (
-        aten._scaled_dot_product_flash_attention_for_cpu,
-        aten._scaled_dot_product_flash_attention,
-        aten._scaled_dot_product_efficient_attention,
-        aten._scaled_dot_product_cudnn_attention,
-    ),
+    "attention": tuple(compat.aten(name) for name in compat.SDPA_KERNELS),
     "norm": (aten.native_group_norm, aten.native_layer_norm),
 }
 assert set(ATEN_OPS) == set(OP_CLASSES)
@@ -96,10 +92,11 @@ def make_context_fn(block: str, plan: CheckpointPlan, compiled: bool = False) ->
     save = plan.save_for(block)
     if not save:
         return None
-    if compiled:
-        policy = functools.partial(_compiled_policy_fn, tuple(save), bool(plan.offload))
-    else:
-        policy = functools.partial(_policy_fn, block, save, plan.offload, [False])
+    policy = (
+        functools.partial(_compiled_policy_fn, tuple(save), bool(plan.offload))
+        if compiled
+        else functools.partial(_policy_fn, block, save, plan.offload, [False])
+    )
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
@@ -112,8 +109,9 @@ def apply_plan(
     """Checkpoint every unit ``plan`` recomputes: ``modules[name]``, by default ``root.get_submodule(name)``."""
     remove_plan(root)
     for name in plan.recompute:
-        module = root.get_submodule(name) if modules is None else modules[name]
-        _checkpoint_forward(module, name, plan, preserve_rng_state)
+        _checkpoint_forward(
+            root.get_submodule(name) if modules is None else modules[name], name, plan, preserve_rng_state
+        )
 
 
 def _checkpoint_forward(module: nn.Module, name: str, plan: CheckpointPlan, preserve_rng_state: bool) -> None:
@@ -137,10 +135,16 @@ def _checkpointed(
 ) -> Any:
     """``plain`` under checkpoint, with the context for how it runs now (eager or traced by Dynamo)."""
     context_fn = compiled if torch.compiler.is_compiling() else eager
-    extra = {} if context_fn is None else {"context_fn": context_fn}
     # use_reentrant=False: the reentrant variant gives parameters no gradient when no
     # *input* requires grad, and cannot handle keyword arguments or nested outputs.
-    return checkpoint(plain, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **extra, **kwargs)
+    return checkpoint(
+        plain,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=preserve_rng_state,
+        **({} if context_fn is None else {"context_fn": context_fn}),
+        **kwargs,
+    )
 
 
 def remove_plan(root: nn.Module) -> None:

@@ -40,10 +40,11 @@ class ConditioningEmbedding(nn.Module):
     def __init__(self, in_ch: int, out_ch: int, widths: Sequence[int]) -> None:
         super().__init__()
         self.conv_in = nn.Conv2d(in_ch, widths[0], 3, padding=1)
-        self.blocks = nn.ModuleList()
-        for a, b in itertools.pairwise(widths):
-            self.blocks.append(nn.Conv2d(a, a, 3, padding=1))
-            self.blocks.append(nn.Conv2d(a, b, 3, padding=1, stride=2))
+        self.blocks = nn.ModuleList(
+            c
+            for a, b in itertools.pairwise(widths)
+            for c in (nn.Conv2d(a, a, 3, padding=1), nn.Conv2d(a, b, 3, padding=1, stride=2))
+        )
         self.conv_out = zero_conv(widths[-1], out_ch, 3)
 
     def forward(self, cond: Tensor) -> Tensor:
@@ -100,9 +101,8 @@ class ControlNet(UNetTrunk):
 
         ``guess_mode`` scales the residuals from 0.1 (first) to 1 (the middle's), as diffusers does.
         """
-        unet = self.spec.unet
         check_inputs(
-            unet,
+            self.spec.unet,
             "NCHW",
             sample,
             timestep,

@@ -15,8 +15,7 @@ from shared_configs.diffusers.controlnet_config import controlnet_from_diffusers
 from shared_configs.diffusers.folders import live_config
 from shared_configs.vocabulary import Policy
 from torch_impl import checkpointing
-from torch_impl.controlnet import ControlNet
-from torch_impl.unet import UNet
+from torch_impl.unet import UNetTrunk
 
 UNET_CLASSES: tuple[str, ...] = ("UNet2DModel", "UNet2DConditionModel")
 DIFFUSERS_CLASSES: tuple[str, ...] = (*UNET_CLASSES, "ControlNetModel")
@@ -53,8 +52,10 @@ def _any_spec(model: nn.Module) -> UNetSpec | ControlNetSpec:
 def unit_modules(model: nn.Module, spec: UNetSpec | ControlNetSpec) -> dict[str, nn.Module]:
     """Every name a plan for ``spec`` can use -> the diffusers module it checkpoints."""
     modules: dict[str, nn.Module] = {}
-    cn = isinstance(spec, ControlNetSpec)
-    for name in controlnet_names(spec) + controlnet_names(spec, True) if cn else all_names(spec):
+    names = (
+        controlnet_names(spec) + controlnet_names(spec, True) if isinstance(spec, ControlNetSpec) else all_names(spec)
+    )
+    for name in names:
         path = diffusers_path(name)
         try:
             modules[name] = model.get_submodule(path)
@@ -68,7 +69,7 @@ def apply_plan(
 ) -> CheckpointPlan:
     """Recompute exactly ``plan``'s units of ``model`` (diffusers' or ours) in the backward pass, replacing
     any plan applied; returns the resolved plan. diffusers' own checkpointing on is refused in one line."""
-    if isinstance(model, UNet | ControlNet):
+    if isinstance(model, UNetTrunk):  # ours: a UNet or a ControlNet
         return model.enable_gradient_checkpointing(plan, preserve_rng_state)
     spec = _any_spec(model)
     if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
@@ -83,7 +84,7 @@ def apply_plan(
 
 def remove_plan(model: nn.Module) -> None:
     """Undo `apply_plan`: every unit runs its plain forward again."""
-    if isinstance(model, UNet | ControlNet):
+    if isinstance(model, UNetTrunk):
         model.disable_gradient_checkpointing()
     else:
         checkpointing.remove_plan(model)

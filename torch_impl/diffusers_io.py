@@ -66,8 +66,9 @@ def _build(cls: type[M], spec: Any, state: dict[str, torch.Tensor], source: Sour
         state = {k: v.detach().clone() for k, v in state.items()}
     with torch.device("meta"):
         model = cls(spec)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    check_weights({k: tuple(v.shape) for k, v in state.items()}, shapes, spec)
+    check_weights(
+        {k: tuple(v.shape) for k, v in state.items()}, {k: tuple(v.shape) for k, v in model.state_dict().items()}, spec
+    )
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(dtype or torch.float32).eval()
 

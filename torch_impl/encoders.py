@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from shared_configs.planning.encoders import Encoder
 from shared_configs.planning.timeline import BWD
 from shared_configs.regime import Regime
+from torch_impl.compat import tensor_tables
 from torch_impl.memory import StepTracker, state_tensors
 from torch_impl.profile import ShapesOnly
 from torch_impl.regime import DTYPE, make_optimizer
@@ -35,9 +36,10 @@ def build(encoder: Encoder, mode: ShapesOnly) -> torch.nn.Module:
             model = cls(CLIPTextConfig(**encoder.config_dict))
         dtype = DTYPE[encoder.dtype]
         for module in model.modules():  # tensor by tensor: Module.to cannot swap fake parameters
-            for name, t in module._parameters.items():
+            params, _ = tensor_tables(module)
+            for name, t in params.items():
                 if t is not None:
-                    module._parameters[name] = torch.nn.Parameter(t.to(dtype), requires_grad=encoder.trained)
+                    params[name] = torch.nn.Parameter(t.to(dtype), requires_grad=encoder.trained)
     return model
 
 
@@ -50,22 +52,24 @@ def measure(encoder: Encoder, batch_size: int, autocast: str | None = None) -> d
     torch.manual_seed(0)
     model = build(encoder, mode)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    with mode:
-        if encoder.kind == "vae":
-            size = encoder.image_size
-            x = torch.randn(batch_size, 3, size, size, dtype=DTYPE[encoder.dtype])
-        else:
-            x = torch.zeros(batch_size, encoder.tokens, dtype=torch.long)
+    with mode:  # an image batch for the VAE, token ids for a text encoder
+        size = encoder.image_size
+        x = (
+            torch.randn(batch_size, 3, size, size, dtype=DTYPE[encoder.dtype])
+            if encoder.kind == "vae"
+            else torch.zeros(batch_size, encoder.tokens, dtype=torch.long)
+        )
     cast = torch.autocast("cpu", dtype=DTYPE[autocast]) if autocast and encoder.trained else contextlib.nullcontext()
     grad = torch.enable_grad() if encoder.trained else torch.no_grad()
     tracker = StepTracker(model, [], inputs=[x], detail=False)
     flops = FlopCounterMode(display=False)
     with mode, tracker, flops:
         with grad, cast:
-            if encoder.kind == "vae":
-                out = model.encode(x).latent_dist.sample()
-            else:
-                out = model(x, output_hidden_states=encoder.hidden_states).last_hidden_state
+            out = (
+                model.encode(x).latent_dist.sample()
+                if encoder.kind == "vae"
+                else model(x, output_hidden_states=encoder.hidden_states).last_hidden_state
+            )
         tracker.mark("backward", BWD)
         if encoder.trained:
             out.float().sum().backward()
@@ -73,18 +77,19 @@ def measure(encoder: Encoder, batch_size: int, autocast: str | None = None) -> d
     forward_end = timeline.split()
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     levels = timeline.levels() - (weights + buffers + x.numel() * x.element_size())
-    params = sum(p.numel() for p in model.parameters())
     result = {
         "weights": weights,
-        "params": params,
+        "params": sum(p.numel() for p in model.parameters()),
         "peak": int(levels[:forward_end].max()),
         "flops": int(flops.get_total_flops()),
     }
     if encoder.trained:
-        result["keep"] = int(levels[forward_end - 1]) - out.numel() * out.element_size()
-        result["backward_peak"] = int(levels[forward_end:].max())
-        result["largest"] = max(p.numel() for p in model.parameters())
-        result["state"] = state_bytes(model, encoder.optimizer, mode)
+        result |= {
+            "keep": int(levels[forward_end - 1]) - out.numel() * out.element_size(),
+            "backward_peak": int(levels[forward_end:].max()),
+            "largest": max(p.numel() for p in model.parameters()),
+            "state": state_bytes(model, encoder.optimizer, mode),
+        }
     return result
 
 
@@ -99,8 +104,5 @@ def state_bytes(model: torch.nn.Module, optimizer: str, mode: ShapesOnly) -> int
 
 def encoders(request: dict[str, Any]) -> dict[str, Any]:
     """The worker's answer: `measure` of each encoder in ``request["encoders"]``."""
-    found = {}
-    for data in request["encoders"]:
-        encoder = Encoder(**data)
-        found[encoder.name] = measure(encoder, request["batch_size"], request.get("autocast"))
-    return {"encoders": found}
+    encoders = [Encoder(**data) for data in request["encoders"]]
+    return {"encoders": {e.name: measure(e, request["batch_size"], request.get("autocast")) for e in encoders}}

@@ -7,25 +7,25 @@
 
 from __future__ import annotations
 
-import torch
 from torch.utils import flop_counter
 
-_aten = torch.ops.aten
-_CPU_FORWARD = _aten._scaled_dot_product_flash_attention_for_cpu
-_CPU_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward
+from torch_impl.compat import aten
 
-
-def _forward(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
-    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
-def _backward(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs) -> int:
-    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+# The CPU kernel's forward and backward -> the CUDA kernels' formulas, on the shapes they take first.
+_FORMULAS = {
+    aten("_scaled_dot_product_flash_attention_for_cpu"): (
+        lambda query, key, value, *args, **kwargs: flop_counter.sdpa_flop_count(query, key, value)
+    ),
+    aten("_scaled_dot_product_flash_attention_for_cpu_backward"): (
+        lambda grad_out, query, key, value, *args, **kwargs: flop_counter.sdpa_backward_flop_count(
+            grad_out, query, key, value
+        )
+    ),
+}
 
 
 def register_cpu_attention_flops() -> None:
     """Idempotent: teach `FlopCounterMode` the CPU attention kernel's forward and backward."""
-    if _CPU_FORWARD not in flop_counter.flop_registry:
-        flop_counter.register_flop_formula(_CPU_FORWARD)(_forward)
-    if _CPU_BACKWARD not in flop_counter.flop_registry:
-        flop_counter.register_flop_formula(_CPU_BACKWARD)(_backward)
+    for op, formula in _FORMULAS.items():
+        if op not in flop_counter.flop_registry:
+            flop_counter.register_flop_formula(op)(formula)

@@ -17,13 +17,13 @@ from torch import nn
 
 from shared_configs.pair import ControlNetPairSpec
 from shared_configs.planning.optimizer_step import SOURCES, implementation
+from shared_configs.planning.pipeline import Workload
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
-from torch_impl.controlnet import ControlNet
 from torch_impl.diffusers_adapter import diffusers_spec
 from torch_impl.pair import ControlNetPair
 from torch_impl.regime import DIFFUSERS_LORA_TARGETS
-from torch_impl.unet import UNet
+from torch_impl.unet import UNet, UNetTrunk
 
 HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Optimizer classes by name -> the regime's optimizer (torchao's and bitsandbytes' 8-bit AdamW alike).
@@ -50,7 +50,7 @@ def take_over_checkpointing(model: nn.Module) -> list[str]:
     """Turn off diffusers' own gradient checkpointing in each network of ``model``; returns their class names."""
     taken = []
     for net in [model.unet, model.controlnet] if isinstance(model, ControlNetPair) else [model]:
-        ours = isinstance(net, UNet | ControlNet)  # ours has no checkpointing but its plan
+        ours = isinstance(net, UNetTrunk)  # ours (a UNet, a ControlNet) has no checkpointing but its plan
         if ours or not any(getattr(m, "gradient_checkpointing", False) for m in net.modules()):
             continue
         net.disable_gradient_checkpointing()
@@ -93,10 +93,11 @@ def _precision(trained: list[nn.Parameter], frozen: list[nn.Parameter], autocast
 
 
 class RegimeWatch:
-    """What the first optimizer step shows: autocast at the model's forward, the optimizer, kept gradients."""
+    """What the first optimizer step shows: autocast at the model's forward, the optimizer, kept gradients.
+    ``given``: the regime was given (kept, not replaced); ``impl_given``: so was the optimizer's update."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, given: bool = False, impl_given: bool = False) -> None:
+        self.model, self.given, self.impl_given = model, given, impl_given
         self.autocast: torch.dtype | None = None
         self.forwarded = False
         # conv_in, the first layer of every U-Net and ControlNet: inside a forward that a wrapper
@@ -123,6 +124,23 @@ class RegimeWatch:
         kept = all(g is not None for g in trained) and not any(bool(g.any()) for g in trained)
         return replace(regime, optimizer=optimizer, ema=planned.ema, keep_grads=kept), notes
 
+    def workload(self, planned: Workload, optimizers: list[torch.optim.Optimizer]) -> tuple[Workload, list[str]]:
+        """The workload the step shows after its first optimizer step (``planned`` until a forward is seen) and
+        the lines to say: a guessed regime replaced, a given one kept (one line where the step differs); on a
+        GPU also the update the optimizer runs (`update`), unless given."""
+        if not self.forwarded:
+            return planned, []
+        seen, notes = self.seen(planned.regime, optimizers)
+        if self.given:
+            line = f"the step runs in {seen.describe()}, not in the regime given ({planned.regime.describe()})"
+            seen, notes = planned.regime, [] if seen == planned.regime else [f"{line}; planned for the one given"]
+        impl = planned.optimizer_impl
+        if planned.device != "cpu" and not self.impl_given:  # on a GPU: the update as the optimizer says
+            impl = self.update(optimizers, seen.optimizer)
+        if (seen, impl) == (planned.regime, planned.optimizer_impl):
+            return planned, notes if self.given else []
+        return replace(planned, regime=seen, optimizer_impl=impl), notes
+
     @staticmethod
     def update(optimizers: list[torch.optim.Optimizer], optimizer: str) -> str | None:
         """How ``optimizers`` update on a GPU where they say so (`optimizer_step.SOURCES`): bitsandbytes' kernel,
@@ -131,6 +149,12 @@ class RegimeWatch:
         found = {_update_of(o) for o in optimizers}
         name = found.pop() if len(found) == 1 else None
         return name if (optimizer, name) in SOURCES and name != implementation(optimizer, "cuda") else None
+
+
+def described(workload: Workload) -> str:
+    """The regime planned for, with the update where one is named."""
+    impl = workload.optimizer_impl
+    return workload.regime.describe() + (f" ({impl} update)" if impl else "")
 
 
 def _update_of(opt: torch.optim.Optimizer) -> str | None:

@@ -1,18 +1,23 @@
-"""What a retried step must find as its failed attempt found it (`torch_impl.BudgetGuard`'s retry).
+"""`torch_impl.BudgetGuard`'s mechanics beside its decisions: a retry, and several processes agreeing.
 
-`RetryPoint` keeps torch's random generators, the trained parameters' gradients and accelerate's
-accumulation counter; `why_not_retry` names what no restore can undo. docs/guard.md says what a
-step may do.
+`RetryPoint` keeps what a retried step must find as its failed attempt found it: torch's random
+generators, the trained parameters' gradients and accelerate's accumulation counter (of the
+``Accelerator`` the script hands over); `why_not_retry` names what no restore can undo. `agreed_peak`
+and `from_rank0` make several processes judge and plan alike. docs/guard.md says what a step may do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from torch_impl.compat import set_sync_gradients
+
+T = TypeVar("T")
 
 
 class RetryPoint:
@@ -45,7 +50,7 @@ class RetryPoint:
                 p.grad.copy_(saved)
         for accelerator, step, sync in self.accelerators:  # accelerate.Accelerator.accumulate counts entries
             accelerator.step = step
-            accelerator.gradient_state._set_sync_gradients(sync)
+            set_sync_gradients(accelerator, sync)
 
 
 ZEROS: Any = object()  # a gradient a retry zeroes (after an optimizer step), not copied
@@ -71,16 +76,39 @@ def why_not_retry(stepped: bool) -> str | None:
     return None
 
 
-def accelerators_among(objects: Iterable[Any]) -> list[Any]:
-    """accelerate's ``Accelerator`` objects among ``objects`` (none when accelerate is not imported)."""
-    import sys
-
-    module = sys.modules.get("accelerate")
-    if module is None:
-        return []
-    return [x for x in objects if issubclass(type(x), module.Accelerator)]
+def accelerator_of(context: Any) -> Any | None:
+    """accelerate's ``Accelerator`` whose method ``context`` is (``accelerator.accumulate``), or None."""
+    owner = getattr(context, "__self__", None)
+    return owner if hasattr(owner, "gradient_state") and isinstance(getattr(owner, "step", None), int) else None
 
 
 def base_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """accelerate's ``AcceleratedOptimizer`` is a wrapper: the optimizer it steps."""
     return opt.optimizer if type(opt).__name__ == "AcceleratedOptimizer" else opt
+
+
+def agreed_peak(peak: int, device: torch.device) -> int:
+    """The largest of every rank's ``peak`` (bytes)."""
+    if processes() == 1:
+        return peak
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    value = torch.tensor([peak], dtype=torch.int64, device=on)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
+def from_rank0(fn: Callable[[], T]) -> T:
+    """``fn()`` as rank 0 computes it, on every rank; rank 0's error raised on every rank."""
+    if processes() == 1:
+        return fn()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as err:  # raised below on every rank, not only on rank 0
+            box[0] = ("error", err)
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value

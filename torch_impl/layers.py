@@ -149,11 +149,10 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, mask: Mask = None) -> torch.Tensor:
         del context, mask  # same call signature as Transformer2D; plain self-attention ignores them
-        height = x.shape[2]
         h = x if self.group_norm is None else self.group_norm(x)
         h = rearrange(h, "b c h w -> b (h w) c")
         h = attention(self.to_q(h), self.to_k(h), self.to_v(h), self.heads, self.scale)
-        h = rearrange(self.to_out(h), "b (h w) c -> b c h w", h=height)
+        h = rearrange(self.to_out(h), "b (h w) c -> b c h w", h=x.shape[2])
         return (h + x) / self.output_scale
 
 

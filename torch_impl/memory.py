@@ -13,25 +13,20 @@ import contextlib
 import functools
 import sys
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
-from torch._C._profiler import _EventType
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_map_only
 
 from shared_configs.memory import CATEGORIES, OUTSIDE, block_of, timeline
 from shared_configs.planning.timeline import FWD, Timeline
 from shared_configs.planning.units import STEM
+from torch_impl import compat
 from torch_impl.checkpointing import observe_saves
-
-if TYPE_CHECKING:
-    from torch.distributed._tools.mem_tracker import MemTracker
+from torch_impl.compat import TorchDispatchMode, _EventType, is_traceable_wrapper_subclass, tree_map_only
 
 TRACKER_METHOD = (
     "live tensor storages over the step (TorchDispatchMode), kinds as MemTracker's: made in the forward or a "
@@ -125,7 +120,7 @@ class StepTracker(TorchDispatchMode):
         self._input_bytes = input_bytes
         self._baseline = dict.fromkeys(CATEGORIES, 0) | {"input": input_bytes}
         self._dtensor = dtensor()
-        self._mods = _mod_tracker() if detail else None  # (torch.distributed._tools' import is long)
+        self._mods = compat.mod_tracker() if detail else None  # (torch.distributed._tools' import is long)
         # The blocks by module; those running, innermost or latest reached last (ModTracker's own
         # `parents` is unordered, and in the backward holds several blocks at once).
         self._block_modules = {m: n for n, m in model.named_modules() if n and block_of(n) == n} if detail else {}
@@ -176,14 +171,14 @@ class StepTracker(TorchDispatchMode):
                         if part.device.type != "meta" and not self._known(st) and st.data_ptr() not in self._entry_ptrs:
                             self._add_storage(st, "params", at_entry=True)
 
-    def _resized(self, st: torch.UntypedStorage, size: int) -> None:
+    def _resized(self, resize: Callable[[Any, int], None], st: torch.UntypedStorage, size: int) -> None:
         """FSDP2 gathers a parameter by growing a storage and frees it by shrinking it to 0: the old
         size is freed, the new one made (as ``params``)."""
         if self._known(st):
             index = self._live.pop(id(st))
             del self._refs[id(st)]  # its free callback goes with it: this is the free
             self._events.append((index, -1, self._block()))
-        self._resize(st, size)
+        resize(st, size)
         if size > 0:
             self._add_storage(st, "params")
 
@@ -242,21 +237,16 @@ class StepTracker(TorchDispatchMode):
         ):
             for t in tensors:
                 self._add(t, kind, at_entry=True)
+        self._patches = contextlib.ExitStack()  # undone at exit, in reverse
         if self._detail:
             self._mods.register_user_hooks(self._pre_forward, self._post_forward, self._enter_block, self._leave_block)
             self._hooks = [
                 register_optimizer_step_pre_hook(lambda *a: setattr(self, "_in_optimizer", True)),
                 register_optimizer_step_post_hook(lambda *a: setattr(self, "_in_optimizer", False)),
             ]
-            self._unhold = holding_no_gradients()
-            self._unhold.__enter__()
-            self._mods.__enter__()
-        self._resize: Any = torch.UntypedStorage.resize_
-
-        def resize_(st: torch.UntypedStorage, size: int) -> None:  # a function: bound to the storage
-            self._resized(st, size)
-
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+            self._patches.enter_context(compat.multi_grad_hooks_any())
+            self._patches.enter_context(self._mods)
+        self._patches.enter_context(compat.resizes_to(self._resized))
         return super().__enter__()
 
     def _pre_forward(self, module: Any, args: Any) -> None:
@@ -283,10 +273,8 @@ class StepTracker(TorchDispatchMode):
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        self._patches.__exit__(*exc)
         if self._detail:
-            self._mods.__exit__(*exc)
-            self._unhold.__exit__(*exc)
             self._mods.clear_user_hooks()
             for hook in self._hooks:
                 hook.remove()
@@ -341,27 +329,6 @@ class StepTracker(TorchDispatchMode):
         return Timeline(units, phases, starts, np.where(ends < 0, len(units) - 1, ends), sizes, static)
 
 
-def _mod_tracker() -> Any:
-    from torch.distributed._tools.mod_tracker import ModTracker
-
-    return ModTracker()
-
-
-@contextlib.contextmanager
-def holding_no_gradients() -> Iterator[None]:
-    """ModTracker's (ours, MemTracker's) hook for leaving a module in the backward, in mode "any": in its
-    default, "all", it holds the gradients of the module's inputs until the last is ready (a ResNet's
-    input gradient until the time embedding's, at the backward's end), bytes the watched step never holds."""
-    from torch.distributed._tools import mod_tracker
-
-    hook = mod_tracker.register_multi_grad_hook
-    mod_tracker.register_multi_grad_hook = functools.partial(hook, mode="any")
-    try:
-        yield
-    finally:
-        mod_tracker.register_multi_grad_hook = hook
-
-
 @contextlib.contextmanager
 def step_peak(
     model: torch.nn.Module,
@@ -394,15 +361,12 @@ def memtracker(
     """The block under PyTorch's own ``MemTracker`` (the check on `StepTracker`): the dict it yields
     gets ``peak`` and ``parts`` (kinds at the peak) at exit. ``inputs``: tensors standing for memory
     torch does not allocate, and other modules the step runs (frozen encoders), as `step_peak`'s."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     inputs = list(inputs)
-    tracker = MemTracker()
+    modules = [model, *(m for m in inputs if isinstance(m, torch.nn.Module))]
+    tracker = compat.mem_tracker(p for m in modules for p in m.parameters() if not p.requires_grad)
     tracker.track_external(model, *_listed(optimizer), *inputs)
-    for module in [model, *(m for m in inputs if isinstance(m, torch.nn.Module))]:
-        skip_frozen_grad_hooks(tracker, module)
     found: dict[str, Any] = {}
-    with holding_no_gradients(), tracker:
+    with compat.multi_grad_hooks_any(), tracker:
         yield found
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     parts = {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
@@ -411,16 +375,6 @@ def memtracker(
 
 def _listed(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
     return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-
-
-def skip_frozen_grad_hooks(tracker: MemTracker, model: torch.nn.Module) -> None:
-    """Let ``MemTracker`` watch frozen weights (LoRA, an encoder): it hooks the gradient of every
-    parameter a forward reads, which a tensor without ``requires_grad`` refuses; marking them hooked
-    already (its private table, torch 2.13's) skips them."""
-    hook = SimpleNamespace(remove=lambda: None)
-    for param in model.parameters():
-        if not param.requires_grad:
-            tracker._param_to_grad_hook_handles.setdefault(param, (hook, hook))
 
 
 @dataclass
@@ -500,7 +454,7 @@ class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
         st = t.untyped_storage()
         ptr = st.data_ptr()
         # A parameter FSDP2 gathered for the block (or a view of one) is a parameter, not a residual.
-        gathered = isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+        gathered = isinstance(t, torch.nn.Parameter) or isinstance(compat.view_base(t), torch.nn.Parameter)
         if ptr not in self._excluded and not gathered and t.device.type != "meta":
             self._saved[ptr] = max(self._saved.get(ptr, 0), st.nbytes())
         return t

@@ -1,7 +1,7 @@
 """The ControlNet training step in PyTorch: a frozen `UNet` and the `ControlNet` trained on it.
 
 As diffusers' ``train_controlnet.py``; one pair plan (`shared_configs.pair`) covers both networks'
-units, and ``torch_impl.train.train_step`` trains the pair like a U-Net. Mirror: `jax_impl/pair.py`.
+units, and ``torch_impl.step.train_step`` trains the pair like a U-Net. Mirror: `jax_impl/pair.py`.
 Docs: docs/training.md "Training a ControlNet", docs/guard.md.
 """
 
@@ -33,8 +33,7 @@ class ControlNetPair(nn.Module):
         super().__init__()
         self.pair_spec = pair_spec
         self.unet = UNet(pair_spec.unet)
-        options = pair_spec.controlnet.model_dump(exclude={"name", "unet"})
-        self.controlnet = ControlNet.from_unet(self.unet, **options)
+        self.controlnet = ControlNet.from_unet(self.unet, **pair_spec.controlnet.model_dump(exclude={"name", "unet"}))
         self.unet.requires_grad_(False)
         self.enable_gradient_checkpointing(policy)
 
@@ -88,10 +87,11 @@ class ControlNetPair(nn.Module):
 
 def _live_pair_spec(unet: nn.Module, controlnet: nn.Module) -> ControlNetPairSpec:
     """The pair spec of a live U-Net and the ControlNet on it: the U-Net's spec, the ControlNet's own fields."""
-    if isinstance(unet, UNet) and isinstance(controlnet, ControlNet):
-        unet_spec, cn_spec = unet.spec, controlnet.spec
-    else:
-        unet_spec, cn_spec = diffusers_spec(unet), _diffusers_controlnet_spec(controlnet)
+    unet_spec, cn_spec = (
+        (unet.spec, controlnet.spec)
+        if isinstance(unet, UNet) and isinstance(controlnet, ControlNet)
+        else (diffusers_spec(unet), _diffusers_controlnet_spec(controlnet))
+    )
     mine = cn_spec.unet
     for field in ("in_channels", "block_out_channels", "layers_per_block", "down_attention", "cross_attention_dim"):
         if getattr(mine, field) != (theirs := getattr(unet_spec, field)):
@@ -140,6 +140,5 @@ def step_model(spec: UNetSpec | ControlNetPairSpec) -> UNet | ControlNetPair:
 
 def step_batch(spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int) -> Batch:
     """The example batch it trains on (the pair's with its conditioning image)."""
-    if isinstance(spec, ControlNetPairSpec):
-        return example_pair_batch(spec, batch_size, context_length)
-    return example_batch(spec, batch_size, context_length)
+    make = example_pair_batch if isinstance(spec, ControlNetPairSpec) else example_batch
+    return make(spec, batch_size, context_length)

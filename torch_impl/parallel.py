@@ -45,8 +45,10 @@ def launch(cfg: TrainConfig) -> int:
     if not cfg.distributed:
         return 0
     if "RANK" not in os.environ:
-        example = "torchrun --nproc-per-node 2 -m torch_impl.train"
-        raise ValueError(f"--distributed {cfg.distributed}: launch with torchrun, e.g. {example}")
+        raise ValueError(
+            f"--distributed {cfg.distributed}: launch with torchrun, "
+            "e.g. torchrun --nproc-per-node 2 -m torch_impl.train"
+        )
     world = int(os.environ["WORLD_SIZE"])
     if cfg.batch_size % world:
         raise ValueError(f"--batch-size {cfg.batch_size}: does not split evenly over {world} processes")

@@ -1,6 +1,6 @@
 """The PyTorch measuring half of planning (mirror: `jax_impl.profile`; docs/planning.md).
 
-Every figure comes from the training loop's own `torch_impl.train.train_step` after a warm-up step:
+Every figure comes from the training loop's own `torch_impl.step.train_step` after a warm-up step:
 bytes from one step per uniform plan under `torch_impl.memory.StepTracker`, filed by unit through
 module hooks; seconds from the plain and per-layer steps, every choice priced at two fitted rates
 (`priced`). ``shapes=True``: fake tensors, nothing allocated. `measure_step` is the one measurement of a
@@ -20,8 +20,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shared_configs import UNetSpec
 from shared_configs.planning import optimizer_step
@@ -33,6 +31,8 @@ from shared_configs.planning.units import PLAIN, StepSpec, block_layers, leaf_un
 from shared_configs.progress import tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 from shared_configs.training.data import Batch, batch_bytes, step_arrays
+from torch_impl import compat
+from torch_impl.compat import FakeTensor, FakeTensorMode, TorchDispatchMode
 from torch_impl.memory import AllocatorPeak, SavedBytesCounter, StepTracker, memtracker, state_tensors, storage_bytes
 from torch_impl.pair import ControlNetPair, step_batch, step_model, unit_modules
 from torch_impl.regime import (
@@ -44,10 +44,11 @@ from torch_impl.regime import (
     trained_parameters,
     weight_dtype,
 )
-from torch_impl.train import step_loss, train_step
+from torch_impl.step import step_loss, train_step
 from torch_impl.unet import UNet
 
 OPTIMIZER = "optimizer"
+_LOCAL_SCALAR = compat.aten("_local_scalar_dense").default
 
 
 def start_worker(request: dict[str, Any]) -> None:
@@ -95,7 +96,7 @@ class _AsCPU(TorchDispatchMode):
     reduced ``mse_loss`` holds the unreduced loss's storage, as the CPU kernel's does."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is _LOCAL_SCALAR:
             return True if args[0].dtype == torch.bool else 1
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten.mse_loss.default and out.dim() == 0:
@@ -111,12 +112,13 @@ def fake_regime(model: torch.nn.Module, regime: Regime, mode: ShapesOnly) -> tor
         add_lora(model, regime.lora_rank)
     with mode.fake:
         for module in model.modules():
-            for table in (module._parameters, module._buffers):
+            params, buffers = compat.tensor_tables(module)
+            for table in (params, buffers):
                 for name, t in table.items():
                     if t is None:
                         continue
                     new = t if isinstance(t, FakeTensor) else mode.fake.from_tensor(t)
-                    weight = table is module._parameters
+                    weight = table is params
                     dtype = weight_dtype(regime, t.requires_grad) if weight else DTYPE[regime.param_dtype]
                     new = new.to(dtype) if new.is_floating_point() else new
                     table[name] = torch.nn.Parameter(new, t.requires_grad) if weight else new
@@ -453,27 +455,22 @@ def measure_compiled(
 ) -> dict:
     """torch.compile's own planner (``activation_memory_budget`` = each ratio), trained by `train_step`,
     its peak at the allocator level (`measure_step`); compile seconds apart."""
-    import torch._dynamo
-    import torch._functorch.config as functorch_config
-
     rows = {}
     for ratio in ratios:
-        torch._dynamo.reset()  # the budget is not part of dynamo's guards: force a fresh compile
-        functorch_config.activation_memory_budget = ratio
-        s = setup(spec, batch_size, context_length)
-        compiled = torch.compile(s["model"])
-        start = time.perf_counter()
-        train_step(compiled, s["opt"], s["batch"])
-        compile_s = time.perf_counter() - start
-        step = functools.partial(train_step, compiled, s["opt"], s["batch"])
-        step()
-        peak = measure_step(s["model"], s["opt"], step, s["batch"], s["held"], tracked=False)["allocator_peak_bytes"]
-        rows[f"torch.compile:{ratio:g}"] = {
-            "allocator_peak_bytes": peak,
-            "step_time_s": statistics.median(in_turn({"compiled": step}, steps)["compiled"]),
-            "compile_s": compile_s,
-        }
-    functorch_config.activation_memory_budget = 1.0
+        with compat.activation_memory_budget(ratio):
+            s = setup(spec, batch_size, context_length)
+            compiled = torch.compile(s["model"])
+            start = time.perf_counter()
+            train_step(compiled, s["opt"], s["batch"])
+            compile_s = time.perf_counter() - start
+            step = functools.partial(train_step, compiled, s["opt"], s["batch"])
+            step()
+            peak = measure_step(s["model"], s["opt"], step, s["batch"], s["held"], tracked=False)
+            rows[f"torch.compile:{ratio:g}"] = {
+                "allocator_peak_bytes": peak["allocator_peak_bytes"],
+                "step_time_s": statistics.median(in_turn({"compiled": step}, steps)["compiled"]),
+                "compile_s": compile_s,
+            }
     return {
         "framework": "torch",
         "rows": rows,

@@ -1,6 +1,6 @@
 """A training regime (`shared_configs.regime.Regime`) in PyTorch: precision, LoRA, optimizer, EMA.
 
-`step_tools` gathers what `torch_impl.train.train_step` needs. Mirror: `jax_impl.regime`. Docs: docs/regimes.md.
+`step_tools` gathers what `torch_impl.step.train_step` needs. Mirror: `jax_impl.regime`. Docs: docs/regimes.md.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 
 from shared_configs.regime import DEFAULT, LORA_TARGETS, Regime
 from shared_configs.spec import SpecError
+from torch_impl import compat
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # diffusers' attention keeps its output projection in a list (``to_out.0``); ours is the Linear itself.
@@ -34,8 +35,9 @@ def add_lora(model: nn.Module, rank: int, targets: Iterable[str] = LORA_TARGETS)
     """Rank-``rank`` peft LoRA adapters (alpha = rank, B zero: outputs unchanged) on ``targets``; the rest frozen."""
     from peft import LoraConfig, inject_adapter_in_model  # peft imports slowly: only when asked
 
-    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets), init_lora_weights=True)
-    model = inject_adapter_in_model(config, model)
+    model = inject_adapter_in_model(
+        LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets), init_lora_weights=True), model
+    )
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)
     return model
@@ -79,7 +81,7 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float, regime: Reg
 
 @dataclass(frozen=True)
 class StepTools:
-    """`torch_impl.train.train_step`'s regime pieces; the default: fp32, no EMA (a plain step)."""
+    """`torch_impl.step.train_step`'s regime pieces; the default: fp32, no EMA (a plain step)."""
 
     autocast_dtype: torch.dtype | None = None  # the forward under torch.autocast in this dtype (mixed precision)
     scaler: torch.amp.GradScaler | None = None  # float16: the loss scaled before the backward
@@ -96,10 +98,12 @@ PLAIN_STEP = StepTools()
 
 def step_tools(model: nn.Module, regime: Regime, scaler: bool = True) -> StepTools:
     """The `StepTools` of ``regime`` for ``model`` (``scaler=False``: none, for steps whose values cannot be read)."""
-    device = next(model.parameters()).device
-    scale = loss_scaler(regime, device) if scaler else None
-    ema = EMA(trained_parameters(model)) if regime.ema else None
-    return StepTools(autocast_dtype(regime), scale, ema, regime.keep_grads)
+    return StepTools(
+        autocast_dtype=autocast_dtype(regime),
+        scaler=loss_scaler(regime, next(model.parameters()).device) if scaler else None,
+        ema=EMA(trained_parameters(model)) if regime.ema else None,
+        keep_grads=regime.keep_grads,
+    )
 
 
 class EMA:
@@ -112,7 +116,7 @@ class EMA:
 
     @torch.no_grad()
     def update(self) -> None:
-        torch._foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], 1.0 - self.decay)
+        compat.foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], 1.0 - self.decay)
 
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         return {"shadow": self.shadow}

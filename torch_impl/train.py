@@ -1,9 +1,9 @@
-"""``python -m torch_impl.train``: DDPM noise-prediction training in PyTorch, the CLI, its loop and step.
+"""``python -m torch_impl.train``: DDPM noise-prediction training in PyTorch, the CLI and its loop.
 
-One loop over the U-Net or, with ``--controlnet``, a `torch_impl.pair.ControlNetPair`;
-`train_step(model, optimizer, batch)` is the step to put in your own loop. Batches, noise and dropout
-seeds are functions of (seed, step), so a resumed run replays them. ``--distributed`` (DDP, FSDP2)
-runs under torchrun. Mirror: `jax_impl/train.py`; docs/training.md.
+One loop over the U-Net or, with ``--controlnet``, a `torch_impl.pair.ControlNetPair`, stepping
+`torch_impl.step`'s step. Batches, noise and dropout seeds are functions of (seed, step), so a resumed
+run replays them. ``--distributed`` (DDP, FSDP2) runs under torchrun. Mirror: `jax_impl/train.py`;
+docs/training.md.
 """
 
 from __future__ import annotations
@@ -12,30 +12,30 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from shared_configs import load_spec
 from shared_configs.pair import ControlNetPairSpec, PairPlan, load_step_dataset, step_spec
+from shared_configs.planning.closed_loop import MEASURED_STEPS
 from shared_configs.training import config
 from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
-from shared_configs.training.data import Batch, Dataset, check_conditioning, step_seed
+from shared_configs.training.data import Dataset, step_seed
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
-from shared_configs.training.run_plan import MEASURED_STEPS, RunPlan, report, resolve_run, workload_of
+from shared_configs.training.run_plan import RunPlan, report, resolve_run, workload_of
 from shared_configs.vocabulary import CheckpointPlan
 from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, current_comm, load_checkpoint, save_checkpoint
 from torch_impl.guard import BudgetGuard
 from torch_impl.pair import ControlNetPair, trained_module
 from torch_impl.parallel import launch, wrap
-from torch_impl.regime import EMA, PLAIN_STEP, StepTools, apply_regime, make_optimizer, step_tools
+from torch_impl.regime import apply_regime, make_optimizer, step_tools
+from torch_impl.step import distributed_step, train_step
 from torch_impl.unet import UNet
 
 PEAK_INSTRUMENTS = {
@@ -84,59 +84,6 @@ def run_settings(cfg: TrainConfig, device: str) -> str:
     return used(cfg, device) + ", torch attention SDPA"
 
 
-def as_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor | None]]:
-    """(noisy, t, noise, conditioning by name) as torch tensors (NCHW, sharing the numpy batch's memory)."""
-    conditioning = {k: None if v is None else torch.from_numpy(v) for k, v in batch.conditioning().items()}
-    return torch.from_numpy(batch.noisy), torch.from_numpy(batch.t), torch.from_numpy(batch.noise), conditioning
-
-
-def train_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, *, tools: StepTools = PLAIN_STEP
-) -> float:
-    """One DDPM step (predict the noise in ``batch.noisy`` at ``batch.t``, MSE, backward, update) of a
-    `UNet` or `ControlNetPair`, wrapped or not, in the regime of ``tools`` (`torch_impl.regime.step_tools`).
-    Every conditioning input the batch carries is passed by name. Returns the loss as a float."""
-    return step_loss(model, optimizer, batch, tools=tools).item()
-
-
-def step_loss(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, *, tools: StepTools = PLAIN_STEP
-) -> torch.Tensor:
-    """`train_step` without reading the loss: the planner's profile runs it on fake tensors (pass no
-    ``GradScaler`` there: it reads values)."""
-    # the spec of a `UNet`, of one wrapped in DDP (``.module``), or of a module that says (``.spec``)
-    if (spec := getattr(model, "spec", None) or getattr(getattr(model, "module", None), "spec", None)) is not None:
-        check_conditioning(spec, batch.conditioning())
-    model.train()
-    # First, as PyTorch's examples do: the previous step's gradients are freed before this forward, so they
-    # never sit beside its activations (a regime that keeps them, DreamBooth's default, zeroes them in place).
-    optimizer.zero_grad(set_to_none=not tools.keep_grads)
-    first = next(model.parameters())
-    device, dtype = first.device, first.dtype
-    noisy, t, noise, conditioning = as_tensors(batch)
-    noisy, t, noise = noisy.to(device, dtype), t.to(device), noise.to(device)
-    # floating inputs in the model's dtype (labels stay integer), but time_ids stay float32 as t does
-    # (pixel sizes up to 2048 and more)
-    conditioning = {
-        k: v if v is None else v.to(device, dtype if v.is_floating_point() and k != "time_ids" else v.dtype)
-        for k, v in conditioning.items()
-    }
-    mixed, scaler = tools.autocast_dtype, tools.scaler
-    with torch.autocast(device.type, dtype=mixed or torch.bfloat16, enabled=mixed is not None):
-        pred = model(noisy, t, **conditioning)
-    loss = F.mse_loss(pred.float(), noise)
-    if scaler is None:
-        loss.backward()
-        optimizer.step()
-    else:
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)  # skipped where the scaled gradients overflowed; the scale then drops
-        scaler.update()
-    if tools.ema is not None:
-        tools.ema.update()
-    return loss.detach()
-
-
 @torch.no_grad()
 def generate(model: UNet | ControlNetPair, schedule: Schedule, dataset: Dataset, cfg: TrainConfig) -> np.ndarray:
     """A grid of samples from the short ancestral sampler (dropout off; a pair's on each class's edge map)."""
@@ -168,33 +115,19 @@ def build(
     return model, trained, make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.regime)
 
 
-@contextmanager
-def measured_peak(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, ema: EMA | None = None
-) -> Iterator[dict[str, int]]:
-    """The step's peak bytes in the block (``found["peak"]``), the batch and an EMA copy counted as the profile does."""
-    from torch_impl.memory import step_peak  # here: `import torch_impl` stays light
-
-    with step_peak(model, optimizer, _reads(batch, ema)) as found:
-        yield found
-
-
 def world_size(cfg: TrainConfig) -> int:
     """The processes the run's batch is split over (torchrun's WORLD_SIZE under ``--distributed``)."""
     return int(os.environ.get("WORLD_SIZE", "1")) if cfg.distributed else 1
 
 
 def _peak_meter(
-    cfg: TrainConfig,
-    model: UNet | ControlNetPair,
-    opt: torch.optim.Optimizer,
-    budget: RunPlan | None,
-    first: int,
-    tools: StepTools,
-) -> tuple[Callable[[int, Batch, Callable[[], float]], float], BudgetGuard | None]:
-    """``measured(step, batch, run_step)`` runs the step; with a ``budget``, the first `MEASURED_STEPS`
-    from ``first`` are measured and rank 0 prints their peak beside the prediction. One process: under
-    a `BudgetGuard` (returned too); ``--distributed``: each rank's share under `measured_peak`."""
+    cfg: TrainConfig, model: UNet | ControlNetPair, opt: torch.optim.Optimizer, budget: RunPlan | None, first: int
+) -> tuple[Callable[[int, Callable[[], float]], float], BudgetGuard | None]:
+    """``measured(step, run_step)`` runs the step; with a ``budget``, the first `MEASURED_STEPS` from ``first``
+    are measured and rank 0 prints their peak beside the prediction. One process: under a `BudgetGuard`
+    (returned too); ``--distributed``: each rank's share under `torch_impl.memory.step_peak`."""
+    from torch_impl.memory import step_peak  # here: `import torch_impl` stays light
+
     rank, world, peaks = dist.get_rank() if cfg.distributed else 0, world_size(cfg), []
     guard = None
     if budget is not None and not cfg.distributed:
@@ -205,18 +138,19 @@ def _peak_meter(
             batch_size=cfg.batch_size,
             regime=cfg.regime,
             policy=budget.policy,
+            optimizers=[opt],
             context_length=context,
         )
 
-    def measured(step: int, batch: Batch, run_step: Callable[[], float]) -> float:
+    def measured(step: int, run_step: Callable[[], float]) -> float:
         if budget is None or (guard is None and step >= first + MEASURED_STEPS):
             return run_step()
-        if guard is not None:  # the tensors the step reads, for its CPU tracker (as `measured_peak` counts them)
+        if guard is not None:
             seen = len(guard.history)
-            loss = guard.run(lambda _reads: run_step(), _reads(batch, tools.ema))
+            loss = guard.run(run_step)
             new = [r.measured for r in guard.history[seen:] if r.measured is not None]
-        else:
-            with measured_peak(model, opt, batch.shard(rank, world), tools.ema) as found:
+        else:  # the batch and an EMA copy are counted where the step reads them
+            with step_peak(model, opt) as found:
                 loss = run_step()
             new = [found["peak"]]
         done = len(peaks) >= MEASURED_STEPS
@@ -229,23 +163,6 @@ def _peak_meter(
         return loss
 
     return measured, guard
-
-
-def _reads(batch: Batch, ema: EMA | None) -> list[torch.Tensor]:
-    """The tensors a step reads but does not make: the batch's arrays and an EMA copy."""
-    noisy, t, noise, conditioning = as_tensors(batch)
-    return [noisy, t, noise, *(c for c in conditioning.values() if c is not None), *([] if ema is None else ema.shadow)]
-
-
-def distributed_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, tools: StepTools = PLAIN_STEP
-) -> float:
-    """`train_step` on this rank's shard of the global batch; returns the global mean loss (DDP and
-    FSDP2 average the gradients over ranks: the update is one process's on the whole batch)."""
-    loss = train_step(model, optimizer, batch.shard(dist.get_rank(), dist.get_world_size()), tools=tools)
-    total = torch.tensor([loss], dtype=torch.float64)
-    dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
 
 
 def train(cfg: TrainConfig) -> list[float]:
@@ -286,7 +203,7 @@ def _train(
         load_checkpoint(run.checkpoint, held, optimizer, extra)
     spec = model.pair_spec if isinstance(model, ControlNetPair) else model.spec  # what the step trains
     dataset, schedule = load_step_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
-    measured, guard = _peak_meter(cfg, model, optimizer, budget, len(run.losses), tools)
+    measured, guard = _peak_meter(cfg, model, optimizer, budget, len(run.losses))
     # --compile: only the step runs compiled; checkpoints and samples use the model (the same parameters).
     compiled = options_of(cfg, TorchOptions).compile
     stepped = torch.compile(model) if compiled else model
@@ -296,9 +213,9 @@ def _train(
         batch = dataset.batch(step, cfg.batch_size, schedule, cfg.seed)
         torch.manual_seed(step_seed(cfg.seed, step))  # dropout masks depend on (seed, step) only
         if cfg.distributed:
-            return state, measured(step, batch, lambda: distributed_step(trained, optimizer, batch, tools))
+            return state, measured(step, lambda: distributed_step(trained, optimizer, batch, tools))
         start = time.perf_counter()
-        loss = measured(step, batch, lambda: train_step(stepped, optimizer, batch, tools=tools))
+        loss = measured(step, lambda: train_step(stepped, optimizer, batch, tools=tools))
         if compiled and step == first:  # (--compile is one process)
             report(f"torch.compile: first step {time.perf_counter() - start:.1f} s (compile included)")
         return state, loss

@@ -114,9 +114,10 @@ class UNetTrunk(nn.Module):
             )
             for b in down_blocks(spec)
         )
-        scale = spec.mid_block_scale_factor
         self.mid = MidBlock(
-            chans[-1], self._resnet_factory("mid"), self._attention_factory(spec.mid_attention, -1, "mid", scale)
+            chans[-1],
+            self._resnet_factory("mid"),
+            self._attention_factory(spec.mid_attention, -1, "mid", spec.mid_block_scale_factor),
         )
 
     def _conditioning_layers(self) -> None:
@@ -146,8 +147,9 @@ class UNetTrunk(nn.Module):
     ) -> AttentionFactory | None:
         if kind == "none":
             return None
-        args = attention_args(self.trunk_spec, kind, level, block, output_scale)
-        return functools.partial(ATTENTION_LAYERS[kind], **kwargs(args))
+        return functools.partial(
+            ATTENTION_LAYERS[kind], **kwargs(attention_args(self.trunk_spec, kind, level, block, output_scale))
+        )
 
     def _encode(
         self, x: Tensor, temb: Tensor, context: Tensor | None, hint: Tensor | None = None, mask: Tensor | None = None
@@ -187,9 +189,11 @@ class UNetTrunk(nn.Module):
         sinusoids = self._sinusoids(t, s.block_out_channels[0]).to(dtype)  # computed in float32
         temb = self.time_embedding(sinusoids, timestep_cond)
         if (ce := s.class_embedding) is not None:
-            labels = class_labels
-            if ce.kind == "timestep":
-                labels = self._sinusoids(labels, s.block_out_channels[0]).to(dtype)
+            labels = (
+                self._sinusoids(class_labels, s.block_out_channels[0]).to(dtype)
+                if ce.kind == "timestep"
+                else class_labels
+            )
             class_emb = (labels if self.class_embedding is None else self.class_embedding(labels)).to(dtype)
             temb = torch.cat([temb, class_emb], dim=-1) if ce.concat else temb + class_emb
         if (add := s.addition_embedding) is not None:

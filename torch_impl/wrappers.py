@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from torch_impl.compat import compiled_inner
+
 # Wrappers whose ``.module`` is the model they run (torch's DDP, DataParallel and FSDP1).
 _HOLDERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
 
@@ -16,7 +18,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     (accelerate's ``prepare`` returns one of these, or the model itself with its forward wrapped)."""
     while True:
         if type(model).__name__ == "OptimizedModule":
-            model = model._orig_mod
+            model = compiled_inner(model)
         elif type(model).__name__ in _HOLDERS and isinstance(getattr(model, "module", None), nn.Module):
             model = model.module
         else:
@@ -25,5 +27,4 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def compiled(model: nn.Module) -> bool:
     """``model`` is ``torch.compile``'s, or a wrapper (DDP, accelerate's) around one."""
-    inner = getattr(model, "module", None)
-    return "OptimizedModule" in (type(model).__name__, type(inner).__name__)
+    return "OptimizedModule" in (type(model).__name__, type(getattr(model, "module", None)).__name__)

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from benchmarks.backends import torch_bench
-from benchmarks.backends.torch_bench import in_regime, our_unet, timed_steps
-from benchmarks.harness.job import OPTIMIZER, Job, job_spec, policy_arg, timing_stats
+from benchmarks.backends.torch_bench import build, in_regime, timed_steps
+from benchmarks.harness.job import OPTIMIZER, Job, job_spec, timing_stats
 from shared_configs.training.data import example_batch
+from torch_impl.compat import activation_memory_budget
 from torch_impl.memory import state_tensors, storage_bytes
 from torch_impl.profile import measure_step
 from torch_impl.regime import make_optimizer, step_tools
@@ -38,9 +39,6 @@ _SAVED: dict[tuple[int, str], int] = {}
 
 def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dict[str, Any]:
     """Every figure of one compiled row (see the module's docstring)."""
-    import torch._dynamo
-    import torch._functorch.config as functorch_config
-
     spec = job_spec(job)
     target = policy.removeprefix(BUDGET) if policy.startswith(BUDGET) else None
     ratio = 1.0  # budget@target: the activation_memory_budget at plan target's saved bytes over none's
@@ -49,22 +47,17 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dic
         if not none or saved is None:
             raise RuntimeError(f"{BUDGET}{target}: needs the compiled rows none and {target} (one failed)")
         ratio = min(1.0, saved / none)
-    model = our_unet(job, spec)
-    model.enable_gradient_checkpointing("none" if target is not None else policy_arg(policy))
-    model = in_regime(model, job.regime).to(device)
+    model = in_regime(build(job, spec, "none" if target is not None else policy), job.regime).to(device)
     optimizer = make_optimizer(model, OPTIMIZER.lr, OPTIMIZER.weight_decay, job.regime)
     batch = example_batch(spec, batch_size, job.context_length)
-    torch._dynamo.reset()  # the budget is not among Dynamo's guards: every row compiles afresh
-    functorch_config.activation_memory_budget = ratio
-    try:
-        compiled = torch.compile(model)
-        step = functools.partial(train_step, compiled, optimizer, batch, tools=step_tools(model, job.regime))
+    with activation_memory_budget(ratio):  # every row compiles afresh
+        step = functools.partial(
+            train_step, torch.compile(model), optimizer, batch, tools=step_tools(model, job.regime)
+        )
         compile_s = timed_steps(step, device, 1)[0]  # forward and backward graphs compiled here
         warm_s = timed_steps(step, device, 1)[0]
         row = measure_step(model, optimizer, step, batch, tracked=False)
         row.update(timing_stats(timed_steps(step, device, job.steps)))
-    finally:
-        functorch_config.activation_memory_budget = 1.0
     if target is None:
         _SAVED[(batch_size, policy)] = row["saved_bytes"]
     return row | {

@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
 
 from benchmarks.harness.job import (
     OPTIMIZER,
@@ -32,6 +31,7 @@ from benchmarks.harness.job import (
 from jax_impl import UNet
 from jax_impl import regime as jregime
 from jax_impl import step as jt
+from jax_impl.compat import saved_residuals
 from jax_impl.memory import FAST_COMPILE, compile_with_plan, compiled_peak
 from jax_impl.parallel import make_mesh, shard, state_shardings
 from shared_configs.defaults import device_of, resolve_chunk
@@ -60,9 +60,7 @@ def _on_gpu(device: jax.Device) -> bool:
     return device.platform in ("gpu", "cuda", "rocm")
 
 
-def one_row_per_process(device: jax.Device) -> bool:
-    """On GPU the device's peak counter cannot be reset: each row needs a fresh process."""
-    return _on_gpu(device)
+one_row_per_process = _on_gpu  # on GPU the device's peak counter cannot be reset: each row needs a fresh process
 
 
 _PENDING: dict[tuple[str, int], Future] = {}  # (policy, batch size) -> its compile, under way
@@ -76,9 +74,8 @@ def prepare(job: Job, device: jax.Device) -> None:
         jax.config.update("jax_compilation_cache_dir", job.jax_cache)
     if job.source == "diffusers":  # its weights first: if they do not fit, no row can run
         _initial_state(job.config, job.sample_size, job.source, job.regime)
-    rows = job.rows()[:1] if one_row_per_process(device) else job.rows()
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="compile")
-    for policy, batch_size in rows:
+    for policy, batch_size in job.rows()[:1] if one_row_per_process(device) else job.rows():
         _PENDING[(policy, batch_size)] = pool.submit(_compile, job, policy, batch_size, device)
     if not (job.peak_only and not _on_gpu(device)):
         _BACKGROUND.append(pool.submit(_initial_state, job.config, job.sample_size, job.source, job.regime))
@@ -125,20 +122,14 @@ def _initial_state(config: str, sample_size: int | None, source: str, regime: Re
             raise SpecError("trainable: lora:R on a diffusers folder is measured in torch only (--framework torch)")
         state = jt.TrainState.create({"params": from_diffusers(config)[1]}, tx, regime)
     else:
-        spec = load_benchmark_spec(config, sample_size)
-        model = UNet(spec=spec, policy="none", lora_rank=regime.lora_rank)
-        init = functools.partial(jt.init_state, model, tx, SEED, regime)
-        state = jax.jit(init, compiler_options=FAST_COMPILE)()
+        model = UNet(spec=load_benchmark_spec(config, sample_size), policy="none", lora_rank=regime.lora_rank)
+        state = jax.jit(functools.partial(jt.init_state, model, tx, SEED, regime), compiler_options=FAST_COMPILE)()
     return jax.tree.map(np.asarray, state)
 
 
 def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[str, Any]:
     """What a row's step takes, the state abstract; over ranks, sharded as ``--distributed fsdp`` trains."""
-    spec = job_spec(job)
-    regime = job.regime
-    model = UNet(
-        spec=spec, policy=policy_arg(policy), attention_chunk=attention_chunk(job, device), lora_rank=regime.lora_rank
-    )
+    spec, regime = job_spec(job), job.regime
     tx = jregime.make_optimizer(OPTIMIZER.lr, OPTIMIZER.weight_decay, regime)
     state, mesh = _abstract_state(spec, tx, regime), None
     rank_batch = jt.arrays(example_batch(spec, batch_size, job.context_length))
@@ -152,7 +143,12 @@ def _setup(job: Job, policy: str, batch_size: int, device: jax.Device) -> dict[s
         batch = shard(mesh, {}, whole, "fsdp")[1]
     options = jregime.step_options(regime)  # the step's compute dtype and loss scale
     return {
-        "model": model,
+        "model": UNet(
+            spec=spec,
+            policy=policy_arg(policy),
+            attention_chunk=attention_chunk(job, device),
+            lora_rank=regime.lora_rank,
+        ),
         "tx": tx,
         "state": state,
         "batch": batch,
@@ -174,9 +170,8 @@ def _abstract_state(spec: Any, tx: Any, regime: Regime) -> Any:
 def _compile(job: Job, policy: str, batch_size: int, device: jax.Device) -> tuple[dict[str, Any], Any, Any, Any]:
     """(setup, lowered, compiled, XLA's memory plan) of one row's step, compile seconds in setup."""
     s = _setup(job, policy, batch_size, device)
-    static = {"model": s["model"], "tx": s["tx"], **s["options"]}
     t0 = time.perf_counter()
-    lowered = jt.train_step.lower(s["state"], s["batch"], s["key"], **static)
+    lowered = jt.train_step.lower(s["state"], s["batch"], s["key"], model=s["model"], tx=s["tx"], **s["options"])
     s["lower_s"] = time.perf_counter() - t0
     compiled, plan, s["compile_s"] = compile_with_plan(lowered, job.jax_cache)
     return s, lowered, compiled, plan
@@ -187,8 +182,7 @@ def _nbytes(tree: Any) -> int:
 
     def one(x: Any) -> int:
         sharding = getattr(x, "sharding", None)
-        shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
-        return int(np.prod(shape)) * x.dtype.itemsize
+        return int(np.prod(x.shape if sharding is None else sharding.shard_shape(x.shape))) * x.dtype.itemsize
 
     return sum(one(x) for x in jax.tree.leaves(tree))
 
@@ -207,8 +201,11 @@ def _saved_bytes(s: dict[str, Any]) -> int:
 
     state = s["state"]
     residuals = saved_residuals(loss, state.params, state.batch_stats, s["batch"], s["key"])
-    keep = [aval for aval, where in residuals if not where.startswith("from the argument params")]
-    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in keep)
+    return sum(
+        int(np.prod(a.shape)) * a.dtype.itemsize
+        for a, where in residuals
+        if not where.startswith("from the argument params")
+    )
 
 
 def _xla_default(lowered: Any, row: dict[str, Any]) -> dict[str, Any]:
@@ -219,8 +216,9 @@ def _xla_default(lowered: Any, row: dict[str, Any]) -> dict[str, Any]:
         flags = [f.split("=", 1)[1] for f in flags if f.startswith("--xla_disable_hlo_p")]
         kept = [p for flag in flags for p in flag.split(",") if p and p != "cse_barrier_expander"]
         # -O0 (FAST_COMPILE): buffer assignment comes before code generation: same memory analysis, faster.
-        options = {"xla_disable_hlo_passes": ",".join(kept), **FAST_COMPILE}
-        peak = compiled_peak(lowered.compile(compiler_options=options))
+        peak = compiled_peak(
+            lowered.compile(compiler_options={"xla_disable_hlo_passes": ",".join(kept), **FAST_COMPILE})
+        )
     return {
         "xla_default_peak_bytes": peak,
         "xla_default_method": "the same lowered step compiled again with XLA:CPU's default passes "

@@ -11,12 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from shared_configs import UNetSpec, block_names
 from shared_configs.memory import OUTSIDE, block_of
 from torch_impl import UNet
+from torch_impl.compat import TorchDispatchMode, tree_leaves
 from torch_impl.memory import record_saved
 
 Row = tuple[str, str, str, tuple[int, ...], str, int]
@@ -42,14 +41,6 @@ class _Producers(TorchDispatchMode):
 
 def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
-
-
-def _inputs(spec: UNetSpec, batch_size: int, context_length: int) -> tuple[torch.Tensor, ...]:
-    gen, s = torch.Generator().manual_seed(0), spec.sample_size
-    x = torch.randn(batch_size, spec.in_channels, s, s, generator=gen)
-    dim = spec.cross_attention_dim
-    ctx = torch.randn(batch_size, context_length, dim, generator=gen) if dim else None
-    return x, torch.linspace(1.0, 900.0, batch_size), ctx
 
 
 def _hook_blocks(model: UNet, prod: _Producers, inputs: dict[int, Row]) -> list[Any]:
@@ -80,7 +71,10 @@ def collect(spec: UNetSpec, policy: str, batch_size: int, context_length: int) -
     """One forward and backward (dropout off, as the JAX side); every tensor kept for backward."""
     model = UNet(spec).eval()
     model.enable_gradient_checkpointing(policy)
-    x, t, ctx = _inputs(spec, batch_size, context_length)
+    gen, s, dim = torch.Generator().manual_seed(0), spec.sample_size, spec.cross_attention_dim
+    x = torch.randn(batch_size, spec.in_channels, s, s, generator=gen)
+    ctx = torch.randn(batch_size, context_length, dim, generator=gen) if dim else None
+    t = torch.linspace(1.0, 900.0, batch_size)
     skip = {_ptr(p) for p in model.parameters()} | {_ptr(v) for v in (x, t, ctx) if v is not None}
     prod, saved, inputs = _Producers(), {}, {}
 
@@ -98,11 +92,14 @@ def collect(spec: UNetSpec, policy: str, batch_size: int, context_length: int) -
     finally:
         for h in handles:
             h.remove()
-    policy_rows = [
-        _row(block_of(r.block), r.op_class, "policy", o, o.numel() * o.element_size())
-        for r in records
-        if not r.recompute
-        for o in r.outputs
-    ]
     extra = [row for ptr, row in inputs.items() if ptr not in saved and ptr not in skip]
-    return list(saved.values()) + extra + policy_rows
+    return [
+        *saved.values(),
+        *extra,
+        *(
+            _row(block_of(r.block), r.op_class, "policy", o, o.numel() * o.element_size())
+            for r in records
+            if not r.recompute
+            for o in r.outputs
+        ),
+    ]

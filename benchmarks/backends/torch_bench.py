@@ -84,9 +84,8 @@ def static_floor(job: Job) -> dict[str, int]:
         model = UNet(job_spec(job))
     params = sum(p.numel() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    if job.regime != DEFAULT:
-        return {"param_count": params, "floor_bytes": 2 * params if job.precision == "bf16" else 4 * params}
-    return {"param_count": params, "floor_bytes": 3 * 4 * params + buffers}
+    floor = 3 * 4 * params + buffers if job.regime == DEFAULT else (2 if job.precision == "bf16" else 4) * params
+    return {"param_count": params, "floor_bytes": floor}
 
 
 def our_unet(job: Job, spec: Any) -> UNet:
@@ -133,14 +132,16 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device, build:
     batch = batch.shard(dist.get_rank(), job.world_size) if job.world_size > 1 else batch
     tools = step_tools(model, job.regime)
     step = functools.partial(train_step, model, optimizer, batch, tools=tools)
-    held = [] if tools.ema is None else tools.ema.shadow
+    held = [] if tools.ema is None else tools.ema.shadow  # the EMA copy lives through the step
     # warm-up: makes the optimizer state (and the gradients the next step's zero_grad frees); FLOPs of forward
     # + backward counted there (FlopCounterMode has no formula for the CPU attention kernel: registered)
     register_cpu_attention_flops()
     with contextlib.nullcontext(None) if job.peak_only else FlopCounterMode(display=False) as counter:
         first = timed_steps(step, device, 1)[0]
-    flops = None if counter is None else counter.get_total_flops()
-    row: dict[str, Any] = {"flops": flops, **measure_step(model, optimizer, step, batch, held, check=True)}
+    row: dict[str, Any] = {
+        "flops": None if counter is None else counter.get_total_flops(),
+        **measure_step(model, optimizer, step, batch, held, check=True),
+    }
     if policy not in job.timeline:
         row.pop("timeline")
     if not job.peak_only:

@@ -83,13 +83,12 @@ def serve(request: dict[str, Any]) -> int:
     except Exception as err:  # e.g. a diffusers folder whose weights do not fit its config: no row can run
         emit("fatal", message=one_line(err))
         return 3
-    xla_flags = os.environ.get("XLA_FLAGS", "") if job.framework == "jax" else None
     emit(
         "env",
         framework=job.framework,
         versions=backend.versions(),
         device=backend.device_info(device),
-        xla_flags=xla_flags,
+        xla_flags=os.environ.get("XLA_FLAGS", "") if job.framework == "jax" else None,
     )
     for policy, batch_size in job.rows():
         emit("start", policy=policy, batch_size=batch_size)

@@ -62,10 +62,9 @@ def comparison(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     for row in (r for r in ok if r["framework"] == COMPILED):
         plain = eager.get((row["policy"], row["batch_size"]))
-        peaks = f"{_mib(plain, 'allocator_peak_bytes')} eager / {_mib(row, 'allocator_peak_bytes')} compiled MiB"
         cells = [
             f"{row['policy']} @ {row['batch_size']}:",
-            f"peak {peaks},",
+            f"peak {_mib(plain, 'allocator_peak_bytes')} eager / {_mib(row, 'allocator_peak_bytes')} compiled MiB,",
             f"step {_s(plain)} / {_s(row)} s,",
             f"compile {row['compile_s']:.0f} s",
         ]

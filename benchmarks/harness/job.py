@@ -71,10 +71,8 @@ class Job:
     @classmethod
     def from_json(cls, text: str) -> Job:
         data = json.loads(text)
-        for key in ("policies", "batch_sizes", "timeline"):
-            data[key] = tuple(data[key])
-        data["done"] = tuple((p, b) for p, b in data["done"])
-        return cls(**data)
+        tuples = {key: tuple(data[key]) for key in ("policies", "batch_sizes", "timeline")}
+        return cls(**data | tuples | {"done": tuple((p, b) for p, b in data["done"])})
 
 
 def load_benchmark_spec(config: str, sample_size: int | None, source: str = "spec") -> UNetSpec:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.job import DIFFUSERS, Job, job_spec
-from benchmarks.reports.tables import write_json
+from benchmarks.reports.tables import markdown_table, write_json
 from shared_configs import SpecError
 from shared_configs.cli import positive_mib
 from shared_configs.defaults import resolve_chunk
@@ -86,11 +86,10 @@ def default_budget(work: Workload, frameworks: tuple[str, ...]) -> int:
 def run(jobs: list[Job], budget_mib: float | None) -> dict[str, Any]:
     """Plan (for ``budget_mib``, or `default_budget`), then measure every row in each framework: the JSON document."""
     work, frameworks = workload(jobs[0]), tuple(job.framework for job in jobs)
-    fw_arg = "both" if len(frameworks) == 2 else frameworks[0]
     budget = int(budget_mib * MIB) if budget_mib is not None else default_budget(work, frameworks)
     for attempt in range(3):
         try:
-            planned = plan(work, budget, fw_arg)
+            planned = plan(work, budget, "both" if len(frameworks) == 2 else frameworks[0])
             break
         except Infeasible as err:  # the default lies below the model's margin: the smallest budget it plans for
             if budget_mib is not None or attempt == 2:
@@ -98,10 +97,6 @@ def run(jobs: list[Job], budget_mib: float | None) -> dict[str, Any]:
             budget = err.smallest
     policies = list(dict.fromkeys([*jobs[0].policies, planned.policy]))  # none first, then --policies
     measured = {fw: measure(fw, work, policies, jobs[0].steps)["rows"] for fw in frameworks}
-    predicted = {
-        p.framework: {pol: predict(p, work.spec, assignment_of(work.spec, pol)).peak_bytes for pol in policies}
-        for p in planned.profiles
-    }
     return {
         "config": work.spec.name,
         "batch_size": work.batch_size,
@@ -110,7 +105,10 @@ def run(jobs: list[Job], budget_mib: float | None) -> dict[str, Any]:
         "budget_bytes": budget,
         "planned": planned.policy,
         "policies": policies,
-        "predicted_peak_bytes": predicted,
+        "predicted_peak_bytes": {
+            p.framework: {pol: predict(p, work.spec, assignment_of(work.spec, pol)).peak_bytes for pol in policies}
+            for p in planned.profiles
+        },
         "rows": measured,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -119,16 +117,13 @@ def run(jobs: list[Job], budget_mib: float | None) -> dict[str, Any]:
 def table(doc: dict[str, Any]) -> str:
     """Markdown: per policy and framework, the measured peak (vs none) and the step's median seconds (vs none)."""
     fws = list(doc["rows"])
-    head = "| policy | " + " | ".join(f"{fw} peak MiB | {fw} step" for fw in fws) + " |"
-    lines = [head, "|---|" + "---|---|" * len(fws)]
+    rows = [["policy", *(head for fw in fws for head in (f"{fw} peak MiB", f"{fw} step"))]]
     for policy in doc["policies"]:
-        label = PLANNED if policy == doc["planned"] and policy != "none" else f"`{policy}`"
-        cells = []
+        rows.append([PLANNED if policy == doc["planned"] and policy != "none" else f"`{policy}`"])
         for fw in fws:
             row, none = doc["rows"][fw][policy], doc["rows"][fw]["none"]
             change = f" ({100 * (row['peak_bytes'] / none['peak_bytes'] - 1):+.0f}%)" if policy != "none" else ""
             ratio = statistics.median(row["rounds_s"]) / statistics.median(none["rounds_s"])
-            cells.append(f"{row['peak_bytes'] / MIB:.1f}{change} | {row['step_time_s']:.2f} s ({ratio:.2f}x)")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines.append(f"\n{PLANNED}: `{doc['planned']}` (budget {doc['budget_bytes'] / MIB:.1f} MiB); {doc['settings']}")
-    return "\n".join(lines)
+            rows[-1] += [f"{row['peak_bytes'] / MIB:.1f}{change}", f"{row['step_time_s']:.2f} s ({ratio:.2f}x)"]
+    planned = f"{PLANNED}: `{doc['planned']}` (budget {doc['budget_bytes'] / MIB:.1f} MiB); {doc['settings']}"
+    return f"{markdown_table(rows)}\n\n{planned}"

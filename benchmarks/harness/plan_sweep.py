@@ -24,7 +24,7 @@ from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.pipeline import Workload, checked_solve, get_profile, measure
 from shared_configs.planning.solver import Infeasible, peak_range, solve
 from shared_configs.planning.stepclock import paired, paired_text
-from shared_configs.planning.units import assignment_of, policy_string
+from shared_configs.planning.units import FULL, PLAIN, SELECTIVE, assignment_of, block_layers, policy_string
 from shared_configs.sizes import MIB
 
 
@@ -49,10 +49,9 @@ def solve_times(profiles: list[Profile], workload: Workload, points: int = 12) -
         solve(profiles, workload.spec, budget)
         seconds.append(time.perf_counter() - start)
         cpu.append(time.process_time() - cpu_start)
-    units = sum(len(per) for per in profiles[0].units.values())
     return {
         "budgets": len(seconds),
-        "unit_choices": units,
+        "unit_choices": sum(len(per) for per in profiles[0].units.values()),
         "median_s": float(np.median(seconds)),
         "max_s": max(seconds),
         "seconds": seconds,
@@ -80,30 +79,26 @@ def sweep(
 ) -> dict[str, Any]:
     """Per framework: the plans at ``count`` budgets and at ``balanced``'s predicted peak, the hand policies;
     measured if ``verify``, with torch.compile at ``ratios`` and ``random_plans`` seeded random plans."""
+    spec = workload.spec
     doc: dict[str, Any] = {
-        "config": workload.spec.name,
-        "sample_size": workload.spec.sample_size,
+        "config": spec.name,
+        "sample_size": spec.sample_size,
         "batch_size": workload.batch_size,
         "frameworks": {},
     }
     for fw in frameworks:
         profile = get_profile(fw, workload)
-        spec = workload.spec
-        hand = {p: _predicted(profile, predict(profile, spec, assignment_of(spec, p))) for p in HAND_POLICIES}
-        plans, margin = [], safety_margin(profile, spec)
-        full, none = hand["full"]["predicted_peak_bytes"], hand["none"]["predicted_peak_bytes"]
-        for budget in [*_spread(full, none, count, with_high=False), hand["balanced"]["predicted_peak_bytes"]]:
-            try:
-                sol = checked_solve([profile], workload, budget, margin, (fw,))
-            except Infeasible:
-                continue
-            plans.append({"budget_bytes": budget, "plan": sol.policy, **_predicted(profile, sol.prediction)})
+        hand = {p: _of_policy(profile, spec, p) for p in HAND_POLICIES}
+        margin = safety_margin(profile, spec)
+        full, none, balanced = (hand[p]["predicted_peak_bytes"] for p in ("full", "none", "balanced"))
+        budgets = [*_spread(full, none, count, with_high=False), balanced]
+        plans = [p for p in (_plan_at(fw, workload, profile, b, margin) for b in budgets) if p is not None]
         plans[-1]["at"] = "balanced's predicted peak"
-        compiled: dict[str, Any] = {}
         rng = np.random.default_rng(0)
-        randoms = [{"plan": policy_string(random_assignment(spec, rng))} for _ in range(random_plans)]
-        for r in randoms:
-            r.update(_predicted(profile, predict(profile, spec, assignment_of(spec, r["plan"]))))
+        randoms = [policy_string(random_assignment(spec, rng)) for _ in range(random_plans)]
+        randoms = [{"plan": r} | _of_policy(profile, spec, r) for r in randoms]
+        data: dict[str, Any] = {}
+        compiled: dict[str, Any] = {}
         if verify:
             policies = list(dict.fromkeys([*HAND_POLICIES, *(p["plan"] for p in plans), *(r["plan"] for r in randoms)]))
             rows = measure(fw, workload, policies, steps, ratios if fw == "torch" else None)
@@ -112,38 +107,53 @@ def sweep(
                 p["paired"] = {name: paired(p["measured_rounds_s"], h["measured_rounds_s"]) for name, h in hand.items()}
             compiled = _compiled(rows["rows"])
             plans += _at_measured_balanced(fw, workload, profile, hand["balanced"], margin, steps)
-            doc["frameworks"].setdefault(fw, {})["measure_method"] = rows["method"]
-        doc["frameworks"].setdefault(fw, {}).update(
-            hand=hand,
-            plans=plans,
-            random=randoms,
-            compiled=compiled,
-            margin=margin,
-            frontier=frontier(profile, workload),
-            method=profile.meta.get("method"),
-            profile_seconds=profile.meta.get("seconds"),
-            step_time_s=profile.step_time_s,
-            efficiency=efficiency(profile, workload),
-        )
+            data["measure_method"] = rows["method"]
+        doc["frameworks"][fw] = data | {
+            "hand": hand,
+            "plans": plans,
+            "random": randoms,
+            "compiled": compiled,
+            "margin": margin,
+            "frontier": frontier(profile, workload),
+            "method": profile.meta.get("method"),
+            "profile_seconds": profile.meta.get("seconds"),
+            "step_time_s": profile.step_time_s,
+            "efficiency": efficiency(profile, workload),
+        }
     return doc
+
+
+def _of_policy(profile: Profile, spec: Any, policy: str) -> dict[str, Any]:
+    """`_predicted` of a policy string."""
+    return _predicted(profile, predict(profile, spec, assignment_of(spec, policy)))
+
+
+def _plan_at(fw: str, workload: Workload, profile: Profile, budget: int, margin: float) -> dict[str, Any] | None:
+    """The planner's plan at ``budget``, predicted; None where no plan fits."""
+    try:
+        sol = checked_solve([profile], workload, budget, margin, (fw,))
+    except Infeasible:
+        return None
+    return {"budget_bytes": budget, "plan": sol.policy, **_predicted(profile, sol.prediction)}
 
 
 def _at_measured_balanced(
     fw: str, workload: Workload, profile: Profile, balanced: dict[str, Any], margin: float, steps: int
 ) -> list[dict[str, Any]]:
     """The plan at ``balanced``'s measured peak, measured beside ``none`` and ``balanced`` in a process of its own."""
-    budget = balanced["measured_peak_bytes"]
-    try:
-        sol = checked_solve([profile], workload, budget, margin, (fw,))
-    except Infeasible:
+    entry = _plan_at(fw, workload, profile, balanced["measured_peak_bytes"], margin)
+    if entry is None:
         return []
-    entry = {"budget_bytes": budget, "plan": sol.policy, "at": "balanced's measured peak"}
-    entry |= _predicted(profile, sol.prediction)
-    rows = measure(fw, workload, ["none", "balanced", sol.policy], steps)["rows"]
+    entry["at"] = "balanced's measured peak"
+    rows = measure(fw, workload, ["none", "balanced", entry["plan"]], steps)["rows"]
     _attach(rows, {}, [entry])
-    entry["balanced_measured_overhead_here"] = rows["balanced"]["step_time_s"] / rows["none"]["step_time_s"] - 1
-    entry["paired"] = {h: paired(rows[sol.policy]["rounds_s"], rows[h]["rounds_s"]) for h in ("none", "balanced")}
-    return [entry]
+    return [
+        entry
+        | {
+            "balanced_measured_overhead_here": rows["balanced"]["step_time_s"] / rows["none"]["step_time_s"] - 1,
+            "paired": {h: paired(rows[entry["plan"]]["rounds_s"], rows[h]["rounds_s"]) for h in ("none", "balanced")},
+        }
+    ]
 
 
 def _compiled(rows: dict[str, Any]) -> dict[str, Any]:
@@ -165,12 +175,13 @@ def _attach(rows: dict[str, Any], hand: dict[str, Any], plans: list[dict[str, An
     base = rows["none"]["step_time_s"]
     for policy, entry in [*hand.items(), *((p["plan"], p) for p in plans)]:
         row = rows[policy]
-        entry["measured_peak_bytes"] = row["peak_bytes"]
-        entry["measured_overhead"] = row["step_time_s"] / base - 1
-        entry["measured_rounds_s"] = row["rounds_s"]
-        if "allocator_peak_bytes" in row:
-            entry["measured_allocator_peak_bytes"] = row["allocator_peak_bytes"]
-        entry["peak_error"] = entry["predicted_peak_bytes"] / row["peak_bytes"] - 1
+        entry |= {
+            "measured_peak_bytes": row["peak_bytes"],
+            "measured_overhead": row["step_time_s"] / base - 1,
+            "measured_rounds_s": row["rounds_s"],
+            **({"measured_allocator_peak_bytes": row["allocator_peak_bytes"]} if "allocator_peak_bytes" in row else {}),
+            "peak_error": entry["predicted_peak_bytes"] / row["peak_bytes"] - 1,
+        }
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -198,17 +209,15 @@ def table(doc: dict[str, Any]) -> str:
 
 def against_balanced(doc: dict[str, Any]) -> str:
     """What the planner picks at ``balanced``'s predicted peak, beside ``balanced`` (both measured)."""
-    lines = []
-    for fw, data in doc["frameworks"].items():
-        b = data["hand"]["balanced"]
-        for p in (p for p in data["plans"] if p.get("at") and "measured_peak_bytes" in p):
-            lines.append(
-                f"{fw}: at {p['at']} ({p['budget_bytes'] / MIB:.1f} MiB) the planner picks {p['plan']}: "
-                f"{p['measured_peak_bytes'] / MIB:.1f} MiB, {100 * p['measured_overhead']:+.1f}%; balanced: "
-                f"{b['measured_peak_bytes'] / MIB:.1f} MiB, "
-                f"{100 * p.get('balanced_measured_overhead_here', b['measured_overhead']):+.1f}%"
-            )
-    return "\n".join(lines)
+    return "\n".join(
+        f"{fw}: at {p['at']} ({p['budget_bytes'] / MIB:.1f} MiB) the planner picks {p['plan']}: "
+        f"{p['measured_peak_bytes'] / MIB:.1f} MiB, {100 * p['measured_overhead']:+.1f}%; balanced: "
+        f"{data['hand']['balanced']['measured_peak_bytes'] / MIB:.1f} MiB, "
+        f"{100 * p.get('balanced_measured_overhead_here', data['hand']['balanced']['measured_overhead']):+.1f}%"
+        for fw, data in doc["frameworks"].items()
+        for p in data["plans"]
+        if p.get("at") and "measured_peak_bytes" in p
+    )
 
 
 def against_hand(doc: dict[str, Any]) -> str:
@@ -276,8 +285,10 @@ def plot(doc: dict[str, Any], path: Path) -> None:
             zorder=3,
         )
         for name, h in data["hand"].items():
-            x, y = h.get("measured_peak_bytes", h["predicted_peak_bytes"]), h.get("measured_overhead")
-            y = h["predicted_overhead"] if y is None else y
+            x, y = (
+                h.get("measured_peak_bytes", h["predicted_peak_bytes"]),
+                h.get("measured_overhead", h["predicted_overhead"]),
+            )
             ax.scatter([x / MIB], [100 * y], color="tab:blue", zorder=3)
             ax.annotate(name, (x / MIB, 100 * y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set(
@@ -311,41 +322,34 @@ def _level(unit: str, levels: int) -> int:
 def efficiency(profile: Profile, workload: Workload) -> list[dict[str, Any]]:
     """Bytes a recompute frees per second it costs, per layer and block (freed: its plain ``keep`` minus
     its ``keep`` under the choice); "sampler" rows are each block minus its layers."""
-    from shared_configs.planning.units import FULL, PLAIN, SELECTIVE, block_layers
-
-    spec, rows, levels = workload.spec, [], workload.spec.num_levels
-    for block, layers in block_layers(spec).items():
+    units, rows, levels = profile.units, [], workload.spec.num_levels
+    for block, layers in block_layers(workload.spec).items():
         for choice in (FULL, SELECTIVE):
-            per_layer = []
-            for name in layers:
-                if name in profile.units and choice in profile.units[name]:
-                    freed = profile.units[name][PLAIN].keep - profile.units[name][choice].keep
-                    per_layer.append((name, freed, profile.units[name][choice].time_s))
-            plain_block = sum(profile.units[n][PLAIN].keep for n in layers)
-            whole = profile.units[block][choice]
-            freed_block, seconds_block = plain_block - whole.keep, whole.time_s
-            kinds = [("resnet" if ".resnets." in n else "attention", n, f, t) for n, f, t in per_layer]
-            kinds.append(("block", block, freed_block, seconds_block))
-            kinds.append(
+            per_layer = [
                 (
-                    "sampler",
-                    block,
-                    freed_block - sum(f for _, f, _ in per_layer),
-                    seconds_block - sum(t for _, _, t in per_layer),
+                    "resnet" if ".resnets." in n else "attention",
+                    n,
+                    units[n][PLAIN].keep - units[n][choice].keep,
+                    units[n][choice].time_s,
                 )
-            )
-            for kind, name, freed, seconds in kinds:
-                rows.append(
-                    {
-                        "level": _level(name, levels),
-                        "kind": kind,
-                        "unit": name,
-                        "choice": choice,
-                        "freed_bytes": freed,
-                        "seconds": seconds,
-                        "mib_per_s": freed / MIB / seconds if seconds > 0 else None,
-                    }
-                )
+                for n in layers
+                if n in units and choice in units[n]
+            ]
+            whole = units[block][choice]
+            freed, seconds = sum(units[n][PLAIN].keep for n in layers) - whole.keep, whole.time_s
+            sampler = freed - sum(r[2] for r in per_layer), seconds - sum(r[3] for r in per_layer)
+            rows += [
+                {
+                    "level": _level(name, levels),
+                    "kind": kind,
+                    "unit": name,
+                    "choice": choice,
+                    "freed_bytes": f,
+                    "seconds": t,
+                    "mib_per_s": f / MIB / t if t > 0 else None,
+                }
+                for kind, name, f, t in [*per_layer, ("block", block, freed, seconds), ("sampler", block, *sampler)]
+            ]
     return rows
 
 

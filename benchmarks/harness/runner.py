@@ -37,18 +37,15 @@ def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbos
         done += finished
         if started is not None:  # the worker died inside a row: report it, go on
             killed = rc in KILLED
-            error = (
-                "worker killed (SIGKILL), most likely by the out-of-memory killer"
-                if killed
-                else f"worker died (exit {rc}): {stderr_tail or 'no output'}"
-            )
             row = {
                 "event": "row",
                 "framework": job.framework,
                 "policy": started[0],
                 "batch_size": started[1],
                 "status": "oom" if killed else "error",
-                "error": error,
+                "error": "worker killed (SIGKILL), most likely by the out-of-memory killer"
+                if killed
+                else f"worker died (exit {rc}): {stderr_tail or 'no output'}",
             }
             events.append(row)
             on_event(row)
@@ -74,7 +71,7 @@ def _run_worker(
     """One worker process; returns (row it died in, rows it finished, exit code, stderr tail)."""
     # torch's ranks are processes (torchrun); jax's, devices of one
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(job.world_size)]
-    ranks = job.framework != "jax" and job.world_size > 1
+    launcher = launcher if job.framework != "jax" and job.world_size > 1 else None
     since, started, finished = time.time(), [None], []
 
     def seen(event: Event) -> None:
@@ -92,7 +89,7 @@ def _run_worker(
     request = {"kind": "rows", "backend": BACKEND, "job": job.to_json()}
     try:
         echo = sys.stderr.write if verbose else (lambda line: None)
-        done = workers.run(request, worker_env(job), seen, launcher if ranks else None, echo)
+        done = workers.run(request, worker_env(job), seen, launcher, echo)
     except BaseException:  # stopped: it may have been writing a compilation cache entry
         check_jax_cache(job, since)
         raise

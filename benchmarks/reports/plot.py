@@ -52,9 +52,15 @@ def _panel(ax: Any, rows: list[Row], batch_size: int, unreliable: float | None) 
         xs = [r["time_overhead"] for r in mine]
         ys = [100 * r["peak_reduction"] for r in mine]
         color = COLORS.get(fw, "gray")
-        # timings the run judged unreliable: hollow markers, said in the legend
-        face = "none" if unreliable is not None else color
-        ax.scatter(xs, ys, facecolors=face, edgecolors=color, marker=MARKERS.get(fw, "^"), label=fw, zorder=3)
+        ax.scatter(
+            xs,
+            ys,
+            facecolors="none" if unreliable is not None else color,  # unreliable timings: hollow, said in the legend
+            edgecolors=color,
+            marker=MARKERS.get(fw, "^"),
+            label=fw,
+            zorder=3,
+        )
         points += [(r["policy"], x, y) for r, x, y in zip(mine, xs, ys, strict=True)]
         front = pareto_front(list(zip(xs, ys, strict=True)))
         if len(front) > 1:  # a front of one point draws no line: nothing to put in the legend

@@ -95,9 +95,8 @@ def complete(rows: Iterable[Row]) -> list[Row]:
     out = [{col: row.get(col) for col in COLUMNS} for row in rows]
     baselines = {(r["framework"], r["batch_size"]): r for r in out if r["policy"] == "none" and r["status"] == "ok"}
     for row in out:
-        base = baselines.get((row["framework"], row["batch_size"]))
-        for col, source, kind in RELATIVE:
-            row[col] = _relative(row.get(source), base.get(source) if base else None, kind)
+        base = baselines.get((row["framework"], row["batch_size"])) or {}
+        row |= {col: _relative(row.get(source), base.get(source), kind) for col, source, kind in RELATIVE}
     return out
 
 
@@ -120,6 +119,12 @@ def write_csv(path: Path, rows: list[Row]) -> None:
     writer.writeheader()
     writer.writerows(rows)
     atomic_write(path, text.getvalue().encode())
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    """A Markdown table: the first row is its head."""
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
 
 
 def _mib(value: int | None) -> str:
@@ -180,60 +185,48 @@ COMPACT: tuple[tuple[str, Callable[[Row], str]], ...] = (
 )
 
 
-def _ranks_columns(shown: list, at: int, compact: bool = False) -> None:
-    """--world-size: rank 0's peak and the largest peak over the ranks."""
-    sep = "\n" if compact else " "
-    ranks = [] if compact else [("ranks", lambda r: str(r["world_size"]))]
-    shown[at : at + 1] = [
-        *ranks,
-        (f"rank 0{sep}peak MiB", shown[at][1]),
-        (f"max rank{sep}MiB", lambda r: _mib(r["max_rank_peak_bytes"])),
-    ]
-
-
 def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = False) -> Table:
     """The terminal table (``wide``: every figure); ``unreliable`` timings mark the ratios ``?``."""
-    ranked = any((r["world_size"] or 1) > 1 for r in rows)
-    if not wide:
-        return _compact(rows, title, unreliable, ranked)
-    xla_default = any(r["xla_default_peak_bytes"] is not None for r in rows)  # only with --xla-default
-    shown = [c for c in COLUMNS_SHOWN if xla_default or c[0] != "XLA:CPU default peak MiB"]
-    if ranked:
-        _ranks_columns(shown, 3)
+    if wide:
+        xla_default = any(r["xla_default_peak_bytes"] is not None for r in rows)  # only with --xla-default
+        shown = [c for c in COLUMNS_SHOWN if xla_default or c[0] != "XLA:CPU default peak MiB"]
+    else:
+        shown = [
+            *COMPACT,
+            (
+                "step time\nvs none",
+                lambda r: (
+                    "-"
+                    if r["time_overhead"] is None
+                    else f"{r['time_overhead']:.2f}x" + (" ?" if unreliable and r["policy"] != "none" else "")
+                ),
+            ),
+        ]
+    if any((r["world_size"] or 1) > 1 for r in rows):  # --world-size: rank 0's peak and the largest over the ranks
+        sep = " " if wide else "\n"
+        shown[3:4] = [
+            *([("ranks", lambda r: str(r["world_size"]))] if wide else []),
+            (f"rank 0{sep}peak MiB", shown[3][1]),
+            (f"max rank{sep}MiB", lambda r: _mib(r["max_rank_peak_bytes"])),
+        ]
     t = Table(title=title, title_justify="left", header_style="bold")
-    for i, (name, _) in enumerate(shown):
-        t.add_column(name, justify="left" if i < 2 else "right")
+    for i, (name, _) in enumerate(shown if wide else [*shown, ("fits", None)]):
+        # compact: headers break where written; only a long policy string folds onto the next line (never cut)
+        t.add_column(
+            name, justify="left" if i < 2 else "right", **({} if wide else {"overflow": "fold", "no_wrap": i != 1})
+        )
     for row in rows:
-        if row["status"] == "ok":
+        ok = row["status"] == "ok"
+        if not wide:
+            t.add_row(
+                *(cell(row) if ok or i < 3 else "-" for i, (_, cell) in enumerate(shown)),
+                FITS.get(row["status"], row["status"]),
+            )
+        elif ok:
             t.add_row(*(cell(row) for _, cell in shown))
         else:
             status = FITS["oom" if row["status"] == "oom" else "error"]
             t.add_row(row["framework"], row["policy"], str(row["batch_size"]), status, row["error"] or "")
-    return t
-
-
-def _compact(rows: list[Row], title: str, unreliable: bool, ranked: bool) -> Table:
-    shown = list(COMPACT)
-    shown.append(
-        (
-            "step time\nvs none",
-            lambda r: (
-                "-"
-                if r["time_overhead"] is None
-                else f"{r['time_overhead']:.2f}x" + (" ?" if unreliable and r["policy"] != "none" else "")
-            ),
-        )
-    )
-    if ranked:
-        _ranks_columns(shown, 3, compact=True)
-    t = Table(title=title, title_justify="left", header_style="bold")
-    for i, (name, _) in enumerate([*shown, ("fits", None)]):
-        # headers break where written; only a long policy string folds onto the next line (never cut)
-        t.add_column(name, justify="left" if i < 2 else "right", overflow="fold", no_wrap=i != 1)
-    for row in rows:
-        ok = row["status"] == "ok"
-        cells = [cell(row) if ok or i < 3 else "-" for i, (_, cell) in enumerate(shown)]
-        t.add_row(*cells, FITS.get(row["status"], row["status"]))
     return t
 
 
@@ -248,17 +241,16 @@ def errors(rows: list[Row]) -> list[str]:
 
 def regime(rows: list[Row]) -> list[str]:
     """Per framework, at none's peak: activations + temporaries against static memory."""
-    out = []
-    for row in rows:
-        base = row["policy"] == "none" and row["status"] == "ok"
-        if base and row["static_bytes"] and row["activation_bytes"] is not None:
-            dynamic = row["activation_bytes"] + row["temporary_bytes"]
-            out.append(
-                f"{row['framework']} none @ batch {row['batch_size']}: activations + temps = "
-                f"{dynamic / row['static_bytes']:.1f}x static (params + optimizer state, "
-                f"{_mib(row['static_bytes'])} MiB)"
-            )
-    return out
+    return [
+        f"{row['framework']} none @ batch {row['batch_size']}: activations + temps = "
+        f"{(row['activation_bytes'] + row['temporary_bytes']) / row['static_bytes']:.1f}x static "
+        f"(params + optimizer state, {_mib(row['static_bytes'])} MiB)"
+        for row in rows
+        if row["policy"] == "none"
+        and row["status"] == "ok"
+        and row["static_bytes"]
+        and row["activation_bytes"] is not None
+    ]
 
 
 def checks(rows: list[Row]) -> list[str]:
@@ -272,8 +264,9 @@ def checks(rows: list[Row]) -> list[str]:
         for fw in dict.fromkeys(r["framework"] for r in rows):
             checked = [r for r in rows if r["framework"] == fw and r["status"] == "ok" and r[mine] and r[theirs]]
             if checked:
-                cells = ", ".join(f"{r['policy']} {r[mine] / r[theirs] - 1:+.1%}" for r in checked)
-                out.append(f"{fw} {label}: {cells}")
+                out.append(
+                    f"{fw} {label}: " + ", ".join(f"{r['policy']} {r[mine] / r[theirs] - 1:+.1%}" for r in checked)
+                )
     return out
 
 
@@ -305,8 +298,10 @@ def used(document: dict[str, Any]) -> str:
     elif "dtype" in s:
         fields["dtype"] = s["dtype"]
     line = "settings " + Defaults(kind, resolve_chunk(s["attention_chunk"], kind), **fields).describe()
-    given = {f.name: s[f.name] for f in dataclass_fields(Regime) if f.name in s}  # older documents lack some
-    regime = Regime(**given) if "precision" in s else DEFAULT
+    # older documents lack some of the regime's fields
+    regime = (
+        Regime(**{f.name: s[f.name] for f in dataclass_fields(Regime) if f.name in s}) if "precision" in s else DEFAULT
+    )
     if regime != DEFAULT:
         line += "; regime " + regime.describe()
     return line
@@ -320,12 +315,14 @@ def unreliable_share(document: dict[str, Any]) -> float | None:
 
 def notes(document: dict[str, Any]) -> list[str]:
     """Lines under the table: devices, versions, and which method produced each figure."""
-    devices = ", ".join(f"{fw}: {d['kind']} ({d['name']})" for fw, d in document["device"].items() if fw != "requested")
-    versions = ", ".join(f"{k} {v}" for k, v in document["versions"].items())
-    wall = ", ".join(f"{k} {v:.0f} s" for k, v in document["wall_s"].items())
-    lines = [f"devices: {devices}", f"versions: {versions}", f"wall time: {wall}", used(document)]
-    share = unreliable_share(document)
-    if share is not None:
+    lines = [
+        "devices: "
+        + ", ".join(f"{fw}: {d['kind']} ({d['name']})" for fw, d in document["device"].items() if fw != "requested"),
+        "versions: " + ", ".join(f"{k} {v}" for k, v in document["versions"].items()),
+        "wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in document["wall_s"].items()),
+        used(document),
+    ]
+    if (share := unreliable_share(document)) is not None:
         lines.append(
             f"[bold red]warning: other processes used {share:.0%} of the cores during the run: "
             "step times and ratios are unreliable[/]"

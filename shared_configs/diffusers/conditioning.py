@@ -39,8 +39,10 @@ def conditioning_fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
         hid_type = "text_proj"  # diffusers' default when only the width is given
     if hid_type is not None and hid_dim is None:
         raise SpecError(f"encoder_hid_dim: required by encoder_hid_dim_type={hid_type!r}")
-    fields["addition_embedding"] = _text_time(cfg) if addition == "text_time" else None
-    fields["context_proj_dim"] = hid_dim if hid_type == "text_proj" else None
+    fields |= {
+        "addition_embedding": _text_time(cfg) if addition == "text_time" else None,
+        "context_proj_dim": hid_dim if hid_type == "text_proj" else None,
+    }
     if addition == "image" or hid_type == "image_proj":
         if hid_dim is None:
             raise SpecError("encoder_hid_dim: required by addition_embed_type='image' (the image_embeds width)")
@@ -54,8 +56,9 @@ def _choice(cfg: Mapping[str, Any], key: str, allowed: tuple[str | None, ...]) -
     value = cfg[key]
     if value not in allowed:
         why = f" ({WHY_NOT[value]})" if value in WHY_NOT else ""
-        supported = " or ".join(map(repr, allowed))
-        raise SpecError(f"unsupported diffusers option: {key}={value!r}{why} (supported: {supported})")
+        raise SpecError(
+            f"unsupported diffusers option: {key}={value!r}{why} (supported: {' or '.join(map(repr, allowed))})"
+        )
     return value
 
 
@@ -67,8 +70,10 @@ def class_embedding(cfg: Mapping[str, Any], cls: str) -> dict[str, Any] | None:
     else:
         kind = CLASS_KINDS[cls].get(name)
         if kind is None:
-            message = f"class_embed_type={name!r}: diffusers' {cls} builds no class embedding for it; neither do we"
-            warnings.warn(message, stacklevel=4)
+            warnings.warn(
+                f"class_embed_type={name!r}: diffusers' {cls} builds no class embedding for it; neither do we",
+                stacklevel=4,
+            )
     if kind is None:
         if concat:
             raise SpecError(

@@ -65,8 +65,9 @@ def spec_from_config(config: Mapping[str, Any], *, name: str | None = None) -> U
     if config.get("_class_name") == CLASS:
         return controlnet_from_diffusers_config(config, name=name)
     if (cls := config.get("_class_name")) not in CLASS_DEFAULTS:
-        supported = ", ".join([*CLASS_DEFAULTS, CLASS])
-        raise SpecError(f"_class_name: unsupported diffusers model {cls!r} (supported: {supported})")
+        raise SpecError(
+            f"_class_name: unsupported diffusers model {cls!r} (supported: {', '.join([*CLASS_DEFAULTS, CLASS])})"
+        )
     return from_diffusers_config(config, name=name)
 
 
@@ -84,7 +85,7 @@ def controlnet_from_diffusers_config(config: Mapping[str, Any], *, name: str | N
         )
     defaults = CLASS_DEFAULTS["UNet2DConditionModel"]
     unet = {k: v for k, v in options.items() if k in SHARED}
-    downs = list(unet.get("down_block_types", defaults["down_block_types"]))
+    downs = unet.get("down_block_types", defaults["down_block_types"])
     unet |= {
         "_class_name": "UNet2DConditionModel",
         "_name_or_path": config.get("_name_or_path") or f"diffusers_{CLASS}",
@@ -116,16 +117,16 @@ def controlnet_to_diffusers_config(spec: ControlNetSpec) -> dict[str, Any]:
             f"{ce} (ControlNetModel builds no simple_projection, and never concatenates)",
         ),
     }
-    for field, (bad, why) in refused.items():
-        if bad:
-            raise SpecError(f"controlnet {spec.name!r} has no diffusers equivalent: {field}={why}")
+    if bad := [f"{field}={why}" for field, (refuse, why) in refused.items() if refuse]:
+        raise SpecError(f"controlnet {spec.name!r} has no diffusers equivalent: {bad[0]}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         full = to_diffusers_config(_with_mirrored_up(unet))
-    config = {"_class_name": CLASS, "_diffusers_version": DIFFUSERS_VERSION}
-    config |= {k: full[k] for k in SHARED if k in full}
-    config |= {key: _plain(getattr(spec, field)) for key, field in OWN.items()}
-    return config
+    return (
+        {"_class_name": CLASS, "_diffusers_version": DIFFUSERS_VERSION}
+        | {k: full[k] for k in SHARED if k in full}
+        | {key: _plain(getattr(spec, field)) for key, field in OWN.items()}
+    )
 
 
 def _with_mirrored_up(unet: UNetSpec) -> UNetSpec:

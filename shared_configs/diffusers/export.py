@@ -11,7 +11,7 @@ from typing import Any
 
 from shared_configs.diffusers import unet_config as _config
 from shared_configs.diffusers.conditioning import IMAGE_PROJ_TOKENS
-from shared_configs.diffusers.unet_config import SAME_FIELDS, from_diffusers_config
+from shared_configs.diffusers.unet_config import SAME_FIELDS, attention_blocks, from_diffusers_config
 from shared_configs.spec import CONTEXT_KINDS, SpecError, UNetSpec
 
 
@@ -70,9 +70,11 @@ def _conditioning(spec: UNetSpec) -> dict[str, Any]:
         if ce.concat:
             out["class_embeddings_concat"] = True
     if (add := spec.addition_embedding) is not None:
-        out["addition_embed_type"] = add.kind
-        out["addition_time_embed_dim"] = add.time_id_dim
-        out["projection_class_embeddings_input_dim"] = add.input_dim
+        out |= {
+            "addition_embed_type": add.kind,
+            "addition_time_embed_dim": add.time_id_dim,
+            "projection_class_embeddings_input_dim": add.input_dim,
+        }
     return out
 
 
@@ -144,18 +146,12 @@ def _conditional(spec: UNetSpec) -> dict[str, Any]:
     return _common(spec, "UNet2DConditionModel") | _added_options(spec) | own
 
 
-def _attention_blocks(spec: UNetSpec) -> list[tuple[str, int, int, str]]:
-    """(block, level, index in its path, attention kind) of every block with attention, in forward order."""
-    n, up = spec.num_levels, spec.up_attention_resolved
-    blocks = [(f"down.{i}", i, i, k) for i, k in enumerate(spec.down_attention)]
-    blocks += [("mid", n - 1, n - 1, spec.mid_attention), *((f"up.{i}", n - 1 - i, i, k) for i, k in enumerate(up))]
-    return [b for b in blocks if b[3] != "none"]
-
-
 def _conditional_heads(spec: UNetSpec) -> tuple[int, ...]:
     """UNet2DConditionModel's attention_head_dim: transformers' heads by level, Attn*Block2D's head size by index."""
     values: dict[int, int] = {}
-    for block, level, index, kind in _attention_blocks(spec):
+    for block, level, index, kind in attention_blocks(
+        spec.down_attention, spec.up_attention_resolved, spec.mid_attention
+    ):
         heads, head_dim = spec.attention_shape(block, level)
         values.setdefault(level if kind == "transformer" else index, heads if kind == "transformer" else head_dim)
     return tuple(values.get(lv, spec.heads(lv)) for lv in range(spec.num_levels))
@@ -173,7 +169,10 @@ def _normalised(spec: UNetSpec) -> dict[str, Any]:
     exclude = {"name", "checkpoint", "attention_head_dim", "num_attention_heads", "block_heads", "up_attention"}
     data = spec.model_dump(exclude=exclude | {"addition_embedding"})
     data["up_attention"] = spec.up_attention_resolved
-    data["heads"] = {b: spec.attention_shape(b, level) for b, level, _, _ in _attention_blocks(spec)}
+    data["heads"] = {
+        b: spec.attention_shape(b, level)
+        for b, level, _, _ in attention_blocks(spec.down_attention, spec.up_attention_resolved, spec.mid_attention)
+    }
     if (add := spec.addition_embedding) is not None:  # how example inputs split its width is not the network
         data["addition_embedding"] = add.model_dump(exclude={"num_time_ids"})
     data["transformer_layers_per_block"] = [spec.transformer_depth(lv) for lv in range(spec.num_levels)]

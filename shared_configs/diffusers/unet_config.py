@@ -6,7 +6,7 @@ of options: docs/diffusers.md "What loads".
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,9 +172,11 @@ def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
         **_family(cfg, resampler, mid, [*down, *up]),
     }
     if cls == "UNet2DConditionModel":
-        data["cross_attention_dim"] = _uniform(cfg, "cross_attention_dim", n)
-        data["transformer_layers_per_block"] = _per_level_ints(cfg, "transformer_layers_per_block", n)
-        data["use_linear_projection"] = cfg["use_linear_projection"]
+        data |= {
+            "cross_attention_dim": _uniform(cfg, "cross_attention_dim", n),
+            "transformer_layers_per_block": _per_level_ints(cfg, "transformer_layers_per_block", n),
+            "use_linear_projection": cfg["use_linear_projection"],
+        }
     return data
 
 
@@ -193,8 +195,7 @@ def _refuse_unsupported(cfg: Mapping[str, Any]) -> None:
     bad = []
     for key, allowed in FIXED.items():
         value = cfg.get(key, allowed[0])
-        values = value if isinstance(value, list | tuple) else (value,)
-        if not all(v in allowed for v in values):
+        if not all(v in allowed for v in (value if isinstance(value, list | tuple) else (value,))):
             bad.append(f"{key}={value!r} (supported: {' or '.join(repr(a) for a in allowed)})")
     if bad:
         raise SpecError(f"unsupported diffusers option{'s' if len(bad) > 1 else ''}: {'; '.join(bad)}")
@@ -296,14 +297,12 @@ def _heads(cfg: Mapping[str, Any], cls: str, down: list[str], up: list[str], mid
     """The spec's head fields: per level, the first attention's there; `block_heads` for blocks diffusers gives
     other heads at the same level; ``attention_head_dim`` too where heads x head size do not fill the channels."""
     chans, n = cfg["block_out_channels"], len(cfg["block_out_channels"])
-    uses = [(f"down.{i}", i, kind, i) for i, kind in enumerate(down)] + [("mid", n - 1, mid, n - 1)]
-    uses += [(f"up.{i}", n - 1 - i, kind, i) for i, kind in enumerate(up)]
-    shapes = {b: (lv, _head_shape(cfg, cls, kind, chans[lv], lv, i)) for b, lv, kind, i in uses if kind != "none"}
+    shapes = {
+        b: (lv, _head_shape(cfg, cls, kind, chans[lv], lv, i)) for b, lv, i, kind in attention_blocks(down, up, mid)
+    }
     if not shapes:
         return {}
-    per_level: dict[int, tuple[int, int]] = {}
-    for level, shape in shapes.values():
-        per_level.setdefault(level, shape)
+    per_level = dict(reversed(shapes.values()))  # level -> the shape of its first attention
     full = [per_level.get(lv) or _unused_level(cfg, cls, chans[lv], lv) for lv in range(n)]
     if all(h * d == ch for (h, d), ch in zip(full, chans, strict=True)):
         counts = [h for h, _ in full]
@@ -312,6 +311,15 @@ def _heads(cfg: Mapping[str, Any], cls: str, down: list[str], up: list[str], mid
         fields = {"num_attention_heads": [h for h, _ in full], "attention_head_dim": [d for _, d in full]}
     overrides = [(b, *shape) for b, (lv, shape) in shapes.items() if shape != per_level[lv]]
     return fields | ({"block_heads": overrides} if overrides else {})
+
+
+def attention_blocks(down: Sequence[str], up: Sequence[str], mid: str) -> list[tuple[str, int, int, str]]:
+    """(block, level, index in its path, attention kind) of every block with attention, in forward order, from
+    the down, up (deepest first) and middle blocks' attention kinds."""
+    n = len(down)
+    blocks = [(f"down.{i}", i, i, k) for i, k in enumerate(down)] + [("mid", n - 1, n - 1, mid)]
+    blocks += [(f"up.{i}", n - 1 - i, i, k) for i, k in enumerate(up)]
+    return [b for b in blocks if b[3] != "none"]
 
 
 def _unused_level(cfg: Mapping[str, Any], cls: str, ch: int, level: int) -> tuple[int, int]:

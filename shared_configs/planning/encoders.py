@@ -127,10 +127,11 @@ def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[En
     sdxl = name == "SDXL" or len(texts) > 1
     out = []
     if not options.cached_latents:
-        vae_dtype = "float32" if sdxl else dtype
         vae = options.configs.get("vae", VAE)
-        image = LATENT_SCALE * spec.sample_size
-        out.append(Encoder("vae", "vae", json.dumps(_vae_fields(vae)), vae_dtype, image_size=image))
+        fields = json.dumps({k: vae[k] for k in VAE if k in vae})  # those the VAE's forward reads
+        out.append(
+            Encoder("vae", "vae", fields, "float32" if sdxl else dtype, image_size=LATENT_SCALE * spec.sample_size)
+        )
     for text_name, kind, config in texts:
         trained = options.train_text_encoder and text_name == "text_encoder"
         optimizer = regime.profiled.optimizer if trained else Encoder.optimizer
@@ -148,37 +149,17 @@ def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[En
     return out
 
 
-def _vae_fields(config: dict[str, Any]) -> dict[str, Any]:
-    keep = (
-        "in_channels",
-        "out_channels",
-        "latent_channels",
-        "block_out_channels",
-        "layers_per_block",
-        "norm_num_groups",
-        "down_block_types",
-        "up_block_types",
-    )
-    return {k: config[k] for k in keep if k in config}
-
-
 def _folder_texts(configs: dict[str, dict[str, Any]]) -> tuple[tuple[str, str, dict[str, Any]], ...]:
-    keep = (
-        "vocab_size",
-        "max_position_embeddings",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "hidden_act",
-        "projection_dim",
+    """A pipeline folder's text encoders as `FAMILIES` lists them: the fields of `CLIP_L` their forward reads."""
+    texts = {name: configs[name] for name in ("text_encoder", "text_encoder_2") if name in configs}
+    return tuple(
+        (
+            name,
+            "clip-projection" if "WithProjection" in str(c.get("architectures")) else "clip",
+            {k: c[k] for k in CLIP_L if k in c},
+        )
+        for name, c in texts.items()
     )
-    out = []
-    for name in ("text_encoder", "text_encoder_2"):
-        if name in configs:
-            kind = "clip-projection" if "WithProjection" in str(configs[name].get("architectures")) else "clip"
-            out.append((name, kind, {k: configs[name][k] for k in keep if k in configs[name]}))
-    return tuple(out)
 
 
 def input_bytes(encoder: Encoder, batch_size: int) -> int:

@@ -69,29 +69,38 @@ def _heads(spec: UNetSpec, unit: str) -> int:
     return spec.attention_shape(block, levels.get(block, -1))[0]
 
 
-def _attention_shapes(spec: UNetSpec, batch_size: int, context_length: int) -> Iterable[tuple[str, int, int, int]]:
-    """(unit, heads, queries, keys per sample) of every attention, from its q and k projections' rows."""
+def _per_attention(
+    spec: UNetSpec, batch_size: int, context_length: int, nbytes: Callable[[int, int, int], int]
+) -> dict[str, int]:
+    """Per unit, ``nbytes(heads, queries, keys per sample)`` summed over its attentions (from their q and k
+    projections' rows)."""
+    out: Counter[str] = Counter()
     for unit, ops in unit_ops(spec, batch_size, context_length).items():
         for i, op in enumerate(ops):
             if op.cls == "attention":
-                yield unit, _heads(spec, unit), ops[i - 3].rows // batch_size, ops[i - 2].rows // batch_size
+                out[unit] += nbytes(_heads(spec, unit), ops[i - 3].rows // batch_size, ops[i - 2].rows // batch_size)
+    return dict(out)
 
 
 def logsumexp_bytes(spec: UNetSpec, batch_size: int, context_length: int = 77, block: int = 1) -> dict[str, int]:
     """Per unit, the float32 logsumexp its fused attentions keep, queries padded to a multiple of ``block``."""
-    out: dict[str, int] = {}
-    for unit, heads, queries, _ in _attention_shapes(spec, batch_size, context_length):
-        out[unit] = out.get(unit, 0) + LSE_BYTES * batch_size * heads * block * math.ceil(queries / block)
-    return out
+    return _per_attention(
+        spec,
+        batch_size,
+        context_length,
+        lambda heads, queries, _: LSE_BYTES * batch_size * heads * block * math.ceil(queries / block),
+    )
 
 
 def probabilities_bytes(spec: UNetSpec, batch_size: int, regime: Regime, context_length: int = 77) -> dict[str, int]:
     """Per unit, what an unfused attention keeps beyond a fused one: softmax output and half cast, less the LSE."""
     per_element = 4 + (2 if regime.precision in MIXED else 0)
-    out: dict[str, int] = {}
-    for unit, heads, queries, keys in _attention_shapes(spec, batch_size, context_length):
-        out[unit] = out.get(unit, 0) + batch_size * heads * queries * (per_element * keys - LSE_BYTES)
-    return out
+    return _per_attention(
+        spec,
+        batch_size,
+        context_length,
+        lambda heads, queries, keys: batch_size * heads * queries * (per_element * keys - LSE_BYTES),
+    )
 
 
 def _norms(unit: str, ops: list[Op]) -> Iterable[tuple[int, bool]]:
@@ -210,8 +219,7 @@ def gpu_profile(profile: Profile, spec: StepSpec, regime: Regime, device: Device
             for c, v in per.items()
         }
     delta = optimizer_delta(profile, spec, regime, device.optimizer_impl)
-    opt_peak = profile.opt_peak + delta if profile.opt_peak else 0
-    flavoured = replace(profile, units=units, opt_peak=max(opt_peak, 0))
+    flavoured = replace(profile, units=units, opt_peak=max(profile.opt_peak + delta, 0) if profile.opt_peak else 0)
     return with_static_bytes(flavoured, workspace_bytes(device.hopper) + rounding_bound(spec, regime))
 
 

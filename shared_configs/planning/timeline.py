@@ -71,8 +71,7 @@ def unit_costs(timeline: Timeline, leaves: list[str]) -> tuple[dict[str, Cost], 
     units = np.array(timeline.units)
     t = timeline
     across = (t.starts < split) & (t.ends >= split) & (t.ends < n - 1) & ~t.static
-    owners = units[np.minimum(timeline.ends[across], n - 1)]
-    sizes = timeline.sizes[across]
+    owners, sizes = units[np.minimum(t.ends[across], n - 1)], t.sizes[across]
     last = int(next(iter(np.flatnonzero(units[:split] == leaves[-1])), split))  # the last unit's forward start
     held = (t.starts < last) & (t.ends >= last) & (t.ends < split) & ~t.static
     makers, held_sizes = units[t.starts[held]], t.sizes[held]

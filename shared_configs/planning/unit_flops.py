@@ -6,7 +6,7 @@ The rules: docs/regimes.md.
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -130,20 +130,15 @@ def _adapter(op: Op, rank: int) -> tuple[float, float]:
 
 
 def _add(*parts: Flops) -> Flops:
-    out: dict[str, float] = defaultdict(float)
+    out: Counter[str] = Counter()
     for part in parts:
-        for k, v in part.items():
-            out[k] += v
+        out.update(part)
     return dict(out)
 
 
 def _forward(ops: list[Op], lora_rank: int | None) -> Flops:
-    out: dict[str, float] = defaultdict(float)
-    for op in ops:
-        out[op.cls] += op.flops
-        if lora_rank is not None and op.adapted:
-            out["matmul"] += sum(_adapter(op, lora_rank))
-    return dict(out)
+    adapters = [{"matmul": sum(_adapter(op, lora_rank))} for op in ops if lora_rank is not None and op.adapted]
+    return _add(*({op.cls: op.flops} for op in ops), *adapters)
 
 
 def _with_blocks(spec: UNetSpec, out: dict[str, Flops]) -> dict[str, Flops]:
@@ -165,16 +160,18 @@ def unit_flops(
     if isinstance(spec, ControlNetPairSpec):  # the ControlNet's units (`_pair_units`), then the U-Net's
         unet = unit_flops(spec.unet, batch_size, context_length)
         return _pair_units(unet, controlnet_ops(spec, batch_size), lambda ops: _forward(ops, None))
-    flops = {u: _forward(ops, lora_rank) for u, ops in unit_ops(spec, batch_size, context_length).items()}
-    return _with_blocks(spec, flops)
+    return _with_blocks(
+        spec, {u: _forward(ops, lora_rank) for u, ops in unit_ops(spec, batch_size, context_length).items()}
+    )
 
 
 def unit_weights(spec: UNetSpec | ControlNetPairSpec) -> dict[str, Flops]:
     """The conv/matmul weights of every unit by op class: what a mixed-precision recompute casts again."""
     if isinstance(spec, ControlNetPairSpec):
         return _pair_units(unit_weights(spec.unet), controlnet_ops(spec, 1), lambda ops: {"conv": _weights(ops)})
-    weights = {u: _add(*({op.cls: op.weights} for op in ops)) for u, ops in unit_ops(spec, 1, 1).items()}
-    return _with_blocks(spec, weights)
+    return _with_blocks(
+        spec, {u: _add(*({op.cls: op.weights} for op in ops)) for u, ops in unit_ops(spec, 1, 1).items()}
+    )
 
 
 @dataclass(frozen=True)
@@ -185,7 +182,7 @@ class StepFlops:
     input_grads: float  # the backward's gradients of activations (attention's whole backward included)
     weight_grads: float  # the backward's gradients of trained base weights
     adapters: float  # LoRA's own matmuls, forward and backward
-    trained_weights: int  # conv/matmul weights trained (biases and norms, under 0.5%, left out)
+    trained_weights: int  # conv/matmul weights trained (biases and norms, a tiny share, left out: docs/regimes.md)
     weights: int  # every conv/matmul weight
 
     @property
@@ -202,9 +199,8 @@ def walk(
     live, pending = False, False  # the hidden states need a gradient; a branch since the last op on them does
     for unit, ops in unit_ops(spec, batch_size, context_length).items():
         for op in ops:
-            needs = {HIDDEN: live, TEMB: trained, CONTEXT: False, INPUT: False}[op.source]
-            if op.cls == "attention":
-                needs = live or pending
+            sources = {HIDDEN: live, TEMB: trained, CONTEXT: False, INPUT: False}
+            needs = (live or pending) if op.cls == "attention" else sources[op.source]
             yield unit, op, needs
             out_grad = needs or (trained if op.cls != "attention" else False) or (op.adapted and not trained)
             if op.branch:

@@ -35,13 +35,11 @@ def block_layers(spec: StepSpec) -> dict[str, tuple[str, ...]]:
 
 def segments(spec: StepSpec) -> list[tuple[str, tuple[str, ...]]]:
     """The step in forward order: (block, its layers), and (pseudo-unit, (itself,)) for stem and head."""
-    blocks = block_layers(spec)
     if not isinstance(spec, ControlNetPairSpec):
-        return [(STEM, (STEM,)), *blocks.items(), (HEAD, (HEAD,))]
-    mine = [(b, layers) for b, layers in blocks.items() if b.startswith(CONTROLNET)]
-    theirs = [(b, layers) for b, layers in blocks.items() if not b.startswith(CONTROLNET)]
-    ends = [(CONTROLNET + STEM,), (CONTROLNET + HEAD,), (STEM,), (HEAD,)]
-    return [(ends[0][0], ends[0]), *mine, (ends[1][0], ends[1]), (STEM, ends[2]), *theirs, (HEAD, ends[3])]
+        return [(STEM, (STEM,)), *block_layers(spec).items(), (HEAD, (HEAD,))]
+    mine = [(b, layers) for b, layers in block_layers(spec).items() if b.startswith(CONTROLNET)]
+    stem, head = CONTROLNET + STEM, CONTROLNET + HEAD
+    return [(stem, (stem,)), *mine, (head, (head,)), *segments(spec.unet)]  # the ControlNet's, then the U-Net's
 
 
 def is_pseudo(unit: str) -> bool:
@@ -89,5 +87,4 @@ def policy_string(assignment: Assignment) -> str:
     for name, choice in assignment.items():
         if choice != PLAIN:
             groups.setdefault(choice, []).append(name)
-    parts = [",".join(names) + ("" if c == FULL else "/" + c) for c, names in sorted(groups.items())]
-    return ";".join(parts) or "none"
+    return ";".join(",".join(names) + ("" if c == FULL else "/" + c) for c, names in sorted(groups.items())) or "none"

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,8 +62,7 @@ def worker_env(framework: str) -> dict[str, str]:
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         env.setdefault("JAX_PLATFORMS", "cpu")
         ours = (XLA_CPU_FLAG, *XLA_SINGLE_THREAD)
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if f not in ours]
-        env["XLA_FLAGS"] = " ".join([*flags, *ours])
+        env["XLA_FLAGS"] = " ".join([*(f for f in env.get("XLA_FLAGS", "").split() if f not in ours), *ours])
     return env
 
 
@@ -89,16 +89,8 @@ def run(
     as each event arrives and ``on_stderr`` with each line of its stderr."""
     cmd = [sys.executable, *(launcher or []), "-m", __name__, json.dumps(request)]
     events: list[Event] = []
-    said: list[str] = []
-
-    def read(stream: Any) -> None:
-        for line in stream:
-            on_stderr(line)
-            _tail(said, line)
-
     with worker_group(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        reader = threading.Thread(target=read, args=(proc.stderr,), daemon=True)
-        reader.start()
+        reader, said = _read_stderr(proc.stderr, on_stderr)
         for event in _events(proc.stdout or ()):
             events.append(event)
             on_event(event)
@@ -144,10 +136,20 @@ def _events(lines: Iterable[str]) -> Iterator[Event]:
     return (json.loads(line[len(EVENT_PREFIX) :]) for line in lines if line.startswith(EVENT_PREFIX))
 
 
-def _tail(said: list[str], line: str) -> None:
-    """Keep a worker's last 20 stderr lines, progress left out."""
-    if line.strip() and not line.startswith(MARK):
-        said[-20:] = [*said[-19:], line.strip()]
+def _read_stderr(stream: Any, on_line: Callable[[str], None]) -> tuple[threading.Thread, deque[str]]:
+    """A started thread passing each line of a worker's stderr to ``on_line``, and the worker's last 20 lines
+    (progress left out), kept as they come."""
+    said: deque[str] = deque(maxlen=20)
+
+    def read() -> None:
+        for line in stream or ():
+            on_line(line)
+            if line.strip() and not line.startswith(MARK):
+                said.append(line.strip())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return reader, said
 
 
 class _Kept:
@@ -166,23 +168,18 @@ class _Kept:
             start_new_session=True,
         )
         self.relay: Relay | None = None
-        self.said: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
+        self.reader, self.said = _read_stderr(self.proc.stderr, self._relay)
 
-    def _read(self) -> None:
-        for line in self.proc.stderr or ():
-            if self.relay is not None:
-                self.relay.feed(line)
-            _tail(self.said, line)
+    def _relay(self, line: str) -> None:
+        if self.relay is not None:
+            self.relay.feed(line)
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
         self.relay = Relay(f"{request['framework']} {request['kind']}")  # its progress lines, logged here
         result = None
         if self.proc.poll() is None:
             assert self.proc.stdin is not None and self.proc.stdout is not None
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
+            print(json.dumps(request), file=self.proc.stdin, flush=True)
             result = next((event for event in _events(self.proc.stdout) if event.get("event") == "result"), None)
         if result is None:  # it exited: its error is on stderr
             self.proc.wait()

@@ -79,12 +79,8 @@ class FrameworkCLI:
     rank: Callable[[], int] = field(default=lambda: int(os.environ.get("RANK", "0")))  # torchrun's; JAX's process
 
     @property
-    def package(self) -> str:
-        return f"{self.name}_impl"
-
-    @property
     def module(self) -> str:
-        return f"{self.package}.train"
+        return f"{self.name}_impl.train"
 
     @property
     def prog(self) -> str:
@@ -170,7 +166,7 @@ def parse_args(argv: list[str] | None, framework: FrameworkCLI) -> TrainConfig:
     add_regime_arguments(p)
     p.add_argument(
         "--out",
-        default=f"runs/{framework.package}",
+        default=f"runs/{framework.name}_impl",
         help="run folder (checkpoint, losses.json, plots); owned by one run at a time",
     )
     start = p.add_mutually_exclusive_group()

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,8 +47,7 @@ class Batch:
         if n % world:
             raise ValueError(f"batch-size: {n} does not split evenly over {world} processes")
         part = slice(rank * n // world, (rank + 1) * n // world)
-        arrays = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Batch(**{name: None if a is None else a[part] for name, a in arrays.items()})
+        return replace(self, **{name: a[part] for name, a in vars(self).items() if a is not None})
 
 
 def check_conditioning(spec: UNetSpec, given: Mapping[str, Any]) -> None:
@@ -92,8 +91,11 @@ class Conditioner:
             else:
                 kwargs["class_table"] = rng.standard_normal((NUM_CLASSES, width)).astype(np.float32)
         if (add := spec.addition_embedding) is not None:
-            kwargs["text_table"] = rng.standard_normal((NUM_CLASSES, add.text_embeds_dim)).astype(np.float32)
-            kwargs.update(num_time_ids=add.num_time_ids, image_size=LATENT_SCALE * spec.sample_size)
+            kwargs.update(
+                text_table=rng.standard_normal((NUM_CLASSES, add.text_embeds_dim)).astype(np.float32),
+                num_time_ids=add.num_time_ids,
+                image_size=LATENT_SCALE * spec.sample_size,
+            )
         return cls(**kwargs)
 
     def __call__(self, labels: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, np.ndarray | None]:
@@ -107,8 +109,7 @@ class Conditioner:
         elif self.class_table is not None:
             out["class_labels"] = self.class_table[labels]
         if self.text_table is not None:
-            out["text_embeds"] = self.text_table[labels]
-            out["time_ids"] = self._time_ids(len(labels), rng)
+            out |= {"text_embeds": self.text_table[labels], "time_ids": self._time_ids(len(labels), rng)}
         return out
 
     def _time_ids(self, n: int, rng: np.random.Generator | None) -> np.ndarray:
@@ -129,9 +130,8 @@ def example_batch(spec: UNetSpec, batch_size: int, context_length: int = 77, see
     noisy = rng.standard_normal((batch_size, spec.in_channels, size, size), dtype=np.float32)
     t = rng.integers(0, NUM_TIMESTEPS, batch_size).astype(np.float32)
     noise = rng.standard_normal((batch_size, spec.out_channels, size, size), dtype=np.float32)
-    context = None
-    if spec.cross_attention_dim is not None:
-        context = rng.standard_normal((batch_size, context_length, spec.cross_attention_dim), dtype=np.float32)
+    width = spec.cross_attention_dim
+    context = None if width is None else rng.standard_normal((batch_size, context_length, width), dtype=np.float32)
     labels = rng.integers(0, NUM_CLASSES, batch_size)  # drawn after the others: their values stay as they were
     conditioning = {**Conditioner.for_spec(spec)(labels, rng), "context": context}
     return Batch(noisy=noisy, t=t, noise=noise, labels=labels, **conditioning)
@@ -184,23 +184,20 @@ def load_dataset(kind: str, spec: UNetSpec, seed: int = 0) -> Dataset:
         images = np.clip(patterns[labels] + 0.1 * rng.standard_normal((1000, 8, 8)), -1, 1)
     else:
         raise ValueError(f"data: unknown {kind!r} (allowed: {', '.join(DATASETS)})")
-    images = _fit(images, spec.sample_size)
-    images = np.repeat(images[:, None], spec.in_channels, axis=1).astype(np.float32)
+    images = np.repeat(_fit(images, spec.sample_size)[:, None], spec.in_channels, axis=1).astype(np.float32)
     return Dataset(images, labels, Conditioner.for_spec(spec))
 
 
 def _fit(images: np.ndarray, size: int) -> np.ndarray:
     """(N, 8, 8) -> (N, size, size): nearest upscale by an integer factor, then pad with -1 (or crop)."""
-    h = images.shape[1]
-    factor = max(size // h, 1)
+    factor = max(size // images.shape[1], 1)
     images = images.repeat(factor, axis=1).repeat(factor, axis=2)
     h = images.shape[1]
     if h > size:
         start = (h - size) // 2
         return images[:, start : start + size, start : start + size]
     before = (size - h) // 2
-    pad = ((0, 0), (before, size - h - before), (before, size - h - before))
-    return np.pad(images, pad, constant_values=-1.0)
+    return np.pad(images, ((0, 0), (before, size - h - before), (before, size - h - before)), constant_values=-1.0)
 
 
 def step_seed(seed: int, step: int) -> int:

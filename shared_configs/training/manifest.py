@@ -76,8 +76,7 @@ def read_manifest(root: Path) -> Manifest:
         raise CheckpointError(f"{path}: not a checkpoint manifest (no kind {KIND!r})")
     if document.get("version") != VERSION:
         raise CheckpointError(f"{path}: manifest version {document.get('version')!r}; this version reads {VERSION}")
-    saved = document.pop("sha256", None)
-    if saved != json_digest(document):
+    if document.pop("sha256", None) != json_digest(document):
         raise CheckpointError(f"{path}: damaged (its contents do not match its own SHA-256)")
     try:
         return Manifest(**{k: v for k, v in document.items() if k not in ("kind", "version")})

@@ -5,7 +5,6 @@ Layout and guarantees: docs/training.md. No torch or jax import.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import json
@@ -15,7 +14,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -86,7 +85,7 @@ def owned(out: Path, owner: bool = True) -> Iterator[None]:
         _remove_temps(out)
         yield
     finally:
-        with contextlib.suppress(OSError):  # the folder became read-only: its lock keeps our name
+        with suppress(OSError):  # the folder became read-only: its lock keeps our name
             os.ftruncate(fd, 0)  # an empty lock file: nobody holds it (a killed holder leaves its name)
         os.close(fd)  # releases the flock
 
@@ -101,8 +100,9 @@ def _lock(out: Path) -> int:
     except BlockingIOError:
         holder = _holder(os.read(fd, 4096))
         os.close(fd)
-        message = f"--out {out}: in use by another run ({holder}); let it finish or pick another --out"
-        raise RunFolderError(message) from None
+        raise RunFolderError(
+            f"--out {out}: in use by another run ({holder}); let it finish or pick another --out"
+        ) from None
     if stale := os.read(fd, 4096):
         print(f"note: {out}: took over the lock of a run that died ({_holder(stale)})", file=sys.stderr)
     me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -1,7 +1,7 @@
 """A run's checkpoint plan, resolved once by both training loops (`resolve_run`): ``--policy``'s, or under
 ``--budget-mib N`` the planner's for the run's own workload per rank (`workload_of`), handed over as a
 `CheckpointPlan` built from the solver's assignment (`plan_of`). A resume at the same budget keeps the run's
-recorded plan. The loops measure their first `MEASURED_STEPS` steps and print `RunPlan.peak_line`.
+recorded plan. The loops measure their first `closed_loop.MEASURED_STEPS` steps and print `RunPlan.peak_line`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from shared_configs.training.config import TrainConfig
 from shared_configs.training.loop import RunStart
 from shared_configs.vocabulary import CheckpointPlan, resolve_plan
 
-# The first step makes AdamW's state; the second runs with it, as the profile's steps did.
-MEASURED_STEPS = 2
 # `shared_configs.training.data.Conditioner`: the training context is one token per image.
 TRAIN_CONTEXT_LENGTH = 1
 

@@ -52,8 +52,7 @@ def together(comm: Comm, fn: Callable[[], Any]) -> Any:
         raise
     except BaseException as err:  # torch DCP's CheckpointException is a BaseException
         result, fault = None, fault_of(err, comm.rank)
-    faults = [f for f in comm.gather(fault) if f is not None]
-    if faults:
+    if faults := [f for f in comm.gather(fault) if f is not None]:
         raise Failed(faults[0])
     return result
 

@@ -9,15 +9,17 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.run_folder import checkpoints
 from tests.helpers.specs import fast_xla_flags
-from tests.helpers.training import train_argv
+from tests.helpers.training import CFG, train_argv
 
 ROOT = Path(__file__).parents[2]
+FSDP_RUN = replace(CFG, steps=1000, checkpoint_every=1, distributed="fsdp")  # JAX's runs over two processes
 
 
 def run_compare(args: list[str], out: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict[str, Any] | None]:
@@ -117,3 +119,12 @@ def finish(proc: subprocess.Popen[str], timeout: float = 300) -> tuple[int, list
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     return proc.returncode, [line for line in err.splitlines() if line.strip()]
+
+
+def one_process(out: str, steps: int) -> TrainConfig:
+    """`FSDP_RUN` in one process (the persistent compilation cache next to ``out``: the second compiles nothing);
+    the scripts `jax_on_two_devices` runs import it."""
+    from jax_impl import train as jtrain
+
+    cache = str(Path(out).parent / "jax-cache-one")
+    return replace(FSDP_RUN, steps=steps, checkpoint_every=100, out=out, options=jtrain.JaxOptions(jax_cache=cache))

@@ -31,6 +31,7 @@ from tests.helpers.specs import TINY
 from tests.helpers.tensors import count_flops
 from torch_impl import checkpoint_io as tio
 from torch_impl import train as ttrain
+from torch_impl.step import as_tensors
 from torch_impl.unet import UNet as TorchUNet
 
 SCHEDULE = make_schedule("linear", 1000)
@@ -102,7 +103,7 @@ def jax_curve(spec: UNetSpec, policy: str, steps: int) -> list[float]:
 
 def step_flops(model: TorchUNet, backward: bool) -> tuple[int, dict[str, int]]:
     """`tests.helpers.tensors.count_flops` on a training batch of 2."""
-    noisy, t, _, conditioning = ttrain.as_tensors(load_dataset("digits", model.spec).batch(0, 2, SCHEDULE, 0))
+    noisy, t, _, conditioning = as_tensors(load_dataset("digits", model.spec).batch(0, 2, SCHEDULE, 0))
     return count_flops(model, (noisy, t, *conditioning.values()), backward)
 
 
