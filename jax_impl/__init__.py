@@ -1,8 +1,9 @@
 """Flax (linen) U-Net built from a shared spec, with per-block rematerialisation (`nn.remat`), and
 the planner's call for it: ``plan_for_budget(spec, batch_size, budget_bytes, sample_size=None, ...)``
 returns the policy string of the cheapest plan whose JAX step fits the budget. Drop-ins for diffusers' removed
-Flax classes, ``FlaxUNet2DConditionModel`` and ``FlaxControlNetModel`` (`jax_impl.diffusers_flax`), load on first
-use: importing them changes ``XLA_FLAGS`` (docs/flax_users.md), importing this package does not."""
+Flax classes, ``FlaxUNet2DConditionModel`` and ``FlaxControlNetModel`` (`jax_impl.diffusers_flax`), and their
+budget on a script's step, ``fit_budget``, load on first use: importing them changes ``XLA_FLAGS``
+(docs/flax_users.md), importing this package does not."""
 
 import importlib
 from typing import Any
@@ -14,7 +15,11 @@ from shared_configs.planning.pipeline import for_framework
 
 plan_for_budget = for_framework("jax")
 
-_ON_USE = {"FlaxUNet2DConditionModel": "jax_impl.diffusers_flax", "FlaxControlNetModel": "jax_impl.diffusers_flax"}
+_ON_USE = {
+    "FlaxUNet2DConditionModel": "jax_impl.diffusers_flax",
+    "FlaxControlNetModel": "jax_impl.diffusers_flax",
+    "fit_budget": "jax_impl.remat_budget",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -29,6 +34,7 @@ __all__ = [
     "GuardedStep",
     "UNet",
     "controlnet_from_diffusers",
+    "fit_budget",
     "from_diffusers",
     "plan_for_budget",
     "plan_for_step",

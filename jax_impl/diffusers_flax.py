@@ -15,7 +15,9 @@ import json
 import os
 import re
 import warnings
+from contextvars import ContextVar
 from importlib import metadata
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -37,14 +39,20 @@ from shared_configs.files import atomic_write
 from shared_configs.planning.workers import XLA_CPU_FLAG
 
 FLAX_WEIGHTS = "diffusion_flax_model.msgpack"
+# While `jax_impl.fit_budget` traces the script's step: what each U-Net is given, (sample, context) shapes.
+SEEN: ContextVar[list[tuple[tuple[int, ...], tuple[int, ...]]] | None] = ContextVar("SEEN", default=None)
 _NOT_CONFIG = ("parent", "name", "dtype", "policy")  # fields that are not diffusers config keys
 
 
 def _keep_remat_barriers() -> None:
     """XLA:CPU's ``cse_barrier_expander`` (which lets CSE undo remat) off in every compile of this process, the
-    user's own ``jit``/``pmap`` included: ``XLA_FLAGS`` is read once, when JAX's backend starts."""
+    user's own ``jit``/``pmap`` included: ``XLA_FLAGS`` is read once, when JAX's backend starts. Not where JAX
+    will run on a GPU or TPU (a plugin installed, ``JAX_PLATFORMS`` not naming cpu first): XLA keeps the barriers
+    there until after fusion."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if "cse_barrier_expander" in flags:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    accelerated = platforms.split(",")[0] not in ("", "cpu") or bool(metadata.entry_points(group="jax_plugins"))
+    if "cse_barrier_expander" in flags or accelerated or (platforms == "" and find_spec("libtpu") is not None):
         return
     from jax._src import xla_bridge
 
@@ -255,6 +263,8 @@ class FlaxUNet2DConditionModel(_DiffusersFlaxModel):
         train: bool = False,
     ) -> FlaxUNet2DConditionOutput | tuple[jax.Array]:
         """The prediction for NCHW ``sample`` (the residuals NHWC, as diffusers' Flax ControlNet gives them)."""
+        if (seen := SEEN.get()) is not None:
+            seen.append((sample.shape, encoder_hidden_states.shape))
         added = added_cond_kwargs or {}
         x, context, text_embeds, time_ids = self._inputs(
             sample, encoder_hidden_states, added.get("text_embeds"), added.get("time_ids")
