@@ -6,12 +6,16 @@ budget on a script's step, ``fit_budget``, load on first use: importing them cha
 (docs/flax_users.md), importing this package does not."""
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jax_impl.diffusers_io import controlnet_from_diffusers, from_diffusers
 from jax_impl.guard import GuardedStep, plan_for_step
 from jax_impl.unet import UNet
 from shared_configs.planning.pipeline import for_framework
+
+if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` imports them on first use
+    from jax_impl.diffusers_flax import FlaxControlNetModel, FlaxUNet2DConditionModel
+    from jax_impl.remat_budget import fit_budget
 
 plan_for_budget = for_framework("jax")
 

@@ -173,7 +173,8 @@ def _check_tree(
 def diffusers_flax_paths(spec: Spec) -> dict[tuple[str, ...], tuple[str, ...]]:
     """Our Flax parameter paths -> those of diffusers' Flax classes (diffusers <= 0.39): the torch names' renames
     (``down_blocks``, ``to_out.0``, ...: `shared_configs.diffusers.folders.KEY_RENAMES`), indices joined by ``_``."""
-    names = {f"{_torch_name(modules)}.{leaf}": (*modules, leaf) for *modules, leaf in _flat_params(spec)}
+    flat = traverse_util.flatten_dict(_variable_shapes(spec)["params"])
+    names = {f"{_torch_name(modules)}.{leaf}": (*modules, leaf) for *modules, leaf in flat}
     return {
         ours: tuple(re.sub(r"\.(\d+)(?=\.)", r"_\1", key).split(".")) for key, ours in ours_to_diffusers(names).items()
     }
@@ -193,10 +194,6 @@ def from_diffusers_flax(params: Mapping[str, Any], spec: Spec) -> dict:
     flat = {ours.get(k, ("?", *k)): v for k, v in traverse_util.flatten_dict(dict(params)).items()}
     _check_tree(flat, spec)  # an unknown name stays under "?", named by the error
     return traverse_util.unflatten_dict(flat)
-
-
-def _flat_params(spec: Spec) -> dict[tuple[str, ...], Any]:
-    return traverse_util.flatten_dict(_variable_shapes(spec)["params"])
 
 
 def torch_shapes(spec: Spec) -> dict[str, tuple[int, ...]]:

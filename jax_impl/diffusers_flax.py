@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import serialization
 
+from jax_impl.compat import backends_started
 from jax_impl.controlnet import ControlNet, abstract_controlnet_inputs
 from jax_impl.convert import from_diffusers_flax, to_diffusers_flax, torch_to_flax
 from jax_impl.diffusers_io import read_weights, to_diffusers_state_dict
@@ -54,9 +55,7 @@ def _keep_remat_barriers() -> None:
     accelerated = platforms.split(",")[0] not in ("", "cpu") or bool(metadata.entry_points(group="jax_plugins"))
     if "cse_barrier_expander" in flags or accelerated or (platforms == "" and find_spec("libtpu") is not None):
         return
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if backends_started():
         if jax.default_backend() == "cpu":
             warnings.warn(
                 f"jax_impl.diffusers_flax was imported after JAX started: your own jit/pmap on XLA:CPU will undo "

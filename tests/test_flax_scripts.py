@@ -4,7 +4,8 @@ the old Flax stack (.venv-flax: .ci/flax-env builds it) on a tiny Stable Diffusi
 lines; the unpatched script's first loss equals the patched one's (1e-5: diffusers' Flax U-Net is not its PyTorch
 one, docs/flax_users.md); at a budget halfway between the step's compiled peaks under ``full`` and ``none``, the
 plan's compiled peak fits and the loss curve equals the unbudgeted run's (1e-6 over 6 steps); the saved U-Net or
-ControlNet loads in diffusers' current PyTorch class with outputs within 1e-5 of the drop-in's. Heavy: minutes each.
+ControlNet loads in diffusers 0.39's Flax class and, with outputs within 1e-5 of the drop-in's, in diffusers' current
+PyTorch class. Heavy: minutes each.
 """
 
 from __future__ import annotations
@@ -105,12 +106,18 @@ def test_patched_script_trains_to_the_budget(name: str, pipeline: tuple[Path, di
     assert abs(reference[0] - _losses(original)[0]) <= 1e-5 * abs(reference[0])
     assert len(curve) == len(reference) == STEPS
     assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(curve, reference, strict=True)), (curve, reference)
-    _check_saved(out / SAVED[name], name == "train_controlnet_flax")
+    _check_saved(out / SAVED[name], name == "train_controlnet_flax", env)
 
 
-def _check_saved(folder: Path, controlnet: bool) -> None:
-    """The trained model's folder in diffusers' current PyTorch class: its outputs equal the drop-in's (1e-5)."""
+def _check_saved(folder: Path, controlnet: bool, env: dict[str, str]) -> None:
+    """The trained model's folder in diffusers 0.39's Flax class (every parameter) and in diffusers' current
+    PyTorch class (its outputs equal the drop-in's, 1e-5)."""
     import diffusers
+
+    cls = "FlaxControlNetModel" if controlnet else "FlaxUNet2DConditionModel"
+    load = f"import jax, diffusers; print(len(jax.tree.leaves(diffusers.{cls}.from_pretrained({str(folder)!r})[1])))"
+    done = subprocess.run([str(PYTHON), "-c", load], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 4, SIZE // 8, SIZE // 8)).astype(np.float32)
@@ -123,6 +130,7 @@ def _check_saved(folder: Path, controlnet: bool) -> None:
     else:
         torch_net = diffusers.UNet2DConditionModel.from_pretrained(folder).eval()
         model, params = jax_impl.FlaxUNet2DConditionModel.from_pretrained(folder)
+    assert int(done.stdout.split()[-1]) == len(jax.tree.leaves(params))
     ours = jax.jit(model.apply)({"params": params}, *inputs)
     with torch.no_grad():
         theirs = torch_net(*map(torch.from_numpy, inputs), return_dict=False)
