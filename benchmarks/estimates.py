@@ -26,10 +26,9 @@ from shared_configs.planning.pipeline import Workload, plan, predict_policy, pro
 from shared_configs.planning.solver import Infeasible, solve
 from shared_configs.planning.units import assignment_of
 from shared_configs.regime import Regime
-from shared_configs.sizes import MIB
+from shared_configs.sizes import GIB
 from shared_configs.spec import SpecError
 
-GIB = 1024 * MIB
 CONFIGS = ("sd15", "sd21", "sdxl")  # each at its own sample size (64, 96, 128)
 BATCHES = (1, 2, 4, 8)
 BUDGETS_GIB = (12, 16, 24, 40, 80)

@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks.reports.tables import atomic_write, write_json
 from shared_configs.cli import OneLineParser, cli_errors, stopping
-from shared_configs.processes import stop_group, worker_group
+from shared_configs.planning.workers import stop_group, worker_group
 from shared_configs.sizes import MIB
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -38,12 +38,13 @@ from shared_configs.cli import (
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, resolve_chunk
 from shared_configs.planning import gpu, optimizer_step, whole
 from shared_configs.planning.budget import DISTRIBUTED, Prediction, Profile
-from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS
+from shared_configs.planning.candidates import DEFAULT_ROUNDS, MIN_ROUNDS, RACE_WITHIN, default_rounds
 from shared_configs.planning.encoders import pipeline_configs
 from shared_configs.planning.pipeline import (
     DEFAULT_BYTES_PER_S,
     DEFAULT_FLOPS_PER_S,
     DEVICE,
+    RACED,
     Workload,
     frameworks_of,
     get_profile,
@@ -60,11 +61,11 @@ VERIFY_CANDIDATES = 4  # --candidates with --verify: the optimum and the three n
 
 
 CANDIDATES_HELP = (
-    "choose by measuring: the solver's best K plans (its optimum, then the next distinct ones) and every hand policy "
-    "whose checked peak fits race round by round in one process per framework, and the fastest whose measured peak "
-    "fits is returned: never slower than a fitting hand policy beyond the stated interval. Minutes (each is compiled "
-    f"and run). Default {VERIFY_CANDIDATES} with --verify, else 0: the solver's plan, unmeasured. A --shapes profile "
-    "has nothing to measure"
+    "choose by measuring: the solver's best K plans (its optimum, then the next distinct ones) and the hand "
+    f"policies predicted within {100 * RACE_WITHIN:.0f}%% of the optimum whose checked peak fits race round by "
+    "round in one process per framework, and the fastest whose measured peak fits is returned: never slower than "
+    f"a raced hand policy beyond the stated interval. Each is run (in JAX compiled: minutes). Default "
+    f"{VERIFY_CANDIDATES} with --verify, else 1 in torch (0 with --shapes or in JAX: the solver's plan, unmeasured)"
 )
 
 
@@ -118,9 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rounds",
         type=positive_int,
-        default=DEFAULT_ROUNDS,
         help=f"--candidates: at most this many rounds; a candidate leaves the race once another is faster "
-        f"than it round by round at 90%%, from round {MIN_ROUNDS} (default %(default)s)",
+        f"than it round by round at 90%%, from round {MIN_ROUNDS} (default {DEFAULT_ROUNDS}; {MIN_ROUNDS} with one)",
     )
     p.add_argument("--json", type=Path, metavar="PATH", help="write the plan, predictions and measurements here")
     p.add_argument("--sweep", type=Path, metavar="DIR", help="draw the frontier (PNG + JSON) with the hand policies")
@@ -264,7 +264,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workl
         optimizer_impl=args.optimizer_impl,
         encoder_configs=pipeline_configs(args.diffusers) if args.diffusers else None,
     )
-    count = (VERIFY_CANDIDATES if args.verify else 0) if args.candidates is None else args.candidates
+    raced = int(args.framework in RACED and not args.shapes)  # the hand policies near the plan race it
+    count = (VERIFY_CANDIDATES if args.verify else raced) if args.candidates is None else args.candidates
+    rounds = args.rounds or default_rounds(count)
     question = Question(
         args.framework,
         args.world_size,
@@ -272,7 +274,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workl
         args.policy,
         args.budget_mib,
         count,
-        args.rounds,
+        rounds,
         args.verify,
         args.steps,
     )

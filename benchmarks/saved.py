@@ -72,14 +72,13 @@ def jax_saved(config: str, policy: str, batch_size: int, context_length: int, ch
 
     from jax_impl import UNet
     from jax_impl.compat import checkpoint_name_primitive
+    from jax_impl.unet import abstract_inputs
 
     spec = load_spec(config)
     model = UNet(spec=spec, policy=policy, attention_chunk=chunk)
     recomputed = {name if name == "mid" else ".".join(name.split(".")[:2]) for name in model.plan.recompute}
-    f32, s, dim = jnp.float32, spec.sample_size, spec.cross_attention_dim
-    x = jax.ShapeDtypeStruct((batch_size, s, s, spec.in_channels), f32)
-    t = jax.ShapeDtypeStruct((batch_size,), f32)
-    ctx = jax.ShapeDtypeStruct((batch_size, context_length, dim), f32) if dim else None
+    inputs = abstract_inputs(spec, batch_size, spec.sample_size, context_length)
+    x, t, ctx = inputs["x"], inputs["t"], inputs["context"]
     params = jax.eval_shape(model.init, jax.random.key(0), x, t, ctx)
 
     def loss(p: Any, x: Any, t: Any, ctx: Any) -> Any:

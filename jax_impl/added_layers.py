@@ -11,25 +11,21 @@ from flax import linen as nn
 
 from jax_impl.attention import attention
 from jax_impl.layers import Dense, Mask, group_norm, layer_norm, norm_act, projection
+from shared_configs.arch import SimpleCrossAttentionArgs
 
 
 class SimpleCrossAttention(nn.Module):
     """diffusers' ``Attention`` with ``added_kv_proj_dim``: tokens attend over the context's and their own keys."""
 
     ch: int
-    heads: int
-    head_dim: int
-    groups: int
-    eps: float
-    context_dim: int
-    context_groups: int | None
+    args: SimpleCrossAttentionArgs
     query_chunk: int | None = None  # unused: the context's keys make the attention unchunkable here
     lora_rank: int | None = None  # LoRA adapters on q/k/v/out (`LoRADense`)
 
     def setup(self) -> None:
-        inner, dense = self.heads * self.head_dim, projection(self.lora_rank)
-        self.group_norm = group_norm(self.groups, self.eps)
-        self.norm_cross = group_norm(self.context_groups, self.eps) if self.context_groups else None
+        inner, dense = self.args.heads * self.args.head_dim, projection(self.lora_rank)
+        self.group_norm = group_norm(self.args.groups, self.args.eps)
+        self.norm_cross = group_norm(self.args.context_groups, self.args.eps) if self.args.context_groups else None
         self.to_q, self.to_k, self.to_v = (dense(inner) for _ in range(3))
         self.add_k_proj, self.add_v_proj = Dense(inner), Dense(inner)
         self.to_out = dense(self.ch)
@@ -43,7 +39,7 @@ class SimpleCrossAttention(nn.Module):
         v = jnp.concatenate([self.add_v_proj(context), self.to_v(h)], axis=1)
         if mask is not None:  # the block's own tokens are never masked
             mask = jnp.pad(mask, ((0, 0), (0, 0), (0, 0), (0, h.shape[1])))
-        h = attention(self.to_q(h), k, v, self.heads, self.head_dim**-0.5, None, mask)
+        h = attention(self.to_q(h), k, v, self.args.heads, self.args.head_dim**-0.5, None, mask)
         return self.to_out(h).reshape(x.shape) + x
 
 

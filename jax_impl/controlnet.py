@@ -17,13 +17,12 @@ from jax_impl.unet import PolicyArg, UNetTrunk, abstract_inputs
 from shared_configs import CheckpointPlan, UNetSpec
 from shared_configs.controlnet import (
     ControlNetSpec,
-    check_conditioning,
+    check_controlnet_inputs,
     controlnet_names,
-    residual_scales,
+    controlnet_residuals,
     residual_shapes,
     resolve_controlnet_plan,
 )
-from shared_configs.inputs import check_inputs
 
 Array = jax.Array
 
@@ -99,28 +98,31 @@ class ControlNet(UNetTrunk):
         train: bool = False,
     ) -> tuple[list[Array], Array]:
         """The residuals for ``sample`` under ``controlnet_cond`` (NHWC, `conditioning_factor` x as large)."""
-        check_inputs(
-            self.spec.unet,
+        check_controlnet_inputs(
+            self.spec,
             "NHWC",
             sample,
             timestep,
+            controlnet_cond,
             context=context,
             class_labels=class_labels,
             text_embeds=text_embeds,
             time_ids=time_ids,
         )
-        check_conditioning(self.spec, tuple(sample.shape), tuple(controlnet_cond.shape), "NHWC")
         if self.spec.conditioning_channel_order == "bgr":
             controlnet_cond = controlnet_cond[..., ::-1]
         temb = self._embedding(sample, timestep, class_labels, text_embeds, time_ids)
         h, skips = self._encode(sample, temb, context, train, hint=self.controlnet_cond_embedding(controlnet_cond))
-        down = [conv(s) for conv, s in zip(self.controlnet_down_blocks, skips, strict=True)]
-        scales = residual_scales(self.spec, len(down), conditioning_scale, guess_mode)
-        down = [r * s for r, s in zip(down, scales, strict=False)]
-        mid = self.controlnet_mid_block(h) * scales[-1]
-        if self.spec.global_pool_conditions:
-            down, mid = [r.mean(axis=(1, 2), keepdims=True) for r in down], mid.mean(axis=(1, 2), keepdims=True)
-        return down, mid
+        return controlnet_residuals(
+            self.spec,
+            h,
+            skips,
+            self.controlnet_down_blocks,
+            self.controlnet_mid_block,
+            conditioning_scale,
+            guess_mode,
+            pool=lambda r: r.mean(axis=(1, 2), keepdims=True),
+        )
 
     @nn.nowrap
     def block_names(self, layers: bool = False) -> list[str]:
@@ -144,8 +146,6 @@ def controlnet_from_unet(
     """``(module, params)``: a ControlNet on ``spec``, its encoder the U-Net's (``from_unet``); ``options``: spec's."""
     cspec = ControlNetSpec(name=f"{spec.name}_controlnet", unet=spec, **options)
     module = ControlNet(spec=cspec, policy=policy)
-    inputs = {
-        k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in abstract_controlnet_inputs(cspec).items()
-    }
+    inputs = jax.tree.map(jnp.zeros_like, abstract_controlnet_inputs(cspec))
     fresh = module.init(rng if rng is not None else jax.random.key(0), **inputs)["params"]
     return module, {k: unet_params.get(k, v) for k, v in fresh.items()}  # the trunk's names are the U-Net's

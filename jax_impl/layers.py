@@ -3,6 +3,8 @@
 Submodules are assigned in ``setup()`` under the torch attribute names, so the parameter tree reads
 like the torch ``state_dict`` (``resnets.0.conv1.weight`` <-> ``resnets_0/conv1/kernel``). Layers take
 only the numbers they need (the U-Net assembly reads the spec), never Flax's default epsilons or scales.
+Convs, Denses and norms have their outputs tagged (``"conv"``, ``"matmul"``, ``"norm"``) for remat
+policies, and `norm_act` is a norm recomputed in the backward pass.
 """
 
 from __future__ import annotations
@@ -14,11 +16,18 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_impl.attention import attention
 from jax_impl.lora import LoRADense
-from jax_impl.norms import group_norm, layer_norm, norm_act, norm_layer, tagged
-from shared_configs.arch import ClassEmbeddingArgs, timestep_frequencies
+from shared_configs.arch import (
+    ClassEmbeddingArgs,
+    NormArgs,
+    ResnetArgs,
+    SelfAttentionArgs,
+    TransformerArgs,
+    timestep_frequencies,
+)
 
 Array = jax.Array
 Mask = Array | None  # a context mask as a score bias (`mask_bias`)
@@ -26,6 +35,65 @@ Mask = Array | None  # a context mask as a score bias (`mask_bias`)
 # Torch pads 3x3 convs by 1 on each side; Flax's "SAME" pads bottom/right only at stride 2: padding is spelled out.
 PAD_1 = ((1, 1), (1, 1))
 PAD_0 = ((0, 0), (0, 0))
+
+
+def tagged(cls: type[nn.Module], tag: str) -> type[nn.Module]:
+    """``cls`` with its output tagged ``tag`` (`checkpoint_name`), the name a remat policy saves it by."""
+
+    class Tagged(cls):
+        def __call__(self, x: Array, *args: object, **kwargs: object) -> Array:
+            return checkpoint_name(super().__call__(x, *args, **kwargs), tag)
+
+    Tagged.__name__ = Tagged.__qualname__ = cls.__name__
+    return Tagged
+
+
+GroupNorm, LayerNorm = tagged(nn.GroupNorm, "norm"), tagged(nn.LayerNorm, "norm")
+
+
+def group_norm(groups: int, eps: float) -> nn.GroupNorm:
+    # use_fast_variance=False: E[(x - mean)^2] as torch, not E[x^2] - mean^2 (cancels badly).
+    return GroupNorm(num_groups=groups, epsilon=eps, use_fast_variance=False)
+
+
+def layer_norm(eps: float) -> nn.LayerNorm:
+    return LayerNorm(epsilon=eps, use_fast_variance=False)
+
+
+def batch_norm(eps: float, momentum: float) -> nn.BatchNorm:
+    # ``momentum`` is torch's (the new batch's weight), Flax's the old average's; train mode is chosen per call.
+    return nn.BatchNorm(momentum=1.0 - momentum, epsilon=eps, use_fast_variance=False)
+
+
+# Norm kinds of the spec -> constructor; the same keys as in torch.
+NORM: dict[str, Callable[[NormArgs], nn.Module]] = {
+    "group": lambda a: group_norm(a.groups, a.eps),
+    "batch": lambda a: batch_norm(a.eps, a.momentum),
+}
+
+
+def norm_layer(ch: int, args: NormArgs) -> nn.Module:
+    """The ResNet / output norm of kind ``args.norm``."""
+    del ch  # Flax infers it from the input; kept to mirror torch's signature
+    return NORM[args.norm](args)
+
+
+def norm_act(
+    norm: nn.Module, x: Array, train: bool = False, silu: bool = False, film: tuple[Array, Array] | None = None
+) -> Array:
+    """``norm(x)``, then ``* (1 + scale) + shift`` with ``film=(scale, shift)``, then SiLU if ``silu``,
+    recomputed from ``x`` in the backward pass: autodiff would keep x - mean and the SiLU's input and
+    sigmoid, where torch's autograd keeps the norm's input and output. The parameter tree is unchanged,
+    and a plan's ``save=norm`` still keeps the tagged output. Figures: docs/remat_vs_checkpoint.md."""
+
+    def f(module: nn.Module, y: Array, film: tuple[Array, Array] | None) -> Array:
+        # a BatchNorm uses (and updates) batch statistics in train mode, else its running ones
+        y = module(y, use_running_average=not train) if isinstance(module, nn.BatchNorm) else module(y)
+        if film is not None:
+            y = y * (1 + film[0]) + film[1]
+        return nn.silu(y) if silu else y
+
+    return nn.checkpoint(f, prevent_cse=True)(norm, x, film)
 
 
 def timestep_embedding(t: Array, dim: int, flip_sin_to_cos: bool, freq_shift: float, max_period: float) -> Array:
@@ -95,23 +163,15 @@ class ResnetBlock(nn.Module):
 
     in_ch: int
     out_ch: int
-    temb_dim: int
-    groups: int
-    eps: float
-    dropout_rate: float  # torch's `dropout` argument; here that name is the submodule's
-    scale_shift: bool = False
-    output_scale: float = 1.0
-    norm: str = "group"
-    momentum: float = 0.1
-    skip_time_act: bool = False
+    args: ResnetArgs
     resample: str = "none"
 
     def setup(self) -> None:
-        self.norm1 = norm_layer(self.in_ch, self.norm, self.groups, self.eps, self.momentum)
+        self.norm1 = norm_layer(self.in_ch, self.args.norm)
         self.conv1 = conv3x3(self.out_ch)
-        self.time_emb_proj = Dense(self.out_ch * (2 if self.scale_shift else 1))
-        self.norm2 = norm_layer(self.out_ch, self.norm, self.groups, self.eps, self.momentum)
-        self.dropout = nn.Dropout(self.dropout_rate, rng_collection="dropout")
+        self.time_emb_proj = Dense(self.out_ch * (2 if self.args.scale_shift else 1))
+        self.norm2 = norm_layer(self.out_ch, self.args.norm)
+        self.dropout = nn.Dropout(self.args.dropout_rate, rng_collection="dropout")
         self.conv2 = conv3x3(self.out_ch)
         self.conv_shortcut = conv1x1(self.out_ch) if self.in_ch != self.out_ch else None
 
@@ -119,12 +179,12 @@ class ResnetBlock(nn.Module):
         h = norm_act(self.norm1, x, train, silu=True)
         x, h = _resample(x, self.resample), _resample(h, self.resample)
         h = self.conv1(h)
-        t = self.time_emb_proj(temb if self.skip_time_act else nn.silu(temb))[:, None, None, :]  # (B, 1, 1, C)
-        film = tuple(jnp.split(t, 2, axis=-1)) if self.scale_shift else None  # scale and shift, or t added
-        h = norm_act(self.norm2, h if self.scale_shift else h + t, train, silu=True, film=film)
+        t = self.time_emb_proj(temb if self.args.skip_time_act else nn.silu(temb))[:, None, None, :]  # (B, 1, 1, C)
+        film = tuple(jnp.split(t, 2, axis=-1)) if self.args.scale_shift else None  # scale and shift, or t added
+        h = norm_act(self.norm2, h if self.args.scale_shift else h + t, train, silu=True, film=film)
         h = self.conv2(self.dropout(h, deterministic=not train))
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
-        return (skip + h) / self.output_scale
+        return (skip + h) / self.args.output_scale
 
 
 def _tokens(x: Array) -> Array:
@@ -136,28 +196,23 @@ class SelfAttention(nn.Module):
     """DDPM's spatial self-attention: GroupNorm (none when ``groups=0``), q/k/v, attention, out, residual."""
 
     ch: int
-    heads: int
-    head_dim: int
-    groups: int
-    eps: float
-    scale: float | None
-    output_scale: float = 1.0
+    args: SelfAttentionArgs
     query_chunk: int | None = None  # see `attention`
     lora_rank: int | None = None  # LoRA adapters on q/k/v/out (`LoRADense`)
 
     def setup(self) -> None:
-        self.group_norm = group_norm(self.groups, self.eps) if self.groups else None
-        inner, dense = self.heads * self.head_dim, projection(self.lora_rank)
+        self.group_norm = group_norm(self.args.groups, self.args.eps) if self.args.groups else None
+        inner, dense = self.args.heads * self.args.head_dim, projection(self.lora_rank)
         self.to_q, self.to_k, self.to_v = (dense(inner) for _ in range(3))
         self.to_out = dense(self.ch)
 
     def __call__(self, x: Array, context: Array | None = None, mask: Mask = None) -> Array:
         del context, mask  # same call signature as Transformer2D; plain self-attention ignores them
         h = _tokens(x if self.group_norm is None else norm_act(self.group_norm, x))
-        scale = self.scale or self.head_dim**-0.5
-        h = attention(self.to_q(h), self.to_k(h), self.to_v(h), self.heads, scale, self.query_chunk)
+        scale = self.args.scale or self.args.head_dim**-0.5
+        h = attention(self.to_q(h), self.to_k(h), self.to_v(h), self.args.heads, scale, self.query_chunk)
         h = self.to_out(h).reshape(x.shape)
-        return (h + x) / self.output_scale
+        return (h + x) / self.args.output_scale
 
 
 class CrossAttention(nn.Module):
@@ -243,26 +298,20 @@ class Transformer2D(nn.Module):
     """SD's spatial transformer: GroupNorm, project in (to ``heads * head_dim``), blocks, project out, residual."""
 
     ch: int
-    heads: int
-    head_dim: int
-    depth: int
-    groups: int
-    norm_eps: float
-    ln_eps: float
-    scale: float | None
-    context_dim: int | None
-    linear_projection: bool
+    args: TransformerArgs
     query_chunk: int | None = None  # see `attention`
     lora_rank: int | None = None  # LoRA adapters on every attention's q/k/v/out
 
     def setup(self) -> None:
         # The same map in NHWC, but torch keeps 4-D conv weights without linear_projection: the tree mirrors them.
-        project = Dense if self.linear_projection else conv1x1
-        inner = self.heads * self.head_dim
-        block = functools.partial(TransformerBlock, inner, self.heads, self.ln_eps, self.scale, self.context_dim)
-        self.norm = group_norm(self.groups, self.norm_eps)
+        project = Dense if self.args.linear_projection else conv1x1
+        inner = self.args.heads * self.args.head_dim
+        block = functools.partial(
+            TransformerBlock, inner, self.args.heads, self.args.ln_eps, self.args.scale, self.args.context_dim
+        )
+        self.norm = group_norm(self.args.groups, self.args.norm_eps)
         self.proj_in = project(inner)
-        self.transformer_blocks = [block(self.query_chunk, self.lora_rank) for _ in range(self.depth)]
+        self.transformer_blocks = [block(self.query_chunk, self.lora_rank) for _ in range(self.args.depth)]
         self.proj_out = project(self.ch)
 
     def __call__(self, x: Array, context: Array | None, mask: Mask = None) -> Array:

@@ -66,12 +66,10 @@ def init_pair(
     pair: ControlNetPair, tx: optax.GradientTransformation, seed: int, regime: Regime = DEFAULT
 ) -> tuple[TrainState, Any]:
     """The ControlNet's `TrainState` (its encoder the U-Net's) and the U-Net's params, in ``regime``."""
-    shapes = abstract_controlnet_inputs(pair.spec.controlnet)
-    args = [
-        None if shapes.get(n) is None else jnp.zeros(shapes[n].shape, shapes[n].dtype)
-        for n in ("sample", "timestep", "context", "class_labels", "text_embeds", "time_ids", "controlnet_cond")
-    ]
-    params = pair.init({"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1)}, *args)["params"]
+    inputs = jax.tree.map(jnp.zeros_like, abstract_controlnet_inputs(pair.spec.controlnet))
+    names = ("sample", "timestep", "context", "class_labels", "text_embeds", "time_ids", "controlnet_cond")
+    rngs = {"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1)}
+    params = pair.init(rngs, *(inputs[n] for n in names))["params"]
     unet = params["unet"]
     # The trunk's names are the U-Net's; copies, not the same buffers: the state is donated, the U-Net's are not.
     controlnet = {k: jax.tree.map(jnp.copy, unet[k]) if k in unet else v for k, v in params["controlnet"].items()}

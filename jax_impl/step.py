@@ -29,8 +29,7 @@ from jax_impl.guard import StepPlan, plan_for_step, xla_compile
 from jax_impl.memory import compiled_peak
 from jax_impl.parallel import shard
 from jax_impl.regime import apply_regime, cast_floating, init_ema, step_options, update_ema
-from jax_impl.unet import UNet
-from shared_configs.inputs import input_specs
+from jax_impl.unet import UNet, abstract_inputs
 from shared_configs.pair import ControlNetPairSpec
 from shared_configs.regime import DEFAULT, Regime
 from shared_configs.sizes import MIB
@@ -87,9 +86,8 @@ def nhwc(*values: np.ndarray | None) -> tuple[np.ndarray | None, ...]:
 
 def init_state(model: UNet, tx: optax.GradientTransformation, seed: int, regime: Regime = DEFAULT) -> TrainState:
     """Fresh parameters (from ``seed``), their optimizer state and BatchNorm statistics, in ``regime``."""
-    # Batch 1, one context token, the spec's own sample size: the parameter shapes do not depend on them.
-    wanted = input_specs(model.resolved_spec, 1, context_len=1, layout="NHWC")
-    inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in wanted.items()}
+    # The smallest inputs: the parameters do not depend on their batch or sizes.
+    inputs = jax.tree.map(jnp.zeros_like, abstract_inputs(model.resolved_spec))
     rngs = {"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1)}
     return TrainState.create(jax.jit(model.init)(rngs, **inputs), tx, regime)
 

@@ -1,6 +1,6 @@
 """Framework-free core: the U-Net spec (`spec`, `loader`, presets ``*.yaml``), checkpoint plans (`vocabulary`), a
 ControlNet (`controlnet`, `pair`), the architecture both frameworks assemble (`arch`), the inputs (`inputs`),
-every tool's defaults (`defaults`) and what every CLI shares (`cli`, `files`, `sizes`, `processes`). Below:
+every tool's defaults (`defaults`) and what every CLI shares (`cli`, `files`, `sizes`). Below:
 `planning`, `training` and `diffusers`. Nothing here imports torch or jax.
 """
 

@@ -1,12 +1,12 @@
 """What each block and layer is built with, derived once from the spec for both frameworks: both U-Net assemblies
-loop over `down_blocks` / `up_blocks` and build layers from `resnet_args` / `attention_args`, whose field names
-are the layer constructors' parameters (a test checks), so the skip stack's channels are counted here alone.
+loop over `down_blocks` / `up_blocks` and build layers from `resnet_args` / `attention_args`, the one arguments
+object each layer of either framework takes after its channels, so the skip stack's channels are counted here alone.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -88,10 +88,7 @@ class ResnetArgs:
     """``ResnetBlock``'s arguments after in/out channels, in both frameworks."""
 
     temb_dim: int
-    norm: str
-    groups: int
-    eps: float
-    momentum: float
+    norm: NormArgs
     dropout_rate: float
     scale_shift: bool
     output_scale: float
@@ -155,8 +152,9 @@ LayerArgs = NormArgs | ResnetArgs | SelfAttentionArgs | TransformerArgs | Simple
 
 
 def kwargs(args: LayerArgs) -> dict[str, Any]:
-    """The keyword arguments a layer constructor takes (field names are its parameter names)."""
-    return {f.name: getattr(args, f.name) for f in fields(args)}
+    """The keyword arguments a layer constructor takes after its channels: ``args``, its arguments object
+    (``Layer(ch, **kwargs(a))`` is ``Layer(ch, args=a)``)."""
+    return {"args": args}
 
 
 def norm_args(spec: UNetSpec) -> NormArgs:
@@ -174,9 +172,7 @@ def block_resnet_args(spec: UNetSpec, block: str) -> ResnetArgs:
 
 def resnet_args(spec: UNetSpec, output_scale: float = 1.0, skip_time_act: bool = False) -> ResnetArgs:
     scale_shift = spec.resnet_time_scale_shift == "scale_shift"
-    return ResnetArgs(
-        spec.block_temb_dim, *astuple(norm_args(spec)), spec.dropout, scale_shift, output_scale, skip_time_act
-    )
+    return ResnetArgs(spec.block_temb_dim, norm_args(spec), spec.dropout, scale_shift, output_scale, skip_time_act)
 
 
 def attention_args(

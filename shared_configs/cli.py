@@ -127,7 +127,7 @@ def cli_errors(module: str) -> Iterator[None]:
     errors (``python -m MODULE: error: ...``) so that every message of a command starts the same way.
 
     SIGINT and SIGTERM raise `Interrupted` (a KeyboardInterrupt) once: the workers are stopped on
-    the way out (`shared_configs.processes.worker_group`), and a second signal does not cut that short.
+    the way out (`shared_configs.planning.workers.worker_group`), and a second signal does not cut that short.
     """
     prog = f"python -m {module}"
     try:  # the library's progress on stderr: a live line on a terminal, plain lines in a log

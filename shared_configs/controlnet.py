@@ -5,12 +5,13 @@ Built by `torch_impl/controlnet.py` and `jax_impl/controlnet.py`; docs/diffusers
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pydantic import Field, field_validator, model_validator
 
+from shared_configs.inputs import check_inputs
 from shared_configs.loader import load_spec, read_yaml, validated
 from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.spec_base import Bool, Int, _Frozen
@@ -94,22 +95,44 @@ def add_residuals(spec: UNetSpec, h: A, skips: list[A], down: Sequence[A] | None
     return h, skips
 
 
-def residual_scales(spec: ControlNetSpec, count: int, scale: float, guess_mode: bool) -> list[float]:
-    """One factor per down residual, then the middle's: ``scale``, or (``guess_mode``, unpooled) a logspace to it."""
+def controlnet_residuals(
+    spec: ControlNetSpec,
+    h: A,
+    skips: list[A],
+    down_convs: Sequence[Callable[[A], A]],
+    mid_conv: Callable[[A], A],
+    scale: float,
+    guess_mode: bool,
+    pool: Callable[[A], A],
+) -> tuple[list[A], A]:
+    """The ControlNet's outputs from its trunk's (torch or jax arrays): each skip, then the middle block's output,
+    through its zero conv, times ``scale`` (``guess_mode``, unpooled: a logspace from 0.1 of it up to it, as
+    diffusers), each averaged over H, W by ``pool`` under ``global_pool_conditions``."""
+    count = len(skips)
     if guess_mode and not spec.global_pool_conditions:
-        return [scale * 10.0 ** (-1 + i / count) for i in range(count + 1)]
-    return [scale] * (count + 1)
+        scales = [scale * 10.0 ** (-1 + i / count) for i in range(count + 1)]
+    else:
+        scales = [scale] * (count + 1)
+    down = [conv(s) * f for conv, s, f in zip(down_convs, skips, scales[:-1], strict=True)]
+    mid = mid_conv(h) * scales[-1]
+    if spec.global_pool_conditions:
+        return [pool(r) for r in down], pool(mid)
+    return down, mid
 
 
-def check_conditioning(spec: ControlNetSpec, sample: tuple[int, ...], cond: tuple[int, ...], layout: str) -> None:
-    """A conditioning image of the wrong shape is one `ValueError` naming what the spec expects."""
-    f, c = spec.conditioning_factor, spec.conditioning_channels
-    n, h, w = (sample[0], *sample[2:4]) if layout == "NCHW" else sample[:3]
+def check_controlnet_inputs(
+    spec: ControlNetSpec, layout: str, sample: Any, timestep: Any, cond: Any, **conditioning: Any
+) -> None:
+    """`check_inputs` of the U-Net's inputs, then the conditioning image's shape: one `ValueError` naming what
+    the spec expects."""
+    check_inputs(spec.unet, layout, sample, timestep, **conditioning)
+    f, c, shape = spec.conditioning_factor, spec.conditioning_channels, tuple(sample.shape)
+    n, h, w = (shape[0], *shape[2:4]) if layout == "NCHW" else shape[:3]
     want = (n, c, h * f, w * f) if layout == "NCHW" else (n, h * f, w * f, c)
-    if tuple(cond) != want:
+    if tuple(cond.shape) != want:
         raise ValueError(
             f"controlnet_cond: expected {layout} shape {want} ({c} channels at {f}x the sample's size), "
-            f"got {tuple(cond)}"
+            f"got {tuple(cond.shape)}"
         )
 
 

@@ -1,12 +1,13 @@
 """Writing files so that a kill at any moment leaves the old file or the new one, never half of one: `atomic_write`
-(temp files ``.<name>.<random>.tmp``, `TEMP_GLOB`), `write_sealed` (JSON with its own SHA-256), and `locked`, for
-processes filling the same cache entry in turn. Framework-free.
+(temp files ``.<name>.<random>.tmp``, `TEMP_GLOB`), `write_sealed` (JSON with its own SHA-256), `write_png` (a
+matplotlib figure), and `locked`, for processes filling the same cache entry in turn. Framework-free.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import os
 import sys
@@ -35,6 +36,16 @@ def atomic_write(path: str | Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_png(fig: Any, path: str | Path, **options: Any) -> None:
+    """A matplotlib figure as a PNG at ``path``, atomically (``options``: ``savefig``'s), then closed."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", **options)
+    plt.close(fig)
+    atomic_write(path, buf.getvalue())
 
 
 def json_digest(body: Mapping[str, Any]) -> str:

@@ -11,9 +11,11 @@ hence at conftest import time. A test that needs the optimised compile passes it
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 
@@ -68,6 +70,21 @@ def _logging_off() -> Iterator[None]:
     yield
     logger.handlers[:], logger.level, logger.propagate = state
     root.setLevel(root_level)
+
+
+@pytest.fixture(autouse=True)
+def _no_dispatch_mode_left() -> Iterator[None]:
+    """Each test ends with no torch dispatch mode active: a guard's watch of the script between its first two
+    calls (`torch_impl.guard_model.HeldWatch`) ends with the guard, and a mode left behind would slow every later
+    op of the process and break its torch.compile calls."""
+    yield
+    if "torch_impl" not in sys.modules:
+        return
+    from torch_impl.compat import innermost_mode
+
+    if innermost_mode() is not None:
+        gc.collect()  # a guard dropped by the test, its finalizer not run yet
+    assert innermost_mode() is None, f"a dispatch mode is still active after the test: {innermost_mode()!r}"
 
 
 # The inner loop (`pytest -m "not slow" -n 2`) leaves out the tests marked `slow` in their files:

@@ -18,7 +18,7 @@ import pytest
 from benchmarks.harness.job import KILL_SIM_ENV, REPO_ROOT, Job
 from benchmarks.harness.runner import check_jax_cache
 from shared_configs.cli import cli_errors, stopping
-from shared_configs.processes import worker_group
+from shared_configs.planning.workers import worker_group
 
 
 def alive(pid: int, wait_s: float = 5.0) -> bool:

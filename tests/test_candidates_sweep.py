@@ -34,6 +34,7 @@ def test_a_plan_holds_when_it_fits_and_no_fitting_hand_policy_beats_it(monkeypat
     monkeypatch.setattr(cs, "measure", lambda fw, w, policies, rounds: _rows(peaks, seconds))
     got = cs.check_budget(None, "torch", 100, candidates=4, rounds=15, check_rounds=12)
     assert set(got["versus"]) == {"full", "layers"}  # the hand policies whose measured peak fits
+    assert got["best_hand"] == "full" and cs.table([got]).index("full") < cs.table([got]).index("layers")
     assert got["fits"] == (plan_peak <= 100) and got["holds"] is holds
     assert ("| yes |" if holds else "| NO |") in cs.table([got])
     assert got["measured_overhead"]["median"] == pytest.approx(plan_s - 1)  # against none, round by round

@@ -1,7 +1,7 @@
 """The caveats of checkpointing, shown rather than told: BatchNorm, dropout RNG, reentrant autograd.
 
 * BatchNorm: a checkpointed torch BatchNorm updates its running statistics twice (PyTorch issue
-  96136) unless the recompute is told not to (`torch_impl.batchnorm`); Flax returns
+  96136) unless the recompute is told not to (`torch_impl.checkpointing.with_frozen_running_stats`); Flax returns
   ``batch_stats`` from the forward, so `nn.remat` updates them once. Torch and Flax BatchNorm
   U-Nets agree after conversion, up to one documented convention (the running variance).
 * Dropout: torch replays the RNG state on recompute only with ``preserve_rng_state=True``.
@@ -28,7 +28,7 @@ from tests.helpers.policies import LossAndGrads, assert_same_loss_and_grads, tor
 from tests.helpers.specs import FAST_COMPILE, variant
 from tests.helpers.tensors import randomize_, rel_err
 from torch_impl import UNet as TorchUNet
-from torch_impl.batchnorm import RUNNING_BUFFERS, with_frozen_running_stats
+from torch_impl.checkpointing import RUNNING_BUFFERS, with_frozen_running_stats
 
 MOMENTUM = 0.1  # the spec's default norm_momentum (torch convention)
 
@@ -203,7 +203,7 @@ def test_flax_remat_updates_batch_stats_once(policy: str, flax_bn: dict, flax_pl
 
 def test_running_variance_convention_differs_by_bessel_factor() -> None:
     """torch's running_var takes the unbiased batch variance (n/(n-1)), Flax's the biased one."""
-    from jax_impl.norms import batch_norm
+    from jax_impl.layers import batch_norm
 
     x = 3 * torch.randn(2, 4, 5, 3, generator=torch.Generator().manual_seed(4)) + 1
     n = 2 * 5 * 3  # elements per channel

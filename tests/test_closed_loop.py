@@ -220,6 +220,23 @@ def test_full_is_the_last_resort_never_skipped(seed: int) -> None:
     assert lp.out_of_memory(step + 1)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_ranks_act_on_the_largest_vote_and_know_who_cast_it(seed: int) -> None:
+    """Several processes' votes, one integer each (`ballot`): the largest, read back (`tally`), is the largest
+    vote and one of the ranks that cast it; another rank's out-of-memory line names it."""
+    rng = random.Random(seed)
+    ranks = rng.randint(1, 64)
+    votes = [rng.choice(list(cl.Vote)) for _ in range(ranks)]
+    vote, who = cl.tally(max(cl.ballot(v, r, ranks) for r, v in enumerate(votes)), ranks)
+    assert vote == max(votes) and votes[who] == vote
+    lines: list[str] = []
+    lp = loop(Table(PLANS), 95 * MIB, lines)
+    lp.start()
+    assert lp.out_of_memory(3, who=f"rank {who} ")
+    lp.recompute_more(3, f"rank {who} ")
+    assert lines[-1].startswith(f"rank {who} ran out of memory under a (predicted")
+
+
 def test_the_core_imports_neither_torch_nor_jax() -> None:
     code = (
         "import sys, shared_configs.planning.closed_loop\n"

@@ -191,7 +191,7 @@ def test_plans_name_the_units_as_the_unets() -> None:
     assert ControlNet(spec).block_names() == ["down.0", "down.1", "mid"]
     assert all(not n.startswith("up.") for n in resolve_controlnet_plan(spec, "layers").recompute)
     model = ControlNet(spec, policy="down.1,mid")
-    from torch_impl.checkpointing import checkpointed_names
+    from tests.helpers.policies import checkpointed_names
 
     assert checkpointed_names(model) == ["down.1", "mid"]
     with pytest.raises(SpecError, match=r"a ControlNet has no unit 'up\.0'"):

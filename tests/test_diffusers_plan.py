@@ -22,11 +22,10 @@ from benchmarks.harness.job import load_benchmark_spec
 from shared_configs import SpecError, UNetSpec, block_names, layer_names
 from shared_configs.training.data import example_batch
 from tests.helpers.diffusers_ref import diffusers_pair
-from tests.helpers.policies import assert_same_loss_and_grads, torch_loss_and_grads
+from tests.helpers.policies import assert_same_loss_and_grads, checkpointed_names, torch_loss_and_grads
 from tests.helpers.specs import variant
 from tests.helpers.tensors import count_flops
 from torch_impl import UNet, apply_plan, remove_plan
-from torch_impl.checkpointing import checkpointed_names
 from torch_impl.diffusers_adapter import diffusers_path, diffusers_spec
 from torch_impl.memory import StepTracker
 from torch_impl.step import as_tensors

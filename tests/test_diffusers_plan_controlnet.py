@@ -14,11 +14,10 @@ import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from shared_configs import SpecError, to_diffusers_config
-from tests.helpers.policies import LossAndGrads, assert_same_loss_and_grads, torch_loss_and_grads
+from tests.helpers.policies import LossAndGrads, assert_same_loss_and_grads, checkpointed_names, torch_loss_and_grads
 from tests.helpers.specs import variant
 from tests.helpers.tensors import count_flops, randomize_
 from torch_impl import apply_plan, remove_plan
-from torch_impl.checkpointing import checkpointed_names
 
 MIXED = "down.0;down.1.resnets.0,mid/save=conv,matmul"
 

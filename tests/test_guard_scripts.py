@@ -1,7 +1,5 @@
-"""`torch_impl.BudgetGuard` in a step shaped as diffusers' training scripts hold theirs, built from the
-libraries themselves (nothing downloaded): accelerate's ``prepare`` / ``accumulate`` / ``backward``,
-peft LoRA through ``unet.add_adapter``, a frozen ``AutoencoderKL`` and ``CLIPTextModel`` from tiny
-configs, ``cast_training_params``; and diffusers' ``ControlNetModel`` beside its frozen U-Net.
+"""`torch_impl.BudgetGuard` in one process, in a step shaped as diffusers' training scripts hold theirs
+(`tests.helpers.guard_script`): LoRA, ControlNet, a full fine-tune with an EMA, accumulation and retries.
 
 Each guarded run is held against the same run unguarded (weights compared), and its peak after the
 guard's last change against the budget. One profile per model, in the module's cache; the planner's
@@ -10,159 +8,24 @@ worker check of each plan is stood in for by the profile's prediction (`tests.he
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import warnings
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from shared_configs import to_diffusers_config
-from shared_configs.planning import pipeline
-from shared_configs.planning.pipeline import Workload, predict_policy
 from shared_configs.regime import Regime
-from tests.helpers.guard import check_by_prediction, checking_by_prediction, plan_cache  # noqa: F401 (fixtures)
-from tests.helpers.specs import variant
+from tests.helpers.guard import check_by_prediction, plan_cache  # noqa: F401 (fixtures)
+from tests.helpers.guard_script import BATCH, RANK, TOKENS, Script, largest_difference, run, script_peaks, sizes
 from torch_impl import BudgetGuard, ControlNetPair
-from torch_impl.guard_model import regime_seen, step_spec, take_over_checkpointing
-from torch_impl.guard_retry import RetryPoint
+from torch_impl.compat import TorchDispatchMode, tree_leaves
+from torch_impl.guard_model import HeldWatch, regime_seen, step_spec, take_over_checkpointing
+from torch_impl.guard_retry import Window
 from torch_impl.wrappers import compiled, unwrap
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("plan_cache", "check_by_prediction")]
 heavy = pytest.mark.heavy  # a profile of its own each (docs/guard.md: how long): left out of the default run
-SPEC = variant("tiny", down_attention=["transformer", "none"], sample_size=8, dropout=0.0)  # SD-shaped, 8x8 latents
-BATCH, TOKENS, RANK = 2, 8, 4
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
-
-
-class Script:
-    """What a script holds after ``accelerator.prepare``: the trained model (the U-Net's LoRA
-    adapters, or a ControlNet), the frozen VAE, text encoder (and U-Net), the optimizer, batches."""
-
-    def __init__(self, controlnet: bool = False, accumulation: int = 1, weight_dtype: torch.dtype | None = None):
-        import diffusers
-        from accelerate import Accelerator
-        from accelerate.state import AcceleratorState, GradientState
-        from diffusers.training_utils import cast_training_params
-        from peft import LoraConfig
-        from transformers import CLIPTextConfig, CLIPTextModel
-
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.unet = diffusers.UNet2DConditionModel.from_config(to_diffusers_config(SPEC))
-            self.vae = diffusers.AutoencoderKL(
-                down_block_types=("DownEncoderBlock2D",) * 2,
-                up_block_types=("UpDecoderBlock2D",) * 2,
-                block_out_channels=(8, 16),
-                layers_per_block=1,
-                norm_num_groups=4,
-                sample_size=16,
-            )
-            self.text = CLIPTextModel(
-                CLIPTextConfig(
-                    vocab_size=64,
-                    hidden_size=12,
-                    intermediate_size=24,
-                    num_hidden_layers=1,
-                    num_attention_heads=2,
-                    max_position_embeddings=TOKENS,
-                    bos_token_id=0,
-                    eos_token_id=1,
-                    pad_token_id=1,
-                )
-            )
-        for module in (self.unet, self.vae, self.text):
-            module.requires_grad_(False)
-            module.to(dtype=weight_dtype)  # --mixed_precision bf16: the frozen weights in bfloat16
-        self.controlnet = None
-        if controlnet:  # train_controlnet.py: a ControlNet from the U-Net, trained whole
-            widths = {"conditioning_embedding_out_channels": (8, 16)}  # the image at 2x the latents: 16x16
-            self.controlnet = diffusers.ControlNetModel.from_unet(self.unet, **widths)
-            self.controlnet.train()
-        else:  # train_text_to_image_lora.py
-            self.unet.add_adapter(
-                LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian", target_modules=LORA_TARGETS)
-            )
-            cast_training_params(self.unet, dtype=torch.float32)
-        mixed = {torch.bfloat16: "bf16", None: "no"}[weight_dtype]
-        self.accelerator = Accelerator(gradient_accumulation_steps=accumulation, cpu=True, mixed_precision=mixed)
-        trained = self.controlnet if controlnet else self.unet
-        optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=1e-3)
-        self.trained, self.optimizer = self.accelerator.prepare(trained, optimizer)
-        self.scheduler = diffusers.DDPMScheduler(num_train_timesteps=1000)
-        g = torch.Generator().manual_seed(1)
-        self.batches = [
-            (torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, 64, (BATCH, TOKENS), generator=g))
-            for _ in range(8)
-        ]
-        self.fail: Callable[[], bool] = lambda: False  # an out-of-memory error after the backward, when true
-        self.extra = 0  # bytes the step holds beyond the script's (a rank's own)
-
-    def body(self, pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The body of the scripts' ``with accelerator.accumulate(model):``."""
-        held = torch.zeros(self.extra // 4)  # noqa: F841 (held through the step)
-        latents = self.vae.encode(pixels).latent_dist.sample() * self.vae.config.scaling_factor
-        context = self.text(ids, return_dict=False)[0]
-        noise = torch.randn_like(latents)
-        t = torch.randint(0, 1000, (latents.shape[0],)).long()
-        noisy = self.scheduler.add_noise(latents, noise, t)
-        residuals = {}
-        if self.controlnet is not None:
-            down, mid = self.trained(noisy, t, context, controlnet_cond=pixels, return_dict=False)
-            residuals = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
-        pred = self.unet(noisy, t, context, **residuals, return_dict=False)[0]
-        loss = F.mse_loss(pred.float(), noise.float())
-        self.accelerator.backward(loss)
-        if self.fail():
-            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        return loss.detach()
-
-    def guarded_model(self) -> torch.nn.Module:
-        return ControlNetPair.of(self.unet, self.trained) if self.controlnet is not None else self.trained
-
-    def weights(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.trained.parameters() if p.requires_grad]
-
-
-def run(script: Script, guard: BudgetGuard | None, steps: int) -> list[float]:
-    """``steps`` micro-steps of the script's loop, guarded as docs/guard.md's recipe patches it."""
-    torch.manual_seed(5)
-    losses = []
-    for pixels, ids in script.batches[:steps]:
-        if guard is None:
-            with script.accelerator.accumulate(script.trained):
-                loss = script.body(pixels, ids)
-        else:
-
-            @guard.step(script.accelerator.accumulate, script.trained)
-            def loss() -> torch.Tensor:
-                return script.body(pixels, ids)  # noqa: B023 (run at once)
-
-        losses.append(float(loss))
-    return losses
-
-
-def sizes(model: torch.nn.Module) -> int:
-    """The budget 60% of the way from `full`'s predicted peak to `none`'s, in the regime the model shows."""
-    model = unwrap(model)
-    work = Workload.of(step_spec(model), batch_size=BATCH, regime=regime_seen(model)[0], context_length=TOKENS)
-    none, full = (predict_policy(work, p)[0].prediction.peak_bytes for p in ("none", "full"))
-    return full + 6 * (none - full) // 10
-
-
-def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+EMA_BATCH = 8  # the full fine-tune: activations well above the 2% margin beside weights, AdamW's state and the copy
 
 
 def test_the_model_is_read_as_the_script_holds_it(capsys: pytest.CaptureFixture[str]) -> None:
@@ -188,29 +51,102 @@ def test_the_model_is_read_as_the_script_holds_it(capsys: pytest.CaptureFixture[
         )
 
 
-def test_a_retry_point_puts_back_accumulated_gradients_and_accelerates_counter() -> None:
-    """Without planning: micro-step 2 of an accumulation of 2 fails after its backward; the retry
-    point restores micro-step 1's gradients and accelerate's counter, and the run ends as the
-    unguarded one (weights equal)."""
+def test_a_window_replays_its_micro_steps_and_copies_no_gradient() -> None:
+    """Without planning: gradient accumulation 2, the recipe's closure over the loop's variables. Entering a
+    micro-step copies no tensor (micro-step 1's gradients are allocated at micro-step 2); micro-step 2 fails
+    after its backward; the window rewinds (no gradient, accelerate's counter back) and replays micro-step 1
+    on its own batch, and the run ends as the unguarded one (weights equal)."""
     plain, script = Script(accumulation=2), Script(accumulation=2)
     run(plain, None, 2)
     torch.manual_seed(5)
     params = [p for p in script.trained.parameters() if p.requires_grad]
+    window = Window([script.accelerator])
     for i, (pixels, ids) in enumerate(script.batches[:2]):
-        point = RetryPoint(params, torch.device("cpu"), [script.accelerator], fresh=i == 0)
+
+        def micro_step() -> torch.Tensor:
+            with script.accelerator.accumulate(script.trained):
+                return script.body(pixels, ids)  # noqa: B023 (the loop's variables, as the recipe's body reads them)
+
+        with BytesMade() as made:
+            window.enter(micro_step, (), {}, params, fresh=i == 0)
+        assert made.bytes == 0 and (i == 0 or all(p.grad is not None for p in params))
         if i == 1:
-            before = [p.grad.clone() for p in params]
             script.fail = lambda: True
-            with pytest.raises(torch.OutOfMemoryError), script.accelerator.accumulate(script.trained):
-                script.body(pixels, ids)
-            assert script.accelerator.sync_gradients  # the failed attempt advanced the counter
-            point.restore()
-            assert not script.accelerator.sync_gradients
-            assert all(torch.equal(p.grad, g) for p, g in zip(params, before, strict=True))
+            with pytest.raises(torch.OutOfMemoryError):
+                micro_step()
+            assert script.accelerator.step == 2  # the failed attempt advanced the counter
+            window.rewind(params)
+            assert script.accelerator.step == 0 and all(p.grad is None for p in params)
             script.fail = lambda: False
-        with script.accelerator.accumulate(script.trained):
-            script.body(pixels, ids)
+            window.replay()
+        micro_step()
     assert largest_difference(script.weights(), plain.weights()) == 0.0
+
+
+class BytesMade(TorchDispatchMode):
+    """The bytes of every tensor an op makes in the block (a copy of the gradients among them)."""
+
+    bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.bytes += sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def test_an_ema_updated_after_the_step_is_found_and_an_offloaded_one_is_not() -> None:
+    """No planning: `HeldWatch` over the script's gap after an optimizer step finds diffusers' ``EMAModel`` shadow
+    weights (foreach or not) and this project's `EMA`'s; under ``--offload_ema`` the copies on the device are made
+    in the gap, so none is held through the step."""
+    from torch_impl.regime import EMA
+
+    for foreach in (False, True):
+        script = Script(ema="device", foreach=foreach)
+        with HeldWatch(list(script.unet.parameters())) as watch:
+            script.ema_step()
+        assert set(watch.found) == {t.untyped_storage().data_ptr() for t in script.ema.shadow_params}, foreach
+    script = Script(ema="offload")
+    with HeldWatch(list(script.unet.parameters())) as watch:
+        script.ema_step()
+    assert watch.found == {}
+    ours = EMA(script.unet.parameters())
+    with HeldWatch(list(script.unet.parameters())) as watch:
+        ours.update()
+    assert set(watch.found) == {t.untyped_storage().data_ptr() for t in ours.shadow}
+
+
+@heavy
+@pytest.mark.parametrize("ema", ["device", "offload"])
+def test_a_full_fine_tune_with_ema_keeps_the_budget_counting_the_copy_on_the_device(ema: str) -> None:
+    """train_text_to_image.py ``--use_ema`` (``--offload_ema``): the U-Net trained whole, diffusers' ``EMAModel``
+    (foreach) stepped after the optimizer step, outside the guarded call; batch 8. No regime given: the guard finds
+    the copy after the first optimizer step and plans and measures with it (offloaded: without). From the guard's
+    last change every step's peak is within a budget halfway between the script's own steps under `full` and
+    `none` (the copy counted where it sits on the device); the losses and weights are the unguarded run's."""
+    peaks = script_peaks(ema, EMA_BATCH)
+    budget = (peaks["full"] + peaks["none"]) // 2
+    plain = Script(ema=ema, batch=EMA_BATCH)
+    expected = run(plain, None, 6)
+    script = Script(ema=ema, batch=EMA_BATCH)
+    guard = BudgetGuard(script.trained, budget, batch_size=EMA_BATCH, context_length=TOKENS)
+    assert run(script, guard, 6) == expected
+    assert largest_difference(script.weights(), plain.weights()) == 0.0
+    on_device = ema == "device"
+    assert guard._workload.regime == Regime(ema=on_device)
+    last = max(i for i, r in enumerate(guard.history) if r.measured is None)
+    after = [r for r in guard.history[last:] if r.measured is not None]
+    assert after and max(r.measured for r in after) <= budget, guard.history
+    # What the step holds beyond the model's (the VAE, the text encoder) is small beside the copy: a copy planned
+    # and not measured would show as an excess of about -copy; one measured and not planned, +copy
+    copy = sum(t.nbytes for t in script.ema.shadow_params)
+    assert all(abs(r.outside) < copy / 4 for r in after), (copy, guard.history)
+    mib = 2**20
+    print(
+        f"\nema on the {ema}: script's full {peaks['full'] / mib:.3f}, none {peaks['none'] / mib:.3f}, budget "
+        f"{budget / mib:.3f} MiB, copy {copy / mib:.3f} MiB;",
+        *(f"{r.step} {r.action} {r.plan} {r.predicted / mib:.3f}/{(r.measured or 0) / mib:.3f}" for r in guard.history),
+        sep="\n  ",
+    )
 
 
 @heavy
@@ -344,49 +280,3 @@ def test_a_bf16_base_with_fp32_lora_is_read_from_the_step_and_predicted_within_5
         f"guard: step 1: the step runs in bf16-frozen, lora:{RANK}, adamw, not in the regime given "
         f"(bf16-frozen, lora:{RANK}, adamw8bit); planned for the one given"
     )
-
-
-@heavy
-def test_two_processes_re_plan_together(tmp_path: Path) -> None:
-    """torchrun, 2 CPU processes (gloo, accelerate's DDP): rank 1's step holds 0.4 MiB more; both
-    ranks judge the larger peak (one all-reduce) and put on rank 0's plan before the same step."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "tests.test_guard_scripts",
-        str(tmp_path),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the module's profile cache (`plan_cache`) among them
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    histories = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert histories[0] == histories[1], histories  # the same measurements judged, the same plans, the same steps
-    assert "tightened" in [r["action"] for r in histories[0]], histories[0]
-    print("\ntwo ranks:", *(f"{r['step']} {r['action']} {r['plan']} {r['measured']}" for r in histories[0]), sep="\n  ")
-
-
-def _rank_main(out: str) -> None:
-    """One rank of `test_two_processes_re_plan_together` (``python -m tests.test_guard_scripts OUT``)."""
-    import dataclasses
-
-    from torch_impl.guard_retry import from_rank0
-
-    pipeline.run_worker = checking_by_prediction(pipeline.run_worker)
-    torch.set_num_threads(1)
-    script = Script()  # accelerate joins the torchrun group (gloo) and wraps the U-Net in DDP
-    rank = torch.distributed.get_rank()
-    script.extra = (400 << 10) * rank
-    budget = from_rank0(lambda: sizes(script.trained))  # one profile, rank 0's
-    guard = BudgetGuard(script.trained, budget, batch_size=BATCH, context_length=TOKENS)
-    run(script, guard, 5)
-    history = [dataclasses.asdict(r) for r in guard.history]
-    Path(out, f"rank{rank}.json").write_text(json.dumps(history))
-
-
-if __name__ == "__main__":
-    _rank_main(sys.argv[1])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 
 import jax
@@ -87,7 +86,8 @@ def test_conversion_rejects_mismatched_weights() -> None:
 
 
 def test_layer_arguments_are_both_constructors_parameters() -> None:
-    """`shared_configs.arch`'s typed arguments name exactly what each framework's layer takes after its channels."""
+    """Each layer of either framework takes, after its channels, the one typed arguments object of
+    `shared_configs.arch` (and Flax its own switches), so that both read the spec's numbers alike."""
     from jax_impl import added_layers as flax_added
     from jax_impl import layers as flax_layers
     from torch_impl import added_layers as torch_added
@@ -99,10 +99,9 @@ def test_layer_arguments_are_both_constructors_parameters() -> None:
     flax_only = {"query_chunk", "lora_rank", "parent", "name"}
     pairs = [(NormArgs, "norm_layer"), (ResnetArgs, "ResnetBlock"), (SelfAttentionArgs, "SelfAttention")]
     for args, layer in [*pairs, (TransformerArgs, "Transformer2D"), (SimpleCrossAttentionArgs, "SimpleCrossAttention")]:
-        names = {f.name for f in dataclasses.fields(args)}
         added = hasattr(torch_added, layer)
         torch_module, flax_module = (torch_added, flax_added) if added else (torch_layers, flax_layers)
-        torch_params = set(inspect.signature(getattr(torch_module, layer)).parameters) - channels
-        flax_layer = getattr(flax_module, layer)
-        flax_params = set(inspect.signature(flax_layer).parameters) - channels - flax_only
-        assert names == torch_params == flax_params, layer
+        torch_params = inspect.signature(getattr(torch_module, layer)).parameters
+        flax_params = inspect.signature(getattr(flax_module, layer)).parameters
+        assert set(torch_params) - channels == set(flax_params) - channels - flax_only == {"args"}, layer
+        assert torch_params["args"].annotation == flax_params["args"].annotation == args.__name__, layer

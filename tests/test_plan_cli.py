@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch_impl
 from benchmarks import plan as cli
 from benchmarks.reports import plan_text
 from shared_configs import SpecError, load_spec, resolve_plan
-from shared_configs.planning import pipeline, stepclock
+from shared_configs.planning import candidates, pipeline, stepclock
 from shared_configs.planning.budget import SAFETY, Profile, per_rank, predict, safety_margin
 from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.pipeline import CACHE_ENV, Workload, plan_for_budget, profile_path
@@ -42,7 +43,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         profile.save(path)
         profiles[fw] = profile
-    _check_as(monkeypatch, profiles, 1.0)
+    _measure_as(monkeypatch, profiles)  # the checks and the torch default's race
     return profiles
 
 
@@ -218,6 +219,9 @@ def test_verify_measures_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert (spread["rounds"], spread["low"], spread["verdict"]) == (1, None, "too few rounds")
 
 
+HAND = HAND_POLICIES[1:]  # the hand policies but none
+
+
 def _true_step(policy: str) -> float:
     """A stand-in's step seconds: the plain step's 1.0 plus an overhead the profile does not know (so
     that the measurement, not the model, decides), fixed per policy."""
@@ -273,9 +277,13 @@ def test_candidates_return_the_fastest_that_fits_when_measured(
     """The solver's best plans and the hand policies that fit race; the answer is the fastest whose
     measured peak fits (``over``: the fastest measures 10% over its checked peak, so the next one
     wins), not the model's cheapest; every candidate is reported with its peaks and overheads."""
-    budget = _mid_budget(cache["torch"])
+    budget, profile = _mid_budget(cache["torch"]), cache["torch"]
     argv = ["--config", "tiny", "--batch-size", "2", "--budget-mib", str(budget / MIB), "--candidates", "4"]
     calls = _measure_as(monkeypatch, cache, over)
+    # the hand policies raced: those predicted within RACE_WITHIN of the solver's plan, here the two cheapest
+    first = pipeline.plan(Workload.of("tiny", batch_size=2), budget).solution.prediction.overhead(profile)
+    hand = {h: predict(profile, SPEC, assignment_of(SPEC, h)).overhead(profile) for h in HAND}
+    monkeypatch.setattr(candidates, "RACE_WITHIN", sum(sorted(hand.values())[1:3]) / 2 - first)
     out = tmp_path / "plan.json"
     assert cli.main([*argv, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -287,8 +295,9 @@ def test_candidates_return_the_fastest_that_fits_when_measured(
     sources = [c["source"] for c in report["candidates"]]
     assert sources[:4] == ["solver 1", "solver 2", "solver 3", "solver 4"]
     plans = {frozenset(assignment_of(SPEC, c["policy"]).items()) for c in report["candidates"]}
-    assert len(plans) == len(report["candidates"])  # one entry per plan, each hand policy among them
-    assert {frozenset(assignment_of(SPEC, h).items()) for h in HAND_POLICIES[1:]} <= plans
+    assert len(plans) == len(report["candidates"])  # one entry per plan
+    near = {h: hand[h] <= first + candidates.RACE_WITHIN for h in HAND}
+    assert {h: frozenset(assignment_of(SPEC, h).items()) in plans for h in HAND} == near and sum(near.values()) == 2
     raced = [c for kind, _, c in calls if kind == "measure"]
     checked = {c["policy"]: c["frameworks"]["torch"]["checked_peak_bytes"] for c in report["candidates"]}
     assert raced == [("none", *(p for p, peak in checked.items() if peak <= budget))]
@@ -302,6 +311,28 @@ def test_candidates_return_the_fastest_that_fits_when_measured(
     assert torch_doc["measured_peak_bytes"] <= budget and torch_doc["measured_overhead"] > 0
     text = capsys.readouterr().out
     assert f"chosen: {expected}" in text and "candidates (measured round by round, at most 15 rounds" in text
+
+
+def test_plan_for_budget_races_in_torch_and_says_when_a_hand_policy_wins(
+    cache: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch's `plan_for_budget` races the solver's plan against the hand policies that fit near it, for
+    5 rounds; a hand policy measured faster is returned, said in one line. `pipeline.plan` (what the
+    guards call) and JAX's `plan_for_budget` race nothing by default."""
+    import jax_impl
+
+    budget, profile, work = _mid_budget(cache["torch"]), cache["torch"], Workload.of("tiny", batch_size=2)
+    calls = _measure_as(monkeypatch, cache)
+    unraced = pipeline.plan(work, budget).policy
+    fits = [h for h in HAND if predict(profile, SPEC, assignment_of(SPEC, h)).peak_bytes <= budget]
+    monkeypatch.setattr(candidates, "RACE_WITHIN", 10.0)  # every hand policy near
+    monkeypatch.setattr(sys.modules[__name__], "_true_step", lambda p: {"none": 1.0, fits[0]: 1.1}.get(p, 1.3))
+    assert torch_impl.plan_for_budget("tiny", 2, budget) == fits[0] != unraced
+    assert capsys.readouterr().err.count(f"plan: the hand policy {fits[0]!r} measured faster than") == 1
+    n = len(calls)
+    assert jax_impl.plan_for_budget("tiny", 2, budget)
+    assert [c for c in calls if c[0] == "measure"] == [("measure", "torch", ("none", unraced, *fits))]
+    assert calls[n:] and all(c[:2] == ("peaks", "jax") for c in calls[n:])
 
 
 def test_a_shapes_profile_has_no_candidates_to_measure(

@@ -108,18 +108,3 @@ def test_race_drops_a_contender_once_another_is_faster_and_stops_when_one_is_lef
     monkeypatch.setattr(stepclock, "clock", clock)
     rounds = stepclock.race({n: clock.step(n) for n in ("none", "a", "b")}, "none", 12)
     assert {n: len(r) for n, r in rounds.items()} == {"none": 5, "a": 5, "b": 5}  # decided: a
-
-
-def test_fitted_rates_are_least_squares_and_never_negative() -> None:
-    """Against numpy's unconstrained least squares where its rates are positive, and against the
-    one-rate closed form where the bytes would take a negative rate (clamped to 0)."""
-    rng = np.random.default_rng(0)
-    flops, nbytes = rng.uniform(1e8, 1e10, 40), rng.uniform(0, 5e7, 40)
-    seconds = 1e-11 * flops + 4e-10 * nbytes + rng.normal(0, 2e-3, 40)  # one noisy round
-    reference = np.linalg.lstsq(np.stack([flops, nbytes], 1), seconds, rcond=None)[0]
-    assert stepclock.fitted_rates(list(zip(flops, nbytes, seconds, strict=True))) == pytest.approx(reference)
-    assert reference == pytest.approx([1e-11, 4e-10], rel=0.1)
-    falling = 1e-11 * flops - 1e-10 * nbytes  # more bytes freed, less time: no physical rate
-    per_flop, per_byte = stepclock.fitted_rates(list(zip(flops, nbytes, falling, strict=True)))
-    assert per_byte == 0.0 and per_flop == pytest.approx(np.dot(flops, falling) / np.dot(flops, flops))
-    assert stepclock.fitted_rates([]) == (0.0, 0.0)

@@ -29,12 +29,12 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from shared_configs import load_spec
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.run_folder import checkpoints
+from tests.helpers.policies import checkpointed_names
 from tests.helpers.processes import finish, signal_at_first_checkpoint, start, torchrun_train
 from tests.helpers.tensors import rel_err
 from tests.helpers.training import CFG, TINY_NO_DROPOUT, step_flops, torch_model, train_argv
 from torch_impl import train as ttrain
 from torch_impl.checkpoint_io import load_checkpoint
-from torch_impl.checkpointing import checkpointed_names
 from torch_impl.parallel import shard_blocks
 
 

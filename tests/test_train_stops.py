@@ -26,8 +26,7 @@ from shared_configs.training.config import TrainConfig
 from shared_configs.training.loop import run_loop
 from shared_configs.training.manifest import CheckpointWriteError, Manifest, read_manifest
 from shared_configs.training.preemption import STOP_SIGNALS, Stopped, resume_command
-from shared_configs.training.run_folder import SOLO, Solo, checkpoints, save, verify
-from shared_configs.training.write_faults import Fault
+from shared_configs.training.run_folder import SOLO, Fault, Solo, checkpoints, save, verify
 from tests.helpers.processes import finish, signal_at_first_checkpoint, start
 from tests.helpers.training import CFG, train_argv
 from torch_impl import train as ttrain

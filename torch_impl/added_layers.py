@@ -11,22 +11,21 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from shared_configs.arch import SimpleCrossAttentionArgs
 from torch_impl.layers import Mask, attention
 
 
 class SimpleCrossAttention(nn.Module):
     """diffusers' ``AttnAddedKVProcessor`` attention: tokens attend over the context's keys/values, then their own."""
 
-    def __init__(
-        self, ch: int, heads: int, head_dim: int, groups: int, eps: float, context_dim: int, context_groups: int | None
-    ) -> None:
+    def __init__(self, ch: int, args: SimpleCrossAttentionArgs) -> None:
         super().__init__()
-        self.heads, self.scale = heads, head_dim**-0.5
-        inner = heads * head_dim
-        self.group_norm = nn.GroupNorm(groups, ch, eps=eps)
-        self.norm_cross = nn.GroupNorm(context_groups, context_dim, eps=eps) if context_groups else None
+        self.heads, self.scale = args.heads, args.head_dim**-0.5
+        inner, groups = args.heads * args.head_dim, args.context_groups
+        self.group_norm = nn.GroupNorm(args.groups, ch, eps=args.eps)
+        self.norm_cross = nn.GroupNorm(groups, args.context_dim, eps=args.eps) if groups else None
         self.to_q, self.to_k, self.to_v = (nn.Linear(ch, inner) for _ in range(3))
-        self.add_k_proj, self.add_v_proj = nn.Linear(context_dim, inner), nn.Linear(context_dim, inner)
+        self.add_k_proj, self.add_v_proj = nn.Linear(args.context_dim, inner), nn.Linear(args.context_dim, inner)
         self.to_out = nn.Linear(inner, ch)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, mask: Mask = None) -> torch.Tensor:

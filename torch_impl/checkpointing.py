@@ -2,7 +2,10 @@
 
 A recomputed block keeps its place and its `state_dict` keys: only its instance ``forward`` is
 shadowed by one under `torch.utils.checkpoint.checkpoint`; save sets use selective checkpointing
-(`make_context_fn`). Mirror: `jax_impl/checkpointing.py`. Docs: docs/spec_and_plans.md, docs/compile.md.
+(`make_context_fn`). A recompute in train mode would update every BatchNorm's running statistics a
+second time (PyTorch issue 96136): `with_frozen_running_stats` gives it a context that restores them
+(Flax returns ``batch_stats`` from the forward, so `nn.remat` updates them once). Mirror:
+`jax_impl/checkpointing.py`. Docs: docs/spec_and_plans.md, docs/compile.md, docs/remat_vs_checkpoint.md.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -19,7 +23,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from shared_configs.vocabulary import OP_CLASSES, CheckpointPlan
 from torch_impl import compat
-from torch_impl.batchnorm import with_frozen_running_stats
 
 aten = torch.ops.aten
 # Op class -> the aten ops that produce it. On CPU nn.Linear decomposes to addmm (with bias) or
@@ -118,7 +121,7 @@ def _checkpoint_forward(module: nn.Module, name: str, plan: CheckpointPlan, pres
     # An instance forward someone else set (accelerate's and peft's hooks do) is wrapped and kept.
     prior = module.__dict__.get("forward")
     plain = prior if prior is not None else type(module).forward.__get__(module)
-    # BatchNorm: the recompute must not update running statistics twice (torch_impl.batchnorm).
+    # BatchNorm: the recompute must not update running statistics twice (`with_frozen_running_stats`).
     eager = with_frozen_running_stats(module, make_context_fn(name, plan) or noop_context_fn)
     module.forward = functools.partial(
         _checkpointed,
@@ -158,6 +161,46 @@ def remove_plan(root: nn.Module) -> None:
                 module.forward = prior
 
 
-def checkpointed_names(root: nn.Module) -> list[str]:
-    """Names of the modules that currently run under checkpoint."""
-    return [name for name, m in root.named_modules() if _PRIOR in m.__dict__]
+ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
+
+# The buffers a BatchNorm updates in train mode (`num_batches_tracked` is None without stats).
+RUNNING_BUFFERS: tuple[str, ...] = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def tracking_batchnorms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+
+
+@contextlib.contextmanager
+def frozen_running_stats(module: nn.Module) -> Iterator[None]:
+    """Restore, on exit, the BatchNorm buffers of ``module`` as they were on enter."""
+    norms = tracking_batchnorms(module)
+    with torch.no_grad():
+        saved = [{name: getattr(m, name).clone() for name in RUNNING_BUFFERS} for m in norms]
+    try:
+        yield
+    finally:  # also when checkpoint's early stop ends the recompute with an exception
+        with torch.no_grad():
+            for norm, buffers in zip(norms, saved, strict=True):
+                for name, value in buffers.items():
+                    getattr(norm, name).copy_(value)
+
+
+@contextlib.contextmanager
+def _nested(outer: AbstractContextManager, inner: AbstractContextManager) -> Iterator[None]:
+    with outer, inner:
+        yield
+
+
+def with_frozen_running_stats(module: nn.Module, context_fn: ContextFn = noop_context_fn) -> ContextFn:
+    """``context_fn`` for checkpointing ``module``, its recompute context freezing BatchNorm stats (a module
+    without tracking BatchNorms gets ``context_fn`` back). ``context_fn``'s recompute context runs *inside*
+    the freeze, so the snapshot's copies are never seen by (or cached in) a selective-checkpointing mode."""
+    if not tracking_batchnorms(module):
+        return context_fn
+
+    def composed() -> tuple[AbstractContextManager, AbstractContextManager]:
+        forward, recompute = context_fn()
+        return forward, _nested(frozen_running_stats(module), recompute)
+
+    return composed

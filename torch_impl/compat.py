@@ -33,6 +33,7 @@ REACHES = {  # "module:attribute" -> why
     "torch._subclasses.fake_tensor:FakeTensorMode": "the planner's steps from shapes alone (nothing allocated)",
     "torch.utils._python_dispatch:TorchDispatchMode": "StepTracker and the shapes-only step see every op",
     "torch.utils._python_dispatch:is_traceable_wrapper_subclass": "torchao's 8-bit state: its inner tensors",
+    "torch.utils._python_dispatch:_get_current_dispatch_mode": "the guard's EMA watch leaves only where innermost",
     "torch._subclasses.fake_tensor:FakeTensor": "(as above) a tensor already fake is kept",
     "torch.utils._pytree:tree_map_only": "the tensors in an op's outputs and in a step's arguments",
     "torch.utils._pytree:tree_leaves": "(as above)",
@@ -128,6 +129,11 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
 
 def foreach_lerp_(tensors: list[torch.Tensor], ends: list[torch.Tensor], weight: float) -> None:
     torch._foreach_lerp_(tensors, ends, weight)
+
+
+def innermost_mode() -> Any:
+    """The dispatch mode entered last, or None."""
+    return reach("torch.utils._python_dispatch:_get_current_dispatch_mode")()
 
 
 def aten(name: str) -> Any:

@@ -13,13 +13,12 @@ from torch import nn
 from shared_configs import CheckpointPlan, UNetSpec
 from shared_configs.controlnet import (
     ControlNetSpec,
-    check_conditioning,
+    check_controlnet_inputs,
     controlnet_names,
-    residual_scales,
+    controlnet_residuals,
     residual_shapes,
     resolve_controlnet_plan,
 )
-from shared_configs.inputs import check_inputs
 from shared_configs.vocabulary import Policy
 from torch_impl.unet import UNet, UNetTrunk
 
@@ -101,28 +100,31 @@ class ControlNet(UNetTrunk):
 
         ``guess_mode`` scales the residuals from 0.1 (first) to 1 (the middle's), as diffusers does.
         """
-        check_inputs(
-            self.spec.unet,
+        check_controlnet_inputs(
+            self.spec,
             "NCHW",
             sample,
             timestep,
+            controlnet_cond,
             context=context,
             class_labels=class_labels,
             text_embeds=text_embeds,
             time_ids=time_ids,
         )
-        check_conditioning(self.spec, tuple(sample.shape), tuple(controlnet_cond.shape), "NCHW")
         if self.spec.conditioning_channel_order == "bgr":
             controlnet_cond = torch.flip(controlnet_cond, dims=[1])
         temb = self._embedding(sample, timestep, class_labels, text_embeds, time_ids)
         h, skips = self._encode(sample, temb, context, hint=self.controlnet_cond_embedding(controlnet_cond))
-        down = [conv(s) for conv, s in zip(self.controlnet_down_blocks, skips, strict=True)]
-        scales = residual_scales(self.spec, len(down), conditioning_scale, guess_mode)
-        down = [r * s for r, s in zip(down, scales, strict=False)]
-        mid = self.controlnet_mid_block(h) * scales[-1]
-        if self.spec.global_pool_conditions:
-            down, mid = [r.mean(dim=(2, 3), keepdim=True) for r in down], mid.mean(dim=(2, 3), keepdim=True)
-        return down, mid
+        return controlnet_residuals(
+            self.spec,
+            h,
+            skips,
+            self.controlnet_down_blocks,
+            self.controlnet_mid_block,
+            conditioning_scale,
+            guess_mode,
+            pool=lambda r: r.mean(dim=(2, 3), keepdim=True),
+        )
 
     def block_names(self, layers: bool = False) -> list[str]:
         """Names a checkpoint plan can use: ``down.*`` and ``mid``, or with ``layers=True`` their layers."""

@@ -2,9 +2,10 @@
 
 The decisions (when to measure, tighten, loosen, fall back to `full`, the out-of-memory ladder) are
 `shared_configs.planning.closed_loop`'s. This adapter measures whole optimizer steps (the allocator on
-CUDA, `torch_impl.memory.step_peak` on CPU), puts plans on the model, restores a failed attempt
-(`torch_impl.guard_retry`) and reads the regime the step runs in (`torch_impl.guard_model`). Several
-processes agree on each judgement and plan (`agreed_peak`, `from_rank0`). Mirror: `jax_impl/guard.py`.
+CUDA, `torch_impl.memory.step_peak` on CPU, with what the script holds beside the step), puts plans on
+the model, replays a failed attempt's accumulation window (`torch_impl.guard_retry`) and reads the regime
+the step runs in (`torch_impl.guard_model`). Several processes agree on each retry, judgement and plan
+(`agree`, `largest`, `from_rank0`). Mirror: `jax_impl/guard.py`.
 The rules and the measured runs: docs/guard.md.
 """
 
@@ -22,24 +23,45 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shared_configs.planning import gpu, pipeline, whole
-from shared_configs.planning.closed_loop import DEFAULT_ROUNDS, Action, ClosedLoop, GuardRecord, mib, split_options
+from shared_configs.planning.closed_loop import (
+    DEFAULT_ROUNDS,
+    Action,
+    ClosedLoop,
+    GuardRecord,
+    Vote,
+    mib,
+    split_options,
+)
 from shared_configs.planning.pipeline import Workload
 from shared_configs.progress import SILENT, say
 from shared_configs.regime import Regime
 from torch_impl.compat import tree_leaves
 from torch_impl.diffusers_adapter import apply_plan
-from torch_impl.guard_model import RegimeWatch, described, gpu_flavour, regime_seen, step_spec, take_over_checkpointing
+from torch_impl.guard_model import (
+    HeldWatch,
+    RegimeWatch,
+    described,
+    gpu_flavour,
+    regime_seen,
+    step_spec,
+    take_over_checkpointing,
+)
 from torch_impl.guard_retry import (
-    RetryPoint,
+    PeerOutOfMemory,
+    Window,
     accelerator_of,
-    agreed_peak,
+    agree,
     base_optimizer,
     from_rank0,
+    go_on,
+    host_group,
+    largest,
     processes,
+    rank,
     why_not_retry,
 )
 from torch_impl.pair import ControlNetPair
-from torch_impl.wrappers import compiled, unwrap
+from torch_impl.wrappers import compiled, sharding, unwrap
 
 
 class BudgetGuard:
@@ -50,8 +72,11 @@ class BudgetGuard:
     `torch_impl.plan_for_budget` takes them. ``policy``: start from this plan (a resumed run's last)
     instead of planning. ``rounds``: re-plans for a measured excess before `full`. ``optimizers`` (else
     those among the step's arguments, or seen stepping the model's parameters) and ``accelerator`` (else
-    the owner of `step`'s context) are what a retry restores. ``planner_log``: where re-plans' progress
-    goes. Raises `shared_configs.planning.solver.Infeasible` when no plan fits at all.
+    the owner of `step`'s context) are what a retry restores. ``holds``: modules and tensors the script
+    keeps on the device that the step does not read (a teacher, a cache), counted in the plan and the
+    measurement (an EMA updated after the step is found). ``planner_log``: where re-plans' progress goes.
+    A model ``fully_shard``-ed by FSDP2 is planned per rank (``distributed="fsdp"``, its mesh's size), unless
+    given. Raises `shared_configs.planning.solver.Infeasible` when no plan fits at all.
     """
 
     def __init__(
@@ -66,13 +91,14 @@ class BudgetGuard:
         rounds: int = DEFAULT_ROUNDS,
         optimizers: Iterable[torch.optim.Optimizer] = (),
         accelerator: Any = None,
+        holds: Iterable[nn.Module | torch.Tensor] = (),
         planner_log: logging.Logger = SILENT,
         **planner_options: Any,
     ) -> None:
         self._step = 0
         self.model, self._compiled = unwrap(model), compiled(model)
         spec = step_spec(self.model)
-        self._plan_options, workload = split_options(planner_options)
+        self._plan_options, workload = split_options(sharding(self.model) | planner_options)
         workload.setdefault("device", gpu_flavour(self._device()))  # on CUDA: plans for what the card holds
         given = regime is not None
         if regime is None:
@@ -86,9 +112,17 @@ class BudgetGuard:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._adopt(list(optimizers))
         self._accelerators = [] if accelerator is None else [accelerator]
+        self._window = Window(self._accelerators)
+        self._holds = [t for h in holds for t in ([*h.parameters(), *h.buffers()] if isinstance(h, nn.Module) else [h])]
+        self._held_bytes = sum(
+            {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._holds}.values()
+        )
+        self._ema: list[weakref.ref[torch.Tensor]] = []  # what `HeldWatch` found held beside the step
+        self._gap: HeldWatch | None = None
+        self._group = host_group()
         self._pending: list[dict[str, int]] = []  # this optimizer step's measured micro-steps
         self._stepped = False  # an optimizer over the model's parameters began a step (since the last look)
-        self._fresh = False  # the last call ended with an optimizer step: no gradient accumulated since
+        self._fresh = True  # the last call ended with an optimizer step (or none ran): no gradient accumulated
         _spot_optimizers(self)
         if taken := take_over_checkpointing(self.model):
             self._say(f"{' and '.join(taken)}: its own gradient checkpointing is off; the guard's plan replaces it")
@@ -111,25 +145,36 @@ class BudgetGuard:
 
     def run(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``step_fn(*args, **kwargs)`` under the plan in force, measured when due; after an out-of-memory
-        error, run again from the state it started from under a plan that recomputes more, or re-raised."""
+        error (on any rank), its accumulation window replayed from its start under a plan that recomputes
+        more, or re-raised."""
         self._step += 1
+        if self._gap is not None:
+            self._gap_ended()
         if self._stepped:  # the optimizer stepped outside ``step_fn`` since the last call
             self._fresh = True
             self._optimizer_stepped()
         self._adopt(tree_leaves((args, kwargs)))
-        point = RetryPoint(self._retried_params(), self._device(), self._accelerators, self._fresh)
+        params = self._retried_params()
+        self._window.enter(step_fn, args, kwargs, params, self._fresh)
+        replay = False
         while True:  # the ladder ends: under `full` the loop gives up
             self._stepped = False
             try:
+                if replay:
+                    self._window.replay()
                 return self._attempt(step_fn, args, kwargs)
-            except torch.OutOfMemoryError:
-                if not self.loop.out_of_memory(self._step, why_not_retry(self._stepped)):
-                    point.restore()
+            except torch.OutOfMemoryError as err:  # every rank votes once (`agree`), here or where it learns
+                failed = Vote.REFUSE if self._stepped else Vote.RETRY
+                vote, by = (err.vote, err.rank) if isinstance(err, PeerOutOfMemory) else agree(failed, self._group)
+                who = "" if by == rank() else f"rank {by} "
+                if not self.loop.out_of_memory(self._step, why_not_retry(vote, who), who=who):
+                    self._window.rewind(params)
                     self._free()
                     raise
             # Out of the handler: the error's traceback, and the failed step's tensors it held, are gone.
-            point.restore()
-            self._put_on(self.loop.recompute_more(self._step))  # what the failed step left freed first
+            self._window.rewind(params)
+            self._put_on(self.loop.recompute_more(self._step, who))  # what the failed step left freed first
+            replay = True
 
     def step(self, context: Callable[..., Any] | None = None, *context_args: Any) -> Callable[[Callable[[], Any]], Any]:
         """A decorator that runs the function at once as `run` does, inside ``context(*context_args)``
@@ -150,13 +195,31 @@ class BudgetGuard:
             from torch_impl.memory import step_peak  # here: `import torch_impl` stays light
 
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            with step_peak(self.model, self._optimizers, tensors) as found:
+            with step_peak(self.model, self._optimizers, tensors, self._held()) as found:
                 out = step_fn(*args, **kwargs)
             self._pending.append(found)
+        go_on(self._group)  # every rank reaches the end of its call, or votes at its error
         self._fresh = self._stepped  # else the next micro-step accumulates into this one's gradients
         if self._stepped:
             self._optimizer_stepped()
+            if self._optimizer_steps == 1:  # until the next call: what the script updates from the weights
+                self._gap = HeldWatch([p for p in self.model.parameters() if p.requires_grad]).start()
+                self._gap_end = weakref.finalize(self, self._gap.end)
         return out
+
+    def _gap_ended(self) -> None:
+        """After the first optimizer step's gap: tensors held beside the step on the model's device (an EMA's shadow
+        weights) counted in each measurement from now on, and in the regime (on every rank, if on any)."""
+        self._gap_end()
+        found, self._gap = [t for t in self._gap.found.values() if t.device == self._device()], None
+        self._ema = [weakref.ref(t) for t in found]
+        if largest(int(bool(found)), self._group):
+            self._watch.ema = True
+            self._regime_differs()
+
+    def _held(self) -> list[torch.Tensor]:
+        """What the device holds beside the step that it may not read: ``holds``, and an EMA found (while alive)."""
+        return [*self._holds, *(t for ref in self._ema if (t := ref()) is not None)]
 
     def _optimizer_stepped(self) -> None:
         """One optimizer step ended: judge the peak over its measured micro-steps (after the first, its regime)."""
@@ -168,7 +231,7 @@ class BudgetGuard:
             found = max(self._pending, key=lambda f: f.get("reserved", f["peak"]))
             self._pending, measured = [], found.get("reserved", found["peak"])
             allocated = found["peak"] if "reserved" in found else None
-            if (policy := self.loop.judge(self._step, agreed_peak(measured, self._device()), allocated)) is not None:
+            if (policy := self.loop.judge(self._step, largest(measured, self._group), allocated)) is not None:
                 self._put_on(policy)
 
     def _regime_differs(self) -> bool:
@@ -203,6 +266,8 @@ class BudgetGuard:
         """An optimizer begins a step: one over the model's parameters ends the guarded optimizer step."""
         opt = base_optimizer(opt)
         if opt in self._optimizers or any(id(p) in self._params for g in opt.param_groups for p in g["params"]):
+            if not self._stepped:  # before any weight changes, every rank meets here or votes at its error
+                go_on(self._group)
             self._stepped = True
             self._adopt([opt])
 
@@ -236,13 +301,13 @@ class BudgetGuard:
     def _planned(self, budget: int) -> tuple[str, int]:
         # A GPU flavour's budget is the card's, the CUDA context in it; the guard's is the allocator's reserve.
         context = 0 if self._workload.device == "cpu" else whole.card(self._workload).context
-        planned = pipeline.plan(self._workload, budget + context, "torch", **self._plan_options)
-        return planned.policy, self._reserved(planned.solution.prediction.peak_bytes)
+        planned = pipeline.plan(self._workload, budget + context - self._held_bytes, "torch", **self._plan_options)
+        return planned.policy, self._reserved(planned.solution.prediction.peak_bytes + self._held_bytes)
 
     def _predict(self, policy: str) -> int:
         options = {k: v for k, v in self._plan_options.items() if k in ("world_size", "distributed")}
         found = from_rank0(lambda: pipeline.predict_policy(self._workload, policy, "torch", **options))
-        return self._reserved(found[0].prediction.peak_bytes)
+        return self._reserved(found[0].prediction.peak_bytes + self._held_bytes)
 
     def _reserved(self, allocated: int) -> int:
         """A predicted peak as the guard judges it: on a GPU flavour, the allocator's reserve (`gpu.FRAGMENTATION`)."""

@@ -3,14 +3,15 @@
 `step_spec`: the spec of our `UNet`, a diffusers U-Net (peft adapters or not) or a `ControlNetPair`;
 `take_over_checkpointing` turns diffusers' own gradient checkpointing off (the guard's plan replaces
 it); `regime_seen` reads the regime the parameters show (what is trained, in which dtypes) and
-`RegimeWatch` the one the first optimizer step shows (autocast, the optimizer, kept gradients);
-`gpu_flavour` the planner's device for the model's. docs/guard.md has the rules.
+`RegimeWatch` the one the first optimizer step shows (autocast, the optimizer, kept gradients) and
+`HeldWatch` what the script updates from the trained weights after it (an EMA); `gpu_flavour` the
+planner's device for the model's. docs/guard.md has the rules.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from shared_configs.planning.optimizer_step import SOURCES, implementation
 from shared_configs.planning.pipeline import Workload
 from shared_configs.regime import Regime
 from shared_configs.spec import UNetSpec
+from torch_impl.compat import TorchDispatchMode, innermost_mode, tree_leaves
 from torch_impl.diffusers_adapter import diffusers_spec
 from torch_impl.pair import ControlNetPair
 from torch_impl.regime import DIFFUSERS_LORA_TARGETS
@@ -100,6 +102,7 @@ class RegimeWatch:
         self.model, self.given, self.impl_given = model, given, impl_given
         self.autocast: torch.dtype | None = None
         self.forwarded = False
+        self.ema = False  # an EMA seen after the first optimizer step (`HeldWatch`)
         # conv_in, the first layer of every U-Net and ControlNet: inside a forward that a wrapper
         # (accelerate's) runs under autocast; a pair's trained network, which the script calls
         trained = model.controlnet if isinstance(model, ControlNetPair) else model
@@ -113,16 +116,17 @@ class RegimeWatch:
         self._handle.remove()
 
     def seen(self, planned: Regime, optimizers: list[torch.optim.Optimizer]) -> tuple[Regime, list[str]]:
-        """The regime the first optimizer step shows (``planned``'s EMA kept), and the lines on what it cannot tell."""
+        """The regime the first optimizer step shows (an EMA where seen or planned), and the lines on what it cannot
+        tell."""
         regime, notes = regime_seen(self.model, self.autocast)
         names = {type(o).__name__ for o in optimizers}
         known = {OPTIMIZERS[n] for n in names if n in OPTIMIZERS}
-        optimizer = known.pop() if len(known) == 1 else planned.optimizer
+        optimizer = next(iter(known)) if len(known) == 1 else planned.optimizer
         if names and not known:
             notes.append(f"optimizer {', '.join(sorted(names))}: planned as {planned.optimizer}")
         trained = [p.grad for p in self.model.parameters() if p.requires_grad]
         kept = all(g is not None for g in trained) and not any(bool(g.any()) for g in trained)
-        return replace(regime, optimizer=optimizer, ema=planned.ema, keep_grads=kept), notes
+        return replace(regime, optimizer=optimizer, ema=planned.ema or self.ema, keep_grads=kept), notes
 
     def workload(self, planned: Workload, optimizers: list[torch.optim.Optimizer]) -> tuple[Workload, list[str]]:
         """The workload the step shows after its first optimizer step (``planned`` until a forward is seen) and
@@ -149,6 +153,55 @@ class RegimeWatch:
         found = {_update_of(o) for o in optimizers}
         name = found.pop() if len(found) == 1 else None
         return name if (optimizer, name) in SOURCES and name != implementation(optimizer, "cuda") else None
+
+
+class HeldWatch(TorchDispatchMode):
+    """What a script updates from the trained weights between two guarded calls: the tensors an op reads beside a
+    trained weight of their shape that existed before the watch (``found``, by storage): an EMA's shadow weights
+    (diffusers' ``EMAModel.step``, foreach or not; this project's `torch_impl.regime.EMA`). A copy made while
+    watched (``--offload_ema`` brings the shadow to the device for the update, then back) is not held. `end` also
+    runs when the guard is collected: a loop that stops after its first optimizer step leaves no watch behind."""
+
+    current: ClassVar[HeldWatch | None] = None  # the process's watch in force
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__()
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # FSDP2: this rank's shards
+        self.shapes = {p.untyped_storage().data_ptr(): p.shape for p in local}
+        self.made: set[int] = set()
+        self.found: dict[int, torch.Tensor] = {}
+        self.ended = False
+
+    def start(self) -> HeldWatch:
+        """Watch from now on, ending the process's earlier watch first: modes nest, and only the innermost can leave
+        the stack, so a second guard's watch entered over a first one would leave the first there for good."""
+        if HeldWatch.current is not None:
+            HeldWatch.current.end()
+        HeldWatch.current = self
+        return self.__enter__()
+
+    def end(self) -> None:
+        """Stop watching; leave the mode stack where this is innermost (else a mode entered since would be left)."""
+        self.ended = True
+        if HeldWatch.current is self:
+            HeldWatch.current = None
+        if innermost_mode() is self:
+            self.__exit__(None, None, None)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.ended:
+            return func(*args, **(kwargs or {}))
+        if any(t not in (torch.Tensor, nn.Parameter) for t in types):  # FSDP2's DTensor: its local ops are watched
+            return NotImplemented
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        shapes = {self.shapes.get(t.untyped_storage().data_ptr()) for t in tensors}
+        for t in tensors:
+            key = t.untyped_storage().data_ptr()
+            if t.shape in shapes and key not in self.shapes and key not in self.made:
+                self.found[key] = t
+        out = func(*args, **(kwargs or {}))
+        self.made.update(t.untyped_storage().data_ptr() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
 
 
 def described(workload: Workload) -> str:

@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from shared_configs.arch import ClassEmbeddingArgs, timestep_frequencies
+from shared_configs.arch import (
+    ClassEmbeddingArgs,
+    NormArgs,
+    ResnetArgs,
+    SelfAttentionArgs,
+    TransformerArgs,
+    timestep_frequencies,
+)
 
 Mask = torch.Tensor | None  # a context mask as a score bias (`mask_bias`)
 
@@ -26,16 +33,16 @@ def timestep_embedding(
     return F.pad(emb, (0, dim % 2))
 
 
-# Norm kinds of the spec -> constructor (ch, groups, eps, momentum); the same keys as in Flax.
-NORM: dict[str, Callable[[int, int, float, float], nn.Module]] = {
-    "group": lambda ch, groups, eps, momentum: nn.GroupNorm(groups, ch, eps=eps),
-    "batch": lambda ch, groups, eps, momentum: nn.BatchNorm2d(ch, eps=eps, momentum=momentum),
+# Norm kinds of the spec -> constructor (ch, args); the same keys as in Flax.
+NORM: dict[str, Callable[[int, NormArgs], nn.Module]] = {
+    "group": lambda ch, a: nn.GroupNorm(a.groups, ch, eps=a.eps),
+    "batch": lambda ch, a: nn.BatchNorm2d(ch, eps=a.eps, momentum=a.momentum),
 }
 
 
-def norm_layer(ch: int, norm: str, groups: int, eps: float, momentum: float) -> nn.Module:
-    """The ResNet / output norm of kind ``norm`` (``shared_configs.arch.norm_kwargs``)."""
-    return NORM[norm](ch, groups, eps, momentum)
+def norm_layer(ch: int, args: NormArgs) -> nn.Module:
+    """The ResNet / output norm of kind ``args.norm`` (`shared_configs.arch.norm_args`)."""
+    return NORM[args.norm](ch, args)
 
 
 class TimestepEmbedding(nn.Module):
@@ -75,29 +82,15 @@ class ResnetBlock(nn.Module):
     """Norm-SiLU-conv twice, the timestep added (or scale/shift) between, a skip. ``resample`` ``"down"`` /
     ``"up"`` (diffusers' ResnetDownsample blocks): both paths pooled / upsampled after the first norm."""
 
-    def __init__(
-        self,
-        in_ch: int,
-        out_ch: int,
-        temb_dim: int,
-        groups: int,
-        eps: float,
-        dropout_rate: float,
-        scale_shift: bool = False,
-        output_scale: float = 1.0,
-        norm: str = "group",
-        momentum: float = 0.1,
-        skip_time_act: bool = False,
-        resample: str = "none",
-    ) -> None:
+    def __init__(self, in_ch: int, out_ch: int, args: ResnetArgs, resample: str = "none") -> None:
         super().__init__()
-        self.scale_shift, self.output_scale, self.skip_time_act = scale_shift, output_scale, skip_time_act
+        self.args = args
         self.resample = _RESAMPLE.get(resample)  # "none": None
-        self.norm1 = norm_layer(in_ch, norm, groups, eps, momentum)
+        self.norm1 = norm_layer(in_ch, args.norm)
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
-        self.time_emb_proj = nn.Linear(temb_dim, out_ch * (2 if scale_shift else 1))
-        self.norm2 = norm_layer(out_ch, norm, groups, eps, momentum)
-        self.dropout = nn.Dropout(dropout_rate)
+        self.time_emb_proj = nn.Linear(args.temb_dim, out_ch * (2 if args.scale_shift else 1))
+        self.norm2 = norm_layer(out_ch, args.norm)
+        self.dropout = nn.Dropout(args.dropout_rate)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
         self.conv_shortcut = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else None
 
@@ -106,15 +99,15 @@ class ResnetBlock(nn.Module):
         if self.resample is not None:
             x, h = self.resample(x), self.resample(h)
         h = self.conv1(h)
-        t = self.time_emb_proj(temb if self.skip_time_act else F.silu(temb))[:, :, None, None]
-        if self.scale_shift:
+        t = self.time_emb_proj(temb if self.args.skip_time_act else F.silu(temb))[:, :, None, None]
+        if self.args.scale_shift:
             scale, shift = t.chunk(2, dim=1)
             h = self.norm2(h) * (1 + scale) + shift
         else:
             h = self.norm2(h + t)
         h = self.conv2(self.dropout(F.silu(h)))
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
-        return (skip + h) / self.output_scale
+        return (skip + h) / self.args.output_scale
 
 
 def attention(
@@ -129,21 +122,12 @@ def attention(
 class SelfAttention(nn.Module):
     """DDPM's spatial self-attention block: GroupNorm (none when ``groups=0``), q/k/v, attention, out, residual."""
 
-    def __init__(
-        self,
-        ch: int,
-        heads: int,
-        head_dim: int,
-        groups: int,
-        eps: float,
-        scale: float | None,
-        output_scale: float = 1.0,
-    ) -> None:
+    def __init__(self, ch: int, args: SelfAttentionArgs) -> None:
         super().__init__()
-        self.heads, self.output_scale = heads, output_scale
-        self.scale = scale or head_dim**-0.5
-        self.group_norm = nn.GroupNorm(groups, ch, eps=eps) if groups else None
-        inner = heads * head_dim
+        self.heads, self.output_scale = args.heads, args.output_scale
+        self.scale = args.scale or args.head_dim**-0.5
+        self.group_norm = nn.GroupNorm(args.groups, ch, eps=args.eps) if args.groups else None
+        inner = args.heads * args.head_dim
         self.to_q, self.to_k, self.to_v = (nn.Linear(ch, inner) for _ in range(3))
         self.to_out = nn.Linear(inner, ch)
 
@@ -211,28 +195,16 @@ class TransformerBlock(nn.Module):
 class Transformer2D(nn.Module):
     """SD's spatial transformer: GroupNorm, project in (to ``heads * head_dim``), blocks, project out, residual."""
 
-    def __init__(
-        self,
-        ch: int,
-        heads: int,
-        head_dim: int,
-        depth: int,
-        groups: int,
-        norm_eps: float,
-        ln_eps: float,
-        scale: float | None,
-        context_dim: int | None,
-        linear_projection: bool,
-    ) -> None:
+    def __init__(self, ch: int, args: TransformerArgs) -> None:
         super().__init__()
-        self.linear_projection = linear_projection
-        inner = heads * head_dim
-        self.norm = nn.GroupNorm(groups, ch, eps=norm_eps)
-        self.proj_in = nn.Linear(ch, inner) if linear_projection else nn.Conv2d(ch, inner, 1)
+        self.linear_projection = linear = args.linear_projection
+        inner = args.heads * args.head_dim
+        self.norm = nn.GroupNorm(args.groups, ch, eps=args.norm_eps)
+        self.proj_in = nn.Linear(ch, inner) if linear else nn.Conv2d(ch, inner, 1)
         self.transformer_blocks = nn.ModuleList(
-            TransformerBlock(inner, heads, ln_eps, scale, context_dim) for _ in range(depth)
+            TransformerBlock(inner, args.heads, args.ln_eps, args.scale, args.context_dim) for _ in range(args.depth)
         )
-        self.proj_out = nn.Linear(inner, ch) if linear_projection else nn.Conv2d(inner, ch, 1)
+        self.proj_out = nn.Linear(inner, ch) if linear else nn.Conv2d(inner, ch, 1)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, mask: Mask = None) -> torch.Tensor:
         height = x.shape[2]

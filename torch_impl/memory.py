@@ -334,10 +334,12 @@ def step_peak(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
     inputs: Iterable[torch.Tensor] = (),
+    held: Iterable[torch.Tensor] = (),
 ) -> Iterator[dict[str, int]]:
     """The peak bytes of the step run in the block (``found["peak"]`` at exit): on CUDA the allocator's
     (``found["reserved"]`` too); on CPU `StepTracker`'s, every storage the step reads counted (frozen
-    encoders), ``inputs`` standing for the batch; the step runs eagerly (a dispatch mode needs it)."""
+    encoders), ``inputs`` standing for the batch, ``held`` for what the device holds beside the step (an
+    EMA); the step runs eagerly (a dispatch mode needs it)."""
     found: dict[str, int] = {}
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -345,7 +347,7 @@ def step_peak(
         yield found
         found.update(peak=torch.cuda.max_memory_allocated(device), reserved=torch.cuda.max_memory_reserved(device))
         return
-    tracker = StepTracker(model, optimizer, inputs=inputs, reads=True, detail=False)
+    tracker = StepTracker(model, optimizer, held=held, inputs=inputs, reads=True, detail=False)
     with torch.compiler.set_stance("force_eager"), tracker:
         yield found
     assert tracker.result is not None

@@ -2,9 +2,10 @@
 
 Every figure comes from the training loop's own `torch_impl.step.train_step` after a warm-up step:
 bytes from one step per uniform plan under `torch_impl.memory.StepTracker`, filed by unit through
-module hooks; seconds from the plain and per-layer steps, every choice priced at two fitted rates
-(`priced`). ``shapes=True``: fake tensors, nothing allocated. `measure_step` is the one measurement of a
-step (the planner's `measure`, the benchmark's rows). Called by `shared_configs.planning.workers`.
+module hooks; seconds from the plain and per-layer steps, every choice priced as its unit's forward
+seconds at the choice's rate (`priced`). ``shapes=True``: fake tensors, nothing allocated. `measure_step`
+is the one measurement of a step (the planner's `measure`, the benchmark's rows). Called by
+`shared_configs.planning.workers`.
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from shared_configs import UNetSpec
 from shared_configs.planning import optimizer_step
 from shared_configs.planning.budget import PROFILE_RUNS, Cost
-from shared_configs.planning.recompute_time import at_rates, plain_keeps, step_flops, work
-from shared_configs.planning.stepclock import clock, cpu_split, fitted_rates, in_turn, measured_rounds, times
+from shared_configs.planning.stepclock import clock, cpu_split, in_turn, measured_rounds, times
 from shared_configs.planning.timeline import BWD, FWD, filed_units, profile_assignments, unit_costs
-from shared_configs.planning.units import PLAIN, StepSpec, block_layers, leaf_units, policy_string
+from shared_configs.planning.units import StepSpec, block_layers, leaf_units, policy_string
 from shared_configs.progress import tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 from shared_configs.training.data import Batch, batch_bytes, step_arrays
@@ -246,11 +248,10 @@ def profile(
     }
     units = filed_units(spec, batch_size, context_length, assignments, [costs for costs, _, _ in measured])
     opt_peak = measured[0][1]  # the plain run's, PROFILE_RUNS' first
-    plain_flops = step_flops(spec, batch_size, context_length, regime.profiled)
     step_time, rates = 0.0, {}
     with cpu_split(cpu, "timing"):
         if timing and real is not None:
-            units, step_time, rates = priced(real, units, assignments, repeats, runs, plain_flops)
+            units, step_time, rates = priced(real, units, assignments, repeats, runs)
     s = fake or real
     assert s is not None
     return {
@@ -264,9 +265,9 @@ def profile(
             "runs": runs,
             "method": "live tensor-storage bytes filed by unit (module hooks) in torch_impl.train.train_step "
             f"({'the runs not timed on fake tensors, the same bytes' if exact else 'every run real'}); "
-            "recompute seconds: FLOPs and bytes no longer kept at the rates fitted to the per-layer runs' "
-            "measured extras (each layer's forward + backward CPU seconds, single thread, minus the plain "
-            "step's), the runs timed in turn",
+            "recompute seconds: the unit's forward CPU seconds in the plain step (single thread, hook to hook) "
+            "times its choice's rate, the per-layer run's extra step seconds per forward second recomputed; "
+            "the runs timed in turn",
             "time_rates": rates,
             "versions": {"torch": torch.__version__},
             "regime": regime.describe(),
@@ -297,38 +298,36 @@ def fake_setup(spec: StepSpec, batch_size: int, context_length: int, regime: Reg
     return _fake[1]
 
 
-# The runs timed: the plain step and the per-layer plans, whose recomputed units are single layers
-# (their seconds from unit hook to unit hook are the layer's own). Every (unit, choice), blocks
-# included, is then priced at the rates those seconds give (`stepclock.fitted_rates`).
+# The runs timed: the plain step and the per-layer plans, each recomputing every layer under one choice.
 TIMED_LEVEL = "layers"
 
 
 def priced(
-    s: dict[str, Any],
-    units: dict[str, dict[str, Cost]],
-    assignments: list[dict[str, str]],
-    repeats: int,
-    runs: dict[str, Any],
-    plain_flops: float,
+    s: dict[str, Any], units: dict[str, dict[str, Cost]], assignments: list[dict[str, str]], repeats: int, runs: dict
 ) -> tuple[dict[str, dict[str, Cost]], float, dict[str, float]]:
-    """``units`` priced at the rates fitted to `timing_runs` of the per-layer runs (each one's median step
-    filed in ``runs``), the plain step's seconds and the rates."""
+    """``units`` priced as the step runs them: a recompute redoes the unit's forward, so a choice costs the
+    unit's forward seconds in the plain step (a block: its layers' and sampler's) times the choice's rate, the
+    median over the per-layer run's layers of each one's extra seconds per forward second, weighted by its
+    forward (a stall in a few layers' round moves it little; none above 0, as on a machine too loaded to
+    tell: 1, the forward run again). Each timed run's median step is filed in ``runs``. Returns the units,
+    the plain step's seconds and the rates."""
     timed = [a for (_, level), a in zip(PROFILE_RUNS, assignments, strict=True) if level == TIMED_LEVEL]
     results = timing_runs(s, timed, repeats)
-    plain_keep = plain_keeps(s["spec"], units)
-    plain = {u: sum(t) for u, t in results[0][0].items()}  # the plain run is PROFILE_RUNS' first
-    samples = []
+    plain, step_time = results[0]  # the plain run is PROFILE_RUNS' first
+    forward = {u: fwd for u, (fwd, _) in plain.items()}
+    forward |= {b: sum(forward[n] for n in layers) for b, layers in block_layers(s["spec"]).items()}
+    rates = {}
     for assignment, (per_unit, seconds) in zip(timed, results, strict=True):
         runs[policy_string(assignment)]["step_time_s"] = seconds
-        for unit, (fwd, bwd) in per_unit.items():
-            choice = assignment.get(unit, PLAIN)
-            if choice != PLAIN:  # the extra unclamped: the fit averages the noise out
-                samples.append((*work(units[unit][choice], plain_keep[unit]), fwd + bwd - plain[unit]))
-    step_time = results[0][1]
-    per_flop, per_byte = fitted_rates(samples)
-    if not per_flop and not per_byte:  # nothing measured above noise: FLOPs at the plain step's throughput
-        per_flop = step_time / plain_flops
-    return at_rates(s["spec"], units, per_flop, per_byte), step_time, {"per_flop_s": per_flop, "per_byte_s": per_byte}
+        if assignment:  # a per-layer run, every layer under one choice
+            (choice,) = set(assignment.values())
+            extra = [(sum(per_unit[u]) - sum(plain[u])) / forward[u] for u in assignment]
+            median = np.quantile(extra, 0.5, weights=[forward[u] for u in assignment], method="inverted_cdf")
+            rates[choice] = float(median) if median > 0 else 1.0  # no signal above noise: its forward again
+    priced = {
+        u: {c: replace(v, time_s=rates.get(c, 0.0) * forward[u]) for c, v in per.items()} for u, per in units.items()
+    }
+    return priced, step_time, rates
 
 
 def measure(

@@ -18,7 +18,6 @@ from shared_configs.arch import (
     block_resnet_args,
     class_embedding_args,
     down_blocks,
-    kwargs,
     norm_args,
     up_blocks,
 )
@@ -140,7 +139,7 @@ class UNetTrunk(nn.Module):
         return self._resnet_factory(b.name), self._attention_factory(b.attention, b.level, b.name)
 
     def _resnet_factory(self, block: str) -> functools.partial:
-        return functools.partial(ResnetBlock, **kwargs(block_resnet_args(self.trunk_spec, block)))
+        return functools.partial(ResnetBlock, args=block_resnet_args(self.trunk_spec, block))
 
     def _attention_factory(
         self, kind: str, level: int, block: str, output_scale: float = 1.0
@@ -148,7 +147,7 @@ class UNetTrunk(nn.Module):
         if kind == "none":
             return None
         return functools.partial(
-            ATTENTION_LAYERS[kind], **kwargs(attention_args(self.trunk_spec, kind, level, block, output_scale))
+            ATTENTION_LAYERS[kind], args=attention_args(self.trunk_spec, kind, level, block, output_scale)
         )
 
     def _encode(
@@ -217,7 +216,7 @@ class UNet(UNetTrunk):
             for b in up_blocks(spec)
         )
         chans = spec.block_out_channels
-        self.conv_norm_out = norm_layer(chans[0], **kwargs(norm_args(spec)))
+        self.conv_norm_out = norm_layer(chans[0], norm_args(spec))
         self.conv_out = nn.Conv2d(chans[0], spec.out_channels, 3, padding=1)
         self.enable_gradient_checkpointing(policy)
 

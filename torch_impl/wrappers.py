@@ -1,9 +1,12 @@
 """The wrappers a training script's model may wear: DDP, FSDP1, accelerate's prepared module,
-``torch.compile``'s ``OptimizedModule``. `unwrap` takes them off, `compiled` says whether one compiles.
+``torch.compile``'s ``OptimizedModule``; and FSDP2's ``fully_shard``, which shards the model in place.
+`unwrap` takes the wrappers off, `compiled` says whether one compiles, `sharding` how a rank is planned.
 Told by class name, so neither accelerate nor torch.distributed is imported. Docs: docs/guard.md.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch import nn
 
@@ -28,3 +31,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 def compiled(model: nn.Module) -> bool:
     """``model`` is ``torch.compile``'s, or a wrapper (DDP, accelerate's) around one."""
     return "OptimizedModule" in (type(model).__name__, type(getattr(model, "module", None)).__name__)
+
+
+def sharding(model: nn.Module) -> dict[str, Any]:
+    """The planner's options for one rank of ``model``: FSDP2's sharded parameters (DTensors) say ``fsdp`` over
+    their mesh's ranks; else none (DDP: each rank holds the whole step)."""
+    mesh = getattr(next(model.parameters()), "device_mesh", None)
+    return {} if mesh is None else {"distributed": "fsdp", "world_size": mesh.size()}

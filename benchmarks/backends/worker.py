@@ -2,7 +2,12 @@
 
 `serve` answers a ``rows`` request (``env`` once, then ``start`` and ``row`` per row: a row that
 fails is reported, ``oom`` or ``error``, and the next row runs) or a ``floor`` request, with one
-framework's backend (`torch_bench`, `jax_bench`, `compiled_bench`, `diffusers_bench`). Testing
+framework's backend (`torch_bench`, `jax_bench`, `compiled_bench`, `diffusers_bench`), a module
+providing ``resolve_device(requested)`` (auto / cpu / gpu; RuntimeError if there is none),
+``prepare(job, device)`` (process-wide set-up before the first row), ``device_info(device)``,
+``versions()``, ``one_row_per_process(device)`` (a peak counter that cannot be reset),
+``measure(job, policy, batch_size, device)``, ``release(device)`` (free what a row left behind),
+``oom_types()`` and ``simulated_oom()``. Testing
 hooks (environment): ``BENCHMARKS_SIMULATE_OOM=framework:policy:batch,...`` raises the framework's
 own out-of-memory error at that row; ``BENCHMARKS_SIMULATE_KILL`` (same syntax) SIGKILLs the
 worker there, as the kernel's OOM killer would.
@@ -16,34 +21,20 @@ import signal
 import sys
 import traceback
 from types import SimpleNamespace
-from typing import Any, Protocol, cast
+from typing import Any
 
 from benchmarks.harness.job import KILL_SIM_ENV, OOM_SIM_ENV, Job, is_oom_message, one_line, parse_sim
 from shared_configs.planning.workers import emit
 
 
-class Backend(Protocol):
-    """What a framework's measuring module (``benchmarks.backends.<framework>_bench``) provides."""
-
-    def prepare(self, job: Job, device: Any) -> None: ...  # process-wide set-up before the first row
-    def resolve_device(self, requested: str) -> Any: ...  # auto / cpu / gpu; RuntimeError if there is none
-    def device_info(self, device: Any) -> dict[str, Any]: ...
-    def versions(self) -> dict[str, str]: ...
-    def one_row_per_process(self, device: Any) -> bool: ...  # a peak counter that cannot be reset
-    def measure(self, job: Job, policy: str, batch_size: int, device: Any) -> dict[str, Any]: ...
-    def release(self, device: Any) -> None: ...  # free what a row left behind
-    def oom_types(self) -> tuple[type[BaseException], ...]: ...
-    def simulated_oom(self) -> BaseException: ...
-
-
-def load_backend(framework: str) -> Backend:
+def load_backend(framework: str) -> Any:
     """``<framework>_bench``; a variant (its ``BASE`` set) takes from that backend what it does not define."""
     module = importlib.import_module(f"benchmarks.backends.{framework}_bench")
     base = getattr(module, "BASE", None)
-    return cast(Backend, module if base is None else SimpleNamespace(**(vars(base) | vars(module))))
+    return module if base is None else SimpleNamespace(**(vars(base) | vars(module)))
 
 
-def run_row(backend: Backend, job: Job, policy: str, batch_size: int, device: Any) -> dict[str, Any]:
+def run_row(backend: Any, job: Job, policy: str, batch_size: int, device: Any) -> dict[str, Any]:
     """Measure one row; failures become a row with ``status`` ``oom`` or ``error``."""
     key = (job.framework, policy, batch_size)
     try:

@@ -17,8 +17,9 @@ import numpy as np
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 
-from benchmarks.reports.plot import save_png
+from benchmarks.reports.plot import DPI
 from benchmarks.reports.tables import write_json
+from shared_configs.files import write_png
 from shared_configs.planning.budget import Profile, predict, random_assignment, safety_margin
 from shared_configs.planning.candidates import HAND_POLICIES
 from shared_configs.planning.pipeline import Workload, checked_solve, get_profile, measure
@@ -299,7 +300,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    save_png(fig, path)
+    write_png(fig, path, dpi=DPI)
 
 
 def write(doc: dict[str, Any], folder: Path) -> list[Path]:

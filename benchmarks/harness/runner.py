@@ -2,7 +2,7 @@
 
 Each framework runs in its own worker. A worker that dies mid-row (the kernel's OOM killer, a
 segfault) costs only that row: it is reported as ``oom`` (killed) or ``error`` and a fresh worker
-carries on with the rows left. Workers are stopped with the parent (`shared_configs.processes`).
+carries on with the rows left. Workers are stopped with the parent (`shared_configs.planning.workers.worker_group`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ fronts; and memory over the step (the timelines), per framework, for none and a 
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +13,13 @@ import matplotlib.pyplot as plt
 
 from benchmarks.reports import tables
 from benchmarks.reports.tables import Row
-from shared_configs.files import atomic_write
+from shared_configs.files import write_png
 from shared_configs.memory import CATEGORIES
 from shared_configs.sizes import MIB
 
 COLORS = {"torch": "tab:red", "jax": "tab:blue", "diffusers": "tab:green"}
 MARKERS = {"torch": "o", "jax": "s", "diffusers": "D"}
+DPI = 120
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -160,15 +160,7 @@ def plot_timelines(records: list[dict[str, Any]], path: Path, title: str) -> boo
     fig.suptitle(f"{title}\nmemory over one training step", fontsize=10)
     fig.text(0.5, 0.005, methods, ha="center", va="bottom", fontsize=6, wrap=True)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    return save_png(fig, path)
-
-
-def save_png(fig: Any, path: Path) -> bool:
-    """Write ``fig`` to ``path`` atomically and close it."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    atomic_write(path, buf.getvalue())
+    write_png(fig, path, dpi=DPI)
     return True
 
 
@@ -183,7 +175,8 @@ def plot(rows: list[Row], path: Path, title: str, unreliable: float | None = Non
         _panel(ax, [r for r in rows if r["batch_size"] == b], b, unreliable)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    return save_png(fig, path)
+    write_png(fig, path, dpi=DPI)
+    return True
 
 
 def write_plots(document: dict[str, Any], out: Path, stem: str) -> list[Path]:

@@ -37,8 +37,8 @@ from shared_configs.spec import SpecError
 
 # The uniform plans a profile measures, (choice, level): together they give every (unit, choice).
 PROFILE_RUNS = ((PLAIN, "layers"), (FULL, "blocks"), (SELECTIVE, "blocks"), (FULL, "layers"), (SELECTIVE, "layers"))
-# Raised whenever a profile's figures change meaning (7: torch's profile counts the numpy batch the step reads).
-SCHEMA = 8
+# Raised whenever a profile's figures change meaning (9: torch prices recompute by the unit's forward seconds).
+SCHEMA = 9
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,17 @@ from shared_configs.spec import UNetSpec
 HAND_POLICIES: tuple[str, ...] = ("none", "full", "balanced", "layers", "save_convs", "layers/save=conv,matmul")
 DEFAULT_ROUNDS = 15  # at most; a race is decided sooner when one candidate is left
 MIN_ROUNDS = 5  # the fewest rounds whose sign test can exclude 0 at 90% (all five the same way)
+# Hand policies predicted slower than the solver's plan by more than this fraction of the plain step are not
+# raced: the model's ranking errs by less on specs it never saw (docs/planning.md#the-time-models-ranking).
+RACE_WITHIN = 0.05
 CONFIDENCE = 0.9
 REFERENCE = "none"  # timed every round: the overheads' base
+
+
+def default_rounds(count: int) -> int:
+    """A race's rounds at most: `plan_for_budget`'s quick race of the plan and the hand policies near it
+    (``count`` 1) settles in `MIN_ROUNDS`; with more solver plans, up to `DEFAULT_ROUNDS`."""
+    return DEFAULT_ROUNDS if count > 1 else MIN_ROUNDS
 
 
 def unmeasurable(profiles: list[Profile], world_size: int, distributed: str) -> str | None:
@@ -42,15 +51,20 @@ def measured_choice(
     count: int,
     check: Callable[[str, list[str]], dict[str, int]],
     race: Callable[[str, list[str], dict[str, Any]], dict[str, Any]],
-) -> tuple[Solution, dict[str, Any]]:
-    """The plan `decide` picks of `propose`'s, each ``check``ed and, where it fits, raced (``race``); and the report."""
+) -> tuple[Solution, dict[str, Any] | None]:
+    """The plan `decide` picks of `propose`'s, each ``check``ed and, where it fits, raced (``race``); and the report
+    (None: ``first`` alone fits of them, nothing raced)."""
     entries = propose(profiles, spec, budget, margin, first, count)
+    if len(entries) == 1:  # no other candidate near it: nothing to check or race
+        return first, None
     policies = [c["policy"] for c in entries]
     for fw in frameworks:
         peaks = check(fw, policies)
         for c in entries:
             c["frameworks"][fw]["checked_peak_bytes"] = peaks[c["policy"]]
     fit = [c["policy"] for c in entries if all(f["checked_peak_bytes"] <= budget for f in c["frameworks"].values())]
+    if fit == [first.policy]:
+        return first, None
     race_to = {"budget": budget, "reference": REFERENCE, "min_rounds": MIN_ROUNDS}
     reference = {}
     for fw in frameworks:
@@ -67,7 +81,8 @@ def measured_choice(
 def propose(
     profiles: list[Profile], spec: UNetSpec, budget: int, margin: float, first: Solution, count: int
 ) -> list[dict[str, Any]]:
-    """One entry per plan, predicted per profile: ``first``, up to ``count - 1`` next best, the hand policies."""
+    """One entry per plan, predicted per profile: ``first``, up to ``count - 1`` next best, the hand policies
+    predicted within `RACE_WITHIN` of ``first``'s overhead (summed over the profiles)."""
     found: dict[frozenset, tuple[str, str]] = {}
     sols = [first, *next_best(profiles, spec, budget, margin, first, count - 1)]
     named = [(s.policy, f"solver {i}") for i, s in enumerate(sols, start=1)] + [(h, "hand") for h in HAND_POLICIES[1:]]
@@ -81,7 +96,8 @@ def propose(
             for p, x in zip(profiles, preds, strict=True)
         }
         out.append({"policy": policy, "source": source, "frameworks": per_fw})
-    return out
+    cost = [sum(f["predicted_overhead"] for f in c["frameworks"].values()) for c in out]
+    return [c for c, x in zip(out, cost, strict=True) if c["source"] != "hand" or x <= cost[0] + RACE_WITHIN]
 
 
 def attach(candidates: list[dict[str, Any]], framework: str, rows: dict[str, Any]) -> None:

@@ -3,9 +3,10 @@
 A guard measures the user's step and puts plans on the model; `ClosedLoop` decides the rest: how many
 peaks to measure after a change (`MEASURED_STEPS`), whether a peak is over the budget, what to plan for
 next (tightened or loosened with one margin, `REPLAN_MARGIN`; ``rounds`` re-plans, then `full`), and
-the out-of-memory ladder (`OOM_HALVINGS` plans halfway to `full`, then `full`, the last resort). The
-planner is a function handed in. Its adapters: `torch_impl.guard.BudgetGuard` (measured steps) and
-`jax_impl.guard` (compiled steps).
+the out-of-memory ladder (`OOM_HALVINGS` plans halfway to `full`, then `full`, the last resort), and how
+several processes agree on a retry (`Vote`: every rank acts on the largest). The planner is a function
+handed in. Its adapters: `torch_impl.guard.BudgetGuard` (measured steps) and `jax_impl.guard` (compiled
+steps).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import Any
 
 from shared_configs.planning.units import FULL
@@ -48,6 +49,25 @@ class Action(StrEnum):
     TIGHTENED = "tightened"
     LOOSENED = "loosened"
     RECOMPUTE_MORE = "recompute more"
+
+
+class Vote(IntEnum):
+    """A rank's word at a point every rank reaches once per attempt (before its optimizer step, at the end of
+    a guarded call, or at its out-of-memory error): all ranks act on the largest, so they act alike."""
+
+    GO_ON = 0
+    RETRY = 1  # out of memory, and the attempt can be undone: every rank runs it again under one plan
+    REFUSE = 2  # out of memory once its optimizer step had begun: every rank re-raises
+
+
+def ballot(vote: Vote, rank: int, ranks: int) -> int:
+    """``vote`` as one integer for a max-reduction over ``ranks``: the largest names the largest vote and a rank."""
+    return vote * ranks + rank
+
+
+def tally(largest: int, ranks: int) -> tuple[Vote, int]:
+    """The agreed vote and a rank that cast it, from the largest `ballot`."""
+    return Vote(largest // ranks), largest % ranks
 
 
 @dataclass(frozen=True)
@@ -184,25 +204,30 @@ class ClosedLoop:
         return self.change(step, policy, predicted, Action.LOOSENED, outside)
 
     def out_of_memory(
-        self, step: int, why: str | None = None, measured: int | None = None, refusal: Action = Action.NOT_RETRIED
+        self,
+        step: int,
+        why: str | None = None,
+        measured: int | None = None,
+        refusal: Action = Action.NOT_RETRIED,
+        who: str = "",
     ) -> bool:
-        """Record an out-of-memory error at ``step`` (``measured``: the failed step's peak, where known); whether
-        to run the step again (after `recompute_more`). Not when ``why`` says the attempt cannot be undone
-        (recorded as ``refusal``, its peak kept), nor under `full`."""
+        """Record an out-of-memory error at ``step`` (``measured``: the failed step's peak, where known; ``who``:
+        another rank's, "rank 1 "); whether to run the step again (after `recompute_more`). Not when ``why`` says
+        the attempt cannot be undone (recorded as ``refusal``, its peak kept), nor under `full`."""
         self._may_loosen = False
         self._record(step, measured, Action.OUT_OF_MEMORY)
         if why is not None:
             self._record(step, measured, refusal)
-            self.say(f"ran out of memory under {self.plan}; not run again: {why}; re-raising")
+            self.say(f"{who}ran out of memory under {self.plan}; not run again: {why}; re-raising")
         elif self.plan == FULL:
             self._record(step, None, Action.FULL_FAILED)
             self.say(
-                f"ran out of memory under {FULL} (predicted {mib(self.predicted)}), which recomputes the most: "
+                f"{who}ran out of memory under {FULL} (predicted {mib(self.predicted)}), which recomputes the most: "
                 "the step does not fit this device; re-raising"
             )
         return why is None and self.plan != FULL
 
-    def recompute_more(self, step: int) -> str:
+    def recompute_more(self, step: int, who: str = "") -> str:
         """After `out_of_memory`: the plan for halfway to `full`'s predicted peak, at most `OOM_HALVINGS` times a
         step, else `full` (also where the halfway plan would not recompute more); returns it."""
         made = self._ladder[1] + 1 if self._ladder[0] == step else 1
@@ -212,7 +237,7 @@ class ClosedLoop:
         if found is None or found[1] >= self.predicted:
             found = (FULL, full)
         self.say(
-            f"ran out of memory under {self.plan} (predicted {mib(self.predicted)}); running it again under "
+            f"{who}ran out of memory under {self.plan} (predicted {mib(self.predicted)}); running it again under "
             f"{found[0]} (predicted {mib(found[1])})"
         )
         return self.change(step, *found, Action.RECOMPUTE_MORE, None)

@@ -17,9 +17,8 @@ from shared_configs.planning.budget import Cost, Profile, predict, with_static_b
 from shared_configs.planning.unit_flops import HIDDEN, Op, in_encoder, unit_ops
 from shared_configs.planning.units import PLAIN, StepSpec, block_layers
 from shared_configs.regime import Regime
+from shared_configs.sizes import KIB, MIB
 from shared_configs.spec import UNetSpec
-
-KIB, MIB = 1024, 1024 * 1024
 
 # c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, kSmallSize, kSmallBuffer, kMinLargeAlloc,
 # kLargeBuffer, kRoundLarge (PyTorch's "CUDA semantics" notes describe the same pools).

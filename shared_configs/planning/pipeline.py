@@ -36,12 +36,19 @@ from shared_configs.planning.budget import (
 )
 from shared_configs.planning.cache import CACHE_ENV as CACHE_ENV
 from shared_configs.planning.cache import cache_dir, versions
-from shared_configs.planning.candidates import DEFAULT_ROUNDS, REFERENCE, measured_choice, unmeasurable
+from shared_configs.planning.candidates import (
+    DEFAULT_ROUNDS,
+    MIN_ROUNDS,
+    RACE_WITHIN,
+    REFERENCE,
+    measured_choice,
+    unmeasurable,
+)
 from shared_configs.planning.recompute_time import at_stated_rates
 from shared_configs.planning.solver import Solution, solve
 from shared_configs.planning.units import assignment_of
 from shared_configs.planning.workers import kept_alive, run_worker
-from shared_configs.progress import note
+from shared_configs.progress import note, say
 from shared_configs.regime import DEFAULT as DEFAULT_REGIME
 from shared_configs.regime import Regime, check_planned
 from shared_configs.sizes import MIB
@@ -135,8 +142,8 @@ WHOLE_STEP = (
 )
 
 
-# Rounds of timed steps per profile: torch's one round of the per-layer runs prices every unit from
-# two fitted rates (`stepclock.fitted_rates`), which pool the noise of all its units; JAX times
+# Rounds of timed steps per profile: torch's one round prices every unit by its forward seconds at a rate per
+# choice, each rate one whole-step difference (`torch_impl.profile.priced`), not a unit's own noisy split; JAX times
 # only the plain step (its throughput prices recompute FLOPs, so a JAX plan does not depend on it).
 PROFILE_REPEATS = {"torch": 1, "jax": 1}
 
@@ -319,6 +326,12 @@ class Planned:
         return self.solution.policy
 
 
+# Where a user's first plan races the hand policies by default (`plan_for_budget`, the plan command). Not JAX:
+# XLA:CPU runs every policy but `full` within a few % of `none` (docs/planning.md#limits), and a race
+# there compiles each contender for minutes. `plan` itself does not race unless asked: a guard re-plans through it.
+RACED = ("torch",)
+
+
 @kept_alive()  # the profile and the check share each framework's worker
 def plan(
     workload: Workload,
@@ -331,8 +344,9 @@ def plan(
 ) -> Planned:
     """The one pipeline from a workload and a budget to a checked plan: profile (cached), solve a
     `safety_margin` below the budget, check the plan's peak with nothing allocated (`fit_checked`).
-    ``candidates`` > 0: the solver's best plans and the hand policies that fit race for up to ``rounds``
-    rounds, the fastest that fits wins (`shared_configs.planning.candidates`; minutes, not seconds)."""
+    ``candidates`` > 0: the solver's best ``candidates`` plans and the hand policies that fit (and are predicted
+    within `RACE_WITHIN` of the plan) race for up to ``rounds`` rounds; the fastest that fits is the plan
+    (`shared_configs.planning.candidates`); a hand policy that wins is said in one line."""
     frameworks = checked_frameworks(framework, workload)
     budget_bytes = whole.device_budget(workload, budget_bytes)  # on a GPU: the allocated peak its memory allows
     measured = [get_profile(fw, workload) for fw in frameworks]
@@ -350,7 +364,7 @@ def plan(
         progress(f"candidates: nothing measured: {why or 'the plain step fits, no plan is cheaper'}")
         return Planned(sol, profiles, margin, solve_s)
     how = "; ".join(f"{fw}: {CHECK_HOW[fw]}" for fw in frameworks)
-    progress(f"candidates: checking their peaks with nothing allocated ({how}), then racing those that fit ...")
+    progress(f"candidates: those near the plan checked with nothing allocated ({how}), raced where they fit ...")
     chosen, report = measured_choice(
         sol,
         profiles,
@@ -362,6 +376,11 @@ def plan(
         check=lambda fw, policies: run_worker(workload.request(fw, "peaks", policies=policies))["peaks"],
         race=lambda fw, policies, race_to: measure(fw, workload, policies, rounds, race_to=race_to)["rows"],
     )
+    if report is None:
+        progress(f"candidates: none but the plan fits of those predicted within {RACE_WITHIN:.0%}: nothing raced")
+        return Planned(sol, profiles, margin, solve_s)
+    if any(c["chosen"] and c["source"] == "hand" for c in report["candidates"]):
+        say(f"plan: the hand policy {chosen.policy!r} measured faster than the solver's plan; it is the plan")
     return Planned(chosen, profiles, margin, solve_s, report | {"rounds": rounds})
 
 
@@ -385,17 +404,20 @@ def plan_for_budget(
     framework: str = "torch",
     world_size: int = 1,
     distributed: str = "ddp",
-    candidates: int = 0,
+    candidates: int | None = None,
+    rounds: int = MIN_ROUNDS,
     **workload: Any,
 ) -> str:
-    """The policy string of the cheapest plan predicted to fit ``budget_bytes`` (see `plan`).
+    """The policy string of the cheapest plan predicted to fit ``budget_bytes`` (see `plan`), in a framework of
+    `RACED` raced for ``rounds`` rounds against the hand policies that fit (``candidates`` None: 1; 0: no race).
 
     ``framework``: "torch", "jax" or "both". ``world_size`` ranks each train ``batch_size`` samples
     (``distributed="fsdp"``: sharded, `shared_configs.planning.budget.per_rank`). Further keywords go to
     `Workload`. Raises `shared_configs.planning.solver.Infeasible` naming the smallest feasible budget.
     """
     work = Workload.of(spec, sample_size, batch_size=batch_size, **workload)
-    return plan(work, budget_bytes, framework, world_size, distributed, candidates).policy
+    candidates = int(framework in RACED) if candidates is None else candidates
+    return plan(work, budget_bytes, framework, world_size, distributed, candidates, rounds).policy
 
 
 def for_framework(framework: str) -> Callable[..., str]:
@@ -417,6 +439,7 @@ def for_framework(framework: str) -> Callable[..., str]:
     plan_for_framework.__name__ = plan_for_framework.__qualname__ = "plan_for_budget"
     plan_for_framework.__doc__ = (
         f"The policy string of the cheapest plan whose {fw} step is predicted, and checked, to fit "
-        "``budget_bytes``; the arguments as `shared_configs.planning.pipeline.plan_for_budget`'s."
+        "``budget_bytes`` (in torch raced against the hand policies that fit near it); the arguments as "
+        "`shared_configs.planning.pipeline.plan_for_budget`'s."
     )
     return plan_for_framework

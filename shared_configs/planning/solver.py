@@ -47,7 +47,10 @@ class Infeasible(SpecError):
             f"budget: no plan fits {budget / MIB:.1f} MiB; the smallest feasible budget is "
             f"{math.ceil(smallest / MIB)} MiB ({smallest} bytes)"
         )
-        self.smallest = smallest
+        self.budget, self.smallest = budget, smallest
+
+    def __reduce__(self) -> tuple[type, tuple[int, int]]:  # pickled by name and fields: one rank's, sent to all
+        return Infeasible, (self.budget, self.smallest)
 
 
 class _Programme:

@@ -15,8 +15,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
-
 from shared_configs.planning.paired import paired, paired_text
 from shared_configs.progress import tracked
 
@@ -24,7 +22,6 @@ __all__ = [
     "clock",
     "contenders",
     "cpu_split",
-    "fitted_rates",
     "in_turn",
     "measured_rounds",
     "paired",
@@ -106,19 +103,3 @@ def contenders(names: list[str], peaks: dict[str, int], race_to: dict[str, Any] 
 def times(samples: list[float]) -> dict[str, Any]:
     """A measured row's timing fields: the median step (None: not timed) and the rounds it is the median of."""
     return {"step_time_s": statistics.median(samples) if samples else None, "rounds_s": samples}
-
-
-def fitted_rates(samples: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """Seconds per FLOP and per byte that best explain ``samples`` of (FLOPs, bytes, seconds) per recomputed
-    unit (`shared_configs.planning.recompute_time.work`), least squares with neither rate below 0: two
-    figures from many units, where one unit's own seconds from one round are mostly noise."""
-    from scipy.optimize import nnls  # here: only a torch profile fits
-
-    if not samples:
-        return 0.0, 0.0
-    work = np.array([s[:2] for s in samples], float)
-    scale = work.max(axis=0)
-    scale[scale == 0] = 1.0  # a column of zeros (no bytes freed anywhere): its rate stays 0
-    rates, _ = nnls(work / scale, np.array([s[2] for s in samples], float))
-    per_flop, per_byte = rates / scale
-    return float(per_flop), float(per_byte)

@@ -4,7 +4,9 @@ A worker runs ``python -m shared_configs.planning.workers`` in `worker_env` (XLA
 per process (two runtimes in one skew each other's memory and time), and answers by event lines on
 stdout (`emit`): with ``--serve``, a ``result`` per planner request read from stdin (`run_worker`;
 `kept_alive`: a plan's profile and check share one); with REQUEST_JSON, the events of the request's
-own ``backend`` module (the benchmark's rows, docs/benchmark.md; `run`). Progress goes to stderr."""
+own ``backend`` module (the benchmark's rows, docs/benchmark.md; `run`). Progress goes to stderr. A worker
+never outlives its parent: each runs in a process group of its own (`worker_group`), stopped as a group (a
+worker, or torchrun and its ranks) when the parent leaves by an exception (an interrupt, an error)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import contextlib
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,11 +22,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from shared_configs.cli import BenchmarkError
 from shared_configs.pair import workload_spec
-from shared_configs.processes import stop_group, worker_group
 from shared_configs.progress import MARK, Relay, worker_logging
 from shared_configs.regime import Regime
 
@@ -42,19 +44,6 @@ XLA_SINGLE_THREAD = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism
 Event = dict[str, Any]
 
 
-class Backend(Protocol):
-    """What `torch_impl.profile` and `jax_impl.profile` provide (the planner's measuring half)."""
-
-    def start_worker(self, request: dict[str, Any]) -> None: ...
-    def profile(
-        self, spec: Any, batch_size: int, context_length: int, shapes: bool, repeats: int, **extra: Any
-    ) -> dict: ...
-    def peaks(self, spec: Any, batch_size: int, policies: list[str], context_length: int, **extra: Any) -> dict: ...
-    def measure(
-        self, spec: Any, batch_size: int, policies: list[str], context_length: int, steps: int, **extra: Any
-    ) -> dict: ...
-
-
 def worker_env(framework: str) -> dict[str, str]:
     """The planner's workers' environment: JAX on the CPU, its remat barriers kept, single-threaded."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -67,6 +56,36 @@ def worker_env(framework: str) -> dict[str, str]:
 
 
 # -- the parent's side ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def worker_group(cmd: list[str], **popen: Any) -> Iterator[subprocess.Popen]:
+    """``Popen(cmd, **popen)`` in a process group of its own, stopped whole if the block is left by an exception."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    try:
+        yield proc
+    except BaseException:
+        stop_group(proc)
+        raise
+    finally:
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+        proc.wait()
+
+
+STOP_GRACE_S = 5.0
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``proc``'s process group; SIGKILL to what is left once ``proc`` exits or `STOP_GRACE_S` pass."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(STOP_GRACE_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @dataclass
@@ -226,8 +245,10 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def answer(backend: Backend, request: dict[str, Any]) -> dict[str, Any]:
-    """The planner's ``request`` answered by ``backend``."""
+def answer(backend: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """The planner's ``request`` answered by ``backend``, a module of `BACKENDS`: its ``profile(spec, batch_size,
+    context_length, shapes, repeats, **extra)``, ``peaks(spec, batch_size, policies, context_length, **extra)`` or
+    ``measure(spec, batch_size, policies, context_length, steps, **extra)`` (and ``measure_compiled``, torch's)."""
     if request["kind"] == "encoders":  # the models beside the U-Net (shared_configs.planning.whole)
         return importlib.import_module(ENCODERS).encoders(request)
     spec = workload_spec(request["spec"])  # a U-Net's, or the ControlNet step's pair
@@ -243,7 +264,7 @@ def answer(backend: Backend, request: dict[str, Any]) -> dict[str, Any]:
         extra["race_to"] = request["race_to"]
     out = backend.measure(spec, size, request["policies"], context, request["steps"], **extra)
     if request.get("ratios"):  # torch.compile's activation_memory_budget, in the same process (same `none`)
-        compiled = backend.measure_compiled(spec, size, request["ratios"], context, request["steps"])  # type: ignore[attr-defined]
+        compiled = backend.measure_compiled(spec, size, request["ratios"], context, request["steps"])
         out["rows"] |= compiled["rows"]
         out["compiled_method"] = compiled["method"]
     return out
@@ -254,7 +275,7 @@ def main(argv: list[str]) -> int:
     if argv[0] != SERVE:  # the benchmark's rows: a request naming its own backend
         request = json.loads(argv[0])
         return importlib.import_module(request["backend"]).serve(request)
-    backend: Any = None
+    backend: Any = None  # a module of BACKENDS (also its `start_worker(request)`, once)
     for line in sys.stdin:  # the planner's requests, one framework's, until stdin closes
         request = json.loads(line)
         if backend is None:

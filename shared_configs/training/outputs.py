@@ -5,7 +5,6 @@ No torch or jax import (matplotlib and rich are imported lazily where used).
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared_configs.files import atomic_write
+from shared_configs.files import atomic_write, write_png
 
 
 @contextmanager
@@ -84,7 +83,7 @@ def save_plots(out: str | Path, losses: list[float], samples: np.ndarray | None,
         )
     ax.set(xlabel="step", ylabel="MSE on noise", yscale="log", title=title)
     ax.legend()
-    _save_figure(fig, Path(out) / "loss.png")
+    write_png(fig, Path(out) / "loss.png", dpi=80, bbox_inches="tight")
     if samples is not None:
         cols = min(10, len(samples))
         rows = -(-len(samples) // cols)
@@ -93,16 +92,7 @@ def save_plots(out: str | Path, losses: list[float], samples: np.ndarray | None,
             ax.imshow(img[0], cmap="gray", vmin=-1, vmax=1)
         for ax in axes.flat:
             ax.axis("off")
-        _save_figure(fig, Path(out) / "samples.png")
-
-
-def _save_figure(fig: object, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")  # type: ignore[attr-defined]
-    plt.close(fig)  # type: ignore[arg-type]
-    atomic_write(path, buf.getvalue())
+        write_png(fig, Path(out) / "samples.png", dpi=80, bbox_inches="tight")
 
 
 def write_outputs(out: str | Path, losses: list[float], samples: np.ndarray | None, title: str) -> None:

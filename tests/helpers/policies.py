@@ -2,7 +2,8 @@
 
 `assert_plans_keep_loss_and_grads` runs a step under ``none`` and under each plan and compares them
 with `assert_same_loss_and_grads`; `torch_loss_and_grads` and `jax_loss_and_grads` are such steps.
-`torch_policy_grads` / `jax_policy_grads` are the step of `tiny` the grammar and op-level tests share.
+`torch_policy_grads` / `jax_policy_grads` are the step of `tiny` the grammar and op-level tests share;
+`checkpointed_names` lists the torch modules a plan wraps.
 Frameworks are imported inside, so a test module imports only the one it uses.
 """
 
@@ -130,3 +131,10 @@ def jax_policy_grads(policy: str) -> LossAndGrads:
     params = UNet(spec=spec, policy="none").init(jax.random.key(0), x, t, ctx)
     model = UNet(spec=spec, policy=policy)
     return jax_loss_and_grads(lambda p: jnp.mean(model.apply(p, x, t, ctx) ** 2), params, jit=False)
+
+
+def checkpointed_names(root: Any) -> list[str]:
+    """Names of the torch modules that currently run under checkpoint (`torch_impl.checkpointing.apply_plan`'s)."""
+    from torch_impl.checkpointing import _PRIOR
+
+    return [name for name, m in root.named_modules() if _PRIOR in m.__dict__]
