@@ -67,3 +67,22 @@ def build(factory: Callable[..., nn.Module], name: str, plan: CheckpointPlan | N
     if isinstance(factory, functools.partial):
         return functools.partial(remat_class(factory.func, name, plan), *factory.args, **factory.keywords)(*args)
     return remat_class(factory, name, plan)(*args)
+
+
+@jax.custom_vjp
+def own_cotangent(x: jax.Array) -> jax.Array:
+    """``x``, its cotangent made a value of its own where it is computed (an optimization barrier). For the skips
+    of the up path: XLA otherwise fuses the slice of each concatenation's cotangent into the skip's consumer, at
+    the end of the backward, keeping the whole concatenation's cotangents (and their inputs) alive until then."""
+    return x
+
+
+def _own_fwd(x: jax.Array) -> tuple[jax.Array, None]:
+    return x, None
+
+
+def _own_bwd(_: None, g: jax.Array) -> tuple[jax.Array]:
+    return (jax.lax.optimization_barrier(g),)
+
+
+own_cotangent.defvjp(_own_fwd, _own_bwd)

@@ -19,6 +19,7 @@ from flax import traverse_util
 from jax_impl.lora import LORA_A, LORA_LEAVES
 from shared_configs import UNetSpec
 from shared_configs.controlnet import ControlNetSpec
+from shared_configs.diffusers.folders import ours_to_diffusers
 
 Spec = UNetSpec | ControlNetSpec  # a U-Net's, or a ControlNet's (`jax_impl.controlnet`): the same conversion
 
@@ -168,6 +169,33 @@ def _check_tree(
         )
 
 
+@functools.lru_cache(maxsize=16)
+def diffusers_flax_paths(spec: Spec) -> dict[tuple[str, ...], tuple[str, ...]]:
+    """Our Flax parameter paths -> those of diffusers' Flax classes (diffusers <= 0.39): the torch names' renames
+    (``down_blocks``, ``to_out.0``, ...: `shared_configs.diffusers.folders.KEY_RENAMES`), indices joined by ``_``."""
+    flat = traverse_util.flatten_dict(_variable_shapes(spec)["params"])
+    names = {f"{_torch_name(modules)}.{leaf}": (*modules, leaf) for *modules, leaf in flat}
+    return {
+        ours: tuple(re.sub(r"\.(\d+)(?=\.)", r"_\1", key).split(".")) for key, ours in ours_to_diffusers(names).items()
+    }
+
+
+def to_diffusers_flax(params: Mapping[str, Any], spec: Spec) -> dict:
+    """Our Flax ``params`` -> the same leaves under diffusers' Flax names (`diffusers_flax_paths`)."""
+    flat = traverse_util.flatten_dict(dict(params))
+    _check_tree(flat, spec)
+    paths = diffusers_flax_paths(spec)
+    return traverse_util.unflatten_dict({paths[k]: v for k, v in flat.items()})
+
+
+def from_diffusers_flax(params: Mapping[str, Any], spec: Spec) -> dict:
+    """Parameters under diffusers' Flax names (a ``diffusion_flax_model.msgpack``'s) -> our Flax ``params``."""
+    ours = {theirs: k for k, theirs in diffusers_flax_paths(spec).items()}
+    flat = {ours.get(k, ("?", *k)): v for k, v in traverse_util.flatten_dict(dict(params)).items()}
+    _check_tree(flat, spec)  # an unknown name stays under "?", named by the error
+    return traverse_util.unflatten_dict(flat)
+
+
 def torch_shapes(spec: Spec) -> dict[str, tuple[int, ...]]:
     """The torch ``state_dict`` names and shapes of ``spec``, from the Flax tree (shapes only)."""
     variables = _variable_shapes(spec)
@@ -190,8 +218,9 @@ def _variable_shapes(spec: Spec, lora_rank: int | None = None) -> dict:
     from jax_impl.unet import UNet, abstract_inputs
 
     rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    # parent=None: a top-level module even when first asked from inside another's method (a drop-in's setup)
     if isinstance(spec, ControlNetSpec):
-        net = ControlNet(spec=spec, lora_rank=lora_rank)
+        net = ControlNet(spec=spec, lora_rank=lora_rank, parent=None)
         return jax.eval_shape(net.init, rngs, **abstract_controlnet_inputs(spec))
-    model = UNet(spec=spec, lora_rank=lora_rank)
+    model = UNet(spec=spec, lora_rank=lora_rank, parent=None)
     return jax.eval_shape(model.init, rngs, **abstract_inputs(spec))

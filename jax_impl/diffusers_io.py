@@ -30,7 +30,7 @@ def read_diffusers(
     source: Source, variant: str | None = None, *, subfolder: str | None = None, revision: str | None = None
 ) -> tuple[UNetSpec | ControlNetSpec, dict[str, Any]]:
     """The spec and the state_dict (in our torch names; arrays or tensors) of a diffusers U-Net or ControlNet."""
-    return read_source(source, variant, _read_file, subfolder, revision)
+    return read_source(source, variant, read_weights, subfolder, revision)
 
 
 def from_diffusers(
@@ -88,7 +88,8 @@ def to_diffusers_state_dict(params: dict, spec: Spec) -> dict[str, Any]:
     return _ours_to_diffusers(flax_to_torch(params, spec))
 
 
-def _read_file(file: Path) -> dict[str, Any]:
+def read_weights(file: Path) -> dict[str, Any]:
+    """A diffusers weight file's tensors by their names: safetensors as float32 numpy arrays, a ``.bin`` (torch)."""
     if file.suffix == ".safetensors":
         from safetensors.flax import load_file  # handles bfloat16, which safetensors.numpy cannot
 

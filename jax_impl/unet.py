@@ -15,7 +15,7 @@ from flax import linen as nn
 
 from jax_impl.added_layers import ImageProjection, ImageTimeEmbedding, SimpleCrossAttention
 from jax_impl.blocks import AttentionFactory, DownBlock, MidBlock, UpBlock
-from jax_impl.checkpointing import remat_class
+from jax_impl.checkpointing import own_cotangent, remat_class
 from jax_impl.layers import (
     ATTENTION,
     CLASS_EMBEDDING,
@@ -297,7 +297,7 @@ class UNet(UNetTrunk):
         h, skips = add_residuals(spec, h, skips, down_block_additional_residuals, mid_block_additional_residual)
         for block in self.up:
             count = len(block.skip_channels)
-            h = block(h, tuple(skips[-count:]), temb, context, mask, train)
+            h = block(h, tuple(map(own_cotangent, skips[-count:])), temb, context, mask, train)
             del skips[-count:]
         return self.conv_out(norm_act(self.conv_norm_out, h, train, silu=True))
 

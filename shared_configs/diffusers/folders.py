@@ -79,8 +79,10 @@ def find_folder(
     variant: str | None = None,
     subfolder: str | None = None,
     revision: str | None = None,
+    weights: tuple[str, ...] = WEIGHT_NAMES,
 ) -> DiffusersFolder:
-    """Resolve a model folder, a pipeline folder (its ``unet/``) or a cached repo id on local disk."""
+    """Resolve a model folder, a pipeline folder (its ``unet/``) or a cached repo id on local disk; its weight file is
+    the first of ``weights`` there (or its shards)."""
     root = Path(source)
     if not root.exists() and _REPO_ID.match(str(source)):
         root = _from_cache(str(source), subfolder, revision)
@@ -92,7 +94,7 @@ def find_folder(
         raise FileNotFoundError(f"{root}: no config.json (no such folder)")
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{root}: no config.json (expected a local diffusers U-Net folder)")
-    return DiffusersFolder(root, read_config(root / "config.json"), _weight_files(root, variant))
+    return DiffusersFolder(root, read_config(root / "config.json"), _weight_files(root, variant, weights))
 
 
 def hub_cache_dir() -> Path:
@@ -125,10 +127,10 @@ def _from_cache(repo_id: str, subfolder: str | None, revision: str | None) -> Pa
     )
 
 
-def _weight_files(root: Path, variant: str | None) -> tuple[Path, ...]:
+def _weight_files(root: Path, variant: str | None, weights: tuple[str, ...]) -> tuple[Path, ...]:
     """The single weight file, or the shards its index lists (diffusers' names, variant included)."""
     looked = []
-    for name in WEIGHT_NAMES:
+    for name in weights:
         single = root / _with_variant(name, variant)
         index = root / _with_variant(f"{name}.index.json", variant)
         looked += [single.name, index.name]
