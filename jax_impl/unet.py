@@ -35,7 +35,6 @@ from shared_configs.arch import (
     block_resnet_args,
     class_embedding_args,
     down_blocks,
-    kwargs,
     norm_args,
     up_blocks,
 )
@@ -133,7 +132,7 @@ class UNetTrunk(nn.Module):
 
     @nn.nowrap
     def _resnet_factory(self, block: str) -> functools.partial:
-        return functools.partial(ResnetBlock, **kwargs(block_resnet_args(self.trunk_spec, block)))
+        return functools.partial(ResnetBlock, args=block_resnet_args(self.trunk_spec, block))
 
     @nn.nowrap
     def _attention_factory(
@@ -143,7 +142,7 @@ class UNetTrunk(nn.Module):
             return None
         args = attention_args(self.trunk_spec, kind, level, block, output_scale)
         return functools.partial(
-            ATTENTION_LAYERS[kind], **kwargs(args), query_chunk=self.attention_chunk, lora_rank=self.lora_rank
+            ATTENTION_LAYERS[kind], args=args, query_chunk=self.attention_chunk, lora_rank=self.lora_rank
         )
 
     def _encode(
@@ -253,7 +252,7 @@ class UNet(UNetTrunk):
             )
             for b in up_blocks(spec)
         ]
-        self.conv_norm_out = norm_layer(spec.block_out_channels[0], **kwargs(norm_args(spec)))
+        self.conv_norm_out = norm_layer(spec.block_out_channels[0], args=norm_args(spec))
         self.conv_out = conv3x3(spec.out_channels)
 
     def __call__(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -146,15 +145,6 @@ class ClassEmbeddingArgs:
     dim: int
     num_classes: int | None
     input_dim: int | None
-
-
-LayerArgs = NormArgs | ResnetArgs | SelfAttentionArgs | TransformerArgs | SimpleCrossAttentionArgs
-
-
-def kwargs(args: LayerArgs) -> dict[str, Any]:
-    """The keyword arguments a layer constructor takes after its channels: ``args``, its arguments object
-    (``Layer(ch, **kwargs(a))`` is ``Layer(ch, args=a)``)."""
-    return {"args": args}
 
 
 def norm_args(spec: UNetSpec) -> NormArgs:
