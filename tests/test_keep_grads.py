@@ -27,7 +27,6 @@ KEPT, FREED = Regime(keep_grads=True), Regime()
 def _tracked(regime: Regime, policy: str) -> tuple[int, dict, int]:
     """(peak, timeline, gradient bytes) of one real step of ``regime`` under ``policy``."""
 
-    from shared_configs.training.data import batch_bytes
     from torch_impl import profile as profile_torch
     from torch_impl.memory import StepTracker
     from torch_impl.regime import trained_parameters
@@ -35,7 +34,7 @@ def _tracked(regime: Regime, policy: str) -> tuple[int, dict, int]:
     s = profile_torch.setup(SPEC, BATCH, CONTEXT, regime=regime)
     s["model"].enable_gradient_checkpointing(policy)
     s["step"]()  # the plan's first step (a warm-up: the gradients exist, or were freed, as in a run)
-    tracker = StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]))
+    tracker = StepTracker(s["model"], s["opt"], inputs=profile_torch.batch_inputs(s["batch"]))
     with tracker:
         s["step"]()
     assert tracker.result is not None

@@ -36,12 +36,15 @@ def torch_profile() -> Profile:
 
 def _torch_peaks(policies: list[str]) -> dict[str, int]:
     from torch_impl import profile as profile_torch
+    from torch_impl.memory import step_peak
 
     s = profile_torch.setup(SPEC, BATCH, CONTEXT)
     peaks = {}
     for policy in policies:
         s["model"].enable_gradient_checkpointing(policy)
-        peaks[policy] = profile_torch.tracked_peak(s)
+        with step_peak(s["model"], s["opt"], profile_torch.batch_inputs(s["batch"]), s["held"]) as found:
+            s["step"]()
+        peaks[policy] = found["peak"]
     return peaks
 
 
@@ -120,6 +123,7 @@ def test_torch_profiles_specs_with_conditioning_inputs(name: str) -> None:
     """Class labels and SDXL's added embeddings reach the model (the `Batch` carries them): the
     profile from shapes equals the measured one (1%), which predicts the tracker's peaks (5%)."""
     from torch_impl import profile as profile_torch
+    from torch_impl.memory import step_peak
 
     spec = variant(name, sample_size=16)
     fields = {"config": name, "sample_size": 16, "batch_size": 2, "context_length": CONTEXT}
@@ -131,7 +135,9 @@ def test_torch_profiles_specs_with_conditioning_inputs(name: str) -> None:
     for policy in ("none", "full", "layers/save=conv,matmul"):
         assignment = assignment_of(spec, policy)
         s["model"].enable_gradient_checkpointing(policy)
-        measured = profile_torch.tracked_peak(s)
+        with step_peak(s["model"], s["opt"], profile_torch.batch_inputs(s["batch"]), s["held"]) as found:
+            s["step"]()
+        measured = found["peak"]
         predicted, estimated = (predict(p, spec, assignment).peak_bytes for p in (real, fake))
         assert abs(predicted / measured - 1) <= TOLERANCE, (policy, predicted, measured)
         assert abs(estimated / predicted - 1) <= 0.01, policy

@@ -108,17 +108,18 @@ def _record(out: Path) -> dict:
 
 def _torch_tracker_peak(policy: str) -> int:
     """The benchmark's `StepTracker` over the first two steps of a fresh run under ``policy``."""
-    from shared_configs.training.data import batch_bytes, load_dataset
+    from shared_configs.training.data import load_dataset
     from tests.helpers.training import SCHEDULE, torch_model
     from torch_impl import train as ttrain
     from torch_impl.memory import StepTracker
+    from torch_impl.profile import batch_inputs
 
     model = torch_model(SPEC, policy)
     optimizer = ttrain.make_optimizer(model, 1e-3, 0.0)
     dataset, peaks = load_dataset("digits", SPEC), []
     for step in range(MEASURED_STEPS):
         batch = dataset.batch(step, BATCH, SCHEDULE, 0)
-        with StepTracker(model, optimizer, batch_bytes(batch)) as tracker:
+        with StepTracker(model, optimizer, inputs=batch_inputs(batch)) as tracker:
             ttrain.train_step(model, optimizer, batch)
         peaks.append(tracker.result.peak)
     return max(peaks)

@@ -80,19 +80,19 @@ class StepTracker(TorchDispatchMode):
     """``with StepTracker(model, optimizer) as tracker: step()``; then ``tracker.result``.
 
     The starting level: parameters, buffers, gradients, the optimizer(s)' state, ``held`` (an EMA,
-    counted as ``optimizer``), ``inputs`` and ``input_bytes`` (the numpy batch). ``reads``: storages an
-    op reads that no step made (a frozen VAE's weights) join it. ``detail``: kinds by phase and block
-    (ModTracker); without it every storage made is an activation. `mark` files what follows under a unit.
+    counted as ``optimizer``) and ``inputs`` (the batch). ``reads``: storages an op reads that no step
+    made (a frozen VAE's weights) join it. ``detail``: kinds by phase and block (ModTracker); without
+    it every storage made is an activation. `mark` files what follows under a unit. The step runs
+    eagerly (a compiled step's ops would not pass through a dispatch mode).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
-        input_bytes: int = 0,
         held: Iterable[torch.Tensor] = (),
-        *,
         inputs: Iterable[torch.Tensor] = (),
+        *,
         reads: bool = False,
         detail: bool = True,
     ) -> None:
@@ -107,8 +107,7 @@ class StepTracker(TorchDispatchMode):
         self._entry: list[int] = []  # indices of the storages of the starting level
         self._entry_ptrs: set[int] = set()  # their addresses: a numpy array's fresh tensor is no new memory
         self._marks: list[tuple[int, str, str]] = [(0, STEM, FWD)]  # (event index, unit, phase)
-        self._input_bytes = input_bytes
-        self._baseline = dict.fromkeys(CATEGORIES, 0) | {"input": input_bytes}
+        self._baseline = dict.fromkeys(CATEGORIES, 0)
         self._mods = compat.mod_tracker() if detail else None  # (torch.distributed._tools' import is long)
         # The blocks by module; those running, innermost or latest reached last (ModTracker's own
         # `parents` is unordered, and in the backward holds several blocks at once).
@@ -231,6 +230,7 @@ class StepTracker(TorchDispatchMode):
             self._patches.enter_context(compat.multi_grad_hooks_any())
             self._patches.enter_context(self._mods)
         self._patches.enter_context(compat.resizes_to(self._resized))
+        self._patches.enter_context(torch.compiler.set_stance("force_eager"))
         return super().__enter__()
 
     def _pre_forward(self, module: Any, args: Any) -> None:
@@ -288,10 +288,10 @@ class StepTracker(TorchDispatchMode):
 
     def unit_timeline(self) -> Timeline:
         """The step as the planner's `Timeline`: a position per storage made and per `mark`; the
-        starting level (and ``input_bytes``, as one buffer) static."""
+        starting level static."""
         units, phases = [STEM], [FWD]
-        starts = np.zeros(len(self._sizes) + 1, np.int64)
-        ends = np.full(len(self._sizes) + 1, -1, np.int64)
+        starts = np.zeros(len(self._sizes), np.int64)
+        ends = np.full(len(self._sizes), -1, np.int64)
         marks = iter(self._marks[1:])
         mark = next(marks, None)
         for i, (index, sign, _) in enumerate([*self._events, (-1, 0, "")]):
@@ -303,9 +303,9 @@ class StepTracker(TorchDispatchMode):
                 starts[index] = len(units) - 1
             elif sign < 0:
                 ends[index] = len(units) - 1
-        static = np.zeros(len(self._sizes) + 1, bool)
-        static[[*self._entry, -1]] = True
-        sizes = np.array([*self._sizes, self._input_bytes], np.int64)
+        static = np.zeros(len(self._sizes), bool)
+        static[self._entry] = True
+        sizes = np.array(self._sizes, np.int64)
         return Timeline(units, phases, starts, np.where(ends < 0, len(units) - 1, ends), sizes, static)
 
 
@@ -319,7 +319,7 @@ def step_peak(
     """The peak bytes of the step run in the block (``found["peak"]`` at exit): on CUDA the allocator's
     (``found["reserved"]`` too); on CPU `StepTracker`'s, every storage the step reads counted (frozen
     encoders), ``inputs`` standing for the batch, ``held`` for what the device holds beside the step (an
-    EMA); the step runs eagerly (a dispatch mode needs it)."""
+    EMA)."""
     found: dict[str, int] = {}
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -327,8 +327,8 @@ def step_peak(
         yield found
         found.update(peak=torch.cuda.max_memory_allocated(device), reserved=torch.cuda.max_memory_reserved(device))
         return
-    tracker = StepTracker(model, optimizer, held=held, inputs=inputs, reads=True, detail=False)
-    with torch.compiler.set_stance("force_eager"), tracker:
+    tracker = StepTracker(model, optimizer, held, inputs, reads=True, detail=False)
+    with tracker:
         yield found
     assert tracker.result is not None
     found["peak"] = tracker.result.peak

@@ -171,15 +171,20 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str,
     """One step under ``assignment``: per-unit bytes, the optimizer's peak, the step's peak."""
     s["model"].enable_gradient_checkpointing(policy_string(assignment))
     units = [u for u, _ in leaf_units(s["spec"], assignment)]
-    tracker = _tracker(s, detail=False)
+    tracker = _tracker(s)
     with s["mode"], hooks(s["model"], s["opt"], units, tracker.mark), tracker:
         s["step"]()
     return unit_costs(tracker.unit_timeline(), units)
 
 
-def _tracker(s: dict[str, Any], detail: bool = True) -> StepTracker:
-    """`StepTracker` over the set-up step (its numpy batch read, not allocated)."""
-    return StepTracker(s["model"], s["opt"], batch_bytes(s["batch"]), s["held"], detail=detail)
+def _tracker(s: dict[str, Any]) -> StepTracker:
+    """`StepTracker` over the set-up step."""
+    return StepTracker(s["model"], s["opt"], s["held"], batch_inputs(s["batch"]), detail=False)
+
+
+def batch_inputs(batch: Batch) -> list[torch.Tensor]:
+    """The numpy batch as the tensors a step reads, sharing its memory (read by the step, not allocated)."""
+    return [torch.from_numpy(a) for a in step_arrays(batch)]
 
 
 def timed_step(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, tuple[float, float]], float]:
@@ -368,9 +373,9 @@ def measure_step(
     ``check``: PyTorch's ``MemTracker`` too (CPU). ``tracked=False``: the allocator only (torch.compile).
     ``held``: training state alive throughout (an EMA); the numpy batch counts on CPU only."""
     held, device = held or [], next(model.parameters()).device
+    inputs = batch_inputs(batch) if device.type == "cpu" else []
     saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
-    tracker = StepTracker(model, optimizer, batch_bytes(batch) if device.type == "cpu" else 0, held)
-    tracking = [torch.compiler.set_stance("force_eager"), tracker] if tracked else []
+    tracker = StepTracker(model, optimizer, held, inputs)
     found: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         if device.type == "cuda":
@@ -378,10 +383,9 @@ def measure_step(
             torch.cuda.reset_peak_memory_stats(device)
         else:
             allocator = stack.enter_context(AllocatorPeak())
-            if check:  # the numpy batch stood in for by tensors sharing its memory
-                stand_ins = [torch.from_numpy(a) for a in step_arrays(batch)] + held
-                found = stack.enter_context(memtracker(model, optimizer, stand_ins))
-        for context in [*tracking, saved]:
+            if check:
+                found = stack.enter_context(memtracker(model, optimizer, inputs + held))
+        for context in [tracker, saved] if tracked else [saved]:
             stack.enter_context(context)
         step()
     if device.type == "cuda":
@@ -412,8 +416,8 @@ def measure_step(
 def peaks(
     spec: StepSpec, batch_size: int, policies: list[str], context_length: int = 77, regime: Regime = DEFAULT
 ) -> dict:
-    """Per policy, `tracked_peak` of a step of fake tensors: the real step's in float32 (`fake_is_exact`),
-    a little under it in mixed precision (docs/planning.md#checks)."""
+    """Per policy, `StepTracker`'s peak of a step of fake tensors as `measure_step` takes it (no unit hooks):
+    the real step's in float32 (`fake_is_exact`), a little under it in mixed precision (docs/planning.md#checks)."""
     cpu: dict[str, float] = {}
     with cpu_split(cpu, "setup"):
         s = fake_setup(spec, batch_size, context_length, regime.profiled)
@@ -422,8 +426,11 @@ def peaks(
     with cpu_split(cpu, "steps"):
         for policy in policies:
             s["model"].enable_gradient_checkpointing(policy)
-            with s["mode"]:
-                out[policy] = tracked_peak(s) + delta
+            tracker = _tracker(s)
+            with s["mode"], tracker:
+                s["step"]()
+            assert tracker.result is not None
+            out[policy] = tracker.result.peak + delta
     return {"peaks": out, "cpu_s": cpu}
 
 
@@ -434,15 +441,6 @@ def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
         return {}
     delta = modelled_state_delta(regime, [p.numel() for p in trained], trained[0].element_size())
     return {"modelled_state_bytes": delta, "modelled": STATE_MODEL}
-
-
-def tracked_peak(s: dict[str, Any]) -> int:
-    """One step's peak by `StepTracker` as `measure_step` takes it (eager); on fake tensors too."""
-    tracker = _tracker(s)
-    with torch.compiler.set_stance("force_eager"), tracker:
-        s["step"]()
-    assert tracker.result is not None
-    return tracker.result.peak
 
 
 def measure_compiled(
