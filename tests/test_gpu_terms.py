@@ -33,10 +33,6 @@ def test_rounding_against_a_direct_computation() -> None:
     by_hand = [512, 512, 512, 1024, 4096 * 320 * 2, MIB, MIB + 512, 10 * MIB, 10 * MIB, 13 * MIB + 512]
     assert [gpu.round_size(s) for s in sizes] == by_hand
     assert gpu.allocated(sizes) == sum(by_hand)
-    # small requests share 2 MiB segments, 1-10 MiB ones take 20 MiB, larger ones round up to 2 MiB
-    # (10 MiB - 1 is rounded to 10 MiB first: a large segment of its own)
-    segments = [2 * MIB] * 4 + [20 * MIB, 2 * MIB, 20 * MIB, 10 * MIB, 10 * MIB, 14 * MIB]
-    assert [gpu.segment_size(s) for s in sizes] == segments
 
 
 def test_workspaces_from_pytorchs_config_string() -> None:
@@ -46,8 +42,7 @@ def test_workspaces_from_pytorchs_config_string() -> None:
     assert per_handle == gpu.CUBLAS_WORKSPACE == 8 * MIB + 128 * 1024
     assert gpu.workspace_bytes() == 2 * per_handle  # cuBLAS and cuBLASLt
     assert gpu.workspace_bytes(hopper=True) == 64 * MIB
-    # PR #86509's measurement less the 20 MiB segment its 6.4 MB tensor took
-    assert gpu.segment_size(20 * 16 * 50 * 100 * 4) == 20 * MIB
+    # PR #86509's measurement less the 20 MiB segment its 6.4 MB tensor took (1-10 MiB requests take one)
     assert gpu.CONTEXT_LAZY == 287_047_680 - 20 * MIB
 
 

@@ -20,14 +20,10 @@ from shared_configs.regime import Regime
 from shared_configs.sizes import KIB, MIB
 from shared_configs.spec import UNetSpec
 
-# c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, kSmallSize, kSmallBuffer, kMinLargeAlloc,
-# kLargeBuffer, kRoundLarge (PyTorch's "CUDA semantics" notes describe the same pools).
+# c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, kLargeBuffer (the segment of a 1-10 MiB request; PyTorch's
+# "CUDA semantics" notes describe the same pools).
 MIN_BLOCK = 512
-SMALL_SIZE = 1 * MIB
-SMALL_BUFFER = 2 * MIB
-MIN_LARGE_ALLOC = 10 * MIB
 LARGE_BUFFER = 20 * MIB
-ROUND_LARGE = 2 * MIB
 # Sources of the next five (pytorch#40989, #89027, #86509): docs/regimes.md "What a GPU holds".
 FRAGMENTATION = 1.11  # peak reserved over peak allocated
 CUBLAS_WORKSPACE = 2 * 4096 * KIB + 8 * 16 * KIB  # CublasHandlePool.cpp's ":4096:2:16:8"
@@ -43,16 +39,6 @@ AUTOCAST_EXTRA = 2  # float32 (4 B) where CPU autocast keeps 2-byte bfloat16/flo
 def round_size(size: int) -> int:
     """The bytes the caching allocator hands out for a request (what ``memory_allocated`` counts)."""
     return max(MIN_BLOCK, MIN_BLOCK * math.ceil(size / MIN_BLOCK))
-
-
-def segment_size(size: int) -> int:
-    """The ``cudaMalloc`` a request makes when no cached block fits (the allocator's three segment sizes)."""
-    size = round_size(size)
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return ROUND_LARGE * math.ceil(size / ROUND_LARGE)
 
 
 def allocated(sizes: Iterable[int]) -> int:
