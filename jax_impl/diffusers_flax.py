@@ -271,8 +271,8 @@ class FlaxUNet2DConditionModel(_DiffusersFlaxModel):
         x, context, text_embeds, time_ids = self._inputs(
             sample, encoder_hidden_states, added.get("text_embeds"), added.get("time_ids")
         )
-        residuals = (down_block_additional_residuals, mid_block_additional_residual)
-        down, mid = cast_floating(residuals, self.dtype)  # NHWC already
+        # the residuals are NHWC already
+        down, mid = cast_floating((down_block_additional_residuals, mid_block_additional_residual), self.dtype)
         out = self.net(
             x,
             timesteps,
