@@ -237,7 +237,8 @@ class _Hlo:
             op = _OP_NAME.search(rest)
             self.op_names[name] = op[1] if op else ""
             body = rest.split(", metadata=", 1)[0]
-            call = _OPCODE.search(_skip_type(body))
+            # The opcode follows the type; a tuple-typed instruction (a while loop's state) is given none.
+            call = None if body.startswith("(") else _OPCODE.match(body.split(" ", 1)[-1])
             self.opcodes[name] = call[1] if call else ""
             self.operands[name] = _OPERAND.findall(body)
             for operand in self.operands[name]:
@@ -264,18 +265,6 @@ class _Hlo:
         if stage == "backward" and any(_stage(self.op_names.get(u, "")) == "optimizer" for u in self.users[name]):
             return "grads"
         return {"forward": "activation", "backward": "temporary", "optimizer": "temporary"}[stage]
-
-
-def _skip_type(body: str) -> str:
-    """``body`` after its leading (possibly tuple) type: ``(f32[2], s32[]) while(...)`` -> ``while(...)``."""
-    if not body.startswith("("):
-        return body.split(" ", 1)[-1]
-    depth = 0
-    for i, ch in enumerate(body):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            return body[i + 1 :]
-    return body
 
 
 def _stage(op_name: str) -> str:

@@ -100,13 +100,6 @@ class Joined:
     processes: int
     via: str  # "--coordinator HOST:PORT" or the cluster JAX detected, e.g. "SlurmCluster"
 
-    def line(self) -> str:
-        devices = jax.devices()
-        return (
-            f"jax.distributed: {self.processes} processes via {self.via}, {len(devices)} {devices[0].platform} "
-            f"devices in all ({jax.local_device_count()} here); CPU collectives: {CPU_COLLECTIVES}"
-        )
-
 
 _joined: Joined | None = None
 _lost = False  # a collective failed for want of another process: nobody to wait for when leaving
@@ -134,7 +127,13 @@ def join(coordinator: str | None, num_processes: int | None, process_id: int | N
         raise ConnectionError(f"jax.distributed via {via}: {_first_line(err)}") from None
     _joined = Joined(jax.process_index(), jax.process_count(), via)
     if _joined.process_id == 0:
-        print(_joined.line(), file=sys.stderr, flush=True)
+        devices = jax.devices()
+        print(
+            f"jax.distributed: {_joined.processes} processes via {via}, {len(devices)} {devices[0].platform} "
+            f"devices in all ({jax.local_device_count()} here); CPU collectives: {CPU_COLLECTIVES}",
+            file=sys.stderr,
+            flush=True,
+        )
     return _joined
 
 
