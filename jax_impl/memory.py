@@ -43,6 +43,8 @@ _OPERAND = re.compile(r"%([\w.\-]+)")
 _STATED_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
 _STATED_AT = re.compile(r"Live ranges at (\d+) \(peak\)")
 _OPCODE = re.compile(r"^([\w-]+)\(")
+# An allocation's attributes -> its kind (`_Allocation`), the first that matches.
+_KINDS = (("preallocated-temp", "temp"), ("parameter", "parameter"), ("maybe-live-out", "output"))
 
 
 @dataclass
@@ -209,10 +211,7 @@ def _allocations(text: str) -> list[_Allocation]:
     for line in text.splitlines():
         header = _ALLOCATION.match(line)
         if header is not None:
-            attrs = header[3]
-            kind = "temp" if "preallocated-temp" in attrs else "parameter" if "parameter" in attrs else None
-            if kind is None and "maybe-live-out" in attrs:
-                kind = "output"
+            kind = next((name for marker, name in _KINDS if marker in header[3]), None)
             current = None if kind is None else _Allocation(kind, int(header[2]), [])  # constants, thread-local
             if current is not None:
                 out.append(current)
