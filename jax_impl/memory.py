@@ -108,8 +108,7 @@ def _key(lowered: Any, options: dict[str, Any]) -> str:
     import jax  # the worker's: this module is imported only there
 
     parts = [lowered.as_text(), repr(sorted(options.items())), os.environ.get("XLA_FLAGS", ""), jax.__version__]
-    text = "\n".join([*parts, jax.default_backend()])
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return hashlib.sha256("\n".join([*parts, jax.default_backend()]).encode()).hexdigest()[:32]
 
 
 def _read(cache_dir: str | None, key: str) -> MemoryPlan | None:

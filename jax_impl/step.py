@@ -221,8 +221,9 @@ def guard_step(
     plan: that plan corrected by what the compiled step holds beyond the model's. Says the plan in force."""
     options, (state, dataset, schedule) = step_options(cfg.regime), data
     batch = arrays(dataset.batch(first, cfg.batch_size, schedule, cfg.seed))
-    args = (state, *trainee.frozen, batch, jax.random.key(0))
-    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    args = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (state, *trainee.frozen, batch, jax.random.key(0))
+    )
 
     def build(policy: str) -> Any:
         step = functools.partial(trainee.step.__wrapped__, model=trainee.clone(policy).model, tx=tx, **options)
