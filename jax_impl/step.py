@@ -112,8 +112,18 @@ def loss_fn(
             (params, noisy, context, class_labels, text_embeds), compute_dtype
         )
     variables, rngs = flax_variables(params, batch_stats), {"dropout": dropout_key}
-    inputs = (context, class_labels, text_embeds, time_ids)
-    pred, updates = model.apply(variables, noisy, t, *inputs, train=True, rngs=rngs, mutable=["batch_stats"])
+    pred, updates = model.apply(
+        variables,
+        noisy,
+        t,
+        context,
+        class_labels,
+        text_embeds,
+        time_ids,
+        train=True,
+        rngs=rngs,
+        mutable=["batch_stats"],
+    )
     return jnp.mean((pred.astype(jnp.float32) - noise) ** 2), updates.get("batch_stats", batch_stats)
 
 
