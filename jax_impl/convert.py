@@ -219,8 +219,7 @@ def _variable_shapes(spec: Spec, lora_rank: int | None = None) -> dict:
 
     rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
     # parent=None: a top-level module even when first asked from inside another's method (a drop-in's setup)
-    if isinstance(spec, ControlNetSpec):
-        net = ControlNet(spec=spec, lora_rank=lora_rank, parent=None)
-        return jax.eval_shape(net.init, rngs, **abstract_controlnet_inputs(spec))
-    model = UNet(spec=spec, lora_rank=lora_rank, parent=None)
-    return jax.eval_shape(model.init, rngs, **abstract_inputs(spec))
+    cls, inputs = (
+        (ControlNet, abstract_controlnet_inputs) if isinstance(spec, ControlNetSpec) else (UNet, abstract_inputs)
+    )
+    return jax.eval_shape(cls(spec=spec, lora_rank=lora_rank, parent=None).init, rngs, **inputs(spec))

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Callable
 from contextvars import ContextVar
 from importlib import metadata
 from importlib.util import find_spec
@@ -108,6 +109,7 @@ class _DiffusersFlaxModel(nn.Module, *_diffusers_bases()):
     """What both drop-ins share: the config fields both diffusers classes take, loading, saving, the renamed tree."""
 
     NET: ClassVar[type[nn.Module]]
+    INPUTS: ClassVar[Callable[[Any], dict[str, Any]]]  # the network's inputs as shape structs, by name
     TORCH_CLASS: ClassVar[str]  # the diffusers PyTorch class of the same network
     FLAX_ONLY: ClassVar[tuple[str, ...]]  # config keys the PyTorch class does not take
 
@@ -136,14 +138,15 @@ class _DiffusersFlaxModel(nn.Module, *_diffusers_bases()):
     @property
     def spec(self) -> Any:
         """This project's spec of the network (a `UNetSpec` or `ControlNetSpec`)."""
-        return _spec(self.TORCH_CLASS, json.dumps(self._torch_config(self.config), sort_keys=True))
+        return self._spec_of(self.config)
 
     @classmethod
-    def _torch_config(cls, config: dict[str, Any]) -> dict[str, Any]:
-        """``config`` as the diffusers PyTorch class's (Flax-only keys dropped, a zero dropout a ControlNet lacks)."""
+    def _spec_of(cls, config: dict[str, Any]) -> Any:
+        """The spec of ``config`` read as the diffusers PyTorch class's config (Flax-only keys dropped, a zero
+        dropout a ControlNet lacks)."""
         flax_only = (*cls.FLAX_ONLY, *(("dropout",) if cls.TORCH_CLASS == "ControlNetModel" else ()))
         kept = {k: v for k, v in config.items() if k not in flax_only or (k == "dropout" and v)}
-        return kept | {"_class_name": cls.TORCH_CLASS}
+        return _spec(cls.TORCH_CLASS, json.dumps(kept | {"_class_name": cls.TORCH_CLASS}, sort_keys=True))
 
     def setup(self) -> None:
         # The project's module computes; its parameters are stored under diffusers' Flax names, in this scope.
@@ -165,13 +168,12 @@ class _DiffusersFlaxModel(nn.Module, *_diffusers_bases()):
         return cast_floating(nhwc, self.dtype)
 
     def init_weights(self, rng: jax.Array) -> dict[str, Any]:
-        """Fresh parameters under diffusers' Flax names (the smallest inputs the network takes)."""
+        """Fresh parameters under diffusers' Flax names (the network's own init on the smallest inputs it takes)."""
         params_rng, dropout_rng = jax.random.split(rng)
         rngs = {"params": params_rng, "dropout": dropout_rng}
-        return jax.jit(self.init)(rngs, **self._example_inputs())["params"]  # compiled: seconds sooner than eager
-
-    def _example_inputs(self) -> dict[str, Any]:
-        raise NotImplementedError
+        inputs = jax.tree.map(jnp.zeros_like, self.INPUTS(self.spec))
+        net = self.NET(spec=self.spec, policy=self.policy, parent=None)
+        return to_diffusers_flax(jax.jit(net.init)(rngs, **inputs)["params"], self.spec)  # compiled: sooner than eager
 
     @classmethod
     def from_pretrained(
@@ -192,9 +194,9 @@ class _DiffusersFlaxModel(nn.Module, *_diffusers_bases()):
         folder = find_folder(pretrained_model_name_or_path, None, subfolder, revision, weights=names)
         given = {**folder.config, **config}
         fields = {f.name for f in dataclasses.fields(cls)} - set(_NOT_CONFIG)
-        model = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if k in fields})
-        model = model.clone(dtype=dtype, policy=policy)
-        if (wanted := _spec(cls.TORCH_CLASS, json.dumps(cls._torch_config(given), sort_keys=True))) != model.spec:
+        config_kw = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if k in fields}
+        model = cls(**config_kw, dtype=dtype, policy=policy)
+        if (wanted := cls._spec_of(given)) != model.spec:
             raise ValueError(
                 f"{folder.root}/config.json: options the Flax class does not take change the network "
                 f"({wanted.name}); load it with jax_impl.from_diffusers"
@@ -236,6 +238,7 @@ class FlaxUNet2DConditionModel(_DiffusersFlaxModel):
     U-Net's on the same weights): ``apply({"params": p}, sample, timesteps, encoder_hidden_states, ...)``, NCHW."""
 
     NET = UNet
+    INPUTS = staticmethod(abstract_inputs)
     TORCH_CLASS = "UNet2DConditionModel"
     FLAX_ONLY = ("use_memory_efficient_attention", "split_head_dim")
 
@@ -268,8 +271,8 @@ class FlaxUNet2DConditionModel(_DiffusersFlaxModel):
         x, context, text_embeds, time_ids = self._inputs(
             sample, encoder_hidden_states, added.get("text_embeds"), added.get("time_ids")
         )
-        residuals = (down_block_additional_residuals, mid_block_additional_residual)
-        down, mid = cast_floating(residuals, self.dtype)  # NHWC already
+        # the residuals are NHWC already
+        down, mid = cast_floating((down_block_additional_residuals, mid_block_additional_residual), self.dtype)
         out = self.net(
             x,
             timesteps,
@@ -283,24 +286,13 @@ class FlaxUNet2DConditionModel(_DiffusersFlaxModel):
         out = jnp.transpose(out, (0, 3, 1, 2))
         return FlaxUNet2DConditionOutput(out) if return_dict else (out,)
 
-    def _example_inputs(self) -> dict[str, Any]:
-        shapes = abstract_inputs(self.spec)
-        inputs = {k: None if v is None else jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
-        added = {k: inputs[k] for k in ("text_embeds", "time_ids") if inputs[k] is not None}
-        sample = jnp.transpose(inputs["x"], (0, 3, 1, 2))
-        return {
-            "sample": sample,
-            "timesteps": inputs["t"],
-            "encoder_hidden_states": inputs["context"],
-            "added_cond_kwargs": added or None,
-        }
-
 
 class FlaxControlNetModel(_DiffusersFlaxModel):
     """diffusers 0.39's ``FlaxControlNetModel``, computed by `jax_impl.controlnet.ControlNet`: ``apply({"params": p},
     sample, timesteps, encoder_hidden_states, controlnet_cond, conditioning_scale)``, NCHW in, NHWC residuals out."""
 
     NET = ControlNet
+    INPUTS = staticmethod(abstract_controlnet_inputs)
     TORCH_CLASS = "ControlNetModel"
     FLAX_ONLY = ("sample_size",)
 
@@ -321,14 +313,3 @@ class FlaxControlNetModel(_DiffusersFlaxModel):
         x, context, cond = self._inputs(sample, encoder_hidden_states, controlnet_cond)
         down, mid = self.net(x, timesteps, context, cond, conditioning_scale, train=train)
         return FlaxControlNetOutput(down, mid) if return_dict else (down, mid)
-
-    def _example_inputs(self) -> dict[str, Any]:
-        shapes = abstract_controlnet_inputs(self.spec)
-        nchw = {k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items() if v is not None}
-        nchw = {k: jnp.transpose(v, (0, 3, 1, 2)) if v.ndim == 4 else v for k, v in nchw.items()}
-        return {
-            "sample": nchw["sample"],
-            "timesteps": nchw["timestep"],
-            "encoder_hidden_states": nchw["context"],
-            "controlnet_cond": nchw["controlnet_cond"],
-        }

@@ -18,19 +18,11 @@ import numpy as np
 from jax_impl.controlnet import ControlNet
 from jax_impl.convert import Spec, flax_to_torch, torch_shapes, torch_to_flax
 from jax_impl.unet import PolicyArg, UNet
-from shared_configs import UNetSpec
 from shared_configs.controlnet import ControlNetSpec
 from shared_configs.diffusers.folders import check_weights, read_source
 from shared_configs.diffusers.folders import ours_to_diffusers as _ours_to_diffusers
 
 Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet2D(Condition)Model / ControlNetModel
-
-
-def read_diffusers(
-    source: Source, variant: str | None = None, *, subfolder: str | None = None, revision: str | None = None
-) -> tuple[UNetSpec | ControlNetSpec, dict[str, Any]]:
-    """The spec and the state_dict (in our torch names; arrays or tensors) of a diffusers U-Net or ControlNet."""
-    return read_source(source, variant, read_weights, subfolder, revision)
 
 
 def from_diffusers(
@@ -70,7 +62,7 @@ def _load(
     dtype: Any,
     revision: str | None,
 ) -> tuple[Any, dict]:
-    spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
+    spec, state = read_source(source, variant, read_weights, subfolder, revision)  # state: in our torch names
     what = str(source) if isinstance(source, str | os.PathLike) else type(source).__name__
     if cls is UNet and isinstance(spec, ControlNetSpec):
         raise ValueError(f"{what} is a diffusers ControlNetModel: load it with controlnet_from_diffusers")

@@ -82,8 +82,9 @@ def plan_for_step(
     def predict(policy: str) -> int:
         return pipeline.predict_policy(work, policy, "jax", **options)[0].prediction.peak_bytes
 
-    said = lambda m: say(f"plan_for_step: {m}")  # noqa: E731
-    loop = ClosedLoop(budget_bytes, plan, predict, said, rounds=rounds, exact=True, log=planner_log)
+    loop = ClosedLoop(
+        budget_bytes, plan, predict, lambda m: say(f"plan_for_step: {m}"), rounds=rounds, exact=True, log=planner_log
+    )
     loop.start(policy)
     peak = compiled_peak(compile_for(build_step, loop.plan, example_args))
     while loop.judge(len(measured(loop.history)), peak) is not None:  # a compile per plan; the loop ends it

@@ -43,6 +43,8 @@ _OPERAND = re.compile(r"%([\w.\-]+)")
 _STATED_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
 _STATED_AT = re.compile(r"Live ranges at (\d+) \(peak\)")
 _OPCODE = re.compile(r"^([\w-]+)\(")
+# An allocation's attributes -> its kind (`_Allocation`), the first that matches.
+_KINDS = (("preallocated-temp", "temp"), ("parameter", "parameter"), ("maybe-live-out", "output"))
 
 
 @dataclass
@@ -106,8 +108,7 @@ def _key(lowered: Any, options: dict[str, Any]) -> str:
     import jax  # the worker's: this module is imported only there
 
     parts = [lowered.as_text(), repr(sorted(options.items())), os.environ.get("XLA_FLAGS", ""), jax.__version__]
-    text = "\n".join([*parts, jax.default_backend()])
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return hashlib.sha256("\n".join([*parts, jax.default_backend()]).encode()).hexdigest()[:32]
 
 
 def _read(cache_dir: str | None, key: str) -> MemoryPlan | None:
@@ -209,10 +210,7 @@ def _allocations(text: str) -> list[_Allocation]:
     for line in text.splitlines():
         header = _ALLOCATION.match(line)
         if header is not None:
-            attrs = header[3]
-            kind = "temp" if "preallocated-temp" in attrs else "parameter" if "parameter" in attrs else None
-            if kind is None and "maybe-live-out" in attrs:
-                kind = "output"
+            kind = next((name for marker, name in _KINDS if marker in header[3]), None)
             current = None if kind is None else _Allocation(kind, int(header[2]), [])  # constants, thread-local
             if current is not None:
                 out.append(current)
@@ -237,7 +235,8 @@ class _Hlo:
             op = _OP_NAME.search(rest)
             self.op_names[name] = op[1] if op else ""
             body = rest.split(", metadata=", 1)[0]
-            call = _OPCODE.search(_skip_type(body))
+            # The opcode follows the type; a tuple-typed instruction (a while loop's state) is given none.
+            call = None if body.startswith("(") else _OPCODE.match(body.split(" ", 1)[-1])
             self.opcodes[name] = call[1] if call else ""
             self.operands[name] = _OPERAND.findall(body)
             for operand in self.operands[name]:
@@ -264,18 +263,6 @@ class _Hlo:
         if stage == "backward" and any(_stage(self.op_names.get(u, "")) == "optimizer" for u in self.users[name]):
             return "grads"
         return {"forward": "activation", "backward": "temporary", "optimizer": "temporary"}[stage]
-
-
-def _skip_type(body: str) -> str:
-    """``body`` after its leading (possibly tuple) type: ``(f32[2], s32[]) while(...)`` -> ``while(...)``."""
-    if not body.startswith("("):
-        return body.split(" ", 1)[-1]
-    depth = 0
-    for i, ch in enumerate(body):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            return body[i + 1 :]
-    return body
 
 
 def _stage(op_name: str) -> str:

@@ -94,18 +94,10 @@ def check_distributed(processes: int, distributed: str | None) -> None:
 
 @dataclass(frozen=True)
 class Joined:
-    """This process's place in the run and how it was found."""
+    """This process's place in the run."""
 
     process_id: int
     processes: int
-    via: str  # "--coordinator HOST:PORT" or the cluster JAX detected, e.g. "SlurmCluster"
-
-    def line(self) -> str:
-        devices = jax.devices()
-        return (
-            f"jax.distributed: {self.processes} processes via {self.via}, {len(devices)} {devices[0].platform} "
-            f"devices in all ({jax.local_device_count()} here); CPU collectives: {CPU_COLLECTIVES}"
-        )
 
 
 _joined: Joined | None = None
@@ -118,7 +110,7 @@ def join(coordinator: str | None, num_processes: int | None, process_id: int | N
     global _joined
     if _joined is not None:
         return _joined
-    via = f"--coordinator {coordinator}" if coordinator else detected_cluster()
+    via = f"--coordinator {coordinator}" if coordinator else detected_cluster()  # or e.g. "SlurmCluster"
     if via is None or (coordinator is None and backends_started()):  # a caller whose JAX runs already: as it is
         return None
     jax.config.update("jax_cpu_collectives_implementation", CPU_COLLECTIVES)
@@ -132,9 +124,15 @@ def join(coordinator: str | None, num_processes: int | None, process_id: int | N
         )
     except (RuntimeError, ValueError) as err:  # JaxRuntimeError is a RuntimeError
         raise ConnectionError(f"jax.distributed via {via}: {_first_line(err)}") from None
-    _joined = Joined(jax.process_index(), jax.process_count(), via)
+    _joined = Joined(jax.process_index(), jax.process_count())
     if _joined.process_id == 0:
-        print(_joined.line(), file=sys.stderr, flush=True)
+        devices = jax.devices()
+        print(
+            f"jax.distributed: {_joined.processes} processes via {via}, {len(devices)} {devices[0].platform} "
+            f"devices in all ({jax.local_device_count()} here); CPU collectives: {CPU_COLLECTIVES}",
+            file=sys.stderr,
+            flush=True,
+        )
     return _joined
 
 

@@ -79,16 +79,9 @@ def _drawn(abstract: Any, pair: bool) -> Any:
     def draw(tree: Any) -> Any:
         return jax.tree.map(lambda a: jax.device_put((0.02 * rng.standard_normal(a.shape)).astype(a.dtype)), tree)
 
-    def zeros(tree: Any) -> Any:
-        return jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype)), tree)
-
     state = abstract[0] if pair else abstract
-    state = state.replace(
-        params=draw(state.params),
-        opt_state=zeros(state.opt_state),
-        batch_stats=zeros(state.batch_stats),
-        ema=zeros(state.ema),
-    )
+    zeros = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype)), state.replace(params=None))
+    state = zeros.replace(params=draw(state.params))  # optimizer state, batch statistics and EMA zeros
     return (state, draw(abstract[1])) if pair else state
 
 

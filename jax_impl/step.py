@@ -112,8 +112,18 @@ def loss_fn(
             (params, noisy, context, class_labels, text_embeds), compute_dtype
         )
     variables, rngs = flax_variables(params, batch_stats), {"dropout": dropout_key}
-    inputs = (context, class_labels, text_embeds, time_ids)
-    pred, updates = model.apply(variables, noisy, t, *inputs, train=True, rngs=rngs, mutable=["batch_stats"])
+    pred, updates = model.apply(
+        variables,
+        noisy,
+        t,
+        context,
+        class_labels,
+        text_embeds,
+        time_ids,
+        train=True,
+        rngs=rngs,
+        mutable=["batch_stats"],
+    )
     return jnp.mean((pred.astype(jnp.float32) - noise) ** 2), updates.get("batch_stats", batch_stats)
 
 
@@ -221,8 +231,9 @@ def guard_step(
     plan: that plan corrected by what the compiled step holds beyond the model's. Says the plan in force."""
     options, (state, dataset, schedule) = step_options(cfg.regime), data
     batch = arrays(dataset.batch(first, cfg.batch_size, schedule, cfg.seed))
-    args = (state, *trainee.frozen, batch, jax.random.key(0))
-    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    args = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (state, *trainee.frozen, batch, jax.random.key(0))
+    )
 
     def build(policy: str) -> Any:
         step = functools.partial(trainee.step.__wrapped__, model=trainee.clone(policy).model, tx=tx, **options)

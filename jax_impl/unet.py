@@ -278,16 +278,17 @@ class UNet(UNetTrunk):
         statistics and updates ``"batch_stats"`` (pass ``mutable=["batch_stats"]``).
         """
         spec = self.resolved_spec
-        conditioning = {"context": context, "class_labels": class_labels, "text_embeds": text_embeds}
-        added = {"timestep_cond": timestep_cond, "image_embeds": image_embeds}
         check_inputs(
             spec,
             "NHWC",
             x,
             t,
-            **conditioning,
+            context=context,
+            class_labels=class_labels,
+            text_embeds=text_embeds,
             time_ids=time_ids,
-            **added,
+            timestep_cond=timestep_cond,
+            image_embeds=image_embeds,
             encoder_attention_mask=encoder_attention_mask,
         )
         temb = self._embedding(x, t, class_labels, text_embeds, time_ids, timestep_cond, image_embeds)
