@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from shared_configs import UNetSpec
 from shared_configs.controlnet import ControlNetSpec
 from shared_configs.diffusers.controlnet_config import controlnet_to_diffusers_config
 from shared_configs.diffusers.export import to_diffusers_config
@@ -32,13 +31,6 @@ Source = str | os.PathLike[str] | Any  # a folder path, or a live diffusers UNet
 M = TypeVar("M", bound=torch.nn.Module)
 
 
-def read_diffusers(
-    source: Source, variant: str | None = None, *, subfolder: str | None = None, revision: str | None = None
-) -> tuple[UNetSpec | ControlNetSpec, dict[str, torch.Tensor]]:
-    """The spec and the state_dict (in our names, as stored: dtype unchanged) of a diffusers U-Net or ControlNet."""
-    return read_source(source, variant, _read_file, subfolder, revision)
-
-
 def from_diffusers(
     cls: type[M],
     source: Source,
@@ -51,7 +43,7 @@ def from_diffusers(
 ) -> M:
     """Our ``cls`` (`torch_impl.UNet`, or with ``controlnet`` `torch_impl.ControlNet`) in ``dtype`` (default
     float32), eval mode, with the weights of a diffusers model; ``variant="fp16"`` reads ``*.fp16.safetensors``."""
-    spec, state = read_diffusers(source, variant, subfolder=subfolder, revision=revision)
+    spec, state = read_source(source, variant, _read_file, subfolder, revision)  # as stored: dtype unchanged
     what = str(source) if is_path(source) else type(source).__name__
     if controlnet and not isinstance(spec, ControlNetSpec):
         raise ValueError(f"{what} is a diffusers U-Net, not a ControlNetModel: load it with UNet.from_diffusers")
