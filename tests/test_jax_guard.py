@@ -66,7 +66,9 @@ def test_a_step_holding_more_than_the_model_gets_a_plan_whose_compiled_peak_fits
     assert case["peak"](sp.plan, case["args"]) == sp.compiled <= budget  # compiled again, read here
     first = sp.history[0]
     assert first.measured == first.predicted + first.outside
-    assert first.outside >= case["extra"] * 0.9  # the extra array is seen as held beyond the model's step
+    # The extra array is seen as held beyond the model's step: ``outside`` is it, give or take the prediction's
+    # error (within 5% of the model's step, as the planner's predictions are held elsewhere).
+    assert abs(first.outside - case["extra"]) <= 0.05 * first.predicted, (first, case["extra"])
     print(
         "\n"
         + "\n".join(
