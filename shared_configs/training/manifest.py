@@ -17,7 +17,6 @@ from shared_configs.files import json_digest, write_sealed
 MANIFEST = "manifest.json"
 KIND = "unet-remat checkpoint"
 VERSION = 1
-_CHUNK = 8 << 20
 
 
 class CheckpointError(ValueError):
@@ -46,11 +45,8 @@ def files_of(root: Path) -> list[str]:
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def hash_files(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
