@@ -1,5 +1,5 @@
 """What each block and layer is built with, derived once from the spec for both frameworks: both U-Net assemblies
-loop over `down_blocks` / `up_blocks` and build layers from `resnet_args` / `attention_args`, the one arguments
+loop over `down_blocks` / `up_blocks` and build layers from `block_resnet_args` / `attention_args`, the one arguments
 object each layer of either framework takes after its channels, so the skip stack's channels are counted here alone.
 """
 
@@ -154,15 +154,13 @@ def norm_args(spec: UNetSpec) -> NormArgs:
 def block_resnet_args(spec: UNetSpec, block: str) -> ResnetArgs:
     """The ResNets of ``block`` (``down.1``, ``mid``, ``up.0``), with the output scale and skip_time_act it reads."""
     if block == "mid":
-        skip = spec.resnet_skip_time_act and spec.mid_attention == "simple_cross"
-        return resnet_args(spec, spec.mid_block_scale_factor, skip)
-    resnet = spec.resampler == "resnet"
-    return resnet_args(spec, spec.resnet_out_scale_factor, spec.resnet_skip_time_act) if resnet else resnet_args(spec)
-
-
-def resnet_args(spec: UNetSpec, output_scale: float = 1.0, skip_time_act: bool = False) -> ResnetArgs:
+        scale, skip = spec.mid_block_scale_factor, spec.resnet_skip_time_act and spec.mid_attention == "simple_cross"
+    elif spec.resampler == "resnet":
+        scale, skip = spec.resnet_out_scale_factor, spec.resnet_skip_time_act
+    else:
+        scale, skip = 1.0, False
     scale_shift = spec.resnet_time_scale_shift == "scale_shift"
-    return ResnetArgs(spec.block_temb_dim, norm_args(spec), spec.dropout, scale_shift, output_scale, skip_time_act)
+    return ResnetArgs(spec.block_temb_dim, norm_args(spec), spec.dropout, scale_shift, scale, skip)
 
 
 def attention_args(

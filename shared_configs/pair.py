@@ -190,27 +190,22 @@ def control_image(images: np.ndarray, spec: ControlNetSpec) -> np.ndarray:
     return np.repeat(edges[:, None], spec.conditioning_channels, axis=1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ControlNetDataset(Dataset):
     """A ``--controlnet`` run's data: each sample's edge map; the sampler gets each class's first image's."""
 
-    controlnet: ControlNetSpec | None = None
+    controlnet: ControlNetSpec
 
     def _of_images(self, batch: Batch, idx: np.ndarray) -> ControlNetBatch:
-        return ControlNetBatch(**vars(batch), controlnet_cond=control_image(self.images[idx], self._spec()))
+        return ControlNetBatch(**vars(batch), controlnet_cond=control_image(self.images[idx], self.controlnet))
 
     def conditioning(self, labels: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, Any]:
         """`Dataset.conditioning`; for the sampler (no ``rng``) with ``controlnet_cond`` too."""
         out = super().conditioning(labels, rng)
         if rng is None:
             first = np.array([np.flatnonzero(self.labels == label)[0] for label in labels])
-            out["controlnet_cond"] = control_image(self.images[first], self._spec())
+            out["controlnet_cond"] = control_image(self.images[first], self.controlnet)
         return out
-
-    def _spec(self) -> ControlNetSpec:
-        if self.controlnet is None:
-            raise ValueError("controlnet: a ControlNetDataset needs the ControlNet's spec")
-        return self.controlnet
 
 
 def load_pair_dataset(kind: str, spec: ControlNetPairSpec, seed: int = 0) -> ControlNetDataset:

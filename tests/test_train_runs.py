@@ -189,7 +189,7 @@ def test_resume_refuses_steps_already_done(run: tuple[str, Path], capsys) -> Non
 def test_an_output_folder_that_cannot_be_made_is_refused_first(framework: str, tmp_path: Path, capsys) -> None:
     (tmp_path / "file").write_text("")
     code, err = cli(framework, train_argv(replace(RUN, out=str(tmp_path / "file" / "run"))), capsys)
-    assert_one_line(code, err, 2, "--out", "cannot create it")
+    assert_one_line(code, err, 2, "--out", "cannot write to")
 
 
 @pytest.mark.parametrize("framework", list(MAINS))

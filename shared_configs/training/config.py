@@ -225,15 +225,8 @@ CONTROLNET_HELP = (
 
 
 def check_controlnet(cfg: TrainConfig) -> None:
-    """Refuse, in one line, what a ``--controlnet`` run does not combine with."""
-    if not cfg.controlnet:
-        return
-    if cfg.regime.lora_rank is not None:
-        raise ValueError(
-            f"--trainable: --controlnet trains the whole ControlNet (diffusers' train_controlnet), not "
-            f"{cfg.regime.trainable}; use --trainable all or drop --controlnet"
-        )
-    if cfg.distributed:
+    """Refuse, in one line, what a ``--controlnet`` run does not combine with (its regime: `pair.step_spec`)."""
+    if cfg.controlnet and cfg.distributed:
         raise ValueError("--distributed: --controlnet trains in one process; drop one of them")
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from shared_configs.cli import check_out_dir
 from shared_configs.files import TEMP_GLOB, TEMP_SUFFIX
 from shared_configs.spec import UNetSpec
 from shared_configs.training.config import TrainConfig, resume_differences
@@ -134,14 +135,7 @@ SOLO = Solo()
 @contextmanager
 def owned(out: Path, owner: bool = True) -> Iterator[None]:
     """Check ``out`` is (or can be made) a writable folder; the ``owner`` also holds its lock and removes old temps."""
-    if out.exists() and not out.is_dir():
-        raise RunFolderError(f"--out {out}: exists and is not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise RunFolderError(f"--out {out}: cannot create it ({err.strerror})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise RunFolderError(f"--out {out}: not writable")
+    check_out_dir(out)
     if not owner:
         yield
         return
