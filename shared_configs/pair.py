@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -195,17 +195,19 @@ class ControlNetDataset(Dataset):
     """A ``--controlnet`` run's data: each sample's edge map; the sampler gets each class's first image's."""
 
     controlnet: ControlNetSpec
+    batch_class: ClassVar[type[Batch]] = ControlNetBatch
 
-    def _of_images(self, batch: Batch, idx: np.ndarray) -> ControlNetBatch:
-        return ControlNetBatch(**vars(batch), controlnet_cond=control_image(self.images[idx], self.controlnet))
-
-    def conditioning(self, labels: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, Any]:
-        """`Dataset.conditioning`; for the sampler (no ``rng``) with ``controlnet_cond`` too."""
-        out = super().conditioning(labels, rng)
-        if rng is None:
-            first = np.array([np.flatnonzero(self.labels == label)[0] for label in labels])
-            out["controlnet_cond"] = control_image(self.images[first], self.controlnet)
-        return out
+    def conditioning(
+        self, labels: np.ndarray, rng: np.random.Generator | None = None, idx: np.ndarray | None = None
+    ) -> dict[str, Any]:
+        """`Dataset.conditioning` and ``controlnet_cond``, the edge maps of the images ``idx`` (the sampler's: of
+        each class's first image)."""
+        if idx is None:
+            idx = np.array([np.flatnonzero(self.labels == label)[0] for label in labels])
+        return {
+            **super().conditioning(labels, rng),
+            "controlnet_cond": control_image(self.images[idx], self.controlnet),
+        }
 
 
 def load_pair_dataset(kind: str, spec: ControlNetPairSpec, seed: int = 0) -> ControlNetDataset:

@@ -253,8 +253,7 @@ class UNetSpec(_Frozen):
             )
 
     def _check_block_heads(self) -> None:
-        n, names = self.num_levels, [name for name, _, _ in self.block_heads]
-        blocks = [f"down.{i}" for i in range(n)] + ["mid"] + [f"up.{i}" for i in range(n)]
+        names, blocks = [name for name, _, _ in self.block_heads], block_names(self)
         for name, heads, head_dim in self.block_heads:
             _require(name in blocks, "block_heads", f"unknown block {name!r} (valid: {', '.join(blocks)})")
             _require(names.count(name) == 1, "block_heads", f"{name!r} is listed twice")
@@ -298,6 +297,12 @@ class UNetSpec(_Frozen):
                 f"sinusoids of width {width} with freq_shift={shift} divide by zero "
                 "(width // 2 must differ from freq_shift)",
             )
+
+
+def block_names(spec: UNetSpec) -> list[str]:
+    """Coarse blocks in forward order: down.*, mid, up.* (the plan's vocabulary: `shared_configs.vocabulary`)."""
+    n = spec.num_levels
+    return [f"down.{i}" for i in range(n)] + ["mid"] + [f"up.{i}" for i in range(n)]
 
 
 def _per_level(value: int | tuple[int, ...], level: int, n: int) -> int:

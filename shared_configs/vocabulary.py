@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from shared_configs.spec import SpecError, UNetSpec
+from shared_configs.spec import SpecError, UNetSpec, block_names
 
 # Operation classes a selective plan can save, one vocabulary for torch and JAX. Everything not
 # named is recomputed (activations, softmax, elementwise ops, and norms unless "norm" is saved).
@@ -46,12 +46,6 @@ class CheckpointPlan:
 
     def __bool__(self) -> bool:
         return bool(self.recompute)
-
-
-def block_names(spec: UNetSpec) -> list[str]:
-    """Coarse blocks in forward order: down.*, mid, up.*."""
-    n = spec.num_levels
-    return [f"down.{i}" for i in range(n)] + ["mid"] + [f"up.{i}" for i in range(n)]
 
 
 def layer_names(spec: UNetSpec) -> list[str]:
@@ -140,7 +134,7 @@ def _with_modifiers(spec: UNetSpec, key: str) -> CheckpointPlan:
     offload = False
     for mod in mods:
         if mod.startswith("save="):
-            save = _ops(mod.removeprefix("save=").replace("+", ",").split(","))
+            save = _ops(mod.removeprefix("save="))
         elif mod == "offload":
             offload = True
         else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -144,9 +144,13 @@ class Dataset:
     images: np.ndarray
     labels: np.ndarray
     conditioner: Conditioner = Conditioner()
+    batch_class: ClassVar[type[Batch]] = Batch  # what `batch` makes (`pair.ControlNetDataset`: a ControlNetBatch)
 
-    def conditioning(self, labels: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, Any]:
-        """(B,) labels -> the spec's conditioning inputs by name (see `Conditioner`)."""
+    def conditioning(
+        self, labels: np.ndarray, rng: np.random.Generator | None = None, idx: np.ndarray | None = None
+    ) -> dict[str, Any]:
+        """(B,) labels (of the images ``idx``) -> the spec's conditioning inputs by name (see `Conditioner`);
+        ``rng`` and ``idx`` are a training batch's, None for the sampler's."""
         return self.conditioner(labels, rng)
 
     def batch(self, step: int, batch_size: int, schedule: Schedule, seed: int) -> Batch:
@@ -160,13 +164,9 @@ class Dataset:
         noisy = np.sqrt(abar) * x0 + np.sqrt(1.0 - abar) * noise
         labels = self.labels[idx]
         # A stream of its own: the images, timesteps and noise of a seed stay what they were.
-        conditioning = self.conditioning(labels, np.random.default_rng([seed, step, 2]))
+        conditioning = self.conditioning(labels, np.random.default_rng([seed, step, 2]), idx)
         arrays = (a.astype(np.float32) for a in (noisy, t, noise))
-        return self._of_images(Batch(*arrays, labels=labels, **conditioning), idx)
-
-    def _of_images(self, batch: Batch, idx: np.ndarray) -> Batch:
-        """``batch`` with what a subclass derives from images ``idx`` (`pair.ControlNetDataset`)."""
-        return batch
+        return self.batch_class(*arrays, labels=labels, **conditioning)
 
 
 def load_dataset(kind: str, spec: UNetSpec, seed: int = 0) -> Dataset:
