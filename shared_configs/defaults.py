@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared_configs.cli import cache_dir, nonnegative
+
 DEVICES: tuple[str, ...] = ("cpu", "gpu")
 AUTO = "auto"
 # Queries per attention chunk where XLA's attention is unfused (XLA:CPU): sd_narrow's 16x16 attention
@@ -49,7 +51,7 @@ class Defaults:
 def jax_cache_dir() -> str | None:
     """The persistent compilation cache folder: ``$UNET_REMAT_JAX_CACHE`` ("none": off), else under XDG's cache."""
     if (chosen := os.environ.get(JAX_CACHE_ENV)) is not None:
-        return None if chosen.lower() in ("none", "off", "") else str(Path(chosen).expanduser().absolute())
+        return cache_dir(chosen)
     return str(Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "unet-remat" / "jax")
 
 
@@ -83,12 +85,9 @@ def chunk_arg(text: str) -> int | str | None:
     if text == AUTO:
         return AUTO
     try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected auto, 0 (unchunked) or a number of queries, got {text!r}")
-    return value or None
+        return nonnegative(int)(text) or None
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto, 0 (unchunked) or a number of queries, got {text!r}") from None
 
 
 CHUNK_HELP = (

@@ -164,10 +164,8 @@ class UNetSpec(_Frozen):
 
     def attention_shape(self, block: str, level: int) -> tuple[int, int]:
         """(heads, head_dim) of the attention in ``block`` (``"up.1"``) at ``level`` (`block_heads` first)."""
-        for name, heads, head_dim in self.block_heads:
-            if name == block:
-                return heads, head_dim
-        return self.heads(level), self.head_dim(level)
+        own = {name: (heads, head_dim) for name, heads, head_dim in self.block_heads}
+        return own.get(block) or (self.heads(level), self.head_dim(level))
 
     def head_dim(self, level: int) -> int:
         """Channels per attention head at a level; ``heads * head_dim`` is the attention's width."""

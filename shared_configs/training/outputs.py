@@ -65,8 +65,9 @@ def speed_line(title: str, seconds: np.ndarray) -> str:
     return f"{title}: {first}; then median {median:.3f} s/step = {1 / median:.2f} steps/s over {len(seconds) - 1}"
 
 
-def save_plots(out: str | Path, losses: list[float], samples: np.ndarray | None, title: str) -> None:
-    """``loss.png`` (raw and smoothed loss) and, given samples (N, C, H, W), ``samples.png``."""
+def write_outputs(out: str | Path, losses: list[float], samples: np.ndarray | None, title: str) -> None:
+    """A finished run's ``losses.json``, ``loss.png`` (raw and smoothed loss) and, given samples (N, C, H, W),
+    ``samples.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,11 +94,6 @@ def save_plots(out: str | Path, losses: list[float], samples: np.ndarray | None,
         for ax in axes.flat:
             ax.axis("off")
         write_png(fig, Path(out) / "samples.png", dpi=80, bbox_inches="tight")
-
-
-def write_outputs(out: str | Path, losses: list[float], samples: np.ndarray | None, title: str) -> None:
-    """A finished run's ``losses.json``, ``loss.png`` and (given samples) ``samples.png``."""
-    save_plots(out, losses, samples, title)
     write_losses(out, losses)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 from shared_configs.pair import ControlNetPairSpec, PairPlan, split_pair_plan
 from shared_configs.planning.pipeline import Workload, plan, predict_policy
@@ -55,14 +54,6 @@ class RunPlan:
         )
 
 
-class ResolvedRun(NamedTuple):
-    """What `resolve_run` settled: the config the run records, the plan the model is built with, the `RunPlan`."""
-
-    cfg: TrainConfig
-    plan: CheckpointPlan | PairPlan
-    budget: RunPlan | None = None
-
-
 def resolve_run(
     cfg: TrainConfig,
     spec: UNetSpec | ControlNetPairSpec,
@@ -71,11 +62,12 @@ def resolve_run(
     run: RunStart,
     show: bool = True,
     attention_chunk: int | None = Workload.attention_chunk,
-) -> ResolvedRun:
+) -> tuple[TrainConfig, CheckpointPlan | PairPlan, RunPlan | None]:
     """The plan of a run of ``spec`` (a pair for ``--controlnet``): ``cfg.policy``'s, or under ``--budget-mib`` the
-    planner's (said on stderr where ``show``); ``run``: where it starts; ``attention_chunk``: JAX's, resolved."""
+    planner's (said on stderr where ``show``); ``run``: where it starts; ``attention_chunk``: JAX's, resolved.
+    Returns the config the run records, the plan the model is built with and the `RunPlan` (None: no budget)."""
     if cfg.budget_bytes is None:
-        return ResolvedRun(cfg, resolve_any(spec, cfg.policy))  # a bad policy is refused here
+        return cfg, resolve_any(spec, cfg.policy), None  # a bad policy is refused here
     then = (run.manifest.run if run.manifest is not None else {}).get("config", {})
     work, mode = workload_of(cfg, spec, world_size, attention_chunk), cfg.distributed or "ddp"
     kept = then.get("budget_mib") == cfg.budget_mib and then.get("policy") is not None
@@ -87,7 +79,7 @@ def resolve_run(
     budget = RunPlan(plan_of(spec, solution), cfg.budget_bytes, pred.peak_bytes, pred.peak_unit, world_size, mode, kept)
     if show:
         report(budget.plan_line(framework))
-    return ResolvedRun(replace(cfg, policy=budget.policy), budget.plan, budget)  # the policy recorded
+    return replace(cfg, policy=budget.policy), budget.plan, budget  # the policy recorded
 
 
 def workload_of(
