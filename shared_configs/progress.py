@@ -42,19 +42,10 @@ class LiveHandler(logging.StreamHandler):
     """Progress records overwrite one live line on a terminal; every record is a plain line otherwise."""
 
     def __init__(self, stream: IO[str] | None = None) -> None:
-        self._own = stream  # None: whatever sys.stderr is when a record comes (as logging's lastResort)
-        super().__init__(stream)
+        super().__init__(stream)  # None: sys.stderr
         self.setFormatter(logging.Formatter("%(message)s"))
         self.live = bool(getattr(self.stream, "isatty", lambda: False)())
         self._pending = False  # a live line is on screen, without its newline
-
-    @property  # type: ignore[override]
-    def stream(self) -> IO[str]:
-        return self._own if self._own is not None else sys.stderr
-
-    @stream.setter
-    def stream(self, value: IO[str]) -> None:
-        self._own = value if value is not sys.stderr else self._own
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -85,6 +76,7 @@ def _emit(logger: logging.Logger, text: str, live: bool, started: float, quiet_s
     global _fallback
     if _fallback is None:
         _fallback = LiveHandler()
+    _fallback.stream = sys.stderr  # whatever it is now (as logging's lastResort): a redirect, a test's capture
     _fallback.handle(logger.makeRecord(logger.name, logging.INFO, "", 0, text, None, None, extra={"progress": live}))
     return True
 

@@ -200,16 +200,13 @@ def parse_args(argv: list[str] | None, framework: FrameworkCLI) -> TrainConfig:
     p.add_argument("--controlnet", action="store_true", help=CONTROLNET_HELP)
     framework.options.add_flags(p)
     args = p.parse_args(argv)
-    try:
-        make_schedule(args.schedule, args.timesteps)
-    except ValueError as err:
-        p.error(f"--{err}")
     own = [f.name for f in fields(framework.options)]  # type: ignore[arg-type]
     options = framework.options(**{name: getattr(args, name) for name in own})
     shared = {k: v for k, v in vars(args).items() if k not in (*REGIME_FIELDS, *own)}
     regime = Regime(**{k: getattr(args, k) for k in REGIME_FIELDS})  # validated here, once
     cfg = TrainConfig(**shared, regime=regime, options=options)
     try:
+        make_schedule(cfg.schedule, cfg.timesteps)
         check_controlnet(cfg)
         options.check(cfg)
     except ValueError as err:

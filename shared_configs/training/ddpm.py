@@ -48,12 +48,12 @@ def make_schedule(kind: str = "linear", num_timesteps: int = 1000) -> Schedule:
     """``linear`` (Ho et al. 2020, scaled to T) or ``cosine`` (Nichol & Dhariwal 2021); a `ValueError` naming the
     smallest valid count where a beta falls outside (0, 1) (linear below 21 steps: it would train NaN)."""
     if num_timesteps < 1:
-        raise ValueError(f"timesteps {num_timesteps}: must be >= 1")
+        raise ValueError(f"--timesteps {num_timesteps}: must be >= 1")
     betas = _betas(kind, num_timesteps)
     if not _valid(betas):
         smallest = next(n for n in range(num_timesteps + 1, 100_000) if _valid(_betas(kind, n)))
         raise ValueError(
-            f"timesteps {num_timesteps}: the {kind} schedule's betas reach {betas.max():.3g} but must "
+            f"--timesteps {num_timesteps}: the {kind} schedule's betas reach {betas.max():.3g} but must "
             f"lie in (0, 1); the smallest valid value is {smallest}"
         )
     return Schedule(betas)
