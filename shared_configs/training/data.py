@@ -66,61 +66,45 @@ def check_conditioning(spec: UNetSpec, given: Mapping[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class Conditioner:
-    """The conditioning inputs a spec takes, made from class labels by fixed seeded tables (docs/training.md):
-    one context token, class ids or vectors, text_embeds, and SDXL's time_ids (drawn in training)."""
+    """The conditioning inputs ``spec`` takes (None: none), made from class labels by fixed seeded tables
+    (docs/training.md): one context token, class ids or vectors, text_embeds, and SDXL's time_ids (drawn in
+    training)."""
 
-    context_table: np.ndarray | None = None
-    class_ids: int | None = None  # modulus for class ids (0: ids as they are); None: no ids
-    class_table: np.ndarray | None = None
-    text_table: np.ndarray | None = None
-    num_time_ids: int = 0  # 0: no time_ids
-    image_size: int = 0
-
-    @classmethod
-    def for_spec(cls, spec: UNetSpec) -> Conditioner:
-        """The tables ``spec``'s forward needs (the same for every run of that spec)."""
-        rng = np.random.default_rng(TEXT_TABLE_SEED)
-        ctx = None
-        if spec.cross_attention_dim is not None:  # its own seed: the context of older runs is unchanged
-            ctx = np.random.default_rng(CONTEXT_TABLE_SEED).standard_normal((NUM_CLASSES, spec.cross_attention_dim))
-        kwargs: dict[str, Any] = {"context_table": None if ctx is None else ctx.astype(np.float32)}
-        if spec.class_embedding is not None:
-            width = class_label_width(spec)
-            if width is None:
-                kwargs["class_ids"] = spec.class_embedding.num_classes or 0
-            else:
-                kwargs["class_table"] = rng.standard_normal((NUM_CLASSES, width)).astype(np.float32)
-        if (add := spec.addition_embedding) is not None:
-            kwargs.update(
-                text_table=rng.standard_normal((NUM_CLASSES, add.text_embeds_dim)).astype(np.float32),
-                num_time_ids=add.num_time_ids,
-                image_size=LATENT_SCALE * spec.sample_size,
-            )
-        return cls(**kwargs)
+    spec: UNetSpec | None = None
 
     def __call__(self, labels: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, np.ndarray | None]:
         """(B,) labels -> every conditioning input by name; ``rng`` draws the time ids (None: sampling's)."""
         out: dict[str, np.ndarray | None] = dict.fromkeys(CONDITIONING)
-        if self.context_table is not None:
-            out["context"] = self.context_table[labels][:, None, :]  # (B, 1, D)
-        if self.class_ids is not None:
-            ids = labels % self.class_ids if self.class_ids else labels
-            out["class_labels"] = ids.astype(np.int32)  # input_specs' dtype
-        elif self.class_table is not None:
-            out["class_labels"] = self.class_table[labels]
-        if self.text_table is not None:
-            out |= {"text_embeds": self.text_table[labels], "time_ids": self._time_ids(len(labels), rng)}
+        spec = self.spec
+        if spec is None:
+            return out
+        tables = np.random.default_rng(TEXT_TABLE_SEED)  # the same tables for every run of the spec
+        if spec.cross_attention_dim is not None:  # its own seed: the context of older runs is unchanged
+            context = np.random.default_rng(CONTEXT_TABLE_SEED).standard_normal((NUM_CLASSES, spec.cross_attention_dim))
+            out["context"] = context.astype(np.float32)[labels][:, None, :]  # (B, 1, D)
+        if spec.class_embedding is not None:
+            width = class_label_width(spec)
+            if width is None:
+                modulus = spec.class_embedding.num_classes  # None: the ids as they are
+                out["class_labels"] = (labels % modulus if modulus else labels).astype(np.int32)  # input_specs' dtype
+            else:
+                out["class_labels"] = tables.standard_normal((NUM_CLASSES, width)).astype(np.float32)[labels]
+        if (add := spec.addition_embedding) is not None:
+            text = tables.standard_normal((NUM_CLASSES, add.text_embeds_dim)).astype(np.float32)
+            size = LATENT_SCALE * spec.sample_size
+            out |= {"text_embeds": text[labels], "time_ids": _time_ids(len(labels), size, add.num_time_ids, rng)}
         return out
 
-    def _time_ids(self, n: int, rng: np.random.Generator | None) -> np.ndarray:
-        s = self.image_size
-        target = np.full((n, 2), s)
-        if rng is None:
-            original, crop = target, np.zeros((n, 2), np.int64)
-        else:  # images of any size from half to twice the target, cropped by up to a quarter of it
-            original, crop = rng.integers(s // 2, 2 * s + 1, (n, 2)), rng.integers(0, s // 4 + 1, (n, 2))
-        six = np.concatenate([original, crop, target], axis=1)  # (B, 6)
-        return six[:, np.arange(self.num_time_ids) % 6].astype(np.float32)
+
+def _time_ids(n: int, size: int, count: int, rng: np.random.Generator | None) -> np.ndarray:
+    """SDXL's (B, ``count``) time ids of ``size`` px images: original size, crop corner, target size, repeated."""
+    target = np.full((n, 2), size)
+    if rng is None:
+        original, crop = target, np.zeros((n, 2), np.int64)
+    else:  # images of any size from half to twice the target, cropped by up to a quarter of it
+        original, crop = rng.integers(size // 2, 2 * size + 1, (n, 2)), rng.integers(0, size // 4 + 1, (n, 2))
+    six = np.concatenate([original, crop, target], axis=1)  # (B, 6)
+    return six[:, np.arange(count) % 6].astype(np.float32)
 
 
 def example_batch(spec: UNetSpec, batch_size: int, context_length: int = 77, seed: int = 0) -> Batch:
@@ -133,7 +117,7 @@ def example_batch(spec: UNetSpec, batch_size: int, context_length: int = 77, see
     width = spec.cross_attention_dim
     context = None if width is None else rng.standard_normal((batch_size, context_length, width), dtype=np.float32)
     labels = rng.integers(0, NUM_CLASSES, batch_size)  # drawn after the others: their values stay as they were
-    conditioning = {**Conditioner.for_spec(spec)(labels, rng), "context": context}
+    conditioning = {**Conditioner(spec)(labels, rng), "context": context}
     return Batch(noisy=noisy, t=t, noise=noise, labels=labels, **conditioning)
 
 
@@ -185,7 +169,7 @@ def load_dataset(kind: str, spec: UNetSpec, seed: int = 0) -> Dataset:
     else:
         raise ValueError(f"data: unknown {kind!r} (allowed: {', '.join(DATASETS)})")
     images = np.repeat(_fit(images, spec.sample_size)[:, None], spec.in_channels, axis=1).astype(np.float32)
-    return Dataset(images, labels, Conditioner.for_spec(spec))
+    return Dataset(images, labels, Conditioner(spec))
 
 
 def _fit(images: np.ndarray, size: int) -> np.ndarray:
