@@ -5,6 +5,7 @@ Built by `torch_impl/controlnet.py` and `jax_impl/controlnet.py`; docs/diffusers
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -142,20 +143,10 @@ def controlnet_names(spec: ControlNetSpec | UNetSpec, layers: bool = False) -> l
 def resolve_controlnet_plan(spec: ControlNetSpec, policy: Policy | CheckpointPlan = None) -> CheckpointPlan:
     """A plan for the ControlNet, resolved as for its U-Net, keeping its units (naming an ``up.*`` is refused)."""
     plan = resolve_plan(spec.unet, policy)  # None: the U-Net spec's own `checkpoint`
-    if missing := [n for n in _named_units(policy) if n.startswith("up.") or n == "up"]:
+    # the units written out in a policy (a string or a list of names; a named policy writes none)
+    written = policy.recompute if isinstance(policy, CheckpointPlan) else re.findall(r"[\w.]+", str(policy or ""))
+    if missing := [n for n in written if n.startswith("up.")]:
         raise SpecError(f"policy: a ControlNet has no unit {missing[0]!r} (it has down.* and mid)")
     keep = tuple(n for n in plan.recompute if not n.startswith("up."))
     unit_save = tuple((n, ops) for n, ops in plan.unit_save if not n.startswith("up."))
     return plan if keep == plan.recompute else CheckpointPlan(plan.policy, keep, plan.save, plan.offload, unit_save)
-
-
-def _named_units(policy: Any) -> list[str]:
-    """Unit names written out in a policy (a list, or a string's comma-separated names)."""
-    if isinstance(policy, CheckpointPlan):
-        return list(policy.recompute)
-    if policy is None:
-        return []
-    if not isinstance(policy, str):
-        return [str(n) for n in policy]
-    names = (n for group in policy.split(";") for n in group.partition("/")[0].split(","))
-    return [n.strip() for n in names if "." in n or n.strip() in ("mid", "up")]
