@@ -11,9 +11,6 @@ import torch
 from torch import nn
 
 from shared_configs import UNetSpec
-from shared_configs.controlnet import ControlNetSpec
-from shared_configs.diffusers.controlnet_config import controlnet_from_diffusers_config
-from shared_configs.diffusers.folders import live_config
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec, PairPlan, example_pair_batch, split_pair_plan
 from shared_configs.planning.units import HEAD, STEM
 from shared_configs.training.data import Batch, example_batch
@@ -90,7 +87,10 @@ def _live_pair_spec(unet: nn.Module, controlnet: nn.Module) -> ControlNetPairSpe
     unet_spec, cn_spec = (
         (unet.spec, controlnet.spec)
         if isinstance(unet, UNet) and isinstance(controlnet, ControlNet)
-        else (diffusers_spec(unet), _diffusers_controlnet_spec(controlnet))
+        else (
+            diffusers_spec(unet),
+            diffusers_spec(controlnet, ("ControlNetModel",), "controlnet: expected", " or a torch_impl.ControlNet"),
+        )
     )
     mine = cn_spec.unet
     for field in ("in_channels", "block_out_channels", "layers_per_block", "down_attention", "cross_attention_dim"):
@@ -100,14 +100,6 @@ def _live_pair_spec(unet: nn.Module, controlnet: nn.Module) -> ControlNetPairSpe
                 "a ControlNet is made from its U-Net (from_unet)"
             )
     return ControlNetPairSpec(controlnet=cn_spec.model_copy(update={"unet": unet_spec}))
-
-
-def _diffusers_controlnet_spec(model: nn.Module) -> ControlNetSpec:
-    if type(model).__name__ != "ControlNetModel":
-        raise TypeError(
-            f"controlnet: expected diffusers' ControlNetModel or a torch_impl.ControlNet, not {type(model).__name__}"
-        )
-    return controlnet_from_diffusers_config(live_config(model))
 
 
 def unit_modules(model: UNet | ControlNetPair, unit: str, phase: str) -> list[nn.Module]:
