@@ -24,7 +24,7 @@ from shared_configs.memory import CATEGORIES, OUTSIDE, block_of, timeline
 from shared_configs.planning.timeline import FWD, Timeline
 from shared_configs.planning.units import STEM
 from torch_impl import compat
-from torch_impl.checkpointing import observe_saves
+from torch_impl.checkpointing import record_saved
 from torch_impl.compat import TorchDispatchMode, _EventType, is_traceable_wrapper_subclass, tree_map_only
 
 TRACKER_METHOD = (
@@ -357,33 +357,6 @@ def memtracker(
 
 def _listed(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
     return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-
-
-@dataclass
-class SavedRecord:
-    """One output a selective policy chose to save."""
-
-    block: str
-    op_class: str
-    op: str
-    recompute: bool
-    outputs: list[torch.Tensor] = field(default_factory=list)  # meta tensors: shape and dtype only
-
-
-@contextlib.contextmanager
-def record_saved() -> Iterator[list[SavedRecord]]:
-    """Every save decision of selective policies while active (forward and recompute)."""
-    records: list[SavedRecord] = []
-
-    def observe(block: str, op_class: str, op: Any, recompute: bool, args: tuple, kwargs: dict) -> None:
-        # the op's outputs as meta tensors: no data, no compute
-        meta = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
-        out = op(*meta[0], **meta[1])
-        outputs = [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
-        records.append(SavedRecord(block, op_class, str(op), recompute, outputs))
-
-    with observe_saves(observe):
-        yield records
 
 
 class AllocatorPeak:
