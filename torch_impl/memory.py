@@ -3,7 +3,7 @@
 `StepTracker`: every tensor storage a step makes or frees (a dispatch mode, frees by weakref): the
 peak, its parts by kind and block, or the planner's per-unit `Timeline` (one step under it:
 `torch_impl.profile.measure_step`); `step_peak`: the peak alone, for the guard and the training loop.
-`memtracker` (PyTorch's ``MemTracker``), `AllocatorPeak` (kernel scratch included), `SavedBytesCounter`
+`memtracker` (PyTorch's ``MemTracker``), `allocator_peak` (kernel scratch included), `SavedBytesCounter`
 (bytes saved for backward): checks and side views.
 """
 
@@ -359,29 +359,22 @@ def _listed(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) 
     return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
 
 
-class AllocatorPeak:
-    """Peak of the bytes the CPU allocator hands out while active, above its level at entry. Frees
-    count only for blocks allocated while active: an older block's size may be an earlier run's."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-
-    def __enter__(self) -> AllocatorPeak:
-        self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._prof.__exit__(*exc)
-        live: dict[int, int] = {}  # address -> bytes, of the blocks allocated while active
-        current = 0
-        for _, ptr, size in sorted(_allocation_events(self._prof.profiler.kineto_results.experimental_event_tree())):
-            if size > 0:
-                live[ptr] = size
-                current += size
-            elif ptr in live:
-                current -= live.pop(ptr)
-            self.peak = max(self.peak, current)
+@contextlib.contextmanager
+def allocator_peak() -> Iterator[dict[str, int]]:
+    """Peak of the bytes the CPU allocator hands out in the block, above its level at entry (``found["peak"]`` at
+    exit). Frees count only for blocks allocated in the block: an older block's size may be an earlier run's."""
+    found = {"peak": 0}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield found
+    live: dict[int, int] = {}  # address -> bytes, of the blocks allocated in the block
+    current = 0
+    for _, ptr, size in sorted(_allocation_events(prof.profiler.kineto_results.experimental_event_tree())):
+        if size > 0:
+            live[ptr] = size
+            current += size
+        elif ptr in live:
+            current -= live.pop(ptr)
+        found["peak"] = max(found["peak"], current)
 
 
 def _allocation_events(events: Iterable[Any]) -> Iterator[tuple[int, int, int]]:

@@ -35,7 +35,7 @@ from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_d
 from shared_configs.training.data import Batch, batch_bytes, step_arrays
 from torch_impl import compat
 from torch_impl.compat import FakeTensor, FakeTensorMode, TorchDispatchMode
-from torch_impl.memory import AllocatorPeak, SavedBytesCounter, StepTracker, memtracker, state_tensors, storage_bytes
+from torch_impl.memory import SavedBytesCounter, StepTracker, allocator_peak, memtracker, state_tensors, storage_bytes
 from torch_impl.pair import ControlNetPair, step_batch, step_model, unit_modules
 from torch_impl.regime import (
     DTYPE,
@@ -382,7 +382,7 @@ def measure_step(
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         else:
-            allocator = stack.enter_context(AllocatorPeak())
+            allocator = stack.enter_context(allocator_peak())
             if check:
                 found = stack.enter_context(memtracker(model, optimizer, inputs + held))
         for context in [tracker, saved] if tracked else [saved]:
@@ -395,7 +395,7 @@ def measure_step(
         persistent = storage_bytes([*model.parameters(), *model.buffers(), *state_tensors(optimizer), *held])
         persistent += batch_bytes(batch)
         grads = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
-        allocated = max(persistent + grads, persistent + allocator.peak)
+        allocated = max(persistent + grads, persistent + allocator["peak"])
     row = {"allocator_peak_bytes": allocated, "saved_bytes": saved.bytes}
     if not tracked:
         return row | {"peak_bytes": allocated}
