@@ -119,14 +119,13 @@ def from_rank0(fn: Callable[[], T]) -> T:
     comm = current_comm()
     if comm.world == 1:
         return fn()
-    box: list[Any] = [None]
+    box: list[Any] = [None]  # rank 0's value or error
     if comm.rank == 0:
         try:
-            box[0] = ("ok", fn())
+            box = [fn()]
         except Exception as err:  # raised below on every rank, not only on rank 0
-            box[0] = ("error", err)
+            box = [err]
     dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind == "error":
-        raise value
-    return value
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]

@@ -117,7 +117,7 @@ class StepTracker(TorchDispatchMode):
         self._in_optimizer = False
         self._recompute_depth = 0
         self._phases: dict[str, int] = {}
-        self.result: StepMemory | None = None
+        self.result: StepMemory  # set at exit
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -330,7 +330,6 @@ def step_peak(
     tracker = StepTracker(model, optimizer, held, inputs, reads=True, detail=False)
     with tracker:
         yield found
-    assert tracker.result is not None
     found["peak"] = tracker.result.peak
 
 

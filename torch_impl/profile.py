@@ -400,7 +400,6 @@ def measure_step(
     if not tracked:
         return row | {"peak_bytes": allocated}
     result = tracker.result
-    assert result is not None
     breakdown = dict(result.breakdown)
     if device.type == "cuda":
         breakdown["temporary"] += max(0, allocated - result.peak)
@@ -429,7 +428,6 @@ def peaks(
             tracker = _tracker(s)
             with s["mode"], tracker:
                 s["step"]()
-            assert tracker.result is not None
             out[policy] = tracker.result.peak + delta
     return {"peaks": out, "cpu_s": cpu}
 
