@@ -22,7 +22,7 @@ from jax_impl import step as jstep
 from shared_configs import block_names, load_spec
 from shared_configs.memory import CATEGORIES, OUTSIDE
 from tests.helpers.specs import FAST_COMPILE
-from torch_impl.memory import SavedBytesCounter, StepTracker, allocator_peak, memtracker
+from torch_impl.memory import StepTracker, allocator_peak, memtracker, saved_for_backward
 from torch_impl.unet import UNet as TorchUNet
 
 
@@ -67,9 +67,9 @@ def test_step_tracker_against_an_analytic_count_memtracker_and_the_allocator() -
     # The allocator's events show what the step allocates (frees of older blocks are not seen).
     made = parts["activation"] + parts["temporary"] + parts["grads"]
     assert abs(made - allocator["peak"]) <= 0.05 * allocator["peak"], (made, allocator["peak"])
-    with SavedBytesCounter(exclude=list(model.parameters())) as saved:
+    with saved_for_backward(exclude=list(model.parameters())) as saved:
         out = model(x)
-    assert saved.bytes == layers * unit  # each linear layer saves its input
+    assert saved["bytes"] == layers * unit  # each linear layer saves its input
     del out
 
 

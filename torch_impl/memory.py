@@ -3,7 +3,7 @@
 `StepTracker`: every tensor storage a step makes or frees (a dispatch mode, frees by weakref): the
 peak, its parts by kind and block, or the planner's per-unit `Timeline` (one step under it:
 `torch_impl.profile.measure_step`); `step_peak`: the peak alone, for the guard and the training loop.
-`memtracker` (PyTorch's ``MemTracker``), `allocator_peak` (kernel scratch included), `SavedBytesCounter`
+`memtracker` (PyTorch's ``MemTracker``), `allocator_peak` (kernel scratch included), `saved_for_backward`
 (bytes saved for backward): checks and side views.
 """
 
@@ -384,36 +384,24 @@ def _allocation_events(events: Iterable[Any]) -> Iterator[tuple[int, int, int]]:
         yield from _allocation_events(event.children)
 
 
-class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
-    """Distinct storage bytes saved for backward while active, ``exclude`` (parameters) left out."""
+@contextlib.contextmanager
+def saved_for_backward(exclude: Iterable[torch.Tensor] = ()) -> Iterator[dict[str, int]]:
+    """Distinct storage bytes saved for backward in the block (``found["bytes"]`` at exit), ``exclude``
+    (parameters) left out, and the outputs selective plans keep (`record_saved`)."""
+    excluded = {local(t).untyped_storage().data_ptr() for t in exclude}
+    saved: dict[int, int] = {}
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {local(t).untyped_storage().data_ptr() for t in exclude}
-        self._saved: dict[int, int] = {}
-        self._policy_bytes = 0  # outputs kept by selective plans (largest of the entered steps)
-        self._recording = contextlib.ExitStack()  # `record_saved` while active
-        super().__init__(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
         ptr = st.data_ptr()
         # A parameter FSDP2 gathered for the block (or a view of one) is a parameter, not a residual.
         gathered = isinstance(t, torch.nn.Parameter) or isinstance(compat.view_base(t), torch.nn.Parameter)
-        if ptr not in self._excluded and not gathered and t.device.type != "meta":
-            self._saved[ptr] = max(self._saved.get(ptr, 0), st.nbytes())
+        if ptr not in excluded and not gathered and t.device.type != "meta":
+            saved[ptr] = max(saved.get(ptr, 0), st.nbytes())
         return t
 
-    @property
-    def bytes(self) -> int:
-        return sum(self._saved.values()) + self._policy_bytes
-
-    def __enter__(self) -> SavedBytesCounter:
-        super().__enter__()
-        self._records = self._recording.enter_context(record_saved())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._recording.__exit__(*exc)
-        kept = sum(o.numel() * o.element_size() for r in self._records if not r.recompute for o in r.outputs)
-        self._policy_bytes = max(self._policy_bytes, kept)
-        super().__exit__(*exc)
+    found: dict[str, int] = {}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), record_saved() as records:
+        yield found
+    kept = sum(o.numel() * o.element_size() for r in records if not r.recompute for o in r.outputs)
+    found["bytes"] = sum(saved.values()) + kept

@@ -35,7 +35,7 @@ from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_d
 from shared_configs.training.data import Batch, batch_bytes, step_arrays
 from torch_impl import compat
 from torch_impl.compat import FakeTensor, FakeTensorMode, TorchDispatchMode
-from torch_impl.memory import SavedBytesCounter, StepTracker, allocator_peak, memtracker, state_tensors, storage_bytes
+from torch_impl.memory import StepTracker, allocator_peak, memtracker, saved_for_backward, state_tensors, storage_bytes
 from torch_impl.pair import ControlNetPair, step_batch, step_model, unit_modules
 from torch_impl.regime import (
     DTYPE,
@@ -369,12 +369,11 @@ def measure_step(
     tracked: bool = True,
 ) -> dict[str, Any]:
     """One step under `StepTracker` (the peak, its parts, timeline), the allocator (``allocator_peak_bytes``;
-    on CUDA the peak, what tensors do not explain counted as temporaries) and `SavedBytesCounter`.
+    on CUDA the peak, what tensors do not explain counted as temporaries) and `saved_for_backward`.
     ``check``: PyTorch's ``MemTracker`` too (CPU). ``tracked=False``: the allocator only (torch.compile).
     ``held``: training state alive throughout (an EMA); the numpy batch counts on CPU only."""
     held, device = held or [], next(model.parameters()).device
     inputs = batch_inputs(batch) if device.type == "cpu" else []
-    saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
     tracker = StepTracker(model, optimizer, held, inputs)
     found: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
@@ -385,18 +384,18 @@ def measure_step(
             allocator = stack.enter_context(allocator_peak())
             if check:
                 found = stack.enter_context(memtracker(model, optimizer, inputs + held))
-        for context in [tracker, saved] if tracked else [saved]:
-            stack.enter_context(context)
+        if tracked:
+            stack.enter_context(tracker)
+        saved = stack.enter_context(saved_for_backward(exclude=[*model.parameters(), *model.buffers()]))
         step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         allocated = torch.cuda.max_memory_allocated(device)
     else:  # the allocator's events show the blocks the step allocates above what persists (or its start)
         persistent = storage_bytes([*model.parameters(), *model.buffers(), *state_tensors(optimizer), *held])
-        persistent += batch_bytes(batch)
         grads = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
-        allocated = max(persistent + grads, persistent + allocator["peak"])
-    row = {"allocator_peak_bytes": allocated, "saved_bytes": saved.bytes}
+        allocated = persistent + batch_bytes(batch) + max(grads, allocator["peak"])
+    row = {"allocator_peak_bytes": allocated, "saved_bytes": saved["bytes"]}
     if not tracked:
         return row | {"peak_bytes": allocated}
     result = tracker.result
