@@ -25,7 +25,7 @@ from shared_configs.planning.timeline import FWD, Timeline
 from shared_configs.planning.units import STEM
 from torch_impl import compat
 from torch_impl.checkpointing import record_saved
-from torch_impl.compat import TorchDispatchMode, _EventType, is_traceable_wrapper_subclass, tree_map_only
+from torch_impl.compat import TorchDispatchMode, _EventType, is_traceable_wrapper_subclass, tree_leaves, tree_map_only
 
 TRACKER_METHOD = (
     "live tensor storages over the step (TorchDispatchMode), kinds as MemTracker's: made in the forward or a "
@@ -152,10 +152,9 @@ class StepTracker(TorchDispatchMode):
 
     def _read(self, args: Any) -> None:
         """Storages read that neither the step nor the starting level holds: alive before the step."""
-        for a in args:
-            for t in a if isinstance(a, list | tuple) else (a,):
-                if isinstance(t, torch.Tensor) and type(t).__name__ != "DTensor":
-                    self._add(t, "params", at_entry=True, read=True)
+        for t in tree_leaves(args):
+            if isinstance(t, torch.Tensor) and type(t).__name__ != "DTensor":
+                self._add(t, "params", at_entry=True, read=True)
 
     def _resized(self, resize: Callable[[Any, int], None], st: torch.UntypedStorage, size: int) -> None:
         """FSDP2 gathers a parameter by growing a storage and frees it by shrinking it to 0: the old

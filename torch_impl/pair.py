@@ -107,17 +107,15 @@ def unit_modules(model: UNet | ControlNetPair, unit: str, phase: str) -> list[nn
     if isinstance(model, ControlNetPair):
         if not unit.startswith(CONTROLNET):
             return unit_modules(model.unet, unit, phase)
-        cn, unit = model.controlnet, unit.removeprefix(CONTROLNET)
-        if unit == STEM:
-            return [cn.time_embedding, cn.controlnet_cond_embedding, cn.conv_in]
-        if unit == HEAD:
-            return [*cn.controlnet_down_blocks, cn.controlnet_mid_block]
-        return [cn.get_submodule(unit)]
-    if unit == STEM:
-        return [model.time_embedding, model.conv_in]
-    if unit == HEAD:
-        return [model.conv_norm_out] if phase == "fwd" else [model.conv_out]
-    return [model.get_submodule(unit)]
+        net, unit = model.controlnet, unit.removeprefix(CONTROLNET)
+        ends = {
+            STEM: [net.time_embedding, net.controlnet_cond_embedding, net.conv_in],
+            HEAD: [*net.controlnet_down_blocks, net.controlnet_mid_block],
+        }
+    else:
+        net = model
+        ends = {STEM: [net.time_embedding, net.conv_in], HEAD: [net.conv_norm_out if phase == "fwd" else net.conv_out]}
+    return ends.get(unit) or [net.get_submodule(unit)]
 
 
 def trained_module(model: nn.Module) -> nn.Module:

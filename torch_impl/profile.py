@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from statistics import median
 from typing import Any
 
 import numpy as np
@@ -212,7 +212,6 @@ def timing_runs(
     for _ in tracked(range(repeats), "timing rounds", lambda r: f"{len(assignments)} steps"):
         for i, assignment in enumerate(assignments):
             samples[i].append(timed_step(s, assignment))
-    median = statistics.median
     return [
         ({u: [median(r[0][u][k] for r in runs) for k in (0, 1)] for u in runs[0][0]}, median(r[1] for r in runs))
         for runs in samples
@@ -323,8 +322,8 @@ def priced(
         if assignment:  # a per-layer run, every layer under one choice
             (choice,) = set(assignment.values())
             extra = [(sum(per_unit[u]) - sum(plain[u])) / forward[u] for u in assignment]
-            median = np.quantile(extra, 0.5, weights=[forward[u] for u in assignment], method="inverted_cdf")
-            rates[choice] = float(median) if median > 0 else 1.0  # no signal above noise: its forward again
+            rate = np.quantile(extra, 0.5, weights=[forward[u] for u in assignment], method="inverted_cdf")
+            rates[choice] = float(rate) if rate > 0 else 1.0  # no signal above noise: its forward again
     priced = {
         u: {c: replace(v, time_s=rates.get(c, 0.0) * forward[u]) for c, v in per.items()} for u, per in units.items()
     }
@@ -458,7 +457,7 @@ def measure_compiled(
             peak = measure_step(s["model"], s["opt"], step, s["batch"], s["held"], tracked=False)
             rows[f"torch.compile:{ratio:g}"] = {
                 "allocator_peak_bytes": peak["allocator_peak_bytes"],
-                "step_time_s": statistics.median(in_turn({"compiled": step}, steps)["compiled"]),
+                "step_time_s": median(in_turn({"compiled": step}, steps)["compiled"]),
                 "compile_s": compile_s,
             }
     return {
