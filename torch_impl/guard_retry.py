@@ -119,13 +119,14 @@ def from_rank0(fn: Callable[[], T]) -> T:
     comm = current_comm()
     if comm.world == 1:
         return fn()
-    box: list[Any] = [None]  # rank 0's value or error
+    box: list[Any] = [None]
     if comm.rank == 0:
         try:
-            box = [fn()]
+            box[0] = ("ok", fn())
         except Exception as err:  # raised below on every rank, not only on rank 0
-            box = [err]
+            box[0] = ("error", err)
     dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return box[0]
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
