@@ -60,7 +60,7 @@ def start_worker(request: dict[str, Any]) -> None:
 
 @contextmanager
 def hooks(
-    model: UNet | ControlNetPair, opt: torch.optim.Optimizer, units: list[str], on: Callable[[str, str], None]
+    model: UNet | ControlNetPair, opt: torch.optim.Optimizer, units: Iterable[str], on: Callable[[str, str], None]
 ) -> Iterator[None]:
     """Call ``on(unit, phase)`` when ``unit``'s forward or backward starts, and on the optimizer step."""
     handles = [opt.register_step_pre_hook(lambda *_: on(OPTIMIZER, "opt"))]
@@ -169,17 +169,17 @@ def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
 
 def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, Cost], int, int]:
     """One step under ``assignment``: per-unit bytes, the optimizer's peak, the step's peak."""
-    s["model"].enable_gradient_checkpointing(policy_string(assignment))
     units = [u for u, _ in leaf_units(s["spec"], assignment)]
-    tracker = _tracker(s)
+    return unit_costs(tracked_step(s, policy_string(assignment), units).unit_timeline(), units)
+
+
+def tracked_step(s: dict[str, Any], policy: str, units: Iterable[str] = ()) -> StepTracker:
+    """One set-up step under ``policy`` inside `StepTracker` (``units`` marked as their hooks fire): the tracker."""
+    s["model"].enable_gradient_checkpointing(policy)
+    tracker = StepTracker(s["model"], s["opt"], s["held"], batch_inputs(s["batch"]), detail=False)
     with s["mode"], hooks(s["model"], s["opt"], units, tracker.mark), tracker:
         s["step"]()
-    return unit_costs(tracker.unit_timeline(), units)
-
-
-def _tracker(s: dict[str, Any]) -> StepTracker:
-    """`StepTracker` over the set-up step."""
-    return StepTracker(s["model"], s["opt"], s["held"], batch_inputs(s["batch"]), detail=False)
+    return tracker
 
 
 def batch_inputs(batch: Batch) -> list[torch.Tensor]:
@@ -422,11 +422,7 @@ def peaks(
     out = {}
     with cpu_split(cpu, "steps"):
         for policy in policies:
-            s["model"].enable_gradient_checkpointing(policy)
-            tracker = _tracker(s)
-            with s["mode"], tracker:
-                s["step"]()
-            out[policy] = tracker.result.peak + delta
+            out[policy] = tracked_step(s, policy).result.peak + delta
     return {"peaks": out, "cpu_s": cpu}
 
 
