@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared_configs import UNetSpec
+from shared_configs import CheckpointPlan, UNetSpec
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec, PairPlan, example_pair_batch, split_pair_plan
 from shared_configs.planning.units import HEAD, STEM
 from shared_configs.training.data import Batch, example_batch
@@ -123,9 +123,11 @@ def trained_module(model: nn.Module) -> nn.Module:
     return model.controlnet if isinstance(model, ControlNetPair) else model
 
 
-def step_model(spec: UNetSpec | ControlNetPairSpec) -> UNet | ControlNetPair:
-    """What a step trains: the U-Net of ``spec``, or the ControlNet pair."""
-    return ControlNetPair(spec) if isinstance(spec, ControlNetPairSpec) else UNet(spec)
+def step_model(
+    spec: UNetSpec | ControlNetPairSpec, policy: str | CheckpointPlan | PairPlan | None = None
+) -> UNet | ControlNetPair:
+    """What a step trains: the U-Net of ``spec``, or the ControlNet pair, under ``policy`` (None: the spec's own)."""
+    return ControlNetPair(spec, policy) if isinstance(spec, ControlNetPairSpec) else UNet(spec, policy)
 
 
 def step_batch(spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int) -> Batch:
