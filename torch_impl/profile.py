@@ -63,17 +63,14 @@ def hooks(
     model: UNet | ControlNetPair, opt: torch.optim.Optimizer, units: Iterable[str], on: Callable[[str, str], None]
 ) -> Iterator[None]:
     """Call ``on(unit, phase)`` when ``unit``'s forward or backward starts, and on the optimizer step."""
-    handles = [opt.register_step_pre_hook(lambda *_: on(OPTIMIZER, "opt"))]
-    for unit in units:
-        for m in unit_modules(model, unit, "fwd"):
-            handles.append(m.register_forward_pre_hook(lambda *_, u=unit: on(u, "fwd")))
-        for m in unit_modules(model, unit, "bwd"):
-            handles.append(m.register_full_backward_pre_hook(lambda *_, u=unit: on(u, "bwd")))
-    try:
+    with contextlib.ExitStack() as handles:  # each hook removed at exit
+        handles.callback(opt.register_step_pre_hook(lambda *_: on(OPTIMIZER, "opt")).remove)
+        for unit in units:
+            for m in unit_modules(model, unit, "fwd"):
+                handles.callback(m.register_forward_pre_hook(lambda *_, u=unit: on(u, "fwd")).remove)
+            for m in unit_modules(model, unit, "bwd"):
+                handles.callback(m.register_full_backward_pre_hook(lambda *_, u=unit: on(u, "bwd")).remove)
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 class ShapesOnly(contextlib.ExitStack):
