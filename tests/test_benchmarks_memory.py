@@ -22,7 +22,7 @@ from jax_impl import step as jstep
 from shared_configs import block_names, load_spec
 from shared_configs.memory import CATEGORIES, OUTSIDE
 from tests.helpers.specs import FAST_COMPILE
-from torch_impl.memory import AllocatorPeak, SavedBytesCounter, StepTracker, memtracker
+from torch_impl.memory import StepTracker, allocator_peak, memtracker, saved_for_backward
 from torch_impl.unet import UNet as TorchUNet
 
 
@@ -62,14 +62,14 @@ def test_step_tracker_against_an_analytic_count_memtracker_and_the_allocator() -
     assert kinds["Activation"] == parts["activation"]
     # A gradient is a temporary to MemTracker until it is accumulated into .grad; here by its fate.
     assert kinds["Gradient"] + kinds["Temp"] == parts["grads"] + parts["temporary"]
-    with AllocatorPeak() as allocator:
+    with allocator_peak() as allocator:
         step()
     # The allocator's events show what the step allocates (frees of older blocks are not seen).
     made = parts["activation"] + parts["temporary"] + parts["grads"]
-    assert abs(made - allocator.peak) <= 0.05 * allocator.peak, (made, allocator.peak)
-    with SavedBytesCounter(exclude=list(model.parameters())) as saved:
+    assert abs(made - allocator["peak"]) <= 0.05 * allocator["peak"], (made, allocator["peak"])
+    with saved_for_backward(exclude=list(model.parameters())) as saved:
         out = model(x)
-    assert saved.bytes == layers * unit  # each linear layer saves its input
+    assert saved["bytes"] == layers * unit  # each linear layer saves its input
     del out
 
 

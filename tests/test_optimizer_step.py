@@ -9,7 +9,7 @@ import torch
 
 from shared_configs.planning import optimizer_step as opt_step
 from shared_configs.spec import SpecError
-from torch_impl.memory import AllocatorPeak
+from torch_impl.memory import allocator_peak
 
 CASES = [
     ("adamw", "per-parameter", lambda p: torch.optim.AdamW(p, foreach=False)),
@@ -29,9 +29,9 @@ def _step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     """The allocator's peak above its level during the second step (the first makes the state)."""
     for _ in range(2):
         model(torch.randn(4, 256)).sum().backward()
-        with AllocatorPeak() as allocator:
+        with allocator_peak() as allocator:
             opt.step()
-    return allocator.peak
+    return allocator["peak"]
 
 
 def test_each_implementations_temporaries_as_torch_allocates_them() -> None:

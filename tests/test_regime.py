@@ -26,7 +26,7 @@ from tests.helpers.specs import variant
 from tests.helpers.tensors import rel_err
 from tests.helpers.training import CFG, SCHEDULE
 from torch_impl import train as ttrain
-from torch_impl.regime import EMA, StepTools, add_lora, apply_regime, autocast_dtype, loss_scaler, make_optimizer
+from torch_impl.regime import EMA, StepTools, add_lora, apply_regime, make_optimizer, step_tools
 
 SPEC = variant("tiny", dropout=0.0)
 
@@ -113,7 +113,7 @@ def _curve(regime: Regime, policy: str, steps: int = 3) -> list[float]:
     cfg = dataclasses.replace(CFG, config="tiny", regime=regime)
     model = apply_regime(_model(policy), regime)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, regime)
-    tools = StepTools(autocast_dtype(regime), loss_scaler(regime, torch.device("cpu")))
+    tools = step_tools(model, regime)
     data = load_dataset("digits", SPEC)
     return [ttrain.train_step(model, optimizer, data.batch(s, 4, SCHEDULE, 0), tools=tools) for s in range(steps)]
 

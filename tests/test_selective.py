@@ -49,18 +49,18 @@ def test_torch_selective_equals_plain(policy: str) -> None:
 
 
 def test_benchmark_saved_bytes_count_policy_outputs() -> None:
-    """`SavedBytesCounter` (the benchmark's torch saved column) sees what SAC keeps."""
+    """`saved_for_backward` (the benchmark's torch saved column) sees what SAC keeps."""
     from torch_impl import UNet
-    from torch_impl.memory import SavedBytesCounter
+    from torch_impl.memory import saved_for_backward
 
     model = UNet(variant("tiny", dropout=0.0))
     x, ctx = torch.randn(1, 4, 8, 8), torch.randn(1, 5, 12)
     saved = {}
     for policy in ("none", "full", "save_convs"):
         model.enable_gradient_checkpointing(policy)
-        with SavedBytesCounter(exclude=list(model.parameters())) as counter:
+        with saved_for_backward(exclude=list(model.parameters())) as counter:
             model(x, torch.tensor([3.0]), ctx).sum().backward()
-        saved[policy] = counter.bytes
+        saved[policy] = counter["bytes"]
     assert saved["full"] < saved["save_convs"] < saved["none"], saved
 
 

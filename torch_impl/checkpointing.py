@@ -15,6 +15,7 @@ import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,20 +44,30 @@ OFFLOAD_ON_CPU = (
 )
 
 
-# Observers of what selective policies keep (the instruments hook in here): each is called as
-# ``observer(block, op_class, op, is_recompute, args, kwargs)`` for every op a plan's ``save`` keeps.
-SaveObserver = Callable[[str, str, Any, bool, tuple, dict], None]
-_SAVE_OBSERVERS: list[SaveObserver] = []
+@dataclass
+class SavedRecord:
+    """One output a selective policy chose to save."""
+
+    block: str
+    op_class: str
+    op: str
+    recompute: bool
+    outputs: list[torch.Tensor] = field(default_factory=list)  # meta tensors: shape and dtype only
+
+
+# The lists of the active `record_saved` blocks, by id (the instruments read what selective policies keep).
+_RECORDS: dict[int, list[SavedRecord]] = {}
 
 
 @contextlib.contextmanager
-def observe_saves(observer: SaveObserver) -> Iterator[None]:
-    """Call ``observer`` for every op a selective policy keeps while active (forward and recompute)."""
-    _SAVE_OBSERVERS.append(observer)
+def record_saved() -> Iterator[list[SavedRecord]]:
+    """Every save decision of selective policies while active (forward and recompute)."""
+    records: list[SavedRecord] = []
+    _RECORDS[id(records)] = records
     try:
-        yield
+        yield records
     finally:
-        _SAVE_OBSERVERS.remove(observer)
+        del _RECORDS[id(records)]
 
 
 def op_class(op: Any) -> str | None:
@@ -79,8 +90,12 @@ def _policy_fn(
                 warned[0] = True
         else:
             decision = CheckpointPolicy.MUST_CPU_OFFLOAD
-    for observe in _SAVE_OBSERVERS:
-        observe(block, cls, op, ctx.is_recompute, args, kw)
+    if _RECORDS:  # the op's outputs as meta tensors: no data, no compute
+        meta = compat.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kw))
+        out = op(*meta[0], **meta[1])
+        outputs = [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
+        for records in _RECORDS.values():
+            records.append(SavedRecord(block, cls, str(op), ctx.is_recompute, outputs))
     return decision
 
 
@@ -172,24 +187,19 @@ def tracking_batchnorms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNo
 
 
 @contextlib.contextmanager
-def frozen_running_stats(module: nn.Module) -> Iterator[None]:
-    """Restore, on exit, the BatchNorm buffers of ``module`` as they were on enter."""
+def frozen_running_stats(module: nn.Module, inner: AbstractContextManager) -> Iterator[None]:
+    """Run ``inner`` inside; restore, on exit, the BatchNorm buffers of ``module`` as they were on enter."""
     norms = tracking_batchnorms(module)
     with torch.no_grad():
         saved = [{name: getattr(m, name).clone() for name in RUNNING_BUFFERS} for m in norms]
     try:
-        yield
+        with inner:
+            yield
     finally:  # also when checkpoint's early stop ends the recompute with an exception
         with torch.no_grad():
             for norm, buffers in zip(norms, saved, strict=True):
                 for name, value in buffers.items():
                     getattr(norm, name).copy_(value)
-
-
-@contextlib.contextmanager
-def _nested(outer: AbstractContextManager, inner: AbstractContextManager) -> Iterator[None]:
-    with outer, inner:
-        yield
 
 
 def with_frozen_running_stats(module: nn.Module, context_fn: ContextFn = noop_context_fn) -> ContextFn:
@@ -201,6 +211,6 @@ def with_frozen_running_stats(module: nn.Module, context_fn: ContextFn = noop_co
 
     def composed() -> tuple[AbstractContextManager, AbstractContextManager]:
         forward, recompute = context_fn()
-        return forward, _nested(frozen_running_stats(module), recompute)
+        return forward, frozen_running_stats(module, recompute)
 
     return composed

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 # Already imported by ``import torch``: tools documented for users that live in private modules.
-from torch._C._profiler import _EventType  # noqa: F401 (the profiler's event kinds: AllocatorPeak's allocations)
+from torch._C._profiler import _EventType  # noqa: F401 (the profiler's event kinds: allocator_peak's allocations)
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401 (steps from shapes alone)
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass  # noqa: F401
 from torch.utils._pytree import tree_leaves, tree_map_only  # noqa: F401 (torch's pytree)
@@ -29,7 +29,7 @@ from shared_configs import compat as shared
 CHECKED = "torch 2.13.0, accelerate 1.16.0"
 _MOD_TRACKER, _MEM_TRACKER = "torch.distributed._tools.mod_tracker", "torch.distributed._tools.mem_tracker"
 REACHES = {  # "module:attribute" -> why
-    "torch._C._profiler:_EventType": "AllocatorPeak reads the profiler's allocation events",
+    "torch._C._profiler:_EventType": "allocator_peak reads the profiler's allocation events",
     "torch._subclasses.fake_tensor:FakeTensorMode": "the planner's steps from shapes alone (nothing allocated)",
     "torch.utils._python_dispatch:TorchDispatchMode": "StepTracker and the shapes-only step see every op",
     "torch.utils._python_dispatch:is_traceable_wrapper_subclass": "torchao's 8-bit state: its inner tensors",

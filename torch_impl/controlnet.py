@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared_configs import CheckpointPlan, UNetSpec
+from shared_configs import CheckpointPlan
 from shared_configs.controlnet import (
     ControlNetSpec,
     check_controlnet_inputs,
@@ -60,7 +60,7 @@ class ControlNet(UNetTrunk):
     def __init__(self, spec: ControlNetSpec, policy: Policy | CheckpointPlan = None) -> None:
         super().__init__()
         self.spec = spec
-        self._build_trunk()
+        self._build_trunk(spec.unet)
         unet = spec.unet
         self.controlnet_cond_embedding = ConditioningEmbedding(
             spec.conditioning_channels, unet.block_out_channels[0], spec.conditioning_embedding_out_channels
@@ -69,10 +69,6 @@ class ControlNet(UNetTrunk):
         self.controlnet_down_blocks = nn.ModuleList(zero_conv(shape[1], shape[1]) for shape in down)
         self.controlnet_mid_block = zero_conv(mid[1], mid[1])
         self.enable_gradient_checkpointing(policy)
-
-    @property
-    def trunk_spec(self) -> UNetSpec:
-        return self.spec.unet
 
     @classmethod
     def from_unet(cls, unet: UNet, **options: object) -> ControlNet:

@@ -21,6 +21,8 @@ UNET_CLASSES: tuple[str, ...] = ("UNet2DModel", "UNet2DConditionModel")
 DIFFUSERS_CLASSES: tuple[str, ...] = (*UNET_CLASSES, "ControlNetModel")
 # The plan's block lists -> diffusers' attribute names (the rest of a name is the same path).
 _BLOCKS = {"down": "down_blocks", "mid": "mid_block", "up": "up_blocks"}
+# diffusers' classes -> our spec of their config
+_SPEC_OF = dict.fromkeys(UNET_CLASSES, from_diffusers_config) | {"ControlNetModel": controlnet_from_diffusers_config}
 
 
 def diffusers_path(name: str) -> str:
@@ -29,24 +31,15 @@ def diffusers_path(name: str) -> str:
     return _BLOCKS[head] + dot + rest
 
 
-def diffusers_spec(model: nn.Module) -> UNetSpec:
-    """The spec of a live diffusers U-Net (`SpecError` naming the option we cannot plan for)."""
+def diffusers_spec(
+    model: nn.Module, classes: tuple[str, ...] = UNET_CLASSES, field: str = "model: expected", ours: str = ""
+) -> UNetSpec | ControlNetSpec:
+    """The spec of a live diffusers model of one of ``classes`` (`SpecError` naming the option we cannot plan
+    for); another class is a `TypeError` naming ``field`` and the classes taken (``ours``: our own too)."""
     cls = type(model).__name__
-    if cls not in UNET_CLASSES:
-        raise TypeError(f"model: expected diffusers' {' or '.join(UNET_CLASSES)}, not {cls}")
-    return from_diffusers_config(live_config(model))
-
-
-def _any_spec(model: nn.Module) -> UNetSpec | ControlNetSpec:
-    cls = type(model).__name__
-    if cls == "ControlNetModel":
-        return controlnet_from_diffusers_config(live_config(model))
-    if cls not in DIFFUSERS_CLASSES:
-        raise TypeError(
-            f"model: apply_plan takes diffusers' {' or '.join(DIFFUSERS_CLASSES)}, a torch_impl.UNet or "
-            f"torch_impl.ControlNet, not {cls}"
-        )
-    return diffusers_spec(model)
+    if cls not in classes:
+        raise TypeError(f"{field} diffusers' {' or '.join(classes)}{ours}, not {cls}")
+    return _SPEC_OF[cls](live_config(model))
 
 
 def unit_modules(model: nn.Module, spec: UNetSpec | ControlNetSpec) -> dict[str, nn.Module]:
@@ -71,7 +64,9 @@ def apply_plan(
     any plan applied; returns the resolved plan. diffusers' own checkpointing on is refused in one line."""
     if isinstance(model, UNetTrunk):  # ours: a UNet or a ControlNet
         return model.enable_gradient_checkpointing(plan, preserve_rng_state)
-    spec = _any_spec(model)
+    spec = diffusers_spec(
+        model, DIFFUSERS_CLASSES, "model: apply_plan takes", ", a torch_impl.UNet or torch_impl.ControlNet"
+    )
     if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
         raise ValueError(
             "gradient_checkpointing: diffusers' own checkpointing is on, and a plan would recompute the "

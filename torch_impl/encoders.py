@@ -53,9 +53,8 @@ def measure(encoder: Encoder, batch_size: int, autocast: str | None = None) -> d
     model = build(encoder, mode)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     with mode:  # an image batch for the VAE, token ids for a text encoder
-        size = encoder.image_size
         x = (
-            torch.randn(batch_size, 3, size, size, dtype=DTYPE[encoder.dtype])
+            torch.randn(batch_size, 3, encoder.image_size, encoder.image_size, dtype=DTYPE[encoder.dtype])
             if encoder.kind == "vae"
             else torch.zeros(batch_size, encoder.tokens, dtype=torch.long)
         )

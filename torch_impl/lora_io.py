@@ -36,7 +36,6 @@ def save_lora_weights(model: nn.Module, folder: str | os.PathLike[str]) -> Path:
     from safetensors.torch import save
 
     path = Path(folder) / LORA_WEIGHTS
-    path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, save(lora_state_dict(model), metadata={"format": "pt"}))
     return path
 

@@ -3,7 +3,7 @@
 `StepTracker`: every tensor storage a step makes or frees (a dispatch mode, frees by weakref): the
 peak, its parts by kind and block, or the planner's per-unit `Timeline` (one step under it:
 `torch_impl.profile.measure_step`); `step_peak`: the peak alone, for the guard and the training loop.
-`memtracker` (PyTorch's ``MemTracker``), `AllocatorPeak` (kernel scratch included), `SavedBytesCounter`
+`memtracker` (PyTorch's ``MemTracker``), `allocator_peak` (kernel scratch included), `saved_for_backward`
 (bytes saved for backward): checks and side views.
 """
 
@@ -24,8 +24,8 @@ from shared_configs.memory import CATEGORIES, OUTSIDE, block_of, timeline
 from shared_configs.planning.timeline import FWD, Timeline
 from shared_configs.planning.units import STEM
 from torch_impl import compat
-from torch_impl.checkpointing import observe_saves
-from torch_impl.compat import TorchDispatchMode, _EventType, is_traceable_wrapper_subclass, tree_map_only
+from torch_impl.checkpointing import record_saved
+from torch_impl.compat import TorchDispatchMode, _EventType, is_traceable_wrapper_subclass, tree_leaves, tree_map_only
 
 TRACKER_METHOD = (
     "live tensor storages over the step (TorchDispatchMode), kinds as MemTracker's: made in the forward or a "
@@ -117,7 +117,7 @@ class StepTracker(TorchDispatchMode):
         self._in_optimizer = False
         self._recompute_depth = 0
         self._phases: dict[str, int] = {}
-        self.result: StepMemory | None = None
+        self.result: StepMemory  # set at exit
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -152,10 +152,9 @@ class StepTracker(TorchDispatchMode):
 
     def _read(self, args: Any) -> None:
         """Storages read that neither the step nor the starting level holds: alive before the step."""
-        for a in args:
-            for t in a if isinstance(a, list | tuple) else (a,):
-                if isinstance(t, torch.Tensor) and type(t).__name__ != "DTensor":
-                    self._add(t, "params", at_entry=True, read=True)
+        for t in tree_leaves(args):
+            if isinstance(t, torch.Tensor) and type(t).__name__ != "DTensor":
+                self._add(t, "params", at_entry=True, read=True)
 
     def _resized(self, resize: Callable[[Any, int], None], st: torch.UntypedStorage, size: int) -> None:
         """FSDP2 gathers a parameter by growing a storage and frees it by shrinking it to 0: the old
@@ -330,7 +329,6 @@ def step_peak(
     tracker = StepTracker(model, optimizer, held, inputs, reads=True, detail=False)
     with tracker:
         yield found
-    assert tracker.result is not None
     found["peak"] = tracker.result.peak
 
 
@@ -359,56 +357,22 @@ def _listed(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) 
     return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
 
 
-@dataclass
-class SavedRecord:
-    """One output a selective policy chose to save."""
-
-    block: str
-    op_class: str
-    op: str
-    recompute: bool
-    outputs: list[torch.Tensor] = field(default_factory=list)  # meta tensors: shape and dtype only
-
-
 @contextlib.contextmanager
-def record_saved() -> Iterator[list[SavedRecord]]:
-    """Every save decision of selective policies while active (forward and recompute)."""
-    records: list[SavedRecord] = []
-
-    def observe(block: str, op_class: str, op: Any, recompute: bool, args: tuple, kwargs: dict) -> None:
-        # the op's outputs as meta tensors: no data, no compute
-        meta = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
-        out = op(*meta[0], **meta[1])
-        outputs = [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
-        records.append(SavedRecord(block, op_class, str(op), recompute, outputs))
-
-    with observe_saves(observe):
-        yield records
-
-
-class AllocatorPeak:
-    """Peak of the bytes the CPU allocator hands out while active, above its level at entry. Frees
-    count only for blocks allocated while active: an older block's size may be an earlier run's."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-
-    def __enter__(self) -> AllocatorPeak:
-        self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._prof.__exit__(*exc)
-        live: dict[int, int] = {}  # address -> bytes, of the blocks allocated while active
-        current = 0
-        for _, ptr, size in sorted(_allocation_events(self._prof.profiler.kineto_results.experimental_event_tree())):
-            if size > 0:
-                live[ptr] = size
-                current += size
-            elif ptr in live:
-                current -= live.pop(ptr)
-            self.peak = max(self.peak, current)
+def allocator_peak() -> Iterator[dict[str, int]]:
+    """Peak of the bytes the CPU allocator hands out in the block, above its level at entry (``found["peak"]`` at
+    exit). Frees count only for blocks allocated in the block: an older block's size may be an earlier run's."""
+    found = {"peak": 0}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield found
+    live: dict[int, int] = {}  # address -> bytes, of the blocks allocated in the block
+    current = 0
+    for _, ptr, size in sorted(_allocation_events(prof.profiler.kineto_results.experimental_event_tree())):
+        if size > 0:
+            live[ptr] = size
+            current += size
+        elif ptr in live:
+            current -= live.pop(ptr)
+        found["peak"] = max(found["peak"], current)
 
 
 def _allocation_events(events: Iterable[Any]) -> Iterator[tuple[int, int, int]]:
@@ -419,36 +383,24 @@ def _allocation_events(events: Iterable[Any]) -> Iterator[tuple[int, int, int]]:
         yield from _allocation_events(event.children)
 
 
-class SavedBytesCounter(torch.autograd.graph.saved_tensors_hooks):
-    """Distinct storage bytes saved for backward while active, ``exclude`` (parameters) left out."""
+@contextlib.contextmanager
+def saved_for_backward(exclude: Iterable[torch.Tensor] = ()) -> Iterator[dict[str, int]]:
+    """Distinct storage bytes saved for backward in the block (``found["bytes"]`` at exit), ``exclude``
+    (parameters) left out, and the outputs selective plans keep (`record_saved`)."""
+    excluded = {local(t).untyped_storage().data_ptr() for t in exclude}
+    saved: dict[int, int] = {}
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {local(t).untyped_storage().data_ptr() for t in exclude}
-        self._saved: dict[int, int] = {}
-        self._policy_bytes = 0  # outputs kept by selective plans (largest of the entered steps)
-        self._recording = contextlib.ExitStack()  # `record_saved` while active
-        super().__init__(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
         ptr = st.data_ptr()
         # A parameter FSDP2 gathered for the block (or a view of one) is a parameter, not a residual.
         gathered = isinstance(t, torch.nn.Parameter) or isinstance(compat.view_base(t), torch.nn.Parameter)
-        if ptr not in self._excluded and not gathered and t.device.type != "meta":
-            self._saved[ptr] = max(self._saved.get(ptr, 0), st.nbytes())
+        if ptr not in excluded and not gathered and t.device.type != "meta":
+            saved[ptr] = max(saved.get(ptr, 0), st.nbytes())
         return t
 
-    @property
-    def bytes(self) -> int:
-        return sum(self._saved.values()) + self._policy_bytes
-
-    def __enter__(self) -> SavedBytesCounter:
-        super().__enter__()
-        self._records = self._recording.enter_context(record_saved())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._recording.__exit__(*exc)
-        kept = sum(o.numel() * o.element_size() for r in self._records if not r.recompute for o in r.outputs)
-        self._policy_bytes = max(self._policy_bytes, kept)
-        super().__exit__(*exc)
+    found: dict[str, int] = {}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), record_saved() as records:
+        yield found
+    kept = sum(o.numel() * o.element_size() for r in records if not r.recompute for o in r.outputs)
+    found["bytes"] = sum(saved.values()) + kept

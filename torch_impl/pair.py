@@ -10,10 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared_configs import UNetSpec
-from shared_configs.controlnet import ControlNetSpec
-from shared_configs.diffusers.controlnet_config import controlnet_from_diffusers_config
-from shared_configs.diffusers.folders import live_config
+from shared_configs import CheckpointPlan, UNetSpec
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec, PairPlan, example_pair_batch, split_pair_plan
 from shared_configs.planning.units import HEAD, STEM
 from shared_configs.training.data import Batch, example_batch
@@ -90,7 +87,10 @@ def _live_pair_spec(unet: nn.Module, controlnet: nn.Module) -> ControlNetPairSpe
     unet_spec, cn_spec = (
         (unet.spec, controlnet.spec)
         if isinstance(unet, UNet) and isinstance(controlnet, ControlNet)
-        else (diffusers_spec(unet), _diffusers_controlnet_spec(controlnet))
+        else (
+            diffusers_spec(unet),
+            diffusers_spec(controlnet, ("ControlNetModel",), "controlnet: expected", " or a torch_impl.ControlNet"),
+        )
     )
     mine = cn_spec.unet
     for field in ("in_channels", "block_out_channels", "layers_per_block", "down_attention", "cross_attention_dim"):
@@ -102,30 +102,20 @@ def _live_pair_spec(unet: nn.Module, controlnet: nn.Module) -> ControlNetPairSpe
     return ControlNetPairSpec(controlnet=cn_spec.model_copy(update={"unet": unet_spec}))
 
 
-def _diffusers_controlnet_spec(model: nn.Module) -> ControlNetSpec:
-    if type(model).__name__ != "ControlNetModel":
-        raise TypeError(
-            f"controlnet: expected diffusers' ControlNetModel or a torch_impl.ControlNet, not {type(model).__name__}"
-        )
-    return controlnet_from_diffusers_config(live_config(model))
-
-
 def unit_modules(model: UNet | ControlNetPair, unit: str, phase: str) -> list[nn.Module]:
     """The modules whose hooks mark ``unit``'s segment in ``phase`` ("fwd", "bwd"), in a U-Net or a pair."""
     if isinstance(model, ControlNetPair):
         if not unit.startswith(CONTROLNET):
             return unit_modules(model.unet, unit, phase)
-        cn, unit = model.controlnet, unit.removeprefix(CONTROLNET)
-        if unit == STEM:
-            return [cn.time_embedding, cn.controlnet_cond_embedding, cn.conv_in]
-        if unit == HEAD:
-            return [*cn.controlnet_down_blocks, cn.controlnet_mid_block]
-        return [cn.get_submodule(unit)]
-    if unit == STEM:
-        return [model.time_embedding, model.conv_in]
-    if unit == HEAD:
-        return [model.conv_norm_out] if phase == "fwd" else [model.conv_out]
-    return [model.get_submodule(unit)]
+        net, unit = model.controlnet, unit.removeprefix(CONTROLNET)
+        ends = {
+            STEM: [net.time_embedding, net.controlnet_cond_embedding, net.conv_in],
+            HEAD: [*net.controlnet_down_blocks, net.controlnet_mid_block],
+        }
+    else:
+        net = model
+        ends = {STEM: [net.time_embedding, net.conv_in], HEAD: [net.conv_norm_out if phase == "fwd" else net.conv_out]}
+    return ends.get(unit) or [net.get_submodule(unit)]
 
 
 def trained_module(model: nn.Module) -> nn.Module:
@@ -133,9 +123,11 @@ def trained_module(model: nn.Module) -> nn.Module:
     return model.controlnet if isinstance(model, ControlNetPair) else model
 
 
-def step_model(spec: UNetSpec | ControlNetPairSpec) -> UNet | ControlNetPair:
-    """What a step trains: the U-Net of ``spec``, or the ControlNet pair."""
-    return ControlNetPair(spec) if isinstance(spec, ControlNetPairSpec) else UNet(spec)
+def step_model(
+    spec: UNetSpec | ControlNetPairSpec, policy: str | CheckpointPlan | PairPlan | None = None
+) -> UNet | ControlNetPair:
+    """What a step trains: the U-Net of ``spec``, or the ControlNet pair, under ``policy`` (None: the spec's own)."""
+    return ControlNetPair(spec, policy) if isinstance(spec, ControlNetPairSpec) else UNet(spec, policy)
 
 
 def step_batch(spec: UNetSpec | ControlNetPairSpec, batch_size: int, context_length: int) -> Batch:

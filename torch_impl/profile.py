@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from statistics import median
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_d
 from shared_configs.training.data import Batch, batch_bytes, step_arrays
 from torch_impl import compat
 from torch_impl.compat import FakeTensor, FakeTensorMode, TorchDispatchMode
-from torch_impl.memory import AllocatorPeak, SavedBytesCounter, StepTracker, memtracker, state_tensors, storage_bytes
+from torch_impl.memory import StepTracker, allocator_peak, memtracker, saved_for_backward, state_tensors, storage_bytes
 from torch_impl.pair import ControlNetPair, step_batch, step_model, unit_modules
 from torch_impl.regime import (
     DTYPE,
@@ -60,20 +60,17 @@ def start_worker(request: dict[str, Any]) -> None:
 
 @contextmanager
 def hooks(
-    model: UNet | ControlNetPair, opt: torch.optim.Optimizer, units: list[str], on: Callable[[str, str], None]
+    model: UNet | ControlNetPair, opt: torch.optim.Optimizer, units: Iterable[str], on: Callable[[str, str], None]
 ) -> Iterator[None]:
     """Call ``on(unit, phase)`` when ``unit``'s forward or backward starts, and on the optimizer step."""
-    handles = [opt.register_step_pre_hook(lambda *_: on(OPTIMIZER, "opt"))]
-    for unit in units:
-        for m in unit_modules(model, unit, "fwd"):
-            handles.append(m.register_forward_pre_hook(lambda *_, u=unit: on(u, "fwd")))
-        for m in unit_modules(model, unit, "bwd"):
-            handles.append(m.register_full_backward_pre_hook(lambda *_, u=unit: on(u, "bwd")))
-    try:
+    with contextlib.ExitStack() as handles:  # each hook removed at exit
+        handles.callback(opt.register_step_pre_hook(lambda *_: on(OPTIMIZER, "opt")).remove)
+        for unit in units:
+            for m in unit_modules(model, unit, "fwd"):
+                handles.callback(m.register_forward_pre_hook(lambda *_, u=unit: on(u, "fwd")).remove)
+            for m in unit_modules(model, unit, "bwd"):
+                handles.callback(m.register_full_backward_pre_hook(lambda *_, u=unit: on(u, "bwd")).remove)
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 class ShapesOnly(contextlib.ExitStack):
@@ -169,17 +166,17 @@ def sharded_bytes(s: dict[str, Any]) -> dict[str, int]:
 
 def memory_run(s: dict[str, Any], assignment: dict[str, str]) -> tuple[dict[str, Cost], int, int]:
     """One step under ``assignment``: per-unit bytes, the optimizer's peak, the step's peak."""
-    s["model"].enable_gradient_checkpointing(policy_string(assignment))
     units = [u for u, _ in leaf_units(s["spec"], assignment)]
-    tracker = _tracker(s)
+    return unit_costs(tracked_step(s, policy_string(assignment), units).unit_timeline(), units)
+
+
+def tracked_step(s: dict[str, Any], policy: str, units: Iterable[str] = ()) -> StepTracker:
+    """One set-up step under ``policy`` inside `StepTracker` (``units`` marked as their hooks fire): the tracker."""
+    s["model"].enable_gradient_checkpointing(policy)
+    tracker = StepTracker(s["model"], s["opt"], s["held"], batch_inputs(s["batch"]), detail=False)
     with s["mode"], hooks(s["model"], s["opt"], units, tracker.mark), tracker:
         s["step"]()
-    return unit_costs(tracker.unit_timeline(), units)
-
-
-def _tracker(s: dict[str, Any]) -> StepTracker:
-    """`StepTracker` over the set-up step."""
-    return StepTracker(s["model"], s["opt"], s["held"], batch_inputs(s["batch"]), detail=False)
+    return tracker
 
 
 def batch_inputs(batch: Batch) -> list[torch.Tensor]:
@@ -212,7 +209,6 @@ def timing_runs(
     for _ in tracked(range(repeats), "timing rounds", lambda r: f"{len(assignments)} steps"):
         for i, assignment in enumerate(assignments):
             samples[i].append(timed_step(s, assignment))
-    median = statistics.median
     return [
         ({u: [median(r[0][u][k] for r in runs) for k in (0, 1)] for u in runs[0][0]}, median(r[1] for r in runs))
         for runs in samples
@@ -323,8 +319,8 @@ def priced(
         if assignment:  # a per-layer run, every layer under one choice
             (choice,) = set(assignment.values())
             extra = [(sum(per_unit[u]) - sum(plain[u])) / forward[u] for u in assignment]
-            median = np.quantile(extra, 0.5, weights=[forward[u] for u in assignment], method="inverted_cdf")
-            rates[choice] = float(median) if median > 0 else 1.0  # no signal above noise: its forward again
+            rate = np.quantile(extra, 0.5, weights=[forward[u] for u in assignment], method="inverted_cdf")
+            rates[choice] = float(rate) if rate > 0 else 1.0  # no signal above noise: its forward again
     priced = {
         u: {c: replace(v, time_s=rates.get(c, 0.0) * forward[u]) for c, v in per.items()} for u, per in units.items()
     }
@@ -369,12 +365,11 @@ def measure_step(
     tracked: bool = True,
 ) -> dict[str, Any]:
     """One step under `StepTracker` (the peak, its parts, timeline), the allocator (``allocator_peak_bytes``;
-    on CUDA the peak, what tensors do not explain counted as temporaries) and `SavedBytesCounter`.
+    on CUDA the peak, what tensors do not explain counted as temporaries) and `saved_for_backward`.
     ``check``: PyTorch's ``MemTracker`` too (CPU). ``tracked=False``: the allocator only (torch.compile).
     ``held``: training state alive throughout (an EMA); the numpy batch counts on CPU only."""
     held, device = held or [], next(model.parameters()).device
     inputs = batch_inputs(batch) if device.type == "cpu" else []
-    saved = SavedBytesCounter(exclude=[*model.parameters(), *model.buffers()])
     tracker = StepTracker(model, optimizer, held, inputs)
     found: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
@@ -382,25 +377,24 @@ def measure_step(
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         else:
-            allocator = stack.enter_context(AllocatorPeak())
+            allocator = stack.enter_context(allocator_peak())
             if check:
                 found = stack.enter_context(memtracker(model, optimizer, inputs + held))
-        for context in [tracker, saved] if tracked else [saved]:
-            stack.enter_context(context)
+        if tracked:
+            stack.enter_context(tracker)
+        saved = stack.enter_context(saved_for_backward(exclude=[*model.parameters(), *model.buffers()]))
         step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         allocated = torch.cuda.max_memory_allocated(device)
     else:  # the allocator's events show the blocks the step allocates above what persists (or its start)
         persistent = storage_bytes([*model.parameters(), *model.buffers(), *state_tensors(optimizer), *held])
-        persistent += batch_bytes(batch)
         grads = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
-        allocated = max(persistent + grads, persistent + allocator.peak)
-    row = {"allocator_peak_bytes": allocated, "saved_bytes": saved.bytes}
+        allocated = persistent + batch_bytes(batch) + max(grads, allocator["peak"])
+    row = {"allocator_peak_bytes": allocated, "saved_bytes": saved["bytes"]}
     if not tracked:
         return row | {"peak_bytes": allocated}
     result = tracker.result
-    assert result is not None
     breakdown = dict(result.breakdown)
     if device.type == "cuda":
         breakdown["temporary"] += max(0, allocated - result.peak)
@@ -425,12 +419,7 @@ def peaks(
     out = {}
     with cpu_split(cpu, "steps"):
         for policy in policies:
-            s["model"].enable_gradient_checkpointing(policy)
-            tracker = _tracker(s)
-            with s["mode"], tracker:
-                s["step"]()
-            assert tracker.result is not None
-            out[policy] = tracker.result.peak + delta
+            out[policy] = tracked_step(s, policy).result.peak + delta
     return {"peaks": out, "cpu_s": cpu}
 
 
@@ -461,7 +450,7 @@ def measure_compiled(
             peak = measure_step(s["model"], s["opt"], step, s["batch"], s["held"], tracked=False)
             rows[f"torch.compile:{ratio:g}"] = {
                 "allocator_peak_bytes": peak["allocator_peak_bytes"],
-                "step_time_s": statistics.median(in_turn({"compiled": step}, steps)["compiled"]),
+                "step_time_s": median(in_turn({"compiled": step}, steps)["compiled"]),
                 "compile_s": compile_s,
             }
     return {

@@ -21,16 +21,6 @@ DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.
 DIFFUSERS_LORA_TARGETS = tuple("to_out.0" if t == "to_out" else t for t in LORA_TARGETS)
 
 
-def autocast_dtype(regime: Regime) -> torch.dtype | None:
-    """The ``torch.autocast`` dtype of a mixed regime; None for fp32 and pure bf16 (no autocast)."""
-    return DTYPE[regime.compute_dtype] if regime.autocast else None
-
-
-def loss_scaler(regime: Regime, device: torch.device) -> torch.amp.GradScaler | None:
-    """A ``GradScaler`` for float16 compute (its gradients underflow unscaled), else None."""
-    return torch.amp.GradScaler(device.type) if regime.loss_scaling else None
-
-
 def add_lora(model: nn.Module, rank: int, targets: Iterable[str] = LORA_TARGETS) -> nn.Module:
     """Rank-``rank`` peft LoRA adapters (alpha = rank, B zero: outputs unchanged) on ``targets``; the rest frozen."""
     from peft import LoraConfig, inject_adapter_in_model  # peft imports slowly: only when asked
@@ -97,10 +87,12 @@ PLAIN_STEP = StepTools()
 
 
 def step_tools(model: nn.Module, regime: Regime, scaler: bool = True) -> StepTools:
-    """The `StepTools` of ``regime`` for ``model`` (``scaler=False``: none, for steps whose values cannot be read)."""
+    """The `StepTools` of ``regime`` for ``model``: autocast in a mixed regime (none in fp32 and pure bf16), a
+    ``GradScaler`` for float16 compute, whose gradients underflow unscaled (``scaler=False``: none, for steps
+    whose values cannot be read)."""
     return StepTools(
-        autocast_dtype=autocast_dtype(regime),
-        scaler=loss_scaler(regime, next(model.parameters()).device) if scaler else None,
+        autocast_dtype=DTYPE[regime.compute_dtype] if regime.autocast else None,
+        scaler=torch.amp.GradScaler(next(model.parameters()).device.type) if scaler and regime.loss_scaling else None,
         ema=EMA(trained_parameters(model)) if regime.ema else None,
         keep_grads=regime.keep_grads,
     )

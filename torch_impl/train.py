@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shared_configs import load_spec
-from shared_configs.pair import ControlNetPairSpec, PairPlan, load_step_dataset, step_spec
+from shared_configs.pair import PairPlan, load_step_dataset, step_spec
 from shared_configs.planning.closed_loop import MEASURED_STEPS
 from shared_configs.training import config
 from shared_configs.training.config import FrameworkCLI, TrainConfig, cli_main, options_of, used
@@ -33,7 +33,7 @@ from shared_configs.vocabulary import CheckpointPlan
 from torch_impl.checkpoint_io import FRAMEWORK, LAYOUT, current_comm, load_checkpoint, save_checkpoint
 from torch_impl.guard import BudgetGuard
 from torch_impl.memory import step_peak
-from torch_impl.pair import ControlNetPair, trained_module
+from torch_impl.pair import ControlNetPair, step_model, trained_module
 from torch_impl.parallel import launch, wrap
 from torch_impl.regime import apply_regime, make_optimizer, step_tools
 from torch_impl.step import distributed_step, train_step
@@ -104,12 +104,9 @@ def build(
 ) -> tuple[UNet | ControlNetPair, torch.nn.Module, torch.optim.Optimizer]:
     """The model (seeded, ``plan`` or ``cfg.policy`` applied), the module to train (DDP/FSDP2's) and its optimizer."""
     torch.manual_seed(cfg.seed)
-    spec = step_spec(load_spec(cfg.config), cfg.controlnet, cfg.regime)
-    if isinstance(spec, ControlNetPairSpec):
-        pair = apply_regime(ControlNetPair(spec, plan if plan is not None else cfg.policy), cfg.regime)  # weights cast
-        return pair, pair, make_optimizer(pair, cfg.lr, cfg.weight_decay, cfg.regime)
-    model = UNet(spec, cfg.policy if plan is None else plan)  # policy None: the spec's own
-    model = apply_regime(model, cfg.regime)  # adapters (lora), weights cast (pure bf16)
+    spec = step_spec(load_spec(cfg.config), cfg.controlnet, cfg.regime)  # the U-Net, or the ControlNet pair
+    # adapters (lora), weights cast (pure bf16; a pair's); policy None: the spec's own
+    model = apply_regime(step_model(spec, cfg.policy if plan is None else plan), cfg.regime)
     # Plan first, then DDP/FSDP2, torchtitan's order (ours works in either: see shard_blocks).
     trained = wrap(model, cfg.distributed) if cfg.distributed else model
     # Made after fully_shard, which replaces the parameters by their shards (DTensors).

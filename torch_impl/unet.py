@@ -43,11 +43,10 @@ ATTENTION_LAYERS: dict[str, type[nn.Module]] = {**ATTENTION, "simple_cross": Sim
 
 
 class UNetTrunk(nn.Module):
-    """What the U-Net and the ControlNet share, under the same names: ``conv_in``, embeddings, ``down``, ``mid``."""
+    """What the U-Net and the ControlNet share, under the same names: ``conv_in``, embeddings, ``down``, ``mid``,
+    built from ``trunk_spec`` (the U-Net's spec; a ControlNet's, its U-Net's)."""
 
-    @property
-    def trunk_spec(self) -> UNetSpec:
-        raise NotImplementedError
+    trunk_spec: UNetSpec
 
     def resolve(self, policy: Policy | CheckpointPlan) -> CheckpointPlan:
         """``policy`` as a plan over this model's units (a bad name is one line)."""
@@ -101,8 +100,8 @@ class UNetTrunk(nn.Module):
 
         return save_diffusers(self, folder)
 
-    def _build_trunk(self) -> None:
-        spec = self.trunk_spec
+    def _build_trunk(self, spec: UNetSpec) -> None:
+        self.trunk_spec = spec
         chans = spec.block_out_channels
         self.conv_in = nn.Conv2d(spec.in_channels, chans[0], 3, padding=1)
         self.time_embedding = TimestepEmbedding(chans[0], spec.time_embed_dim, spec.time_embedding.cond_dim)
@@ -210,7 +209,7 @@ class UNet(UNetTrunk):
     def __init__(self, spec: UNetSpec | str, policy: Policy | CheckpointPlan = None) -> None:
         super().__init__()
         self.spec = spec = load_spec(spec) if isinstance(spec, str) else spec
-        self._build_trunk()
+        self._build_trunk(spec)
         self.up = nn.ModuleList(
             UpBlock(b.in_ch, b.out_ch, b.skip_channels, *self._factories(b), b.upsample, b.resnet_resample)
             for b in up_blocks(spec)
@@ -219,10 +218,6 @@ class UNet(UNetTrunk):
         self.conv_norm_out = norm_layer(chans[0], norm_args(spec))
         self.conv_out = nn.Conv2d(chans[0], spec.out_channels, 3, padding=1)
         self.enable_gradient_checkpointing(policy)
-
-    @property
-    def trunk_spec(self) -> UNetSpec:
-        return self.spec
 
     def forward(
         self,
