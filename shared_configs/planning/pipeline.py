@@ -148,20 +148,18 @@ WHOLE_STEP = (
 PROFILE_REPEATS = {"torch": 1, "jax": 1}
 
 
-def profile_path(framework: str, workload: Workload, repeats: int | None = None) -> Path:
+def profile_path(framework: str, workload: Workload) -> Path:
     """Where the profile of ``workload`` is cached: keyed by the request, the schema and the versions."""
-    repeats = PROFILE_REPEATS[framework] if repeats is None else repeats
-    request = workload.request(framework, "profile", repeats=repeats)
+    request = workload.request(framework, "profile", repeats=PROFILE_REPEATS[framework])
     key = hashlib.sha256(json.dumps([SCHEMA, request, versions(framework)], sort_keys=True).encode()).hexdigest()
     return cache_dir() / f"{workload.spec.name}-{framework}-{key[:16]}.json"
 
 
-def get_profile(framework: str, workload: Workload, repeats: int | None = None, cache: bool = True) -> Profile:
+def get_profile(framework: str, workload: Workload) -> Profile:
     """The profile of ``workload`` in ``framework``: from the cache, or measured (and cached)."""
     check_planned(workload.regime, framework, DEVICE)
     whole.check(workload, framework)
-    repeats = PROFILE_REPEATS[framework] if repeats is None else repeats
-    path = profile_path(framework, workload, repeats)
+    path = profile_path(framework, workload)
     # One process measures; the others (the ranks of one training run, two plans at once) wait for
     # it and read its profile (`cached_profile` locks the entry).
     spec = workload.spec
@@ -173,12 +171,16 @@ def get_profile(framework: str, workload: Workload, repeats: int | None = None, 
         "context_length": workload.context_length,
         "regime": workload.regime.describe(),
     }
-    make = functools.partial(_measure_profile, framework, workload, repeats, path, expect)
-    profile = cached_profile(path, expect, make, refresh=not cache)
-    if workload.shapes:
-        w = workload  # its regime as given, not read back from the profile's describe line
+    profile = cached_profile(path, expect, functools.partial(_measure_profile, framework, workload, path, expect))
+    if workload.shapes:  # its regime as given, not read back from the profile's describe line
         profile = at_stated_rates(
-            profile, w.spec, w.batch_size, w.context_length, w.flops_per_s, w.bytes_per_s, w.regime
+            profile,
+            spec,
+            workload.batch_size,
+            workload.context_length,
+            workload.flops_per_s,
+            workload.bytes_per_s,
+            workload.regime,
         )
     return whole.on_device(workload, framework, profile)
 
@@ -188,8 +190,8 @@ def progress(message: str) -> None:
     note(f"plan: {message}")
 
 
-def _measure_profile(framework: str, workload: Workload, repeats: int, path: Path, expect: dict[str, Any]) -> Profile:
-    load, start = _loadavg(), time.perf_counter()
+def _measure_profile(framework: str, workload: Workload, path: Path, expect: dict[str, Any]) -> Profile:
+    load, start, repeats = _loadavg(), time.perf_counter(), PROFILE_REPEATS[framework]
     spec = workload.spec
     timed = {"torch": "the plain and per-layer steps timed", "jax": "the plain step timed"}[framework]
     how = "from shapes" if workload.shapes else f"{timed} {repeats}x"
