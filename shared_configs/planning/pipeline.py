@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -191,7 +192,7 @@ def progress(message: str) -> None:
 
 
 def _measure_profile(framework: str, workload: Workload, path: Path, expect: dict[str, Any]) -> Profile:
-    load, start, repeats = _loadavg(), time.perf_counter(), PROFILE_REPEATS[framework]
+    load, start, repeats = os.getloadavg(), time.perf_counter(), PROFILE_REPEATS[framework]
     spec = workload.spec
     timed = {"torch": "the plain and per-layer steps timed", "jax": "the plain step timed"}[framework]
     how = "from shapes" if workload.shapes else f"{timed} {repeats}x"
@@ -204,7 +205,7 @@ def _measure_profile(framework: str, workload: Workload, path: Path, expect: dic
     fields = run_worker(workload.request(framework, "profile", repeats=repeats))
     seconds = time.perf_counter() - start
     progress(f"{framework} profile done in {seconds:.0f} s{cpu_text(fields['meta'].get('cpu_s'))}")
-    fields["meta"] |= {"seconds": round(seconds, 1), "loadavg": [load, _loadavg()]}
+    fields["meta"] |= {"seconds": round(seconds, 1), "loadavg": [load, os.getloadavg()]}
     profile = Profile.from_json({"schema": SCHEMA, **expect, **fields})
     return with_static_bytes(profile, fields["meta"].get("modelled_state_bytes", 0))
 
@@ -212,13 +213,6 @@ def _measure_profile(framework: str, workload: Workload, path: Path, expect: dic
 def cpu_text(cpu_s: dict[str, float] | None) -> str:
     """A worker's CPU seconds by phase, as a progress line ends: `` (CPU s: setup 3.7, memory 13.2)``."""
     return f" (CPU s: {', '.join(f'{k} {v:.1f}' for k, v in cpu_s.items())})" if cpu_s else ""
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
 
 
 def measure(
