@@ -72,18 +72,12 @@ def plain_keeps(spec: StepSpec, units: Units) -> dict[str, int]:
     return out
 
 
-def work(cost: Cost, plain_keep: int) -> tuple[float, float]:
-    """(FLOPs, bytes) a choice redoes: its recompute FLOPs; the bytes it no longer keeps, written and read."""
-    return cost.flops, 2.0 * max(plain_keep - cost.keep, 0)
-
-
 def at_rates(spec: StepSpec, units: Units, per_flop: float, per_byte: float) -> dict[str, dict[str, Cost]]:
     """``units`` with each choice's ``time_s`` its work at the given seconds per FLOP and per byte."""
     plain = plain_keeps(spec, units)
 
-    def seconds(cost: Cost, unit: str) -> float:
-        flops, nbytes = work(cost, plain[unit])
-        return flops * per_flop + nbytes * per_byte
+    def seconds(cost: Cost, unit: str) -> float:  # its recompute FLOPs; the bytes it no longer keeps, written and read
+        return cost.flops * per_flop + 2.0 * max(plain[unit] - cost.keep, 0) * per_byte
 
     return {u: {c: replace(v, time_s=seconds(v, u)) for c, v in per.items()} for u, per in units.items()}
 
