@@ -40,11 +40,6 @@ def round_size(size: int) -> int:
     return max(MIN_BLOCK, MIN_BLOCK * math.ceil(size / MIN_BLOCK))
 
 
-def allocated(sizes: Iterable[int]) -> int:
-    """Bytes the allocator counts for tensors of ``sizes`` alive together."""
-    return sum(round_size(s) for s in sizes)
-
-
 def _heads(spec: UNetSpec, unit: str) -> int:
     """Attention heads of an attention unit (``down.1.attentions.0``, ``mid.attentions.0``)."""
     block = unit.split(".attentions.")[0]
