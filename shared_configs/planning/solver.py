@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -142,12 +142,12 @@ def _quiet_stdout() -> Iterator[None]:
         os.close(saved)
 
 
-def _objective(profiles: Sequence[Profile]) -> Callable[[str, str], float]:
+def _objective(profiles: Sequence[Profile], unit: str, choice: str) -> float:
     """Recompute seconds as fractions of each plain step, summed (else TFLOP), plus a hair per recompute (ties)."""
-    tie = 1e-5
+    tie = 1e-5 * (choice != PLAIN)
     if all(p.step_time_s > 0 for p in profiles):
-        return lambda u, c: sum(p.cost(u, c).time_s / p.step_time_s for p in profiles) + tie * (c != PLAIN)
-    return lambda u, c: profiles[0].cost(u, c).flops / 1e12 + tie * (c != PLAIN)
+        return sum(p.cost(unit, choice).time_s / p.step_time_s for p in profiles) + tie
+    return profiles[0].cost(unit, choice).flops / 1e12 + tie
 
 
 def _list(profiles: Profile | Sequence[Profile]) -> list[Profile]:
@@ -161,8 +161,7 @@ def _cheapest(
     if any(p.opt_peak * p.scale > budget_bytes + 0.5 for p in profiles):
         return None
     prog = _Programme(profiles, spec)
-    objective = _objective(profiles)
-    cost = np.array([objective(u, c) for u, c in prog.cols])
+    cost = np.array([_objective(profiles, u, c) for u, c in prog.cols])
     cuts = [prog.cut(a) for a in exclude]
     slack = 0.0  # bytes taken off the limit when solver tolerance overshoots
     for _ in range(4):
