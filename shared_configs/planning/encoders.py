@@ -183,7 +183,6 @@ def whole_step(
     out = with_static_bytes(profile, static)
     units = raised(out.units, sum(measured[e.name]["keep"] for e in trained))  # a trained encoder's activations
     base = out.static_bytes + (profile.grad_bytes if regime.keep_grads else 0)
-    batch = profile.batch_size
     phases = {
         "optimizer": out.opt_peak
         + (0 if regime.keep_grads else grads)
@@ -191,10 +190,10 @@ def whole_step(
     }
     for e in encoders:
         m = measured[e.name]
-        phases[f"{e.name} forward"] = base + input_bytes(e, batch) + m["peak"]
+        phases[f"{e.name} forward"] = base + input_bytes(e, profile.batch_size) + m["peak"]
         if e.trained:  # after the U-Net's backward: its gradients alive, whatever zero_grad does
             unet_grads = 0 if regime.keep_grads else profile.grad_bytes
-            phases[f"{e.name} backward"] = base + unet_grads + input_bytes(e, batch) + m["backward_peak"]
+            phases[f"{e.name} backward"] = base + unet_grads + input_bytes(e, profile.batch_size) + m["backward_peak"]
     seconds = profile.step_time_s + (
         sum(measured[e.name].get("flops", 0) for e in encoders) / profile.flops_per_s if profile.flops_per_s else 0.0
     )

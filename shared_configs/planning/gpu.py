@@ -99,8 +99,10 @@ def _norms(unit: str, ops: list[Op]) -> Iterable[tuple[int, bool]]:
 
 def autocast_bytes(spec: UNetSpec, batch_size: int, context_length: int = 77) -> dict[str, int]:
     """Per leaf unit, what CUDA autocast's float32 norms keep beyond CPU autocast's half-precision ones."""
-    ops_of = unit_ops(spec, batch_size, context_length)
-    extra = {u: sum(AUTOCAST_EXTRA * n * (2 if silu else 1) for n, silu in _norms(u, ops)) for u, ops in ops_of.items()}
+    extra = {
+        u: sum(AUTOCAST_EXTRA * n * (2 if silu else 1) for n, silu in _norms(u, ops))
+        for u, ops in unit_ops(spec, batch_size, context_length).items()
+    }
     return {u: n for u, n in extra.items() if n}
 
 

@@ -284,12 +284,12 @@ def fit_checked(
         return sol, margin
     for _ in range(CHECKS):
         peaks = {}
-        for fw in frameworks:
+        for fw, profile in zip(frameworks, profiles, strict=True):
             progress(f"{fw}: {CHECK_HOW[fw]} to check the plan's peak (nothing allocated) ...")
             start = time.perf_counter()
             found = run_worker(workload.request(fw, "peaks", policies=[sol.policy]))
             progress(f"{fw}: checked in {time.perf_counter() - start:.0f} s{cpu_text(found.get('cpu_s'))}")
-            checked, profile = found["peaks"][sol.policy], profiles[frameworks.index(fw)]
+            checked = found["peaks"][sol.policy]
             peaks[fw] = whole.checked_peak(workload, fw, checked, sol.assignment, profile, get_profile)
         fw, peak = max(peaks.items(), key=lambda kv: kv[1])
         peak = round(peak * (1 + CHECK_SLACK))
