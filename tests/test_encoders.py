@@ -81,18 +81,18 @@ def test_bytes_from_shapes_as_memtracker_sees_the_real_run(encoder: enc.Encoder)
 
 
 def test_the_families_by_cross_attention_width() -> None:
-    sd15, sdxl = load_spec("sd15"), load_spec("sdxl")
-    options = enc.StepOptions(with_encoders=True)
-    names = [(e.name, e.dtype) for e in enc.encoders_of(sd15, Regime("fp16-mixed"), options)]
+    sd15 = Workload.of("sd15", batch_size=1, regime=Regime("fp16-mixed"), with_encoders=True)
+    names = [(e.name, e.dtype) for e in enc.encoders_of(sd15)]
     assert names == [("vae", "float16"), ("text_encoder", "float16")]
-    xl = enc.encoders_of(sdxl, Regime("bf16-mixed"), enc.StepOptions(True, train_text_encoder=True))
+    sdxl = Workload.of("sdxl", batch_size=1, regime=Regime("bf16-mixed"), with_encoders=True, train_text_encoder=True)
+    xl = enc.encoders_of(sdxl)
     assert [(e.name, e.dtype, e.trained) for e in xl] == [
         ("vae", "float32", False),
         ("text_encoder", "float32", True),
         ("text_encoder_2", "bfloat16", False),
     ]
     assert xl[0].image_size == 1024 and all(e.hidden_states for e in xl[1:])
-    cached = enc.encoders_of(sd15, Regime(), enc.StepOptions(True, cached_latents=True))
+    cached = enc.encoders_of(Workload.of("sd15", batch_size=1, with_encoders=True, cached_latents=True))
     assert [e.name for e in cached] == ["text_encoder"]
     with pytest.raises(SpecError, match="no known text encoders for cross_attention_dim 12"):
         enc.family(load_spec("tiny"))
@@ -141,7 +141,7 @@ def test_a_pipeline_folder_names_its_own_encoders(tmp_path: Path) -> None:
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     found = enc.pipeline_configs(str(tmp_path))
     work = Workload.of("sd15", batch_size=1, with_encoders=True, encoder_configs=found)
-    encoders = enc.encoders_of(work.spec, Regime("bf16-mixed"), whole.options(work))
+    encoders = enc.encoders_of(dataclasses.replace(work, regime=Regime("bf16-mixed")))
     assert [(e.name, e.kind, e.dtype) for e in encoders] == [
         ("vae", "vae", "float32"),  # two text encoders: SDXL's scripts keep the VAE in float32
         ("text_encoder", "clip", "bfloat16"),

@@ -32,7 +32,6 @@ def test_rounding_against_a_direct_computation() -> None:
     sizes = [1, 511, 512, 513, 4096 * 320 * 2, MIB, MIB + 1, 10 * MIB - 1, 10 * MIB, 13 * MIB + 1]
     by_hand = [512, 512, 512, 1024, 4096 * 320 * 2, MIB, MIB + 512, 10 * MIB, 10 * MIB, 13 * MIB + 512]
     assert [gpu.round_size(s) for s in sizes] == by_hand
-    assert gpu.allocated(sizes) == sum(by_hand)
 
 
 def test_workspaces_from_pytorchs_config_string() -> None:

@@ -11,7 +11,6 @@ from shared_configs.planning.budget import Cost, Profile, predict
 from shared_configs.planning.recompute_time import (
     at_stated_rates,
     cast_bytes,
-    regime_of,
     step_flops,
     update_bytes,
 )
@@ -113,12 +112,6 @@ def test_update_and_cast_bytes() -> None:
     assert cast_bytes(Regime("bf16-mixed"), n) == 6 * n
 
 
-@pytest.mark.parametrize("text", ["fp32, all weights trained, adamw", "bf16-mixed, lora:16, adamw8bit, EMA"])
-def test_regime_of_a_profile_reads_its_describe_line(text: str) -> None:
-    regime = regime_of(_profile(variant("tiny"), text))
-    assert regime.describe() == text
-
-
 def _profile(spec: UNetSpec, regime: str, keep: int = 1 << 10) -> Profile:
     """A profile of ``spec`` whose every unit keeps ``keep`` bytes plain and none recomputed."""
     flops = unit_flops(spec, BATCH, CONTEXT)
@@ -149,7 +142,7 @@ def test_lora_recompute_costs_more_of_its_step(precision: str) -> None:
     overheads = {}
     for trainable in ("all", "lora:4"):
         regime = Regime(precision, trainable)
-        priced = at_stated_rates(_profile(spec, regime.describe()), spec, BATCH, CONTEXT, 1e12, 1e11)
+        priced = at_stated_rates(_profile(spec, regime.describe()), spec, BATCH, CONTEXT, 1e12, 1e11, regime)
         c = counted(spec, BATCH, CONTEXT, regime.lora_rank)
         kept = sum(1 << 10 for _ in leaf_units(spec, {}))
         update = update_bytes(regime, c.trained_weights) + cast_bytes(regime, c.weights)

@@ -156,7 +156,7 @@ def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
         **{k: cfg[k] for k in SAME_FIELDS},
         "sample_size": _sample_size(cfg["sample_size"], n),
         "block_out_channels": list(cfg["block_out_channels"]),
-        "layers_per_block": _uniform(cfg, "layers_per_block", n),
+        "layers_per_block": _per_level(cfg, "layers_per_block", n, uniform=True),
         "down_attention": down,
         "up_attention": None if up == down[::-1] else up,
         "mid_attention": mid,
@@ -173,8 +173,8 @@ def _fields(cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
     }
     if cls == "UNet2DConditionModel":
         data |= {
-            "cross_attention_dim": _uniform(cfg, "cross_attention_dim", n),
-            "transformer_layers_per_block": _per_level_ints(cfg, "transformer_layers_per_block", n),
+            "cross_attention_dim": _per_level(cfg, "cross_attention_dim", n, uniform=True),
+            "transformer_layers_per_block": _per_level(cfg, "transformer_layers_per_block", n),
             "use_linear_projection": cfg["use_linear_projection"],
         }
     return data
@@ -269,21 +269,14 @@ def _mid(cfg: Mapping[str, Any], cls: str) -> tuple[str, int | None]:
     return "self", None if groups == cfg["norm_num_groups"] else groups
 
 
-def _uniform(cfg: Mapping[str, Any], key: str, n: int) -> int:
-    """An int, or a per-level list whose entries are all equal (our spec has one value)."""
+def _per_level(cfg: Mapping[str, Any], key: str, n: int, uniform: bool = False) -> Any:
+    """An int, or one int per level (diffusers' up path reads the same list reversed), one when all are equal;
+    ``uniform``: they must be (our spec has one value)."""
     value = cfg[key]
     if not isinstance(value, list | tuple):
         return value
-    if len(value) != n or len(set(value)) != 1:
+    if uniform and (len(value) != n or len(set(value)) != 1):
         raise SpecError(f"{key}: per-level values {list(value)} are not supported, only one value for all levels")
-    return value[0]
-
-
-def _per_level_ints(cfg: Mapping[str, Any], key: str, n: int) -> int | tuple[int, ...]:
-    """An int, or one int per level (diffusers' up path reads the same list reversed)."""
-    value = cfg[key]
-    if not isinstance(value, list | tuple):
-        return value
     if len(value) != n or not all(isinstance(v, int) for v in value):
         raise SpecError(f"{key}: {list(value)} needs {n} integers, one per level")
     return value[0] if len(set(value)) == 1 else tuple(value)

@@ -125,12 +125,10 @@ class ProfileError(SpecError):
     """A cached profile that cannot be used: one line naming the file and why."""
 
 
-def cached_profile(
-    path: Path, expect: Mapping[str, Any], make: Callable[[], Profile], refresh: bool = False
-) -> Profile:
-    """The profile cached in ``path`` (processes take turns), else (or with ``refresh``) ``make()``'s, cached there."""
+def cached_profile(path: Path, expect: Mapping[str, Any], make: Callable[[], Profile]) -> Profile:
+    """The profile cached in ``path`` (processes take turns), else ``make()``'s, cached there."""
     with locked(path):
-        if path.is_file() and not refresh:
+        if path.is_file():
             try:
                 return Profile.load(path, expect)
             except ProfileError as err:

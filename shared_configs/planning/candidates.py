@@ -116,14 +116,13 @@ def attach(candidates: list[dict[str, Any]], framework: str, rows: dict[str, Any
 def decide(candidates: list[dict[str, Any]], budget: int) -> dict[str, Any]:
     """Of the candidates that fit ``budget`` measured and raced to the end (else all timed that fit), the one whose
     worst head-to-head median ratio is best (head to head keeps the plain step's noise out); None when none fit."""
-    for c in candidates:
-        c["fits"] = all(f.get("measured_peak_bytes", budget + 1) <= budget for f in c["frameworks"].values())
-        c["timed"] = all(f.get("rounds_s") for f in c["frameworks"].values())
     longest = {
         fw: max((len(c["frameworks"][fw].get("rounds_s") or []) for c in candidates), default=0)
         for fw in candidates[0]["frameworks"]
     }
     for c in candidates:
+        c["fits"] = all(f.get("measured_peak_bytes", budget + 1) <= budget for f in c["frameworks"].values())
+        c["timed"] = all(f.get("rounds_s") for f in c["frameworks"].values())
         c["in_race_to_the_end"] = c["timed"] and all(
             len(f["rounds_s"]) == longest[fw] for fw, f in c["frameworks"].items()
         )

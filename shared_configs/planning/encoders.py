@@ -6,15 +6,19 @@ width; `whole_step` adds them to a U-Net profile. No torch or jax import; docs/r
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared_configs.inputs import LATENT_SCALE
+from shared_configs.pair import ControlNetPairSpec
 from shared_configs.planning.budget import Profile, raised, with_static_bytes
 from shared_configs.planning.optimizer_step import Trained, implementation, temporaries
 from shared_configs.regime import Regime, modelled_state_delta
 from shared_configs.spec import SpecError, UNetSpec
+
+if TYPE_CHECKING:
+    from shared_configs.planning.pipeline import Workload
 
 VAE = {  # AutoencoderKL of SD 1.x, 2.x and SDXL (stable-diffusion-v1-5/vae/config.json)
     "in_channels": 3,
@@ -81,20 +85,6 @@ class Encoder:
         return json.loads(self.config)
 
 
-@dataclass(frozen=True)
-class StepOptions:
-    """What the step runs beside the U-Net: its encoders, the VAE (not with cached latents), a trained text encoder."""
-
-    with_encoders: bool = False
-    cached_latents: bool = False
-    train_text_encoder: bool = False
-    configs: dict[str, dict[str, Any]] = field(default_factory=dict)  # a pipeline folder's own, by name
-
-    @property
-    def any(self) -> bool:
-        return self.with_encoders or self.train_text_encoder
-
-
 def pipeline_configs(source: str) -> str | None:
     """The VAE and text encoder configs of a local pipeline folder, as JSON text; None for a U-Net folder or repo id."""
     root = Path(source)
@@ -118,22 +108,25 @@ def family(spec: UNetSpec) -> tuple[str, tuple[tuple[str, str, dict[str, Any]], 
     return FAMILIES[width]
 
 
-def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[Encoder]:
-    """The models ``options`` put beside ``spec``'s U-Net, frozen in diffusers' ``weight_dtype``, trained in float32."""
-    if not options.any:
+def encoders_of(workload: Workload) -> list[Encoder]:
+    """The models ``workload``'s step runs beside its U-Net (`family`'s, or its pipeline folder's), frozen in
+    diffusers' ``weight_dtype``, trained in float32; a one-line error for a U-Net of no known family."""
+    if not (workload.with_encoders or workload.train_text_encoder):
         return []
-    name, texts = family(spec) if not options.configs else ("folder", _folder_texts(options.configs))
-    dtype = regime.compute_dtype or "float32"  # diffusers' weight_dtype
+    spec = workload.spec.unet if isinstance(workload.spec, ControlNetPairSpec) else workload.spec
+    configs = json.loads(workload.encoder_configs) if workload.encoder_configs else {}
+    name, texts = family(spec) if not configs else ("folder", _folder_texts(configs))
+    dtype = workload.regime.compute_dtype or "float32"  # diffusers' weight_dtype
     sdxl = name == "SDXL" or len(texts) > 1
     out = []
-    if not options.cached_latents:
-        vae = options.configs.get("vae", VAE)
+    if not workload.cached_latents:
+        vae = configs.get("vae", VAE)
         fields = json.dumps({k: vae[k] for k in VAE if k in vae})  # those the VAE's forward reads
         out.append(
             Encoder("vae", "vae", fields, "float32" if sdxl else dtype, image_size=LATENT_SCALE * spec.sample_size)
         )
     for text_name, kind, config in texts:
-        trained = options.train_text_encoder and text_name == "text_encoder"
+        trained = workload.train_text_encoder and text_name == "text_encoder"
         out.append(
             Encoder(
                 text_name,
@@ -142,7 +135,7 @@ def encoders_of(spec: UNetSpec, regime: Regime, options: StepOptions) -> list[En
                 "float32" if trained else dtype,
                 trained,
                 hidden_states=sdxl,
-                optimizer=regime.profiled.optimizer if trained else Encoder.optimizer,
+                optimizer=workload.regime.profiled.optimizer if trained else Encoder.optimizer,
             )
         )
     return out
@@ -190,7 +183,6 @@ def whole_step(
     out = with_static_bytes(profile, static)
     units = raised(out.units, sum(measured[e.name]["keep"] for e in trained))  # a trained encoder's activations
     base = out.static_bytes + (profile.grad_bytes if regime.keep_grads else 0)
-    batch = profile.batch_size
     phases = {
         "optimizer": out.opt_peak
         + (0 if regime.keep_grads else grads)
@@ -198,10 +190,10 @@ def whole_step(
     }
     for e in encoders:
         m = measured[e.name]
-        phases[f"{e.name} forward"] = base + input_bytes(e, batch) + m["peak"]
+        phases[f"{e.name} forward"] = base + input_bytes(e, profile.batch_size) + m["peak"]
         if e.trained:  # after the U-Net's backward: its gradients alive, whatever zero_grad does
             unet_grads = 0 if regime.keep_grads else profile.grad_bytes
-            phases[f"{e.name} backward"] = base + unet_grads + input_bytes(e, batch) + m["backward_peak"]
+            phases[f"{e.name} backward"] = base + unet_grads + input_bytes(e, profile.batch_size) + m["backward_peak"]
     seconds = profile.step_time_s + (
         sum(measured[e.name].get("flops", 0) for e in encoders) / profile.flops_per_s if profile.flops_per_s else 0.0
     )

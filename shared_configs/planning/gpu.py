@@ -24,13 +24,12 @@ from shared_configs.spec import UNetSpec
 # "CUDA semantics" notes describe the same pools).
 MIN_BLOCK = 512
 LARGE_BUFFER = 20 * MIB
-# Sources of the next five (pytorch#40989, #89027, #86509): docs/regimes.md "What a GPU holds".
+# Sources of the next four (pytorch#40989, #89027, #86509): docs/regimes.md "What a GPU holds".
 FRAGMENTATION = 1.11  # peak reserved over peak allocated
 CUBLAS_WORKSPACE = 2 * 4096 * KIB + 8 * 16 * KIB  # CublasHandlePool.cpp's ":4096:2:16:8"
 CUBLAS_WORKSPACE_HOPPER = 32 * MIB
-# cudaMemGetInfo's used bytes after one tensor, with and without lazy module loading, less its segment.
+# cudaMemGetInfo's used bytes after one tensor with lazy module loading (torch's default), less its segment.
 CONTEXT_LAZY = 287_047_680 - LARGE_BUFFER
-CONTEXT_EAGER = 666_632_192 - LARGE_BUFFER
 LSE_BYTES = 4  # the logsumexp is float32 whatever the compute dtype
 MEM_EFFICIENT_QUERY_BLOCK = 32  # the memory-efficient kernel pads its logsumexp's queries to this
 AUTOCAST_EXTRA = 2  # float32 (4 B) where CPU autocast keeps 2-byte bfloat16/float16
@@ -39,11 +38,6 @@ AUTOCAST_EXTRA = 2  # float32 (4 B) where CPU autocast keeps 2-byte bfloat16/flo
 def round_size(size: int) -> int:
     """The bytes the caching allocator hands out for a request (what ``memory_allocated`` counts)."""
     return max(MIN_BLOCK, MIN_BLOCK * math.ceil(size / MIN_BLOCK))
-
-
-def allocated(sizes: Iterable[int]) -> int:
-    """Bytes the allocator counts for tensors of ``sizes`` alive together."""
-    return sum(round_size(s) for s in sizes)
 
 
 def _heads(spec: UNetSpec, unit: str) -> int:
@@ -105,8 +99,10 @@ def _norms(unit: str, ops: list[Op]) -> Iterable[tuple[int, bool]]:
 
 def autocast_bytes(spec: UNetSpec, batch_size: int, context_length: int = 77) -> dict[str, int]:
     """Per leaf unit, what CUDA autocast's float32 norms keep beyond CPU autocast's half-precision ones."""
-    ops_of = unit_ops(spec, batch_size, context_length)
-    extra = {u: sum(AUTOCAST_EXTRA * n * (2 if silu else 1) for n, silu in _norms(u, ops)) for u, ops in ops_of.items()}
+    extra = {
+        u: sum(AUTOCAST_EXTRA * n * (2 if silu else 1) for n, silu in _norms(u, ops))
+        for u, ops in unit_ops(spec, batch_size, context_length).items()
+    }
     return {u: n for u, n in extra.items() if n}
 
 
@@ -164,16 +160,12 @@ def rounding_bound(spec: StepSpec, regime: Regime) -> int:
 
 @dataclass(frozen=True)
 class Device:
-    """The GPU a flavour is for (Hopper: 32 MiB cuBLAS workspaces; lazy CUDA module loading: torch's default)."""
+    """The GPU a flavour is for (Hopper: 32 MiB cuBLAS workspaces)."""
 
     hopper: bool = False
-    lazy_loading: bool = True
+    context: int = CONTEXT_LAZY  # the CUDA context's bytes
     unfused_attention: bool = False  # the step's attention keeps its probabilities (no SDPA, no xformers)
     optimizer_impl: str | None = None  # how the optimizer runs (`optimizer_step.SOURCES`); None: torch's default
-
-    @property
-    def context(self) -> int:
-        return CONTEXT_LAZY if self.lazy_loading else CONTEXT_EAGER
 
 
 DEVICES = {"cuda": Device(), "cuda-sm90": Device(hopper=True)}

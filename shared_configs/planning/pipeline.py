@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -148,20 +149,18 @@ WHOLE_STEP = (
 PROFILE_REPEATS = {"torch": 1, "jax": 1}
 
 
-def profile_path(framework: str, workload: Workload, repeats: int | None = None) -> Path:
+def profile_path(framework: str, workload: Workload) -> Path:
     """Where the profile of ``workload`` is cached: keyed by the request, the schema and the versions."""
-    repeats = PROFILE_REPEATS[framework] if repeats is None else repeats
-    request = workload.request(framework, "profile", repeats=repeats)
+    request = workload.request(framework, "profile", repeats=PROFILE_REPEATS[framework])
     key = hashlib.sha256(json.dumps([SCHEMA, request, versions(framework)], sort_keys=True).encode()).hexdigest()
     return cache_dir() / f"{workload.spec.name}-{framework}-{key[:16]}.json"
 
 
-def get_profile(framework: str, workload: Workload, repeats: int | None = None, cache: bool = True) -> Profile:
+def get_profile(framework: str, workload: Workload) -> Profile:
     """The profile of ``workload`` in ``framework``: from the cache, or measured (and cached)."""
     check_planned(workload.regime, framework, DEVICE)
     whole.check(workload, framework)
-    repeats = PROFILE_REPEATS[framework] if repeats is None else repeats
-    path = profile_path(framework, workload, repeats)
+    path = profile_path(framework, workload)
     # One process measures; the others (the ranks of one training run, two plans at once) wait for
     # it and read its profile (`cached_profile` locks the entry).
     spec = workload.spec
@@ -173,12 +172,16 @@ def get_profile(framework: str, workload: Workload, repeats: int | None = None, 
         "context_length": workload.context_length,
         "regime": workload.regime.describe(),
     }
-    make = functools.partial(_measure_profile, framework, workload, repeats, path, expect)
-    profile = cached_profile(path, expect, make, refresh=not cache)
-    if workload.shapes:
-        w = workload  # its regime as given, not read back from the profile's describe line
+    profile = cached_profile(path, expect, functools.partial(_measure_profile, framework, workload, path, expect))
+    if workload.shapes:  # its regime as given, not read back from the profile's describe line
         profile = at_stated_rates(
-            profile, w.spec, w.batch_size, w.context_length, w.flops_per_s, w.bytes_per_s, w.regime
+            profile,
+            spec,
+            workload.batch_size,
+            workload.context_length,
+            workload.flops_per_s,
+            workload.bytes_per_s,
+            workload.regime,
         )
     return whole.on_device(workload, framework, profile)
 
@@ -188,8 +191,8 @@ def progress(message: str) -> None:
     note(f"plan: {message}")
 
 
-def _measure_profile(framework: str, workload: Workload, repeats: int, path: Path, expect: dict[str, Any]) -> Profile:
-    load, start = _loadavg(), time.perf_counter()
+def _measure_profile(framework: str, workload: Workload, path: Path, expect: dict[str, Any]) -> Profile:
+    load, start, repeats = os.getloadavg(), time.perf_counter(), PROFILE_REPEATS[framework]
     spec = workload.spec
     timed = {"torch": "the plain and per-layer steps timed", "jax": "the plain step timed"}[framework]
     how = "from shapes" if workload.shapes else f"{timed} {repeats}x"
@@ -202,7 +205,7 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
     fields = run_worker(workload.request(framework, "profile", repeats=repeats))
     seconds = time.perf_counter() - start
     progress(f"{framework} profile done in {seconds:.0f} s{cpu_text(fields['meta'].get('cpu_s'))}")
-    fields["meta"] |= {"seconds": round(seconds, 1), "loadavg": [load, _loadavg()]}
+    fields["meta"] |= {"seconds": round(seconds, 1), "loadavg": [load, os.getloadavg()]}
     profile = Profile.from_json({"schema": SCHEMA, **expect, **fields})
     return with_static_bytes(profile, fields["meta"].get("modelled_state_bytes", 0))
 
@@ -210,13 +213,6 @@ def _measure_profile(framework: str, workload: Workload, repeats: int, path: Pat
 def cpu_text(cpu_s: dict[str, float] | None) -> str:
     """A worker's CPU seconds by phase, as a progress line ends: `` (CPU s: setup 3.7, memory 13.2)``."""
     return f" (CPU s: {', '.join(f'{k} {v:.1f}' for k, v in cpu_s.items())})" if cpu_s else ""
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
 
 
 def measure(
@@ -288,12 +284,12 @@ def fit_checked(
         return sol, margin
     for _ in range(CHECKS):
         peaks = {}
-        for fw in frameworks:
+        for fw, profile in zip(frameworks, profiles, strict=True):
             progress(f"{fw}: {CHECK_HOW[fw]} to check the plan's peak (nothing allocated) ...")
             start = time.perf_counter()
             found = run_worker(workload.request(fw, "peaks", policies=[sol.policy]))
             progress(f"{fw}: checked in {time.perf_counter() - start:.0f} s{cpu_text(found.get('cpu_s'))}")
-            checked, profile = found["peaks"][sol.policy], profiles[frameworks.index(fw)]
+            checked = found["peaks"][sol.policy]
             peaks[fw] = whole.checked_peak(workload, fw, checked, sol.assignment, profile, get_profile)
         fw, peak = max(peaks.items(), key=lambda kv: kv[1])
         peak = round(peak * (1 + CHECK_SLACK))

@@ -13,7 +13,7 @@ from shared_configs.planning.budget import Cost, Profile
 from shared_configs.planning.unit_flops import pair_step_flops, pair_weights, recompute_flops, unit_flops, unit_weights
 from shared_configs.planning.unit_flops import step_flops as counted_step_flops
 from shared_configs.planning.units import PLAIN, StepSpec, block_layers, leaf_units
-from shared_configs.regime import DEFAULT, OPTIMIZERS, Regime
+from shared_configs.regime import DEFAULT, Regime
 from shared_configs.spec import UNetSpec
 
 Units = Mapping[str, Mapping[str, Cost]]
@@ -72,28 +72,14 @@ def plain_keeps(spec: StepSpec, units: Units) -> dict[str, int]:
     return out
 
 
-def work(cost: Cost, plain_keep: int) -> tuple[float, float]:
-    """(FLOPs, bytes) a choice redoes: its recompute FLOPs; the bytes it no longer keeps, written and read."""
-    return cost.flops, 2.0 * max(plain_keep - cost.keep, 0)
-
-
 def at_rates(spec: StepSpec, units: Units, per_flop: float, per_byte: float) -> dict[str, dict[str, Cost]]:
     """``units`` with each choice's ``time_s`` its work at the given seconds per FLOP and per byte."""
     plain = plain_keeps(spec, units)
 
-    def seconds(cost: Cost, unit: str) -> float:
-        flops, nbytes = work(cost, plain[unit])
-        return flops * per_flop + nbytes * per_byte
+    def seconds(cost: Cost, unit: str) -> float:  # its recompute FLOPs; the bytes it no longer keeps, written and read
+        return cost.flops * per_flop + 2.0 * max(plain[unit] - cost.keep, 0) * per_byte
 
     return {u: {c: replace(v, time_s=seconds(v, u)) for c, v in per.items()} for u, per in units.items()}
-
-
-def regime_of(profile: Profile) -> Regime:
-    """The regime a profile was taken in, from its `Regime.describe` line."""
-    parts = [p.strip() for p in profile.regime.split(",")]
-    trainable = next((p for p in parts if p.startswith("lora:")), "all")
-    optimizer = next((p for p in parts if p in OPTIMIZERS), DEFAULT.optimizer)
-    return Regime(parts[0], trainable, optimizer, "EMA" in parts)
 
 
 def with_adapters(units: Units, spec: UNetSpec, batch_size: int, context_length: int, rank: int | None) -> Units:
@@ -129,10 +115,9 @@ def at_stated_rates(
     context_length: int,
     flops_per_s: float,
     bytes_per_s: float,
-    regime: Regime | None = None,
+    regime: Regime,
 ) -> Profile:
     """A shapes-only profile timed at stated rates (`at_rates`), its plain step `step_seconds` in ``regime``."""
-    regime = regime_of(profile) if regime is None else regime
     units = with_adapters(profile.units, spec, batch_size, context_length, regime.lora_rank)
     units = at_rates(spec, units, 1 / flops_per_s, 1 / bytes_per_s)
     units = with_recasts(units, spec, regime, bytes_per_s)

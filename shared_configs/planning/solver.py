@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -19,10 +19,6 @@ from shared_configs.planning.units import PLAIN, Assignment, StepSpec, is_pseudo
 from shared_configs.sizes import MIB
 from shared_configs.spec import SpecError
 
-Expr = dict[int, float]  # column -> coefficient (MiB), with the constant under key -1
-# A potential unit's peak row: (profile, K(u) [+ H(u)] as an expression, its peak in MiB, the column
-# that makes it a unit (None: always one), the columns any of which unmakes it (a sampler's block's)).
-PeakRow = tuple[int, Expr, float, int | None, tuple[int, ...]]
 Cut = tuple[np.ndarray, float]  # a row over the columns and its upper bound: one plan left out
 
 
@@ -54,74 +50,45 @@ class Infeasible(SpecError):
 
 
 class _Programme:
-    """Columns (unit, choice) and, per profile, the rows ``K(u) + M * x[u, c] <= limit - peak + M``."""
+    """Binary columns (unit, choice): a block's recompute choices, a layer's choices, a pseudo-unit's plain (set
+    when its block is not recomputed whole); per profile and column, ``K(u) + H(u) + fwd_peak <= limit`` and
+    ``K(u) + bwd_peak <= limit``, binding when the column is set."""
 
     def __init__(self, profiles: Sequence[Profile], spec: StepSpec) -> None:
-        self.profiles, self.spec = profiles, spec
+        self.profiles = profiles
         self.cols: list[tuple[str, str]] = []
-        self.eq: list[Expr] = []  # expressions == 1
-        self.le1: list[Expr] = []  # expressions <= 1
-        self.peaks: list[PeakRow] = []
-        self._build()
-
-    def _col(self, unit: str, choice: str) -> int:
-        self.cols.append((unit, choice))
-        return len(self.cols) - 1
+        self.eq: list[list[int]] = []  # columns summing to 1: a layer's choices and its block's
+        where: list[tuple[int, int]] = []  # per column: (segment, position in it; -1: the block whole)
+        for s, (block, layers) in enumerate(segments(spec)):  # a pseudo-unit (stem, head) is a block of one
+            whole = [] if is_pseudo(block) else [c for c in self._choices(block) if c != PLAIN]
+            whole_cols = self._add(block, whole, (s, -1), where)
+            for i, name in enumerate(layers):
+                choices = [PLAIN] if is_pseudo(name) else self._choices(name)
+                self.eq.append(whole_cols + self._add(name, choices, (s, i), where))
+        self.segment, self.position = np.array(where).T
 
     def _choices(self, unit: str) -> list[str]:
         return [c for c in self.profiles[0].units[unit] if all(c in p.units[unit] for p in self.profiles)]
 
-    def _mib(self, f: int, unit: str, choice: str, field: str) -> float:
-        return getattr(self.profiles[f].cost(unit, choice), field) / MIB
+    def _add(self, unit: str, choices: list[str], at: tuple[int, int], where: list[tuple[int, int]]) -> list[int]:
+        self.cols += [(unit, c) for c in choices]
+        where += [at] * len(choices)
+        return list(range(len(self.cols) - len(choices), len(self.cols)))
 
-    def _rows(
-        self, f: int, kept: Expr, held: Expr, unit: str, choice: str, on: int | None, off: tuple[int, ...] = ()
-    ) -> None:
-        """``unit``'s two peak rows under ``choice``: forward (what is kept and held before it) and backward."""
-        both = {k: kept.get(k, 0.0) + held.get(k, 0.0) for k in kept.keys() | held.keys()}
-        self.peaks.append((f, both, self._mib(f, unit, choice, "fwd_peak"), on, off))
-        self.peaks.append((f, dict(kept), self._mib(f, unit, choice, "bwd_peak"), on, off))
-
-    def _build(self) -> None:
-        nf = len(self.profiles)
-        # Per profile, K(u) and H(u) (`shared_configs.planning.budget.predict`) as expressions.
-        kept: list[Expr] = [{-1: 0.0} for _ in range(nf)]
-        held: list[Expr] = [{} for _ in range(nf)]
-        for block, layers in segments(self.spec):  # a pseudo-unit (stem, head) is a block of one, never whole
-            whole = {} if is_pseudo(block) else {c: self._col(block, c) for c in self._choices(block) if c != PLAIN}
-            if whole:
-                self.le1.append(dict.fromkeys(whole.values(), 1.0))
-            for f in range(nf):
-                for c, col in whole.items():
-                    self._rows(f, kept[f], held[f], block, c, col)
-            inner = [(dict(k), dict(h)) for k, h in zip(kept, held, strict=True)]
-            for name in layers:
-                self._layer(name, whole, inner)
-            for f in range(nf):
-                kept[f], held[f] = inner[f]
-                for c, col in whole.items():
-                    for expr, field in ((kept[f], "keep"), (held[f], "hold")):
-                        expr[col] = expr.get(col, 0.0) + self._mib(f, block, c, field)
-
-    def _layer(self, name: str, whole: dict[str, int], inner: list[tuple[Expr, Expr]]) -> None:
-        """A layer (or sampler) of a block: active when no ``whole`` block column is set."""
-        if is_pseudo(name):  # always plain: active iff the block is not recomputed
-            for f, (kept, held) in enumerate(inner):
-                self._rows(f, kept, held, name, PLAIN, None, tuple(whole.values()))
-                for expr, field in ((kept, "keep"), (held, "hold")):
-                    value = self._mib(f, name, PLAIN, field)
-                    expr[-1] = expr.get(-1, 0.0) + value
-                    for col in whole.values():
-                        expr[col] = expr.get(col, 0.0) - value
-            return
-        cols = {c: self._col(name, c) for c in self._choices(name)}
-        self.eq.append({**dict.fromkeys(cols.values(), 1.0), **dict.fromkeys(whole.values(), 1.0)})
-        for f, (kept, held) in enumerate(inner):
-            for c, col in cols.items():
-                self._rows(f, kept, held, name, c, col)
-            for c, col in cols.items():
-                for expr, field in ((kept, "keep"), (held, "hold")):
-                    expr[col] = expr.get(col, 0.0) + self._mib(f, name, c, field)
+    def _peak_rows(self, f: int, limit: float) -> Iterator[Cut]:
+        """Profile ``f``'s two rows per column (MiB), each relaxed by the smallest M that frees it when the column is
+        not set: K(u) and H(u) sum the columns before u (earlier segments; earlier layers of its own block)."""
+        costs = [self.profiles[f].cost(u, c) for u, c in self.cols]
+        keep, hold = (np.array([getattr(c, field) for c in costs]) / MIB for field in ("keep", "hold"))
+        seg, pos = self.segment, self.position
+        for j, cost in enumerate(costs):
+            before = (seg < seg[j]) | ((seg == seg[j]) & (pos >= 0) & (pos < pos[j]))
+            for coefs, peak in ((keep + hold, cost.fwd_peak), (keep, cost.bwd_peak)):
+                row = np.where(before, coefs, 0.0)
+                bound = limit - peak / MIB
+                big = row[row > 0].sum() - bound + 1.0  # all the others could reach
+                row[j] = big
+                yield row, bound + big
 
     def cut(self, assignment: Assignment) -> Cut:
         """The row ``sum(x[j], j in S) - sum(x[j], j not in S) <= |S| - 1`` over the recompute columns, S those
@@ -130,52 +97,35 @@ class _Programme:
         return row, float(np.sum(row > 0) - 1)
 
     def solve(
-        self, cost: np.ndarray, limits: list[float], peak_col: bool = False, cuts: Sequence[Cut] = ()
+        self, cost: np.ndarray, limits: list[float], minimise_peak: bool = False, cuts: Sequence[Cut] = ()
     ) -> np.ndarray | None:
-        """Minimise ``cost`` under every peak row (``limits``: MiB per profile; ``peak_col``: a last, continuous
-        column is the peak, rows read ``<= peak / scale``), leaving out the plans of ``cuts``."""
-        n = len(self.cols) + peak_col
-        a, hi = [np.r_[row, np.zeros(int(peak_col))] for row, _ in cuts], [bound for _, bound in cuts]
-        for f, expr, peak, on, off in self.peaks:
-            row = np.zeros(n)
-            cols = [k for k in expr if k >= 0]  # the constant, key -1, goes to the bound
-            row[cols] = [expr[k] for k in cols]
-            bound = limits[f] - peak - expr.get(-1, 0.0)
-            # The smallest M that relaxes the row when the unit is not chosen: all it could reach.
-            big = sum(v for v in row if v > 0) - bound + 1.0
-            if on is not None:
-                row[on] += big
-                bound += big
-            for col in off:
-                row[col] -= big
-            if peak_col:
-                row[-1] = -1.0 / self.profiles[f].scale
-            a.append(row)
-            hi.append(bound)
-        lo = [-np.inf] * len(a)
-        for exprs, low in ((self.eq, 1.0), (self.le1, -np.inf)):
-            for expr in exprs:
-                row = np.zeros(n)
-                row[list(expr)] = list(expr.values())
-                a.append(row)
-                lo.append(low)
-                hi.append(1.0)
+        """Minimise ``cost`` (per column) under every peak row (``limits``: MiB per profile), leaving out the plans of
+        ``cuts``. A last, continuous column is the peak (rows read ``<= limit + peak / scale``): 0, or with
+        ``minimise_peak`` free and the objective."""
+        n = len(self.cols)
+        rows, hi = [np.r_[row, 0.0] for row, _ in cuts], [bound for _, bound in cuts]
+        for f, limit in enumerate(limits):
+            for row, bound in self._peak_rows(f, limit):
+                rows.append(np.r_[row, -1.0 / self.profiles[f].scale])
+                hi.append(bound)
+        lo = [-np.inf] * len(rows) + [1.0] * len(self.eq)
+        for cols in self.eq:
+            rows.append(np.isin(np.arange(n + 1), cols).astype(float))
+            hi.append(1.0)
         from scipy.optimize import Bounds, LinearConstraint, milp  # here: the workers import this module, never solve
 
-        integrality = np.r_[np.ones(len(self.cols)), np.zeros(int(peak_col))]
-        upper = np.r_[np.ones(len(self.cols)), np.full(int(peak_col), np.inf)]
         with _quiet_stdout():
             res = milp(
-                cost,
-                integrality=integrality,
-                bounds=Bounds(np.zeros(n), upper),
-                constraints=LinearConstraint(np.array(a), lo, hi),
+                np.r_[cost, float(minimise_peak)],
+                integrality=np.r_[np.ones(n), 0.0],
+                bounds=Bounds(0.0, np.r_[np.ones(n), np.inf if minimise_peak else 0.0]),
+                constraints=LinearConstraint(np.array(rows), lo, hi),
                 options={"mip_rel_gap": 0.0, "disp": False},
             )
-        return res.x if res.status == 0 else None
+        return res.x[:n] if res.status == 0 else None
 
     def assignment(self, x: np.ndarray) -> dict[str, str]:
-        return {u: c for (u, c), v in zip(self.cols, x, strict=False) if v > 0.5 and c != PLAIN}
+        return {u: c for (u, c), v in zip(self.cols, x, strict=True) if v > 0.5 and c != PLAIN}
 
 
 @contextmanager
@@ -192,12 +142,12 @@ def _quiet_stdout() -> Iterator[None]:
         os.close(saved)
 
 
-def _objective(profiles: Sequence[Profile]) -> Callable[[str, str], float]:
+def _objective(profiles: Sequence[Profile], unit: str, choice: str) -> float:
     """Recompute seconds as fractions of each plain step, summed (else TFLOP), plus a hair per recompute (ties)."""
-    tie = 1e-5
+    tie = 1e-5 * (choice != PLAIN)
     if all(p.step_time_s > 0 for p in profiles):
-        return lambda u, c: sum(p.cost(u, c).time_s / p.step_time_s for p in profiles) + tie * (c != PLAIN)
-    return lambda u, c: profiles[0].cost(u, c).flops / 1e12 + tie * (c != PLAIN)
+        return sum(p.cost(unit, choice).time_s / p.step_time_s for p in profiles) + tie
+    return profiles[0].cost(unit, choice).flops / 1e12 + tie
 
 
 def _list(profiles: Profile | Sequence[Profile]) -> list[Profile]:
@@ -211,8 +161,7 @@ def _cheapest(
     if any(p.opt_peak * p.scale > budget_bytes + 0.5 for p in profiles):
         return None
     prog = _Programme(profiles, spec)
-    objective = _objective(profiles)
-    cost = np.array([objective(u, c) for u, c in prog.cols])
+    cost = np.array([_objective(profiles, u, c) for u, c in prog.cols])
     cuts = [prog.cut(a) for a in exclude]
     slack = 0.0  # bytes taken off the limit when solver tolerance overshoots
     for _ in range(4):
@@ -255,8 +204,7 @@ def smallest_peak(profiles: Profile | Sequence[Profile], spec: StepSpec) -> Solu
     """The plan of least predicted peak (the largest over the profiles); of those, the cheapest."""
     profiles = _list(profiles)
     prog = _Programme(profiles, spec)
-    cost = np.r_[np.full(len(prog.cols), 1e-9), 1.0]  # the peak column; a hair per choice
-    x = prog.solve(cost, [0.0] * len(profiles), peak_col=True)
+    x = prog.solve(np.full(len(prog.cols), 1e-9), [0.0] * len(profiles), minimise_peak=True)  # a hair per choice
     assert x is not None  # every unit has a plan; the peak is free
     floor = max(max(predict(p, spec, prog.assignment(x)).peak_bytes, round(p.opt_peak * p.scale)) for p in profiles)
     assignment = _cheapest(profiles, spec, floor)

@@ -14,11 +14,10 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from shared_configs.files import atomic_write, locked
-from shared_configs.pair import ControlNetPairSpec
 from shared_configs.planning import gpu, optimizer_step
 from shared_configs.planning.budget import Profile, predict
 from shared_configs.planning.cache import cache_dir, versions
-from shared_configs.planning.encoders import Encoder, StepOptions, encoders_of, family, whole_step
+from shared_configs.planning.encoders import Encoder, encoders_of, whole_step
 from shared_configs.planning.workers import run_worker
 from shared_configs.progress import note
 from shared_configs.spec import SpecError
@@ -27,11 +26,6 @@ if TYPE_CHECKING:
     from shared_configs.planning.pipeline import Workload
 
 ENCODER_SCHEMA = 2  # 2: a trained encoder's optimizer state measured ("state")
-
-
-def options(workload: Workload) -> StepOptions:
-    configs = json.loads(workload.encoder_configs) if workload.encoder_configs else {}
-    return StepOptions(workload.with_encoders, workload.cached_latents, workload.train_text_encoder, configs)
 
 
 def raw(workload: Workload) -> Workload:
@@ -50,7 +44,7 @@ def raw(workload: Workload) -> Workload:
 
 def check(workload: Workload, framework: str) -> None:
     """Refuse, in one line, what the whole step is not modelled for."""
-    extra = options(workload).any
+    extra = workload.with_encoders or workload.train_text_encoder
     if framework == "jax" and (extra or workload.device != "cpu"):
         raise SpecError(
             f"--device {workload.device}, --with-encoders, --train-text-encoder: the GPU flavour and the "
@@ -61,20 +55,14 @@ def check(workload: Workload, framework: str) -> None:
     if (workload.unfused_attention or workload.optimizer_impl) and workload.device == "cpu":
         raise SpecError("--unfused-attention, --optimizer-impl: how a GPU runs the step; give --device cuda too")
     optimizer_step.implementation(workload.regime.optimizer, workload.device, workload.optimizer_impl)
-    if extra and not workload.encoder_configs:
-        family(_unet(workload))  # type: ignore[arg-type]  # a width with no known encoders: before any profile
+    encoders_of(workload)  # a width with no known encoders: refused before any profile
     if workload.cached_latents and not workload.with_encoders:
         raise SpecError("--cached-latents: leaves the VAE out of --with-encoders; give --with-encoders too")
 
 
-def _unet(workload: Workload) -> object:
-    spec = workload.spec
-    return spec.unet if isinstance(spec, ControlNetPairSpec) else spec
-
-
 def extender(workload: Workload) -> Callable[[Profile, str], Profile]:
     """A function adding ``workload``'s encoders to a profile, on "cpu" or "cuda"."""
-    encoders = encoders_of(_unet(workload), workload.regime, options(workload))  # type: ignore[arg-type]
+    encoders = encoders_of(workload)
     if not encoders:
         return lambda profile, device: profile
     measured = measured_encoders(encoders, workload)
@@ -85,7 +73,7 @@ def extender(workload: Workload) -> Callable[[Profile, str], Profile]:
 
 def on_device(workload: Workload, framework: str, profile: Profile) -> Profile:
     """``profile`` as the workload's whole step holds it on its device (see the module doc)."""
-    if framework != "torch" or (workload.device == "cpu" and not options(workload).any):
+    if framework != "torch":
         return profile
     if workload.device != "cpu":
         profile = gpu.gpu_profile(profile, workload.spec, workload.regime, card(workload))

@@ -113,8 +113,7 @@ def run(
         for event in _events(proc.stdout or ()):
             events.append(event)
             on_event(event)
-        proc.wait()
-        reader.join()
+        reader.join()  # to the worker's exit (`worker_group` waits for it)
     return Finished(events, proc.returncode, said[-1] if said else "")
 
 
@@ -171,7 +170,7 @@ def _read_stderr(stream: Any, on_line: Callable[[str], None]) -> tuple[threading
     return reader, said
 
 
-class _Kept:
+class _Kept(contextlib.AbstractContextManager):
     """A ``--serve`` worker: one request at a time, its progress relayed for the request under way;
     as a context, closed at the end (stopped, on an exception)."""
 
@@ -216,9 +215,6 @@ class _Kept:
                 stream.close()
         self.proc.wait()
         self.reader.join()
-
-    def __enter__(self) -> _Kept:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         if exc[0] is not None:
