@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +54,8 @@ def _entry(workload: Workload, policy: str, device: str = "cpu") -> dict[str, An
     pred, profile = sol.predictions[0], profiles[0]
     entry = {"peak_bytes": pred.peak_bytes, "overhead": pred.overhead(profile)}
     if device != "cpu":
-        entry[device] = gpu.estimate(
-            profile, workload.spec, workload.regime, assignment_of(workload.spec, policy), gpu.DEVICES[device]
-        ).as_dict()
+        assignment = assignment_of(workload.spec, policy)
+        entry[device] = asdict(gpu.estimate(profile, workload.spec, workload.regime, assignment, gpu.DEVICES[device]))
     return entry
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -346,7 +346,7 @@ def _framework_entry(
         flavour = gpu.estimate(
             alone, workload.spec, workload.regime, assignment, whole.card(workload), extend=whole.extender(workload)
         )
-        entry["gpu"] = {"device": workload.device} | flavour.as_dict()
+        entry["gpu"] = {"device": workload.device} | asdict(flavour)
     if profile.phases:
         entry["phases"] = profile.phases
     if report and report["chosen"]:  # measured already, in the race: the chosen candidate's figures

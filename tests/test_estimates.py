@@ -60,7 +60,9 @@ def test_the_table_is_the_planners_predictions(tmp_path: Path, monkeypatch: pyte
         assert row["diffusers_style"]["peak_bytes"] == predict(profile, SPEC, assignment_of(SPEC, "layers")).peak_bytes
         # the GPU flavour (the default --device cuda): the same policy on the flavoured profile
         flavour = gpu.estimate(profile, SPEC, work.regime, {})
-        assert row["none"]["cuda"] == flavour.as_dict() and flavour.allocated > row["none"]["peak_bytes"]
+        assert (
+            row["none"]["cuda"] == dataclasses.asdict(flavour) and flavour.allocated_bytes > row["none"]["peak_bytes"]
+        )
     planned = doc["rows"][0]["plans"]
     assert planned[str(high)]["policy"] == "none"
     assert planned[str(mid)]["policy"] not in (None, "none") and planned[str(mid)]["peak_bytes"] <= mid * MIB
@@ -127,11 +129,11 @@ def test_the_card_table_is_the_largest_batch_that_fits(tmp_path: Path, monkeypat
     assert estimates.main([*argv, "--gpu-gib", str(card_mib)]) == 0
     doc = json.loads((out / "cards.json").read_text())
     cell = doc["rows"][0]["cards"][str(card_mib)]
-    on_card = {b: gpu.estimate(p, SPEC, Regime(), {}).device_total for b, p in profiles.items()}  # plain, on the card
+    on_card = {b: gpu.estimate(p, SPEC, Regime(), {}).device_bytes for b, p in profiles.items()}  # plain, on the card
     fits = [b for b, total in on_card.items() if total <= card_mib * MIB]
     assert (cell["none"] or {}).get("batch") == max(fits, default=None)
     plan = cell["plan"]
     assert plan["device_bytes"] <= card_mib * MIB
     flavour = gpu.estimate(profiles[plan["batch"]], SPEC, Regime(), assignment_of(SPEC, plan["policy"]))
-    assert flavour.device_total == plan["device_bytes"]
+    assert flavour.device_bytes == plan["device_bytes"]
     assert "| tiny 8² | fp32 |" in (out / "cards.md").read_text()

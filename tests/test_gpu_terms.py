@@ -121,17 +121,17 @@ def test_the_flavours_peak_is_the_cpu_estimate_plus_the_terms(batch: int) -> Non
     kept = gpu.kept_bytes(TINY, batch, regime)
     # all plain: by the last unit's backward every unit's float32 norms are alive
     flavour = gpu.estimate(profile, TINY, regime, {})
-    assert flavour.cpu_peak == 0 and flavour.allocated == sum(kept.values()) + static
-    assert flavour.reserved == round(flavour.allocated * gpu.FRAGMENTATION)
-    assert flavour.device_total == flavour.reserved + gpu.CONTEXT_LAZY
+    assert flavour.cpu_peak_bytes == 0 and flavour.allocated_bytes == sum(kept.values()) + static
+    assert flavour.reserved_bytes == round(flavour.allocated_bytes * gpu.FRAGMENTATION)
+    assert flavour.device_bytes == flavour.reserved_bytes + gpu.CONTEXT_LAZY
     assert sum(v for k, v in flavour.terms.items() if "context" not in k and "fragmentation" not in k) == (
-        flavour.allocated - flavour.cpu_peak
+        flavour.allocated_bytes - flavour.cpu_peak_bytes
     )
     # every block recomputed: a block's norms are alive only in its own backward; the head stays plain
     blocks = block_layers(TINY)
     per_block = [sum(v for u, v in kept.items() if u.startswith(b + ".")) for b in blocks]
     full = gpu.estimate(profile, TINY, regime, assignment_of(TINY, "full"))
-    assert full.allocated == max(*per_block, kept["head"]) + static
+    assert full.allocated_bytes == max(*per_block, kept["head"]) + static
 
 
 def test_a_real_profile_gains_the_static_terms_and_the_optimizers_at_the_optimizer() -> None:
@@ -170,7 +170,7 @@ def test_plan_device_cuda_adds_the_flavour(
     out = tmp_path / "p.json"
     argv = ["--config", "tiny", "--batch-size", "2", "--policy", "layers", "--framework", "torch", "--json", str(out)]
     assert cli.main([*argv, "--device", "cuda"]) == 0
-    want = gpu.estimate(profile, TINY, Regime(), assignment_of(TINY, "layers")).as_dict()
+    want = dataclasses.asdict(gpu.estimate(profile, TINY, Regime(), assignment_of(TINY, "layers")))
     assert json.loads(out.read_text())["frameworks"]["torch"]["gpu"] == {"device": "cuda"} | want
     assert f"cuda: max_memory_allocated {want['allocated_bytes'] / MIB:.1f} MiB" in capsys.readouterr().out
 
@@ -227,9 +227,9 @@ def test_a_plan_for_a_card_fits_the_card_where_the_cpu_models_would_not(
     budget = 600 * MIB
     on_card = pipeline.plan(Workload.of("tiny", batch_size=2, device="cuda"), budget)
     card = gpu.estimate(profile, TINY, Regime(), on_card.solution.assignment)
-    assert card.device_total <= budget and on_card.solution.predictions[0].peak_bytes == card.allocated
+    assert card.device_bytes <= budget and on_card.solution.predictions[0].peak_bytes == card.allocated_bytes
     on_cpu = pipeline.plan(Workload.of("tiny", batch_size=2), budget)
-    assert gpu.estimate(profile, TINY, Regime(), on_cpu.solution.assignment).device_total > budget
+    assert gpu.estimate(profile, TINY, Regime(), on_cpu.solution.assignment).device_bytes > budget
 
 
 def test_unfused_attention_keeps_its_probabilities() -> None:

@@ -201,24 +201,15 @@ def gpu_profile(profile: Profile, spec: StepSpec, regime: Regime, device: Device
 
 @dataclass(frozen=True)
 class GpuEstimate:
-    """A policy's peak on a GPU as allocated, reserved and ``nvidia-smi`` read it, and each term beside the CPU's."""
+    """A policy's peak on a GPU as allocated, reserved and ``nvidia-smi`` (``device_bytes``) read it, and each term
+    beside the CPU's; as JSON, `dataclasses.asdict`."""
 
-    cpu_peak: int
-    allocated: int
-    reserved: int
-    device_total: int
-    peak_unit: str
+    cpu_peak_bytes: int
+    allocated_bytes: int
+    reserved_bytes: int
+    device_bytes: int
+    peak_at: str
     terms: dict[str, int]
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "cpu_peak_bytes": self.cpu_peak,
-            "allocated_bytes": self.allocated,
-            "reserved_bytes": self.reserved,
-            "device_bytes": self.device_total,
-            "peak_at": self.peak_unit,
-            "terms": self.terms,
-        }
 
 
 def estimate(
