@@ -36,6 +36,10 @@ class Timeline:
         np.add.at(delta, np.minimum(self.ends, n - 1) + 1, -self.sizes)
         return np.cumsum(delta[:-1])
 
+    def split(self) -> int:
+        """The first backward position (the end if there is none)."""
+        return next((i for i, p in enumerate(self.phases) if p == BWD), len(self.phases))
+
 
 def profile_assignments(spec: StepSpec) -> list[dict[str, str]]:
     """The uniform plans a profile measures, in `PROFILE_RUNS`' order (the plain one first, ``{}``)."""
@@ -62,8 +66,7 @@ def filed_units(
 def unit_costs(timeline: Timeline, leaves: list[str]) -> tuple[dict[str, Cost], int, int]:
     """Per leaf unit (forward order) its `Cost` (bytes only); the optimizer's peak; the step's peak."""
     levels = timeline.levels()
-    n = len(levels)
-    split = next((i for i, p in enumerate(timeline.phases) if p == BWD), n)  # the first backward position, or the end
+    n, split = len(levels), timeline.split()
     phases = np.array([p if p == OPT else FWD if i < split else BWD for i, p in enumerate(timeline.phases)])
     units = np.array(timeline.units)
     across = (timeline.starts < split) & (timeline.ends >= split) & (timeline.ends < n - 1) & ~timeline.static
