@@ -183,11 +183,11 @@ def whole_step(
     out = with_static_bytes(profile, static)
     units = raised(out.units, sum(measured[e.name]["keep"] for e in trained))  # a trained encoder's activations
     base = out.static_bytes + (profile.grad_bytes if regime.keep_grads else 0)
-    phases = {
-        "optimizer": out.opt_peak
-        + (0 if regime.keep_grads else grads)
-        + _temporaries(regime, trained, measured, device, optimizer_impl)
-    }
+    # the trained encoders' share of the optimizer step's temporaries: foreach's copy of their weights (a
+    # per-tensor implementation's, one tensor at a time, is left to the U-Net's: ``largest`` 0)
+    name = implementation(regime.optimizer, device, optimizer_impl)
+    extra = sum(temporaries(regime.optimizer, name, Trained(measured[e.name]["params"], 0)) for e in trained)
+    phases = {"optimizer": out.opt_peak + (0 if regime.keep_grads else grads) + extra}
     for e in encoders:
         m = measured[e.name]
         phases[f"{e.name} forward"] = base + input_bytes(e, profile.batch_size) + m["peak"]
@@ -199,12 +199,3 @@ def whole_step(
     )
     return replace(out, units=units, opt_peak=max(phases.values()), phases=phases, step_time_s=seconds)
 
-
-def _temporaries(
-    regime: Regime, trained: list[Encoder], measured: dict[str, dict[str, int]], device: str, chosen: str | None
-) -> int:
-    """The trained encoders' share of the optimizer step's temporaries (foreach: a copy of their weights)."""
-    name = implementation(regime.optimizer, device, chosen)
-    if name != "foreach":
-        return 0
-    return sum(temporaries(regime.optimizer, name, Trained(measured[e.name]["params"], 0)) for e in trained)
