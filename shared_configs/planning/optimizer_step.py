@@ -35,6 +35,17 @@ SOURCES = {
     ("adafactor", "foreach"): "torch/optim/_adafactor.py _multi_tensor_adafactor: `var_estimates` of every tensor "
     "at once (only with foreach=True)",
 }
+# What each allocates, by `SOURCES`: copies of every trained value (all tensors at once), copies of the largest
+# trained tensor (one tensor at a time).
+COPIES = {
+    ("adamw", "per-parameter"): (0, 2),
+    ("adamw", "foreach"): (1, 0),
+    ("adamw", "fused"): (0, 0),
+    ("adamw8bit", "torchao"): (0, 2),
+    ("adamw8bit", "bitsandbytes"): (0, 0),
+    ("adafactor", "per-parameter"): (0, 1),
+    ("adafactor", "foreach"): (1, 0),
+}
 DEFAULT = {  # torch's choice per (optimizer, device kind)
     ("adamw", "cpu"): "per-parameter",
     ("adamw", "cuda"): "foreach",
@@ -66,13 +77,9 @@ def implementation(optimizer: str, device: str, chosen: str | None = None) -> st
 def temporaries(optimizer: str, name: str, trained: Trained) -> int:
     """The peak bytes the step allocates beyond weights, gradients and state (`SOURCES`)."""
     implementation(optimizer, "cpu", name)
-    if name in ("fused", "bitsandbytes"):
-        return 0
-    if name == "foreach":
-        return trained.numel * trained.itemsize
-    if optimizer == "adamw8bit":
-        return 2 * trained.largest * FLOAT32
-    return (2 if optimizer == "adamw" else 1) * trained.largest * trained.itemsize  # per tensor
+    every, largest = COPIES[(optimizer, name)]
+    itemsize = FLOAT32 if optimizer == "adamw8bit" else trained.itemsize  # 8-bit moments dequantized to float32
+    return (every * trained.numel + largest * trained.largest) * itemsize
 
 
 def describe(optimizer: str, name: str) -> str:
