@@ -63,9 +63,7 @@ def check(workload: Workload, framework: str) -> None:
 def extender(workload: Workload) -> Callable[[Profile, str], Profile]:
     """A function adding ``workload``'s encoders to a profile, on "cpu" or "cuda"."""
     encoders = encoders_of(workload)
-    if not encoders:
-        return lambda profile, device: profile
-    measured = measured_encoders(encoders, workload)
+    measured = measured_encoders(encoders, workload) if encoders else {}  # none: `whole_step` returns the profile
     return lambda profile, device: whole_step(
         profile, workload.regime, encoders, measured, device, workload.optimizer_impl
     )
