@@ -63,15 +63,16 @@ def _resnet(spec: UNetSpec, b: int, cin: int, cout: int, hw: int) -> list[Op]:
     return ops
 
 
-def _projections(rows: int, ch: int, kv_rows: int, kv_dim: int, source: str) -> list[Op]:
-    """q from the hidden states, k and v from ``source`` (themselves or the context): LoRA targets."""
-    q = _mm(rows, ch, ch, branch=True, adapted=True)
-    return [q] + [_mm(kv_rows, kv_dim, ch, source, branch=True, adapted=True) for _ in "kv"]
+def _attention_layer(b: int, ch: int, t: int, keys: int, kv_dim: int, source: str) -> list[Op]:
+    """``t`` queries on ``keys`` keys: q from the hidden states, k and v from ``source`` (themselves or the
+    context), the attention, the output projection (the projections: LoRA targets)."""
+    q, out = _mm(b * t, ch, ch, branch=True, adapted=True), _mm(b * t, ch, ch, adapted=True)
+    kv = [_mm(b * keys, kv_dim, ch, source, branch=True, adapted=True) for _ in "kv"]
+    return [q, *kv, _attention(b, t, keys, ch), out]
 
 
 def _self_attention(b: int, ch: int, hw: int) -> list[Op]:
-    t = hw * hw
-    return [*_projections(b * t, ch, b * t, ch, HIDDEN), _attention(b, t, t, ch), _mm(b * t, ch, ch, adapted=True)]
+    return _attention_layer(b, ch, hw * hw, hw * hw, ch, HIDDEN)
 
 
 def _transformer(spec: UNetSpec, b: int, ch: int, hw: int, level: int, context_length: int) -> list[Op]:
@@ -81,9 +82,7 @@ def _transformer(spec: UNetSpec, b: int, ch: int, hw: int, level: int, context_l
     for _ in range(spec.transformer_depth(level)):
         ops += _self_attention(b, ch, hw)
         if spec.cross_attention_dim is not None:
-            ctx, keys = spec.cross_attention_dim, context_length
-            ops += _projections(b * t, ch, b * keys, ctx, CONTEXT)
-            ops += [_attention(b, t, keys, ch), _mm(b * t, ch, ch, adapted=True)]
+            ops += _attention_layer(b, ch, t, context_length, spec.cross_attention_dim, CONTEXT)
         ops += [_mm(b * t, ch, 8 * ch), _mm(b * t, 4 * ch, ch)]  # GEGLU feed-forward
     return [*ops, proj]
 
