@@ -90,10 +90,9 @@ def find_folder(
         root = root / subfolder
     if subfolder is None and not (root / "config.json").is_file() and (root / "unet" / "config.json").is_file():
         root = root / "unet"  # a pipeline folder (or a cached pipeline repo): its U-Net
-    if not root.exists():
-        raise FileNotFoundError(f"{root}: no config.json (no such folder)")
     if not (root / "config.json").is_file():
-        raise FileNotFoundError(f"{root}: no config.json (expected a local diffusers U-Net folder)")
+        why = "expected a local diffusers U-Net folder" if root.exists() else "no such folder"
+        raise FileNotFoundError(f"{root}: no config.json ({why})")
     return DiffusersFolder(root, read_config(root / "config.json"), _weight_files(root, variant, weights))
 
 
