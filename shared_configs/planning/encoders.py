@@ -198,4 +198,3 @@ def whole_step(
         sum(measured[e.name].get("flops", 0) for e in encoders) / profile.flops_per_s if profile.flops_per_s else 0.0
     )
     return replace(out, units=units, opt_peak=max(phases.values()), phases=phases, step_time_s=seconds)
-
