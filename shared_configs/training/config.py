@@ -23,7 +23,7 @@ from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.data import DATASETS
 from shared_configs.training.ddpm import SCHEDULES, make_schedule
 from shared_configs.training.manifest import CheckpointWriteError
-from shared_configs.training.preemption import Stopped, exit_status, resume_command
+from shared_configs.training.preemption import Stopped, resume_command
 
 
 @dataclass(frozen=True)
@@ -292,11 +292,11 @@ def cli_main(train: Callable[[TrainConfig], list[float]], argv: list[str] | None
     except Stopped as stop:
         if framework.rank() == 0:
             print(f"{prog}: {stop.line(resume_command(framework.module, argv))}", file=sys.stderr)
-        return exit_status(stop.signum)
+        return 128 + stop.signum
     except KeyboardInterrupt:  # outside the steps (loading, sampling): the checkpoints are as they were
         if framework.rank() == 0:
             print(f"{prog}: interrupted outside the steps; the checkpoints in {cfg.out} are kept", file=sys.stderr)
-        return exit_status(signal.SIGINT)
+        return 128 + signal.SIGINT
     return 0
 
 
