@@ -128,14 +128,13 @@ class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite: the run stops at that step, its last good checkpoint kept."""
 
 
-class Defaults(argparse.HelpFormatter):
+class Defaults(argparse.ArgumentDefaultsHelpFormatter):
     """Each flag's help ends with its default, where it has one (not False or None) the help does not say."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        text, default = action.help or "", action.default
-        if "default" in text or default is None or default is False or default == argparse.SUPPRESS:
+        if "default" in (action.help or "") or action.default is None or action.default is False:
             return action.help
-        return f"{text} (default: %(default)s)".lstrip()
+        return super()._get_help_string(action)
 
 
 def parse_args(argv: list[str] | None, framework: FrameworkCLI) -> TrainConfig:
