@@ -290,7 +290,11 @@ def cli_main(train: Callable[[TrainConfig], list[float]], argv: list[str] | None
         return _report(prog, err, 1, True, f"rank {rank}: " if rank else "")
     except Stopped as stop:
         if framework.rank() == 0:
-            print(f"{prog}: {stop.line(resume_command(framework.module, argv))}", file=sys.stderr)
+            resume = resume_command(framework.module, argv)
+            print(
+                f"{prog}: {stop}; {stop.checkpoint} and losses.json saved in {stop.out}; resume with: {resume}",
+                file=sys.stderr,
+            )
         return 128 + stop.signum
     except KeyboardInterrupt:  # outside the steps (loading, sampling): the checkpoints are as they were
         if framework.rank() == 0:

@@ -21,10 +21,6 @@ class Stopped(Exception):
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step} of {total}")
         self.signum, self.step, self.out, self.checkpoint = signum, step, out, checkpoint
 
-    def line(self, resume: str) -> str:
-        """What the CLI prints: the step, what was saved, and ``resume`` (the command that continues)."""
-        return f"{self}; {self.checkpoint} and losses.json saved in {self.out}; resume with: {resume}"
-
 
 class StopSignals:
     """The signal that asked a run to stop: the loop has `note` handle `STOP_SIGNALS` for its steps (`cli.handling`),
