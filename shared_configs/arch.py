@@ -45,31 +45,26 @@ def down_blocks(spec: UNetSpec) -> list[BlockArgs]:
 
 
 def up_blocks(spec: UNetSpec) -> list[BlockArgs]:
-    """Up blocks, deepest first; each consumes ``layers_per_block + 1`` skips off the stack."""
+    """Up blocks, deepest first; each consumes ``layers_per_block + 1`` skips off the stack: its level's."""
     chans, n, count = spec.block_out_channels, spec.num_levels, spec.layers_per_block + 1
     skips = [chans[0]] + [
         b.out_ch
-        for b in down_blocks(spec)  # conv_in's, each ResNet's, each downsample's
+        for b in down_blocks(spec)  # conv_in's, each ResNet's, each downsample's: `count` per level
         for _ in range(count - 1 + (b.downsample_padding is not None))
     ]
-    blocks, prev = [], chans[-1]
-    for i, attn in enumerate(spec.up_attention_resolved):
-        level = n - 1 - i
-        mine, skips = skips[-count:], skips[:-count]
-        blocks.append(
-            BlockArgs(
-                f"up.{i}",
-                prev,
-                chans[level],
-                attn,
-                level,
-                skip_channels=tuple(reversed(mine)),
-                upsample=level > 0,
-                resnet_resample=spec.resampler == "resnet",
-            )
+    return [
+        BlockArgs(
+            f"up.{n - 1 - level}",
+            chans[min(level + 1, n - 1)],  # the block below's output (the middle block's at the deepest)
+            chans[level],
+            attn,
+            level,
+            skip_channels=tuple(reversed(skips[level * count : (level + 1) * count])),
+            upsample=level > 0,
+            resnet_resample=spec.resampler == "resnet",
         )
-        prev = chans[level]
-    return blocks
+        for level, attn in zip(reversed(range(n)), spec.up_attention_resolved, strict=True)
+    ]
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn
@@ -151,11 +151,7 @@ def stopping(kept: str) -> Iterator[None]:
         raise Interrupted(stop.signum if isinstance(stop, Interrupted) else signal.SIGINT, kept) from None
 
 
-@contextmanager
-def _interrupts() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _interrupts() -> AbstractContextManager[None]:
     fired: list[int] = []
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
@@ -163,9 +159,19 @@ def _interrupts() -> Iterator[None]:
             fired.append(signum)
             raise Interrupted(signum)
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return handling((signal.SIGINT, signal.SIGTERM), interrupt)
+
+
+@contextmanager
+def handling(signals: Iterable[int], handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    """For the block, ``handler`` handles ``signals``; the handlers before it are given back. From the main thread
+    only (elsewhere Python refuses to set one): in any other thread the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, before in previous.items():
+            signal.signal(sig, before)

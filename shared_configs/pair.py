@@ -8,8 +8,8 @@ One plan covers both: the U-Net's names, and the same behind ``controlnet.``; a 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +23,6 @@ from shared_configs.vocabulary import CheckpointPlan, all_names, resolve_plan
 CONTROLNET = "controlnet."  # the prefix of the ControlNet's unit names in a pair plan
 NETWORKS = ("controlnet", "unet")  # `controlnet:P`, `unet:P`: the named policy P on that network only
 COND_SEED = 7  # the example conditioning image's own seed: the batch's numbers stay as they are
-EDGE_THRESHOLD = 0.5  # an edge: a jump of a quarter of the images' [-1, 1] range between neighbouring pixels
 
 
 class ControlNetPairSpec(_Frozen):
@@ -157,63 +156,13 @@ def pair_policy(unet: CheckpointPlan, controlnet: CheckpointPlan) -> str:
     return ";".join(parts) or "none"
 
 
-@dataclass(frozen=True)
-class ControlNetBatch(Batch):
-    """A training `Batch` and the conditioning image the ControlNet reads (NCHW float32, its own size)."""
-
-    controlnet_cond: np.ndarray | None = None
-
-    def conditioning(self) -> dict[str, np.ndarray | None]:
-        """The pair's inputs after (x, t), by name: the U-Net's, then ``controlnet_cond``."""
-        return {**super().conditioning(), "controlnet_cond": self.controlnet_cond}
-
-
-def example_pair_batch(spec: ControlNetPairSpec, batch_size: int, context_length: int = 77) -> ControlNetBatch:
+def example_pair_batch(spec: ControlNetPairSpec, batch_size: int, context_length: int = 77) -> Batch:
     """The U-Net's `example_batch` and a seeded conditioning image: the planner's and the benchmark's inputs."""
     batch = example_batch(spec.unet, batch_size, context_length)
     side = spec.sample_size * spec.controlnet.conditioning_factor
     shape = (batch_size, spec.controlnet.conditioning_channels, side, side)
     cond = np.random.default_rng(COND_SEED).uniform(-1.0, 1.0, shape).astype(np.float32)
-    return ControlNetBatch(**vars(batch), controlnet_cond=cond)
-
-
-def control_image(images: np.ndarray, spec: ControlNetSpec) -> np.ndarray:
-    """Each sample's edge map, (B, C, S, S) in [-1, 1] -> (B, channels, S f, S f) in {0, 1} like diffusers' Canny
-    maps: 1 where the first channel jumps by more than `EDGE_THRESHOLD` to its right or lower neighbour."""
-    x = images[:, 0].astype(np.float64)
-    dx, dy = np.zeros_like(x), np.zeros_like(x)
-    dx[:, :, :-1] = np.abs(np.diff(x, axis=2))
-    dy[:, :-1, :] = np.abs(np.diff(x, axis=1))
-    edges = (np.maximum(dx, dy) > EDGE_THRESHOLD).astype(np.float32)
-    f = spec.conditioning_factor
-    edges = edges.repeat(f, axis=1).repeat(f, axis=2)  # (B, S f, S f)
-    return np.repeat(edges[:, None], spec.conditioning_channels, axis=1)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ControlNetDataset(Dataset):
-    """A ``--controlnet`` run's data: each sample's edge map; the sampler gets each class's first image's."""
-
-    controlnet: ControlNetSpec
-    batch_class: ClassVar[type[Batch]] = ControlNetBatch
-
-    def conditioning(
-        self, labels: np.ndarray, rng: np.random.Generator | None = None, idx: np.ndarray | None = None
-    ) -> dict[str, Any]:
-        """`Dataset.conditioning` and ``controlnet_cond``, the edge maps of the images ``idx`` (the sampler's: of
-        each class's first image)."""
-        if idx is None:
-            idx = np.array([np.flatnonzero(self.labels == label)[0] for label in labels])
-        return {
-            **super().conditioning(labels, rng),
-            "controlnet_cond": control_image(self.images[idx], self.controlnet),
-        }
-
-
-def load_pair_dataset(kind: str, spec: ControlNetPairSpec, seed: int = 0) -> ControlNetDataset:
-    """`shared_configs.training.data.load_dataset` for the U-Net, with each sample's conditioning image."""
-    data = load_dataset(kind, spec.unet, seed)
-    return ControlNetDataset(data.images, data.labels, data.conditioner, controlnet=spec.controlnet)
+    return replace(batch, controlnet_cond=cond)
 
 
 def step_spec(spec: UNetSpec, controlnet: bool, regime: Regime) -> UNetSpec | ControlNetPairSpec:
@@ -226,6 +175,6 @@ def step_spec(spec: UNetSpec, controlnet: bool, regime: Regime) -> UNetSpec | Co
 
 def load_step_dataset(kind: str, spec: UNetSpec | ControlNetPairSpec, seed: int = 0) -> Dataset:
     """The data of ``spec``'s training step: `load_dataset`'s, a pair's with each sample's conditioning image."""
-    return (
-        load_pair_dataset(kind, spec, seed) if isinstance(spec, ControlNetPairSpec) else load_dataset(kind, spec, seed)
-    )
+    if not isinstance(spec, ControlNetPairSpec):
+        return load_dataset(kind, spec, seed)
+    return replace(load_dataset(kind, spec.unet, seed), controlnet=spec.controlnet)

@@ -151,18 +151,14 @@ def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-class Relay:
-    """The parent's side of a worker's progress: its `MARK` lines logged as ``what: line`` (the worker's other lines
-    are its caller's: `shared_configs.planning.workers` keeps its last ones)."""
-
-    def __init__(self, what: str, logger: logging.Logger | None = None) -> None:
-        self.what, self.logger, self.shown = what, logger or _TARGET.get(), False
-        self.started = time.monotonic()
+class Relay(Progress):
+    """The parent's side of a worker's progress, a wait of its own: the worker's `MARK` lines logged as
+    ``what: line`` (its other lines are its caller's: `shared_configs.planning.workers` keeps its last ones)."""
 
     def feed(self, line: str) -> None:
         if line.startswith(MARK):
             text = f"{self.what}: {line.removeprefix(MARK).rstrip()}"
-            self.shown |= _emit(self.logger, text, True, self.started, QUIET_S)
+            self.shown |= _emit(self.logger, text, True, self.started, self.quiet_s)
 
     def close(self) -> None:
         """With logging off, a final line under the progress said (with it on, the caller's next line says it)."""

@@ -53,12 +53,11 @@ class Regime:
     keep_grads: bool = False
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise SpecError(f"precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        for name, allowed in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS)):
+            if getattr(self, name) not in allowed:
+                raise SpecError(f"{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.trainable != "all" and not _LORA.fullmatch(str(self.trainable)):
             raise SpecError(f"trainable: expected {TRAINABLE}, got {self.trainable!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise SpecError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         for name in ("ema", "keep_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name}: expected true or false, got {getattr(self, name)!r}")

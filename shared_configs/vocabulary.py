@@ -139,8 +139,7 @@ def _with_modifiers(spec: UNetSpec, key: str) -> CheckpointPlan:
             offload = True
         else:
             raise SpecError(f"policy: unknown modifier {mod!r} in {key!r} (allowed: save=OP,OP..., offload)")
-    plan = _resolve_base(spec, base)
-    return replace(plan, policy=f"{plan.policy}{_suffix(save, offload)}", save=save, offload=offload)
+    return resolve_plan(spec, base, save, offload)
 
 
 def _groups(spec: UNetSpec, key: str) -> CheckpointPlan:

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import yaml
 
-from shared_configs.pair import control_image, controlnet_pair, load_pair_dataset
-from shared_configs.training.data import load_dataset
+from shared_configs.pair import controlnet_pair, load_step_dataset
+from shared_configs.training.data import control_image, load_dataset
 from shared_configs.training.run_folder import checkpoints
 from tests.helpers.training import CFG, SCHEDULE, TINY_NO_DROPOUT, assert_one_line, cli, train_argv
 from torch_impl import train as ttrain
@@ -39,7 +39,7 @@ def test_the_conditioning_image_is_each_samples_edge_map() -> None:
     assert cond.shape == (1, 3, 64, 64) and cond.dtype == np.float32
     for channel in cond[0]:
         np.testing.assert_array_equal(channel, np.kron(edges, np.ones((8, 8))))
-    data = load_pair_dataset("digits", controlnet_pair("tiny"))
+    data = load_step_dataset("digits", controlnet_pair("tiny"))
     first, again = data.batch(3, 4, SCHEDULE, 0), data.batch(3, 4, SCHEDULE, 0)
     np.testing.assert_array_equal(first.controlnet_cond, again.controlnet_cond)  # a function of (seed, step)
     plain = load_dataset("digits", controlnet_pair("tiny").unet).batch(3, 4, SCHEDULE, 0)
@@ -110,7 +110,7 @@ def test_torch_and_jax_controlnet_curves_agree_and_jax_resumes(tmp_path: Path) -
     params = torch_to_flax(pair.controlnet.state_dict(), spec.controlnet)
     state = jstep.TrainState.create({"params": jax.tree.map(jax.numpy.asarray, params)}, tx)
     unet = jax.tree.map(jax.numpy.asarray, torch_to_flax(pair.unet.state_dict(), spec.unet))
-    dataset, schedule = load_pair_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
+    dataset, schedule = load_step_dataset(cfg.data, spec, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
 
     def curve(state: jstep.TrainState, unet_params: object, steps: int) -> list[float]:
         step, losses = jstep.make_step(cfg, pair_trainee(model, unet_params), tx, dataset, schedule), []

@@ -190,7 +190,7 @@ from jax_impl import processes
 processes.join(f"127.0.0.1:{sys.argv[1]}", 2, int(sys.argv[2]))
 from shared_configs.training.config import TrainConfig
 from shared_configs.training.loop import run_loop
-from shared_configs.training.preemption import Stopped, exit_status
+from shared_configs.training.preemption import Stopped
 comm, saves = processes.current_comm(), []
 
 def step(state, index):
@@ -203,7 +203,7 @@ try:
              lambda state, losses: saves.append(len(losses)), "stop", comm)
 except Stopped as stop:
     print(json.dumps({"rank": comm.rank, "step": stop.step, "saves": saves}), file=sys.stderr, flush=True)
-    processes.leave(exit_status(stop.signum))
+    processes.leave(128 + stop.signum)
 """
 
 

@@ -23,7 +23,7 @@ from shared_configs.spec import SpecError, UNetSpec
 from shared_configs.training.data import DATASETS
 from shared_configs.training.ddpm import SCHEDULES, make_schedule
 from shared_configs.training.manifest import CheckpointWriteError
-from shared_configs.training.preemption import Stopped, exit_status, resume_command
+from shared_configs.training.preemption import Stopped, resume_command
 
 
 @dataclass(frozen=True)
@@ -128,14 +128,13 @@ class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite: the run stops at that step, its last good checkpoint kept."""
 
 
-class Defaults(argparse.HelpFormatter):
+class Defaults(argparse.ArgumentDefaultsHelpFormatter):
     """Each flag's help ends with its default, where it has one (not False or None) the help does not say."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        text, default = action.help or "", action.default
-        if "default" in text or default is None or default is False or default == argparse.SUPPRESS:
+        if "default" in (action.help or "") or action.default is None or action.default is False:
             return action.help
-        return f"{text} (default: %(default)s)".lstrip()
+        return super()._get_help_string(action)
 
 
 def parse_args(argv: list[str] | None, framework: FrameworkCLI) -> TrainConfig:
@@ -291,12 +290,16 @@ def cli_main(train: Callable[[TrainConfig], list[float]], argv: list[str] | None
         return _report(prog, err, 1, True, f"rank {rank}: " if rank else "")
     except Stopped as stop:
         if framework.rank() == 0:
-            print(f"{prog}: {stop.line(resume_command(framework.module, argv))}", file=sys.stderr)
-        return exit_status(stop.signum)
+            resume = resume_command(framework.module, argv)
+            print(
+                f"{prog}: {stop}; {stop.checkpoint} and losses.json saved in {stop.out}; resume with: {resume}",
+                file=sys.stderr,
+            )
+        return 128 + stop.signum
     except KeyboardInterrupt:  # outside the steps (loading, sampling): the checkpoints are as they were
         if framework.rank() == 0:
             print(f"{prog}: interrupted outside the steps; the checkpoints in {cfg.out} are kept", file=sys.stderr)
-        return exit_status(signal.SIGINT)
+        return 128 + signal.SIGINT
     return 0
 
 

@@ -1,13 +1,14 @@
 """The training data both loops share, in numpy, so torch and JAX see the same batches for a seed: `load_dataset`
-(digits or synthetic, fitted to the spec), the conditioning each spec takes (`Conditioner`) and `Dataset.batch`
-(a function of (seed, step), so a resumed run sees the same batches). Docs: docs/training.md.
+(digits or synthetic, fitted to the spec), the conditioning each spec takes (`Conditioner`, and a ControlNet's
+edge maps, `control_image`) and `Dataset.batch` (a function of (seed, step), so a resumed run sees the same
+batches). Docs: docs/training.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from shared_configs.inputs import INPUT_NAMES, LATENT_SCALE, NUM_TIMESTEPS, clas
 from shared_configs.spec import UNetSpec
 
 if TYPE_CHECKING:
+    from shared_configs.controlnet import ControlNetSpec
     from shared_configs.training.ddpm import Schedule
 
 NUM_CLASSES = 10
@@ -22,11 +24,13 @@ CONTEXT_TABLE_SEED = 1234  # the class-embedding table is the same for every run
 TEXT_TABLE_SEED = 1235  # so are the class-vector and text_embeds tables
 DATASETS = ("digits", "synthetic")
 CONDITIONING: tuple[str, ...] = INPUT_NAMES[2:]  # context, class_labels, text_embeds, time_ids
+EDGE_THRESHOLD = 0.5  # an edge: a jump of a quarter of the images' [-1, 1] range between neighbouring pixels
 
 
 @dataclass(frozen=True)
 class Batch:
-    """One training batch, NCHW float32: (noisy, t, conditioning) -> noise; conditioning the spec lacks is None."""
+    """One training batch, NCHW float32: (noisy, t, conditioning) -> noise; conditioning the spec lacks is None;
+    a ControlNet step's also ``controlnet_cond``, the conditioning image the ControlNet reads (its own size)."""
 
     noisy: np.ndarray
     t: np.ndarray
@@ -36,10 +40,13 @@ class Batch:
     class_labels: np.ndarray | None = None
     text_embeds: np.ndarray | None = None
     time_ids: np.ndarray | None = None
+    controlnet_cond: np.ndarray | None = None
 
     def conditioning(self) -> dict[str, np.ndarray | None]:
-        """The forward's inputs after (x, t), by name, in `CONDITIONING` order."""
-        return {name: getattr(self, name) for name in CONDITIONING}
+        """The forward's inputs after (x, t), by name, in `CONDITIONING` order (then a ControlNet step's
+        ``controlnet_cond``)."""
+        inputs = {name: getattr(self, name) for name in CONDITIONING}
+        return inputs if self.controlnet_cond is None else inputs | {"controlnet_cond": self.controlnet_cond}
 
     def shard(self, rank: int, world: int) -> Batch:
         """This rank's contiguous slice of the global batch (data parallelism)."""
@@ -123,19 +130,25 @@ def example_batch(spec: UNetSpec, batch_size: int, context_length: int = 77, see
 
 @dataclass(frozen=True)
 class Dataset:
-    """Images (N, C, H, W) in [-1, 1] with class labels, and the conditioning they come with."""
+    """Images (N, C, H, W) in [-1, 1] with class labels, and the conditioning they come with (a ``--controlnet``
+    run's: each sample's edge map for ``controlnet``; the sampler gets each class's first image's)."""
 
     images: np.ndarray
     labels: np.ndarray
     conditioner: Conditioner = Conditioner()
-    batch_class: ClassVar[type[Batch]] = Batch  # what `batch` makes (`pair.ControlNetDataset`: a ControlNetBatch)
+    controlnet: ControlNetSpec | None = None
 
     def conditioning(
         self, labels: np.ndarray, rng: np.random.Generator | None = None, idx: np.ndarray | None = None
     ) -> dict[str, Any]:
-        """(B,) labels (of the images ``idx``) -> the spec's conditioning inputs by name (see `Conditioner`);
-        ``rng`` and ``idx`` are a training batch's, None for the sampler's."""
-        return self.conditioner(labels, rng)
+        """(B,) labels (of the images ``idx``) -> the spec's conditioning inputs by name (see `Conditioner`), and
+        with a ``controlnet`` ``controlnet_cond``; ``rng`` and ``idx``: a training batch's, None for the sampler's."""
+        inputs = self.conditioner(labels, rng)
+        if self.controlnet is None:
+            return inputs
+        if idx is None:
+            idx = np.array([np.flatnonzero(self.labels == label)[0] for label in labels])
+        return inputs | {"controlnet_cond": control_image(self.images[idx], self.controlnet)}
 
     def batch(self, step: int, batch_size: int, schedule: Schedule, seed: int) -> Batch:
         """The batch for ``step``: a function of (seed, step) only."""
@@ -150,7 +163,20 @@ class Dataset:
         # A stream of its own: the images, timesteps and noise of a seed stay what they were.
         conditioning = self.conditioning(labels, np.random.default_rng([seed, step, 2]), idx)
         arrays = (a.astype(np.float32) for a in (noisy, t, noise))
-        return self.batch_class(*arrays, labels=labels, **conditioning)
+        return Batch(*arrays, labels=labels, **conditioning)
+
+
+def control_image(images: np.ndarray, spec: ControlNetSpec) -> np.ndarray:
+    """Each sample's edge map, (B, C, S, S) in [-1, 1] -> (B, channels, S f, S f) in {0, 1} like diffusers' Canny
+    maps: 1 where the first channel jumps by more than `EDGE_THRESHOLD` to its right or lower neighbour."""
+    x = images[:, 0].astype(np.float64)
+    dx, dy = np.zeros_like(x), np.zeros_like(x)
+    dx[:, :, :-1] = np.abs(np.diff(x, axis=2))
+    dy[:, :-1, :] = np.abs(np.diff(x, axis=1))
+    edges = (np.maximum(dx, dy) > EDGE_THRESHOLD).astype(np.float32)
+    f = spec.conditioning_factor
+    edges = edges.repeat(f, axis=1).repeat(f, axis=2)  # (B, S f, S f)
+    return np.repeat(edges[:, None], spec.conditioning_channels, axis=1)
 
 
 def load_dataset(kind: str, spec: UNetSpec, seed: int = 0) -> Dataset:

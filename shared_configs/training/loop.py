@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from shared_configs.cli import handling
 from shared_configs.spec import UNetSpec
 from shared_configs.training.config import TrainConfig, check_finite, run_record
 from shared_configs.training.manifest import Manifest
 from shared_configs.training.outputs import progress_bar, write_losses
-from shared_configs.training.preemption import Stopped, StopSignals
+from shared_configs.training.preemption import STOP_SIGNALS, Stopped, StopSignals
 from shared_configs.training.run_folder import (
     SOLO,
     Comm,
@@ -77,7 +78,8 @@ def run_loop(
     `NonFiniteLoss`, a stop signal to any rank ends every rank after the same step, saved (`Stopped`)."""
     saved = len(losses)
     shown = progress_bar(cfg.steps, len(losses), title, settings, comm.rank == 0, cfg.log_every)  # the logs: rank 0's
-    with StopSignals() as signals, shown as update:
+    signals = StopSignals()
+    with handling(STOP_SIGNALS, signals.note), shown as update:
         for step in range(len(losses), cfg.steps):
             state, loss = step_fn(state, step)
             kept = f"The checkpoint of step {saved} in {cfg.out} is the last good one." if saved else "No checkpoint."

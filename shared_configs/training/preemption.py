@@ -8,17 +8,10 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import threading
 from collections.abc import Sequence
-from types import FrameType, TracebackType
-from typing import Any
+from types import FrameType
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-
-
-def exit_status(signum: int) -> int:
-    """The exit status of a run stopped by ``signum``: 128 + its number."""
-    return 128 + signum
 
 
 class Stopped(Exception):
@@ -28,29 +21,15 @@ class Stopped(Exception):
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step} of {total}")
         self.signum, self.step, self.out, self.checkpoint = signum, step, out, checkpoint
 
-    def line(self, resume: str) -> str:
-        """What the CLI prints: the step, what was saved, and ``resume`` (the command that continues)."""
-        return f"{self}; {self.checkpoint} and losses.json saved in {self.out}; resume with: {resume}"
-
 
 class StopSignals:
-    """For its block, `STOP_SIGNALS` set `signum` instead of ending the process (from the main thread only)."""
+    """The signal that asked a run to stop: the loop has `note` handle `STOP_SIGNALS` for its steps (`cli.handling`),
+    so that a signal sets `signum` instead of ending the process."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
-        return self
-
-    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-
-    def _note(self, signum: int, frame: FrameType | None) -> None:
+    def note(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
             return

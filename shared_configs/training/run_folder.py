@@ -270,8 +270,7 @@ def save(
 def _fresh(out: Path, tmp: Path) -> None:
     """An empty ``tmp``, if there is room for a checkpoint the size of the last one (refused before writing)."""
     shutil.rmtree(tmp, ignore_errors=True)
-    earlier = checkpoints(out)
-    need = _size(earlier[-1][1]) if earlier else None
+    need = _last_size(out)
     if need and shutil.disk_usage(out).free < need:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
     tmp.mkdir(parents=True)
@@ -285,7 +284,7 @@ def _failure_line(out: Path, tmp: Path, step: int, fault: Fault, nbytes: int | N
     where = f"rank {fault.rank}: " if fault.rank else ""
     line = f"writing the checkpoint of step {step}: {where}{fault.filename or tmp}: {fault.text}"
     if fault.errno == errno.ENOSPC:
-        last = _size(earlier[-1][1]) if earlier else None
+        last = _last_size(out)
         need = f"the last checkpoint took {last:,} bytes" if last else nbytes and f"the state holds {nbytes:,} bytes"
         line += f" ({', '.join([*([need] if need else []), f'{shutil.disk_usage(out).free:,} bytes are free there'])})"
     kept = earlier[-1][0] if earlier else None
@@ -302,11 +301,11 @@ def _remove_partial(tmp: Path) -> str:
     return "the partial write was removed"
 
 
-def _size(folder: Path) -> int | None:
-    """The bytes of a committed checkpoint, from its manifest."""
+def _last_size(out: Path) -> int | None:
+    """The bytes of the newest committed checkpoint in ``out``, from its manifest (None: none, or unreadable)."""
     try:
-        return sum(f["bytes"] for f in read_manifest(folder).files.values())
-    except (CheckpointError, OSError, KeyError, TypeError):
+        return sum(f["bytes"] for f in read_manifest(checkpoints(out)[-1][1]).files.values())
+    except (IndexError, CheckpointError, OSError, KeyError, TypeError):
         return None
 
 
