@@ -91,8 +91,7 @@ class BudgetGuard:
         self._watch = RegimeWatch(self.model, given, "optimizer_impl" in planner_options)
         self._optimizer_steps = 0
         self._params = {id(p) for p in self.model.parameters()}
-        self._optimizers: list[torch.optim.Optimizer] = []
-        self._adopt(list(optimizers))
+        self._optimizers = list(dict.fromkeys(map(base_optimizer, optimizers)))
         self._window = Window([] if accelerator is None else [accelerator])
         self._holds = [t for h in holds for t in ([*h.parameters(), *h.buffers()] if isinstance(h, nn.Module) else [h])]
         self._held_bytes = memory.storage_bytes(self._holds)
@@ -102,7 +101,6 @@ class BudgetGuard:
         # holds) and, on CUDA, the allocated peaks beside them
         self._pending: list[tuple[int, int | None]] = []
         self._stepped = False  # an optimizer over the model's parameters began a step (since the last look)
-        self._fresh = True  # the last call ended with an optimizer step (or none ran): no gradient accumulated
         # every optimizer's step, for the guard's life: a weak reference, so that the hook keeps no guard alive
         spot = weakref.WeakMethod(self._spot)
         hook = register_optimizer_step_pre_hook(lambda opt, *_: None if spot() is None else spot()(opt))
@@ -134,7 +132,6 @@ class BudgetGuard:
         if self._gap is not None:
             self._gap_ended()
         if self._stepped:  # the optimizer stepped outside ``step_fn`` since the last call
-            self._fresh = True
             self._optimizer_stepped()
         self._adopt(tree_leaves((args, kwargs)))
         # what a retry restores: the gradients of the model's trained parameters and of its optimizers'
@@ -142,7 +139,7 @@ class BudgetGuard:
         params = list(
             dict.fromkeys(params + [p for o in self._optimizers for g in o.param_groups for p in g["params"]])
         )
-        self._window.enter(step_fn, args, kwargs, params, self._fresh)
+        self._window.enter(step_fn, args, kwargs, params)
         replay = False
         while True:  # the ladder ends: under `full` the loop gives up (an attempt that stepped is not retried)
             try:
@@ -187,8 +184,7 @@ class BudgetGuard:
                 out = step_fn(*args, **kwargs)
             self._pending.append((found.get("reserved", found["peak"]), found["peak"] if "reserved" in found else None))
         go_on(self._comm)  # every rank reaches the end of its call, or votes at its error
-        self._fresh = self._stepped  # else the next micro-step accumulates into this one's gradients
-        if self._stepped:
+        if self._stepped:  # else the next micro-step accumulates into this one's gradients (the window stays open)
             self._optimizer_stepped()
             if self._optimizer_steps == 1:  # until the next call: what the script updates from the weights
                 watch = HeldWatch([p for p in self.model.parameters() if p.requires_grad])
@@ -205,8 +201,10 @@ class BudgetGuard:
             self._regime_differs()
 
     def _optimizer_stepped(self) -> None:
-        """One optimizer step ended: judge the peak over its measured micro-steps (after the first, its regime)."""
+        """One optimizer step ended: the next call opens a new window; judge the peak over its measured micro-steps
+        (after the first, its regime)."""
         self._stepped = False
+        self._window.calls = []
         self._optimizer_steps += 1
         if self._optimizer_steps == 1 and self._regime_differs():
             return
