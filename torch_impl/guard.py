@@ -85,8 +85,7 @@ class BudgetGuard:
         given = regime is not None
         if regime is None:
             regime, notes = regime_seen(self.model)
-            for note in notes:
-                self._say(note)
+            self._say(*notes)
         self._workload = Workload.of(spec, sample_size, batch_size=batch_size, regime=regime, **workload)
         self._watch = RegimeWatch(self.model, given, "optimizer_impl" in planner_options)
         self._optimizer_steps = 0
@@ -107,8 +106,14 @@ class BudgetGuard:
         weakref.finalize(self, hook.remove)
         if taken := take_over_checkpointing(self.model):
             self._say(f"{' and '.join(taken)}: its own gradient checkpointing is off; the guard's plan replaces it")
-        planner = lambda budget: from_rank0(lambda: self._planned(budget))  # noqa: E731 (every rank: rank 0's plan)
-        self.loop = ClosedLoop(budget_bytes, planner, self._predict, self._say, rounds=rounds, log=planner_log)
+        self.loop = ClosedLoop(
+            budget_bytes,
+            lambda budget: from_rank0(lambda: self._planned(budget)),  # every rank: rank 0's plan
+            self._predict,
+            self._say,
+            rounds=rounds,
+            log=planner_log,
+        )
         self.budget = self.loop.budget
         self._put_on(self.loop.start(policy))
 
@@ -218,8 +223,7 @@ class BudgetGuard:
         """The first optimizer step shows a workload unlike the one planned (`RegimeWatch.workload`): re-planned."""
         was = self._workload
         self._workload, lines = self._watch.workload(was, self._optimizers)
-        for line in lines:
-            self._say(line)
+        self._say(*lines)
         if self._workload == was:
             return False
         how = "as given" if self._watch.given else "as guessed from the model"
@@ -284,6 +288,7 @@ class BudgetGuard:
         """A predicted peak as the guard judges it: on a GPU flavour, the allocator's reserve (`gpu.FRAGMENTATION`)."""
         return allocated if self._workload.device == "cpu" else round(allocated * gpu.FRAGMENTATION)
 
-    def _say(self, message: str) -> None:
+    def _say(self, *lines: str) -> None:
         ranks = f"rank {self._comm.rank}: " if self._comm.world > 1 else ""
-        say(f"guard: {ranks}step {self._step}: {message}")  # through logging when it is on
+        for line in lines:
+            say(f"guard: {ranks}step {self._step}: {line}")  # through logging when it is on

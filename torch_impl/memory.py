@@ -259,10 +259,9 @@ class StepTracker(TorchDispatchMode):
         self.result = self._summary()
 
     def _summary(self) -> StepMemory:
-        kinds = {k: i for i, k in enumerate(CATEGORIES)}
         delta = np.zeros((len(CATEGORIES), len(self._events)), dtype=np.int64)
         for i, (index, sign, _) in enumerate(self._events):
-            delta[kinds[self._kinds[index]], i] = sign * self._sizes[index]
+            delta[CATEGORIES.index(self._kinds[index]), i] = sign * self._sizes[index]
         base = np.array([self._baseline[c] for c in CATEGORIES], dtype=np.int64)[:, None]
         live = base + np.cumsum(delta, axis=1)
         if live.shape[1] == 0:
@@ -280,22 +279,23 @@ class StepTracker(TorchDispatchMode):
     def unit_timeline(self) -> Timeline:
         """The step as the planner's `Timeline`: a position per storage made and per `mark`; the
         starting level static."""
-        units, phases = [STEM], [FWD]
+        positions: list[tuple[str, str]] = []  # (unit, phase)
         starts = np.zeros(len(self._sizes), np.int64)
         ends = np.full(len(self._sizes), -1, np.int64)
-        marks = iter(self._marks[1:])
-        mark = next(marks, None)
-        for i, (index, sign, _) in enumerate([*self._events, (-1, 0, "")]):
-            while mark is not None and mark[0] == i:
-                units.append(mark[1]), phases.append(mark[2])
-                mark = next(marks, None)
-            if sign > 0:  # a new position: the level after this allocation
-                units.append(units[-1]), phases.append(phases[-1])
-                starts[index] = len(units) - 1
-            elif sign < 0:
-                ends[index] = len(units) - 1
+        until = [at for at, _, _ in self._marks[1:]] + [len(self._events)]
+        for (at, unit, phase), end in zip(self._marks, until, strict=True):  # the events up to the next mark
+            positions.append((unit, phase))
+            for index, sign, _ in self._events[at:end]:
+                if sign > 0:  # a new position: the level after this allocation
+                    positions.append((unit, phase))
+                    starts[index] = len(positions) - 1
+                else:
+                    ends[index] = len(positions) - 1
+        units, phases = map(list, zip(*positions, strict=True))
         sizes = np.array(self._sizes, np.int64)
-        return Timeline(units, phases, starts, np.where(ends < 0, len(units) - 1, ends), sizes, np.array(self._static))
+        return Timeline(
+            units, phases, starts, np.where(ends < 0, len(units) - 1, ends), sizes, np.array(self._static, bool)
+        )
 
 
 @contextlib.contextmanager
