@@ -79,14 +79,15 @@ class BudgetGuard:
         self._step = 0
         self._comm = current_comm(host=True)  # the ranks' retries, judgements and EMA found agreed through it
         self.model, self._compiled = unwrap(model), compiled(model)
-        spec = step_spec(self.model)
         self._plan_options, workload = split_options(sharding(self.model) | planner_options)
         workload.setdefault("device", gpu_flavour(self._device()))  # on CUDA: plans for what the card holds
         given = regime is not None
         if regime is None:
             regime, notes = regime_seen(self.model)
             self._say(*notes)
-        self._workload = Workload.of(spec, sample_size, batch_size=batch_size, regime=regime, **workload)
+        self._workload = Workload.of(
+            step_spec(self.model), sample_size, batch_size=batch_size, regime=regime, **workload
+        )
         self._watch = RegimeWatch(self.model, given, "optimizer_impl" in planner_options)
         self._optimizer_steps = 0
         self._params = {id(p) for p in self.model.parameters()}
@@ -239,9 +240,8 @@ class BudgetGuard:
 
     def _adopt(self, leaves: list[Any]) -> None:
         """The optimizers among ``leaves`` (given, the step's arguments): the tracker counts them, a retry restores."""
-        for opt in (base_optimizer(x) for x in leaves if isinstance(x, torch.optim.Optimizer)):
-            if opt not in self._optimizers:
-                self._optimizers.append(opt)
+        found = (base_optimizer(x) for x in leaves if isinstance(x, torch.optim.Optimizer))
+        self._optimizers = list(dict.fromkeys([*self._optimizers, *found]))
 
     def _spot(self, opt: torch.optim.Optimizer) -> None:
         """An optimizer begins a step: one over the model's parameters ends the guarded optimizer step."""
@@ -268,8 +268,7 @@ class BudgetGuard:
     def _free(self) -> None:
         """What a failed step or the old plan left: unreachable tensors, CUDA's cache."""
         gc.collect()
-        if self._device().type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op where CUDA is not initialised
 
     # -- the planner ---------------------------------------------------------------------------
 

@@ -74,8 +74,9 @@ def frozen(fn: T) -> T:
     """``fn`` with its closure's variables as they are now: a loop rebinds them (``batch``) before a replay."""
     if not isinstance(fn, types.FunctionType) or not fn.__closure__:
         return fn
-    cells = tuple(map(_now, fn.__closure__))
-    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    copy = types.FunctionType(
+        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(map(_now, fn.__closure__))
+    )
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy  # type: ignore[return-value]
 

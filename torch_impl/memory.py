@@ -316,8 +316,7 @@ def step_peak(
         yield found
         found.update(peak=torch.cuda.max_memory_allocated(device), reserved=torch.cuda.max_memory_reserved(device))
         return
-    tracker = StepTracker(model, optimizer, held, inputs, reads=True, detail=False)
-    with tracker:
+    with StepTracker(model, optimizer, held, inputs, reads=True, detail=False) as tracker:
         yield found
     found["peak"] = tracker.result.peak
 
