@@ -68,7 +68,7 @@ def test_a_window_replays_its_micro_steps_and_copies_no_gradient() -> None:
                 return script.body(pixels, ids)  # noqa: B023 (the loop's variables, as the recipe's body reads them)
 
         with BytesMade() as made:
-            window.enter(micro_step, (), {}, params, fresh=i == 0)
+            window.enter(micro_step, (), {}, params)
         assert made.bytes == 0 and (i == 0 or all(p.grad is not None for p in params))
         if i == 1:
             script.fail = lambda: True

@@ -79,20 +79,19 @@ class BudgetGuard:
         self._step = 0
         self._comm = current_comm(host=True)  # the ranks' retries, judgements and EMA found agreed through it
         self.model, self._compiled = unwrap(model), compiled(model)
-        spec = step_spec(self.model)
         self._plan_options, workload = split_options(sharding(self.model) | planner_options)
         workload.setdefault("device", gpu_flavour(self._device()))  # on CUDA: plans for what the card holds
         given = regime is not None
         if regime is None:
             regime, notes = regime_seen(self.model)
-            for note in notes:
-                self._say(note)
-        self._workload = Workload.of(spec, sample_size, batch_size=batch_size, regime=regime, **workload)
+            self._say(*notes)
+        self._workload = Workload.of(
+            step_spec(self.model), sample_size, batch_size=batch_size, regime=regime, **workload
+        )
         self._watch = RegimeWatch(self.model, given, "optimizer_impl" in planner_options)
         self._optimizer_steps = 0
         self._params = {id(p) for p in self.model.parameters()}
-        self._optimizers: list[torch.optim.Optimizer] = []
-        self._adopt(list(optimizers))
+        self._optimizers = list(dict.fromkeys(map(base_optimizer, optimizers)))
         self._window = Window([] if accelerator is None else [accelerator])
         self._holds = [t for h in holds for t in ([*h.parameters(), *h.buffers()] if isinstance(h, nn.Module) else [h])]
         self._held_bytes = memory.storage_bytes(self._holds)
@@ -102,15 +101,20 @@ class BudgetGuard:
         # holds) and, on CUDA, the allocated peaks beside them
         self._pending: list[tuple[int, int | None]] = []
         self._stepped = False  # an optimizer over the model's parameters began a step (since the last look)
-        self._fresh = True  # the last call ended with an optimizer step (or none ran): no gradient accumulated
         # every optimizer's step, for the guard's life: a weak reference, so that the hook keeps no guard alive
         spot = weakref.WeakMethod(self._spot)
         hook = register_optimizer_step_pre_hook(lambda opt, *_: None if spot() is None else spot()(opt))
         weakref.finalize(self, hook.remove)
         if taken := take_over_checkpointing(self.model):
             self._say(f"{' and '.join(taken)}: its own gradient checkpointing is off; the guard's plan replaces it")
-        planner = lambda budget: from_rank0(lambda: self._planned(budget))  # noqa: E731 (every rank: rank 0's plan)
-        self.loop = ClosedLoop(budget_bytes, planner, self._predict, self._say, rounds=rounds, log=planner_log)
+        self.loop = ClosedLoop(
+            budget_bytes,
+            lambda budget: from_rank0(lambda: self._planned(budget)),  # every rank: rank 0's plan
+            self._predict,
+            self._say,
+            rounds=rounds,
+            log=planner_log,
+        )
         self.budget = self.loop.budget
         self._put_on(self.loop.start(policy))
 
@@ -134,7 +138,6 @@ class BudgetGuard:
         if self._gap is not None:
             self._gap_ended()
         if self._stepped:  # the optimizer stepped outside ``step_fn`` since the last call
-            self._fresh = True
             self._optimizer_stepped()
         self._adopt(tree_leaves((args, kwargs)))
         # what a retry restores: the gradients of the model's trained parameters and of its optimizers'
@@ -142,7 +145,7 @@ class BudgetGuard:
         params = list(
             dict.fromkeys(params + [p for o in self._optimizers for g in o.param_groups for p in g["params"]])
         )
-        self._window.enter(step_fn, args, kwargs, params, self._fresh)
+        self._window.enter(step_fn, args, kwargs, params)
         replay = False
         while True:  # the ladder ends: under `full` the loop gives up (an attempt that stepped is not retried)
             try:
@@ -187,8 +190,7 @@ class BudgetGuard:
                 out = step_fn(*args, **kwargs)
             self._pending.append((found.get("reserved", found["peak"]), found["peak"] if "reserved" in found else None))
         go_on(self._comm)  # every rank reaches the end of its call, or votes at its error
-        self._fresh = self._stepped  # else the next micro-step accumulates into this one's gradients
-        if self._stepped:
+        if self._stepped:  # else the next micro-step accumulates into this one's gradients (the window stays open)
             self._optimizer_stepped()
             if self._optimizer_steps == 1:  # until the next call: what the script updates from the weights
                 watch = HeldWatch([p for p in self.model.parameters() if p.requires_grad])
@@ -205,8 +207,10 @@ class BudgetGuard:
             self._regime_differs()
 
     def _optimizer_stepped(self) -> None:
-        """One optimizer step ended: judge the peak over its measured micro-steps (after the first, its regime)."""
+        """One optimizer step ended: the next call opens a new window; judge the peak over its measured micro-steps
+        (after the first, its regime)."""
         self._stepped = False
+        self._window.calls = []
         self._optimizer_steps += 1
         if self._optimizer_steps == 1 and self._regime_differs():
             return
@@ -220,8 +224,7 @@ class BudgetGuard:
         """The first optimizer step shows a workload unlike the one planned (`RegimeWatch.workload`): re-planned."""
         was = self._workload
         self._workload, lines = self._watch.workload(was, self._optimizers)
-        for line in lines:
-            self._say(line)
+        self._say(*lines)
         if self._workload == was:
             return False
         how = "as given" if self._watch.given else "as guessed from the model"
@@ -237,9 +240,8 @@ class BudgetGuard:
 
     def _adopt(self, leaves: list[Any]) -> None:
         """The optimizers among ``leaves`` (given, the step's arguments): the tracker counts them, a retry restores."""
-        for opt in (base_optimizer(x) for x in leaves if isinstance(x, torch.optim.Optimizer)):
-            if opt not in self._optimizers:
-                self._optimizers.append(opt)
+        found = (base_optimizer(x) for x in leaves if isinstance(x, torch.optim.Optimizer))
+        self._optimizers = list(dict.fromkeys([*self._optimizers, *found]))
 
     def _spot(self, opt: torch.optim.Optimizer) -> None:
         """An optimizer begins a step: one over the model's parameters ends the guarded optimizer step."""
@@ -266,8 +268,7 @@ class BudgetGuard:
     def _free(self) -> None:
         """What a failed step or the old plan left: unreachable tensors, CUDA's cache."""
         gc.collect()
-        if self._device().type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op where CUDA is not initialised
 
     # -- the planner ---------------------------------------------------------------------------
 
@@ -286,6 +287,7 @@ class BudgetGuard:
         """A predicted peak as the guard judges it: on a GPU flavour, the allocator's reserve (`gpu.FRAGMENTATION`)."""
         return allocated if self._workload.device == "cpu" else round(allocated * gpu.FRAGMENTATION)
 
-    def _say(self, message: str) -> None:
+    def _say(self, *lines: str) -> None:
         ranks = f"rank {self._comm.rank}: " if self._comm.world > 1 else ""
-        say(f"guard: {ranks}step {self._step}: {message}")  # through logging when it is on
+        for line in lines:
+            say(f"guard: {ranks}step {self._step}: {line}")  # through logging when it is on

@@ -26,7 +26,7 @@ from torch_impl.diffusers_adapter import diffusers_spec
 from torch_impl.memory import local
 from torch_impl.pair import ControlNetPair
 from torch_impl.regime import DIFFUSERS_LORA_TARGETS
-from torch_impl.unet import UNet, UNetTrunk
+from torch_impl.unet import UNet
 
 HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Optimizer classes by name -> the regime's optimizer (torchao's and bitsandbytes' 8-bit AdamW alike).
@@ -49,15 +49,13 @@ def gpu_flavour(device: torch.device) -> str:
 
 
 def take_over_checkpointing(model: nn.Module) -> list[str]:
-    """Turn off diffusers' own gradient checkpointing in each network of ``model``; returns their class names."""
-    taken = []
-    for net in [model.unet, model.controlnet] if isinstance(model, ControlNetPair) else [model]:
-        # ours (a UNet, a ControlNet) has no checkpointing but its plan
-        if isinstance(net, UNetTrunk) or not any(getattr(m, "gradient_checkpointing", False) for m in net.modules()):
-            continue
+    """Turn off diffusers' own gradient checkpointing in each network of ``model``; returns their class names. (Ours,
+    a UNet or a ControlNet, has no checkpointing but its plan, and no ``is_gradient_checkpointing``.)"""
+    nets = [model.unet, model.controlnet] if isinstance(model, ControlNetPair) else [model]
+    taken = [net for net in nets if getattr(net, "is_gradient_checkpointing", False)]  # diffusers' ModelMixin's
+    for net in taken:
         net.disable_gradient_checkpointing()
-        taken.append(type(net).__name__)
-    return taken
+    return [type(net).__name__ for net in taken]
 
 
 def lora_rank(model: nn.Module) -> int | None:

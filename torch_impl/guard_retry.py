@@ -41,10 +41,10 @@ class Window:
         self.had: set[int] = set()  # ids of the parameters with a gradient at the start
         self.counters: list[tuple[Any, int, bool]] = []
 
-    def enter(self, fn: Callable[..., Any], args: tuple, kwargs: dict, params: list[nn.Parameter], fresh: bool) -> None:
-        """A guarded call ``fn(*args, **kwargs)`` begins. ``fresh``: an optimizer step ended since the last call
-        (or none was seen); with no gradient allocated, nothing was accumulated either: a new window."""
-        if fresh or all(p.grad is None for p in params):
+    def enter(self, fn: Callable[..., Any], args: tuple, kwargs: dict, params: list[nn.Parameter]) -> None:
+        """A guarded call ``fn(*args, **kwargs)`` begins: a new window when ``calls`` is empty (an optimizer step
+        ended since the last call, or none was seen), or when no gradient is allocated (nothing was accumulated)."""
+        if not self.calls or all(p.grad is None for p in params):
             self.calls, self.had = [], {id(p) for p in params if p.grad is not None}
             self.counters = [(a, a.step, a.gradient_state.sync_gradients) for a in self.accelerators]
         rng = (torch.get_rng_state(), *get_device_states(*params[:1]))  # CUDA's on CUDA, as checkpoint keeps it
@@ -74,8 +74,9 @@ def frozen(fn: T) -> T:
     """``fn`` with its closure's variables as they are now: a loop rebinds them (``batch``) before a replay."""
     if not isinstance(fn, types.FunctionType) or not fn.__closure__:
         return fn
-    cells = tuple(map(_now, fn.__closure__))
-    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    copy = types.FunctionType(
+        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(map(_now, fn.__closure__))
+    )
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy  # type: ignore[return-value]
 
@@ -119,14 +120,13 @@ def from_rank0(fn: Callable[[], T]) -> T:
     comm = current_comm()
     if comm.world == 1:
         return fn()
-    box: list[Any] = [None]
+    box: list[Any] = [None]  # rank 0's value or error
     if comm.rank == 0:
         try:
-            box[0] = ("ok", fn())
+            box[0] = fn()
         except Exception as err:  # raised below on every rank, not only on rank 0
-            box[0] = ("error", err)
+            box[0] = err
     dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind == "error":
-        raise value
-    return value
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]

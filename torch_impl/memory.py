@@ -25,7 +25,7 @@ from shared_configs.planning.timeline import FWD, Timeline
 from shared_configs.planning.units import STEM
 from torch_impl import compat
 from torch_impl.checkpointing import record_saved
-from torch_impl.compat import TorchDispatchMode, _EventType, is_traceable_wrapper_subclass, tree_leaves, tree_map_only
+from torch_impl.compat import TorchDispatchMode, _EventType, is_traceable_wrapper_subclass, tree_leaves
 
 TRACKER_METHOD = (
     "live tensor storages over the step (TorchDispatchMode), kinds as MemTracker's: made in the forward or a "
@@ -104,7 +104,7 @@ class StepTracker(TorchDispatchMode):
         # id(storage) -> (index into _sizes, the weakref whose callback files its free) while the step runs
         self._live: dict[int, tuple[int, weakref.ref]] = {}
         self._events: list[tuple[int, int, str]] = []  # (storage index, +1 made / -1 freed, block)
-        self._entry: list[int] = []  # indices of the storages of the starting level
+        self._static: list[bool] = []  # per storage: of the starting level
         self._entry_ptrs: set[int] = set()  # their addresses: a numpy array's fresh tensor is no new memory
         self._marks: list[tuple[int, str, str]] = [(0, STEM, FWD)]  # (event index, unit, phase)
         self._baseline = dict.fromkeys(CATEGORIES, 0)
@@ -141,10 +141,10 @@ class StepTracker(TorchDispatchMode):
         key, index = id(st), len(self._sizes)
         self._sizes.append(st.nbytes())
         self._kinds.append(kind)
+        self._static.append(at_entry)
         self._live[key] = (index, weakref.ref(st, functools.partial(self._freed, key, index)))
         if at_entry:
             self._baseline[kind] += st.nbytes()
-            self._entry.append(index)
             if self._reads:  # (a fake tensor has no address)
                 self._entry_ptrs.add(st.data_ptr())
         else:
@@ -199,19 +199,17 @@ class StepTracker(TorchDispatchMode):
             recomputing = phase == "backward" and self._recompute_depth > 0
             if (phase != "forward" and not recomputing) or func.namespace in _COMM_NAMESPACES:
                 kind = "temporary"
-        if isinstance(out, torch.Tensor):
-            self._add(out, kind)
-        else:
-            tree_map_only(torch.Tensor, lambda t: self._add(t, kind), out)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t, kind)
         return out
 
     # -- entry and exit ------------------------------------------------------------------------
 
     def __enter__(self) -> StepTracker:
-        grads = [p.grad for p in self._model.parameters() if p.grad is not None]
         for kind, tensors in (
             ("params", [*self._model.parameters(), *self._model.buffers()]),
-            ("grads", grads),
+            ("grads", [p.grad for p in self._model.parameters() if p.grad is not None]),
             ("optimizer", [*self._state(), *self._held]),
             ("input", self._inputs),
         ):
@@ -219,7 +217,10 @@ class StepTracker(TorchDispatchMode):
                 self._add(t, kind, at_entry=True)
         self._patches = contextlib.ExitStack()  # undone at exit, in reverse
         if self._detail:
-            self._mods.register_user_hooks(self._pre_forward, self._post_forward, self._enter_block, self._leave_block)
+            # before and after a module's forward, then its backward
+            self._mods.register_user_hooks(
+                *(functools.partial(self._hook, f, e) for f in (True, False) for e in (True, False))
+            )
             self._patches.callback(self._mods.clear_user_hooks)
             for hook in (
                 register_optimizer_step_pre_hook(lambda *a: setattr(self, "_in_optimizer", True)),
@@ -232,27 +233,18 @@ class StepTracker(TorchDispatchMode):
         self._patches.enter_context(torch.compiler.set_stance("force_eager"))
         return super().__enter__()
 
-    def _pre_forward(self, module: Any, args: Any) -> None:
-        if self._mods.is_bw:  # a module's forward inside the backward: a checkpointed block recomputed
-            self._recompute_depth += 1
-        else:
-            self._enter_block(module, args)
-
-    def _post_forward(self, module: Any, args: Any, out: Any) -> None:
-        if self._mods.is_bw:
-            self._recompute_depth -= 1
-        else:
-            self._leave_block(module, args)
-
-    def _enter_block(self, module: Any, args: Any) -> None:
-        if module in self._block_modules:
-            self._last = self._block_modules[module]
-            self._running.append(self._last)
-
-    def _leave_block(self, module: Any, args: Any) -> None:
-        name = self._block_modules.get(module)
-        if name in self._running:
-            self._running.remove(name)
+    def _hook(self, forward: bool, entering: bool, module: Any, *args: Any) -> None:
+        """ModTracker's user hook where a module's forward (``forward``) or backward is entered or left: a forward
+        inside the backward is a checkpointed block recomputed; else a block's entry and exit are filed."""
+        if forward and self._mods.is_bw:
+            self._recompute_depth += 1 if entering else -1
+        elif module in self._block_modules:
+            name = self._block_modules[module]
+            if entering:
+                self._last = name
+                self._running.append(name)
+            elif name in self._running:
+                self._running.remove(name)
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
@@ -267,10 +259,9 @@ class StepTracker(TorchDispatchMode):
         self.result = self._summary()
 
     def _summary(self) -> StepMemory:
-        kinds = {k: i for i, k in enumerate(CATEGORIES)}
         delta = np.zeros((len(CATEGORIES), len(self._events)), dtype=np.int64)
         for i, (index, sign, _) in enumerate(self._events):
-            delta[kinds[self._kinds[index]], i] = sign * self._sizes[index]
+            delta[CATEGORIES.index(self._kinds[index]), i] = sign * self._sizes[index]
         base = np.array([self._baseline[c] for c in CATEGORIES], dtype=np.int64)[:, None]
         live = base + np.cumsum(delta, axis=1)
         if live.shape[1] == 0:
@@ -288,24 +279,23 @@ class StepTracker(TorchDispatchMode):
     def unit_timeline(self) -> Timeline:
         """The step as the planner's `Timeline`: a position per storage made and per `mark`; the
         starting level static."""
-        units, phases = [STEM], [FWD]
+        positions: list[tuple[str, str]] = []  # (unit, phase)
         starts = np.zeros(len(self._sizes), np.int64)
         ends = np.full(len(self._sizes), -1, np.int64)
-        marks = iter(self._marks[1:])
-        mark = next(marks, None)
-        for i, (index, sign, _) in enumerate([*self._events, (-1, 0, "")]):
-            while mark is not None and mark[0] == i:
-                units.append(mark[1]), phases.append(mark[2])
-                mark = next(marks, None)
-            if sign > 0:  # a new position: the level after this allocation
-                units.append(units[-1]), phases.append(phases[-1])
-                starts[index] = len(units) - 1
-            elif sign < 0:
-                ends[index] = len(units) - 1
-        static = np.zeros(len(self._sizes), bool)
-        static[self._entry] = True
+        until = [at for at, _, _ in self._marks[1:]] + [len(self._events)]
+        for (at, unit, phase), end in zip(self._marks, until, strict=True):  # the events up to the next mark
+            positions.append((unit, phase))
+            for index, sign, _ in self._events[at:end]:
+                if sign > 0:  # a new position: the level after this allocation
+                    positions.append((unit, phase))
+                    starts[index] = len(positions) - 1
+                else:
+                    ends[index] = len(positions) - 1
+        units, phases = map(list, zip(*positions, strict=True))
         sizes = np.array(self._sizes, np.int64)
-        return Timeline(units, phases, starts, np.where(ends < 0, len(units) - 1, ends), sizes, static)
+        return Timeline(
+            units, phases, starts, np.where(ends < 0, len(units) - 1, ends), sizes, np.array(self._static, bool)
+        )
 
 
 @contextlib.contextmanager
@@ -326,8 +316,7 @@ def step_peak(
         yield found
         found.update(peak=torch.cuda.max_memory_allocated(device), reserved=torch.cuda.max_memory_reserved(device))
         return
-    tracker = StepTracker(model, optimizer, held, inputs, reads=True, detail=False)
-    with tracker:
+    with StepTracker(model, optimizer, held, inputs, reads=True, detail=False) as tracker:
         yield found
     found["peak"] = tracker.result.peak
 
