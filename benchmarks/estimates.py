@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +135,6 @@ def _reading(allocated: int, device: str) -> int:
 def card_row(
     config: str,
     regime_name: str,
-    regime: Regime,
     batches: list[int],
     cards_gib: list[float],
     device: str,
@@ -143,7 +143,7 @@ def card_row(
     """One line of the card table: per card, the largest batch that fits plain and with a plan."""
     found: list[tuple[int, Workload, Profile, int]] = []
     for batch in sorted(batches):
-        work = Workload.of(config, batch_size=batch, regime=regime, shapes=True, device=device, **step)
+        work = Workload.of(config, batch_size=batch, regime=REGIMES[regime_name], shapes=True, device=device, **step)
         sol, (profile,) = predict_policy(work, "none", "torch")
         found.append((batch, work, profile, sol.predictions[0].peak_bytes))
     cards = {}
@@ -260,55 +260,34 @@ GPU_METHOD = (
 )
 
 
-@dataclass(frozen=True)
-class Table:
-    """The rows a run makes: the estimates per preset, batch and regime, or (``cards_gib``) the card table."""
-
-    configs: list[str]
-    batches: list[int]
-    regimes: list[str]
-    budgets_gib: list[int]
-    device: str
-    cards_gib: list[float]
-    step: dict[str, bool]
-
-    def cases(self) -> list[tuple[Any, ...]]:
-        if self.cards_gib:  # a row per preset and regime, over every batch
-            return [(c, r) for c in self.configs for r in self.regimes]
-        return [(c, b, r) for c in self.configs for b in self.batches for r in self.regimes]
-
-    def row(self, case: tuple[Any, ...]) -> dict[str, Any]:
-        if self.cards_gib:
-            config, regime = case
-            return card_row(config, regime, REGIMES[regime], self.batches, self.cards_gib, self.device, self.step)
-        config, batch, regime = case
-        return row(config, batch, regime, tuple(self.budgets_gib), self.device)
-
-    def document(self, rows: list[dict[str, Any]], seconds: float, cases: int) -> dict[str, Any]:
-        """The JSON: ``complete`` false (and ``rows`` of ``cases``) until the last row is in."""
-        head = {"complete": len(rows) == cases, "cases": cases, "device": self.device}
-        tail = {"rows": rows, "seconds": round(seconds, 1)}
-        if self.cards_gib:
-            method = cards_method(self.device, self.batches, self.step)
-            return head | {"cards_gib": self.cards_gib} | tail | {"method": method}
-        method = METHOD + (GPU_METHOD.format(device=self.device) if self.device != "cpu" else "")
-        return head | {"budgets_gib": self.budgets_gib} | tail | {"method": method}
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Table]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, ``step`` the card table's options; SpecError for those without --gpu-gib."""
     args = build_parser().parse_args(argv)
-    step = {k: getattr(args, k) for k in ("with_encoders", "cached_latents", "train_text_encoder")}
-    if not args.gpu_gib and any(step.values()):
+    args.step = {k: getattr(args, k) for k in ("with_encoders", "cached_latents", "train_text_encoder")}
+    if not args.gpu_gib and any(args.step.values()):
         raise SpecError("--with-encoders, --cached-latents, --train-text-encoder: for the card table (--gpu-gib)")
-    return args, Table(args.configs, args.batches, args.regimes, args.budgets_gib, args.device, args.gpu_gib, step)
+    return args
+
+
+def table_of(args: argparse.Namespace) -> tuple[str, list[tuple], Callable[..., dict[str, Any]], dict[str, Any], str]:
+    """The table a run makes: its name, each row's arguments and what makes a row of them, the document's
+    fields and method. ``--gpu-gib``: the card table, a row per preset and regime over every batch."""
+    if args.gpu_gib:
+        cases = [(c, r) for c in args.configs for r in args.regimes]
+        make = partial(card_row, batches=args.batches, cards_gib=args.gpu_gib, device=args.device, step=args.step)
+        return "cards", cases, make, {"cards_gib": args.gpu_gib}, cards_method(args.device, args.batches, args.step)
+    cases = [(c, b, r) for c in args.configs for b in args.batches for r in args.regimes]
+    make = partial(row, budgets_gib=tuple(args.budgets_gib), device=args.device)
+    method = METHOD + (GPU_METHOD.format(device=args.device) if args.device != "cpu" else "")
+    return "estimates", cases, make, {"budgets_gib": args.budgets_gib}, method
 
 
 def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with cli_errors("benchmarks.estimates"):
-        args, table = parse_args(argv)
-        name, render = ("cards", cards_markdown) if args.gpu_gib else ("estimates", markdown)
-        cases = table.cases()
+        args = parse_args(argv)
+        name, cases, make, fields, method = table_of(args)
+        render = cards_markdown if args.gpu_gib else markdown
         try:
             start = time.perf_counter()
             args.out.mkdir(parents=True, exist_ok=True)
@@ -316,10 +295,13 @@ def main(argv: list[str] | None = None) -> int:
                 what = ", ".join(str(c) if not isinstance(c, int) else f"batch {c}" for c in case)
                 progress(f"{name} {i}/{len(cases)}: {what} ({time.perf_counter() - start:.0f} s so far)")
                 try:
-                    rows.append(table.row(case))
+                    rows.append(make(*case))
                 except SpecError as err:
                     raise SpecError(f"{what}: {err}") from None
-                doc = table.document(rows, time.perf_counter() - start, len(cases))
+                # ``complete`` false (and ``rows`` of ``cases``) until the last row is in
+                head = {"complete": len(rows) == len(cases), "cases": len(cases), "device": args.device}
+                tail = {"rows": rows, "seconds": round(time.perf_counter() - start, 1), "method": method}
+                doc = head | fields | tail
                 write_json(args.out / f"{name}.json", doc)  # after every row: a cut run keeps what it did
         except KeyboardInterrupt as stop:
             kept = (
