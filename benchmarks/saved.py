@@ -199,11 +199,8 @@ def render(doc: dict) -> str:
     return "\n".join(lines)
 
 
-PROG = "python -m benchmarks.saved"
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m benchmarks.saved", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny", help=config_help("tiny"))
     p.add_argument("--policy", default="save_convs", help="a checkpoint policy, e.g. full/save=conv,matmul")
     p.add_argument("--framework", choices=["both", "torch", "jax"], default="both", help="(%(default)s)")
@@ -223,19 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with cli_errors("benchmarks.saved"):  # an interrupt: one line, exit 128 + the signal's number; nothing is written
-        try:
-            doc = inspect_policy(
-                args.config,
-                args.policy,
-                ["torch", "jax"] if args.framework == "both" else [args.framework],
-                args.batch_size,
-                args.block,
-                args.context_length,
-                args.attention_chunk,
-            )
-        except (SpecError, FileNotFoundError, ValueError) as err:
-            print(f"{PROG}: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
-            return 2
+        doc = inspect_policy(
+            args.config,
+            args.policy,
+            ["torch", "jax"] if args.framework == "both" else [args.framework],
+            args.batch_size,
+            args.block,
+            args.context_length,
+            args.attention_chunk,
+        )
     print(json.dumps(doc, indent=1) if args.json else render(doc))
     return 0
 
