@@ -223,8 +223,7 @@ def parse_args(
         else:
             resolve_plan(spec, policy_arg(policy))
     policies = list(dict.fromkeys(["none", *(policy_arg(p) if args.controlnet else p for p in policies)]))
-    device = _check_world(args.world_size, args.framework, args.device)
-    _check_frameworks(args.framework, spec, source)
+    device = _device(args, spec, source)
     regime = Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads)
     if regime.keep_grads and "jax" in args.framework:
         raise SpecError(f"--keep-grads: {JAX_KEEPS_NO_GRADS}")
@@ -271,24 +270,18 @@ def timeline_policies(requested: str | None, policies: list[str]) -> tuple[str, 
     return ("none",) if requested is None else ("none", requested)
 
 
-def _check_frameworks(frameworks: tuple[str, ...], spec: UNetSpec, source: str) -> None:
-    """Refuse in one line (SpecError) what a chosen framework cannot run."""
-    if DIFFUSERS in frameworks:
+def _device(args: argparse.Namespace, spec: UNetSpec, source: str) -> str:
+    """The device the jobs run on; SpecError, in one line, for what a chosen framework or --world-size cannot run."""
+    if DIFFUSERS in args.framework:
+        if args.world_size > 1:
+            raise SpecError("--world-size: diffusers' U-Net is measured in one process only (use torch or jax)")
         if importlib.util.find_spec("diffusers") is None:
             raise SpecError("--framework diffusers: the diffusers package is not installed (pip install diffusers)")
         if source == "spec":
             to_diffusers_config(spec)  # names the field diffusers cannot build
-
-
-def _check_world(world_size: int, frameworks: tuple[str, ...], device: str) -> str:
-    """The device the jobs run on; SpecError for what --world-size cannot measure."""
-    if world_size == 1:
-        return device
-    if DIFFUSERS in frameworks:
-        raise SpecError("--world-size: diffusers' U-Net is measured in one process only (use torch or jax)")
-    if device == "gpu":
+    if args.world_size > 1 and args.device == "gpu":
         raise SpecError("--world-size: ranks are CPU processes (gloo) and forced host devices; use --device cpu")
-    return "cpu"  # auto: the ranks are on the CPU
+    return "cpu" if args.world_size > 1 else args.device  # auto with ranks: they are on the CPU
 
 
 def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list[Event]]) -> list[list[Event]]:
