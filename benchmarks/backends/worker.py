@@ -23,7 +23,7 @@ import traceback
 from types import SimpleNamespace
 from typing import Any
 
-from benchmarks.harness.job import KILL_SIM_ENV, OOM_SIM_ENV, Job, is_oom_message, one_line, parse_sim
+from benchmarks.harness.job import JOBS, KILL_SIM_ENV, OOM_SIM_ENV, Job, is_oom_message, one_line, parse_sim
 from shared_configs.planning.workers import emit
 
 
@@ -56,8 +56,8 @@ def run_row(backend: Any, job: Job, policy: str, batch_size: int, device: Any) -
 
 
 def serve(request: dict[str, Any]) -> int:
-    """A worker's answer to ``request`` (``kind`` rows or floor, ``job`` a `Job`'s JSON), as events."""
-    job = Job.from_json(request["job"])
+    """A worker's answer to ``request`` (``kind`` rows or floor, ``job`` a `Job` as a dict), as events."""
+    job = JOBS.validate_python(request["job"])
     if request["kind"] == "floor":  # benchmarks.max_batch: the least any step can need, from shapes
         from benchmarks.backends.torch_bench import static_floor
 

@@ -12,7 +12,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,7 @@ def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbos
 
 def static_floor(job: Job) -> dict[str, int]:
     """`benchmarks.backends.torch_bench.static_floor`, from a short worker."""
-    done = workers.run({"kind": "floor", "backend": BACKEND, "job": job.to_json()}, worker_env(job))
+    done = workers.run({"kind": "floor", "backend": BACKEND, "job": asdict(job)}, worker_env(job))
     floor = next((e for e in done.events if e["event"] == "floor"), None)
     if floor is None:
         raise BenchmarkError(f"could not build the model to size it: {done.stderr_tail or 'no output'}")
@@ -86,7 +86,7 @@ def _run_worker(
         events.append(event)
         on_event(event)
 
-    request = {"kind": "rows", "backend": BACKEND, "job": job.to_json()}
+    request = {"kind": "rows", "backend": BACKEND, "job": asdict(job)}
     try:
         echo = sys.stderr.write if verbose else (lambda line: None)
         done = workers.run(request, worker_env(job), seen, launcher, echo)
