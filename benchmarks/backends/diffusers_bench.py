@@ -60,5 +60,4 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dic
     return torch_bench.measure(job, policy, batch_size, device, build=build)
 
 
-def versions() -> dict[str, str]:
-    return {**torch_bench.versions(), "diffusers": diffusers.__version__}
+VERSIONS = {**torch_bench.VERSIONS, "diffusers": diffusers.__version__}

@@ -15,8 +15,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+import flax
 import jax
 import numpy as np
+import optax
 
 from benchmarks.harness.job import (
     OPTIMIZER,
@@ -88,11 +90,7 @@ def device_info(device: jax.Device) -> dict[str, Any]:
     return {"kind": kind, "name": name, "platform": device.platform}
 
 
-def versions() -> dict[str, str]:
-    import flax
-    import optax
-
-    return {"jax": jax.__version__, "jaxlib": jax.lib.__version__, "flax": flax.__version__, "optax": optax.__version__}
+VERSIONS = {"jax": jax.__version__, "jaxlib": jax.lib.__version__, "flax": flax.__version__, "optax": optax.__version__}
 
 
 def memory_method(device: jax.Device, attention_chunk: int | None) -> str:
@@ -289,9 +287,5 @@ def release(device: jax.Device) -> None:
     jax.clear_caches()
 
 
-def oom_types() -> tuple[type[BaseException], ...]:
-    return (MemoryError,)  # XLA's RESOURCE_EXHAUSTED is a JaxRuntimeError, recognised by message
-
-
-def simulated_oom() -> BaseException:
-    return jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: simulated: Out of memory allocating 1073741824 bytes")
+OOM_TYPES = (MemoryError,)  # XLA's RESOURCE_EXHAUSTED is a JaxRuntimeError, recognised by message
+SIMULATED_OOM = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: simulated: Out of memory allocating 1073741824 bytes")

@@ -5,9 +5,9 @@ fails is reported, ``oom`` or ``error``, and the next row runs) or a ``floor`` r
 framework's backend (`torch_bench`, `jax_bench`, `compiled_bench`, `diffusers_bench`), a module
 providing ``resolve_device(requested)`` (auto / cpu / gpu; RuntimeError if there is none),
 ``prepare(job, device)`` (process-wide set-up before the first row), ``device_info(device)``,
-``versions()``, ``one_row_per_process(device)`` (a peak counter that cannot be reset),
-``measure(job, policy, batch_size, device)``, ``release(device)`` (free what a row left behind),
-``oom_types()`` and ``simulated_oom()``. Testing
+``one_row_per_process(device)`` (a peak counter that cannot be reset),
+``measure(job, policy, batch_size, device)``, ``release(device)`` (free what a row left behind), and
+``VERSIONS``, ``OOM_TYPES`` and ``SIMULATED_OOM`` (the framework's own out-of-memory error). Testing
 hooks (environment): ``BENCHMARKS_SIMULATE_OOM=framework:policy:batch,...`` raises the framework's
 own out-of-memory error at that row; ``BENCHMARKS_SIMULATE_KILL`` (same syntax) SIGKILLs the
 worker there, as the kernel's OOM killer would.
@@ -41,11 +41,11 @@ def run_row(backend: Any, job: Job, policy: str, batch_size: int, device: Any) -
         if key in parse_sim(os.environ.get(KILL_SIM_ENV)):
             os.kill(os.getpid(), signal.SIGKILL)
         if key in parse_sim(os.environ.get(OOM_SIM_ENV)):
-            raise backend.simulated_oom()
+            raise backend.SIMULATED_OOM
         row = backend.measure(job, policy, batch_size, device)
         row["status"] = "ok"
     except Exception as err:  # a row's failure must not end the run
-        oom = isinstance(err, backend.oom_types()) or is_oom_message(str(err))
+        oom = isinstance(err, backend.OOM_TYPES) or is_oom_message(str(err))
         if not oom:
             traceback.print_exc(file=sys.stderr)
         row = {"status": "oom" if oom else "error", "error": one_line(err)}
@@ -77,7 +77,7 @@ def serve(request: dict[str, Any]) -> int:
     emit(
         "env",
         framework=job.framework,
-        versions=backend.versions(),
+        versions=backend.VERSIONS,
         device=backend.device_info(device),
         xla_flags=os.environ.get("XLA_FLAGS", "") if job.framework == "jax" else None,
     )
