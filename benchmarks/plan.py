@@ -209,26 +209,34 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workl
     """The flags (``candidates`` and ``rounds`` resolved) and the workload they describe; SpecError for a
     combination refused."""
     args = build_parser().parse_args(argv)
-    if args.policy is not None and (
-        args.budget_mib is not None or args.sweep is not None or args.solve_times or args.candidates
-    ):
-        raise SpecError(
-            "--policy: predicts the policy given; not with --budget-mib, --sweep, --solve-times or --candidates"
-        )
-    if args.budget_mib is None and args.sweep is None and args.policy is None:
-        raise SpecError("--budget-mib: required (a positive number of MiB), unless --sweep or --policy")
     sharded = args.distributed == "fsdp" and args.world_size > 1
-    if sharded and (args.verify or args.candidates or args.sweep is not None):
-        raise SpecError(
-            "--world-size with --distributed fsdp: --verify, --candidates and --sweep measure one process only"
-        )
-    if args.controlnet and (args.sweep is not None or args.world_size > 1):
-        raise SpecError("--controlnet: plans and measures one process's step; not with --sweep or --world-size")
-    if args.device != "cpu" and (args.framework == "jax" or args.sweep is not None):
-        raise SpecError(
-            f"--device {args.device}: the GPU flavour is torch's step (CUDA autocast, its caching "
-            "allocator), for a plan or --policy; not with --framework jax or --sweep"
-        )
+    refused = [  # (a combination of flags, why it is refused)
+        (
+            args.policy is not None
+            and (args.budget_mib is not None or args.sweep is not None or args.solve_times or args.candidates),
+            "--policy: predicts the policy given; not with --budget-mib, --sweep, --solve-times or --candidates",
+        ),
+        (
+            args.budget_mib is None and args.sweep is None and args.policy is None,
+            "--budget-mib: required (a positive number of MiB), unless --sweep or --policy",
+        ),
+        (
+            sharded and (args.verify or args.candidates or args.sweep is not None),
+            "--world-size with --distributed fsdp: --verify, --candidates and --sweep measure one process only",
+        ),
+        (
+            args.controlnet and (args.sweep is not None or args.world_size > 1),
+            "--controlnet: plans and measures one process's step; not with --sweep or --world-size",
+        ),
+        (
+            args.device != "cpu" and (args.framework == "jax" or args.sweep is not None),
+            f"--device {args.device}: the GPU flavour is torch's step (CUDA autocast, its caching allocator), for a "
+            "plan or --policy; not with --framework jax or --sweep",
+        ),
+    ]
+    for combination, why in refused:
+        if combination:
+            raise SpecError(why)
     source = ("diffusers", args.diffusers) if args.diffusers else ("spec", args.config)
     workload = Workload.of(
         load_benchmark_spec(source[1], None, source[0]),
