@@ -135,7 +135,7 @@ def table(results: list[dict[str, Any]], budget: float) -> Table:
             r["policy"],
             "-" if best is None else f"{best}{'' if r['bracketed'] else ' (not bracketed)'}",
             f"{best / base:.2f}x" if best and base else "-",
-            *("-" if r[k] is None else f"{r[k] / MIB:,.1f}" for k in ("peak_bytes", "bytes_per_sample", "fixed_bytes")),
+            *(tables.mib(r[k]) for k in ("peak_bytes", "bytes_per_sample", "fixed_bytes")),
         )
     return t
 
