@@ -239,7 +239,7 @@ def parse_args(
         "world_size": args.world_size,
     }
     timeline = timeline_policies(args.timeline, policies)
-    # the pair's one workload carries the attention chunk (`pair_compare.workload`)
+    # the pair's one workload carries the attention chunk (`pair_compare.run`)
     theirs = tuple(dict.fromkeys([*DIFFUSERS_POLICIES, *policies]))
     jobs = [
         Job(
