@@ -25,15 +25,14 @@ KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
 BACKEND = "benchmarks.backends.worker"  # what answers the rows in the worker
 
 
-def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbose: bool = False) -> list[Event]:
-    """All events of ``job``: one ``env`` and one ``row`` per (policy, batch size)."""
-    events: list[Event] = []
+def run_job(job: Job, on_event: Callable[[Event], None], verbose: bool = False) -> None:
+    """Run ``job``, each of its events to ``on_event``: one ``env`` and one ``row`` per (policy, batch size)."""
     done: list[tuple[str, int]] = []
     while True:
         todo = replace(job, done=tuple(done))
         if not todo.rows():
-            return events
-        started, finished, rc, stderr_tail = _run_worker(todo, events, on_event, verbose)
+            return
+        started, finished, rc, stderr_tail = _run_worker(todo, on_event, verbose)
         done += finished
         if started is not None:  # the worker died inside a row: report it, go on
             killed = rc in KILLED
@@ -47,7 +46,6 @@ def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbos
                 if killed
                 else f"worker died (exit {rc}): {stderr_tail or 'no output'}",
             }
-            events.append(row)
             on_event(row)
             done.append(started)
         elif rc != 0:
@@ -66,7 +64,7 @@ def static_floor(job: Job) -> dict[str, int]:
 
 
 def _run_worker(
-    job: Job, events: list[Event], on_event: Callable[[Event], None], verbose: bool
+    job: Job, on_event: Callable[[Event], None], verbose: bool
 ) -> tuple[tuple[str, int] | None, list[tuple[str, int]], int, str]:
     """One worker process; returns (row it died in, rows it finished, exit code, stderr tail)."""
     # torch's ranks are processes (torchrun); jax's, devices of one
@@ -83,7 +81,6 @@ def _run_worker(
         elif event["event"] == "row":
             finished.append(key)
             started[0] = None
-        events.append(event)
         on_event(event)
 
     request = {"kind": "rows", "backend": BACKEND, "job": asdict(job)}
