@@ -168,9 +168,7 @@ def _abstract_state(spec: Any, tx: Any, regime: Regime) -> Any:
 def _compile(job: Job, policy: str, batch_size: int, device: jax.Device) -> tuple[dict[str, Any], Any, Any, Any]:
     """(setup, lowered, compiled, XLA's memory plan) of one row's step, compile seconds in setup."""
     s = _setup(job, policy, batch_size, device)
-    t0 = time.perf_counter()
     lowered = jt.train_step.lower(s["state"], s["batch"], s["key"], model=s["model"], tx=s["tx"], **s["options"])
-    s["lower_s"] = time.perf_counter() - t0
     compiled, plan, s["compile_s"] = compile_with_plan(lowered, job.jax_cache)
     return s, lowered, compiled, plan
 
