@@ -284,7 +284,7 @@ def _device(args: argparse.Namespace, spec: UNetSpec, source: str) -> str:
     return "cpu" if args.world_size > 1 else args.device  # auto with ranks: they are on the CPU
 
 
-def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list[Event]]) -> list[list[Event]]:
+def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list[Event]]) -> None:
     """Run the jobs one after another (they would share the cores), events appended to ``results`` as they come."""
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
     with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
@@ -307,7 +307,6 @@ def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list
             run_job(job, on_event, verbose)
             events.append({"event": "wall", "framework": job.framework, "seconds": time.perf_counter() - start})
             progress.update(task, description=job.framework)
-    return results
 
 
 def build_document(
