@@ -40,11 +40,10 @@ class Saved:
 
 def summarize(rows: list[Saved], blocks: list[str]) -> dict[str, Any]:
     """Per-block counts and bytes (blocks in forward order, then outside) and totals."""
-    per = {b: {"count": 0, "bytes": 0} for b in [*blocks, OUTSIDE]}
-    for r in rows:
-        per.setdefault(r.block, {"count": 0, "bytes": 0})
-        per[r.block]["count"] += 1
-        per[r.block]["bytes"] += r.bytes
+    per = {
+        b: {"count": sum(r.block == b for r in rows), "bytes": sum(r.bytes for r in rows if r.block == b)}
+        for b in dict.fromkeys([*blocks, OUTSIDE, *(r.block for r in rows)])
+    }
     return {
         "rows": [asdict(r) for r in rows],
         "blocks": per,
