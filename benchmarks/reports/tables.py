@@ -293,16 +293,14 @@ def used(document: dict[str, Any]) -> str:
     """The settings this run used, as `shared_configs.defaults.Defaults.describe` writes them."""
     s, devices = document["settings"], document["device"]
     kind = devices.get("jax", next((d for fw, d in devices.items() if fw != "requested"), {"kind": "cpu"}))["kind"]
-    fields = {k: s[k] for k in ("context_length", "steps", "jax_cache") if k in s}
-    if "precision" in s:  # the forward's dtype, from the regime (older documents: "dtype")
-        fields["dtype"] = Regime(s["precision"]).compute_dtype or "float32"
-    elif "dtype" in s:
-        fields["dtype"] = s["dtype"]
-    line = "settings " + Defaults(kind, resolve_chunk(s["attention_chunk"], kind), **fields).describe()
-    # older documents lack some of the regime's fields
+    # older documents lack some of the regime's fields; the oldest lack it all, and give the dtype
     regime = (
         Regime(**{f.name: s[f.name] for f in dataclass_fields(Regime) if f.name in s}) if "precision" in s else DEFAULT
     )
+    fields = {k: s[k] for k in ("context_length", "steps", "jax_cache", "dtype") if k in s}
+    if "precision" in s:  # the forward's dtype, from the regime
+        fields["dtype"] = regime.compute_dtype or "float32"
+    line = "settings " + Defaults(kind, resolve_chunk(s["attention_chunk"], kind), **fields).describe()
     if regime != DEFAULT:
         line += "; regime " + regime.describe()
     return line
