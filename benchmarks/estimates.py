@@ -298,10 +298,11 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(make(*case))
                 except SpecError as err:
                     raise SpecError(f"{what}: {err}") from None
-                # ``complete`` false (and ``rows`` of ``cases``) until the last row is in
-                head = {"complete": len(rows) == len(cases), "cases": len(cases), "device": args.device}
-                tail = {"rows": rows, "seconds": round(time.perf_counter() - start, 1), "method": method}
-                doc = head | fields | tail
+                doc = (  # ``complete`` false (and ``rows`` of ``cases``) until the last row is in
+                    {"complete": len(rows) == len(cases), "cases": len(cases), "device": args.device}
+                    | fields
+                    | {"rows": rows, "seconds": round(time.perf_counter() - start, 1), "method": method}
+                )
                 write_json(args.out / f"{name}.json", doc)  # after every row: a cut run keeps what it did
         except KeyboardInterrupt as stop:
             kept = (
