@@ -140,16 +140,6 @@ def table(results: list[dict[str, Any]], budget: float) -> Table:
     return t
 
 
-def check_budget(budget: float, floor: dict[str, int]) -> None:
-    """Refuse (SpecError) a budget no batch can fit: at or below the static ``floor``."""
-    if budget <= floor["floor_bytes"]:
-        raise SpecError(
-            f"--budget-mib: {budget / MIB:,.1f} MiB is not above the floor of "
-            f"{floor['floor_bytes'] / MIB:,.1f} MiB that every step holds ({floor['param_count']:,} "
-            "float32 parameters and their AdamW state); a budget must exceed it"
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=160)
     with cli_errors("benchmarks.max_batch"):
@@ -157,7 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         budget = args.budget_mib * MIB
         jobs = [replace(j, peak_only=True, steps=1, timeline=()) for j in made]
         check_out_dir(args.out)
-        check_budget(budget, static_floor(jobs[0]))
+        floor = static_floor(jobs[0])
+        if budget <= floor["floor_bytes"]:  # no batch can fit
+            raise SpecError(
+                f"--budget-mib: {budget / MIB:,.1f} MiB is not above the floor of "
+                f"{floor['floor_bytes'] / MIB:,.1f} MiB that every step holds ({floor['param_count']:,} "
+                "float32 parameters and their AdamW state); a budget must exceed it"
+            )
         clock, events = cpu_snapshot(), []
         try:
             rows = measure(jobs, console, args.verbose, events)
