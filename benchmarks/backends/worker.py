@@ -42,14 +42,13 @@ def run_row(backend: Any, job: Job, policy: str, batch_size: int, device: Any) -
             os.kill(os.getpid(), signal.SIGKILL)
         if key in parse_sim(os.environ.get(OOM_SIM_ENV)):
             raise backend.SIMULATED_OOM
-        row = backend.measure(job, policy, batch_size, device)
-        row["status"] = "ok"
+        row = {**backend.measure(job, policy, batch_size, device), "status": "ok"}
     except Exception as err:  # a row's failure must not end the run
         oom = isinstance(err, backend.OOM_TYPES) or is_oom_message(str(err))
         if not oom:
             traceback.print_exc(file=sys.stderr)
+        # leaving this clause drops err and the frames holding the row's tensors, before release() frees them
         row = {"status": "oom" if oom else "error", "error": one_line(err)}
-        del err
     finally:
         backend.release(device)
     return {"framework": job.framework, "policy": policy, "batch_size": batch_size, **row}
