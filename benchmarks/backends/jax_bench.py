@@ -233,7 +233,6 @@ def _run_steps(s: dict[str, Any], compiled: Any, steps: int) -> tuple[float, lis
         state, loss = compiled(state, s["batch"], s["key"])
         jax.block_until_ready((state, loss))
         times.append(time.perf_counter() - t0)
-    s["state"] = state
     return times[0], times[1:]
 
 
