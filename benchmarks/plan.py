@@ -295,8 +295,7 @@ def plan_document(q: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     }
     if report is not None:
         doc["candidates"] = report
-    ranks = {"world_size": q.world_size, "distributed": q.distributed}
-    return doc | {"margin": margin, "solve_seconds": solve_s} | ranks
+    return doc | {"margin": margin, "solve_seconds": solve_s, "world_size": q.world_size, "distributed": q.distributed}
 
 
 def _framework_entry(

@@ -54,11 +54,8 @@ def summarize(rows: list[Saved], blocks: list[str]) -> dict[str, Any]:
 
 def torch_saved(config: str, policy: str, batch_size: int, context_length: int, chunk: int | None) -> list[Saved]:
     """What the torch U-Net keeps for backward under ``policy`` (``chunk``: JAX's only)."""
-    import torch
-
     from benchmarks.backends.saved_torch import collect
 
-    torch.manual_seed(0)
     return [Saved(*row) for row in collect(load_spec(config), policy, batch_size, context_length)]
 
 

@@ -183,8 +183,10 @@ def write_plots(document: dict[str, Any], out: Path, stem: str) -> list[Path]:
     """A run's pictures, ``<out>/<stem>.png`` (the Pareto plot) and ``-timeline.png``: those drawn."""
     device = next((d["name"] for fw, d in document["device"].items() if fw != "requested"), "?")
     title, share = tables.title(document), tables.unreliable_share(document)
-    drawn = [
-        plot(document["rows"], out / f"{stem}.png", f"{title}\n{device}", share),
-        plot_timelines(document.get("timelines", []), out / f"{stem}-timeline.png", title),
-    ]
-    return [path for path, ok in zip([out / f"{stem}.png", out / f"{stem}-timeline.png"], drawn, strict=True) if ok]
+    drawn = {
+        out / f"{stem}.png": plot(document["rows"], out / f"{stem}.png", f"{title}\n{device}", share),
+        out / f"{stem}-timeline.png": plot_timelines(
+            document.get("timelines", []), out / f"{stem}-timeline.png", title
+        ),
+    }
+    return [path for path, ok in drawn.items() if ok]
