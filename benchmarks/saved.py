@@ -80,9 +80,7 @@ def jax_saved(config: str, policy: str, batch_size: int, context_length: int, ch
     def loss(p: Any, x: Any, t: Any, ctx: Any) -> Any:
         return jnp.mean(model.apply(p, x, t, ctx) ** 2)
 
-    leaves, tree = jax.tree.flatten((params, x, t, ctx))
-    vjp = jax.make_jaxpr(lambda *a: jax.vjp(lambda *b: loss(*jax.tree.unflatten(tree, b)), *a), return_shape=True)
-    closed, shapes = vjp(*leaves)
+    closed, shapes = jax.make_jaxpr(lambda *a: jax.vjp(loss, *a), return_shape=True)(params, x, t, ctx)
     jaxpr, n_res = closed.jaxpr, jax.tree.structure(shapes[1]).num_leaves
     residuals = {v for v in jaxpr.outvars[len(jaxpr.outvars) - n_res :] if not isinstance(v, Literal)}
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
