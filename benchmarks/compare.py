@@ -284,16 +284,15 @@ def _device(args: argparse.Namespace, spec: UNetSpec, source: str) -> str:
     return "cpu" if args.world_size > 1 else args.device  # auto with ranks: they are on the CPU
 
 
-def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list[Event]]) -> None:
-    """Run the jobs one after another (they would share the cores), events appended to ``results`` as they come."""
+def run_all(jobs: list[Job], console: Console, verbose: bool, events: list[Event]) -> None:
+    """Run the jobs one after another (they would share the cores), their events appended to ``events`` as they
+    come."""
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
     with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
         tasks = [progress.add_task(job.framework, total=len(job.rows())) for job in jobs]
         for job, task in zip(jobs, tasks, strict=True):
-            events: list[Event] = []
-            results.append(events)
 
-            def on_event(event: Event, task: Any = task, job: Job = job, events: list[Event] = events) -> None:
+            def on_event(event: Event, task: Any = task, job: Job = job) -> None:
                 events.append(event)
                 if event["event"] == "start":
                     row = f"{event['policy']} @ batch {event['batch_size']}"
@@ -309,11 +308,8 @@ def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list
             progress.update(task, description=job.framework)
 
 
-def build_document(
-    jobs: list[Job], results: list[list[Event]], clock: tuple[float, float | None, float], device: str
-) -> dict:
+def build_document(jobs: list[Job], events: list[Event], clock: tuple[float, float | None, float], device: str) -> dict:
     """The JSON document: top-level config, device (``device``: the one asked for), versions, rows and timelines."""
-    events = [e for evs in results for e in evs]
     row_events = [e for e in events if e["event"] == "row"]
     rows = tables.complete(row_events)
     envs = {e["framework"]: e for e in events if e["event"] == "env"}
@@ -358,16 +354,16 @@ def keep_measured(
     out: Path,
     device: str,
     jobs: list[Job],
-    results: list[list[Event]],
+    events: list[Event],
     clock: tuple,
     stop: KeyboardInterrupt,
 ) -> Interrupted:
     """An interrupted run: the rows so far in ``<out>/<prog>-*.json``, marked incomplete; the interrupt to raise."""
     signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
-    rows = [e for evs in results for e in evs if e["event"] == "row"]
+    rows = [e for e in events if e["event"] == "row"]
     if not rows:
         return Interrupted(signum, "every worker stopped; nothing was measured, nothing written")
-    document = build_document(jobs, results, clock, device)
+    document = build_document(jobs, events, clock, device)
     total = sum(len(job.rows()) for job in jobs)  # max_batch: its probes (it adds rows as it goes)
     of_total = f" of {total}" if total >= len(rows) else ""
     document["incomplete"] = f"interrupted by {signal.Signals(signum).name} after {len(rows)}{of_total} rows"
@@ -383,12 +379,12 @@ def main(argv: list[str] | None = None) -> int:
         check_out_dir(args.out)
         if args.controlnet:
             return pair_compare.main(jobs, args.plan_budget_mib, args.out, console)
-        clock, results = cpu_snapshot(), []
+        clock, events = cpu_snapshot(), []
         try:
-            run_all(jobs, console, args.verbose, results)
+            run_all(jobs, console, args.verbose, events)
         except KeyboardInterrupt as stop:
-            raise keep_measured("compare", args.out, args.device, jobs, results, clock, stop) from None
-        document = build_document(jobs, results, clock, args.device)
+            raise keep_measured("compare", args.out, args.device, jobs, events, clock, stop) from None
+        document = build_document(jobs, events, clock, args.device)
         show(console, document, args.wide)
         stem = f"compare-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
         paths = [args.out / f"{stem}.json", args.out / f"{stem}.csv"]

@@ -44,10 +44,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def measure(jobs: list[Job], console: Console, verbose: bool, events: list[list[dict]]) -> list[dict[str, Any]]:
+def measure(jobs: list[Job], console: Console, verbose: bool, events: list[dict]) -> list[dict[str, Any]]:
     """Run ``jobs`` (their events appended to ``events``); all rows so far, completed."""
     run_all(jobs, console, verbose, events)
-    return tables.complete(e for evs in events for e in evs if e["event"] == "row")
+    return tables.complete(e for e in events if e["event"] == "row")
 
 
 def fit(rows: list[dict[str, Any]]) -> tuple[float, float] | None:
