@@ -206,8 +206,9 @@ def parse_args(
     args = (parser or build_parser()).parse_args(argv)
     source, config = ("diffusers", str(args.diffusers)) if args.diffusers else ("spec", args.config)
     if args.controlnet:  # what its benchmark does not measure, first
-        other = args.compile or args.xla_default
-        pair_compare.check(args.framework, args.world_size, args.device, other, args.batch_size)
+        pair_compare.check(
+            args.framework, args.world_size, args.device, args.compile or args.xla_default, args.batch_size
+        )
         preset_batch = DEFAULT_BATCH_SIZES[0]  # the pair's step: the default config's batch, whatever the preset
     elif args.plan_budget_mib is not None:
         raise SpecError("--plan-budget-mib: only with --controlnet (the budget its planned row is solved for)")

@@ -149,10 +149,8 @@ def card_row(
     cards = {}
     for gib in cards_gib:
         budget = whole.device_budget(found[0][1], int(gib * GIB))
-        plain = [(b, peak) for b, _, _, peak in found if peak <= budget]
-        cell: dict[str, Any] = {"none": None, "plan": None}
-        if plain:
-            cell["none"] = {"batch": plain[-1][0], "device_bytes": _reading(plain[-1][1], device)}
+        plain = [{"batch": b, "device_bytes": _reading(peak, device)} for b, _, _, peak in found if peak <= budget]
+        cell: dict[str, Any] = {"none": plain[-1] if plain else None, "plan": None}  # the largest batch that fits
         for batch, work, profile, _ in reversed(found):
             try:
                 sol = solve(profile, work.spec, budget, safety_margin(profile, work.spec))
