@@ -208,8 +208,9 @@ def _xla_default(lowered: Any, row: dict[str, Any]) -> dict[str, Any]:
     """The peak of the same step compiled with XLA:CPU's default passes (never run, so -O0)."""
     peak = row["peak_bytes"]  # without optimization barriers (no remat) the pass has nothing to strip: same program
     if "opt-barrier" in lowered.as_text(dialect="hlo"):
-        flags = os.environ.get("XLA_FLAGS", "").split()
-        flags = [f.split("=", 1)[1] for f in flags if f.startswith("--xla_disable_hlo_p")]
+        flags = [
+            f.split("=", 1)[1] for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_disable_hlo_p")
+        ]
         kept = [p for flag in flags for p in flag.split(",") if p and p != "cse_barrier_expander"]
         # -O0 (FAST_COMPILE): buffer assignment comes before code generation: same memory analysis, faster.
         peak = compiled_peak(

@@ -143,8 +143,9 @@ def plot_timelines(records: list[dict[str, Any]], path: Path, title: str) -> boo
         return False
     frameworks = list(dict.fromkeys(r["framework"] for r in records))
     policies = list(dict.fromkeys(r["policy"] for r in records))
-    size = (6.5 * len(policies), 3.8 * len(frameworks))
-    fig, axes = plt.subplots(len(frameworks), len(policies), figsize=size, squeeze=False)
+    fig, axes = plt.subplots(
+        len(frameworks), len(policies), figsize=(6.5 * len(policies), 3.8 * len(frameworks)), squeeze=False
+    )
     for i, fw in enumerate(frameworks):
         mine = [r for r in records if r["framework"] == fw]
         top = max(sum(col) for r in mine for col in zip(*r["series"].values(), strict=True)) / MIB
