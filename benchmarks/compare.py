@@ -49,6 +49,7 @@ from shared_configs.cli import (
     check_out_dir,
     cli_errors,
     config_help,
+    number_list,
     positive_int,
 )
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-size", type=positive_int, default=None, help="override spec.sample_size")
     p.add_argument(
         "--policies",
+        type=number_list(str.strip, "one or more policies", ok=bool, skip_blank=True),
         default=DEFAULT_POLICIES,
         help=f"comma-separated policies: {', '.join(NAMED_POLICIES)}, or block names joined with '+' "
         "(e.g. down.1+mid), op-level forms with '+' between ops (full/save=conv+matmul, "
@@ -215,15 +217,12 @@ def parse_args(
     else:
         preset_batch = PRESET_BATCH.get(config, 1) if source == "spec" else 1
     spec = load_benchmark_spec(config, args.sample_size, source)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not policies:
-        raise SpecError("policies: none given")
-    for policy in policies:  # a bad one is refused before anything runs
+    for policy in args.policies:  # a bad one is refused before anything runs
         if args.controlnet:
             split_pair_plan(controlnet_pair(spec), policy_arg(policy))
         else:
             resolve_plan(spec, policy_arg(policy))
-    policies = list(dict.fromkeys(["none", *(policy_arg(p) if args.controlnet else p for p in policies)]))
+    policies = list(dict.fromkeys(["none", *(policy_arg(p) if args.controlnet else p for p in args.policies)]))
     device = _device(args, spec, source)
     regime = Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads)
     if regime.keep_grads and "jax" in args.framework:
