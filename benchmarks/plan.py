@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -205,9 +206,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workload]:
-    """The flags (``candidates`` and ``rounds`` resolved) and the workload they describe; SpecError for a
-    combination refused."""
+@dataclass(frozen=True)
+class Question:
+    """What to answer for a workload: the plan for ``budget_mib``, or ``policy``'s prediction."""
+
+    framework: str = "torch"
+    world_size: int = 1
+    distributed: str = "ddp"
+    policy: str | None = None
+    budget_mib: float | None = None
+    candidates: int = 0
+    rounds: int = DEFAULT_ROUNDS
+    verify: bool = False
+    steps: int = defaults(DEVICE).steps
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workload, Question]:
+    """The flags, the workload they describe and the question; SpecError for a combination refused."""
     args = build_parser().parse_args(argv)
     sharded = args.distributed == "fsdp" and args.world_size > 1
     refused = [  # (a combination of flags, why it is refused)
@@ -258,15 +273,25 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workl
         encoder_configs=pipeline_configs(args.diffusers) if args.diffusers else None,
     )
     raced = int(args.framework in RACED and not args.shapes)  # the hand policies near the plan race it
-    if args.candidates is None:
-        args.candidates = VERIFY_CANDIDATES if args.verify else raced
-    args.rounds = args.rounds or default_rounds(args.candidates)
-    return args, workload
+    count = (VERIFY_CANDIDATES if args.verify else raced) if args.candidates is None else args.candidates
+    rounds = args.rounds or default_rounds(count)
+    question = Question(
+        args.framework,
+        args.world_size,
+        args.distributed,
+        args.policy,
+        args.budget_mib,
+        count,
+        rounds,
+        args.verify,
+        args.steps,
+    )
+    return args, workload, question
 
 
-def plan_document(q: argparse.Namespace, workload: Workload) -> dict[str, Any]:
-    """The --json document for `parse_args`' flags ``q``: the plan (``--policy``'s: no budget, margin or solver
-    time), per framework the predictions (and measurements), the measured candidates."""
+def plan_document(q: Question, workload: Workload) -> dict[str, Any]:
+    """The --json document: the plan (``--policy``'s: no budget, margin or solver time), per framework the
+    predictions (and measurements), the measured candidates."""
     report = None
     if q.policy is not None:
         sol, profiles = predict_policy(workload, q.policy, q.framework, q.world_size, q.distributed)
@@ -299,7 +324,7 @@ def plan_document(q: argparse.Namespace, workload: Workload) -> dict[str, Any]:
 
 
 def _framework_entry(
-    q: argparse.Namespace,
+    q: Question,
     workload: Workload,
     fw: str,
     profile: Profile,
@@ -351,7 +376,7 @@ def _framework_entry(
 def main(argv: list[str] | None = None) -> int:
     kept = "every worker stopped; nothing written (profiles measured stay cached)"
     with cli_errors("benchmarks.plan"), stopping(kept):
-        args, workload = parse_args(argv)
+        args, workload, question = parse_args(argv)
         frameworks = frameworks_of(args.framework)
         if args.sweep is not None or args.solve_times:  # (a plan's header says it)
             print(f"settings {workload.used(frameworks)}")
@@ -377,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             for fw in frameworks:
                 rows = plan_sweep.efficiency(get_profile(fw, workload), workload)
                 print(f"{fw}:\n" + plan_sweep.efficiency_table(rows))
-        doc = plan_document(args, workload)
+        doc = plan_document(question, workload)
         print(plan_text.render(doc, workload))
         if args.json is not None:
             write_json(args.json, doc)

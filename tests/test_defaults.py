@@ -64,7 +64,7 @@ def test_every_tool_resolves_to_the_same_defaults(cache_env: str | None) -> None
     assert _benchmark(compare.build_parser().parse_args([]), "cpu") == cpu
     assert _benchmark(max_batch.parser().parse_args(["--budget-mib", "100"]), "cpu") == cpu
     # the planner: its CLI's workload is the library's (`plan_for_budget` builds Workload.of likewise)
-    args, work = plan_cli.parse_args(["--config", "tiny", "--batch-size", "2", "--budget-mib", "100"])
+    args, work, _ = plan_cli.parse_args(["--config", "tiny", "--batch-size", "2", "--budget-mib", "100"])
     assert DEVICE == "cpu" and work == Workload.of("tiny", batch_size=2)
     assert (work.attention_chunk, work.context_length, args.steps) == (
         cpu.attention_chunk,

@@ -417,8 +417,8 @@ def test_policy_verify_measures_it_beside_none(cache: dict, monkeypatch: pytest.
         return {"rows": rows}
 
     monkeypatch.setattr(cli, "measure", measure)
-    args, _ = cli.parse_args(["--config", "tiny", "--batch-size", "2", "--policy", "full", "--verify"])
-    doc = cli.plan_document(args, Workload.of("tiny", batch_size=2))
+    _, _, question = cli.parse_args(["--config", "tiny", "--batch-size", "2", "--policy", "full", "--verify"])
+    doc = cli.plan_document(question, Workload.of("tiny", batch_size=2))
     assert asked == [["none", "full"]]
     entry = doc["frameworks"]["torch"]
     assert (entry["measured_peak_bytes"], entry["measured_overhead"]) == (7 * MIB, pytest.approx(0.5))
