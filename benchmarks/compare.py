@@ -223,7 +223,7 @@ def parse_args(
         else:
             resolve_plan(spec, policy_arg(policy))
     policies = list(dict.fromkeys(["none", *(policy_arg(p) if args.controlnet else p for p in args.policies)]))
-    device = _device(args, spec, source)
+    device = _device(args.framework, args.world_size, args.device, spec, source)
     regime = Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads)
     if regime.keep_grads and "jax" in args.framework:
         raise SpecError(f"--keep-grads: {JAX_KEEPS_NO_GRADS}")
@@ -270,18 +270,18 @@ def timeline_policies(requested: str | None, policies: list[str]) -> tuple[str, 
     return ("none",) if requested is None else ("none", requested)
 
 
-def _device(args: argparse.Namespace, spec: UNetSpec, source: str) -> str:
+def _device(frameworks: tuple[str, ...], world_size: int, device: str, spec: UNetSpec, source: str) -> str:
     """The device the jobs run on; SpecError, in one line, for what a chosen framework or --world-size cannot run."""
-    if DIFFUSERS in args.framework:
-        if args.world_size > 1:
+    if DIFFUSERS in frameworks:
+        if world_size > 1:
             raise SpecError("--world-size: diffusers' U-Net is measured in one process only (use torch or jax)")
         if importlib.util.find_spec("diffusers") is None:
             raise SpecError("--framework diffusers: the diffusers package is not installed (pip install diffusers)")
         if source == "spec":
             to_diffusers_config(spec)  # names the field diffusers cannot build
-    if args.world_size > 1 and args.device == "gpu":
+    if world_size > 1 and device == "gpu":
         raise SpecError("--world-size: ranks are CPU processes (gloo) and forced host devices; use --device cpu")
-    return "cpu" if args.world_size > 1 else args.device  # auto with ranks: they are on the CPU
+    return "cpu" if world_size > 1 else device  # auto with ranks: they are on the CPU
 
 
 def run_all(jobs: list[Job], console: Console, verbose: bool, events: list[Event]) -> None:

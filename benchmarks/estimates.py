@@ -258,34 +258,31 @@ GPU_METHOD = (
 )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, ``step`` the card table's options; SpecError for those without --gpu-gib."""
+def parse_args(
+    argv: list[str] | None = None,
+) -> tuple[argparse.Namespace, list[tuple], Callable[..., dict[str, Any]], dict[str, Any], str]:
+    """The flags and the table they ask for: each row's arguments and what makes a row of them, the document's
+    fields and method (``--gpu-gib``: the card table, a row per preset and regime over every batch); SpecError
+    for the card table's options without --gpu-gib."""
     args = build_parser().parse_args(argv)
-    args.step = {k: getattr(args, k) for k in ("with_encoders", "cached_latents", "train_text_encoder")}
-    if not args.gpu_gib and any(args.step.values()):
+    step = {k: getattr(args, k) for k in ("with_encoders", "cached_latents", "train_text_encoder")}
+    if not args.gpu_gib and any(step.values()):
         raise SpecError("--with-encoders, --cached-latents, --train-text-encoder: for the card table (--gpu-gib)")
-    return args
-
-
-def table_of(args: argparse.Namespace) -> tuple[str, list[tuple], Callable[..., dict[str, Any]], dict[str, Any], str]:
-    """The table a run makes: its name, each row's arguments and what makes a row of them, the document's
-    fields and method. ``--gpu-gib``: the card table, a row per preset and regime over every batch."""
     if args.gpu_gib:
         cases = [(c, r) for c in args.configs for r in args.regimes]
-        make = partial(card_row, batches=args.batches, cards_gib=args.gpu_gib, device=args.device, step=args.step)
-        return "cards", cases, make, {"cards_gib": args.gpu_gib}, cards_method(args.device, args.batches, args.step)
+        make = partial(card_row, batches=args.batches, cards_gib=args.gpu_gib, device=args.device, step=step)
+        return args, cases, make, {"cards_gib": args.gpu_gib}, cards_method(args.device, args.batches, step)
     cases = [(c, b, r) for c in args.configs for b in args.batches for r in args.regimes]
     make = partial(row, budgets_gib=tuple(args.budgets_gib), device=args.device)
     method = METHOD + (GPU_METHOD.format(device=args.device) if args.device != "cpu" else "")
-    return "estimates", cases, make, {"budgets_gib": args.budgets_gib}, method
+    return args, cases, make, {"budgets_gib": args.budgets_gib}, method
 
 
 def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with cli_errors("benchmarks.estimates"):
-        args = parse_args(argv)
-        name, cases, make, fields, method = table_of(args)
-        render = cards_markdown if args.gpu_gib else markdown
+        args, cases, make, fields, method = parse_args(argv)
+        name, render = ("cards", cards_markdown) if args.gpu_gib else ("estimates", markdown)
         try:
             start = time.perf_counter()
             args.out.mkdir(parents=True, exist_ok=True)
