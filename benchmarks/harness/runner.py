@@ -36,17 +36,18 @@ def run_job(job: Job, on_event: Callable[[Event], None], verbose: bool = False) 
         done += finished
         if started is not None:  # the worker died inside a row: report it, go on
             killed = rc in KILLED
-            row = {
-                "event": "row",
-                "framework": job.framework,
-                "policy": started[0],
-                "batch_size": started[1],
-                "status": "oom" if killed else "error",
-                "error": "worker killed (SIGKILL), most likely by the out-of-memory killer"
-                if killed
-                else f"worker died (exit {rc}): {stderr_tail or 'no output'}",
-            }
-            on_event(row)
+            on_event(
+                {
+                    "event": "row",
+                    "framework": job.framework,
+                    "policy": started[0],
+                    "batch_size": started[1],
+                    "status": "oom" if killed else "error",
+                    "error": "worker killed (SIGKILL), most likely by the out-of-memory killer"
+                    if killed
+                    else f"worker died (exit {rc}): {stderr_tail or 'no output'}",
+                }
+            )
             done.append(started)
         elif rc != 0:
             raise BenchmarkError(f"{job.framework} worker failed (exit {rc}): {stderr_tail or 'no output'}")
