@@ -274,19 +274,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workl
     )
     raced = int(args.framework in RACED and not args.shapes)  # the hand policies near the plan race it
     count = (VERIFY_CANDIDATES if args.verify else raced) if args.candidates is None else args.candidates
-    rounds = args.rounds or default_rounds(count)
-    question = Question(
-        args.framework,
-        args.world_size,
-        args.distributed,
-        args.policy,
-        args.budget_mib,
-        count,
-        rounds,
-        args.verify,
-        args.steps,
+    return (
+        args,
+        workload,
+        Question(
+            args.framework,
+            args.world_size,
+            args.distributed,
+            args.policy,
+            args.budget_mib,
+            candidates=count,
+            rounds=args.rounds or default_rounds(count),
+            verify=args.verify,
+            steps=args.steps,
+        ),
     )
-    return args, workload, question
 
 
 def plan_document(q: Question, workload: Workload) -> dict[str, Any]:
