@@ -105,8 +105,10 @@ def markdown(doc: dict[str, Any]) -> str:
     """The table: peaks in GiB, costs as predicted overhead; on a GPU, allocated / nvidia-smi peaks too."""
     budgets, device = list(doc["budgets_gib"]), doc.get("device", "cpu")
     gpu_head = [f"{device}: none GiB (allocated / device)", f"{device}: diffusers-style GiB"] * (device != "cpu")
-    head = ["config", "batch", "regime", "none GiB", "diffusers-style GiB (cost)", *gpu_head]
-    rows = [head + [f"plan @ {b:g} GiB" for b in budgets]]
+    rows = [
+        ["config", "batch", "regime", "none GiB", "diffusers-style GiB (cost)", *gpu_head]
+        + [f"plan @ {b:g} GiB" for b in budgets]
+    ]
     for r in doc["rows"]:
         ds = r["diffusers_style"]
         rows.append(

@@ -376,8 +376,10 @@ def _framework_entry(
 
 
 def main(argv: list[str] | None = None) -> int:
-    kept = "every worker stopped; nothing written (profiles measured stay cached)"
-    with cli_errors("benchmarks.plan"), stopping(kept):
+    with (
+        cli_errors("benchmarks.plan"),
+        stopping("every worker stopped; nothing written (profiles measured stay cached)"),
+    ):
         args, workload, question = parse_args(argv)
         frameworks = frameworks_of(args.framework)
         if args.sweep is not None or args.solve_times:  # (a plan's header says it)
