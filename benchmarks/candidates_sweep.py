@@ -61,8 +61,7 @@ def check_budget(
     """The plan at ``budget`` (a race of ``candidates``), then against every hand policy that fits."""
     found = plan(workload, budget, framework, candidates=candidates, rounds=rounds)
     chosen = found.solution.policy
-    policies = list(dict.fromkeys([chosen, *HAND_POLICIES]))
-    rows = measure(framework, workload, policies, check_rounds)["rows"]
+    rows = measure(framework, workload, list(dict.fromkeys([chosen, *HAND_POLICIES])), check_rounds)["rows"]
     fits = {p: r["peak_bytes"] <= budget for p, r in rows.items()}
     versus = {
         h: paired(rows[chosen]["rounds_s"], rows[h]["rounds_s"]) for h in HAND_POLICIES if h != chosen and fits[h]

@@ -49,6 +49,7 @@ from shared_configs.cli import (
     check_out_dir,
     cli_errors,
     config_help,
+    number_list,
     positive_int,
 )
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-size", type=positive_int, default=None, help="override spec.sample_size")
     p.add_argument(
         "--policies",
+        type=number_list(str.strip, "one or more policies", ok=bool, skip_blank=True),
         default=DEFAULT_POLICIES,
         help=f"comma-separated policies: {', '.join(NAMED_POLICIES)}, or block names joined with '+' "
         "(e.g. down.1+mid), op-level forms with '+' between ops (full/save=conv+matmul, "
@@ -206,25 +208,22 @@ def parse_args(
     args = (parser or build_parser()).parse_args(argv)
     source, config = ("diffusers", str(args.diffusers)) if args.diffusers else ("spec", args.config)
     if args.controlnet:  # what its benchmark does not measure, first
-        other = args.compile or args.xla_default
-        pair_compare.check(args.framework, args.world_size, args.device, other, args.batch_size)
+        pair_compare.check(
+            args.framework, args.world_size, args.device, args.compile or args.xla_default, args.batch_size
+        )
         preset_batch = DEFAULT_BATCH_SIZES[0]  # the pair's step: the default config's batch, whatever the preset
     elif args.plan_budget_mib is not None:
         raise SpecError("--plan-budget-mib: only with --controlnet (the budget its planned row is solved for)")
     else:
         preset_batch = PRESET_BATCH.get(config, 1) if source == "spec" else 1
     spec = load_benchmark_spec(config, args.sample_size, source)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not policies:
-        raise SpecError("policies: none given")
-    for policy in policies:  # a bad one is refused before anything runs
+    for policy in args.policies:  # a bad one is refused before anything runs
         if args.controlnet:
             split_pair_plan(controlnet_pair(spec), policy_arg(policy))
         else:
             resolve_plan(spec, policy_arg(policy))
-    policies = list(dict.fromkeys(["none", *(policy_arg(p) if args.controlnet else p for p in policies)]))
-    device = _check_world(args.world_size, args.framework, args.device)
-    _check_frameworks(args.framework, spec, source)
+    policies = list(dict.fromkeys(["none", *(policy_arg(p) if args.controlnet else p for p in args.policies)]))
+    device = _device(args.framework, args.world_size, args.device, spec, source)
     regime = Regime(args.precision, args.trainable, args.optimizer, args.ema, args.keep_grads)
     if regime.keep_grads and "jax" in args.framework:
         raise SpecError(f"--keep-grads: {JAX_KEEPS_NO_GRADS}")
@@ -240,7 +239,7 @@ def parse_args(
         "world_size": args.world_size,
     }
     timeline = timeline_policies(args.timeline, policies)
-    # the pair's one workload carries the attention chunk (`pair_compare.workload`)
+    # the pair's one workload carries the attention chunk (`pair_compare.run`)
     theirs = tuple(dict.fromkeys([*DIFFUSERS_POLICIES, *policies]))
     jobs = [
         Job(
@@ -271,36 +270,29 @@ def timeline_policies(requested: str | None, policies: list[str]) -> tuple[str, 
     return ("none",) if requested is None else ("none", requested)
 
 
-def _check_frameworks(frameworks: tuple[str, ...], spec: UNetSpec, source: str) -> None:
-    """Refuse in one line (SpecError) what a chosen framework cannot run."""
+def _device(frameworks: tuple[str, ...], world_size: int, device: str, spec: UNetSpec, source: str) -> str:
+    """The device the jobs run on; SpecError, in one line, for what a chosen framework or --world-size cannot run."""
     if DIFFUSERS in frameworks:
+        if world_size > 1:
+            raise SpecError("--world-size: diffusers' U-Net is measured in one process only (use torch or jax)")
         if importlib.util.find_spec("diffusers") is None:
             raise SpecError("--framework diffusers: the diffusers package is not installed (pip install diffusers)")
         if source == "spec":
             to_diffusers_config(spec)  # names the field diffusers cannot build
-
-
-def _check_world(world_size: int, frameworks: tuple[str, ...], device: str) -> str:
-    """The device the jobs run on; SpecError for what --world-size cannot measure."""
-    if world_size == 1:
-        return device
-    if DIFFUSERS in frameworks:
-        raise SpecError("--world-size: diffusers' U-Net is measured in one process only (use torch or jax)")
-    if device == "gpu":
+    if world_size > 1 and device == "gpu":
         raise SpecError("--world-size: ranks are CPU processes (gloo) and forced host devices; use --device cpu")
-    return "cpu"  # auto: the ranks are on the CPU
+    return "cpu" if world_size > 1 else device  # auto with ranks: they are on the CPU
 
 
-def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list[Event]]) -> list[list[Event]]:
-    """Run the jobs one after another (they would share the cores), events appended to ``results`` as they come."""
+def run_all(jobs: list[Job], console: Console, verbose: bool, events: list[Event]) -> None:
+    """Run the jobs one after another (they would share the cores), their events appended to ``events`` as they
+    come."""
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
     with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
         tasks = [progress.add_task(job.framework, total=len(job.rows())) for job in jobs]
         for job, task in zip(jobs, tasks, strict=True):
-            events: list[Event] = []
-            results.append(events)
 
-            def on_event(event: Event, task: Any = task, job: Job = job, events: list[Event] = events) -> None:
+            def on_event(event: Event, task: Any = task, job: Job = job) -> None:
                 events.append(event)
                 if event["event"] == "start":
                     row = f"{event['policy']} @ batch {event['batch_size']}"
@@ -314,14 +306,10 @@ def run_all(jobs: list[Job], console: Console, verbose: bool, results: list[list
             run_job(job, on_event, verbose)
             events.append({"event": "wall", "framework": job.framework, "seconds": time.perf_counter() - start})
             progress.update(task, description=job.framework)
-    return results
 
 
-def build_document(
-    jobs: list[Job], results: list[list[Event]], clock: tuple[float, float | None, float], device: str
-) -> dict:
+def build_document(jobs: list[Job], events: list[Event], clock: tuple[float, float | None, float], device: str) -> dict:
     """The JSON document: top-level config, device (``device``: the one asked for), versions, rows and timelines."""
-    events = [e for evs in results for e in evs]
     row_events = [e for e in events if e["event"] == "row"]
     rows = tables.complete(row_events)
     envs = {e["framework"]: e for e in events if e["event"] == "env"}
@@ -366,16 +354,16 @@ def keep_measured(
     out: Path,
     device: str,
     jobs: list[Job],
-    results: list[list[Event]],
+    events: list[Event],
     clock: tuple,
     stop: KeyboardInterrupt,
 ) -> Interrupted:
     """An interrupted run: the rows so far in ``<out>/<prog>-*.json``, marked incomplete; the interrupt to raise."""
     signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
-    rows = [e for evs in results for e in evs if e["event"] == "row"]
+    rows = [e for e in events if e["event"] == "row"]
     if not rows:
         return Interrupted(signum, "every worker stopped; nothing was measured, nothing written")
-    document = build_document(jobs, results, clock, device)
+    document = build_document(jobs, events, clock, device)
     total = sum(len(job.rows()) for job in jobs)  # max_batch: its probes (it adds rows as it goes)
     of_total = f" of {total}" if total >= len(rows) else ""
     document["incomplete"] = f"interrupted by {signal.Signals(signum).name} after {len(rows)}{of_total} rows"
@@ -391,12 +379,12 @@ def main(argv: list[str] | None = None) -> int:
         check_out_dir(args.out)
         if args.controlnet:
             return pair_compare.main(jobs, args.plan_budget_mib, args.out, console)
-        clock, results = cpu_snapshot(), []
+        clock, events = cpu_snapshot(), []
         try:
-            run_all(jobs, console, args.verbose, results)
+            run_all(jobs, console, args.verbose, events)
         except KeyboardInterrupt as stop:
-            raise keep_measured("compare", args.out, args.device, jobs, results, clock, stop) from None
-        document = build_document(jobs, results, clock, args.device)
+            raise keep_measured("compare", args.out, args.device, jobs, events, clock, stop) from None
+        document = build_document(jobs, events, clock, args.device)
         show(console, document, args.wide)
         stem = f"compare-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
         paths = [args.out / f"{stem}.json", args.out / f"{stem}.csv"]

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +105,10 @@ def markdown(doc: dict[str, Any]) -> str:
     """The table: peaks in GiB, costs as predicted overhead; on a GPU, allocated / nvidia-smi peaks too."""
     budgets, device = list(doc["budgets_gib"]), doc.get("device", "cpu")
     gpu_head = [f"{device}: none GiB (allocated / device)", f"{device}: diffusers-style GiB"] * (device != "cpu")
-    head = ["config", "batch", "regime", "none GiB", "diffusers-style GiB (cost)", *gpu_head]
-    rows = [head + [f"plan @ {b:g} GiB" for b in budgets]]
+    rows = [
+        ["config", "batch", "regime", "none GiB", "diffusers-style GiB (cost)", *gpu_head]
+        + [f"plan @ {b:g} GiB" for b in budgets]
+    ]
     for r in doc["rows"]:
         ds = r["diffusers_style"]
         rows.append(
@@ -133,7 +137,6 @@ def _reading(allocated: int, device: str) -> int:
 def card_row(
     config: str,
     regime_name: str,
-    regime: Regime,
     batches: list[int],
     cards_gib: list[float],
     device: str,
@@ -142,16 +145,14 @@ def card_row(
     """One line of the card table: per card, the largest batch that fits plain and with a plan."""
     found: list[tuple[int, Workload, Profile, int]] = []
     for batch in sorted(batches):
-        work = Workload.of(config, batch_size=batch, regime=regime, shapes=True, device=device, **step)
+        work = Workload.of(config, batch_size=batch, regime=REGIMES[regime_name], shapes=True, device=device, **step)
         sol, (profile,) = predict_policy(work, "none", "torch")
         found.append((batch, work, profile, sol.predictions[0].peak_bytes))
     cards = {}
     for gib in cards_gib:
         budget = whole.device_budget(found[0][1], int(gib * GIB))
-        plain = [(b, peak) for b, _, _, peak in found if peak <= budget]
-        cell: dict[str, Any] = {"none": None, "plan": None}
-        if plain:
-            cell["none"] = {"batch": plain[-1][0], "device_bytes": _reading(plain[-1][1], device)}
+        plain = [{"batch": b, "device_bytes": _reading(peak, device)} for b, _, _, peak in found if peak <= budget]
+        cell: dict[str, Any] = {"none": plain[-1] if plain else None, "plan": None}  # the largest batch that fits
         for batch, work, profile, _ in reversed(found):
             try:
                 sol = solve(profile, work.spec, budget, safety_margin(profile, work.spec))
@@ -259,55 +260,31 @@ GPU_METHOD = (
 )
 
 
-@dataclass(frozen=True)
-class Table:
-    """The rows a run makes: the estimates per preset, batch and regime, or (``cards_gib``) the card table."""
-
-    configs: list[str]
-    batches: list[int]
-    regimes: list[str]
-    budgets_gib: list[int]
-    device: str
-    cards_gib: list[float]
-    step: dict[str, bool]
-
-    def cases(self) -> list[tuple[Any, ...]]:
-        if self.cards_gib:  # a row per preset and regime, over every batch
-            return [(c, r) for c in self.configs for r in self.regimes]
-        return [(c, b, r) for c in self.configs for b in self.batches for r in self.regimes]
-
-    def row(self, case: tuple[Any, ...]) -> dict[str, Any]:
-        if self.cards_gib:
-            config, regime = case
-            return card_row(config, regime, REGIMES[regime], self.batches, self.cards_gib, self.device, self.step)
-        config, batch, regime = case
-        return row(config, batch, regime, tuple(self.budgets_gib), self.device)
-
-    def document(self, rows: list[dict[str, Any]], seconds: float, cases: int) -> dict[str, Any]:
-        """The JSON: ``complete`` false (and ``rows`` of ``cases``) until the last row is in."""
-        head = {"complete": len(rows) == cases, "cases": cases, "device": self.device}
-        tail = {"rows": rows, "seconds": round(seconds, 1)}
-        if self.cards_gib:
-            method = cards_method(self.device, self.batches, self.step)
-            return head | {"cards_gib": self.cards_gib} | tail | {"method": method}
-        method = METHOD + (GPU_METHOD.format(device=self.device) if self.device != "cpu" else "")
-        return head | {"budgets_gib": self.budgets_gib} | tail | {"method": method}
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Table]:
+def parse_args(
+    argv: list[str] | None = None,
+) -> tuple[argparse.Namespace, list[tuple], Callable[..., dict[str, Any]], dict[str, Any], str]:
+    """The flags and the table they ask for: each row's arguments and what makes a row of them, the document's
+    fields and method (``--gpu-gib``: the card table, a row per preset and regime over every batch); SpecError
+    for the card table's options without --gpu-gib."""
     args = build_parser().parse_args(argv)
     step = {k: getattr(args, k) for k in ("with_encoders", "cached_latents", "train_text_encoder")}
     if not args.gpu_gib and any(step.values()):
         raise SpecError("--with-encoders, --cached-latents, --train-text-encoder: for the card table (--gpu-gib)")
-    return args, Table(args.configs, args.batches, args.regimes, args.budgets_gib, args.device, args.gpu_gib, step)
+    if args.gpu_gib:
+        cases = [(c, r) for c in args.configs for r in args.regimes]
+        make = partial(card_row, batches=args.batches, cards_gib=args.gpu_gib, device=args.device, step=step)
+        return args, cases, make, {"cards_gib": args.gpu_gib}, cards_method(args.device, args.batches, step)
+    cases = [(c, b, r) for c in args.configs for b in args.batches for r in args.regimes]
+    make = partial(row, budgets_gib=tuple(args.budgets_gib), device=args.device)
+    method = METHOD + (GPU_METHOD.format(device=args.device) if args.device != "cpu" else "")
+    return args, cases, make, {"budgets_gib": args.budgets_gib}, method
 
 
 def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with cli_errors("benchmarks.estimates"):
-        args, table = parse_args(argv)
+        args, cases, make, fields, method = parse_args(argv)
         name, render = ("cards", cards_markdown) if args.gpu_gib else ("estimates", markdown)
-        cases = table.cases()
         try:
             start = time.perf_counter()
             args.out.mkdir(parents=True, exist_ok=True)
@@ -315,10 +292,14 @@ def main(argv: list[str] | None = None) -> int:
                 what = ", ".join(str(c) if not isinstance(c, int) else f"batch {c}" for c in case)
                 progress(f"{name} {i}/{len(cases)}: {what} ({time.perf_counter() - start:.0f} s so far)")
                 try:
-                    rows.append(table.row(case))
+                    rows.append(make(*case))
                 except SpecError as err:
                     raise SpecError(f"{what}: {err}") from None
-                doc = table.document(rows, time.perf_counter() - start, len(cases))
+                doc = (  # ``complete`` false (and ``rows`` of ``cases``) until the last row is in
+                    {"complete": len(rows) == len(cases), "cases": len(cases), "device": args.device}
+                    | fields
+                    | {"rows": rows, "seconds": round(time.perf_counter() - start, 1), "method": method}
+                )
                 write_json(args.out / f"{name}.json", doc)  # after every row: a cut run keeps what it did
         except KeyboardInterrupt as stop:
             kept = (

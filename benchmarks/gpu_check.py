@@ -18,10 +18,9 @@ from typing import Any
 
 from benchmarks.reports.tables import atomic_write, write_json
 from shared_configs.cli import OneLineParser, cli_errors, stopping
-from shared_configs.planning.workers import stop_group, worker_group
+from shared_configs.planning.workers import REPO_ROOT, stop_group, worker_group
 from shared_configs.sizes import MIB
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 TAIL = 6000  # characters of each step's output kept in the report
 
 

@@ -44,10 +44,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def measure(jobs: list[Job], console: Console, verbose: bool, events: list[list[dict]]) -> list[dict[str, Any]]:
+def measure(jobs: list[Job], console: Console, verbose: bool, events: list[dict]) -> list[dict[str, Any]]:
     """Run ``jobs`` (their events appended to ``events``); all rows so far, completed."""
     run_all(jobs, console, verbose, events)
-    return tables.complete(e for evs in events for e in evs if e["event"] == "row")
+    return tables.complete(e for e in events if e["event"] == "row")
 
 
 def fit(rows: list[dict[str, Any]]) -> tuple[float, float] | None:
@@ -135,19 +135,9 @@ def table(results: list[dict[str, Any]], budget: float) -> Table:
             r["policy"],
             "-" if best is None else f"{best}{'' if r['bracketed'] else ' (not bracketed)'}",
             f"{best / base:.2f}x" if best and base else "-",
-            *("-" if r[k] is None else f"{r[k] / MIB:,.1f}" for k in ("peak_bytes", "bytes_per_sample", "fixed_bytes")),
+            *(tables.mib(r[k]) for k in ("peak_bytes", "bytes_per_sample", "fixed_bytes")),
         )
     return t
-
-
-def check_budget(budget: float, floor: dict[str, int]) -> None:
-    """Refuse (SpecError) a budget no batch can fit: at or below the static ``floor``."""
-    if budget <= floor["floor_bytes"]:
-        raise SpecError(
-            f"--budget-mib: {budget / MIB:,.1f} MiB is not above the floor of "
-            f"{floor['floor_bytes'] / MIB:,.1f} MiB that every step holds ({floor['param_count']:,} "
-            "float32 parameters and their AdamW state); a budget must exceed it"
-        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         budget = args.budget_mib * MIB
         jobs = [replace(j, peak_only=True, steps=1, timeline=()) for j in made]
         check_out_dir(args.out)
-        check_budget(budget, static_floor(jobs[0]))
+        floor = static_floor(jobs[0])
+        if budget <= floor["floor_bytes"]:  # no batch can fit
+            raise SpecError(
+                f"--budget-mib: {budget / MIB:,.1f} MiB is not above the floor of "
+                f"{floor['floor_bytes'] / MIB:,.1f} MiB that every step holds ({floor['param_count']:,} "
+                "float32 parameters and their AdamW state); a budget must exceed it"
+            )
         clock, events = cpu_snapshot(), []
         try:
             rows = measure(jobs, console, args.verbose, events)

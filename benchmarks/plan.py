@@ -224,26 +224,34 @@ class Question:
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workload, Question]:
     """The flags, the workload they describe and the question; SpecError for a combination refused."""
     args = build_parser().parse_args(argv)
-    if args.policy is not None and (
-        args.budget_mib is not None or args.sweep is not None or args.solve_times or args.candidates
-    ):
-        raise SpecError(
-            "--policy: predicts the policy given; not with --budget-mib, --sweep, --solve-times or --candidates"
-        )
-    if args.budget_mib is None and args.sweep is None and args.policy is None:
-        raise SpecError("--budget-mib: required (a positive number of MiB), unless --sweep or --policy")
     sharded = args.distributed == "fsdp" and args.world_size > 1
-    if sharded and (args.verify or args.candidates or args.sweep is not None):
-        raise SpecError(
-            "--world-size with --distributed fsdp: --verify, --candidates and --sweep measure one process only"
-        )
-    if args.controlnet and (args.sweep is not None or args.world_size > 1):
-        raise SpecError("--controlnet: plans and measures one process's step; not with --sweep or --world-size")
-    if args.device != "cpu" and (args.framework == "jax" or args.sweep is not None):
-        raise SpecError(
-            f"--device {args.device}: the GPU flavour is torch's step (CUDA autocast, its caching "
-            "allocator), for a plan or --policy; not with --framework jax or --sweep"
-        )
+    refused = [  # (a combination of flags, why it is refused)
+        (
+            args.policy is not None
+            and (args.budget_mib is not None or args.sweep is not None or args.solve_times or args.candidates),
+            "--policy: predicts the policy given; not with --budget-mib, --sweep, --solve-times or --candidates",
+        ),
+        (
+            args.budget_mib is None and args.sweep is None and args.policy is None,
+            "--budget-mib: required (a positive number of MiB), unless --sweep or --policy",
+        ),
+        (
+            sharded and (args.verify or args.candidates or args.sweep is not None),
+            "--world-size with --distributed fsdp: --verify, --candidates and --sweep measure one process only",
+        ),
+        (
+            args.controlnet and (args.sweep is not None or args.world_size > 1),
+            "--controlnet: plans and measures one process's step; not with --sweep or --world-size",
+        ),
+        (
+            args.device != "cpu" and (args.framework == "jax" or args.sweep is not None),
+            f"--device {args.device}: the GPU flavour is torch's step (CUDA autocast, its caching allocator), for a "
+            "plan or --policy; not with --framework jax or --sweep",
+        ),
+    ]
+    for combination, why in refused:
+        if combination:
+            raise SpecError(why)
     source = ("diffusers", args.diffusers) if args.diffusers else ("spec", args.config)
     workload = Workload.of(
         load_benchmark_spec(source[1], None, source[0]),
@@ -266,19 +274,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Workl
     )
     raced = int(args.framework in RACED and not args.shapes)  # the hand policies near the plan race it
     count = (VERIFY_CANDIDATES if args.verify else raced) if args.candidates is None else args.candidates
-    rounds = args.rounds or default_rounds(count)
-    question = Question(
-        args.framework,
-        args.world_size,
-        args.distributed,
-        args.policy,
-        args.budget_mib,
-        count,
-        rounds,
-        args.verify,
-        args.steps,
+    return (
+        args,
+        workload,
+        Question(
+            args.framework,
+            args.world_size,
+            args.distributed,
+            args.policy,
+            args.budget_mib,
+            candidates=count,
+            rounds=args.rounds or default_rounds(count),
+            verify=args.verify,
+            steps=args.steps,
+        ),
     )
-    return args, workload, question
 
 
 def plan_document(q: Question, workload: Workload) -> dict[str, Any]:
@@ -312,8 +322,7 @@ def plan_document(q: Question, workload: Workload) -> dict[str, Any]:
     }
     if report is not None:
         doc["candidates"] = report
-    ranks = {"world_size": q.world_size, "distributed": q.distributed}
-    return doc | {"margin": margin, "solve_seconds": solve_s} | ranks
+    return doc | {"margin": margin, "solve_seconds": solve_s, "world_size": q.world_size, "distributed": q.distributed}
 
 
 def _framework_entry(
@@ -367,8 +376,10 @@ def _framework_entry(
 
 
 def main(argv: list[str] | None = None) -> int:
-    kept = "every worker stopped; nothing written (profiles measured stay cached)"
-    with cli_errors("benchmarks.plan"), stopping(kept):
+    with (
+        cli_errors("benchmarks.plan"),
+        stopping("every worker stopped; nothing written (profiles measured stay cached)"),
+    ):
         args, workload, question = parse_args(argv)
         frameworks = frameworks_of(args.framework)
         if args.sweep is not None or args.solve_times:  # (a plan's header says it)

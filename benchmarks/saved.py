@@ -40,11 +40,10 @@ class Saved:
 
 def summarize(rows: list[Saved], blocks: list[str]) -> dict[str, Any]:
     """Per-block counts and bytes (blocks in forward order, then outside) and totals."""
-    per = {b: {"count": 0, "bytes": 0} for b in [*blocks, OUTSIDE]}
-    for r in rows:
-        per.setdefault(r.block, {"count": 0, "bytes": 0})
-        per[r.block]["count"] += 1
-        per[r.block]["bytes"] += r.bytes
+    per = {
+        b: {"count": sum(r.block == b for r in rows), "bytes": sum(r.bytes for r in rows if r.block == b)}
+        for b in dict.fromkeys([*blocks, OUTSIDE, *(r.block for r in rows)])
+    }
     return {
         "rows": [asdict(r) for r in rows],
         "blocks": per,
@@ -55,11 +54,8 @@ def summarize(rows: list[Saved], blocks: list[str]) -> dict[str, Any]:
 
 def torch_saved(config: str, policy: str, batch_size: int, context_length: int, chunk: int | None) -> list[Saved]:
     """What the torch U-Net keeps for backward under ``policy`` (``chunk``: JAX's only)."""
-    import torch
-
     from benchmarks.backends.saved_torch import collect
 
-    torch.manual_seed(0)
     return [Saved(*row) for row in collect(load_spec(config), policy, batch_size, context_length)]
 
 
@@ -84,9 +80,7 @@ def jax_saved(config: str, policy: str, batch_size: int, context_length: int, ch
     def loss(p: Any, x: Any, t: Any, ctx: Any) -> Any:
         return jnp.mean(model.apply(p, x, t, ctx) ** 2)
 
-    leaves, tree = jax.tree.flatten((params, x, t, ctx))
-    vjp = jax.make_jaxpr(lambda *a: jax.vjp(lambda *b: loss(*jax.tree.unflatten(tree, b)), *a), return_shape=True)
-    closed, shapes = vjp(*leaves)
+    closed, shapes = jax.make_jaxpr(lambda *a: jax.vjp(loss, *a), return_shape=True)(params, x, t, ctx)
     jaxpr, n_res = closed.jaxpr, jax.tree.structure(shapes[1]).num_leaves
     residuals = {v for v in jaxpr.outvars[len(jaxpr.outvars) - n_res :] if not isinstance(v, Literal)}
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
@@ -199,11 +193,8 @@ def render(doc: dict) -> str:
     return "\n".join(lines)
 
 
-PROG = "python -m benchmarks.saved"
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m benchmarks.saved", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny", help=config_help("tiny"))
     p.add_argument("--policy", default="save_convs", help="a checkpoint policy, e.g. full/save=conv,matmul")
     p.add_argument("--framework", choices=["both", "torch", "jax"], default="both", help="(%(default)s)")
@@ -223,19 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with cli_errors("benchmarks.saved"):  # an interrupt: one line, exit 128 + the signal's number; nothing is written
-        try:
-            doc = inspect_policy(
-                args.config,
-                args.policy,
-                ["torch", "jax"] if args.framework == "both" else [args.framework],
-                args.batch_size,
-                args.block,
-                args.context_length,
-                args.attention_chunk,
-            )
-        except (SpecError, FileNotFoundError, ValueError) as err:
-            print(f"{PROG}: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
-            return 2
+        doc = inspect_policy(
+            args.config,
+            args.policy,
+            ["torch", "jax"] if args.framework == "both" else [args.framework],
+            args.batch_size,
+            args.block,
+            args.context_length,
+            args.attention_chunk,
+        )
     print(json.dumps(doc, indent=1) if args.json else render(doc))
     return 0
 

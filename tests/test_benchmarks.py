@@ -139,8 +139,7 @@ class _FakeBackend:
             raise self.error
         return {"peak_bytes": 1}
 
-    def oom_types(self) -> tuple[type[BaseException], ...]:
-        return (MemoryError,)
+    OOM_TYPES = (MemoryError,)
 
     def release(self, device: Any) -> None:
         pass

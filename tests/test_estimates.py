@@ -92,7 +92,7 @@ def test_a_stopped_run_says_what_it_wrote_and_marks_it_incomplete(
 ) -> None:
     done: list[str] = []
 
-    def row(config: str, batch: int, regime: str, budgets: tuple, device: str) -> dict:
+    def row(config: str, batch: int, regime: str, budgets_gib: tuple, device: str) -> dict:
         if done:  # the second case: stopped as by Ctrl-C
             raise Interrupted(signal.SIGINT)
         done.append(regime)

@@ -155,6 +155,8 @@ def test_inspector_json_schema_and_totals(capsys: pytest.CaptureFixture[str]) ->
     ],
 )
 def test_inspector_bad_input_is_one_line(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert insp.main(argv) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        insp.main(argv)
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert match in err and err.count("\n") == 1

@@ -54,8 +54,7 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dic
         step = functools.partial(
             train_step, torch.compile(model), optimizer, batch, tools=step_tools(model, job.regime)
         )
-        compile_s = timed_steps(step, device, 1)[0]  # forward and backward graphs compiled here
-        warm_s = timed_steps(step, device, 1)[0]
+        compile_s, warm_s = timed_steps(step, device, 2)  # the first compiles the forward and backward graphs
         row = measure_step(model, optimizer, step, batch, tracked=False)
         row.update(timing_stats(timed_steps(step, device, job.steps)))
     if target is None:

@@ -26,7 +26,6 @@ class DiffusersForward(torch.nn.Module):
     def __init__(self, unet: torch.nn.Module) -> None:
         super().__init__()
         self.unet = unet
-        self.conditional = "cross_attention_dim" in unet.config
 
     def forward(
         self,
@@ -38,7 +37,7 @@ class DiffusersForward(torch.nn.Module):
         time_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kwargs: dict[str, Any] = {"class_labels": class_labels}
-        if self.conditional:
+        if "cross_attention_dim" in self.unet.config:  # UNet2DConditionModel
             kwargs["encoder_hidden_states"] = context
         if text_embeds is not None:  # SDXL's text_time conditioning
             kwargs["added_cond_kwargs"] = {"text_embeds": text_embeds, "time_ids": time_ids}
@@ -60,5 +59,4 @@ def measure(job: Job, policy: str, batch_size: int, device: torch.device) -> dic
     return torch_bench.measure(job, policy, batch_size, device, build=build)
 
 
-def versions() -> dict[str, str]:
-    return {**torch_bench.versions(), "diffusers": diffusers.__version__}
+VERSIONS = {**torch_bench.VERSIONS, "diffusers": diffusers.__version__}

@@ -15,8 +15,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+import flax
 import jax
 import numpy as np
+import optax
 
 from benchmarks.harness.job import (
     OPTIMIZER,
@@ -88,11 +90,7 @@ def device_info(device: jax.Device) -> dict[str, Any]:
     return {"kind": kind, "name": name, "platform": device.platform}
 
 
-def versions() -> dict[str, str]:
-    import flax
-    import optax
-
-    return {"jax": jax.__version__, "jaxlib": jax.lib.__version__, "flax": flax.__version__, "optax": optax.__version__}
+VERSIONS = {"jax": jax.__version__, "jaxlib": jax.lib.__version__, "flax": flax.__version__, "optax": optax.__version__}
 
 
 def memory_method(device: jax.Device, attention_chunk: int | None) -> str:
@@ -170,9 +168,7 @@ def _abstract_state(spec: Any, tx: Any, regime: Regime) -> Any:
 def _compile(job: Job, policy: str, batch_size: int, device: jax.Device) -> tuple[dict[str, Any], Any, Any, Any]:
     """(setup, lowered, compiled, XLA's memory plan) of one row's step, compile seconds in setup."""
     s = _setup(job, policy, batch_size, device)
-    t0 = time.perf_counter()
     lowered = jt.train_step.lower(s["state"], s["batch"], s["key"], model=s["model"], tx=s["tx"], **s["options"])
-    s["lower_s"] = time.perf_counter() - t0
     compiled, plan, s["compile_s"] = compile_with_plan(lowered, job.jax_cache)
     return s, lowered, compiled, plan
 
@@ -212,8 +208,9 @@ def _xla_default(lowered: Any, row: dict[str, Any]) -> dict[str, Any]:
     """The peak of the same step compiled with XLA:CPU's default passes (never run, so -O0)."""
     peak = row["peak_bytes"]  # without optimization barriers (no remat) the pass has nothing to strip: same program
     if "opt-barrier" in lowered.as_text(dialect="hlo"):
-        flags = os.environ.get("XLA_FLAGS", "").split()
-        flags = [f.split("=", 1)[1] for f in flags if f.startswith("--xla_disable_hlo_p")]
+        flags = [
+            f.split("=", 1)[1] for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_disable_hlo_p")
+        ]
         kept = [p for flag in flags for p in flag.split(",") if p and p != "cse_barrier_expander"]
         # -O0 (FAST_COMPILE): buffer assignment comes before code generation: same memory analysis, faster.
         peak = compiled_peak(
@@ -237,7 +234,6 @@ def _run_steps(s: dict[str, Any], compiled: Any, steps: int) -> tuple[float, lis
         state, loss = compiled(state, s["batch"], s["key"])
         jax.block_until_ready((state, loss))
         times.append(time.perf_counter() - t0)
-    s["state"] = state
     return times[0], times[1:]
 
 
@@ -289,9 +285,5 @@ def release(device: jax.Device) -> None:
     jax.clear_caches()
 
 
-def oom_types() -> tuple[type[BaseException], ...]:
-    return (MemoryError,)  # XLA's RESOURCE_EXHAUSTED is a JaxRuntimeError, recognised by message
-
-
-def simulated_oom() -> BaseException:
-    return jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: simulated: Out of memory allocating 1073741824 bytes")
+OOM_TYPES = (MemoryError,)  # XLA's RESOURCE_EXHAUSTED is a JaxRuntimeError, recognised by message
+SIMULATED_OOM = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: simulated: Out of memory allocating 1073741824 bytes")

@@ -69,6 +69,7 @@ def _row(block: str, op: str, kind: str, t: torch.Tensor, nbytes: int | None = N
 
 def collect(spec: UNetSpec, policy: str, batch_size: int, context_length: int) -> list[Row]:
     """One forward and backward (dropout off, as the JAX side); every tensor kept for backward."""
+    torch.manual_seed(0)  # the same weights every run
     model = UNet(spec).eval()
     model.enable_gradient_checkpointing(policy)
     gen, s, dim = torch.Generator().manual_seed(0), spec.sample_size, spec.cross_attention_dim

@@ -50,8 +50,7 @@ def device_info(device: torch.device) -> dict[str, Any]:
     return {"kind": "gpu" if device.type == "cuda" else "cpu", "name": name, "threads": torch.get_num_threads()}
 
 
-def versions() -> dict[str, str]:
-    return {"torch": torch.__version__}
+VERSIONS = {"torch": torch.__version__}
 
 
 def one_row_per_process(device: torch.device) -> bool:
@@ -169,9 +168,5 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def oom_types() -> tuple[type[BaseException], ...]:
-    return (torch.OutOfMemoryError, MemoryError)
-
-
-def simulated_oom() -> BaseException:
-    return torch.OutOfMemoryError("simulated: CUDA out of memory. Tried to allocate 1.00 GiB")
+OOM_TYPES = (torch.OutOfMemoryError, MemoryError)
+SIMULATED_OOM = torch.OutOfMemoryError("simulated: CUDA out of memory. Tried to allocate 1.00 GiB")

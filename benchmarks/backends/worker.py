@@ -5,9 +5,9 @@ fails is reported, ``oom`` or ``error``, and the next row runs) or a ``floor`` r
 framework's backend (`torch_bench`, `jax_bench`, `compiled_bench`, `diffusers_bench`), a module
 providing ``resolve_device(requested)`` (auto / cpu / gpu; RuntimeError if there is none),
 ``prepare(job, device)`` (process-wide set-up before the first row), ``device_info(device)``,
-``versions()``, ``one_row_per_process(device)`` (a peak counter that cannot be reset),
-``measure(job, policy, batch_size, device)``, ``release(device)`` (free what a row left behind),
-``oom_types()`` and ``simulated_oom()``. Testing
+``one_row_per_process(device)`` (a peak counter that cannot be reset),
+``measure(job, policy, batch_size, device)``, ``release(device)`` (free what a row left behind), and
+``VERSIONS``, ``OOM_TYPES`` and ``SIMULATED_OOM`` (the framework's own out-of-memory error). Testing
 hooks (environment): ``BENCHMARKS_SIMULATE_OOM=framework:policy:batch,...`` raises the framework's
 own out-of-memory error at that row; ``BENCHMARKS_SIMULATE_KILL`` (same syntax) SIGKILLs the
 worker there, as the kernel's OOM killer would.
@@ -23,7 +23,7 @@ import traceback
 from types import SimpleNamespace
 from typing import Any
 
-from benchmarks.harness.job import KILL_SIM_ENV, OOM_SIM_ENV, Job, is_oom_message, one_line, parse_sim
+from benchmarks.harness.job import JOBS, KILL_SIM_ENV, OOM_SIM_ENV, Job, is_oom_message, one_line, parse_sim
 from shared_configs.planning.workers import emit
 
 
@@ -41,23 +41,22 @@ def run_row(backend: Any, job: Job, policy: str, batch_size: int, device: Any) -
         if key in parse_sim(os.environ.get(KILL_SIM_ENV)):
             os.kill(os.getpid(), signal.SIGKILL)
         if key in parse_sim(os.environ.get(OOM_SIM_ENV)):
-            raise backend.simulated_oom()
-        row = backend.measure(job, policy, batch_size, device)
-        row["status"] = "ok"
+            raise backend.SIMULATED_OOM
+        row = {**backend.measure(job, policy, batch_size, device), "status": "ok"}
     except Exception as err:  # a row's failure must not end the run
-        oom = isinstance(err, backend.oom_types()) or is_oom_message(str(err))
+        oom = isinstance(err, backend.OOM_TYPES) or is_oom_message(str(err))
         if not oom:
             traceback.print_exc(file=sys.stderr)
+        # leaving this clause drops err and the frames holding the row's tensors, before release() frees them
         row = {"status": "oom" if oom else "error", "error": one_line(err)}
-        del err
     finally:
         backend.release(device)
     return {"framework": job.framework, "policy": policy, "batch_size": batch_size, **row}
 
 
 def serve(request: dict[str, Any]) -> int:
-    """A worker's answer to ``request`` (``kind`` rows or floor, ``job`` a `Job`'s JSON), as events."""
-    job = Job.from_json(request["job"])
+    """A worker's answer to ``request`` (``kind`` rows or floor, ``job`` a `Job` as a dict), as events."""
+    job = JOBS.validate_python(request["job"])
     if request["kind"] == "floor":  # benchmarks.max_batch: the least any step can need, from shapes
         from benchmarks.backends.torch_bench import static_floor
 
@@ -77,7 +76,7 @@ def serve(request: dict[str, Any]) -> int:
     emit(
         "env",
         framework=job.framework,
-        versions=backend.versions(),
+        versions=backend.VERSIONS,
         device=backend.device_info(device),
         xla_flags=os.environ.get("XLA_FLAGS", "") if job.framework == "jax" else None,
     )

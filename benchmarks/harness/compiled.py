@@ -11,8 +11,8 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.harness.job import Job
+from benchmarks.reports.tables import mib
 from shared_configs import SpecError
-from shared_configs.sizes import MIB
 
 COMPILED = "compiled"  # the worker's framework name: benchmarks.backends.compiled_bench
 BUDGET = "budget@"  # the same prefix as benchmarks.backends.compiled_bench.BUDGET (this module imports no torch)
@@ -61,11 +61,11 @@ def comparison(rows: list[dict[str, Any]]) -> list[str]:
     eager = {(r["policy"], r["batch_size"]): r for r in ok if r["framework"] == "torch"}
     lines = []
     for row in (r for r in ok if r["framework"] == COMPILED):
-        plain = eager.get((row["policy"], row["batch_size"]))
+        plain = eager.get((row["policy"], row["batch_size"]), {})  # none where the eager row failed
         cells = [
             f"{row['policy']} @ {row['batch_size']}:",
-            f"peak {_mib(plain, 'allocator_peak_bytes')} eager / {_mib(row, 'allocator_peak_bytes')} compiled MiB,",
-            f"step {_s(plain)} / {_s(row)} s,",
+            f"peak {mib(plain.get('allocator_peak_bytes'))} eager / {mib(row['allocator_peak_bytes'])} compiled MiB,",
+            f"step {_s(plain.get('step_time_s'))} / {_s(row['step_time_s'])} s,",
             f"compile {row['compile_s']:.0f} s",
         ]
         if row["policy"].startswith(BUDGET):
@@ -74,9 +74,5 @@ def comparison(rows: list[dict[str, Any]]) -> list[str]:
     return ["eager vs torch.compile (allocator peaks):", *lines] if lines else []
 
 
-def _mib(row: dict[str, Any] | None, col: str) -> str:
-    return "-" if row is None or row[col] is None else f"{row[col] / MIB:,.1f}"
-
-
-def _s(row: dict[str, Any] | None) -> str:
-    return "-" if row is None or row["step_time_s"] is None else f"{row['step_time_s']:.3f}"
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}"

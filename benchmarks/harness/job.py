@@ -6,14 +6,14 @@ worker imports exactly one of them.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+from pydantic import TypeAdapter
 
 from shared_configs import SpecError, UNetSpec, from_diffusers_config, load_spec, spec_from_dict
 from shared_configs.diffusers.folders import find_folder
@@ -65,14 +65,9 @@ class Job:
     def rows(self) -> list[tuple[str, int]]:
         return [(p, b) for b in self.batch_sizes for p in self.policies if (p, b) not in self.done]
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
 
-    @classmethod
-    def from_json(cls, text: str) -> Job:
-        data = json.loads(text)
-        tuples = {key: tuple(data[key]) for key in ("policies", "batch_sizes", "timeline")}
-        return cls(**data | tuples | {"done": tuple((p, b) for p, b in data["done"])})
+# A job as a worker request carries it (`dataclasses.asdict`) and back: its lists made the tuples a Job holds.
+JOBS = TypeAdapter(Job)
 
 
 def load_benchmark_spec(config: str, sample_size: int | None, source: str = "spec") -> UNetSpec:
@@ -136,11 +131,7 @@ def git_sha() -> str | None:
 
 def cpu_snapshot() -> tuple[float, float | None, float]:
     """(wall clock, the machine's busy CPU seconds, this process's and its children's): see `other_cpu_share`."""
-    own = sum(
-        getattr(resource.getrusage(w), f)
-        for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-        for f in ("ru_utime", "ru_stime")
-    )
+    own = sum(os.times()[:4])  # user and system seconds, of this process and of its children
     try:
         with open("/proc/stat") as f:
             fields = [int(v) for v in f.readline().split()[1:]]

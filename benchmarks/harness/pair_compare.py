@@ -65,18 +65,6 @@ def check(frameworks: tuple[str, ...], world_size: int, device: str, other: bool
         raise SpecError("--controlnet: one --batch-size at a time")
 
 
-def workload(job: Job) -> Workload:
-    """The pair's workload as ``job`` describes it (every job of a run describes the same)."""
-    return Workload.of(
-        job_spec(job),
-        controlnet=True,
-        batch_size=job.batch_sizes[0],
-        context_length=job.context_length,
-        attention_chunk=resolve_chunk(job.attention_chunk, DEVICE),
-        regime=job.regime,
-    )
-
-
 def default_budget(work: Workload, frameworks: tuple[str, ...]) -> int:
     """Halfway between the smallest feasible predicted peak and ``none``'s, the highest over ``frameworks``."""
     floor, top = peak_range([get_profile(fw, work) for fw in frameworks], work.spec)
@@ -85,7 +73,15 @@ def default_budget(work: Workload, frameworks: tuple[str, ...]) -> int:
 
 def run(jobs: list[Job], budget_mib: float | None) -> dict[str, Any]:
     """Plan (for ``budget_mib``, or `default_budget`), then measure every row in each framework: the JSON document."""
-    work, frameworks = workload(jobs[0]), tuple(job.framework for job in jobs)
+    job, frameworks = jobs[0], tuple(job.framework for job in jobs)  # every job describes the same workload
+    work = Workload.of(
+        job_spec(job),
+        controlnet=True,
+        batch_size=job.batch_sizes[0],
+        context_length=job.context_length,
+        attention_chunk=resolve_chunk(job.attention_chunk, DEVICE),
+        regime=job.regime,
+    )
     budget = int(budget_mib * MIB) if budget_mib is not None else default_budget(work, frameworks)
     for attempt in range(3):
         try:

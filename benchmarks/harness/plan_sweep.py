@@ -356,13 +356,10 @@ def efficiency(profile: Profile, workload: Workload) -> list[dict[str, Any]]:
 
 def efficiency_table(rows: list[dict[str, Any]]) -> str:
     """MiB freed per recompute-second, summed by (level, kind, choice)."""
-    groups: dict[tuple[int, str, str], list[float]] = {}
-    for r in rows:
-        acc = groups.setdefault((r["level"], r["kind"], r["choice"]), [0.0, 0.0])
-        acc[0] += r["freed_bytes"] / MIB
-        acc[1] += r["seconds"]
     lines = ["level | kind | choice | freed MiB | recompute s | MiB per recompute-second"]
-    for (level, kind, choice), (freed, seconds) in sorted(groups.items()):
+    for level, kind, choice in sorted({(r["level"], r["kind"], r["choice"]) for r in rows}):
+        mine = [r for r in rows if (r["level"], r["kind"], r["choice"]) == (level, kind, choice)]
+        freed, seconds = sum(r["freed_bytes"] / MIB for r in mine), sum(r["seconds"] for r in mine)
         rate = f"{freed / seconds:10.0f}" if seconds > 0 else "         -"
         lines.append(f"{level:5d} | {kind:9s} | {choice:16s} | {freed:9.1f} | {seconds:11.3f} | {rate}")
     return "\n".join(lines)

@@ -12,7 +12,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,30 +25,29 @@ KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
 BACKEND = "benchmarks.backends.worker"  # what answers the rows in the worker
 
 
-def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbose: bool = False) -> list[Event]:
-    """All events of ``job``: one ``env`` and one ``row`` per (policy, batch size)."""
-    events: list[Event] = []
+def run_job(job: Job, on_event: Callable[[Event], None], verbose: bool = False) -> None:
+    """Run ``job``, each of its events to ``on_event``: one ``env`` and one ``row`` per (policy, batch size)."""
     done: list[tuple[str, int]] = []
     while True:
         todo = replace(job, done=tuple(done))
         if not todo.rows():
-            return events
-        started, finished, rc, stderr_tail = _run_worker(todo, events, on_event, verbose)
+            return
+        started, finished, rc, stderr_tail = _run_worker(todo, on_event, verbose)
         done += finished
         if started is not None:  # the worker died inside a row: report it, go on
             killed = rc in KILLED
-            row = {
-                "event": "row",
-                "framework": job.framework,
-                "policy": started[0],
-                "batch_size": started[1],
-                "status": "oom" if killed else "error",
-                "error": "worker killed (SIGKILL), most likely by the out-of-memory killer"
-                if killed
-                else f"worker died (exit {rc}): {stderr_tail or 'no output'}",
-            }
-            events.append(row)
-            on_event(row)
+            on_event(
+                {
+                    "event": "row",
+                    "framework": job.framework,
+                    "policy": started[0],
+                    "batch_size": started[1],
+                    "status": "oom" if killed else "error",
+                    "error": "worker killed (SIGKILL), most likely by the out-of-memory killer"
+                    if killed
+                    else f"worker died (exit {rc}): {stderr_tail or 'no output'}",
+                }
+            )
             done.append(started)
         elif rc != 0:
             raise BenchmarkError(f"{job.framework} worker failed (exit {rc}): {stderr_tail or 'no output'}")
@@ -58,7 +57,7 @@ def run_job(job: Job, on_event: Callable[[Event], None] = lambda e: None, verbos
 
 def static_floor(job: Job) -> dict[str, int]:
     """`benchmarks.backends.torch_bench.static_floor`, from a short worker."""
-    done = workers.run({"kind": "floor", "backend": BACKEND, "job": job.to_json()}, worker_env(job))
+    done = workers.run({"kind": "floor", "backend": BACKEND, "job": asdict(job)}, worker_env(job))
     floor = next((e for e in done.events if e["event"] == "floor"), None)
     if floor is None:
         raise BenchmarkError(f"could not build the model to size it: {done.stderr_tail or 'no output'}")
@@ -66,7 +65,7 @@ def static_floor(job: Job) -> dict[str, int]:
 
 
 def _run_worker(
-    job: Job, events: list[Event], on_event: Callable[[Event], None], verbose: bool
+    job: Job, on_event: Callable[[Event], None], verbose: bool
 ) -> tuple[tuple[str, int] | None, list[tuple[str, int]], int, str]:
     """One worker process; returns (row it died in, rows it finished, exit code, stderr tail)."""
     # torch's ranks are processes (torchrun); jax's, devices of one
@@ -83,10 +82,9 @@ def _run_worker(
         elif event["event"] == "row":
             finished.append(key)
             started[0] = None
-        events.append(event)
         on_event(event)
 
-    request = {"kind": "rows", "backend": BACKEND, "job": job.to_json()}
+    request = {"kind": "rows", "backend": BACKEND, "job": asdict(job)}
     try:
         echo = sys.stderr.write if verbose else (lambda line: None)
         done = workers.run(request, worker_env(job), seen, launcher, echo)

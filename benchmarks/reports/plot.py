@@ -143,8 +143,9 @@ def plot_timelines(records: list[dict[str, Any]], path: Path, title: str) -> boo
         return False
     frameworks = list(dict.fromkeys(r["framework"] for r in records))
     policies = list(dict.fromkeys(r["policy"] for r in records))
-    size = (6.5 * len(policies), 3.8 * len(frameworks))
-    fig, axes = plt.subplots(len(frameworks), len(policies), figsize=size, squeeze=False)
+    fig, axes = plt.subplots(
+        len(frameworks), len(policies), figsize=(6.5 * len(policies), 3.8 * len(frameworks)), squeeze=False
+    )
     for i, fw in enumerate(frameworks):
         mine = [r for r in records if r["framework"] == fw]
         top = max(sum(col) for r in mine for col in zip(*r["series"].values(), strict=True)) / MIB
@@ -183,8 +184,10 @@ def write_plots(document: dict[str, Any], out: Path, stem: str) -> list[Path]:
     """A run's pictures, ``<out>/<stem>.png`` (the Pareto plot) and ``-timeline.png``: those drawn."""
     device = next((d["name"] for fw, d in document["device"].items() if fw != "requested"), "?")
     title, share = tables.title(document), tables.unreliable_share(document)
-    drawn = [
-        plot(document["rows"], out / f"{stem}.png", f"{title}\n{device}", share),
-        plot_timelines(document.get("timelines", []), out / f"{stem}-timeline.png", title),
-    ]
-    return [path for path, ok in zip([out / f"{stem}.png", out / f"{stem}-timeline.png"], drawn, strict=True) if ok]
+    drawn = {
+        out / f"{stem}.png": plot(document["rows"], out / f"{stem}.png", f"{title}\n{device}", share),
+        out / f"{stem}-timeline.png": plot_timelines(
+            document.get("timelines", []), out / f"{stem}-timeline.png", title
+        ),
+    }
+    return [path for path, ok in drawn.items() if ok]

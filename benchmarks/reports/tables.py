@@ -127,14 +127,15 @@ def markdown_table(rows: list[list[str]]) -> str:
     return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
 
 
-def _mib(value: int | None) -> str:
+def mib(value: int | None) -> str:
+    """Bytes in MiB for a table's cell; "-" where there is no figure."""
     return "-" if value is None else f"{value / MIB:,.1f}"
 
 
 def _cell_bytes(row: Row, col: str, rel: str) -> str:
     """MiB, and the change against none beside it."""
     change = None if row["policy"] == "none" else row[rel]
-    return _mib(row[col]) + ("" if change is None else f" ({-change:+.0%})")
+    return mib(row[col]) + ("" if change is None else f" ({-change:+.0%})")
 
 
 COLUMNS_SHOWN: tuple[tuple[str, Callable[[Row], str]], ...] = (
@@ -142,12 +143,12 @@ COLUMNS_SHOWN: tuple[tuple[str, Callable[[Row], str]], ...] = (
     ("policy", lambda r: r["policy"]),
     ("batch", lambda r: str(r["batch_size"])),
     ("peak MiB", lambda r: _cell_bytes(r, "peak_bytes", "peak_reduction")),
-    ("= params", lambda r: _mib(r["params_bytes"])),
-    ("+ opt state", lambda r: _mib(r["optimizer_bytes"])),
-    ("+ grads", lambda r: _mib(r["grads_bytes"])),
-    ("+ inputs", lambda r: _mib(r["input_bytes"])),
+    ("= params", lambda r: mib(r["params_bytes"])),
+    ("+ opt state", lambda r: mib(r["optimizer_bytes"])),
+    ("+ grads", lambda r: mib(r["grads_bytes"])),
+    ("+ inputs", lambda r: mib(r["input_bytes"])),
     ("+ activations", lambda r: _cell_bytes(r, "activation_bytes", "activation_reduction")),
-    ("+ temps", lambda r: _mib(r["temporary_bytes"])),
+    ("+ temps", lambda r: mib(r["temporary_bytes"])),
     (
         r"step s: median \[min-max]",
         lambda r: (
@@ -176,12 +177,12 @@ FITS = {"ok": "yes", "oom": "[red]OOM[/red]", "error": "[red]error[/red]"}
 # The table a person reads (fits 100 columns): the peak, what checkpointing saved, the time it cost.
 COMPACT: tuple[tuple[str, Callable[[Row], str]], ...] = (
     *COLUMNS_SHOWN[:3],
-    ("peak\nMiB", lambda r: _mib(r["peak_bytes"])),
+    ("peak\nMiB", lambda r: mib(r["peak_bytes"])),
     (
         "saved\nvs none",
         lambda r: "-" if r["policy"] == "none" or r["peak_reduction"] is None else f"{100 * r['peak_reduction']:.0f}%",
     ),
-    ("activations\nMiB", lambda r: _mib(r["activation_bytes"])),
+    ("activations\nMiB", lambda r: mib(r["activation_bytes"])),
 )
 
 
@@ -207,7 +208,7 @@ def table(rows: list[Row], title: str, wide: bool = False, unreliable: bool = Fa
         shown[3:4] = [
             *([("ranks", lambda r: str(r["world_size"]))] if wide else []),
             (f"rank 0{sep}peak MiB", shown[3][1]),
-            (f"max rank{sep}MiB", lambda r: _mib(r["max_rank_peak_bytes"])),
+            (f"max rank{sep}MiB", lambda r: mib(r["max_rank_peak_bytes"])),
         ]
     t = Table(title=title, title_justify="left", header_style="bold")
     for i, (name, _) in enumerate(shown if wide else [*shown, ("fits", None)]):
@@ -244,7 +245,7 @@ def regime(rows: list[Row]) -> list[str]:
     return [
         f"{row['framework']} none @ batch {row['batch_size']}: activations + temps = "
         f"{(row['activation_bytes'] + row['temporary_bytes']) / row['static_bytes']:.1f}x static "
-        f"(params + optimizer state, {_mib(row['static_bytes'])} MiB)"
+        f"(params + optimizer state, {mib(row['static_bytes'])} MiB)"
         for row in rows
         if row["policy"] == "none"
         and row["status"] == "ok"
@@ -292,16 +293,14 @@ def used(document: dict[str, Any]) -> str:
     """The settings this run used, as `shared_configs.defaults.Defaults.describe` writes them."""
     s, devices = document["settings"], document["device"]
     kind = devices.get("jax", next((d for fw, d in devices.items() if fw != "requested"), {"kind": "cpu"}))["kind"]
-    fields = {k: s[k] for k in ("context_length", "steps", "jax_cache") if k in s}
-    if "precision" in s:  # the forward's dtype, from the regime (older documents: "dtype")
-        fields["dtype"] = Regime(s["precision"]).compute_dtype or "float32"
-    elif "dtype" in s:
-        fields["dtype"] = s["dtype"]
-    line = "settings " + Defaults(kind, resolve_chunk(s["attention_chunk"], kind), **fields).describe()
-    # older documents lack some of the regime's fields
+    # older documents lack some of the regime's fields; the oldest lack it all, and give the dtype
     regime = (
         Regime(**{f.name: s[f.name] for f in dataclass_fields(Regime) if f.name in s}) if "precision" in s else DEFAULT
     )
+    fields = {k: s[k] for k in ("context_length", "steps", "jax_cache", "dtype") if k in s}
+    if "precision" in s:  # the forward's dtype, from the regime
+        fields["dtype"] = regime.compute_dtype or "float32"
+    line = "settings " + Defaults(kind, resolve_chunk(s["attention_chunk"], kind), **fields).describe()
     if regime != DEFAULT:
         line += "; regime " + regime.describe()
     return line
