@@ -138,6 +138,15 @@ class Dump:
     hlo: _Hlo
     live_range_text: str
 
+    def buffers(self) -> list[tuple[str, int, int, int]]:
+        """(instruction, start, end, size) of every value with a live range, as XLA counts live bytes."""
+        return [
+            (name, *self.ranges[(name, index)], size)
+            for allocation in self.allocations
+            for name, index, _, size in allocation.values
+            if (name, index) in self.ranges
+        ]
+
 
 def read_dump(folder: str | Path) -> Dump:
     """Parse the dump XLA wrote into ``folder`` for the compiled training step."""
@@ -156,7 +165,7 @@ def _parse(folder: Path, total: int) -> MemoryPlan:
     """The plan from one dump of a step peaking at ``total``."""
     dump = read_dump(folder)
     sequence, hlo = dump.sequence, dump.hlo
-    series, live = _live_bytes(dump.allocations, dump.ranges, hlo, len(sequence))
+    series, live = _live_bytes(dump, len(sequence))
     top = int(np.argmax(sum(series.values())))
     parts = {c: int(series[c][top]) for c in CATEGORIES}
     fragmentation = total - sum(parts.values())  # the temp allocation's bytes free at the peak position
@@ -272,24 +281,20 @@ def _stage(op_name: str) -> str:
     return "forward" if "jvp(" in op_name else "optimizer"
 
 
-def _live_bytes(
-    allocations: list[_Allocation], ranges: dict[tuple[str, str], tuple[int, int]], hlo: _Hlo, positions: int
-) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def _live_bytes(dump: Dump, positions: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Bytes held per kind at every schedule position, and the bytes of live values alone (as XLA counts).
     An argument's (or output's) allocation is held all step; the temp allocation counts what is live;
     values sharing one slot while live (an alias, an update in place) count once, as the one that made it."""
     delta = {c: np.zeros(positions + 1, dtype=np.int64) for c in CATEGORIES}
     live = np.zeros(positions + 1, dtype=np.int64)
-    for allocation in allocations:
-        owner = _owner(allocation, hlo)
+    for _, start, end, size in dump.buffers():
+        live[start] += size
+        live[min(end, positions - 1) + 1] -= size
+    for allocation in dump.allocations:
+        owner = _owner(allocation, dump.hlo)
         if allocation.kind != "temp":
             delta[owner][0] += allocation.size
-        for name, index, _, size in allocation.values:
-            if (name, index) in ranges:
-                start, end = ranges[(name, index)]
-                live[start] += size
-                live[min(end, positions - 1) + 1] -= size
-        for size, start, end, kind in _spans(allocation, ranges, hlo, owner, positions):
+        for size, start, end, kind in _spans(allocation, dump.ranges, dump.hlo, owner, positions):
             delta[kind][start] += size
             delta[kind][end + 1] -= size
             if allocation.kind != "temp":  # the value occupies its argument's buffer meanwhile

@@ -20,7 +20,7 @@ from jax_impl import regime as jregime
 from jax_impl import step as jt
 from jax_impl import xla_dump
 from jax_impl.memory import FAST_COMPILE as FAST
-from jax_impl.memory import compile_uncached, compiled_peak
+from jax_impl.memory import Dump, compile_uncached, compiled_peak, read_dump
 from jax_impl.pair import ControlNetPair, init_pair
 from jax_impl.pair import train_step as pair_step
 from jax_impl.unet import UNet
@@ -103,17 +103,17 @@ def compiled_step(s: dict[str, Any], policy: str, dump: str | None = None, fast:
     return lowered.compile(compiler_options=compiler)
 
 
-def timeline_of(plan: xla_dump.MemoryPlan, leaves: list[str]) -> Timeline:
-    """XLA's schedule as a `Timeline`: positions are instructions, buffers its live ranges."""
-    where = xla_dump.segments(plan, set(leaves), first=leaves[0])
-    b = plan.buffers
+def timeline_of(dump: Dump, leaves: list[str]) -> Timeline:
+    """XLA's schedule as a `Timeline`: positions are instructions, buffers its values' live ranges."""
+    where = xla_dump.segments(dump, set(leaves), first=leaves[0])
+    names, starts, ends, sizes = zip(*dump.buffers(), strict=True)
     return Timeline(
         units=[u for u, _ in where],
         phases=[p for _, p in where],
-        starts=np.array([x.start for x in b], np.int64),
-        ends=np.array([x.end for x in b], np.int64),
-        sizes=np.array([x.size for x in b], np.int64),
-        static=np.array([x.name in plan.parameters for x in b], bool),
+        starts=np.array(starts, np.int64),
+        ends=np.array(ends, np.int64),
+        sizes=np.array(sizes, np.int64),
+        static=np.array([dump.hlo.opcodes.get(n) == "parameter" for n in names], bool),
     )
 
 
@@ -152,7 +152,7 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str], fast: bool = True)
     leaves = [u for u, _ in leaf_units(s["spec"], assignment)]
     with tempfile.TemporaryDirectory(prefix="plan-xla-") as dump:
         compiled = compiled_step(s, policy_string(assignment), dump, fast=fast)
-        plan = xla_dump.read(dump)
+        plan = read_dump(dump)
     costs, _, live_peak = unit_costs(timeline_of(plan, leaves), leaves)
     return costs, live_peak, compiled_peak(compiled), compiled
 
