@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from jax_impl import processes
 from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, abstract_target, load_checkpoint, save_checkpoint
-from jax_impl.pair import ControlNetPair, init_pair, pair_trainee
+from jax_impl.pair import ControlNetPair, init_pair, pair_trainee, step_model
 from jax_impl.parallel import make_mesh, state_shardings
 from jax_impl.regime import check_regime, make_optimizer
 from jax_impl.step import Trainee, TrainState, corrected, guard_step, init_state, make_step, nhwc
@@ -39,7 +39,6 @@ from shared_configs.training.loop import RunStart, manifest_for, open_run, run_l
 from shared_configs.training.outputs import write_outputs
 from shared_configs.training.run_folder import SOLO, Comm
 from shared_configs.training.run_plan import resolve_run
-from shared_configs.vocabulary import CheckpointPlan
 
 
 @dataclass(frozen=True)
@@ -152,15 +151,6 @@ def start(
     return start_state(lambda: init_state(model, tx, cfg.seed, cfg.regime), cfg, run, mesh, comm), Trainee(model)
 
 
-def build(
-    trains: UNetSpec | ControlNetPairSpec, plan: CheckpointPlan, chunk: int | None, cfg: TrainConfig
-) -> UNet | ControlNetPair:
-    """The model of the run's step under ``plan``, with the attention chunk ``chunk`` (and the regime's LoRA rank)."""
-    if isinstance(trains, ControlNetPairSpec):
-        return ControlNetPair(spec=trains, policy=plan.policy, attention_chunk=chunk)
-    return UNet(spec=trains, policy=plan, attention_chunk=chunk, lora_rank=cfg.regime.lora_rank)
-
-
 def train(cfg: TrainConfig) -> list[float]:
     """Run (or resume) training as ``cfg`` says, every refusal before the model is built; every step's loss."""
     own = options_of(cfg, JaxOptions)
@@ -184,7 +174,7 @@ def _train(cfg: TrainConfig, spec: UNetSpec, trains: UNetSpec | ControlNetPairSp
         ranks, chunk, first = mesh.size if mesh else 1, own.attention_chunk, comm.rank == 0
         cfg, plan, budget = resolve_run(cfg, trains, CLI.name, ranks, run, first, attention_chunk=chunk)
         tx = make_optimizer(cfg.lr, cfg.weight_decay, cfg.regime)
-        state, trainee = start(build(trains, plan, chunk, cfg), tx, cfg, run, mesh, comm)
+        state, trainee = start(step_model(trains, plan, chunk, cfg.regime.lora_rank), tx, cfg, run, mesh, comm)
         dataset, schedule = load_step_dataset(cfg.data, trains, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
         guarded = None
         if budget is not None and mesh is None:  # the plan judged by the loop's own compiled step
