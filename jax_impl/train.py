@@ -154,9 +154,9 @@ def start(
 def train(cfg: TrainConfig) -> list[float]:
     """Run (or resume) training as ``cfg`` says, every refusal before the model is built; every step's loss."""
     own = options_of(cfg, JaxOptions)
-    joined = processes.join(own.coordinator, own.num_processes, own.process_id)  # before JAX's backend starts
-    if joined is not None and joined.processes > 1:
-        processes.check_distributed(joined.processes, cfg.distributed)
+    count = processes.join(own.coordinator, own.num_processes, own.process_id)  # before JAX's backend starts
+    if count > 1:
+        processes.check_distributed(count, cfg.distributed)
     spec = load_spec(cfg.config)
     check_objective(spec)
     check_regime(cfg.regime)
