@@ -8,6 +8,7 @@ total (`compiled_peak`). Mirror: `torch_impl.memory` (live tensors). Docs: docs/
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -196,13 +197,9 @@ def _live_ranges(text: str) -> tuple[list[str], dict[tuple[str, str], tuple[int,
     """XLA's schedule (instruction names in order) and each value's [start, end] position."""
     head, _, rest = text.partition("  BufferLiveRange:\n")
     sequence = [line.split(":", 1)[1] for line in head.splitlines()[2:] if ":" in line]
-    ranges = {}
-    for line in rest.splitlines():
-        match = _RANGE.match(line)
-        if match is None:
-            break  # the "Live ranges at N (peak)" section follows
-        ranges[(match[1], match[2])] = (int(match[3]), int(match[4]))
-    return sequence, ranges
+    # up to the "Live ranges at N (peak)" section
+    matches = itertools.takewhile(bool, map(_RANGE.match, rest.splitlines()))
+    return sequence, {(m[1], m[2]): (int(m[3]), int(m[4])) for m in matches}
 
 
 @dataclass
