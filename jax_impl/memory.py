@@ -233,10 +233,7 @@ class _Hlo:
         self.opcodes: dict[str, str] = {}
         self.operands: dict[str, list[str]] = {}
         self.users: dict[str, list[str]] = defaultdict(list)
-        for line in text.splitlines():
-            match = _INSTRUCTION.match(line)
-            if match is None:
-                continue
+        for match in filter(None, map(_INSTRUCTION.match, text.splitlines())):
             name, rest = match[1], match[2]
             op = _OP_NAME.search(rest)
             self.op_names[name] = op[1] if op else ""

@@ -9,8 +9,8 @@ torch's, so a resumed run replays them; the run folder, resume checks and NaN gu
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import jax
@@ -37,7 +37,7 @@ from shared_configs.training.data import Dataset
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
-from shared_configs.training.run_folder import SOLO, Comm
+from shared_configs.training.run_folder import Comm
 from shared_configs.training.run_plan import resolve_run
 
 
@@ -118,24 +118,6 @@ def generate(
     return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)
 
 
-def start_state(
-    init: Callable[[], TrainState], cfg: TrainConfig, run: RunStart, mesh: Mesh | None, comm: Comm = SOLO
-) -> TrainState:
-    """The run's first state, placed as ``cfg.distributed`` says: restored from the run's checkpoint, or
-    ``init()`` (under FSDP straight into its shards, no full copy on one device)."""
-    if mesh is None and run.checkpoint is None:
-        return init()
-    abstract = jax.eval_shape(init)
-    placement = (
-        jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
-        if mesh is None
-        else state_shardings(mesh, abstract, cfg.distributed)
-    )
-    if run.checkpoint is not None:
-        return load_checkpoint(run.checkpoint, abstract_target(abstract, placement), comm)[0]
-    return jax.jit(init, out_shardings=placement)()
-
-
 def start(
     model: UNet | ControlNetPair,
     tx: optax.GradientTransformation,
@@ -144,11 +126,25 @@ def start(
     mesh: Mesh | None,
     comm: Comm,
 ) -> tuple[TrainState, Trainee]:
-    """The run's first state and what it steps (a pair's frozen U-Net made from the seed again on resume)."""
+    """The run's first state and what it steps (a pair's frozen U-Net made from the seed again on resume). The
+    state is placed as ``cfg.distributed`` says: restored from the run's checkpoint, or made from the seed (under
+    FSDP straight into its shards, no full copy on one device)."""
     if isinstance(model, ControlNetPair):  # one process (`check_controlnet`)
         state, unet_params = init_pair(model, tx, cfg.seed, cfg.regime)
-        return start_state(lambda: state, cfg, run, mesh, comm), pair_trainee(model, unet_params)
-    return start_state(lambda: init_state(model, tx, cfg.seed, cfg.regime), cfg, run, mesh, comm), Trainee(model)
+        init, trainee = (lambda: state), pair_trainee(model, unet_params)
+    else:
+        init, trainee = functools.partial(init_state, model, tx, cfg.seed, cfg.regime), Trainee(model)
+    if mesh is None and run.checkpoint is None:
+        return init(), trainee
+    abstract = jax.eval_shape(init)
+    placement = (
+        jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
+        if mesh is None
+        else state_shardings(mesh, abstract, cfg.distributed)
+    )
+    if run.checkpoint is not None:
+        return load_checkpoint(run.checkpoint, abstract_target(abstract, placement), comm)[0], trainee
+    return jax.jit(init, out_shardings=placement)(), trainee
 
 
 def train(cfg: TrainConfig) -> list[float]:
