@@ -54,16 +54,15 @@ def load_checkpoint(path: Path, target: Any, comm: Comm = SOLO) -> tuple[Any, Ma
 # ---- a failed write as one line: orbax's own echoes of it are dropped ----------------------
 
 
-class _OrbaxEchoes(logging.Filter):
-    """Drops the tracebacks orbax's threads log of a failed write: orbax raises the error itself, made one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        tb = record.exc_info[2] if record.exc_info else None
-        return not any("/orbax/" in frame.filename for frame in traceback.extract_tb(tb))
+def _no_orbax_echoes(record: logging.LogRecord) -> bool:
+    """A logging filter: drops the tracebacks orbax's threads log of a failed write (orbax raises the error
+    itself, made one line)."""
+    tb = record.exc_info[2] if record.exc_info else None
+    return not any("/orbax/" in frame.filename for frame in traceback.extract_tb(tb))
 
 
 for _logger in ("absl", "asyncio"):
-    logging.getLogger(_logger).addFilter(_OrbaxEchoes())
+    logging.getLogger(_logger).addFilter(_no_orbax_echoes)
 
 
 def _quiet_closed_loops(previous: Any) -> Any:

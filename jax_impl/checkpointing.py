@@ -62,11 +62,9 @@ def remat_class(cls: M, name: str, plan: CheckpointPlan | None) -> M:
     return remat(cls, plan.save_for(name), _offload_here(plan.offload))
 
 
-def build(factory: Callable[..., nn.Module], name: str, plan: CheckpointPlan | None, *args: Any) -> nn.Module:
-    """``factory(*args)`` (a Module class or a `functools.partial` of one), remat'd as ``plan`` says for ``name``."""
-    if isinstance(factory, functools.partial):
-        return functools.partial(remat_class(factory.func, name, plan), *factory.args, **factory.keywords)(*args)
-    return remat_class(factory, name, plan)(*args)
+def build(factory: functools.partial, name: str, plan: CheckpointPlan | None, *args: Any) -> nn.Module:
+    """``factory(*args)`` (a `functools.partial` of a Module class), remat'd as ``plan`` says for ``name``."""
+    return functools.partial(remat_class(factory.func, name, plan), *factory.args, **factory.keywords)(*args)
 
 
 @jax.custom_vjp

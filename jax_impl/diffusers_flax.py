@@ -33,6 +33,7 @@ from jax_impl.controlnet import ControlNet, abstract_controlnet_inputs
 from jax_impl.convert import from_diffusers_flax, to_diffusers_flax, torch_to_flax
 from jax_impl.diffusers_io import read_weights, to_diffusers_state_dict
 from jax_impl.regime import cast_floating
+from jax_impl.step import nhwc
 from jax_impl.unet import PolicyArg, UNet, abstract_inputs
 from shared_configs.diffusers.controlnet_config import controlnet_to_diffusers_config, spec_from_config
 from shared_configs.diffusers.export import to_diffusers_config
@@ -111,7 +112,7 @@ class _DiffusersFlaxModel(nn.Module, *_diffusers_bases()):
     NET: ClassVar[type[nn.Module]]
     INPUTS: ClassVar[Callable[[Any], dict[str, Any]]]  # the network's inputs as shape structs, by name
     TORCH_CLASS: ClassVar[str]  # the diffusers PyTorch class of the same network
-    FLAX_ONLY: ClassVar[tuple[str, ...]]  # config keys the PyTorch class does not take
+    FLAX_ONLY: ClassVar[tuple[str, ...]]  # config keys the PyTorch class does not take (a nonzero dropout is kept)
 
     sample_size: int = 32
     in_channels: int = 4
@@ -144,8 +145,7 @@ class _DiffusersFlaxModel(nn.Module, *_diffusers_bases()):
     def _spec_of(cls, config: dict[str, Any]) -> Any:
         """The spec of ``config`` read as the diffusers PyTorch class's config (Flax-only keys dropped, a zero
         dropout a ControlNet lacks)."""
-        flax_only = (*cls.FLAX_ONLY, *(("dropout",) if cls.TORCH_CLASS == "ControlNetModel" else ()))
-        kept = {k: v for k, v in config.items() if k not in flax_only or (k == "dropout" and v)}
+        kept = {k: v for k, v in config.items() if k not in cls.FLAX_ONLY or (k == "dropout" and v)}
         return _spec(cls.TORCH_CLASS, json.dumps(kept | {"_class_name": cls.TORCH_CLASS}, sort_keys=True))
 
     def setup(self) -> None:
@@ -164,8 +164,7 @@ class _DiffusersFlaxModel(nn.Module, *_diffusers_bases()):
 
     def _inputs(self, *arrays: jax.Array | None) -> tuple[Any, ...]:
         """NCHW images -> NHWC, every floating input in the computation's dtype."""
-        nhwc = tuple(a if a is None or a.ndim != 4 else jnp.transpose(a, (0, 2, 3, 1)) for a in arrays)
-        return cast_floating(nhwc, self.dtype)
+        return cast_floating(nhwc(*arrays), self.dtype)
 
     def init_weights(self, rng: jax.Array) -> dict[str, Any]:
         """Fresh parameters under diffusers' Flax names (the network's own init on the smallest inputs it takes)."""
@@ -294,7 +293,7 @@ class FlaxControlNetModel(_DiffusersFlaxModel):
     NET = ControlNet
     INPUTS = staticmethod(abstract_controlnet_inputs)
     TORCH_CLASS = "ControlNetModel"
-    FLAX_ONLY = ("sample_size",)
+    FLAX_ONLY = ("sample_size", "dropout")
 
     controlnet_conditioning_channel_order: str = "rgb"
     conditioning_embedding_out_channels: tuple[int, ...] = (16, 32, 96, 256)

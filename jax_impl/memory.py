@@ -8,6 +8,7 @@ total (`compiled_peak`). Mirror: `torch_impl.memory` (live tensors). Docs: docs/
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -138,6 +139,15 @@ class Dump:
     hlo: _Hlo
     live_range_text: str
 
+    def buffers(self) -> list[tuple[str, int, int, int]]:
+        """(instruction, start, end, size) of every value with a live range, as XLA counts live bytes."""
+        return [
+            (name, *self.ranges[(name, index)], size)
+            for allocation in self.allocations
+            for name, index, _, size in allocation.values
+            if (name, index) in self.ranges
+        ]
+
 
 def read_dump(folder: str | Path) -> Dump:
     """Parse the dump XLA wrote into ``folder`` for the compiled training step."""
@@ -156,7 +166,7 @@ def _parse(folder: Path, total: int) -> MemoryPlan:
     """The plan from one dump of a step peaking at ``total``."""
     dump = read_dump(folder)
     sequence, hlo = dump.sequence, dump.hlo
-    series, live = _live_bytes(dump.allocations, dump.ranges, hlo, len(sequence))
+    series, live = _live_bytes(dump, len(sequence))
     top = int(np.argmax(sum(series.values())))
     parts = {c: int(series[c][top]) for c in CATEGORIES}
     fragmentation = total - sum(parts.values())  # the temp allocation's bytes free at the peak position
@@ -187,13 +197,9 @@ def _live_ranges(text: str) -> tuple[list[str], dict[tuple[str, str], tuple[int,
     """XLA's schedule (instruction names in order) and each value's [start, end] position."""
     head, _, rest = text.partition("  BufferLiveRange:\n")
     sequence = [line.split(":", 1)[1] for line in head.splitlines()[2:] if ":" in line]
-    ranges = {}
-    for line in rest.splitlines():
-        match = _RANGE.match(line)
-        if match is None:
-            break  # the "Live ranges at N (peak)" section follows
-        ranges[(match[1], match[2])] = (int(match[3]), int(match[4]))
-    return sequence, ranges
+    # up to the "Live ranges at N (peak)" section
+    matches = itertools.takewhile(bool, map(_RANGE.match, rest.splitlines()))
+    return sequence, {(m[1], m[2]): (int(m[3]), int(m[4])) for m in matches}
 
 
 @dataclass
@@ -227,10 +233,7 @@ class _Hlo:
         self.opcodes: dict[str, str] = {}
         self.operands: dict[str, list[str]] = {}
         self.users: dict[str, list[str]] = defaultdict(list)
-        for line in text.splitlines():
-            match = _INSTRUCTION.match(line)
-            if match is None:
-                continue
+        for match in filter(None, map(_INSTRUCTION.match, text.splitlines())):
             name, rest = match[1], match[2]
             op = _OP_NAME.search(rest)
             self.op_names[name] = op[1] if op else ""
@@ -272,24 +275,20 @@ def _stage(op_name: str) -> str:
     return "forward" if "jvp(" in op_name else "optimizer"
 
 
-def _live_bytes(
-    allocations: list[_Allocation], ranges: dict[tuple[str, str], tuple[int, int]], hlo: _Hlo, positions: int
-) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def _live_bytes(dump: Dump, positions: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Bytes held per kind at every schedule position, and the bytes of live values alone (as XLA counts).
     An argument's (or output's) allocation is held all step; the temp allocation counts what is live;
     values sharing one slot while live (an alias, an update in place) count once, as the one that made it."""
     delta = {c: np.zeros(positions + 1, dtype=np.int64) for c in CATEGORIES}
     live = np.zeros(positions + 1, dtype=np.int64)
-    for allocation in allocations:
-        owner = _owner(allocation, hlo)
+    for _, start, end, size in dump.buffers():
+        live[start] += size
+        live[min(end, positions - 1) + 1] -= size
+    for allocation in dump.allocations:
+        owner = _owner(allocation, dump.hlo)
         if allocation.kind != "temp":
             delta[owner][0] += allocation.size
-        for name, index, _, size in allocation.values:
-            if (name, index) in ranges:
-                start, end = ranges[(name, index)]
-                live[start] += size
-                live[min(end, positions - 1) + 1] -= size
-        for size, start, end, kind in _spans(allocation, ranges, hlo, owner, positions):
+        for size, start, end, kind in _spans(allocation, dump.ranges, dump.hlo, owner, positions):
             delta[kind][start] += size
             delta[kind][end + 1] -= size
             if allocation.kind != "temp":  # the value occupies its argument's buffer meanwhile

@@ -20,9 +20,10 @@ from jax.typing import DTypeLike
 from jax_impl.controlnet import ControlNet, abstract_controlnet_inputs
 from jax_impl.regime import apply_regime, cast_floating
 from jax_impl.step import Trainee, TrainState, apply_gradients
-from jax_impl.unet import UNet
+from jax_impl.unet import PolicyArg, UNet
 from shared_configs.pair import ControlNetPairSpec, PairPlan, split_pair_plan
 from shared_configs.regime import DEFAULT, Regime
+from shared_configs.spec import UNetSpec
 
 Array = jax.Array
 
@@ -32,7 +33,7 @@ class ControlNetPair(nn.Module):
     ``apply(variables, x, t, ..., controlnet_cond)`` (NHWC) returns the U-Net's prediction."""
 
     spec: ControlNetPairSpec
-    policy: str | None = None
+    policy: str | PairPlan | None = None
     attention_chunk: int | None = None
 
     @functools.cached_property
@@ -60,6 +61,16 @@ class ControlNetPair(nn.Module):
         return self.unet(
             x, t, context, **conditioning, down_block_additional_residuals=down, mid_block_additional_residual=mid
         )
+
+
+def step_model(
+    spec: UNetSpec | ControlNetPairSpec, policy: PolicyArg | PairPlan, chunk: int | None, lora_rank: int | None = None
+) -> UNet | ControlNetPair:
+    """The model a training step trains under ``policy``: the U-Net (with ``lora_rank``), or the ControlNet pair;
+    ``chunk``: the attention chunk."""
+    if isinstance(spec, ControlNetPairSpec):
+        return ControlNetPair(spec=spec, policy=policy, attention_chunk=chunk)
+    return UNet(spec=spec, policy=policy, attention_chunk=chunk, lora_rank=lora_rank)
 
 
 def init_pair(

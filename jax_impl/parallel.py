@@ -49,19 +49,11 @@ def shard(mesh: Mesh, state: Any, batch: tuple, mode: str | None = "ddp") -> tup
 
 
 def place_batch(mesh: Mesh, batch: tuple) -> tuple:
-    """``batch`` (None kept) as global arrays split along the first axis, each process giving its devices' rows."""
+    """``batch`` (None kept; the same global batch in every process) as global arrays split along the first
+    axis, each device given its own rows."""
     split = NamedSharding(mesh, P(AXIS))
 
-    def place(a: Any) -> jax.Array:
-        return jax.make_array_from_process_local_data(split, np.asarray(a[local_rows(split, len(a))]), a.shape)
+    def place(a: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(a.shape, split, lambda index: a[index])
 
-    return tuple(None if a is None else place(a) for a in batch)
-
-
-def local_rows(sharding: NamedSharding, n: int) -> slice:
-    """The rows of an ``n``-row array split by ``sharding`` that this process's devices hold (one block)."""
-    spans = {index[0].indices(n)[:2] for index in sharding.addressable_devices_indices_map((n,)).values()}
-    start, stop = min(s for s, _ in spans), max(e for _, e in spans)
-    if sum(e - s for s, e in spans) != stop - start:
-        raise ValueError(f"mesh: this process's devices hold rows {sorted(spans)} of the batch, not one block")
-    return slice(start, stop)
+    return tuple(None if a is None else place(np.asarray(a)) for a in batch)

@@ -92,27 +92,19 @@ def check_distributed(processes: int, distributed: str | None) -> None:
         raise ValueError(f"--distributed: needed over {processes} processes (ddp or fsdp)")
 
 
-@dataclass(frozen=True)
-class Joined:
-    """This process's place in the run."""
-
-    process_id: int
-    processes: int
-
-
-_joined: Joined | None = None
+_joined = False  # jax.distributed started here: JAX's process index and count are this process's place in the run
 _lost = False  # a collective failed for want of another process: nobody to wait for when leaving
 
 
-def join(coordinator: str | None, num_processes: int | None, process_id: int | None) -> Joined | None:
-    """Join the run's processes (before any JAX computation), once per interpreter; None: one process
-    (no flags, and no cluster detected or JAX already running). Process 0 prints which it used."""
+def join(coordinator: str | None, num_processes: int | None, process_id: int | None) -> int:
+    """Join the run's processes (before any JAX computation), once per interpreter: how many the run has (1:
+    no flags, and no cluster detected or JAX already running). Process 0 prints which it used."""
     global _joined
-    if _joined is not None:
-        return _joined
+    if _joined:
+        return jax.process_count()
     via = f"--coordinator {coordinator}" if coordinator else detected_cluster()  # or e.g. "SlurmCluster"
     if via is None or (coordinator is None and backends_started()):  # a caller whose JAX runs already: as it is
-        return None
+        return 1
     jax.config.update("jax_cpu_collectives_implementation", CPU_COLLECTIVES)
     try:
         jax.distributed.initialize(
@@ -124,16 +116,16 @@ def join(coordinator: str | None, num_processes: int | None, process_id: int | N
         )
     except (RuntimeError, ValueError) as err:  # JaxRuntimeError is a RuntimeError
         raise ConnectionError(f"jax.distributed via {via}: {_first_line(err)}") from None
-    _joined = Joined(jax.process_index(), jax.process_count())
-    if _joined.process_id == 0:
+    _joined = True
+    if jax.process_index() == 0:
         devices = jax.devices()
         print(
-            f"jax.distributed: {_joined.processes} processes via {via}, {len(devices)} {devices[0].platform} "
+            f"jax.distributed: {jax.process_count()} processes via {via}, {len(devices)} {devices[0].platform} "
             f"devices in all ({jax.local_device_count()} here); CPU collectives: {CPU_COLLECTIVES}",
             file=sys.stderr,
             flush=True,
         )
-    return _joined
+    return jax.process_count()
 
 
 def detected_cluster() -> str | None:
@@ -144,7 +136,7 @@ def detected_cluster() -> str | None:
 
 def process_rank() -> int:
     """This process's number (0 before or without `join`): who prints the CLI's shared lines."""
-    return 0 if _joined is None else _joined.process_id
+    return jax.process_index() if _joined else 0
 
 
 @dataclass(frozen=True)
@@ -183,7 +175,7 @@ def lost_processes() -> Iterator[None]:
     try:
         yield
     except (RuntimeError, ValueError) as err:  # XLA raises gloo's failures as either
-        if _joined is None or not _GLOO_FAILURE.search(str(err)):
+        if not _joined or not _GLOO_FAILURE.search(str(err)):
             raise
         global _lost
         _lost = True
@@ -197,27 +189,27 @@ def leave(code: int) -> int:
     """End this process's part in the run with exit status ``code``: 0 through JAX's shutdown barrier;
     otherwise a process may be gone and the barrier would wait for the heartbeat, so `os._exit`,
     process 0 last (the others need its coordination service to exit cleanly)."""
-    if _joined is None:
+    if not _joined:
         return code
     if code == 0:
         jax.distributed.shutdown()
         return code
     if not _lost:
-        _wait_for_the_others(_joined)
+        _wait_for_the_others()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def _wait_for_the_others(joined: Joined) -> None:
+def _wait_for_the_others() -> None:
     """Process 0: wait (at most `LEAVE_WAIT_S`) until every other process has said it leaves."""
     client = coordination_client()  # JAX has no public handle on the coordination service's key-value store
     try:
-        if joined.process_id != 0:
-            client.key_value_set(f"{LEAVING}{joined.process_id}", "1")
+        if jax.process_index() != 0:
+            client.key_value_set(f"{LEAVING}{jax.process_index()}", "1")
             return
         deadline = time.monotonic() + LEAVE_WAIT_S
-        while time.monotonic() < deadline and len(client.key_value_dir_get(LEAVING)) < joined.processes - 1:
+        while time.monotonic() < deadline and len(client.key_value_dir_get(LEAVING)) < jax.process_count() - 1:
             time.sleep(0.05)
     except Exception:  # the service is gone (process 0 died): nothing to wait for
         return

@@ -20,10 +20,9 @@ from jax_impl import regime as jregime
 from jax_impl import step as jt
 from jax_impl import xla_dump
 from jax_impl.memory import FAST_COMPILE as FAST
-from jax_impl.memory import compile_uncached, compiled_peak
-from jax_impl.pair import ControlNetPair, init_pair
+from jax_impl.memory import Dump, compile_uncached, compiled_peak, read_dump
+from jax_impl.pair import init_pair, step_model
 from jax_impl.pair import train_step as pair_step
-from jax_impl.unet import UNet
 from shared_configs.defaults import jax_cache_dir
 from shared_configs.pair import CONTROLNET, ControlNetPairSpec, example_pair_batch
 from shared_configs.planning.recompute_time import at_rates, step_flops
@@ -34,13 +33,6 @@ from shared_configs.planning.workers import XLA_CPU_OPTIONS as BARRIERS
 from shared_configs.progress import progress, tracked
 from shared_configs.regime import DEFAULT, STATE_MODEL, Regime, modelled_state_delta
 from shared_configs.training.data import example_batch
-
-
-def unet(s: dict[str, Any], policy: str) -> UNet | ControlNetPair:
-    """The model the profile's steps train under ``policy``: the U-Net, or the ControlNet pair."""
-    if isinstance(s["spec"], ControlNetPairSpec):
-        return ControlNetPair(spec=s["spec"], policy=policy, attention_chunk=s["chunk"])
-    return UNet(spec=s["spec"], policy=policy, attention_chunk=s["chunk"], lora_rank=s["regime"].lora_rank)
 
 
 def setup(
@@ -56,7 +48,7 @@ def setup(
     parameters), real (``run``; ``drawn``: `_drawn`, the init's compile is long) or shapes, and the optimizer."""
     jregime.check_regime(regime)
     tx = jregime.make_optimizer(1e-4, 0.0, regime)
-    model = unet({"spec": spec, "chunk": chunk, "regime": regime}, "none")
+    model = step_model(spec, "none", chunk, regime.lora_rank)
     pair = isinstance(spec, ControlNetPairSpec)
     init = functools.partial(init_pair if pair else jt.init_state, model, tx, 0, regime)
     if not run:
@@ -93,7 +85,8 @@ def compiled_step(s: dict[str, Any], policy: str, dump: str | None = None, fast:
     """The donated, jitted train step under ``policy``, compiled (dumped into ``dump``; ``fast``: -O0, not run)."""
     options = jregime.step_options(s["regime"])
     train_step = pair_step if isinstance(s["spec"], ControlNetPairSpec) else jt.train_step
-    step = jax.jit(functools.partial(train_step, model=unet(s, policy), tx=s["tx"], **options), donate_argnums=(0,))
+    model = step_model(s["spec"], policy, s["chunk"], s["regime"].lora_rank)
+    step = jax.jit(functools.partial(train_step, model=model, tx=s["tx"], **options), donate_argnums=(0,))
     compiler: dict[str, Any] = {**BARRIERS, **FAST} if fast else dict(BARRIERS)
     lowered = step.lower(*s["args"])
     if dump is not None:  # past the persistent cache, if one is on: a cache hit would dump nothing
@@ -103,17 +96,17 @@ def compiled_step(s: dict[str, Any], policy: str, dump: str | None = None, fast:
     return lowered.compile(compiler_options=compiler)
 
 
-def timeline_of(plan: xla_dump.MemoryPlan, leaves: list[str]) -> Timeline:
-    """XLA's schedule as a `Timeline`: positions are instructions, buffers its live ranges."""
-    where = xla_dump.segments(plan, set(leaves), first=leaves[0])
-    b = plan.buffers
+def timeline_of(dump: Dump, leaves: list[str]) -> Timeline:
+    """XLA's schedule as a `Timeline`: positions are instructions, buffers its values' live ranges."""
+    where = xla_dump.segments(dump, set(leaves), first=leaves[0])
+    names, starts, ends, sizes = zip(*dump.buffers(), strict=True)
     return Timeline(
         units=[u for u, _ in where],
         phases=[p for _, p in where],
-        starts=np.array([x.start for x in b], np.int64),
-        ends=np.array([x.end for x in b], np.int64),
-        sizes=np.array([x.size for x in b], np.int64),
-        static=np.array([x.name in plan.parameters for x in b], bool),
+        starts=np.array(starts, np.int64),
+        ends=np.array(ends, np.int64),
+        sizes=np.array(sizes, np.int64),
+        static=np.array([dump.hlo.opcodes.get(n) == "parameter" for n in names], bool),
     )
 
 
@@ -152,7 +145,7 @@ def memory_run(s: dict[str, Any], assignment: dict[str, str], fast: bool = True)
     leaves = [u for u, _ in leaf_units(s["spec"], assignment)]
     with tempfile.TemporaryDirectory(prefix="plan-xla-") as dump:
         compiled = compiled_step(s, policy_string(assignment), dump, fast=fast)
-        plan = xla_dump.read(dump)
+        plan = read_dump(dump)
     costs, _, live_peak = unit_costs(timeline_of(plan, leaves), leaves)
     return costs, live_peak, compiled_peak(compiled), compiled
 

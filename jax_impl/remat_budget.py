@@ -79,8 +79,14 @@ class BudgetedStep:
             SEEN.reset(token)
         (b, _, size, _), (_, context, _) = seen[-1]
         dtype = str(jax.numpy.dtype(self.models[-1].dtype))
-        options = {"spec": self._spec(), "batch_size": b, "sample_size": size, "context_length": context}
-        options |= {"regime": Regime(precision=PRECISION[dtype]), "attention_chunk": None}
+        options = {
+            "spec": self._spec(),
+            "batch_size": b,
+            "sample_size": size,
+            "context_length": context,
+            "regime": Regime(precision=PRECISION[dtype]),
+            "attention_chunk": None,
+        }
         try:
             sp = plan_for_step(self._build, args, self.budget, **options)
         except Infeasible as err:

@@ -79,8 +79,9 @@ def host_arrays(batch: Batch) -> tuple[np.ndarray | None, ...]:
     return nhwc(batch.noisy, batch.t, batch.noise, *batch.conditioning().values())
 
 
-def nhwc(*values: np.ndarray | None) -> tuple[np.ndarray | None, ...]:
-    """``values`` with each image (4-D: the sample, the noise, a conditioning image) NCHW -> NHWC."""
+def nhwc(*values: Any) -> tuple[Any, ...]:
+    """``values`` (numpy or JAX arrays, or None) with each image (4-D: the sample, the noise, a conditioning image)
+    NCHW -> NHWC."""
     return tuple(a.transpose(0, 2, 3, 1) if a is not None and a.ndim == 4 else a for a in values)
 
 

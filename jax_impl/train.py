@@ -9,8 +9,8 @@ torch's, so a resumed run replays them; the run folder, resume checks and NaN gu
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import jax
@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from jax_impl import processes
 from jax_impl.checkpoint_io import FRAMEWORK, LAYOUT, abstract_target, load_checkpoint, save_checkpoint
-from jax_impl.pair import ControlNetPair, init_pair, pair_trainee
+from jax_impl.pair import ControlNetPair, init_pair, pair_trainee, step_model
 from jax_impl.parallel import make_mesh, state_shardings
 from jax_impl.regime import check_regime, make_optimizer
 from jax_impl.step import Trainee, TrainState, corrected, guard_step, init_state, make_step, nhwc
@@ -37,9 +37,8 @@ from shared_configs.training.data import Dataset
 from shared_configs.training.ddpm import Schedule, check_objective, make_schedule, sample
 from shared_configs.training.loop import RunStart, manifest_for, open_run, run_loop
 from shared_configs.training.outputs import write_outputs
-from shared_configs.training.run_folder import SOLO, Comm
+from shared_configs.training.run_folder import Comm
 from shared_configs.training.run_plan import resolve_run
-from shared_configs.vocabulary import CheckpointPlan
 
 
 @dataclass(frozen=True)
@@ -119,24 +118,6 @@ def generate(
     return sample(eps_fn, schedule, dataset, shape, cfg.sample_steps, cfg.seed)
 
 
-def start_state(
-    init: Callable[[], TrainState], cfg: TrainConfig, run: RunStart, mesh: Mesh | None, comm: Comm = SOLO
-) -> TrainState:
-    """The run's first state, placed as ``cfg.distributed`` says: restored from the run's checkpoint, or
-    ``init()`` (under FSDP straight into its shards, no full copy on one device)."""
-    if mesh is None and run.checkpoint is None:
-        return init()
-    abstract = jax.eval_shape(init)
-    placement = (
-        jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
-        if mesh is None
-        else state_shardings(mesh, abstract, cfg.distributed)
-    )
-    if run.checkpoint is not None:
-        return load_checkpoint(run.checkpoint, abstract_target(abstract, placement), comm)[0]
-    return jax.jit(init, out_shardings=placement)()
-
-
 def start(
     model: UNet | ControlNetPair,
     tx: optax.GradientTransformation,
@@ -145,28 +126,33 @@ def start(
     mesh: Mesh | None,
     comm: Comm,
 ) -> tuple[TrainState, Trainee]:
-    """The run's first state and what it steps (a pair's frozen U-Net made from the seed again on resume)."""
+    """The run's first state and what it steps (a pair's frozen U-Net made from the seed again on resume). The
+    state is placed as ``cfg.distributed`` says: restored from the run's checkpoint, or made from the seed (under
+    FSDP straight into its shards, no full copy on one device)."""
     if isinstance(model, ControlNetPair):  # one process (`check_controlnet`)
         state, unet_params = init_pair(model, tx, cfg.seed, cfg.regime)
-        return start_state(lambda: state, cfg, run, mesh, comm), pair_trainee(model, unet_params)
-    return start_state(lambda: init_state(model, tx, cfg.seed, cfg.regime), cfg, run, mesh, comm), Trainee(model)
-
-
-def build(
-    trains: UNetSpec | ControlNetPairSpec, plan: CheckpointPlan, chunk: int | None, cfg: TrainConfig
-) -> UNet | ControlNetPair:
-    """The model of the run's step under ``plan``, with the attention chunk ``chunk`` (and the regime's LoRA rank)."""
-    if isinstance(trains, ControlNetPairSpec):
-        return ControlNetPair(spec=trains, policy=plan.policy, attention_chunk=chunk)
-    return UNet(spec=trains, policy=plan, attention_chunk=chunk, lora_rank=cfg.regime.lora_rank)
+        init, trainee = (lambda: state), pair_trainee(model, unet_params)
+    else:
+        init, trainee = functools.partial(init_state, model, tx, cfg.seed, cfg.regime), Trainee(model)
+    if mesh is None and run.checkpoint is None:
+        return init(), trainee
+    abstract = jax.eval_shape(init)
+    placement = (
+        jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
+        if mesh is None
+        else state_shardings(mesh, abstract, cfg.distributed)
+    )
+    if run.checkpoint is not None:
+        return load_checkpoint(run.checkpoint, abstract_target(abstract, placement), comm)[0], trainee
+    return jax.jit(init, out_shardings=placement)(), trainee
 
 
 def train(cfg: TrainConfig) -> list[float]:
     """Run (or resume) training as ``cfg`` says, every refusal before the model is built; every step's loss."""
     own = options_of(cfg, JaxOptions)
-    joined = processes.join(own.coordinator, own.num_processes, own.process_id)  # before JAX's backend starts
-    if joined is not None and joined.processes > 1:
-        processes.check_distributed(joined.processes, cfg.distributed)
+    count = processes.join(own.coordinator, own.num_processes, own.process_id)  # before JAX's backend starts
+    if count > 1:
+        processes.check_distributed(count, cfg.distributed)
     spec = load_spec(cfg.config)
     check_objective(spec)
     check_regime(cfg.regime)
@@ -184,7 +170,7 @@ def _train(cfg: TrainConfig, spec: UNetSpec, trains: UNetSpec | ControlNetPairSp
         ranks, chunk, first = mesh.size if mesh else 1, own.attention_chunk, comm.rank == 0
         cfg, plan, budget = resolve_run(cfg, trains, CLI.name, ranks, run, first, attention_chunk=chunk)
         tx = make_optimizer(cfg.lr, cfg.weight_decay, cfg.regime)
-        state, trainee = start(build(trains, plan, chunk, cfg), tx, cfg, run, mesh, comm)
+        state, trainee = start(step_model(trains, plan, chunk, cfg.regime.lora_rank), tx, cfg, run, mesh, comm)
         dataset, schedule = load_step_dataset(cfg.data, trains, cfg.seed), make_schedule(cfg.schedule, cfg.timesteps)
         guarded = None
         if budget is not None and mesh is None:  # the plan judged by the loop's own compiled step

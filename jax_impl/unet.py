@@ -108,8 +108,9 @@ class UNetTrunk(nn.Module):
     ) -> nn.Module:
         """Block ``b`` of class ``cls`` (remat'd as ``plan`` says), given ``args``, its layers' factories and ``kw``."""
         make_attention = self._attention_factory(b.attention, b.level, b.name, output_scale)
+        make_resnet = functools.partial(ResnetBlock, args=block_resnet_args(self.trunk_spec, b.name))
         return remat_class(cls, b.name, plan)(
-            *args, make_resnet=self._resnet_factory(b.name), make_attention=make_attention, unit=b.name, plan=plan, **kw
+            *args, make_resnet=make_resnet, make_attention=make_attention, unit=b.name, plan=plan, **kw
         )
 
     @nn.nowrap
@@ -129,10 +130,6 @@ class UNetTrunk(nn.Module):
             )
         elif spec.context_proj_dim is not None:
             self.encoder_hid_proj = Dense(spec.cross_attention_dim)
-
-    @nn.nowrap
-    def _resnet_factory(self, block: str) -> functools.partial:
-        return functools.partial(ResnetBlock, args=block_resnet_args(self.trunk_spec, block))
 
     @nn.nowrap
     def _attention_factory(

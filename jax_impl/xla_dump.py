@@ -2,17 +2,15 @@
 
 `jax_impl.memory` parses the dump (``xla_dump_to``); this module files every position of the schedule
 under the plan unit whose Flax module its ``op_name`` names (``jvp(UNet)/down_1/resnets_0/conv1/...``).
-Every value with a live range is one buffer here: the planner's live-byte peak, which `Profile.scale`
-relates to the compiled ``memory_analysis()`` total.
+Every value with a live range is one buffer (`jax_impl.memory.Dump.buffers`): the planner's live-byte
+peak, which `Profile.scale` relates to the compiled ``memory_analysis()`` total.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from pathlib import Path
 
-from jax_impl.memory import read_dump
+from jax_impl.memory import Dump
 
 _OWN = r"controlnet_cond_embedding|controlnet_down_blocks_\d+|controlnet_mid_block"  # a ControlNet's own modules
 _MODULE = re.compile(
@@ -30,40 +28,6 @@ GLUE = {
 }
 # The ControlNet step's two networks: the ControlNet's units carry this prefix (`shared_configs.pair`).
 _NETWORK = re.compile(r"controlnet|unet")
-
-
-@dataclass(frozen=True)
-class Buffer:
-    name: str  # the defining instruction
-    start: int  # schedule positions, inclusive
-    end: int
-    size: int
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """The schedule (instruction names), each buffer, each instruction's ``op_name``, the parameters."""
-
-    sequence: list[str]
-    buffers: list[Buffer]
-    op_names: dict[str, str]
-    parameters: frozenset[str]
-
-
-def read(folder: str | Path) -> MemoryPlan:
-    """The plan XLA dumped into ``folder`` for the compiled training step (`jax_impl.memory`'s parse)."""
-    dump = read_dump(folder)
-    return MemoryPlan(
-        sequence=dump.sequence,
-        buffers=[
-            Buffer(name, *dump.ranges[(name, index)], size)
-            for allocation in dump.allocations
-            for name, index, _, size in allocation.values
-            if (name, index) in dump.ranges
-        ],
-        op_names=dump.hlo.op_names,
-        parameters=frozenset(n for n, op in dump.hlo.opcodes.items() if op == "parameter"),
-    )
 
 
 def unit_of(op_name: str, units: set[str]) -> str | None:
@@ -86,22 +50,22 @@ def unit_of(op_name: str, units: set[str]) -> str | None:
     return block if block in units else None
 
 
-def backward_start(plan: MemoryPlan) -> int:
+def backward_start(dump: Dump) -> int:
     """The position of the loss's cotangent (``transpose(jvp())``), where the backward proper starts: XLA
     hoists some backward-only work into the forward, so the first ``transpose(...)`` op can come earlier."""
-    names = [plan.op_names.get(n, "") for n in plan.sequence]
+    names = [dump.hlo.op_names.get(n, "") for n in dump.sequence]
     first = next((i for i, op in enumerate(names) if "transpose(jvp())" in op), None)
     return first if first is not None else next((i for i, op in enumerate(names) if "transpose(" in op), len(names))
 
 
-def segments(plan: MemoryPlan, units: set[str], first: str = "stem") -> list[tuple[str, str]]:
+def segments(dump: Dump, units: set[str], first: str = "stem") -> list[tuple[str, str]]:
     """(unit, phase) of each schedule position: the unit its ``op_name`` names (positions outside any
     unit carry the last one, ``first`` before any); the phase by position, before or after `backward_start`."""
-    split = backward_start(plan)
+    split = backward_start(dump)
     current = first
     out = []
-    for i, name in enumerate(plan.sequence):
-        unit = unit_of(plan.op_names.get(name, ""), units)
+    for i, name in enumerate(dump.sequence):
+        unit = unit_of(dump.hlo.op_names.get(name, ""), units)
         if unit is not None:
             current = unit
         elif i == split:

@@ -13,7 +13,8 @@ import pytest
 
 from jax_impl import plan_for_step
 from jax_impl import step as jstep
-from jax_impl.profile import setup, unet
+from jax_impl.pair import step_model
+from jax_impl.profile import setup
 from shared_configs.planning.pipeline import Workload
 from shared_configs.planning.solver import Infeasible
 from shared_configs.planning.workers import XLA_CPU_OPTIONS
@@ -43,7 +44,9 @@ def case() -> dict[str, Any]:
 
     def build(policy: str, with_extra: bool = True) -> Any:
         fn = functools.partial(
-            _user_step if with_extra else jstep.train_step.__wrapped__, model=unet(s, policy), tx=s["tx"]
+            _user_step if with_extra else jstep.train_step.__wrapped__,
+            model=step_model(s["spec"], policy, s["chunk"]),
+            tx=s["tx"],
         )
         return jax.jit(fn, donate_argnums=(0,))
 

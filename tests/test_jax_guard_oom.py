@@ -16,7 +16,8 @@ import pytest
 
 from jax_impl import guard
 from jax_impl import step as jstep
-from jax_impl.profile import setup, unet
+from jax_impl.pair import step_model
+from jax_impl.profile import setup
 from shared_configs.planning.closed_loop import FULL
 from shared_configs.planning.pipeline import Workload
 from tests.helpers.specs import variant
@@ -48,7 +49,9 @@ def step() -> dict[str, Any]:
     s = setup(SPEC, BATCH, Workload.context_length, Workload.attention_chunk, run=True)
 
     def build(policy: str, donate: bool = False) -> Any:
-        fn = functools.partial(jstep.train_step.__wrapped__, model=unet(s, policy), tx=s["tx"])
+        fn = functools.partial(
+            jstep.train_step.__wrapped__, model=step_model(s["spec"], policy, s["chunk"]), tx=s["tx"]
+        )
         return jax.jit(fn, donate_argnums=(0,) if donate else ())
 
     # Starting from `none` under a budget it fits: one compile, no solve.
