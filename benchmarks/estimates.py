@@ -26,7 +26,6 @@ from shared_configs.planning import gpu, whole
 from shared_configs.planning.budget import Profile, safety_margin
 from shared_configs.planning.pipeline import Workload, plan, predict_policy, progress
 from shared_configs.planning.solver import Infeasible, solve
-from shared_configs.planning.units import assignment_of
 from shared_configs.regime import Regime
 from shared_configs.sizes import GIB
 from shared_configs.spec import SpecError
@@ -56,8 +55,9 @@ def _entry(workload: Workload, policy: str, device: str = "cpu") -> dict[str, An
     pred, profile = sol.predictions[0], profiles[0]
     entry = {"peak_bytes": pred.peak_bytes, "overhead": pred.overhead(profile)}
     if device != "cpu":
-        assignment = assignment_of(workload.spec, policy)
-        entry[device] = asdict(gpu.estimate(profile, workload.spec, workload.regime, assignment, gpu.DEVICES[device]))
+        entry[device] = asdict(
+            gpu.estimate(profile, workload.spec, workload.regime, sol.assignment, gpu.DEVICES[device])
+        )
     return entry
 
 

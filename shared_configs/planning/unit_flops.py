@@ -51,10 +51,6 @@ def _mm(rows: int, cin: int, cout: int, source: str = HIDDEN, branch: bool = Fal
     return Op("matmul", 2.0 * rows * cin * cout, source, rows, cin, cout, branch, adapted)
 
 
-def _attention(b: int, tokens: int, keys: int, ch: int) -> Op:
-    return Op("attention", 4.0 * b * tokens * keys * ch)
-
-
 def _resnet(spec: UNetSpec, b: int, cin: int, cout: int, hw: int) -> list[Op]:
     temb_out = cout * (2 if spec.resnet_time_scale_shift == "scale_shift" else 1)
     ops = [_conv(b, cin, cout, 3, hw), _mm(b, spec.time_embed_dim, temb_out, TEMB), _conv(b, cout, cout, 3, hw)]
@@ -68,7 +64,7 @@ def _attention_layer(b: int, ch: int, t: int, keys: int, kv_dim: int, source: st
     context), the attention, the output projection (the projections: LoRA targets)."""
     q, out = _mm(b * t, ch, ch, branch=True, adapted=True), _mm(b * t, ch, ch, adapted=True)
     kv = [_mm(b * keys, kv_dim, ch, source, branch=True, adapted=True) for _ in "kv"]
-    return [q, *kv, _attention(b, t, keys, ch), out]
+    return [q, *kv, Op("attention", 4.0 * b * t * keys * ch), out]
 
 
 def _self_attention(b: int, ch: int, hw: int) -> list[Op]:
