@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from shared_configs import SpecError, block_names, load_spec, resolve_plan
+from shared_configs import SpecError, UNetSpec, block_names, load_spec, resolve_plan
 from shared_configs.cli import OneLineParser, cli_errors, config_help, positive_int
 from shared_configs.defaults import AUTO, CHUNK_HELP, chunk_arg, defaults, device_of, resolve_chunk
 from shared_configs.memory import OUTSIDE, block_of
@@ -52,14 +52,14 @@ def summarize(rows: list[Saved], blocks: list[str]) -> dict[str, Any]:
     }
 
 
-def torch_saved(config: str, policy: str, batch_size: int, context_length: int, chunk: int | None) -> list[Saved]:
+def torch_saved(spec: UNetSpec, policy: str, batch_size: int, context_length: int, chunk: int | None) -> list[Saved]:
     """What the torch U-Net keeps for backward under ``policy`` (``chunk``: JAX's only)."""
     from benchmarks.backends.saved_torch import collect
 
-    return [Saved(*row) for row in collect(load_spec(config), policy, batch_size, context_length)]
+    return [Saved(*row) for row in collect(spec, policy, batch_size, context_length)]
 
 
-def jax_saved(config: str, policy: str, batch_size: int, context_length: int, chunk: int | None) -> list[Saved]:
+def jax_saved(spec: UNetSpec, policy: str, batch_size: int, context_length: int, chunk: int | None) -> list[Saved]:
     """The residuals of the Flax U-Net's loss under ``policy`` (arguments left out)."""
     import jax
     import jax.numpy as jnp
@@ -70,7 +70,6 @@ def jax_saved(config: str, policy: str, batch_size: int, context_length: int, ch
     from jax_impl.compat import checkpoint_name_primitive
     from jax_impl.unet import abstract_inputs
 
-    spec = load_spec(config)
     model = UNet(spec=spec, policy=policy, attention_chunk=chunk)
     recomputed = {name if name == "mid" else ".".join(name.split(".")[:2]) for name in model.plan.recompute}
     inputs = abstract_inputs(spec, batch_size, spec.sample_size, context_length)
@@ -153,7 +152,7 @@ def inspect_policy(
         "frameworks": {},
     }
     for fw in frameworks:
-        rows = COLLECTORS[fw](config, policy, batch_size, context_length, used.attention_chunk)
+        rows = COLLECTORS[fw](spec, policy, batch_size, context_length, used.attention_chunk)
         doc["frameworks"][fw] = summarize([r for r in rows if block is None or r.block == block], blocks)
     a, b = (doc["frameworks"][fw]["blocks"] for fw in ("torch", "jax")) if len(frameworks) == 2 else ({}, {})
     doc["differ"] = [k for k in a if a[k] != b.get(k)]
