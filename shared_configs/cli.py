@@ -101,8 +101,7 @@ def check_out_dir(path: Path, flag: str = "--out") -> None:
         raise SpecError(f"{flag}: {path} exists and is not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
-            pass
+        tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-").close()  # made and removed
     except OSError as err:
         raise SpecError(f"{flag}: cannot write to {path} ({err.strerror or err})") from None
 
