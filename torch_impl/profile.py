@@ -205,13 +205,13 @@ def timing_runs(
 ) -> list[tuple[dict[str, list[float]], float]]:
     """Per assignment, medians over ``repeats`` rounds of `timed_step`, in turn within each round: a
     process's first steps run slower, which would make the plain run, timed first, look dearest."""
-    samples: list[list[tuple[dict[str, tuple[float, float]], float]]] = [[] for _ in assignments]
-    for _ in tracked(range(repeats), "timing rounds", lambda r: f"{len(assignments)} steps"):
-        for i, assignment in enumerate(assignments):
-            samples[i].append(timed_step(s, assignment))
+    rounds = [
+        [timed_step(s, assignment) for assignment in assignments]
+        for _ in tracked(range(repeats), "timing rounds", lambda r: f"{len(assignments)} steps")
+    ]
     return [
         ({u: [median(r[0][u][k] for r in runs) for k in (0, 1)] for u in runs[0][0]}, median(r[1] for r in runs))
-        for runs in samples
+        for runs in zip(*rounds, strict=True)
     ]
 
 
@@ -416,11 +416,9 @@ def peaks(
     with cpu_split(cpu, "setup"):
         s = fake_setup(spec, batch_size, context_length, regime.profiled)
     delta = modelled_state(s, regime).get("modelled_state_bytes", 0)
-    out = {}
     with cpu_split(cpu, "steps"):
-        for policy in policies:
-            out[policy] = tracked_step(s, policy).result.peak + delta
-    return {"peaks": out, "cpu_s": cpu}
+        found = {policy: tracked_step(s, policy).result.peak + delta for policy in policies}
+    return {"peaks": found, "cpu_s": cpu}
 
 
 def modelled_state(s: dict[str, Any], regime: Regime) -> dict[str, Any]:
