@@ -166,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             raise keep_measured("max_batch", args.out, args.device, jobs, events, clock, stop) from None
         results = answer(rows, budget)
         console.print(table(results, budget))
-        document = build_document(jobs, events, clock, args.device)
-        document |= {"budget_bytes": budget, "largest_batch": results}
+        document = build_document(jobs, events, clock, args.device) | {"budget_bytes": budget, "largest_batch": results}
         path = args.out / f"max_batch-{document['config']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
         tables.write_json(path, document)
         console.print(f"wrote {path}")
