@@ -77,10 +77,8 @@ def make_optimizer(lr: float, weight_decay: float, regime: Regime = DEFAULT) -> 
 
 def trained_mask(params: Any, regime: Regime = DEFAULT) -> Any:
     """True for each parameter ``regime`` trains: all, or under LoRA the adapters' (`LoRADense`)."""
-    if regime.lora_rank is None:
-        return jax.tree.map(lambda _: True, params)
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: any(getattr(k, "key", None) in LORA_LEAVES for k in path), params
+        lambda path, _: regime.lora_rank is None or any(getattr(k, "key", None) in LORA_LEAVES for k in path), params
     )
 
 
