@@ -41,9 +41,10 @@ class ControlNetPair(nn.Module):
         return split_pair_plan(self.spec, self.policy)
 
     def setup(self) -> None:
-        chunk = self.attention_chunk
-        self.unet = UNet(spec=self.spec.unet, policy=self.plan.unet, attention_chunk=chunk)
-        self.controlnet = ControlNet(spec=self.spec.controlnet, policy=self.plan.controlnet, attention_chunk=chunk)
+        self.unet = UNet(spec=self.spec.unet, policy=self.plan.unet, attention_chunk=self.attention_chunk)
+        self.controlnet = ControlNet(
+            spec=self.spec.controlnet, policy=self.plan.controlnet, attention_chunk=self.attention_chunk
+        )
 
     def __call__(
         self,
