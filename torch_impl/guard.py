@@ -91,7 +91,8 @@ class BudgetGuard:
         self._watch = RegimeWatch(self.model, given, "optimizer_impl" in planner_options)
         self._optimizer_steps = 0
         self._params = {id(p) for p in self.model.parameters()}
-        self._optimizers = list(dict.fromkeys(map(base_optimizer, optimizers)))
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._adopt(list(optimizers))
         self._window = Window([] if accelerator is None else [accelerator])
         self._holds = [t for h in holds for t in ([*h.parameters(), *h.buffers()] if isinstance(h, nn.Module) else [h])]
         self._held_bytes = memory.storage_bytes(self._holds)
