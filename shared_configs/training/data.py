@@ -6,6 +6,7 @@ batches). Docs: docs/training.md.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -79,27 +80,33 @@ class Conditioner:
 
     spec: UNetSpec | None = None
 
+    @functools.cached_property
+    def _tables(self) -> dict[str, np.ndarray]:
+        """The seeded tables by input name, drawn once (the same for every run of the spec)."""
+        spec, drawn = self.spec, {}
+        assert spec is not None
+        tables = np.random.default_rng(TEXT_TABLE_SEED)
+        if spec.cross_attention_dim is not None:  # its own seed: the context of older runs is unchanged
+            context = np.random.default_rng(CONTEXT_TABLE_SEED).standard_normal((NUM_CLASSES, spec.cross_attention_dim))
+            drawn["context"] = context.astype(np.float32)[:, None, :]  # a token per class: (B, 1, D) once indexed
+        if spec.class_embedding is not None and (width := class_label_width(spec)) is not None:
+            drawn["class_labels"] = tables.standard_normal((NUM_CLASSES, width)).astype(np.float32)
+        if (add := spec.addition_embedding) is not None:
+            drawn["text_embeds"] = tables.standard_normal((NUM_CLASSES, add.text_embeds_dim)).astype(np.float32)
+        return drawn
+
     def __call__(self, labels: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, np.ndarray | None]:
         """(B,) labels -> every conditioning input by name; ``rng`` draws the time ids (None: sampling's)."""
         out: dict[str, np.ndarray | None] = dict.fromkeys(CONDITIONING)
         spec = self.spec
         if spec is None:
             return out
-        tables = np.random.default_rng(TEXT_TABLE_SEED)  # the same tables for every run of the spec
-        if spec.cross_attention_dim is not None:  # its own seed: the context of older runs is unchanged
-            context = np.random.default_rng(CONTEXT_TABLE_SEED).standard_normal((NUM_CLASSES, spec.cross_attention_dim))
-            out["context"] = context.astype(np.float32)[labels][:, None, :]  # (B, 1, D)
-        if spec.class_embedding is not None:
-            width = class_label_width(spec)
-            if width is None:
-                modulus = spec.class_embedding.num_classes  # None: the ids as they are
-                out["class_labels"] = (labels % modulus if modulus else labels).astype(np.int32)  # input_specs' dtype
-            else:
-                out["class_labels"] = tables.standard_normal((NUM_CLASSES, width)).astype(np.float32)[labels]
+        out |= {name: table[labels] for name, table in self._tables.items()}
+        if spec.class_embedding is not None and "class_labels" not in self._tables:
+            modulus = spec.class_embedding.num_classes  # None: the ids as they are
+            out["class_labels"] = (labels % modulus if modulus else labels).astype(np.int32)  # input_specs' dtype
         if (add := spec.addition_embedding) is not None:
-            text = tables.standard_normal((NUM_CLASSES, add.text_embeds_dim)).astype(np.float32)
-            size = LATENT_SCALE * spec.sample_size
-            out |= {"text_embeds": text[labels], "time_ids": _time_ids(len(labels), size, add.num_time_ids, rng)}
+            out["time_ids"] = _time_ids(len(labels), LATENT_SCALE * spec.sample_size, add.num_time_ids, rng)
         return out
 
 
