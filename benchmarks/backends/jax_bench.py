@@ -286,4 +286,6 @@ def release(device: jax.Device) -> None:
 
 
 OOM_TYPES = (MemoryError,)  # XLA's RESOURCE_EXHAUSTED is a JaxRuntimeError, recognised by message
-SIMULATED_OOM = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: simulated: Out of memory allocating 1073741824 bytes")
+simulated_oom = functools.partial(  # a fresh error per raise, as torch_bench's
+    jax.errors.JaxRuntimeError, "RESOURCE_EXHAUSTED: simulated: Out of memory allocating 1073741824 bytes"
+)

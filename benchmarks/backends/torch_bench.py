@@ -169,4 +169,5 @@ def release(device: torch.device) -> None:
 
 
 OOM_TYPES = (torch.OutOfMemoryError, MemoryError)
-SIMULATED_OOM = torch.OutOfMemoryError("simulated: CUDA out of memory. Tried to allocate 1.00 GiB")
+# a fresh error per raise (one instance raised again would keep every earlier raise's frames in its traceback)
+simulated_oom = functools.partial(torch.OutOfMemoryError, "simulated: CUDA out of memory. Tried to allocate 1.00 GiB")

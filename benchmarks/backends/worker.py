@@ -7,7 +7,7 @@ providing ``resolve_device(requested)`` (auto / cpu / gpu; RuntimeError if there
 ``prepare(job, device)`` (process-wide set-up before the first row), ``device_info(device)``,
 ``one_row_per_process(device)`` (a peak counter that cannot be reset),
 ``measure(job, policy, batch_size, device)``, ``release(device)`` (free what a row left behind), and
-``VERSIONS``, ``OOM_TYPES`` and ``SIMULATED_OOM`` (the framework's own out-of-memory error). Testing
+``VERSIONS``, ``OOM_TYPES`` and ``simulated_oom()`` (a fresh error of the framework's own out-of-memory kind). Testing
 hooks (environment): ``BENCHMARKS_SIMULATE_OOM=framework:policy:batch,...`` raises the framework's
 own out-of-memory error at that row; ``BENCHMARKS_SIMULATE_KILL`` (same syntax) SIGKILLs the
 worker there, as the kernel's OOM killer would.
@@ -41,7 +41,7 @@ def run_row(backend: Any, job: Job, policy: str, batch_size: int, device: Any) -
         if key in parse_sim(os.environ.get(KILL_SIM_ENV)):
             os.kill(os.getpid(), signal.SIGKILL)
         if key in parse_sim(os.environ.get(OOM_SIM_ENV)):
-            raise backend.SIMULATED_OOM
+            raise backend.simulated_oom()
         row = {**backend.measure(job, policy, batch_size, device), "status": "ok"}
     except Exception as err:  # a row's failure must not end the run
         oom = isinstance(err, backend.OOM_TYPES) or is_oom_message(str(err))
